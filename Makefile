@@ -1,0 +1,34 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean setup
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@command -v dot >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q graphviz >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1; }; }; } || \
+	  echo "warning: graphviz 'dot' could not be installed; renderings will be skipped with a message"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m model_parallel.cli.demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(TEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/profiler.py --quick
+	$(PY) bench/optimizer.py --quick
+	$(PY) bench/runtime.py --quick
+	$(PY) bench/rebalance.py --quick
+
+clean:
+	rm -rf $(VENV) profiles runs .pytest_cache

@@ -1,0 +1,36 @@
+"""model_parallel: profile a model, partition it into pipeline stages, generate stage code, train it
+across workers, and rebalance the pipeline while it runs.
+
+Heavy submodules load lazily, so `import model_parallel` stays cheap in every worker process.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> "module:attribute"; filled in as each workflow step lands.
+_LAZY = {
+    "Graph": "model_parallel.graph.core:Graph",
+    "Node": "model_parallel.graph.core:Node",
+    "LayerSpec": "model_parallel.graph.core:LayerSpec",
+    "Plan": "model_parallel.graph.plan:Plan",
+    "Hierarchy": "model_parallel.graph.plan:Hierarchy",
+    "load_graph": "model_parallel.graph.io:load_graph",
+    "save_graph": "model_parallel.graph.io:save_graph",
+    "trace_model": "model_parallel.profiler.trace:trace_model",
+    "import_torchvision": "model_parallel.compat:import_torchvision",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'model_parallel' has no attribute {name!r}")
+    module_name, attribute = target.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

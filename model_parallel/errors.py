@@ -1,0 +1,46 @@
+"""The package's exception hierarchy: one base, subclasses that also inherit the matching built-in."""
+from __future__ import annotations
+
+
+class ModelParallelError(Exception):
+    """Base class of every error model_parallel raises on purpose."""
+
+
+class GraphFormatError(ModelParallelError, ValueError):
+    """A graph file (graph.txt / graph.json) is malformed; the message names file and line."""
+
+
+class GraphError(ModelParallelError, ValueError):
+    """A graph is structurally invalid (duplicate id, unknown node, cycle, negative cost, empty)."""
+
+
+class PlanError(ModelParallelError, ValueError):
+    """A partition plan or stage/rank configuration is invalid or does not fit the world."""
+
+
+class InfeasibleError(ModelParallelError, ValueError):
+    """No partition satisfies the constraints (e.g. memory); the message says what would fit."""
+
+
+class ProfileError(ModelParallelError, RuntimeError):
+    """Profiling a model failed (untraceable model, bad example inputs)."""
+
+
+class CodegenError(ModelParallelError, ValueError):
+    """A layer cannot be turned into stage code (unknown description, shared module across stages)."""
+
+
+class CheckpointError(ModelParallelError, ValueError):
+    """A checkpoint is missing, corrupt, or belongs to another model."""
+
+
+class ProtocolError(ModelParallelError, ValueError):
+    """A control-plane message is malformed, oversized, or fails authentication."""
+
+
+class PeerError(ModelParallelError, RuntimeError):
+    """A distributed peer died, timed out, or never joined; the message names the rank."""
+
+
+class RenderError(ModelParallelError, RuntimeError):
+    """A rendering could not be produced (graphviz `dot` missing)."""

@@ -1,0 +1,35 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of either."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def atomic_write(path: PathLike, write: Callable[[Any], None], binary: bool = False) -> Path:
+    """Call `write(file)` on a temporary file beside `path`, fsync it, then rename it into place."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_text(path: PathLike, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text))
+
+
+def atomic_write_json(path: PathLike, data: Any) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")

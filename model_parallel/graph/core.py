@@ -1,0 +1,285 @@
+"""The operator graph: nodes with costs, the dataflow edges between them, and how to rebuild each layer.
+
+Every step of the workflow speaks this type. The profiler produces it, the optimizer reads its costs,
+the code generator and the runtime rebuild layers from each node's `LayerSpec`, and the coordinator
+re-partitions it while training. Graphs are immutable; derived views (order, predecessors) are cached.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Optional, Union
+
+from model_parallel.errors import GraphError
+
+# JSON-compatible value: how layer arguments are stored (see `model_parallel.graph.arguments`).
+JSONValue = Any
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor a node produces, at the profiled batch size."""
+
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything needed to rebuild and run one node without the original model object.
+
+    Mirrors a torch.fx node:
+    - `op`: "placeholder", "call_module", "call_function", "call_method" or "get_attr".
+    - `target`: the model input's name (placeholder), the submodule path in the original model
+      ("layer1.0.conv1"), a function's import path ("torch.flatten", "operator.add"), a tensor
+      method name ("view"), or an attribute path (get_attr).
+    - `args` / `kwargs`: JSON-encoded arguments; a reference to another node's output is
+      `{"node": "<node_id>"}` (full encoding in `model_parallel.graph.arguments`).
+    - `module`: for call_module, a Python expression that constructs an equivalent fresh module
+      (e.g. "torch.nn.Conv2d(3, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)"),
+      or None when the module cannot be rebuilt from text (then the original model supplies it).
+    - `outputs`: shape and dtype of each tensor the node produces (a single output is a 1-tuple;
+      empty for non-tensor results such as `x.size(0)`).
+    - `parameters`: state-dict names (relative to the original model) of the parameters and
+      buffers this node owns; a module called twice owns them on its first call only.
+    """
+
+    op: str
+    target: str
+    args: tuple[JSONValue, ...] = ()
+    kwargs: Mapping[str, JSONValue] = field(default_factory=dict)
+    module: Optional[str] = None
+    outputs: tuple[TensorMeta, ...] = ()
+    parameters: tuple[str, ...] = ()
+
+    OPS = ("placeholder", "call_module", "call_function", "call_method", "get_attr")
+
+    def __post_init__(self) -> None:
+        if self.op not in self.OPS:
+            raise GraphError(f"layer op must be one of {self.OPS}, got {self.op!r}")
+
+
+ActivationSize = Union[float, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operator of the model, with its measured costs (PipeDream's graph.txt fields).
+
+    Times are milliseconds per minibatch at the profiled batch size; sizes are bytes.
+    `activation_size` is a tuple for nodes with several outputs (PipeDream writes `[a; b; c]`).
+    """
+
+    node_id: str
+    description: str
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    activation_size: ActivationSize = 0.0
+    parameter_size: float = 0.0
+    stage_id: Optional[int] = None
+    layer: Optional[LayerSpec] = None
+
+    def __post_init__(self) -> None:
+        if not self.node_id or any(c.isspace() for c in self.node_id):
+            raise GraphError(f"node id must be a non-empty token without spaces, got {self.node_id!r}")
+        if " -- " in self.description or "\n" in self.description:
+            raise GraphError(f"node {self.node_id}: description may not contain ' -- ' or a newline")
+        for name in ("forward_ms", "backward_ms", "parameter_size"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise GraphError(f"node {self.node_id}: {name} must be a finite number >= 0, got {value}")
+        for value in self.activation_sizes:
+            if not math.isfinite(value) or value < 0:
+                raise GraphError(f"node {self.node_id}: activation_size must be >= 0, got {value}")
+        if self.stage_id is not None and self.stage_id < 0:
+            raise GraphError(f"node {self.node_id}: stage_id must be >= 0, got {self.stage_id}")
+
+    @property
+    def activation_sizes(self) -> tuple[float, ...]:
+        """The activation size as a tuple (one entry per output)."""
+        if isinstance(self.activation_size, tuple):
+            return self.activation_size
+        return (self.activation_size,)
+
+    @property
+    def activation_bytes(self) -> float:
+        """Bytes leaving this node (sum over outputs)."""
+        return float(sum(self.activation_sizes))
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    @property
+    def is_input(self) -> bool:
+        """PipeDream convention: sources described `Input...` are model inputs (data loading)."""
+        return self.description.startswith("Input")
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A DAG of `Node`s. Node order is the order they were given (file order); edges keep order too,
+    which matters: a node's inputs are its in-edges in order (the arguments of Add, Concat, ...).
+
+    `metadata` holds free-form facts about the profile (model name, batch size, input shapes, ...).
+    """
+
+    nodes: tuple[Node, ...]
+    edges: tuple[tuple[str, str], ...]
+    metadata: Mapping[str, JSONValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "edges", tuple((str(a), str(b)) for a, b in self.edges))
+        if not self.nodes:
+            raise GraphError("graph is empty: it needs at least one node")
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.node_id in seen:
+                raise GraphError(f"duplicate node id {node.node_id!r}")
+            seen.add(node.node_id)
+        for src, dst in self.edges:
+            for end in (src, dst):
+                if end not in seen:
+                    raise GraphError(f"edge {src} -- {dst} names unknown node {end!r}")
+        if len(self.topological_order) != len(self.nodes):
+            cycle = self.find_cycle()
+            raise GraphError(f"graph has a cycle: {' -> '.join(cycle)}")
+
+    # ---- lookups -------------------------------------------------------------------------------
+    @cached_property
+    def by_id(self) -> dict[str, Node]:
+        return {node.node_id: node for node in self.nodes}
+
+    def __getitem__(self, node_id: str) -> Node:
+        try:
+            return self.by_id[node_id]
+        except KeyError:
+            raise GraphError(f"no node {node_id!r} in graph") from None
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self.by_id
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def predecessors(self) -> dict[str, tuple[str, ...]]:
+        """Direct inputs of each node, in edge order."""
+        preds: dict[str, list[str]] = {node.node_id: [] for node in self.nodes}
+        for src, dst in self.edges:
+            preds[dst].append(src)
+        return {k: tuple(v) for k, v in preds.items()}
+
+    @cached_property
+    def successors(self) -> dict[str, tuple[str, ...]]:
+        """Direct consumers of each node, in edge order."""
+        succs: dict[str, list[str]] = {node.node_id: [] for node in self.nodes}
+        for src, dst in self.edges:
+            succs[src].append(dst)
+        return {k: tuple(v) for k, v in succs.items()}
+
+    @cached_property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(n.node_id for n in self.nodes if not self.predecessors[n.node_id])
+
+    @cached_property
+    def sinks(self) -> tuple[str, ...]:
+        return tuple(n.node_id for n in self.nodes if not self.successors[n.node_id])
+
+    @cached_property
+    def topological_order(self) -> tuple[str, ...]:
+        """Kahn's algorithm; ties broken by node order, so a file already in order keeps it."""
+        position = {node.node_id: i for i, node in enumerate(self.nodes)}
+        indegree = {node.node_id: 0 for node in self.nodes}
+        for _, dst in self.edges:
+            indegree[dst] += 1
+        ready = [position[n] for n, d in indegree.items() if d == 0]
+        heapq.heapify(ready)
+        order: list[str] = []
+        while ready:
+            node_id = self.nodes[heapq.heappop(ready)].node_id
+            order.append(node_id)
+            for succ in self.successors[node_id]:
+                indegree[succ] -= 1
+                if indegree[succ] == 0:
+                    heapq.heappush(ready, position[succ])
+        return tuple(order)
+
+    def find_cycle(self) -> list[str]:
+        """One cycle as a list of node ids (first id repeated at the end), or [] for a DAG."""
+        color: dict[str, int] = {}
+        stack_path: list[str] = []
+
+        def visit(start: str) -> list[str]:
+            work = [(start, iter(self.successors[start]))]
+            color[start] = 1
+            stack_path.append(start)
+            while work:
+                node_id, children = work[-1]
+                child = next(children, None)
+                if child is None:
+                    color[node_id] = 2
+                    stack_path.pop()
+                    work.pop()
+                elif color.get(child, 0) == 1:
+                    return stack_path[stack_path.index(child):] + [child]
+                elif color.get(child, 0) == 0:
+                    color[child] = 1
+                    stack_path.append(child)
+                    work.append((child, iter(self.successors[child])))
+            return []
+
+        for node in self.nodes:
+            if color.get(node.node_id, 0) == 0:
+                cycle = visit(node.node_id)
+                if cycle:
+                    return cycle
+        return []
+
+    # ---- derived graphs -----------------------------------------------------------------------
+    def with_stages(self, stage_of: Mapping[str, int]) -> "Graph":
+        """A copy with `stage_id` set on every node from `stage_of` (node id -> stage)."""
+        missing = [n.node_id for n in self.nodes if n.node_id not in stage_of]
+        if missing:
+            raise GraphError(f"no stage given for {len(missing)} node(s), e.g. {missing[:3]}")
+        nodes = tuple(replace(n, stage_id=int(stage_of[n.node_id])) for n in self.nodes)
+        return replace(self, nodes=nodes)
+
+    def replace_nodes(self, nodes: Iterable[Node]) -> "Graph":
+        return replace(self, nodes=tuple(nodes))
+
+    @property
+    def is_partitioned(self) -> bool:
+        return all(n.stage_id is not None for n in self.nodes)
+
+    @property
+    def num_stages(self) -> int:
+        stages = {n.stage_id for n in self.nodes if n.stage_id is not None}
+        return len(stages)
+
+    def stage_node_ids(self, stage_id: int) -> tuple[str, ...]:
+        """Ids of the nodes of one stage, in topological order."""
+        return tuple(n for n in self.topological_order if self.by_id[n].stage_id == stage_id)
+
+    def ancestors(self, node_id: str) -> frozenset[str]:
+        """All transitive inputs of a node (not including itself)."""
+        seen: set[str] = set()
+        todo = list(self.predecessors[node_id])
+        while todo:
+            current = todo.pop()
+            if current not in seen:
+                seen.add(current)
+                todo.extend(self.predecessors[current])
+        return frozenset(seen)
+
+    @property
+    def total_compute_ms(self) -> float:
+        return sum(n.compute_ms for n in self.nodes)

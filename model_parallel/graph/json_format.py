@@ -1,0 +1,125 @@
+"""graph.json: the richer form of graph.txt, with each node's LayerSpec and the profile's metadata.
+
+    {"schema": "model_parallel.graph", "version": 1, "metadata": {...},
+     "nodes": [{"id", "description", "forward_ms", "backward_ms", "activation_size",
+                "parameter_size", "stage_id"?, "layer"?: {"op", "target", "args", "kwargs",
+                "module", "outputs": [{"shape", "dtype"}], "parameters"}}],
+     "edges": [[src, dst], ...]}
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Union
+
+from model_parallel.errors import GraphError, GraphFormatError
+from model_parallel.fileio import atomic_write_json
+from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
+
+SCHEMA = "model_parallel.graph"
+VERSION = 1
+
+
+def layer_to_dict(layer: LayerSpec) -> dict[str, Any]:
+    return {
+        "op": layer.op,
+        "target": layer.target,
+        "args": list(layer.args),
+        "kwargs": dict(layer.kwargs),
+        "module": layer.module,
+        "outputs": [{"shape": list(t.shape), "dtype": t.dtype} for t in layer.outputs],
+        "parameters": list(layer.parameters),
+    }
+
+
+def layer_from_dict(data: dict[str, Any]) -> LayerSpec:
+    return LayerSpec(
+        op=data["op"],
+        target=data["target"],
+        args=tuple(data.get("args", ())),
+        kwargs=dict(data.get("kwargs", {})),
+        module=data.get("module"),
+        outputs=tuple(TensorMeta(tuple(int(s) for s in t["shape"]), str(t["dtype"])) for t in data.get("outputs", ())),
+        parameters=tuple(data.get("parameters", ())),
+    )
+
+
+def graph_to_dict(graph: Graph) -> dict[str, Any]:
+    nodes = []
+    for node in graph.nodes:
+        entry: dict[str, Any] = {
+            "id": node.node_id,
+            "description": node.description,
+            "forward_ms": node.forward_ms,
+            "backward_ms": node.backward_ms,
+            "activation_size": list(node.activation_size) if isinstance(node.activation_size, tuple) else node.activation_size,
+            "parameter_size": node.parameter_size,
+        }
+        if node.stage_id is not None:
+            entry["stage_id"] = node.stage_id
+        if node.layer is not None:
+            entry["layer"] = layer_to_dict(node.layer)
+        nodes.append(entry)
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "metadata": dict(graph.metadata),
+        "nodes": nodes,
+        "edges": [list(e) for e in graph.edges],
+    }
+
+
+def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise GraphFormatError(f"{source}: not a model_parallel graph (expected \"schema\": \"{SCHEMA}\")")
+    if data.get("version") != VERSION:
+        raise GraphFormatError(
+            f"{source}: graph schema version {data.get('version')!r} is not supported (this release reads {VERSION})"
+        )
+    nodes = []
+    try:
+        for index, entry in enumerate(data["nodes"]):
+            where = f"{source}: nodes[{index}]"
+            try:
+                activation = entry["activation_size"]
+                nodes.append(
+                    Node(
+                        node_id=str(entry["id"]),
+                        description=str(entry["description"]),
+                        forward_ms=float(entry["forward_ms"]),
+                        backward_ms=float(entry["backward_ms"]),
+                        activation_size=tuple(float(a) for a in activation) if isinstance(activation, list) else float(activation),
+                        parameter_size=float(entry["parameter_size"]),
+                        stage_id=int(entry["stage_id"]) if entry.get("stage_id") is not None else None,
+                        layer=layer_from_dict(entry["layer"]) if entry.get("layer") else None,
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as error:
+                if isinstance(error, GraphError):
+                    raise GraphFormatError(f"{where}: {error}") from None
+                raise GraphFormatError(f"{where}: malformed node ({type(error).__name__}: {error})") from None
+        edges = [(str(a), str(b)) for a, b in data["edges"]]
+        return Graph(nodes=tuple(nodes), edges=tuple(edges), metadata=dict(data.get("metadata", {})))
+    except GraphFormatError:
+        raise
+    except GraphError as error:
+        raise GraphFormatError(f"{source}: {error}") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise GraphFormatError(f"{source}: malformed graph ({type(error).__name__}: {error})") from None
+
+
+def read_graph_json(path: Union[str, "os.PathLike[str]"]) -> Graph:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise GraphFormatError(f"{path}: cannot read graph file: {error.strerror or error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        line = getattr(error, "lineno", None)
+        raise GraphFormatError(f"{path}{':' + str(line) if line else ''}: not valid JSON ({error})") from None
+    return graph_from_dict(data, str(path))
+
+
+def write_graph_json(graph: Graph, path: Union[str, "os.PathLike[str]"]) -> Path:
+    return atomic_write_json(path, graph_to_dict(graph))

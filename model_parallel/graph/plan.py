@@ -1,0 +1,278 @@
+"""The machine hierarchy a plan targets, and the plan itself: which nodes form each stage, on which ranks.
+
+A `Plan` is what the optimizer returns, what the code generator and the runtime consume, and what
+the coordinator versions while training (plan v, v+1, ...). It prints as a table and reads/writes
+`plan.json`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from model_parallel.errors import PlanError
+from model_parallel.fileio import atomic_write_json
+
+PLAN_SCHEMA = "model_parallel.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the machine hierarchy: `num_machines` units joined by links of `bandwidth` bytes/s."""
+
+    num_machines: int
+    bandwidth: float = 1e9
+
+    def __post_init__(self) -> None:
+        if self.num_machines < 1:
+            raise PlanError(f"a level needs at least 1 machine, got {self.num_machines}")
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise PlanError(f"bandwidth must be a positive number of bytes/s, got {self.bandwidth}")
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Levels innermost first (`-n 8 2` = 8 GPUs in each of 2 servers); `memory_bytes` per worker."""
+
+    levels: tuple[Level, ...]
+    memory_bytes: float = 16e9
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if not self.levels:
+            raise PlanError("a hierarchy needs at least one level")
+        if self.memory_bytes <= 0:
+            raise PlanError(f"memory per worker must be positive, got {self.memory_bytes}")
+
+    @classmethod
+    def from_lists(
+        cls, num_machines: Sequence[int], bandwidths: Optional[Sequence[float]] = None, memory_bytes: float = 16e9
+    ) -> "Hierarchy":
+        bandwidths = list(bandwidths) if bandwidths else [1e9] * len(num_machines)
+        if len(bandwidths) != len(num_machines):
+            raise PlanError(
+                f"got {len(num_machines)} level(s) of machines but {len(bandwidths)} bandwidth(s); "
+                "give one bandwidth per level (-b B1 B2 ... with -n N1 N2 ...)"
+            )
+        return cls(tuple(Level(int(n), float(b)) for n, b in zip(num_machines, bandwidths)), float(memory_bytes))
+
+    @property
+    def num_workers(self) -> int:
+        return math.prod(level.num_machines for level in self.levels)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its nodes (topological order), replicas and the ranks that run them.
+
+    Predicted costs are per minibatch: `compute_s` for the whole stage before dividing among
+    replicas, `communication_s` the largest of its input/output/all-reduce transfer times,
+    `memory_bytes` what one replica holds (parameters + stashed activations).
+    """
+
+    stage_id: int
+    node_ids: tuple[str, ...]
+    num_replicas: int = 1
+    ranks: tuple[int, ...] = ()
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    memory_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "node_ids", tuple(self.node_ids))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if self.num_replicas < 1:
+            raise PlanError(f"stage {self.stage_id}: needs at least one replica, got {self.num_replicas}")
+        if self.ranks and len(self.ranks) != self.num_replicas:
+            raise PlanError(
+                f"stage {self.stage_id}: {self.num_replicas} replica(s) but {len(self.ranks)} rank(s) {list(self.ranks)}"
+            )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A partition of a graph into pipeline stages, placed on worker ranks.
+
+    `time_per_minibatch_s` is the predicted time of the slowest stage (PipeDream's "Time per stage
+    in pipeline"); `single_machine_time_s` the whole model on one worker. `version` counts plans
+    during a run (the coordinator increments it on every rebalance).
+    """
+
+    stages: tuple[StagePlan, ...]
+    time_per_minibatch_s: float = 0.0
+    single_machine_time_s: float = 0.0
+    optimizer_seconds: float = 0.0
+    num_machines: tuple[int, ...] = ()
+    version: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        for index, stage in enumerate(self.stages):
+            if stage.stage_id != index:
+                raise PlanError(f"stage ids must be 0..{len(self.stages) - 1} in order; position {index} has {stage.stage_id}")
+        seen: dict[str, int] = {}
+        for stage in self.stages:
+            for node_id in stage.node_ids:
+                if node_id in seen:
+                    raise PlanError(f"node {node_id!r} is in stages {seen[node_id]} and {stage.stage_id}")
+                seen[node_id] = stage.stage_id
+        ranks = [r for s in self.stages for r in s.ranks]
+        if len(ranks) != len(set(ranks)):
+            raise PlanError(f"a rank runs two stages: {sorted(ranks)}")
+
+    # ---- views ---------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        return sum(s.num_replicas for s in self.stages)
+
+    @property
+    def stage_of(self) -> dict[str, int]:
+        return {n: s.stage_id for s in self.stages for n in s.node_ids}
+
+    @property
+    def stage_to_ranks(self) -> dict[int, tuple[int, ...]]:
+        return {s.stage_id: s.ranks for s in self.stages}
+
+    def stage_of_rank(self, rank: int) -> Optional[int]:
+        """The stage a rank runs, or None for a spare rank that holds no stage."""
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage.stage_id
+        return None
+
+    def with_default_ranks(self) -> "Plan":
+        """Assign ranks 0.. in stage order to stages that have none (replicas of a stage are adjacent)."""
+        if all(s.ranks for s in self.stages):
+            return self
+        next_rank = 0
+        stages = []
+        for stage in self.stages:
+            ranks = tuple(range(next_rank, next_rank + stage.num_replicas))
+            next_rank += stage.num_replicas
+            stages.append(replace(stage, ranks=ranks))
+        return replace(self, stages=tuple(stages))
+
+    # ---- text ------------------------------------------------------------------------------------
+    def table(self) -> str:
+        """A plain-text table: one row per stage."""
+        header = f"{'stage':>5} {'nodes':>6} {'replicas':>8} {'ranks':<12} {'compute ms':>11} {'comm ms':>9} {'memory MB':>10}  first..last node"
+        rows = [header, "-" * len(header)]
+        for s in self.stages:
+            span = f"{s.node_ids[0]}..{s.node_ids[-1]}" if s.node_ids else "-"
+            rows.append(
+                f"{s.stage_id:>5} {len(s.node_ids):>6} {s.num_replicas:>8} {','.join(map(str, s.ranks)) or '-':<12} "
+                f"{s.compute_s * 1e3:>11.3f} {s.communication_s * 1e3:>9.3f} {s.memory_bytes / 1e6:>10.1f}  {span}"
+            )
+        rows.append(
+            f"time per minibatch (slowest stage): {self.time_per_minibatch_s * 1e3:.3f} ms; "
+            f"single machine: {self.single_machine_time_s * 1e3:.3f} ms"
+        )
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": PLAN_SCHEMA,
+            "schema_version": PLAN_VERSION,
+            "version": self.version,
+            "time_per_minibatch_s": self.time_per_minibatch_s,
+            "single_machine_time_s": self.single_machine_time_s,
+            "optimizer_seconds": self.optimizer_seconds,
+            "num_machines": list(self.num_machines),
+            "stages": [
+                {**asdict(s), "node_ids": list(s.node_ids), "ranks": list(s.ranks)} for s in self.stages
+            ],
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "Plan":
+        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+            raise PlanError(f"{source}: not a model_parallel plan (expected \"schema\": \"{PLAN_SCHEMA}\")")
+        if data.get("schema_version") != PLAN_VERSION:
+            raise PlanError(f"{source}: plan schema version {data.get('schema_version')!r} is not supported (reads {PLAN_VERSION})")
+        try:
+            stages = tuple(
+                StagePlan(
+                    stage_id=int(s["stage_id"]),
+                    node_ids=tuple(str(n) for n in s["node_ids"]),
+                    num_replicas=int(s.get("num_replicas", 1)),
+                    ranks=tuple(int(r) for r in s.get("ranks", ())),
+                    compute_s=float(s.get("compute_s", 0.0)),
+                    communication_s=float(s.get("communication_s", 0.0)),
+                    memory_bytes=float(s.get("memory_bytes", 0.0)),
+                )
+                for s in data["stages"]
+            )
+            return cls(
+                stages=stages,
+                time_per_minibatch_s=float(data.get("time_per_minibatch_s", 0.0)),
+                single_machine_time_s=float(data.get("single_machine_time_s", 0.0)),
+                optimizer_seconds=float(data.get("optimizer_seconds", 0.0)),
+                num_machines=tuple(int(n) for n in data.get("num_machines", ())),
+                version=int(data.get("version", 0)),
+                extra=dict(data.get("extra", {})),
+            )
+        except PlanError as error:
+            raise PlanError(f"{source}: {error}") from None
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanError(f"{source}: malformed plan ({type(error).__name__}: {error})") from None
+
+
+def read_plan(path: Union[str, "os.PathLike[str]"]) -> Plan:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise PlanError(f"{path}: cannot read plan: {error.strerror or error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlanError(f"{path}:{getattr(error, 'lineno', '?')}: not valid JSON ({error})") from None
+    return Plan.from_dict(data, str(path))
+
+
+def write_plan(plan: Plan, path: Union[str, "os.PathLike[str]"]) -> Path:
+    return atomic_write_json(path, plan.to_dict())
+
+
+def plan_from_graph(graph: "Graph", stage_to_num_ranks: Optional[Mapping[int, int]] = None) -> Plan:  # noqa: F821
+    """A plan read off a partitioned graph's stage ids (e.g. PipeDream's gpus=N.txt), ranks in stage order."""
+    if not graph.is_partitioned:
+        unassigned = [n.node_id for n in graph.nodes if n.stage_id is None]
+        raise PlanError(f"graph is not partitioned: {len(unassigned)} node(s) have no stage_id, e.g. {unassigned[:3]}")
+    stage_ids = sorted({n.stage_id for n in graph.nodes})
+    if stage_ids != list(range(len(stage_ids))):
+        raise PlanError(f"stage ids must be 0..{len(stage_ids) - 1} without gaps, found {stage_ids}")
+    replicas = dict(stage_to_num_ranks or {})
+    unknown = sorted(set(replicas) - set(stage_ids))
+    if unknown:
+        raise PlanError(f"--stage_to_num_ranks names stage(s) {unknown} but the graph has stages 0..{len(stage_ids) - 1}")
+    stages = tuple(
+        StagePlan(stage_id=s, node_ids=graph.stage_node_ids(s), num_replicas=int(replicas.get(s, 1))) for s in stage_ids
+    )
+    return Plan(stages=stages).with_default_ranks()
+
+
+def parse_stage_to_num_ranks(text: str) -> dict[int, int]:
+    """Parse `0:3,1:1` into {0: 3, 1: 1}."""
+    result: dict[int, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        stage, sep, count = item.partition(":")
+        if not sep or not stage.strip().isdigit() or not count.strip().isdigit() or int(count) < 1:
+            raise PlanError(f"--stage_to_num_ranks: {item!r} is not '<stage>:<replicas>' (e.g. 0:3,1:1)")
+        if int(stage) in result:
+            raise PlanError(f"--stage_to_num_ranks: stage {int(stage)} is given twice")
+        result[int(stage)] = int(count)
+    if not result:
+        raise PlanError("--stage_to_num_ranks is empty; write e.g. 0:1,1:1,2:1")
+    return result

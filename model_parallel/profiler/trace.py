@@ -1,0 +1,291 @@
+"""Turn an unmodified model into an operator `Graph` with torch.fx: structure, layer specs and sizes.
+
+Timing is added by `model_parallel.profiler.timing`; this module only captures what the model
+computes: one node per fx node (leaf module call, function, tensor method, attribute), the real
+dataflow edges (residual adds, concatenations, in-place ops included: fx records `out += identity`
+as an `operator.iadd` node with both inputs), and activation/parameter bytes from real tensors.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.node import _get_qualified_name
+
+from model_parallel.errors import ProfileError
+from model_parallel.graph.arguments import encode_argument
+from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
+
+
+class LeafTracer(fx.Tracer):
+    """fx's tracer, plus user-chosen module classes kept whole (not traced through)."""
+
+    def __init__(self, leaf_modules: Sequence[type[nn.Module]] = ()) -> None:
+        super().__init__()
+        self.extra_leaves = tuple(leaf_modules)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if self.extra_leaves and isinstance(m, self.extra_leaves):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def symbolic_trace(model: nn.Module, leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
+    tracer = LeafTracer(leaf_modules)
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:  # fx raises many types (TraceError, TypeError, ...); report them all the same way
+        raise ProfileError(
+            f"torch.fx could not trace {type(model).__name__}: {type(error).__name__}: {error}. "
+            "Pass the offending submodule classes as leaf_modules=[...] so they are profiled whole."
+        ) from error
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+# ---- descriptions --------------------------------------------------------------------------------
+def one_line(text: str) -> str:
+    """Collapse a multi-line repr into one line (graph.txt descriptions are single lines)."""
+    return " ".join(text.split()).replace(" -- ", " - ")
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, fx.Node):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_short(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return repr(value)
+
+
+def describe(node: fx.Node, module: Optional[nn.Module], input_index: int) -> str:
+    """PipeDream-style description: the module repr, or `Add`, `Concat(1)`, `Flatten(1)`, `View(...)`."""
+    if node.op == "placeholder":
+        return f"Input{input_index}"
+    if node.op == "call_module":
+        return one_line(repr(module))
+    if node.op == "get_attr":
+        return f"Attribute({node.target})"
+    constants = [_short(a) for a in node.args if not isinstance(a, fx.Node)]
+    constants += [f"{k}={_short(v)}" for k, v in node.kwargs.items() if not isinstance(v, fx.Node)]
+    if node.op == "call_function":
+        special = {operator.add: "Add", operator.iadd: "Add", operator.mul: "Mul", operator.imul: "Mul",
+                   operator.getitem: "__getitem__", torch.cat: "Concat", torch.flatten: "Flatten"}
+        name = special.get(node.target) or _get_qualified_name(node.target).replace("_operator.", "operator.")
+    else:  # call_method
+        name = str(node.target).capitalize() if node.target in ("view", "size", "reshape") else f"Tensor.{node.target}"
+    return one_line(f"{name}({', '.join(constants)})")
+
+
+# ---- module constructors -------------------------------------------------------------------------
+def module_constructor(module: nn.Module) -> Optional[str]:
+    """An expression that builds an equivalent fresh module, e.g. `torch.nn.Conv2d(3, 64, ...)`.
+
+    Verified by building it and comparing the repr and the parameter shapes; None when the module
+    cannot be rebuilt from text (custom modules whose repr is not their constructor).
+    """
+    cls = type(module)
+    if getattr(nn, cls.__name__, None) is cls:
+        path = f"torch.nn.{cls.__name__}"
+    else:
+        path = f"{cls.__module__}.{cls.__qualname__}"
+    expression = f"{path}({module.extra_repr()})"
+    try:
+        rebuilt = build_module(expression)
+    except Exception:  # any failure just means "not rebuildable from text"
+        return None
+    if type(rebuilt) is not cls or repr(rebuilt) != repr(module):
+        return None
+    ours = {k: (tuple(v.shape), v.dtype) for k, v in rebuilt.state_dict().items()}
+    theirs = {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
+    return expression if ours == theirs else None
+
+
+def build_module(expression: str) -> nn.Module:
+    """Build a module from a constructor expression, safely: only `dotted.Name(<literals>)` is accepted,
+    so a graph file can never run arbitrary code."""
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as error:
+        raise ValueError(f"module expression {expression!r} is not valid Python: {error.msg}") from None
+    call = tree.body
+    if not isinstance(call, ast.Call):
+        raise ValueError(f"module expression {expression!r} must be a call like torch.nn.Linear(4, 4)")
+    path = ast.unparse(call.func)
+    if not all(part.isidentifier() for part in path.split(".")):
+        raise ValueError(f"module expression {expression!r}: {path!r} is not a dotted name")
+    try:
+        args = [ast.literal_eval(a) for a in call.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+    except ValueError:
+        raise ValueError(f"module expression {expression!r}: arguments must be literals") from None
+    if len(kwargs) != len(call.keywords):
+        raise ValueError(f"module expression {expression!r}: **kwargs are not allowed")
+    cls = resolve_qualified_name(path)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"module expression {expression!r}: {path} is not an nn.Module class")
+    return cls(*args, **kwargs)
+
+
+def resolve_qualified_name(path: str) -> Any:
+    """Import `a.b.c.name` by trying the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    if parts[0] == "operator":
+        parts[0] = "_operator" if not hasattr(operator, parts[-1]) else "operator"
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            continue
+    if parts[0] == "builtins" or len(parts) == 1:
+        import builtins
+
+        if hasattr(builtins, parts[-1]):
+            return getattr(builtins, parts[-1])
+    raise ValueError(f"cannot resolve {path!r} to an importable object")
+
+
+# ---- tracing --------------------------------------------------------------------------------------
+def tensor_metas(value: Any) -> tuple[TensorMeta, ...]:
+    """Shapes and dtypes of the tensors in a node's output (nested tuples/lists flattened)."""
+    if isinstance(value, torch.Tensor):
+        return (TensorMeta(tuple(value.shape), str(value.dtype).removeprefix("torch.")),)
+    if isinstance(value, (tuple, list)):
+        return tuple(m for v in value for m in tensor_metas(v))
+    return ()
+
+
+def _nbytes(meta: TensorMeta) -> float:
+    return float(meta.numel * torch.empty((), dtype=getattr(torch, meta.dtype)).element_size())
+
+
+def _target_text(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return _get_qualified_name(node.target).replace("_operator.", "operator.")
+    return str(node.target)
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the traced model once, remembering each node's output tensor metadata."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.metas: dict[str, tuple[TensorMeta, ...]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.metas[n.name] = tensor_metas(result)
+        return result
+
+
+def run_preserving_state(model: nn.Module, fn: Any) -> Any:
+    """Call `fn()` and then restore every buffer (BatchNorm statistics) it may have changed."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        return fn()
+    finally:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in saved:
+                    buffer.copy_(saved[name])
+
+
+def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], metadata: Optional[dict] = None) -> Graph:
+    """Build our Graph from a traced GraphModule and per-node output metadata (zero times)."""
+    modules = dict(gm.named_modules())
+    fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    names = {n: n.name for n in fx_nodes}
+    owned: set[str] = set()  # parameter/buffer names already attributed to an earlier node
+    nodes: list[Node] = []
+    edges: list[tuple[str, str]] = []
+    input_index = 0
+    outputs: Any = None
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "output":
+            outputs = encode_argument(fx_node.args[0], lambda v: names.get(v) if isinstance(v, fx.Node) else None)
+            continue
+        module = modules.get(fx_node.target) if fx_node.op == "call_module" else None
+        parameters: list[str] = []
+        parameter_bytes = 0.0
+        if fx_node.op == "call_module":
+            for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+                full = f"{fx_node.target}.{name}"
+                if full not in owned:
+                    owned.add(full)
+                    parameters.append(full)
+                    if isinstance(tensor, nn.Parameter):
+                        parameter_bytes += tensor.numel() * tensor.element_size()
+        elif fx_node.op == "get_attr" and fx_node.target not in owned:
+            attr = gm
+            for part in str(fx_node.target).split("."):
+                attr = getattr(attr, part)
+            if isinstance(attr, torch.Tensor):
+                owned.add(str(fx_node.target))
+                parameters.append(str(fx_node.target))
+                if isinstance(attr, nn.Parameter):
+                    parameter_bytes += attr.numel() * attr.element_size()
+        node_metas = metas.get(fx_node.name, ())
+        activation = tuple(_nbytes(m) for m in node_metas)
+        encode = lambda v: names.get(v) if isinstance(v, fx.Node) else None  # noqa: E731
+        layer = LayerSpec(
+            op=fx_node.op,
+            target=_target_text(fx_node),
+            args=tuple(encode_argument(a, encode) for a in fx_node.args),
+            kwargs={k: encode_argument(v, encode) for k, v in fx_node.kwargs.items()},
+            module=module_constructor(module) if module is not None else None,
+            outputs=node_metas,
+            parameters=tuple(parameters),
+        )
+        nodes.append(
+            Node(
+                node_id=fx_node.name,
+                description=describe(fx_node, module, input_index),
+                activation_size=activation if len(activation) > 1 else (activation[0] if activation else 0.0),
+                parameter_size=float(parameter_bytes),
+                layer=layer,
+            )
+        )
+        if fx_node.op == "placeholder":
+            input_index += 1
+        edges += [(src.name, fx_node.name) for src in fx_node.all_input_nodes]
+    meta = {"outputs": outputs, "model": type(gm).__name__, **(metadata or {})}
+    return Graph(nodes=tuple(nodes), edges=tuple(edges), metadata=meta)
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs: Iterable[Any],
+    leaf_modules: Sequence[type[nn.Module]] = (),
+) -> tuple[Graph, fx.GraphModule]:
+    """Trace `model` and run it once on `example_inputs` to record shapes; the model is left unchanged.
+
+    Returns the graph (times zero; `model_parallel.profile` fills them in) and the GraphModule.
+    """
+    example_inputs = tuple(example_inputs)
+    gm = symbolic_trace(model, leaf_modules)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise ProfileError(
+            f"{type(model).__name__}.forward takes {len(placeholders)} input(s) "
+            f"({', '.join(p.name for p in placeholders)}) but {len(example_inputs)} example input(s) were given"
+        )
+    recorder = _Recorder(gm)
+    with torch.no_grad():
+        run_preserving_state(model, lambda: recorder.run(*example_inputs))
+    metadata = {
+        "inputs": [{"name": p.name, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+                   for p, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)],
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+    }
+    return graph_from_fx(gm, recorder.metas, metadata), gm
