@@ -20,7 +20,11 @@ _LAZY = {
     "load_graph": "model_parallel.graph.io:load_graph",
     "save_graph": "model_parallel.graph.io:save_graph",
     "trace_model": "model_parallel.profiler.trace:trace_model",
+    "profile": "model_parallel.profiler.api:profile",
     "import_torchvision": "model_parallel.compat:import_torchvision",
+    "build_stage": "model_parallel.codegen.build:build_stage",
+    "build_stages": "model_parallel.codegen.build:build_stages",
+    "generate_package": "model_parallel.codegen.package:generate_package",
 }
 
 

@@ -44,3 +44,7 @@ class PeerError(ModelParallelError, RuntimeError):
 
 class RenderError(ModelParallelError, RuntimeError):
     """A rendering could not be produced (graphviz `dot` missing)."""
+
+
+class ScheduleError(ModelParallelError, ValueError):
+    """A pipeline schedule breaks a rule (missing/duplicate action, dependency order); names the step."""

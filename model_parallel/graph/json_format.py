@@ -95,7 +95,7 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
                         layer=layer_from_dict(entry["layer"]) if entry.get("layer") else None,
                     )
                 )
-            except (KeyError, TypeError, ValueError) as error:
+            except (KeyError, TypeError, ValueError, OverflowError) as error:
                 if isinstance(error, GraphError):
                     raise GraphFormatError(f"{where}: {error}") from None
                 raise GraphFormatError(f"{where}: malformed node ({type(error).__name__}: {error})") from None
@@ -105,7 +105,7 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
         raise
     except GraphError as error:
         raise GraphFormatError(f"{source}: {error}") from None
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
         raise GraphFormatError(f"{source}: malformed graph ({type(error).__name__}: {error})") from None
 
 
@@ -115,6 +115,9 @@ def read_graph_json(path: Union[str, "os.PathLike[str]"]) -> Graph:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise GraphFormatError(f"{path}: cannot read graph file: {error.strerror or error}") from None
+    except RecursionError:
+        # json recurses per nesting level; a hostile file can nest deeper than the interpreter stack.
+        raise GraphFormatError(f"{path}: not valid JSON (nested too deeply)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         line = getattr(error, "lineno", None)
         raise GraphFormatError(f"{path}{':' + str(line) if line else ''}: not valid JSON ({error})") from None

@@ -46,7 +46,7 @@ class Hierarchy:
         object.__setattr__(self, "levels", tuple(self.levels))
         if not self.levels:
             raise PlanError("a hierarchy needs at least one level")
-        if self.memory_bytes <= 0:
+        if not (self.memory_bytes > 0 and math.isfinite(self.memory_bytes)):
             raise PlanError(f"memory per worker must be positive, got {self.memory_bytes}")
 
     @classmethod
@@ -59,7 +59,17 @@ class Hierarchy:
                 f"got {len(num_machines)} level(s) of machines but {len(bandwidths)} bandwidth(s); "
                 "give one bandwidth per level (-b B1 B2 ... with -n N1 N2 ...)"
             )
-        return cls(tuple(Level(int(n), float(b)) for n, b in zip(num_machines, bandwidths)), float(memory_bytes))
+        try:
+            levels = tuple(Level(int(n), float(b)) for n, b in zip(num_machines, bandwidths))
+            memory = float(memory_bytes)
+        except (TypeError, ValueError, OverflowError) as error:
+            if isinstance(error, PlanError):
+                raise
+            raise PlanError(
+                f"machine counts, bandwidths and memory must be finite numbers, got -n {list(num_machines)} "
+                f"-b {bandwidths} -s {memory_bytes!r} ({error})"
+            ) from None
+        return cls(levels, memory)
 
     @property
     def num_workers(self) -> int:
@@ -88,6 +98,8 @@ class StagePlan:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         if self.num_replicas < 1:
             raise PlanError(f"stage {self.stage_id}: needs at least one replica, got {self.num_replicas}")
+        if any(r < 0 for r in self.ranks):
+            raise PlanError(f"stage {self.stage_id}: ranks must be >= 0, got {list(self.ranks)}")
         if self.ranks and len(self.ranks) != self.num_replicas:
             raise PlanError(
                 f"stage {self.stage_id}: {self.num_replicas} replica(s) but {len(self.ranks)} rank(s) {list(self.ranks)}"
@@ -226,7 +238,7 @@ class Plan:
             )
         except PlanError as error:
             raise PlanError(f"{source}: {error}") from None
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise PlanError(f"{source}: malformed plan ({type(error).__name__}: {error})") from None
 
 
@@ -236,6 +248,9 @@ def read_plan(path: Union[str, "os.PathLike[str]"]) -> Plan:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise PlanError(f"{path}: cannot read plan: {error.strerror or error}") from None
+    except RecursionError:
+        # json recurses per nesting level; a hostile file can nest deeper than the interpreter stack.
+        raise PlanError(f"{path}: not valid JSON (nested too deeply)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise PlanError(f"{path}:{getattr(error, 'lineno', '?')}: not valid JSON ({error})") from None
     return Plan.from_dict(data, str(path))
@@ -263,12 +278,18 @@ def plan_from_graph(graph: "Graph", stage_to_num_ranks: Optional[Mapping[int, in
     return Plan(stages=stages).with_default_ranks()
 
 
+def _is_ascii_int(text: str) -> bool:
+    text = text.strip()
+    return bool(text) and text.isascii() and text.isdigit()
+
+
 def parse_stage_to_num_ranks(text: str) -> dict[int, int]:
     """Parse `0:3,1:1` into {0: 3, 1: 1}."""
     result: dict[int, int] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         stage, sep, count = item.partition(":")
-        if not sep or not stage.strip().isdigit() or not count.strip().isdigit() or int(count) < 1:
+        # isdigit() also accepts '²' and other digits int() refuses: accept ASCII 0-9 only.
+        if not sep or not _is_ascii_int(stage) or not _is_ascii_int(count) or int(count) < 1:
             raise PlanError(f"--stage_to_num_ranks: {item!r} is not '<stage>:<replicas>' (e.g. 0:3,1:1)")
         if int(stage) in result:
             raise PlanError(f"--stage_to_num_ranks: stage {int(stage)} is given twice")

@@ -1,0 +1,370 @@
+"""Runtime benchmark: our pipeline runtime vs torch.distributed.pipelining, same model, split, schedule, machine.
+
+    python bench/runtime.py            # full run (a few minutes on 2 cores)
+    python bench/runtime.py --quick    # about two minutes
+    python bench/runtime.py --models mlp --schedules 1f1b --steps 10
+
+For each model (a 2-stage StackedMLP and a 2-stage resnet18 at 32x32, the worker zoo's recipes) the
+main process profiles the model at microbatch size, cuts it into 2 stages of about equal measured
+compute (`runtime.stages.even_plan`) and writes the graph and plan; both runtimes then build their
+stage modules from that same graph and plan (`codegen.build_stages`), so only the runtime differs.
+Every worker is its own process with one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1),
+gloo on localhost; every world runs under a deadline and is always reaped (`runtime.launch`).
+
+- torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`, SGD with
+  momentum; steps/s = timed steps / wall time between two barriers, after warm-up steps.
+- ours: the worker command line (`test_parallel_0.py`) with the same plan, schedule, batch size and
+  microbatches; steps/s from its per-step metrics JSONL (`runtime.metrics.throughput`, slowest rank).
+- efficiency = ideal / measured step time, ideal = (m + p - 1) * max stage time, where a stage's
+  time is its per-microbatch forward + backward measured in isolation in this process.
+
+Writes `bench/results/runtime.json` (atomically): rows {model, schedule, ours_steps_per_s,
+torch_steps_per_s, ratio, efficiency, torch_efficiency, ...} plus the settings. The goal is ratio >= 1.1.
+Timings on a shared 2-core machine are noisy: compare numbers taken in the same run only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "runtime.json"
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+NUM_STAGES = 2
+
+logger = logging.getLogger("bench.runtime")
+
+
+# ----------------------------------------------------------------------------- models and shared set-up
+
+
+def _bench_mlp() -> torch.nn.Module:
+    from model_parallel.models import StackedMLP
+
+    # 8 hidden 1024-wide layers: about 50 ms per fwd+bwd+SGD step at batch 64 on one core (ENV.md).
+    return StackedMLP(in_features=256, width=1024, depth=8, num_classes=10)
+
+
+def recipes() -> dict[str, Any]:
+    """The benchmark's models, as worker-zoo recipes (seeded builder, loss, input shape)."""
+    import torch.nn.functional as F
+
+    from model_parallel.runtime.zoo import Recipe, recipe
+
+    return {"mlp": Recipe("mlp", _bench_mlp, F.cross_entropy, (256,), 10), "resnet18": recipe("resnet18")}
+
+
+def _build(model_name: str, spec: dict[str, Any]):
+    """(recipe, model, graph, plan, stage modules) exactly as every process of this benchmark builds them."""
+    from model_parallel.codegen.build import build_stages
+    from model_parallel.graph.io import load_graph
+    from model_parallel.graph.plan import read_plan
+    from model_parallel.runtime.stages import layer_modules
+
+    entry = spec["models"][model_name]
+    rec = recipes()[model_name]
+    model = rec.model(spec["seed"])
+    graph = load_graph(entry["graph"])
+    plan = read_plan(entry["plan"])
+    stages = build_stages(graph, plan, modules=layer_modules(graph, model))
+    return rec, model, graph, plan, stages
+
+
+def prepare(model_name: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Profile, split into 2 stages, save graph + plan; measure each stage's per-microbatch fwd+bwd alone."""
+    from model_parallel.graph.io import save_graph
+    from model_parallel.graph.plan import write_plan
+    from model_parallel.profiler.api import profile
+    from model_parallel.runtime.stages import even_plan
+
+    rec = recipes()[model_name]
+    micro = spec["batch_size"] // spec["microbatches"]
+    model = rec.model(spec["seed"])
+    graph = profile(model, rec.example(micro), iterations=spec["profile_iterations"])
+    plan = even_plan(graph, NUM_STAGES)
+    entry = {"graph": str(save_graph(graph, workdir / f"{model_name}.graph.json")),
+             "plan": str(workdir / f"{model_name}.plan.json")}
+    write_plan(plan, entry["plan"])
+    spec["models"][model_name] = entry
+    _, _, _, _, stages = _build(model_name, spec)
+    entry["stage_ms"] = isolated_stage_ms(rec, stages, micro, spec["isolated_reps"])
+    entry["stage_nodes"] = [len(s.node_ids) for s in plan.stages]
+    logger.info("%s: split %s nodes, isolated fwd+bwd per microbatch %s ms", model_name,
+                entry["stage_nodes"], [round(t, 2) for t in entry["stage_ms"]])
+    return entry
+
+
+def isolated_stage_ms(rec: Any, stages: Sequence[torch.nn.Module], micro: int, reps: int) -> list[float]:
+    """Median forward+backward time of each stage on one microbatch, one thread, no communication."""
+    inputs, target = rec.data(micro, 0).batch(0)
+    boundary: tuple[Any, ...] = inputs
+    times = []
+    for index, stage in enumerate(stages):
+        last = index == len(stages) - 1
+        args = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in boundary)
+        samples, out = [], ()
+        for rep in range(reps + 2):  # two untimed warm-up repetitions
+            start = time.perf_counter()
+            out = stage(*args)
+            if last:
+                rec.criterion(out[0], target).backward()
+            else:
+                tensors = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+            if rep >= 2:
+                samples.append((time.perf_counter() - start) * 1000.0)
+        stage.zero_grad(set_to_none=True)
+        times.append(statistics.median(samples))
+        boundary = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out)
+    return times
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _timed(run_steps: Any, spec: dict[str, Any]) -> float:
+    """Run warm-up steps, then time the measured steps between two barriers; seconds per step."""
+    import torch.distributed as dist
+
+    run_steps(0, spec["warmup"])
+    dist.barrier()
+    start = time.perf_counter()
+    run_steps(spec["warmup"], spec["warmup"] + spec["steps"])
+    dist.barrier()
+    return (time.perf_counter() - start) / spec["steps"]
+
+
+def torch_side(model_name: str, schedule_name: str, rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.pipelining: PipelineStage (manual construction) + Schedule1F1B / ScheduleGPipe."""
+    from torch.distributed import pipelining
+
+    rec, _, _, _, stages = _build(model_name, spec)
+    module = stages[rank]
+    last = rank == world_size - 1
+    data = rec.data(spec["batch_size"], spec["seed"])
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        # Stage modules return the tuple of their boundary outputs; the model output is its one element.
+        return rec.criterion(output[0] if isinstance(output, tuple) else output, target)
+
+    stage = pipelining.PipelineStage(module, rank, world_size, torch.device("cpu"))
+    schedule = getattr(pipelining, SCHEDULES[schedule_name])(stage, spec["microbatches"], loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(module.parameters(), lr=spec["lr"], momentum=0.9)
+
+    def run_steps(first: int, end: int) -> None:
+        for step in range(first, end):
+            inputs, target = data.batch(step)
+            optimizer.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(*inputs)
+            elif last:
+                schedule.step(target=target, losses=[])
+            else:
+                schedule.step()
+            optimizer.step()
+
+    return {"step_s": _timed(run_steps, spec)}
+
+
+def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, spec: dict[str, Any],
+              control_group: Any) -> dict[str, Any]:
+    """Our runtime's worker API (`PipelineEngine`) with the same graph, plan, model, data and optimizer."""
+    from model_parallel.runtime.engine import PipelineEngine, TrainConfig
+
+    rec, model, graph, plan, _ = _build(model_name, spec)
+    config = TrainConfig(batch_size=spec["batch_size"], num_microbatches=spec["microbatches"], schedule=schedule_name,
+                         seed=spec["seed"], timeout=spec["op_timeout"], progress=False)
+    engine = PipelineEngine(
+        graph=graph, plan=plan, model=model, criterion=rec.criterion,
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=spec["lr"], momentum=0.9),
+        dataset=rec.data(spec["batch_size"], spec["seed"]), config=config, control_group=control_group,
+    )
+    step_s = _timed(lambda first, end: engine.train(end, start_step=first), spec)
+    # The engine's own per-step split (runtime.metrics), for the report: where did the time go?
+    timed = [r for r in engine.metrics.records if r.step >= spec["warmup"]]
+    split = {key: statistics.mean(getattr(r, key) for r in timed) for key in ("step_ms", "compute_ms", "comm_ms", "idle_ms")}
+    return {"step_s": step_s, "split": split}
+
+
+def worker(side: str, model_name: str, rank: int, world_size: int, port: int, spec_path: str, result_path: str) -> int:
+    """One rank of one world: every schedule of one model on one side (torch or ours), in sequence."""
+    import torch.distributed as dist
+
+    from model_parallel.fileio import atomic_write_json
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=spec["op_timeout"]))
+    results: dict[str, Any] = {}
+    try:
+        control_group = dist.new_group(backend="gloo") if side == "ours" else None
+        for schedule_name in spec["schedules"]:
+            if side == "torch":
+                result = torch_side(model_name, schedule_name, rank, world_size, spec)
+            else:
+                result = ours_side(model_name, schedule_name, rank, world_size, spec, control_group)
+            results[schedule_name] = result
+            print(f"rank {rank}: {side} {model_name} {schedule_name}: {1.0 / result['step_s']:.2f} steps/s", flush=True)
+    finally:
+        dist.destroy_process_group()
+    atomic_write_json(result_path, results)
+    return 0
+
+
+def run_world(side: str, model_name: str, spec_path: Path, workdir: Path, timeout: float, echo: bool) -> dict[str, Any]:
+    """Start one world (a process per rank, under a deadline, always reaped); schedule -> result."""
+    from model_parallel.runtime.launch import free_port, launch, print_echo
+
+    port = free_port()
+    paths = [workdir / f"{side}_{model_name}_rank{rank}.json" for rank in range(NUM_STAGES)]
+    commands = [
+        [sys.executable, str(Path(__file__).resolve()), "--_worker", side, "--_model", model_name, "--_rank", str(rank),
+         "--_port", str(port), "--_spec", str(spec_path), "--_result", str(paths[rank])]
+        for rank in range(NUM_STAGES)
+    ]
+    result = launch(commands, timeout=timeout, echo=print_echo if echo else None)
+    if not result.ok:
+        raise RuntimeError(f"{side} world for {model_name} failed:\n{result.summary()}")
+    per_rank = [json.loads(p.read_text()) for p in paths]
+    # Both ranks time between the same barriers; take the slower one (they differ by microseconds).
+    out = {}
+    for schedule_name, first in per_rank[0].items():
+        out[schedule_name] = dict(first, step_s=max(r[schedule_name]["step_s"] for r in per_rank))
+        if "split" in first:
+            out[schedule_name]["split_by_rank"] = [r[schedule_name]["split"] for r in per_rank]
+            del out[schedule_name]["split"]
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about two minutes)")
+    parser.add_argument("--models", default="mlp,resnet18", help="comma-separated zoo models (default mlp,resnet18)")
+    parser.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 10)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 3)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds for each world of workers")
+    parser.add_argument("--only", choices=("both", "torch", "ours"), default="both", help="run one side only (debugging)")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--echo", action="store_true", help="print worker output as it arrives")
+    parser.add_argument("--_worker", choices=("torch", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--_model", help=argparse.SUPPRESS)
+    parser.add_argument("--_rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--_spec", help=argparse.SUPPRESS)
+    parser.add_argument("--_result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args._worker is not None:
+        return worker(args._worker, args._model, args._rank, NUM_STAGES, args._port, args._spec, args._result)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    torch.set_num_threads(1)
+    models = [m for m in args.models.split(",") if m]
+    schedules = [s for s in args.schedules.split(",") if s]
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise SystemExit(f"unknown schedule(s) {unknown}; choose from {sorted(SCHEDULES)}")
+    if args.batch_size % args.microbatches:
+        raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of --microbatches {args.microbatches}")
+    spec: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "microbatches": args.microbatches,
+        "steps": args.steps or (10 if args.quick else 30),
+        "warmup": args.warmup if args.warmup is not None else (3 if args.quick else 5),
+        "lr": 0.01,
+        "seed": 0,
+        "schedules": schedules,
+        "model_order": models,
+        "models": {},
+        "op_timeout": 120,
+        "profile_iterations": 2 if args.quick else 5,
+        "isolated_reps": 5 if args.quick else 15,
+    }
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
+        workdir = Path(tmp)
+        for model_name in models:
+            prepare(model_name, spec, workdir)
+        spec_path = workdir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        sides = ["torch", "ours"] if args.only == "both" else [args.only]
+        measured: dict[tuple[str, str], dict[str, Any]] = {}
+        # Alternate the sides model by model, so a change in machine load hits both alike.
+        for model_name in models:
+            for side in sides:
+                logger.info("%s: %s, schedules %s ...", model_name, "torch.distributed.pipelining" if side == "torch" else "ours", schedules)
+                measured[(side, model_name)] = run_world(side, model_name, spec_path, workdir, args.timeout, args.echo)
+    rows = []
+    m, p = spec["microbatches"], NUM_STAGES
+    for model_name in models:
+        entry = spec["models"][model_name]
+        ideal_s = (m + p - 1) * max(entry["stage_ms"]) / 1000.0
+        for schedule in schedules:
+            ours_result = measured.get(("ours", model_name), {}).get(schedule, {})
+            torch_result = measured.get(("torch", model_name), {}).get(schedule, {})
+            ours, theirs = ours_result.get("step_s"), torch_result.get("step_s")
+            rows.append({
+                "model": model_name,
+                "schedule": schedule,
+                "ours_steps_per_s": 1.0 / ours if ours else None,
+                "torch_steps_per_s": 1.0 / theirs if theirs else None,
+                "ratio": theirs / ours if ours and theirs else None,
+                "efficiency": ideal_s / ours if ours else None,
+                "torch_efficiency": ideal_s / theirs if theirs else None,
+                "ideal_step_ms": ideal_s * 1000.0,
+                "stage_ms": entry["stage_ms"],
+                "stage_nodes": entry["stage_nodes"],
+                "ours_split_ms_by_rank": ours_result.get("split_by_rank"),
+            })
+    report = {
+        "benchmark": "runtime",
+        "settings": {k: spec[k] for k in ("batch_size", "microbatches", "steps", "warmup", "lr", "seed")}
+        | {"num_stages": NUM_STAGES, "threads_per_rank": 1, "backend": "gloo", "quick": args.quick},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+    from model_parallel.fileio import atomic_write_json
+
+    atomic_write_json(args.out, report)
+    print(format_rows(rows))
+    print(f"wrote {args.out} in {report['seconds']:.0f} s (goal: ratio >= 1.1)")
+    return 0
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    def num(value: Optional[float], fmt: str) -> str:
+        return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
+
+    lines = [f"{'model':<10} {'schedule':<8} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>7} {'eff ours':>9} {'eff torch':>10}"]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<10} {r['schedule']:<8} {num(r['ours_steps_per_s'], '10.2f')} {num(r['torch_steps_per_s'], '11.2f')} "
+            f"{num(r['ratio'], '7.2f')} {num(r['efficiency'], '9.2f')} {num(r['torch_efficiency'], '10.2f')}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

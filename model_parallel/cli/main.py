@@ -1,0 +1,217 @@
+"""The `model-parallel` console script: one subcommand per job (`ctl`, `coordinator`, ...).
+
+To add a subcommand, write `add_arguments(parser)` and `run(args) -> int` and call
+`register_subcommand("name", "one-line help", add_arguments, run)` (or add it to `SUBCOMMANDS`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[Any], None]
+    run: Callable[[Any], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register_subcommand(name: str, help: str, add_arguments: Callable[[Any], None], run: Callable[[Any], int]) -> None:
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+# ---- ctl ------------------------------------------------------------------------------------------
+def _add_token_arguments(parser: Any) -> None:
+    parser.add_argument("--token", help="shared secret (or --token-file, or $MODEL_PARALLEL_TOKEN)")
+    parser.add_argument("--token-file", "--token_file", dest="token_file", help="file whose first line is the shared secret")
+
+
+def add_ctl_arguments(parser: Any) -> None:
+    parser.add_argument("--address", required=True, help="the coordinator's HOST:PORT")
+    _add_token_arguments(parser)
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    ops = parser.add_subparsers(dest="op", required=True, metavar="OP", parser_class=ArgumentParser)
+    ops.add_parser("status", help="live plan, per-stage measured times, worker speeds, plan version")
+    ops.add_parser("rebalance", help="re-solve now with the measured speeds (no threshold/cooldown)")
+    set_plan = ops.add_parser("set-plan", help="switch to the plan in FILE (plan.json)")
+    set_plan.add_argument("file")
+    scale = ops.add_parser("scale", help="move the pipeline onto K of the running workers (the rest become spares)")
+    scale.add_argument("--workers", type=int, required=True)
+    slow = ops.add_parser("slow", help="slow rank R down by FACTOR on purpose (1.0 = back to normal)")
+    slow.add_argument("--rank", type=int, required=True)
+    slow.add_argument("--factor", type=float, required=True)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [f"plan v{status['plan_version']}"
+             + (f" (v{status['pending_version']} being applied)" if status.get("pending_version") is not None else "")
+             + f", policy {status['policy']}: {status['last_decision']}", status["table"], "",
+             f"{'stage':>5} {'rank':>4} {'nodes':>5} {'profiled ms':>11} {'measured ms':>11} {'speed':>6}"]
+    for row in status["stages"]:
+        measured = "-" if row["measured_ms"] is None else f"{row['measured_ms']:.2f}"
+        speed = "-" if row["speed"] is None else f"{row['speed']:.2f}"
+        lines.append(f"{row['stage']:>5} {row['rank']:>4} {row['num_nodes']:>5} {row['profiled_ms']:>11.2f} {measured:>11} {speed:>6}")
+    lines += ["", f"{'rank':>4} {'status':<9} {'step':>5} {'stage':>5} {'plan':>4} {'slowdown':>8} {'samples/s':>9}  host (pid)"]
+    for w in status["workers"]:
+        sps = "-" if w["samples_per_s"] is None else f"{w['samples_per_s']:.1f}"
+        stage = "spare" if w["stage"] is None else str(w["stage"])
+        lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
+                     f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
+    for entry in status.get("history", []):
+        lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
+                     f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}")
+    if status.get("stop_reason"):
+        lines.append(f"stopping: {status['stop_reason']}")
+    return "\n".join(lines)
+
+
+def run_ctl(args: Any) -> int:
+    from model_parallel.coordinator.client import CtlClient
+    from model_parallel.coordinator.protocol import read_token
+    from model_parallel.graph.plan import read_plan
+
+    token = read_token(args.token, args.token_file)
+    request: dict[str, Any] = {}
+    if args.op == "set-plan":
+        request = {"plan": read_plan(args.file).to_dict()}
+    elif args.op == "scale":
+        request = {"workers": args.workers}
+    elif args.op == "slow":
+        request = {"rank": args.rank, "factor": args.factor}
+    with CtlClient(args.address, token, timeout=args.timeout) as client:
+        result = client.request(args.op, **request)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.op == "status":
+        print(format_status(result))
+    elif args.op == "slow":
+        print(f"rank {result['rank']} slowed down {result['factor']:g}x")
+    elif result.get("switched"):
+        print(f"switching to plan v{result['version']}" + (f": {result['reason']}" if result.get("reason") else ""))
+    else:
+        print(f"no switch: {result.get('reason', '')}")
+    return 0
+
+
+# ---- coordinator (also `python test_socket.py`) -----------------------------------------------------
+def add_coordinator_arguments(parser: Any) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=29600, help="TCP port (0 = any free port, printed)")
+    _add_token_arguments(parser)
+    parser.add_argument("--graph", required=True, help="the profiled graph (graph.json or graph.txt)")
+    parser.add_argument("--plan", required=True, help="the starting plan v0 (plan.json, or a partitioned gpus=N.txt)")
+    parser.add_argument("--policy", choices=("auto", "manual"), default="auto",
+                        help="auto: rebalance on measured speeds; manual: only on ctl commands")
+    parser.add_argument("--threshold", type=float, default=0.1, help="minimum predicted gain to switch (default 0.1)")
+    parser.add_argument("--cooldown-steps", "--cooldown_steps", dest="cooldown_steps", type=int, default=20,
+                        help="steps between two switches (default 20)")
+    parser.add_argument("--window", type=int, default=5, help="samples per rank whose median is trusted (default 5)")
+    parser.add_argument("--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=float, default=5.0,
+                        help="seconds of silence before a worker is declared dead (default 5)")
+    parser.add_argument("--status-file", "--status_file", dest="status_file", help="JSON status, rewritten atomically")
+    parser.add_argument("--port-file", "--port_file", dest="port_file", help="write the bound port here (for --port 0)")
+    parser.add_argument("--timeout", type=float, default=0.0, help="exit after this many seconds (0 = no limit)")
+
+
+def _load_plan(path: str) -> Any:
+    from model_parallel.graph.io import load_graph
+    from model_parallel.graph.plan import plan_from_graph, read_plan
+
+    if path.endswith(".json"):
+        return read_plan(path)
+    return plan_from_graph(load_graph(path))
+
+
+def run_coordinator(args: Any) -> int:
+    from model_parallel.coordinator.policy import PolicyConfig
+    from model_parallel.coordinator.protocol import read_token
+    from model_parallel.coordinator.server import Coordinator
+    from model_parallel.fileio import atomic_write_text
+    from model_parallel.graph.io import load_graph
+
+    token = read_token(args.token, args.token_file)
+    config = PolicyConfig(threshold=args.threshold, cooldown_steps=args.cooldown_steps, window=args.window)
+    coordinator = Coordinator(load_graph(args.graph), _load_plan(args.plan), token, policy=args.policy, config=config,
+                              status_file=args.status_file, heartbeat_timeout=args.heartbeat_timeout)
+    port = coordinator.start(args.host, args.port)
+    print(f"coordinator listening on {args.host}:{port}", flush=True)
+    if args.port_file:
+        atomic_write_text(args.port_file, f"{port}\n")
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        logger.warning("signal %d: shutting down", signum)
+        stopping.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+    import time
+
+    deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
+    try:
+        while not stopping.is_set():
+            if coordinator.wait(0.5):
+                logger.info("every worker finished or died; exiting")
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("--timeout %.0f s reached; exiting", args.timeout)
+                break
+    finally:
+        coordinator.stop()
+    status = coordinator.status()
+    print(f"coordinator done: plan v{status['plan_version']}, {len(status['history'])} switch(es)"
+          + (f"; {status['stop_reason']}" if status["stop_reason"] else ""), flush=True)
+    return 1 if status["stop_reason"] else 0
+
+
+register_subcommand("ctl", "talk to a running coordinator: status | rebalance | set-plan FILE | scale --workers K | slow",
+                    add_ctl_arguments, run_ctl)
+register_subcommand("coordinator", "run the coordinator (same as `python test_socket.py`)",
+                    add_coordinator_arguments, run_coordinator)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="model-parallel", description="Pipeline model-parallel training for PyTorch.")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
+    for name, sub in SUBCOMMANDS.items():
+        sub.add_arguments(commands.add_parser(name, help=sub.help, description=sub.help))
+    return parser
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose + (1 if args.command == "coordinator" else 0))
+    return SUBCOMMANDS[args.command].run(args)
+
+
+def coordinator_main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python test_socket.py ...` = `model-parallel coordinator ...`."""
+    parser = ArgumentParser(prog="test_socket.py", description="The model_parallel coordinator (control plane).")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    add_coordinator_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose + 1, prefix="[coordinator] ")
+    return run_coordinator(args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    main()

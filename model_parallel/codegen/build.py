@@ -1,0 +1,451 @@
+"""Build runnable stage modules (torch.fx GraphModules) from a graph's layer specs, in memory.
+
+This is the one place a graph's text becomes code: the runtime builds its stage with
+`build_stage`, live migration rebuilds stages from any range of layers (handing over the existing
+module objects through `modules=` so nothing is copied), and the package generator prints the
+very same fx graphs as source files. Functions are resolved only under an allow-list of module
+roots and modules are built only through `profiler.trace.build_module`, so a graph file can
+never run arbitrary code.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
+from model_parallel.codegen.naming import layer_name
+from model_parallel.errors import CodegenError, GraphError, PlanError
+from model_parallel.graph.arguments import decode_argument, referenced_nodes
+from model_parallel.graph.core import Graph, LayerSpec, Node
+from model_parallel.graph.plan import Plan
+
+log = logging.getLogger(__name__)
+
+# Roots a graph file may name functions and module classes under (plus the model class's module).
+ALLOWED_ROOTS = ("torch", "operator", "_operator", "builtins", "math", "torchvision", "model_parallel")
+# Callables under those roots that could read/write files, import or evaluate code.
+_DENIED = frozenset(
+    f"builtins.{name}" for name in (
+        "eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals", "locals",
+        "vars", "setattr", "delattr", "exit", "quit", "help", "memoryview",
+    )
+) | frozenset(("torch.load", "torch.save", "torch.hub", "torch.ops", "torch.utils.cpp_extension",
+               "torch.utils.data", "operator.attrgetter", "operator.methodcaller", "model_parallel.fileio"))
+# Operator functions and tensor methods that modify their first argument.
+_INPLACE_FUNCTIONS = frozenset(
+    f"operator.{name}" for name in (
+        "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior",
+        "ixor", "ilshift", "irshift", "setitem",
+    )
+)
+# Methods/functions whose result shares memory with their first argument.
+_VIEW_OPS = frozenset((
+    "view", "view_as", "reshape", "transpose", "permute", "flatten", "squeeze", "unsqueeze", "expand",
+    "expand_as", "narrow", "select", "t", "split", "chunk", "unbind", "contiguous", "detach", "unflatten",
+    "movedim", "getitem", "unfold", "as_strided", "diagonal",
+))
+
+ModulesArg = Optional[Mapping[str, Union[nn.Module, torch.Tensor]]]
+
+
+class StageModule(fx.GraphModule):
+    """One pipeline stage: `forward(*inputs)` takes the boundary inputs in order and returns a tuple
+    of the boundary outputs in order. `input_names` / `output_names` are node ids; `node_ids` are the
+    graph nodes the stage computes, in topological order."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        graph: fx.Graph,
+        class_name: str = "StageModule",
+        input_names: Sequence[str] = (),
+        output_names: Sequence[str] = (),
+        node_ids: Sequence[str] = (),
+    ) -> None:
+        super().__init__(root, graph, class_name)
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+        self.node_ids = tuple(node_ids)
+
+    def __deepcopy__(self, memo: dict) -> "StageModule":
+        copied = super().__deepcopy__(memo)
+        copied.input_names, copied.output_names, copied.node_ids = self.input_names, self.output_names, self.node_ids
+        return copied
+
+
+# ---- resolving names safely ---------------------------------------------------------------------
+def allowed_roots(graph: Graph) -> tuple[str, ...]:
+    """The module roots this graph may name: the fixed list plus the module of `metadata["model_class"]`."""
+    model_class = graph.metadata.get("model_class")
+    extra = (str(model_class).rpartition(".")[0],) if model_class and "." in str(model_class) else ()
+    return ALLOWED_ROOTS + tuple(e for e in extra if e)
+
+
+def check_allowed(path: str, roots: Sequence[str], where: str) -> None:
+    """Refuse a dotted name outside the allow-list, private-dunder parts, or a denied callable."""
+    parts = path.split(".")
+    qualified = path if len(parts) > 1 else f"builtins.{path}"
+    inside = any(qualified == r or qualified.startswith(r + ".") for r in roots)
+    dunder = any(p.startswith("__") and p.endswith("__") for p in parts)
+    denied = any(qualified == d or qualified.startswith(d + ".") for d in _DENIED)
+    if not inside or dunder or denied:
+        raise CodegenError(
+            f"{where}: {path!r} is not allowed in a graph file (functions and modules must come from "
+            f"{', '.join(roots)}, and may not be file, import or eval functions); "
+            "if this is your model's own code, record the model class in graph.metadata['model_class']"
+        )
+
+
+def resolve_function(path: str, roots: Sequence[str], where: str) -> Any:
+    """Import a call_function target such as `torch.flatten` or `operator.add`, under the allow-list."""
+    from model_parallel.profiler.trace import resolve_qualified_name
+
+    check_allowed(path, roots, where)
+    if path.startswith("torchvision"):
+        from model_parallel.compat import import_torchvision
+
+        import_torchvision()  # repairs the CPU/CUDA mismatch before torchvision submodules import
+    try:
+        function = resolve_qualified_name(path)
+    except ValueError as error:
+        raise CodegenError(f"{where}: {error}") from None
+    if not callable(function) or isinstance(function, type(torch)):
+        raise CodegenError(f"{where}: {path!r} is not a function")
+    return function
+
+
+def _where(graph: Graph, node_id: str) -> str:
+    return f"node {node_id} ({graph[node_id].description[:60]})"
+
+
+# ---- modules ----------------------------------------------------------------------------------------
+def make_module(
+    graph: Graph, node: Node, *, modules: ModulesArg = None, source_model: Optional[nn.Module] = None
+) -> nn.Module:
+    """The module a call_module node runs: handed over in `modules`, else built from its constructor
+    expression, else taken from `source_model`."""
+    from model_parallel.profiler.trace import build_module
+
+    layer = _layer(graph, node)
+    name = layer_name(layer.target)
+    if modules is not None:
+        given = modules.get(name, modules.get(layer.target))
+        if given is not None:
+            if not isinstance(given, nn.Module):
+                raise CodegenError(f"{_where(graph, node.node_id)}: modules[{name!r}] is a {type(given).__name__}, expected nn.Module")
+            return given
+    if layer.module is not None:
+        path = layer.module.partition("(")[0].strip()
+        check_allowed(path, allowed_roots(graph), _where(graph, node.node_id))
+        if path.startswith("torchvision"):
+            from model_parallel.compat import import_torchvision
+
+            import_torchvision()
+        try:
+            return build_module(layer.module)
+        except Exception as error:  # a constructor may raise anything; report it with the node
+            raise CodegenError(f"{_where(graph, node.node_id)}: cannot build {layer.module!r}: {error}") from None
+    if source_model is not None:
+        try:
+            return source_model.get_submodule(layer.target)
+        except AttributeError:
+            raise CodegenError(
+                f"{_where(graph, node.node_id)}: source_model has no submodule {layer.target!r}; "
+                "is it the model the graph was traced from?"
+            ) from None
+    raise CodegenError(
+        f"{_where(graph, node.node_id)}: module {layer.target!r} has no constructor expression in the graph; "
+        "pass source_model=<the original model> (or modules={...}) so it can be taken from there"
+    )
+
+
+def make_attribute(
+    graph: Graph, node: Node, *, modules: ModulesArg = None, source_model: Optional[nn.Module] = None
+) -> torch.Tensor:
+    """The tensor a get_attr node reads; without a source, an uninitialised one of the recorded shape
+    (its value comes with the state dict), a Parameter if the profile counted it as one."""
+    layer = _layer(graph, node)
+    name = layer_name(layer.target)
+    if modules is not None:
+        given = modules.get(name, modules.get(layer.target))
+        if isinstance(given, torch.Tensor):
+            return given
+    if source_model is not None:
+        value: Any = source_model
+        try:
+            for part in layer.target.split("."):
+                value = getattr(value, part)
+        except AttributeError:
+            value = None
+        if isinstance(value, torch.Tensor):
+            return value
+    if not layer.outputs:
+        raise CodegenError(
+            f"{_where(graph, node.node_id)}: attribute {layer.target!r} has no recorded shape; "
+            "pass source_model=<the original model> so it can be taken from there"
+        )
+    meta = layer.outputs[0]
+    tensor = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+    return nn.Parameter(tensor) if node.parameter_size > 0 else tensor
+
+
+def _layer(graph: Graph, node: Node) -> LayerSpec:
+    if node.layer is None:
+        raise CodegenError(f"{_where(graph, node.node_id)} has no layer spec; run codegen.infer.infer_layers(graph) first")
+    return node.layer
+
+
+def check_shared_modules(graph: Graph, stage_of: Mapping[str, int]) -> None:
+    """A module with parameters called from two stages cannot be split: its weights would diverge."""
+    stages_of_target: dict[str, set[int]] = {}
+    owns_state: set[str] = set()
+    for node in graph.nodes:
+        if node.layer is not None and node.layer.op in ("call_module", "get_attr"):
+            stages_of_target.setdefault(node.layer.target, set()).add(int(stage_of[node.node_id]))
+            if node.layer.parameters:
+                owns_state.add(node.layer.target)
+    for target, stages in stages_of_target.items():
+        if len(stages) > 1 and target in owns_state:
+            users = [n.node_id for n in graph.nodes if n.layer is not None and n.layer.target == target]
+            raise CodegenError(
+                f"module {target!r} (nodes {', '.join(users)}) is used by stages {sorted(stages)} and has "
+                "parameters: keep them in one stage (move those nodes together)"
+            )
+
+
+# ---- in-place safety ------------------------------------------------------------------------------
+def _first_argument(layer: LayerSpec) -> Optional[str]:
+    refs = referenced_nodes(layer.args[0]) if layer.args else []
+    return refs[0] if refs and isinstance(layer.args[0], Mapping) and "node" in layer.args[0] else None
+
+
+def _is_inplace(layer: LayerSpec, module: Optional[nn.Module]) -> bool:
+    if layer.op == "call_module":
+        return bool(getattr(module, "inplace", False))
+    if layer.kwargs.get("inplace") is True:
+        return True
+    if layer.op == "call_function":
+        last = layer.target.rpartition(".")[2]
+        return layer.target in _INPLACE_FUNCTIONS or (last.endswith("_") and not last.startswith("_"))
+    if layer.op == "call_method":
+        return layer.target.endswith("_") and not layer.target.startswith("_")
+    return False
+
+
+def _mutated_inputs(graph: Graph, node_ids: Sequence[str], inputs: Sequence[str], built: Mapping[str, nn.Module]) -> set[str]:
+    """Stage inputs that an op of the stage modifies in place (directly or through a view).
+
+    Such inputs are cloned on entry: a received activation is a leaf that requires grad, and
+    autograd forbids modifying one in place. The clone keeps values and gradients identical.
+    """
+    root = {name: name for name in inputs}
+    mutated: set[str] = set()
+    for node_id in node_ids:
+        layer = graph[node_id].layer
+        if layer is None or layer.op == "placeholder":
+            continue
+        first = _first_argument(layer)
+        if first is None or first not in root:
+            continue
+        short = layer.target.rpartition(".")[2]
+        if short in _VIEW_OPS and layer.op in ("call_method", "call_function"):
+            root[node_id] = root[first]
+        if _is_inplace(layer, built.get(node_id)):
+            mutated.add(root[first])
+    return mutated
+
+
+# ---- stages -------------------------------------------------------------------------------------
+def _ensure_layers(graph: Graph) -> Graph:
+    if all(n.layer is not None for n in graph.nodes):
+        return graph
+    from model_parallel.codegen.infer import infer_layers
+
+    return infer_layers(graph)
+
+
+def _build_fx(
+    graph: Graph,
+    node_ids: Sequence[str],
+    inputs: Sequence[str],
+    output_value: Any,
+    *,
+    modules: ModulesArg,
+    source_model: Optional[nn.Module],
+    check_sharing: bool,
+) -> tuple[nn.Module, fx.Graph]:
+    """Root module (layers as attributes) and fx graph computing `node_ids` from `inputs`;
+    `output_value(env)` gives the fx output argument."""
+    roots = allowed_roots(graph)
+    members = set(node_ids)
+    root = nn.Module()
+    fx_graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    built: dict[str, nn.Module] = {}  # node id -> module (in-place detection)
+
+    if check_sharing:
+        for node_id in node_ids:
+            layer = graph[node_id].layer
+            if layer is not None and layer.op in ("call_module", "get_attr"):
+                others = [n.node_id for n in graph.nodes if n.layer is not None and n.layer.target == layer.target
+                          and n.node_id not in members]
+                owns = any(graph[o].layer.parameters for o in others) or bool(layer.parameters)
+                if others and owns:
+                    raise CodegenError(
+                        f"module {layer.target!r} is used by node {node_id} of this stage and by node(s) "
+                        f"{', '.join(others)} outside it, and has parameters: keep them in one stage"
+                    )
+
+    for node_id in node_ids:  # modules first: in-place detection needs them
+        node = graph[node_id]
+        layer = _layer(graph, node)
+        if layer.op == "call_module":
+            name = layer_name(layer.target)
+            if not hasattr(root, name):
+                root.add_module(name, make_module(graph, node, modules=modules, source_model=source_model))
+            built[node_id] = getattr(root, name)
+        elif layer.op == "get_attr":
+            name = layer_name(layer.target)
+            if not hasattr(root, name):
+                tensor = make_attribute(graph, node, modules=modules, source_model=source_model)
+                if isinstance(tensor, nn.Parameter):
+                    root.register_parameter(name, tensor)
+                else:
+                    root.register_buffer(name, tensor)
+
+    for name in inputs:
+        env[name] = fx_graph.placeholder(layer_name(name))
+        env[name].meta["node_id"] = name
+    for name in sorted(_mutated_inputs(graph, node_ids, inputs, built), key=list(inputs).index):
+        clone = fx_graph.call_method("clone", (env[name],))
+        clone.meta["node_id"] = name
+        clone.meta["comment"] = "cloned: an op below modifies it in place, and autograd forbids that on a received input"
+        env[name] = clone
+
+    def resolve(ref: str, where: str) -> fx.Node:
+        if ref not in env:
+            raise CodegenError(
+                f"{where} needs {ref!r}, which is neither computed earlier in this stage nor one of its "
+                f"inputs ({', '.join(inputs) or 'none'}); check the stage boundary"
+            )
+        return env[ref]
+
+    for node_id in node_ids:
+        node = graph[node_id]
+        layer = _layer(graph, node)
+        where = _where(graph, node_id)
+        if layer.op == "placeholder":
+            if node_id not in env:
+                raise CodegenError(f"{where}: model input {node_id} is in this stage but not among its inputs")
+            continue
+        try:
+            args = tuple(decode_argument(a, lambda ref: resolve(ref, where)) for a in layer.args)
+            kwargs = {k: decode_argument(v, lambda ref: resolve(ref, where)) for k, v in layer.kwargs.items()}
+        except GraphError as error:
+            raise CodegenError(f"{where}: {error}") from None
+        if layer.op == "call_function":
+            target: Any = resolve_function(layer.target, roots, where)
+        elif layer.op == "call_method":
+            if not layer.target.isidentifier() or (layer.target.startswith("_") and layer.target not in _DUNDER_METHODS):
+                raise CodegenError(f"{where}: tensor method {layer.target!r} is not allowed in a graph file")
+            target = layer.target
+        else:
+            target = layer_name(layer.target)
+        fx_node = fx_graph.create_node(layer.op, target, args, kwargs, name=layer_name(node_id))
+        fx_node.meta["node_id"] = node_id
+        fx_node.meta["outputs"] = layer.outputs
+        env[node_id] = fx_node
+
+    fx_graph.output(output_value(lambda ref: resolve(ref, "the stage output")))
+    fx_graph.lint()
+    return root, fx_graph
+
+
+_DUNDER_METHODS = frozenset(("__getitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                             "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__pow__", "__and__", "__or__"))
+
+
+def build_stage(
+    graph: Graph,
+    node_ids: Sequence[str],
+    boundary: StageBoundary,
+    *,
+    modules: ModulesArg = None,
+    source_model: Optional[nn.Module] = None,
+    class_name: str = "StageModule",
+) -> StageModule:
+    """A module computing `node_ids` (any order; run in topological order) from `boundary.inputs`,
+    returning the tuple `boundary.outputs`.
+
+    Layers are attributes named `layer_name(target)`, taken from `modules` (keyed by layer name or
+    original target) when given, else built from their constructor expression, else taken from
+    `source_model`. Fresh layers are randomly initialised: load weights with
+    `stage.load_state_dict(stage_state_from_original(graph, model.state_dict()), strict=False)`.
+    """
+    graph = _ensure_layers(graph)
+    missing = [n for n in node_ids if n not in graph]
+    if missing:
+        raise CodegenError(f"stage names node(s) not in the graph: {missing[:5]}")
+    members = set(node_ids)
+    ordered = tuple(n for n in graph.topological_order if n in members)
+    root, fx_graph = _build_fx(
+        graph, ordered, boundary.inputs,
+        lambda resolve: tuple(resolve(name) for name in boundary.outputs),
+        modules=modules, source_model=source_model, check_sharing=True,
+    )
+    return StageModule(root, fx_graph, class_name, boundary.inputs, boundary.outputs, ordered)
+
+
+def stage_assignment(graph: Graph, stage_of_or_plan: Union[Plan, Mapping[str, int]]) -> dict[str, int]:
+    """Node id -> stage from a Plan or a mapping (a plan must cover every node of the graph)."""
+    stage_of = stage_of_or_plan.stage_of if isinstance(stage_of_or_plan, Plan) else dict(stage_of_or_plan)
+    missing = [n.node_id for n in graph.nodes if n.node_id not in stage_of]
+    if missing:
+        raise PlanError(f"the plan gives no stage to {len(missing)} node(s) of the graph, e.g. {missing[:3]}")
+    return {k: int(v) for k, v in stage_of.items()}
+
+
+def build_stages(
+    graph: Graph,
+    stage_of_or_plan: Union[Plan, Mapping[str, int]],
+    *,
+    modules: ModulesArg = None,
+    source_model: Optional[nn.Module] = None,
+) -> list[StageModule]:
+    """Every stage of a plan (or node -> stage map), as `build_stage` builds them (classes Stage0, Stage1, ...)."""
+    graph = _ensure_layers(graph)
+    stage_of = stage_assignment(graph, stage_of_or_plan)
+    boundaries = stage_boundaries(graph, stage_of)
+    check_shared_modules(graph, stage_of)
+    stages = []
+    for index, boundary in enumerate(boundaries):
+        node_ids = tuple(n for n in graph.topological_order if stage_of[n] == index)
+        stages.append(build_stage(graph, node_ids, boundary, modules=modules, source_model=source_model,
+                                  class_name=f"Stage{index}"))
+    return stages
+
+
+def full_model_from_graph(
+    graph: Graph, *, modules: ModulesArg = None, source_model: Optional[nn.Module] = None
+) -> StageModule:
+    """The whole model as one module: takes the model inputs, returns the model outputs in the
+    structure the original model returned them (`graph.metadata["outputs"]`)."""
+    graph = _ensure_layers(graph)
+    inputs = tuple(n for n in graph.topological_order if is_model_input(graph[n]))
+    outputs = model_output_ids(graph)
+    encoded = graph.metadata.get("outputs")
+
+    def output_value(resolve: Any) -> Any:
+        if encoded is None:
+            return resolve(outputs[0]) if len(outputs) == 1 else tuple(resolve(o) for o in outputs)
+        return decode_argument(encoded, resolve)
+
+    root, fx_graph = _build_fx(graph, graph.topological_order, inputs, output_value,
+                               modules=modules, source_model=source_model, check_sharing=False)
+    return StageModule(root, fx_graph, str(graph.metadata.get("model", "FullModel")), inputs, outputs,
+                       graph.topological_order)

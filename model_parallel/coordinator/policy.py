@@ -1,0 +1,252 @@
+"""The rebalancing policy (pure, deterministic): measured stage times -> worker speeds -> maybe plan v+1.
+
+Speeds. For each active rank, `ratio = median(measured compute ms over the window) /
+predicted compute ms of its stage` (predicted = sum of the profiled forward+backward ms of the
+stage's nodes). The fastest worker is taken as nominal: `calibration = min(ratio)` rescales the whole
+profile to what this machine really does (a profile taken elsewhere, or simply wrong by a constant
+factor, is fixed this way), and `speed[r] = calibration / ratio[r]` (1.0 = the fastest worker, 0.5 =
+twice slower). Per-layer profile errors cannot be told apart from a slow worker with per-stage
+measurements; they show up as a lower speed for the rank holding those layers, and re-solving moves
+work off it, which is what balancing needs anyway.
+
+Decision. The current plan's bottleneck is predicted with those speeds (it equals the measured
+bottleneck by construction), the partition is re-solved for the same ranks in the same order
+(stage k stays on the k-th rank, so migrations stay small), and plan v+1 is proposed only when
+(a) every active rank has a full window of samples under the current plan version, (b) at least
+`cooldown_steps` steps passed since the last switch, and (c) the predicted gain
+`(current - new) / current` beats `threshold` (hysteresis: a noisy but balanced pipeline never
+switches, and a switch is not undone by noise).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+
+logger = logging.getLogger(__name__)
+
+# solver(graph, ranks in stage order, speeds in the same order) -> Plan (ranks filled in)
+Solver = Callable[[Graph, Sequence[int], Sequence[float]], Plan]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """`threshold`: minimum predicted relative gain; `cooldown_steps`: steps between switches;
+    `window`: samples per rank (median) before speeds are trusted."""
+
+    threshold: float = 0.1
+    cooldown_steps: int = 20
+    window: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.threshold < 1:
+            raise PlanError(f"--threshold must be in [0, 1), got {self.threshold}")
+        if self.cooldown_steps < 0:
+            raise PlanError(f"--cooldown-steps must be >= 0, got {self.cooldown_steps}")
+        if self.window < 1:
+            raise PlanError(f"--window must be >= 1, got {self.window}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the measurements say: per-rank speed, the profile calibration, per-stage times (ms)."""
+
+    speeds: Mapping[int, float]
+    calibration: float
+    measured_ms: Mapping[int, float]  # rank -> median measured compute ms
+    predicted_ms: Mapping[int, float]  # rank -> profiled compute ms of its stage
+
+
+@dataclass(frozen=True)
+class Decision:
+    """`plan` is the proposed plan v+1, or None with `reason` saying why not."""
+
+    plan: Optional[Plan]
+    reason: str
+    current_ms: float = 0.0
+    predicted_ms: float = 0.0
+    estimate: Optional[Estimate] = None
+    gain: float = 0.0
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+
+def with_cost_proxy(graph: Graph) -> Graph:
+    """A graph the policy can weigh: itself when it has timings, else one whose node times are a proxy.
+
+    A traced-but-unprofiled graph (all times 0) gets `forward_ms = (parameter + activation bytes) / 1e6`
+    (the runtime's even split uses the same proxy); calibration then maps it onto measured ms.
+    """
+    if graph.total_compute_ms > 0:
+        return graph
+    logger.warning("the graph has no profiled times; weighing layers by parameter+activation bytes "
+                   "(profile the model for better plans)")
+    return graph.replace_nodes(
+        replace(n, forward_ms=0.0 if n.is_input else (n.parameter_size + n.activation_bytes) / 1e6, backward_ms=0.0)
+        for n in graph.nodes
+    )
+
+
+def stage_profiled_ms(graph: Graph, stage: StagePlan) -> float:
+    """Profiled forward+backward ms of a stage's nodes; model inputs count nothing (data loading)."""
+    return sum(graph[n].compute_ms for n in stage.node_ids if n in graph and not graph[n].is_input)
+
+
+def active_ranks(plan: Plan) -> tuple[int, ...]:
+    """Ranks holding a stage, in stage order (straight pipelines: one rank per stage)."""
+    return tuple(r for s in plan.with_default_ranks().stages for r in s.ranks)
+
+
+def estimate_speeds(graph: Graph, plan: Plan, samples: Mapping[int, Sequence[float]]) -> Estimate:
+    """Speeds of the active ranks from their recent compute ms (see module docstring)."""
+    plan = plan.with_default_ranks()
+    measured: dict[int, float] = {}
+    predicted: dict[int, float] = {}
+    for stage in plan.stages:
+        for rank in stage.ranks:
+            values = [float(v) for v in samples.get(rank, ()) if v >= 0]
+            if not values:
+                raise PlanError(f"rank {rank} (stage {stage.stage_id}) has no compute samples yet")
+            measured[rank] = statistics.median(values)
+            predicted[rank] = stage_profiled_ms(graph, stage) / stage.num_replicas
+    ratios = {r: measured[r] / predicted[r] for r in measured if predicted[r] > 0 and measured[r] > 0}
+    calibration = min(ratios.values()) if ratios else 1.0
+    # A stage with no profiled cost (or no measured time) says nothing about its worker: nominal.
+    speeds = {r: (calibration / ratios[r] if r in ratios else 1.0) for r in measured}
+    return Estimate(speeds=speeds, calibration=calibration, measured_ms=measured, predicted_ms=predicted)
+
+
+def calibrated_graph(graph: Graph, calibration: float) -> Graph:
+    """The graph with every node's time scaled by `calibration` (measured/profiled on a nominal worker)."""
+    return graph.replace_nodes(
+        replace(n, forward_ms=n.forward_ms * calibration, backward_ms=n.backward_ms * calibration) for n in graph.nodes
+    )
+
+
+def predicted_bottleneck_ms(graph: Graph, plan: Plan, speeds: Mapping[int, float], calibration: float = 1.0) -> float:
+    """Slowest stage of `plan` on workers with `speeds` (ms): calibrated profiled compute / speed."""
+    plan = plan.with_default_ranks()
+    worst = 0.0
+    for stage in plan.stages:
+        per_replica = stage_profiled_ms(graph, stage) * calibration / stage.num_replicas
+        for rank in stage.ranks:
+            worst = max(worst, per_replica / max(speeds.get(rank, 1.0), 1e-9))
+    return worst
+
+
+def decide(
+    graph: Graph,
+    plan: Plan,
+    samples: Mapping[int, Sequence[float]],
+    config: PolicyConfig,
+    steps_since_switch: int,
+    solver: Optional[Solver] = None,
+    force: bool = False,
+) -> Decision:
+    """Propose plan v+1 or say why not. `samples`: rank -> compute ms measured under `plan.version`.
+
+    `force=True` (ctl rebalance) skips the window-length, cooldown and threshold checks but still
+    needs one sample per rank, and still returns None when the re-solved plan is the same.
+    """
+    solver = solver or default_solver
+    plan = plan.with_default_ranks()
+    ranks = active_ranks(plan)
+    if not force:
+        short = [r for r in ranks if len(samples.get(r, ())) < config.window]
+        if short:
+            return Decision(None, f"waiting for {config.window} samples from rank(s) {short}")
+        if steps_since_switch < config.cooldown_steps:
+            return Decision(None, f"cooldown: {steps_since_switch} of {config.cooldown_steps} steps since the last switch")
+    try:
+        estimate = estimate_speeds(graph, plan, {r: list(samples.get(r, ()))[-config.window:] for r in ranks})
+    except PlanError as error:
+        return Decision(None, str(error))
+    current = max(estimate.measured_ms.values())
+    speeds = [estimate.speeds[r] for r in ranks]
+    candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, speeds)
+    new = predicted_bottleneck_ms(graph, candidate, estimate.speeds, estimate.calibration)
+    gain = (current - new) / current if current > 0 else 0.0
+    same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks
+    if same:
+        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain)
+    if not force and gain <= config.threshold:
+        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {config.threshold:.0%}",
+                        current, new, estimate, gain)
+    proposed = replace(candidate, version=plan.version + 1)
+    return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new, estimate, gain)
+
+
+def plan_for_workers(graph: Graph, ranks: Sequence[int], speeds: Sequence[float], version: int,
+                     solver: Optional[Solver] = None) -> Plan:
+    """A plan on exactly `ranks` (stage k on ranks[k]) for the given speeds: used by `scale`."""
+    if not ranks:
+        raise PlanError("a plan needs at least one worker; scale --workers K with K >= 1")
+    return replace((solver or default_solver)(graph, list(ranks), list(speeds)), version=version)
+
+
+# ---- solving ---------------------------------------------------------------------------------------
+def default_solver(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
+    """The project optimizer when it offers heterogeneous speeds, else `chain_partition` (same model)."""
+    try:
+        from model_parallel.optimizer import PartitionOptions, partition  # type: ignore[attr-defined]
+
+        options = PartitionOptions(straight_pipeline=True, worker_speeds=tuple(float(s) for s in speeds))
+    except (ImportError, TypeError):  # no optimizer yet, or one without heterogeneous speeds
+        return chain_partition(graph, ranks, speeds)
+    plan = partition(graph, Hierarchy.from_lists([len(ranks)]), options)
+    if plan.num_stages != len(ranks) or any(s.num_replicas != 1 for s in plan.stages):
+        # Stage k must run on ranks[k]; anything else cannot be placed on these workers.
+        logger.warning("optimizer returned %d stage(s) for %d worker(s); using the chain solver", plan.num_stages, len(ranks))
+        return chain_partition(graph, ranks, speeds)
+    stages = tuple(replace(s, ranks=(int(ranks[i]),)) for i, s in enumerate(plan.stages))
+    return replace(plan, stages=stages)
+
+
+def chain_partition(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
+    """Split the topological order into len(ranks) contiguous stages minimising max(cost_k / speed_k).
+
+    Exact for the bottleneck over contiguous cuts of the fixed topological order (DP, O(p n^2)).
+    Model inputs cost nothing and land in stage 0; every stage gets at least one node.
+    """
+    order = list(graph.topological_order)
+    p = len(ranks)
+    if p < 1 or p > len(order):
+        raise PlanError(f"cannot split {len(order)} node(s) into {p} stage(s)")
+    cost = [0.0 if graph[n].is_input else graph[n].compute_ms for n in order]
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    n = len(order)
+    inf = float("inf")
+    # best[k][j]: bottleneck of the first j nodes in k stages; cut[k][j]: start of the k-th stage.
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        speed = max(float(speeds[k - 1]), 1e-9)
+        for j in range(k, n - (p - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], (prefix[j] - prefix[i]) / speed)
+                # strict < keeps the earliest cut on ties: deterministic
+                if value < best[k][j] - 1e-12:
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(p, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    bounds.reverse()
+    stages = tuple(
+        StagePlan(
+            stage_id=k,
+            node_ids=tuple(order[bounds[k]:bounds[k + 1]]),
+            ranks=(int(ranks[k]),),
+            compute_s=(prefix[bounds[k + 1]] - prefix[bounds[k]]) / 1e3,
+        )
+        for k in range(p)
+    )
+    return Plan(stages=stages, time_per_minibatch_s=best[p][n] / 1e3, single_machine_time_s=prefix[n] / 1e3,
+                num_machines=(p,))

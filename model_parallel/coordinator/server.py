@@ -1,0 +1,523 @@
+"""The coordinator: accepts workers and ctl clients, tracks plans and stage times, rebalances, detects death.
+
+Threads, not asyncio: one accept loop, one thread per connection (bounded), one monitor thread
+(heartbeat deadlines + status file). All shared state sits behind one lock; sockets are only
+written under their connection's send lock.
+
+Life of a run:
+  1. workers connect and `register` (rank, host, pid, world size); each gets `welcome` with the
+     live plan and its version (v0 from --plan);
+  2. every rank sends a `heartbeat` each second and a `report` after every step;
+  3. with `--policy auto`, after enough samples the policy (`policy.decide`) may propose plan v+1;
+     the coordinator sends `command {switch}` to rank 0, whose runtime broadcasts it to all ranks
+     at the next step boundary; reports carrying the new `plan_version` confirm the switch;
+  4. a worker silent for more than `heartbeat_timeout` seconds (5 s), or whose connection closes
+     without a `bye`, is declared dead: logged, and every survivor gets `command {stop}` naming it;
+  5. when every registered worker has said `bye` (or died) the coordinator exits.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from model_parallel.coordinator import policy as policy_mod
+from model_parallel.coordinator.protocol import S2C, ProtocolError, Session, encode_frame, make_message, new_nonce
+from model_parallel.errors import ModelParallelError, PlanError
+from model_parallel.fileio import atomic_write_json
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 5.0
+CTL_IDLE_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 64
+WARMUP_STEPS = 1  # samples from the first step(s) under a plan include warm-up/migration noise
+SAMPLE_HISTORY = 200
+
+
+@dataclass
+class WorkerState:
+    rank: int
+    host: str
+    pid: int
+    world_size: int
+    session: Optional[Session] = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    last_seen: float = field(default_factory=time.monotonic)
+    step: int = -1
+    stage: Optional[int] = None
+    plan_version: int = 0
+    slowdown: float = 1.0
+    status: str = "running"  # running | finished | dead
+    # (step, plan_version, compute_ms, comm_ms, idle_ms, samples_per_s)
+    reports: deque = field(default_factory=lambda: deque(maxlen=SAMPLE_HISTORY))
+
+
+class Coordinator:
+    """The coordinator's state and behaviour; `serve()` runs the sockets.
+
+    `policy` is "auto" (rebalance on its own) or "manual" (only ctl rebalance/set-plan/scale).
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: Plan,
+        token: bytes,
+        policy: str = "auto",
+        config: policy_mod.PolicyConfig = policy_mod.PolicyConfig(),
+        status_file: Optional[Path] = None,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
+        solver: Optional[policy_mod.Solver] = None,
+    ) -> None:
+        if policy not in ("auto", "manual"):
+            raise PlanError(f"--policy must be auto or manual, got {policy!r}")
+        missing = [n for s in plan.stages for n in s.node_ids if n not in graph]
+        if missing:
+            raise PlanError(f"the plan names node(s) the graph lacks, e.g. {missing[:3]}; give the graph the plan was made for")
+        self.graph = policy_mod.with_cost_proxy(graph)
+        self.plan = plan.with_default_ranks()
+        self.token = token
+        self.policy = policy
+        self.config = config
+        self.status_file = Path(status_file) if status_file else None
+        self.heartbeat_timeout = heartbeat_timeout
+        self.solver = solver
+        self.lock = threading.RLock()
+        self.workers: dict[int, WorkerState] = {}
+        self.world_size: Optional[int] = None
+        self.pending: Optional[Plan] = None  # sent to rank 0, not yet confirmed by reports
+        self.version_start_step = 0  # first step run under self.plan
+        self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason
+        self.last_decision = "no decision yet"
+        self.last_eval_step = -1
+        self.stop_reason: Optional[str] = None
+        self.shutdown = threading.Event()
+        self.done = threading.Event()
+        self._listener: Optional[socket.socket] = None
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._threads: list[threading.Thread] = []
+        self._status_dirty = True
+
+    # ---- sockets -------------------------------------------------------------------------------
+    def bind(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and listen; returns the chosen port (port 0 = any free port)."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as error:
+            listener.close()
+            raise PlanError(f"cannot listen on {host}:{port}: {error.strerror or error}; pick another --port") from None
+        listener.listen(MAX_CONNECTIONS)
+        listener.settimeout(0.5)
+        self._listener = listener
+        return int(listener.getsockname()[1])
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and run the accept and monitor loops in background threads; returns the port."""
+        bound = self.bind(host, port)
+        for target, name in ((self._accept_loop, "coordinator-accept"), (self._monitor_loop, "coordinator-monitor")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        logger.info("coordinator listening on %s:%d (policy %s, plan v%d, %d stage(s))", host, bound, self.policy,
+                    self.plan.version, self.plan.num_stages)
+        return bound
+
+    def stop(self) -> None:
+        self.shutdown.set()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        with self.lock:
+            sessions = [w.session for w in self.workers.values() if w.session is not None]
+        for session in sessions:
+            try:
+                session.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._write_status(force=True)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until every registered worker finished or died (or shutdown); True if they did."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.shutdown.is_set():
+            if self.done.wait(0.2):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+        return self.done.is_set()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self.shutdown.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not self._connections.acquire(blocking=False):
+                logger.warning("refusing connection from %s:%d: %d connections already open", addr[0], addr[1], MAX_CONNECTIONS)
+                conn.close()
+                continue
+            thread = threading.Thread(target=self._serve_connection, args=(conn, addr), daemon=True,
+                                      name=f"coordinator-conn-{addr[0]}:{addr[1]}")
+            thread.start()
+
+    def _serve_connection(self, conn: socket.socket, addr: tuple) -> None:
+        where = f"{addr[0]}:{addr[1]}"
+        worker: Optional[WorkerState] = None
+        clean = False
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = new_nonce()
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.sendall(encode_frame(make_message("hello", 0, nonce=nonce, server="model_parallel.coordinator"), None, S2C, nonce))
+            session = Session(conn, self.token, nonce, S2C, timeout=HANDSHAKE_TIMEOUT_S)
+            first = session.recv(HANDSHAKE_TIMEOUT_S)
+            if first["type"] != "register":
+                raise ProtocolError(f"first message must be register, got {first['type']!r}")
+            if first["role"] == "ctl":
+                clean = self._serve_ctl(session, where)
+                return
+            worker = self._register_worker(session, first, where)
+            clean = self._serve_worker(session, worker)
+        except ProtocolError as error:
+            logger.warning("dropped client %s: %s", where, error)
+        except (socket.timeout, TimeoutError):
+            logger.warning("dropped client %s: no complete message within the timeout", where)
+        except ConnectionError:
+            pass
+        except OSError as error:
+            if not self.shutdown.is_set():
+                logger.warning("connection %s failed: %s", where, error)
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
+            self._connections.release()
+            if worker is not None and not clean:
+                self._connection_lost(worker)
+
+    # ---- workers -------------------------------------------------------------------------------
+    def _register_worker(self, session: Session, message: Mapping[str, Any], where: str) -> WorkerState:
+        rank, world = message.get("rank"), message.get("world_size")
+        if rank is None or world is None:
+            raise ProtocolError("worker register needs rank and world_size")
+        if world < 1 or not 0 <= rank < world:
+            raise ProtocolError(f"worker register: rank {rank} is not in a world of {world}")
+        with self.lock:
+            if self.world_size is not None and world != self.world_size:
+                raise ProtocolError(f"rank {rank} says world size {world}, others said {self.world_size}")
+            if self.plan.num_ranks > world:
+                raise ProtocolError(f"plan v{self.plan.version} needs {self.plan.num_ranks} ranks, rank {rank} is in a world of {world}")
+            old = self.workers.get(rank)
+            if old is not None and old.status == "running" and old.session is not None:
+                raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host})")
+            self.world_size = world
+            worker = WorkerState(rank=rank, host=str(message.get("host", where)), pid=int(message.get("pid", 0)),
+                                 world_size=world, session=session)
+            self.workers[rank] = worker
+            self.done.clear()
+            plan = self.plan
+            self._status_dirty = True
+        with worker.send_lock:
+            session.send("welcome", plan_version=plan.version, plan=plan.to_dict())
+        logger.info("rank %d registered from %s (pid %d, world size %d)", rank, worker.host, worker.pid, world)
+        return worker
+
+    def _serve_worker(self, session: Session, worker: WorkerState) -> bool:
+        """Read heartbeats/reports until bye (True) or the connection ends (exception / False)."""
+        # A short read timeout so a closed coordinator notices promptly; silence is judged by the monitor.
+        while not self.shutdown.is_set():
+            try:
+                message = session.recv(1.0)
+            except socket.timeout:
+                # A timeout in the middle of a frame leaves the stream unusable; between frames it is fine.
+                continue
+            with self.lock:
+                worker.last_seen = time.monotonic()
+            kind = message["type"]
+            if kind == "heartbeat":
+                with self.lock:
+                    worker.step = max(worker.step, message["step"])
+            elif kind == "report":
+                if message["rank"] != worker.rank:
+                    raise ProtocolError(f"rank {worker.rank} sent a report for rank {message['rank']}")
+                self._on_report(worker, message)
+            elif kind == "bye":
+                with self.lock:
+                    worker.status = "finished"
+                    worker.session = None
+                    self._status_dirty = True
+                logger.info("rank %d finished: %s", worker.rank, message["reason"])
+                self._check_done()
+                return True
+            else:
+                raise ProtocolError(f"rank {worker.rank}: unexpected {kind!r} from a worker")
+        return True
+
+    def _on_report(self, worker: WorkerState, message: Mapping[str, Any]) -> None:
+        with self.lock:
+            worker.step = max(worker.step, message["step"])
+            worker.stage = None if message["stage"] < 0 else message["stage"]
+            worker.plan_version = message["plan_version"]
+            worker.reports.append((message["step"], message["plan_version"], float(message["compute_ms"]),
+                                   float(message["comm_ms"]), float(message["idle_ms"]), float(message["samples_per_s"])))
+            self._status_dirty = True
+            if self.pending is not None and message["plan_version"] >= self.pending.version:
+                self._confirm_switch(message["step"])
+            if self.policy == "auto" and self.pending is None and self.stop_reason is None:
+                step = max(w.step for w in self.workers.values())
+                # Evaluate at most once per step, and (the solve can take a while) every `window` steps
+                # once the window is full.
+                if step > self.last_eval_step:
+                    decision = self._decide(step, force=False)
+                    if decision.plan is None and decision.estimate is not None:
+                        self.last_eval_step = step + self.config.window - 1
+                    else:
+                        self.last_eval_step = step
+                    if decision.plan is not None:
+                        self._issue_switch(decision.plan, f"auto: {decision.reason}", step)
+
+    def _samples(self) -> dict[int, list[float]]:
+        """rank -> compute ms measured under the live plan, past its warm-up steps."""
+        first = self.version_start_step + WARMUP_STEPS
+        return {
+            rank: [r[2] for r in w.reports if r[1] == self.plan.version and r[0] >= first]
+            for rank, w in self.workers.items()
+        }
+
+    def _decide(self, step: int, force: bool) -> policy_mod.Decision:
+        decision = policy_mod.decide(self.graph, self.plan, self._samples(), self.config,
+                                     steps_since_switch=step - self.version_start_step, solver=self.solver, force=force)
+        self.last_decision = decision.reason
+        logger.debug("policy at step %d: %s", step, decision.reason)
+        return decision
+
+    def _issue_switch(self, plan: Plan, reason: str, step: int) -> None:
+        """Send plan v+1 to rank 0 (lock held)."""
+        plan = replace(plan, version=self.plan.version + 1)
+        self.pending = plan
+        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
+        logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
+        from model_parallel.runtime.control import Command  # the runtime owns the command type
+
+        self._send_to(0, Command.switch(plan, reason=reason).to_dict())
+
+    def _confirm_switch(self, step: int) -> None:
+        assert self.pending is not None
+        self.plan = self.pending
+        self.pending = None
+        self.version_start_step = step
+        self.last_eval_step = step
+        for entry in self.history:
+            if entry["version"] == self.plan.version:
+                entry["applied_at_step"] = step
+        logger.warning("plan v%d is live from step %d", self.plan.version, step)
+
+    def _send_to(self, rank: int, command: dict[str, Any]) -> bool:
+        worker = self.workers.get(rank)
+        if worker is None or worker.session is None or worker.status != "running":
+            logger.warning("cannot send %s to rank %d: it is not connected", command.get("kind"), rank)
+            return False
+        try:
+            with worker.send_lock:
+                worker.session.send("command", command=command)
+            return True
+        except OSError as error:
+            logger.warning("sending %s to rank %d failed: %s", command.get("kind"), rank, error)
+            return False
+
+    def _connection_lost(self, worker: WorkerState) -> None:
+        with self.lock:
+            if worker.status != "running" or self.workers.get(worker.rank) is not worker:
+                return
+            if self.shutdown.is_set():
+                return
+        self._declare_dead(worker, "its control connection closed without a goodbye")
+
+    def _declare_dead(self, worker: WorkerState, why: str) -> None:
+        from model_parallel.runtime.control import Command
+
+        with self.lock:
+            if worker.status != "running":
+                return
+            worker.status = "dead"
+            worker.session = None
+            reason = f"rank {worker.rank} (pid {worker.pid} on {worker.host}) is dead: {why}"
+            logger.error("%s; stopping every other rank", reason)
+            if self.stop_reason is None:
+                self.stop_reason = reason
+            survivors = [r for r, w in self.workers.items() if w.status == "running"]
+            self._status_dirty = True
+            for rank in survivors:
+                self._send_to(rank, Command.stop(reason).to_dict())
+        self._check_done()
+
+    def _check_done(self) -> None:
+        with self.lock:
+            if not self.workers:
+                return
+            registered_all = self.world_size is not None and len(self.workers) >= self.world_size
+            gone = all(w.status != "running" for w in self.workers.values())
+            if gone and (registered_all or self.stop_reason is not None):
+                self.done.set()
+
+    def _monitor_loop(self) -> None:
+        while not self.shutdown.wait(0.25):
+            now = time.monotonic()
+            with self.lock:
+                silent = [w for w in self.workers.values() if w.status == "running" and now - w.last_seen > self.heartbeat_timeout]
+            for worker in silent:
+                self._declare_dead(worker, f"no heartbeat for {now - worker.last_seen:.1f} s (limit {self.heartbeat_timeout:.0f} s)")
+            self._write_status()
+
+    # ---- ctl -------------------------------------------------------------------------------------
+    def _serve_ctl(self, session: Session, where: str) -> bool:
+        while not self.shutdown.is_set():
+            try:
+                message = session.recv(CTL_IDLE_TIMEOUT_S)
+            except ConnectionError:
+                return True
+            if message["type"] != "ctl":
+                raise ProtocolError(f"ctl client sent {message['type']!r}; expected ctl")
+            logger.info("ctl %s from %s", message["op"], where)
+            try:
+                result = self.handle_ctl(message["op"], message["args"])
+                session.send("reply", ok=True, result=result)
+            except ModelParallelError as error:
+                session.send("reply", ok=False, error=str(error))
+        return True
+
+    def handle_ctl(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one ctl operation; returns its JSON result or raises a ModelParallelError."""
+        from model_parallel.runtime.control import Command
+
+        with self.lock:
+            if op == "status":
+                return self.status()
+            if self.stop_reason is not None:
+                raise PlanError(f"the run is stopping ({self.stop_reason}); no plan changes accepted")
+            if self.pending is not None and op in ("rebalance", "set-plan", "scale"):
+                raise PlanError(f"plan v{self.pending.version} is still being applied; try again in a few steps")
+            step = max((w.step for w in self.workers.values()), default=0)
+            if op == "rebalance":
+                decision = self._decide(step, force=True)
+                if decision.plan is None:
+                    return {"switched": False, "reason": decision.reason}
+                self._issue_switch(decision.plan, f"ctl rebalance: {decision.reason}", step)
+                return {"switched": True, "version": self.pending.version, "reason": decision.reason,
+                        "plan": self.pending.to_dict()}
+            if op == "set-plan":
+                plan = Plan.from_dict(args.get("plan"), "set-plan")
+                plan = self._check_plan(plan.with_default_ranks())
+                self._issue_switch(plan, "ctl set-plan", step)
+                return {"switched": True, "version": self.pending.version, "plan": self.pending.to_dict()}
+            if op == "scale":
+                plan = self._scaled_plan(args.get("workers"))
+                self._issue_switch(plan, f"ctl scale --workers {plan.num_stages}", step)
+                return {"switched": True, "version": self.pending.version, "plan": self.pending.to_dict()}
+            if op == "slow":
+                rank, factor = args.get("rank"), args.get("factor")
+                if not isinstance(rank, int) or rank not in self.workers:
+                    raise PlanError(f"slow: no worker with rank {rank!r}; running ranks are {sorted(self.workers)}")
+                command = Command.slowdown(rank, float(factor), reason="ctl slow")
+                if not self._send_to(0, command.to_dict()):
+                    raise PlanError("slow: rank 0 is not connected, so the slowdown cannot be broadcast")
+                self.workers[rank].slowdown = float(factor)
+                return {"rank": rank, "factor": float(factor)}
+        raise PlanError(f"unknown ctl op {op!r}")
+
+    def _check_plan(self, plan: Plan) -> Plan:
+        nodes = [n for s in plan.stages for n in s.node_ids]
+        missing = sorted(set(self.graph.by_id) - set(nodes))
+        extra = sorted(set(nodes) - set(self.graph.by_id))
+        if missing or extra:
+            raise PlanError(f"set-plan: the plan must cover the graph's {len(self.graph)} nodes exactly; "
+                            f"missing {missing[:3]}, unknown {extra[:3]}")
+        alive = {r for r, w in self.workers.items() if w.status == "running"}
+        ranks = {r for s in plan.stages for r in s.ranks}
+        if not ranks <= alive:
+            raise PlanError(f"set-plan: the plan uses rank(s) {sorted(ranks - alive)} which are not running (running: {sorted(alive)})")
+        return plan
+
+    def _scaled_plan(self, count: Any) -> Plan:
+        alive = sorted(r for r, w in self.workers.items() if w.status == "running")
+        if not isinstance(count, int) or not 1 <= count <= len(alive):
+            raise PlanError(f"scale --workers {count!r}: must be between 1 and the {len(alive)} running worker(s)")
+        speeds = self.speeds()
+        # Keep the fastest `count` workers (ties: lower rank), in rank order.
+        chosen = sorted(sorted(alive, key=lambda r: (-speeds.get(r, 1.0), r))[:count])
+        known = [speeds.get(r, 1.0) for r in chosen]
+        return policy_mod.plan_for_workers(self.graph, chosen, known, self.plan.version + 1, self.solver)
+
+    def speeds(self) -> dict[int, float]:
+        """Latest speed estimate per rank (ranks without samples are absent)."""
+        samples = {r: v[-self.config.window:] for r, v in self._samples().items() if v}
+        try:
+            return dict(policy_mod.estimate_speeds(self.graph, self.plan, samples).speeds)
+        except PlanError:
+            return {}
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            samples = self._samples()
+            speeds = self.speeds()
+            stages = []
+            for stage in self.plan.stages:
+                for rank in stage.ranks:
+                    values = samples.get(rank, [])[-self.config.window:]
+                    stages.append({
+                        "stage": stage.stage_id, "rank": rank, "num_nodes": len(stage.node_ids),
+                        "profiled_ms": policy_mod.stage_profiled_ms(self.graph, stage) / stage.num_replicas,
+                        "measured_ms": (sorted(values)[len(values) // 2] if values else None),
+                        "speed": speeds.get(rank),
+                    })
+            workers = [{
+                "rank": w.rank, "host": w.host, "pid": w.pid, "status": w.status, "step": w.step,
+                "stage": w.stage, "plan_version": w.plan_version, "slowdown": w.slowdown,
+                "last_seen_s_ago": round(time.monotonic() - w.last_seen, 2),
+                "samples_per_s": (w.reports[-1][5] if w.reports else None),
+            } for w in sorted(self.workers.values(), key=lambda w: w.rank)]
+            return {
+                "plan_version": self.plan.version,
+                "plan": self.plan.to_dict(),
+                "table": self.plan.table(),
+                "pending_version": self.pending.version if self.pending else None,
+                "policy": self.policy,
+                "last_decision": self.last_decision,
+                "stages": stages,
+                "workers": workers,
+                "history": list(self.history),
+                "stop_reason": self.stop_reason,
+            }
+
+    def _write_status(self, force: bool = False) -> None:
+        if self.status_file is None:
+            return
+        with self.lock:
+            if not (self._status_dirty or force):
+                return
+            self._status_dirty = False
+            data = self.status()
+        try:
+            atomic_write_json(self.status_file, data)
+        except OSError as error:
+            logger.warning("cannot write status file %s: %s", self.status_file, error)

@@ -1,0 +1,57 @@
+"""`PartitionOptions`: every knob of the partition optimizer, validated once."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from model_parallel.errors import PlanError
+
+MEMORY_MODELS = ("pipedream", "1f1b")
+CUTS = ("auto", "antichain", "topological")
+
+
+@dataclass(frozen=True)
+class PartitionOptions:
+    """How to partition. The defaults reproduce PipeDream's optimizer (FORMATS.md) exactly.
+
+    - `straight_pipeline`: one worker per stage, no replication.
+    - `use_fewer_machines`: a level may leave machines idle when that is faster.
+    - `activation_compression_ratio`: count inter-stage transfers at size / R; None ignores transfers
+      (PipeDream's behaviour without the flag).
+    - `use_memory_constraint` + `memory_model`: drop candidates whose per-worker bytes exceed the
+      hierarchy's `memory_bytes` ("pipedream" stash estimate or "1f1b"; see `dp.py`).
+    - `worker_speeds`: relative speed of each worker in rank order (1.0 = as profiled); a stage on
+      worker w takes compute / speed_w. Needs `straight_pipeline` and a one-level hierarchy.
+    - `cuts`: "antichain" = PipeDream's states (reproduces its numbers), "topological" = prefixes of
+      one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given
+      or the graph has more than `max_antichain_states` antichain states.
+    """
+
+    straight_pipeline: bool = False
+    use_fewer_machines: bool = False
+    activation_compression_ratio: Optional[float] = None
+    use_memory_constraint: bool = False
+    memory_model: str = "pipedream"
+    worker_speeds: Optional[tuple[float, ...]] = None
+    cuts: str = "auto"
+    max_antichain_states: int = 20000
+
+    def __post_init__(self) -> None:
+        ratio = self.activation_compression_ratio
+        if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
+            raise PlanError(f"activation_compression_ratio must be a positive number, got {ratio}")
+        if self.memory_model not in MEMORY_MODELS:
+            raise PlanError(f"memory_model must be one of {MEMORY_MODELS}, got {self.memory_model!r}")
+        if self.cuts not in CUTS:
+            raise PlanError(f"cuts must be one of {CUTS}, got {self.cuts!r}")
+        if self.max_antichain_states < 1:
+            raise PlanError(f"max_antichain_states must be >= 1, got {self.max_antichain_states}")
+        if self.worker_speeds is not None:
+            speeds = tuple(float(s) for s in self.worker_speeds)
+            object.__setattr__(self, "worker_speeds", speeds)
+            bad = [s for s in speeds if not (math.isfinite(s) and s > 0)]
+            if not speeds or bad:
+                raise PlanError(f"worker_speeds must be positive numbers (1.0 = as profiled), got {list(speeds)}")
+            if not self.straight_pipeline:
+                raise PlanError("worker_speeds needs straight_pipeline=True (one worker per stage, stage k on worker k)")

@@ -1,0 +1,240 @@
+"""`partition(graph, hierarchy, options) -> Plan`: PipeDream's hierarchical optimizer, exact and fast.
+
+Pure: no I/O, no globals; the only impurity is `Plan.optimizer_seconds`, measured around the solve.
+Steps: pre-process (states.py), enumerate cut states, solve each level of the hierarchy innermost
+first (dp.py), follow the recorded splits outermost first down to the stages, then place nodes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from model_parallel.errors import InfeasibleError, PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+from model_parallel.optimizer.costs import stage_costs, stash_factor
+from model_parallel.optimizer.dp import LevelTables, Part, analyze, range_table, solve_level
+from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.states import States, Workload, antichain_states, preprocess, prefix_states
+from model_parallel.optimizer.straight import straight_partition
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The raw optimizer result before it becomes a Plan: best time and innermost parts in order."""
+
+    time_s: float
+    parts: tuple[Part, ...]
+    states: States
+
+
+def choose_states(work: Workload, options: PartitionOptions) -> States:
+    """The state space `options.cuts` asks for ("auto" falls back to prefixes on huge antichain DAGs)."""
+    if options.cuts == "topological" or options.worker_speeds is not None:
+        return prefix_states(work)
+    if options.cuts == "antichain":
+        return antichain_states(work)
+    try:
+        return antichain_states(work, max_states=options.max_antichain_states)
+    except InfeasibleError:
+        logger.warning(
+            "more than %d antichain states: cutting along prefixes of one topological order instead "
+            "(cuts='topological'); pass cuts='antichain' to insist",
+            options.max_antichain_states,
+        )
+        return prefix_states(work)
+
+
+def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
+    """Run the DP over every level and reconstruct the innermost parts (replicas multiplied out)."""
+    memory = hierarchy.memory_bytes if options.use_memory_constraint else None
+    levels = hierarchy.levels
+    if (
+        len(levels) == 1
+        and options.straight_pipeline
+        and states.kind == "topological"
+    ):
+        speeds = options.worker_speeds or (1.0,) * levels[0].num_machines
+        if len(speeds) != levels[0].num_machines:
+            raise PlanError(
+                f"worker_speeds has {len(speeds)} value(s) but the hierarchy has {levels[0].num_machines} worker(s); "
+                "give one speed per worker"
+            )
+        value, parts = straight_partition(
+            states, speeds, levels[0].bandwidth, options.activation_compression_ratio,
+            options.use_fewer_machines, memory, options.memory_model,
+        )
+        return Solution(value, tuple(parts), states)
+    if options.worker_speeds is not None:
+        raise PlanError("worker_speeds needs a one-level hierarchy (-n P): stage k runs on worker k")
+
+    compute = range_table(states.compute)
+    activation = range_table(states.activation)
+    parameters = range_table(states.parameters)
+    all_tables: list[LevelTables] = []
+    within = 1
+    for number, level in enumerate(levels):
+        tables = solve_level(
+            compute, activation, parameters, states.output, states.pred_mask,
+            level.num_machines, within, level.bandwidth, final_level=number == len(levels) - 1,
+            straight_pipeline=options.straight_pipeline, use_fewer_machines=options.use_fewer_machines,
+            activation_compression_ratio=options.activation_compression_ratio,
+            memory_limit=memory, memory_model=options.memory_model,
+        )
+        # The best time of each range on all of this level's machines is its compute time one level up.
+        compute = tables.best[:, :, -1].copy()
+        within = level.num_machines
+        all_tables.append(tables)
+    value = float(all_tables[-1].best[0, states.num_states - 1, -1])
+    if not math.isfinite(value):
+        return Solution(value, (), states)
+    parts = [Part(0, states.num_states, 1)]
+    for tables in reversed(all_tables):
+        inner: list[Part] = []
+        for part in parts:
+            for sub in analyze(tables, part.start, part.end):
+                inner.append(Part(sub.start, sub.end, sub.replicas * part.replicas))
+        parts = inner
+    return Solution(value, tuple(parts), states)
+
+
+def _assign_nodes(graph: Graph, work: Workload, solution: Solution) -> dict[str, int]:
+    """PipeDream's rule: stage s gets the not-yet-placed nodes of P(end state of s)."""
+    stage_of: dict[str, int] = {}
+    placed = 0
+    for stage, part in enumerate(solution.parts):
+        new = solution.states.members[part.end - 1] & ~placed
+        placed |= new
+        while new:
+            low = new & -new
+            stage_of[work.node_ids[low.bit_length() - 1]] = stage
+            new ^= low
+    for node_id in work.node_ids:  # cannot happen for a complete state space; keep plans total anyway
+        stage_of.setdefault(node_id, len(solution.parts) - 1)
+    for node_id in work.inputs:
+        stage_of[node_id] = 0
+    for node_id in work.dropped:
+        producers = graph.predecessors[node_id]
+        stage_of[node_id] = max((stage_of.get(p, 0) for p in producers), default=0)
+    return stage_of
+
+
+def _infeasible_message(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions, states: States) -> str:
+    workers = hierarchy.num_workers
+    if options.use_memory_constraint:
+        relaxed = PartitionOptions(**{**options.__dict__, "use_memory_constraint": False})
+        free = solve(states, hierarchy, relaxed)
+        if math.isfinite(free.time_s):
+            need = _peak_memory(free.parts, states, workers, options.memory_model)
+            return (
+                f"no partition fits {hierarchy.memory_bytes:.4g} bytes per worker (memory model {options.memory_model!r}); "
+                f"a worker would need at least {need:.4g} bytes for the best unconstrained plan: raise -s/--memory_size "
+                "or add workers"
+            )
+    if options.straight_pipeline and workers > states.num_states and not options.use_fewer_machines:
+        return (
+            f"more stages than nodes: a straight pipeline on {workers} workers needs {workers} stages but the graph "
+            f"has only {states.num_states} cut point(s) ({graph_size(graph)} nodes); use fewer workers or --use_fewer_machines"
+        )
+    return f"no feasible partition of {len(graph)} nodes on {workers} workers with {options}"
+
+
+def graph_size(graph: Graph) -> int:
+    return len(graph.nodes)
+
+
+def _peak_memory(parts: tuple[Part, ...], states: States, workers: int, memory_model: str) -> float:
+    peak, before = 0.0, 0
+    for part in parts:
+        low = part.start - 1
+        bytes_ = (states.activation[part.end - 1] + states.parameters[part.end - 1]) - (
+            states.activation[low] + states.parameters[low] if low >= 0 else 0.0
+        )
+        peak = max(peak, stash_factor(memory_model, workers, before, part.replicas) * bytes_)
+        before += part.replicas
+    return peak
+
+
+def data_parallel_time(states: States, hierarchy: Hierarchy) -> float:
+    """PipeDream's data-parallel estimate: the whole model replicated at every level."""
+    total = float(states.compute[-1])
+    params = float(states.parameters[-1])
+    within = 1
+    for level in hierarchy.levels:
+        n, b = level.num_machines, level.bandwidth
+        total = (total + ((4 * (n - 1) * params) / (b * n)) / within) / n
+        within = n
+    return total
+
+
+def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = PartitionOptions()) -> Plan:
+    """Partition `graph` into pipeline stages on `hierarchy`; the plan covers every node of the graph.
+
+    Raises `InfeasibleError` when nothing fits (memory, or more stages than nodes) and `PlanError`
+    for inconsistent arguments.
+    """
+    started = time.perf_counter()
+    work = preprocess(graph)
+    states = choose_states(work, options)
+    solution = solve(states, hierarchy, options)
+    if not math.isfinite(solution.time_s):
+        raise InfeasibleError(_infeasible_message(graph, hierarchy, options, states))
+    stage_of = _assign_nodes(graph, work, solution)
+    elapsed = time.perf_counter() - started
+    return build_plan(graph, hierarchy, options, solution, stage_of, elapsed)
+
+
+def build_plan(
+    graph: Graph, hierarchy: Hierarchy, options: PartitionOptions, solution: Solution,
+    stage_of: dict[str, int], elapsed: float,
+) -> Plan:
+    num_stages = len(solution.parts)
+    costs = stage_costs(graph, stage_of, num_stages)
+    workers = hierarchy.num_workers
+    bandwidth = hierarchy.levels[0].bandwidth
+    ratio = options.activation_compression_ratio or 1.0
+    stages = []
+    before = 0
+    order = graph.topological_order
+    for index, (part, cost) in enumerate(zip(solution.parts, costs)):
+        r = part.replicas
+        transfers = [2.0 * cost.input_bytes / (bandwidth * r) / ratio, 4 * (r - 1) * cost.parameter_bytes / (bandwidth * r)]
+        if index < num_stages - 1:
+            transfers.append(2.0 * cost.output_bytes / (bandwidth * r) / ratio)
+        stages.append(
+            StagePlan(
+                stage_id=index,
+                node_ids=tuple(n for n in order if stage_of[n] == index),
+                num_replicas=r,
+                compute_s=cost.compute_s,
+                communication_s=max(transfers),
+                memory_bytes=stash_factor(options.memory_model, workers, before, r)
+                * (cost.activation_bytes + cost.parameter_bytes),
+            )
+        )
+        before += r
+    extra = {
+        "cuts": solution.states.kind,
+        "num_states": solution.states.num_states,
+        "data_parallel_time_s": data_parallel_time(solution.states, hierarchy),
+        "bandwidths": [level.bandwidth for level in hierarchy.levels],
+        "memory_model": options.memory_model,
+        "workers_unused": workers - before,
+    }
+    if options.worker_speeds is not None:
+        extra["worker_speeds"] = list(options.worker_speeds)
+    return Plan(
+        stages=tuple(stages),
+        time_per_minibatch_s=solution.time_s,
+        single_machine_time_s=float(solution.states.compute[-1]),
+        optimizer_seconds=elapsed,
+        num_machines=tuple(level.num_machines for level in hierarchy.levels),
+        extra=extra,
+    ).with_default_ranks()

@@ -1,0 +1,82 @@
+"""The straight-pipeline fast path: p stages over prefixes of one topological order, stage k on worker k.
+
+Exact for the bottleneck over that order: `best[t][j]` = the smallest possible slowest-stage time of
+the first j+1 nodes cut into t+1 stages on workers 0..t, computed for all j at once per stage t as
+a (k, j) matrix (O(p S^2) numpy work, milliseconds for S ~ 600). This is what the live rebalancer
+calls on every re-plan with measured worker speeds.
+
+    stage t on worker t over states k+1..j:
+        time = max(best[t-1][k], (X(j) - X(k)) / speed_t, 2 O(k) / (B R), 2 O(j) / (B R) [j not last])
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from model_parallel.optimizer.dp import Part
+from model_parallel.optimizer.states import States
+
+INF = np.inf
+
+
+def straight_partition(
+    states: States,
+    speeds: Sequence[float],
+    bandwidth: float,
+    activation_compression_ratio: Optional[float] = None,
+    use_fewer_machines: bool = False,
+    memory_limit: Optional[float] = None,
+    memory_model: str = "pipedream",
+) -> tuple[float, list[Part]]:
+    """Best bottleneck and its parts (inf and [] when infeasible, e.g. more workers than states)."""
+    x = states.compute
+    stash = states.activation + states.parameters
+    s = len(x)
+    p = len(speeds)
+    ratio = activation_compression_ratio
+    upper = np.triu(np.ones((s, s), dtype=bool), 1)  # [k, j]: k < j
+    diff = np.where(upper, x[None, :] - x[:, None], INF)
+    stash_diff = np.where(upper, stash[None, :] - stash[:, None], INF)
+    if ratio is not None:
+        transfer_in = (2.0 * states.output) / bandwidth / ratio
+        transfer_out = (2.0 * states.output) / bandwidth / ratio
+        transfer_out[-1] = 0.0
+        transfer = np.maximum(transfer_in[:, None], transfer_out[None, :])
+    else:
+        transfer = None
+
+    def stash_ok(bytes_: np.ndarray, stage: int) -> np.ndarray:
+        if memory_limit is None:
+            return np.ones(bytes_.shape, dtype=bool)
+        factor = p - stage if memory_model == "1f1b" else p - stage - 1
+        with np.errstate(invalid="ignore"):
+            return factor * bytes_ <= memory_limit
+
+    best = np.full((p, s), INF)
+    choice = np.full((p, s), -1, dtype=np.int64)
+    best[0] = np.where(stash_ok(stash, 0), x / speeds[0], INF)
+    for t in range(1, p):
+        cand = np.maximum(best[t - 1][:, None], diff / speeds[t])
+        if transfer is not None:
+            cand = np.maximum(cand, transfer)
+        cand = np.where(stash_ok(stash_diff, t), cand, INF)
+        choice[t] = np.argmin(cand, axis=0)  # first minimum: earliest cut
+        best[t] = cand[choice[t], np.arange(s)]
+    stages = p
+    if use_fewer_machines:
+        # Fewer stages leave the last workers idle; ties prefer more stages (smaller stages migrate less).
+        finals = best[:, s - 1]
+        stages = int(p - np.argmin(finals[::-1]))
+    value = float(best[stages - 1, s - 1])
+    if not np.isfinite(value):
+        return value, []
+    parts: list[Part] = []
+    j = s - 1
+    for t in range(stages - 1, 0, -1):
+        k = int(choice[t, j])
+        parts.append(Part(k + 1, j + 1, 1))
+        j = k
+    parts.append(Part(0, j + 1, 1))
+    return value, parts[::-1]

@@ -1,0 +1,189 @@
+"""`model_parallel.profile(model, example_inputs, loss_fn)`: the operator graph of a model with per-node times."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_map
+from tqdm.auto import tqdm
+
+from model_parallel.errors import ProfileError
+from model_parallel.graph.core import Graph
+from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, tensors_in
+from model_parallel.profiler.trace import run_preserving_state, trace_model
+
+logger = logging.getLogger(__name__)
+
+DeviceLike = Union[str, torch.device, None]
+
+
+def resolve_device(device: DeviceLike, model: Optional[nn.Module] = None) -> torch.device:
+    """`None` = where the model's parameters are (cpu for a parameterless model); "auto" = cuda if present."""
+    if device is None:
+        for tensor in list(model.parameters()) + list(model.buffers()) if model is not None else []:
+            return tensor.device
+        return torch.device("cpu")
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError(f"device {device!r} was asked for but CUDA is not available here; use --device cpu or auto")
+    return resolved
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Move every tensor in a nested value to `device`."""
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+
+
+@functools.lru_cache(maxsize=None)
+def harness_overhead(device: torch.device) -> HarnessOverhead:
+    """The replay's per-call cost on `device`, measured once per process (about 0.3 s)."""
+    overhead = calibrate_overhead(device)
+    logger.info("replay overhead per node on %s: forward %.4f ms, backward %.4f ms", device, overhead.forward_ms, overhead.backward_ms)
+    return overhead
+
+
+@contextmanager
+def preserved_model(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Everything profiling may touch is put back: buffers (BatchNorm statistics), train/eval mode,
+    the RNG (dropout draws), and the device the model lives on."""
+    original_device = resolve_device(None, model)
+    was_training = model.training
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        try:
+            if original_device != device:
+                model.to(device)
+            model.train()  # profile what training runs: batch statistics, dropout, auxiliary heads
+            yield
+        finally:
+            model.train(was_training)
+            if original_device != device:
+                model.to(original_device)
+            with torch.no_grad():
+                for name, buffer in model.named_buffers():
+                    if name in saved_buffers:
+                        buffer.copy_(saved_buffers[name].to(buffer.device))
+
+
+class _TimingInterpreter(fx.Interpreter):
+    """Runs the traced model once under no_grad (values freed after their last use) and, before each
+    operator runs for real, replays it in isolation to time its forward and backward."""
+
+    def __init__(self, gm: fx.GraphModule, graph: Graph, replay: Replay, progress: Optional[tqdm]) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.op_graph = graph
+        self.replay = replay
+        self.progress = progress
+        self.timings: dict[str, NodeTiming] = {}
+        # Whether real training tracks gradients through each value: it depends on a parameter.
+        self.needs_grad: dict[str, bool] = {}
+        self.modules = dict(gm.named_modules())
+
+    def _own_parameters(self, n: fx.Node) -> list[torch.Tensor]:
+        if n.op == "call_module":
+            return list(self.modules[n.target].parameters())
+        return []
+
+    def run_node(self, n: fx.Node) -> Any:
+        inputs_need_grad = any(self.needs_grad.get(i.name, False) for i in n.all_input_nodes)
+        own = self._own_parameters(n)
+        has_tensor_output = bool(self.op_graph[n.name].layer.outputs) if n.op != "output" else False
+        if n.op not in ("placeholder", "get_attr", "output") and has_tensor_output:
+            inputs = {i.name: (self.env[i], self.needs_grad.get(i.name, False)) for i in n.all_input_nodes}
+
+            def run(prepared: dict[str, Any], n: fx.Node = n) -> Any:
+                args = fx.node.map_arg(n.args, lambda a: prepared[a.name])
+                kwargs = fx.node.map_arg(n.kwargs, lambda a: prepared[a.name])
+                return getattr(self, n.op)(n.target, args, kwargs)
+
+            try:
+                with torch.enable_grad():
+                    self.timings[n.name] = self.replay.time(run, inputs, own)
+            except Exception as error:  # the op failed alone although it ran in the model: say which
+                raise ProfileError(
+                    f"node {n.name} ({n.op} {n.target}): replaying it in isolation failed: {type(error).__name__}: {error}"
+                ) from error
+        result = super().run_node(n)
+        if n.op == "placeholder":
+            self.needs_grad[n.name] = any(t.requires_grad for t in tensors_in(result))
+        elif n.op == "get_attr":
+            self.needs_grad[n.name] = isinstance(result, torch.Tensor) and result.requires_grad
+        else:
+            self.needs_grad[n.name] = inputs_need_grad or any(p.requires_grad for p in own)
+        if self.progress is not None and n.op != "output":
+            self.progress.update(1)
+        return result
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Iterable[Any],
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    *,
+    warmup: int = 1,
+    iterations: int = 3,
+    device: DeviceLike = None,
+    leaf_modules: Sequence[type[nn.Module]] = (),
+    subtract_overhead: bool = True,
+    progress: bool = False,
+) -> Graph:
+    """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
+
+    One node per torch.fx node; each node's `forward_ms` / `backward_ms` is the median of `iterations`
+    isolated replays (after `warmup` untimed ones) at this batch size, minus the replay's fixed
+    per-call cost (`subtract_overhead`). `loss_fn(output) -> scalar` is timed too, into
+    `graph.metadata["profile"]["loss_forward_ms" / "loss_backward_ms"]` (it is not a graph node).
+    `device`: None = where the model is; "auto" = cuda if available; else a torch device (the model is
+    moved there for profiling and back afterwards). The model is left exactly as it was: parameters,
+    gradients, buffers (BatchNorm statistics), train/eval mode and the RNG state.
+    """
+    target = resolve_device(device, model)
+    example_inputs = to_device(tuple(example_inputs), target)
+    started = time.perf_counter()
+    with preserved_model(model, target), torch.no_grad():
+        graph, gm = trace_model(model, example_inputs, leaf_modules)
+        overhead = harness_overhead(target) if subtract_overhead else HarnessOverhead()
+        replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead)
+        bar = tqdm(total=len(graph), desc=f"profiling {graph.metadata.get('model', 'model')}", unit="node",
+                   disable=not progress, leave=False)
+        try:
+            interpreter = _TimingInterpreter(gm, graph, replay, bar)
+            output = interpreter.run(*example_inputs)
+        finally:
+            bar.close()
+        loss_timing = NodeTiming(0.0, 0.0)
+        if loss_fn is not None:
+            with torch.enable_grad():
+                loss_timing = replay.time(lambda p: loss_fn(p["output"]), {"output": (output, True)})
+    timings = interpreter.timings
+    nodes = tuple(
+        replace(node, forward_ms=timings[node.node_id].forward_ms, backward_ms=timings[node.node_id].backward_ms)
+        if node.node_id in timings else node
+        for node in graph.nodes
+    )
+    seconds = time.perf_counter() - started
+    metadata = dict(graph.metadata)
+    metadata["profile"] = {
+        "device": str(target),
+        "warmup": warmup,
+        "iterations": iterations,
+        "num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "overhead_subtracted_ms": {"forward": overhead.forward_ms, "backward": overhead.backward_ms},
+        "loss_forward_ms": loss_timing.forward_ms,
+        "loss_backward_ms": loss_timing.backward_ms,
+        "profiling_seconds": seconds,
+    }
+    logger.info("profiled %d nodes in %.1f s (sum of layer times %.2f ms)", len(nodes), seconds, sum(n.compute_ms for n in nodes))
+    return replace(graph, nodes=nodes, metadata=metadata)

@@ -1,0 +1,273 @@
+"""Profile a torchvision image classifier: `python model_parallel/profiler/image_classification/main.py -a resnet152 -b 64`.
+
+Writes `<profile_directory>/<arch>/graph.txt`, `graph.json`, `graph.svg` and `profile_summary.json`.
+`profile_arch(...)` is the same job as a function (the demo and the benchmark call it in-process).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a plain script from a checkout: make `model_parallel` importable
+    _ROOT = str(Path(__file__).resolve().parents[3])
+    try:
+        import model_parallel  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, _ROOT)
+
+import logging
+import statistics
+import time
+from dataclasses import replace
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
+from model_parallel.compat import import_torchvision
+from model_parallel.errors import ProfileError, RenderError
+from model_parallel.fileio import atomic_write_json
+from model_parallel.graph.core import Graph
+from model_parallel.graph.io import save_graph
+from model_parallel.profiler.api import preserved_model, profile, resolve_device
+from model_parallel.profiler.timing import time_training_step, training_step
+
+logger = logging.getLogger(__name__)
+
+# Smallest input side each family accepts (the rest work from 32x32).
+MIN_IMAGE_SIZE = {"inception_v3": 75}
+
+
+def list_architectures() -> list[str]:
+    """Every torchvision classification model name."""
+    tv = import_torchvision()
+    return sorted(tv.models.list_models(module=tv.models))
+
+
+def build_model(arch: str, num_classes: int = 1000, image_size: int = 224) -> nn.Module:
+    """A freshly initialised torchvision classifier (no weights are downloaded)."""
+    names = list_architectures()
+    if arch not in names:
+        raise ProfileError(f"unknown architecture {arch!r}; valid ones: {', '.join(names)}")
+    minimum = MIN_IMAGE_SIZE.get(arch, 32)
+    if image_size < minimum:
+        raise ProfileError(f"{arch} needs --image-size >= {minimum}, got {image_size}")
+    kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
+    # These fix their input size at construction; build them for the size being profiled.
+    if arch.startswith("vit_"):
+        kwargs["image_size"] = image_size
+    if arch.startswith("maxvit"):
+        kwargs["input_size"] = (image_size, image_size)
+    tv = import_torchvision()
+    torch.manual_seed(0)
+    return tv.models.get_model(arch, **kwargs)
+
+
+def classification_loss(targets: torch.Tensor) -> Any:
+    """Cross entropy on the logits; auxiliary heads (inception_v3, googlenet in training) weigh 0.4, as
+    torchvision's reference training does."""
+
+    def loss_fn(output: Any) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return F.cross_entropy(output, targets)
+        main, *aux = [o for o in output if isinstance(o, torch.Tensor)]
+        loss = F.cross_entropy(main, targets)
+        for extra in aux:
+            loss = loss + 0.4 * F.cross_entropy(extra, targets)
+        return loss
+
+    return loss_fn
+
+
+def synthetic_batch(batch_size: int, image_size: int, num_classes: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
+    targets = torch.randint(0, num_classes, (batch_size,), generator=generator)
+    return images, targets
+
+
+def image_folder_batch(data_dir: str, batch_size: int, image_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The first minibatch of an ImageFolder (class-per-subfolder), resized and normalised; also the class count."""
+    tv = import_torchvision()
+    from torchvision import transforms
+
+    transform = transforms.Compose([
+        transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor(),
+        transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+    ])
+    try:
+        dataset = tv.datasets.ImageFolder(data_dir, transform=transform)
+    except (FileNotFoundError, OSError) as error:
+        raise ProfileError(f"--data_dir {data_dir}: not a readable ImageFolder (one subfolder per class): {error}") from None
+    if len(dataset) < batch_size:
+        raise ProfileError(f"--data_dir {data_dir} holds {len(dataset)} images, fewer than --batch-size {batch_size}")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
+    images, targets = next(iter(loader))
+    return images, targets, len(dataset.classes)
+
+
+def profile_arch(
+    arch: str,
+    batch_size: int,
+    image_size: int = 224,
+    *,
+    device: Optional[str] = "auto",
+    warmup: int = 1,
+    iterations: int = 3,
+    num_classes: Optional[int] = None,
+    data_dir: Optional[str] = None,
+    step_iterations: int = 5,
+    rounds: int = 1,
+    progress: bool = False,
+) -> tuple[Graph, dict[str, Any]]:
+    """Profile one torchvision model and time a plain training step of it; returns (graph, summary).
+
+    The training step (forward + loss + backward, zero_grad; no optimizer) is timed in chunks of
+    `step_iterations` before, between and after the `rounds` profiling passes, so background load
+    hits both sides alike; with rounds > 1 each node's times are the median over the rounds.
+    """
+    if batch_size < 1:
+        raise ProfileError(f"--batch-size must be >= 1, got {batch_size}")
+    if rounds < 1 or step_iterations < 1:
+        raise ProfileError(f"rounds and step_iterations must be >= 1, got {rounds} and {step_iterations}")
+    target = resolve_device(device)
+    if data_dir is not None:
+        images, targets, found_classes = image_folder_batch(data_dir, batch_size, image_size)
+        num_classes = num_classes or found_classes
+        if int(targets.max()) >= num_classes:
+            raise ProfileError(f"--data_dir {data_dir} has {found_classes} classes but --num-classes is {num_classes}")
+    else:
+        num_classes = num_classes or 1000
+        images, targets = synthetic_batch(batch_size, image_size, num_classes)
+    model = build_model(arch, num_classes, image_size).to(target)
+    images, targets = images.to(target), targets.to(target)
+    loss_fn = classification_loss(targets)
+
+    step_times: list[float] = []
+    graphs: list[Graph] = []
+    profile_seconds: list[float] = []
+    with preserved_model(model, target):
+        training_step(model, (images,), loss_fn)  # untimed warm-up: first-touch allocations, lazy init
+        step_times += time_training_step(model, (images,), loss_fn, target, step_iterations)
+        for _ in range(rounds):
+            model.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            graphs.append(profile(model, (images,), loss_fn, warmup=warmup, iterations=iterations,
+                                  device=target, progress=progress))
+            profile_seconds.append(time.perf_counter() - started)
+            step_times += time_training_step(model, (images,), loss_fn, target, step_iterations)
+        model.zero_grad(set_to_none=True)
+    graph = graphs[0] if rounds == 1 else _median_graph(graphs)
+
+    measured_step_ms = statistics.median(step_times)
+    sum_layer_ms = graph.total_compute_ms
+    profiling_seconds = statistics.median(profile_seconds)
+    tv = import_torchvision()
+    summary = {
+        "arch": arch,
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "num_classes": num_classes,
+        "data": data_dir or "synthetic",
+        "device": str(target),
+        "num_threads": torch.get_num_threads(),
+        "num_nodes": len(graph),
+        "num_edges": len(graph.edges),
+        "parameter_bytes": sum(n.parameter_size for n in graph.nodes),
+        "measured_step_ms": measured_step_ms,
+        "measured_step_ms_all": step_times,
+        "sum_layer_ms": sum_layer_ms,
+        "sum_forward_ms": sum(n.forward_ms for n in graph.nodes),
+        "sum_backward_ms": sum(n.backward_ms for n in graph.nodes),
+        "loss_ms": graph.metadata["profile"]["loss_forward_ms"] + graph.metadata["profile"]["loss_backward_ms"],
+        "accuracy_ratio": sum_layer_ms / measured_step_ms if measured_step_ms > 0 else float("nan"),
+        "profiling_seconds": profiling_seconds,
+        "overhead_ratio": profiling_seconds * 1000.0 / measured_step_ms if measured_step_ms > 0 else float("nan"),
+        "warmup": warmup,
+        "iterations": iterations,
+        "rounds": rounds,
+        "overhead_subtracted_ms": graph.metadata["profile"]["overhead_subtracted_ms"],
+        "torch_version": torch.__version__,
+        "torchvision_version": tv.__version__,
+    }
+    metadata = dict(graph.metadata)
+    metadata.update({"arch": arch, "batch_size": batch_size, "image_size": image_size})
+    return replace(graph, metadata=metadata), summary
+
+
+def _median_graph(graphs: Sequence[Graph]) -> Graph:
+    """The first graph with each node's times replaced by the median over all the graphs."""
+    first = graphs[0]
+    nodes = []
+    for index, node in enumerate(first.nodes):
+        forward = statistics.median(g.nodes[index].forward_ms for g in graphs)
+        backward = statistics.median(g.nodes[index].backward_ms for g in graphs)
+        nodes.append(replace(node, forward_ms=forward, backward_ms=backward))
+    return first.replace_nodes(nodes)
+
+
+def write_profile(graph: Graph, summary: dict[str, Any], directory: Path) -> dict[str, Path]:
+    """Write graph.txt + graph.json, graph.svg (skipped with one warning if graphviz is missing) and
+    profile_summary.json into `directory`; returns what was written."""
+    written = {"graph.txt": save_graph(graph, directory / "graph.txt"), "graph.json": directory / "graph.json"}
+    try:
+        written["graph.svg"] = render_svg(graph, directory / "graph.svg", summary["arch"])
+    except RenderError as error:
+        print(f"warning: {error}", file=sys.stderr)
+    written["profile_summary.json"] = atomic_write_json(directory / "profile_summary.json", summary)
+    return written
+
+
+def render_svg(graph: Graph, path: Path, title: str) -> Path:
+    from model_parallel.graph.render import render_graph
+
+    return render_graph(graph, path, title=title)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Profile a torchvision image classifier into a PipeDream graph.txt (+ graph.json).")
+    parser.add_argument("-a", "--arch", default="resnet18", help="torchvision model name (default resnet18)")
+    parser.add_argument("-b", "--batch-size", "--batch_size", dest="batch_size", type=int, default=64, help="minibatch size (default 64)")
+    parser.add_argument("--image-size", "--image_size", dest="image_size", type=int, default=224, help="input side in pixels (default 224)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
+    parser.add_argument("--profile_directory", "--profile-directory", dest="profile_directory", default="profiles",
+                        help="output root; files go to <dir>/<arch>/ (default profiles/)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed replays per node (default 1)")
+    parser.add_argument("--iterations", type=int, default=3, help="timed replays per node, median kept (default 3)")
+    parser.add_argument("--step-iterations", "--step_iterations", dest="step_iterations", type=int, default=5,
+                        help="plain training steps timed before and after profiling (default 5)")
+    parser.add_argument("--data_dir", "--data-dir", dest="data_dir", default=None,
+                        help="an ImageFolder to take the minibatch from (default: synthetic data)")
+    parser.add_argument("--num-classes", "--num_classes", dest="num_classes", type=int, default=None,
+                        help="classifier outputs (default 1000, or the ImageFolder's class count)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    graph, summary = profile_arch(
+        args.arch, args.batch_size, args.image_size, device=args.device, warmup=args.warmup,
+        iterations=args.iterations, num_classes=args.num_classes, data_dir=args.data_dir,
+        step_iterations=args.step_iterations, progress=True,
+    )
+    directory = Path(args.profile_directory) / args.arch
+    written = write_profile(graph, summary, directory)
+    print(f"{args.arch}: {summary['num_nodes']} nodes, batch {args.batch_size}, {args.image_size}x{args.image_size}, {summary['device']}")
+    print(f"  measured training step {summary['measured_step_ms']:.2f} ms, sum of layers {summary['sum_layer_ms']:.2f} ms "
+          f"(ratio {summary['accuracy_ratio']:.3f}); profiling took {summary['profiling_seconds']:.1f} s "
+          f"({summary['overhead_ratio']:.1f} steps)")
+    for name, path in written.items():
+        print(f"  wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

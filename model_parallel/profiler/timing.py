@@ -1,0 +1,188 @@
+"""Timers for the profiler: replay one operator in isolation (forward and backward), a plain training step,
+and the fixed per-call cost of the replay harness that is subtracted from every node.
+
+Every timed region is bracketed by a device synchronisation (`torch.cuda.synchronize` on CUDA, nothing
+on CPU), so asynchronous kernels are counted where they run, not where they are launched.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    """Median milliseconds of one operator's forward and backward at the profiled batch size."""
+
+    forward_ms: float
+    backward_ms: float
+
+
+@dataclass(frozen=True)
+class HarnessOverhead:
+    """What the isolated replay pays per call that a real training step does not (milliseconds).
+
+    A training step runs one backward pass for the whole model; the replay starts one per operator,
+    and each start (graph task set-up, input validation, result capture) costs 10-30 us on CPU.
+    Small models have hundreds of sub-millisecond operators, so this is subtracted from each node.
+    """
+
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all queued work on `device` (a no-op on CPU, where kernels run synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _now_ms(device: torch.device) -> float:
+    synchronize(device)
+    return time.perf_counter_ns() / 1e6
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) value: an op's output or its arguments."""
+    leaves, _ = tree_flatten(value)
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+class Replay:
+    """Runs one operator `warmup + iterations` times on fresh copies of its inputs and times it.
+
+    `inputs` maps an input key to (value, requires_grad): the value as the real forward pass produced
+    it, and whether real training would track gradients through it (it depends on parameters). Each
+    iteration copies the inputs outside the timed region, makes the gradient-tracking ones leaves and
+    hands the operator a `leaf.clone()` of them, so in-place operators (`ReLU(inplace=True)`,
+    `out += identity`) work exactly as inside the model. Backward computes what real training
+    computes there: gradients for the tracked inputs and for the operator's own parameters.
+    """
+
+    def __init__(self, device: torch.device, warmup: int, iterations: int, overhead: HarnessOverhead = HarnessOverhead()) -> None:
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self.device = device
+        self.warmup = warmup
+        self.iterations = iterations
+        self.overhead = overhead
+
+    def _prepare(self, inputs: dict[str, tuple[Any, bool]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        leaves: list[torch.Tensor] = []
+
+        def copy(value: Any, requires_grad: bool) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            leaf = value.detach().clone()
+            if requires_grad and _differentiable(leaf):
+                leaf.requires_grad_(True)
+                leaves.append(leaf)
+                # A non-leaf view of the leaf: in-place operators refuse leaves that require grad.
+                return leaf.clone()
+            return leaf
+
+        prepared = {key: tree_map(lambda v, g=grad: copy(v, g), value) for key, (value, grad) in inputs.items()}
+        return prepared, leaves
+
+    def time(self, run: Callable[[dict[str, Any]], Any], inputs: dict[str, tuple[Any, bool]], parameters: Sequence[torch.Tensor] = ()) -> NodeTiming:
+        """Time `run(prepared_inputs)`; `parameters` are the operator's own weights (gradients computed)."""
+        params = [p for p in parameters if p.requires_grad]
+        forward: list[float] = []
+        backward: list[float] = []
+        for iteration in range(self.warmup + self.iterations):
+            prepared, leaves = self._prepare(inputs)
+            start = _now_ms(self.device)
+            output = run(prepared)
+            middle = _now_ms(self.device)
+            roots = [t for t in tensors_in(output) if t.requires_grad]
+            backward_ms = 0.0
+            if roots:
+                grads = [torch.ones_like(t) for t in roots]
+                targets = leaves + params
+                begin = _now_ms(self.device)
+                # autograd.grad (not .backward): no accumulation into the copied inputs, which real
+                # training does not do either; parameter gradients are computed all the same.
+                torch.autograd.grad(roots, targets, grad_outputs=grads, allow_unused=True)
+                backward_ms = _now_ms(self.device) - begin
+            del output, roots, prepared, leaves
+            if iteration >= self.warmup:
+                forward.append(middle - start)
+                backward.append(backward_ms)
+        fwd = max(0.0, median(forward) - self.overhead.forward_ms)
+        bwd = median(backward)
+        if bwd > 0:
+            bwd = max(0.0, bwd - self.overhead.backward_ms)
+        return NodeTiming(forward_ms=fwd, backward_ms=bwd)
+
+
+def calibrate_overhead(device: torch.device, repeats: int = 200) -> HarnessOverhead:
+    """Measure the replay's fixed per-call cost with a trivial operator.
+
+    The cost of a tiny op replayed alone is its own cost plus the harness's; the same op's cost inside
+    one long chain (what a training step sees) is the slope of chain time over chain length. The
+    difference is the harness overhead, measured for forward and backward separately.
+    """
+    x = torch.zeros(1, device=device)
+    long_chain = 33
+
+    def chain(length: int) -> Callable[[dict[str, Any]], Any]:
+        def run(inputs: dict[str, Any]) -> Any:
+            y = inputs["x"]
+            for _ in range(length):
+                y = y * 1.0
+            return y
+
+        return run
+
+    replay = Replay(device, warmup=max(5, repeats // 10), iterations=repeats)
+    # Interleave the short and long chains so background load hits both alike; take medians.
+    shorts: list[NodeTiming] = []
+    longs: list[NodeTiming] = []
+    for _ in range(5):
+        shorts.append(replay.time(chain(1), {"x": (x, True)}))
+        longs.append(replay.time(chain(long_chain), {"x": (x, True)}))
+    short_f = median([t.forward_ms for t in shorts])
+    short_b = median([t.backward_ms for t in shorts])
+    per_op_f = (median([t.forward_ms for t in longs]) - short_f) / (long_chain - 1)
+    per_op_b = (median([t.backward_ms for t in longs]) - short_b) / (long_chain - 1)
+    return HarnessOverhead(forward_ms=max(0.0, short_f - per_op_f), backward_ms=max(0.0, short_b - per_op_b))
+
+
+def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> None:
+    """One plain training step without the optimizer: zero_grad(set_to_none), forward, loss, backward."""
+    model.zero_grad(set_to_none=True)
+    output = model(*inputs)
+    if loss_fn is not None:
+        loss_fn(output).backward()
+        return
+    roots = [t for t in tensors_in(output) if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+def time_training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
+                       device: torch.device, iterations: int) -> list[float]:
+    """Milliseconds of each of `iterations` plain training steps (the caller restores model state)."""
+    times: list[float] = []
+    for _ in range(iterations):
+        start = _now_ms(device)
+        training_step(model, inputs, loss_fn)
+        times.append(_now_ms(device) - start)
+    return times

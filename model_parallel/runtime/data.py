@@ -1,0 +1,118 @@
+"""Minibatches keyed by (seed, step): deterministic synthetic data, or a real ImageFolder.
+
+Only stage 0 reads data (targets travel down the pipeline with the activations). A dataset here
+is anything with `batch(step) -> (inputs: tuple[Tensor, ...], target: Tensor)`; the same step
+gives the same minibatch on every process and after a resume, which is what makes pipeline runs
+comparable with single-process runs.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Union
+
+import torch
+
+from model_parallel.errors import ModelParallelError
+
+
+class Dataset(Protocol):
+    batch_size: int
+
+    def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]: ...
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    # Distinct streams per (seed, step) without correlations between neighbouring steps.
+    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1))
+
+
+@dataclass(frozen=True)
+class SyntheticData:
+    """Random minibatches: `kind` "dense" (float inputs of `shape`, class targets) or "tokens"
+    (int64 ids of `shape` = (seq_len,), next-token-style int64 targets of the same shape)."""
+
+    batch_size: int
+    shape: tuple[int, ...]
+    num_classes: int = 10
+    kind: str = "dense"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ModelParallelError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.kind not in ("dense", "tokens"):
+            raise ModelParallelError(f"synthetic data kind must be 'dense' or 'tokens', got {self.kind!r}")
+
+    def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        gen = _generator(self.seed, step)
+        if self.kind == "tokens":
+            x = torch.randint(self.num_classes, (self.batch_size, *self.shape), generator=gen)
+            y = torch.randint(self.num_classes, (self.batch_size, *self.shape), generator=gen)
+            return (x,), y
+        x = torch.randn((self.batch_size, *self.shape), generator=gen)
+        y = torch.randint(self.num_classes, (self.batch_size,), generator=gen)
+        return (x,), y
+
+
+class ImageFolderData:
+    """A torchvision ImageFolder (`root/<class>/<image>`), resized to `image_size`, shuffled per
+    epoch by (seed, epoch); step s reads samples [s*B, (s+1)*B) of that order (wrapping epochs)."""
+
+    def __init__(self, root: Union[str, "os.PathLike[str]"], batch_size: int, image_size: int = 32, seed: int = 0) -> None:
+        from model_parallel.compat import import_torchvision
+
+        torchvision = import_torchvision()
+        from torchvision import transforms
+
+        if not os.path.isdir(root):
+            raise ModelParallelError(f"--data {root}: not a directory (expected an ImageFolder: root/<class>/<image files>)")
+        transform = transforms.Compose([
+            transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor(),
+            transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ])
+        try:
+            self.dataset = torchvision.datasets.ImageFolder(str(root), transform=transform)
+        except (FileNotFoundError, RuntimeError) as error:
+            raise ModelParallelError(f"--data {root}: cannot read an ImageFolder: {error}") from None
+        self.batch_size, self.seed = batch_size, seed
+        self.num_classes = len(self.dataset.classes)
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            self._orders = {epoch: torch.randperm(len(self.dataset), generator=_generator(self.seed, -1 - epoch))}
+        return self._orders[epoch]
+
+    def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        n = len(self.dataset)
+        images, labels = [], []
+        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
+            image, label = self.dataset[int(self._order(i // n)[i % n])]
+            images.append(image)
+            labels.append(label)
+        return (torch.stack(images),), torch.tensor(labels, dtype=torch.int64)
+
+
+def split_microbatches(inputs: Sequence[Any], target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """Split a minibatch along dim 0 into `num_microbatches` parts (sizes differ by at most one)."""
+    batch = target.shape[0]
+    if batch < num_microbatches:
+        raise ModelParallelError(f"a minibatch of {batch} samples cannot be split into {num_microbatches} microbatches; "
+                                 "raise --batch_size or lower --num_microbatches")
+    parts_in = [torch.tensor_split(x, num_microbatches) if isinstance(x, torch.Tensor) else [x] * num_microbatches for x in inputs]
+    parts_t = torch.tensor_split(target, num_microbatches)
+    return [(tuple(p[j] for p in parts_in), parts_t[j]) for j in range(num_microbatches)]
+
+
+def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...], num_classes: int, kind: str = "dense",
+                 image_size: int = 32) -> Any:
+    """`spec` is "synthetic" or an ImageFolder directory."""
+    if spec == "synthetic":
+        return SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
+    return ImageFolderData(spec, batch_size, image_size, seed)
+
+
+def num_classes_of(dataset: Any, default: Optional[int] = None) -> Optional[int]:
+    return getattr(dataset, "num_classes", default)

@@ -1,0 +1,523 @@
+"""One rank of a running pipeline: its stage under the current plan, the step loop and the control path.
+
+Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m microbatches):
+
+    for each action of schedule.rank_actions(k, i, r_k):      microbatch j lives on replica j % r_k
+      kF j: inputs <- data loader (k = 0) or a pre-posted irecv from stage k-1
+            outputs = stage(*inputs)  [recompute: torch.utils.checkpoint; bf16: autocast]
+            k < p-1: isend(outputs + [target]) to stage k+1     k = p-1: loss = criterion(out, target) / m
+      kB j: k < p-1: output grads <- pre-posted irecv from stage k+1; autograd.backward(outputs, grads)
+            k = p-1: loss.backward()
+            k > 0:   isend(input grads) to stage k-1
+    wait for sends; all-reduce grads among the stage's replicas (sum: the loss is already / m)
+    one all-reduce over all ranks of [loss, squared grad norm]  (clipping by global norm)
+    optimizer step with this step's learning rate; metrics; checkpoint
+    control: every rank reports metrics to its ControlChannel; rank 0 polls it and broadcasts the
+             decision (continue / switch plan / stop / slowdown) over a gloo group
+
+So the sum of microbatch gradients is the gradient of the minibatch-mean loss, and after every
+flush the parameters equal single-process training with the same microbatching. Spare ranks
+(no stage) only take part in the all-reduce and the control broadcast.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model_parallel.codegen.boundary import stage_boundaries
+from model_parallel.codegen.build import build_stage
+from model_parallel.errors import ModelParallelError, PeerError, PlanError
+from model_parallel.graph.arguments import decode_argument
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime import comm
+from model_parallel.runtime.control import Command, ControlChannel, NullChannel
+from model_parallel.runtime.data import split_microbatches
+from model_parallel.runtime.schedule import make_schedule
+from model_parallel.runtime.stages import check_plan_fits, layer_modules
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train; shared by the command line, `PipelineTrainer` and single-process mode."""
+
+    batch_size: int = 8
+    num_microbatches: int = 4
+    schedule: str = "1f1b"  # 1f1b | gpipe
+    seed: int = 0
+    recompute: Union[bool, tuple[int, ...]] = False  # True: every stage; a tuple: those stage ids
+    bf16: bool = False
+    clip_grad: Optional[float] = None  # max global gradient norm
+    lr_schedule: str = "constant"  # constant | cosine:<total_steps> | warmup:<steps> | step:<every>:<gamma>
+    timeout: float = 60.0  # seconds for every blocking communication
+    heartbeat_interval: float = 1.0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0  # steps; 0: only at the end when checkpoint_dir is set
+    resume: bool = False
+    trace_dir: Optional[str] = None
+    metrics: Optional[str] = None  # JSONL path; "{rank}" is replaced
+    slowdown: float = 1.0
+    slowdown_rank: Optional[int] = None
+    slowdown_after_step: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.num_microbatches < 1:
+            raise ModelParallelError(f"batch size and microbatches must be >= 1, got {self.batch_size} and {self.num_microbatches}")
+        if self.batch_size < self.num_microbatches:
+            raise ModelParallelError(f"batch size {self.batch_size} < {self.num_microbatches} microbatches: "
+                                     "every microbatch needs at least one sample")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ModelParallelError(f"schedule {self.schedule!r} cannot be executed; choose 1f1b or gpipe "
+                                     "(pipedream is available as data in runtime.schedule, not yet executed)")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ModelParallelError(f"clip_grad must be > 0, got {self.clip_grad}")
+        if self.timeout <= 0:
+            raise ModelParallelError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.slowdown < 1.0:
+            raise ModelParallelError(f"slowdown factor must be >= 1 (1 = off), got {self.slowdown}")
+        lr_factor(self.lr_schedule, 0)  # validates
+
+    def recompute_stage(self, stage: int) -> bool:
+        return self.recompute is True or (isinstance(self.recompute, tuple) and stage in self.recompute)
+
+
+def lr_factor(schedule: str, step: int) -> float:
+    """Learning-rate multiplier at `step` for a schedule spec (see TrainConfig.lr_schedule)."""
+    import math
+
+    kind, _, rest = schedule.partition(":")
+    try:
+        if kind == "constant":
+            return 1.0
+        if kind == "cosine":
+            total = int(rest)
+            return 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+        if kind == "warmup":
+            return min(1.0, (step + 1) / int(rest))
+        if kind == "step":
+            every, gamma = rest.split(":")
+            return float(gamma) ** (step // int(every))
+    except (ValueError, ZeroDivisionError):
+        pass
+    raise ModelParallelError(f"bad --lr_schedule {schedule!r}; use constant, cosine:<total_steps>, warmup:<steps> "
+                             "or step:<every>:<gamma>")
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s scale factor."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@dataclass
+class _Stash:
+    inputs: list[Any]
+    outputs: Any  # tuple of stage outputs, or the loss on the last stage
+    target: Any = None
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PipelineEngine:
+    """A rank's view of the pipeline. Build it after `init_process_group`, on every rank, with the same
+    graph, plan, seed-built model and config; then call `train(steps)` on all ranks."""
+
+    def __init__(
+        self,
+        *,
+        graph: Graph,
+        plan: Plan,
+        model: nn.Module,
+        criterion: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer_factory: OptimizerFactory,
+        dataset: Any,
+        config: TrainConfig,
+        channel: Optional[ControlChannel] = None,
+        health: Any = None,
+        device: Optional[torch.device] = None,
+        control_group: Any = None,
+    ) -> None:
+        from model_parallel.runtime.metrics import MetricsRecorder
+        from model_parallel.runtime.tracing import Tracer
+
+        self.graph, self.model, self.criterion = graph, model, criterion
+        self.optimizer_factory, self.dataset, self.config = optimizer_factory, dataset, config
+        self.channel = channel or NullChannel()
+        self.health = health
+        self.device = device or torch.device("cpu")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.control_group = control_group if control_group is not None else dist.new_group(backend="gloo")
+        self.modules = layer_modules(graph, model)
+        self.tracer = Tracer(self.rank, enabled=bool(config.trace_dir))
+        self.metrics = MetricsRecorder(self.rank, path=config.metrics, tracer=self.tracer)
+        self.slowdown = 1.0
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._pending_migration_s = 0.0
+        self.switch_pauses_ms: list[float] = []
+        self.history: list[StepResult] = []
+        self.stage: Any = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.activate(plan)
+
+    # ---- plan --------------------------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        return f"[rank {self.rank} stage {self.stage_id if self.stage_id is not None else '-'}]"
+
+    def replica_group(self, ranks: Sequence[int]) -> Any:
+        """The process group of a replicated stage (created collectively, cached by rank tuple)."""
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), backend="gloo" if self.device.type == "cpu" else None)
+        return self._groups[key]
+
+    def activate(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> None:
+        """Build this rank's stage and optimizer for `plan` (collective: every rank calls it together)."""
+        plan = plan.with_default_ranks()
+        check_plan_fits(plan, self.world_size)
+        self.plan = plan
+        self.boundaries = stage_boundaries(self.graph, plan.stage_of)
+        for stage in plan.stages:  # every rank creates every group, in the same order
+            if stage.num_replicas > 1:
+                self.replica_group(stage.ranks)
+        self.stage_id = plan.stage_of_rank(self.rank)
+        self.schedule = make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches)
+        self.optimizer = None
+        self.stage = None
+        self.actions: tuple = ()
+        if self.stage_id is not None:
+            sp = plan.stages[self.stage_id]
+            self.replica, self.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
+            self.stage = build_stage(self.graph, sp.node_ids, self.boundaries[self.stage_id], modules=self.modules,
+                                     class_name=f"Stage{self.stage_id}").to(self.device)
+            self.stage.train()
+            params = list(self.stage.parameters())
+            if params:
+                self.optimizer = self.optimizer_factory(params)
+                for group in self.optimizer.param_groups:
+                    group.setdefault("initial_lr", group["lr"])
+                if optimizer_state:
+                    from model_parallel.runtime.checkpoint import load_optimizer_state_by_name
+
+                    load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state)
+            self.actions = self.schedule.rank_actions(self.stage_id, self.replica, self.num_replicas)
+        self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
+        self.metrics.set_context(self.stage_id, plan.version)
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        ranks = self.plan.stages[stage].ranks
+        return ranks[microbatch % len(ranks)]
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """This rank's stage parameters and buffers by stage-module name (empty on a spare)."""
+        return dict(self.stage.state_dict()) if self.stage is not None else {}
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def _compute(self, kind: str, microbatch: int, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        with self.metrics.measure(kind, microbatch=microbatch):
+            result = fn()
+        if self.slowdown > 1.0:
+            # Straggler injection: pretend this rank is `slowdown` times slower at compute.
+            time.sleep((time.perf_counter() - start) * (self.slowdown - 1.0))
+        return result
+
+    def _model_output(self, outputs: Sequence[Any]) -> Any:
+        values = dict(zip(self.stage.output_names, outputs))
+        encoded = self.graph.metadata.get("outputs")
+        if encoded is None:
+            return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return decode_argument(encoded, lambda ref: values[ref])
+
+    def _forward(self, values: list[Any]) -> Any:
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else nullcontext()
+        with autocast:
+            if self.config.recompute_stage(self.stage_id):
+                from torch.utils.checkpoint import checkpoint
+
+                return checkpoint(self.stage, *values, use_reentrant=False)
+            return self.stage(*values)
+
+    def _run_actions(self, step: int) -> float:
+        cfg, k = self.config, self.stage_id
+        last = k == self.plan.num_stages - 1
+        m, timeout = cfg.num_microbatches, cfg.timeout
+        microbatches = None
+        if k == 0:
+            inputs, target = self.dataset.batch(step)
+            microbatches = split_microbatches([x.to(self.device) for x in inputs], target.to(self.device), m)
+        forwards = [a for a in self.actions if a.is_forward]
+        backwards = [a for a in self.actions if not a.is_forward]
+        position = {"F": 0, "B": 0}
+
+        def post(kind: str) -> Optional[comm.PendingRecv]:
+            # Pre-post the next receive so it lands while we compute.
+            queue = forwards if kind == "F" else backwards
+            if position[kind] >= len(queue):
+                return None
+            j = queue[position[kind]].microbatch
+            if kind == "F" and k > 0:
+                return comm.PendingRecv(self.rank_of(k - 1, j), comm.TAG_ACTIVATION, device=self.device)
+            if kind == "B" and not last:
+                return comm.PendingRecv(self.rank_of(k + 1, j), comm.TAG_GRADIENT, device=self.device)
+            return None
+
+        pending = {"F": post("F"), "B": post("B")}
+
+        def receive(kind: str, j: int) -> list[Any]:
+            with self.metrics.measure("recv", microbatch=j):
+                values = pending[kind].wait(timeout)  # type: ignore[union-attr]
+            position[kind] += 1
+            pending[kind] = post(kind)
+            return values
+
+        stash: dict[int, _Stash] = {}
+        sends: list[comm.SendHandle] = []
+        loss_sum = 0.0
+        for action in self.actions:
+            j = action.microbatch
+            if action.is_forward:
+                if k == 0:
+                    values, target = list(microbatches[j][0]), microbatches[j][1]
+                    position["F"] += 1
+                else:
+                    received = receive("F", j)
+                    values, target = received[:-1], received[-1]
+                if last:
+                    def forward_loss() -> torch.Tensor:
+                        outputs = self._forward(values)
+                        output = self._model_output(outputs)
+                        if cfg.bf16:
+                            output = output.float()
+                        return self.criterion(output, target) / m
+                    loss = self._compute("forward", j, forward_loss)
+                    loss_sum += float(loss.detach())
+                    stash[j] = _Stash(values, loss)
+                else:
+                    outputs = self._compute("forward", j, lambda: self._forward(values))
+                    with self.metrics.measure("send", microbatch=j):
+                        sends.append(comm.send_values(list(outputs) + [target], self.rank_of(k + 1, j),
+                                                      comm.TAG_ACTIVATION, device=self.device))
+                    stash[j] = _Stash(values, outputs)
+            else:
+                entry = stash.pop(j)
+                if last:
+                    self._compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
+                else:
+                    position_b = receive("B", j)
+                    pairs = [(o, g) for o, g in zip(entry.outputs, position_b)
+                             if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
+                    if pairs:
+                        self._compute("backward", j, lambda: torch.autograd.backward(
+                            [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]))
+                if k > 0:
+                    grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
+                    with self.metrics.measure("send", microbatch=j):
+                        sends.append(comm.send_values(grads, self.rank_of(k - 1, j), comm.TAG_GRADIENT, device=self.device))
+        with self.metrics.measure("send"):
+            for handle in sends:
+                handle.wait(timeout)
+        return loss_sum
+
+    def _reduce_replica_grads(self) -> None:
+        if self.stage is None or self.num_replicas == 1:
+            return
+        params = [p for p in self.stage.parameters()]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group = self.replica_group(self.plan.stages[self.stage_id].ranks)
+        with self.metrics.measure("allreduce"):
+            comm._wait(dist.all_reduce(flat, group=group, async_op=True), self.config.timeout, -1, "replica all-reduce")
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(g).clone()
+            offset += n
+
+    def train_step(self, step: int) -> StepResult:
+        cfg = self.config
+        if cfg.slowdown_rank == self.rank and step >= cfg.slowdown_after_step and cfg.slowdown > 1.0 and self.slowdown == 1.0:
+            self.slowdown = cfg.slowdown
+        self.metrics.begin_step(step)
+        if self._pending_migration_s:
+            self.metrics.add("migration", self._pending_migration_s)
+            self._pending_migration_s = 0.0
+        loss_sum, sq = 0.0, 0.0
+        try:
+            if self.stage is not None:
+                loss_sum = self._run_actions(step)
+                self._reduce_replica_grads()
+                grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+                if grads:
+                    sq = float(sum(g.detach().float().pow(2).sum() for g in grads)) / self.num_replicas
+            totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
+            with self.metrics.measure("allreduce"):
+                comm._wait(dist.all_reduce(totals, group=self.control_group, async_op=True), cfg.timeout, -1, "loss all-reduce")
+        except PeerError as error:
+            raise self._diagnose(error) from None
+        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
+        lr = 0.0
+        if self.optimizer is not None:
+            with self.metrics.measure("optimizer"):
+                if cfg.clip_grad is not None:
+                    coef = clip_coefficient(norm, cfg.clip_grad)
+                    if coef < 1.0:
+                        for p in self.stage.parameters():
+                            if p.grad is not None:
+                                p.grad.mul_(coef)
+                factor = lr_factor(cfg.lr_schedule, step)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = group["initial_lr"] * factor
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        result = StepResult(step, loss, norm, lr)
+        self.history.append(result)
+        return result
+
+    def _diagnose(self, error: PeerError) -> PeerError:
+        if self.health is None:
+            return PeerError(f"{self.prefix} {error}")
+        return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
+
+    # ---- control --------------------------------------------------------------------------------
+    def control(self, step: int, report: dict[str, Any]) -> Optional[Command]:
+        """Report metrics; rank 0 polls its channel; the decision is broadcast to every rank."""
+        self.channel.report(report)
+        command = self.channel.poll() if self.rank == 0 else None
+        try:
+            text = comm.broadcast_json(command.to_json() if command else "", 0, self.control_group, self.config.timeout)
+        except PeerError as error:
+            raise self._diagnose(error) from None
+        return Command.from_json(text) if text else None
+
+    def apply(self, command: Command) -> bool:
+        """Act on a broadcast command; False means stop."""
+        if command.kind == "stop":
+            logger.warning("%s stopping: %s", self.prefix, command.reason or "stop requested")
+            return False
+        if command.kind == "slowdown":
+            if command.rank == self.rank:
+                logger.warning("%s compute slowed down %.2fx (%s)", self.prefix, command.factor, command.reason)
+                self.slowdown = float(command.factor)
+        elif command.kind == "switch":
+            from model_parallel.runtime.migration import switch_plan
+
+            new_plan = Plan.from_dict(command.plan, source="switch command")
+            try:
+                pause = switch_plan(self, new_plan)
+            except PeerError as error:
+                raise self._diagnose(error) from None
+            self.switch_pauses_ms.append(pause * 1e3)
+            self._pending_migration_s += pause
+            self.tracer.instant(f"switch to plan v{new_plan.version}")
+            if self.rank == 0:
+                logger.warning("%s switched to plan v%d in %.1f ms%s", self.prefix, new_plan.version, pause * 1e3,
+                               f" ({command.reason})" if command.reason else "")
+        return True
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> None:
+        """All ranks: first replicas write their stage's shard, rank 0 commits after a barrier."""
+        from model_parallel.runtime import checkpoint as ckpt
+
+        directory = self.config.checkpoint_dir
+        assert directory is not None
+        writers = [s.ranks[0] for s in self.plan.stages]
+        if self.stage is not None and self.replica == 0:
+            params, buffers = ckpt.split_state(self.stage)
+            opt = ckpt.optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters())) if self.optimizer else {}
+            ckpt.save_shard(directory, step, self.rank, params, buffers, opt)
+        self.barrier()
+        if self.rank == 0:
+            ckpt.finalize(directory, step, {"world_size": self.world_size, "plan": self.plan.to_dict()}, None,
+                          expected_ranks=writers, extra={"next_step": step + 1})
+        self.barrier()
+
+    def load_checkpoint(self) -> int:
+        """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""
+        from model_parallel.runtime import checkpoint as ckpt
+
+        checkpoint = ckpt.load_checkpoint(self.config.checkpoint_dir)
+        if self.stage is not None:
+            checkpoint.load_into(self.stage)
+            if self.optimizer is not None:
+                names = [n for n, _ in self.stage.named_parameters()]
+                ckpt.load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()),
+                                                  checkpoint.optimizer_state(names))
+        return int(checkpoint.extra.get("next_step", checkpoint.step + 1))
+
+    def barrier(self) -> None:
+        try:
+            flag = torch.zeros(1)
+            comm._wait(dist.all_reduce(flag, group=self.control_group, async_op=True), self.config.timeout, -1, "barrier")
+        except PeerError as error:
+            raise self._diagnose(error) from None
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
+        """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results."""
+        cfg = self.config
+        if cfg.resume and cfg.checkpoint_dir:
+            from model_parallel.runtime.checkpoint import latest_step
+
+            if latest_step(cfg.checkpoint_dir) is not None:
+                start_step = self.load_checkpoint()
+                logger.warning("%s resumed from %s at step %d", self.prefix, cfg.checkpoint_dir, start_step)
+        progress = None
+        if self.rank == 0 and cfg.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        step = start_step
+        try:
+            while step < steps:
+                result = self.train_step(step)
+                record = self.metrics.end_step(samples=cfg.batch_size, loss=result.loss, lr=result.lr,
+                                               grad_norm=result.grad_norm,
+                                               pause_ms=self.switch_pauses_ms[-1] if self._pending_migration_s else 0.0)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{result.loss:.4f}", plan=self.plan.version)
+                logger.info("%s step %d loss %.6f", self.prefix, step, result.loss)
+                if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == steps):
+                    self.save_checkpoint(step)
+                report = record.to_report()
+                report.update(loss=result.loss, stage=self.stage_id)
+                command = self.control(step, report)
+                step += 1
+                if command is not None and not self.apply(command):
+                    if cfg.checkpoint_dir:
+                        self.save_checkpoint(step - 1)
+                    break
+            self.barrier()  # nobody leaves while a peer may still need it
+        finally:
+            if progress is not None:
+                progress.close()
+            if cfg.trace_dir:
+                from pathlib import Path
+
+                self.tracer.save(Path(cfg.trace_dir) / f"rank{self.rank}.json")
+            self.metrics.close()
+        return self.history

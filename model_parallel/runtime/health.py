@@ -1,0 +1,138 @@
+"""Heartbeats in the rendezvous store, so a rank whose communication fails can name the dead peer.
+
+Every rank's background thread writes `mp/hb/<rank>` = wall-clock time every `interval` seconds.
+When a send/recv/collective fails or times out, `diagnose` finds the culprit:
+
+1. a rank that already diagnosed a failure wrote `mp/status/<rank>` = {"state": "failed", "blame": r};
+   its blame is reused, so every survivor names the same root cause (not the rank that exited
+   because of it);
+2. otherwise the heartbeats are sampled twice, `3 * interval` apart; a rank whose heartbeat did
+   not move (and that did not finish normally) stopped responding;
+3. if the store itself is unreachable, the rank hosting it (rank 0 / the torchrun agent) is gone.
+
+The result is a `PeerError` such as "rank 2 stopped responding (last heartbeat 3.4 s ago)".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+from model_parallel.errors import PeerError
+
+logger = logging.getLogger(__name__)
+
+_HB = "mp/hb/{}"
+_STATUS = "mp/status/{}"
+
+
+class Health:
+    """One rank's heartbeat writer and failure diagnostician."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, store_host: int = 0) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval = interval
+        self.store_host = store_host
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        try:
+            store.set_timeout(timedelta(seconds=max(5.0, 3 * interval)))
+        except Exception:  # noqa: BLE001 - PrefixStore wrappers may not expose it; their default is fine
+            pass
+
+    def start(self) -> "Health":
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self.store.set(_HB.format(self.rank), f"{time.time():.3f}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception as error:  # noqa: BLE001 - the store host died; diagnose() reports it
+                logger.debug("rank %d: heartbeat failed: %s", self.rank, error)
+                return
+
+    def stop(self, state: str = "done", blame: Optional[int] = None, message: str = "") -> None:
+        """Stop beating and publish why (`done` for a normal exit, `failed` with the blamed rank).
+        Only the first call publishes, so a diagnosis is not overwritten by a later generic failure."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.store.set(_STATUS.format(self.rank), json.dumps({"state": state, "blame": blame, "message": message}))
+        except Exception:  # noqa: BLE001 - store gone: nothing to publish to
+            pass
+
+    # ---- diagnosis ---------------------------------------------------------------------------------
+    def _read(self, key: str) -> Optional[str]:
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def _statuses(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in range(self.world_size):
+            text = self._read(_STATUS.format(r))
+            if text:
+                out[r] = json.loads(text)
+        return out
+
+    def _heartbeats(self) -> dict[int, float]:
+        out = {}
+        for r in range(self.world_size):
+            text = self._read(_HB.format(r))
+            if text:
+                out[r] = float(text)
+        return out
+
+    def diagnose(self, error: BaseException, suspects: Optional[list[int]] = None) -> PeerError:
+        """Name the rank that caused `error` (see module docstring); returns the PeerError to raise."""
+        detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        try:
+            statuses = self._statuses()
+            blamed = [s["blame"] for r, s in statuses.items() if s.get("state") == "failed" and s.get("blame") is not None
+                      and s["blame"] != self.rank]
+            if blamed:
+                culprit = blamed[0]
+                return self._publish(culprit, f"rank {culprit} stopped responding (reported by rank "
+                                              f"{[r for r, s in statuses.items() if s.get('blame') == culprit][0]}); {detail}")
+            first = self._heartbeats()
+            time.sleep(3 * self.interval)  # a live rank beats at least twice in this window
+            second = self._heartbeats()
+            statuses = self._statuses()
+            blamed = [s["blame"] for s in statuses.values() if s.get("state") == "failed" and s.get("blame") not in (None, self.rank)]
+            if blamed:
+                culprit = blamed[0]
+                return self._publish(culprit, f"rank {culprit} stopped responding; {detail}")
+            now = time.time()
+            stale = [r for r in range(self.world_size)
+                     if r != self.rank and statuses.get(r, {}).get("state") != "done"
+                     and (r not in second or first.get(r) == second.get(r))]
+            if suspects:
+                stale = sorted(stale, key=lambda r: (r not in suspects, r))
+            if stale:
+                culprit = min(stale, key=lambda r: second.get(r, 0.0)) if not suspects else stale[0]
+                age = now - second[culprit] if culprit in second else float("nan")
+                return self._publish(culprit, f"rank {culprit} stopped responding (last heartbeat {age:.1f} s ago); {detail}")
+            done = [r for r, s in statuses.items() if s.get("state") == "done"]
+            if done:
+                return self._publish(None, f"rank(s) {done} already finished while rank {self.rank} still needed them "
+                                           f"(do all ranks run the same --steps and plan?); {detail}")
+            return self._publish(None, f"communication failed but every peer is still alive (slow peer? raise --timeout); {detail}")
+        except PeerError:
+            raise
+        except Exception as store_error:  # noqa: BLE001 - any store failure means its host is gone
+            return PeerError(f"rank {self.store_host} stopped responding (it hosts the rendezvous store, which is "
+                             f"unreachable: {str(store_error).splitlines()[0][:120]}); {detail}")
+
+    def _publish(self, culprit: Optional[int], message: str) -> PeerError:
+        self.stop("failed", culprit, message)
+        return PeerError(message)

@@ -1,0 +1,322 @@
+"""Per-step metrics: time each action by kind, write one JSONL line per rank per step, read and summarise.
+
+API (stable; the worker loop feeds it, the demo and the rebalance benchmark read it):
+
+    recorder = MetricsRecorder(rank, path="run/metrics/rank{rank}.jsonl", stage=0, tracer=tracer)
+    recorder.begin_step(step)
+    with recorder.measure("forward", microbatch=3):   # times it; also a tracer span when a tracer is given
+        ...
+    recorder.add("send", seconds)                     # a duration measured elsewhere
+    record = recorder.end_step(samples=64, loss=2.3)  # -> StepRecord, appended to the JSONL file
+    recorder.set_context(stage=1, plan_version=2)     # after a plan switch
+    recorder.close()
+
+    read_metrics(path) -> list[dict]       # a file, a directory of *.jsonl, or a list of them
+    summarize(records) -> list[dict]        # one row per step across ranks
+    throughput(records, warmup=1) -> float  # samples/s over the steps after `warmup`
+
+Kinds and how they add up (each action is timed once on the rank's main thread):
+
+    compute_ms = forward + backward + recompute + optimizer
+    comm_ms    = send + recv + allreduce + control + migration   (time *blocked* in communication)
+    idle_ms    = step_ms - compute_ms - comm_ms                   (bubbles, data loading, Python overhead)
+
+`step_ms` runs from begin_step to end_step. `samples` is the number of samples the whole pipeline
+trained in the step (the global minibatch), so `samples_per_s = samples / step_ms` is the same kind
+of number on every rank and the slowest rank's value is the pipeline's throughput.
+
+A JSONL line is written with one `os.write` on a file opened for appending and is flushed at once:
+a killed process leaves whole lines (the reader skips a cut-off last line), and several ranks may
+share one file. `{rank}` in the path is replaced by the rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_KINDS = ("forward", "backward", "recompute", "optimizer")
+COMM_KINDS = ("send", "recv", "allreduce", "control", "migration")
+KINDS = COMPUTE_KINDS + COMM_KINDS
+# Trace lane of each kind (see model_parallel.runtime.tracing.LANES).
+LANE_OF_KIND = {
+    "forward": "compute",
+    "backward": "compute",
+    "recompute": "compute",
+    "optimizer": "optimizer",
+    "send": "send",
+    "recv": "recv",
+    "allreduce": "allreduce",
+    "control": "control",
+    "migration": "migration",
+}
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's timings for one step (milliseconds), as written to the JSONL file."""
+
+    step: int
+    rank: int
+    stage: Optional[int]
+    plan_version: int
+    samples: int
+    samples_per_s: float
+    step_ms: float
+    compute_ms: float
+    comm_ms: float
+    idle_ms: float
+    forward_ms: float
+    backward_ms: float
+    recompute_ms: float
+    optimizer_ms: float
+    send_ms: float
+    recv_ms: float
+    allreduce_ms: float
+    control_ms: float
+    migration_ms: float
+    microbatches: int
+    time: float  # unix time at the end of the step
+    extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. loss, lr
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat dict: the fields, then `extra`'s keys (which may not shadow a field)."""
+        data = asdict(self)
+        extra = data.pop("extra")
+        data.update({k: v for k, v in extra.items() if k not in data})
+        return data
+
+    def to_report(self) -> dict[str, Any]:
+        """The seconds-based dict a `ControlChannel.report` takes (see runtime/control.py)."""
+        report = self.to_dict()
+        for name in ("step", "compute", "comm", "idle"):
+            report[f"{name}_s"] = report[f"{name}_ms"] / 1000.0
+        return report
+
+
+class _Measure:
+    __slots__ = ("recorder", "kind", "span", "start")
+
+    def __init__(self, recorder: "MetricsRecorder", kind: str, span: Any) -> None:
+        self.recorder, self.kind, self.span = recorder, kind, span
+
+    def __enter__(self) -> "_Measure":
+        if self.span is not None:
+            self.span.__enter__()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.recorder._totals[self.kind] += time.perf_counter() - self.start
+        if self.kind == "forward":
+            self.recorder._microbatches += 1
+        if self.span is not None:
+            self.span.__exit__(*exc)
+
+
+class MetricsRecorder:
+    """Accumulates one rank's time per kind during a step; `end_step` emits the StepRecord."""
+
+    def __init__(
+        self,
+        rank: int,
+        path: Optional[PathLike] = None,
+        stage: Optional[int] = None,
+        plan_version: int = 0,
+        tracer: Any = None,
+    ) -> None:
+        self.rank = rank
+        self.stage = stage
+        self.plan_version = plan_version
+        self.tracer = tracer
+        self.path = Path(str(path).replace("{rank}", str(rank))) if path is not None else None
+        self._fd: Optional[int] = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._step: Optional[int] = None
+        self._start = 0.0
+        self._totals: dict[str, float] = defaultdict(float)
+        self._microbatches = 0
+        self.records: list[StepRecord] = []  # also kept in memory, for the control channel and tests
+
+    def set_context(self, stage: Optional[int], plan_version: Optional[int] = None) -> None:
+        self.stage = stage
+        if plan_version is not None:
+            self.plan_version = plan_version
+        if self.tracer is not None:
+            self.tracer.set_context(stage=stage, plan_version=plan_version)
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._totals = defaultdict(float)
+        self._microbatches = 0
+        self._start = time.perf_counter()
+
+    def _check_kind(self, kind: str) -> None:
+        if kind not in LANE_OF_KIND:
+            raise ValueError(f"unknown metrics kind {kind!r}; expected one of {KINDS}")
+
+    def measure(self, kind: str, microbatch: Optional[int] = None, **trace_args: Any) -> _Measure:
+        """Time the body as `kind`; with a tracer, also a span on the kind's lane."""
+        self._check_kind(kind)
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.span(kind, lane=LANE_OF_KIND[kind], microbatch=microbatch, **trace_args)
+        return _Measure(self, kind, span)
+
+    def add(self, kind: str, seconds: float) -> None:
+        """Count `seconds` as `kind` (a duration measured by the caller)."""
+        self._check_kind(kind)
+        self._totals[kind] += seconds
+
+    def end_step(self, samples: int, **extra: Any) -> StepRecord:
+        """Close the step, append its JSONL line (flushed) and return the record."""
+        if self._step is None:
+            raise ValueError(f"rank {self.rank}: end_step() without begin_step()")
+        step_s = time.perf_counter() - self._start
+        totals = self._totals
+        compute = sum(totals[k] for k in COMPUTE_KINDS)
+        comm = sum(totals[k] for k in COMM_KINDS)
+        ms = {k: totals[k] * 1000.0 for k in KINDS}
+        record = StepRecord(
+            step=self._step,
+            rank=self.rank,
+            stage=self.stage,
+            plan_version=self.plan_version,
+            samples=int(samples),
+            samples_per_s=samples / step_s if step_s > 0 else 0.0,
+            step_ms=step_s * 1000.0,
+            compute_ms=compute * 1000.0,
+            comm_ms=comm * 1000.0,
+            idle_ms=(step_s - compute - comm) * 1000.0,
+            forward_ms=ms["forward"],
+            backward_ms=ms["backward"],
+            recompute_ms=ms["recompute"],
+            optimizer_ms=ms["optimizer"],
+            send_ms=ms["send"],
+            recv_ms=ms["recv"],
+            allreduce_ms=ms["allreduce"],
+            control_ms=ms["control"],
+            migration_ms=ms["migration"],
+            microbatches=self._microbatches,
+            time=time.time(),
+            extra=dict(extra),
+        )
+        self._step = None
+        self.records.append(record)
+        if self._fd is not None:
+            # One write per line: a killed process leaves whole lines, ranks sharing a file do not interleave.
+            os.write(self._fd, (json.dumps(record.to_dict()) + "\n").encode())
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "MetricsRecorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _metrics_files(path: Union[PathLike, Iterable[PathLike]]) -> list[Path]:
+    if isinstance(path, (str, os.PathLike)):
+        p = Path(path)
+        return sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    return [f for item in path for f in _metrics_files(item)]
+
+
+def read_metrics(path: Union[PathLike, Iterable[PathLike]]) -> list[dict[str, Any]]:
+    """All records of a JSONL file, of every *.jsonl in a directory, or of a list of either.
+
+    A cut-off last line (a process killed mid-write) is skipped with a warning; a bad line
+    elsewhere is a ValueError naming file:line.
+    """
+    records: list[dict[str, Any]] = []
+    for file in _metrics_files(path):
+        lines = file.read_text(encoding="utf-8").split("\n")
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                if number == len(lines):  # no newline after it: the writer was killed mid-line
+                    logger.warning("%s:%d: skipping a cut-off last line", file, number)
+                    continue
+                raise ValueError(f"{file}:{number}: not a JSON object ({error}); was the file edited?") from None
+            if not isinstance(record, dict) or "step" not in record or "rank" not in record:
+                raise ValueError(f"{file}:{number}: expected a metrics record with 'step' and 'rank', found {line[:80]!r}")
+            records.append(record)
+    return records
+
+
+def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step across ranks: the pipeline's throughput and each stage's time split.
+
+    Row: step, plan_version, ranks, samples, step_ms (slowest rank), samples_per_s (= samples / that),
+    stages {stage: {compute_ms, comm_ms, idle_ms}} (mean over a stage's replicas), bottleneck_stage
+    (most compute). Spare ranks (stage None) are counted in `ranks` only.
+    """
+    by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_step[int(record["step"])].append(record)
+    rows = []
+    for step in sorted(by_step):
+        group = by_step[step]
+        step_ms = max(r["step_ms"] for r in group)
+        samples = max(int(r.get("samples", 0)) for r in group)
+        per_stage: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+        for r in group:
+            if r.get("stage") is not None:
+                per_stage[int(r["stage"])].append(r)
+        stages = {
+            stage: {key: sum(r[key] for r in rs) / len(rs) for key in ("compute_ms", "comm_ms", "idle_ms")}
+            for stage, rs in sorted(per_stage.items())
+        }
+        rows.append(
+            {
+                "step": step,
+                "plan_version": max(int(r.get("plan_version", 0)) for r in group),
+                "ranks": len(group),
+                "samples": samples,
+                "step_ms": step_ms,
+                "samples_per_s": samples / (step_ms / 1000.0) if step_ms > 0 else 0.0,
+                "stages": stages,
+                "bottleneck_stage": max(stages, key=lambda s: stages[s]["compute_ms"]) if stages else None,
+            }
+        )
+    return rows
+
+
+def throughput(records: Iterable[Mapping[str, Any]], warmup: int = 1) -> float:
+    """Samples per second over all steps after the first `warmup` (total samples / total slowest-rank time)."""
+    rows = summarize(records)[warmup:]
+    total_ms = sum(r["step_ms"] for r in rows)
+    return sum(r["samples"] for r in rows) / (total_ms / 1000.0) if total_ms > 0 else 0.0
+
+
+def format_summary(rows: Iterable[Mapping[str, Any]]) -> str:
+    """A plain-text table of `summarize` rows, for logs and command lines."""
+    lines = [f"{'step':>5} {'plan':>4} {'step ms':>9} {'samples/s':>10}  per stage compute/comm/idle ms"]
+    for row in rows:
+        parts = " ".join(
+            f"s{s}:{v['compute_ms']:.1f}/{v['comm_ms']:.1f}/{v['idle_ms']:.1f}" for s, v in row["stages"].items()
+        )
+        lines.append(f"{row['step']:>5} {row['plan_version']:>4} {row['step_ms']:>9.1f} {row['samples_per_s']:>10.1f}  {parts}")
+    return "\n".join(lines)

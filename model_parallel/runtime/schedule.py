@@ -1,0 +1,301 @@
+"""Pipeline schedules as data: actions like `2F0`, a stage-by-step grid, and rule checks without processes.
+
+A schedule is a grid: row s lists what stage s does at each unit time step (`None` = bubble).
+With p = 3 stages and m = 4 microbatches, 1F1B with a flush per minibatch reads
+
+    step    0    1    2    3    4    5    6    7    8    9
+    s0    0F0  0F1  0F2   .    .  0B0  0F3  0B1   .  0B2  0B3 ...
+
+(`format_grid` prints it). Every schedule here runs forwards in increasing microbatch order and
+backwards in increasing microbatch order on every stage: the runtime's point-to-point messages
+between two ranks are matched in that order.
+
+Schedules:
+- `gpipe(p, m)`: all forwards, then all backwards; one optimizer step after the flush.
+- `one_f_one_b(p, m)` (default): stage s runs min(p-1-s, m) warm-up forwards, then alternates
+  one forward and one backward, then drains; at most p-s microbatches in flight on stage s (so
+  activation memory is bounded by p-s microbatches instead of m); one optimizer step after the flush.
+- `pipedream_async(p, m)`: PipeDream's asynchronous 1F1B. The same per-stage order as 1F1B but
+  there is no flush: the microbatches are a continuous stream and every stage applies an optimizer
+  update after each backward (each microbatch is a minibatch). With weight stashing, stage s runs
+  the forward of microbatch j on weight version `max(0, j - (p-1-s))` (the number of updates it
+  has applied by then) and stashes that version so the backward of j uses the same weights. So
+  the staleness at stage s is p-1-s updates (0 on the last stage), forward and backward of one
+  microbatch are consistent within a stage, and different stages see different versions
+  (PipeDream without vertical sync). `weight_version(schedule, s, j)` computes it from the grid.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from model_parallel.errors import ScheduleError
+
+FORWARD = "F"
+BACKWARD = "B"
+_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """Stage `stage` runs the forward ("F") or backward ("B") pass of microbatch `microbatch`."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in (FORWARD, BACKWARD):
+            raise ScheduleError(f"action kind must be 'F' or 'B', got {self.kind!r}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(f"stage and microbatch must be >= 0, got stage {self.stage}, microbatch {self.microbatch}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION_RE.match(text.strip())
+        if not match:
+            raise ScheduleError(f"cannot parse action {text!r}: expected <stage><F|B><microbatch>, e.g. 2F0")
+        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+
+    @property
+    def is_forward(self) -> bool:
+        return self.kind == FORWARD
+
+
+Grid = tuple[tuple[Optional[Action], ...], ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A stage-by-step grid of actions. `flush`: one optimizer step after all microbatches (GPipe,
+    1F1B); without it (PipeDream async) each stage updates its weights after every backward."""
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    grid: Grid
+    flush: bool = True
+    max_in_flight: Optional[tuple[int, ...]] = None  # per stage bound checked by `check` (1F1B: p-s)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", tuple(tuple(row) for row in self.grid))
+        if len(self.grid) != self.num_stages:
+            raise ScheduleError(f"{self.name}: grid has {len(self.grid)} row(s) for {self.num_stages} stage(s)")
+
+    @property
+    def num_steps(self) -> int:
+        return max((len(row) for row in self.grid), default=0)
+
+    def stage_actions(self, stage: int) -> tuple[Action, ...]:
+        """What one stage runs, in order (bubbles dropped)."""
+        return tuple(a for a in self.grid[stage] if a is not None)
+
+    def rank_actions(self, stage: int, replica: int = 0, num_replicas: int = 1) -> tuple[Action, ...]:
+        """What one replica of a stage runs: microbatch j goes to replica j % num_replicas.
+
+        A subsequence of a valid grid row, kept in grid order, is deadlock-free: every dependency
+        of an action still sits at an earlier grid step.
+        """
+        return tuple(a for a in self.stage_actions(stage) if a.microbatch % num_replicas == replica)
+
+    @property
+    def bubble_fraction(self) -> float:
+        busy = sum(1 for row in self.grid for a in row if a is not None)
+        total = self.num_stages * self.num_steps
+        return 1.0 - busy / total if total else 0.0
+
+
+# ---- building schedules ---------------------------------------------------------------------
+def _validate_sizes(p: int, m: int) -> None:
+    if p < 1:
+        raise ScheduleError(f"a pipeline needs at least 1 stage, got {p}")
+    if m < 1:
+        raise ScheduleError(f"a minibatch needs at least 1 microbatch, got {m}")
+
+
+def _dependencies(action: Action, p: int) -> list[Action]:
+    """The actions on other stages (or the forward on the same stage) that must finish first."""
+    s, j = action.stage, action.microbatch
+    if action.is_forward:
+        return [Action(s - 1, FORWARD, j)] if s > 0 else []
+    deps = [Action(s, FORWARD, j)]
+    if s < p - 1:
+        deps.append(Action(s + 1, BACKWARD, j))
+    return deps
+
+
+def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
+    """Place per-stage action orders on unit time steps as early as dependencies allow."""
+    time_of: dict[Action, int] = {}
+    cursor = [0] * p
+    positions = [0] * p
+    total = sum(len(o) for o in orders)
+    while len(time_of) < total:
+        progressed = False
+        for s in range(p):
+            while positions[s] < len(orders[s]):
+                action = orders[s][positions[s]]
+                deps = _dependencies(action, p)
+                if any(d not in time_of for d in deps):
+                    break
+                t = max([cursor[s]] + [time_of[d] + 1 for d in deps])
+                time_of[action] = t
+                cursor[s] = t + 1
+                positions[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = [str(orders[s][positions[s]]) for s in range(p) if positions[s] < len(orders[s])]
+            raise ScheduleError(f"per-stage orders deadlock: waiting actions {stuck}")
+    steps = max(time_of.values()) + 1 if time_of else 0
+    grid = [[None] * steps for _ in range(p)]
+    for action, t in time_of.items():
+        grid[action.stage][t] = action
+    return tuple(tuple(row) for row in grid)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards (increasing microbatch order), flush."""
+    _validate_sizes(p, m)
+    orders = [[Action(s, FORWARD, j) for j in range(m)] + [Action(s, BACKWARD, j) for j in range(m)] for s in range(p)]
+    return Schedule("gpipe", p, m, grid_from_orders(orders, p), flush=True)
+
+
+def _one_f_one_b_orders(p: int, m: int) -> list[list[Action]]:
+    orders = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        order = [Action(s, FORWARD, j) for j in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action(s, FORWARD, warmup + i), Action(s, BACKWARD, i)]
+        order += [Action(s, BACKWARD, j) for j in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B with a flush per minibatch (PipeDream-Flush / Megatron's non-interleaved schedule)."""
+    _validate_sizes(p, m)
+    return Schedule("1f1b", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p), flush=True,
+                    max_in_flight=tuple(p - s for s in range(p)))
+
+
+def pipedream_async(p: int, m: int) -> Schedule:
+    """PipeDream's asynchronous 1F1B with weight stashing over a stream of m microbatches (no flush)."""
+    _validate_sizes(p, m)
+    return Schedule("pipedream", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p), flush=False,
+                    max_in_flight=tuple(p - s for s in range(p)))
+
+
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
+
+
+def make_schedule(name: str, p: int, m: int) -> Schedule:
+    try:
+        factory = SCHEDULES[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+    return factory(p, m)
+
+
+def weight_version(schedule: Schedule, stage: int, microbatch: int) -> int:
+    """Without a flush: how many updates stage `stage` applied before the forward of `microbatch`
+    (the stashed version its backward reuses). With a flush every microbatch sees version 0."""
+    if schedule.flush:
+        return 0
+    done = 0
+    for action in schedule.stage_actions(stage):
+        if action == Action(stage, FORWARD, microbatch):
+            return done
+        if not action.is_forward:
+            done += 1
+    raise ScheduleError(f"{schedule.name}: stage {stage} never runs the forward of microbatch {microbatch}")
+
+
+# ---- text -----------------------------------------------------------------------------------
+def format_grid(schedule: Schedule, mark: Optional[int] = None) -> str:
+    """A stage-by-step table; `mark` puts a `^` under one step (used by `check` to show a failure)."""
+    width = max([len(str(a)) for row in schedule.grid for a in row if a is not None] + [4]) + 1
+    header = "step " + "".join(f"{t:>{width}}" for t in range(schedule.num_steps))
+    lines = [f"{schedule.name} p={schedule.num_stages} m={schedule.num_microbatches}", header]
+    for s, row in enumerate(schedule.grid):
+        cells = "".join(f"{str(a) if a is not None else '.':>{width}}" for a in row)
+        lines.append(f"s{s:<4}" + cells)
+    if mark is not None:
+        lines.append(" " * (5 + width * mark + width - 1) + "^")
+    return "\n".join(lines)
+
+
+def parse_grid(text: str, name: str = "custom", flush: bool = True) -> Schedule:
+    """Read a grid back: rows `s<k> <action|.> ...` (header lines are skipped)."""
+    rows: list[list[Optional[Action]]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields or not re.match(r"^s\d+$", fields[0]):
+            continue
+        if int(fields[0][1:]) != len(rows):
+            raise ScheduleError(f"line {number}: expected row s{len(rows)}, found {fields[0]}")
+        rows.append([None if f == "." else Action.parse(f) for f in fields[1:]])
+    if not rows:
+        raise ScheduleError("no grid rows found (expected lines like 's0 0F0 0F1 . 0B0')")
+    microbatches = {a.microbatch for row in rows for a in row if a is not None}
+    return Schedule(name, len(rows), max(microbatches) + 1 if microbatches else 0, tuple(map(tuple, rows)), flush=flush)
+
+
+# ---- rules ------------------------------------------------------------------------------------
+def _fail(schedule: Schedule, step: int, message: str) -> None:
+    raise ScheduleError(f"{schedule.name}: step {step}: {message}\n{format_grid(schedule, mark=step)}")
+
+
+def check(schedule: Schedule) -> None:
+    """Validate a schedule by rules; raise `ScheduleError` naming the first failing step.
+
+    Rules: actions sit on their own stage's row and name a valid microbatch; each stage runs every
+    microbatch's F and B exactly once, forwards and backwards each in increasing microbatch order;
+    F(s, j) after F(s-1, j); B(s, j) after F(s, j) and after B(s+1, j); and, where the schedule has
+    an in-flight bound (1F1B: p - s), stage s never holds more un-backwarded microbatches.
+    """
+    p, m = schedule.num_stages, schedule.num_microbatches
+    time_of: dict[Action, int] = {}
+    # Walk steps in time order so the first violation reported is the earliest one.
+    for t in range(schedule.num_steps):
+        for s, row in enumerate(schedule.grid):
+            action = row[t] if t < len(row) else None
+            if action is None:
+                continue
+            if action.stage != s:
+                _fail(schedule, t, f"{action} is on stage {s}'s row")
+            if action.microbatch >= m:
+                _fail(schedule, t, f"{action}: microbatch {action.microbatch} out of range 0..{m - 1}")
+            if action in time_of:
+                _fail(schedule, t, f"{action} runs twice (first at step {time_of[action]})")
+            kind_done = sorted(a.microbatch for a in time_of if a.stage == s and a.kind == action.kind)
+            expected = len(kind_done)
+            if action.microbatch != expected:
+                _fail(schedule, t, f"{action}: stage {s} must run {action.kind} of microbatch {expected} next "
+                                   "(microbatches run in increasing order)")
+            for dep in _dependencies(action, p):
+                if dep not in time_of:
+                    what = "its own forward" if dep.stage == s else f"{dep} (data from stage {dep.stage})"
+                    _fail(schedule, t, f"{action} runs before {what}")
+            time_of[action] = t
+            if schedule.max_in_flight is not None:
+                in_flight = sum(1 for a in time_of if a.stage == s and a.is_forward) - sum(
+                    1 for a in time_of if a.stage == s and not a.is_forward)
+                bound = schedule.max_in_flight[s]
+                if in_flight > bound:
+                    _fail(schedule, t, f"stage {s} holds {in_flight} microbatches in flight, above the 1F1B bound {bound} (p - s)")
+    for s in range(p):
+        for j in range(m):
+            for kind in (FORWARD, BACKWARD):
+                if Action(s, kind, j) not in time_of:
+                    raise ScheduleError(f"{schedule.name}: {Action(s, kind, j)} never runs "
+                                        f"(stage {s} must run F and B of every microbatch 0..{m - 1})\n{format_grid(schedule)}")
+
+
+def actions_text(actions: Iterable[Action]) -> str:
+    return " ".join(map(str, actions))

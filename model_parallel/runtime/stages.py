@@ -1,0 +1,108 @@
+"""What a rank needs to hold its stage: an even starting plan, the layer objects, and who owns which layer.
+
+Every rank builds the whole model from the same seed (so weights agree without a broadcast) and
+hands the layer objects to `codegen.build_stage(..., modules=...)`; a stage module therefore
+shares its layers with `layer_modules(...)`, and a plan switch rebuilds stages around the very
+same objects (only layers arriving from another rank get new values).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from model_parallel.codegen.boundary import is_model_input
+from model_parallel.codegen.naming import layer_name
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan, StagePlan
+
+
+def node_cost(graph: Graph, node_id: str) -> float:
+    """Cost used by the even split when no timings exist: measured time, else parameter + activation bytes."""
+    node = graph[node_id]
+    if node.compute_ms > 0:
+        return node.compute_ms
+    return node.parameter_size + node.activation_bytes
+
+
+def even_plan(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int]] = None) -> Plan:
+    """Cut the topological order into `num_stages` contiguous ranges of about equal cost.
+
+    Model inputs stay in stage 0. Ranks are assigned in stage order (`replicas` per stage, default 1).
+    """
+    order = list(graph.topological_order)
+    inputs = [n for n in order if is_model_input(graph[n])]
+    rest = [n for n in order if n not in set(inputs)]
+    if num_stages < 1 or num_stages > len(rest):
+        raise PlanError(f"cannot split {len(rest)} layer node(s) into {num_stages} stage(s); choose 1..{len(rest)}")
+    costs = [max(node_cost(graph, n), 1e-9) for n in rest]
+    total = sum(costs)
+    stages: list[list[str]] = [[] for _ in range(num_stages)]
+    stage, acc = 0, 0.0
+    for index, (node_id, cost) in enumerate(zip(rest, costs)):
+        remaining_nodes = len(rest) - index
+        remaining_stages = num_stages - stage
+        # Move on when this stage has its share, but never leave a later stage empty.
+        if stages[stage] and stage < num_stages - 1 and (acc + cost / 2 > total * (stage + 1) / num_stages
+                                                         or remaining_nodes < remaining_stages):
+            stage += 1
+        stages[stage].append(node_id)
+        acc += cost
+    stages[0] = inputs + stages[0]
+    replicas = dict(replicas or {})
+    plan = Plan(stages=tuple(StagePlan(s, tuple(ids), num_replicas=int(replicas.get(s, 1))) for s, ids in enumerate(stages)))
+    return plan.with_default_ranks()
+
+
+def layer_targets(graph: Graph) -> dict[str, str]:
+    """node id -> original target, for nodes that hold a layer (call_module) or an attribute (get_attr)."""
+    return {n.node_id: n.layer.target for n in graph.nodes
+            if n.layer is not None and n.layer.op in ("call_module", "get_attr")}
+
+
+def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, torch.Tensor]]:
+    """Layer name -> the object in `model` (modules for call_module nodes, tensors for get_attr)."""
+    out: dict[str, Union[nn.Module, torch.Tensor]] = {}
+    for node in graph.nodes:
+        if node.layer is None or node.layer.op not in ("call_module", "get_attr"):
+            continue
+        name = layer_name(node.layer.target)
+        if name in out:
+            continue
+        value: object = model
+        for part in node.layer.target.split("."):
+            value = getattr(value, part)
+        out[name] = value  # type: ignore[assignment]
+    return out
+
+
+def stage_layers(graph: Graph, plan: Plan, stage_id: int) -> tuple[str, ...]:
+    """Layer names (in topological order) held by one stage of a plan."""
+    targets = layer_targets(graph)
+    seen: list[str] = []
+    for node_id in plan.stages[stage_id].node_ids:
+        if node_id in targets and layer_name(targets[node_id]) not in seen:
+            seen.append(layer_name(targets[node_id]))
+    return tuple(seen)
+
+
+def layer_owners(graph: Graph, plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Layer name -> ranks holding it under `plan` (all replicas of its stage)."""
+    owners: dict[str, tuple[int, ...]] = {}
+    for stage in plan.stages:
+        for name in stage_layers(graph, plan, stage.stage_id):
+            owners[name] = stage.ranks
+    return owners
+
+
+def check_plan_fits(plan: Plan, world_size: int) -> None:
+    ranks = [r for s in plan.stages for r in s.ranks]
+    if not all(s.ranks for s in plan.stages):
+        raise PlanError("every stage of the plan needs ranks (call plan.with_default_ranks())")
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise PlanError(f"the plan places stages on rank(s) {bad} but the world has ranks 0..{world_size - 1}; "
+                        f"start {max(ranks) + 1} workers or use a plan for {world_size}")

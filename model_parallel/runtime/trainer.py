@@ -1,0 +1,199 @@
+"""The Python API: `PipelineTrainer(model, optimizer_factory, dataset, TrainConfig(...)).train(steps)`.
+
+    import torch, torch.distributed as dist
+    from model_parallel import PipelineTrainer, TrainConfig
+    torch.manual_seed(0)                                   # every rank builds the same weights
+    model = MyModel()
+    trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                              dataset, TrainConfig(batch_size=32, num_microbatches=4), num_stages=2)
+    trainer.train(100)
+
+Run it under `torchrun --nproc_per_node=2 my_script.py` (one stage per rank), or without a process
+group for single-process mode (all stages in this process, for debugging). `dataset` is anything
+with `batch(step) -> (inputs_tuple, target)` (see `runtime.data`). Also: `single_process_reference`,
+the oracle every pipeline run is compared with (the original model, same microbatching).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_parallel.errors import ModelParallelError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime.data import split_microbatches
+from model_parallel.runtime.engine import OptimizerFactory, StepResult, TrainConfig, clip_coefficient, lr_factor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PipelineTrainer", "TrainConfig", "SingleProcessRunner", "single_process_reference"]
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, schedule: str, step: int) -> float:
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+        group["lr"] = group["initial_lr"] * lr_factor(schedule, step)
+    return optimizer.param_groups[0]["lr"]
+
+
+def _clip(params: Sequence[nn.Parameter], max_norm: Optional[float]) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = float(sum(g.detach().float().pow(2).sum() for g in grads)) ** 0.5 if grads else 0.0
+    if max_norm is not None:
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return norm
+
+
+def single_process_reference(
+    model: nn.Module, criterion: Callable[[Any, torch.Tensor], torch.Tensor], optimizer_factory: OptimizerFactory,
+    dataset: Any, config: TrainConfig, steps: int, start_step: int = 0,
+) -> list[float]:
+    """Train the original model the way the pipeline does: per microbatch forward/backward of loss/m,
+    then clip and step. Returns the loss per step. (The oracle of the exactness tests.)"""
+    optimizer = optimizer_factory(list(model.parameters()))
+    losses = []
+    model.train()
+    for step in range(start_step, steps):
+        inputs, target = dataset.batch(step)
+        total = 0.0
+        for mb_inputs, mb_target in split_microbatches(list(inputs), target, config.num_microbatches):
+            loss = criterion(model(*mb_inputs), mb_target) / config.num_microbatches
+            loss.backward()
+            total += float(loss.detach())
+        _clip(list(model.parameters()), config.clip_grad)
+        _set_lr(optimizer, config.lr_schedule, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
+class SingleProcessRunner:
+    """Every stage of a plan in this process, run microbatch by microbatch (debugging mode)."""
+
+    def __init__(self, graph: Graph, plan: Plan, model: nn.Module, criterion: Callable, optimizer_factory: OptimizerFactory,
+                 dataset: Any, config: TrainConfig) -> None:
+        from model_parallel.codegen.build import build_stages
+        from model_parallel.runtime.stages import layer_modules
+
+        self.graph, self.plan, self.criterion, self.dataset, self.config = graph, plan, criterion, dataset, config
+        self.stages = build_stages(graph, plan, modules=layer_modules(graph, model))
+        self.params = [p for s in self.stages for p in s.parameters()]
+        self.optimizer = optimizer_factory(self.params)
+
+    def _model_output(self, outputs: Sequence[Any]) -> Any:
+        from model_parallel.graph.arguments import decode_argument
+
+        values = dict(zip(self.stages[-1].output_names, outputs))
+        encoded = self.graph.metadata.get("outputs")
+        return decode_argument(encoded, lambda ref: values[ref]) if encoded is not None else outputs[0]
+
+    def train_step(self, step: int) -> StepResult:
+        cfg = self.config
+        inputs, target = self.dataset.batch(step)
+        total = 0.0
+        for j, (mb_inputs, mb_target) in enumerate(split_microbatches(list(inputs), target, cfg.num_microbatches)):
+            values: list[Any] = list(mb_inputs)
+            for index, stage in enumerate(self.stages):
+                with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
+                    if cfg.recompute_stage(index):
+                        from torch.utils.checkpoint import checkpoint
+
+                        values = list(checkpoint(stage, *values, use_reentrant=False))
+                    else:
+                        values = list(stage(*values))
+            loss = self.criterion(self._model_output(values).float(), mb_target) / cfg.num_microbatches
+            loss.backward()
+            total += float(loss.detach())
+        norm = _clip(self.params, cfg.clip_grad)
+        lr = _set_lr(self.optimizer, cfg.lr_schedule, step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(step, total, norm, lr)
+
+    def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
+        return [self.train_step(step) for step in range(start_step, steps)]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's state by stage-module name (`layer1_0_conv1.weight`)."""
+        return {k: v for s in self.stages for k, v in s.state_dict().items()}
+
+
+class PipelineTrainer:
+    """Pipeline-train a model (or a graph, or a generated package directory) on the current
+    process group, or in this process when no group is initialised (or `single_process=True`)."""
+
+    def __init__(
+        self,
+        model_or_package_or_graph: Union[nn.Module, Graph, str, Path],
+        optimizer_factory: OptimizerFactory,
+        dataset: Any,
+        config: TrainConfig = TrainConfig(),
+        *,
+        criterion: Callable[[Any, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        plan: Optional[Plan] = None,
+        num_stages: Optional[int] = None,
+        example_inputs: Optional[Sequence[Any]] = None,
+        channel: Any = None,
+        single_process: Optional[bool] = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        from model_parallel.runtime.stages import even_plan
+
+        source = model_or_package_or_graph
+        if isinstance(source, (str, Path)):
+            from model_parallel.graph.io import load_graph
+            from model_parallel.graph.plan import read_plan
+
+            graph = load_graph(Path(source) / "graph.json")
+            plan = plan or read_plan(Path(source) / "plan.json")
+            source = graph
+        if isinstance(source, Graph):
+            from model_parallel.codegen.build import full_model_from_graph
+
+            torch.manual_seed(config.seed)
+            graph, model = source, full_model_from_graph(source)
+        elif isinstance(source, nn.Module):
+            from model_parallel.profiler.trace import trace_model
+
+            model = source
+            if example_inputs is None:
+                inputs, _ = dataset.batch(0)
+                example_inputs = [x[: max(1, config.batch_size // config.num_microbatches)] for x in inputs]
+            graph, _ = trace_model(model, tuple(example_inputs))
+        else:
+            raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
+                                     f"got {type(source).__name__}")
+        distributed = dist.is_available() and dist.is_initialized()
+        self.single_process = (not distributed) if single_process is None else single_process
+        world = dist.get_world_size() if distributed and not self.single_process else 1
+        if plan is None:
+            plan = even_plan(graph, num_stages or (world if not self.single_process else 2))
+        self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        if self.single_process:
+            self.runner: Any = SingleProcessRunner(graph, self.plan, model, criterion, optimizer_factory, dataset, config)
+        else:
+            from model_parallel.runtime.engine import PipelineEngine
+
+            self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=criterion,
+                                         optimizer_factory=optimizer_factory, dataset=dataset, config=config, channel=channel)
+
+    def train(self, steps: int) -> list[StepResult]:
+        """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
+        return self.runner.train(steps)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's stage state (all stages in single-process mode) by stage-module name."""
+        if self.single_process:
+            return self.runner.state_dict()
+        return self.runner.named_state()

@@ -1,0 +1,281 @@
+"""The worker command line (`python test_parallel_0.py --rank N --dist_addr HOST ...`): one rank of a pipeline.
+
+Also works under `torchrun --nproc_per_node=K test_parallel_0.py ...` (env:// rendezvous) and, with
+`--single_process`, runs every stage in one process for debugging. See docs/runtime.md.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from model_parallel.cli.common import ArgumentParser, configure_logging
+from model_parallel.errors import ModelParallelError, PeerError, PlanError
+
+logger = logging.getLogger(__name__)
+
+EXIT_PEER = 3
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="test_parallel_0.py", description="One worker (rank) of a model_parallel pipeline.")
+    g = p.add_argument_group("world")
+    g.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $RANK, as set by torchrun)")
+    g.add_argument("--world_size", type=int, default=None, help="number of workers (default: $WORLD_SIZE, else the plan's rank count)")
+    g.add_argument("--dist_addr", default=None, help="address of rank 0 (hosts the rendezvous store); default $MASTER_ADDR")
+    g.add_argument("--dist_port", type=int, default=None, help="rendezvous port (default $MASTER_PORT, else 29500)")
+    g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl when CUDA is present, else gloo")
+    g.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking communication may take (default 60)")
+    g.add_argument("--single_process", action="store_true", help="run all stages in this one process (debugging)")
+    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default 1)")
+    m = p.add_argument_group("model and plan")
+    m.add_argument("--model", default=None, help="a built-in model: mlp, resnet18, gpt")
+    m.add_argument("--package", default=None, help="a generated package directory (graph.json + plan.json inside)")
+    m.add_argument("--graph", default=None, help="graph.json of the model (with --plan)")
+    m.add_argument("--plan", default=None, help="plan.json: stages and their ranks (default: even split)")
+    m.add_argument("--num_stages", type=int, default=None, help="stages for the even split (default: world size)")
+    m.add_argument("--stage_to_num_ranks", default=None, help="replicas per stage for the even split, e.g. 0:2,1:1")
+    m.add_argument("--loss", choices=("cross_entropy", "lm"), default=None, help="loss for --graph/--package models")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch_size", type=int, default=8)
+    t.add_argument("--num_microbatches", type=int, default=4)
+    t.add_argument("--schedule", choices=("1f1b", "gpipe", "pipedream"), default="1f1b")
+    t.add_argument("--steps", type=int, default=10)
+    t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    t.add_argument("--lr", type=float, default=0.01)
+    t.add_argument("--momentum", type=float, default=0.9)
+    t.add_argument("--weight_decay", type=float, default=0.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data", default="synthetic", help="'synthetic' or an ImageFolder directory")
+    t.add_argument("--recompute", default=None, help="activation recomputation: 'all' or stage ids, e.g. 0,1")
+    t.add_argument("--bf16", action="store_true", help="bf16 autocast for forward passes")
+    t.add_argument("--clip_grad", type=float, default=None, help="clip gradients to this global norm")
+    t.add_argument("--lr_schedule", default="constant", help="constant | cosine:<steps> | warmup:<steps> | step:<every>:<gamma>")
+    o = p.add_argument_group("checkpoints and observation")
+    o.add_argument("--checkpoint_dir", default=None)
+    o.add_argument("--checkpoint_every", type=int, default=0)
+    o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint_dir")
+    o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
+    o.add_argument("--metrics", default=None, help="per-step metrics JSONL path ('{rank}' is replaced)")
+    o.add_argument("-v", "--verbose", action="count", default=0)
+    c = p.add_argument_group("control")
+    c.add_argument("--coordinator", default=None, help="HOST:PORT of the coordinator (test_socket.py)")
+    c.add_argument("--token", default=None, help="shared token for the coordinator (default $MODEL_PARALLEL_TOKEN)")
+    c.add_argument("--control_script", default=None, help="JSON file {step: command} played by rank 0 (tests, demos)")
+    c.add_argument("--slowdown", type=float, default=1.0, help="straggler injection: make compute FACTOR times slower")
+    c.add_argument("--slowdown_rank", type=int, default=None, help="the rank --slowdown applies to")
+    c.add_argument("--slowdown_after_step", type=int, default=0, help="first step that is slowed down")
+    return p
+
+
+def parse_recompute(text: Optional[str]) -> Any:
+    if not text:
+        return False
+    if text == "all":
+        return True
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise PlanError(f"--recompute {text!r}: expected 'all' or stage ids like 0,2") from None
+
+
+def make_optimizer_factory(args: Any) -> Any:
+    def factory(params: list) -> torch.optim.Optimizer:
+        if args.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    return factory
+
+
+def load_job(args: Any, world_size: int) -> dict[str, Any]:
+    """Graph, plan, seed-built model, criterion and dataset from the command line."""
+    from torch.nn import functional as F
+
+    from model_parallel.graph.plan import parse_stage_to_num_ranks, read_plan
+    from model_parallel.runtime.data import make_dataset
+    from model_parallel.runtime.stages import even_plan
+
+    sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
+    if len(sources) != 1:
+        raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
+    plan = None
+    if args.model:
+        from model_parallel.profiler.trace import trace_model
+        from model_parallel.runtime.zoo import recipe
+
+        r = recipe(args.model)
+        model = r.model(args.seed)
+        micro = max(1, args.batch_size // args.num_microbatches)
+        graph, _ = trace_model(model, r.example(micro))
+        criterion = r.criterion
+        shape, classes, kind = r.input_shape, r.num_classes, r.kind
+    else:
+        from model_parallel.codegen.build import full_model_from_graph
+        from model_parallel.graph.io import load_graph
+
+        if args.package:
+            package = Path(args.package)
+            graph = load_graph(package / "graph.json")
+            plan = read_plan(package / "plan.json")
+        else:
+            graph = load_graph(args.graph)
+        torch.manual_seed(args.seed)
+        model = full_model_from_graph(graph)
+        inputs = graph.metadata.get("inputs") or []
+        if not inputs:
+            raise PlanError(f"{args.package or args.graph}: graph metadata lacks the model inputs' shapes; re-profile the model")
+        shape = tuple(inputs[0]["shape"][1:])
+        kind = "tokens" if inputs[0]["dtype"].startswith("int") else "dense"
+        loss = args.loss or ("lm" if kind == "tokens" else "cross_entropy")
+        from model_parallel.models.gpt import lm_loss
+
+        criterion = lm_loss if loss == "lm" else F.cross_entropy
+        classes = int(graph.metadata.get("num_classes", 128 if kind == "tokens" else 10))
+    if args.plan:
+        plan = read_plan(args.plan)
+    if plan is None:
+        replicas = parse_stage_to_num_ranks(args.stage_to_num_ranks) if args.stage_to_num_ranks else None
+        stages = args.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
+        plan = even_plan(graph, stages, replicas)
+    dataset = make_dataset(args.data, args.batch_size, args.seed, shape=shape, num_classes=classes, kind=kind)
+    return {"graph": graph, "plan": plan.with_default_ranks(), "model": model, "criterion": criterion, "dataset": dataset}
+
+
+def make_channel(args: Any, rank: int, world_size: int) -> Any:
+    from model_parallel.runtime.control import NullChannel, ScriptedChannel
+
+    if args.coordinator:
+        from model_parallel.coordinator.client import CoordinatorChannel
+
+        token = args.token or os.environ.get("MODEL_PARALLEL_TOKEN")
+        if not token:
+            raise PlanError("--coordinator needs --token (or $MODEL_PARALLEL_TOKEN), the coordinator's shared token")
+        return CoordinatorChannel(args.coordinator, token.encode(), rank, world_size)
+    if args.control_script and rank == 0:
+        return ScriptedChannel.from_json(Path(args.control_script).read_text(encoding="utf-8"))
+    return NullChannel()
+
+
+def make_config(args: Any) -> Any:
+    from model_parallel.runtime.engine import TrainConfig
+
+    if args.schedule == "pipedream":
+        raise PlanError("--schedule pipedream (asynchronous, weight stashing) is defined as data but not executed yet; "
+                        "use 1f1b or gpipe")
+    return TrainConfig(
+        batch_size=args.batch_size, num_microbatches=args.num_microbatches, schedule=args.schedule, seed=args.seed,
+        recompute=parse_recompute(args.recompute), bf16=args.bf16, clip_grad=args.clip_grad, lr_schedule=args.lr_schedule,
+        timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics, slowdown=args.slowdown,
+        slowdown_rank=args.slowdown_rank, slowdown_after_step=args.slowdown_after_step,
+    )
+
+
+def resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise PlanError("--backend nccl needs CUDA, which this machine lacks; use --backend gloo")
+    return name
+
+
+def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device]:
+    """Join the process group (TCPStore on rank 0, or torchrun's env://); returns rank, world, store, device."""
+    import torch.distributed as dist
+
+    backend = resolve_backend(args.backend)
+    timeout = timedelta(seconds=config.timeout)
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", -1))
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
+    if rank < 0 or world_size < 1:
+        raise PlanError("the rank and world size are unknown: pass --rank and --world_size, or launch with torchrun")
+    if not 0 <= rank < world_size:
+        raise PlanError(f"--rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    if args.dist_addr is None and "MASTER_ADDR" in os.environ and args.rank is None:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        from torch.distributed import TCPStore
+
+        addr = args.dist_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = args.dist_port or int(os.environ.get("MASTER_PORT", 29500))
+        try:
+            store = TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        except (RuntimeError, OSError) as error:
+            raise PeerError(f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {config.timeout:.0f} s "
+                            f"(is rank 0 running, and is the port free/reachable?): {str(error).splitlines()[0]}") from None
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
+            raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {config.timeout:.0f} s: "
+                            f"{str(error).splitlines()[0]}") from None
+    return rank, world_size, store, device
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = make_config(args)
+    if args.single_process:
+        configure_logging(args.verbose, prefix="[single process] ")
+        from model_parallel.runtime.trainer import SingleProcessRunner
+
+        job = load_job(args, world_size=args.world_size or 1)
+        runner = SingleProcessRunner(job["graph"], job["plan"], job["model"], job["criterion"],
+                                     make_optimizer_factory(args), job["dataset"], config)
+        for result in runner.train(args.steps):
+            print(f"step {result.step} loss {result.loss:.6f}", flush=True)
+        return 0
+
+    import torch.distributed as dist
+
+    from model_parallel.runtime.engine import PipelineEngine
+    from model_parallel.runtime.health import Health
+
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
+    configure_logging(max(args.verbose, 1) if rank == 0 else args.verbose, prefix=f"[rank {rank}] ")
+    health = None
+    try:
+        rank, world_size, store, device = init_world(args, config)
+        health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10)).start()
+        job = load_job(args, world_size)
+        channel = make_channel(args, rank, world_size)
+        engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
+                                optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
+                                channel=channel, health=health, device=device)
+        if rank == 0:
+            logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
+        try:
+            history = engine.train(args.steps)
+        finally:
+            channel.close()
+        if history:
+            last = history[-1]
+            print(f"{engine.prefix} done: {len(history)} step(s), last loss {last.loss:.6f}, "
+                  f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
+        health.stop("done")
+        dist.destroy_process_group()
+        return 0
+    except PeerError as error:
+        # A dead peer can leave gloo threads blocked; exit without waiting for them.
+        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        if health is not None:
+            health.stop("failed", None, str(error))
+        logging.shutdown()
+        os._exit(EXIT_PEER)
+    except ModelParallelError:
+        if health is not None:
+            health.stop("failed", None, "configuration error")
+        raise

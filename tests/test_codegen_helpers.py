@@ -1,0 +1,99 @@
+"""Shared helpers for the code generator tests: contiguous splits and a runtime-like pipeline oracle."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_parallel.codegen.build import StageModule
+from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original
+from model_parallel.graph.core import Graph
+
+
+def contiguous_split(graph: Graph, num_stages: int) -> dict[str, int]:
+    """Cut the topological order into `num_stages` chunks of (nearly) equal node counts."""
+    order = graph.topological_order
+    return {node_id: index * num_stages // len(order) for index, node_id in enumerate(order)}
+
+
+def split_before(graph: Graph, first_nodes: Sequence[str]) -> dict[str, int]:
+    """Stages starting at each of `first_nodes` (in topological order)."""
+    stage, stage_of = 0, {}
+    for node_id in graph.topological_order:
+        if node_id in first_nodes:
+            stage += 1
+        stage_of[node_id] = stage
+    return stage_of
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_()
+    return value
+
+
+def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """Run stages like the runtime does: every received activation is a fresh leaf (detach +
+    requires_grad), the loss is taken on the last stage, and gradients are sent back stage by stage."""
+    env = dict(inputs)
+    records = []
+    for stage in stages:
+        received = [_detached(env[name]) for name in stage.input_names]
+        outputs = stage(*received)
+        assert isinstance(outputs, tuple) and len(outputs) == len(stage.output_names)
+        records.append((stage, received, outputs))
+        env.update(zip(stage.output_names, outputs))
+    final = records[-1][2]
+    loss = loss_fn(final[0] if len(final) == 1 else final)
+    loss.backward()
+    for index in range(len(records) - 2, -1, -1):
+        stage, _, outputs = records[index]
+        next_inputs = dict(zip(records[index + 1][0].input_names, records[index + 1][1]))
+        pairs = [(o, next_inputs[n].grad) for n, o in zip(stage.output_names, outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and next_inputs[n].grad is not None]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    return final, loss
+
+
+def load_original_weights(graph: Graph, model: nn.Module, stages: Sequence[nn.Module]) -> None:
+    state = stage_state_from_original(graph, model.state_dict())
+    for stage in stages:
+        own = {k: v for k, v in state.items() if k in stage.state_dict()}
+        stage.load_state_dict(own, strict=True)
+
+
+def assert_equivalent(
+    graph: Graph,
+    model: nn.Module,
+    stages: Sequence[StageModule],
+    inputs: Sequence[Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    tol: float = 1e-6,
+) -> None:
+    """Same outputs, loss, every parameter gradient and every buffer (BatchNorm statistics) as `model`."""
+    load_original_weights(graph, model, stages)
+    input_names = [n for n in graph.topological_order if graph[n].layer.op == "placeholder"]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # dropout draws the same masks: the stages run the ops in the same order
+    expected = model(*inputs)
+    expected_loss = loss_fn(expected)
+    expected_loss.backward()
+    torch.manual_seed(0)
+    got, loss = run_stages(stages, dict(zip(input_names, inputs)), loss_fn)
+    torch.testing.assert_close(got[0] if len(got) == 1 else got, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(loss, expected_loss, atol=tol, rtol=tol)
+    grads = {}
+    buffers = {}
+    for stage in stages:
+        grads.update(original_state_from_stage(graph, {k: p.grad for k, p in stage.named_parameters()}))
+        buffers.update(original_state_from_stage(graph, dict(stage.named_buffers())))
+    reference = dict(model.named_parameters())
+    assert set(grads) == set(reference), set(grads) ^ set(reference)
+    for name, param in reference.items():
+        assert grads[name] is not None, f"no gradient for {name}"
+        torch.testing.assert_close(grads[name], param.grad, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(buffers[name], buffer, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,104 @@
+"""Per-step metrics: the time split adds up, JSONL lines parse, killed writers leave whole lines, summaries."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from model_parallel.runtime.metrics import MetricsRecorder, format_summary, read_metrics, summarize, throughput
+from model_parallel.runtime.tracing import Tracer
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_step_record_adds_up_and_is_written(tmp_path):
+    tracer = Tracer(0, stage=0, nvtx=False)
+    path = tmp_path / "metrics" / "rank{rank}.jsonl"
+    with MetricsRecorder(0, path, stage=0, plan_version=3, tracer=tracer) as recorder:
+        for step in range(2):
+            recorder.begin_step(step)
+            for microbatch in range(2):
+                with recorder.measure("forward", microbatch=microbatch):
+                    _busy(0.002)
+                with recorder.measure("send", microbatch=microbatch):
+                    _busy(0.001)
+            with recorder.measure("backward", microbatch=0):
+                _busy(0.002)
+            _busy(0.002)  # time blocked in a recv / migration that the caller measured itself
+            recorder.add("recv", 0.0015)
+            recorder.add("migration", 0.0005)
+            _busy(0.001)  # unaccounted: idle
+            recorder.end_step(samples=32, loss=1.5)
+    records = read_metrics(tmp_path / "metrics" / "rank0.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    r = records[1]
+    assert (r["rank"], r["stage"], r["plan_version"], r["samples"], r["microbatches"], r["loss"]) == (0, 0, 3, 32, 2, 1.5)
+    assert r["idle_ms"] == pytest.approx(r["step_ms"] - r["compute_ms"] - r["comm_ms"])
+    assert r["compute_ms"] == pytest.approx(r["forward_ms"] + r["backward_ms"] + r["recompute_ms"] + r["optimizer_ms"])
+    assert r["comm_ms"] == pytest.approx(r["send_ms"] + r["recv_ms"] + r["allreduce_ms"] + r["control_ms"] + r["migration_ms"])
+    assert r["forward_ms"] >= 4.0 and r["send_ms"] >= 2.0 and r["backward_ms"] >= 2.0
+    assert r["recv_ms"] == pytest.approx(1.5) and r["migration_ms"] == pytest.approx(0.5)
+    assert r["idle_ms"] >= 0.9
+    assert r["samples_per_s"] == pytest.approx(32 / (r["step_ms"] / 1000))
+    # The tracer got one span per measured action, on the kind's lane.
+    names = [(e["name"], e["cat"]) for e in tracer.events]
+    assert names[:2] == [("forward", "compute"), ("send", "send")] and len(names) == 10
+    report = recorder.records[1].to_report()
+    assert report["step_s"] == pytest.approx(r["step_ms"] / 1000) and report["idle_s"] == pytest.approx(r["idle_ms"] / 1000)
+
+
+def test_recorder_errors():
+    recorder = MetricsRecorder(1)
+    with pytest.raises(ValueError, match="rank 1: end_step\\(\\) without begin_step\\(\\)"):
+        recorder.end_step(samples=1)
+    with pytest.raises(ValueError, match="unknown metrics kind 'fwd'"):
+        recorder.measure("fwd")
+
+
+def test_reader_skips_cut_off_last_line_and_rejects_garbage(tmp_path):
+    recorder = MetricsRecorder(0, tmp_path / "m.jsonl", stage=0)
+    recorder.begin_step(0)
+    recorder.end_step(samples=8)
+    recorder.close()
+    with open(tmp_path / "m.jsonl", "a") as f:
+        f.write('{"step": 1, "rank": 0, "step_')  # a process killed mid-line
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [0]
+    (tmp_path / "bad.jsonl").write_text('{"step": 0, "rank": 0}\nnot json\n{"step": 1, "rank": 0}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
+        read_metrics(tmp_path / "bad.jsonl")
+
+
+def _record(step, rank, stage, step_ms, compute_ms, comm_ms, samples=64):
+    return {"step": step, "rank": rank, "stage": stage, "plan_version": 0, "samples": samples, "step_ms": step_ms,
+            "compute_ms": compute_ms, "comm_ms": comm_ms, "idle_ms": step_ms - compute_ms - comm_ms}
+
+
+def test_summarize_and_throughput(tmp_path):
+    records = [
+        _record(0, 0, 0, 500.0, 100.0, 10.0),  # warm-up step
+        _record(0, 1, 1, 500.0, 100.0, 10.0),
+        _record(1, 0, 0, 100.0, 40.0, 20.0),
+        _record(1, 1, 1, 80.0, 70.0, 5.0),
+        _record(1, 2, 1, 90.0, 50.0, 5.0),  # a replica of stage 1
+        _record(1, 3, None, 1.0, 0.0, 0.0),  # a spare
+        _record(2, 0, 0, 200.0, 40.0, 20.0),
+        _record(2, 1, 1, 200.0, 70.0, 5.0),
+    ]
+    rows = summarize(records)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    row = rows[1]
+    assert row["ranks"] == 4 and row["step_ms"] == 100.0 and row["samples_per_s"] == pytest.approx(640.0)
+    assert row["stages"][1] == {"compute_ms": 60.0, "comm_ms": 5.0, "idle_ms": 20.0}
+    assert row["bottleneck_stage"] == 1
+    assert throughput(records, warmup=1) == pytest.approx(128 / 0.3)
+    table = format_summary(rows)
+    assert "s1:60.0/5.0/20.0" in table and len(table.splitlines()) == 4
+    # Several per-rank files in a directory are read together.
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["rank"] == rank))
+    assert len(read_metrics(tmp_path)) == 6

@@ -1,0 +1,140 @@
+"""Training across real network hosts: network namespaces with their own IP addresses (tests/netns.py).
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import netns
+
+REASON = netns.unavailable_reason()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"multi-host tests need network namespaces: {REASON}"),
+              pytest.mark.timeout(120)]
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+ALL_REDUCE = textwrap.dedent("""
+    import sys, datetime, torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    rank, world, addr, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    peer = torch.zeros(1)
+    # A point-to-point exchange too: rank 0 <-> rank 1 is what pipeline stages do.
+    if rank == 0:
+        dist.send(torch.tensor([42.0]), 1); dist.recv(peer, 1)
+    elif rank == 1:
+        dist.recv(peer, 0); dist.send(torch.tensor([43.0]), 0)
+    print(f"rank={rank} sum={t.tolist()} peer={peer.item()}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_namespaces_are_separate_hosts_and_torn_down() -> None:
+    with netns.hosts(2) as net:
+        names = [h.namespace for h in net.hosts] + [net.switch]
+        address = net.run(1, ["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).stdout
+        assert "10.200.0.2/24" in address
+        # Host 0 cannot see host 1's address as its own: they are different network stacks.
+        assert "10.200.0.2" not in net.run(0, ["ip", "-4", "-o", "addr"]).stdout
+    left = set(netns._list_namespaces())
+    assert not left & set(names), f"namespaces not removed: {left & set(names)}"
+
+
+def test_teardown_happens_on_failure() -> None:
+    names: list[str] = []
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.hosts(1) as net:
+            names = [net[0].namespace, net.switch]
+            net.spawn(0, [PYTHON, "-c", "import time; time.sleep(600)"])
+            raise RuntimeError("boom")
+    assert not set(netns._list_namespaces()) & set(names)
+
+
+def test_gloo_all_reduce_across_two_hosts(tmp_path: Path) -> None:
+    with netns.hosts(2) as net:
+        master = net[0].address
+        logs = [tmp_path / f"host{i}.log" for i in range(2)]
+        for rank in range(2):
+            net.spawn(rank, [PYTHON, "-c", ALL_REDUCE, str(rank), "2", master, "29531"], log=logs[rank])
+        codes = net.wait_all(timeout=90)
+        outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outputs
+    assert "rank=0 sum=[3.0, 3.0, 3.0, 3.0] peer=43.0" in outputs[0]
+    assert "rank=1 sum=[3.0, 3.0, 3.0, 3.0] peer=42.0" in outputs[1]
+
+
+GRAPH = Path(__file__).resolve().parents[2] / "shared" / "reference_profiles" / "vgg16_partitioned_3stages.graph.txt"
+TOKEN = "multihost-secret"
+
+HOSTILE_CLIENT = textwrap.dedent("""
+    import socket, struct, sys
+    host, port = sys.argv[1], int(sys.argv[2])
+    def attempt(payload):
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.settimeout(10)
+            s.recv(4096)  # the server's hello
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)  # end of our input: the server sees a cut frame at once
+            try:
+                while s.recv(4096):  # the server must drop us
+                    pass
+            except (ConnectionResetError, socket.timeout):
+                pass
+    body = b'{"v":1,"type":"ctl","seq":1,"op":"status","args":{}}'
+    attempt(struct.pack(">I", 32 + len(body)) + bytes(32) + body)  # unauthenticated (zero MAC)
+    attempt(struct.pack(">I", 1 << 30))                          # oversized length
+    attempt(struct.pack(">I", 32 + 100) + bytes(40))                # truncated, then closed
+    attempt(b"GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")               # garbage
+    print("hostile client done", flush=True)
+""")
+
+
+def wait_for_text(path: Path, text: str, timeout: float, process) -> str:
+    """Poll a log file until `text` appears; fail early if the process died, or at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = path.read_text(errors="replace") if path.exists() else ""
+        if text in content:
+            return content
+        if process.poll() is not None:
+            raise AssertionError(f"process exited ({process.returncode}) before printing {text!r}:\n{content}")
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not seen in {path} within {timeout} s")
+
+
+def test_coordinator_on_one_host_ctl_and_hostile_client_on_others(tmp_path: Path) -> None:
+    if not GRAPH.exists():
+        pytest.skip(f"reference profile missing: {GRAPH}")
+    with netns.hosts(3) as net:
+        coordinator_address = net[0].address
+        log = tmp_path / "coordinator.log"
+        coordinator = net.spawn(0, [PYTHON, str(REPO / "test_socket.py"), "--host", coordinator_address, "--port", "29600",
+                                    "--token", TOKEN, "--graph", str(GRAPH), "--plan", str(GRAPH), "--timeout", "90"], log=log)
+        wait_for_text(log, "coordinator listening", 60, coordinator)
+        ctl = [PYTHON, "-m", "model_parallel.cli.main", "ctl", "--address", f"{coordinator_address}:29600", "--token", TOKEN,
+               "--timeout", "20", "--json", "status"]
+        before = net.run(1, ctl, timeout=60)
+        assert before.returncode == 0, before.stderr
+        assert '"plan_version": 0' in before.stdout.replace('"plan_version":0', '"plan_version": 0')
+        hostile = net.run(2, [PYTHON, "-c", HOSTILE_CLIENT, coordinator_address, "29600"], timeout=60)
+        assert "hostile client done" in hostile.stdout, hostile.stderr
+        wrong = net.run(1, ctl[:ctl.index("--token") + 1] + ["wrong-token"] + ctl[ctl.index("--token") + 2:], timeout=60)
+        assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+        after = net.run(1, ctl, timeout=60)
+        assert after.returncode == 0, f"coordinator stopped answering after hostile input: {after.stderr}"
+        coordinator.terminate()
+        net.wait_all(timeout=30)
+        output = log.read_text()
+    assert "Traceback" not in output, output
+    for reason in ("authentication failed", "exceeds the", "truncated frame"):
+        assert f"dropped client {net[2].address}" in output and reason in output, f"no drop logged for {reason!r}:\n{output}"

@@ -1,0 +1,143 @@
+"""Rebalancing policy: speed estimates, calibration, hysteresis, cooldown, the chain solver."""
+import random
+
+import pytest
+
+from model_parallel.coordinator import policy as pol
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph, Node
+from model_parallel.graph.plan import Plan, StagePlan
+
+
+def chain_graph(costs):
+    nodes = [Node("input0", "Input0")] + [Node(f"n{i}", f"Linear({i})", forward_ms=c / 2, backward_ms=c / 2) for i, c in enumerate(costs)]
+    edges = [(a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])]
+    return Graph(tuple(nodes), tuple(edges))
+
+
+def even_plan(graph, p):
+    ids = list(graph.topological_order)
+    per = (len(ids) - 1) // p
+    bounds = [0] + [1 + per * k for k in range(1, p)] + [len(ids)]
+    return Plan(tuple(StagePlan(k, tuple(ids[bounds[k]:bounds[k + 1]]), ranks=(k,)) for k in range(p)))
+
+
+def measure(graph, plan, speeds, calibration=1.0, noise=0.0, rng=None, n=5):
+    out = {}
+    for stage in plan.stages:
+        base = pol.stage_profiled_ms(graph, stage) * calibration / speeds[stage.ranks[0]]
+        out[stage.ranks[0]] = [base * (1 + (rng.uniform(-noise, noise) if rng else 0)) for _ in range(n)]
+    return out
+
+
+def test_estimate_speeds_and_calibration():
+    graph = chain_graph([1.0] * 8)
+    plan = even_plan(graph, 4)
+    est = pol.estimate_speeds(graph, plan, measure(graph, plan, {0: 1, 1: 1, 2: 0.5, 3: 1}, calibration=3.0))
+    assert est.calibration == pytest.approx(3.0)
+    assert est.speeds == pytest.approx({0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0})
+    assert est.measured_ms[2] == pytest.approx(12.0)
+    with pytest.raises(PlanError, match="rank 3 \\(stage 3\\) has no compute samples"):
+        pol.estimate_speeds(graph, plan, {0: [1.0], 1: [1.0], 2: [1.0]})
+
+
+def test_median_ignores_outliers():
+    graph = chain_graph([1.0] * 4)
+    plan = even_plan(graph, 2)
+    est = pol.estimate_speeds(graph, plan, {0: [2, 2, 2, 50, 2], 1: [2, 2, 1000, 2, 2]})
+    assert est.speeds == pytest.approx({0: 1.0, 1: 1.0})
+
+
+def test_chain_partition_is_optimal_for_speeds():
+    graph = chain_graph([1.0] * 12)
+    plan = pol.chain_partition(graph, [0, 1, 2], [1.0, 0.5, 1.0])
+    sizes = [len([n for n in s.node_ids if n != "input0"]) for s in plan.stages]
+    assert sizes == [5, 2, 5]
+    assert plan.stages[0].node_ids[0] == "input0"
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (2,)]
+    assert plan.time_per_minibatch_s == pytest.approx(5e-3)
+    with pytest.raises(PlanError, match="cannot split 13 node\\(s\\) into 14 stage"):
+        pol.chain_partition(graph, list(range(14)), [1.0] * 14)
+
+
+def test_noisy_balanced_pipeline_never_switches():
+    graph = chain_graph([1.0] * 8)
+    plan = even_plan(graph, 4)
+    rng = random.Random(0)
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=5)
+    for _ in range(200):
+        samples = measure(graph, plan, {r: 1.0 for r in range(4)}, calibration=2.0, noise=0.08, rng=rng)
+        decision = pol.decide(graph, plan, samples, config, steps_since_switch=100, solver=pol.chain_partition)
+        assert decision.plan is None, decision.reason
+
+
+def test_slowed_worker_switches_once_then_stays():
+    graph = chain_graph([1.0] * 16)
+    plan = even_plan(graph, 4)
+    speeds = {0: 1.0, 1: 0.5, 2: 1.0, 3: 1.0}
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=10, window=5)
+    rng = random.Random(1)
+    switches = []
+    since = 100
+    for step in range(300):
+        samples = measure(graph, plan, speeds, noise=0.05, rng=rng)
+        decision = pol.decide(graph, plan, samples, config, steps_since_switch=since, solver=pol.chain_partition)
+        since += 1
+        if decision.plan is not None:
+            switches.append(step)
+            assert decision.plan.version == plan.version + 1
+            assert decision.gain > 0.1
+            plan, since = decision.plan, 0
+    assert len(switches) == 1
+    sizes = [len([n for n in s.node_ids if n != "input0"]) for s in plan.stages]
+    assert sizes[1] < sizes[0]  # work moved off the slow rank 1
+    assert pol.predicted_bottleneck_ms(graph, plan, speeds) < 8.0
+
+
+def test_window_and_cooldown_gate_the_decision():
+    graph = chain_graph([1.0] * 8)
+    plan = even_plan(graph, 2)
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=10, window=5)
+    samples = measure(graph, plan, {0: 1.0, 1: 0.5}, n=3)
+    assert "waiting for 5 samples" in pol.decide(graph, plan, samples, config, 50).reason
+    samples = measure(graph, plan, {0: 1.0, 1: 0.5}, n=5)
+    assert "cooldown: 3 of 10" in pol.decide(graph, plan, samples, config, 3).reason
+    forced = pol.decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.5}, n=1), config, 0, force=True)
+    assert forced.plan is not None and forced.plan.version == 1
+
+
+def test_calibration_fixes_a_wrong_profile():
+    """The profile says the layers are uniform; really the last half costs 3x. Both workers are equally fast."""
+    profiled = chain_graph([1.0] * 8)
+    true = chain_graph([1.0] * 4 + [3.0] * 4)
+    plan = even_plan(profiled, 2)
+    samples = {s.ranks[0]: [pol.stage_profiled_ms(true, s)] * 5 for s in plan.stages}
+    decision = pol.decide(profiled, plan, samples, pol.PolicyConfig(cooldown_steps=0), 100, solver=pol.chain_partition)
+    assert decision.plan is not None
+    assert decision.estimate.speeds[1] == pytest.approx(1 / 3)
+    # true bottleneck improves from 12 to at most 9 (the slow-looking stage got fewer layers)
+    new_true = max(pol.stage_profiled_ms(true, s) for s in decision.plan.stages)
+    assert new_true < 12.0
+
+
+def test_policy_config_validation():
+    with pytest.raises(PlanError, match="--threshold must be in"):
+        pol.PolicyConfig(threshold=1.5)
+    with pytest.raises(PlanError, match="--window must be >= 1"):
+        pol.PolicyConfig(window=0)
+
+
+def test_plan_for_workers_uses_given_ranks():
+    graph = chain_graph([1.0] * 6)
+    plan = pol.plan_for_workers(graph, [1, 3], [1.0, 1.0], version=4, solver=pol.chain_partition)
+    assert [s.ranks for s in plan.stages] == [(1,), (3,)] and plan.version == 4
+    with pytest.raises(PlanError, match="at least one worker"):
+        pol.plan_for_workers(graph, [], [], version=1)
+
+
+def test_unprofiled_graph_gets_a_byte_proxy():
+    graph = chain_graph([0.0] * 4)
+    graph = graph.replace_nodes(n if n.is_input else __import__("dataclasses").replace(n, parameter_size=2e6) for n in graph.nodes)
+    proxied = pol.with_cost_proxy(graph)
+    assert [n.compute_ms for n in proxied.nodes] == [0.0, 2.0, 2.0, 2.0, 2.0]
+    assert pol.with_cost_proxy(proxied) is proxied
