@@ -4,19 +4,23 @@
     python bench/runtime.py --quick    # about two minutes
     python bench/runtime.py --models mlp --schedules 1f1b --steps 10
 
-For each model (a 2-stage StackedMLP and a 2-stage resnet18 at 32x32, the worker zoo's recipes) the
+For each model (a 2-stage StackedMLP 256 -> 8 x 1024 -> 10, and the worker zoo's resnet18 at 32x32) the
 main process profiles the model at microbatch size, cuts it into 2 stages of about equal measured
 compute (`runtime.stages.even_plan`) and writes the graph and plan; both runtimes then build their
 stage modules from that same graph and plan (`codegen.build_stages`), so only the runtime differs.
 Every worker is its own process with one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1),
-gloo on localhost; every world runs under a deadline and is always reaped (`runtime.launch`).
+gloo on localhost; every world runs under a deadline and is always reaped (`runtime.launch`). The
+sides alternate model by model (torch world, our world, next model), each world running every schedule.
 
-- torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`, SGD with
-  momentum; steps/s = timed steps / wall time between two barriers, after warm-up steps.
-- ours: the worker command line (`test_parallel_0.py`) with the same plan, schedule, batch size and
-  microbatches; steps/s from its per-step metrics JSONL (`runtime.metrics.throughput`, slowest rank).
+- torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`.
+- ours: the worker API, `runtime.engine.PipelineEngine` (what test_parallel_0.py runs) with the
+  same graph, plan, schedule, batch size, microbatches and data; its own per-step metrics
+  (compute / comm / idle split, `runtime.metrics`) are stored in the row as well.
+- both: SGD with momentum 0.9; steps/s = timed steps / wall time between two barriers, after
+  warm-up steps (slowest rank).
 - efficiency = ideal / measured step time, ideal = (m + p - 1) * max stage time, where a stage's
-  time is its per-microbatch forward + backward measured in isolation in this process.
+  time is its per-microbatch forward + backward measured in isolation (no communication, best of
+  several repetitions) by its own rank at the start of each world.
 
 Writes `bench/results/runtime.json` (atomically): rows {model, schedule, ours_steps_per_s,
 torch_steps_per_s, ratio, efficiency, torch_efficiency, ...} plus the settings. The goal is ratio >= 1.1.
@@ -83,7 +87,7 @@ def _build(model_name: str, spec: dict[str, Any]):
 
 
 def prepare(model_name: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Profile, split into 2 stages, save graph + plan; measure each stage's per-microbatch fwd+bwd alone."""
+    """Profile at microbatch size, split into 2 stages of about equal compute, save graph + plan."""
     from model_parallel.graph.io import save_graph
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.api import profile
@@ -98,37 +102,51 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path) -> dict[str, A
              "plan": str(workdir / f"{model_name}.plan.json")}
     write_plan(plan, entry["plan"])
     spec["models"][model_name] = entry
-    _, _, _, _, stages = _build(model_name, spec)
-    entry["stage_ms"] = isolated_stage_ms(rec, stages, micro, spec["isolated_reps"])
     entry["stage_nodes"] = [len(s.node_ids) for s in plan.stages]
-    logger.info("%s: split %s nodes, isolated fwd+bwd per microbatch %s ms", model_name,
-                entry["stage_nodes"], [round(t, 2) for t in entry["stage_ms"]])
+    entry["predicted_stage_ms"] = [sum(graph[n].compute_ms for n in s.node_ids) for s in plan.stages]
+    logger.info("%s: split %s nodes, profiled fwd+bwd per microbatch %s ms", model_name,
+                entry["stage_nodes"], [round(t, 2) for t in entry["predicted_stage_ms"]])
     return entry
 
 
-def isolated_stage_ms(rec: Any, stages: Sequence[torch.nn.Module], micro: int, reps: int) -> list[float]:
-    """Median forward+backward time of each stage on one microbatch, one thread, no communication."""
+def isolated_stage_ms(rec: Any, stages: Sequence[torch.nn.Module], micro: int, reps: int,
+                      only: Optional[int] = None) -> list[float]:
+    """Best-of-`reps` forward+backward time of each stage (or of stage `only`) on one microbatch, no communication.
+
+    The minimum, not the median: on a shared machine other processes only ever add time, so the
+    fastest repetition is the closest to the stage's own cost. Repetitions alternate between stages.
+    """
     inputs, target = rec.data(micro, 0).batch(0)
+    stage_inputs: list[tuple[Any, ...]] = []
     boundary: tuple[Any, ...] = inputs
-    times = []
-    for index, stage in enumerate(stages):
-        last = index == len(stages) - 1
-        args = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in boundary)
-        samples, out = [], ()
-        for rep in range(reps + 2):  # two untimed warm-up repetitions
-            start = time.perf_counter()
-            out = stage(*args)
-            if last:
-                rec.criterion(out[0], target).backward()
-            else:
-                tensors = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    with torch.no_grad():
+        for stage in stages:
+            stage_inputs.append(boundary)
+            boundary = tuple(stage(*boundary))
+
+    def fwd_bwd(index: int) -> float:
+        stage, last = stages[index], index == len(stages) - 1
+        args = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                     for x in stage_inputs[index])
+        start = time.perf_counter()
+        out = stage(*args)
+        if last:
+            rec.criterion(out[0], target).backward()
+        else:
+            tensors = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        return (time.perf_counter() - start) * 1000.0
+
+    indices = range(len(stages)) if only is None else [only]
+    samples: list[list[float]] = [[] for _ in stages]
+    for rep in range(reps + 2):  # two untimed warm-up rounds
+        for index in indices:
+            elapsed = fwd_bwd(index)
             if rep >= 2:
-                samples.append((time.perf_counter() - start) * 1000.0)
+                samples[index].append(elapsed)
+    for stage in stages:
         stage.zero_grad(set_to_none=True)
-        times.append(statistics.median(samples))
-        boundary = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out)
-    return times
+    return [min(samples[i]) for i in indices]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -210,13 +228,19 @@ def worker(side: str, model_name: str, rank: int, world_size: int, port: int, sp
                             timeout=timedelta(seconds=spec["op_timeout"]))
     results: dict[str, Any] = {}
     try:
+        # Each rank times its own stage alone (no communication) under the same conditions as the
+        # pipelined run that follows: one thread, the other rank busy on the other core.
+        rec, _, _, _, stages = _build(model_name, spec)
+        micro = spec["batch_size"] // spec["microbatches"]
+        results["stage_ms"] = isolated_stage_ms(rec, stages, micro, spec["isolated_reps"], only=rank)[0]
+        dist.barrier()
         control_group = dist.new_group(backend="gloo") if side == "ours" else None
         for schedule_name in spec["schedules"]:
             if side == "torch":
                 result = torch_side(model_name, schedule_name, rank, world_size, spec)
             else:
                 result = ours_side(model_name, schedule_name, rank, world_size, spec, control_group)
-            results[schedule_name] = result
+            results.setdefault("schedules", {})[schedule_name] = result
             print(f"rank {rank}: {side} {model_name} {schedule_name}: {1.0 / result['step_s']:.2f} steps/s", flush=True)
     finally:
         dist.destroy_process_group()
@@ -225,7 +249,10 @@ def worker(side: str, model_name: str, rank: int, world_size: int, port: int, sp
 
 
 def run_world(side: str, model_name: str, spec_path: Path, workdir: Path, timeout: float, echo: bool) -> dict[str, Any]:
-    """Start one world (a process per rank, under a deadline, always reaped); schedule -> result."""
+    """Start one world (a process per rank, under a deadline, always reaped).
+
+    Returns {"stage_ms": [isolated fwd+bwd per microbatch, by stage], "schedules": {name: {"step_s", ...}}}.
+    """
     from model_parallel.runtime.launch import free_port, launch, print_echo
 
     port = free_port()
@@ -240,12 +267,13 @@ def run_world(side: str, model_name: str, spec_path: Path, workdir: Path, timeou
         raise RuntimeError(f"{side} world for {model_name} failed:\n{result.summary()}")
     per_rank = [json.loads(p.read_text()) for p in paths]
     # Both ranks time between the same barriers; take the slower one (they differ by microseconds).
-    out = {}
-    for schedule_name, first in per_rank[0].items():
-        out[schedule_name] = dict(first, step_s=max(r[schedule_name]["step_s"] for r in per_rank))
-        if "split" in first:
-            out[schedule_name]["split_by_rank"] = [r[schedule_name]["split"] for r in per_rank]
-            del out[schedule_name]["split"]
+    out: dict[str, Any] = {"stage_ms": [r["stage_ms"] for r in per_rank], "schedules": {}}
+    for schedule_name, first in per_rank[0]["schedules"].items():
+        row = dict(first, step_s=max(r["schedules"][schedule_name]["step_s"] for r in per_rank))
+        if "split" in row:
+            row["split_by_rank"] = [r["schedules"][schedule_name]["split"] for r in per_rank]
+            del row["split"]
+        out["schedules"][schedule_name] = row
     return out
 
 
@@ -259,8 +287,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 10)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds for each world of workers")
     parser.add_argument("--only", choices=("both", "torch", "ours"), default="both", help="run one side only (debugging)")
     parser.add_argument("--out", default=str(RESULTS))
@@ -290,8 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec: dict[str, Any] = {
         "batch_size": args.batch_size,
         "microbatches": args.microbatches,
-        "steps": args.steps or (10 if args.quick else 30),
-        "warmup": args.warmup if args.warmup is not None else (3 if args.quick else 5),
+        "steps": args.steps or (8 if args.quick else 30),
+        "warmup": args.warmup if args.warmup is not None else (2 if args.quick else 5),
         "lr": 0.01,
         "seed": 0,
         "schedules": schedules,
@@ -299,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "models": {},
         "op_timeout": 120,
         "profile_iterations": 2 if args.quick else 5,
-        "isolated_reps": 5 if args.quick else 15,
+        "isolated_reps": 8 if args.quick else 20,
     }
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
@@ -317,23 +345,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 measured[(side, model_name)] = run_world(side, model_name, spec_path, workdir, args.timeout, args.echo)
     rows = []
     m, p = spec["microbatches"], NUM_STAGES
+
+    def ideal_s(world: dict[str, Any]) -> Optional[float]:
+        return (m + p - 1) * max(world["stage_ms"]) / 1000.0 if world else None
+
     for model_name in models:
         entry = spec["models"][model_name]
-        ideal_s = (m + p - 1) * max(entry["stage_ms"]) / 1000.0
+        ours_world, torch_world = measured.get(("ours", model_name), {}), measured.get(("torch", model_name), {})
         for schedule in schedules:
-            ours_result = measured.get(("ours", model_name), {}).get(schedule, {})
-            torch_result = measured.get(("torch", model_name), {}).get(schedule, {})
-            ours, theirs = ours_result.get("step_s"), torch_result.get("step_s")
+            ours_result = ours_world.get("schedules", {}).get(schedule, {})
+            ours, theirs = ours_result.get("step_s"), torch_world.get("schedules", {}).get(schedule, {}).get("step_s")
             rows.append({
                 "model": model_name,
                 "schedule": schedule,
                 "ours_steps_per_s": 1.0 / ours if ours else None,
                 "torch_steps_per_s": 1.0 / theirs if theirs else None,
                 "ratio": theirs / ours if ours and theirs else None,
-                "efficiency": ideal_s / ours if ours else None,
-                "torch_efficiency": ideal_s / theirs if theirs else None,
-                "ideal_step_ms": ideal_s * 1000.0,
-                "stage_ms": entry["stage_ms"],
+                "efficiency": ideal_s(ours_world) / ours if ours else None,
+                "torch_efficiency": ideal_s(torch_world) / theirs if theirs else None,
+                "ours_step_ms": ours * 1000.0 if ours else None,
+                "torch_step_ms": theirs * 1000.0 if theirs else None,
+                "ours_stage_ms": ours_world.get("stage_ms"),
+                "torch_stage_ms": torch_world.get("stage_ms"),
+                "predicted_stage_ms": entry["predicted_stage_ms"],
                 "stage_nodes": entry["stage_nodes"],
                 "ours_split_ms_by_rank": ours_result.get("split_by_rank"),
             })

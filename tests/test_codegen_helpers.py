@@ -31,7 +31,17 @@ def split_before(graph: Graph, first_nodes: Sequence[str]) -> dict[str, int]:
 def _detached(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.detach().requires_grad_()
+    if isinstance(value, (tuple, list)):  # a multi-output node (split, LSTM) cut from its getitems
+        return type(value)(_detached(v) for v in value)
     return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]) -> tuple[Any, torch.Tensor]:
@@ -51,8 +61,8 @@ def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn
     for index in range(len(records) - 2, -1, -1):
         stage, _, outputs = records[index]
         next_inputs = dict(zip(records[index + 1][0].input_names, records[index + 1][1]))
-        pairs = [(o, next_inputs[n].grad) for n, o in zip(stage.output_names, outputs)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and next_inputs[n].grad is not None]
+        pairs = [(o, r.grad) for n, out in zip(stage.output_names, outputs)
+                 for o, r in zip(_tensors(out), _tensors(next_inputs[n])) if o.requires_grad and r.grad is not None]
         if pairs:
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
     return final, loss

@@ -10,7 +10,7 @@ import torch
 from model_parallel.cli.main import SUBCOMMANDS, build_parser
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient
-from model_parallel.coordinator.protocol import C2S, Session, client_handshake, encode_frame, make_message
+from model_parallel.coordinator.protocol import C2S, client_handshake, encode_frame, make_message
 from model_parallel.coordinator.server import Coordinator
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.core import Graph, Node
@@ -105,11 +105,12 @@ def test_bad_clients_are_dropped_and_do_not_disturb(coordinator, caplog):
     ch1 = CoordinatorChannel(coordinator.address, TOKEN, rank=1, world_size=2)
     host, port = coordinator.address.split(":")
     try:
-        def attack(payload: bytes, read_hello=True):
+        def attack(payload: bytes, hang_up=False):
             with socket.create_connection((host, int(port)), timeout=5) as sock:
-                if read_hello:
-                    client_handshake(sock, b"ignored", 5)
+                client_handshake(sock, b"ignored", 5)
                 sock.sendall(payload)
+                if hang_up:
+                    return  # close in the middle of the frame
                 sock.settimeout(5)
                 try:
                     while sock.recv(4096):  # the server closes on us
@@ -121,16 +122,17 @@ def test_bad_clients_are_dropped_and_do_not_disturb(coordinator, caplog):
         attack(encode_frame(register, b"wrong-token", C2S, "00" * 16))  # unauthenticated
         attack(struct.pack(">I", 1 << 30))  # oversized length
         attack(b"GET / HTTP/1.1\r\n\r\n")  # garbage
-        attack(struct.pack(">I", 100) + b"x" * 10, read_hello=False)  # truncated, then closed
+        attack(struct.pack(">I", 100) + b"x" * 10, hang_up=True)  # truncated, then closed
         for step in range(3):
             ch0.report(metrics(0, step, 0, 0.004))
             ch1.report(metrics(1, step, 0, 0.004))
         wait_for(lambda: all(w.step == 2 for w in coordinator.workers.values()), what="reports")
         assert all(w.status == "running" for w in coordinator.workers.values())
         assert coordinator.stop_reason is None and ch0.poll() is None
+        wait_for(lambda: caplog.text.count("dropped client") >= 4, what="four drops logged")
         text = caplog.text
         assert "authentication failed" in text and "exceeds the 1048576-byte limit" in text
-        assert text.count("dropped client") >= 4
+        assert "truncated frame: connection closed after 10 of 100 bytes" in text
     finally:
         ch0.close()
         ch1.close()
@@ -217,3 +219,32 @@ def test_lost_coordinator_keeps_training(coordinator, caplog):
         assert "lost the coordinator" in caplog.text
     finally:
         ch0.close()
+
+
+def test_command_lines_coordinator_ctl_and_sigterm(tmp_path):
+    """`python test_socket.py` + `model-parallel ctl` as processes; bad token -> one line, exit 2; SIGTERM -> exit 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from model_parallel.coordinator.local import CoordinatorProcess
+
+    graph = chain_graph()
+    from model_parallel.graph.io import save_graph
+
+    save_graph(graph, tmp_path / "graph.json")
+    write_plan(two_stage_plan(graph), tmp_path / "plan.json")
+    ctl = [sys.executable, "-m", "model_parallel.cli.main", "ctl"]
+    with CoordinatorProcess(tmp_path / "graph.json", tmp_path / "plan.json", "tok", workdir=tmp_path / "c") as coord:
+        ok = subprocess.run(ctl + ["--address", coord.address, "--token", "tok", "status"],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        assert "plan v0" in ok.stdout and "time per minibatch" in ok.stdout
+        bad = subprocess.run(ctl + ["--address", coord.address, "--token", "wrong", "status"],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert bad.stderr.count("\n") == 1 and "closed the connection" in bad.stderr
+        os.killpg(coord.proc.pid, signal.SIGTERM)
+        assert coord.proc.wait(timeout=20) == 0
+    assert "dropped client" in coord.output() and "authentication failed" in coord.output()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,8 +29,10 @@ PROFILES = ("toy_dag", "vgg16", "gnmt", "vgg16_partitioned_3stages", "resnet50")
 TEXTS = {name: (REFERENCE_PROFILES / f"{name}.graph.txt").read_text() for name in PROFILES} if REFERENCE_PROFILES.is_dir() else {}
 pytestmark = pytest.mark.skipif(not TEXTS, reason=f"reference profiles not found at {REFERENCE_PROFILES}")
 
+# MP_FUZZ_EXAMPLES=5000 runs that many fresh random examples per test (bug hunting); CI uses a fixed set.
+DEEP = int(os.environ.get("MP_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
-    max_examples=300, deadline=None, derandomize=True, database=None,
+    max_examples=DEEP or 300, deadline=None, derandomize=not DEEP, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 
@@ -290,3 +293,38 @@ def test_hierarchy_from_lists_builds_or_raises(machines: list, bandwidths: Any, 
 def test_hierarchy_rejects_nan_memory() -> None:
     with pytest.raises(PlanError, match="memory"):
         Hierarchy.from_lists([4], None, float("nan"))
+
+
+# ---- the optimizer on whatever the reader accepts ------------------------------------------------------
+COST = st.sampled_from([0.0, 1e-9, 1.0, 3.5, 1e6, 1e15]) | st.floats(0, 1e4)
+
+
+@st.composite
+def random_graph_text(draw: st.DrawFn) -> str:
+    """A valid graph.txt of a random DAG: any shape, zero and huge costs, inputs anywhere, list activations."""
+    count = draw(st.integers(1, 14))
+    lines = []
+    for i in range(count):
+        description = draw(st.sampled_from(["Input0", "Linear(4, 4)", "Add", "Concat(1)", "__getitem__(0)", "ReLU()"]))
+        activation = draw(COST | st.lists(COST, min_size=2, max_size=3).map(lambda xs: "[" + "; ".join(map(str, xs)) + "]"))
+        lines.append(f"n{i} -- {description} -- forward_compute_time={draw(COST)}, backward_compute_time={draw(COST)}, "
+                     f"activation_size={activation}, parameter_size={draw(COST)}")
+    for j in range(1, count):
+        for i in sorted(draw(st.sets(st.integers(0, j - 1), max_size=3))):
+            lines.append(f"\tn{i} -- n{j}")
+    return "\n".join(lines) + "\n"
+
+
+@settings(FUZZ, max_examples=DEEP or 60)
+@given(mutated_profile() | random_graph_text(), st.integers(1, 4), st.booleans())
+def test_partition_of_any_parsed_graph_is_a_plan_or_typed_error(text: str, workers: int, straight: bool) -> None:
+    from model_parallel.optimizer.options import PartitionOptions
+    from model_parallel.optimizer.partition import partition
+
+    graph = check_reader(lambda: parse_graph_txt(text, "fuzz.txt"))
+    if not isinstance(graph, Graph) or len(graph) > 120:  # resnet50-sized graphs are the optimizer tests' business
+        return
+    plan = check_reader(lambda: partition(graph, Hierarchy.from_lists([workers]), PartitionOptions(straight_pipeline=straight)))
+    if isinstance(plan, Plan):
+        assert sorted(plan.stage_of) == sorted(n.node_id for n in graph.nodes), "the plan must place every node"
+        assert plan.num_ranks <= workers

@@ -102,3 +102,15 @@ def test_summarize_and_throughput(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["rank"] == rank))
     assert len(read_metrics(tmp_path)) == 6
+
+
+def test_command_line_summary(tmp_path, capsys):
+    from model_parallel.runtime.metrics import main
+
+    (tmp_path / "rank0.jsonl").write_text("".join(json.dumps(_record(s, 0, 0, 100.0, 60.0, 10.0)) + "\n" for s in range(3)))
+    assert main([str(tmp_path), "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "s0:60.0/10.0/30.0" in out and "throughput after 1 warm-up step(s): 640.0 samples/s" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "missing.jsonl")])
+    assert exit_info.value.code == 2

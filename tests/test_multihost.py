@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import netns
+from conftest import assert_params_close, mlp_job, reference_params
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"multi-host tests need network namespaces: {REASON}"),
@@ -81,18 +82,20 @@ HOSTILE_CLIENT = textwrap.dedent("""
         with socket.create_connection((host, port), timeout=10) as s:
             s.settimeout(10)
             s.recv(4096)  # the server's hello
-            s.sendall(payload)
-            s.shutdown(socket.SHUT_WR)  # end of our input: the server sees a cut frame at once
             try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)  # end of our input: the server sees a cut frame at once
                 while s.recv(4096):  # the server must drop us
                     pass
-            except (ConnectionResetError, socket.timeout):
+            except OSError:  # the server may drop us before we finish: that is the point
                 pass
     body = b'{"v":1,"type":"ctl","seq":1,"op":"status","args":{}}'
     attempt(struct.pack(">I", 32 + len(body)) + bytes(32) + body)  # unauthenticated (zero MAC)
     attempt(struct.pack(">I", 1 << 30))                          # oversized length
     attempt(struct.pack(">I", 32 + 100) + bytes(40))                # truncated, then closed
     attempt(b"GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")               # garbage
+    deep = b"[" * 200000 + b"]" * 200000
+    attempt(struct.pack(">I", 32 + len(deep)) + bytes(32) + deep)    # nested past json's recursion limit
     print("hostile client done", flush=True)
 """)
 
@@ -138,3 +141,57 @@ def test_coordinator_on_one_host_ctl_and_hostile_client_on_others(tmp_path: Path
     assert "Traceback" not in output, output
     for reason in ("authentication failed", "exceeds the", "truncated frame"):
         assert f"dropped client {net[2].address}" in output and reason in output, f"no drop logged for {reason!r}:\n{output}"
+
+
+def test_coordinator_and_workers_on_separate_hosts_train_exactly(tmp_path: Path) -> None:
+    """The seed's command lines across three hosts: coordinator on 10.200.0.1, rank 0 on .2, rank 1 on .3."""
+    from model_parallel.runtime.checkpoint import load_checkpoint
+
+    steps, batch, micro, lr = 4, 8, 4, 0.01
+    graph, plan = mlp_job(tmp_path, 2, batch, micro)
+    checkpoints = tmp_path / "ck"
+    with netns.hosts(3) as net:
+        coord_addr, rank0_addr = net[0].address, net[1].address
+        logs = {name: tmp_path / f"{name}.log" for name in ("coordinator", "rank0", "rank1")}
+        coordinator = net.spawn(0, [PYTHON, str(REPO / "test_socket.py"), "--host", coord_addr, "--port", "29600", "--token", TOKEN,
+                                    "--graph", str(graph), "--plan", str(plan), "--policy", "manual", "--timeout", "150"],
+                                log=logs["coordinator"])
+        wait_for_text(logs["coordinator"], "coordinator listening", 60, coordinator)
+        for rank in range(2):
+            net.spawn(rank + 1, [PYTHON, str(REPO / "test_parallel_0.py"), "--rank", rank, "--world_size", 2,
+                                 "--dist_addr", rank0_addr, "--dist_port", 29500, "--model", "mlp", "--plan", plan,
+                                 "--steps", steps, "--batch_size", batch, "--num_microbatches", micro, "--lr", lr,
+                                 "--checkpoint_dir", checkpoints, "--timeout", 60,
+                                 "--coordinator", f"{coord_addr}:29600", "--token", TOKEN], log=logs[f"rank{rank}"])
+        try:
+            codes = net.wait_all(timeout=150)
+        finally:
+            outputs = {name: log.read_text(errors="replace") for name, log in logs.items() if log.exists()}
+    assert codes == [0, 0, 0], "\n".join(f"--- {k}\n{v[-2000:]}" for k, v in outputs.items())
+    for rank in range(2):
+        assert f"rank {rank} registered" in outputs["coordinator"] and f"rank {rank} finished" in outputs["coordinator"]
+    got = load_checkpoint(checkpoints).params()
+    assert_params_close(got, reference_params(steps, batch, micro, lr), "multi-host run")
+
+
+def test_torchrun_across_two_hosts(tmp_path: Path) -> None:
+    """`torchrun --nnodes=2` with one worker per host (static rendezvous at host 0's address)."""
+    from model_parallel.runtime.checkpoint import load_checkpoint
+
+    steps = 3
+    _, plan = mlp_job(tmp_path, 2)
+    checkpoints = tmp_path / "ck"
+    with netns.hosts(2) as net:
+        logs = [tmp_path / f"node{i}.log" for i in range(2)]
+        for node in range(2):
+            net.spawn(node, [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+                             f"--master_addr={net[0].address}", "--master_port=29510",
+                             str(REPO / "test_parallel_0.py"), "--model", "mlp", "--plan", str(plan), "--steps", str(steps),
+                             "--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01",
+                             "--checkpoint_dir", str(checkpoints), "--timeout", "60"], log=logs[node])
+        try:
+            codes = net.wait_all(timeout=150)
+        finally:
+            outputs = [log.read_text(errors="replace") for log in logs]
+    assert codes == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert_params_close(load_checkpoint(checkpoints).params(), reference_params(steps), "torchrun multi-host run")

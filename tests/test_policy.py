@@ -141,3 +141,84 @@ def test_unprofiled_graph_gets_a_byte_proxy():
     proxied = pol.with_cost_proxy(graph)
     assert [n.compute_ms for n in proxied.nodes] == [0.0, 2.0, 2.0, 2.0, 2.0]
     assert pol.with_cost_proxy(proxied) is proxied
+
+
+def test_delivered():
+    assert pol.delivered(10.0, 6.0, 7.5)  # predicted 40%, got 25% >= 20%
+    assert not pol.delivered(10.0, 6.0, 9.5)
+    assert pol.PolicyConfig(threshold=0.1).threshold_after(5) == 0.3
+    assert pol.PolicyConfig(cooldown_steps=10).cooldown_after(7) == 40
+
+
+def simulate(graph, plan, true_ms, config, steps, rng, noise):
+    """The coordinator's loop in miniature: measure, decide, switch, review, back off. Returns switch steps."""
+    switches, since, misses, review, baseline, learn, streak = [], 10 ** 6, 0, None, None, False, 0
+    for step in range(steps):
+        samples = {s.ranks[0]: [true_ms(s, step) * (1 + rng.uniform(-noise, noise)) for _ in range(config.window)]
+                   for s in plan.stages}
+        if since < config.window:
+            since += 1
+            continue
+        if review is not None:
+            after = max(sorted(v)[len(v) // 2] for v in samples.values())
+            misses = max(0, misses - 1) if pol.delivered(*review, after) else misses + 1
+            review = None
+        if learn:
+            baseline, learn = dict(pol.estimate_speeds(graph, plan, samples).speeds), False
+            continue
+        decision = pol.decide(graph, plan, samples, config, since, solver=pol.chain_partition, misses=misses,
+                              baseline=baseline, change_streak=streak)
+        streak = streak + 1 if decision.extra.get("changed") else 0
+        since += 1
+        if decision.plan is None and baseline is None and decision.estimate is not None:
+            baseline = dict(decision.estimate.speeds)
+        if decision.plan is not None:
+            switches.append(step)
+            review = (decision.current_ms, decision.predicted_ms)
+            plan, since, baseline, learn = decision.plan, 0, None, True
+    return switches, plan
+
+
+def test_backoff_stops_oscillation_when_the_profile_misleads():
+    """Hidden per-node costs the profile misses (odd nodes cost 2x more than profiled) + 25% noise:
+    the policy may try a few plans but must settle, not switch every cooldown."""
+    graph = chain_graph([1.0] * 24)
+    hidden = {f"n{i}": (3.0 if i % 2 else 1.0) * (1 + 0.5 * (i > 18)) for i in range(24)}
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=5, window=5)
+
+    def true_ms(stage, step):
+        return sum(hidden.get(n, 0.0) for n in stage.node_ids)
+
+    switches, _ = simulate(graph, even_plan(graph, 4), true_ms, config, 400, random.Random(3), noise=0.25)
+    assert len(switches) <= 3 and (not switches or switches[-1] < 200), switches
+
+
+def test_straggler_detected_after_a_steady_period():
+    """Balanced and steady for 100 steps (noise 15%), then rank 2 turns 2x slower: exactly one switch, soon after."""
+    graph = chain_graph([1.0] * 24)
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=5, window=5)
+
+    def true_ms(stage, step):
+        slow = 2.0 if (stage.ranks[0] == 2 and step >= 100) else 1.0
+        return slow * pol.stage_profiled_ms(graph, stage) * 3.0
+
+    switches, plan = simulate(graph, even_plan(graph, 4), true_ms, config, 300, random.Random(4), noise=0.15)
+    assert len(switches) == 1 and 100 <= switches[0] < 110, switches
+    sizes = [len([n for n in s.node_ids if n != "input0"]) for s in plan.stages]
+    assert sizes[2] < min(sizes[0], sizes[1], sizes[3]), sizes
+
+
+def test_a_burst_of_contention_is_not_a_straggler():
+    """Rank 1 looks 3x slower for 2 steps (a burst), then recovers: no switch; a lasting change switches."""
+    graph = chain_graph([1.0] * 16)
+    plan = even_plan(graph, 4)
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=1, persist=3)
+    baseline = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    slow = measure(graph, plan, {0: 1.0, 1: 1 / 3, 2: 1.0, 3: 1.0}, n=1)
+    first = pol.decide(graph, plan, slow, config, 100, solver=pol.chain_partition, baseline=baseline, change_streak=0)
+    assert first.plan is None and first.extra["changed"] == 1 and "seen 1 of 3 times" in first.reason
+    third = pol.decide(graph, plan, slow, config, 100, solver=pol.chain_partition, baseline=baseline, change_streak=2)
+    assert third.plan is not None
+    steady = pol.decide(graph, plan, measure(graph, plan, {r: 1.0 for r in range(4)}, n=1), config, 100,
+                        solver=pol.chain_partition, baseline=baseline, change_streak=2)
+    assert steady.plan is None and "speeds steady" in steady.reason and not steady.extra

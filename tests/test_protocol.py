@@ -2,7 +2,6 @@
 import json
 import socket
 import struct
-import threading
 
 import pytest
 

@@ -108,3 +108,16 @@ def test_merge_traces(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="bad.json: not a Chrome trace"):
         merge_traces([tmp_path / "bad.json"], tmp_path / "x.json")
+
+
+def test_command_line_merge(tmp_path, capsys):
+    from model_parallel.runtime.tracing import main
+
+    for rank in range(2):
+        _spans(rank, stage=rank).save(tmp_path / f"rank{rank}.json")
+    assert main([str(tmp_path / "all.json"), str(tmp_path)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert {e["pid"] for e in read_trace(tmp_path / "all.json")["traceEvents"]} == {0, 1}
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "x.json"), str(tmp_path / "missing.json")])
+    assert exit_info.value.code == 2

@@ -119,6 +119,10 @@ def add_coordinator_arguments(parser: Any) -> None:
     parser.add_argument("--cooldown-steps", "--cooldown_steps", dest="cooldown_steps", type=int, default=20,
                         help="steps between two switches (default 20)")
     parser.add_argument("--window", type=int, default=5, help="samples per rank whose median is trusted (default 5)")
+    parser.add_argument("--speed-change", "--speed_change", dest="speed_change", type=float, default=0.5,
+                        help="relative change of a worker's speed that triggers re-planning (default 0.5)")
+    parser.add_argument("--persist", type=int, default=3,
+                        help="evaluations in a row a speed change must last before re-planning (default 3)")
     parser.add_argument("--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=float, default=5.0,
                         help="seconds of silence before a worker is declared dead (default 5)")
     parser.add_argument("--status-file", "--status_file", dest="status_file", help="JSON status, rewritten atomically")
@@ -143,7 +147,8 @@ def run_coordinator(args: Any) -> int:
     from model_parallel.graph.io import load_graph
 
     token = read_token(args.token, args.token_file)
-    config = PolicyConfig(threshold=args.threshold, cooldown_steps=args.cooldown_steps, window=args.window)
+    config = PolicyConfig(threshold=args.threshold, cooldown_steps=args.cooldown_steps, window=args.window,
+                          speed_change=args.speed_change, persist=args.persist)
     coordinator = Coordinator(load_graph(args.graph), _load_plan(args.plan), token, policy=args.policy, config=config,
                               status_file=args.status_file, heartbeat_timeout=args.heartbeat_timeout)
     port = coordinator.start(args.host, args.port)

@@ -61,8 +61,8 @@ def check_stage_assignment(graph: Graph, stage_of: Mapping[str, int]) -> int:
         if stage_of[src] > stage_of[dst]:
             raise PlanError(
                 f"edge {src} -> {dst} goes from stage {stage_of[src]} back to stage {stage_of[dst]}; "
-                "a pipeline only sends values forward: move {dst} to stage >= {stage_of[src]} "
-                "or {src} to stage <= {stage_of[dst]}".format(dst=dst, src=src)
+                f"a pipeline only sends values forward: move {dst} to stage >= {stage_of[src]} "
+                f"or {src} to stage <= {stage_of[dst]}"
             )
     return max(int(s) for s in stage_of.values()) + 1
 

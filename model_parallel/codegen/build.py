@@ -9,7 +9,6 @@ never run arbitrary code.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -24,8 +23,6 @@ from model_parallel.graph.arguments import decode_argument, referenced_nodes
 from model_parallel.graph.core import Graph, LayerSpec, Node
 from model_parallel.graph.plan import Plan
 
-log = logging.getLogger(__name__)
-
 # Roots a graph file may name functions and module classes under (plus the model class's module).
 ALLOWED_ROOTS = ("torch", "operator", "_operator", "builtins", "math", "torchvision", "model_parallel")
 # Callables under those roots that could read/write files, import or evaluate code.
@@ -34,8 +31,12 @@ _DENIED = frozenset(
         "eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals", "locals",
         "vars", "setattr", "delattr", "exit", "quit", "help", "memoryview",
     )
-) | frozenset(("torch.load", "torch.save", "torch.hub", "torch.ops", "torch.utils.cpp_extension",
-               "torch.utils.data", "operator.attrgetter", "operator.methodcaller", "model_parallel.fileio"))
+) | frozenset((
+    "torch.load", "torch.save", "torch.from_file", "torch.hub", "torch.serialization", "torch.package",
+    "torch.jit.load", "torch.jit.save", "torch.ops.load_library", "torch.classes", "torch.utils.cpp_extension",
+    "torch.distributed", "torch.multiprocessing", "torch.UntypedStorage.from_file", "operator.attrgetter",
+    "operator.methodcaller", "model_parallel.fileio", "model_parallel.cli",
+))
 # Operator functions and tensor methods that modify their first argument.
 _INPLACE_FUNCTIONS = frozenset(
     f"operator.{name}" for name in (
@@ -252,10 +253,11 @@ def _mutated_inputs(graph: Graph, node_ids: Sequence[str], inputs: Sequence[str]
         first = _first_argument(layer)
         if first is None or first not in root:
             continue
-        short = layer.target.rpartition(".")[2]
-        if short in _VIEW_OPS and layer.op in ("call_method", "call_function"):
+        inplace = _is_inplace(layer, built.get(node_id))
+        view = layer.op in ("call_method", "call_function") and layer.target.rpartition(".")[2] in _VIEW_OPS
+        if view or inplace:  # the result aliases the input: later in-place ops on it modify the input too
             root[node_id] = root[first]
-        if _is_inplace(layer, built.get(node_id)):
+        if inplace:
             mutated.add(root[first])
     return mutated
 

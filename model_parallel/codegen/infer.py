@@ -73,7 +73,8 @@ def _parameter_names(expression: str, where: str) -> tuple[str, ...]:
 
 def infer_layer(graph: Graph, node: Node, line: int, input_index: int) -> LayerSpec:
     """The layer a PipeDream description stands for; inputs are the node's in-edges in file order."""
-    where = f"{graph.metadata.get('source', 'graph.txt')}:{line}: node {node.node_id} ({node.description[:60]!r})"
+    source = graph.metadata.get("source")
+    where = f"{source + ':' if source else 'line '}{line}: node {node.node_id} ({node.description[:60]!r})"
     preds = graph.predecessors[node.node_id]
     refs = [{"node": p} for p in preds]
     text = node.description.strip()

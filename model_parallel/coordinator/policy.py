@@ -16,6 +16,22 @@ bottleneck by construction), the partition is re-solved for the same ranks in th
 `cooldown_steps` steps passed since the last switch, and (c) the predicted gain
 `(current - new) / current` beats `threshold` (hysteresis: a noisy but balanced pipeline never
 switches, and a switch is not undone by noise).
+
+Change detection. Per-stage measurements cannot tell a slow worker from layers that cost more
+than profiled, so every plan changes what the speeds *look* like. Hence speeds are compared with a
+`baseline` taken from the first full window under the live plan: a switch is considered only when
+some worker's relative speed (normalised by the median worker) moved by more than `speed_change`
+since then — a worker really slowed down or sped up — and stayed so for `persist` evaluations in a
+row (a burst of contention on a shared machine passes). The first plan (v0) is the exception: its first
+window may re-plan at once, which is how a wrong profile gets corrected (calibration).
+
+Back-off. Measurements on a busy machine are noisy, and per-layer profile errors move with the
+layers, so a predicted gain may not materialise. After each switch the coordinator compares the
+measured bottleneck under the new plan with the prediction (`delivered`); every switch that did not
+deliver at least half its predicted gain counts as a miss, and each miss doubles the effective
+threshold (capped at `max_threshold`) and adds one cooldown period; a delivered switch forgives one
+miss. So a pipeline that cannot be improved settles instead of oscillating, while a real 2x
+straggler (a 30-50% gain) still gets through.
 """
 from __future__ import annotations
 
@@ -43,6 +59,9 @@ class PolicyConfig:
     threshold: float = 0.1
     cooldown_steps: int = 20
     window: int = 5
+    max_threshold: float = 0.3
+    speed_change: float = 0.5
+    persist: int = 3
 
     def __post_init__(self) -> None:
         if not 0 <= self.threshold < 1:
@@ -51,6 +70,27 @@ class PolicyConfig:
             raise PlanError(f"--cooldown-steps must be >= 0, got {self.cooldown_steps}")
         if self.window < 1:
             raise PlanError(f"--window must be >= 1, got {self.window}")
+        if self.persist < 1:
+            raise PlanError(f"persist must be >= 1 evaluation, got {self.persist}")
+        if not self.speed_change > 0:
+            raise PlanError(f"--speed-change must be > 0, got {self.speed_change}")
+        if not self.threshold <= self.max_threshold < 1:
+            raise PlanError(f"max_threshold must be in [threshold, 1), got {self.max_threshold}")
+
+    def threshold_after(self, misses: int) -> float:
+        """Effective threshold after `misses` switches that did not deliver."""
+        return min(self.threshold * 2 ** misses, max(self.max_threshold, self.threshold))
+
+    def cooldown_after(self, misses: int) -> int:
+        return self.cooldown_steps * (1 + min(misses, 3))
+
+
+def delivered(before_ms: float, predicted_ms: float, after_ms: float) -> bool:
+    """Did a switch deliver at least half of the gain it predicted? (measured bottleneck before/after)"""
+    if before_ms <= 0:
+        return True
+    predicted_gain = (before_ms - predicted_ms) / before_ms
+    return (before_ms - after_ms) / before_ms >= 0.5 * predicted_gain
 
 
 @dataclass(frozen=True)
@@ -147,12 +187,21 @@ def decide(
     steps_since_switch: int,
     solver: Optional[Solver] = None,
     force: bool = False,
+    misses: int = 0,
+    baseline: Optional[Mapping[int, float]] = None,
+    change_streak: int = 0,
 ) -> Decision:
     """Propose plan v+1 or say why not. `samples`: rank -> compute ms measured under `plan.version`.
 
+    `misses`: recent switches that did not deliver (see module docstring: back-off).
+    `baseline`: speeds when the live plan's first window was full; `change_streak`: how many
+    evaluations in a row before this one saw a speed change beyond `speed_change` (a change must
+    persist for `persist` evaluations: a burst of contention on a shared machine is not a straggler).
+    A decision that saw such a change has `extra["changed"] == 1`.
     `force=True` (ctl rebalance) skips the window-length, cooldown and threshold checks but still
     needs one sample per rank, and still returns None when the re-solved plan is the same.
     """
+    threshold, cooldown = config.threshold_after(misses), config.cooldown_after(misses)
     solver = solver or default_solver
     plan = plan.with_default_ranks()
     ranks = active_ranks(plan)
@@ -160,12 +209,22 @@ def decide(
         short = [r for r in ranks if len(samples.get(r, ())) < config.window]
         if short:
             return Decision(None, f"waiting for {config.window} samples from rank(s) {short}")
-        if steps_since_switch < config.cooldown_steps:
-            return Decision(None, f"cooldown: {steps_since_switch} of {config.cooldown_steps} steps since the last switch")
+        if steps_since_switch < cooldown:
+            return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the last switch")
     try:
         estimate = estimate_speeds(graph, plan, {r: list(samples.get(r, ()))[-config.window:] for r in ranks})
     except PlanError as error:
         return Decision(None, str(error))
+    changed: dict[str, float] = {}
+    if not force and baseline is not None:
+        change = speed_change(baseline, estimate.speeds)
+        if change <= config.speed_change:
+            return Decision(None, f"speeds steady since plan v{plan.version} went live (largest change {change:.0%})",
+                            estimate=estimate)
+        changed = {"changed": 1}
+        if change_streak + 1 < config.persist:
+            return Decision(None, f"speed change of {change:.0%} seen {change_streak + 1} of {config.persist} times in a row",
+                            estimate=estimate, extra=changed)
     current = max(estimate.measured_ms.values())
     speeds = [estimate.speeds[r] for r in ranks]
     candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, speeds)
@@ -173,12 +232,31 @@ def decide(
     gain = (current - new) / current if current > 0 else 0.0
     same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks
     if same:
-        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain)
-    if not force and gain <= config.threshold:
-        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {config.threshold:.0%}",
-                        current, new, estimate, gain)
+        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain, changed)
+    if not force and gain <= threshold:
+        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}",
+                        current, new, estimate, gain, changed)
     proposed = replace(candidate, version=plan.version + 1)
-    return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new, estimate, gain)
+    return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new,
+                    estimate, gain, changed)
+
+
+def speed_change(baseline: Mapping[int, float], speeds: Mapping[int, float]) -> float:
+    """Largest relative change of a worker's speed (each normalised by the median worker) since `baseline`.
+
+    A rank missing from the baseline counts as a full change (1.0).
+    """
+    def normalised(values: Mapping[int, float]) -> dict[int, float]:
+        middle = statistics.median(values.values()) if values else 1.0
+        return {r: v / middle for r, v in values.items()} if middle > 0 else dict(values)
+
+    before, now = normalised(baseline), normalised(speeds)
+    worst = 0.0
+    for rank, value in now.items():
+        if rank not in before or before[rank] <= 0 or value <= 0:
+            return 1.0
+        worst = max(worst, max(value / before[rank], before[rank] / value) - 1.0)
+    return worst
 
 
 def plan_for_workers(graph: Graph, ranks: Sequence[int], speeds: Sequence[float], version: int,
@@ -193,7 +271,8 @@ def plan_for_workers(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]
 def default_solver(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
     """The project optimizer when it offers heterogeneous speeds, else `chain_partition` (same model)."""
     try:
-        from model_parallel.optimizer import PartitionOptions, partition  # type: ignore[attr-defined]
+        from model_parallel.optimizer.options import PartitionOptions
+        from model_parallel.optimizer.partition import partition
 
         options = PartitionOptions(straight_pipeline=True, worker_speeds=tuple(float(s) for s in speeds))
     except (ImportError, TypeError):  # no optimizer yet, or one without heterogeneous speeds

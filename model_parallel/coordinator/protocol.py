@@ -180,6 +180,8 @@ def decode_payload(payload: bytes, token: Optional[bytes], direction: bytes, non
         message = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ProtocolError(f"frame body is not UTF-8 JSON ({type(error).__name__}: {error})") from None
+    except RecursionError:  # e.g. [[[[...]]]] nested deeper than the parser goes
+        raise ProtocolError("frame body is nested too deeply to parse") from None
     if not isinstance(message, dict):
         raise ProtocolError(f"frame body must be a JSON object, got {type(message).__name__}")
     _check(message)
@@ -284,9 +286,10 @@ TOKEN_ENV = "MODEL_PARALLEL_TOKEN"
 def parse_address(text: str) -> tuple[str, int]:
     """`HOST:PORT` -> (host, port)."""
     host, sep, port = str(text).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    host = host.strip("[]")  # [::1]:29600
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ProtocolError(f"coordinator address {text!r} is not HOST:PORT (e.g. 127.0.0.1:29600)")
-    return host.strip("[]"), int(port)
+    return host, int(port)
 
 
 def read_token(token: Optional[str] = None, token_file: Optional[str] = None) -> bytes:

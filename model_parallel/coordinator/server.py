@@ -92,6 +92,11 @@ class Coordinator:
         self.status_file = Path(status_file) if status_file else None
         self.heartbeat_timeout = heartbeat_timeout
         self.solver = solver
+        if solver is None:
+            try:  # import the optimizer now, not in the middle of the first decision
+                import model_parallel.optimizer.partition  # noqa: F401
+            except ImportError:
+                pass
         self.lock = threading.RLock()
         self.workers: dict[int, WorkerState] = {}
         self.world_size: Optional[int] = None
@@ -99,7 +104,17 @@ class Coordinator:
         self.version_start_step = 0  # first step run under self.plan
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason
         self.last_decision = "no decision yet"
+        self._mismatch_warned = False
+        self.decisions: deque = deque(maxlen=100)  # policy outcomes whenever the reason changes
         self.last_eval_step = -1
+        self.misses = 0  # switches that did not deliver their predicted gain (policy back-off)
+        self.review: Optional[tuple[float, float]] = None  # (measured before, predicted) of the last switch
+        self.last_prediction: Optional[tuple[float, float]] = None
+        # Speeds seen in the first full window under the live plan (policy change detection);
+        # None at v0 (the first window may re-plan: calibration) and "learn" right after a switch.
+        self.baseline: Optional[dict[int, float]] = None
+        self.learn_baseline = False
+        self.change_streak = 0
         self.stop_reason: Optional[str] = None
         self.shutdown = threading.Event()
         self.done = threading.Event()
@@ -281,18 +296,22 @@ class Coordinator:
             worker.reports.append((message["step"], message["plan_version"], float(message["compute_ms"]),
                                    float(message["comm_ms"]), float(message["idle_ms"]), float(message["samples_per_s"])))
             self._status_dirty = True
+            expected = self.plan.stage_of_rank(worker.rank)
+            if message["plan_version"] == self.plan.version and worker.stage != expected and not self._mismatch_warned:
+                self._mismatch_warned = True
+                logger.error("rank %d runs stage %s but plan v%d puts it on stage %s: start the workers with the "
+                             "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, worker.stage,
+                             self.plan.version, expected)
             if self.pending is not None and message["plan_version"] >= self.pending.version:
                 self._confirm_switch(message["step"])
             if self.policy == "auto" and self.pending is None and self.stop_reason is None:
                 step = max(w.step for w in self.workers.values())
-                # Evaluate at most once per step, and (the solve can take a while) every `window` steps
-                # once the window is full.
+                # Evaluate at most once per step; after a solve that found nothing worth it, wait a
+                # window (solving can take a while on big graphs; the gates before it are cheap).
                 if step > self.last_eval_step:
                     decision = self._decide(step, force=False)
-                    if decision.plan is None and decision.estimate is not None:
-                        self.last_eval_step = step + self.config.window - 1
-                    else:
-                        self.last_eval_step = step
+                    solved = decision.plan is None and decision.current_ms > 0
+                    self.last_eval_step = step + self.config.window - 1 if solved else step
                     if decision.plan is not None:
                         self._issue_switch(decision.plan, f"auto: {decision.reason}", step)
 
@@ -305,16 +324,58 @@ class Coordinator:
         }
 
     def _decide(self, step: int, force: bool) -> policy_mod.Decision:
-        decision = policy_mod.decide(self.graph, self.plan, self._samples(), self.config,
-                                     steps_since_switch=step - self.version_start_step, solver=self.solver, force=force)
+        samples = self._samples()
+        if self.review is not None and all(len(samples.get(r, ())) >= self.config.window for r in policy_mod.active_ranks(self.plan)):
+            self._review_switch(samples)
+        ranks = policy_mod.active_ranks(self.plan)
+        if self.learn_baseline and not force and all(len(samples.get(r, ())) >= self.config.window for r in ranks):
+            window = {r: samples[r][-self.config.window:] for r in ranks}
+            self.baseline = dict(policy_mod.estimate_speeds(self.graph, self.plan, window).speeds)
+            self.learn_baseline = False
+            self.last_decision = f"learned the speeds under plan v{self.plan.version}: " + ", ".join(
+                f"rank {r} {v:.2f}" for r, v in sorted(self.baseline.items()))
+            self.decisions.append({"step": step, "plan_version": self.plan.version, "reason": self.last_decision})
+            return policy_mod.Decision(None, self.last_decision)
+        decision = policy_mod.decide(self.graph, self.plan, samples, self.config,
+                                     steps_since_switch=step - self.version_start_step, solver=self.solver, force=force,
+                                     misses=self.misses, baseline=self.baseline, change_streak=self.change_streak)
+        if not force:
+            self.change_streak = self.change_streak + 1 if decision.extra.get("changed") else 0
+        if decision.plan is None and self.baseline is None and decision.estimate is not None and not force:
+            self.baseline = dict(decision.estimate.speeds)  # v0 kept: its first full window is the baseline
+        if decision.plan is not None:
+            self.last_prediction = (decision.current_ms, decision.predicted_ms)
+        if decision.reason != self.last_decision:
+            self.decisions.append({"step": step, "plan_version": self.plan.version, "reason": decision.reason})
         self.last_decision = decision.reason
         logger.debug("policy at step %d: %s", step, decision.reason)
         return decision
+
+    def _review_switch(self, samples: Mapping[int, list[float]]) -> None:
+        """Compare the live plan's measured bottleneck with what its switch predicted (lock held)."""
+        assert self.review is not None
+        before, predicted = self.review
+        self.review = None
+        window = self.config.window
+        after = max(sorted(samples[r][-window:])[len(samples[r][-window:]) // 2] for r in policy_mod.active_ranks(self.plan))
+        ok = policy_mod.delivered(before, predicted, after)
+        self.misses = max(0, self.misses - 1) if ok else self.misses + 1
+        entry = next((h for h in self.history if h["version"] == self.plan.version), None)
+        if entry is not None:
+            entry.update(measured_before_ms=round(before, 3), predicted_ms=round(predicted, 3),
+                         measured_after_ms=round(after, 3), delivered=ok)
+        log = logger.info if ok else logger.warning
+        log("plan v%d: bottleneck %.2f -> %.2f ms (predicted %.2f)%s", self.plan.version, before, after, predicted,
+            "" if ok else f"; gain not delivered, backing off (threshold now "
+                          f"{self.config.threshold_after(self.misses):.0%}, cooldown {self.config.cooldown_after(self.misses)} steps)")
 
     def _issue_switch(self, plan: Plan, reason: str, step: int) -> None:
         """Send plan v+1 to rank 0 (lock held)."""
         plan = replace(plan, version=self.plan.version + 1)
         self.pending = plan
+        # Only policy decisions carry a prediction to check; ctl set-plan/scale do not.
+        self.review = self.last_prediction if reason.startswith(("auto", "ctl rebalance")) else None
+        self.last_prediction = None
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
         logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
         from model_parallel.runtime.control import Command  # the runtime owns the command type
@@ -327,6 +388,9 @@ class Coordinator:
         self.pending = None
         self.version_start_step = step
         self.last_eval_step = step
+        self.baseline = None
+        self.learn_baseline = True
+        self.change_streak = 0
         for entry in self.history:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step
@@ -381,13 +445,16 @@ class Coordinator:
                 self.done.set()
 
     def _monitor_loop(self) -> None:
+        last_write = 0.0
         while not self.shutdown.wait(0.25):
             now = time.monotonic()
             with self.lock:
                 silent = [w for w in self.workers.values() if w.status == "running" and now - w.last_seen > self.heartbeat_timeout]
             for worker in silent:
                 self._declare_dead(worker, f"no heartbeat for {now - worker.last_seen:.1f} s (limit {self.heartbeat_timeout:.0f} s)")
-            self._write_status()
+            if now - last_write >= 1.0 or silent:  # at most once a second (each write fsyncs)
+                self._write_status()
+                last_write = now
 
     # ---- ctl -------------------------------------------------------------------------------------
     def _serve_ctl(self, session: Session, where: str) -> bool:
@@ -401,9 +468,14 @@ class Coordinator:
             logger.info("ctl %s from %s", message["op"], where)
             try:
                 result = self.handle_ctl(message["op"], message["args"])
-                session.send("reply", ok=True, result=result)
             except ModelParallelError as error:
                 session.send("reply", ok=False, error=str(error))
+                continue
+            except Exception as error:  # noqa: BLE001 - a bad request must not kill the coordinator
+                logger.exception("ctl %s from %s failed", message["op"], where)
+                session.send("reply", ok=False, error=f"internal error: {type(error).__name__}: {error}")
+                continue
+            session.send("reply", ok=True, result=result)
         return True
 
     def handle_ctl(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -438,6 +510,8 @@ class Coordinator:
                 rank, factor = args.get("rank"), args.get("factor")
                 if not isinstance(rank, int) or rank not in self.workers:
                     raise PlanError(f"slow: no worker with rank {rank!r}; running ranks are {sorted(self.workers)}")
+                if not isinstance(factor, (int, float)) or not factor >= 1.0:
+                    raise PlanError(f"slow --factor must be a number >= 1 (1 = back to normal), got {factor!r}")
                 command = Command.slowdown(rank, float(factor), reason="ctl slow")
                 if not self._send_to(0, command.to_dict()):
                     raise PlanError("slow: rank 0 is not connected, so the slowdown cannot be broadcast")
@@ -503,9 +577,12 @@ class Coordinator:
                 "pending_version": self.pending.version if self.pending else None,
                 "policy": self.policy,
                 "last_decision": self.last_decision,
+                "misses": self.misses,
+                "effective_threshold": self.config.threshold_after(self.misses),
                 "stages": stages,
                 "workers": workers,
                 "history": list(self.history),
+                "decisions": list(self.decisions),
                 "stop_reason": self.stop_reason,
             }
 

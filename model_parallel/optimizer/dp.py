@@ -2,9 +2,10 @@
 
 Tables have one leading extra row (FORMATS.md): row 0 = ranges from the start, row r >= 1 = ranges
 after state r-1. `A[r, j, m]` = best time of the range (row r, up to state j) on m+1 machines, with
-`split_k/split_m/last_m` recording the choice so `reconstruct` can follow it. "None" in PipeDream
-is `inf` here. For each machine count m every (row, j) entry depends only on entries with fewer
-machines, so a whole column of rows is solved with one array operation over (row, k, m').
+`split_k/split_m/last_m` recording the choice so `analyze` can follow it. "None" in PipeDream is
+`inf` here. A split of column j always ends at an ancestor state k < j, so columns are solved in
+order, each for all rows, machine counts m and last-stage machines m' with a few array operations
+(blocks of rows, split states as the contiguous innermost axis).
 
 Memory models (checked with `use_memory_constraint`; bytes one worker of the stage holds):
 - "pipedream": `ceil((M - machines_so_far) / r) * (A + W)` — PipeDream's stash estimate (the last
@@ -21,6 +22,8 @@ from typing import Optional
 
 import numpy as np
 
+from model_parallel.optimizer.costs import stash_factor
+
 INF = math.inf
 
 
@@ -36,21 +39,27 @@ class LevelTables:
     bandwidth: float
 
 
-def range_table(values: np.ndarray) -> np.ndarray:
-    """Row 0: `X(j)`; row r >= 1: `X(j) - X(r-1)` for j > r-1, else inf (PipeDream's None)."""
+def range_table(values: np.ndarray, pred_mask: Optional[np.ndarray] = None, rows: Optional[int] = None) -> np.ndarray:
+    """Row 0: `X(j)`; row r >= 1: `X(j) - X(r-1)` for j > r-1, else inf (PipeDream's None).
+
+    PipeDream fills every j > r-1 in its state order, even when state r-1 is not an ancestor of j
+    (then the difference is no range at all, yet inner levels use it). Reproducing it needs that;
+    with `pred_mask` (strict) only real ranges, state r-1 an ancestor of j, get a value.
+    """
     s = len(values)
+    if rows == 1:  # a one-level problem only ever reads ranges from the start
+        return values[None, :].astype(np.float64)
     table = np.full((s + 1, s), INF)
     table[0] = values
     diff = values[None, :] - values[:, None]  # [r-1, j] = X(j) - X(r-1)
-    upper = np.triu(np.ones((s, s), dtype=bool), 1)
-    table[1:] = np.where(upper, diff, INF)
+    valid = pred_mask.T if pred_mask is not None else np.triu(np.ones((s, s), dtype=bool), 1)
+    table[1:] = np.where(valid, diff, INF)
     return table
 
 
 def _stash_factor(memory_model: str, total: int, used_through: int, replicas: int) -> int:
-    if memory_model == "1f1b":
-        return math.ceil((total - used_through + replicas) / replicas)
-    return math.ceil((total - used_through) / replicas)
+    """`costs.stash_factor` in the DP's terms: `used_through` machines up to and including this stage."""
+    return stash_factor(memory_model, total, used_through - replicas, replicas)
 
 
 def solve_level(
@@ -68,9 +77,25 @@ def solve_level(
     activation_compression_ratio: Optional[float] = None,
     memory_limit: Optional[float] = None,
     memory_model: str = "pipedream",
+    cumulative: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
 ) -> LevelTables:
-    """One level of PipeDream's DP. `compute/activation/parameters` are (S+1, S) range tables."""
-    rows_total, s = compute.shape
+    """One level of PipeDream's DP. `compute/activation/parameters` are (S+1, S) range tables (row 0
+    only is enough with `cumulative` = the states' (compute, activation, parameters) sums)."""
+    # Only ranges from the start are solved or read at the outermost level (row 0), but its last
+    # stages still span any (k, j]: read those from the full tables, or from `cumulative` sums
+    # (X(j) - X(k), exact for a one-level problem where the tables are never built).
+    s = compute.shape[1]
+    rows_total = 1 if final_level else compute.shape[0]
+    if cumulative is not None:
+        def last_ranges(ks: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            c, a, w = cumulative
+            return c[j] - c[ks], w[j] - w[ks], (a[j] - a[ks]) + (w[j] - w[ks])
+    else:
+        full_c, full_a, full_w = compute, activation, parameters
+
+        def last_ranges(ks: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return full_c[ks + 1, j], full_w[ks + 1, j], full_a[ks + 1, j] + full_w[ks + 1, j]
+    compute, activation, parameters = compute[:rows_total], activation[:rows_total], parameters[:rows_total]
     big_m = num_machines
     best = np.full((rows_total, s, big_m), INF)
     split_k = np.full((rows_total, s, big_m), -1, dtype=np.int32)
@@ -88,61 +113,67 @@ def solve_level(
             best[:, :, m] = np.where(ok, value, INF)
             last_m[:, :, m] = np.where(ok, m + 1, 0)
 
-    num_rows = 1 if final_level else rows_total
+    num_rows = rows_total
     ratio = activation_compression_ratio
     # not_before[r, k]: split state k may end the first part in row r (k is no ancestor of state r-1).
     not_before = np.ones((num_rows, s), dtype=bool)
     if num_rows > 1:
         not_before[1:] = ~pred_mask[: num_rows - 1]
     mps = np.arange(1, big_m)  # machines of the last stage, m' = 1 .. M-1
+    # prior[r, q, k] = best[r, k, M-1-q], or inf where k may not end the first part of row r: the
+    # machine axis is reversed so that best[.., m-1], best[.., m-2], ... is an ascending slice, k is
+    # the innermost (contiguous, vectorised) axis, and the table is kept up to date column by
+    # column so that a block of rows reads it as a plain view.
+    prior = np.ascontiguousarray(np.where(not_before[:, None, :], best[:num_rows, :, ::-1].transpose(0, 2, 1), INF))
     # A split always ends at an ancestor k < j, so once column k is done it never changes: solving
     # column by column (all rows and machine counts at once) equals PipeDream's m-outer loop order.
     for j in range(1, s):
         ks = np.flatnonzero(pred_mask[j])
         rows = min(num_rows, j)  # PipeDream solves j in i+1 .. S-1 for row i
         if ks.size:
-            last = _last_stage_times(
-                compute[ks + 1, j], parameters[ks + 1, j], stash_bytes[ks + 1, j], output[ks], output[j],
+            # last[m-1, m'-1, k] for every k < j; inf where k is no ancestor of j.
+            last = np.full((big_m - 1, big_m - 1, j), INF)
+            last[:, :, ks] = _last_stage_times(
+                *last_ranges(ks, j), output[ks], output[j],
                 j < s - 1, mps, big_m, bandwidth, ratio, memory_limit, memory_model, straight_pipeline,
-            )  # (M-1 [m], K, M-1 [m'])
+            ).transpose(0, 2, 1)
         for block_start in range(0, rows, _ROW_BLOCK):
             block = slice(block_start, min(rows, block_start + _ROW_BLOCK))
-            # best[r, k] is inf for k < r: a block of rows only needs ks >= its first row.
-            sub = ks[ks >= block_start] if ks.size else ks
-            offset = ks.size - sub.size
-            if sub.size:
-                # prior[r, k, q] = best[r, k, M-1-q] (machine axis reversed so that m-1, m-2, ... is a
-                # contiguous ascending slice), inf where k may not start row r's last stage.
-                prior = np.where(not_before[block][:, sub, None], best[block][:, sub, ::-1], INF)  # (R, K, M)
-                buffer = np.empty(prior.shape[0] * sub.size * (big_m - 1))
+            num = block.stop - block.start
+            # best[r, k] is inf for k < r: a block of rows only needs split states k >= its first row.
+            width = j - block_start
+            if ks.size and width > 0:
+                block_prior = prior[block, :, block_start:j]  # (R, M, K), a view
+                buffer = np.empty(num * width * (big_m - 1))
+                rows_index = np.arange(num)
+            block_best = best[block, j, :]
+            block_k = split_k[block, j, :]
+            block_m = split_m[block, j, :]
+            block_last = last_m[block, j, :]
             for m in range(1, big_m):
-                cur = best[block, j, m]
-                cur_k = split_k[block, j, m]
-                cur_m = split_m[block, j, m]
-                cur_last = last_m[block, j, m]
                 if use_fewer_machines:
-                    prev = best[block, j, m - 1]
-                    take = (prev < cur) | np.isinf(cur)
-                    cur = np.where(take, prev, cur)
-                    cur_k = np.where(take, split_k[block, j, m - 1], cur_k)
-                    cur_m = np.where(take, split_m[block, j, m - 1], cur_m)
-                    cur_last = np.where(take, last_m[block, j, m - 1], cur_last)
-                if sub.size:
+                    take = (block_best[:, m - 1] < block_best[:, m]) | np.isinf(block_best[:, m])
+                    for column in (block_best, block_k, block_m, block_last):
+                        column[take, m] = column[take, m - 1]
+                if ks.size and width > 0:
                     max_mp = 1 if straight_pipeline else m
-                    # cand[r, k, m'-1] = max(best[r, k, m-m'], last stage on m' machines)
-                    cand = buffer[: prior.shape[0] * sub.size * max_mp].reshape(prior.shape[0], sub.size, max_mp)
-                    first = big_m - m  # prior[..., first + m' - 1] = best[..., m - m']
-                    np.maximum(prior[:, :, first: first + max_mp], last[m - 1, offset:, :max_mp][None], out=cand)
-                    flat = cand.reshape(cand.shape[0], -1)
-                    pick = np.argmin(flat, axis=1)  # first minimum: smallest k, then fewest machines
-                    value = flat[np.arange(flat.shape[0]), pick]
-                    better = value < cur
-                    cur = np.where(better, value, cur)
-                    cur_k = np.where(better, sub[pick // max_mp], cur_k)
-                    cur_m = np.where(better, m - (pick % max_mp + 1), cur_m)
-                    cur_last = np.where(better, pick % max_mp + 1, cur_last)
-                best[block, j, m], split_k[block, j, m] = cur, cur_k
-                split_m[block, j, m], last_m[block, j, m] = cur_m, cur_last
+                    first = big_m - m  # block_prior[..., first + m' - 1] = best[..., m - m']
+                    cand = buffer[: num * width * max_mp].reshape(num, max_mp, width)
+                    np.maximum(block_prior[:, first: first + max_mp, :], last[m - 1, :max_mp, block_start:][None], out=cand)
+                    flat = cand.reshape(num, -1)
+                    pick = np.argmin(flat, axis=1)  # first minimum: fewest machines, then smallest k
+                    value = flat[rows_index, pick]
+                    better = value < block_best[:, m]
+                    if better.any():
+                        pick = pick[better]
+                        block_best[better, m] = value[better]
+                        block_k[better, m] = block_start + pick % width
+                        block_m[better, m] = m - (pick // width + 1)
+                        block_last[better, m] = pick // width + 1
+            best[block, j, :], split_k[block, j, :] = block_best, block_k
+            split_m[block, j, :], last_m[block, j, :] = block_m, block_last
+        if rows:
+            prior[:rows, :, j] = np.where(not_before[:rows, j, None], best[:rows, j, ::-1], INF)
     return LevelTables(best, split_k, split_m, last_m, big_m, bandwidth)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 from model_parallel.errors import PlanError
 
 MEMORY_MODELS = ("pipedream", "1f1b")
-CUTS = ("auto", "antichain", "topological")
+CUTS = ("auto", "antichain", "topological", "all")
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,14 @@ class PartitionOptions:
     - `worker_speeds`: relative speed of each worker in rank order (1.0 = as profiled); a stage on
       worker w takes compute / speed_w. Needs `straight_pipeline` and a one-level hierarchy.
     - `cuts`: "antichain" = PipeDream's states (reproduces its numbers), "topological" = prefixes of
-      one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given
-      or the graph has more than `max_antichain_states` antichain states.
+      one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given,
+      the graph has more than `max_antichain_states` antichain states, or the DP over them would be
+      too slow (then as many topological cut points as the time budget allows); "all" = every valid
+      cut (downward-closed node set) with the bytes that really cross it: never worse than
+      PipeDream on one level, exponential in graph width (small graphs only).
+    - `max_cut_points`: keep at most this many topological cut points (the cheapest cut of each of
+      that many equal-compute pieces: a heuristic for huge graphs). None = every prefix (or, under
+      "auto", what the time budget allows).
     """
 
     straight_pipeline: bool = False
@@ -35,7 +41,8 @@ class PartitionOptions:
     memory_model: str = "pipedream"
     worker_speeds: Optional[tuple[float, ...]] = None
     cuts: str = "auto"
-    max_antichain_states: int = 20000
+    max_antichain_states: int = 5000
+    max_cut_points: Optional[int] = None
 
     def __post_init__(self) -> None:
         ratio = self.activation_compression_ratio
@@ -47,6 +54,8 @@ class PartitionOptions:
             raise PlanError(f"cuts must be one of {CUTS}, got {self.cuts!r}")
         if self.max_antichain_states < 1:
             raise PlanError(f"max_antichain_states must be >= 1, got {self.max_antichain_states}")
+        if self.max_cut_points is not None and self.max_cut_points < 1:
+            raise PlanError(f"max_cut_points must be >= 1 or None, got {self.max_cut_points}")
         if self.worker_speeds is not None:
             speeds = tuple(float(s) for s in self.worker_speeds)
             object.__setattr__(self, "worker_speeds", speeds)

@@ -9,10 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Optional
-
-import numpy as np
+from dataclasses import dataclass, replace
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
@@ -20,10 +17,13 @@ from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
 from model_parallel.optimizer.costs import stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, analyze, range_table, solve_level
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.states import States, Workload, antichain_states, preprocess, prefix_states
+from model_parallel.optimizer.states import States, Workload, antichain_states, ideal_states, preprocess, prefix_states
 from model_parallel.optimizer.straight import straight_partition
 
 logger = logging.getLogger(__name__)
+
+# "auto" keeps the DP under about this many array elements (a few seconds of numpy on one core).
+AUTO_WORK_BUDGET = 2.0e9
 
 
 @dataclass(frozen=True)
@@ -35,21 +35,51 @@ class Solution:
     states: States
 
 
-def choose_states(work: Workload, options: PartitionOptions) -> States:
-    """The state space `options.cuts` asks for ("auto" falls back to prefixes on huge antichain DAGs)."""
+def dp_work(num_states: int, hierarchy: Hierarchy, options: PartitionOptions) -> float:
+    """Rough count of array elements the DP touches (inner levels solve every row: cubic in states)."""
+    total = 0.0
+    for number, level in enumerate(hierarchy.levels):
+        m = level.num_machines
+        per_cell = (m - 1) if options.straight_pipeline else m * (m - 1) / 2
+        rows = 1 if number == len(hierarchy.levels) - 1 else num_states / 3
+        total += rows * num_states * num_states / 2 * max(per_cell, 1)
+    return total
+
+
+def _affordable_cut_points(hierarchy: Hierarchy, options: PartitionOptions) -> int:
+    low, high = 2, 1 << 20
+    while low < high:  # largest S with dp_work(S) <= budget
+        mid = (low + high + 1) // 2
+        if dp_work(mid, hierarchy, options) <= AUTO_WORK_BUDGET:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def choose_states(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) -> States:
+    """The state space `options.cuts` asks for; "auto" takes PipeDream's antichains when the DP over
+    them is affordable, else prefixes of one topological order (as many cut points as affordable)."""
+    fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
     if options.cuts == "topological" or options.worker_speeds is not None:
-        return prefix_states(work)
+        return prefix_states(work, options.max_cut_points)
     if options.cuts == "antichain":
         return antichain_states(work)
+    if options.cuts == "all":
+        return ideal_states(work)
+    affordable = _affordable_cut_points(hierarchy, options)
     try:
-        return antichain_states(work, max_states=options.max_antichain_states)
+        states = antichain_states(work, max_states=min(options.max_antichain_states, affordable))
+        return states
     except InfeasibleError:
-        logger.warning(
-            "more than %d antichain states: cutting along prefixes of one topological order instead "
-            "(cuts='topological'); pass cuts='antichain' to insist",
-            options.max_antichain_states,
-        )
-        return prefix_states(work)
+        pass
+    limit = options.max_cut_points or (None if fast_path else affordable)
+    logger.warning(
+        "too many antichain states for an exact PipeDream solve in reasonable time: cutting along %s prefixes "
+        "of one topological order instead (pass cuts='antichain' to insist on PipeDream's state space)",
+        f"at most {limit}" if limit and limit < work.num_nodes else "all",
+    )
+    return prefix_states(work, limit)
 
 
 def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
@@ -59,7 +89,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> So
     if (
         len(levels) == 1
         and options.straight_pipeline
-        and states.kind == "topological"
+        and states.kind.startswith("topological")
     ):
         speeds = options.worker_speeds or (1.0,) * levels[0].num_machines
         if len(speeds) != levels[0].num_machines:
@@ -75,9 +105,12 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> So
     if options.worker_speeds is not None:
         raise PlanError("worker_speeds needs a one-level hierarchy (-n P): stage k runs on worker k")
 
-    compute = range_table(states.compute)
-    activation = range_table(states.activation)
-    parameters = range_table(states.parameters)
+    # Only PipeDream's own state space keeps its not-a-range table entries (needed to reproduce it).
+    strict = None if states.kind == "antichain" else states.pred_mask
+    rows = 1 if len(levels) == 1 else None
+    compute = range_table(states.compute, strict, rows)
+    activation = range_table(states.activation, strict, rows)
+    parameters = range_table(states.parameters, strict, rows)
     all_tables: list[LevelTables] = []
     within = 1
     for number, level in enumerate(levels):
@@ -87,6 +120,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> So
             straight_pipeline=options.straight_pipeline, use_fewer_machines=options.use_fewer_machines,
             activation_compression_ratio=options.activation_compression_ratio,
             memory_limit=memory, memory_model=options.memory_model,
+            cumulative=(states.compute, states.activation, states.parameters) if rows == 1 else None,
         )
         # The best time of each range on all of this level's machines is its compute time one level up.
         compute = tables.best[:, :, -1].copy()
@@ -129,25 +163,35 @@ def _assign_nodes(graph: Graph, work: Workload, solution: Solution) -> dict[str,
 def _infeasible_message(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions, states: States) -> str:
     workers = hierarchy.num_workers
     if options.use_memory_constraint:
-        relaxed = PartitionOptions(**{**options.__dict__, "use_memory_constraint": False})
-        free = solve(states, hierarchy, relaxed)
+        free = solve(states, hierarchy, replace(options, use_memory_constraint=False))
         if math.isfinite(free.time_s):
-            need = _peak_memory(free.parts, states, workers, options.memory_model)
+            need = minimum_memory(states, hierarchy, options, _peak_memory(free.parts, states, workers, options.memory_model))
             return (
                 f"no partition fits {hierarchy.memory_bytes:.4g} bytes per worker (memory model {options.memory_model!r}); "
-                f"a worker would need at least {need:.4g} bytes for the best unconstrained plan: raise -s/--memory_size "
-                "or add workers"
+                f"the smallest memory any plan fits in is about {need:.4g} bytes per worker: raise -s/--memory_size "
+                "to at least that, or add workers"
             )
     if options.straight_pipeline and workers > states.num_states and not options.use_fewer_machines:
         return (
             f"more stages than nodes: a straight pipeline on {workers} workers needs {workers} stages but the graph "
-            f"has only {states.num_states} cut point(s) ({graph_size(graph)} nodes); use fewer workers or --use_fewer_machines"
+            f"has only {states.num_states} cut point(s) ({len(graph)} nodes); use fewer workers or --use_fewer_machines"
         )
     return f"no feasible partition of {len(graph)} nodes on {workers} workers with {options}"
 
 
-def graph_size(graph: Graph) -> int:
-    return len(graph.nodes)
+def minimum_memory(states: States, hierarchy: Hierarchy, options: PartitionOptions, feasible: float) -> float:
+    """Bisect the per-worker memory between the (infeasible) limit and a feasible amount, to 0.1%."""
+    low, high = hierarchy.memory_bytes, max(feasible, hierarchy.memory_bytes)
+    for _ in range(24):
+        if high - low <= 1e-3 * high:
+            break
+        middle = (low + high) / 2
+        trial = replace(hierarchy, memory_bytes=middle)
+        if math.isfinite(solve(states, trial, options).time_s):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def _peak_memory(parts: tuple[Part, ...], states: States, workers: int, memory_model: str) -> float:
@@ -182,7 +226,7 @@ def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = Pa
     """
     started = time.perf_counter()
     work = preprocess(graph)
-    states = choose_states(work, options)
+    states = choose_states(work, hierarchy, options)
     solution = solve(states, hierarchy, options)
     if not math.isfinite(solution.time_s):
         raise InfeasibleError(_infeasible_message(graph, hierarchy, options, states))

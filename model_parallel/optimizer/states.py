@@ -13,6 +13,7 @@ Node sets are Python ints used as bitsets over node positions: union/intersectio
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -111,6 +112,19 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _to_matrix(masks: list[int], n: int) -> np.ndarray:
+    """Bitsets -> boolean matrix, row i = bits of masks[i] (bit v at column v)."""
+    width = (n + 7) // 8
+    raw = b"".join(m.to_bytes(width, "little") for m in masks)
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8).reshape(len(masks), width), axis=1, bitorder="little")
+    return bits[:, :n].astype(bool)
+
+
+def _from_matrix(matrix: np.ndarray) -> list[int]:
+    packed = np.packbits(matrix, axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
+
+
 def _closures(work: Workload) -> tuple[list[int], list[int]]:
     """Transitive ancestor and descendant bitsets (not including the node itself)."""
     n = work.num_nodes
@@ -132,8 +146,6 @@ def _closures(work: Workload) -> tuple[list[int], list[int]]:
 
 def _topological(work: Workload) -> list[int]:
     """Kahn's algorithm, ties by node position (the Graph's own convention)."""
-    import heapq
-
     indegree = [len(p) for p in work.pred]
     ready = [v for v in range(work.num_nodes) if indegree[v] == 0]
     heapq.heapify(ready)
@@ -156,17 +168,15 @@ def antichain_states(work: Workload, max_states: Optional[int] = None) -> States
     n = work.num_nodes
     anc, desc = _closures(work)
     # augment(a) adds every ancestor p of an antichain node x that also feeds a node outside
-    # ancestors(x) + {x}: such p's output is still live across the cut. It depends on x only.
-    extra = [0] * n
-    for x in range(n):
-        keep = anc[x] | (1 << x)
-        mask = 0
-        for p in _bits(anc[x]):
-            for s in work.succ[p]:
-                if not (keep >> s) & 1:
-                    mask |= 1 << p
-                    break
-        extra[x] = mask
+    # ancestors(x) + {x}: such p's output is still live across the cut. It depends on x only, and
+    # for all x at once it is one boolean matrix product: feeds_outside[x, p] = any_s E[p, s] & ~keep[x, s].
+    anc_matrix = _to_matrix(anc, n)
+    keep = anc_matrix | np.eye(n, dtype=bool)
+    adjacency = np.zeros((n, n), dtype=np.float32)
+    for p, targets in enumerate(work.succ):
+        adjacency[p, list(targets)] = 1.0
+    feeds_outside = ((~keep).astype(np.float32) @ adjacency.T) > 0  # [x, p]
+    extra = _from_matrix(anc_matrix & feeds_outside)
 
     def augment(antichain: list[int]) -> list[int]:
         extras = 0
@@ -258,24 +268,21 @@ def _reindex(out_edges: list[list[int]], order: list[int]) -> list[list[int]]:
 
 def _finish_states(work: Workload, antichains: list[list[int]], out_edges: list[list[int]], anc: list[int], kind: str) -> States:
     num = len(antichains)
-    members, compute, activation, parameters, output = [], [], [], [], []
+    members, output = [], []
     for nodes in antichains:
         mask = 0
-        for x in nodes:
-            mask |= anc[x] | (1 << x)
-        members.append(mask)
-        c = a = w = 0.0
-        for v in _bits(mask):
-            c += work.compute_s[v]
-            a += work.activation[v]
-            w += work.parameters[v]
-        compute.append(c)
-        activation.append(a)
-        parameters.append(w)
         o = 0.0
         for x in nodes:
+            mask |= anc[x] | (1 << x)
             o += work.activation[x]
+        members.append(mask)
         output.append(o)
+    # Sums over P(s) for every state at once; summation order differs from PipeDream's (set order)
+    # only in the last bits.
+    member_matrix = _to_matrix(members, work.num_nodes).astype(np.float64)
+    compute = member_matrix @ np.array(work.compute_s, dtype=np.float64)
+    activation = member_matrix @ np.array(work.activation, dtype=np.float64)
+    parameters = member_matrix @ np.array(work.parameters, dtype=np.float64)
     # Ancestor states, as bitsets over state positions, then as a boolean matrix.
     in_edges: list[list[int]] = [[] for _ in range(num)]
     for s, targets in enumerate(out_edges):
@@ -287,11 +294,7 @@ def _finish_states(work: Workload, antichains: list[list[int]], out_edges: list[
         for p in in_edges[j]:
             mask |= pred_bits[p] | (1 << p)
         pred_bits[j] = mask
-    pred_mask = np.zeros((num, num), dtype=bool)
-    for j in range(num):
-        bits = _bits(pred_bits[j])
-        if bits:
-            pred_mask[j, bits] = True
+    pred_mask = _to_matrix(pred_bits, num)
     return States(
         members=tuple(members),
         compute=np.array(compute, dtype=np.float64),
@@ -303,13 +306,71 @@ def _finish_states(work: Workload, antichains: list[list[int]], out_edges: list[
     )
 
 
+def crossing_bytes(work: Workload, mask: int) -> float:
+    """Bytes of the nodes in `mask` consumed by a node outside it: what really crosses that cut."""
+    total = 0.0
+    for v in _bits(mask):
+        if any(not (mask >> s) & 1 for s in work.succ[v]):
+            total += work.activation[v]
+    return total
+
+
+def ideal_states(work: Workload, max_states: int = 4096) -> States:
+    """Every non-empty downward-closed node set (all valid cuts), ordered by size; `O` = true crossing bytes.
+
+    Exponential in the graph's width: for small graphs (exhaustive checks, `cuts="all"`).
+    """
+    n = work.num_nodes
+    pred_masks = [sum(1 << p for p in work.pred[v]) for v in range(n)]
+    seen = {0}
+    frontier = [0]
+    ideals: list[int] = []
+    while frontier:
+        nxt = []
+        for mask in frontier:
+            for v in range(n):
+                if not (mask >> v) & 1 and pred_masks[v] & ~mask == 0:
+                    grown = mask | (1 << v)
+                    if grown not in seen:
+                        seen.add(grown)
+                        nxt.append(grown)
+                        if len(seen) > max_states + 1:
+                            raise InfeasibleError(
+                                f"more than {max_states} valid cuts: cuts='all' is for small graphs; use 'antichain' or 'topological'"
+                            )
+        nxt.sort()
+        ideals.extend(nxt)
+        frontier = nxt
+    num = len(ideals)
+    member_matrix = _to_matrix(ideals, n).astype(np.float64)
+    pred_mask = np.zeros((num, num), dtype=bool)
+    for j in range(num):
+        for k in range(j):
+            if ideals[k] & ~ideals[j] == 0 and ideals[k] != ideals[j]:
+                pred_mask[j, k] = True
+    return States(
+        members=tuple(ideals),
+        compute=member_matrix @ np.array(work.compute_s, dtype=np.float64),
+        activation=member_matrix @ np.array(work.activation, dtype=np.float64),
+        parameters=member_matrix @ np.array(work.parameters, dtype=np.float64),
+        output=np.array([crossing_bytes(work, m) for m in ideals], dtype=np.float64),
+        pred_mask=pred_mask,
+        kind="all",
+    )
+
+
 def prefix_order(work: Workload) -> list[int]:
     """The topological order prefixes are taken from (Kahn, ties by file position)."""
     return _topological(work)
 
 
-def prefix_states(work: Workload, with_pred_mask: bool = True) -> States:
-    """States = prefixes of one topological order; `O(s)` = bytes of prefix nodes consumed after the cut."""
+def prefix_states(work: Workload, max_states: Optional[int] = None) -> States:
+    """States = prefixes of one topological order; `O(s)` = bytes of prefix nodes consumed after the cut.
+
+    With `max_states`, only that many cut positions are kept (a heuristic for huge graphs): the order
+    is split into `max_states` pieces of equal compute and each piece ends at its cheapest cut (fewest
+    bytes crossing); the last position always stays.
+    """
     order = prefix_order(work)
     n = len(order)
     position = {v: i for i, v in enumerate(order)}
@@ -329,5 +390,23 @@ def prefix_states(work: Workload, with_pred_mask: bool = True) -> States:
     for v in order:
         mask |= 1 << v
         members.append(mask)
-    pred_mask = np.tri(n, n, -1, dtype=bool) if with_pred_mask else np.zeros((0, 0), dtype=bool)
-    return States(tuple(members), compute, activation, parameters, output, pred_mask, "topological")
+    keep = np.arange(n)
+    if max_states is not None and n > max_states:
+        keep = _coarse_cuts(compute, output, max_states)
+    count = len(keep)
+    return States(
+        tuple(members[i] for i in keep), compute[keep], activation[keep], parameters[keep], output[keep],
+        np.tri(count, count, -1, dtype=bool), "topological" if count == n else "topological-coarse",
+    )
+
+
+def _coarse_cuts(compute: np.ndarray, output: np.ndarray, max_states: int) -> np.ndarray:
+    total = compute[-1] if compute[-1] > 0 else 1.0
+    piece = np.minimum((compute / total * max_states).astype(np.int64), max_states - 1)
+    keep = []
+    for p in np.unique(piece):
+        positions = np.flatnonzero(piece == p)
+        latest_first = positions[::-1]  # ties go to the latest position: bigger earlier stages
+        keep.append(int(latest_first[np.argmin(output[latest_first])]))
+    keep = sorted(set(keep) | {len(compute) - 1})
+    return np.array(keep, dtype=np.int64)

@@ -36,34 +36,37 @@ def straight_partition(
     s = len(x)
     p = len(speeds)
     ratio = activation_compression_ratio
-    upper = np.triu(np.ones((s, s), dtype=bool), 1)  # [k, j]: k < j
-    diff = np.where(upper, x[None, :] - x[:, None], INF)
-    stash_diff = np.where(upper, stash[None, :] - stash[:, None], INF)
+    # Matrices are laid out [j, k] (k = the cut before the last stage, k < j) so that the min over k
+    # runs along contiguous memory.
+    lower = np.tri(s, s, -1, dtype=bool)
+    diff = np.where(lower, x[:, None] - x[None, :], INF)
+    floor = None  # per-(j, k) terms that do not depend on the stage: the transfers
     if ratio is not None:
-        transfer_in = (2.0 * states.output) / bandwidth / ratio
-        transfer_out = (2.0 * states.output) / bandwidth / ratio
-        transfer_out[-1] = 0.0
-        transfer = np.maximum(transfer_in[:, None], transfer_out[None, :])
-    else:
-        transfer = None
+        transfer = (2.0 * states.output) / bandwidth / ratio
+        outgoing = transfer.copy()
+        outgoing[-1] = 0.0  # the last state sends nothing on
+        floor = np.maximum(outgoing[:, None], transfer[None, :])
+    stash_diff = np.where(lower, stash[:, None] - stash[None, :], INF) if memory_limit is not None else None
 
     def stash_ok(bytes_: np.ndarray, stage: int) -> np.ndarray:
-        if memory_limit is None:
-            return np.ones(bytes_.shape, dtype=bool)
         factor = p - stage if memory_model == "1f1b" else p - stage - 1
         with np.errstate(invalid="ignore"):
             return factor * bytes_ <= memory_limit
 
     best = np.full((p, s), INF)
     choice = np.full((p, s), -1, dtype=np.int64)
-    best[0] = np.where(stash_ok(stash, 0), x / speeds[0], INF)
+    best[0] = x / speeds[0]
+    if memory_limit is not None:
+        best[0] = np.where(stash_ok(stash, 0), best[0], INF)
+    rows = np.arange(s)
     for t in range(1, p):
-        cand = np.maximum(best[t - 1][:, None], diff / speeds[t])
-        if transfer is not None:
-            cand = np.maximum(cand, transfer)
-        cand = np.where(stash_ok(stash_diff, t), cand, INF)
-        choice[t] = np.argmin(cand, axis=0)  # first minimum: earliest cut
-        best[t] = cand[choice[t], np.arange(s)]
+        cand = np.maximum(diff / speeds[t], best[t - 1][None, :])
+        if floor is not None:
+            np.maximum(cand, floor, out=cand)
+        if stash_diff is not None:
+            cand[~stash_ok(stash_diff, t)] = INF
+        choice[t] = np.argmin(cand, axis=1)  # first minimum: earliest cut
+        best[t] = cand[rows, choice[t]]
     stages = p
     if use_fewer_machines:
         # Fewer stages leave the last workers idle; ties prefer more stages (smaller stages migrate less).

@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 
 from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph
-from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, tensors_in
-from model_parallel.profiler.trace import run_preserving_state, trace_model
+from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, tensors_in
+from model_parallel.profiler.trace import trace_model
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def harness_overhead(device: torch.device) -> HarnessOverhead:
-    """The replay's per-call cost on `device`, measured once per process (about 0.3 s)."""
-    overhead = calibrate_overhead(device)
+def harness_overhead(device: torch.device, clock: str = "wall") -> HarnessOverhead:
+    """The replay's per-call cost on `device`, measured once per process (about 0.2 s)."""
+    overhead = calibrate_overhead(device, clock=clock)
     logger.info("replay overhead per node on %s: forward %.4f ms, backward %.4f ms", device, overhead.forward_ms, overhead.backward_ms)
     return overhead
 
@@ -57,7 +57,7 @@ def preserved_model(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Everything profiling may touch is put back: buffers (BatchNorm statistics), train/eval mode,
     the RNG (dropout draws), and the device the model lives on."""
     original_device = resolve_device(None, model)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]  # per module: mixed modes survive
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda_devices):
         saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -67,7 +67,8 @@ def preserved_model(model: nn.Module, device: torch.device) -> Iterator[None]:
             model.train()  # profile what training runs: batch statistics, dropout, auxiliary heads
             yield
         finally:
-            model.train(was_training)
+            for module, training in modes:
+                module.training = training
             if original_device != device:
                 model.to(original_device)
             with torch.no_grad():
@@ -137,6 +138,7 @@ def profile(
     leaf_modules: Sequence[type[nn.Module]] = (),
     subtract_overhead: bool = True,
     progress: bool = False,
+    clock: str = "wall",
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
 
@@ -147,14 +149,22 @@ def profile(
     `device`: None = where the model is; "auto" = cuda if available; else a torch device (the model is
     moved there for profiling and back afterwards). The model is left exactly as it was: parameters,
     gradients, buffers (BatchNorm statistics), train/eval mode and the RNG state.
+    `clock`: "wall" (default) or "cpu" (this process's CPU time; CPU only): on a machine shared with
+    other busy processes, time they take from this one is then not counted.
     """
+    if warmup < 0 or iterations < 1:
+        raise ProfileError(f"need warmup >= 0 and iterations >= 1, got warmup={warmup}, iterations={iterations}")
     target = resolve_device(device, model)
+    try:
+        check_clock(clock, target)
+    except ValueError as error:
+        raise ProfileError(str(error)) from None
     example_inputs = to_device(tuple(example_inputs), target)
     started = time.perf_counter()
     with preserved_model(model, target), torch.no_grad():
         graph, gm = trace_model(model, example_inputs, leaf_modules)
-        overhead = harness_overhead(target) if subtract_overhead else HarnessOverhead()
-        replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead)
+        overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
+        replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
         bar = tqdm(total=len(graph), desc=f"profiling {graph.metadata.get('model', 'model')}", unit="node",
                    disable=not progress, leave=False)
         try:
@@ -179,6 +189,7 @@ def profile(
         "warmup": warmup,
         "iterations": iterations,
         "num_threads": torch.get_num_threads(),
+        "clock": clock,
         "torch_version": torch.__version__,
         "overhead_subtracted_ms": {"forward": overhead.forward_ms, "backward": overhead.backward_ms},
         "loss_forward_ms": loss_timing.forward_ms,

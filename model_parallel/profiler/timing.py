@@ -44,8 +44,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _now_ms(device: torch.device) -> float:
+CLOCKS = ("wall", "cpu")
+
+
+def check_clock(clock: str, device: torch.device) -> None:
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    if clock == "cpu" and device.type != "cpu":
+        raise ValueError(f"clock 'cpu' measures this process's CPU time and cannot time {device.type} kernels; use 'wall'")
+
+
+def clock_seconds(clock: str = "wall") -> float:
+    """Seconds on `clock` (no device sync): for timing long stretches such as a whole profiling pass."""
+    return time.process_time() if clock == "cpu" else time.perf_counter()
+
+
+def _now_ms(device: torch.device, clock: str = "wall") -> float:
+    """Milliseconds on `clock`: "wall" (perf_counter, after a device sync) or "cpu" (CPU time of all this
+    process's threads: on a shared machine, time other processes take from us is not counted)."""
     synchronize(device)
+    if clock == "cpu":
+        return time.process_time_ns() / 1e6
     return time.perf_counter_ns() / 1e6
 
 
@@ -74,7 +93,9 @@ class Replay:
     computes there: gradients for the tracked inputs and for the operator's own parameters.
     """
 
-    def __init__(self, device: torch.device, warmup: int, iterations: int, overhead: HarnessOverhead = HarnessOverhead()) -> None:
+    def __init__(self, device: torch.device, warmup: int, iterations: int, overhead: HarnessOverhead = HarnessOverhead(),
+                 clock: str = "wall") -> None:
+        check_clock(clock, device)
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
         if warmup < 0:
@@ -83,6 +104,7 @@ class Replay:
         self.warmup = warmup
         self.iterations = iterations
         self.overhead = overhead
+        self.clock = clock
 
     def _prepare(self, inputs: dict[str, tuple[Any, bool]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
         leaves: list[torch.Tensor] = []
@@ -94,7 +116,7 @@ class Replay:
             if requires_grad and _differentiable(leaf):
                 leaf.requires_grad_(True)
                 leaves.append(leaf)
-                # A non-leaf view of the leaf: in-place operators refuse leaves that require grad.
+                # The op gets a non-leaf copy: in-place operators refuse leaves that require grad.
                 return leaf.clone()
             return leaf
 
@@ -108,19 +130,19 @@ class Replay:
         backward: list[float] = []
         for iteration in range(self.warmup + self.iterations):
             prepared, leaves = self._prepare(inputs)
-            start = _now_ms(self.device)
+            start = _now_ms(self.device, self.clock)
             output = run(prepared)
-            middle = _now_ms(self.device)
+            middle = _now_ms(self.device, self.clock)
             roots = [t for t in tensors_in(output) if t.requires_grad]
             backward_ms = 0.0
             if roots:
                 grads = [torch.ones_like(t) for t in roots]
                 targets = leaves + params
-                begin = _now_ms(self.device)
+                begin = _now_ms(self.device, self.clock)
                 # autograd.grad (not .backward): no accumulation into the copied inputs, which real
                 # training does not do either; parameter gradients are computed all the same.
                 torch.autograd.grad(roots, targets, grad_outputs=grads, allow_unused=True)
-                backward_ms = _now_ms(self.device) - begin
+                backward_ms = _now_ms(self.device, self.clock) - begin
             del output, roots, prepared, leaves
             if iteration >= self.warmup:
                 forward.append(middle - start)
@@ -132,7 +154,7 @@ class Replay:
         return NodeTiming(forward_ms=fwd, backward_ms=bwd)
 
 
-def calibrate_overhead(device: torch.device, repeats: int = 200) -> HarnessOverhead:
+def calibrate_overhead(device: torch.device, repeats: int = 30, clock: str = "wall") -> HarnessOverhead:
     """Measure the replay's fixed per-call cost with a trivial operator.
 
     The cost of a tiny op replayed alone is its own cost plus the harness's; the same op's cost inside
@@ -140,7 +162,7 @@ def calibrate_overhead(device: torch.device, repeats: int = 200) -> HarnessOverh
     difference is the harness overhead, measured for forward and backward separately.
     """
     x = torch.zeros(1, device=device)
-    long_chain = 33
+    long_chain = 17
 
     def chain(length: int) -> Callable[[dict[str, Any]], Any]:
         def run(inputs: dict[str, Any]) -> Any:
@@ -151,17 +173,18 @@ def calibrate_overhead(device: torch.device, repeats: int = 200) -> HarnessOverh
 
         return run
 
-    replay = Replay(device, warmup=max(5, repeats // 10), iterations=repeats)
-    # Interleave the short and long chains so background load hits both alike; take medians.
+    replay = Replay(device, warmup=5, iterations=repeats, clock=clock)
+    # Interleave short and long chains in rounds so background load hits both alike, and keep each
+    # one's quietest round (the median within a round already drops single preemptions).
     shorts: list[NodeTiming] = []
     longs: list[NodeTiming] = []
     for _ in range(5):
         shorts.append(replay.time(chain(1), {"x": (x, True)}))
         longs.append(replay.time(chain(long_chain), {"x": (x, True)}))
-    short_f = median([t.forward_ms for t in shorts])
-    short_b = median([t.backward_ms for t in shorts])
-    per_op_f = (median([t.forward_ms for t in longs]) - short_f) / (long_chain - 1)
-    per_op_b = (median([t.backward_ms for t in longs]) - short_b) / (long_chain - 1)
+    short_f = min(t.forward_ms for t in shorts)
+    short_b = min(t.backward_ms for t in shorts)
+    per_op_f = (min(t.forward_ms for t in longs) - short_f) / (long_chain - 1)
+    per_op_b = (min(t.backward_ms for t in longs) - short_b) / (long_chain - 1)
     return HarnessOverhead(forward_ms=max(0.0, short_f - per_op_f), backward_ms=max(0.0, short_b - per_op_b))
 
 
@@ -178,11 +201,12 @@ def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Cal
 
 
 def time_training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
-                       device: torch.device, iterations: int) -> list[float]:
+                       device: torch.device, iterations: int, clock: str = "wall") -> list[float]:
     """Milliseconds of each of `iterations` plain training steps (the caller restores model state)."""
+    check_clock(clock, device)
     times: list[float] = []
     for _ in range(iterations):
-        start = _now_ms(device)
+        start = _now_ms(device, clock)
         training_step(model, inputs, loss_fn)
-        times.append(_now_ms(device) - start)
+        times.append(_now_ms(device, clock) - start)
     return times

@@ -3,7 +3,7 @@
 Timing is added by `model_parallel.profiler.timing`; this module only captures what the model
 computes: one node per fx node (leaf module call, function, tensor method, attribute), the real
 dataflow edges (residual adds, concatenations, in-place ops included: fx records `out += identity`
-as an `operator.iadd` node with both inputs), and activation/parameter bytes from real tensors.
+as an `operator.add` node with both inputs), and activation/parameter bytes from real tensors.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from model_parallel.errors import ProfileError
+from model_parallel.errors import ModelParallelError, ProfileError
 from model_parallel.graph.arguments import encode_argument
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
 
@@ -281,8 +281,17 @@ def trace_model(
             f"({', '.join(p.name for p in placeholders)}) but {len(example_inputs)} example input(s) were given"
         )
     recorder = _Recorder(gm)
-    with torch.no_grad():
-        run_preserving_state(model, lambda: recorder.run(*example_inputs))
+    try:
+        with torch.no_grad():
+            run_preserving_state(model, lambda: recorder.run(*example_inputs))
+    except ModelParallelError:
+        raise
+    except Exception as error:  # shape mismatches and the like: name the model and the inputs
+        shapes = ", ".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs)
+        raise ProfileError(
+            f"running {type(model).__name__} on the example inputs ({shapes}) failed: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}. Check the input shapes the model expects"
+        ) from error
     metadata = {
         "inputs": [{"name": p.name, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
                    for p, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)],

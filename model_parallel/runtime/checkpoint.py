@@ -64,7 +64,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 PathLike = Union[str, "Path"]
 OptimizerState = Mapping[str, Mapping[str, Union[torch.Tensor, float, int]]]
-ShapeDtype = tuple[Sequence[int], Union[str, torch.dtype]]
 
 
 def step_dir(directory: PathLike, step: int) -> Path:
@@ -132,16 +131,19 @@ def load_optimizer_state_by_name(
 
     Names absent from `state` keep no state (e.g. a checkpoint taken before the first step).
     """
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for name, param in named_params.items():
         entry = state.get(name)
         if entry is None:
             continue
+        group = group_of.get(id(param), {})
+        # As torch's own load_state_dict does: Adam's `step` stays on the CPU unless capturable/fused.
+        step_on_param_device = bool(group.get("capturable") or group.get("fused"))
         restored: dict[str, Any] = {}
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                # Adam's `step` stays a CPU scalar tensor (torch keeps it there unless capturable/fused).
-                device = param.device if value.dim() > 0 else value.device
-                restored[key] = value.detach().clone().to(device)
+                on_cpu = key == "step" and not step_on_param_device
+                restored[key] = value.detach().clone().to("cpu" if on_cpu else param.device)
             else:
                 restored[key] = value
         optimizer.state[param] = restored

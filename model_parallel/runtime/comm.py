@@ -1,9 +1,12 @@
 """Point-to-point messages between ranks: a list of values (tensors or small Python values) with a header.
 
-A message is three transfers on one tag, in order:
+A message is two or three transfers on one tag, in order:
 
-    int64[1]        length of the header in bytes
-    uint8[length]   header JSON: one entry per value
+    uint8[1024]     a fixed-size slot: 8 bytes little-endian header length n, then the first
+                    bytes of the header (the receiver pre-posts it, so one round trip usually
+                    carries the whole description)
+    uint8[n - 1016] only when the header does not fit the slot: the rest of it
+                    header JSON: one entry per value
                     {"t": "tensor", "shape": [...], "dtype": "float32", "grad": true}
                     {"t": "json", "v": <encoded>}    ints, floats, bools, None, tuples/lists,
                                                      torch.Size, torch.dtype, torch.device
@@ -32,6 +35,8 @@ TAG_GRADIENT = 2
 TAG_MIGRATION = 3
 
 _MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
+SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
+_SLOT_ROOM = SLOT_BYTES - 8
 
 
 # ---- encoding small values ---------------------------------------------------------------------
@@ -91,12 +96,13 @@ class SendHandle:
 
     def wait(self, timeout: float) -> None:
         for work in self.works:
-            _wait(work, timeout, self.peer, "send")
+            wait_work(work, timeout, self.peer, "send")
         self.works.clear()
         self.buffers.clear()
 
 
-def _wait(work: Any, timeout: float, peer: int, what: str) -> None:
+def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
+    """Wait for a torch.distributed work handle; failure or timeout becomes a PeerError (peer -1: a collective)."""
     try:
         ok = work.wait(timedelta(seconds=timeout))
     except RuntimeError as error:
@@ -109,32 +115,45 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
     """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on."""
     device = device or torch.device("cpu")
     header = json.dumps(make_header(values), separators=(",", ":")).encode()
-    length = torch.tensor([len(header)], dtype=torch.int64, device=device)
-    header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-    buffers = [length, header_t] + [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
+    slot = bytearray(SLOT_BYTES)
+    slot[:8] = len(header).to_bytes(8, "little")
+    head = header[:_SLOT_ROOM]
+    slot[8:8 + len(head)] = head
+    buffers = [torch.frombuffer(slot, dtype=torch.uint8).to(device)]
+    if len(header) > _SLOT_ROOM:
+        buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
+    buffers += [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
     works = [dist.isend(b, dst, group=group, tag=tag) for b in buffers]
     return SendHandle(works, buffers, dst)
 
 
 class PendingRecv:
-    """A message being received from `src`: the length transfer is posted at construction, so the
-    sender never waits on us; `wait()` completes the header and the tensors."""
+    """A message being received from `src`: the header slot is posted at construction (so it can
+    land while we compute); `wait()` completes the header and receives the tensors."""
 
     def __init__(self, src: int, tag: int, group: Any = None, device: Optional[torch.device] = None) -> None:
         self.src, self.tag, self.group = src, tag, group
         self.device = device or torch.device("cpu")
-        self.length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.work = dist.irecv(self.length, src, group=group, tag=tag)
+        self.slot = torch.empty(SLOT_BYTES, dtype=torch.uint8, device=self.device)
+        self.work = dist.irecv(self.slot, src, group=group, tag=tag)
 
     def wait(self, timeout: float) -> list[Any]:
-        _wait(self.work, timeout, self.src, "receive")
-        size = int(self.length.item())
+        wait_work(self.work, timeout, self.src, "receive")
+        slot = self.slot.cpu().numpy().tobytes()
+        size = int.from_bytes(slot[:8], "little")
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
                             "(are both ranks running the same plan and schedule?)")
-        header_t = torch.empty(size, dtype=torch.uint8, device=self.device)
-        _wait(dist.irecv(header_t, self.src, group=self.group, tag=self.tag), timeout, self.src, "receive")
-        header = json.loads(header_t.cpu().numpy().tobytes().decode())
+        data = slot[8:8 + min(size, _SLOT_ROOM)]
+        if size > _SLOT_ROOM:
+            rest = torch.empty(size - _SLOT_ROOM, dtype=torch.uint8, device=self.device)
+            wait_work(dist.irecv(rest, self.src, group=self.group, tag=self.tag), timeout, self.src, "receive")
+            data += rest.cpu().numpy().tobytes()
+        try:
+            header = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
+                            "are both ranks running the same version of model_parallel?") from None
         values: list[Any] = []
         works = []
         for entry in header:
@@ -145,7 +164,7 @@ class PendingRecv:
             else:
                 values.append((None, decode_value(entry["v"], self.device)))
         for work in works:
-            _wait(work, timeout, self.src, "receive")
+            wait_work(work, timeout, self.src, "receive")
         out = []
         for entry, (tensor, extra) in zip(header, values):
             if entry["t"] == "tensor":
@@ -165,11 +184,11 @@ def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float,
     is_src = dist.get_rank() == src
     payload = (data or "").encode() if is_src else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
-    _wait(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
+    wait_work(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
     if is_src and payload:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     else:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     if buffer.numel():
-        _wait(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
+        wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
     return payload.decode() if is_src else buffer.numpy().tobytes().decode()

@@ -18,10 +18,15 @@ Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m m
 So the sum of microbatch gradients is the gradient of the minibatch-mean loss, and after every
 flush the parameters equal single-process training with the same microbatching. Spare ranks
 (no stage) only take part in the all-reduce and the control broadcast.
+
+With the `pipedream` schedule (no flush) each forward runs on a stashed copy of the weights and
+each backward's gradient is applied at once (one update per microbatch, loss not divided by m);
+see `schedule.pipedream_async` for the weight-version semantics.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -55,7 +60,7 @@ class TrainConfig:
 
     batch_size: int = 8
     num_microbatches: int = 4
-    schedule: str = "1f1b"  # 1f1b | gpipe
+    schedule: str = "1f1b"  # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py)
     seed: int = 0
     recompute: Union[bool, tuple[int, ...]] = False  # True: every stage; a tuple: those stage ids
     bf16: bool = False
@@ -79,9 +84,11 @@ class TrainConfig:
         if self.batch_size < self.num_microbatches:
             raise ModelParallelError(f"batch size {self.batch_size} < {self.num_microbatches} microbatches: "
                                      "every microbatch needs at least one sample")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ModelParallelError(f"schedule {self.schedule!r} cannot be executed; choose 1f1b or gpipe "
-                                     "(pipedream is available as data in runtime.schedule, not yet executed)")
+        if self.schedule not in ("1f1b", "gpipe", "pipedream"):
+            raise ModelParallelError(f"unknown schedule {self.schedule!r}; choose 1f1b, gpipe or pipedream")
+        if self.schedule == "pipedream" and self.clip_grad is not None:
+            raise ModelParallelError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
+                                     "stage updates on its own after each microbatch, so there is no global norm")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ModelParallelError(f"clip_grad must be > 0, got {self.clip_grad}")
         if self.timeout <= 0:
@@ -96,8 +103,6 @@ class TrainConfig:
 
 def lr_factor(schedule: str, step: int) -> float:
     """Learning-rate multiplier at `step` for a schedule spec (see TrainConfig.lr_schedule)."""
-    import math
-
     kind, _, rest = schedule.partition(":")
     try:
         if kind == "constant":
@@ -125,7 +130,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 class _Stash:
     inputs: list[Any]
     outputs: Any  # tuple of stage outputs, or the loss on the last stage
-    target: Any = None
+    weights: Optional[dict[str, torch.Tensor]] = None  # PipeDream: the stashed weight version
 
 
 @dataclass
@@ -172,7 +177,10 @@ class PipelineEngine:
         self.slowdown = 1.0
         self._groups: dict[tuple[int, ...], Any] = {}
         self._pending_migration_s = 0.0
+        self.step_pause_ms = 0.0
         self.switch_pauses_ms: list[float] = []
+        self.updates = 0  # optimizer updates applied by this rank (PipeDream: one per microbatch)
+        self.weight_versions: list[int] = []  # PipeDream: `updates` at each forward (its stashed version)
         self.history: list[StepResult] = []
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -201,6 +209,9 @@ class PipelineEngine:
                 self.replica_group(stage.ranks)
         self.stage_id = plan.stage_of_rank(self.rank)
         self.schedule = make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches)
+        if not self.schedule.flush and any(st.num_replicas > 1 for st in plan.stages):
+            raise PlanError("the pipedream schedule does not support replicated stages (each microbatch is an update, "
+                            "which would need an all-reduce per microbatch); use 1f1b or gpipe, or a straight plan")
         self.optimizer = None
         self.stage = None
         self.actions: tuple = ()
@@ -236,9 +247,10 @@ class PipelineEngine:
         start = time.perf_counter()
         with self.metrics.measure(kind, microbatch=microbatch):
             result = fn()
-        if self.slowdown > 1.0:
-            # Straggler injection: pretend this rank is `slowdown` times slower at compute.
-            time.sleep((time.perf_counter() - start) * (self.slowdown - 1.0))
+            if self.slowdown > 1.0:
+                # Straggler injection: pretend this rank is `slowdown` times slower at compute
+                # (inside the measurement, so the metrics and the coordinator see it as compute).
+                time.sleep((time.perf_counter() - start) * (self.slowdown - 1.0))
         return result
 
     def _model_output(self, outputs: Sequence[Any]) -> Any:
@@ -248,19 +260,48 @@ class PipelineEngine:
             return outputs[0] if len(outputs) == 1 else tuple(outputs)
         return decode_argument(encoded, lambda ref: values[ref])
 
-    def _forward(self, values: list[Any]) -> Any:
+    def _forward(self, values: list[Any], weights: Optional[dict[str, torch.Tensor]] = None) -> Any:
+        """Run the stage; with `weights` (PipeDream weight stashing) on those parameter tensors instead."""
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else nullcontext()
+        module: Any = self.stage
+        if weights is not None:
+            from torch.func import functional_call
+
+            module = lambda *args: functional_call(self.stage, weights, args)  # noqa: E731
         with autocast:
             if self.config.recompute_stage(self.stage_id):
                 from torch.utils.checkpoint import checkpoint
 
-                return checkpoint(self.stage, *values, use_reentrant=False)
-            return self.stage(*values)
+                return checkpoint(module, *values, use_reentrant=False)
+            return module(*values)
+
+    def _stash_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """PipeDream: a copy of the current weights for one microbatch's forward and backward."""
+        if self.schedule.flush:
+            return None
+        self.weight_versions.append(self.updates)
+        return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self.stage.named_parameters()}
+
+    def _async_update(self, step: int, weights: Optional[dict[str, torch.Tensor]]) -> None:
+        """PipeDream: apply this microbatch's gradient (computed on its stashed weights) at once."""
+        if weights is None or self.optimizer is None:
+            return
+        with self.metrics.measure("optimizer"):
+            for name, p in self.stage.named_parameters():
+                p.grad = weights[name].grad
+            factor = lr_factor(self.config.lr_schedule, step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
 
     def _run_actions(self, step: int) -> float:
         cfg, k = self.config, self.stage_id
         last = k == self.plan.num_stages - 1
         m, timeout = cfg.num_microbatches, cfg.timeout
+        # Flush schedules: loss / m, one update per step. PipeDream: each microbatch is an update.
+        loss_scale = m if self.schedule.flush else 1
         microbatches = None
         if k == 0:
             inputs, target = self.dataset.batch(step)
@@ -302,29 +343,30 @@ class PipelineEngine:
                 else:
                     received = receive("F", j)
                     values, target = received[:-1], received[-1]
+                weights = self._stash_weights()
                 if last:
                     def forward_loss() -> torch.Tensor:
-                        outputs = self._forward(values)
+                        outputs = self._forward(values, weights)
                         output = self._model_output(outputs)
                         if cfg.bf16:
                             output = output.float()
-                        return self.criterion(output, target) / m
+                        return self.criterion(output, target) / loss_scale
                     loss = self._compute("forward", j, forward_loss)
-                    loss_sum += float(loss.detach())
-                    stash[j] = _Stash(values, loss)
+                    loss_sum += float(loss.detach()) * loss_scale / m
+                    stash[j] = _Stash(values, loss, weights=weights)
                 else:
-                    outputs = self._compute("forward", j, lambda: self._forward(values))
+                    outputs = self._compute("forward", j, lambda: self._forward(values, weights))
                     with self.metrics.measure("send", microbatch=j):
                         sends.append(comm.send_values(list(outputs) + [target], self.rank_of(k + 1, j),
                                                       comm.TAG_ACTIVATION, device=self.device))
-                    stash[j] = _Stash(values, outputs)
+                    stash[j] = _Stash(values, outputs, weights=weights)
             else:
                 entry = stash.pop(j)
                 if last:
                     self._compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
                 else:
-                    position_b = receive("B", j)
-                    pairs = [(o, g) for o, g in zip(entry.outputs, position_b)
+                    output_grads = receive("B", j)
+                    pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
                              if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
                     if pairs:
                         self._compute("backward", j, lambda: torch.autograd.backward(
@@ -333,6 +375,7 @@ class PipelineEngine:
                     grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
                     with self.metrics.measure("send", microbatch=j):
                         sends.append(comm.send_values(grads, self.rank_of(k - 1, j), comm.TAG_GRADIENT, device=self.device))
+                self._async_update(step, entry.weights)
         with self.metrics.measure("send"):
             for handle in sends:
                 handle.wait(timeout)
@@ -348,7 +391,7 @@ class PipelineEngine:
         flat = torch.cat([g.reshape(-1) for g in grads])
         group = self.replica_group(self.plan.stages[self.stage_id].ranks)
         with self.metrics.measure("allreduce"):
-            comm._wait(dist.all_reduce(flat, group=group, async_op=True), self.config.timeout, -1, "replica all-reduce")
+            comm.wait_work(dist.all_reduce(flat, group=group, async_op=True), self.config.timeout, -1, "replica all-reduce")
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()
@@ -360,6 +403,8 @@ class PipelineEngine:
         if cfg.slowdown_rank == self.rank and step >= cfg.slowdown_after_step and cfg.slowdown > 1.0 and self.slowdown == 1.0:
             self.slowdown = cfg.slowdown
         self.metrics.begin_step(step)
+        # A plan switch happened after the previous step: its pause counts in this step's metrics.
+        self.step_pause_ms = self._pending_migration_s * 1e3
         if self._pending_migration_s:
             self.metrics.add("migration", self._pending_migration_s)
             self._pending_migration_s = 0.0
@@ -373,12 +418,14 @@ class PipelineEngine:
                     sq = float(sum(g.detach().float().pow(2).sum() for g in grads)) / self.num_replicas
             totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
             with self.metrics.measure("allreduce"):
-                comm._wait(dist.all_reduce(totals, group=self.control_group, async_op=True), cfg.timeout, -1, "loss all-reduce")
+                comm.wait_work(dist.all_reduce(totals, group=self.control_group, async_op=True), cfg.timeout, -1, "loss all-reduce")
         except PeerError as error:
             raise self._diagnose(error) from None
         loss, norm = float(totals[0]), float(totals[1]) ** 0.5
         lr = 0.0
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self.schedule.flush:
+            lr = self.optimizer.param_groups[0]["lr"]  # updated after every microbatch already
+        elif self.optimizer is not None:
             with self.metrics.measure("optimizer"):
                 if cfg.clip_grad is not None:
                     coef = clip_coefficient(norm, cfg.clip_grad)
@@ -392,6 +439,7 @@ class PipelineEngine:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+            self.updates += 1
         result = StepResult(step, loss, norm, lr)
         self.history.append(result)
         return result
@@ -438,6 +486,15 @@ class PipelineEngine:
         return True
 
     # ---- checkpoints ------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """The model's parameter names (as stage modules name them), shapes and dtypes, hashed."""
+        from model_parallel.codegen.naming import state_key_map
+        from model_parallel.runtime.checkpoint import model_fingerprint
+
+        # A traced model has original names (`0.weight`); one rebuilt from a graph already has stage names.
+        mapping = state_key_map(self.graph)
+        return model_fingerprint({mapping.get(name, name): p for name, p in self.model.named_parameters()})
+
     def save_checkpoint(self, step: int) -> None:
         """All ranks: first replicas write their stage's shard, rank 0 commits after a barrier."""
         from model_parallel.runtime import checkpoint as ckpt
@@ -451,15 +508,15 @@ class PipelineEngine:
             ckpt.save_shard(directory, step, self.rank, params, buffers, opt)
         self.barrier()
         if self.rank == 0:
-            ckpt.finalize(directory, step, {"world_size": self.world_size, "plan": self.plan.to_dict()}, None,
-                          expected_ranks=writers, extra={"next_step": step + 1})
+            ckpt.finalize(directory, step, {"world_size": self.world_size, "plan": self.plan.to_dict()},
+                          self.fingerprint(), expected_ranks=writers, extra={"next_step": step + 1})
         self.barrier()
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""
         from model_parallel.runtime import checkpoint as ckpt
 
-        checkpoint = ckpt.load_checkpoint(self.config.checkpoint_dir)
+        checkpoint = ckpt.load_checkpoint(self.config.checkpoint_dir, expected_fingerprint=self.fingerprint())
         if self.stage is not None:
             checkpoint.load_into(self.stage)
             if self.optimizer is not None:
@@ -471,7 +528,7 @@ class PipelineEngine:
     def barrier(self) -> None:
         try:
             flag = torch.zeros(1)
-            comm._wait(dist.all_reduce(flag, group=self.control_group, async_op=True), self.config.timeout, -1, "barrier")
+            comm.wait_work(dist.all_reduce(flag, group=self.control_group, async_op=True), self.config.timeout, -1, "barrier")
         except PeerError as error:
             raise self._diagnose(error) from None
 
@@ -496,7 +553,7 @@ class PipelineEngine:
                 result = self.train_step(step)
                 record = self.metrics.end_step(samples=cfg.batch_size, loss=result.loss, lr=result.lr,
                                                grad_norm=result.grad_norm,
-                                               pause_ms=self.switch_pauses_ms[-1] if self._pending_migration_s else 0.0)
+                                               pause_ms=self.step_pause_ms)
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{result.loss:.4f}", plan=self.plan.version)

@@ -32,7 +32,7 @@ _STATUS = "mp/status/{}"
 class Health:
     """One rank's heartbeat writer and failure diagnostician."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, store_host: int = 0) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, store_host: Optional[int] = 0) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval = interval
         self.store_host = store_host
@@ -67,9 +67,23 @@ class Health:
             return
         self._stop.set()
         try:
-            self.store.set(_STATUS.format(self.rank), json.dumps({"state": state, "blame": blame, "message": message}))
+            self.store.set(_STATUS.format(self.rank), json.dumps({"state": state, "blame": blame, "cause": message}))
         except Exception:  # noqa: BLE001 - store gone: nothing to publish to
             pass
+
+    def linger(self, max_seconds: float, blamed: Optional[int] = None) -> None:
+        """On the rank hosting the store: after a failure, keep the store up until every other live
+        rank has published its status (or `max_seconds` pass), so they can still name the culprit."""
+        deadline = time.monotonic() + max_seconds
+        while time.monotonic() < deadline:
+            try:
+                statuses = self._statuses()
+            except Exception:  # noqa: BLE001
+                return
+            waiting = [r for r in range(self.world_size) if r not in statuses and r != self.rank and r != blamed]
+            if not waiting:
+                return
+            time.sleep(0.2)
 
     # ---- diagnosis ---------------------------------------------------------------------------------
     def _read(self, key: str) -> Optional[str]:
@@ -93,46 +107,51 @@ class Health:
                 out[r] = float(text)
         return out
 
-    def diagnose(self, error: BaseException, suspects: Optional[list[int]] = None) -> PeerError:
+    def diagnose(self, error: BaseException) -> PeerError:
         """Name the rank that caused `error` (see module docstring); returns the PeerError to raise."""
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         try:
-            statuses = self._statuses()
-            blamed = [s["blame"] for r, s in statuses.items() if s.get("state") == "failed" and s.get("blame") is not None
-                      and s["blame"] != self.rank]
-            if blamed:
-                culprit = blamed[0]
-                return self._publish(culprit, f"rank {culprit} stopped responding (reported by rank "
-                                              f"{[r for r, s in statuses.items() if s.get('blame') == culprit][0]}); {detail}")
+            reused = self._reuse(self._statuses(), detail)
+            if reused is not None:
+                return reused
             first = self._heartbeats()
             time.sleep(3 * self.interval)  # a live rank beats at least twice in this window
             second = self._heartbeats()
             statuses = self._statuses()
-            blamed = [s["blame"] for s in statuses.values() if s.get("state") == "failed" and s.get("blame") not in (None, self.rank)]
-            if blamed:
-                culprit = blamed[0]
-                return self._publish(culprit, f"rank {culprit} stopped responding; {detail}")
-            now = time.time()
+            reused = self._reuse(statuses, detail)
+            if reused is not None:
+                return reused
+            failed = [(r, s.get("cause", "")) for r, s in statuses.items()
+                      if s.get("state") == "failed" and s.get("blame") is None and r != self.rank]
+            if failed:
+                culprit, why = failed[0]
+                return self._publish(culprit, f"rank {culprit} failed: {why[:300]}", detail)
             stale = [r for r in range(self.world_size)
                      if r != self.rank and statuses.get(r, {}).get("state") != "done"
                      and (r not in second or first.get(r) == second.get(r))]
-            if suspects:
-                stale = sorted(stale, key=lambda r: (r not in suspects, r))
             if stale:
-                culprit = min(stale, key=lambda r: second.get(r, 0.0)) if not suspects else stale[0]
-                age = now - second[culprit] if culprit in second else float("nan")
-                return self._publish(culprit, f"rank {culprit} stopped responding (last heartbeat {age:.1f} s ago); {detail}")
+                culprit = min(stale, key=lambda r: second.get(r, 0.0))  # the one silent for longest
+                age = time.time() - second[culprit] if culprit in second else float("nan")
+                return self._publish(culprit, f"rank {culprit} stopped responding (last heartbeat {age:.1f} s ago)", detail)
             done = [r for r, s in statuses.items() if s.get("state") == "done"]
             if done:
                 return self._publish(None, f"rank(s) {done} already finished while rank {self.rank} still needed them "
-                                           f"(do all ranks run the same --steps and plan?); {detail}")
-            return self._publish(None, f"communication failed but every peer is still alive (slow peer? raise --timeout); {detail}")
-        except PeerError:
-            raise
+                                           "(do all ranks run the same --steps and plan?)", detail)
+            return self._publish(None, "communication failed but every peer is still alive (slow peer? raise --timeout)", detail)
         except Exception as store_error:  # noqa: BLE001 - any store failure means its host is gone
+            reason = str(store_error).splitlines()[0][:120] if str(store_error) else type(store_error).__name__
+            if self.store_host is None:
+                return PeerError(f"the rendezvous store (torchrun's agent) is unreachable: {reason}; {detail}")
             return PeerError(f"rank {self.store_host} stopped responding (it hosts the rendezvous store, which is "
-                             f"unreachable: {str(store_error).splitlines()[0][:120]}); {detail}")
+                             f"unreachable: {reason}); {detail}")
 
-    def _publish(self, culprit: Optional[int], message: str) -> PeerError:
-        self.stop("failed", culprit, message)
-        return PeerError(message)
+    def _reuse(self, statuses: dict[int, dict[str, Any]], detail: str) -> Optional[PeerError]:
+        """Another rank already named a culprit (not us): report the same root cause."""
+        for reporter, status in sorted(statuses.items()):
+            if status.get("state") == "failed" and status.get("blame") not in (None, self.rank) and reporter != self.rank:
+                return self._publish(status["blame"], f"{status.get('cause', '')} (found by rank {reporter})", detail)
+        return None
+
+    def _publish(self, culprit: Optional[int], cause: str, detail: str) -> PeerError:
+        self.stop("failed", culprit, cause)
+        return PeerError(f"{cause}; {detail}")

@@ -88,7 +88,8 @@ class LocalWorld:
         echo: Optional[Callable[[int, str], None]] = None,
     ) -> None:
         self.commands = [list(map(str, c)) for c in commands]
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        # TORCH_CPP_LOG_LEVEL=ERROR: a dead peer makes c10d print a C++ stack per failed store call.
+        self.env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.cwd = str(cwd or REPO_ROOT)
         self.echo = echo
         self.procs: list[subprocess.Popen] = []

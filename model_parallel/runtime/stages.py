@@ -7,7 +7,7 @@ same objects (only layers arriving from another rank get new values).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Optional, Union
 
 import torch
@@ -33,6 +33,11 @@ def even_plan(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int
 
     Model inputs stay in stage 0. Ranks are assigned in stage order (`replicas` per stage, default 1).
     """
+    replicas = dict(replicas or {})
+    unknown = sorted(s for s in replicas if not 0 <= int(s) < num_stages)
+    if unknown:
+        raise PlanError(f"--stage_to_num_ranks names stage(s) {unknown} but the plan has stages 0..{num_stages - 1}; "
+                        "name only existing stages (or raise --num_stages)")
     order = list(graph.topological_order)
     inputs = [n for n in order if is_model_input(graph[n])]
     rest = [n for n in order if n not in set(inputs)]
@@ -52,7 +57,6 @@ def even_plan(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int
         stages[stage].append(node_id)
         acc += cost
     stages[0] = inputs + stages[0]
-    replicas = dict(replicas or {})
     plan = Plan(stages=tuple(StagePlan(s, tuple(ids), num_replicas=int(replicas.get(s, 1))) for s, ids in enumerate(stages)))
     return plan.with_default_ranks()
 
@@ -72,9 +76,16 @@ def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, 
         name = layer_name(node.layer.target)
         if name in out:
             continue
-        value: object = model
-        for part in node.layer.target.split("."):
-            value = getattr(value, part)
+        # A model rebuilt from a graph (codegen.full_model_from_graph) holds layers flat, by layer name.
+        value: object = None
+        for table in (model._modules, model._parameters, model._buffers):
+            if table.get(name) is not None:
+                value = table[name]
+                break
+        if value is None:
+            value = model
+            for part in node.layer.target.split("."):
+                value = getattr(value, part)
         out[name] = value  # type: ignore[assignment]
     return out
 

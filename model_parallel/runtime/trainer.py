@@ -89,6 +89,10 @@ class SingleProcessRunner:
         self.stages = build_stages(graph, plan, modules=layer_modules(graph, model))
         self.params = [p for s in self.stages for p in s.parameters()]
         self.optimizer = optimizer_factory(self.params)
+        if config.schedule == "pipedream":
+            # Every stage updates on its own after each microbatch: one optimizer per stage.
+            self.stage_optimizers = [optimizer_factory(list(s.parameters())) if list(s.parameters()) else None
+                                     for s in self.stages]
 
     def _model_output(self, outputs: Sequence[Any]) -> Any:
         from model_parallel.graph.arguments import decode_argument
@@ -97,8 +101,59 @@ class SingleProcessRunner:
         encoded = self.graph.metadata.get("outputs")
         return decode_argument(encoded, lambda ref: values[ref]) if encoded is not None else outputs[0]
 
+    def _pipedream_step(self, step: int) -> StepResult:
+        """PipeDream's asynchronous 1F1B with weight stashing, run in grid order in this process."""
+        from torch.func import functional_call
+
+        from model_parallel.runtime.schedule import pipedream_async
+
+        cfg, p = self.config, len(self.stages)
+        inputs, target = self.dataset.batch(step)
+        microbatches = split_microbatches(list(inputs), target, cfg.num_microbatches)
+        schedule = pipedream_async(p, cfg.num_microbatches)
+        state: dict[tuple[int, int], dict[str, Any]] = {}
+        total = 0.0
+        for t in range(schedule.num_steps):
+            for s in range(p):
+                action = schedule.grid[s][t]
+                if action is None:
+                    continue
+                j, stage = action.microbatch, self.stages[s]
+                if action.is_forward:
+                    if s == 0:
+                        values = list(microbatches[j][0])
+                    else:
+                        values = [v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                  else v for v in state[(s - 1, j)]["outputs"]]
+                    weights = {n: q.detach().clone().requires_grad_(True) for n, q in stage.named_parameters()}
+                    outputs = functional_call(stage, weights, tuple(values))
+                    entry = {"inputs": values, "outputs": outputs, "weights": weights}
+                    if s == p - 1:
+                        entry["loss"] = self.criterion(self._model_output(list(outputs)), microbatches[j][1])
+                        total += float(entry["loss"].detach()) / cfg.num_microbatches
+                    state[(s, j)] = entry
+                else:
+                    entry = state[(s, j)]
+                    if s == p - 1:
+                        entry["loss"].backward()
+                    else:
+                        downstream = state[(s + 1, j)]["inputs"]
+                        pairs = [(o, v.grad) for o, v in zip(entry["outputs"], downstream)
+                                 if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(v, torch.Tensor) and v.grad is not None]
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    optimizer = self.stage_optimizers[s]
+                    if optimizer is not None:
+                        for n, q in stage.named_parameters():
+                            q.grad = entry["weights"][n].grad
+                        _set_lr(optimizer, cfg.lr_schedule, step)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+        return StepResult(step, total, 0.0, self.stage_optimizers[0].param_groups[0]["lr"] if self.stage_optimizers[0] else 0.0)
+
     def train_step(self, step: int) -> StepResult:
         cfg = self.config
+        if cfg.schedule == "pipedream":
+            return self._pipedream_step(step)
         inputs, target = self.dataset.batch(step)
         total = 0.0
         for j, (mb_inputs, mb_target) in enumerate(split_microbatches(list(inputs), target, cfg.num_microbatches)):
@@ -184,13 +239,24 @@ class PipelineTrainer:
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, criterion, optimizer_factory, dataset, config)
         else:
             from model_parallel.runtime.engine import PipelineEngine
+            from model_parallel.runtime.health import Health
 
+            # Heartbeats in the process group's own store, so a dead peer is named (see health.py).
+            store = dist.distributed_c10d._get_default_store()
+            device = torch.device("cpu")
+            if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
+                device = torch.device("cuda", torch.cuda.current_device())
+                model.to(device)
+            self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, config.timeout / 10),
+                                 store_host=None).start()
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=criterion,
-                                         optimizer_factory=optimizer_factory, dataset=dataset, config=config, channel=channel)
+                                         optimizer_factory=optimizer_factory, dataset=dataset, config=config, channel=channel,
+                                         health=self.health, device=device)
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
-        return self.runner.train(steps)
+        results = self.runner.train(steps)
+        return results
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This process's stage state (all stages in single-process mode) by stage-module name."""

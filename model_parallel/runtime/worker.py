@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,6 +23,28 @@ from model_parallel.errors import ModelParallelError, PeerError, PlanError
 logger = logging.getLogger(__name__)
 
 EXIT_PEER = 3
+
+
+class RankPrefix(logging.Filter):
+    """Prefix every log line with `[rank r stage s]`, following plan switches (`engine` set later)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank, self.engine = rank, None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        prefix = self.engine.prefix if self.engine is not None else f"[rank {self.rank}]"
+        message = record.getMessage()
+        if not message.startswith("[rank "):  # engine messages carry it already
+            record.msg, record.args = f"{prefix} {message}", None
+        return True
+
+
+def install_rank_prefix(rank: int) -> RankPrefix:
+    prefix = RankPrefix(rank)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(prefix)
+    return prefix
 
 
 def build_parser() -> ArgumentParser:
@@ -69,6 +92,7 @@ def build_parser() -> ArgumentParser:
     c.add_argument("--coordinator", default=None, help="HOST:PORT of the coordinator (test_socket.py)")
     c.add_argument("--token", default=None, help="shared token for the coordinator (default $MODEL_PARALLEL_TOKEN)")
     c.add_argument("--control_script", default=None, help="JSON file {step: command} played by rank 0 (tests, demos)")
+    c.add_argument("--jobs", default=None, help="JSON file: a list of argument lists, run one after another in this world")
     c.add_argument("--slowdown", type=float, default=1.0, help="straggler injection: make compute FACTOR times slower")
     c.add_argument("--slowdown_rank", type=int, default=None, help="the rank --slowdown applies to")
     c.add_argument("--slowdown_after_step", type=int, default=0, help="first step that is slowed down")
@@ -123,7 +147,7 @@ def load_job(args: Any, world_size: int) -> dict[str, Any]:
         if args.package:
             package = Path(args.package)
             graph = load_graph(package / "graph.json")
-            plan = read_plan(package / "plan.json")
+            plan = ranks_from_hybrid_conf(read_plan(package / "plan.json"), package / "hybrid_conf.json")
         else:
             graph = load_graph(args.graph)
         torch.manual_seed(args.seed)
@@ -148,6 +172,23 @@ def load_job(args: Any, world_size: int) -> dict[str, Any]:
     return {"graph": graph, "plan": plan.with_default_ranks(), "model": model, "criterion": criterion, "dataset": dataset}
 
 
+def ranks_from_hybrid_conf(plan: Any, path: Path) -> Any:
+    """Place a package's stages on the ranks its `hybrid_conf.json` names (PipeDream's stage_to_rank_map)."""
+    from dataclasses import replace
+
+    if not path.is_file():
+        return plan
+    try:
+        mapping = json.loads(path.read_text(encoding="utf-8"))["stage_to_rank_map"]
+        ranks = {int(stage): tuple(int(r) for r in rs) for stage, rs in mapping.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise PlanError(f"{path}: expected {{\"stage_to_rank_map\": {{\"0\": [0, 1], ...}}}} ({error})") from None
+    if sorted(ranks) != list(range(plan.num_stages)):
+        raise PlanError(f"{path}: stage_to_rank_map names stages {sorted(ranks)}, the plan has 0..{plan.num_stages - 1}")
+    stages = tuple(replace(s, ranks=ranks[s.stage_id], num_replicas=len(ranks[s.stage_id])) for s in plan.stages)
+    return replace(plan, stages=stages)
+
+
 def make_channel(args: Any, rank: int, world_size: int) -> Any:
     from model_parallel.runtime.control import NullChannel, ScriptedChannel
 
@@ -166,9 +207,6 @@ def make_channel(args: Any, rank: int, world_size: int) -> Any:
 def make_config(args: Any) -> Any:
     from model_parallel.runtime.engine import TrainConfig
 
-    if args.schedule == "pipedream":
-        raise PlanError("--schedule pipedream (asynchronous, weight stashing) is defined as data but not executed yet; "
-                        "use 1f1b or gpipe")
     return TrainConfig(
         batch_size=args.batch_size, num_microbatches=args.num_microbatches, schedule=args.schedule, seed=args.seed,
         recompute=parse_recompute(args.recompute), bf16=args.bf16, clip_grad=args.clip_grad, lr_schedule=args.lr_schedule,
@@ -186,8 +224,9 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device]:
-    """Join the process group (TCPStore on rank 0, or torchrun's env://); returns rank, world, store, device."""
+def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device, Optional[int]]:
+    """Join the process group (TCPStore on rank 0, or torchrun's env://); returns rank, world, store,
+    device and the rank hosting the store (None under torchrun: its agent hosts it)."""
     import torch.distributed as dist
 
     backend = resolve_backend(args.backend)
@@ -205,7 +244,7 @@ def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device]:
         device = torch.device("cuda", local)
     if args.dist_addr is None and "MASTER_ADDR" in os.environ and args.rank is None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        store = dist.distributed_c10d._get_default_store()
+        return rank, world_size, dist.distributed_c10d._get_default_store(), device, None
     else:
         from torch.distributed import TCPStore
 
@@ -221,7 +260,31 @@ def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device]:
         except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
             raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {config.timeout:.0f} s: "
                             f"{str(error).splitlines()[0]}") from None
-    return rank, world_size, store, device
+    return rank, world_size, store, device, 0
+
+
+def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, device: torch.device,
+            prefix: Optional[RankPrefix] = None) -> Any:
+    """Build this rank's engine for one job on the already-initialised world and train it."""
+    from model_parallel.runtime.engine import PipelineEngine
+
+    job = load_job(args, world_size)
+    channel = make_channel(args, rank, world_size)
+    try:
+        engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
+                                optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
+                                channel=channel, health=health, device=device)
+        if prefix is not None:
+            prefix.engine = engine
+        if rank == 0:
+            logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
+        history = engine.train(args.steps)
+    finally:
+        channel.close()
+    if history:
+        print(f"{engine.prefix} done: {len(history)} step(s), last loss {history[-1].loss:.6f}, "
+              f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
+    return engine
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -241,30 +304,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch.distributed as dist
 
-    from model_parallel.runtime.engine import PipelineEngine
     from model_parallel.runtime.health import Health
 
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
-    configure_logging(max(args.verbose, 1) if rank == 0 else args.verbose, prefix=f"[rank {rank}] ")
+    configure_logging(max(args.verbose, 1) if rank == 0 else args.verbose)
+    prefix = install_rank_prefix(rank)
     health = None
     try:
-        rank, world_size, store, device = init_world(args, config)
-        health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10)).start()
-        job = load_job(args, world_size)
-        channel = make_channel(args, rank, world_size)
-        engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
-                                optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
-                                channel=channel, health=health, device=device)
-        if rank == 0:
-            logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
-        try:
-            history = engine.train(args.steps)
-        finally:
-            channel.close()
-        if history:
-            last = history[-1]
-            print(f"{engine.prefix} done: {len(history)} step(s), last loss {last.loss:.6f}, "
-                  f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
+        rank, world_size, store, device, store_host = init_world(args, config)
+        health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10), store_host=store_host).start()
+        for job_argv in ([None] if not args.jobs else json.loads(Path(args.jobs).read_text(encoding="utf-8"))):
+            # --jobs: several runs in one world (tests: one process launch, many checks).
+            job_args = args if job_argv is None else build_parser().parse_args(list(map(str, job_argv)))
+            job_config = config if job_argv is None else make_config(job_args)
+            run_job(job_args, job_config, rank, world_size, health, device, prefix)
         health.stop("done")
         dist.destroy_process_group()
         return 0
@@ -273,9 +326,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         if health is not None:
             health.stop("failed", None, str(error))
+            if rank == health.store_host:
+                match = re.search(r"rank (\d+) stopped responding", str(error))
+                health.linger(4 * health.interval + 5, int(match.group(1)) if match else None)
         logging.shutdown()
         os._exit(EXIT_PEER)
-    except ModelParallelError:
+    except ModelParallelError as error:
         if health is not None:
-            health.stop("failed", None, "configuration error")
+            health.stop("failed", None, f"{type(error).__name__}: {error}")
+            if rank == health.store_host:
+                health.linger(4 * health.interval + 5)  # let the others read why before the store goes
         raise

@@ -17,7 +17,6 @@ if __package__ in (None, ""):  # run as a plain script from a checkout: make `mo
 
 import logging
 import statistics
-import time
 from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -33,12 +32,13 @@ from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.core import Graph
 from model_parallel.graph.io import save_graph
 from model_parallel.profiler.api import preserved_model, profile, resolve_device
-from model_parallel.profiler.timing import time_training_step, training_step
+from model_parallel.profiler.timing import clock_seconds, time_training_step, training_step
 
 logger = logging.getLogger(__name__)
 
 # Smallest input side each family accepts (the rest work from 32x32).
 MIN_IMAGE_SIZE = {"inception_v3": 75}
+INCEPTION_AUX_MIN_SIZE = 299
 
 
 def list_architectures() -> list[str]:
@@ -61,9 +61,22 @@ def build_model(arch: str, num_classes: int = 1000, image_size: int = 224) -> nn
         kwargs["image_size"] = image_size
     if arch.startswith("maxvit"):
         kwargs["input_size"] = (image_size, image_size)
+    if arch == "inception_v3" and image_size < INCEPTION_AUX_MIN_SIZE:
+        # The auxiliary head (run in training only) pools 17x17 features with a 5x5 window: below
+        # 299 pixels it cannot run, so the model is profiled without it (and says so).
+        logger.warning("inception_v3 at %d pixels: profiling without the auxiliary head (it needs >= %d)",
+                       image_size, INCEPTION_AUX_MIN_SIZE)
+        kwargs["aux_logits"] = False
+    if arch in ("inception_v3", "googlenet"):
+        kwargs["init_weights"] = False  # their truncated-normal init is slow and changes no timing
     tv = import_torchvision()
     torch.manual_seed(0)
-    return tv.models.get_model(arch, **kwargs)
+    try:
+        return tv.models.get_model(arch, **kwargs)
+    except (ValueError, RuntimeError, AssertionError) as error:  # e.g. maxvit's window sizes need 224x224
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ProfileError(f"torchvision cannot build {arch} for {image_size}x{image_size} inputs: {first_line}; "
+                           "try another --image-size (224 always works)") from None
 
 
 def classification_loss(targets: torch.Tensor) -> Any:
@@ -122,6 +135,7 @@ def profile_arch(
     step_iterations: int = 5,
     rounds: int = 1,
     progress: bool = False,
+    clock: str = "wall",
 ) -> tuple[Graph, dict[str, Any]]:
     """Profile one torchvision model and time a plain training step of it; returns (graph, summary).
 
@@ -151,14 +165,14 @@ def profile_arch(
     profile_seconds: list[float] = []
     with preserved_model(model, target):
         training_step(model, (images,), loss_fn)  # untimed warm-up: first-touch allocations, lazy init
-        step_times += time_training_step(model, (images,), loss_fn, target, step_iterations)
+        step_times += time_training_step(model, (images,), loss_fn, target, step_iterations, clock)
         for _ in range(rounds):
             model.zero_grad(set_to_none=True)
-            started = time.perf_counter()
+            started = clock_seconds(clock)
             graphs.append(profile(model, (images,), loss_fn, warmup=warmup, iterations=iterations,
-                                  device=target, progress=progress))
-            profile_seconds.append(time.perf_counter() - started)
-            step_times += time_training_step(model, (images,), loss_fn, target, step_iterations)
+                                  device=target, progress=progress, clock=clock))
+            profile_seconds.append(clock_seconds(clock) - started)
+            step_times += time_training_step(model, (images,), loss_fn, target, step_iterations, clock)
         model.zero_grad(set_to_none=True)
     graph = graphs[0] if rounds == 1 else _median_graph(graphs)
 
@@ -174,6 +188,7 @@ def profile_arch(
         "data": data_dir or "synthetic",
         "device": str(target),
         "num_threads": torch.get_num_threads(),
+        "clock": clock,
         "num_nodes": len(graph),
         "num_edges": len(graph.edges),
         "parameter_bytes": sum(n.parameter_size for n in graph.nodes),
@@ -244,6 +259,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--num-classes", "--num_classes", dest="num_classes", type=int, default=None,
                         help="classifier outputs (default 1000, or the ImageFolder's class count)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time (default), or this process's CPU time (CPU only; ignores time other "
+                             "processes take on a shared machine)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging")
     return parser
 
@@ -256,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     graph, summary = profile_arch(
         args.arch, args.batch_size, args.image_size, device=args.device, warmup=args.warmup,
         iterations=args.iterations, num_classes=args.num_classes, data_dir=args.data_dir,
-        step_iterations=args.step_iterations, progress=True,
+        step_iterations=args.step_iterations, progress=True, clock=args.clock,
     )
     directory = Path(args.profile_directory) / args.arch
     written = write_profile(graph, summary, directory)

@@ -1,0 +1,115 @@
+"""Command line (PipeDream's partition optimizer): profile graph -> pipeline plan on a machine hierarchy.
+
+    python model_parallel/optimizer/optimizer_graph_hierarchical.py -f profiles/resnet50/graph.txt \\
+        -n 4 4 -b 40e9 1.25e9 --activation_compression_ratio 1 -o out/
+
+Prints PipeDream's numbers and the plan as a table; with -o writes gpus=<N>.txt (the graph with a
+stage_id on every node, plus its .json sidecar when the input had one), plan.json and gpus=<N>.svg.
+The logic lives in `model_parallel.optimizer.partition`; this file parses arguments and writes files.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a plain script from a checkout: make the package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli  # noqa: E402
+
+log = logging.getLogger("model_parallel.optimizer.optimizer_graph_hierarchical")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Partition a profiled graph into pipeline stages (PipeDream's optimizer, exact and fast).")
+    parser.add_argument("-f", "--profile_filename", required=True, help="graph.txt (PipeDream format) or graph.json to partition")
+    parser.add_argument("-n", "--all_num_machines", nargs="+", type=int, required=True,
+                        help="workers per level, innermost first (-n 8 2 = 8 GPUs in each of 2 servers)")
+    parser.add_argument("-b", "--network_bandwidths", nargs="+", type=float, default=None,
+                        help="bytes/s of each level's links, one per level (default 1e9 each)")
+    parser.add_argument("-s", "--memory_size", type=float, default=16e9, help="bytes of memory per worker (default 16e9)")
+    parser.add_argument("--straight_pipeline", action="store_true", help="no replication of stages")
+    parser.add_argument("--use_memory_constraint", action="store_true", help="discard plans whose stashed bytes exceed -s")
+    parser.add_argument("--use_fewer_machines", action="store_true", help="a level may leave machines unused when faster")
+    parser.add_argument("--activation_compression_ratio", type=float, default=None,
+                        help="count inter-stage transfers at size/R (without it, transfers are not counted)")
+    parser.add_argument("-o", "--output_directory", default=None, help="write gpus=<N>.txt, plan.json and gpus=<N>.svg here")
+    parser.add_argument("--memory_model", choices=("pipedream", "1f1b"), default="pipedream",
+                        help="stash estimate for --use_memory_constraint (see docs/optimizer.md)")
+    parser.add_argument("--worker_speeds", nargs="+", type=float, default=None,
+                        help="relative speed of each worker (1.0 = as profiled); needs --straight_pipeline and one level")
+    parser.add_argument("--cuts", choices=("auto", "antichain", "topological", "all"), default="auto",
+                        help="state space: PipeDream's antichains (exact reproduction), topological prefixes, all valid cuts (small graphs), or auto")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for info logs, -vv for debug")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    from model_parallel.errors import RenderError
+    from model_parallel.graph.io import load_graph, save_graph, sidecar_path
+    from model_parallel.graph.plan import Hierarchy, write_plan
+    from model_parallel.graph.render import render_graph
+    from model_parallel.optimizer.options import PartitionOptions
+    from model_parallel.optimizer.partition import partition
+
+    graph = load_graph(args.profile_filename)
+    hierarchy = Hierarchy.from_lists(args.all_num_machines, args.network_bandwidths, args.memory_size)
+    options = PartitionOptions(
+        straight_pipeline=args.straight_pipeline,
+        use_fewer_machines=args.use_fewer_machines,
+        activation_compression_ratio=args.activation_compression_ratio,
+        use_memory_constraint=args.use_memory_constraint,
+        memory_model=args.memory_model,
+        worker_speeds=tuple(args.worker_speeds) if args.worker_speeds else None,
+        cuts=args.cuts,
+    )
+    for level in hierarchy.levels:
+        print(f"Solving optimization problem with {level.num_machines} machines with "
+              f"inter-machine bandwidth of {level.bandwidth / 1e9:.2f} GB/s")
+    plan = partition(graph, hierarchy, options)
+
+    total = plan.single_machine_time_s
+    pipeline = plan.time_per_minibatch_s
+    data_parallel = float(plan.extra.get("data_parallel_time_s", math.nan))
+    machines = ",".join(str(n) for n in args.all_num_machines)
+    print(f"Total number of states: {plan.extra.get('num_states')} ({plan.extra.get('cuts')} cuts)")
+    print(f"Total number of stages: {plan.num_stages}")
+    print()
+    print("Time taken by single-stage pipeline:", total)
+    print("Time per stage in pipeline:", pipeline)
+    print("Throughput increase (compared to single machine):", total / pipeline if pipeline > 0 else math.inf)
+    print(f"[Note that single-machine and ({machines})-machine DP might not fit given memory constraints]")
+    print(f"Throughput increase of ({machines})-machine DP compared to single machine:",
+          total / data_parallel if data_parallel > 0 else math.inf)
+    print(f"Throughput increase (compared to ({machines})-machine DP):", data_parallel / pipeline if pipeline > 0 else math.inf)
+    print(f"Optimizer time: {plan.optimizer_seconds:.3f} s")
+    print()
+    print(plan.table())
+
+    if args.output_directory:
+        out = Path(args.output_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        workers = hierarchy.num_workers
+        partitioned = graph.with_stages(plan.stage_of)
+        # Keep layer specs beside the text file only when the input carried them (graph.json or sidecar).
+        source = Path(args.profile_filename)
+        had_layers = source.suffix == ".json" or sidecar_path(source).exists()
+        text_path = save_graph(partitioned, out / f"gpus={workers}.txt", with_sidecar=had_layers)
+        plan_path = write_plan(plan, out / "plan.json")
+        print(f"wrote {text_path} and {plan_path}")
+        try:
+            picture = render_graph(partitioned, out / f"gpus={workers}.svg", title=f"{source.name}: {plan.num_stages} stages")
+            print(f"wrote {picture}")
+        except RenderError as error:
+            print(f"warning: {error}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,214 @@
+"""The partition optimizer: PipeDream's test vectors, plan shape, options, errors and the command line."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_parallel.errors import InfeasibleError, PlanError
+from model_parallel.graph.core import Graph, Node
+from model_parallel.graph.io import load_graph
+from model_parallel.graph.plan import Hierarchy, read_plan
+from model_parallel.optimizer import synthetic
+from model_parallel.optimizer.costs import predict_stage_times
+from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.partition import partition
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "model_parallel" / "optimizer" / "optimizer_graph_hierarchical.py"
+
+# FORMATS.md: PipeDream's own optimizer on the reference profiles (profile, -n, -b, flags, seconds).
+VECTORS = [
+    ("vgg16", [4], None, {}, 0.205520896),
+    ("vgg16", [16], None, {}, 0.05652976738461538),
+    ("vgg16", [4], None, {"straight_pipeline": True}, 0.411041792),
+    ("vgg16", [4, 4], [40e9, 1.25e9], {}, 0.06603039533333334),
+    ("resnet50", [4], None, {}, 0.16288092399999993),
+    ("resnet50", [16], None, {}, 0.04780134530612244),
+    ("resnet50", [4], None, {"straight_pipeline": True}, 0.25814899999999996),
+    ("resnet50", [4, 4], [40e9, 1.25e9], {}, 0.04320846919999996),
+    ("gnmt", [4], None, {}, 0.025868000000000016),
+    ("vgg16", [8], None, {"use_memory_constraint": True, "memory": 2e9}, 0.326192577),
+    ("resnet50", [8], None, {"use_fewer_machines": True}, 0.09201227199999996),
+]
+
+
+def _solve(reference_profiles, name, machines, bandwidths, flags, cuts="antichain"):
+    flags = dict(flags)
+    memory = flags.pop("memory", 16e9)
+    graph = load_graph(reference_profiles / f"{name}.graph.txt")
+    hierarchy = Hierarchy.from_lists(machines, bandwidths, memory)
+    return graph, partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts=cuts, **flags))
+
+
+@pytest.mark.parametrize("name,machines,bandwidths,flags,expected", VECTORS)
+def test_reproduces_pipedream_vectors(reference_profiles, name, machines, bandwidths, flags, expected):
+    graph, plan = _solve(reference_profiles, name, machines, bandwidths, flags)
+    assert plan.time_per_minibatch_s == pytest.approx(expected, rel=1e-12)
+    assert plan.num_ranks <= math.prod(machines)
+    if not flags.get("use_fewer_machines"):
+        assert plan.num_ranks == math.prod(machines)
+    # auto picks PipeDream's state space for these small profiles
+    _, auto = _solve(reference_profiles, name, machines, bandwidths, flags, cuts="auto")
+    assert auto.time_per_minibatch_s == plan.time_per_minibatch_s
+
+
+def test_plan_covers_every_node_in_dependency_order(reference_profiles):
+    graph, plan = _solve(reference_profiles, "gnmt", [4], None, {})
+    stage_of = plan.stage_of
+    assert set(stage_of) == {n.node_id for n in graph.nodes}
+    for node in graph.nodes:
+        if node.is_input:
+            assert stage_of[node.node_id] == 0
+    for src, dst in graph.edges:
+        assert stage_of[src] <= stage_of[dst], (src, dst)
+    order = {n: i for i, n in enumerate(graph.topological_order)}
+    for stage in plan.stages:
+        positions = [order[n] for n in stage.node_ids]
+        assert positions == sorted(positions)
+    ranks = [r for s in plan.stages for r in s.ranks]
+    assert ranks == list(range(plan.num_ranks))
+    assert plan.single_machine_time_s == pytest.approx(graph.total_compute_ms / 1000.0)
+    assert plan.optimizer_seconds > 0
+    assert max(s.compute_s for s in plan.stages) > 0
+
+
+def test_dropped_getitem_sink_joins_its_producer():
+    nodes = (Node("x", "Input0"), Node("a", "Linear", 1, 1, 8.0), Node("b", "Linear", 1, 1, 8.0),
+             Node("g", "__getitem__(0)", 0, 0, 4.0), Node("c", "Linear", 3, 3, 8.0))
+    graph = Graph(nodes, (("x", "a"), ("a", "b"), ("b", "g"), ("b", "c")))
+    plan = partition(graph, Hierarchy.from_lists([2]), PartitionOptions(straight_pipeline=True))
+    assert plan.stage_of["g"] == plan.stage_of["b"]
+    assert plan.stage_of["x"] == 0
+    assert [s.node_ids for s in plan.stages] == [("x", "a", "b", "g"), ("c",)]
+
+
+def test_options_are_validated():
+    with pytest.raises(PlanError, match="memory_model must be one of"):
+        PartitionOptions(memory_model="gpipe")
+    with pytest.raises(PlanError, match="activation_compression_ratio must be a positive number"):
+        PartitionOptions(activation_compression_ratio=0.0)
+    with pytest.raises(PlanError, match="worker_speeds needs straight_pipeline"):
+        PartitionOptions(worker_speeds=(1.0, 2.0))
+    with pytest.raises(PlanError, match="worker_speeds must be positive"):
+        PartitionOptions(straight_pipeline=True, worker_speeds=(1.0, -1.0))
+    with pytest.raises(PlanError, match="cuts must be one of"):
+        PartitionOptions(cuts="greedy")
+
+
+def test_errors_say_what_to_fix():
+    graph = synthetic.chain(5, seed=1)
+    with pytest.raises(PlanError, match="give one bandwidth per level"):
+        Hierarchy.from_lists([2, 2], [1e9])
+    with pytest.raises(InfeasibleError, match="more stages than nodes: a straight pipeline on 8 workers"):
+        partition(graph, Hierarchy.from_lists([8]), PartitionOptions(straight_pipeline=True))
+    options = PartitionOptions(straight_pipeline=True, use_memory_constraint=True, memory_model="1f1b")
+    with pytest.raises(InfeasibleError, match=r"the smallest memory any plan fits in is about [0-9.e+]+ bytes") as info:
+        partition(graph, Hierarchy.from_lists([2], memory_bytes=1.0), options)
+    need = float(str(info.value).split("about ")[1].split(" bytes")[0])
+    assert partition(graph, Hierarchy.from_lists([2], memory_bytes=need * 1.001), options).num_stages == 2
+    with pytest.raises(InfeasibleError):
+        partition(graph, Hierarchy.from_lists([2], memory_bytes=need * 0.99), options)
+    with pytest.raises(PlanError, match="worker_speeds has 2 value"):
+        partition(graph, Hierarchy.from_lists([3]), PartitionOptions(straight_pipeline=True, worker_speeds=(1.0, 1.0)))
+
+
+def test_memory_model_1f1b_counts_in_flight_microbatches():
+    graph = synthetic.chain(12, seed=3)
+    free = partition(graph, Hierarchy.from_lists([4]), PartitionOptions(straight_pipeline=True, memory_model="1f1b"))
+    # 1F1B: stage k of 4 keeps 4-k microbatches of (activations + weight versions).
+    stage_bytes = [s.memory_bytes / (4 - k) for k, s in enumerate(free.stages)]
+    assert all(b > 0 for b in stage_bytes)
+    limit = sorted(s.memory_bytes for s in free.stages)[-1] * 0.9
+    bound = partition(graph, Hierarchy.from_lists([4], memory_bytes=limit),
+                      PartitionOptions(straight_pipeline=True, use_memory_constraint=True, memory_model="1f1b"))
+    assert all(s.memory_bytes <= limit for s in bound.stages)
+    assert bound.time_per_minibatch_s >= free.time_per_minibatch_s
+    # PipeDream's estimate ignores the last stage's own microbatch, so it admits more.
+    loose = partition(graph, Hierarchy.from_lists([4], memory_bytes=limit),
+                      PartitionOptions(straight_pipeline=True, use_memory_constraint=True))
+    assert loose.time_per_minibatch_s <= bound.time_per_minibatch_s
+
+
+def test_worker_speeds_fast_path_for_the_rebalancer():
+    graph = synthetic.random_dag(600, seed=5)
+    speeds = (1.0, 1.0, 0.25, 1.0, 2.0, 1.0, 1.0, 1.0)
+    plan = partition(graph, Hierarchy.from_lists([8]), PartitionOptions(straight_pipeline=True, worker_speeds=speeds))
+    assert plan.num_stages == 8 and [s.ranks for s in plan.stages] == [(k,) for k in range(8)]
+    assert plan.extra["cuts"] == "topological"
+    predicted = predict_stage_times(graph, plan, speeds)
+    assert max(predicted) == pytest.approx(plan.time_per_minibatch_s, rel=1e-9)
+    # the slow worker gets less work than its neighbours, the fast one more
+    compute = [s.compute_s for s in plan.stages]
+    assert compute[2] < min(compute[1], compute[3]) and compute[4] > max(compute[3], compute[5])
+    even = partition(graph, Hierarchy.from_lists([8]), PartitionOptions(straight_pipeline=True, worker_speeds=(1.0,) * 8))
+    assert max(predict_stage_times(graph, even, speeds)) > plan.time_per_minibatch_s
+
+
+def test_all_cuts_finds_a_cut_pipedream_misses():
+    # Two non-Input sources: PipeDream starts its antichain walk from the first one only, so the cut
+    # {a, b} (both sources, before c) is never a state. Straight on 2 workers it can only do [a | b c].
+    nodes = (Node("a", "Embedding", 1, 0), Node("b", "Embedding", 1, 0), Node("c", "Linear", 1, 1))
+    graph = Graph(nodes, (("a", "c"), ("b", "c")))
+    options = dict(straight_pipeline=True)
+    pipedream = partition(graph, Hierarchy.from_lists([2]), PartitionOptions(cuts="antichain", **options))
+    extended = partition(graph, Hierarchy.from_lists([2]), PartitionOptions(cuts="all", **options))
+    assert pipedream.time_per_minibatch_s == pytest.approx(0.003)
+    assert extended.time_per_minibatch_s == pytest.approx(0.002)
+    assert [s.node_ids for s in extended.stages] == [("a", "b"), ("c",)]
+
+
+def test_auto_falls_back_to_topological_cuts_on_huge_state_spaces(caplog):
+    graph = synthetic.branches(6, width=4, depth=3, seed=2)
+    options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=50)
+    plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
+    assert plan.extra["cuts"] == "topological"
+    assert "too many antichain states" in caplog.text
+    assert set(plan.stage_of) == {n.node_id for n in graph.nodes}
+    for src, dst in graph.edges:
+        assert plan.stage_of[src] <= plan.stage_of[dst]
+    coarse = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]),
+                       PartitionOptions(activation_compression_ratio=1.0, cuts="topological", max_cut_points=10))
+    assert coarse.extra["cuts"] == "topological-coarse" and coarse.extra["num_states"] <= 11
+
+
+def test_three_level_hierarchy_uses_every_worker():
+    graph = synthetic.residual(8, seed=4)
+    plan = partition(graph, Hierarchy.from_lists([2, 2, 2], [40e9, 10e9, 1e9]), PartitionOptions(activation_compression_ratio=1.0))
+    assert plan.num_ranks == 8 and plan.num_machines == (2, 2, 2)
+    assert plan.time_per_minibatch_s <= plan.single_machine_time_s
+
+
+def test_cli_writes_partitioned_graph_plan_and_picture(reference_profiles, tmp_path, capsys):
+    from model_parallel.optimizer.optimizer_graph_hierarchical import main
+
+    out = tmp_path / "out"
+    code = main(["-f", str(reference_profiles / "vgg16.graph.txt"), "-n", "4", "4", "-b", "40e9", "1.25e9",
+                 "--activation_compression_ratio", "1", "-o", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "Time per stage in pipeline: 0.0660303953333333" in text
+    assert "time per minibatch (slowest stage)" in text
+    partitioned = load_graph(out / "gpus=16.txt")
+    assert partitioned.is_partitioned and partitioned.num_stages == 4
+    plan = read_plan(out / "plan.json")
+    assert plan.time_per_minibatch_s == pytest.approx(0.06603039533333334, rel=1e-12)
+    assert {n.node_id: n.stage_id for n in partitioned.nodes} == plan.stage_of
+    data = json.loads((out / "plan.json").read_text())
+    assert {"time_per_minibatch_s", "single_machine_time_s", "optimizer_seconds", "stages"} <= set(data)
+    assert (out / "gpus=16.svg").exists() or (out / "gpus=16.dot").exists()
+    assert not (out / "gpus=16.json").exists()  # plain graph.txt input: no layer sidecar to keep
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(reference_profiles, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "-f", str(reference_profiles / "vgg16.graph.txt"), "-n", "4", "2", "-b", "1e9"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "1 bandwidth(s); give one bandwidth per level" in result.stderr
