@@ -213,11 +213,9 @@ def config_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subproc
 
 @pytest.mark.parametrize("case, message", [
     ("unknown model", r"unknown model 'nosuch'; built-in models: gpt, mlp, resnet18"),
-    ("unknown arch", r"nosuchnet"),
+    ("unknown arch", r"unknown architecture 'nosuchnet'; valid ones: alexnet"),
     ("bad stage_to_num_ranks", r"--stage_to_num_ranks: '0:x' is not '<stage>:<replicas>'"),
-    pytest.param("stage_to_num_ranks names a missing stage", r"stage.*5", marks=pytest.mark.xfail(
-        reason="runtime bug: worker accepts --stage_to_num_ranks naming a stage the plan lacks (0:1,5:1 on 1 stage) "
-               "and trains; plan_from_graph rejects this, the worker's even split does not", strict=False)),
+    ("stage_to_num_ranks names a missing stage", r"--stage_to_num_ranks names stage\(s\) \[5\] but the plan has stages 0..0"),
     ("plan bigger than the world", r"the plan places stages on rank\(s\) \[1, 2\] but the world has ranks 0..0"),
     ("checkpoint from another model", r"another model"),
 ])

@@ -126,8 +126,6 @@ def test_deeply_nested_body_is_protocol_error(token: Any) -> None:
 @FUZZ
 @given(st.text(max_size=30) | st.from_regex(r"[a-z0-9.\[\]:]{0,12}:[0-9²١]{0,7}", fullmatch=True))
 def test_parse_address_parses_or_raises(text: str) -> None:
-    # Hosts made only of brackets are the known bug below; everything else must hold.
-    assume(not (text.rpartition(":")[0] and not text.rpartition(":")[0].strip("[]")))
     try:
         host, port = protocol.parse_address(text)
     except ProtocolError:
@@ -135,8 +133,6 @@ def test_parse_address_parses_or_raises(text: str) -> None:
     assert host and 0 < port < 65536
 
 
-@pytest.mark.xfail(reason="protocol.parse_address checks `host` before strip('[]'): '[:1' and '[]:29600' give host ''",
-                   strict=False)
 @pytest.mark.parametrize("text", ["[:1", "[]:29600"])
 def test_parse_address_rejects_an_empty_bracketed_host(text: str) -> None:
     with pytest.raises(ProtocolError, match="not HOST:PORT"):

@@ -195,3 +195,40 @@ def test_torchrun_across_two_hosts(tmp_path: Path) -> None:
             outputs = [log.read_text(errors="replace") for log in logs]
     assert codes == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert_params_close(load_checkpoint(checkpoints).params(), reference_params(steps), "torchrun multi-host run")
+
+
+def test_network_partition_ends_both_sides_with_a_message(tmp_path: Path) -> None:
+    """Unlike kill -9 (the kernel resets the connections), a cut link sends nothing: only timeouts notice."""
+    import subprocess
+
+    from model_parallel.runtime.checkpoint import load_checkpoint
+
+    peer_timeout = 5
+    _, plan = mlp_job(tmp_path, 2)
+    checkpoints = tmp_path / "ck"
+    with netns.hosts(2) as net:
+        logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+        processes = [net.spawn(rank, [PYTHON, str(REPO / "test_parallel_0.py"), "--rank", rank, "--world_size", 2,
+                                      "--dist_addr", net[0].address, "--dist_port", 29500, "--model", "mlp", "--plan", plan,
+                                      "--steps", 100_000, "--checkpoint_dir", checkpoints, "--checkpoint_every", 3,
+                                      "--timeout", peer_timeout], log=logs[rank]) for rank in range(2)]
+        wait_for_text(logs[0], "checkpoint step 2 committed", 120, processes[0])
+        cut = net.run(1, ["ip", "link", "set", "eth0", "down"])  # rank 1's host drops off the network
+        assert cut.returncode == 0, cut.stderr
+        try:
+            processes[0].wait(timeout=peer_timeout * 4 + 20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still running {peer_timeout * 4 + 20} s after the cut:\n{logs[0].read_text()[-2000:]}")
+        rank0 = logs[0].read_text(errors="replace")
+        assert processes[0].returncode != 0
+        assert any("rank 1" in line for line in rank0.splitlines() if "error" in line.lower()), rank0[-2000:]
+        load_checkpoint(checkpoints)  # the last committed checkpoint is intact
+        try:
+            processes[1].wait(timeout=peer_timeout * 2)
+        except subprocess.TimeoutExpired:
+            # Known runtime bug (runtime/health.py): the cut-off rank blocks forever in Health.diagnose ->
+            # TCPStore.check() on the unreachable store host (no timeout on that call), so it never exits.
+            pytest.xfail("the cut-off rank hangs in runtime/health.py diagnose (TCPStore.check without a timeout)")
+        rank1 = logs[1].read_text(errors="replace")
+    assert processes[1].returncode != 0
+    assert any("rank 0" in line for line in rank1.splitlines() if "error" in line.lower()), rank1[-2000:]

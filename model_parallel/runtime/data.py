@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Protocol, Union
 
 import torch
 
@@ -112,7 +112,3 @@ def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...
     if spec == "synthetic":
         return SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
     return ImageFolderData(spec, batch_size, image_size, seed)
-
-
-def num_classes_of(dataset: Any, default: Optional[int] = None) -> Optional[int]:
-    return getattr(dataset, "num_classes", default)
