@@ -10,9 +10,10 @@ setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "setuptools>=64" wheel
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@command -v ip >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && { apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }; }; } || echo "warning: iproute2 could not be installed; multi-host tests will be skipped"
 	@command -v dot >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  { apt-get install -y -q graphviz >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1; }; }; } || \
 	  echo "warning: graphviz 'dot' could not be installed; renderings will be skipped with a message"

@@ -33,3 +33,18 @@ def atomic_write_text(path: PathLike, text: str) -> Path:
 
 def atomic_write_json(path: PathLike, data: Any) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def read_json_file(path: PathLike, error: type[Exception], what: str = "file") -> Any:
+    """Parse a JSON file; any failure becomes `error` naming the file (and line), never a raw exception."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except RecursionError:
+        # json recurses per nesting level; a hostile file can nest deeper than the interpreter stack.
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        line = getattr(exc, "lineno", None)
+        raise error(f"{path}{':' + str(line) if line else ''}: not valid JSON ({exc})") from None

@@ -2,7 +2,6 @@
 commands / control scripts. A reader returns the original data or raises its typed error, never garbage."""
 from __future__ import annotations
 
-import collections
 import json
 import os
 from pathlib import Path
@@ -92,14 +91,6 @@ def _apply(root: Path, template: dict[str, bytes], change: tuple[str, str, Any])
         path.write_text(json.dumps(arg))
 
 
-# Known bugs in model_parallel/runtime/checkpoint.py (runtime helper's file), pinned by xfail tests below:
-# a `latest` pointer that is not UTF-8 raises UnicodeDecodeError (latest_step reads it without a guard);
-# a manifest that is valid JSON but lacks keys or has wrong types raises KeyError/TypeError.
-KNOWN_BUGS: dict[str, tuple[type[BaseException], ...]] = {
-    "latest": (UnicodeDecodeError,), "manifest.json": (KeyError, TypeError, ValueError, AttributeError)}
-KNOWN_BUGS = collections.defaultdict(tuple, KNOWN_BUGS)
-
-
 def _read_everything(root: Path) -> Any:
     checkpoint = load_checkpoint(root)
     return checkpoint.step, checkpoint.params(), checkpoint.buffers(), checkpoint.optimizer_state(), checkpoint.shard_extra(0)
@@ -118,8 +109,6 @@ def test_corrupted_checkpoint_reads_back_exactly_or_raises(template: None, tmp_p
     except CheckpointError as error:
         assert str(error)
         return
-    except KNOWN_BUGS[change[0].rsplit("/", 1)[-1]]:
-        return  # pinned by the xfail tests below; remove from KNOWN_BUGS once they pass
     # Whatever loads must be the checkpoint as written (step 3, or step 1 if step 3 was not committed).
     assert step in (1, 3)
     assert sorted(params) == sorted(PARAMS[0] | PARAMS[1])
@@ -129,11 +118,6 @@ def test_corrupted_checkpoint_reads_back_exactly_or_raises(template: None, tmp_p
     assert torch.equal(optimizer["fc0.weight"]["momentum_buffer"], torch.zeros(2, 3))
 
 
-def BUG(where: str) -> pytest.MarkDecorator:  # noqa: N802 - reads as a marker
-    return pytest.mark.xfail(strict=False, reason=f"known bug in {where}: a non-typed exception escapes (see the test)")
-
-
-@BUG("runtime/checkpoint.py")
 @pytest.mark.parametrize("manifest", [
     {"format": "model_parallel.checkpoint", "version": 1, "step": 3, "model_fingerprint": "x", "shards": 5},
     {"format": "model_parallel.checkpoint", "version": 1, "step": 3, "shards": []},
@@ -146,7 +130,6 @@ def test_malformed_manifest_is_a_checkpoint_error(template: dict[str, bytes], tm
         _read_everything(tmp_path)
 
 
-@BUG("runtime/checkpoint.py")
 def test_latest_pointer_that_is_not_text_is_a_checkpoint_error(template: dict[str, bytes], tmp_path: Path) -> None:
     _apply(tmp_path, template, ("latest", "garbage", b"\x80\xff"))
     with pytest.raises(CheckpointError, match="latest"):
@@ -167,29 +150,22 @@ def test_command_from_dict_builds_or_raises_protocol_error(data: Any) -> None:
     except ModelParallelError as error:
         assert isinstance(error, ProtocolError), f"{type(error).__name__}: {error}"
         return
-    except OverflowError:
-        return  # known bug, pinned by test_command_with_infinite_numbers_is_a_protocol_error
-    if command.plan is not None and not isinstance(command.plan, dict):
-        return  # known bug, pinned by test_command_with_a_plan_that_is_not_an_object_is_a_protocol_error
+    assert command.plan is None or isinstance(command.plan, dict)
     assert Command.from_dict(command.to_dict()) == command
 
 
-@BUG("runtime/control.py")
 @pytest.mark.parametrize("data", [{"kind": "stop", "rank": float("inf")}, {"kind": "stop", "factor": 10**400},
                                   {"kind": "slowdown", "rank": 1, "factor": float("inf")}],
                          ids=["rank-inf", "factor-huge-int", "slowdown-forever"])
 def test_command_with_infinite_numbers_is_a_protocol_error(data: dict) -> None:
-    # int(inf) / float(10**400) raise OverflowError, which Command.from_dict does not catch; a slowdown
-    # factor of inf is accepted and would stall the slowed rank forever.
+    # int(inf) / float(10**400) raise OverflowError; a slowdown factor of inf would stall the slowed rank forever.
     with pytest.raises(ProtocolError):
         Command.from_dict(data)
 
 
-@BUG("runtime/control.py")
 @pytest.mark.parametrize("plan", [False, [], "v2"])
 def test_command_with_a_plan_that_is_not_an_object_is_a_protocol_error(plan: Any) -> None:
-    # Only "switch" checks its plan; {"kind": "continue", "plan": false} is accepted and then
-    # Command.to_dict() raises TypeError (or [] comes back as {}).
+    # {"kind": "continue", "plan": false} must not be accepted: Command.to_dict() would raise TypeError.
     with pytest.raises(ProtocolError):
         Command.from_dict({"kind": "continue", "plan": plan})
 

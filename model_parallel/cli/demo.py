@@ -5,7 +5,7 @@ profile -> partition -> generate -> coordinator + workers -> train, slow one wor
 """
 from __future__ import annotations
 
-import json
+import re
 import secrets
 import subprocess
 import sys
@@ -55,6 +55,23 @@ def run_step(description: str, command: list[str], log: Path) -> None:
     tqdm.write(f"  {description}: done in {time.monotonic() - started:.1f} s  ({' '.join(_short(c) for c in command[1:])})")
 
 
+class _Echo:
+    """Shows worker progress as one bar and surfaces plan switches and errors; the rest goes to the logs."""
+
+    _STEP = re.compile(r"\] step (\d+) loss")
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    def __call__(self, rank: int, line: str) -> None:
+        match = self._STEP.search(line) if rank == 0 else None
+        if match:
+            self.bar.n = int(match.group(1)) + 1
+            self.bar.refresh()
+        elif any(word in line for word in ("switch", "ERROR", "error:", "migrat")) and "%|" not in line:
+            self.bar.write(f"  [rank {rank}] {line}")
+
+
 def _short(arg: str) -> str:
     try:
         return str(Path(arg).relative_to(REPO_ROOT)) if arg.startswith("/") else arg
@@ -76,7 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     phases = tqdm(total=5, desc="workflow", unit="step", file=sys.stdout)
     # 1. profile
     run_step("profile", [py, str(PROFILER), "-a", args.arch, "-b", str(args.batch_size), "--image-size", str(args.image_size),
-                         "--profile_directory", str(run_dir / "profiles"), "--iterations", "2"], logs / "profile.log")
+                         "--profile_directory", str(run_dir / "profiles"), "--iterations", "3",
+                         "--threads", "1"], logs / "profile.log")
     phases.update()
     graph_txt = run_dir / "profiles" / args.arch / "graph.txt"
     # 2. partition
@@ -111,9 +129,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.monotonic()
     with LocalWorld([coordinator_cmd]) as coordinator:
         coordinator.wait_for_line(0, r"listening", timeout=60)
-        echo = lambda rank, line: (tqdm.write(f"  [rank {rank}] {line}") if rank == 0 or "rebalanc" in line.lower() or "error" in line.lower() else None)  # noqa: E731
-        with LocalWorld(commands, echo=echo) as world:
+        training = tqdm(total=args.steps, desc="training", unit="step", file=sys.stdout, leave=False)
+        with LocalWorld(commands, echo=_Echo(training)) as world:
             result = world.wait(args.timeout)
+        training.close()
+        for line in coordinator.lines(0):
+            if "plan v" in line:
+                print(f"  [coordinator] {line.split(': ', 1)[-1]}")
         (logs / "coordinator.log").write_text("\n".join(coordinator.lines(0)) + "\n")
     for worker in result.workers:
         (logs / f"worker{worker.rank}.log").write_text(worker.output + "\n")

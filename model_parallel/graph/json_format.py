@@ -8,13 +8,12 @@
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Union
 
 from model_parallel.errors import GraphError, GraphFormatError
-from model_parallel.fileio import atomic_write_json
+from model_parallel.fileio import atomic_write_json, read_json_file
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
 
 SCHEMA = "model_parallel.graph"
@@ -110,18 +109,7 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
 
 
 def read_graph_json(path: Union[str, "os.PathLike[str]"]) -> Graph:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise GraphFormatError(f"{path}: cannot read graph file: {error.strerror or error}") from None
-    except RecursionError:
-        # json recurses per nesting level; a hostile file can nest deeper than the interpreter stack.
-        raise GraphFormatError(f"{path}: not valid JSON (nested too deeply)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        line = getattr(error, "lineno", None)
-        raise GraphFormatError(f"{path}{':' + str(line) if line else ''}: not valid JSON ({error})") from None
-    return graph_from_dict(data, str(path))
+    return graph_from_dict(read_json_file(path, GraphFormatError, "graph file"), str(path))
 
 
 def write_graph_json(graph: Graph, path: Union[str, "os.PathLike[str]"]) -> Path:

@@ -6,7 +6,6 @@ the coordinator versions while training (plan v, v+1, ...). It prints as a table
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from model_parallel.errors import PlanError
-from model_parallel.fileio import atomic_write_json
+from model_parallel.fileio import atomic_write_json, read_json_file
 
 PLAN_SCHEMA = "model_parallel.plan"
 PLAN_VERSION = 1
@@ -243,17 +242,7 @@ class Plan:
 
 
 def read_plan(path: Union[str, "os.PathLike[str]"]) -> Plan:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise PlanError(f"{path}: cannot read plan: {error.strerror or error}") from None
-    except RecursionError:
-        # json recurses per nesting level; a hostile file can nest deeper than the interpreter stack.
-        raise PlanError(f"{path}: not valid JSON (nested too deeply)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlanError(f"{path}:{getattr(error, 'lineno', '?')}: not valid JSON ({error})") from None
-    return Plan.from_dict(data, str(path))
+    return Plan.from_dict(read_json_file(path, PlanError, "plan"), str(path))
 
 
 def write_plan(plan: Plan, path: Union[str, "os.PathLike[str]"]) -> Path:

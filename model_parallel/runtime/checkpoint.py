@@ -295,7 +295,11 @@ def latest_step(directory: PathLike) -> Optional[int]:
     """The step `latest` points at; without a pointer, the newest committed step; None if none."""
     pointer = Path(directory) / LATEST
     if pointer.is_file():
-        text = pointer.read_text(encoding="utf-8").strip()
+        try:
+            text = pointer.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{pointer}: the '{LATEST}' pointer is not text (expected 'step_<N>'); "
+                                  "delete it to fall back to the newest complete step") from None
         match = _STEP_DIR.match(text)
         if not match:
             raise CheckpointError(f"{pointer}: expected 'step_<N>', found {text[:40]!r}; delete it to fall back to the newest complete step")
@@ -427,6 +431,7 @@ def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fi
         raise CheckpointError(f"{manifest_path}: not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{manifest_path}: format version {manifest.get('version')}, this code reads version {VERSION}")
+    _check_manifest(manifest, manifest_path)
     fingerprint = manifest["model_fingerprint"]
     if expected_fingerprint is not None and fingerprint != expected_fingerprint:
         raise CheckpointError(
@@ -441,6 +446,36 @@ def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fi
         extra=manifest.get("extra", {}),
         _shards=manifest["shards"],
     )
+
+
+def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Raise CheckpointError unless `manifest` has every key the reader uses, with the right types
+    (a hand-edited or foreign manifest must not surface as KeyError/TypeError deep in Checkpoint)."""
+    fix = "delete this step directory (and fix or delete 'latest') and resume from an earlier step"
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: malformed manifest: {what}; {fix}")
+
+    for key, kind in (("step", int), ("model_fingerprint", str), ("shards", list)):
+        value = manifest.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise bad(f"{key!r} must be a {kind.__name__}, found {str(value)[:40]!r}")
+    for key in ("world", "extra"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise bad(f"{key!r} must be an object, found {str(manifest.get(key))[:40]!r}")
+    for number, shard in enumerate(manifest["shards"]):
+        where = f"shards[{number}]"
+        if not isinstance(shard, dict):
+            raise bad(f"{where} must be an object, found {str(shard)[:40]!r}")
+        for key, kind in (("rank", int), ("file", str), ("sha256", str), ("params", dict), ("buffers", list)):
+            value = shard.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise bad(f"{where}.{key} must be a {kind.__name__}, found {str(value)[:40]!r}")
+        if not all(isinstance(name, str) for name in shard["buffers"]):
+            raise bad(f"{where}.buffers must list names (strings)")
+        # The shard file must stay inside the step directory: a manifest is data, not a path to follow.
+        if Path(shard["file"]).name != shard["file"]:
+            raise bad(f"{where}.file must be a file name in the step directory, found {shard['file'][:40]!r}")
 
 
 def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

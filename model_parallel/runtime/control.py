@@ -23,6 +23,7 @@ Contract (stable; the coordinator client in `model_parallel.coordinator` impleme
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, runtime_checkable
@@ -30,6 +31,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 from model_parallel.errors import ProtocolError
 
 COMMAND_KINDS = ("continue", "switch", "stop", "slowdown")
+MAX_SLOWDOWN = 100.0  # a larger factor would stall the slowed rank (and so the whole pipeline) for good
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,17 @@ class Command:
             raise ProtocolError(f"unknown command kind {self.kind!r}; expected one of {COMMAND_KINDS}")
         if self.kind == "switch" and not isinstance(self.plan, Mapping):
             raise ProtocolError("a 'switch' command needs the new plan (Plan.to_dict()) in `plan`")
+        if self.plan is not None and not isinstance(self.plan, Mapping):
+            raise ProtocolError(f"a command's `plan` must be an object (Plan.to_dict()) or null, got {str(self.plan)[:60]!r}")
+        if not isinstance(self.extra, Mapping):
+            raise ProtocolError(f"a command's `extra` must be an object, got {str(self.extra)[:60]!r}")
+        if not math.isfinite(float(self.factor)):
+            raise ProtocolError(f"a command's `factor` must be a finite number, got {self.factor!r}")
         if self.kind == "slowdown":
             if self.rank is None or int(self.rank) < 0:
                 raise ProtocolError(f"a 'slowdown' command needs a rank >= 0, got {self.rank!r}")
-            if not float(self.factor) >= 1.0:
-                raise ProtocolError(f"slowdown factor must be >= 1.0 (1.0 = off), got {self.factor!r}")
+            if not 1.0 <= float(self.factor) <= MAX_SLOWDOWN:
+                raise ProtocolError(f"slowdown factor must be >= 1.0 and <= {MAX_SLOWDOWN:g} (1.0 = off), got {self.factor!r}")
 
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
@@ -91,16 +99,19 @@ class Command:
     def from_dict(cls, data: Any) -> "Command":
         if not isinstance(data, Mapping) or "kind" not in data:
             raise ProtocolError(f"a command must be a JSON object with a 'kind', got {str(data)[:80]!r}")
+        plan, extra = data.get("plan"), data.get("extra") or {}
+        if not (plan is None or isinstance(plan, Mapping)) or not isinstance(extra, Mapping):
+            raise ProtocolError(f"malformed command {str(data)[:80]!r}: `plan` and `extra` must be JSON objects")
         try:
             return cls(
                 kind=str(data["kind"]),
-                plan=data.get("plan"),
+                plan=dict(plan) if plan is not None else None,
                 rank=None if data.get("rank") is None else int(data["rank"]),
                 factor=float(data.get("factor", 1.0)),
                 reason=str(data.get("reason", "")),
-                extra=dict(data.get("extra") or {}),
+                extra=dict(extra),
             )
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, OverflowError) as error:
             raise ProtocolError(f"malformed command {str(data)[:80]!r}: {error}") from None
 
     @classmethod
