@@ -1,7 +1,7 @@
 """Runtime benchmark: our pipeline runtime vs torch.distributed.pipelining, same model, split, schedule, machine.
 
     python bench/runtime.py            # full run (a few minutes on 2 cores)
-    python bench/runtime.py --quick    # about two minutes
+    python bench/runtime.py --quick    # about two minutes (2 rounds of 8 timed steps)
     python bench/runtime.py --models mlp --schedules 1f1b --steps 10
 
 For each model (a 2-stage StackedMLP 256 -> 8 x 1024 -> 10, and the worker zoo's resnet18 at 32x32) the
@@ -10,17 +10,19 @@ compute (`runtime.stages.even_plan`) and writes the graph and plan; both runtime
 stage modules from that same graph and plan (`codegen.build_stages`), so only the runtime differs.
 Every worker is its own process with one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1),
 gloo on localhost; every world runs under a deadline and is always reaped (`runtime.launch`). The
-sides alternate model by model (torch world, our world, next model), each world running every schedule.
+sides alternate model by model (torch world, our world, next model), each world running every schedule,
+for `--rounds` rounds (the order of the two sides flips every round, so a drift in machine load hits
+both alike); each number is the median over the rounds.
 
 - torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`.
 - ours: the worker API, `runtime.engine.PipelineEngine` (what test_parallel_0.py runs) with the
   same graph, plan, schedule, batch size, microbatches and data; its own per-step metrics
   (compute / comm / idle split, `runtime.metrics`) are stored in the row as well.
 - both: SGD with momentum 0.9; steps/s = timed steps / wall time between two barriers, after
-  warm-up steps (slowest rank).
+  warm-up steps (slowest rank), median over the rounds (every round's value is in the row too).
 - efficiency = ideal / measured step time, ideal = (m + p - 1) * max stage time, where a stage's
   time is its per-microbatch forward + backward measured in isolation (no communication, best of
-  several repetitions) by its own rank at the start of each world.
+  several repetitions) by its own rank at the start of each world (best over that side's rounds).
 
 Writes `bench/results/runtime.json` (atomically): rows {model, schedule, ours_steps_per_s,
 torch_steps_per_s, ratio, efficiency, torch_efficiency, ...} plus the settings. The goal is ratio >= 1.1.
@@ -277,6 +279,21 @@ def run_world(side: str, model_name: str, spec_path: Path, workdir: Path, timeou
     return out
 
 
+def combine_rounds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One side's worlds of one model over the rounds -> the `run_world` shape with medians.
+
+    step_s: the median round (its engine split is kept with it); step_s_rounds: every round's value;
+    stage_ms: the best per stage over the rounds (like `isolated_stage_ms`, load only adds time).
+    """
+    out: dict[str, Any] = {"stage_ms": [min(values) for values in zip(*(r["stage_ms"] for r in runs))], "schedules": {}}
+    for schedule_name in runs[0]["schedules"]:
+        rows = [r["schedules"][schedule_name] for r in runs]
+        times = [row["step_s"] for row in rows]
+        middle = sorted(rows, key=lambda row: row["step_s"])[(len(rows) - 1) // 2]
+        out["schedules"][schedule_name] = dict(middle, step_s=statistics.median(times), step_s_rounds=times)
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -289,6 +306,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 2)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="worlds per side and model, sides alternating; medians are reported (default 3, quick 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds for each world of workers")
     parser.add_argument("--only", choices=("both", "torch", "ours"), default="both", help="run one side only (debugging)")
     parser.add_argument("--out", default=str(RESULTS))
@@ -319,6 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "batch_size": args.batch_size,
         "microbatches": args.microbatches,
         "steps": args.steps or (8 if args.quick else 30),
+        "rounds": args.rounds or (2 if args.quick else 3),
         "warmup": args.warmup if args.warmup is not None else (2 if args.quick else 5),
         "lr": 0.01,
         "seed": 0,
@@ -337,12 +357,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         sides = ["torch", "ours"] if args.only == "both" else [args.only]
-        measured: dict[tuple[str, str], dict[str, Any]] = {}
-        # Alternate the sides model by model, so a change in machine load hits both alike.
-        for model_name in models:
-            for side in sides:
-                logger.info("%s: %s, schedules %s ...", model_name, "torch.distributed.pipelining" if side == "torch" else "ours", schedules)
-                measured[(side, model_name)] = run_world(side, model_name, spec_path, workdir, args.timeout, args.echo)
+        worlds: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        # Alternate the sides model by model and flip their order every round, so a change in
+        # machine load hits both alike.
+        for round_index in range(spec["rounds"]):
+            for model_name in models:
+                for side in (sides if round_index % 2 == 0 else sides[::-1]):
+                    logger.info("%s: %s, schedules %s (round %d/%d) ...", model_name,
+                                "torch.distributed.pipelining" if side == "torch" else "ours", schedules,
+                                round_index + 1, spec["rounds"])
+                    worlds.setdefault((side, model_name), []).append(
+                        run_world(side, model_name, spec_path, workdir, args.timeout, args.echo))
+        measured = {key: combine_rounds(runs) for key, runs in worlds.items()}
     rows = []
     m, p = spec["microbatches"], NUM_STAGES
 
@@ -365,6 +391,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "torch_efficiency": ideal_s(torch_world) / theirs if theirs else None,
                 "ours_step_ms": ours * 1000.0 if ours else None,
                 "torch_step_ms": theirs * 1000.0 if theirs else None,
+                "ours_step_ms_rounds": [t * 1000.0 for t in ours_result.get("step_s_rounds", [])],
+                "torch_step_ms_rounds": [t * 1000.0 for t in torch_world.get("schedules", {}).get(schedule, {})
+                                         .get("step_s_rounds", [])],
                 "ours_stage_ms": ours_world.get("stage_ms"),
                 "torch_stage_ms": torch_world.get("stage_ms"),
                 "predicted_stage_ms": entry["predicted_stage_ms"],
@@ -373,7 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             })
     report = {
         "benchmark": "runtime",
-        "settings": {k: spec[k] for k in ("batch_size", "microbatches", "steps", "warmup", "lr", "seed")}
+        "settings": {k: spec[k] for k in ("batch_size", "microbatches", "steps", "warmup", "rounds", "lr", "seed")}
         | {"num_stages": NUM_STAGES, "threads_per_rank": 1, "backend": "gloo", "quick": args.quick},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "seconds": time.perf_counter() - started,

@@ -61,6 +61,8 @@ def test_kill9_worker_mid_step_stops_the_other_and_resumes_exactly(tmp_path: Pat
     assert survivor.returncode not in (0, None), result.summary()
     error_lines = [line for line in survivor.output.splitlines() if "error" in line.lower()]
     assert any("rank 1" in line for line in error_lines), f"rank 0's error must name rank 1:\n{result.summary()}"
+    assert any("rank 1 stopped responding (last heartbeat" in line for line in error_lines), result.summary()
+    assert "rank -1" not in survivor.output, f"a collective is not a rank:\n{result.summary()}"
     assert "Traceback" not in survivor.output, survivor.output[-3000:]
     resume_and_compare(plan, checkpoints)
 
@@ -77,6 +79,7 @@ def test_worker_that_never_joins_times_out_with_a_message(tmp_path: Path) -> Non
     output = result.output(0)
     assert result.workers[0].returncode not in (0, None)
     assert f"not every one of the 2 ranks joined within {join_timeout} s" in output and "Traceback" not in output, output
+    assert "rank(s) [1] never joined" in output, output
 
 
 # ---- the coordinator or the control connection goes away -------------------------------------------------

@@ -117,6 +117,31 @@ def test_health_blames_the_store_host_when_the_store_is_gone():
     assert str(error).startswith("rank 0 stopped responding (it hosts the rendezvous store")
 
 
+def test_health_gives_up_on_a_store_that_never_answers():
+    # A cut link sends no reset: TCPStore.check would block forever. The diagnosis must not.
+    import threading
+
+    release = threading.Event()
+
+    class SilentStore(FakeStore):
+        def check(self, keys):
+            release.wait(30)  # "forever"; released at the end so the abandoned thread ends too
+            return False
+
+    health = Health(SilentStore(), 1, 2, interval=0.05, store_timeout=0.5, store_address="10.200.0.1:29500")
+    started = time.monotonic()
+    try:
+        error = health.diagnose(RuntimeError("barrier with rank -1 timed out after 5 s"))
+        health.stop("failed")  # must not wait on the dead store again
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    assert elapsed < 3.0, f"diagnose took {elapsed:.1f} s with a 0.5 s store timeout"
+    assert str(error).startswith("rank 0 stopped responding (it hosts the rendezvous store at 10.200.0.1:29500, "
+                                 "which is unreachable: store check of 'mp/status/0' got no answer within 0.5 s)")
+    assert str(error).endswith("; barrier timed out after 5 s")  # no "rank -1": a collective is not a rank
+
+
 # ---- launcher --------------------------------------------------------------------------------------
 def test_launcher_collects_output_and_kills_at_the_deadline():
     ok = [sys.executable, "-c", "print('hello')"]

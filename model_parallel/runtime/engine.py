@@ -176,6 +176,8 @@ class PipelineEngine:
         self.metrics = MetricsRecorder(self.rank, path=config.metrics, tracer=self.tracer)
         self.slowdown = 1.0
         self._groups: dict[tuple[int, ...], Any] = {}
+        # Boundary headers (shapes/dtypes) are sent once per (peer, tag) and then only on change.
+        self.header_cache = comm.HeaderCache()
         self._pending_migration_s = 0.0
         self.step_pause_ms = 0.0
         self.switch_pauses_ms: list[float] = []
@@ -203,6 +205,7 @@ class PipelineEngine:
         plan = plan.with_default_ranks()
         check_plan_fits(plan, self.world_size)
         self.plan = plan
+        self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
         self.boundaries = stage_boundaries(self.graph, plan.stage_of)
         for stage in plan.stages:  # every rank creates every group, in the same order
             if stage.num_replicas > 1:
@@ -317,9 +320,11 @@ class PipelineEngine:
                 return None
             j = queue[position[kind]].microbatch
             if kind == "F" and k > 0:
-                return comm.PendingRecv(self.rank_of(k - 1, j), comm.TAG_ACTIVATION, device=self.device)
+                return comm.PendingRecv(self.rank_of(k - 1, j), comm.TAG_ACTIVATION, device=self.device,
+                                        cache=self.header_cache, stream=j)
             if kind == "B" and not last:
-                return comm.PendingRecv(self.rank_of(k + 1, j), comm.TAG_GRADIENT, device=self.device)
+                return comm.PendingRecv(self.rank_of(k + 1, j), comm.TAG_GRADIENT, device=self.device,
+                                        cache=self.header_cache, stream=j)
             return None
 
         pending = {"F": post("F"), "B": post("B")}
@@ -358,7 +363,8 @@ class PipelineEngine:
                     outputs = self._compute("forward", j, lambda: self._forward(values, weights))
                     with self.metrics.measure("send", microbatch=j):
                         sends.append(comm.send_values(list(outputs) + [target], self.rank_of(k + 1, j),
-                                                      comm.TAG_ACTIVATION, device=self.device))
+                                                      comm.TAG_ACTIVATION, device=self.device,
+                                                      cache=self.header_cache, stream=j))
                     stash[j] = _Stash(values, outputs, weights=weights)
             else:
                 entry = stash.pop(j)
@@ -374,7 +380,8 @@ class PipelineEngine:
                 if k > 0:
                     grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
                     with self.metrics.measure("send", microbatch=j):
-                        sends.append(comm.send_values(grads, self.rank_of(k - 1, j), comm.TAG_GRADIENT, device=self.device))
+                        sends.append(comm.send_values(grads, self.rank_of(k - 1, j), comm.TAG_GRADIENT, device=self.device,
+                                                      cache=self.header_cache, stream=j))
                 self._async_update(step, entry.weights)
         with self.metrics.measure("send"):
             for handle in sends:
@@ -419,18 +426,19 @@ class PipelineEngine:
                     norms = torch._foreach_norm([g.detach().float() for g in grads])
                     sq = float(torch.stack(norms).double().pow(2).sum()) / self.num_replicas
             totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
-            with self.metrics.measure("allreduce"):
-                comm.wait_work(dist.all_reduce(totals, group=self.control_group, async_op=True), cfg.timeout, -1, "loss all-reduce")
+            reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
+            if cfg.clip_grad is not None:  # the update needs the global norm first
+                self._wait_totals(reduce_work)
+                reduce_work = None
         except PeerError as error:
             raise self._diagnose(error) from None
-        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
         lr = 0.0
         if self.optimizer is not None and not self.schedule.flush:
             lr = self.optimizer.param_groups[0]["lr"]  # updated after every microbatch already
         elif self.optimizer is not None:
             with self.metrics.measure("optimizer"):
                 if cfg.clip_grad is not None:
-                    coef = clip_coefficient(norm, cfg.clip_grad)
+                    coef = clip_coefficient(float(totals[1]) ** 0.5, cfg.clip_grad)
                     if coef < 1.0:
                         for p in self.stage.parameters():
                             if p.grad is not None:
@@ -442,9 +450,20 @@ class PipelineEngine:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.updates += 1
+        if reduce_work is not None:
+            # Without clipping the loss all-reduce only feeds the report: it ran during the update.
+            try:
+                self._wait_totals(reduce_work)
+            except PeerError as error:
+                raise self._diagnose(error) from None
+        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
         result = StepResult(step, loss, norm, lr)
         self.history.append(result)
         return result
+
+    def _wait_totals(self, work: Any) -> None:
+        with self.metrics.measure("allreduce"):
+            comm.wait_work(work, self.config.timeout, -1, "loss all-reduce")
 
     def _diagnose(self, error: PeerError) -> PeerError:
         if self.health is None:

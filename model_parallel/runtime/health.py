@@ -10,16 +10,21 @@ When a send/recv/collective fails or times out, `diagnose` finds the culprit:
    not move (and that did not finish normally) stopped responding;
 3. if the store itself is unreachable, the rank hosting it (rank 0 / the torchrun agent) is gone.
 
+Every store call made here is bounded by `store_timeout`: a cut network link sends no reset, and
+TCPStore's `check`/`get` then wait forever, so each call runs in a daemon thread that is abandoned
+at the deadline (the process exits soon after, with the store host named as unreachable).
+
 The result is a `PeerError` such as "rank 2 stopped responding (last heartbeat 3.4 s ago)".
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from model_parallel.errors import PeerError
 
@@ -27,19 +32,28 @@ logger = logging.getLogger(__name__)
 
 _HB = "mp/hb/{}"
 _STATUS = "mp/status/{}"
+_T = TypeVar("_T")
+
+
+class StoreUnreachable(Exception):
+    """A store call did not return within the deadline (internal to this module)."""
 
 
 class Health:
     """One rank's heartbeat writer and failure diagnostician."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, store_host: Optional[int] = 0) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, store_host: Optional[int] = 0,
+                 store_timeout: Optional[float] = None, store_address: str = "") -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval = interval
         self.store_host = store_host
+        self.store_address = store_address  # "host:port", for messages only
+        self.store_timeout = store_timeout if store_timeout is not None else max(5.0, 3 * interval)
+        self._store_dead = False  # a call timed out: later calls fail at once instead of waiting again
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         try:
-            store.set_timeout(timedelta(seconds=max(5.0, 3 * interval)))
+            store.set_timeout(timedelta(seconds=self.store_timeout))
         except Exception:  # noqa: BLE001 - PrefixStore wrappers may not expose it; their default is fine
             pass
 
@@ -51,6 +65,28 @@ class Health:
 
     def _beat(self) -> None:
         self.store.set(_HB.format(self.rank), f"{time.time():.3f}")
+
+    def _bounded(self, call: Callable[[], _T], what: str) -> _T:
+        """Run one store call with the `store_timeout` deadline (see the module docstring)."""
+        if self._store_dead:
+            raise StoreUnreachable(f"{what}: the store did not answer earlier calls")
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = call()
+            except BaseException as error:  # noqa: BLE001 - handed to the caller below
+                box["error"] = error
+
+        thread = threading.Thread(target=target, name=f"store-call-{self.rank}", daemon=True)
+        thread.start()
+        thread.join(self.store_timeout)
+        if thread.is_alive():
+            self._store_dead = True  # the thread stays blocked; it is a daemon, so it cannot hold up the exit
+            raise StoreUnreachable(f"{what} got no answer within {self.store_timeout:.1f} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -66,8 +102,13 @@ class Health:
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread() and not self._store_dead:
+            # No heartbeat may be mid-call when the process exits (a store error thrown in a daemon thread
+            # during interpreter shutdown aborts the process); a live store answers in milliseconds.
+            self._thread.join(min(self.store_timeout, 2 * self.interval + 1.0))
+        status = json.dumps({"state": state, "blame": blame, "cause": message})
         try:
-            self.store.set(_STATUS.format(self.rank), json.dumps({"state": state, "blame": blame, "cause": message}))
+            self._bounded(lambda: self.store.set(_STATUS.format(self.rank), status), "publishing the status")
         except Exception:  # noqa: BLE001 - store gone: nothing to publish to
             pass
 
@@ -87,9 +128,9 @@ class Health:
 
     # ---- diagnosis ---------------------------------------------------------------------------------
     def _read(self, key: str) -> Optional[str]:
-        if not self.store.check([key]):
+        if not self._bounded(lambda: self.store.check([key]), f"store check of {key!r}"):
             return None
-        return self.store.get(key).decode()
+        return self._bounded(lambda: self.store.get(key), f"store get of {key!r}").decode()
 
     def _statuses(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -110,6 +151,7 @@ class Health:
     def diagnose(self, error: BaseException) -> PeerError:
         """Name the rank that caused `error` (see module docstring); returns the PeerError to raise."""
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        detail = re.sub(r" with rank -1\b", "", detail)  # comm's marker for "a collective", not a real rank
         try:
             reused = self._reuse(self._statuses(), detail)
             if reused is not None:
@@ -140,9 +182,11 @@ class Health:
             return self._publish(None, "communication failed but every peer is still alive (slow peer? raise --timeout)", detail)
         except Exception as store_error:  # noqa: BLE001 - any store failure means its host is gone
             reason = str(store_error).splitlines()[0][:120] if str(store_error) else type(store_error).__name__
+            self._store_dead = True  # do not wait on it again when publishing this rank's status
+            where = f" at {self.store_address}" if self.store_address else ""
             if self.store_host is None:
-                return PeerError(f"the rendezvous store (torchrun's agent) is unreachable: {reason}; {detail}")
-            return PeerError(f"rank {self.store_host} stopped responding (it hosts the rendezvous store, which is "
+                return PeerError(f"the rendezvous store{where} (torchrun's agent) is unreachable: {reason}; {detail}")
+            return PeerError(f"rank {self.store_host} stopped responding (it hosts the rendezvous store{where}, which is "
                              f"unreachable: {reason}); {detail}")
 
     def _reuse(self, statuses: dict[int, dict[str, Any]], detail: str) -> Optional[PeerError]:

@@ -83,11 +83,26 @@ def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, 
                 value = table[name]
                 break
         if value is None:
-            value = model
-            for part in node.layer.target.split("."):
-                value = getattr(value, part)
+            value = _by_path(model, node.layer.target, node.node_id)
         out[name] = value  # type: ignore[assignment]
     return out
+
+
+def _by_path(model: nn.Module, target: str, node_id: str) -> Union[nn.Module, torch.Tensor]:
+    """The original model's submodule/parameter/buffer at dotted `target` ("layer1.0.conv1", "0")."""
+    value: object = model
+    for depth, part in enumerate(target.split(".")):
+        children = getattr(value, "_modules", {}), getattr(value, "_parameters", {}), getattr(value, "_buffers", {})
+        found = next((table[part] for table in children if table.get(part) is not None), None)
+        if found is None:
+            found = getattr(value, part, None)  # a plain tensor attribute (get_attr of a constant)
+        if found is None:
+            where = ".".join(target.split(".")[:depth]) or "the model"
+            raise PlanError(f"node {node_id}: layer {target!r} not found: {where} ({type(value).__name__}) has no {part!r} "
+                            f"(nor does the model hold it flat as {layer_name(target)!r}); was the graph profiled from "
+                            f"this model ({type(model).__name__})?")
+        value = found
+    return value  # type: ignore[return-value]
 
 
 def stage_layers(graph: Graph, plan: Plan, stage_id: int) -> tuple[str, ...]:

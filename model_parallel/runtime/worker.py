@@ -66,6 +66,10 @@ def build_parser() -> ArgumentParser:
     m.add_argument("--num_stages", type=int, default=None, help="stages for the even split (default: world size)")
     m.add_argument("--stage_to_num_ranks", default=None, help="replicas per stage for the even split, e.g. 0:2,1:1")
     m.add_argument("--loss", choices=("cross_entropy", "lm"), default=None, help="loss for --graph/--package models")
+    m.add_argument("--input_shape", default=None,
+                   help="per-sample input shape for a PipeDream-generated --package, e.g. 3,224,224 (it records none)")
+    m.add_argument("--num_classes", type=int, default=None,
+                   help="classes of the synthetic data for --graph/--package models (default: the model's output width)")
     t = p.add_argument_group("training")
     t.add_argument("--batch_size", type=int, default=8)
     t.add_argument("--num_microbatches", type=int, default=4)
@@ -130,6 +134,7 @@ def load_job(args: Any, world_size: int) -> dict[str, Any]:
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
     plan = None
+    static = None  # a PipeDreamJob when --package is a PipeDream-generated package (static plan)
     if args.model:
         from model_parallel.profiler.trace import trace_model
         from model_parallel.runtime.zoo import recipe
@@ -144,14 +149,23 @@ def load_job(args: Any, world_size: int) -> dict[str, Any]:
         from model_parallel.codegen.build import full_model_from_graph
         from model_parallel.graph.io import load_graph
 
-        if args.package:
+        from model_parallel.runtime.pipedream import is_pipedream_package, load_pipedream_package
+
+        if args.package and is_pipedream_package(Path(args.package)):
+            # PipeDream's converter wrote it: its stage modules are the layers of a static plan.
+            micro = max(1, args.batch_size // args.num_microbatches)
+            pipedream = load_pipedream_package(Path(args.package), args.seed, parse_shape(args.input_shape), micro)
+            graph, plan, model, static = pipedream.graph, pipedream.plan, pipedream.model, pipedream
+            logger.info("running PipeDream package %s: %d stage(s), static plan", args.package, plan.num_stages)
+        elif args.package:
             package = Path(args.package)
             graph = load_graph(package / "graph.json")
             plan = ranks_from_hybrid_conf(read_plan(package / "plan.json"), package / "hybrid_conf.json")
         else:
             graph = load_graph(args.graph)
-        torch.manual_seed(args.seed)
-        model = full_model_from_graph(graph)
+        if static is None:
+            torch.manual_seed(args.seed)
+            model = full_model_from_graph(graph)
         inputs = graph.metadata.get("inputs") or []
         if not inputs:
             raise PlanError(f"{args.package or args.graph}: graph metadata lacks the model inputs' shapes; re-profile the model")
@@ -161,7 +175,8 @@ def load_job(args: Any, world_size: int) -> dict[str, Any]:
         from model_parallel.models.gpt import lm_loss
 
         criterion = lm_loss if loss == "lm" else F.cross_entropy
-        classes = int(graph.metadata.get("num_classes", 128 if kind == "tokens" else 10))
+        classes = int(args.num_classes or graph.metadata.get("num_classes") or output_width(graph)
+                      or (128 if kind == "tokens" else 10))
     if args.plan:
         plan = read_plan(args.plan)
     if plan is None:
@@ -169,7 +184,31 @@ def load_job(args: Any, world_size: int) -> dict[str, Any]:
         stages = args.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
         plan = even_plan(graph, stages, replicas)
     dataset = make_dataset(args.data, args.batch_size, args.seed, shape=shape, num_classes=classes, kind=kind)
-    return {"graph": graph, "plan": plan.with_default_ranks(), "model": model, "criterion": criterion, "dataset": dataset}
+    return {"graph": graph, "plan": plan.with_default_ranks(), "model": model, "criterion": criterion, "dataset": dataset,
+            "static_plan": static is not None}
+
+
+def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    """`--input_shape 3,224,224` -> (3, 224, 224) (per sample, without the batch dimension)."""
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise PlanError(f"--input_shape: {text!r} is not a comma-separated list of positive sizes, e.g. 3,224,224")
+    return shape
+
+
+def output_width(graph: Any) -> Optional[int]:
+    """Last dimension of the model output (the number of classes / vocabulary size), if the graph records it."""
+    node_id = (graph.metadata.get("outputs") or {}).get("node") if isinstance(graph.metadata.get("outputs"), dict) else None
+    try:
+        outputs = graph[node_id].layer.outputs if node_id is not None else ()
+    except Exception:  # noqa: BLE001 - unknown node or no layer: fall back to the default
+        return None
+    return int(outputs[0].shape[-1]) if outputs and outputs[0].shape else None
 
 
 def ranks_from_hybrid_conf(plan: Any, path: Path) -> Any:
@@ -224,6 +263,25 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+_JOINED = "mp/joined/{}"
+
+
+def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0) -> Optional[list[int]]:
+    """Ranks that never registered in the store (None if the store cannot say within `deadline_s`)."""
+    import threading
+
+    box: dict[str, list[int]] = {}
+
+    def look() -> None:
+        box["missing"] = [r for r in range(world_size) if not store.check([_JOINED.format(r)])]
+
+    # A daemon thread with a deadline: a store call on an unreachable host would otherwise never return.
+    thread = threading.Thread(target=look, name="join-check", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    return box.get("missing")
+
+
 def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device, Optional[int]]:
     """Join the process group (TCPStore on rank 0, or torchrun's env://); returns rank, world, store,
     device and the rank hosting the store (None under torchrun: its agent hosts it)."""
@@ -255,12 +313,21 @@ def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device, Opt
         except (RuntimeError, OSError) as error:
             raise PeerError(f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {config.timeout:.0f} s "
                             f"(is rank 0 running, and is the port free/reachable?): {str(error).splitlines()[0]}") from None
+        store.set(_JOINED.format(rank), "1")  # so a rank whose join fails can name who never came
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
+            missing = missing_ranks(store, world_size)
+            who = f"rank(s) {missing} never joined" if missing else f"{str(error).splitlines()[0]}"
             raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {config.timeout:.0f} s: "
-                            f"{str(error).splitlines()[0]}") from None
+                            f"{who} (are they running and pointed at {addr}:{port}?)") from None
     return rank, world_size, store, device, 0
+
+
+def store_address(args: Any) -> str:
+    """'host:port' of the rendezvous store, for error messages."""
+    addr = args.dist_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return f"{addr}:{args.dist_port or os.environ.get('MASTER_PORT', 29500)}"
 
 
 def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, device: torch.device,
@@ -270,6 +337,11 @@ def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, dev
 
     job = load_job(args, world_size)
     channel = make_channel(args, rank, world_size)
+    if job["static_plan"]:
+        from model_parallel.runtime.pipedream import StaticPlanChannel
+
+        channel = StaticPlanChannel(channel, "a PipeDream-generated package has no graph.json, and switching plans "
+                                             "needs graph.json (regenerate the package with our converter)")
     try:
         engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
                                 optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
@@ -312,7 +384,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     health = None
     try:
         rank, world_size, store, device, store_host = init_world(args, config)
-        health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10), store_host=store_host).start()
+        health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10), store_host=store_host,
+                        store_timeout=config.timeout, store_address=store_address(args)).start()
         for job_argv in ([None] if not args.jobs else json.loads(Path(args.jobs).read_text(encoding="utf-8"))):
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(list(map(str, job_argv)))
