@@ -480,7 +480,7 @@ class Coordinator:
 
     def handle_ctl(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
         """Run one ctl operation; returns its JSON result or raises a ModelParallelError."""
-        from model_parallel.runtime.control import Command
+        from model_parallel.runtime.control import MAX_SLOWDOWN, Command
 
         with self.lock:
             if op == "status":
@@ -510,8 +510,8 @@ class Coordinator:
                 rank, factor = args.get("rank"), args.get("factor")
                 if not isinstance(rank, int) or rank not in self.workers:
                     raise PlanError(f"slow: no worker with rank {rank!r}; running ranks are {sorted(self.workers)}")
-                if not isinstance(factor, (int, float)) or not factor >= 1.0:
-                    raise PlanError(f"slow --factor must be a number >= 1 (1 = back to normal), got {factor!r}")
+                if not isinstance(factor, (int, float)) or not 1.0 <= factor <= MAX_SLOWDOWN:
+                    raise PlanError(f"slow --factor must be a number from 1 (back to normal) to {MAX_SLOWDOWN:g}, got {factor!r}")
                 command = Command.slowdown(rank, float(factor), reason="ctl slow")
                 if not self._send_to(0, command.to_dict()):
                     raise PlanError("slow: rank 0 is not connected, so the slowdown cannot be broadcast")

@@ -15,6 +15,7 @@ the oracle every pipeline run is compared with (the original model, same microba
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -234,6 +235,13 @@ class PipelineTrainer:
         world = dist.get_world_size() if distributed and not self.single_process else 1
         if plan is None:
             plan = even_plan(graph, num_stages or (world if not self.single_process else 2))
+        if world > 1:
+            # Ranks may have profiled and partitioned on their own (timings differ per process):
+            # everyone trains rank 0's plan, or stages would not line up.
+            from model_parallel.runtime.comm import broadcast_json
+
+            text = broadcast_json(json.dumps(plan.to_dict()), 0, None, config.timeout)
+            plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
         if self.single_process:
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, criterion, optimizer_factory, dataset, config)
