@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from _common import finish, init_distributed, share_plan
+from _common import finish, init_distributed
 from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, TrainConfig, partition, profile
 from model_parallel.models import TinyGPT
 from model_parallel.models.gpt import lm_loss
@@ -41,7 +41,7 @@ def main() -> None:
         graph = profile(model, tokens, loss_fn=lambda logits: lm_loss(logits, targets))
         plan = partition(graph, Hierarchy.from_lists([num_stages]), PartitionOptions(straight_pipeline=True))
         print(plan.table(), flush=True)
-    plan = share_plan(plan)
+    # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
     config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches, progress=False)
     trainer = PipelineTrainer(model, lambda params: torch.optim.AdamW(params, lr=1e-3), data, config,

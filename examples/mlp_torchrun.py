@@ -12,7 +12,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from _common import finish, init_distributed, share_plan
+from _common import finish, init_distributed
 from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, TrainConfig, partition, profile
 from model_parallel.models import StackedMLP
 from model_parallel.runtime.data import SyntheticData
@@ -41,7 +41,7 @@ def main() -> None:
         # 2. Partition into one stage per worker (PipeDream's optimizer, no replication).
         plan = partition(graph, Hierarchy.from_lists([num_stages]), PartitionOptions(straight_pipeline=True))
         print(plan.table(), flush=True)
-    plan = share_plan(plan)
+    # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
     # 3. Train: 1F1B with a flush per minibatch, so the result equals single-process training.
     config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches, progress=False)

@@ -12,7 +12,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from _common import finish, init_distributed, share_plan
+from _common import finish, init_distributed
 from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, TrainConfig, import_torchvision, partition, profile
 from model_parallel.runtime.data import SyntheticData
 
@@ -40,7 +40,7 @@ def main() -> None:
         graph = profile(model, images, loss_fn=lambda logits: F.cross_entropy(logits, labels))
         plan = partition(graph, Hierarchy.from_lists([num_stages]), PartitionOptions(straight_pipeline=True))
         print(plan.table(), flush=True)
-    plan = share_plan(plan)
+    # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
     config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches, progress=False)
     trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), data, config,
