@@ -52,7 +52,7 @@ def run_step(description: str, command: list[str], log: Path) -> None:
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise ModelParallelError(f"{description} failed (exit {proc.returncode}); see {log}:\n{tail}")
-    tqdm.write(f"  {description}: done in {time.monotonic() - started:.1f} s  ({' '.join(_short(c) for c in command[1:])})")
+    print(f"  {description}: done in {time.monotonic() - started:.1f} s  ({' '.join(_short(c) for c in command[1:])})", flush=True)
 
 
 class _Echo:
@@ -90,24 +90,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n = args.workers
     print(f"model_parallel demo: {args.arch} at {args.image_size}x{args.image_size}, {n} workers -> {run_dir}")
 
-    phases = tqdm(total=5, desc="workflow", unit="step", file=sys.stdout)
     # 1. profile
-    run_step("profile", [py, str(PROFILER), "-a", args.arch, "-b", str(args.batch_size), "--image-size", str(args.image_size),
+    # Profile at the microbatch size the pipeline will run: layers whose cost is dominated by their
+    # weights (resnet's last blocks at small images) cost per microbatch, not per sample.
+    run_step("profile", [py, str(PROFILER), "-a", args.arch, "-b", str(max(args.batch_size // args.microbatches, 1)),
+                         "--image-size", str(args.image_size),
                          "--profile_directory", str(run_dir / "profiles"), "--iterations", "3",
                          "--threads", "1"], logs / "profile.log")
-    phases.update()
     graph_txt = run_dir / "profiles" / args.arch / "graph.txt"
     # 2. partition
     partition_dir = run_dir / "partition"
     run_step("partition", [py, str(OPTIMIZER), "-f", str(graph_txt), "-n", str(n), "--straight_pipeline",
                            "--activation_compression_ratio", "1", "-o", str(partition_dir)], logs / "partition.log")
-    phases.update()
     # 3. generate
     package = run_dir / "package"
     class_name = "".join(part.capitalize() for part in args.arch.split("_")) + "Partitioned"
     run_step("generate", [py, str(CONVERTER), "-f", str(partition_dir / f"gpus={n}.txt"), "-n", class_name, "-a", args.arch,
                           "-o", str(package), "--plan", str(partition_dir / "plan.json")], logs / "generate.log")
-    phases.update()
     # 4. coordinator + workers
     token = secrets.token_hex(16)
     coordinator_port = free_port()
@@ -141,13 +140,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (logs / f"worker{worker.rank}.log").write_text(worker.output + "\n")
     if not result.ok:
         raise PeerError(f"training failed:\n{result.summary()}")
-    phases.update()
     # 5. report
     from model_parallel.cli.report import write_report
 
     report = write_report(run_dir, args, training_seconds=time.monotonic() - started)
-    phases.update()
-    phases.close()
     print(report)
     atomic_write_json(run_dir / "demo_args.json", vars(args))
     return 0

@@ -66,10 +66,12 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         if 2 <= row["step"] < args.slow_at and row["plan_version"] == rows[0]["plan_version"]:
             for stage, times in row["stages"].items():
                 measured.setdefault(int(stage), []).append(times["compute_ms"])
+    # The profile is per microbatch; a step runs `microbatches` of them through every stage.
+    predicted_ms = [s.compute_s * 1e3 * args.microbatches for s in plan.stages]
     stage_lines = [f"{'stage':>5} {'predicted ms':>13} {'measured ms':>12}"]
-    for stage in plan.stages:
+    for stage, predicted in zip(plan.stages, predicted_ms):
         got = statistics.median(measured[stage.stage_id]) if measured.get(stage.stage_id) else float("nan")
-        stage_lines.append(f"{stage.stage_id:>5} {stage.compute_s * 1e3:>13.2f} {got:>12.2f}")
+        stage_lines.append(f"{stage.stage_id:>5} {predicted:>13.2f} {got:>12.2f}")
 
     trace_path = None
     trace_files = sorted((run_dir / "trace").glob("*.json")) if (run_dir / "trace").exists() else []
@@ -85,7 +87,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "throughput_before": phases["before"], "throughput_slowed": phases["slowed"],
         "throughput_after": phases["after"], "switch_step": phases["switch_step"],
         "steps_to_detect": phases["steps_to_detect"],
-        "predicted_stage_ms": [s.compute_s * 1e3 for s in plan.stages],
+        "predicted_stage_ms": predicted_ms,
         "measured_stage_ms": [statistics.median(measured[s]) if measured.get(s) else None for s in range(plan.num_stages)],
     }
     atomic_write_json(run_dir / "report.json", report)
@@ -94,7 +96,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "== plan (initial) ==",
         plan.table(),
         "",
-        "== per-stage compute per minibatch: predicted (profile) vs measured (before the slowdown) ==",
+        "== per-stage compute per step: predicted (profile x microbatches) vs measured (before the slowdown) ==",
         *stage_lines,
         "",
         "== throughput (samples/s, median) ==",

@@ -1,0 +1,55 @@
+"""The main job end to end (small), and the report's pure pieces."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_parallel.cli import demo
+from model_parallel.cli.report import throughput_phases
+
+
+def rows(*spec):
+    return [{"step": step, "plan_version": version, "samples_per_s": value} for step, version, value in spec]
+
+
+def test_throughput_phases_split_at_the_slowdown_and_the_first_switch():
+    data = rows((0, 0, 1), (1, 0, 1), (2, 0, 100), (3, 0, 100), (4, 0, 50), (5, 0, 50), (6, 0, 50), (7, 1, 10),
+                (8, 1, 10), (9, 1, 90), (10, 1, 90))
+    phases = throughput_phases(data, slow_at=4, settle=2)
+    assert phases == {"before": 100, "slowed": 50, "after": 90, "switch_step": 7, "steps_to_detect": 3}
+
+
+def test_throughput_phases_without_a_switch():
+    phases = throughput_phases(rows((0, 0, 5), (1, 0, 5), (2, 0, 5)), slow_at=1, settle=0)
+    assert phases["after"] is None and phases["switch_step"] is None and phases["slowed"] == 5
+
+
+def test_demo_runs_the_whole_workflow(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = demo.main(["--out", str(out), "--steps", "16", "--slow-at", "4", "--workers", "2", "--batch-size", "16"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "== plan (initial) ==" in text and "== throughput" in text
+    for artifact in ("profiles/resnet18/graph.txt", "profiles/resnet18/graph.json", "partition/gpus=2.txt",
+                     "partition/plan.json", "package/stage0.py", "package/stage1.py", "package/hybrid_conf.json",
+                     "metrics/rank0.jsonl", "metrics/rank1.jsonl", "throughput.png", "report.json",
+                     "pipeline_trace.json", "logs/coordinator.log"):
+        assert (out / artifact).is_file(), artifact
+    report = json.loads((out / "report.json").read_text())
+    assert report["workers"] == 2 and report["throughput_before"] > 0
+    assert len(report["predicted_stage_ms"]) == 2
+    trace = json.loads((out / "pipeline_trace.json").read_text())
+    assert any(e.get("name", "").startswith("forward") for e in trace["traceEvents"])
+    assert list((out / "checkpoint").glob("step_*"))
+
+
+def test_demo_failure_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["demo"])
+    with pytest.raises(SystemExit) as exit_info:
+        from model_parallel.cli.common import run_cli
+
+        run_cli(demo.main, ["--out", str(tmp_path / "x"), "--arch", "no_such_model"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "profile failed" in err and "no_such_model" in err
