@@ -1,7 +1,6 @@
 """The main job end to end (small), and the report's pure pieces."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 
@@ -22,17 +22,12 @@ PARTITIONED = REFERENCE_PROFILES / "vgg16_partitioned_3stages.graph.txt"
 pytestmark = pytest.mark.skipif(not PARTITIONED.exists(), reason=f"reference profiles not found at {REFERENCE_PROFILES}")
 
 
-def _tool(module: str) -> Optional[Callable]:
-    try:
-        return importlib.import_module(module).main
-    except ImportError:
-        return None
-
-
 CONVERT = "model_parallel.optimizer.convert_graph_to_model"
 OPTIMIZE = "model_parallel.optimizer.optimizer_graph_hierarchical"
-needs_convert = pytest.mark.skipif(_tool(CONVERT) is None, reason="codegen CLI not written yet")
-needs_optimizer = pytest.mark.skipif(_tool(OPTIMIZE) is None, reason="optimizer CLI not written yet")
+
+
+def _tool(module: str) -> Callable:
+    return importlib.import_module(module).main
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -67,7 +62,6 @@ MUTATIONS = {
 }
 
 
-@needs_convert
 @pytest.mark.parametrize("mutate", list(MUTATIONS.values()), ids=list(MUTATIONS))
 def test_codegen_cli_malformed_graph(tmp_path: Path, capsys: pytest.CaptureFixture, mutate: Callable[[str], str]) -> None:
     work = tmp_path
@@ -82,7 +76,6 @@ def test_codegen_cli_malformed_graph(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not (out / "pkg").exists()
 
 
-@needs_convert
 @pytest.mark.parametrize("ranks, message", [
     ("0:x", "not '<stage>:<replicas>'"),
     ("0:1,9:1", "stage"),
@@ -101,7 +94,6 @@ def test_codegen_cli_wrong_stage_to_num_ranks(tmp_path: Path, capsys: pytest.Cap
 BROKEN_FOR_OPTIMIZER = [name for name in MUTATIONS if name not in ("node without stage", "stage gap")]
 
 
-@needs_optimizer
 @pytest.mark.parametrize("name", BROKEN_FOR_OPTIMIZER)
 def test_optimizer_cli_malformed_graph(tmp_path: Path, capsys: pytest.CaptureFixture, name: str) -> None:
     bad = tmp_path / "graph.txt"
@@ -114,7 +106,6 @@ def test_optimizer_cli_malformed_graph(tmp_path: Path, capsys: pytest.CaptureFix
     assert_clean_failure(code, err, before, snapshot(out))
 
 
-@needs_optimizer
 def test_optimizer_cli_infeasible_memory_says_what_fits(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -124,7 +115,6 @@ def test_optimizer_cli_infeasible_memory_says_what_fits(tmp_path: Path, capsys: 
     assert "no partition fits 1000 bytes per worker" in err and "at least" in err
 
 
-@needs_optimizer
 def test_optimizer_cli_bandwidth_count_mismatch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     out.mkdir()

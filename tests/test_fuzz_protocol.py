@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-protocol = pytest.importorskip("model_parallel.coordinator.protocol", reason="coordinator protocol not written yet")
-from model_parallel.errors import ModelParallelError, ProtocolError  # noqa: E402
+from model_parallel.coordinator import protocol
+from model_parallel.errors import ModelParallelError, ProtocolError
 
 TOKEN = b"fuzz-token"
 NONCE = "00" * 16
