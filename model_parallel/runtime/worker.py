@@ -393,7 +393,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_job(job_args, job_config, rank, world_size, health, device, prefix)
         health.stop("done")
         dist.destroy_process_group()
-        return 0
+        # Leave without interpreter teardown: the store host may already be gone, and a store call
+        # still blocked in a daemon thread then aborts the teardown ("terminate called without an
+        # active exception", exit -6) after a run that succeeded.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except PeerError as error:
         # A dead peer can leave gloo threads blocked; exit without waiting for them.
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
