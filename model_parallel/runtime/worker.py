@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from model_parallel.allocator import keep_freed_memory
 from model_parallel.cli.common import ArgumentParser, configure_logging
 from model_parallel.errors import ModelParallelError, PeerError, PlanError
 
@@ -362,6 +363,7 @@ def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, dev
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # steady allocation cost, the same the profile was taken with
     config = make_config(args)
     if args.single_process:
         configure_logging(args.verbose, prefix="[single process] ")

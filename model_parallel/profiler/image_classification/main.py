@@ -32,6 +32,7 @@ from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.core import Graph
 from model_parallel.graph.io import save_graph
 from model_parallel.profiler.api import preserved_model, profile, resolve_device
+from model_parallel.allocator import keep_freed_memory
 from model_parallel.profiler.timing import clock_seconds, time_training_step, training_step
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def profile_arch(
         raise ProfileError(f"--batch-size must be >= 1, got {batch_size}")
     if rounds < 1 or step_iterations < 1:
         raise ProfileError(f"rounds and step_iterations must be >= 1, got {rounds} and {step_iterations}")
+    keep_freed_memory()  # pay the allocation cost our workers pay (see model_parallel/allocator.py)
     target = resolve_device(device)
     if data_dir is not None:
         images, targets, found_classes = image_folder_batch(data_dir, batch_size, image_size)

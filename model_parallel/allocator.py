@@ -1,0 +1,42 @@
+"""Keep freed memory in the process instead of returning it to the OS (glibc malloc on Linux).
+
+A CPU training step frees and re-allocates tens of megabytes of gradients and activations. By
+default glibc serves large blocks with fresh `mmap`s, so every step page-faults and zeroes that
+memory again: 10-25 ms of a 50 ms resnet18 step here, and the amount varies from process to process.
+The profiler and every worker call `keep_freed_memory()` so that profiles and training pay the same
+(lower, steadier) allocation cost. Elsewhere (macOS, musl) it does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit: blocks up to this come from the heap
+_TRIM_THRESHOLD = 1 << 40  # never give the heap's top back to the OS
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds once per process; True if applied."""
+    global _applied
+    if _applied:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, min(_TRIM_THRESHOLD, 2**31 - 1)))
+    if not ok:
+        logger.debug("mallopt refused the thresholds; allocation costs stay as they are")
+    _applied = ok
+    return ok
