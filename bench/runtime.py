@@ -222,9 +222,11 @@ def worker(side: str, model_name: str, rank: int, world_size: int, port: int, sp
     """One rank of one world: every schedule of one model on one side (torch or ours), in sequence."""
     import torch.distributed as dist
 
+    from model_parallel.allocator import keep_freed_memory
     from model_parallel.fileio import atomic_write_json
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # both sides: our workers tune the allocator, so the baseline gets it too
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=spec["op_timeout"]))

@@ -161,9 +161,11 @@ class PipelineEngine:
         device: Optional[torch.device] = None,
         control_group: Any = None,
     ) -> None:
+        from model_parallel.allocator import keep_freed_memory
         from model_parallel.runtime.metrics import MetricsRecorder
         from model_parallel.runtime.tracing import Tracer
 
+        keep_freed_memory()  # steady per-step allocation cost (see model_parallel/allocator.py)
         self.graph, self.model, self.criterion = graph, model, criterion
         self.optimizer_factory, self.dataset, self.config = optimizer_factory, dataset, config
         self.channel = channel or NullChannel()
