@@ -45,7 +45,7 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -222,12 +222,13 @@ class SendHandle:
 
 def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
     """Wait for a torch.distributed work handle; failure or timeout becomes a PeerError (peer -1: a collective)."""
+    where = what if peer < 0 else f"{what} with rank {peer}"
     try:
         ok = work.wait(timedelta(seconds=timeout))
     except RuntimeError as error:
-        raise PeerError(f"{what} with rank {peer} failed: {str(error).splitlines()[0][:200]}") from error
+        raise PeerError(f"{where} failed: {str(error).splitlines()[0][:200]}") from error
     if ok is False:
-        raise PeerError(f"{what} with rank {peer} timed out after {timeout:.0f} s")
+        raise PeerError(f"{where} timed out after {timeout:.0f} s")
 
 
 def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
@@ -334,8 +335,7 @@ def recv_values(src: int, tag: int, timeout: float, group: Any = None, device: O
     return PendingRecv(src, tag, group, device).wait(timeout)
 
 
-def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float,
-                   on_error: Optional[Callable[[Exception], None]] = None) -> str:
+def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) -> str:
     """Broadcast a JSON string from `src` to every rank of `group` (length, then bytes)."""
     is_src = dist.get_rank() == src
     payload = (data or "").encode() if is_src else b""

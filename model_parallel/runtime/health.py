@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from datetime import timedelta
@@ -151,7 +150,6 @@ class Health:
     def diagnose(self, error: BaseException) -> PeerError:
         """Name the rank that caused `error` (see module docstring); returns the PeerError to raise."""
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        detail = re.sub(r" with rank -1\b", "", detail)  # comm's marker for "a collective", not a real rank
         try:
             reused = self._reuse(self._statuses(), detail)
             if reused is not None:

@@ -27,7 +27,7 @@ Schedules:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -295,7 +295,3 @@ def check(schedule: Schedule) -> None:
                 if Action(s, kind, j) not in time_of:
                     raise ScheduleError(f"{schedule.name}: {Action(s, kind, j)} never runs "
                                         f"(stage {s} must run F and B of every microbatch 0..{m - 1})\n{format_grid(schedule)}")
-
-
-def actions_text(actions: Iterable[Action]) -> str:
-    return " ".join(map(str, actions))
