@@ -162,18 +162,33 @@ def test_all_cuts_finds_a_cut_pipedream_misses():
     assert [s.node_ids for s in extended.stages] == [("a", "b"), ("c",)]
 
 
-def test_auto_falls_back_to_topological_cuts_on_huge_state_spaces(caplog):
+def test_auto_beyond_pipedreams_dp_solves_exactly_with_bounds():
     graph = synthetic.branches(6, width=4, depth=3, seed=2)
     options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=50)
     plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
-    assert plan.extra["cuts"] == "topological"
-    assert "too many antichain states" in caplog.text
+    assert plan.extra["cuts"] == "bounded" and plan.extra["exact"] is True
+    assert plan.extra["num_states"] < plan.extra["states_considered"]
     assert set(plan.stage_of) == {n.node_id for n in graph.nodes}
     for src, dst in graph.edges:
         assert plan.stage_of[src] <= plan.stage_of[dst]
     coarse = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]),
                        PartitionOptions(activation_compression_ratio=1.0, cuts="topological", max_cut_points=10))
     assert coarse.extra["cuts"] == "topological-coarse" and coarse.extra["num_states"] <= 11
+    assert coarse.extra["exact"] is False
+    assert plan.time_per_minibatch_s <= coarse.time_per_minibatch_s
+
+
+def test_auto_says_when_it_cannot_prove_optimality(monkeypatch, caplog):
+    from model_parallel.optimizer import partition as partition_module
+
+    graph = synthetic.branches(6, width=4, depth=3, seed=2)
+    monkeypatch.setattr(partition_module, "ENUMERATION_LIMIT", 20)
+    options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=10)
+    plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
+    assert plan.extra["cuts"].startswith("topological") and plan.extra["exact"] is False
+    assert "not proven optimal" in caplog.text
+    for src, dst in graph.edges:
+        assert plan.stage_of[src] <= plan.stage_of[dst]
 
 
 def test_three_level_hierarchy_uses_every_worker():

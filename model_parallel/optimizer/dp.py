@@ -1,7 +1,8 @@
 """PipeDream's hierarchical dynamic program (`compute_partitioning`), vectorised with numpy.
 
-Tables have one leading extra row (FORMATS.md): row 0 = ranges from the start, row r >= 1 = ranges
-after state r-1. `A[r, j, m]` = best time of the range (row r, up to state j) on m+1 machines, with
+Tables have one row per start (FORMATS.md): row "-1" = ranges from the start, row "k" = ranges after
+state k. By default every state starts a row; a bounded solve (`bounds.py`) asks for fewer rows and
+fewer split states. `A[r, j, m]` = best time of the range (row r, up to state j) on m+1 machines, with
 `split_k/split_m/last_m` recording the choice so `analyze` can follow it. "None" in PipeDream is
 `inf` here. A split of column j always ends at an ancestor state k < j, so columns are solved in
 order, each for all rows, machine counts m and last-stage machines m' with a few array operations
@@ -37,23 +38,38 @@ class LevelTables:
     last_m: np.ndarray  # (rows, S, M) machines of the last stage
     num_machines: int
     bandwidth: float
+    row_states: np.ndarray  # row r holds the ranges after state row_states[r] (-1 = from the start), ascending
+
+    def row_of(self, start: int) -> int:
+        """The row of ranges whose first state is `start` (i.e. after state start-1)."""
+        row = int(np.searchsorted(self.row_states, start - 1))
+        if row >= len(self.row_states) or self.row_states[row] != start - 1:
+            raise ValueError(f"no table row starts at state {start}")
+        return row
 
 
-def range_table(values: np.ndarray, pred_mask: Optional[np.ndarray] = None, rows: Optional[int] = None) -> np.ndarray:
-    """Row 0: `X(j)`; row r >= 1: `X(j) - X(r-1)` for j > r-1, else inf (PipeDream's None).
+def all_rows(num_states: int) -> np.ndarray:
+    """Every start: from the beginning (-1) and after each state."""
+    return np.arange(-1, num_states)
 
-    PipeDream fills every j > r-1 in its state order, even when state r-1 is not an ancestor of j
+
+def range_table(values: np.ndarray, pred_mask: Optional[np.ndarray] = None, row_states: Optional[np.ndarray] = None) -> np.ndarray:
+    """Row of start -1: `X(j)`; row of start k: `X(j) - X(k)` for j > k, else inf (PipeDream's None).
+
+    PipeDream fills every j > k in its state order, even when state k is not an ancestor of j
     (then the difference is no range at all, yet inner levels use it). Reproducing it needs that;
-    with `pred_mask` (strict) only real ranges, state r-1 an ancestor of j, get a value.
+    with `pred_mask` (strict) only real ranges, state k an ancestor of j, get a value.
     """
     s = len(values)
-    if rows == 1:  # a one-level problem only ever reads ranges from the start
-        return values[None, :].astype(np.float64)
-    table = np.full((s + 1, s), INF)
-    table[0] = values
-    diff = values[None, :] - values[:, None]  # [r-1, j] = X(j) - X(r-1)
-    valid = pred_mask.T if pred_mask is not None else np.triu(np.ones((s, s), dtype=bool), 1)
-    table[1:] = np.where(valid, diff, INF)
+    row_states = all_rows(s) if row_states is None else row_states
+    table = np.full((len(row_states), s), INF)
+    from_start = row_states < 0
+    table[from_start] = values
+    after = row_states[~from_start]
+    if after.size:
+        diff = values[None, :] - values[after][:, None]  # [row, j] = X(j) - X(k)
+        valid = pred_mask[:, after].T if pred_mask is not None else np.arange(s)[None, :] > after[:, None]
+        table[~from_start] = np.where(valid, diff, INF)
     return table
 
 
@@ -78,24 +94,46 @@ def solve_level(
     memory_limit: Optional[float] = None,
     memory_model: str = "pipedream",
     cumulative: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
+    row_states: Optional[np.ndarray] = None,
+    solve_rows: Optional[np.ndarray] = None,
+    splittable: Optional[np.ndarray] = None,
 ) -> LevelTables:
-    """One level of PipeDream's DP. `compute/activation/parameters` are (S+1, S) range tables (row 0
-    only is enough with `cumulative` = the states' (compute, activation, parameters) sums)."""
-    # Only ranges from the start are solved or read at the outermost level (row 0), but its last
-    # stages still span any (k, j]: read those from the full tables, or from `cumulative` sums
+    """One level of PipeDream's DP. `compute/activation/parameters` are range tables whose rows start
+    after `row_states` (default: every state, see `range_table`); with `cumulative` = the states'
+    (compute, activation, parameters) sums, row -1 alone is enough.
+
+    `solve_rows` (indices into the table rows, ascending) are the rows solved and returned: the
+    starts the next level reads (default: row -1 at the final level, else every row). `splittable`
+    (bool per state) marks the states that may end a stage other than the last (default: all);
+    every splittable state needs a table row.
+    """
+    # Only ranges from the start are solved or read at the outermost level, but its last stages
+    # still span any (k, j]: read those from the full tables, or from `cumulative` sums
     # (X(j) - X(k), exact for a one-level problem where the tables are never built).
     s = compute.shape[1]
-    rows_total = 1 if final_level else compute.shape[0]
+    if row_states is None:
+        row_states = all_rows(compute.shape[0] - 1)
+    if solve_rows is None:
+        solve_rows = np.arange(1 if final_level else len(row_states))
+    solve_states = row_states[solve_rows]
+    split_states = np.arange(s) if splittable is None else np.flatnonzero(splittable)
+    splittable = np.ones(s, dtype=bool) if splittable is None else splittable
+    split_position = np.full(s, -1)
+    split_position[split_states] = np.arange(len(split_states))
     if cumulative is not None:
         def last_ranges(ks: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             c, a, w = cumulative
             return c[j] - c[ks], w[j] - w[ks], (a[j] - a[ks]) + (w[j] - w[ks])
     else:
         full_c, full_a, full_w = compute, activation, parameters
+        row_index = np.full(s + 1, -1)
+        row_index[row_states + 1] = np.arange(len(row_states))
 
         def last_ranges(ks: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            return full_c[ks + 1, j], full_w[ks + 1, j], full_a[ks + 1, j] + full_w[ks + 1, j]
-    compute, activation, parameters = compute[:rows_total], activation[:rows_total], parameters[:rows_total]
+            rows_k = row_index[ks + 1]
+            return full_c[rows_k, j], full_w[rows_k, j], full_a[rows_k, j] + full_w[rows_k, j]
+    compute, activation, parameters = compute[solve_rows], activation[solve_rows], parameters[solve_rows]
+    rows_total = len(solve_rows)
     big_m = num_machines
     best = np.full((rows_total, s, big_m), INF)
     split_k = np.full((rows_total, s, big_m), -1, dtype=np.int32)
@@ -113,37 +151,41 @@ def solve_level(
             best[:, :, m] = np.where(ok, value, INF)
             last_m[:, :, m] = np.where(ok, m + 1, 0)
 
-    num_rows = rows_total
     ratio = activation_compression_ratio
-    # not_before[r, k]: split state k may end the first part in row r (k is no ancestor of state r-1).
-    not_before = np.ones((num_rows, s), dtype=bool)
-    if num_rows > 1:
-        not_before[1:] = ~pred_mask[: num_rows - 1]
+    # not_before[r, k]: split state k may end the first part of row r (k is no ancestor of its start).
+    not_before = np.ones((rows_total, s), dtype=bool)
+    after = solve_states >= 0
+    not_before[after] = ~pred_mask[solve_states[after]]
     mps = np.arange(1, big_m)  # machines of the last stage, m' = 1 .. M-1
-    # prior[r, q, k] = best[r, k, M-1-q], or inf where k may not end the first part of row r: the
-    # machine axis is reversed so that best[.., m-1], best[.., m-2], ... is an ascending slice, k is
-    # the innermost (contiguous, vectorised) axis, and the table is kept up to date column by
-    # column so that a block of rows reads it as a plain view.
-    prior = np.ascontiguousarray(np.where(not_before[:, None, :], best[:num_rows, :, ::-1].transpose(0, 2, 1), INF))
+    # prior[r, q, p] = best[r, k, M-1-q] for the p-th split state k, or inf where k may not end the
+    # first part of row r: the machine axis is reversed so that best[.., m-1], best[.., m-2], ... is
+    # an ascending slice, split states are the innermost (contiguous, vectorised) axis, and the table
+    # is kept up to date column by column so that a block of rows reads it as a plain view.
+    prior = np.ascontiguousarray(np.where(
+        not_before[:, None, split_states], best[:, split_states, ::-1].transpose(0, 2, 1), INF
+    ))
     # A split always ends at an ancestor k < j, so once column k is done it never changes: solving
     # column by column (all rows and machine counts at once) equals PipeDream's m-outer loop order.
     for j in range(1, s):
-        ks = np.flatnonzero(pred_mask[j])
-        rows = min(num_rows, j)  # PipeDream solves j in i+1 .. S-1 for row i
+        ks = np.flatnonzero(pred_mask[j] & splittable)
+        # Rows starting after state j-1 or later have no split inside (k must lie strictly between).
+        rows = int(np.searchsorted(solve_states, j - 1))
+        splits_before = int(np.searchsorted(split_states, j))  # split positions of states < j
         if ks.size:
-            # last[m-1, m'-1, k] for every k < j; inf where k is no ancestor of j.
-            last = np.full((big_m - 1, big_m - 1, j), INF)
-            last[:, :, ks] = _last_stage_times(
+            # last[m-1, m'-1, p] for every split position p < splits_before; inf where no ancestor of j.
+            last = np.full((big_m - 1, big_m - 1, splits_before), INF)
+            last[:, :, split_position[ks]] = _last_stage_times(
                 *last_ranges(ks, j), output[ks], output[j],
                 j < s - 1, mps, big_m, bandwidth, ratio, memory_limit, memory_model, straight_pipeline,
             ).transpose(0, 2, 1)
         for block_start in range(0, rows, _ROW_BLOCK):
             block = slice(block_start, min(rows, block_start + _ROW_BLOCK))
             num = block.stop - block.start
-            # best[r, k] is inf for k < r: a block of rows only needs split states k >= its first row.
-            width = j - block_start
+            # best[r, k] is inf unless k comes after r's start: a block only needs splits after its first start.
+            first_split = int(np.searchsorted(split_states, solve_states[block.start] + 1))
+            width = splits_before - first_split
             if ks.size and width > 0:
-                block_prior = prior[block, :, block_start:j]  # (R, M, K), a view
+                block_prior = prior[block, :, first_split:splits_before]  # (R, M, K), a view
                 buffer = np.empty(num * width * (big_m - 1))
                 rows_index = np.arange(num)
             block_best = best[block, j, :]
@@ -159,7 +201,7 @@ def solve_level(
                     max_mp = 1 if straight_pipeline else m
                     first = big_m - m  # block_prior[..., first + m' - 1] = best[..., m - m']
                     cand = buffer[: num * width * max_mp].reshape(num, max_mp, width)
-                    np.maximum(block_prior[:, first: first + max_mp, :], last[m - 1, :max_mp, block_start:][None], out=cand)
+                    np.maximum(block_prior[:, first: first + max_mp, :], last[m - 1, :max_mp, first_split:][None], out=cand)
                     flat = cand.reshape(num, -1)
                     pick = np.argmin(flat, axis=1)  # first minimum: fewest machines, then smallest k
                     value = flat[rows_index, pick]
@@ -167,14 +209,14 @@ def solve_level(
                     if better.any():
                         pick = pick[better]
                         block_best[better, m] = value[better]
-                        block_k[better, m] = block_start + pick % width
+                        block_k[better, m] = split_states[first_split + pick % width]
                         block_m[better, m] = m - (pick // width + 1)
                         block_last[better, m] = pick // width + 1
             best[block, j, :], split_k[block, j, :] = block_best, block_k
             split_m[block, j, :], last_m[block, j, :] = block_m, block_last
-        if rows:
-            prior[:rows, :, j] = np.where(not_before[:rows, j, None], best[:rows, j, ::-1], INF)
-    return LevelTables(best, split_k, split_m, last_m, big_m, bandwidth)
+        if rows and splittable[j]:
+            prior[:rows, :, split_position[j]] = np.where(not_before[:rows, j, None], best[:rows, j, ::-1], INF)
+    return LevelTables(best, split_k, split_m, last_m, big_m, bandwidth, solve_states)
 
 
 _ROW_BLOCK = 64
@@ -219,7 +261,7 @@ class Part:
 
 def analyze(tables: LevelTables, start: int, end: int) -> list[Part]:
     """Follow the recorded splits of `A[start][end-1][M-1]` (PipeDream's `analyze_partitioning`)."""
-    row, j, m = start, end - 1, tables.num_machines - 1
+    row, j, m = tables.row_of(start), end - 1, tables.num_machines - 1
     if not np.isfinite(tables.best[row, j, m]):
         return []
     parts: list[Part] = []

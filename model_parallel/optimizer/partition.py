@@ -3,6 +3,13 @@
 Pure: no I/O, no globals; the only impurity is `Plan.optimizer_seconds`, measured around the solve.
 Steps: pre-process (states.py), enumerate cut states, solve each level of the hierarchy innermost
 first (dp.py), follow the recorded splits outermost first down to the stages, then place nodes.
+
+`cuts="auto"` on a graph whose antichain DP is too big for PipeDream's algorithm: a plan over the
+prefixes of one topological order gives an upper bound `T`; `bounds.py` keeps only the cut states
+(PipeDream's antichains and those prefixes, with the bytes that really cross each cut) that can be a
+stage boundary of a plan taking at most `T`, and the DP over them is exact for that union. When the
+bound keeps too much (far more workers than the graph can balance), the prefix plan is returned and
+the plan says `exact: false`.
 """
 from __future__ import annotations
 
@@ -10,20 +17,31 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+from model_parallel.optimizer.bounds import LevelBounds, bounded_work, boundary_states, level_bounds
 from model_parallel.optimizer.costs import stage_costs, stash_factor
-from model_parallel.optimizer.dp import LevelTables, Part, analyze, range_table, solve_level
+from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.states import States, Workload, antichain_states, ideal_states, preprocess, prefix_states
+from model_parallel.optimizer.states import (
+    Antichains, States, Workload, antichain_states, cut_costs, cut_states, downset_sums, enumerate_antichains, finish_antichains,
+    ideal_states, preprocess, prefix_states,
+)
 from model_parallel.optimizer.straight import straight_partition
 
 logger = logging.getLogger(__name__)
 
 # "auto" keeps the DP under about this many array elements (a few seconds of numpy on one core).
 AUTO_WORK_BUDGET = 2.0e9
+# Most antichain states enumerated for a bounded solve (~15 us each); beyond, prefixes only.
+ENUMERATION_LIMIT = 300_000
+# Cut points of the quick plan whose time bounds the exact solves.
+QUICK_CUT_POINTS = 200
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,8 @@ class Solution:
     time_s: float
     parts: tuple[Part, ...]
     states: States
+    exact: bool = True  # optimal over every cut PipeDream considers (and possibly more)
+    states_considered: int = 0  # cut states before bounding (bounded solves)
 
 
 def dp_work(num_states: int, hierarchy: Hierarchy, options: PartitionOptions) -> float:
@@ -58,38 +78,99 @@ def _affordable_cut_points(hierarchy: Hierarchy, options: PartitionOptions) -> i
 
 
 def choose_states(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) -> States:
-    """The state space `options.cuts` asks for; "auto" takes PipeDream's antichains when the DP over
-    them is affordable, else prefixes of one topological order (as many cut points as affordable)."""
-    fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
+    """The state space an explicit `options.cuts` asks for (not "auto": see `solve_auto`)."""
     if options.cuts == "topological" or options.worker_speeds is not None:
         return prefix_states(work, options.max_cut_points)
     if options.cuts == "antichain":
         return antichain_states(work)
     if options.cuts == "all":
         return ideal_states(work)
+    raise PlanError(f"choose_states does not pick cuts={options.cuts!r}; use solve_auto")
+
+
+def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
+    """PipeDream's antichain DP when affordable; else an exact bounded solve (module doc); else the
+    best plan over topological cut points, marked inexact."""
+    if options.worker_speeds is not None:
+        return solve(prefix_states(work, options.max_cut_points), hierarchy, options)
     affordable = _affordable_cut_points(hierarchy, options)
     try:
-        states = antichain_states(work, max_states=min(options.max_antichain_states, affordable))
-        return states
+        found: Optional[Antichains] = enumerate_antichains(work, max_states=ENUMERATION_LIMIT)
     except InfeasibleError:
-        pass
+        found = None
+    if found is not None and len(found) <= min(options.max_antichain_states, affordable):
+        return solve(finish_antichains(work, found), hierarchy, options)
+    # An upper bound first: a plan over a few topological cut points (all of them on the straight
+    # one-level fast path), then the optimum over every prefix, bounded by it.
+    fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
     limit = options.max_cut_points or (None if fast_path else affordable)
-    logger.warning(
-        "too many antichain states for an exact PipeDream solve in reasonable time: cutting along %s prefixes "
-        "of one topological order instead (pass cuts='antichain' to insist on PipeDream's state space)",
-        f"at most {limit}" if limit and limit < work.num_nodes else "all",
-    )
-    return prefix_states(work, limit)
+    quick = limit if fast_path else min(limit or work.num_nodes, QUICK_CUT_POINTS)
+    upper = replace(solve(prefix_states(work, quick), hierarchy, options), exact=False)
+    if not math.isfinite(upper.time_s) and quick != limit:
+        upper = replace(solve(prefix_states(work, limit), hierarchy, options), exact=False)
+    if not math.isfinite(upper.time_s):
+        return upper
+    if options.max_cut_points is None:
+        upper = _better(upper, bounded_solve(work, hierarchy, options, None, upper.time_s))
+    exact = bounded_solve(work, hierarchy, options, found, upper.time_s) if found is not None else None
+    if exact is None:
+        if upper.states.kind != "topological-bounded" and quick != limit:
+            upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
+        logger.warning(
+            "%s cut states on %d workers are too many for an exact solve: this plan is the best over %s prefixes "
+            "of one topological order (not proven optimal; plan.extra['exact'] is false)",
+            f"more than {ENUMERATION_LIMIT}" if found is None else len(found), hierarchy.num_workers,
+            "all" if upper.states.kind in ("topological", "topological-bounded") else upper.states.num_states,
+        )
+        return upper
+    return _better(upper, exact)
 
 
-def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
-    """Run the DP over every level and reconstruct the innermost parts (replicas multiplied out)."""
+def _better(current: Solution, candidate: Optional[Solution]) -> Solution:
+    """`candidate` unless it is missing or slower; solves over more cuts sum in another order, so a
+    tie within the last bits goes to the candidate (it covers the current one's cuts)."""
+    if candidate is None or not candidate.time_s <= current.time_s * (1 + 1e-12):
+        return current
+    return candidate
+
+
+def bounded_solve(
+    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, antichains: Optional[Antichains], upper_bound: float,
+) -> Optional[Solution]:
+    """The exact optimum over PipeDream's antichains (when enumerated) and every topological prefix,
+    using only the states that can bound a stage of a plan taking at most `upper_bound`; None when
+    even those are too many to solve within the time budget."""
+    downsets = list(prefix_states(work).members)
+    if antichains is not None:
+        downsets += antichains.downsets()
+    downsets = list(set(downsets))
+    everything = max(downsets, key=int.bit_count)
+    compute = downset_sums(work, downsets)
+    maybe = boundary_states(compute, float(compute.max()), hierarchy.num_workers, 1, upper_bound)
+    costs = cut_costs(work, [d for d, k in zip(downsets, maybe) if k] + [everything])
+    ratio = options.activation_compression_ratio
+    costs = costs.subset(level_bounds(costs.compute, costs.output, hierarchy, upper_bound, ratio).kept_states())
+    bounds = level_bounds(costs.compute, costs.output, hierarchy, upper_bound, ratio)
+    if bounded_work(bounds, hierarchy, options.straight_pipeline) > AUTO_WORK_BUDGET:
+        return None
+    states = cut_states(work, [], "bounded" if antichains is not None else "topological-bounded", costs)
+    solution = solve(states, hierarchy, options, bounds)
+    return replace(solution, exact=antichains is not None, states_considered=len(downsets))
+
+
+def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bounds: Optional[LevelBounds] = None) -> Solution:
+    """Run the DP over every level and reconstruct the innermost parts (replicas multiplied out).
+
+    With `bounds`, each level solves only the rows where the next level may start a stage and splits
+    only at its allowed states (exact for plans within the bound's time).
+    """
     memory = hierarchy.memory_bytes if options.use_memory_constraint else None
     levels = hierarchy.levels
     if (
         len(levels) == 1
         and options.straight_pipeline
         and states.kind.startswith("topological")
+        and bounds is None
     ):
         speeds = options.worker_speeds or (1.0,) * levels[0].num_machines
         if len(speeds) != levels[0].num_machines:
@@ -101,34 +182,45 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> So
             states, speeds, levels[0].bandwidth, options.activation_compression_ratio,
             options.use_fewer_machines, memory, options.memory_model,
         )
-        return Solution(value, tuple(parts), states)
+        return Solution(value, tuple(parts), states, exact=False)
     if options.worker_speeds is not None:
         raise PlanError("worker_speeds needs a one-level hierarchy (-n P): stage k runs on worker k")
 
     # Only PipeDream's own state space keeps its not-a-range table entries (needed to reproduce it).
     strict = None if states.kind == "antichain" else states.pred_mask
-    rows = 1 if len(levels) == 1 else None
-    compute = range_table(states.compute, strict, rows)
-    activation = range_table(states.activation, strict, rows)
-    parameters = range_table(states.parameters, strict, rows)
+    one_level = len(levels) == 1
+    if one_level:  # only ranges from the start are read (last stages come from cumulative sums)
+        table_rows = np.array([-1])
+    else:
+        table_rows = all_rows(states.num_states) if bounds is None else bounds.table_rows()
+    compute = range_table(states.compute, strict, table_rows)
     all_tables: list[LevelTables] = []
     within = 1
     for number, level in enumerate(levels):
+        activation = range_table(states.activation, strict, table_rows)
+        parameters = range_table(states.parameters, strict, table_rows)
+        limits = {}
+        if bounds is not None:
+            starts = np.concatenate(([-1], np.flatnonzero(bounds.starts[number])))
+            limits = dict(solve_rows=np.searchsorted(table_rows, starts), splittable=bounds.splittable[number])
         tables = solve_level(
             compute, activation, parameters, states.output, states.pred_mask,
             level.num_machines, within, level.bandwidth, final_level=number == len(levels) - 1,
             straight_pipeline=options.straight_pipeline, use_fewer_machines=options.use_fewer_machines,
             activation_compression_ratio=options.activation_compression_ratio,
             memory_limit=memory, memory_model=options.memory_model,
-            cumulative=(states.compute, states.activation, states.parameters) if rows == 1 else None,
+            cumulative=(states.compute, states.activation, states.parameters) if one_level else None,
+            row_states=table_rows, **limits,
         )
         # The best time of each range on all of this level's machines is its compute time one level up.
         compute = tables.best[:, :, -1].copy()
+        table_rows = tables.row_states
         within = level.num_machines
         all_tables.append(tables)
     value = float(all_tables[-1].best[0, states.num_states - 1, -1])
+    exact = states.kind in ("antichain", "all", "bounded")
     if not math.isfinite(value):
-        return Solution(value, (), states)
+        return Solution(value, (), states, exact)
     parts = [Part(0, states.num_states, 1)]
     for tables in reversed(all_tables):
         inner: list[Part] = []
@@ -136,7 +228,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions) -> So
             for sub in analyze(tables, part.start, part.end):
                 inner.append(Part(sub.start, sub.end, sub.replicas * part.replicas))
         parts = inner
-    return Solution(value, tuple(parts), states)
+    return Solution(value, tuple(parts), states, exact)
 
 
 def _assign_nodes(graph: Graph, work: Workload, solution: Solution) -> dict[str, int]:
@@ -226,10 +318,12 @@ def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = Pa
     """
     started = time.perf_counter()
     work = preprocess(graph)
-    states = choose_states(work, hierarchy, options)
-    solution = solve(states, hierarchy, options)
+    if options.cuts == "auto":
+        solution = solve_auto(work, hierarchy, options)
+    else:
+        solution = solve(choose_states(work, hierarchy, options), hierarchy, options)
     if not math.isfinite(solution.time_s):
-        raise InfeasibleError(_infeasible_message(graph, hierarchy, options, states))
+        raise InfeasibleError(_infeasible_message(graph, hierarchy, options, solution.states))
     stage_of = _assign_nodes(graph, work, solution)
     elapsed = time.perf_counter() - started
     return build_plan(graph, hierarchy, options, solution, stage_of, elapsed)
@@ -267,11 +361,14 @@ def build_plan(
     extra = {
         "cuts": solution.states.kind,
         "num_states": solution.states.num_states,
+        "exact": solution.exact,
         "data_parallel_time_s": data_parallel_time(solution.states, hierarchy),
         "bandwidths": [level.bandwidth for level in hierarchy.levels],
         "memory_model": options.memory_model,
         "workers_unused": workers - before,
     }
+    if solution.states_considered:
+        extra["states_considered"] = solution.states_considered
     if options.worker_speeds is not None:
         extra["worker_speeds"] = list(options.worker_speeds)
     return Plan(

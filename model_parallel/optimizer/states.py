@@ -165,6 +165,42 @@ def antichain_states(work: Workload, max_states: Optional[int] = None) -> States
 
     Raises `InfeasibleError` when more than `max_states` states exist (the caller falls back to prefixes).
     """
+    return finish_antichains(work, enumerate_antichains(work, max_states))
+
+
+@dataclass(frozen=True)
+class Antichains:
+    """PipeDream's antichain DAG as enumerated: augmented antichains (node positions), the DAG's edges
+    and every node's ancestor bitset."""
+
+    augmented: list[list[int]]
+    out_edges: list[list[int]]
+    ancestors: list[int]
+
+    def __len__(self) -> int:
+        return len(self.augmented)
+
+    def downsets(self) -> list[int]:
+        """`P(s)` of every state as a bitset (enumeration order)."""
+        result = []
+        for nodes in self.augmented:
+            mask = 0
+            for x in nodes:
+                mask |= self.ancestors[x] | (1 << x)
+            result.append(mask)
+        return result
+
+
+def finish_antichains(work: Workload, found: Antichains) -> States:
+    """PipeDream's state order and costs for an enumerated antichain DAG."""
+    order = _dfs_topological(found.out_edges)
+    return _finish_states(
+        work, [found.augmented[s] for s in order], _reindex(found.out_edges, order), found.ancestors, "antichain"
+    )
+
+
+def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> Antichains:
+    """Breadth-first enumeration of PipeDream's antichain DAG; `InfeasibleError` beyond `max_states`."""
     n = work.num_nodes
     anc, desc = _closures(work)
     # augment(a) adds every ancestor p of an antichain node x that also feeds a node outside
@@ -234,9 +270,7 @@ def antichain_states(work: Workload, max_states: Optional[int] = None) -> States
                         raise InfeasibleError(f"more than {max_states} antichain states")
                 out_edges[mapping[akey]].append(mapping[nkey])
                 queue.append(nxt)
-
-    order = _dfs_topological(out_edges)
-    return _finish_states(work, [augmented[s] for s in order], _reindex(out_edges, order), anc, "antichain")
+    return Antichains(augmented, out_edges, anc)
 
 
 def _dfs_topological(out_edges: list[list[int]]) -> list[int]:
@@ -341,22 +375,72 @@ def ideal_states(work: Workload, max_states: int = 4096) -> States:
         nxt.sort()
         ideals.extend(nxt)
         frontier = nxt
-    num = len(ideals)
-    member_matrix = _to_matrix(ideals, n).astype(np.float64)
-    pred_mask = np.zeros((num, num), dtype=bool)
-    for j in range(num):
-        for k in range(j):
-            if ideals[k] & ~ideals[j] == 0 and ideals[k] != ideals[j]:
-                pred_mask[j, k] = True
-    return States(
-        members=tuple(ideals),
+    return cut_states(work, ideals, "all")
+
+
+@dataclass(frozen=True)
+class CutCosts:
+    """Distinct downsets ordered by size (a linear extension of inclusion) with their sums and the
+    bytes that really cross each cut."""
+
+    members: tuple[int, ...]
+    matrix: np.ndarray  # bool [state, node]
+    compute: np.ndarray
+    activation: np.ndarray
+    parameters: np.ndarray
+    output: np.ndarray
+
+    def subset(self, keep: np.ndarray) -> "CutCosts":
+        chosen = np.flatnonzero(keep)
+        return CutCosts(tuple(self.members[i] for i in chosen), self.matrix[chosen], self.compute[chosen],
+                        self.activation[chosen], self.parameters[chosen], self.output[chosen])
+
+
+def cut_costs(work: Workload, downsets: list[int]) -> CutCosts:
+    """Sums and crossing bytes of arbitrary downsets (bitsets; duplicates merged), vectorised."""
+    n = work.num_nodes
+    unique = sorted(set(downsets), key=lambda mask: (mask.bit_count(), mask))
+    members = _to_matrix(unique, n)
+    adjacency = np.zeros((n, n), dtype=np.float32)
+    for v, targets in enumerate(work.succ):
+        adjacency[v, list(targets)] = 1.0
+    # A member crosses the cut when one of its successors is outside: fewer successors inside than it has.
+    successors_inside = members.astype(np.float32) @ adjacency.T  # [s, v]; small integers, exact in float32
+    crossing = members & (successors_inside < adjacency.sum(axis=1)[None, :])
+    activation = np.array(work.activation, dtype=np.float64)
+    member_matrix = members.astype(np.float64)
+    return CutCosts(
+        members=tuple(unique),
+        matrix=members,
         compute=member_matrix @ np.array(work.compute_s, dtype=np.float64),
-        activation=member_matrix @ np.array(work.activation, dtype=np.float64),
+        activation=member_matrix @ activation,
         parameters=member_matrix @ np.array(work.parameters, dtype=np.float64),
-        output=np.array([crossing_bytes(work, m) for m in ideals], dtype=np.float64),
-        pred_mask=pred_mask,
-        kind="all",
+        output=crossing.astype(np.float64) @ activation,
     )
+
+
+def cut_states(work: Workload, downsets: list[int], kind: str, costs: Optional[CutCosts] = None) -> States:
+    """States for arbitrary downsets (or their precomputed `costs`): ordered by size, `O` = the bytes
+    that really cross each cut, `pred_mask` = strict inclusion (a boolean matrix product)."""
+    costs = costs if costs is not None else cut_costs(work, downsets)
+    as_float = costs.matrix.astype(np.float32)
+    # k is inside j when no member of k is outside j.
+    pred_mask = ((~costs.matrix).astype(np.float32) @ as_float.T) == 0  # [j, k]
+    np.fill_diagonal(pred_mask, False)
+    return States(
+        members=costs.members,
+        compute=costs.compute,
+        activation=costs.activation,
+        parameters=costs.parameters,
+        output=costs.output,
+        pred_mask=pred_mask,
+        kind=kind,
+    )
+
+
+def downset_sums(work: Workload, downsets: list[int]) -> np.ndarray:
+    """Compute seconds over each downset (for bounding before the states are built)."""
+    return _to_matrix(downsets, work.num_nodes).astype(np.float64) @ np.array(work.compute_s, dtype=np.float64)
 
 
 def prefix_order(work: Workload) -> list[int]:

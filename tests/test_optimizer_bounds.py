@@ -1,0 +1,97 @@
+"""Bounded solves are exact: the DP over the states `bounds.py` keeps equals the DP over all of them."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from model_parallel.graph.plan import Hierarchy
+from model_parallel.optimizer import synthetic
+from model_parallel.optimizer.bounds import boundary_states, level_bounds
+from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.partition import bounded_solve, solve
+from model_parallel.optimizer.states import cut_states, enumerate_antichains, preprocess, prefix_states
+
+HIERARCHIES = [([3], [1e9]), ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([2, 2, 2], [40e9, 10e9, 1e9])]
+
+
+def problem(seed: int):
+    rng = random.Random(seed)
+    graph = [
+        synthetic.branches(rng.randint(2, 4), width=3, depth=2, seed=seed),
+        synthetic.residual(rng.randint(3, 8), 2, seed=seed),
+        synthetic.random_dag(rng.randint(15, 30), seed=seed, max_fan_in=3),
+    ][seed % 3]
+    machines, bandwidths = HIERARCHIES[seed % len(HIERARCHIES)]
+    options = PartitionOptions(
+        straight_pipeline=rng.random() < 0.25,
+        use_fewer_machines=rng.random() < 0.3,
+        activation_compression_ratio=rng.choice([None, 1.0]),
+        use_memory_constraint=rng.random() < 0.25,
+        memory_model=rng.choice(["pipedream", "1f1b"]),
+    )
+    memory = rng.choice([2e8, 6e8, 2e9])
+    return graph, Hierarchy.from_lists(machines, bandwidths, memory_bytes=memory), options
+
+
+def union_states(work, antichains):
+    return cut_states(work, list(prefix_states(work).members) + antichains.downsets(), "bounded")
+
+
+@pytest.mark.parametrize("block", range(6))
+def test_bounded_solve_equals_the_full_dp(block):
+    checked = 0
+    for seed in range(block * 10, block * 10 + 10):
+        graph, hierarchy, options = problem(seed)
+        work = preprocess(graph)
+        antichains = enumerate_antichains(work)
+        full = solve(union_states(work, antichains), hierarchy, options)
+        if not math.isfinite(full.time_s):
+            continue
+        checked += 1
+        # Bounds from a loose plan (coarse prefixes) and from the optimum itself (the tightest: every
+        # state of the optimal plan sits right at its bound).
+        loose = solve(prefix_states(work, 4 + seed % 5), hierarchy, options).time_s
+        for upper in {loose if math.isfinite(loose) else 2 * full.time_s, full.time_s}:
+            bounded = bounded_solve(work, hierarchy, options, antichains, upper)
+            assert bounded is not None and bounded.exact
+            assert bounded.time_s == pytest.approx(full.time_s, rel=1e-12, abs=0), (seed, upper)
+            assert bounded.states.num_states <= full.states.num_states
+    assert checked >= 5
+
+
+def test_bounded_plan_is_never_worse_than_pipedreams_states():
+    graph = synthetic.branches(8, width=4, depth=3, seed=3)
+    work = preprocess(graph)
+    antichains = enumerate_antichains(work)
+    hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
+    options = PartitionOptions(activation_compression_ratio=1.0)
+    from model_parallel.optimizer.states import finish_antichains
+    pipedream_states = finish_antichains(work, antichains)
+    strict = solve(cut_states(work, list(pipedream_states.members), "bounded"), hierarchy, options)
+    upper = solve(prefix_states(work, 12), hierarchy, options).time_s
+    bounded = bounded_solve(work, hierarchy, options, antichains, upper)
+    assert bounded.time_s <= strict.time_s * (1 + 1e-12)
+    assert bounded.time_s <= upper * (1 + 1e-12)
+
+
+def test_boundary_states_keep_exactly_the_feasible_worker_counts():
+    compute = np.array([1.0, 2.0, 2.5, 3.0, 4.0])
+    # T = 1, 4 workers, total 4: a boundary needs C(j) <= m and 4 - C(j) <= 4 - m for some m in 1..3,
+    # i.e. C(j) is an integer 1..3 (within rounding).
+    assert boundary_states(compute, 4.0, 4, 1, 1.0).tolist() == [True, True, False, True, False]
+    # Groups of 2 workers: only m = 2.
+    assert boundary_states(compute, 4.0, 4, 2, 1.0).tolist() == [False, True, False, False, False]
+    # A looser bound keeps more.
+    assert boundary_states(compute, 4.0, 4, 1, 1.25).sum() == 4
+    output = np.array([0.0, 0.0, 0.0, 5.0, 0.0])
+    bounds = level_bounds(compute, output, Hierarchy.from_lists([2, 2], [1e9, 1e9]), 1.0, None)
+    assert bounds.splittable[0].tolist() == [True, True, False, True, False]
+    assert bounds.starts[0].tolist() == [False, True, False, False, False]
+    assert not bounds.starts[1].any()
+    # Transfers counted: a split at level 0 (B = 4, 2 machines, 2 outside) allows O <= 1 * 4 * 1 * 2 / 2 = 4.
+    counted = level_bounds(compute, output, Hierarchy.from_lists([2, 2], [4.0, 4.0]), 1.0, 1.0)
+    assert counted.splittable[0].tolist() == [True, True, False, False, False]
+    assert counted.kept_states().tolist() == [True, True, False, False, True]
