@@ -4,15 +4,18 @@
     python bench/optimizer.py --quick    # reference profiles and small cases, well under a minute
 
 Profiles: PipeDream's reference profiles (vgg16, resnet50, gnmt; FORMATS.md), torchvision
-resnet50/resnet101 traced at 32x32 with synthetic costs (compute proportional to activation bytes,
-`optimizer.synthetic.traced_costs`), and generated heavy-branching graphs (`synthetic.branches`,
-inception-like, ~1000 nodes). Hierarchies: `-n 4`, `-n 4 4`, `-n 8 2` (bandwidths 40e9 1.25e9) and
-`-n 8 16 8` (40e9 10e9 1.25e9), all with `--activation_compression_ratio 1`, default `cuts="auto"`
-(PipeDream's antichain states when affordable, else topological cut points; the row says which).
-PipeDream's own optimizer needs 33-100 s (resnet50) and 136-462 s (resnet101) on the two-level cases.
+resnet50/resnet101 traced at 32x32 and inception_v3 at 96x96 with synthetic costs (compute
+proportional to activation bytes, `optimizer.synthetic.traced_costs`), and a generated heavy-branching
+graph (`synthetic.branches`, inception-like, ~1000 nodes, 9311 antichain states). Hierarchies: `-n 4`,
+`-n 4 4`, `-n 8 2` (bandwidths 40e9 1.25e9) and `-n 8 16 8` (40e9 10e9 1.25e9), all with
+`--activation_compression_ratio 1`, default `cuts="auto"`: PipeDream's antichain DP when affordable
+("antichain"), else the exact bounded solve over antichains and topological prefixes ("bounded"),
+else the best plan over topological cut points ("topological*", `exact` false). PipeDream's own
+optimizer needs 33-100 s (resnet50) and 136-462 s (resnet101) on the two-level cases.
 
 Optimality gap: on seeded small DAGs the DP ("antichain" and "all" cuts) is compared with exhaustive
-search (`optimizer.brute_force`); the gap is max relative difference (0.0 = exact).
+search (`optimizer.brute_force`), and on medium graphs the bounded solve with the unbounded DP over
+the same states; gaps are max relative differences (0.0 = exact).
 
 Writes `bench/results/optimizer.json` atomically: {"rows": [{profile, num_machines, seconds,
 time_per_minibatch_s, cuts, num_states, num_nodes}], "optimality": {...}, settings}. Prints a table.
@@ -41,8 +44,10 @@ from model_parallel.graph.plan import Hierarchy  # noqa: E402
 from model_parallel.optimizer import synthetic  # noqa: E402
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
-from model_parallel.optimizer.partition import partition  # noqa: E402
-from model_parallel.optimizer.states import antichain_states, preprocess  # noqa: E402
+from model_parallel.optimizer.partition import bounded_solve, partition, solve  # noqa: E402
+from model_parallel.optimizer.states import (  # noqa: E402
+    antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states,
+)
 
 RESULTS = REPO / "bench" / "results" / "optimizer.json"
 REFERENCE = REPO.parent / "shared" / "reference_profiles"
@@ -54,16 +59,16 @@ HIERARCHIES = {
 }
 
 
-def traced(name: str) -> Graph:
-    """A torchvision model traced at 32x32 with synthetic costs (torch imported only here)."""
+def traced(name: str, size: int = 32, **kwargs: Any) -> Graph:
+    """A torchvision model traced at size x size with synthetic costs (torch imported only here)."""
     import torch
 
     from model_parallel.compat import import_torchvision
     from model_parallel.profiler.trace import trace_model
 
     torch.set_num_threads(1)
-    model = getattr(import_torchvision().models, name)()
-    graph, _ = trace_model(model, (torch.randn(2, 3, 32, 32),))
+    model = getattr(import_torchvision().models, name)(**kwargs)
+    graph, _ = trace_model(model, (torch.randn(2, 3, size, size),))
     return synthetic.traced_costs(graph)
 
 
@@ -78,6 +83,7 @@ def profiles(quick: bool) -> list[tuple[str, Graph]]:
         return found
     for name in ("resnet50", "resnet101"):
         found.append((f"{name} (traced)", traced(name)))
+    found.append(("inception_v3 (traced)", traced("inception_v3", 96, aux_logits=False, init_weights=False)))
     found.append(("branches 1000 nodes", synthetic.branches(110, width=4, depth=3, seed=1)))
     return found
 
@@ -92,11 +98,14 @@ def solve_rows(graphs: list[tuple[str, Graph]], hierarchies: Sequence[str]) -> l
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
             rows.append({
                 "profile": profile, "num_machines": machines, "seconds": round(seconds, 4), "cpu_seconds": round(cpu, 4),
-                "time_per_minibatch_s": plan.time_per_minibatch_s, "cuts": plan.extra["cuts"],
-                "num_states": plan.extra["num_states"], "num_nodes": len(graph), "num_stages": plan.num_stages,
+                "time_per_minibatch_s": plan.time_per_minibatch_s, "cuts": plan.extra["cuts"], "exact": plan.extra["exact"],
+                "num_states": plan.extra["num_states"], "states_considered": plan.extra.get("states_considered"),
+                "num_nodes": len(graph), "num_stages": plan.num_stages,
             })
             print(f"{profile:<24} -n {key:<7} {seconds:>8.3f} s {cpu:>7.3f} s  {plan.time_per_minibatch_s * 1e3:>10.4f} ms  "
-                  f"{plan.extra['cuts']:<19} {plan.extra['num_states']:>5} states  {plan.num_stages:>3} stages", flush=True)
+                  f"{plan.extra['cuts']:<19} {'yes' if plan.extra['exact'] else 'no':<5} {plan.extra['num_states']:>5} states"
+                  f"{'' if not plan.extra.get('states_considered') else ' of ' + str(plan.extra['states_considered']):<10}"
+                  f"  {plan.num_stages:>3} stages", flush=True)
     return rows
 
 
@@ -130,19 +139,44 @@ def optimality(num_cases: int) -> dict[str, Any]:
     return {"cases": num_cases, "max_relative_gap": gaps, "cases_where_all_cuts_beat_pipedream": improved}
 
 
+def bounded_gap(num_cases: int) -> dict[str, Any]:
+    """The bounded solve (bound from a coarse prefix plan) against the unbounded DP over the same
+    states (antichains + prefixes), on medium branching graphs and two-level hierarchies."""
+    gap, kept = 0.0, []
+    for seed in range(num_cases):
+        graph = synthetic.branches(6 + seed % 5, width=4, depth=3, seed=seed)
+        machines = [[4], [2, 2], [4, 2], [2, 2, 2]][seed % 4]
+        hierarchy = Hierarchy.from_lists(machines, [40e9, 10e9, 1.25e9][: len(machines)])
+        options = PartitionOptions(activation_compression_ratio=1.0)
+        work = preprocess(graph)
+        antichains = enumerate_antichains(work)
+        union = cut_states(work, list(prefix_states(work).members) + antichains.downsets(), "bounded")
+        full = solve(union, hierarchy, options).time_s
+        bounded = bounded_solve(work, hierarchy, options, antichains, solve(prefix_states(work, 10), hierarchy, options).time_s)
+        if bounded is None:
+            gap = math.inf
+            continue
+        gap = max(gap, abs(bounded.time_s - full) / full)
+        kept.append(bounded.states.num_states / union.num_states)
+    return {"cases": num_cases, "max_relative_gap": gap, "mean_fraction_of_states_kept": sum(kept) / max(len(kept), 1)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="reference profiles, -n 4 and -n 4 4, 30 optimality cases")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     hierarchies = ["4", "4 4"] if args.quick else list(HIERARCHIES)
-    print(f"{'profile':<24} {'hierarchy':<10} {'wall':>10} {'cpu':>9}  {'time/minibatch':>13}  {'cuts':<19} {'states':>5}")
+    print(f"{'profile':<24} {'hierarchy':<10} {'wall':>10} {'cpu':>9}  {'time/minibatch':>13}  {'cuts':<19} {'exact':<5} {'states':>5}")
     rows = solve_rows(profiles(args.quick), hierarchies)
     gap = optimality(30 if args.quick else 120)
     print(f"optimality vs brute force on {gap['cases']} small DAGs: max relative gap "
           f"{gap['max_relative_gap']}; all-cuts beat PipeDream's states in {gap['cases_where_all_cuts_beat_pipedream']} case(s)")
+    bounded = bounded_gap(4 if args.quick else 20)
+    print(f"bounded solve vs unbounded DP over the same states on {bounded['cases']} branching graphs: max relative gap "
+          f"{bounded['max_relative_gap']}; states kept {bounded['mean_fraction_of_states_kept']:.1%} on average")
     atomic_write_json(args.output, {
-        "rows": rows, "optimality": gap, "quick": args.quick,
+        "rows": rows, "optimality": gap, "bounded_vs_full_dp": bounded, "quick": args.quick,
         "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
     })
     print(f"wrote {args.output}")

@@ -227,3 +227,24 @@ def test_cli_bad_input_is_one_line_and_exit_2(reference_profiles, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "1 bandwidth(s); give one bandwidth per level" in result.stderr
+
+
+def test_stage_communication_uses_the_bandwidth_of_the_level_that_splits_it():
+    from model_parallel.optimizer.costs import stage_costs
+    from model_parallel.optimizer.partition import solve
+    from model_parallel.optimizer.states import antichain_states, preprocess
+
+    graph = synthetic.chain(12, seed=4)
+    hierarchy = Hierarchy.from_lists([2, 2], [40e9, 2e9])
+    options = PartitionOptions(activation_compression_ratio=1.0)
+    solution = solve(antichain_states(preprocess(graph)), hierarchy, options)
+    assert 1 in solution.boundary_levels, "the plan should cross the slow outer level"
+    plan = partition(graph, hierarchy, options)
+    costs = stage_costs(graph, plan.stage_of, plan.num_stages)
+    for index, level in enumerate(solution.boundary_levels):
+        replicas = solution.level_replicas[index][level]
+        bandwidth = hierarchy.levels[level].bandwidth
+        expected = 2.0 * costs[index].output_bytes / (bandwidth * replicas)
+        assert plan.stages[index].communication_s >= expected * (1 - 1e-12)
+        if level == 1:  # the slow link is the larger term here, and the old innermost-only figure missed it
+            assert plan.stages[index].communication_s > 2.0 * costs[index].output_bytes / (40e9 * replicas)

@@ -78,7 +78,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pipeline = plan.time_per_minibatch_s
     data_parallel = float(plan.extra.get("data_parallel_time_s", math.nan))
     machines = ",".join(str(n) for n in args.all_num_machines)
-    print(f"Total number of states: {plan.extra.get('num_states')} ({plan.extra.get('cuts')} cuts)")
+    considered = plan.extra.get("states_considered")
+    print(f"Total number of states: {plan.extra.get('num_states')} ({plan.extra.get('cuts')} cuts"
+          + (f", bounded from {considered}" if considered else "") + ")")
+    print("Optimal over PipeDream's states:", "yes" if plan.extra.get("exact") else "not proven (best over topological cut points)")
     print(f"Total number of stages: {plan.num_stages}")
     print()
     print("Time taken by single-stage pipeline:", total)

@@ -53,6 +53,10 @@ class Solution:
     states: States
     exact: bool = True  # optimal over every cut PipeDream considers (and possibly more)
     states_considered: int = 0  # cut states before bounding (bounded solves)
+    # Per part, its replicas at each level (innermost first); per boundary between parts i and i+1,
+    # the outermost level that splits there (its bandwidth carries the activations). Empty = one level.
+    level_replicas: tuple[tuple[int, ...], ...] = ()
+    boundary_levels: tuple[int, ...] = ()
 
 
 def dp_work(num_states: int, hierarchy: Hierarchy, options: PartitionOptions) -> float:
@@ -222,13 +226,23 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
     if not math.isfinite(value):
         return Solution(value, (), states, exact)
     parts = [Part(0, states.num_states, 1)]
-    for tables in reversed(all_tables):
+    replicas: list[tuple[int, ...]] = [()]
+    boundaries: list[int] = []
+    for level in reversed(range(len(all_tables))):
         inner: list[Part] = []
-        for part in parts:
-            for sub in analyze(tables, part.start, part.end):
+        inner_replicas: list[tuple[int, ...]] = []
+        inner_boundaries: list[int] = []
+        for index, (part, outer) in enumerate(zip(parts, replicas)):
+            if index:
+                inner_boundaries.append(boundaries[index - 1])
+            subs = analyze(all_tables[level], part.start, part.end)
+            for number, sub in enumerate(subs):
+                if number:
+                    inner_boundaries.append(level)
                 inner.append(Part(sub.start, sub.end, sub.replicas * part.replicas))
-        parts = inner
-    return Solution(value, tuple(parts), states, exact)
+                inner_replicas.append((sub.replicas, *outer))
+        parts, replicas, boundaries = inner, inner_replicas, inner_boundaries
+    return Solution(value, tuple(parts), states, exact, level_replicas=tuple(replicas), boundary_levels=tuple(boundaries))
 
 
 def _assign_nodes(graph: Graph, work: Workload, solution: Solution) -> dict[str, int]:
@@ -336,16 +350,28 @@ def build_plan(
     num_stages = len(solution.parts)
     costs = stage_costs(graph, stage_of, num_stages)
     workers = hierarchy.num_workers
-    bandwidth = hierarchy.levels[0].bandwidth
+    levels = hierarchy.levels
     ratio = options.activation_compression_ratio or 1.0
+    level_replicas = solution.level_replicas or tuple((part.replicas,) for part in solution.parts)
+    boundary_levels = solution.boundary_levels or (0,) * (num_stages - 1)
     stages = []
     before = 0
     order = graph.topological_order
     for index, (part, cost) in enumerate(zip(solution.parts, costs)):
         r = part.replicas
-        transfers = [2.0 * cost.input_bytes / (bandwidth * r) / ratio, 4 * (r - 1) * cost.parameter_bytes / (bandwidth * r)]
+        replicas = level_replicas[index]
+        # PipeDream's terms, each at its level: all-reduce of the stage's weights among its replicas
+        # there (divided by the machines inside), activations over the level that splits the boundary.
+        transfers, within = [0.0], 1
+        for level, count in zip(levels, replicas):
+            transfers.append(4 * (count - 1) * cost.parameter_bytes / (level.bandwidth * count) / within)
+            within *= level.num_machines
+        if index > 0:
+            level = boundary_levels[index - 1]
+            transfers.append(2.0 * cost.input_bytes / (levels[level].bandwidth * replicas[level]) / ratio)
         if index < num_stages - 1:
-            transfers.append(2.0 * cost.output_bytes / (bandwidth * r) / ratio)
+            level = boundary_levels[index]
+            transfers.append(2.0 * cost.output_bytes / (levels[level].bandwidth * replicas[level]) / ratio)
         stages.append(
             StagePlan(
                 stage_id=index,
