@@ -395,6 +395,9 @@ def build_plan(
     }
     if solution.states_considered:
         extra["states_considered"] = solution.states_considered
+    if not solution.exact:
+        # No plan beats perfect balance without any communication: how far from optimal this can be.
+        extra["lower_bound_s"] = float(solution.states.compute[-1]) / workers
     if options.worker_speeds is not None:
         extra["worker_speeds"] = list(options.worker_speeds)
     return Plan(
