@@ -92,8 +92,8 @@ def test_options_are_validated():
         PartitionOptions(memory_model="gpipe")
     with pytest.raises(PlanError, match="activation_compression_ratio must be a positive number"):
         PartitionOptions(activation_compression_ratio=0.0)
-    with pytest.raises(PlanError, match="worker_speeds needs straight_pipeline"):
-        PartitionOptions(worker_speeds=(1.0, 2.0))
+    with pytest.raises(PlanError, match="cannot leave workers idle"):
+        PartitionOptions(worker_speeds=(1.0, 2.0), use_fewer_machines=True)
     with pytest.raises(PlanError, match="worker_speeds must be positive"):
         PartitionOptions(straight_pipeline=True, worker_speeds=(1.0, -1.0))
     with pytest.raises(PlanError, match="cuts must be one of"):

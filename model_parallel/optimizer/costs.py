@@ -68,7 +68,9 @@ def predict_stage_times(
     Stage time = max((T + 4 (r-1) W / (B r)) / sum of its ranks' speeds, transfers), where the input
     and output transfers `2 bytes / (B r R)` count only with a compression ratio R (as PipeDream).
     With speeds all 1.0 this is the optimizer's own model, so `max(...)` equals
-    `plan.time_per_minibatch_s` for a one-level straight plan. Speeds are indexed by rank.
+    `plan.time_per_minibatch_s` for a one-level straight plan. Speeds are indexed by rank. (PipeDream's
+    DP never charges the first stage for its output; here it is charged, at the first stage's replicas,
+    so a replicated first stage can predict more than the plan says.)
     """
     plan = plan.with_default_ranks()
     costs = stage_costs(graph, plan.stage_of, plan.num_stages)

@@ -97,6 +97,7 @@ def solve_level(
     row_states: Optional[np.ndarray] = None,
     solve_rows: Optional[np.ndarray] = None,
     splittable: Optional[np.ndarray] = None,
+    worker_speeds: Optional[np.ndarray] = None,
 ) -> LevelTables:
     """One level of PipeDream's DP. `compute/activation/parameters` are range tables whose rows start
     after `row_states` (default: every state, see `range_table`); with `cumulative` = the states'
@@ -106,6 +107,10 @@ def solve_level(
     starts the next level reads (default: row -1 at the final level, else every row). `splittable`
     (bool per state) marks the states that may end a stage other than the last (default: all);
     every splittable state needs a table row.
+
+    `worker_speeds` (one level only: ranges from the start): machine i runs at that relative speed and
+    stages take machines in order, so a stage's work divides by its machines' summed speed (PipeDream:
+    by their count). Idle machines (`use_fewer_machines`) are not placed by speed.
     """
     # Only ranges from the start are solved or read at the outermost level, but its last stages
     # still span any (k, j]: read those from the full tables, or from `cumulative` sums
@@ -141,10 +146,16 @@ def solve_level(
     last_m = np.zeros((rows_total, s, big_m), dtype=np.int32)
     stash_bytes = activation + parameters  # inf where the range does not exist
 
+    speed_sums = None
+    if worker_speeds is not None:
+        prefix = np.concatenate(([0.0], np.cumsum(worker_speeds)))
+        ms, mps_ = np.meshgrid(np.arange(1, big_m), np.arange(1, big_m), indexing="ij")
+        speed_sums = np.where(mps_ <= ms, prefix[ms + 1] - prefix[np.maximum(ms + 1 - mps_, 0)], np.inf)
     # Single stage over each range, replicated on m+1 machines.
     with np.errstate(invalid="ignore"):
         for m in range(1 if straight_pipeline else big_m):
-            value = (compute + (4 * m * parameters) / (bandwidth * (m + 1)) / machines_within) / (m + 1)
+            share = (m + 1) if worker_speeds is None else prefix[m + 1]
+            value = (compute + (4 * m * parameters) / (bandwidth * (m + 1)) / machines_within) / share
             ok = np.isfinite(compute)
             if memory_limit is not None:
                 ok &= _stash_factor(memory_model, big_m, m + 1, m + 1) * stash_bytes <= memory_limit
@@ -176,7 +187,7 @@ def solve_level(
             last = np.full((big_m - 1, big_m - 1, splits_before), INF)
             last[:, :, split_position[ks]] = _last_stage_times(
                 *last_ranges(ks, j), output[ks], output[j],
-                j < s - 1, mps, big_m, bandwidth, ratio, memory_limit, memory_model, straight_pipeline,
+                j < s - 1, mps, big_m, bandwidth, ratio, memory_limit, memory_model, straight_pipeline, speed_sums,
             ).transpose(0, 2, 1)
         for block_start in range(0, rows, _ROW_BLOCK):
             block = slice(block_start, min(rows, block_start + _ROW_BLOCK))
@@ -226,20 +237,25 @@ def _last_stage_times(
     range_compute: np.ndarray, range_params: np.ndarray, range_stash: np.ndarray, output_in: np.ndarray,
     output_out: float, has_output: bool, mps: np.ndarray, big_m: int, bandwidth: float,
     ratio: Optional[float], memory_limit: Optional[float], memory_model: str, straight_pipeline: bool,
+    speed_sums: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """`last[m-1, k, m'-1]`: the last stage (after split k) on m' machines, when m+1 machines are in use.
 
-    Transfers do not depend on the row, so they fold into the last stage's term of the max.
+    Transfers do not depend on the row, so they fold into the last stage's term of the max. With
+    `speed_sums[m-1, m'-1]` (the summed speed of machines m-m'+1 .. m) work divides by it, not m'.
     """
     mp = mps[None, :]
-    value = (range_compute[:, None] + (4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp)) / mp
+    work = range_compute[:, None] + (4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp)
+    if speed_sums is None:
+        last = np.broadcast_to(work / mp, (big_m - 1, *work.shape)).copy()
+    else:  # machines m-m'+1 .. m share the work by speed (m' <= m; larger m' are never read)
+        last = np.where(np.isfinite(speed_sums)[:, None, :], work[None, :, :] / speed_sums[:, None, :], INF)
     if ratio is not None:
         transfer = (2.0 * output_in[:, None]) / (bandwidth * mp) / ratio
         if has_output:
             transfer = np.maximum(transfer, (2.0 * output_out) / (bandwidth * mp) / ratio)
-        value = np.maximum(value, transfer)
-    value = np.where(np.isfinite(range_compute)[:, None], value, INF)
-    last = np.broadcast_to(value, (big_m - 1, *value.shape)).copy()
+        last = np.maximum(last, transfer[None])
+    last = np.where(np.isfinite(range_compute)[None, :, None], last, INF)
     if memory_limit is not None:
         for m in range(1, big_m):
             factors = np.array([_stash_factor(memory_model, big_m, m + 1, int(r)) for r in mps], dtype=np.float64)

@@ -21,8 +21,9 @@ class PartitionOptions:
       (PipeDream's behaviour without the flag).
     - `use_memory_constraint` + `memory_model`: drop candidates whose per-worker bytes exceed the
       hierarchy's `memory_bytes` ("pipedream" stash estimate or "1f1b"; see `dp.py`).
-    - `worker_speeds`: relative speed of each worker in rank order (1.0 = as profiled); a stage on
-      worker w takes compute / speed_w. Needs `straight_pipeline` and a one-level hierarchy.
+    - `worker_speeds`: relative speed of each worker in rank order (1.0 = as profiled); stages take
+      workers in rank order and a stage's work divides by its workers' summed speed (compute / speed_w
+      for one worker). Needs a one-level hierarchy; with replicas, not `use_fewer_machines`.
     - `cuts`: "antichain" = PipeDream's states (reproduces its numbers), "topological" = prefixes of
       one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given,
       the graph has more than `max_antichain_states` antichain states, or the DP over them would be
@@ -62,5 +63,8 @@ class PartitionOptions:
             bad = [s for s in speeds if not (math.isfinite(s) and s > 0)]
             if not speeds or bad:
                 raise PlanError(f"worker_speeds must be positive numbers (1.0 = as profiled), got {list(speeds)}")
-            if not self.straight_pipeline:
-                raise PlanError("worker_speeds needs straight_pipeline=True (one worker per stage, stage k on worker k)")
+            if self.use_fewer_machines and not self.straight_pipeline:
+                raise PlanError(
+                    "worker_speeds with replicated stages cannot leave workers idle (use_fewer_machines): stages take "
+                    "workers in rank order; use straight_pipeline=True or drop use_fewer_machines"
+                )

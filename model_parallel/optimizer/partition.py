@@ -187,8 +187,14 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
             options.use_fewer_machines, memory, options.memory_model,
         )
         return Solution(value, tuple(parts), states, exact=False)
+    speeds = None
     if options.worker_speeds is not None:
-        raise PlanError("worker_speeds needs a one-level hierarchy (-n P): stage k runs on worker k")
+        if len(levels) != 1 or len(options.worker_speeds) != levels[0].num_machines:
+            raise PlanError(
+                f"worker_speeds needs a one-level hierarchy and one speed per worker (-n P with P speeds); got "
+                f"{len(options.worker_speeds)} speed(s) for machines {[level.num_machines for level in levels]}"
+            )
+        speeds = np.array(options.worker_speeds, dtype=np.float64)
 
     # Only PipeDream's own state space keeps its not-a-range table entries (needed to reproduce it).
     strict = None if states.kind == "antichain" else states.pred_mask
@@ -214,7 +220,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
             activation_compression_ratio=options.activation_compression_ratio,
             memory_limit=memory, memory_model=options.memory_model,
             cumulative=(states.compute, states.activation, states.parameters) if one_level else None,
-            row_states=table_rows, **limits,
+            row_states=table_rows, worker_speeds=speeds, **limits,
         )
         # The best time of each range on all of this level's machines is its compute time one level up.
         compute = tables.best[:, :, -1].copy()
