@@ -25,9 +25,11 @@ class PartitionOptions:
       workers in rank order and a stage's work divides by its workers' summed speed (compute / speed_w
       for one worker). Needs a one-level hierarchy; with replicas, not `use_fewer_machines`.
     - `cuts`: "antichain" = PipeDream's states (reproduces its numbers), "topological" = prefixes of
-      one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given,
-      the graph has more than `max_antichain_states` antichain states, or the DP over them would be
-      too slow (then as many topological cut points as the time budget allows); "all" = every valid
+      one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given
+      (then topological), the graph has more than `max_antichain_states` antichain states, or the DP
+      over them would be too slow; then the exact bounded solve over antichains and prefixes
+      (`bounds.py`), and when even that is too big, as many topological cut points as the time budget
+      allows (plan.extra["exact"] false); "all" = every valid
       cut (downward-closed node set) with the bytes that really cross it: never worse than
       PipeDream on one level, exponential in graph width (small graphs only).
     - `max_cut_points`: keep at most this many topological cut points (the cheapest cut of each of
