@@ -272,16 +272,22 @@ def _assign_nodes(graph: Graph, work: Workload, solution: Solution) -> dict[str,
     return stage_of
 
 
-def _infeasible_message(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions, states: States) -> str:
+def _infeasible_message(graph: Graph, work: Workload, hierarchy: Hierarchy, options: PartitionOptions, states: States) -> str:
     workers = hierarchy.num_workers
     if options.use_memory_constraint:
-        free = solve(states, hierarchy, replace(options, use_memory_constraint=False))
+        # The bisection solves ~15 times: over many states, search a few cut points (an upper estimate).
+        thorough = states.num_states <= QUICK_CUT_POINTS or options.worker_speeds is not None
+        search = states if thorough else prefix_states(work, QUICK_CUT_POINTS)
+        free = solve(search, hierarchy, replace(options, use_memory_constraint=False))
         if math.isfinite(free.time_s):
-            need = minimum_memory(states, hierarchy, options, _peak_memory(free.parts, states, workers, options.memory_model))
+            need = minimum_memory(search, hierarchy, options, _peak_memory(free.parts, search, workers, options.memory_model))
+            found = (
+                f"the smallest memory any plan fits in is about {need:.4g} bytes per worker"
+                if thorough else f"a plan over {search.num_states} cut points fits in {need:.4g} bytes per worker"
+            )
             return (
                 f"no partition fits {hierarchy.memory_bytes:.4g} bytes per worker (memory model {options.memory_model!r}); "
-                f"the smallest memory any plan fits in is about {need:.4g} bytes per worker: raise -s/--memory_size "
-                "to at least that, or add workers"
+                f"{found}: raise -s/--memory_size to at least that, or add workers"
             )
     if options.straight_pipeline and workers > states.num_states and not options.use_fewer_machines:
         return (
@@ -343,7 +349,7 @@ def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = Pa
     else:
         solution = solve(choose_states(work, hierarchy, options), hierarchy, options)
     if not math.isfinite(solution.time_s):
-        raise InfeasibleError(_infeasible_message(graph, hierarchy, options, solution.states))
+        raise InfeasibleError(_infeasible_message(graph, work, hierarchy, options, solution.states))
     stage_of = _assign_nodes(graph, work, solution)
     elapsed = time.perf_counter() - started
     return build_plan(graph, hierarchy, options, solution, stage_of, elapsed)
