@@ -48,6 +48,10 @@ class LevelBounds:
         kept[-1] = True
         return kept
 
+    def restricted(self, keep: np.ndarray) -> "LevelBounds":
+        """The same bounds over the kept states only (state indices renumbered)."""
+        return LevelBounds(tuple(m[keep] for m in self.splittable), tuple(m[keep] for m in self.starts), self.upper_bound_s)
+
     def table_rows(self) -> np.ndarray:
         """Rows the innermost level's tables need: its splits and the next level's starts."""
         return np.concatenate(([-1], np.flatnonzero(self.splittable[0] | self.starts[0])))

@@ -29,8 +29,8 @@ from model_parallel.optimizer.costs import stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.states import (
-    Antichains, States, Workload, antichain_states, cut_costs, cut_states, downset_sums, enumerate_antichains, finish_antichains,
-    ideal_states, preprocess, prefix_states,
+    Antichains, States, Workload, antichain_states, cut_costs, downset_sums, enumerate_antichains, finish_antichains,
+    ideal_states, preprocess, prefix_states, states_from_costs,
 )
 from model_parallel.optimizer.straight import straight_partition
 
@@ -152,12 +152,12 @@ def bounded_solve(
     compute = downset_sums(work, downsets)
     maybe = boundary_states(compute, float(compute.max()), hierarchy.num_workers, 1, upper_bound)
     costs = cut_costs(work, [d for d, k in zip(downsets, maybe) if k] + [everything])
-    ratio = options.activation_compression_ratio
-    costs = costs.subset(level_bounds(costs.compute, costs.output, hierarchy, upper_bound, ratio).kept_states())
-    bounds = level_bounds(costs.compute, costs.output, hierarchy, upper_bound, ratio)
+    bounds = level_bounds(costs.compute, costs.output, hierarchy, upper_bound, options.activation_compression_ratio)
+    kept = bounds.kept_states()
+    costs, bounds = costs.subset(kept), bounds.restricted(kept)
     if bounded_work(bounds, hierarchy, options.straight_pipeline) > AUTO_WORK_BUDGET:
         return None
-    states = cut_states(work, [], "bounded" if antichains is not None else "topological-bounded", costs)
+    states = states_from_costs(costs, "bounded" if antichains is not None else "topological-bounded")
     solution = solve(states, hierarchy, options, bounds)
     return replace(solution, exact=antichains is not None, states_considered=len(downsets))
 

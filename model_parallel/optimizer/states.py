@@ -419,10 +419,13 @@ def cut_costs(work: Workload, downsets: list[int]) -> CutCosts:
     )
 
 
-def cut_states(work: Workload, downsets: list[int], kind: str, costs: Optional[CutCosts] = None) -> States:
-    """States for arbitrary downsets (or their precomputed `costs`): ordered by size, `O` = the bytes
-    that really cross each cut, `pred_mask` = strict inclusion (a boolean matrix product)."""
-    costs = costs if costs is not None else cut_costs(work, downsets)
+def cut_states(work: Workload, downsets: list[int], kind: str) -> States:
+    """States for arbitrary downsets: ordered by size, `O` = the bytes that really cross each cut."""
+    return states_from_costs(cut_costs(work, downsets), kind)
+
+
+def states_from_costs(costs: CutCosts, kind: str) -> States:
+    """`CutCosts` as DP states: `pred_mask` = strict inclusion (a boolean matrix product)."""
     as_float = costs.matrix.astype(np.float32)
     # k is inside j when no member of k is outside j.
     pred_mask = ((~costs.matrix).astype(np.float32) @ as_float.T) == 0  # [j, k]
