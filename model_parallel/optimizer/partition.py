@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 # "auto" keeps the DP under about this many array elements (a few seconds of numpy on one core).
 AUTO_WORK_BUDGET = 2.0e9
-# Most antichain states enumerated for a bounded solve (~15 us each); beyond, prefixes only.
-ENUMERATION_LIMIT = 300_000
+# Most antichain states enumerated for a bounded solve (~15-25 us each); beyond, prefixes only.
+ENUMERATION_LIMIT = 200_000
 # Cut points of the quick plan whose time bounds the exact solves.
 QUICK_CUT_POINTS = 200
 
@@ -151,6 +151,8 @@ def bounded_solve(
     everything = max(downsets, key=int.bit_count)
     compute = downset_sums(work, downsets)
     maybe = boundary_states(compute, float(compute.max()), hierarchy.num_workers, 1, upper_bound)
+    if float(maybe.sum()) ** 2 / 2 > AUTO_WORK_BUDGET:  # even one level on two machines touches S^2 / 2
+        return None
     costs = cut_costs(work, [d for d, k in zip(downsets, maybe) if k] + [everything])
     bounds = level_bounds(costs.compute, costs.output, hierarchy, upper_bound, options.activation_compression_ratio)
     kept = bounds.kept_states()

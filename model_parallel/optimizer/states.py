@@ -441,9 +441,14 @@ def states_from_costs(costs: CutCosts, kind: str) -> States:
     )
 
 
-def downset_sums(work: Workload, downsets: list[int]) -> np.ndarray:
-    """Compute seconds over each downset (for bounding before the states are built)."""
-    return _to_matrix(downsets, work.num_nodes).astype(np.float64) @ np.array(work.compute_s, dtype=np.float64)
+def downset_sums(work: Workload, downsets: list[int], chunk: int = 8192) -> np.ndarray:
+    """Compute seconds over each downset (for bounding before the states are built), in chunks so
+    that hundreds of thousands of states never need a states x nodes float matrix at once."""
+    compute = np.array(work.compute_s, dtype=np.float64)
+    sums = np.empty(len(downsets))
+    for start in range(0, len(downsets), chunk):
+        sums[start:start + chunk] = _to_matrix(downsets[start:start + chunk], work.num_nodes) @ compute
+    return sums
 
 
 def prefix_order(work: Workload) -> list[int]:
