@@ -76,7 +76,7 @@ def brute_force(
     """Best slowest-stage time over every chain of cuts ending at the full cut, and that chain.
 
     Returns `(time, ((cut index, replicas), ...))`; `(inf, ())` when nothing is feasible. With
-    `worker_speeds` stages take workers in order and divide their work by the workers' summed speed.
+    `worker_speeds` stages take workers in order and divide their work by r times the slowest speed.
     """
     full = max(range(len(cuts)), key=lambda i: bin(cuts[i].mask).count("1"))
     ratio = activation_compression_ratio
@@ -88,7 +88,7 @@ def brute_force(
         a = cut.activation - (prev.activation if prev else 0.0)
         if memory_limit is not None and stash_factor(memory_model, big_m, used_before, r) * (a + w) > memory_limit:
             return math.inf
-        share = r if worker_speeds is None else sum(worker_speeds[used_before:used_before + r])
+        share = r if worker_speeds is None else r * min(worker_speeds[used_before:used_before + r])
         time = (t + (4 * (r - 1) * w) / (bandwidth * r)) / share
         if ratio is not None and prev is not None:
             time = max(time, (2.0 * prev.output) / (bandwidth * r) / ratio)

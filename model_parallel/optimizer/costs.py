@@ -65,7 +65,7 @@ def predict_stage_times(
 ) -> tuple[float, ...]:
     """Predicted seconds per minibatch of each stage of `plan` on workers of the given speeds.
 
-    Stage time = max((T + 4 (r-1) W / (B r)) / sum of its ranks' speeds, transfers), where the input
+    Stage time = max((T + 4 (r-1) W / (B r)) / (r * slowest speed of its ranks), transfers), where the input
     and output transfers `2 bytes / (B r R)` count only with a compression ratio R (as PipeDream).
     With speeds all 1.0 this is the optimizer's own model, so `max(...)` equals
     `plan.time_per_minibatch_s` for a one-level straight plan. Speeds are indexed by rank. (PipeDream's
@@ -84,8 +84,8 @@ def predict_stage_times(
     times = []
     for stage, cost in zip(plan.stages, costs):
         r = stage.num_replicas
-        # r replicas of speed 1 share the work r ways; with speeds, in proportion to their sum.
-        speed = sum(speeds[rank] for rank in stage.ranks) if speeds is not None else r
+        # r replicas share the microbatches round-robin (the runtime's rule): the slowest sets the pace.
+        speed = r * min(speeds[rank] for rank in stage.ranks) if speeds is not None else r
         time = (cost.compute_s + (4 * (r - 1) * cost.parameter_bytes) / (bandwidth * r)) / speed
         if activation_compression_ratio is not None:
             time = max(time, (2.0 * cost.input_bytes) / (bandwidth * r) / activation_compression_ratio)

@@ -109,8 +109,8 @@ def solve_level(
     every splittable state needs a table row.
 
     `worker_speeds` (one level only: ranges from the start): machine i runs at that relative speed and
-    stages take machines in order, so a stage's work divides by its machines' summed speed (PipeDream:
-    by their count). Idle machines (`use_fewer_machines`) are not placed by speed.
+    stages take machines in order; a stage's work divides by its machine count times their slowest
+    speed (PipeDream: by the count). Idle machines (`use_fewer_machines`) are not placed by speed.
     """
     # Only ranges from the start are solved or read at the outermost level, but its last stages
     # still span any (k, j]: read those from the full tables, or from `cumulative` sums
@@ -148,13 +148,16 @@ def solve_level(
 
     speed_sums = None
     if worker_speeds is not None:
-        prefix = np.concatenate(([0.0], np.cumsum(worker_speeds)))
-        ms, mps_ = np.meshgrid(np.arange(1, big_m), np.arange(1, big_m), indexing="ij")
-        speed_sums = np.where(mps_ <= ms, prefix[ms + 1] - prefix[np.maximum(ms + 1 - mps_, 0)], np.inf)
+        # The runtime deals a replicated stage's microbatches round-robin: its r machines each do 1/r
+        # of the work, so the slowest sets the pace: the work divides by r * min(speed).
+        speed_sums = np.full((big_m - 1, big_m - 1), np.inf)
+        for m in range(1, big_m):
+            for mp in range(1, m + 1):
+                speed_sums[m - 1, mp - 1] = mp * float(np.min(worker_speeds[m - mp + 1: m + 1]))
     # Single stage over each range, replicated on m+1 machines.
     with np.errstate(invalid="ignore"):
         for m in range(1 if straight_pipeline else big_m):
-            share = (m + 1) if worker_speeds is None else prefix[m + 1]
+            share = (m + 1) if worker_speeds is None else (m + 1) * float(np.min(worker_speeds[: m + 1]))
             value = (compute + (4 * m * parameters) / (bandwidth * (m + 1)) / machines_within) / share
             ok = np.isfinite(compute)
             if memory_limit is not None:
@@ -242,7 +245,7 @@ def _last_stage_times(
     """`last[m-1, k, m'-1]`: the last stage (after split k) on m' machines, when m+1 machines are in use.
 
     Transfers do not depend on the row, so they fold into the last stage's term of the max. With
-    `speed_sums[m-1, m'-1]` (the summed speed of machines m-m'+1 .. m) work divides by it, not m'.
+    `speed_sums[m-1, m'-1]` (m' times the slowest speed of machines m-m'+1 .. m) work divides by it, not m'.
     """
     mp = mps[None, :]
     work = range_compute[:, None] + (4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp)
