@@ -249,3 +249,13 @@ def test_stage_communication_uses_the_bandwidth_of_the_level_that_splits_it():
         assert plan.stages[index].communication_s >= expected * (1 - 1e-12)
         if level == 1:  # the slow link is the larger term here, and the old innermost-only figure missed it
             assert plan.stages[index].communication_s > 2.0 * costs[index].output_bytes / (40e9 * replicas)
+
+
+def test_forcing_pipedreams_states_on_a_huge_graph_is_a_clear_error(monkeypatch):
+    from model_parallel.optimizer import states as states_module
+
+    monkeypatch.setattr(states_module, "MAX_DP_STATES", 30)
+    graph = synthetic.branches(6, width=4, depth=3, seed=2)
+    with pytest.raises(InfeasibleError, match=r"antichain states: its DP would need .* use cuts='auto'"):
+        partition(graph, Hierarchy.from_lists([4]), PartitionOptions(cuts="antichain"))
+    assert partition(graph, Hierarchy.from_lists([4]), PartitionOptions()).extra["exact"] is True

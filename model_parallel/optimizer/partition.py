@@ -27,6 +27,7 @@ from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
 from model_parallel.optimizer.bounds import LevelBounds, bounded_work, boundary_states, level_bounds
 from model_parallel.optimizer.costs import stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
+from model_parallel.optimizer import states as states_module
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.states import (
     Antichains, States, Workload, antichain_states, cut_costs, downset_sums, enumerate_antichains, finish_antichains,
@@ -102,7 +103,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         found: Optional[Antichains] = enumerate_antichains(work, max_states=ENUMERATION_LIMIT)
     except InfeasibleError:
         found = None
-    if found is not None and len(found) <= min(options.max_antichain_states, affordable):
+    if found is not None and len(found) <= min(options.max_antichain_states, affordable, states_module.MAX_DP_STATES):
         return solve(finish_antichains(work, found), hierarchy, options)
     # An upper bound first: a plan over a few topological cut points (all of them on the straight
     # one-level fast path), then the optimum over every prefix, bounded by it.

@@ -191,8 +191,18 @@ class Antichains:
         return result
 
 
+# PipeDream's DP keeps a states x states ancestry matrix (1 byte per pair) and tables of that size.
+MAX_DP_STATES = 50_000
+
+
 def finish_antichains(work: Workload, found: Antichains) -> States:
     """PipeDream's state order and costs for an enumerated antichain DAG."""
+    if len(found) > MAX_DP_STATES:
+        raise InfeasibleError(
+            f"PipeDream's state space has {len(found)} antichain states: its DP would need "
+            f"{len(found) ** 2 / 2**30:.1f} GiB for the state order alone; use cuts='auto' (an exact bounded solve "
+            "where one exists) or cuts='topological'"
+        )
     order = _dfs_topological(found.out_edges)
     return _finish_states(
         work, [found.augmented[s] for s in order], _reindex(found.out_edges, order), found.ancestors, "antichain"
