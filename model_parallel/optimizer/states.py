@@ -231,22 +231,12 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> An
         # PipeDream writes list(set) + antichain; the set order does not change any cost (sums only).
         return _bits(extras) + list(antichain)
 
-    def deaugment(nodes: list[int]) -> list[int]:
-        members = 0
-        for x in nodes:
-            members |= 1 << x
-        result, seen = [], 0
-        for x in nodes:
-            if desc[x] & members or (seen >> x) & 1:
-                continue
-            seen |= 1 << x
-            result.append(x)
-        return result
+    bit = [1 << x for x in range(n)]
 
     def key(nodes: list[int]) -> int:
         mask = 0
         for x in nodes:
-            mask |= 1 << x
+            mask |= bit[x]
         return mask
 
     sources = [v for v in range(n) if not work.pred[v]]
@@ -264,13 +254,18 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> An
         processed.add(akey)
         aug = augment(antichain)
         aug_mask = key(aug)
-        for u in aug:
+        edges = out_edges[mapping[akey]]
+        for index, u in enumerate(aug):
+            before, after = aug[:index], aug[index + 1:]
             for v in work.succ[u]:
-                if (akey >> v) & 1:
+                if akey & bit[v] or desc[v] & aug_mask:  # is_next_antichain: no successor of v may sit in the cut
                     continue
-                if desc[v] & aug_mask:  # is_next_antichain: no successor of v may sit in the cut
-                    continue
-                nxt = deaugment([v if x == u else x for x in aug])
+                # PipeDream's deaugment of aug with u replaced by v: keep the nodes with no descendant in
+                # the set, in order (v has none there: checked above; nodes of aug are distinct).
+                members = (aug_mask ^ bit[u]) | bit[v]
+                nxt = [x for x in before if not desc[x] & members]
+                nxt.append(v)
+                nxt.extend([x for x in after if not desc[x] & members])
                 nkey = key(nxt)
                 if nkey not in mapping:
                     mapping[nkey] = len(augmented)
@@ -278,7 +273,7 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> An
                     out_edges.append([])
                     if max_states is not None and len(augmented) > max_states:
                         raise InfeasibleError(f"more than {max_states} antichain states")
-                out_edges[mapping[akey]].append(mapping[nkey])
+                edges.append(mapping[nkey])
                 queue.append(nxt)
     return Antichains(augmented, out_edges, anc)
 
@@ -406,26 +401,28 @@ class CutCosts:
                         self.activation[chosen], self.parameters[chosen], self.output[chosen])
 
 
-def cut_costs(work: Workload, downsets: list[int]) -> CutCosts:
-    """Sums and crossing bytes of arbitrary downsets (bitsets; duplicates merged), vectorised."""
+def cut_costs(work: Workload, downsets: list[int], chunk: int = 8192) -> CutCosts:
+    """Sums and crossing bytes of arbitrary downsets (bitsets; duplicates merged), vectorised in
+    chunks of states (only the boolean membership matrix is kept whole)."""
     n = work.num_nodes
     unique = sorted(set(downsets), key=lambda mask: (mask.bit_count(), mask))
     members = _to_matrix(unique, n)
     adjacency = np.zeros((n, n), dtype=np.float32)
     for v, targets in enumerate(work.succ):
         adjacency[v, list(targets)] = 1.0
-    # A member crosses the cut when one of its successors is outside: fewer successors inside than it has.
-    successors_inside = members.astype(np.float32) @ adjacency.T  # [s, v]; small integers, exact in float32
-    crossing = members & (successors_inside < adjacency.sum(axis=1)[None, :])
-    activation = np.array(work.activation, dtype=np.float64)
-    member_matrix = members.astype(np.float64)
+    out_degree = adjacency.sum(axis=1)
+    per_node = np.array([work.compute_s, work.activation, work.parameters], dtype=np.float64).T  # (n, 3)
+    sums = np.empty((len(unique), 3))
+    output = np.empty(len(unique))
+    for start in range(0, len(unique), chunk):
+        block = members[start:start + chunk]
+        sums[start:start + chunk] = block @ per_node
+        # A member crosses the cut when one of its successors is outside: fewer successors inside than it has.
+        successors_inside = block.astype(np.float32) @ adjacency.T  # small integers, exact in float32
+        output[start:start + chunk] = (block & (successors_inside < out_degree[None, :])) @ per_node[:, 1]
     return CutCosts(
-        members=tuple(unique),
-        matrix=members,
-        compute=member_matrix @ np.array(work.compute_s, dtype=np.float64),
-        activation=member_matrix @ activation,
-        parameters=member_matrix @ np.array(work.parameters, dtype=np.float64),
-        output=crossing.astype(np.float64) @ activation,
+        members=tuple(unique), matrix=members,
+        compute=sums[:, 0].copy(), activation=sums[:, 1].copy(), parameters=sums[:, 2].copy(), output=output,
     )
 
 
