@@ -6,7 +6,8 @@
 Profiles: PipeDream's reference profiles (vgg16, resnet50, gnmt; FORMATS.md), torchvision
 resnet50/resnet101 traced at 32x32 and inception_v3 at 96x96 with synthetic costs (compute
 proportional to activation bytes, `optimizer.synthetic.traced_costs`), and a generated heavy-branching
-graph (`synthetic.branches`, inception-like, ~1000 nodes, 9311 antichain states). Hierarchies: `-n 4`,
+graph (`synthetic.branches`, inception-like, ~1000 nodes, 9311 antichain states) and a wider one
+(1551 nodes, 197,953 states: PipeDream's inception_v3 has 221,564). Hierarchies: `-n 4`,
 `-n 4 4`, `-n 8 2` (bandwidths 40e9 1.25e9) and `-n 8 16 8` (40e9 10e9 1.25e9), all with
 `--activation_compression_ratio 1`, default `cuts="auto"`: PipeDream's antichain DP when affordable
 ("antichain"), else the exact bounded solve over antichains and topological prefixes ("bounded"),
@@ -85,6 +86,8 @@ def profiles(quick: bool) -> list[tuple[str, Graph]]:
         found.append((f"{name} (traced)", traced(name)))
     found.append(("inception_v3 (traced)", traced("inception_v3", 96, aux_logits=False, init_weights=False)))
     found.append(("branches 1000 nodes", synthetic.branches(110, width=4, depth=3, seed=1)))
+    # As wide as PipeDream's inception_v3 (221,564 states, out of memory there): 197,953 antichain states.
+    found.append(("wide branches 1551 nodes", synthetic.branches(95, width=6, depth=4, seed=1)))
     return found
 
 

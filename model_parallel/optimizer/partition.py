@@ -100,11 +100,11 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         return solve(prefix_states(work, options.max_cut_points), hierarchy, options)
     affordable = _affordable_cut_points(hierarchy, options)
     try:
-        found: Optional[Antichains] = enumerate_antichains(work, max_states=ENUMERATION_LIMIT)
+        small = enumerate_antichains(work, max_states=min(options.max_antichain_states, affordable, states_module.MAX_DP_STATES))
     except InfeasibleError:
-        found = None
-    if found is not None and len(found) <= min(options.max_antichain_states, affordable, states_module.MAX_DP_STATES):
-        return solve(finish_antichains(work, found), hierarchy, options)
+        small = None  # more states than PipeDream's DP can take here
+    if small is not None:
+        return solve(finish_antichains(work, small), hierarchy, options)
     # An upper bound first: a plan over a few topological cut points (all of them on the straight
     # one-level fast path), then the optimum over every prefix, bounded by it.
     fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
@@ -115,16 +115,29 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         upper = replace(solve(prefix_states(work, limit), hierarchy, options), exact=False)
     if not math.isfinite(upper.time_s):
         return upper
+    prefixes_fit = True
     if options.max_cut_points is None:
-        upper = _better(upper, bounded_solve(work, hierarchy, options, None, upper.time_s))
-    exact = bounded_solve(work, hierarchy, options, found, upper.time_s) if found is not None else None
+        over_prefixes = bounded_solve(work, hierarchy, options, None, upper.time_s)
+        prefixes_fit = over_prefixes is not None
+        upper = _better(upper, over_prefixes)
+    # The union with the antichains keeps a superset under the same bound: hopeless if prefixes alone are.
+    exact, found = None, None
+    if prefixes_fit:
+        try:
+            found = enumerate_antichains(work, max_states=ENUMERATION_LIMIT)
+            exact = bounded_solve(work, hierarchy, options, found, upper.time_s)
+        except InfeasibleError:
+            pass
     if exact is None:
         if upper.states.kind != "topological-bounded" and quick != limit:
             upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
         logger.warning(
-            "%s cut states on %d workers are too many for an exact solve: this plan is the best over %s prefixes "
+            "%s on %d workers: too many cut states for an exact solve; this plan is the best over %s prefixes "
             "of one topological order (not proven optimal; plan.extra['exact'] is false)",
-            f"more than {ENUMERATION_LIMIT}" if found is None else len(found), hierarchy.num_workers,
+            f"{len(found)} antichain states" if found is not None
+            else "the bound keeps too many topological cut points" if not prefixes_fit
+            else f"more than {ENUMERATION_LIMIT} antichain states",
+            hierarchy.num_workers,
             "all" if upper.states.kind in ("topological", "topological-bounded") else upper.states.num_states,
         )
         return upper
