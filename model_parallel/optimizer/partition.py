@@ -125,9 +125,10 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
     if prefixes_fit:
         try:
             found = enumerate_antichains(work, max_states=ENUMERATION_LIMIT)
-            exact = bounded_solve(work, hierarchy, options, found, upper.time_s)
         except InfeasibleError:
-            pass
+            found = None  # more than ENUMERATION_LIMIT states: the warning below says so
+        if found is not None:
+            exact = bounded_solve(work, hierarchy, options, found, upper.time_s)
     if exact is None:
         if upper.states.kind != "topological-bounded" and quick != limit:
             upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
