@@ -216,8 +216,8 @@ class Coordinator:
             logger.warning("dropped client %s: %s", where, error)
         except (socket.timeout, TimeoutError):
             logger.warning("dropped client %s: no complete message within the timeout", where)
-        except ConnectionError:
-            pass
+        except ConnectionError as error:  # a worker's loss is reported below; say it for ctl clients too
+            logger.info("client %s closed the connection: %s", where, error)
         except OSError as error:
             if not self.shutdown.is_set():
                 logger.warning("connection %s failed: %s", where, error)
