@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from model_parallel.graph.plan import Hierarchy, read_plan
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import partition
+from model_parallel.optimizer.partition import choose_states, partition, solve
+from model_parallel.optimizer.states import preprocess
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "model_parallel" / "optimizer" / "optimizer_graph_hierarchical.py"
@@ -259,3 +261,50 @@ def test_forcing_pipedreams_states_on_a_huge_graph_is_a_clear_error(monkeypatch)
     with pytest.raises(InfeasibleError, match=r"antichain states: its DP would need .* use cuts='auto'"):
         partition(graph, Hierarchy.from_lists([4]), PartitionOptions(cuts="antichain"))
     assert partition(graph, Hierarchy.from_lists([4]), PartitionOptions()).extra["exact"] is True
+
+
+def test_multi_level_plans_place_replicas_where_the_cost_model_put_them():
+    # Ranks number workers innermost first (-n 4 2: ranks 0-3 in server 0). A stage replicated r_l times at
+    # level l must span exactly r_l machines of that level, so its all-reduce and activations use the links
+    # the DP charged them to; every worker is used at most once.
+    rng = random.Random(7)
+    for case in range(12):
+        graph = synthetic.branches(rng.randint(2, 4), width=3, depth=2, seed=case)
+        machines = rng.choice(([4, 2], [2, 4], [2, 2, 2], [3, 2]))
+        hierarchy = Hierarchy.from_lists(machines, [40e9] * len(machines))  # fast outer links: replicas span servers
+        options = PartitionOptions(activation_compression_ratio=1.0, use_fewer_machines=case % 3 == 0, cuts="antichain")
+        plan = partition(graph, hierarchy, options)
+        solution = solve(choose_states(preprocess(graph), hierarchy, options), hierarchy, options)
+        assert [len(s.ranks) for s in plan.stages] == [s.num_replicas for s in plan.stages]
+        used = [r for s in plan.stages for r in s.ranks]
+        assert len(used) == len(set(used)) and all(0 <= r < hierarchy.num_workers for r in used)
+        for stage, replicas in zip(plan.stages, solution.level_replicas):
+            within = 1
+            for level, count in zip(hierarchy.levels, replicas):
+                positions = {(rank // within) % level.num_machines for rank in stage.ranks}
+                assert len(positions) == count, (machines, stage.ranks, replicas)
+                within *= level.num_machines
+
+
+def test_replicas_across_servers_sit_on_the_same_gpus_of_each():
+    from model_parallel.optimizer.partition import hierarchy_ranks
+
+    hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1e9])
+    assert hierarchy_ranks(hierarchy, (1, 2), (2, 0)) == (2, 6)
+    assert hierarchy_ranks(hierarchy, (2, 2), (0, 0)) == (0, 1, 4, 5)
+    assert hierarchy_ranks(Hierarchy.from_lists([4]), (3,), (1,)) == (1, 2, 3)
+
+
+def test_cli_worker_speeds_on_a_hierarchy(reference_profiles, tmp_path, capsys):
+    from model_parallel.optimizer.optimizer_graph_hierarchical import main
+
+    profile = str(reference_profiles / "resnet50.graph.txt")
+    flags = ["-f", profile, "-n", "2", "2", "-b", "40e9", "1.25e9", "--activation_compression_ratio", "1"]
+    assert main([*flags, "--worker_speeds", "1", "1", "0.5", "1", "-o", str(tmp_path / "slow")]) == 0
+    assert main([*flags, "-o", str(tmp_path / "even")]) == 0
+    slow, even = read_plan(tmp_path / "slow" / "plan.json"), read_plan(tmp_path / "even" / "plan.json")
+    assert sorted(r for s in slow.stages for r in s.ranks) == [0, 1, 2, 3]
+    assert slow.extra["worker_speeds"] == [1.0, 1.0, 0.5, 1.0]
+    assert slow.time_per_minibatch_s > even.time_per_minibatch_s  # a slower worker cannot help
+    with pytest.raises(PlanError, match=r"worker_speeds has 3 value\(s\) but the hierarchy \[2, 2\] has 4 worker\(s\)"):
+        main([*flags, "--worker_speeds", "1", "1", "0.5"])  # the script's entry point turns it into exit code 2

@@ -9,7 +9,8 @@ import pytest
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
-from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of
+from model_parallel.errors import InfeasibleError
+from model_parallel.optimizer.brute_force import all_cuts, brute_force, brute_force_hierarchy, chains_of
 from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
@@ -208,3 +209,58 @@ def _time_h(graph, hierarchy, options) -> float:
     except Exception as error:
         assert "InfeasibleError" in type(error).__name__, error
         return math.inf
+
+
+def _hierarchy_problem(seed: int) -> tuple[Graph, list[int], list[float], dict]:
+    rng = random.Random(5000 + seed)
+    machines = rng.choice(([2, 2], [3, 2], [2, 3], [2, 2, 2], [1, 3], [3, 1]))
+    bandwidths = [rng.choice([2e8, 1e9, 4e10]) for _ in machines]
+    # No use_fewer_machines: PipeDream's inner levels never let a one-state range leave machines idle
+    # (its loop starts at j = i + 1), a quirk the DP keeps and the model's text does not have.
+    options = dict(straight_pipeline=rng.random() < 0.2, activation_compression_ratio=rng.choice([None, 1.0]))
+    return small_graph(seed), machines, bandwidths, options
+
+
+def test_hierarchy_matches_brute_force_over_every_cut():
+    # Several levels, each stage's compute its range's best one level down (FORMATS.md step 4), over
+    # every valid cut of small DAGs: the DP equals exhaustive search written from the model's text.
+    for seed in range(80):
+        graph, machines, bandwidths, options = _hierarchy_problem(seed)
+        if len(all_cuts(preprocess(graph))[0]) > 40:
+            continue
+        try:
+            got = partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(cuts="all", **options))
+        except InfeasibleError:
+            got = None
+        oracle, _ = brute_force_hierarchy(*all_cuts(preprocess(graph)), machines, bandwidths,
+                                          options["activation_compression_ratio"], options["straight_pipeline"])
+        if got is None:
+            assert oracle == math.inf, (seed, machines, options)
+        else:
+            assert got.time_per_minibatch_s == pytest.approx(oracle, rel=1e-12), (seed, machines, options)
+
+
+def test_worker_speeds_on_a_hierarchy_match_brute_force():
+    # A stage on machines a..b of a level runs the inner plan at the slowest of them at every position;
+    # the DP over prefixes (what speeds use) equals exhaustive search, and the speeds matter.
+    changed = 0
+    for seed in range(120):
+        graph, machines, bandwidths, options = _hierarchy_problem(seed)
+        rng = random.Random(seed)
+        speeds = tuple(rng.choice([0.5, 1.0, 1.0, 2.0]) for _ in range(math.prod(machines)))
+        memory = rng.choice([None, 2e7])
+        hierarchy = Hierarchy.from_lists(machines, bandwidths, memory or 16e9)
+        plan_options = PartitionOptions(worker_speeds=speeds, use_memory_constraint=memory is not None, **options)
+        try:
+            got = partition(graph, hierarchy, plan_options).time_per_minibatch_s
+        except InfeasibleError:
+            got = math.inf
+        oracle, _ = brute_force_hierarchy(*chains_of(prefix_states(preprocess(graph))), machines, bandwidths,
+                                          options["activation_compression_ratio"], options["straight_pipeline"],
+                                          memory_limit=memory, worker_speeds=speeds)
+        assert got == oracle or got == pytest.approx(oracle, rel=1e-12), (seed, machines, speeds, options)
+        plain, _ = brute_force_hierarchy(*chains_of(prefix_states(preprocess(graph))), machines, bandwidths,
+                                         options["activation_compression_ratio"], options["straight_pipeline"],
+                                         memory_limit=memory)
+        changed += oracle != plain
+    assert changed > 30

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model_parallel.codegen.naming import state_key
-from model_parallel.graph.plan import Plan
+from model_parallel.graph.plan import Plan, write_plan
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.checkpoint import load_checkpoint
 from model_parallel.runtime.control import Command
@@ -59,6 +59,8 @@ JOBS = [
     _job("gpt4_adamw_recompute", "gpt", 3, "--num_stages", "4", "--optimizer", "adamw", "--lr", "0.003",
          "--recompute", "all"),
     _job("gpt2_replicated", "gpt", 3, "--num_stages", "2", "--stage_to_num_ranks", "0:2,1:2"),
+    # A multi-level plan's placement (optimizer, `-n 2 2`): each stage on the same GPU of both servers.
+    _job("mlp2_replicas_across_servers", "mlp", 3, "--plan", "{interleaved_plan}", "--num_microbatches", "2"),
     _job("gpt3", "gpt", 3, "--num_stages", "3", "--schedule", "gpipe"),
     # PipeDream's asynchronous 1F1B with weight stashing: compared with the same semantics run in
     # one process (grid order), see test_pipedream_single_process_semantics for that oracle.
@@ -84,6 +86,15 @@ def _switch_script(path: Path) -> Path:
     script = {2: Command.switch(two, "onto fewer ranks"), 4: Command.switch(three, "replicate stage 0"),
               6: Command.switch(four, "back to 4 stages")}
     path.write_text(json.dumps({k: v.to_dict() for k, v in script.items()}))
+    return path
+
+
+def _interleaved_plan(path: Path) -> Path:
+    """2 stages, each replicated on ranks that are not adjacent: stage 0 on 0 and 2, stage 1 on 1 and 3."""
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    plan = even_plan(graph, 2, {0: 2, 1: 2})
+    write_plan(replace(plan, stages=tuple(replace(s, ranks=(s.stage_id, s.stage_id + 2)) for s in plan.stages)), path)
     return path
 
 
@@ -140,9 +151,10 @@ def _assert_close(job: str, got: dict[str, torch.Tensor], want: dict[str, torch.
 def jobs_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime_jobs")
     script = _switch_script(root / "switch.json")
+    interleaved = _interleaved_plan(root / "interleaved.json")
     argv = []
     for job in JOBS:
-        extra = [e.format(switch_script=script, root=root) for e in job["extra"]]
+        extra = [e.format(switch_script=script, interleaved_plan=interleaved, root=root) for e in job["extra"]]
         argv.append(["--model", job["model"], "--steps", str(job["steps"]), "--timeout", "60",
                      "--checkpoint_dir", str(root / job["name"]), *extra])
     (root / "jobs.json").write_text(json.dumps(argv))

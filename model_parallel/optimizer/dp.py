@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -98,6 +98,7 @@ def solve_level(
     solve_rows: Optional[np.ndarray] = None,
     splittable: Optional[np.ndarray] = None,
     worker_speeds: Optional[np.ndarray] = None,
+    window_compute: Optional[Callable[[int, int], np.ndarray]] = None,
 ) -> LevelTables:
     """One level of PipeDream's DP. `compute/activation/parameters` are range tables whose rows start
     after `row_states` (default: every state, see `range_table`); with `cumulative` = the states'
@@ -108,14 +109,19 @@ def solve_level(
     (bool per state) marks the states that may end a stage other than the last (default: all);
     every splittable state needs a table row.
 
-    `worker_speeds` (one level only: ranges from the start): machine i runs at that relative speed and
-    stages take machines in order; a stage's work divides by its machine count times their slowest
-    speed (PipeDream: by the count). Idle machines (`use_fewer_machines`) are not placed by speed.
+    `worker_speeds`: machine i runs at that relative speed and stages take machines in order; a stage's
+    work divides by its machine count times their slowest speed (PipeDream: by the count). Idle
+    machines (`use_fewer_machines`) are not placed by speed.
+
+    `window_compute(first, count)` (outer levels of a hierarchy whose machines differ): the compute table
+    (every row) of a stage on machines first .. first+count-1, in place of `compute` (which then only
+    gives the shape): the inner level's best time on those machines' slowest profile (`partition.py`).
     """
     # Only ranges from the start are solved or read at the outermost level, but its last stages
     # still span any (k, j]: read those from the full tables, or from `cumulative` sums
     # (X(j) - X(k), exact for a one-level problem where the tables are never built).
     s = compute.shape[1]
+    big_m = num_machines
     if row_states is None:
         row_states = all_rows(compute.shape[0] - 1)
     if solve_rows is None:
@@ -136,10 +142,16 @@ def solve_level(
 
         def last_ranges(ks: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             rows_k = row_index[ks + 1]
-            return full_c[rows_k, j], full_w[rows_k, j], full_a[rows_k, j] + full_w[rows_k, j]
+            if window_compute is None:
+                range_compute = full_c[rows_k, j]
+            else:  # [m-1, k, m'-1]: the last stage on machines m-m'+1 .. m
+                range_compute = np.full((big_m - 1, ks.size, big_m - 1), INF)
+                for m in range(1, big_m):
+                    for mp in range(1, m + 1):
+                        range_compute[m - 1, :, mp - 1] = window_compute(m - mp + 1, mp)[rows_k, j]
+            return range_compute, full_w[rows_k, j], full_a[rows_k, j] + full_w[rows_k, j]
     compute, activation, parameters = compute[solve_rows], activation[solve_rows], parameters[solve_rows]
     rows_total = len(solve_rows)
-    big_m = num_machines
     best = np.full((rows_total, s, big_m), INF)
     split_k = np.full((rows_total, s, big_m), -1, dtype=np.int32)
     split_m = np.full((rows_total, s, big_m), -1, dtype=np.int32)
@@ -158,8 +170,9 @@ def solve_level(
     with np.errstate(invalid="ignore"):
         for m in range(1 if straight_pipeline else big_m):
             share = (m + 1) if worker_speeds is None else (m + 1) * float(np.min(worker_speeds[: m + 1]))
-            value = (compute + (4 * m * parameters) / (bandwidth * (m + 1)) / machines_within) / share
-            ok = np.isfinite(compute)
+            single = compute if window_compute is None else window_compute(0, m + 1)[solve_rows]
+            value = (single + (4 * m * parameters) / (bandwidth * (m + 1)) / machines_within) / share
+            ok = np.isfinite(single)
             if memory_limit is not None:
                 ok &= _stash_factor(memory_model, big_m, m + 1, m + 1) * stash_bytes <= memory_limit
             best[:, :, m] = np.where(ok, value, INF)
@@ -246,19 +259,22 @@ def _last_stage_times(
 
     Transfers do not depend on the row, so they fold into the last stage's term of the max. With
     `speed_sums[m-1, m'-1]` (m' times the slowest speed of machines m-m'+1 .. m) work divides by it, not m'.
+    `range_compute` is per split k, or per `[m-1, k, m'-1]` when the machines differ (`window_compute`).
     """
     mp = mps[None, :]
-    work = range_compute[:, None] + (4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp)
+    if range_compute.ndim == 1:
+        range_compute = range_compute[None, :, None]
+    work = range_compute + ((4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp))[None]
     if speed_sums is None:
-        last = np.broadcast_to(work / mp, (big_m - 1, *work.shape)).copy()
+        last = np.broadcast_to(work / mp, (big_m - 1, len(range_params), big_m - 1)).copy()
     else:  # machines m-m'+1 .. m share the work by speed (m' <= m; larger m' are never read)
-        last = np.where(np.isfinite(speed_sums)[:, None, :], work[None, :, :] / speed_sums[:, None, :], INF)
+        last = np.where(np.isfinite(speed_sums)[:, None, :], work / speed_sums[:, None, :], INF)
     if ratio is not None:
         transfer = (2.0 * output_in[:, None]) / (bandwidth * mp) / ratio
         if has_output:
             transfer = np.maximum(transfer, (2.0 * output_out) / (bandwidth * mp) / ratio)
         last = np.maximum(last, transfer[None])
-    last = np.where(np.isfinite(range_compute)[None, :, None], last, INF)
+    last = np.where(np.isfinite(range_compute), last, INF)
     if memory_limit is not None:
         for m in range(1, big_m):
             factors = np.array([_stash_factor(memory_model, big_m, m + 1, int(r)) for r in mps], dtype=np.float64)

@@ -41,7 +41,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--memory_model", choices=("pipedream", "1f1b"), default="pipedream",
                         help="stash estimate for --use_memory_constraint (see docs/optimizer.md)")
     parser.add_argument("--worker_speeds", nargs="+", type=float, default=None,
-                        help="relative speed of each worker in rank order (1.0 = as profiled); one level (-n P) only")
+                        help="relative speed of each worker in rank order, innermost level first (1.0 = as profiled); "
+                             "one per worker of the whole hierarchy")
     parser.add_argument("--cuts", choices=("auto", "antichain", "topological", "all"), default="auto",
                         help="state space: PipeDream's antichains (exact reproduction), topological prefixes, all valid cuts (small graphs), or auto")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for info logs, -vv for debug")

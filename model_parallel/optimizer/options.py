@@ -23,8 +23,9 @@ class PartitionOptions:
       hierarchy's `memory_bytes` ("pipedream" stash estimate or "1f1b"; see `dp.py`).
     - `worker_speeds`: relative speed of each worker in rank order (1.0 = as profiled); stages take
       workers in rank order and a stage's work divides by its replica count times their slowest speed
-      (the runtime deals microbatches round-robin; compute / speed_w for one worker). Needs a
-      one-level hierarchy; with replicas, not `use_fewer_machines`.
+      (the runtime deals microbatches round-robin; compute / speed_w for one worker). On a hierarchy,
+      one speed per worker, ranks innermost first; a stage's replicas run at their slowest profile.
+      Not with `use_fewer_machines`, except for a one-level straight pipeline.
     - `cuts`: "antichain" = PipeDream's states (reproduces its numbers), "topological" = prefixes of
       one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given
       (then topological), the graph has more than `max_antichain_states` antichain states, or the DP

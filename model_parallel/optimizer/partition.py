@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class Solution:
     # the outermost level that splits there (its bandwidth carries the activations). Empty = one level.
     level_replicas: tuple[tuple[int, ...], ...] = ()
     boundary_levels: tuple[int, ...] = ()
+    part_ranks: tuple[tuple[int, ...], ...] = ()  # per part, the workers the hierarchy gives it (empty = in order)
 
 
 def dp_work(num_states: int, hierarchy: Hierarchy, options: PartitionOptions) -> float:
@@ -187,31 +188,34 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
     """
     memory = hierarchy.memory_bytes if options.use_memory_constraint else None
     levels = hierarchy.levels
+    if options.worker_speeds is not None and len(options.worker_speeds) != hierarchy.num_workers:
+        raise PlanError(
+            f"worker_speeds has {len(options.worker_speeds)} value(s) but the hierarchy "
+            f"{[level.num_machines for level in levels]} has {hierarchy.num_workers} worker(s); give one speed per worker"
+        )
     if (
         len(levels) == 1
         and options.straight_pipeline
         and states.kind.startswith("topological")
         and bounds is None
     ):
-        speeds = options.worker_speeds or (1.0,) * levels[0].num_machines
-        if len(speeds) != levels[0].num_machines:
-            raise PlanError(
-                f"worker_speeds has {len(speeds)} value(s) but the hierarchy has {levels[0].num_machines} worker(s); "
-                "give one speed per worker"
-            )
         value, parts = straight_partition(
-            states, speeds, levels[0].bandwidth, options.activation_compression_ratio,
-            options.use_fewer_machines, memory, options.memory_model,
+            states, options.worker_speeds or (1.0,) * levels[0].num_machines, levels[0].bandwidth,
+            options.activation_compression_ratio, options.use_fewer_machines, memory, options.memory_model,
         )
         return Solution(value, tuple(parts), states, exact=False)
     speeds = None
     if options.worker_speeds is not None:
-        if len(levels) != 1 or len(options.worker_speeds) != levels[0].num_machines:
+        # Ranks number workers innermost first, so this is [outermost machine, ..., innermost worker].
+        speeds = np.array(options.worker_speeds, dtype=np.float64).reshape([level.num_machines for level in levels[::-1]])
+    if speeds is not None and len(levels) > 1:
+        if options.use_fewer_machines:
             raise PlanError(
-                f"worker_speeds needs a one-level hierarchy and one speed per worker (-n P with P speeds); got "
-                f"{len(options.worker_speeds)} speed(s) for machines {[level.num_machines for level in levels]}"
+                "worker_speeds on a hierarchy cannot leave workers idle (use_fewer_machines): the DP does not place "
+                "idle workers by speed; drop use_fewer_machines or use a one-level straight pipeline"
             )
-        speeds = np.array(options.worker_speeds, dtype=np.float64)
+        tables_for = _tables_by_speed(states, hierarchy, options, memory)
+        return _reconstruct(states, hierarchy, tables_for, speeds)
 
     # Only PipeDream's own state space keeps its not-a-range table entries (needed to reproduce it).
     strict = None if states.kind == "antichain" else states.pred_mask
@@ -244,28 +248,103 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
         table_rows = tables.row_states
         within = level.num_machines
         all_tables.append(tables)
-    value = float(all_tables[-1].best[0, states.num_states - 1, -1])
+    return _reconstruct(states, hierarchy, lambda level, _: all_tables[level], speeds)
+
+
+def _tables_by_speed(
+    states: States, hierarchy: Hierarchy, options: PartitionOptions, memory: Optional[float],
+) -> Callable[[int, np.ndarray], LevelTables]:
+    """The DP tables of a level for the speeds of its machines (`block`: [machine, ..., innermost worker]).
+
+    Replicas of a stage run the same inner plan and are dealt microbatches round-robin, so a stage on
+    machines a .. b of level l runs at the pace of the inner plan on the slowest of them at every
+    position: its compute is level l-1's best time for the elementwise minimum of their speed blocks.
+    Machines with equal blocks share one solve (usually most of them).
+    """
+    levels = hierarchy.levels
+    rows = all_rows(states.num_states)
+    strict = None if states.kind == "antichain" else states.pred_mask
+    compute, activation, parameters = (range_table(v, strict, rows) for v in (states.compute, states.activation, states.parameters))
+    solved: dict[tuple[int, bytes], LevelTables] = {}
+
+    def tables(number: int, block: np.ndarray) -> LevelTables:
+        key = (number, block.tobytes())
+        if key not in solved:
+            level = levels[number]
+
+            def window(first: int, count: int) -> np.ndarray:
+                return tables(number - 1, block[first: first + count].min(axis=0)).best[:, :, -1]
+
+            solved[key] = solve_level(
+                compute if number == 0 else window(0, level.num_machines), activation, parameters, states.output,
+                states.pred_mask, level.num_machines, levels[number - 1].num_machines if number else 1, level.bandwidth,
+                final_level=number == len(levels) - 1, straight_pipeline=options.straight_pipeline,
+                use_fewer_machines=options.use_fewer_machines, activation_compression_ratio=options.activation_compression_ratio,
+                memory_limit=memory, memory_model=options.memory_model, row_states=rows,
+                worker_speeds=block if number == 0 else None, window_compute=window if number else None,
+            )
+        return solved[key]
+
+    return tables
+
+
+def _reconstruct(
+    states: States, hierarchy: Hierarchy, tables_for: Callable[[int, Optional[np.ndarray]], LevelTables],
+    speeds: Optional[np.ndarray],
+) -> Solution:
+    """Follow the recorded splits outermost level first down to the innermost parts (replicas multiplied
+    out), giving each part its machines at every level; `tables_for(level, speed block)` (block None
+    without speeds) is the level's DP for the part being split."""
+    top = len(hierarchy.levels) - 1
+    value = float(tables_for(top, speeds).best[0, states.num_states - 1, -1])
     exact = states.kind in ("antichain", "all", "bounded")
     if not math.isfinite(value):
         return Solution(value, (), states, exact)
     parts = [Part(0, states.num_states, 1)]
     replicas: list[tuple[int, ...]] = [()]
+    offsets: list[tuple[int, ...]] = [()]  # per part, its first machine at each level (innermost first)
+    blocks: list[Optional[np.ndarray]] = [speeds]  # per part, the speeds of the machines it splits over
     boundaries: list[int] = []
-    for level in reversed(range(len(all_tables))):
+    for level in reversed(range(top + 1)):
         inner: list[Part] = []
         inner_replicas: list[tuple[int, ...]] = []
+        inner_offsets: list[tuple[int, ...]] = []
+        inner_blocks: list[Optional[np.ndarray]] = []
         inner_boundaries: list[int] = []
-        for index, (part, outer) in enumerate(zip(parts, replicas)):
+        for index, (part, outer, outer_offsets, block) in enumerate(zip(parts, replicas, offsets, blocks)):
             if index:
                 inner_boundaries.append(boundaries[index - 1])
-            subs = analyze(all_tables[level], part.start, part.end)
+            subs = analyze(tables_for(level, block), part.start, part.end)
+            first = 0  # the DP gives a level's parts its machines in order, from the first one
             for number, sub in enumerate(subs):
                 if number:
                     inner_boundaries.append(level)
                 inner.append(Part(sub.start, sub.end, sub.replicas * part.replicas))
                 inner_replicas.append((sub.replicas, *outer))
-        parts, replicas, boundaries = inner, inner_replicas, inner_boundaries
-    return Solution(value, tuple(parts), states, exact, level_replicas=tuple(replicas), boundary_levels=tuple(boundaries))
+                inner_offsets.append((first, *outer_offsets))
+                inner_blocks.append(None if block is None or level == 0 else block[first: first + sub.replicas].min(axis=0))
+                first += sub.replicas
+        parts, replicas, offsets, blocks, boundaries = inner, inner_replicas, inner_offsets, inner_blocks, inner_boundaries
+    ranks = tuple(hierarchy_ranks(hierarchy, r, o) for r, o in zip(replicas, offsets))
+    return Solution(
+        value, tuple(parts), states, exact, level_replicas=tuple(replicas), boundary_levels=tuple(boundaries),
+        part_ranks=ranks,
+    )
+
+
+def hierarchy_ranks(hierarchy: Hierarchy, replicas: tuple[int, ...], offsets: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks of a part that holds machines `offsets[l] .. offsets[l] + replicas[l] - 1` at each level l.
+
+    Ranks number workers innermost first (`-n 4 2`: ranks 0-3 in server 0, 4-7 in server 1), so a part
+    replicated across servers sits on the same GPUs of each: what the cost model assumed about which
+    link carries its all-reduce and its activations.
+    """
+    ranks = [0]
+    within = 1
+    for level, count, first in zip(hierarchy.levels, replicas, offsets):
+        ranks = [rank + (first + i) * within for i in range(count) for rank in ranks]
+        within *= level.num_machines
+    return tuple(sorted(ranks))
 
 
 def _assign_nodes(graph: Graph, work: Workload, solution: Solution) -> dict[str, int]:
@@ -410,6 +489,7 @@ def build_plan(
                 communication_s=max(transfers),
                 memory_bytes=stash_factor(options.memory_model, workers, before, r)
                 * (cost.activation_bytes + cost.parameter_bytes),
+                ranks=solution.part_ranks[index] if solution.part_ranks else (),
             )
         )
         before += r
