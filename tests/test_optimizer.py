@@ -308,3 +308,30 @@ def test_cli_worker_speeds_on_a_hierarchy(reference_profiles, tmp_path, capsys):
     assert slow.time_per_minibatch_s > even.time_per_minibatch_s  # a slower worker cannot help
     with pytest.raises(PlanError, match=r"worker_speeds has 3 value\(s\) but the hierarchy \[2, 2\] has 4 worker\(s\)"):
         main([*flags, "--worker_speeds", "1", "1", "0.5"])  # the script's entry point turns it into exit code 2
+
+
+def test_speed_profiles_are_solved_once_each():
+    from model_parallel.optimizer.partition import _profile_counts
+
+    two_by_two = Hierarchy.from_lists([2, 2])
+    assert _profile_counts([1.0, 1.0, 1.0, 0.5], two_by_two) == [2, 1]  # server 0, server 1 = min of both
+    assert _profile_counts([1.0] * 4, two_by_two) == [1, 1]
+
+
+def test_speeds_differing_everywhere_fall_back_to_the_slowest_profile(monkeypatch, caplog):
+    # Measured speeds differ on every worker: solving each window's profile at every level would blow
+    # the budget, so each outer level plans with the slowest worker of each position, and says so.
+    from model_parallel.optimizer import partition as partition_module
+
+    graph = synthetic.residual(5, seed=2)
+    hierarchy = Hierarchy.from_lists([2, 2, 2], [40e9, 10e9, 1e9])
+    rng = random.Random(4)
+    speeds = tuple(rng.uniform(0.5, 1.5) for _ in range(8))
+    monkeypatch.setattr(partition_module, "AUTO_WORK_BUDGET", 1.0)
+    plan = partition(graph, hierarchy, PartitionOptions(worker_speeds=speeds, cuts="topological"))
+    assert plan.extra["worker_speeds_simplified"] is True
+    assert "too many to solve each" in caplog.text
+    slowest = [min(speeds[position::2]) for position in range(2)]
+    uniform = partition(graph, hierarchy, PartitionOptions(worker_speeds=tuple(slowest * 4), cuts="topological"))
+    assert plan.time_per_minibatch_s == uniform.time_per_minibatch_s
+    assert "worker_speeds_simplified" not in uniform.extra

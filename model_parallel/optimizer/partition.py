@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 import numpy as np
@@ -59,24 +60,28 @@ class Solution:
     level_replicas: tuple[tuple[int, ...], ...] = ()
     boundary_levels: tuple[int, ...] = ()
     part_ranks: tuple[tuple[int, ...], ...] = ()  # per part, the workers the hierarchy gives it (empty = in order)
+    speeds_simplified: bool = False  # planned with each outer level's slowest profile on every machine
 
 
-def dp_work(num_states: int, hierarchy: Hierarchy, options: PartitionOptions) -> float:
-    """Rough count of array elements the DP touches (inner levels solve every row: cubic in states)."""
+def dp_work(
+    num_states: int, hierarchy: Hierarchy, options: PartitionOptions, solves: Optional[Sequence[int]] = None,
+) -> float:
+    """Rough count of array elements the DP touches (inner levels solve every row: cubic in states);
+    `solves[l]`: how many times level l is solved (one per speed profile; default once)."""
     total = 0.0
     for number, level in enumerate(hierarchy.levels):
         m = level.num_machines
         per_cell = (m - 1) if options.straight_pipeline else m * (m - 1) / 2
         rows = 1 if number == len(hierarchy.levels) - 1 else num_states / 3
-        total += rows * num_states * num_states / 2 * max(per_cell, 1)
+        total += rows * num_states * num_states / 2 * max(per_cell, 1) * (solves[number] if solves else 1)
     return total
 
 
-def _affordable_cut_points(hierarchy: Hierarchy, options: PartitionOptions) -> int:
+def _affordable_cut_points(hierarchy: Hierarchy, options: PartitionOptions, solves: Optional[Sequence[int]] = None) -> int:
     low, high = 2, 1 << 20
     while low < high:  # largest S with dp_work(S) <= budget
         mid = (low + high + 1) // 2
-        if dp_work(mid, hierarchy, options) <= AUTO_WORK_BUDGET:
+        if dp_work(mid, hierarchy, options, solves) <= AUTO_WORK_BUDGET:
             low = mid
         else:
             high = mid - 1
@@ -98,7 +103,16 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
     """PipeDream's antichain DP when affordable; else an exact bounded solve (module doc); else the
     best plan over topological cut points, marked inexact."""
     if options.worker_speeds is not None:
-        return solve(prefix_states(work, options.max_cut_points), hierarchy, options)
+        _check_speed_count(options, hierarchy)
+        limit = options.max_cut_points
+        if limit is None and len(hierarchy.levels) > 1:
+            # Inner levels are cubic in the cut points and solved once per speed profile: take as many
+            # cut points as the budget allows for the real profiles, unless that leaves too few (then
+            # `solve` plans with one profile per level).
+            limit = _affordable_cut_points(hierarchy, options, _profile_counts(options.worker_speeds, hierarchy))
+            if limit < min(work.num_nodes, QUICK_CUT_POINTS):
+                limit = _affordable_cut_points(hierarchy, options)
+        return solve(prefix_states(work, limit), hierarchy, options)
     affordable = _affordable_cut_points(hierarchy, options)
     try:
         small = enumerate_antichains(work, max_states=min(options.max_antichain_states, affordable, states_module.MAX_DP_STATES))
@@ -188,11 +202,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
     """
     memory = hierarchy.memory_bytes if options.use_memory_constraint else None
     levels = hierarchy.levels
-    if options.worker_speeds is not None and len(options.worker_speeds) != hierarchy.num_workers:
-        raise PlanError(
-            f"worker_speeds has {len(options.worker_speeds)} value(s) but the hierarchy "
-            f"{[level.num_machines for level in levels]} has {hierarchy.num_workers} worker(s); give one speed per worker"
-        )
+    _check_speed_count(options, hierarchy)
     if (
         len(levels) == 1
         and options.straight_pipeline
@@ -215,7 +225,18 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
                 "idle workers by speed; drop use_fewer_machines or use a one-level straight pipeline"
             )
         tables_for = _tables_by_speed(states, hierarchy, options, memory)
-        return _reconstruct(states, hierarchy, tables_for, speeds)
+        counts = _profile_counts(options.worker_speeds, hierarchy)
+        if dp_work(states.num_states, hierarchy, options, counts) <= max(AUTO_WORK_BUDGET, dp_work(states.num_states, hierarchy, options)):
+            return _reconstruct(states, hierarchy, tables_for, speeds)
+        # Every machine of an outer level gets the slowest speed at each position inside it: one profile
+        # per level, and the plan's time holds on the real (no slower) workers.
+        logger.warning(
+            "worker speeds on %d workers differ in %d ways across the hierarchy, too many to solve each; planning as "
+            "if every server had the slowest worker of each position (plan.extra['worker_speeds_simplified'])",
+            hierarchy.num_workers, sum(counts),
+        )
+        uniform = np.broadcast_to(speeds.min(axis=tuple(range(speeds.ndim - 1)), keepdims=True), speeds.shape)
+        return replace(_reconstruct(states, hierarchy, tables_for, uniform), speeds_simplified=True)
 
     # Only PipeDream's own state space keeps its not-a-range table entries (needed to reproduce it).
     strict = None if states.kind == "antichain" else states.pred_mask
@@ -251,6 +272,35 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
     return _reconstruct(states, hierarchy, lambda level, _: all_tables[level], speeds)
 
 
+def _check_speed_count(options: PartitionOptions, hierarchy: Hierarchy) -> None:
+    if options.worker_speeds is not None and len(options.worker_speeds) != hierarchy.num_workers:
+        raise PlanError(
+            f"worker_speeds has {len(options.worker_speeds)} value(s) but the hierarchy "
+            f"{[level.num_machines for level in hierarchy.levels]} has {hierarchy.num_workers} worker(s); "
+            "give one speed per worker"
+        )
+
+
+def _profile_counts(worker_speeds: Sequence[float], hierarchy: Hierarchy) -> list[int]:
+    """Per level (innermost first), how many distinct speed blocks its DP is solved for: the whole
+    hierarchy at the top, and below it the elementwise minimum over every window of consecutive machines."""
+    speeds = np.array(worker_speeds, dtype=np.float64).reshape([level.num_machines for level in hierarchy.levels[::-1]])
+    found: list[set[bytes]] = [set() for _ in range(speeds.ndim)]
+
+    def visit(block: np.ndarray) -> None:
+        level = block.ndim - 1
+        if block.tobytes() in found[level]:
+            return
+        found[level].add(block.tobytes())
+        if level:
+            for first in range(len(block)):
+                for last in range(first + 1, len(block) + 1):
+                    visit(block[first:last].min(axis=0))
+
+    visit(speeds)
+    return [len(blocks) for blocks in found]
+
+
 def _tables_by_speed(
     states: States, hierarchy: Hierarchy, options: PartitionOptions, memory: Optional[float],
 ) -> Callable[[int, np.ndarray], LevelTables]:
@@ -259,7 +309,7 @@ def _tables_by_speed(
     Replicas of a stage run the same inner plan and are dealt microbatches round-robin, so a stage on
     machines a .. b of level l runs at the pace of the inner plan on the slowest of them at every
     position: its compute is level l-1's best time for the elementwise minimum of their speed blocks.
-    Machines with equal blocks share one solve (usually most of them).
+    Machines with equal blocks share one solve (usually most of them; `_profile_counts` counts them).
     """
     levels = hierarchy.levels
     rows = all_rows(states.num_states)
@@ -509,6 +559,8 @@ def build_plan(
         extra["lower_bound_s"] = float(solution.states.compute[-1]) / workers
     if options.worker_speeds is not None:
         extra["worker_speeds"] = list(options.worker_speeds)
+        if solution.speeds_simplified:
+            extra["worker_speeds_simplified"] = True
     return Plan(
         stages=tuple(stages),
         time_per_minibatch_s=solution.time_s,
