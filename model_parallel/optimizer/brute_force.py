@@ -106,7 +106,7 @@ def brute_force_hierarchy(
     speeds = None if worker_speeds is None else _nested(list(worker_speeds), shape)
 
     @lru_cache(maxsize=None)
-    def best(level: int, start: int, end: int, block: Any) -> float:
+    def best(level: int, start: int, end: int, block: Any) -> tuple[float, tuple[tuple[int, int], ...]]:
         big_m = machines[level]
         bandwidth = bandwidths[level]
         within = machines[level - 1] if level else 1

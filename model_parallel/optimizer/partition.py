@@ -214,10 +214,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
             options.activation_compression_ratio, options.use_fewer_machines, memory, options.memory_model,
         )
         return Solution(value, tuple(parts), states, exact=False)
-    speeds = None
-    if options.worker_speeds is not None:
-        # Ranks number workers innermost first, so this is [outermost machine, ..., innermost worker].
-        speeds = np.array(options.worker_speeds, dtype=np.float64).reshape([level.num_machines for level in levels[::-1]])
+    speeds = None if options.worker_speeds is None else _speed_array(options.worker_speeds, hierarchy)
     if speeds is not None and len(levels) > 1:
         if options.use_fewer_machines:
             raise PlanError(
@@ -281,10 +278,15 @@ def _check_speed_count(options: PartitionOptions, hierarchy: Hierarchy) -> None:
         )
 
 
+def _speed_array(worker_speeds: Sequence[float], hierarchy: Hierarchy) -> np.ndarray:
+    """Speeds as [outermost machine, ..., innermost worker]: ranks number workers innermost first."""
+    return np.array(worker_speeds, dtype=np.float64).reshape([level.num_machines for level in hierarchy.levels[::-1]])
+
+
 def _profile_counts(worker_speeds: Sequence[float], hierarchy: Hierarchy) -> list[int]:
     """Per level (innermost first), how many distinct speed blocks its DP is solved for: the whole
     hierarchy at the top, and below it the elementwise minimum over every window of consecutive machines."""
-    speeds = np.array(worker_speeds, dtype=np.float64).reshape([level.num_machines for level in hierarchy.levels[::-1]])
+    speeds = _speed_array(worker_speeds, hierarchy)
     found: list[set[bytes]] = [set() for _ in range(speeds.ndim)]
 
     def visit(block: np.ndarray) -> None:
