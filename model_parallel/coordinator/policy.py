@@ -44,6 +44,8 @@ from typing import Callable, Optional
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.partition import partition
 
 logger = logging.getLogger(__name__)
 
@@ -269,14 +271,9 @@ def plan_for_workers(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]
 
 # ---- solving ---------------------------------------------------------------------------------------
 def default_solver(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
-    """The project optimizer when it offers heterogeneous speeds, else `chain_partition` (same model)."""
-    try:
-        from model_parallel.optimizer.options import PartitionOptions
-        from model_parallel.optimizer.partition import partition
-
-        options = PartitionOptions(straight_pipeline=True, worker_speeds=tuple(float(s) for s in speeds))
-    except (ImportError, TypeError):  # no optimizer yet, or one without heterogeneous speeds
-        return chain_partition(graph, ranks, speeds)
+    """The optimizer's straight-pipeline fast path with these speeds (`chain_partition` when it cannot
+    give every rank one stage)."""
+    options = PartitionOptions(straight_pipeline=True, worker_speeds=tuple(float(s) for s in speeds))
     plan = partition(graph, Hierarchy.from_lists([len(ranks)]), options)
     if plan.num_stages != len(ranks) or any(s.num_replicas != 1 for s in plan.stages):
         # Stage k must run on ranks[k]; anything else cannot be placed on these workers.
