@@ -194,6 +194,17 @@ def test_auto_says_when_it_cannot_prove_optimality(monkeypatch, caplog):
         assert plan.stage_of[src] <= plan.stage_of[dst]
 
 
+@pytest.mark.parametrize("machines, speeds", [([4], (2.0, 3.0, 2.0, 2.5)), ([2, 2], (2.0, 2.0, 3.0, 2.0))])
+def test_lower_bound_of_an_unproven_plan_counts_faster_workers(machines, speeds):
+    # Workers faster than profiled do more than their share: total compute / workers is no bound then.
+    graph = synthetic.branches(6, width=4, depth=3, seed=2)
+    options = PartitionOptions(straight_pipeline=len(machines) == 1, worker_speeds=speeds)
+    plan = partition(graph, Hierarchy.from_lists(machines, [1e9] * len(machines)), options)
+    assert plan.extra["exact"] is False
+    assert plan.extra["lower_bound_s"] == pytest.approx(plan.single_machine_time_s / sum(speeds))
+    assert 0 < plan.extra["lower_bound_s"] <= plan.time_per_minibatch_s
+
+
 def test_three_level_hierarchy_uses_every_worker():
     graph = synthetic.residual(8, seed=4)
     plan = partition(graph, Hierarchy.from_lists([2, 2, 2], [40e9, 10e9, 1e9]), PartitionOptions(activation_compression_ratio=1.0))

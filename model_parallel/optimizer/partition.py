@@ -557,8 +557,10 @@ def build_plan(
     if solution.states_considered:
         extra["states_considered"] = solution.states_considered
     if not solution.exact:
-        # No plan beats perfect balance without any communication: how far from optimal this can be.
-        extra["lower_bound_s"] = float(solution.states.compute[-1]) / workers
+        # No plan beats perfect balance without any communication: how far from optimal this can be
+        # (a worker of speed s does s times its share).
+        capacity = sum(options.worker_speeds) if options.worker_speeds is not None else workers
+        extra["lower_bound_s"] = float(solution.states.compute[-1]) / capacity
     if options.worker_speeds is not None:
         extra["worker_speeds"] = list(options.worker_speeds)
         if solution.speeds_simplified:
