@@ -18,8 +18,13 @@ Optimality gap: on seeded small DAGs the DP ("antichain" and "all" cuts) is comp
 search (`optimizer.brute_force`), and on medium graphs the bounded solve with the unbounded DP over
 the same states; gaps are max relative differences (0.0 = exact).
 
+Unproven plans ("exact" false) carry `lower_bound_s`, a time no plan beats (the relaxation of
+`optimizer/relaxation.py` when it fits, else perfect balance `balance_bound_s`), and `max_gap`: the
+plan is at most that fraction above the optimum.
+
 Writes `bench/results/optimizer.json` atomically: {"rows": [{profile, num_machines, seconds,
-time_per_minibatch_s, cuts, num_states, num_nodes}], "optimality": {...}, settings}. Prints a table.
+time_per_minibatch_s, cuts, num_states, num_nodes, lower_bound_s, max_gap}], "optimality": {...},
+settings}. Prints a table.
 Timings on a shared machine are noisy; `seconds` is wall time of one `partition` call, `cpu_seconds`
 its process CPU time (closer to what an idle machine would show when the cores are oversubscribed).
 """
@@ -104,11 +109,16 @@ def solve_rows(graphs: list[tuple[str, Graph]], hierarchies: Sequence[str]) -> l
                 "time_per_minibatch_s": plan.time_per_minibatch_s, "cuts": plan.extra["cuts"], "exact": plan.extra["exact"],
                 "num_states": plan.extra["num_states"], "states_considered": plan.extra.get("states_considered"),
                 "num_nodes": len(graph), "num_stages": plan.num_stages,
+                # Unproven plans: a time no plan beats, and how far above it the plan is at most.
+                "lower_bound_s": plan.extra.get("lower_bound_s"),
+                "balance_bound_s": plan.single_machine_time_s / math.prod(machines),
+                "max_gap": None if plan.extra["exact"] else plan.time_per_minibatch_s / plan.extra["lower_bound_s"] - 1,
             })
+            gap = "" if plan.extra["exact"] else f"  <= {rows[-1]['max_gap']:.1%} above optimal"
             print(f"{profile:<24} -n {key:<7} {seconds:>8.3f} s {cpu:>7.3f} s  {plan.time_per_minibatch_s * 1e3:>10.4f} ms  "
                   f"{plan.extra['cuts']:<19} {'yes' if plan.extra['exact'] else 'no':<5} {plan.extra['num_states']:>5} states"
                   f"{'' if not plan.extra.get('states_considered') else ' of ' + str(plan.extra['states_considered']):<10}"
-                  f"  {plan.num_stages:>3} stages", flush=True)
+                  f"  {plan.num_stages:>3} stages{gap}", flush=True)
     return rows
 
 

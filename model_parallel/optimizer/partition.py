@@ -8,8 +8,8 @@ first (dp.py), follow the recorded splits outermost first down to the stages, th
 prefixes of one topological order gives an upper bound `T`; `bounds.py` keeps only the cut states
 (PipeDream's antichains and those prefixes, with the bytes that really cross each cut) that can be a
 stage boundary of a plan taking at most `T`, and the DP over them is exact for that union. When the
-bound keeps too much (far more workers than the graph can balance), the prefix plan is returned and
-the plan says `exact: false`.
+bound keeps too much (far more workers than the graph can balance), the prefix plan is returned,
+the plan says `exact: false`, and `relaxation.py` bounds the optimum from below.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from model_parallel.optimizer.costs import stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
 from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, relaxed_lower_bound
 from model_parallel.optimizer.states import (
-    Antichains, States, Workload, antichain_states, cut_costs, downset_sums, enumerate_antichains, finish_antichains,
+    Antichains, CutCosts, States, Workload, antichain_states, cut_costs, downset_sums, enumerate_antichains, finish_antichains,
     ideal_states, preprocess, prefix_states, states_from_costs,
 )
 from model_parallel.optimizer.straight import straight_partition
@@ -61,6 +62,7 @@ class Solution:
     boundary_levels: tuple[int, ...] = ()
     part_ranks: tuple[tuple[int, ...], ...] = ()  # per part, the workers the hierarchy gives it (empty = in order)
     speeds_simplified: bool = False  # planned with each outer level's slowest profile on every machine
+    lower_bound_s: Optional[float] = None  # not exact: a time no plan beats, when better than perfect balance
 
 
 def dp_work(
@@ -136,14 +138,12 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         prefixes_fit = over_prefixes is not None
         upper = _better(upper, over_prefixes)
     # The union with the antichains keeps a superset under the same bound: hopeless if prefixes alone are.
-    exact, found = None, None
+    exact, found, union = None, None, None
     if prefixes_fit:
-        try:
-            found = enumerate_antichains(work, max_states=ENUMERATION_LIMIT)
-        except InfeasibleError:
-            found = None  # more than ENUMERATION_LIMIT states: the warning below says so
+        found = _enumerate_or_none(work)  # None: more than ENUMERATION_LIMIT states, the warning says so
         if found is not None:
-            exact = bounded_solve(work, hierarchy, options, found, upper.time_s)
+            union = cut_union(work, found)
+            exact = bounded_solve(work, hierarchy, options, found, upper.time_s, union)
     if exact is None:
         if upper.states.kind != "topological-bounded" and quick != limit:
             upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
@@ -156,8 +156,20 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
             hierarchy.num_workers,
             "all" if upper.states.kind in ("topological", "topological-bounded") else upper.states.num_states,
         )
+        if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
+            found = _enumerate_or_none(work, MAX_RELAXED_STATES)
+            union = None if found is None else cut_union(work, found)
+        if union is not None:
+            upper = replace(upper, lower_bound_s=relaxed_bound(work, hierarchy, options, union, upper.time_s))
         return upper
     return _better(upper, exact)
+
+
+def _enumerate_or_none(work: Workload, limit: Optional[int] = None) -> Optional[Antichains]:
+    try:
+        return enumerate_antichains(work, max_states=limit or ENUMERATION_LIMIT)
+    except InfeasibleError:
+        return None
 
 
 def _better(current: Solution, candidate: Optional[Solution]) -> Solution:
@@ -168,30 +180,65 @@ def _better(current: Solution, candidate: Optional[Solution]) -> Solution:
     return candidate
 
 
+@dataclass(frozen=True)
+class CutUnion:
+    """The cuts a bounded solve covers: every topological prefix and, when enumerated, PipeDream's
+    antichains (distinct downsets), with each one's compute (summed once, read by several solves)."""
+
+    downsets: tuple[int, ...]
+    compute: np.ndarray
+    with_antichains: bool
+
+    def costs(self, work: Workload, keep: np.ndarray) -> CutCosts:
+        """`cut_costs` of the kept cuts and of the whole graph (it ends every plan)."""
+        everything = max(self.downsets, key=int.bit_count)
+        return cut_costs(work, [d for d, k in zip(self.downsets, keep) if k] + [everything])
+
+
+def cut_union(work: Workload, antichains: Optional[Antichains]) -> CutUnion:
+    """Every prefix of `prefix_order`, plus `antichains` when given, with their compute sums."""
+    downsets = set(prefix_states(work).members)
+    if antichains is not None:
+        downsets.update(antichains.downsets())
+    ordered = tuple(downsets)
+    return CutUnion(ordered, downset_sums(work, list(ordered)), antichains is not None)
+
+
 def bounded_solve(
     work: Workload, hierarchy: Hierarchy, options: PartitionOptions, antichains: Optional[Antichains], upper_bound: float,
+    union: Optional[CutUnion] = None,
 ) -> Optional[Solution]:
-    """The exact optimum over PipeDream's antichains (when enumerated) and every topological prefix,
-    using only the states that can bound a stage of a plan taking at most `upper_bound`; None when
-    even those are too many to solve within the time budget."""
-    downsets = list(prefix_states(work).members)
-    if antichains is not None:
-        downsets += antichains.downsets()
-    downsets = list(set(downsets))
-    everything = max(downsets, key=int.bit_count)
-    compute = downset_sums(work, downsets)
-    maybe = boundary_states(compute, float(compute.max()), hierarchy.num_workers, 1, upper_bound)
+    """The exact optimum over PipeDream's antichains (when enumerated) and every topological prefix
+    (`union`, built from them when not given), using only the states that can bound a stage of a plan
+    taking at most `upper_bound`; None when even those are too many to solve within the time budget."""
+    if union is None:
+        union = cut_union(work, antichains)
+    maybe = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, 1, upper_bound)
     if float(maybe.sum()) ** 2 / 2 > AUTO_WORK_BUDGET:  # even one level on two machines touches S^2 / 2
         return None
-    costs = cut_costs(work, [d for d, k in zip(downsets, maybe) if k] + [everything])
+    costs = union.costs(work, maybe)
     bounds = level_bounds(costs.compute, costs.output, hierarchy, upper_bound, options.activation_compression_ratio)
     kept = bounds.kept_states()
     costs, bounds = costs.subset(kept), bounds.restricted(kept)
     if bounded_work(bounds, hierarchy, options.straight_pipeline) > AUTO_WORK_BUDGET:
         return None
-    states = states_from_costs(costs, "bounded" if antichains is not None else "topological-bounded")
+    states = states_from_costs(costs, "bounded" if union.with_antichains else "topological-bounded")
     solution = solve(states, hierarchy, options, bounds)
-    return replace(solution, exact=antichains is not None, states_considered=len(downsets))
+    return replace(solution, exact=union.with_antichains, states_considered=len(union.downsets))
+
+
+def relaxed_bound(
+    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper_bound: float,
+) -> Optional[float]:
+    """`relaxation.relaxed_lower_bound` over the cuts of `union` that can bound an outermost stage of
+    a plan taking at most `upper_bound`; None with worker speeds or when too many of them remain."""
+    if options.worker_speeds is not None:
+        return None
+    group = hierarchy.num_workers // hierarchy.levels[-1].num_machines
+    outer = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, group, upper_bound)
+    if int(outer.sum()) > MAX_RELAXED_STATES:
+        return None
+    return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound)
 
 
 def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bounds: Optional[LevelBounds] = None) -> Solution:
@@ -560,7 +607,7 @@ def build_plan(
         # No plan beats perfect balance without any communication: how far from optimal this can be
         # (a worker of speed s does s times its share).
         capacity = sum(options.worker_speeds) if options.worker_speeds is not None else workers
-        extra["lower_bound_s"] = float(solution.states.compute[-1]) / capacity
+        extra["lower_bound_s"] = max(float(solution.states.compute[-1]) / capacity, solution.lower_bound_s or 0.0)
     if options.worker_speeds is not None:
         extra["worker_speeds"] = list(options.worker_speeds)
         if solution.speeds_simplified:
