@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from test_optimizer_bounds import problem, union_states
 
@@ -13,7 +14,7 @@ from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition, solve
-from model_parallel.optimizer.relaxation import covers, relaxed_lower_bound
+from model_parallel.optimizer.relaxation import covers, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.states import cut_costs, enumerate_antichains, preprocess, prefix_states
 
 
@@ -40,6 +41,8 @@ def test_relaxation_never_exceeds_the_optimum(block):
         assert balance <= lower <= optimum * (1 + 1e-9), seed
         # No budget: every check is skipped as if feasible, leaving perfect balance.
         assert relaxed_lower_bound(costs, hierarchy, options, 3 * optimum, budget=0) == balance
+        nodes = node_share_bound(np.array(work.compute_s), np.array(work.parameters), hierarchy, options.straight_pipeline)
+        assert balance * (1 - 1e-12) <= nodes <= optimum * (1 + 1e-9), seed
     assert checked >= 8
 
 
@@ -114,6 +117,29 @@ def test_covers_follows_pipedreams_transfer_and_allreduce_terms():
     assert covers(costs, nested, PartitionOptions(), 1.24e-3) is False
 
 
+def test_node_share_bound_is_the_replicated_node_time():
+    # One node, 4 ms and 1 MB of weights, on 2 machines at 1e9 B/s: alone it takes 4 ms; on both,
+    # (4 + 4 * 1e6 / (1e9 * 2)) / 2 = 3 ms, which is also the best plan.
+    compute, parameters = np.array([4e-3]), np.array([1e6])
+    two = Hierarchy.from_lists([2], [1e9])
+    assert node_share_bound(compute, parameters, two, tolerance=1e-9) == pytest.approx(3e-3, rel=1e-8)
+    graph = synthetic.chain(1).replace_nodes([Node("input0", "Input0"), Node("node1", "Linear", 1.0, 3.0, 1e6, 1e6)])
+    assert partition(graph, two).time_per_minibatch_s == pytest.approx(3e-3, rel=1e-12)
+    # A straight pipeline cannot replicate: the node's own 4 ms.
+    assert node_share_bound(compute, parameters, two, straight_pipeline=True, tolerance=1e-9) == pytest.approx(4e-3, rel=1e-8)
+    # Two such nodes on 2 machines of 2 workers, every link 1e9 B/s: perfect balance says 2 ms. The
+    # cheapest replication for a node is one worker in each outer machine (PipeDream divides the outer
+    # all-reduce by the 2 machines inside): 4 / 2 + 4 * 1e6 / (1e9 * 2 * 2) / 2 = 2.5 ms, and a node
+    # then holds 4 / (T - 0.5 ms) workers: both fit in 4 from T = 2.5 ms. (The best plan takes 3 ms.)
+    nested = Hierarchy.from_lists([2, 2], [1e9, 1e9])
+    bound = node_share_bound(np.array([4e-3, 4e-3]), np.array([1e6, 1e6]), nested, tolerance=1e-9)
+    assert bound == pytest.approx(2.5e-3, rel=1e-8)
+    pair = synthetic.chain(2).replace_nodes([
+        Node("input0", "Input0"), Node("node1", "Linear", 1.0, 3.0, 1e6, 1e6), Node("node2", "Linear", 1.0, 3.0, 1e6, 1e6),
+    ])
+    assert partition(pair, nested).time_per_minibatch_s == pytest.approx(3e-3, rel=1e-12)
+
+
 def test_unproven_plan_reports_the_relaxed_bound(monkeypatch):
     graph = synthetic.branches(10, width=4, depth=3, seed=5)
     hierarchy = Hierarchy.from_lists([4, 2, 2], [40e9, 10e9, 1.25e9])
@@ -128,8 +154,7 @@ def test_unproven_plan_reports_the_relaxed_bound(monkeypatch):
     balance = plan.single_machine_time_s / hierarchy.num_workers
     assert balance < plan.extra["lower_bound_s"] <= exact.time_per_minibatch_s * (1 + 1e-9)
     work = preprocess(graph)
-    assert plan.extra["lower_bound_s"] == pytest.approx(
-        partition_module.relaxed_bound(
-            work, hierarchy, options, partition_module.cut_union(work, enumerate_antichains(work)), plan.time_per_minibatch_s),
-        rel=1e-12,
-    )
+    relaxed = partition_module.relaxed_bound(
+        work, hierarchy, options, partition_module.cut_union(work, enumerate_antichains(work)), plan.time_per_minibatch_s)
+    nodes = node_share_bound(np.array(work.compute_s), np.array(work.parameters), hierarchy)
+    assert plan.extra["lower_bound_s"] == pytest.approx(max(relaxed, nodes), rel=1e-12)

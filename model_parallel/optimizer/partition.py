@@ -30,7 +30,7 @@ from model_parallel.optimizer.costs import stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, relaxed_lower_bound
+from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.states import (
     Antichains, CutCosts, States, Workload, antichain_states, cut_costs, downset_sums, enumerate_antichains, finish_antichains,
     ideal_states, preprocess, prefix_states, states_from_costs,
@@ -62,7 +62,7 @@ class Solution:
     boundary_levels: tuple[int, ...] = ()
     part_ranks: tuple[tuple[int, ...], ...] = ()  # per part, the workers the hierarchy gives it (empty = in order)
     speeds_simplified: bool = False  # planned with each outer level's slowest profile on every machine
-    lower_bound_s: Optional[float] = None  # not exact: a time no plan beats, when better than perfect balance
+    lower_bound_s: Optional[float] = None  # not exact: a time no plan beats (relaxation.py), if known
 
 
 def dp_work(
@@ -545,6 +545,9 @@ def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = Pa
         solution = solve(choose_states(work, hierarchy, options), hierarchy, options)
     if not math.isfinite(solution.time_s):
         raise InfeasibleError(_infeasible_message(graph, work, hierarchy, options, solution.states))
+    if not solution.exact and options.worker_speeds is None:
+        nodes = node_share_bound(np.array(work.compute_s), np.array(work.parameters), hierarchy, options.straight_pipeline)
+        solution = replace(solution, lower_bound_s=max(solution.lower_bound_s or 0.0, nodes))
     stage_of = _assign_nodes(graph, work, solution)
     elapsed = time.perf_counter() - started
     return build_plan(graph, hierarchy, options, solution, stage_of, elapsed)
