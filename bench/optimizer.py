@@ -50,7 +50,7 @@ from model_parallel.graph.plan import Hierarchy  # noqa: E402
 from model_parallel.optimizer import synthetic  # noqa: E402
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
-from model_parallel.optimizer.partition import bounded_solve, partition, solve  # noqa: E402
+from model_parallel.optimizer.partition import bounded_solve, cut_union, partition, solve  # noqa: E402
 from model_parallel.optimizer.states import (  # noqa: E402
     antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states,
 )
@@ -165,7 +165,7 @@ def bounded_gap(num_cases: int) -> dict[str, Any]:
         antichains = enumerate_antichains(work)
         union = cut_states(work, list(prefix_states(work).members) + antichains.downsets(), "bounded")
         full = solve(union, hierarchy, options).time_s
-        bounded = bounded_solve(work, hierarchy, options, antichains, solve(prefix_states(work, 10), hierarchy, options).time_s)
+        bounded = bounded_solve(work, hierarchy, options, cut_union(work, antichains), solve(prefix_states(work, 10), hierarchy, options).time_s)
         if bounded is None:
             gap = math.inf
             continue

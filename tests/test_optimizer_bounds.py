@@ -11,7 +11,7 @@ from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.bounds import boundary_states, level_bounds
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import bounded_solve, solve
+from model_parallel.optimizer.partition import bounded_solve, cut_union, solve
 from model_parallel.optimizer.states import cut_states, enumerate_antichains, preprocess, prefix_states
 
 HIERARCHIES = [([3], [1e9]), ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([2, 2, 2], [40e9, 10e9, 1e9])]
@@ -55,7 +55,7 @@ def test_bounded_solve_equals_the_full_dp(block):
         # state of the optimal plan sits right at its bound).
         loose = solve(prefix_states(work, 4 + seed % 5), hierarchy, options).time_s
         for upper in {loose if math.isfinite(loose) else 2 * full.time_s, full.time_s}:
-            bounded = bounded_solve(work, hierarchy, options, antichains, upper)
+            bounded = bounded_solve(work, hierarchy, options, cut_union(work, antichains), upper)
             assert bounded is not None and bounded.exact
             assert bounded.time_s == pytest.approx(full.time_s, rel=1e-12, abs=0), (seed, upper)
             assert bounded.states.num_states <= full.states.num_states
@@ -72,7 +72,7 @@ def test_bounded_plan_is_never_worse_than_pipedreams_states():
     pipedream_states = finish_antichains(work, antichains)
     strict = solve(cut_states(work, list(pipedream_states.members), "bounded"), hierarchy, options)
     upper = solve(prefix_states(work, 12), hierarchy, options).time_s
-    bounded = bounded_solve(work, hierarchy, options, antichains, upper)
+    bounded = bounded_solve(work, hierarchy, options, cut_union(work, antichains), upper)
     assert bounded.time_s <= strict.time_s * (1 + 1e-12)
     assert bounded.time_s <= upper * (1 + 1e-12)
 

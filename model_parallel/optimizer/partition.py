@@ -134,7 +134,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         return upper
     prefixes_fit = True
     if options.max_cut_points is None:
-        over_prefixes = bounded_solve(work, hierarchy, options, None, upper.time_s)
+        over_prefixes = bounded_solve(work, hierarchy, options, cut_union(work, None), upper.time_s)
         prefixes_fit = over_prefixes is not None
         upper = _better(upper, over_prefixes)
     # The union with the antichains keeps a superset under the same bound: hopeless if prefixes alone are.
@@ -143,7 +143,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         found = _enumerate_or_none(work)  # None: more than ENUMERATION_LIMIT states, the warning says so
         if found is not None:
             union = cut_union(work, found)
-            exact = bounded_solve(work, hierarchy, options, found, upper.time_s, union)
+            exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
     if exact is None:
         if upper.states.kind != "topological-bounded" and quick != limit:
             upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
@@ -205,14 +205,11 @@ def cut_union(work: Workload, antichains: Optional[Antichains]) -> CutUnion:
 
 
 def bounded_solve(
-    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, antichains: Optional[Antichains], upper_bound: float,
-    union: Optional[CutUnion] = None,
+    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper_bound: float,
 ) -> Optional[Solution]:
-    """The exact optimum over PipeDream's antichains (when enumerated) and every topological prefix
-    (`union`, built from them when not given), using only the states that can bound a stage of a plan
-    taking at most `upper_bound`; None when even those are too many to solve within the time budget."""
-    if union is None:
-        union = cut_union(work, antichains)
+    """The exact optimum over the cuts of `union` (every topological prefix and, when enumerated,
+    PipeDream's antichains), using only the states that can bound a stage of a plan taking at most
+    `upper_bound`; None when even those are too many to solve within the time budget."""
     maybe = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, 1, upper_bound)
     if float(maybe.sum()) ** 2 / 2 > AUTO_WORK_BUDGET:  # even one level on two machines touches S^2 / 2
         return None
