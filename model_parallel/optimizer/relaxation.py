@@ -116,9 +116,9 @@ def covers(
         sends = np.where(block < last, transfer[block], 0.0)
         # The first stage (from the beginning): PipeDream counts no transfer on it.
         best = replicas(compute[block], allreduce[block], np.zeros(len(block)))
-        # Ancestors i of j: no member of i outside j (states are sorted by size, so i < j).
+        # Ancestors i of j: no member of i outside j. States are sorted by size, so only columns i < j
+        # are read below (the diagonal, j inside itself, never is).
         ancestors = (outside[block] @ members[: block[-1]].T) == 0  # [j, i]
-        ancestors[np.arange(len(block))[:, None] <= np.arange(block[-1])[None, :] - start] = False
         if start:
             earlier = replicas(
                 compute[block, None] - compute[None, :start], allreduce[block, None] - allreduce[None, :start],
