@@ -59,6 +59,18 @@ def test_reproduces_pipedream_vectors(reference_profiles, name, machines, bandwi
     assert auto.time_per_minibatch_s == plan.time_per_minibatch_s
 
 
+@pytest.mark.parametrize("name,machines,bandwidths,flags,expected", [v for v in VECTORS if len(v[1]) > 1])
+def test_bounded_pipedream_dp_reproduces_the_hierarchical_vectors(reference_profiles, monkeypatch, name, machines, bandwidths, flags, expected):
+    """auto bounds PipeDream's DP on hierarchies above a work threshold; forced on, the vectors still match."""
+    import model_parallel.optimizer.partition as partition_module
+
+    monkeypatch.setattr(partition_module, "PRUNE_MIN_WORK", 0.0)
+    _, auto = _solve(reference_profiles, name, machines, bandwidths, flags, cuts="auto")
+    assert auto.time_per_minibatch_s == pytest.approx(expected, rel=1e-12)
+    _, reference = _solve(reference_profiles, name, machines, bandwidths, flags)
+    assert [s.node_ids for s in auto.stages] == [s.node_ids for s in reference.stages]
+
+
 def test_plan_covers_every_node_in_dependency_order(reference_profiles):
     graph, plan = _solve(reference_profiles, "gnmt", [4], None, {})
     stage_of = plan.stage_of

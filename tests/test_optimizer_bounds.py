@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.bounds import boundary_states, level_bounds
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import bounded_solve, cut_union, solve
-from model_parallel.optimizer.states import cut_states, enumerate_antichains, preprocess, prefix_states
+from model_parallel.optimizer.states import antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states
 
 HIERARCHIES = [([3], [1e9]), ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([2, 2, 2], [40e9, 10e9, 1e9])]
 
@@ -95,3 +96,71 @@ def test_boundary_states_keep_exactly_the_feasible_worker_counts():
     counted = level_bounds(compute, output, Hierarchy.from_lists([2, 2], [4.0, 4.0]), 1.0, 1.0)
     assert counted.splittable[0].tolist() == [True, True, False, False, False]
     assert counted.kept_states().tolist() == [True, True, False, False, True]
+
+
+@pytest.mark.parametrize("block", range(3))
+def test_bounded_pipedream_dp_equals_pipedreams_dp(block):
+    """PipeDream's own states, not-a-range entries included: the bounded DP gives the same time and plan."""
+    checked = 0
+    for seed in range(block * 12, block * 12 + 12):
+        graph, _, options = problem(seed)
+        machines, bandwidths = HIERARCHIES[1 + seed % (len(HIERARCHIES) - 1)]  # hierarchies only
+        hierarchy = Hierarchy.from_lists(machines, bandwidths, memory_bytes=[2e8, 6e8, 2e9][seed % 3])
+        work = preprocess(graph)
+        states = antichain_states(work)
+        full = solve(states, hierarchy, options)
+        if not math.isfinite(full.time_s):
+            continue
+        checked += 1
+        loose = solve(prefix_states(work, 4 + seed % 5), hierarchy, options).time_s
+        for upper in {loose if math.isfinite(loose) else 2 * full.time_s, full.time_s}:
+            bounds = level_bounds(states.compute, states.output, hierarchy, upper, options.activation_compression_ratio)
+            bounded = solve(states, hierarchy, options, bounds)
+            assert bounded.time_s == full.time_s, (seed, upper)
+            assert (bounded.parts, bounded.level_replicas, bounded.part_ranks) == (full.parts, full.level_replicas, full.part_ranks)
+    assert checked >= 6
+
+
+def test_auto_prunes_pipedreams_dp_without_changing_the_plan(monkeypatch):
+    import model_parallel.optimizer.partition as partition_module
+
+    monkeypatch.setattr(partition_module, "PRUNE_MIN_WORK", 0.0)
+    bounded_calls = []
+    real_solve = partition_module.solve
+
+    def counting_solve(states, hierarchy, options, bounds=None):
+        bounded_calls.append(states.kind == "antichain" and bounds is not None)
+        return real_solve(states, hierarchy, options, bounds)
+
+    monkeypatch.setattr(partition_module, "solve", counting_solve)
+    graph = synthetic.branches(8, width=4, depth=3, seed=3)
+    hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
+    options = PartitionOptions(activation_compression_ratio=1.0)
+    auto = partition_module.partition(graph, hierarchy, options)
+    assert any(bounded_calls) and auto.extra["cuts"] == "antichain" and auto.extra["exact"]
+    reference = partition_module.partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts="antichain"))
+    assert auto.time_per_minibatch_s == reference.time_per_minibatch_s
+    assert [s.node_ids for s in auto.stages] == [s.node_ids for s in reference.stages]
+    assert [s.ranks for s in auto.stages] == [s.ranks for s in reference.stages]
+
+
+def test_a_bound_below_pipedreams_optimum_falls_back_to_the_full_dp(monkeypatch):
+    """A prefix plan can beat every antichain plan (a cut PipeDream misses); then no antichain plan is
+    within its time and the full DP must run. Simulated by a quick plan that claims half its time."""
+    import model_parallel.optimizer.partition as partition_module
+
+    monkeypatch.setattr(partition_module, "PRUNE_MIN_WORK", 0.0)
+    real_solve = partition_module.solve
+
+    def optimistic_prefixes(states, hierarchy, options, bounds=None):
+        solution = real_solve(states, hierarchy, options, bounds)
+        return replace(solution, time_s=solution.time_s / 2) if states.kind.startswith("topological") else solution
+
+    monkeypatch.setattr(partition_module, "solve", optimistic_prefixes)
+    graph = synthetic.branches(8, width=4, depth=3, seed=3)
+    work = preprocess(graph)
+    states = antichain_states(work)
+    hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
+    options = PartitionOptions(activation_compression_ratio=1.0)
+    got = partition_module.solve_antichains(work, states, hierarchy, options)
+    assert got.time_s == real_solve(states, hierarchy, options).time_s
