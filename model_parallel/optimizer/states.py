@@ -14,7 +14,6 @@ Node sets are Python ints used as bitsets over node positions: union/intersectio
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -242,19 +241,17 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> An
     sources = [v for v in range(n) if not work.pred[v]]
     start = [sources[0]]
     mapping: dict[int, int] = {key(start): 0}
+    keys: list[int] = [key(start)]
     augmented: list[list[int]] = [augment(start)]
     out_edges: list[list[int]] = [[]]
-    processed: set[int] = set()
-    queue = deque([start])
-    while queue:
-        antichain = queue.popleft()
-        akey = key(antichain)
-        if akey in processed:
-            continue
-        processed.add(akey)
-        aug = augment(antichain)
+    # Breadth first: PipeDream's queue meets each antichain first when it creates it (later copies are
+    # skipped), so states are processed exactly in creation order.
+    current = 0
+    while current < len(augmented):
+        akey, aug = keys[current], augmented[current]
         aug_mask = key(aug)
-        edges = out_edges[mapping[akey]]
+        edges = out_edges[current]
+        current += 1
         for index, u in enumerate(aug):
             before, after = aug[:index], aug[index + 1:]
             for v in work.succ[u]:
@@ -267,14 +264,15 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> An
                 nxt.append(v)
                 nxt.extend([x for x in after if not desc[x] & members])
                 nkey = key(nxt)
-                if nkey not in mapping:
-                    mapping[nkey] = len(augmented)
+                target = mapping.get(nkey)
+                if target is None:
+                    target = mapping[nkey] = len(augmented)
+                    keys.append(nkey)
                     augmented.append(augment(nxt))
                     out_edges.append([])
                     if max_states is not None and len(augmented) > max_states:
                         raise InfeasibleError(f"more than {max_states} antichain states")
-                edges.append(mapping[nkey])
-                queue.append(nxt)
+                edges.append(target)
     return Antichains(augmented, out_edges, anc)
 
 
