@@ -200,11 +200,13 @@ def solve_level(
         splits_before = int(np.searchsorted(split_states, j))  # split positions of states < j
         if ks.size:
             # last[m-1, m'-1, p] for every split position p < splits_before; inf where no ancestor of j.
-            last = np.full((big_m - 1, big_m - 1, splits_before), INF)
-            last[:, :, split_position[ks]] = _last_stage_times(
+            times = _last_stage_times(
                 *last_ranges(ks, j), output[ks], output[j],
                 j < s - 1, mps, big_m, bandwidth, ratio, memory_limit, memory_model, straight_pipeline, speed_sums,
-            ).transpose(0, 2, 1)
+            )
+            last = np.full((times.shape[0], big_m - 1, splits_before), INF)
+            last[:, :, split_position[ks]] = times.transpose(0, 2, 1)
+            per_m = times.shape[0] > 1
         for block_start in range(0, rows, _ROW_BLOCK):
             block = slice(block_start, min(rows, block_start + _ROW_BLOCK))
             num = block.stop - block.start
@@ -228,7 +230,7 @@ def solve_level(
                     max_mp = 1 if straight_pipeline else m
                     first = big_m - m  # block_prior[..., first + m' - 1] = best[..., m - m']
                     cand = buffer[: num * width * max_mp].reshape(num, max_mp, width)
-                    np.maximum(block_prior[:, first: first + max_mp, :], last[m - 1, :max_mp, first_split:][None], out=cand)
+                    np.maximum(block_prior[:, first: first + max_mp, :], last[m - 1 if per_m else 0, :max_mp, first_split:][None], out=cand)
                     flat = cand.reshape(num, -1)
                     pick = np.argmin(flat, axis=1)  # first minimum: fewest machines, then smallest k
                     value = flat[rows_index, pick]
@@ -255,18 +257,20 @@ def _last_stage_times(
     ratio: Optional[float], memory_limit: Optional[float], memory_model: str, straight_pipeline: bool,
     speed_sums: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """`last[m-1, k, m'-1]`: the last stage (after split k) on m' machines, when m+1 machines are in use.
+    """`last[m-1, k, m'-1]`: the last stage (after split k) on m' machines, when m+1 machines are in use;
+    a single `m` row when that does not depend on m (no memory limit, no speeds, one compute per split).
 
     Transfers do not depend on the row, so they fold into the last stage's term of the max. With
     `speed_sums[m-1, m'-1]` (m' times the slowest speed of machines m-m'+1 .. m) work divides by it, not m'.
     `range_compute` is per split k, or per `[m-1, k, m'-1]` when the machines differ (`window_compute`).
     """
     mp = mps[None, :]
+    per_m = range_compute.ndim > 1 or memory_limit is not None or speed_sums is not None
     if range_compute.ndim == 1:
         range_compute = range_compute[None, :, None]
     work = range_compute + ((4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp))[None]
     if speed_sums is None:
-        last = np.broadcast_to(work / mp, (big_m - 1, len(range_params), big_m - 1)).copy()
+        last = np.broadcast_to(work / mp, (big_m - 1 if per_m else 1, len(range_params), big_m - 1)).copy()
     else:  # machines m-m'+1 .. m share the work by speed (m' <= m; larger m' are never read)
         last = np.where(np.isfinite(speed_sums)[:, None, :], work / speed_sums[:, None, :], INF)
     if ratio is not None:
