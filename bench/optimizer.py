@@ -11,7 +11,8 @@ graph (`synthetic.branches`, inception-like, ~1000 nodes, 9311 antichain states)
 `-n 4 4`, `-n 8 2` (bandwidths 40e9 1.25e9) and `-n 8 16 8` (40e9 10e9 1.25e9), all with
 `--activation_compression_ratio 1`, default `cuts="auto"`: PipeDream's antichain DP when affordable
 ("antichain"), else the exact bounded solve over antichains and topological prefixes ("bounded"),
-else the best plan over topological cut points ("topological*", `exact` false). PipeDream's own
+else the best plan over topological cut points ("topological*", `exact` false) or, when faster, the
+bounded solve's below the best time ("bounded", `exact` false). PipeDream's own
 optimizer needs 33-100 s (resnet50) and 136-462 s (resnet101) on the two-level cases.
 
 Optimality gap: on seeded small DAGs the DP ("antichain" and "all" cuts) is compared with exhaustive

@@ -164,3 +164,61 @@ def test_a_bound_below_pipedreams_optimum_falls_back_to_the_full_dp(monkeypatch)
     options = PartitionOptions(activation_compression_ratio=1.0)
     got = partition_module.solve_antichains(work, states, hierarchy, options)
     assert got.time_s == real_solve(states, hierarchy, options).time_s
+
+
+def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound(monkeypatch):
+    """`solve_below` with the budget forcing its bound below the known plan's time: when the bound
+    reaches the optimum it returns the optimum, marked exact; when not, every plan takes more than the
+    bound it reports as `lower_bound_s`, and the plan it returns is a real one (never below the optimum)."""
+    import model_parallel.optimizer.partition as partition_module
+    from model_parallel.optimizer.partition import estimated_bounded_work, solve_below
+
+    outcomes = set()
+    for seed in range(40):
+        graph, hierarchy, options = problem(seed)
+        options = PartitionOptions(activation_compression_ratio=options.activation_compression_ratio)
+        work = preprocess(graph)
+        antichains = enumerate_antichains(work)
+        optimum = solve(union_states(work, antichains), hierarchy, options).time_s
+        upper = solve(prefix_states(work, 3), hierarchy, options)
+        union = cut_union(work, antichains)
+        lower = float(union.compute.max()) / hierarchy.num_workers
+        if not (math.isfinite(optimum) and upper.time_s > optimum * (1 + 1e-6) and lower < optimum):
+            continue
+        # A budget that reaches a time between the lower bound and the optimum, or just past the optimum.
+        target = [lower + (optimum - lower) / 2, optimum * (1 + 1e-7)][seed % 2]
+        monkeypatch.setattr(partition_module, "BELOW_WORK_BUDGET", estimated_bounded_work(union, hierarchy, options, target))
+        got = solve_below(work, hierarchy, options, union, upper, lower)
+        if got.exact:
+            outcomes.add("exact")
+            assert got.time_s == pytest.approx(optimum, rel=1e-12, abs=0), seed
+            assert got.states.kind == "bounded"
+        else:
+            assert got.lower_bound_s is not None and lower <= got.lower_bound_s <= optimum * (1 + 1e-9), seed
+            assert optimum * (1 - 1e-12) <= got.time_s <= upper.time_s * (1 + 1e-12), seed
+            outcomes.add("bounded below" if got.lower_bound_s > lower else "unchanged")
+    assert {"exact", "bounded below"} <= outcomes, outcomes
+
+
+def test_the_work_estimate_matches_the_bounded_problem_without_transfers():
+    """auto skips the crossing bytes of every cut when the estimate says a bounded solve is too big:
+    from compute alone (states in compute order, not size order) it must stay within a factor 2 of the
+    real count (transfers, when counted, only prune more)."""
+    from model_parallel.optimizer.bounds import bounded_work
+    from model_parallel.optimizer.partition import estimated_bounded_work
+
+    for seed in range(12):
+        graph, hierarchy, _ = problem(seed)
+        options = PartitionOptions()
+        work = preprocess(graph)
+        union = cut_union(work, enumerate_antichains(work))
+        optimum = solve(union_states(work, enumerate_antichains(work)), hierarchy, options).time_s
+        for factor in (1.0, 1.05, 1.3):
+            # What bounded_solve counts: the cuts that pass the compute test, with their real costs.
+            maybe = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, 1, optimum * factor)
+            costs = union.costs(work, maybe)
+            bounds = level_bounds(costs.compute, costs.output, hierarchy, optimum * factor, None)
+            real = bounded_work(bounds.restricted(bounds.kept_states()), hierarchy, options.straight_pipeline)
+            # auto skips the exact solve when the estimate exceeds twice the budget: it must never say more.
+            estimate = estimated_bounded_work(union, hierarchy, options, optimum * factor)
+            assert real / 2 <= estimate <= 2 * real, (seed, factor, estimate, real)

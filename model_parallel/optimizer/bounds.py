@@ -52,10 +52,6 @@ class LevelBounds:
         """The same bounds over the kept states only (state indices renumbered)."""
         return LevelBounds(tuple(m[keep] for m in self.splittable), tuple(m[keep] for m in self.starts), self.upper_bound_s)
 
-    def table_rows(self) -> np.ndarray:
-        """Rows the innermost level's tables need: its splits and the next level's starts."""
-        return np.concatenate(([-1], np.flatnonzero(self.splittable[0] | self.starts[0])))
-
 
 def boundary_states(compute: np.ndarray, total: float, workers: int, unit: int, upper_bound: float) -> np.ndarray:
     """Bool per state: some m, a multiple of `unit` in [unit, workers - unit], has

@@ -191,6 +191,7 @@ def solve_level(
     prior = np.ascontiguousarray(np.where(
         not_before[:, None, split_states], best[:, split_states, ::-1].transpose(0, 2, 1), INF
     ))
+    blocks = _row_blocks(np.searchsorted(split_states, solve_states + 1))
     # A split always ends at an ancestor k < j, so once column k is done it never changes: solving
     # column by column (all rows and machine counts at once) equals PipeDream's m-outer loop order.
     for j in range(1, s):
@@ -207,8 +208,10 @@ def solve_level(
             last = np.full((times.shape[0], big_m - 1, splits_before), INF)
             last[:, :, split_position[ks]] = times.transpose(0, 2, 1)
             per_m = times.shape[0] > 1
-        for block_start in range(0, rows, _ROW_BLOCK):
-            block = slice(block_start, min(rows, block_start + _ROW_BLOCK))
+        for block_start, block_stop in blocks:
+            if block_start >= rows:
+                break
+            block = slice(block_start, min(rows, block_stop))
             num = block.stop - block.start
             # best[r, k] is inf unless k comes after r's start: a block only needs splits after its first start.
             first_split = int(np.searchsorted(split_states, solve_states[block.start] + 1))
@@ -249,6 +252,21 @@ def solve_level(
 
 
 _ROW_BLOCK = 64
+# A block reads every split after its first row's start; a row whose own start is this many splits later
+# begins a new block instead of computing (inf) candidates it can never use.
+_BLOCK_GAP = 256
+
+
+def _row_blocks(first_splits: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive rows (ascending starts) grouped at most `_ROW_BLOCK` at a time, a new group wherever
+    the first split a row may use lies over `_BLOCK_GAP` splits after its group's first row's."""
+    blocks, first = [], 0
+    for row in range(1, len(first_splits)):
+        if row - first >= _ROW_BLOCK or first_splits[row] - first_splits[first] > _BLOCK_GAP:
+            blocks.append((first, row))
+            first = row
+    blocks.append((first, len(first_splits)))
+    return blocks
 
 
 def _last_stage_times(

@@ -54,6 +54,8 @@ QUICK_CUT_POINTS = 200
 # the quick plan over this many prefixes costs about what the bound saves).
 PRUNE_MIN_WORK = 5e7
 QUICK_ANTICHAIN_CUT_POINTS = 100
+# Work (array elements) for a bounded solve below the best known time, when one at that time is too big.
+BELOW_WORK_BUDGET = 1.0e9
 
 
 @dataclass(frozen=True)
@@ -152,26 +154,81 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         found = _enumerate_or_none(work)  # None: more than ENUMERATION_LIMIT states, the warning says so
         if found is not None:
             union = cut_union(work, found)
-            exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
-    if exact is None:
-        if upper.states.kind != "topological-bounded" and quick != limit:
-            upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
-        logger.warning(
-            "%s on %d workers: too many cut states for an exact solve; this plan is the best over %s prefixes "
-            "of one topological order (not proven optimal; plan.extra['exact'] is false)",
-            f"{len(found)} antichain states" if found is not None
-            else "the bound keeps too many topological cut points" if not prefixes_fit
-            else f"more than {ENUMERATION_LIMIT} antichain states",
-            hierarchy.num_workers,
-            "all" if upper.states.kind in ("topological", "topological-bounded") else upper.states.num_states,
-        )
-        if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
-            found = _enumerate_or_none(work, MAX_RELAXED_STATES)
-            union = None if found is None else cut_union(work, found)
-        if union is not None:
-            upper = replace(upper, lower_bound_s=relaxed_bound(work, hierarchy, options, union, upper.time_s))
-        return upper
-    return _better(upper, exact)
+            # The estimate skips the crossing bytes of thousands of cuts when the solve is clearly too big.
+            if estimated_bounded_work(union, hierarchy, options, upper.time_s) <= 2 * AUTO_WORK_BUDGET:
+                exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
+    if exact is not None:
+        return _better(upper, exact)
+    if upper.states.kind != "topological-bounded" and quick != limit:
+        upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
+    if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
+        found = _enumerate_or_none(work, MAX_RELAXED_STATES)
+        union = None if found is None else cut_union(work, found)
+    searched = f"{len(upper.states.members) if upper.states.kind == 'topological-coarse' else 'all'} prefixes of one topological order"
+    if union is not None:
+        lower = max(relaxed_bound(work, hierarchy, options, union, upper.time_s) or 0.0,
+                    float(union.compute.max()) / hierarchy.num_workers)
+        below = solve_below(work, hierarchy, options, union, upper, lower)
+        if below.exact:
+            return below
+        if below.states.kind == "bounded":
+            searched = f"{below.states.num_states} antichain and prefix cuts a bounded solve below the best time kept"
+        upper = below
+    logger.warning(
+        "%s on %d workers: too many cut states for an exact solve; this plan is the best over %s "
+        "(not proven optimal; plan.extra['exact'] is false)",
+        f"{len(found)} antichain states" if found is not None
+        else "the bound keeps too many topological cut points" if not prefixes_fit
+        else f"more than {ENUMERATION_LIMIT} antichain states",
+        hierarchy.num_workers, searched,
+    )
+    return upper
+
+
+def estimated_bounded_work(union: CutUnion, hierarchy: Hierarchy, options: PartitionOptions, upper_bound: float) -> float:
+    """`bounded_work` of a bounded solve over `union` at `upper_bound`, from compute alone (transfers only
+    prune more) and without the crossing bytes of every cut: milliseconds for 200,000 cuts."""
+    total = float(union.compute.max())
+    maybe = boundary_states(union.compute, total, hierarchy.num_workers, 1, upper_bound)
+    if float(maybe.sum()) ** 2 / 2 > AUTO_WORK_BUDGET:
+        return math.inf
+    compute = np.append(np.sort(union.compute[maybe]), total)  # states are solved in size order: close enough
+    bounds = level_bounds(compute, np.zeros(len(compute)), hierarchy, upper_bound, None)
+    return bounded_work(bounds.restricted(bounds.kept_states()), hierarchy, options.straight_pipeline)
+
+
+def largest_affordable_bound(
+    union: CutUnion, hierarchy: Hierarchy, options: PartitionOptions, low: float, high: float, budget: float,
+) -> Optional[float]:
+    """The largest time in [low, high] (to 0.01%) whose bounded solve over `union` is estimated to fit
+    `budget`; None when not even `low` does."""
+    def fits(bound: float) -> bool:
+        return estimated_bounded_work(union, hierarchy, options, bound) <= budget
+
+    if not fits(low):
+        return None
+    if fits(high):
+        return high
+    while high > low * (1 + 1e-4):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def solve_below(
+    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper: Solution, lower: float,
+) -> Solution:
+    """When the bounded solve at the best plan's time is too big, one at the largest time `T` above
+    `lower` that fits BELOW_WORK_BUDGET. It keeps every plan taking at most `T`: if it finds one, that
+    is the optimum over `union` (exact); if not, every plan takes more than `T`, a lower bound, and what
+    it found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless exact."""
+    bound = largest_affordable_bound(union, hierarchy, options, lower, upper.time_s, BELOW_WORK_BUDGET)
+    found = None if bound is None or bound <= lower else bounded_solve(work, hierarchy, options, union, bound)
+    if found is None:
+        return replace(upper, exact=False, lower_bound_s=lower)
+    if found.time_s <= bound:
+        return found
+    return replace(_better(upper, replace(found, exact=False)), exact=False, lower_bound_s=bound)
 
 
 def solve_antichains(work: Workload, states: States, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
@@ -312,7 +369,10 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
     if one_level:  # only ranges from the start are read (last stages come from cumulative sums)
         table_rows = np.array([-1])
     else:
-        table_rows = all_rows(states.num_states) if bounds is None else bounds.table_rows()
+        # Bounded, the innermost level reads its last stages' ranges as differences of the sums, so its
+        # tables need only the rows it solves (outer levels read their compute from the level inside).
+        table_rows = all_rows(states.num_states) if bounds is None else np.concatenate(([-1], np.flatnonzero(bounds.starts[0])))
+    sums = (states.compute, states.activation, states.parameters)
     compute = range_table(states.compute, strict, table_rows)
     all_tables: list[LevelTables] = []
     within = 1
@@ -329,7 +389,7 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
             straight_pipeline=options.straight_pipeline, use_fewer_machines=options.use_fewer_machines,
             activation_compression_ratio=options.activation_compression_ratio,
             memory_limit=memory, memory_model=options.memory_model,
-            cumulative=(states.compute, states.activation, states.parameters) if one_level else None,
+            cumulative=sums if one_level or (number == 0 and bounds is not None) else None,
             row_states=table_rows, worker_speeds=speeds, **limits,
         )
         # The best time of each range on all of this level's machines is its compute time one level up.

@@ -446,13 +446,22 @@ def states_from_costs(costs: CutCosts, kind: str) -> States:
     )
 
 
-def downset_sums(work: Workload, downsets: list[int], chunk: int = 8192) -> np.ndarray:
-    """Compute seconds over each downset (for bounding before the states are built), in chunks so
-    that hundreds of thousands of states never need a states x nodes float matrix at once."""
-    compute = np.array(work.compute_s, dtype=np.float64)
+def downset_sums(work: Workload, downsets: list[int], chunk: int = 16384) -> np.ndarray:
+    """Compute seconds over each downset (for bounding before the states are built): a table of the sum
+    over each byte's 8 nodes for each of its 256 values, read once per byte of each bitset (no states x
+    nodes matrix; sums in another order than `cut_costs`, which bounding absorbs)."""
+    n = work.num_nodes
+    width = (n + 7) // 8
+    compute = np.zeros(width * 8)
+    compute[:n] = work.compute_s
+    byte_bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.float64)
+    table = compute.reshape(width, 8) @ byte_bits.T  # [byte position, byte value]
+    positions = np.arange(width)[None, :]
     sums = np.empty(len(downsets))
     for start in range(0, len(downsets), chunk):
-        sums[start:start + chunk] = _to_matrix(downsets[start:start + chunk], work.num_nodes) @ compute
+        block = downsets[start:start + chunk]
+        raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in block), dtype=np.uint8).reshape(len(block), width)
+        sums[start:start + chunk] = table[positions, raw].sum(axis=1)
     return sums
 
 
