@@ -221,7 +221,10 @@ def solve_below(
     """When the bounded solve at the best plan's time is too big, one at the largest time `T` above
     `lower` that fits BELOW_WORK_BUDGET. It keeps every plan taking at most `T`: if it finds one, that
     is the optimum over `union` (exact); if not, every plan takes more than `T`, a lower bound, and what
-    it found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless exact."""
+    it found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless exact;
+    `upper` must be a plan (finite time)."""
+    if not math.isfinite(upper.time_s):
+        raise PlanError("solve_below needs a plan to improve on (a finite upper time)")
     bound = largest_affordable_bound(union, hierarchy, options, lower, upper.time_s, BELOW_WORK_BUDGET)
     found = None if bound is None or bound <= lower else bounded_solve(work, hierarchy, options, union, bound)
     if found is None:
