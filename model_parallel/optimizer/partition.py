@@ -8,8 +8,10 @@ first (dp.py), follow the recorded splits outermost first down to the stages, th
 prefixes of one topological order gives an upper bound `T`; `bounds.py` keeps only the cut states
 (PipeDream's antichains and those prefixes, with the bytes that really cross each cut) that can be a
 stage boundary of a plan taking at most `T`, and the DP over them is exact for that union. When the
-bound keeps too much (far more workers than the graph can balance), the prefix plan is returned,
-the plan says `exact: false`, and `relaxation.py` bounds the optimum from below.
+bound keeps too much (far more workers than the graph can balance), the same solve runs at the largest
+time below `T` that the budget allows (`solve_below`): a plan within it is the optimum; none proves a
+lower bound. Failing that, the best plan found is returned with `exact: false`, and `relaxation.py`
+bounds the optimum from below.
 
 When PipeDream's own antichain DP is affordable on a hierarchy, the same bound (from a quick prefix
 plan) first restricts it to the rows and splits a plan within `T` can use: the same optimum and plan,
