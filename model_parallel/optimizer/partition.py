@@ -115,8 +115,9 @@ def choose_states(work: Workload, hierarchy: Hierarchy, options: PartitionOption
 
 
 def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
-    """PipeDream's antichain DP when affordable; else an exact bounded solve (module doc); else the
-    best plan over topological cut points, marked inexact."""
+    """PipeDream's antichain DP when affordable; else an exact bounded solve (module doc), at the best
+    plan's time or below it; else the best plan found (topological cut points or the solve below),
+    marked inexact with a lower bound."""
     if options.worker_speeds is not None:
         _check_speed_count(options, hierarchy)
         limit = options.max_cut_points
@@ -166,7 +167,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
     if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
         found = _enumerate_or_none(work, MAX_RELAXED_STATES)
         union = None if found is None else cut_union(work, found)
-    searched = f"{len(upper.states.members) if upper.states.kind == 'topological-coarse' else 'all'} prefixes of one topological order"
+    searched = f"{upper.states.num_states if upper.states.kind == 'topological-coarse' else 'all'} prefixes of one topological order"
     if union is not None:
         lower = max(relaxed_bound(work, hierarchy, options, union, upper.time_s) or 0.0,
                     float(union.compute.max()) / hierarchy.num_workers)
