@@ -41,8 +41,15 @@ def union_states(work, antichains):
     return cut_states(work, list(prefix_states(work).members) + antichains.downsets(), "bounded")
 
 
+@pytest.mark.parametrize("over_cells", [False, True])
 @pytest.mark.parametrize("block", range(6))
-def test_bounded_solve_equals_the_full_dp(block):
+def test_bounded_solve_equals_the_full_dp(block, over_cells, monkeypatch):
+    """Through `bounded_solve` (states kept by the bound, and with cells those some cell uses)."""
+    if over_cells:
+        import model_parallel.optimizer.cells as cells_module
+
+        monkeypatch.setattr(cells_module, "CELL_MIN_WORK", 0.0)
+        monkeypatch.setattr(cells_module, "CELL_GAIN", 0.0)
     checked = 0
     for seed in range(block * 10, block * 10 + 10):
         graph, hierarchy, options = problem(seed)
@@ -167,7 +174,7 @@ def test_a_bound_below_pipedreams_optimum_falls_back_to_the_full_dp(monkeypatch)
 
 
 def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound(monkeypatch):
-    """`solve_below` with the budget forcing its bound below the known plan's time: when the bound
+    """`solve_below` with budgets forcing its bounds below the known plan's time: when a bound
     reaches the optimum it returns the optimum, marked exact; when not, every plan takes more than the
     bound it reports as `lower_bound_s`, and the plan it returns is a real one (never below the optimum)."""
     import model_parallel.optimizer.partition as partition_module
@@ -184,9 +191,11 @@ def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound(mo
         lower = float(union.compute.max()) / hierarchy.num_workers
         if not (math.isfinite(upper.time_s) and upper.time_s > optimum * (1 + 1e-6) and lower < optimum):
             continue
-        # A budget that reaches a time between the lower bound and the optimum, or just past the optimum.
+        # Budgets that reach a time between the lower bound and the optimum, or just past the optimum
+        # (a first, smaller one proves a weaker lower bound on the way).
         target = [lower + (optimum - lower) / 2, optimum * (1 + 1e-7)][seed % 2]
-        monkeypatch.setattr(partition_module, "BELOW_WORK_BUDGET", estimated_bounded_work(union, hierarchy, options, target))
+        budgets = tuple(estimated_bounded_work(union, hierarchy, options, t) for t in (lower + (target - lower) / 4, target))
+        monkeypatch.setattr(partition_module, "BELOW_BUDGETS", budgets)
         got = solve_below(work, hierarchy, options, union, upper, lower)
         if got.exact:
             outcomes.add("exact")

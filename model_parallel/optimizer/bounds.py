@@ -87,10 +87,15 @@ def level_bounds(
 
 
 def bounded_work(bounds: LevelBounds, hierarchy: Hierarchy, straight_pipeline: bool) -> float:
-    """Rough count of array elements the bounded DP touches: a row starting at state p reads the splits
-    after p for every column after p (about half of those pairs), for each pair of machine counts."""
+    """Rough count of array elements the bounded DP touches (all levels)."""
+    return sum(bounded_level_work(bounds, hierarchy, straight_pipeline))
+
+
+def bounded_level_work(bounds: LevelBounds, hierarchy: Hierarchy, straight_pipeline: bool) -> list[float]:
+    """Per level: a row starting at state p reads the splits after p for every column after p (about
+    half of those pairs), for each pair of machine counts."""
     states = len(bounds.splittable[0])
-    total = 0.0
+    found = []
     for level, splittable, starts in zip(hierarchy.levels, bounds.splittable, bounds.starts):
         m = level.num_machines
         per_cell = (m - 1) if straight_pipeline else m * (m - 1) / 2
@@ -98,5 +103,10 @@ def bounded_work(bounds: LevelBounds, hierarchy: Hierarchy, straight_pipeline: b
         rows = np.concatenate(([-1], np.flatnonzero(starts)))
         after = np.where(rows < 0, states, states - 1 - rows)
         split_after = np.where(rows < 0, int(splittable.sum()), splits_after[np.maximum(rows, 0)])
-        total += float(np.sum(after * split_after)) / 2 * max(per_cell, 1)
-    return total
+        found.append(float(np.sum(after * split_after)) / 2 * max(per_cell, 1))
+    return found
+
+
+def row_states(bounds: LevelBounds, number: int) -> np.ndarray:
+    """The states after which level `number` solves a row (-1: from the start), ascending."""
+    return np.concatenate(([-1], np.flatnonzero(bounds.starts[number])))

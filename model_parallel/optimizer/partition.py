@@ -7,10 +7,10 @@ first (dp.py), follow the recorded splits outermost first down to the stages, th
 `cuts="auto"` on a graph whose antichain DP is too big for PipeDream's algorithm: a plan over the
 prefixes of one topological order gives an upper bound `T`; `bounds.py` keeps only the cut states
 (PipeDream's antichains and those prefixes, with the bytes that really cross each cut) that can be a
-stage boundary of a plan taking at most `T`, and the DP over them is exact for that union. When the
-bound keeps too much (far more workers than the graph can balance), the same solve runs at the largest
-time below `T` that the budget allows (`solve_below`): a plan within it is the optimum; none proves a
-lower bound. Failing that, the best plan found is returned with `exact: false`, and `relaxation.py`
+stage boundary of a plan taking at most `T`, and the DP over them is exact for that union; where it
+pays, each level solves only the table cells such a plan can use (`cells.py`). Unless that is cheap
+at `T`, the same solve runs at the largest times below `T` that growing budgets allow (`solve_below`):
+a plan within one is the optimum; none proves a lower bound. Failing that, the best plan found is returned with `exact: false`, and `relaxation.py`
 bounds the optimum from below.
 
 When PipeDream's own antichain DP is affordable on a hierarchy, the same bound (from a quick prefix
@@ -32,7 +32,8 @@ import numpy as np
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
-from model_parallel.optimizer.bounds import ROUNDING, LevelBounds, bounded_work, boundary_states, level_bounds
+from model_parallel.optimizer.bounds import ROUNDING, LevelBounds, boundary_states, level_bounds, row_states
+from model_parallel.optimizer.cells import bounded_plan, cell_mask, used_states
 from model_parallel.optimizer.costs import stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
@@ -56,8 +57,9 @@ QUICK_CUT_POINTS = 200
 # the quick plan over this many prefixes costs about what the bound saves).
 PRUNE_MIN_WORK = 5e7
 QUICK_ANTICHAIN_CUT_POINTS = 100
-# Work (array elements) for a bounded solve below the best known time, when one at that time is too big.
-BELOW_WORK_BUDGET = 1.0e9
+# Work (array elements) of the bounded solves below the best known time, tried in turn (`solve_below`);
+# a bounded solve at the best time runs first when it fits the first.
+BELOW_BUDGETS = (AUTO_WORK_BUDGET / 64, AUTO_WORK_BUDGET / 8, AUTO_WORK_BUDGET)
 
 
 @dataclass(frozen=True)
@@ -157,8 +159,9 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         found = _enumerate_or_none(work)  # None: more than ENUMERATION_LIMIT states, the warning says so
         if found is not None:
             union = cut_union(work, found)
-            # The estimate skips the crossing bytes of thousands of cuts when the solve is clearly too big.
-            if estimated_bounded_work(union, hierarchy, options, upper.time_s) <= 2 * AUTO_WORK_BUDGET:
+            # The estimate skips the crossing bytes of thousands of cuts when the solve is not cheap: then the
+            # solve below the best time, in growing steps, usually finds the optimum sooner.
+            if estimated_bounded_work(union, hierarchy, options, upper.time_s) <= BELOW_BUDGETS[0]:
                 exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
     if exact is not None:
         return _better(upper, exact)
@@ -197,7 +200,8 @@ def estimated_bounded_work(union: CutUnion, hierarchy: Hierarchy, options: Parti
         return math.inf
     compute = np.append(np.sort(union.compute[maybe]), total)  # states are solved in size order: close enough
     bounds = level_bounds(compute, np.zeros(len(compute)), hierarchy, upper_bound, None)
-    return bounded_work(bounds.restricted(bounds.kept_states()), hierarchy, options.straight_pipeline)
+    kept = bounds.kept_states()
+    return bounded_plan(compute[kept], bounds.restricted(kept), hierarchy, options)[0]
 
 
 def largest_affordable_bound(
@@ -221,20 +225,25 @@ def largest_affordable_bound(
 def solve_below(
     work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper: Solution, lower: float,
 ) -> Solution:
-    """When the bounded solve at the best plan's time is too big, one at the largest time `T` above
-    `lower` that fits BELOW_WORK_BUDGET. It keeps every plan taking at most `T`: if it finds one, that
-    is the optimum over `union` (exact); if not, every plan takes more than `T`, a lower bound, and what
-    it found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless exact;
-    `upper` must be a plan (finite time)."""
+    """Bounded solves at the largest times `T` above `lower` (up to the best plan's time) that growing
+    budgets allow (BELOW_BUDGETS: the work grows steeply with `T`, and the optimum is often close above
+    the lower bound). Each keeps every plan taking at most
+    `T`: if it finds one, that is the optimum over `union` (exact); if not, every plan takes more than `T`,
+    the next lower bound, and what it found (a real plan) replaces `upper` when faster. Returns the plan
+    with `lower_bound_s` set unless exact; `upper` must be a plan (finite time)."""
     if not math.isfinite(upper.time_s):
         raise PlanError("solve_below needs a plan to improve on (a finite upper time)")
-    bound = largest_affordable_bound(union, hierarchy, options, lower, upper.time_s, BELOW_WORK_BUDGET)
-    found = None if bound is None or bound <= lower else bounded_solve(work, hierarchy, options, union, bound)
-    if found is None:
-        return replace(upper, exact=False, lower_bound_s=lower)
-    if found.time_s <= bound:
-        return found
-    return replace(_better(upper, replace(found, exact=False)), exact=False, lower_bound_s=bound)
+    best, proven = upper, lower
+    for budget in BELOW_BUDGETS:
+        bound = largest_affordable_bound(union, hierarchy, options, proven, best.time_s, budget)
+        found = None if bound is None or bound <= proven else bounded_solve(work, hierarchy, options, union, bound)
+        if found is None:
+            continue
+        if found.time_s <= bound:
+            return found
+        proven = bound
+        best = _better(best, replace(found, exact=False))
+    return replace(best, exact=False, lower_bound_s=proven)
 
 
 def solve_antichains(work: Workload, states: States, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
@@ -248,7 +257,7 @@ def solve_antichains(work: Workload, states: States, hierarchy: Hierarchy, optio
     upper = solve(prefix_states(work, QUICK_ANTICHAIN_CUT_POINTS), hierarchy, options).time_s
     if math.isfinite(upper):
         bounds = level_bounds(states.compute, states.output, hierarchy, upper, options.activation_compression_ratio)
-        if bounded_work(bounds, hierarchy, options.straight_pipeline) < full_work / 2:
+        if bounded_plan(states.compute, bounds, hierarchy, options)[0] < full_work / 2:
             pruned = solve(states, hierarchy, options, bounds)
             if pruned.time_s <= upper * (1 + ROUNDING):
                 return pruned
@@ -307,8 +316,12 @@ def bounded_solve(
     bounds = level_bounds(costs.compute, costs.output, hierarchy, upper_bound, options.activation_compression_ratio)
     kept = bounds.kept_states()
     costs, bounds = costs.subset(kept), bounds.restricted(kept)
-    if bounded_work(bounds, hierarchy, options.straight_pipeline) > AUTO_WORK_BUDGET:
+    estimate, over_cells = bounded_plan(costs.compute, bounds, hierarchy, options)
+    if estimate > AUTO_WORK_BUDGET:
         return None
+    if any(over_cells):  # fewer states: a smaller ancestor matrix and tables
+        used = used_states(costs.compute, bounds, hierarchy, options, over_cells)
+        costs, bounds = costs.subset(used), bounds.restricted(used)
     states = states_from_costs(costs, "bounded" if union.with_antichains else "topological-bounded")
     solution = solve(states, hierarchy, options, bounds)
     return replace(solution, exact=union.with_antichains, states_considered=len(union.downsets))
@@ -328,11 +341,15 @@ def relaxed_bound(
     return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound)
 
 
-def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bounds: Optional[LevelBounds] = None) -> Solution:
+def solve(
+    states: States, hierarchy: Hierarchy, options: PartitionOptions, bounds: Optional[LevelBounds] = None,
+    use_cells: bool = True,
+) -> Solution:
     """Run the DP over every level and reconstruct the innermost parts (replicas multiplied out).
 
     With `bounds`, each level solves only the rows where the next level may start a stage and splits
-    only at its allowed states (exact for plans within the bound's time).
+    only at its allowed states, and where it pays (`cells.bounded_plan`, unless `use_cells` is false)
+    only the cells a plan within the bound's time can use: exact for plans within that time.
     """
     memory = hierarchy.memory_bytes if options.use_memory_constraint else None
     levels = hierarchy.levels
@@ -377,18 +394,21 @@ def solve(states: States, hierarchy: Hierarchy, options: PartitionOptions, bound
     else:
         # Bounded, the innermost level reads its last stages' ranges as differences of the sums, so its
         # tables need only the rows it solves (outer levels read their compute from the level inside).
-        table_rows = all_rows(states.num_states) if bounds is None else np.concatenate(([-1], np.flatnonzero(bounds.starts[0])))
+        table_rows = all_rows(states.num_states) if bounds is None else row_states(bounds, 0)
     sums = (states.compute, states.activation, states.parameters)
     compute = range_table(states.compute, strict, table_rows)
     all_tables: list[LevelTables] = []
+    over_cells = (False,) * len(levels) if bounds is None or not use_cells else bounded_plan(states.compute, bounds, hierarchy, options)[1]
     within = 1
     for number, level in enumerate(levels):
         activation = range_table(states.activation, strict, table_rows)
         parameters = range_table(states.parameters, strict, table_rows)
         limits = {}
         if bounds is not None:
-            starts = np.concatenate(([-1], np.flatnonzero(bounds.starts[number])))
+            starts = row_states(bounds, number)
             limits = dict(solve_rows=np.searchsorted(table_rows, starts), splittable=bounds.splittable[number])
+            if over_cells[number]:
+                limits["cells"] = cell_mask(states.compute, starts, number, hierarchy, bounds.upper_bound_s, options.straight_pipeline)
         tables = solve_level(
             compute, activation, parameters, states.output, states.pred_mask,
             level.num_machines, within, level.bandwidth, final_level=number == len(levels) - 1,

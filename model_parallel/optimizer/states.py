@@ -431,9 +431,11 @@ def cut_states(work: Workload, downsets: list[int], kind: str) -> States:
 
 def states_from_costs(costs: CutCosts, kind: str) -> States:
     """`CutCosts` as DP states: `pred_mask` = strict inclusion (a boolean matrix product)."""
-    as_float = costs.matrix.astype(np.float32)
-    # k is inside j when no member of k is outside j.
-    pred_mask = ((~costs.matrix).astype(np.float32) @ as_float.T) == 0  # [j, k]
+    # k is inside j when no member of k is outside j. Nodes in the same states answer that alike: one
+    # of each kind is enough (few kinds when the states are a subset, e.g. a bounded solve's windows).
+    kinds = np.unique(np.packbits(costs.matrix, axis=0).T, axis=0, return_index=True)[1]
+    matrix = costs.matrix[:, np.sort(kinds)]
+    pred_mask = ((~matrix).astype(np.float32) @ matrix.astype(np.float32).T) == 0  # [j, k]
     np.fill_diagonal(pred_mask, False)
     return States(
         members=costs.members,
