@@ -245,6 +245,15 @@ def test_cli_writes_partitioned_graph_plan_and_picture(reference_profiles, tmp_p
     assert not (out / "gpus=16.json").exists()  # plain graph.txt input: no layer sidecar to keep
 
 
+def test_cli_reports_no_speedup_for_a_profile_of_zero_times(reference_profiles, capsys):
+    from model_parallel.optimizer.optimizer_graph_hierarchical import main
+
+    assert main(["-f", str(reference_profiles / "toy_dag.graph.txt"), "-n", "2", "--activation_compression_ratio", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "Throughput increase (compared to single machine): n/a (all times are zero)" in text
+    assert "inf" not in text
+
+
 def test_cli_bad_input_is_one_line_and_exit_2(reference_profiles, tmp_path):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "-f", str(reference_profiles / "vgg16.graph.txt"), "-n", "4", "2", "-b", "1e9"],

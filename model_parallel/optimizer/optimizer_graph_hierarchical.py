@@ -87,16 +87,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         lower = plan.extra.get("lower_bound_s") or 0.0
         within = f"; at most {plan.time_per_minibatch_s / lower - 1:.1%} above the optimum" if lower > 0 else ""
-        print(f"Optimal over PipeDream's states: not proven (best over topological cut points{within})")
+        searched = "the cuts a bounded solve kept" if plan.extra.get("cuts") == "bounded" else "topological cut points"
+        print(f"Optimal over PipeDream's states: not proven (best over {searched}{within})")
     print(f"Total number of stages: {plan.num_stages}")
     print()
     print("Time taken by single-stage pipeline:", total)
     print("Time per stage in pipeline:", pipeline)
-    print("Throughput increase (compared to single machine):", total / pipeline if pipeline > 0 else math.inf)
+    print("Throughput increase (compared to single machine):", _speedup(total, pipeline))
     print(f"[Note that single-machine and ({machines})-machine DP might not fit given memory constraints]")
-    print(f"Throughput increase of ({machines})-machine DP compared to single machine:",
-          total / data_parallel if data_parallel > 0 else math.inf)
-    print(f"Throughput increase (compared to ({machines})-machine DP):", data_parallel / pipeline if pipeline > 0 else math.inf)
+    print(f"Throughput increase of ({machines})-machine DP compared to single machine:", _speedup(total, data_parallel))
+    print(f"Throughput increase (compared to ({machines})-machine DP):", _speedup(data_parallel, pipeline))
     print(f"Optimizer time: {plan.optimizer_seconds:.3f} s")
     print()
     print(plan.table())
@@ -118,6 +118,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except RenderError as error:
             print(f"warning: {error}", file=sys.stderr)
     return 0
+
+
+def _speedup(before: float, after: float) -> object:
+    """`before / after`; a profile whose times are all zero has no speedup to report."""
+    if after > 0:
+        return before / after
+    return "n/a (all times are zero)" if before == 0 else math.inf
 
 
 if __name__ == "__main__":
