@@ -159,16 +159,24 @@ def bounded_plan(compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy,
 
 
 def used_states(compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy, options: PartitionOptions, over_cells: tuple[bool, ...]) -> np.ndarray:
-    """Bool per state: some level may use it (a wanted column of a level solved over cells, a split or
+    """Bool per state: some level may use it (in a window of a level solved over cells, a split or
     start of the others) or it is the last; the DP over these states alone keeps every plan within the bound."""
     used = np.zeros(len(compute), dtype=bool)
     used[-1] = True
+    order = np.argsort(compute, kind="stable")
+    ordered = compute[order]
     for number, cells in enumerate(over_cells):
-        mask = cell_mask(
+        windows = _windows(
             compute, bounded_rows(bounds, number), number, hierarchy, bounds.upper_bound_s, options.straight_pipeline,
         ) if cells else None
-        if mask is None:
+        if windows is None:
             used |= bounds.splittable[number] | bounds.starts[number]
-        else:
-            used |= mask.any(axis=(0, 2))
+            continue
+        _, low, high = windows  # every row's windows at once: +1 where one opens, -1 where it closes
+        first = np.searchsorted(ordered, low, side="left").ravel()
+        stop = np.maximum(np.searchsorted(ordered, high, side="right").ravel(), first)
+        edges = np.zeros(len(compute) + 1, dtype=np.int64)
+        np.add.at(edges, first, 1)
+        np.add.at(edges, stop, -1)
+        used[order] |= np.cumsum(edges)[:-1] > 0
     return used
