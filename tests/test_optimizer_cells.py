@@ -14,7 +14,10 @@ from model_parallel.optimizer.partition import solve
 from model_parallel.optimizer.states import antichain_states, enumerate_antichains, preprocess, prefix_states
 from test_optimizer_bounds import problem, union_states
 
-HIERARCHIES = [([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([4, 4], [40e9, 1e9]), ([2, 2, 2], [40e9, 10e9, 1e9]), ([4, 2, 2], [40e9, 5e9, 1e9])]
+HIERARCHIES = [
+    ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([4, 4], [40e9, 1e9]), ([2, 2, 2], [40e9, 10e9, 1e9]),
+    ([4, 2, 2], [40e9, 5e9, 1e9]),
+]
 
 
 @pytest.fixture

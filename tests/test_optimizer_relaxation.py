@@ -18,6 +18,11 @@ from model_parallel.optimizer.relaxation import covers, node_share_bound, relaxe
 from model_parallel.optimizer.states import cut_costs, enumerate_antichains, preprocess, prefix_states
 
 
+def two_node_chain(first: Node, second: Node):
+    """Input -> first -> second, with the given costs."""
+    return synthetic.chain(2).replace_nodes([Node("input0", "Input0"), first, second])
+
+
 def union_costs(work, antichains):
     return cut_costs(work, list(prefix_states(work).members) + antichains.downsets())
 
@@ -66,12 +71,7 @@ def test_relaxation_is_tight_on_one_level_without_weights(seed):
 def test_covers_counts_replicas_transfers_and_machines():
     # A chain Input -> a -> b, each 3 ms of compute (forward + backward), 1 MB out, no weights: one level
     # of 2 machines at 1e9 B/s with transfers counted (R = 1).
-    graph = synthetic.chain(2).replace_nodes([
-        Node("input0", "Input0"),
-        Node("node1", "Linear", 1.0, 2.0, 1e6, 0.0),
-        Node("node2", "Linear", 1.0, 2.0, 1e6, 0.0),
-    ])
-    work = preprocess(graph)
+    work = preprocess(two_node_chain(Node("node1", "Linear", 1.0, 2.0, 1e6, 0.0), Node("node2", "Linear", 1.0, 2.0, 1e6, 0.0)))
     costs = union_costs(work, enumerate_antichains(work))
     options = PartitionOptions(activation_compression_ratio=1.0)
     two = Hierarchy.from_lists([2], [1e9])
@@ -93,11 +93,7 @@ def test_covers_follows_pipedreams_transfer_and_allreduce_terms():
     # a (3 ms, 1 MB of weights, 2 MB out) -> b (6 ms, no weights) on 3 machines at 1e9 B/s: a alone on one
     # machine, b on two. PipeDream counts the transfer on the receiving stage only (2 * 2e6 / 1e9 / 2 =
     # 2 ms), not a's 4 ms outgoing on one machine: 3 ms, and the DP agrees.
-    graph = synthetic.chain(2).replace_nodes([
-        Node("input0", "Input0"),
-        Node("node1", "Linear", 1.0, 2.0, 2e6, 1e6),
-        Node("node2", "Linear", 2.0, 4.0, 1e6, 0.0),
-    ])
+    graph = two_node_chain(Node("node1", "Linear", 1.0, 2.0, 2e6, 1e6), Node("node2", "Linear", 2.0, 4.0, 1e6, 0.0))
     work = preprocess(graph)
     antichains = enumerate_antichains(work)
     costs = union_costs(work, antichains)

@@ -144,7 +144,9 @@ def cell_mask(
     return mask
 
 
-def bounded_plan(compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy, options: PartitionOptions) -> tuple[float, tuple[bool, ...]]:
+def bounded_plan(
+    compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy, options: PartitionOptions,
+) -> tuple[float, tuple[bool, ...]]:
     """The estimated work of a bounded solve (array elements) and, per level, whether it runs over cells."""
     total, over_cells = 0.0, []
     for number, dense in enumerate(bounded_level_work(bounds, hierarchy, options.straight_pipeline)):
@@ -158,7 +160,9 @@ def bounded_plan(compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy,
     return total, tuple(over_cells)
 
 
-def used_states(compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy, options: PartitionOptions, over_cells: tuple[bool, ...]) -> np.ndarray:
+def used_states(
+    compute: np.ndarray, bounds: LevelBounds, hierarchy: Hierarchy, options: PartitionOptions, over_cells: tuple[bool, ...],
+) -> np.ndarray:
     """Bool per state: some level may use it (in a window of a level solved over cells, a split or
     start of the others) or it is the last; the DP over these states alone keeps every plan within the bound."""
     used = np.zeros(len(compute), dtype=bool)

@@ -10,8 +10,8 @@ prefixes of one topological order gives an upper bound `T`; `bounds.py` keeps on
 stage boundary of a plan taking at most `T`, and the DP over them is exact for that union; where it
 pays, each level solves only the table cells such a plan can use (`cells.py`). Unless that is cheap
 at `T`, the same solve runs at the largest times below `T` that growing budgets allow (`solve_below`):
-a plan within one is the optimum; none proves a lower bound. Failing that, the best plan found is returned with `exact: false`, and `relaxation.py`
-bounds the optimum from below.
+a plan within one is the optimum; none proves a lower bound. Failing that, the best plan found is
+returned with `exact: false`, and `relaxation.py` bounds the optimum from below.
 
 When PipeDream's own antichain DP is affordable on a hierarchy, the same bound (from a quick prefix
 plan) first restricts it to the rows and splits a plan within `T` can use: the same optimum and plan,
@@ -227,10 +227,10 @@ def solve_below(
 ) -> Solution:
     """Bounded solves at the largest times `T` above `lower` (up to the best plan's time) that growing
     budgets allow (BELOW_BUDGETS: the work grows steeply with `T`, and the optimum is often close above
-    the lower bound). Each keeps every plan taking at most
-    `T`: if it finds one, that is the optimum over `union` (exact); if not, every plan takes more than `T`,
-    the next lower bound, and what it found (a real plan) replaces `upper` when faster. Returns the plan
-    with `lower_bound_s` set unless exact; `upper` must be a plan (finite time)."""
+    the lower bound). Each keeps every plan taking at most `T`: if it finds one, that is the optimum
+    over `union` (exact); if not, every plan takes more than `T`, the next lower bound, and what it
+    found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless
+    exact; `upper` must be a plan (finite time)."""
     if not math.isfinite(upper.time_s):
         raise PlanError("solve_below needs a plan to improve on (a finite upper time)")
     best, proven = upper, lower
@@ -398,7 +398,9 @@ def solve(
     sums = (states.compute, states.activation, states.parameters)
     compute = range_table(states.compute, strict, table_rows)
     all_tables: list[LevelTables] = []
-    over_cells = (False,) * len(levels) if bounds is None or not use_cells else bounded_plan(states.compute, bounds, hierarchy, options)[1]
+    over_cells = (False,) * len(levels)
+    if bounds is not None and use_cells:
+        over_cells = bounded_plan(states.compute, bounds, hierarchy, options)[1]
     within = 1
     for number, level in enumerate(levels):
         activation = range_table(states.activation, strict, table_rows)
@@ -408,7 +410,9 @@ def solve(
             starts = row_states(bounds, number)
             limits = dict(solve_rows=np.searchsorted(table_rows, starts), splittable=bounds.splittable[number])
             if over_cells[number]:
-                limits["cells"] = cell_mask(states.compute, starts, number, hierarchy, bounds.upper_bound_s, options.straight_pipeline)
+                limits["cells"] = cell_mask(
+                    states.compute, starts, number, hierarchy, bounds.upper_bound_s, options.straight_pipeline,
+                )
         tables = solve_level(
             compute, activation, parameters, states.output, states.pred_mask,
             level.num_machines, within, level.bandwidth, final_level=number == len(levels) - 1,
