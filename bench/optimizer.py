@@ -12,8 +12,9 @@ graph (`synthetic.branches`, inception-like, ~1000 nodes, 9311 antichain states)
 `--activation_compression_ratio 1`, default `cuts="auto"`: PipeDream's antichain DP when affordable
 ("antichain"), else the exact bounded solve over antichains and topological prefixes ("bounded"; only the DP cells a
 plan within the bound can use where that pays, `optimizer/cells.py`), at the best plan's time or below
-it, else the best plan over topological cut points ("topological*", `exact` false) or, when faster,
-the bounded solve's below the best time ("bounded", `exact` false). PipeDream's own
+it, else the best plan found, `exact` false: over topological cut points ("topological*"), on
+hierarchies from one pass over the cuts for plans with unreplicated outermost stages ("flattened",
+`optimizer/flattened.py`), or the bounded solve's below the best time ("bounded"). PipeDream's own
 optimizer needs 33-100 s (resnet50) and 136-462 s (resnet101) on the two-level cases.
 
 Optimality gap: on seeded small DAGs the DP ("antichain" and "all" cuts) is compared with exhaustive

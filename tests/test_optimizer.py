@@ -199,7 +199,8 @@ def test_auto_says_when_it_cannot_prove_optimality(monkeypatch, caplog):
     monkeypatch.setattr(partition_module, "ENUMERATION_LIMIT", 20)
     options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=10)
     plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
-    assert plan.extra["cuts"].startswith("topological") and plan.extra["exact"] is False
+    assert plan.extra["cuts"].startswith("topological") or plan.extra["cuts"] == "flattened"
+    assert plan.extra["exact"] is False
     assert 0 < plan.extra["lower_bound_s"] <= plan.time_per_minibatch_s
     assert "not proven optimal" in caplog.text
     for src, dst in graph.edges:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Plan
+from model_parallel.graph.plan import Level, Plan
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,17 @@ class StageCost:
     activation_bytes: float
     input_bytes: float
     output_bytes: float
+
+
+def data_parallel_seconds(compute: Any, parameters: Any, levels: Sequence[Level]) -> Any:
+    """PipeDream's time of one stage replicated on every machine of `levels` (innermost first): at each
+    level `(t + 4 (M - 1) P / (B M) / M_inside) / M`. Works elementwise on numpy arrays."""
+    time, within = compute, 1
+    for level in levels:
+        n = level.num_machines
+        time = (time + 4 * (n - 1) * parameters / (level.bandwidth * n) / within) / n
+        within = n
+    return time
 
 
 def stage_costs(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list[StageCost]:

@@ -87,7 +87,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         lower = plan.extra.get("lower_bound_s") or 0.0
         within = f"; at most {plan.time_per_minibatch_s / lower - 1:.1%} above the optimum" if lower > 0 else ""
-        searched = "the cuts a bounded solve kept" if plan.extra.get("cuts") == "bounded" else "topological cut points"
+        searched = {
+            "bounded": "the cuts a bounded solve kept",
+            "flattened": "the cuts of plans with unreplicated outermost stages",
+        }.get(plan.extra.get("cuts"), "topological cut points")
         print(f"Optimal over PipeDream's states: not proven (best over {searched}{within})")
     print(f"Total number of stages: {plan.num_stages}")
     print()

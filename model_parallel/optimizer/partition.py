@@ -11,7 +11,9 @@ stage boundary of a plan taking at most `T`, and the DP over them is exact for t
 pays, each level solves only the table cells such a plan can use (`cells.py`). Unless that is cheap
 at `T`, the same solve runs at the largest times below `T` that growing budgets allow (`solve_below`):
 a plan within one is the optimum; none proves a lower bound. Failing that, the best plan found is
-returned with `exact: false`, and `relaxation.py` bounds the optimum from below.
+returned with `exact: false`: on a hierarchy, plans with unreplicated outermost stages found in one
+pass over the cuts compete with the prefix plans (`flattened.py`, whose relaxation also bounds the
+optimum from below), elsewhere `relaxation.py` gives the bound.
 
 When PipeDream's own antichain DP is affordable on a hierarchy, the same bound (from a quick prefix
 plan) first restricts it to the rows and splits a plan within `T` can use: the same optimum and plan,
@@ -34,14 +36,15 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
 from model_parallel.optimizer.bounds import ROUNDING, LevelBounds, boundary_states, level_bounds, row_states
 from model_parallel.optimizer.cells import bounded_plan, cell_mask, used_states
-from model_parallel.optimizer.costs import stage_costs, stash_factor
+from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
+from model_parallel.optimizer.flattened import MAX_FLAT_STATES, flat_feasible, flat_plan_cuts, flat_states
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.states import (
-    Antichains, CutCosts, States, Workload, antichain_states, cut_costs, downset_sums, enumerate_antichains, finish_antichains,
-    ideal_states, preprocess, prefix_states, states_from_costs,
+    Antichains, CutCosts, States, Workload, antichain_states, cut_costs, cut_states, downset_sums, enumerate_antichains,
+    finish_antichains, ideal_states, preprocess, prefix_states, states_from_costs,
 )
 from model_parallel.optimizer.straight import straight_partition
 
@@ -60,6 +63,16 @@ QUICK_ANTICHAIN_CUT_POINTS = 100
 # Work (array elements) of the bounded solves below the best known time, tried in turn (`solve_below`);
 # a bounded solve at the best time runs first when it fits the first.
 BELOW_BUDGETS = (AUTO_WORK_BUDGET / 64, AUTO_WORK_BUDGET / 8, AUTO_WORK_BUDGET)
+# Passes of the flattened relaxation searching for a lower bound and of its heuristic searching for a
+# plan (`flat_search`; ~50 ns per state pair each), the first steps this far from the best plan; the
+# relative gap at which the searches stop.
+FLAT_BOUND_PASSES = 4
+FLAT_PLAN_PASSES = 3
+FLAT_FIRST_STEP = 0.01
+FLAT_TOLERANCE = 0.001
+# More passes where they are cheap: up to this many, within this many state pairs in all.
+FLAT_MOST_PASSES = 24
+FLAT_PASS_BUDGET = 6e7
 
 
 @dataclass(frozen=True)
@@ -165,15 +178,22 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
                 exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
     if exact is not None:
         return _better(upper, exact)
-    if upper.states.kind != "topological-bounded" and quick != limit:
-        upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
     if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
         found = _enumerate_or_none(work, MAX_RELAXED_STATES)
         union = None if found is None else cut_union(work, found)
-    searched = f"{upper.states.num_states if upper.states.kind == 'topological-coarse' else 'all'} prefixes of one topological order"
+    flat = flat_search(work, hierarchy, options, union or cut_union(work, None), upper)
+    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit:
+        upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
+    if flat is not None:
+        upper = _better(upper, flat[0])
+    searched = (
+        "the cuts of plans with unreplicated outermost stages (a one-pass search) and a few prefixes"
+        if upper.states.kind == "flattened"
+        else f"{upper.states.num_states if upper.states.kind == 'topological-coarse' else 'all'} prefixes of one topological order"
+    )
     if union is not None:
-        lower = max(relaxed_bound(work, hierarchy, options, union, upper.time_s) or 0.0,
-                    float(union.compute.max()) / hierarchy.num_workers)
+        lower = flat[1] if flat is not None and flat[1] is not None else relaxed_bound(work, hierarchy, options, union, upper.time_s) or 0.0
+        lower = max(lower, float(union.compute.max()) / hierarchy.num_workers)
         below = solve_below(work, hierarchy, options, union, upper, lower)
         if below.exact:
             return below
@@ -325,6 +345,68 @@ def bounded_solve(
     states = states_from_costs(costs, "bounded" if union.with_antichains else "topological-bounded")
     solution = solve(states, hierarchy, options, bounds)
     return replace(solution, exact=union.with_antichains, states_considered=len(union.downsets))
+
+
+def flat_search(
+    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper: Solution,
+) -> Optional[tuple[Solution, Optional[float]]]:
+    """On a hierarchy without worker speeds, when the exact solves are out of reach: plans whose
+    outermost stages are unreplicated, found in one pass over the cuts of `union` that can bound a
+    next-level stage within `upper`'s time (`flattened.py`), with their replicas and times set by
+    the DP over their cuts; and the flattened relaxation's lower bound. Returns (the best plan found,
+    or `upper`; a time no plan beats, None when `union` has too many such cuts and only the prefixes
+    were searched), or None when it does not apply or even the prefixes are too many."""
+    if len(hierarchy.levels) < 2 or options.worker_speeds is not None:
+        return None
+    unit = hierarchy.num_workers // math.prod(level.num_machines for level in hierarchy.levels[-2:])
+    keep = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, unit, upper.time_s)
+    bounding = union.with_antichains and int(keep.sum()) <= MAX_FLAT_STATES
+    if not bounding:  # without the antichains, or too many: plans over the prefixes only (no bound)
+        union = cut_union(work, None)
+        keep = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, unit, upper.time_s)
+        if int(keep.sum()) > MAX_FLAT_STATES:
+            return None
+    flat = flat_states(union.costs(work, keep), hierarchy, upper.time_s)
+    best, cuts = upper, set()
+
+    def plan_within(time_s: float) -> bool:
+        nonlocal best
+        found = flat_plan_cuts(flat, hierarchy, options, time_s)
+        if found is None:
+            return False
+        cuts.update(found)
+        candidate = solve(cut_states(work, list(cuts), "flattened"), hierarchy, options)
+        best = _better(best, replace(candidate, exact=False))
+        return True
+
+    # More passes where they are cheap.
+    passes = min(FLAT_MOST_PASSES, int(FLAT_PASS_BUDGET / max(flat.pairs, 1)))
+    # The relaxation's optimum is usually a few percent below the plan: step down from it in doubling
+    # steps until a probe fails, then bisect.
+    lower, high = float(union.compute.max()) / hierarchy.num_workers, upper.time_s
+    step, stepping = FLAT_FIRST_STEP, True
+    for _ in range(max(FLAT_BOUND_PASSES, passes) if bounding else 0):
+        if high - lower <= FLAT_TOLERANCE * lower:
+            break
+        probe = max(high * (1 - step), (lower + high) / 2) if stepping else (lower + high) / 2
+        if flat_feasible(flat, hierarchy, options, probe):
+            high, step = probe, 2 * step
+        else:
+            lower, stepping = probe, False
+    # Heuristic plans get better the tighter their time: from the relaxation's up in doubling steps until
+    # one is found, then bisect. (Not on a straight pipeline: it wants one stage per worker, the
+    # heuristic as few as fit and the inside data-parallel.)
+    failed, found, probe, step = lower, math.inf, high, FLAT_FIRST_STEP
+    for _ in range(0 if options.straight_pipeline else max(FLAT_PLAN_PASSES, passes)):
+        if plan_within(probe):
+            found = min(probe, best.time_s)
+        else:
+            failed = probe
+        if found - failed <= FLAT_TOLERANCE * failed or failed >= upper.time_s:
+            break
+        probe = (failed + found) / 2 if math.isfinite(found) else min(failed * (1 + step), upper.time_s)
+        step *= 2
+    return best, lower if bounding else None
 
 
 def relaxed_bound(
@@ -635,14 +717,7 @@ def _peak_memory(parts: tuple[Part, ...], states: States, workers: int, memory_m
 
 def data_parallel_time(states: States, hierarchy: Hierarchy) -> float:
     """PipeDream's data-parallel estimate: the whole model replicated at every level."""
-    total = float(states.compute[-1])
-    params = float(states.parameters[-1])
-    within = 1
-    for level in hierarchy.levels:
-        n, b = level.num_machines, level.bandwidth
-        total = (total + ((4 * (n - 1) * params) / (b * n)) / within) / n
-        within = n
-    return total
+    return float(data_parallel_seconds(float(states.compute[-1]), float(states.parameters[-1]), hierarchy.levels))
 
 
 def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = PartitionOptions()) -> Plan:

@@ -101,15 +101,7 @@ def covers(
     fewest = np.full(len(chosen), math.inf)  # outer machines covering the states up to j
 
     def replicas(work: np.ndarray, reduce: np.ndarray, moved: np.ndarray) -> np.ndarray:
-        """Fewest replicas r with `work / r + reduce (r-1) / r^2 <= T` and `moved / r <= T` (inf if > M):
-        the first holds from the larger root of `T r^2 - (work + reduce) r + reduce` on (or at r = 1)."""
-        total = work + reduce
-        root = (total + np.sqrt(np.maximum(total * total - 4 * limit * reduce, 0.0))) / (2 * limit)
-        count = np.where(work <= limit, 1.0, np.ceil(root * (1 - ROUNDING)))
-        count = np.maximum(count, np.maximum(np.ceil(moved / limit * (1 - ROUNDING)), 1.0))
-        if options.straight_pipeline:
-            count[count > 1] = math.inf
-        return np.where(count <= machines, count, math.inf)
+        return fewest_replicas(work, reduce, moved, limit, machines, options.straight_pipeline)
 
     for start in range(0, len(chosen), _BLOCK):
         block = np.arange(start, min(len(chosen), start + _BLOCK))
@@ -135,6 +127,22 @@ def covers(
                 best[row] = min(best[row], float(candidates.min()))
             fewest[j] = best[row]
     return bool(fewest[last] <= machines)
+
+
+def fewest_replicas(
+    work: np.ndarray, reduce: np.ndarray, moved: np.ndarray, limit: float, most: int, straight_pipeline: bool = False,
+) -> np.ndarray:
+    """Fewest replicas r with `work / r + reduce (r-1) / r^2 <= limit` and `moved / r <= limit`, as floats
+    (inf above `most`, or above 1 for a straight pipeline): the first holds from the larger root of
+    `limit r^2 - (work + reduce) r + reduce` on (or at r = 1). PipeDream's stage time on r replicas is
+    `(work + 4 (r-1) P / (B r) / M_inside) / r`, so `reduce = 4 P / (B M_inside)`."""
+    total = work + reduce
+    root = (total + np.sqrt(np.maximum(total * total - 4 * limit * reduce, 0.0))) / (2 * limit)
+    count = np.where(work <= limit, 1.0, np.ceil(root * (1 - ROUNDING)))
+    count = np.maximum(count, np.maximum(np.ceil(moved / limit * (1 - ROUNDING)), 1.0))
+    if straight_pipeline:
+        count = np.where(count > 1, math.inf, count)
+    return np.where(count <= most, count, math.inf)
 
 
 def node_share_bound(

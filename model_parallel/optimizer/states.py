@@ -431,21 +431,31 @@ def cut_states(work: Workload, downsets: list[int], kind: str) -> States:
 
 def states_from_costs(costs: CutCosts, kind: str) -> States:
     """`CutCosts` as DP states: `pred_mask` = strict inclusion (a boolean matrix product)."""
-    # k is inside j when no member of k is outside j. Nodes in the same states answer that alike: one
-    # of each kind is enough (few kinds when the states are a subset, e.g. a bounded solve's windows).
-    kinds = np.unique(np.packbits(costs.matrix, axis=0).T, axis=0, return_index=True)[1]
-    matrix = costs.matrix[:, np.sort(kinds)]
-    pred_mask = ((~matrix).astype(np.float32) @ matrix.astype(np.float32).T) == 0  # [j, k]
-    np.fill_diagonal(pred_mask, False)
     return States(
         members=costs.members,
         compute=costs.compute,
         activation=costs.activation,
         parameters=costs.parameters,
         output=costs.output,
-        pred_mask=pred_mask,
+        pred_mask=strict_inclusion(costs.matrix),
         kind=kind,
     )
+
+
+def strict_inclusion(matrix: np.ndarray) -> np.ndarray:
+    """`[j, k]` True when state k (a row of the bool membership `matrix`) is strictly inside state j."""
+    # k is inside j when no member of k is outside j.
+    matrix = node_kinds(matrix)
+    inside = ((~matrix).astype(np.float32) @ matrix.astype(np.float32).T) == 0  # [j, k]
+    np.fill_diagonal(inside, False)
+    return inside
+
+
+def node_kinds(matrix: np.ndarray) -> np.ndarray:
+    """The bool membership `matrix` [state, node] with one column per distinct column: nodes in the same
+    states answer "is k inside j" alike (few kinds when the states are a subset, e.g. a bounded solve's windows)."""
+    kinds = np.unique(np.packbits(matrix, axis=0).T, axis=0, return_index=True)[1]
+    return matrix[:, np.sort(kinds)]
 
 
 def downset_sums(work: Workload, downsets: list[int], chunk: int = 16384) -> np.ndarray:
