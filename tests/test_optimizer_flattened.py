@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 from test_optimizer_bounds import problem
+from test_optimizer_relaxation import exact_and_unproven
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Node
@@ -17,7 +18,7 @@ from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.flattened import flat_feasible, flat_plan_cuts, flat_states
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import partition, solve
+from model_parallel.optimizer.partition import solve
 from model_parallel.optimizer.relaxation import covers, fewest_replicas
 from model_parallel.optimizer.states import cut_costs, cut_states, enumerate_antichains, preprocess, prefix_states
 
@@ -107,16 +108,8 @@ def test_one_outer_machine_with_all_reduce_bound_and_plan():
 
 
 def test_unproven_plan_comes_from_the_flattened_search(monkeypatch):
-    graph = synthetic.branches(10, width=4, depth=3, seed=5)
-    hierarchy = Hierarchy.from_lists([4, 2, 2], [40e9, 10e9, 1.25e9])
-    options = PartitionOptions(activation_compression_ratio=1.0)
-    exact = partition(graph, hierarchy, options)
-    assert exact.extra["exact"] is True
-    # A tiny budget: no exact solve fits; the flattened search gives the plan and the bound.
-    monkeypatch.setattr(partition_module, "AUTO_WORK_BUDGET", 2e4)
-    monkeypatch.setattr(partition_module, "QUICK_CUT_POINTS", 12)
-    plan = partition(graph, hierarchy, options)
-    assert plan.extra["exact"] is False
+    # No exact solve fits: the flattened search gives the plan and the bound.
+    graph, hierarchy, options, exact, plan = exact_and_unproven(monkeypatch)
     assert plan.extra["cuts"] == "flattened"
     lower = plan.extra["lower_bound_s"]
     assert lower <= exact.time_per_minibatch_s * (1 + 1e-9) <= plan.time_per_minibatch_s * (1 + 2e-9)

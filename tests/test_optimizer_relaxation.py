@@ -136,19 +136,25 @@ def test_node_share_bound_is_the_replicated_node_time():
     assert partition(pair, nested).time_per_minibatch_s == pytest.approx(3e-3, rel=1e-12)
 
 
-def test_unproven_plan_reports_the_relaxed_bound(monkeypatch):
+def exact_and_unproven(monkeypatch, **patches):
+    """A three-level problem solved exactly, then again under a budget no exact solve fits (with
+    `patches` on the partition module): (graph, hierarchy, options, exact plan, unproven plan)."""
     graph = synthetic.branches(10, width=4, depth=3, seed=5)
     hierarchy = Hierarchy.from_lists([4, 2, 2], [40e9, 10e9, 1.25e9])
     options = PartitionOptions(activation_compression_ratio=1.0)
     exact = partition(graph, hierarchy, options)
     assert exact.extra["exact"] is True
-    # A tiny budget: no exact solve fits, the plan is the best over a few prefixes (without the
-    # flattened search, which would bound it more tightly: test_optimizer_flattened.py).
-    monkeypatch.setattr(partition_module, "AUTO_WORK_BUDGET", 2e4)
-    monkeypatch.setattr(partition_module, "QUICK_CUT_POINTS", 12)
-    monkeypatch.setattr(partition_module, "MAX_FLAT_STATES", 0)
+    for name, value in {"AUTO_WORK_BUDGET": 2e4, "QUICK_CUT_POINTS": 12, **patches}.items():
+        monkeypatch.setattr(partition_module, name, value)
     plan = partition(graph, hierarchy, options)
     assert plan.extra["exact"] is False
+    return graph, hierarchy, options, exact, plan
+
+
+def test_unproven_plan_reports_the_relaxed_bound(monkeypatch):
+    # The plan is the best over a few prefixes (without the flattened search, which would bound it
+    # more tightly: test_optimizer_flattened.py).
+    graph, hierarchy, options, exact, plan = exact_and_unproven(monkeypatch, MAX_FLAT_STATES=0)
     balance = plan.single_machine_time_s / hierarchy.num_workers
     assert balance < plan.extra["lower_bound_s"] <= exact.time_per_minibatch_s * (1 + 1e-9)
     work = preprocess(graph)
