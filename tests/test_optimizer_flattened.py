@@ -81,11 +81,14 @@ def test_heuristic_cuts_give_real_plans_within_their_time(block, blocks):
     assert found >= 60
 
 
-def test_a_pass_reads_only_the_states_prepared_for_its_time():
+def test_a_pass_reads_only_the_states_prepared_for_its_time_and_budget():
     work, downsets, hierarchy, options, optimum = union_problem(1)
     states = flat_states(cut_costs(work, downsets), hierarchy, optimum)
     with pytest.raises(PlanError, match="prepared for at most"):
         flat_feasible(states, hierarchy, options, 1.01 * optimum)
+    # Over a budget of state pairs nothing is built (the inclusions cost as much as a pass).
+    assert flat_states(cut_costs(work, downsets), hierarchy, optimum, max_pairs=states.pairs) is not None
+    assert flat_states(cut_costs(work, downsets), hierarchy, optimum, max_pairs=states.pairs - 1) is None
 
 
 def test_one_outer_machine_with_all_reduce_bound_and_plan():

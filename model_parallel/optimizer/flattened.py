@@ -88,21 +88,26 @@ def _windows(hierarchy: Hierarchy, limit: float) -> tuple[float, float]:
     return compute, weights
 
 
-def flat_states(costs: CutCosts, hierarchy: Hierarchy, max_time_s: float) -> FlatStates:
+def flat_states(costs: CutCosts, hierarchy: Hierarchy, max_time_s: float, max_pairs: float = math.inf) -> Optional[FlatStates]:
     """`costs` (from `cut_costs`: ordered by size, last = the whole graph) ready for passes at times up to
-    `max_time_s`: only the inclusions those passes read are computed (a band of earlier states per block)."""
+    `max_time_s`: only the inclusions those passes read are computed (a band of earlier states per block).
+    None when a pass would visit more than `max_pairs` pairs of states."""
     compute, parameters = costs.compute, costs.parameters
     most_compute, most_weights = _windows(hierarchy, max_time_s * (1.0 + ROUNDING))
+    blocks = [np.arange(begin, min(len(compute), begin + _BLOCK)) for begin in range(0, len(compute), _BLOCK)]
+    columns = [
+        np.flatnonzero((compute[:block[0]] >= compute[block].min() - most_compute)
+                       | (parameters[:block[0]] >= parameters[block].min() - most_weights))
+        for block in blocks
+    ]
+    if sum(len(block) * (len(read) + len(block)) for block, read in zip(blocks, columns)) > max_pairs:
+        return None
     kinds = node_kinds(costs.matrix)
     members, outside = kinds.astype(np.float32), (~kinds).astype(np.float32)
-    columns, inside, waves = [], [], []
-    for begin in range(0, len(compute), _BLOCK):
-        block = np.arange(begin, min(len(compute), begin + _BLOCK))
-        read = np.flatnonzero((compute[:begin] >= compute[block].min() - most_compute)
-                              | (parameters[:begin] >= parameters[block].min() - most_weights))
+    inside, waves = [], []
+    for block, read in zip(blocks, columns):
         within = (outside[block] @ members[np.concatenate((read, block))].T) == 0
         within[:, len(read):] = np.tril(within[:, len(read):], -1)  # strictly inside: earlier in the block
-        columns.append(read)
         inside.append(within)
         waves.append(_waves(within[:, len(read):]))
     return FlatStates(costs.members, compute, parameters, costs.output, max_time_s, tuple(columns), tuple(inside), tuple(waves))

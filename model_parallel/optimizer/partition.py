@@ -63,16 +63,14 @@ QUICK_ANTICHAIN_CUT_POINTS = 100
 # Work (array elements) of the bounded solves below the best known time, tried in turn (`solve_below`);
 # a bounded solve at the best time runs first when it fits the first.
 BELOW_BUDGETS = (AUTO_WORK_BUDGET / 64, AUTO_WORK_BUDGET / 8, AUTO_WORK_BUDGET)
-# Passes of the flattened relaxation searching for a lower bound and of its heuristic searching for a
-# plan (`flat_search`; ~50 ns per state pair each), the first steps this far from the best plan; the
-# relative gap at which the searches stop.
-FLAT_BOUND_PASSES = 4
-FLAT_PLAN_PASSES = 3
+# The flattened search (`flat_search`): the state pairs its relaxation passes may visit in all, and
+# its heuristic passes too (~50 ns each: about 3 s; 4 passes each on the 1000-node graph on 1024
+# workers), at most this many passes of each; first steps this far from the best plan; the relative
+# gap at which the searches stop.
+FLAT_PASS_BUDGET = 6e7
+FLAT_MOST_PASSES = 24
 FLAT_FIRST_STEP = 0.01
 FLAT_TOLERANCE = 0.001
-# More passes where they are cheap: up to this many, within this many state pairs in all.
-FLAT_MOST_PASSES = 24
-FLAT_PASS_BUDGET = 6e7
 
 
 @dataclass(frozen=True)
@@ -366,7 +364,9 @@ def flat_search(
         keep = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, unit, upper.time_s)
         if int(keep.sum()) > MAX_FLAT_STATES:
             return None
-    flat = flat_states(union.costs(work, keep), hierarchy, upper.time_s)
+    flat = flat_states(union.costs(work, keep), hierarchy, upper.time_s, max_pairs=FLAT_PASS_BUDGET)
+    if flat is None:
+        return None
     best, cuts = upper, set()
 
     def plan_within(time_s: float) -> bool:
@@ -379,13 +379,13 @@ def flat_search(
         best = _better(best, replace(candidate, exact=False))
         return True
 
-    # More passes where they are cheap.
+    # As many passes of each kind as the budget allows (at least one: `flat_states` checked).
     passes = min(FLAT_MOST_PASSES, int(FLAT_PASS_BUDGET / max(flat.pairs, 1)))
     # The relaxation's optimum is usually a few percent below the plan: step down from it in doubling
     # steps until a probe fails, then bisect.
     lower, high = float(union.compute.max()) / hierarchy.num_workers, upper.time_s
     step, stepping = FLAT_FIRST_STEP, True
-    for _ in range(max(FLAT_BOUND_PASSES, passes) if bounding else 0):
+    for _ in range(passes if bounding else 0):
         if high - lower <= FLAT_TOLERANCE * lower:
             break
         probe = max(high * (1 - step), (lower + high) / 2) if stepping else (lower + high) / 2
@@ -397,7 +397,7 @@ def flat_search(
     # one is found, then bisect. (Not on a straight pipeline: it wants one stage per worker, the
     # heuristic as few as fit and the inside data-parallel.)
     failed, found, probe, step = lower, math.inf, high, FLAT_FIRST_STEP
-    for _ in range(0 if options.straight_pipeline else max(FLAT_PLAN_PASSES, passes)):
+    for _ in range(0 if options.straight_pipeline else passes):
         if plan_within(probe):
             found = min(probe, best.time_s)
         else:
