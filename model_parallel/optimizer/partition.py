@@ -179,7 +179,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
     if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
         found = _enumerate_or_none(work, MAX_RELAXED_STATES)
         union = None if found is None else cut_union(work, found)
-    flat = flat_search(work, hierarchy, options, union or cut_union(work, None), upper)
+    flat = flat_search(work, hierarchy, options, union, upper)
     if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit:
         upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
     if flat is not None:
@@ -346,16 +346,17 @@ def bounded_solve(
 
 
 def flat_search(
-    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper: Solution,
+    work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: Optional[CutUnion], upper: Solution,
 ) -> Optional[tuple[Solution, Optional[float]]]:
     """On a hierarchy without worker speeds, when the exact solves are out of reach: plans whose
     outermost stages are unreplicated, found in one pass over the cuts of `union` that can bound a
     next-level stage within `upper`'s time (`flattened.py`), with their replicas and times set by
     the DP over their cuts; and the flattened relaxation's lower bound. Returns (the best plan found,
-    or `upper`; a time no plan beats, None when `union` has too many such cuts and only the prefixes
-    were searched), or None when it does not apply or even the prefixes are too many."""
+    or `upper`; a time no plan beats, None when `union` is missing or has too many such cuts and only
+    the prefixes were searched), or None when it does not apply or even the prefixes are too many."""
     if len(hierarchy.levels) < 2 or options.worker_speeds is not None:
         return None
+    union = union or cut_union(work, None)
     unit = hierarchy.num_workers // math.prod(level.num_machines for level in hierarchy.levels[-2:])
     keep = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, unit, upper.time_s)
     bounding = union.with_antichains and int(keep.sum()) <= MAX_FLAT_STATES
