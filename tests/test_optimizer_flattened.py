@@ -3,6 +3,7 @@ as tight as `relaxation.covers`; its heuristic plans are real plans within their
 uses both where no exact solve fits."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -148,17 +149,23 @@ def test_relaxation_counts_a_replicated_stage_after_an_unreplicated_first_one():
     # Three one-GPU servers. Best plan: node1 alone (1 ms; the first stage counts no transfers), then
     # node2 on two servers (4 ms / 2; its input 2 * 1.5 MB / (1 GB/s * 2) = 1.5 ms): 2 ms. Data
     # parallel would pay node1's all-reduce: (5 ms + 4 * 2 * 1 MB / (1 GB/s * 3)) / 3 = 2.56 ms.
-    graph = synthetic.chain(2).replace_nodes([
-        Node("input0", "Input0"), Node("node1", "Linear", 0.5, 0.5, 1.5e6, 1e6), Node("node2", "Linear", 2.0, 2.0, 1e6, 0.0),
-    ])
-    hierarchy = Hierarchy.from_lists([1, 3], [1e9, 1e9])
+    two_nodes_bound_lands_on_the_optimum(
+        Node("node1", "Linear", 0.5, 0.5, 1.5e6, 1e6), Node("node2", "Linear", 2.0, 2.0, 1e6, 0.0),
+        Hierarchy.from_lists([1, 3], [1e9, 1e9]), 2e-3)
+
+
+def two_nodes_bound_lands_on_the_optimum(node1: Node, node2: Node, hierarchy: Hierarchy, optimum_s: float):
+    """A chain of two nodes (transfers counted) whose exact optimum is `optimum_s`, where the relaxation's
+    bound lands on it: its states and options."""
+    graph = synthetic.chain(2).replace_nodes([Node("input0", "Input0"), node1, node2])
     options = PartitionOptions(activation_compression_ratio=1.0)
     work = preprocess(graph)
     downsets = list(prefix_states(work).members)
-    assert solve(cut_states(work, downsets, "bounded"), hierarchy, options).time_s == pytest.approx(2e-3, rel=1e-12)
-    states = flat_states(cut_costs(work, downsets), hierarchy, 3e-3)
-    assert flat_feasible(states, hierarchy, options, 2e-3)
-    assert not flat_feasible(states, hierarchy, options, 1.99e-3)
+    assert solve(cut_states(work, downsets, "bounded"), hierarchy, options).time_s == pytest.approx(optimum_s, rel=1e-12)
+    states = flat_states(cut_costs(work, downsets), hierarchy, 2 * optimum_s)
+    assert flat_feasible(states, hierarchy, options, optimum_s)
+    assert not flat_feasible(states, hierarchy, options, 0.995 * optimum_s)
+    return states, options
 
 
 def test_windows_hold_every_stage_that_fits():
@@ -174,3 +181,55 @@ def test_windows_hold_every_stage_that_fits():
     assert most_compute == pytest.approx(6e-3)
     count = fewest_replicas(np.array([most_compute * 1.001 / 2]), np.zeros(1), np.zeros(1), 1e-3, 3)
     assert not np.isfinite(count).any()
+
+
+def three_level_problem(seed: int):
+    """Small graphs on three levels where a server holds few nodes per GPU (its granularity matters)."""
+    rng = np.random.default_rng(seed)
+    graph = [
+        synthetic.branches(int(rng.integers(2, 5)), width=3, depth=2, seed=seed),
+        synthetic.residual(int(rng.integers(3, 7)), 2, seed=seed),
+        synthetic.chain(int(rng.integers(6, 14)), seed=seed),
+    ][seed % 3]
+    machines = [int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 3))]
+    bandwidths = [float(b) for b in rng.choice([1e8, 1e9, 1e10], size=3)]
+    options = PartitionOptions(activation_compression_ratio=[None, 1.0][seed % 2], straight_pipeline=seed % 7 == 0,
+                               use_fewer_machines=seed % 5 == 0)
+    work = preprocess(graph)
+    downsets = list(prefix_states(work).members) + enumerate_antichains(work).downsets()
+    hierarchy = Hierarchy.from_lists(machines, bandwidths)
+    optimum = solve(cut_states(work, downsets, "bounded"), hierarchy, options).time_s
+    return cut_costs(work, downsets), hierarchy, options, optimum
+
+
+@pytest.mark.parametrize("block", range(2))
+def test_chains_inside_a_machine_keep_the_optimum_and_tighten_perfect_balance(block, blocks):
+    # On three levels the relaxation holds an unreplicated server to chains of its own GPUs: it still
+    # admits the optimum, admits nothing perfect balance (no chains) rejects, and rejects more.
+    checked = tighter = 0
+    for seed in range(block * 40, block * 40 + 40):
+        costs, hierarchy, options, optimum = three_level_problem(seed)
+        if not math.isfinite(optimum):
+            continue
+        checked += 1
+        states = flat_states(costs, hierarchy, 2 * optimum)
+        assert states.inclusion is not None
+        balanced = dataclasses.replace(states, inclusion=None)
+        assert flat_feasible(states, hierarchy, options, optimum), seed
+        for fraction in (0.8, 0.9, 0.95, 0.99):
+            chained = flat_feasible(states, hierarchy, options, fraction * optimum)
+            assert flat_feasible(balanced, hierarchy, options, fraction * optimum) or not chained, (seed, fraction)
+            tighter += not chained and flat_feasible(balanced, hierarchy, options, fraction * optimum)
+    assert checked >= 30
+    assert tighter >= 5
+
+
+def test_chains_inside_a_machine_see_that_nodes_do_not_split():
+    # One server of two GPUs: node1 (1.5 ms) and node2 (0.5 ms), 10 MB of weights each. Perfect balance
+    # says 1 ms; data-parallel pays (2 ms + 4 * 20 MB / (10 GB/s * 2)) / 2 = 3 ms; one node per GPU
+    # takes 1.5 ms (node2's input 2 * 1 MiB / 10 GB/s = 0.2 ms; nothing leaves the graph after it),
+    # the optimum, and the bound lands on it.
+    hierarchy = Hierarchy.from_lists([2, 1, 1], [1e10, 1e9, 1e9])
+    states, options = two_nodes_bound_lands_on_the_optimum(
+        Node("node1", "Linear", 0.75, 0.75, 2**20, 1e7), Node("node2", "Linear", 0.25, 0.25, 16 * 2**20, 1e7), hierarchy, 1.5e-3)
+    assert flat_feasible(dataclasses.replace(states, inclusion=None), hierarchy, options, 1.01e-3)

@@ -22,7 +22,10 @@ a chain divides the all-reduce by the machines inside and counts no transfers; l
   `relaxation.covers`: perfect balance over its workers, its exact all-reduce and transfers, from
   `P[s]`. Every plan is a plan of this relaxation taking no longer (replicas above the fewest only
   count as more machines), so if it has none within T, no plan takes T or less. Tighter than
-  `relaxation.covers` because the next level's granularity, all-reduce and transfers count.
+  `relaxation.covers` because the next level's granularity, all-reduce and transfers count. On three
+  levels an unreplicated next-level machine is also held to its own workers (`_InnerChains`): its
+  range needs one stage on at most all of them, or a chain of stages on at most that many workers by
+  the lower bounds below; perfect balance alone would let a server split any node among its GPUs.
 - **Heuristic** (`flat_plan_cuts`): `work` = the range data-parallel on every worker inside the machine
   (a real inner plan), outer stages never replicated. The cuts of the plan found go to the exact DP
   (`partition.solve`), which sets every replica count and time by the model: a real plan, usually
@@ -38,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 from model_parallel.errors import PlanError
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.plan import Hierarchy, Level
 from model_parallel.optimizer.bounds import ROUNDING
 from model_parallel.optimizer.costs import data_parallel_seconds
 from model_parallel.optimizer.options import PartitionOptions
@@ -65,6 +68,9 @@ class FlatStates:
     columns: tuple[np.ndarray, ...]  # per block: the earlier states a pass may read
     inside: tuple[np.ndarray, ...]  # per block: bool [state of the block, columns then the block's states]
     waves: tuple[list[np.ndarray], ...]  # per block: its states in groups, each after its ancestors in the block
+    # On three levels: bit (later, earlier) set where state `earlier` lies strictly inside `later`, for the
+    # pairs the blocks read (np.packbits rows), so the relaxation can chain a machine's own workers.
+    inclusion: Optional[np.ndarray] = None
 
     @property
     def num_states(self) -> int:
@@ -110,7 +116,20 @@ def flat_states(costs: CutCosts, hierarchy: Hierarchy, max_time_s: float, max_pa
         within[:, len(read):] = np.tril(within[:, len(read):], -1)  # strictly inside: earlier in the block
         inside.append(within)
         waves.append(_waves(within[:, len(read):]))
-    return FlatStates(costs.members, compute, parameters, costs.output, max_time_s, tuple(columns), tuple(inside), tuple(waves))
+    inclusion = _inclusion_bits(len(compute), columns, inside) if len(hierarchy.levels) == 3 else None
+    return FlatStates(costs.members, compute, parameters, costs.output, max_time_s, tuple(columns), tuple(inside),
+                      tuple(waves), inclusion)
+
+
+def _inclusion_bits(n: int, columns: list[np.ndarray], inside: list[np.ndarray]) -> np.ndarray:
+    """The blocks' inclusions as one bit matrix [later, earlier] (n^2 / 8 bytes)."""
+    bits = np.zeros((n, (n + 7) // 8), dtype=np.uint8)
+    for number, (read, within) in enumerate(zip(columns, inside)):
+        begin = number * _BLOCK
+        rows = np.zeros((len(within), n), dtype=bool)
+        rows[:, np.concatenate((read, np.arange(begin, begin + len(within))))] = within
+        bits[begin:begin + len(within)] = np.packbits(rows, axis=1)
+    return bits
 
 
 @dataclass
@@ -138,6 +157,86 @@ class _Pass:
             found.append(s)
             j, p = s, int(self.source_p[j, p])
         return sorted(found)
+
+
+def _bit(bits: np.ndarray, later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
+    """Whether `earlier` lies strictly inside `later` (elementwise, broadcast) in packed inclusion bits."""
+    return ((bits[later, earlier >> 3] >> (7 - (earlier & 7))) & 1).astype(bool)
+
+
+class _InnerChains:
+    """Whether one machine's workers (the innermost level, three levels in all) can run a range (s, j] as a
+    next-level stage of one replica within the limit, by lower bounds a little generous, never strict.
+
+    Perfect balance (`C / G <= T`) says yes to ranges no inner plan runs within T: nodes do not split.
+    A range passes if one stage on at most all G workers fits (PipeDream's single-stage time), or if a
+    chain of stages might: a chain whose last stage (k, j] runs on r' workers (with its transfers) holds
+    at least `ceil(C(s, k) / T) + r'` workers, and one whose first stage (s, k] runs on r workers holds at
+    least `r + ceil(C(k, j) / T)` (every stage takes at least its compute over its workers). Both must
+    fit in G for some k strictly between; only the ranges one stage cannot run are checked."""
+
+    def __init__(self, states: FlatStates, level: Level, options: PartitionOptions, limit: float) -> None:
+        self.states, self.limit = states, limit
+        self.most, self.straight = level.num_machines, options.straight_pipeline
+        self.reduce = 4 / level.bandwidth
+        ratio = options.activation_compression_ratio
+        n = states.num_states
+        send = np.zeros(n) if ratio is None else 2 * states.output / (level.bandwidth * ratio)
+        self.send, self.out = send, np.where(np.arange(n) < n - 1, send, 0.0)  # nothing leaves the whole graph
+
+    def fits(self, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Per pair (start, end] (start -1: the beginning of the graph): whether a machine may run it."""
+        compute, parameters = self.states.compute, self.states.parameters
+        c_start = np.where(starts >= 0, compute[starts], 0.0)
+        w_start = np.where(starts >= 0, parameters[starts], 0.0)
+        single = fewest_replicas(compute[ends] - c_start, self.reduce * (parameters[ends] - w_start), np.zeros(len(ends)),
+                                 self.limit, self.most, self.straight)
+        fits = single <= self.most
+        for at in np.array_split(np.flatnonzero(~fits), max(1, int(np.count_nonzero(~fits)) // 512)):
+            if at.size:
+                fits[at] = self._chain_fits(ends[at], starts[at], c_start[at], w_start[at])
+        return fits
+
+    def _chain_fits(self, ends: np.ndarray, starts: np.ndarray, c_start: np.ndarray, w_start: np.ndarray) -> np.ndarray:
+        compute, parameters, limit = self.states.compute, self.states.parameters, self.limit
+        # Candidate splits k: strictly inside the end and containing the start (every state contains the
+        # beginning), the last stage within the machine's workers.
+        near = np.flatnonzero((compute >= c_start.min()) & (compute <= compute[ends].max()))
+        start = np.maximum(starts, 0)[:, None]
+        inside_end = _bit(self.states.inclusion, ends[:, None], near[None, :])
+        holds_start = (starts < 0)[:, None] | _bit(self.states.inclusion, near[None, :], start)
+        allowed = inside_end & holds_start & (compute[ends][:, None] - compute[near][None, :] <= self.most * limit * (1 + 1e-9))
+        pair, at = np.nonzero(allowed)
+        split, end = near[at], ends[pair]
+        before, after = compute[split] - c_start[pair], compute[end] - compute[split]
+        last = fewest_replicas(after, self.reduce * (parameters[end] - parameters[split]),
+                               np.maximum(self.send[split], self.out[end]), limit, self.most, self.straight)
+        first = fewest_replicas(before, self.reduce * (parameters[split] - w_start[pair]), np.zeros(len(split)), limit,
+                                self.most, self.straight)
+        # Each bound holds for every chain through its own split (the last one's, the first one's).
+        by_last, by_first = np.full(len(ends), math.inf), np.full(len(ends), math.inf)
+        np.minimum.at(by_last, pair, np.maximum(np.ceil(before / limit * (1 - ROUNDING)), 1.0) + last)
+        np.minimum.at(by_first, pair, first + np.maximum(np.ceil(after / limit * (1 - ROUNDING)), 1.0))
+        return np.maximum(by_last, by_first) <= self.most
+
+    def raise_unfit(self, count: np.ndarray, ends: np.ndarray, starts: np.ndarray, work: np.ndarray, reduce: np.ndarray,
+                    moved: np.ndarray, machines: int) -> np.ndarray:
+        """`count` [end, start] of next-level machines (at most `machines`), at least 2 where one machine's
+        workers cannot run the stage: 2 when `fewest_replicas`' rule allows it, else 3 (never more than
+        the truth)."""
+        row, column = np.nonzero(count == 1)
+        if not row.size:
+            return count
+        unfit = ~self.fits(ends[row], starts[column])
+        if not unfit.any():
+            return count
+        row, column = row[unfit], column[unfit]
+        w, r, m = (np.broadcast_to(a, count.shape)[row, column] for a in (work, reduce, moved))
+        two = (w / 2 + r / 4 <= self.limit) & (m / 2 <= self.limit)
+        count = count.copy()
+        raised = np.full(len(row), math.inf) if self.straight else np.where(two, 2.0, 3.0)
+        count[row, column] = np.where(raised <= machines, raised, math.inf)
+        return count
 
 
 def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float, heuristic: bool) -> _Pass:
@@ -170,6 +269,7 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
             return c / workers_inside
     replicated_outer = not heuristic and outer_machines >= 2 and not straight
     window, most_replicated_weights = _windows(hierarchy, limit)
+    chains = None if heuristic or states.inclusion is None else _InnerChains(states, levels[0], options, limit)
 
     table = _Pass(
         fewest_outer=np.full(n, math.inf), fewest_inner=np.full((n, outer_machines), math.inf),
@@ -184,9 +284,11 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
         w = parameters[ends][:, None] - parameters[starts][None, :]
         work, reduce = work_of(c, w), 4 * w / inner.bandwidth
         if opening:
-            return fewest_replicas(work, reduce / within_inner, zero, limit, inner_machines, straight)
-        moved = np.maximum(inner_send[starts][None, :], inner_out[ends][:, None])
-        return fewest_replicas(work, reduce, moved, limit, inner_machines, straight)
+            reduce, moved = reduce / within_inner, np.zeros((1, 1))
+        else:
+            moved = np.maximum(inner_send[starts][None, :], inner_out[ends][:, None])
+        count = fewest_replicas(work, reduce, moved, limit, inner_machines, straight)
+        return count if chains is None else chains.raise_unfit(count, ends, starts, work, reduce, moved, inner_machines)
 
     def outer_counts(ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """[end, start]: replicas (at least 2) of a replicated outer stage (start, end] (not the first)."""
@@ -202,7 +304,11 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
         read, inside = states.columns[number], states.inside[number]
         # Stages from the beginning of the graph: the first of both chains (no transfers).
         c, w = compute[block], parameters[block]
-        first = fewest_replicas(work_of(c, w), 4 * w / (inner.bandwidth * within_inner), zero, limit, inner_machines, straight)
+        work, reduce = work_of(c, w), 4 * w / (inner.bandwidth * within_inner)
+        first = fewest_replicas(work, reduce, zero, limit, inner_machines, straight)
+        if chains is not None:
+            first = chains.raise_unfit(first[:, None], block, np.array([-1]), work[:, None], reduce[:, None], zero[:, None],
+                                       inner_machines)[:, 0]
         best = _Best(np.repeat(first[:, None], outer_machines, axis=1), heuristic)
         if replicated_outer:
             count = fewest_replicas(c / (workers_inside * inner_machines), 4 * w / (outer.bandwidth * inner_machines),

@@ -65,11 +65,12 @@ QUICK_ANTICHAIN_CUT_POINTS = 100
 BELOW_BUDGETS = (AUTO_WORK_BUDGET / 64, AUTO_WORK_BUDGET / 8, AUTO_WORK_BUDGET)
 # The flattened search (`flat_search`): the state pairs its relaxation passes may visit in all, and
 # its heuristic passes too (~50 ns each: about 3 s; 4 passes each on the 1000-node graph on 1024
-# workers), at most this many passes of each; first steps this far from the best plan; the relative
-# gap at which the searches stop.
+# workers), at most this many passes of each; the heuristic's first step up from the relaxation's time
+# and the relaxation's first step down from the best plan; the relative gap at which the searches stop.
 FLAT_PASS_BUDGET = 6e7
 FLAT_MOST_PASSES = 24
 FLAT_FIRST_STEP = 0.01
+FLAT_BOUND_FIRST_STEP = 0.02
 FLAT_TOLERANCE = 0.001
 
 
@@ -357,7 +358,9 @@ def flat_search(
     if len(hierarchy.levels) < 2 or options.worker_speeds is not None:
         return None
     union = union or cut_union(work, None)
-    unit = hierarchy.num_workers // math.prod(level.num_machines for level in hierarchy.levels[-2:])
+    # Boundaries of next-level stages fall after whole machines; on three levels the relaxation also
+    # splits a machine's range among its workers (`flattened._InnerChains`), anywhere.
+    unit = 1 if len(hierarchy.levels) == 3 else hierarchy.num_workers // math.prod(level.num_machines for level in hierarchy.levels[-2:])
     keep = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, unit, upper.time_s)
     bounding = union.with_antichains and int(keep.sum()) <= MAX_FLAT_STATES
     if not bounding:  # without the antichains, or too many: plans over the prefixes only (no bound)
@@ -385,7 +388,7 @@ def flat_search(
     # The relaxation's optimum is usually a few percent below the plan: step down from it in doubling
     # steps until a probe fails, then bisect.
     lower, high = float(union.compute.max()) / hierarchy.num_workers, upper.time_s
-    step, stepping = FLAT_FIRST_STEP, True
+    step, stepping = FLAT_BOUND_FIRST_STEP, True
     for _ in range(passes if bounding else 0):
         if high - lower <= FLAT_TOLERANCE * lower:
             break
