@@ -159,6 +159,14 @@ class _Pass:
         return sorted(found)
 
 
+def _transfers(output: np.ndarray, level: Level, options: PartitionOptions) -> tuple[np.ndarray, np.ndarray]:
+    """Per state, a stage's transfer over the level's links of the activations crossing it (`2 O / (B R)`,
+    zero when transfers are not counted) as its input, and as its output (none from the whole graph)."""
+    ratio = options.activation_compression_ratio
+    send = np.zeros(len(output)) if ratio is None else 2 * output / (level.bandwidth * ratio)
+    return send, np.where(np.arange(len(output)) < len(output) - 1, send, 0.0)
+
+
 def _bit(bits: np.ndarray, later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
     """Whether `earlier` lies strictly inside `later` (elementwise, broadcast) in packed inclusion bits."""
     return ((bits[later, earlier >> 3] >> (7 - (earlier & 7))) & 1).astype(bool)
@@ -179,10 +187,7 @@ class _InnerChains:
         self.states, self.limit = states, limit
         self.most, self.straight = level.num_machines, options.straight_pipeline
         self.reduce = 4 / level.bandwidth
-        ratio = options.activation_compression_ratio
-        n = states.num_states
-        send = np.zeros(n) if ratio is None else 2 * states.output / (level.bandwidth * ratio)
-        self.send, self.out = send, np.where(np.arange(n) < n - 1, send, 0.0)  # nothing leaves the whole graph
+        self.send, self.out = _transfers(states.output, level, options)
 
     def fits(self, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Per pair (start, end] (start -1: the beginning of the graph): whether a machine may run it."""
@@ -249,18 +254,14 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
     workers_inside = math.prod(level.num_machines for level in inside_levels)  # per next-level machine
     within_inner = inside_levels[-1].num_machines if inside_levels else 1
     straight = options.straight_pipeline
-    ratio = options.activation_compression_ratio
     limit = time_s * (1.0 + ROUNDING)
     if time_s > states.max_time_s:
         raise PlanError(f"a flattened pass at {time_s} s over states prepared for at most {states.max_time_s} s")
     compute, parameters, output = states.compute, states.parameters, states.output
     n = states.num_states
-    last = n - 1
     zero = np.zeros(1)
-    outer_send = np.zeros(n) if ratio is None else 2 * output / (outer.bandwidth * ratio)
-    inner_send = np.zeros(n) if ratio is None else 2 * output / (inner.bandwidth * ratio)
-    outer_out = np.where(np.arange(n) < last, outer_send, 0.0)  # nothing leaves the whole graph
-    inner_out = np.where(np.arange(n) < last, inner_send, 0.0)
+    outer_send, outer_out = _transfers(output, outer, options)
+    inner_send, inner_out = _transfers(output, inner, options)
     if heuristic:  # the range data-parallel on every worker of the machine: a real inner plan
         def work_of(c: np.ndarray, w: np.ndarray) -> np.ndarray:
             return data_parallel_seconds(c, w, inside_levels)
