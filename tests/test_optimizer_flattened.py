@@ -199,7 +199,7 @@ def three_level_problem(seed: int):
     downsets = list(prefix_states(work).members) + enumerate_antichains(work).downsets()
     hierarchy = Hierarchy.from_lists(machines, bandwidths)
     optimum = solve(cut_states(work, downsets, "bounded"), hierarchy, options).time_s
-    return cut_costs(work, downsets), hierarchy, options, optimum
+    return cut_costs(work, downsets), hierarchy, options, optimum, work
 
 
 @pytest.mark.parametrize("block", range(2))
@@ -208,7 +208,7 @@ def test_chains_inside_a_machine_keep_the_optimum_and_tighten_perfect_balance(bl
     # admits the optimum, admits nothing perfect balance (no chains) rejects, and rejects more.
     checked = tighter = 0
     for seed in range(block * 40, block * 40 + 40):
-        costs, hierarchy, options, optimum = three_level_problem(seed)
+        costs, hierarchy, options, optimum, _ = three_level_problem(seed)
         if not math.isfinite(optimum):
             continue
         checked += 1

@@ -15,7 +15,7 @@ A next-level stage (s, j] on r of its machines follows PipeDream's rules (FORMAT
 `brute_force_hierarchy`): time `(work + 4 (r-1) P / (B r) / M_inside) / r`, where only the first stage of
 a chain divides the all-reduce by the machines inside and counts no transfers; later stages count
 `2 O / (B r)` in and out (out unless the cut is the whole graph). The fewest r that meets T is used
-(`relaxation.fewest_replicas`), and a level may use fewer machines than it has. Two uses:
+(`relaxation.fewest_replicas`), and a level may use fewer machines than it has. Three uses:
 
 - **Lower bound** (`flat_feasible`): `work` = compute over the machine's workers (perfect balance
   inside: no inner plan does better), and a replicated outer stage (s, j] is counted as in
@@ -26,6 +26,9 @@ a chain divides the all-reduce by the machines inside and counts no transfers; l
   levels an unreplicated next-level machine is also held to its own workers (`_InnerChains`): its
   range needs one stage on at most all of them, or a chain of stages on at most that many workers by
   the lower bounds below; perfect balance alone would let a server split any node among its GPUs.
+- **Proof** (`flat_witness`, three levels): the lower bound with exact inner times for the stages
+  that start where `inner_rows.InnerRows` has a row, and the plan it finds (`Witness`), whose stages
+  name the rows to compute next (`partition.flat_search`).
 - **Heuristic** (`flat_plan_cuts`): `work` = the range data-parallel on every worker inside the machine
   (a real inner plan), outer stages never replicated. The cuts of the plan found go to the exact DP
   (`partition.solve`), which sets every replica count and time by the model: a real plan, usually
@@ -36,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -47,6 +50,9 @@ from model_parallel.optimizer.costs import data_parallel_seconds
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.relaxation import fewest_replicas
 from model_parallel.optimizer.states import CutCosts, node_kinds
+
+if TYPE_CHECKING:
+    from model_parallel.optimizer.inner_rows import InnerRows
 
 # Most states the pass takes: each reads a band of earlier states (up to a next-level machine's compute
 # back), ~50 ns per pair, and keeps their inclusions (a byte each).
@@ -158,8 +164,23 @@ class _Pass:
             j, p = s, int(self.source_p[j, p])
         return sorted(found)
 
+    def witness(self) -> tuple[list[tuple[int, int]], bool]:
+        """The next-level stages (start, end] of the plan found (a tracked pass), from the last one back,
+        as far as its outermost stages are unreplicated; and whether that reaches the beginning (a
+        replicated outermost stage, perfect balance inside, has no such stages)."""
+        j = len(self.closed_at) - 1
+        p = int(self.closed_at[j])
+        stages: list[tuple[int, int]] = []
+        while p >= 0:
+            s = int(self.source[j, p])
+            stages.append((s, j))
+            if s < 0:
+                return stages, True
+            j, p = s, int(self.source_p[j, p])  # an outer stage opened after s: the p it closed there (-1: replicated)
+        return stages, False
 
-def _transfers(output: np.ndarray, level: Level, options: PartitionOptions) -> tuple[np.ndarray, np.ndarray]:
+
+def level_transfers(output: np.ndarray, level: Level, options: PartitionOptions) -> tuple[np.ndarray, np.ndarray]:
     """Per state, a stage's transfer over the level's links of the activations crossing it (`2 O / (B R)`,
     zero when transfers are not counted) as its input, and as its output (none from the whole graph)."""
     ratio = options.activation_compression_ratio
@@ -167,7 +188,7 @@ def _transfers(output: np.ndarray, level: Level, options: PartitionOptions) -> t
     return send, np.where(np.arange(len(output)) < len(output) - 1, send, 0.0)
 
 
-def _bit(bits: np.ndarray, later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
+def included(bits: np.ndarray, later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
     """Whether `earlier` lies strictly inside `later` (elementwise, broadcast) in packed inclusion bits."""
     return ((bits[later, earlier >> 3] >> (7 - (earlier & 7))) & 1).astype(bool)
 
@@ -183,11 +204,12 @@ class _InnerChains:
     least `r + ceil(C(k, j) / T)` (every stage takes at least its compute over its workers). Both must
     fit in G for some k strictly between; only the ranges one stage cannot run are checked."""
 
-    def __init__(self, states: FlatStates, level: Level, options: PartitionOptions, limit: float) -> None:
-        self.states, self.limit = states, limit
+    def __init__(self, states: FlatStates, level: Level, options: PartitionOptions, limit: float,
+                 rows: Optional[InnerRows] = None) -> None:
+        self.states, self.limit, self.rows = states, limit, rows
         self.most, self.straight = level.num_machines, options.straight_pipeline
         self.reduce = 4 / level.bandwidth
-        self.send, self.out = _transfers(states.output, level, options)
+        self.send, self.out = level_transfers(states.output, level, options)
 
     def fits(self, ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Per pair (start, end] (start -1: the beginning of the graph): whether a machine may run it."""
@@ -208,8 +230,8 @@ class _InnerChains:
         # beginning), the last stage within the machine's workers.
         near = np.flatnonzero((compute >= c_start.min()) & (compute <= compute[ends].max()))
         start = np.maximum(starts, 0)[:, None]
-        inside_end = _bit(self.states.inclusion, ends[:, None], near[None, :])
-        holds_start = (starts < 0)[:, None] | _bit(self.states.inclusion, near[None, :], start)
+        inside_end = included(self.states.inclusion, ends[:, None], near[None, :])
+        holds_start = (starts < 0)[:, None] | included(self.states.inclusion, near[None, :], start)
         allowed = inside_end & holds_start & (compute[ends][:, None] - compute[near][None, :] <= self.most * limit * (1 + 1e-9))
         pair, at = np.nonzero(allowed)
         split, end = near[at], ends[pair]
@@ -228,7 +250,9 @@ class _InnerChains:
                     moved: np.ndarray, machines: int) -> np.ndarray:
         """`count` [end, start] of next-level machines (at most `machines`), at least 2 where one machine's
         workers cannot run the stage: 2 when `fewest_replicas`' rule allows it, else 3 (never more than
-        the truth)."""
+        the truth). Stages from a start with an exact row (`inner_rows`) get the count its time needs."""
+        if self.rows is not None:
+            count = self.rows.exact_counts(count, ends, starts, reduce, moved, self.limit, machines)
         row, column = np.nonzero(count == 1)
         if not row.size:
             return count
@@ -244,9 +268,10 @@ class _InnerChains:
         return count
 
 
-def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float, heuristic: bool) -> _Pass:
-    """The tables `P` and `Q` (module doc) at `time_s`: the relaxation's, or the heuristic's with where
-    each entry came from."""
+def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float, heuristic: bool,
+               rows: Optional[InnerRows] = None, track: bool = False) -> _Pass:
+    """The tables `P` and `Q` (module doc) at `time_s`: the relaxation's (with the exact inner `rows` given,
+    and where each entry came from when `track`), or the heuristic's with where each entry came from."""
     levels = hierarchy.levels
     outer, inner = levels[-1], levels[-2]
     outer_machines, inner_machines = outer.num_machines, inner.num_machines
@@ -260,8 +285,8 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
     compute, parameters, output = states.compute, states.parameters, states.output
     n = states.num_states
     zero = np.zeros(1)
-    outer_send, outer_out = _transfers(output, outer, options)
-    inner_send, inner_out = _transfers(output, inner, options)
+    outer_send, outer_out = level_transfers(output, outer, options)
+    inner_send, inner_out = level_transfers(output, inner, options)
     if heuristic:  # the range data-parallel on every worker of the machine: a real inner plan
         def work_of(c: np.ndarray, w: np.ndarray) -> np.ndarray:
             return data_parallel_seconds(c, w, inside_levels)
@@ -270,7 +295,7 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
             return c / workers_inside
     replicated_outer = not heuristic and outer_machines >= 2 and not straight
     window, most_replicated_weights = _windows(hierarchy, limit)
-    chains = None if heuristic or states.inclusion is None else _InnerChains(states, levels[0], options, limit)
+    chains = None if heuristic or states.inclusion is None else _InnerChains(states, levels[0], options, limit, rows)
 
     table = _Pass(
         fewest_outer=np.full(n, math.inf), fewest_inner=np.full((n, outer_machines), math.inf),
@@ -310,7 +335,7 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
         if chains is not None:
             first = chains.raise_unfit(first[:, None], block, np.array([-1]), work[:, None], reduce[:, None], zero[:, None],
                                        inner_machines)[:, 0]
-        best = _Best(np.repeat(first[:, None], outer_machines, axis=1), heuristic)
+        best = _Best(np.repeat(first[:, None], outer_machines, axis=1), heuristic or track)
         if replicated_outer:
             count = fewest_replicas(c / (workers_inside * inner_machines), 4 * w / (outer.bandwidth * inner_machines),
                                     zero, limit, outer_machines, straight)
@@ -449,6 +474,30 @@ def flat_feasible(states: FlatStates, hierarchy: Hierarchy, options: PartitionOp
     """Whether the relaxation (module doc) has a plan taking at most `time_s` (a little generous:
     ROUNDING); False proves that no plan over these cuts does."""
     return _flat_pass(states, hierarchy, options, time_s, heuristic=False).feasible()
+
+
+@dataclass(frozen=True)
+class Witness:
+    """A plan of the relaxation: its next-level stages (start, end] in unreplicated outer stages, from the
+    last one back; whether they reach the beginning (a replicated outer stage has none: perfect balance
+    inside); and the starts after which an outer stage may open (its first next-level stage may be big)."""
+
+    stages: list[tuple[int, int]]
+    complete: bool
+    may_open: frozenset[int]
+
+
+def flat_witness(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float,
+                 rows: InnerRows) -> Optional[Witness]:
+    """The relaxation at `time_s` with the exact inner `rows`: None when it has no plan (no plan takes
+    `time_s` or less), else the plan it found."""
+    table = _flat_pass(states, hierarchy, options, time_s, heuristic=False, rows=rows, track=True)
+    if not table.feasible():
+        return None
+    stages, complete = table.witness()
+    outer_machines = table.fewest_inner.shape[1]
+    opening = frozenset(start for start, _ in stages if start < 0 or table.open_from[start] < outer_machines)
+    return Witness(stages, complete, opening)
 
 
 def flat_plan_cuts(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float) -> Optional[list[int]]:

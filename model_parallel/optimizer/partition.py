@@ -39,7 +39,8 @@ from model_parallel.optimizer.cells import bounded_plan, cell_mask, used_states
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
-from model_parallel.optimizer.flattened import MAX_FLAT_STATES, flat_feasible, flat_plan_cuts, flat_states
+from model_parallel.optimizer.flattened import MAX_FLAT_STATES, FlatStates, flat_feasible, flat_plan_cuts, flat_states, flat_witness
+from model_parallel.optimizer.inner_rows import InnerRows
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.states import (
@@ -72,6 +73,15 @@ FLAT_MOST_PASSES = 24
 FLAT_FIRST_STEP = 0.01
 FLAT_BOUND_FIRST_STEP = 0.02
 FLAT_TOLERANCE = 0.001
+# On three levels, the proof (`flat_search`): tried once the heuristic's plan is within FLAT_PROOF_WINDOW
+# of the relaxation's bound; at most FLAT_PROOF_PASSES relaxation passes with exact inner rows, whose
+# (end, split) pairs cost ~0.25 us each, FLAT_ROWS_BUDGET in all (about 2.5 s); a row reaches FLAT_ROW_REACH
+# times the stage it is computed for; it proves that no plan is FLAT_PROOF_GAP (relative) faster.
+FLAT_PROOF_WINDOW = 0.01
+FLAT_PROOF_PASSES = 4
+FLAT_ROWS_BUDGET = 1e7
+FLAT_ROW_REACH = 2.0
+FLAT_PROOF_GAP = 1e-8
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,8 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         upper = _better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
     if flat is not None:
         upper = _better(upper, flat[0])
+        if upper.exact:
+            return upper
     searched = (
         "the cuts of plans with unreplicated outermost stages (a one-pass search) and a few prefixes"
         if upper.states.kind == "flattened"
@@ -352,9 +364,11 @@ def flat_search(
     """On a hierarchy without worker speeds, when the exact solves are out of reach: plans whose
     outermost stages are unreplicated, found in one pass over the cuts of `union` that can bound a
     next-level stage within `upper`'s time (`flattened.py`), with their replicas and times set by
-    the DP over their cuts; and the flattened relaxation's lower bound. Returns (the best plan found,
-    or `upper`; a time no plan beats, None when `union` is missing or has too many such cuts and only
-    the prefixes were searched), or None when it does not apply or even the prefixes are too many."""
+    the DP over their cuts; and the flattened relaxation's lower bound. On three levels, once the plan is
+    close to that bound, the relaxation with exact inner rows (`inner_rows.py`) may prove it optimal
+    (`exact`), or find a better one. Returns (the best plan found, or `upper`; a time no plan beats, None
+    when `union` is missing or has too many such cuts and only the prefixes were searched), or None when
+    it does not apply or even the prefixes are too many."""
     if len(hierarchy.levels) < 2 or options.worker_speeds is not None:
         return None
     union = union or cut_union(work, None)
@@ -383,6 +397,40 @@ def flat_search(
         best = _better(best, replace(candidate, exact=False))
         return True
 
+    def proven() -> bool:
+        """Whether no plan is FLAT_PROOF_GAP faster than `best` (the relaxation with exact rows has none);
+        its exact plans on the way are real ones and replace `best`."""
+        nonlocal best, proof_passes
+        target = best.time_s * (1 - FLAT_PROOF_GAP)
+        while proof_passes < FLAT_PROOF_PASSES:
+            proof_passes += 1
+            found = flat_witness(flat, hierarchy, options, target, rows)
+            if found is None:
+                return True
+            stages = found.stages
+            missing = [(start, end) for start, end in stages if not rows.covers(start, end)]
+            if missing and rows.pairs < FLAT_ROWS_BUDGET:
+                for start, end in missing:
+                    # A replicated stage that opens an outer one may end anywhere up to a whole machine's compute.
+                    span = flat.compute[end] - (flat.compute[start] if start >= 0 else 0.0)
+                    replicated = span > rows.workers * target and start in found.may_open
+                    rows.add(start, math.inf if replicated else FLAT_ROW_REACH * span)
+                continue
+            if missing or not found.complete:
+                return False
+            # Every stage exact: a real plan within the target, with its inner cuts from the rows.
+            cuts.update(flat.members[end] for _, end in stages)
+            cuts.update(flat.members[k] for start, end in stages for k in rows.inner_cuts(start, end))
+            candidate = solve(cut_states(work, list(cuts), "flattened"), hierarchy, options)
+            best = _better(best, replace(candidate, exact=False))
+            if best.time_s > target:  # the DP's rules differ from the relaxation's here: give up
+                return False
+            target = best.time_s * (1 - FLAT_PROOF_GAP)
+        return False
+
+    rows = inner_rows(flat, hierarchy, options) if bounding else None
+    exact, proof_passes = False, 0
+
     # As many passes of each kind as the budget allows (at least one: `flat_states` checked).
     passes = min(FLAT_MOST_PASSES, int(FLAT_PASS_BUDGET / max(flat.pairs, 1)))
     # The relaxation's optimum is usually a few percent below the plan: step down from it in doubling
@@ -404,13 +452,29 @@ def flat_search(
     for _ in range(0 if options.straight_pipeline else passes):
         if plan_within(probe):
             found = min(probe, best.time_s)
+            if rows is not None and found - lower <= FLAT_PROOF_WINDOW * lower:
+                exact = proven()
+                if exact:
+                    lower = best.time_s * (1 - FLAT_PROOF_GAP)
+                    break
         else:
             failed = probe
         if found - failed <= FLAT_TOLERANCE * failed or failed >= upper.time_s:
             break
         probe = (failed + found) / 2 if math.isfinite(found) else min(failed * (1 + step), upper.time_s)
         step *= 2
-    return best, lower if bounding else None
+    return (replace(best, exact=True) if exact else best), lower if bounding else None
+
+
+def inner_rows(flat: FlatStates, hierarchy: Hierarchy, options: PartitionOptions) -> Optional[InnerRows]:
+    """Exact inner rows for the proof, on three levels (where the relaxation sees the servers' own
+    workers) without a straight pipeline (one stage per worker leaves no inner plan to choose). A row
+    reaches at most a pod's workers' compute at the states' time: the inclusions the pass keeps cover
+    every split of such a range (a missing one would make a row too slow, and the proof wrong)."""
+    if flat.inclusion is None or options.straight_pipeline:
+        return None
+    levels = hierarchy.levels
+    return InnerRows(flat, levels[0], options, levels[0].num_machines * levels[1].num_machines * flat.max_time_s)
 
 
 def relaxed_bound(
