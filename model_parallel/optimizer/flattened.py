@@ -154,15 +154,8 @@ class _Pass:
 
     def cuts(self) -> Optional[list[int]]:
         """The states ending the inner stages of the plan found (last included), or None."""
-        j = len(self.closed_at) - 1
-        p = int(self.closed_at[j])
-        if p < 0 or not self.feasible():
-            return None
-        found = [j]
-        while (s := int(self.source[j, p])) >= 0:
-            found.append(s)
-            j, p = s, int(self.source_p[j, p])
-        return sorted(found)
+        stages = self.witness()[0] if self.feasible() else []
+        return sorted(end for _, end in stages) or None
 
     def witness(self) -> tuple[list[tuple[int, int]], bool]:
         """The next-level stages (start, end] of the plan found (a tracked pass), from the last one back,
