@@ -124,6 +124,15 @@ def test_unproven_plan_comes_from_the_flattened_search(monkeypatch):
     assert lower > coarse
 
 
+def test_the_proof_finds_and_proves_the_optimum_no_exact_solve_fits(monkeypatch):
+    # The same problem with the proof on: the heuristic's plan, refined by exact inner rows, is the optimum.
+    graph, hierarchy, options, exact, _ = exact_and_unproven(monkeypatch)
+    monkeypatch.setattr(partition_module, "FLAT_PROOF_PASSES", 8)
+    plan = partition_module.partition(graph, hierarchy, options)
+    assert plan.extra["cuts"] == "flattened" and plan.extra["exact"] is True
+    assert plan.time_per_minibatch_s == pytest.approx(exact.time_per_minibatch_s, rel=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_relaxation_is_the_problem_when_a_level_has_one_machine(seed, blocks):
     # One GPU per server ([1, M]: every stage is exact, replicated outer ones too) or one server ([M, 1]:

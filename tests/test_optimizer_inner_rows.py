@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from test_optimizer_flattened import three_level_problem
 
+from model_parallel.optimizer import flattened
 from model_parallel.optimizer import partition as partition_module
-from model_parallel.optimizer.flattened import flat_states, flat_witness, included
+from model_parallel.optimizer.flattened import PassMemo, flat_states, flat_witness, included
 from model_parallel.optimizer.inner_rows import InnerRows
 from model_parallel.optimizer.partition import cut_union, flat_search, prefix_states, solve
 from model_parallel.optimizer.states import enumerate_antichains
@@ -100,6 +101,33 @@ def test_relaxation_with_every_row_keeps_the_optimum_and_rejects_more(block):
             tighter += refined is None and plain is not None
     assert checked >= 25
     assert tighter >= 3
+
+
+def test_passes_sharing_their_counts_match_fresh_ones_as_rows_grow(monkeypatch):
+    # The proof's passes at one time keep their counts (`PassMemo`) and apply the rows afterwards: each must
+    # find what a pass computed from scratch finds, whichever rows were added in between. Small blocks,
+    # so that stages also start in earlier blocks (kept a column at a time).
+    monkeypatch.setattr(flattened, "_BLOCK", 8)
+    compared = 0
+    for seed in range(30):
+        costs, hierarchy, options, optimum, work = three_level_problem(seed)
+        if not math.isfinite(optimum) or options.straight_pipeline:
+            continue
+        states = flat_states(costs, hierarchy, 2 * optimum)
+        memo = PassMemo()  # shared: a pass at another time starts afresh
+        for fraction in (0.97, 1.0):
+            rows = pod_rows(states, hierarchy, options)
+            for _ in range(4):
+                kept = flat_witness(states, hierarchy, options, fraction * optimum, rows, memo)
+                fresh = flat_witness(states, hierarchy, options, fraction * optimum, rows)
+                assert (kept is None) == (fresh is None), seed
+                compared += 1
+                if kept is None:
+                    break
+                assert kept.stages == fresh.stages and kept.complete == fresh.complete, seed
+                for start, end in kept.stages:
+                    rows.add(start, math.inf)
+    assert compared >= 60
 
 
 @pytest.mark.parametrize("block", range(2))

@@ -137,14 +137,15 @@ def test_node_share_bound_is_the_replicated_node_time():
 
 
 def exact_and_unproven(monkeypatch, **patches):
-    """A three-level problem solved exactly, then again under a budget no exact solve fits (with
-    `patches` on the partition module): (graph, hierarchy, options, exact plan, unproven plan)."""
+    """A three-level problem solved exactly, then again under a budget no exact solve fits and without the
+    flattened search's proof (with `patches` on the partition module): (graph, hierarchy, options, exact
+    plan, unproven plan)."""
     graph = synthetic.branches(10, width=4, depth=3, seed=5)
     hierarchy = Hierarchy.from_lists([4, 2, 2], [40e9, 10e9, 1.25e9])
     options = PartitionOptions(activation_compression_ratio=1.0)
     exact = partition(graph, hierarchy, options)
     assert exact.extra["exact"] is True
-    for name, value in {"AUTO_WORK_BUDGET": 2e4, "QUICK_CUT_POINTS": 12, **patches}.items():
+    for name, value in {"AUTO_WORK_BUDGET": 2e4, "QUICK_CUT_POINTS": 12, "FLAT_PROOF_PASSES": 0, **patches}.items():
         monkeypatch.setattr(partition_module, name, value)
     plan = partition(graph, hierarchy, options)
     assert plan.extra["exact"] is False

@@ -28,7 +28,8 @@ a chain divides the all-reduce by the machines inside and counts no transfers; l
   the lower bounds below; perfect balance alone would let a server split any node among its GPUs.
 - **Proof** (`flat_witness`, three levels): the lower bound with exact inner times for the stages
   that start where `inner_rows.InnerRows` has a row, and the plan it finds (`Witness`), whose stages
-  name the rows to compute next (`partition.flat_search`).
+  name the rows to compute next (`partition.flat_search`). Its passes at one time share their machine
+  counts (`PassMemo`), the rows raising them afterwards.
 - **Heuristic** (`flat_plan_cuts`): `work` = the range data-parallel on every worker inside the machine
   (a real inner plan), outer stages never replicated. The cuts of the plan found go to the exact DP
   (`partition.solve`), which sets every replica count and time by the model: a real plan, usually
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -197,9 +198,8 @@ class _InnerChains:
     least `r + ceil(C(k, j) / T)` (every stage takes at least its compute over its workers). Both must
     fit in G for some k strictly between; only the ranges one stage cannot run are checked."""
 
-    def __init__(self, states: FlatStates, level: Level, options: PartitionOptions, limit: float,
-                 rows: Optional[InnerRows] = None) -> None:
-        self.states, self.limit, self.rows = states, limit, rows
+    def __init__(self, states: FlatStates, level: Level, options: PartitionOptions, limit: float) -> None:
+        self.states, self.limit = states, limit
         self.most, self.straight = level.num_machines, options.straight_pipeline
         self.reduce = 4 / level.bandwidth
         self.send, self.out = level_transfers(states.output, level, options)
@@ -243,9 +243,7 @@ class _InnerChains:
                     moved: np.ndarray, machines: int) -> np.ndarray:
         """`count` [end, start] of next-level machines (at most `machines`), at least 2 where one machine's
         workers cannot run the stage: 2 when `fewest_replicas`' rule allows it, else 3 (never more than
-        the truth). Stages from a start with an exact row (`inner_rows`) get the count its time needs."""
-        if self.rows is not None:
-            count = self.rows.exact_counts(count, ends, starts, reduce, moved, self.limit, machines)
+        the truth)."""
         row, column = np.nonzero(count == 1)
         if not row.size:
             return count
@@ -261,10 +259,38 @@ class _InnerChains:
         return count
 
 
+class _Columns:
+    """Machine counts [end, start] of fixed ends against candidate starts, each column computed when first
+    asked for (float32 holds them exactly: whole numbers and inf)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        self.values = np.empty(shape, dtype=np.float32)
+        self.known = np.zeros(shape[1], dtype=bool)
+
+    def get(self, at: np.ndarray, count: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The columns `at`; `count(missing)` computes those not known yet."""
+        missing = at[~self.known[at]]
+        if missing.size:
+            self.values[:, missing] = count(missing)
+            self.known[missing] = True
+        return self.values[:, at].astype(np.float64)
+
+
+@dataclass
+class PassMemo:
+    """The relaxation's machine counts at one limit, kept for the next pass of the same problem at that limit
+    (the proof runs several): they depend on neither the tables nor the exact inner rows, applied afterwards.
+    The first pass pays ~10% more to keep them, the next ones take about half the time."""
+
+    limit: float = math.nan
+    counts: dict = field(default_factory=dict)  # (kind, block number[, opening]) -> counts or _Columns
+
+
 def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float, heuristic: bool,
-               rows: Optional[InnerRows] = None, track: bool = False) -> _Pass:
+               rows: Optional[InnerRows] = None, track: bool = False, memo: Optional[PassMemo] = None) -> _Pass:
     """The tables `P` and `Q` (module doc) at `time_s`: the relaxation's (with the exact inner `rows` given,
-    and where each entry came from when `track`), or the heuristic's with where each entry came from."""
+    where each entry came from when `track`, and its counts kept in `memo`), or the heuristic's with where
+    each entry came from."""
     levels = hierarchy.levels
     outer, inner = levels[-1], levels[-2]
     outer_machines, inner_machines = outer.num_machines, inner.num_machines
@@ -288,7 +314,26 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
             return c / workers_inside
     replicated_outer = not heuristic and outer_machines >= 2 and not straight
     window, most_replicated_weights = _windows(hierarchy, limit)
-    chains = None if heuristic or states.inclusion is None else _InnerChains(states, levels[0], options, limit, rows)
+    chains = None if heuristic or states.inclusion is None else _InnerChains(states, levels[0], options, limit)
+    memo = None if heuristic else memo
+    if memo is not None and memo.limit != limit:
+        memo.limit, memo.counts = limit, {}
+
+    def remembered(key: tuple, make: Callable[[], object]) -> object:
+        """`make()`, once per limit when `memo` keeps the counts."""
+        if memo is None:
+            return make()
+        if key not in memo.counts:
+            memo.counts[key] = make()
+        return memo.counts[key]
+
+    def columns(key: tuple, shape: tuple[int, int], count: Callable[[np.ndarray], np.ndarray], at: np.ndarray) -> np.ndarray:
+        """`count(at)`, the columns `at` of counts [end, start] of `shape`: each once per limit with `memo`."""
+        if memo is None:
+            return count(at)
+        if key not in memo.counts:
+            memo.counts[key] = _Columns(shape)
+        return memo.counts[key].get(at, count)
 
     table = _Pass(
         fewest_outer=np.full(n, math.inf), fewest_inner=np.full((n, outer_machines), math.inf),
@@ -297,17 +342,33 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
     )
 
     def inner_counts(ends: np.ndarray, starts: np.ndarray, opening: bool) -> np.ndarray:
-        """[end, start]: machines of a next-level stage (start, end] that opens its outer stage (the first
-        of its chain: all-reduce over the machines inside, no transfers) or continues it."""
-        c = compute[ends][:, None] - compute[starts][None, :]
-        w = parameters[ends][:, None] - parameters[starts][None, :]
-        work, reduce = work_of(c, w), 4 * w / inner.bandwidth
-        if opening:
-            reduce, moved = reduce / within_inner, np.zeros((1, 1))
-        else:
-            moved = np.maximum(inner_send[starts][None, :], inner_out[ends][:, None])
+        """[end, start]: machines of a next-level stage (start, end] (start -1: the beginning) that opens
+        its outer stage (the first of its chain: all-reduce over the machines inside, no transfers) or
+        continues it, before the exact inner rows."""
+        before = starts >= 0
+        c = compute[ends][:, None] - np.where(before, compute[starts], 0.0)[None, :]
+        w = parameters[ends][:, None] - np.where(before, parameters[starts], 0.0)[None, :]
+        work, reduce, moved = work_of(c, w), *stage_costs(w, ends, starts, opening)
         count = fewest_replicas(work, reduce, moved, limit, inner_machines, straight)
         return count if chains is None else chains.raise_unfit(count, ends, starts, work, reduce, moved, inner_machines)
+
+    def stage_costs(w: np.ndarray, ends: np.ndarray, starts: np.ndarray, opening: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A next-level stage's all-reduce coefficient and transfers (module doc)."""
+        if opening:
+            return 4 * w / (inner.bandwidth * within_inner), np.zeros((1, 1))
+        return 4 * w / inner.bandwidth, np.maximum(inner_send[starts][None, :], inner_out[ends][:, None])
+
+    def with_rows(count: np.ndarray, ends: np.ndarray, starts: np.ndarray, opening: bool) -> np.ndarray:
+        """`count` [end, start] raised to what the exact inner times need, for the starts with a row."""
+        at = np.empty(0, dtype=int) if rows is None else rows.with_row(starts)
+        if not at.size:
+            return count
+        some = starts[at]
+        w = parameters[ends][:, None] - np.where(some >= 0, parameters[some], 0.0)[None, :]
+        reduce, moved = stage_costs(w, ends, some, opening)
+        count = np.array(count, dtype=float)
+        count[:, at] = rows.exact_counts(count[:, at], ends, some, reduce, moved, limit, inner_machines)
+        return count
 
     def outer_counts(ends: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """[end, start]: replicas (at least 2) of a replicated outer stage (start, end] (not the first)."""
@@ -323,12 +384,10 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
         read, inside = states.columns[number], states.inside[number]
         # Stages from the beginning of the graph: the first of both chains (no transfers).
         c, w = compute[block], parameters[block]
-        work, reduce = work_of(c, w), 4 * w / (inner.bandwidth * within_inner)
-        first = fewest_replicas(work, reduce, zero, limit, inner_machines, straight)
-        if chains is not None:
-            first = chains.raise_unfit(first[:, None], block, np.array([-1]), work[:, None], reduce[:, None], zero[:, None],
-                                       inner_machines)[:, 0]
-        best = _Best(np.repeat(first[:, None], outer_machines, axis=1), heuristic or track)
+        beginning = np.array([-1])
+        first = remembered(("first", number), lambda: inner_counts(block, beginning, True))
+        first = with_rows(first, block, beginning, True)
+        best = _Best(np.repeat(first, outer_machines, axis=1), heuristic or track)
         if replicated_outer:
             count = fewest_replicas(c / (workers_inside * inner_machines), 4 * w / (outer.bandwidth * inner_machines),
                                     zero, limit, outer_machines, straight)
@@ -338,21 +397,32 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
         # From the states of earlier blocks, settled.
         near = np.flatnonzero(compute[read] >= c.min() - window)
         if near.size:
-            best.offer(inner_counts, block, read[near], inside[:, near], table)
+            starts = read[near]
+
+            def earlier_counts(at: np.ndarray, opening: bool, block: np.ndarray = block, starts: np.ndarray = starts,
+                               number: int = number) -> np.ndarray:
+                count = columns(("from earlier", number, opening), (len(block), len(starts)),
+                                lambda some: inner_counts(block, starts[some], opening), at)
+                return with_rows(count, block, starts[at], opening)
+
+            best.offer(earlier_counts, block, starts, inside[:, near], table)
         if replicated_outer:
             light = np.flatnonzero(np.isfinite(table.fewest_outer[read]) & (parameters[read] >= w.min() - most_replicated_weights))
             if light.size:
-                totals = table.fewest_outer[None, read[light]] + outer_counts(block, read[light])
+                replicas = columns(("outer from earlier", number), (len(block), len(read)),
+                                   lambda some: outer_counts(block, read[some]), light)
+                totals = table.fewest_outer[None, read[light]] + replicas
                 outer_best = np.minimum(outer_best, np.where(inside[:, light], totals, math.inf).min(axis=1))
         # From states of this block: in waves, each after all of its ancestors in the block.
-        outer_in = outer_counts(block, block) if replicated_outer else None
-        counted = {opening: inner_counts(block, block, opening) for opening in (True, False)}  # once per block
+        outer_in = remembered(("outer within", number), lambda: outer_counts(block, block)) if replicated_outer else None
+        counted = remembered(("within", number), lambda: {opening: inner_counts(block, block, opening) for opening in (True, False)})
+        counted = {opening: with_rows(count, block, block, opening) for opening, count in counted.items()}
         among = inside[:, len(read):]
         for wave in states.waves[number]:
             allowed = among[wave]
 
-            def wave_counts(ends: np.ndarray, starts: np.ndarray, opening: bool, wave: np.ndarray = wave) -> np.ndarray:
-                return counted[opening][wave][:, starts - begin]
+            def wave_counts(at: np.ndarray, opening: bool, wave: np.ndarray = wave) -> np.ndarray:
+                return counted[opening][wave][:, at]
 
             best.offer(wave_counts, block[wave], block, allowed, table, wave)
             if outer_in is not None:
@@ -382,11 +452,12 @@ class _Best:
         self.source_p = np.zeros(value.shape, dtype=int)
 
     def offer(
-        self, counts: Callable[[np.ndarray, np.ndarray, bool], np.ndarray], ends: np.ndarray, starts: np.ndarray,
+        self, counts: Callable[[np.ndarray, bool], np.ndarray], ends: np.ndarray, starts: np.ndarray,
         allowed: np.ndarray, table: _Pass, rows: "slice | np.ndarray" = slice(None),
     ) -> None:
-        """Offer the stages (start, end] where `allowed` [end, start]: `counts(ends, starts, opening)` gives
-        their machines when they open an outer stage after the start or continue one there."""
+        """Offer the stages (start, end] where `allowed` [end, start]: `counts(at, opening)` gives the
+        machines of those from `starts[at]` when they open an outer stage after the start or continue one
+        there."""
         current = self.value[rows]
         outer_machines = current.shape[1]
         usable = allowed.any(axis=0)
@@ -396,7 +467,7 @@ class _Best:
             at = at[np.argsort(table.open_from[starts[at]], kind="stable")]
             thresholds = table.open_from[starts[at]]
             first = np.flatnonzero(np.r_[True, thresholds[1:] != thresholds[:-1]])
-            count = np.where(allowed[:, at], counts(ends, starts[at], True), math.inf)
+            count = np.where(allowed[:, at], counts(at, True), math.inf)
             if self.track:  # machine counts are whole numbers: one min over count * 2^20 + position finds both
                 count = count * _POSITIONS + np.arange(at.size, dtype=float)
             candidates = np.full(current.shape, math.inf)
@@ -405,7 +476,7 @@ class _Best:
         # Continuing after s from its entry at the same p.
         at = np.flatnonzero(usable & np.isfinite(table.fewest_inner[starts, -1]))  # entries fall with p
         if at.size:
-            count = np.where(allowed[:, at], counts(ends, starts[at], False), math.inf)
+            count = np.where(allowed[:, at], counts(at, False), math.inf)
             entries = np.ascontiguousarray(table.fewest_inner[starts[at]].T)  # C order: the min below runs along rows
             if self.track:
                 count, entries = count * _POSITIONS, entries * _POSITIONS + np.arange(at.size, dtype=float)
@@ -481,10 +552,10 @@ class Witness:
 
 
 def flat_witness(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float,
-                 rows: InnerRows) -> Optional[Witness]:
+                 rows: InnerRows, memo: Optional[PassMemo] = None) -> Optional[Witness]:
     """The relaxation at `time_s` with the exact inner `rows`: None when it has no plan (no plan takes
-    `time_s` or less), else the plan it found."""
-    table = _flat_pass(states, hierarchy, options, time_s, heuristic=False, rows=rows, track=True)
+    `time_s` or less), else the plan it found. `memo` keeps its counts for the next pass at `time_s`."""
+    table = _flat_pass(states, hierarchy, options, time_s, heuristic=False, rows=rows, track=True, memo=memo)
     if not table.feasible():
         return None
     stages, complete = table.witness()

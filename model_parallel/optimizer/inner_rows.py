@@ -54,6 +54,7 @@ class InnerRows:
         self.reduce = 4 / level.bandwidth
         self.send, self.out = level_transfers(states.output, level, options)
         self.rows: dict[int, InnerRow] = {}
+        self._has_row = np.zeros(states.num_states + 1, dtype=bool)  # [start + 1]
         self.dense: dict[int, np.ndarray] = {}  # start -> [state] time, nan where not computed
         self.pairs = 0  # (end, split) pairs computed so far: the work done
         g = np.arange(1, self.workers + 1, dtype=float)
@@ -66,6 +67,10 @@ class InnerRows:
         self._last = np.array([last - 1 for m in counts for last in range(1, m)], dtype=int)
         self._group = np.array([m for m in counts for _ in range(1, m)], dtype=int)
         self._group_starts = np.flatnonzero(np.r_[True, self._group[1:] != self._group[:-1]])
+
+    def with_row(self, starts: np.ndarray) -> np.ndarray:
+        """Positions of the `starts` (-1: the beginning) that have a row."""
+        return np.flatnonzero(self._has_row[starts + 1])
 
     def covers(self, start: int, end: int) -> bool:
         row = self.dense.get(start)
@@ -81,6 +86,7 @@ class InnerRows:
         dense = np.full(self.states.num_states, math.nan)
         dense[row.ends] = row.times[:, -1]
         self.dense[start] = dense
+        self._has_row[start + 1] = True
 
     def exact_counts(self, count: np.ndarray, ends: np.ndarray, starts: np.ndarray, reduce: np.ndarray, moved: np.ndarray,
                      limit: float, machines: int) -> np.ndarray:

@@ -39,7 +39,7 @@ from model_parallel.optimizer.cells import bounded_plan, cell_mask, used_states
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
-from model_parallel.optimizer.flattened import MAX_FLAT_STATES, FlatStates, flat_feasible, flat_plan_cuts, flat_states, flat_witness
+from model_parallel.optimizer.flattened import MAX_FLAT_STATES, FlatStates, PassMemo, flat_feasible, flat_plan_cuts, flat_states, flat_witness
 from model_parallel.optimizer.inner_rows import InnerRows
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, node_share_bound, relaxed_lower_bound
@@ -74,11 +74,15 @@ FLAT_FIRST_STEP = 0.01
 FLAT_BOUND_FIRST_STEP = 0.02
 FLAT_TOLERANCE = 0.001
 # On three levels, the proof (`flat_search`): tried once the heuristic's plan is within FLAT_PROOF_WINDOW
-# of the relaxation's bound; at most FLAT_PROOF_PASSES relaxation passes with exact inner rows, whose
-# (end, split) pairs cost ~0.25 us each, FLAT_ROWS_BUDGET in all (about 2.5 s); a row reaches FLAT_ROW_REACH
-# times the stage it is computed for; it proves that no plan is FLAT_PROOF_GAP (relative) faster.
+# of the relaxation's bound, for FLAT_PROOF_FIRST_PASSES relaxation passes with exact inner rows (enough
+# where the heuristic found the optimum at once), and at the heuristic's final plan for the rest of
+# FLAT_PROOF_PASSES (the first pass at a time ~1 s on the 1000-node graph, the next ones at that time about
+# half: they share their counts); the rows' (end, split) pairs cost ~0.25 us each, FLAT_ROWS_BUDGET in all
+# (about 2.5 s); a row reaches FLAT_ROW_REACH times the stage it is computed for; it proves that no plan is
+# FLAT_PROOF_GAP (relative) faster.
 FLAT_PROOF_WINDOW = 0.01
-FLAT_PROOF_PASSES = 4
+FLAT_PROOF_FIRST_PASSES = 2
+FLAT_PROOF_PASSES = 8
 FLAT_ROWS_BUDGET = 1e7
 FLAT_ROW_REACH = 2.0
 FLAT_PROOF_GAP = 1e-8
@@ -397,14 +401,14 @@ def flat_search(
         best = _better(best, replace(candidate, exact=False))
         return True
 
-    def proven() -> bool:
-        """Whether no plan is FLAT_PROOF_GAP faster than `best` (the relaxation with exact rows has none);
-        its exact plans on the way are real ones and replace `best`."""
+    def proven(most_passes: int) -> bool:
+        """Whether no plan is FLAT_PROOF_GAP faster than `best` (the relaxation with exact rows has none),
+        within `most_passes` proof passes in all; its exact plans on the way are real ones and replace `best`."""
         nonlocal best, proof_passes
         target = best.time_s * (1 - FLAT_PROOF_GAP)
-        while proof_passes < FLAT_PROOF_PASSES:
+        while proof_passes < most_passes:
             proof_passes += 1
-            found = flat_witness(flat, hierarchy, options, target, rows)
+            found = flat_witness(flat, hierarchy, options, target, rows, memo)
             if found is None:
                 return True
             stages = found.stages
@@ -429,6 +433,7 @@ def flat_search(
         return False
 
     rows = inner_rows(flat, hierarchy, options) if bounding else None
+    memo = PassMemo()  # the proof's passes at one target share their counts
     exact, proof_passes = False, 0
 
     # As many passes of each kind as the budget allows (at least one: `flat_states` checked).
@@ -453,9 +458,8 @@ def flat_search(
         if plan_within(probe):
             found = min(probe, best.time_s)
             if rows is not None and found - lower <= FLAT_PROOF_WINDOW * lower:
-                exact = proven()
+                exact = proven(min(FLAT_PROOF_FIRST_PASSES, FLAT_PROOF_PASSES))
                 if exact:
-                    lower = best.time_s * (1 - FLAT_PROOF_GAP)
                     break
         else:
             failed = probe
@@ -463,6 +467,10 @@ def flat_search(
             break
         probe = (failed + found) / 2 if math.isfinite(found) else min(failed * (1 + step), upper.time_s)
         step *= 2
+    if rows is not None and not exact and best.time_s - lower <= FLAT_PROOF_WINDOW * lower:
+        exact = proven(FLAT_PROOF_PASSES)  # the rest of the passes, at the heuristic's best plan
+    if exact:
+        lower = best.time_s * (1 - FLAT_PROOF_GAP)
     return (replace(best, exact=True) if exact else best), lower if bounding else None
 
 
