@@ -90,19 +90,14 @@ class InnerRows:
 
     def exact_counts(self, count: np.ndarray, ends: np.ndarray, starts: np.ndarray, reduce: np.ndarray, moved: np.ndarray,
                      limit: float, machines: int) -> np.ndarray:
-        """`count` [end, start] of next-level machines raised to what the exact inner time needs, for the
-        starts with a row: `fewest_replicas` with the row's time as the work."""
-        columns = [c for c, start in enumerate(starts.tolist()) if start in self.dense]
-        if not columns:
-            return count
+        """`count` [end, start] of next-level machines, for starts that all have a row, raised to what the
+        exact inner time needs where the row reaches: `fewest_replicas` with the row's time as the work."""
+        times = np.stack([self.dense[start][ends] for start in starts.tolist()], axis=1)
+        known = ~np.isnan(times)
         count = np.array(count, dtype=float)
         reduce, moved = np.broadcast_to(reduce, count.shape), np.broadcast_to(moved, count.shape)
-        for column in columns:
-            times = self.dense[int(starts[column])][ends]
-            known = np.flatnonzero(~np.isnan(times))
-            if known.size:
-                exact = fewest_replicas(times[known], reduce[known, column], moved[known, column], limit, machines, self.straight)
-                count[known, column] = np.maximum(count[known, column], exact)
+        exact = fewest_replicas(times[known], reduce[known], moved[known], limit, machines, self.straight)
+        count[known] = np.maximum(count[known], exact)
         return count
 
     def inner_cuts(self, start: int, end: int) -> list[int]:
