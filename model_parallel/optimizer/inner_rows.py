@@ -13,7 +13,7 @@ charging every stage from those starts its exact time. Either no plan of the rel
 (a proof that nothing takes T or less) or the plan it finds only uses exact stages: a real plan (its
 inner cuts come from the rows' back-pointers).
 
-A row follows PipeDream's innermost rules (FORMATS.md, as `flattened._InnerChains`): a stage on r of the
+A row follows PipeDream's innermost rules (FORMATS.md, as the chains of `flattened.py`): a stage on r of the
 machine's G workers takes `compute / r + 4 P (r-1) / (B r^2)`; the first of the chain counts no
 transfers, the others `2 O / (B r)` in and out (out unless the cut is the whole graph). "At most G
 workers" (the minimum over fewer): a plan of the DP on exactly G is one of these, so the time is a lower
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
+from numba import njit
 
 from model_parallel.graph.plan import Level
 from model_parallel.optimizer.flattened import FlatStates, included, level_transfers
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.relaxation import fewest_replicas
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ class InnerRows:
         self.reduce = 4 / level.bandwidth
         self.send, self.out = level_transfers(states.output, level, options)
         self.rows: dict[int, InnerRow] = {}
-        self._has_row = np.zeros(states.num_states + 1, dtype=bool)  # [start + 1]
-        self.dense: dict[int, np.ndarray] = {}  # start -> [state] time, nan where not computed
+        self._row_of = np.full(states.num_states + 1, -1, dtype=np.int64)  # [start + 1]: its row in `_times`
+        self._dense: list[np.ndarray] = []  # per row: [state] time on all G workers, nan where not computed
+        self._times: Optional[np.ndarray] = None  # `_dense` stacked, until a row changes
+        self.added: list[int] = []  # the start of every row computed (or widened), in order
         self.pairs = 0  # (end, split) pairs computed so far: the work done
         g = np.arange(1, self.workers + 1, dtype=float)
         self._per_worker, self._reduce_per_worker = 1 / g, self.reduce * (g - 1) / g ** 2  # a stage on g workers
@@ -68,13 +71,16 @@ class InnerRows:
         self._group = np.array([m for m in counts for _ in range(1, m)], dtype=int)
         self._group_starts = np.flatnonzero(np.r_[True, self._group[1:] != self._group[:-1]])
 
-    def with_row(self, starts: np.ndarray) -> np.ndarray:
-        """Positions of the `starts` (-1: the beginning) that have a row."""
-        return np.flatnonzero(self._has_row[starts + 1])
-
     def covers(self, start: int, end: int) -> bool:
-        row = self.dense.get(start)
-        return row is not None and not math.isnan(row[end])
+        row = self._row_of[start + 1]
+        return bool(row >= 0 and not math.isnan(self._dense[row][end]))
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """For the pass (`flat_kernel.flat_pass`): per start + 1 its row (-1: none), and the rows' times
+        [row, state] on all G workers (nan where a row does not reach)."""
+        if self._times is None:
+            self._times = np.stack(self._dense) if self._dense else np.empty((0, self.states.num_states))
+        return self._row_of, self._times
 
     def add(self, start: int, reach: float) -> None:
         """Compute (or widen) the row of `start` to ends up to `reach` compute after it."""
@@ -85,20 +91,13 @@ class InnerRows:
         self.rows[start] = row
         dense = np.full(self.states.num_states, math.nan)
         dense[row.ends] = row.times[:, -1]
-        self.dense[start] = dense
-        self._has_row[start + 1] = True
-
-    def exact_counts(self, count: np.ndarray, ends: np.ndarray, starts: np.ndarray, reduce: np.ndarray, moved: np.ndarray,
-                     limit: float, machines: int) -> np.ndarray:
-        """`count` [end, start] of next-level machines, for starts that all have a row, raised to what the
-        exact inner time needs where the row reaches: `fewest_replicas` with the row's time as the work."""
-        times = np.stack([self.dense[start][ends] for start in starts.tolist()], axis=1)
-        known = ~np.isnan(times)
-        count = np.array(count, dtype=float)
-        reduce, moved = np.broadcast_to(reduce, count.shape), np.broadcast_to(moved, count.shape)
-        exact = fewest_replicas(times[known], reduce[known], moved[known], limit, machines, self.straight)
-        count[known] = np.maximum(count[known], exact)
-        return count
+        if self._row_of[start + 1] < 0:
+            self._row_of[start + 1] = len(self._dense)
+            self._dense.append(dense)
+        else:
+            self._dense[self._row_of[start + 1]] = dense
+        self._times = None
+        self.added.append(start)
 
     def inner_cuts(self, start: int, end: int) -> list[int]:
         """The states ending the stages of the optimum of (start, end] before `end`: the row's choices
@@ -139,13 +138,41 @@ class InnerRows:
         if start >= 0:
             ends = ends[included(self.states.inclusion, ends, np.full(len(ends), start))]
         inside = included(self.states.inclusion, ends[:, None], ends[None, :])  # strictly: only earlier ends
-        row = InnerRow(start, reach, ends, np.full((len(ends), self.workers), math.inf), inside)
-        for at in range(len(ends)):
-            one, splits, values = self._choices(row, at)
-            times = one
-            if splits.size and self.workers > 1:
-                self.pairs += splits.size
-                best = np.minimum.reduceat(values.min(axis=0), self._group_starts)  # m = 2..G
-                times = np.concatenate((one[:1], np.minimum(one[1:], best)))
-            row.times[at] = np.minimum.accumulate(times)  # at most m workers
+        row = InnerRow(start, reach, ends, np.empty((len(ends), self.workers)), inside)
+        _row_times(ends, inside, self.states.compute, self.states.parameters, c_start,
+                   self.states.parameters[start] if start >= 0 else 0.0, self._per_worker, self._reduce_per_worker,
+                   self._allowed, self.send, self.out, row.times)
+        if self.workers > 1:
+            self.pairs += int(np.count_nonzero(inside))
         return row
+
+
+@njit(cache=True)
+def _row_times(ends: np.ndarray, inside: np.ndarray, compute: np.ndarray, parameters: np.ndarray, c_start: float,
+               w_start: float, per_worker: np.ndarray, reduce_per_worker: np.ndarray, allowed: np.ndarray,
+               send: np.ndarray, out: np.ndarray, times: np.ndarray) -> None:
+    """Fill `times` [end, m - 1] of a row (`InnerRows._row`), ends in order: what `InnerRows._choices` gives
+    each end, compiled (its terms in the same floating-point order, so `inner_cuts` retraces it)."""
+    workers = len(per_worker)
+    best, stage = np.empty(workers), np.empty(workers)
+    for at in range(len(ends)):
+        end = ends[at]
+        for g in range(workers):  # one stage from the start on g + 1 workers
+            best[g] = (compute[end] - c_start) * per_worker[g] + (parameters[end] - w_start) * reduce_per_worker[g] + allowed[g]
+        for split in range(at if workers > 1 else 0):
+            if not inside[at, split]:
+                continue
+            k = ends[split]
+            moved = max(send[k], out[end])
+            for g in range(workers):  # the last stage (k, end] on g + 1 workers
+                time = (compute[end] - compute[k]) * per_worker[g]
+                time += (parameters[end] - parameters[k]) * reduce_per_worker[g]
+                stage[g] = max(time, moved * per_worker[g]) + allowed[g]
+            for m in range(1, workers):  # m + 1 workers in all: the last stage on last + 1, the part before on the rest
+                for last in range(m):
+                    value = max(times[split, m - last - 1], stage[last])
+                    if value < best[m]:
+                        best[m] = value
+        times[at, 0] = best[0]
+        for m in range(1, workers):  # at most m + 1 workers
+            times[at, m] = min(times[at, m - 1], best[m])

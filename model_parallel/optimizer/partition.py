@@ -39,7 +39,9 @@ from model_parallel.optimizer.cells import bounded_plan, cell_mask, used_states
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stash_factor
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer import states as states_module
-from model_parallel.optimizer.flattened import MAX_FLAT_STATES, FlatStates, PassMemo, flat_feasible, flat_plan_cuts, flat_states, flat_witness
+from model_parallel.optimizer.flattened import (
+    MAX_FLAT_STATES, FlatStates, flat_feasible, flat_plan_cuts, flat_states, flat_witness, included,
+)
 from model_parallel.optimizer.inner_rows import InnerRows
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.relaxation import MAX_RELAXED_STATES, node_share_bound, relaxed_lower_bound
@@ -74,17 +76,19 @@ FLAT_FIRST_STEP = 0.01
 FLAT_BOUND_FIRST_STEP = 0.02
 FLAT_TOLERANCE = 0.001
 # On three levels, the proof (`flat_search`): tried once the heuristic's plan is within FLAT_PROOF_WINDOW
-# of the relaxation's bound, for FLAT_PROOF_FIRST_PASSES relaxation passes with exact inner rows (enough
-# where the heuristic found the optimum at once), and at the heuristic's final plan for the rest of
-# FLAT_PROOF_PASSES (the first pass at a time ~1 s on the 1000-node graph, the next ones at that time about
-# half: they share their counts); the rows' (end, split) pairs cost ~0.25 us each, FLAT_ROWS_BUDGET in all
-# (about 2.5 s); a row reaches FLAT_ROW_REACH times the stage it is computed for; it proves that no plan is
-# FLAT_PROOF_GAP (relative) faster.
-FLAT_PROOF_WINDOW = 0.01
+# of the relaxation's bound (1-2% on the 1000-node graphs), for FLAT_PROOF_FIRST_PASSES relaxation passes
+# with exact inner rows (enough where the heuristic found the optimum at once), and at the heuristic's final
+# plan for the rest of FLAT_PROOF_PASSES (~0.13 s each on the 1000-node graph, 2 cores; 4-17 were needed
+# there). A row reaches FLAT_ROW_REACH times the stage it is computed for; a stage whose start has no row
+# also gets rows for the starts within FLAT_ROW_NEIGHBOURS times the time of its compute (the alternatives
+# the next pass would move to); the rows' (end, split) pairs cost ~50 ns each, FLAT_ROWS_BUDGET in all. It
+# proves that no plan is FLAT_PROOF_GAP (relative) faster.
+FLAT_PROOF_WINDOW = 0.05
 FLAT_PROOF_FIRST_PASSES = 2
-FLAT_PROOF_PASSES = 8
-FLAT_ROWS_BUDGET = 1e7
+FLAT_PROOF_PASSES = 32
+FLAT_ROWS_BUDGET = 5e7
 FLAT_ROW_REACH = 2.0
+FLAT_ROW_NEIGHBOURS = 0.5
 FLAT_PROOF_GAP = 1e-8
 
 
@@ -377,7 +381,7 @@ def flat_search(
         return None
     union = union or cut_union(work, None)
     # Boundaries of next-level stages fall after whole machines; on three levels the relaxation also
-    # splits a machine's range among its workers (`flattened._InnerChains`), anywhere.
+    # splits a machine's range among its workers (`flattened.py`'s chains), anywhere.
     unit = 1 if len(hierarchy.levels) == 3 else hierarchy.num_workers // math.prod(level.num_machines for level in hierarchy.levels[-2:])
     keep = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, unit, upper.time_s)
     bounding = union.with_antichains and int(keep.sum()) <= MAX_FLAT_STATES
@@ -405,10 +409,10 @@ def flat_search(
         """Whether no plan is FLAT_PROOF_GAP faster than `best` (the relaxation with exact rows has none),
         within `most_passes` proof passes in all; its exact plans on the way are real ones and replace `best`."""
         nonlocal best, proof_passes
-        target = best.time_s * (1 - FLAT_PROOF_GAP)
+        target, found = best.time_s * (1 - FLAT_PROOF_GAP), None
         while proof_passes < most_passes:
             proof_passes += 1
-            found = flat_witness(flat, hierarchy, options, target, rows, memo)
+            found = flat_witness(flat, hierarchy, options, target, rows, found)
             if found is None:
                 return True
             stages = found.stages
@@ -419,13 +423,18 @@ def flat_search(
                     span = flat.compute[end] - (flat.compute[start] if start >= 0 else 0.0)
                     replicated = span > rows.workers * target and start in found.may_open
                     rows.add(start, math.inf if replicated else FLAT_ROW_REACH * span)
+                    if start >= 0 and not replicated:
+                        near = np.flatnonzero(np.abs(flat.compute - flat.compute[start]) <= FLAT_ROW_NEIGHBOURS * target)
+                        for other in near[included(flat.inclusion, np.full(len(near), end), near)].tolist():
+                            if not rows.covers(other, end):
+                                rows.add(other, FLAT_ROW_REACH * (flat.compute[end] - flat.compute[other]))
                 continue
             if missing or not found.complete:
                 return False
             # Every stage exact: a real plan within the target, with its inner cuts from the rows.
-            cuts.update(flat.members[end] for _, end in stages)
-            cuts.update(flat.members[k] for start, end in stages for k in rows.inner_cuts(start, end))
-            candidate = solve(cut_states(work, list(cuts), "flattened"), hierarchy, options)
+            own = {flat.members[end] for _, end in stages}
+            own.update(flat.members[k] for start, end in stages for k in rows.inner_cuts(start, end))
+            candidate = solve(cut_states(work, list(own), "flattened"), hierarchy, options)
             best = _better(best, replace(candidate, exact=False))
             if best.time_s > target:  # the DP's rules differ from the relaxation's here: give up
                 return False
@@ -433,7 +442,6 @@ def flat_search(
         return False
 
     rows = inner_rows(flat, hierarchy, options) if bounding else None
-    memo = PassMemo()  # the proof's passes at one target share their counts
     exact, proof_passes = False, 0
 
     # As many passes of each kind as the budget allows (at least one: `flat_states` checked).
