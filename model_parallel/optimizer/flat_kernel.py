@@ -80,14 +80,14 @@ class Rules(NamedTuple):
 
 
 class Tables(NamedTuple):
-    """The pass's tables (`flattened._Pass`)."""
+    """The pass's tables (`flattened.py`'s module doc): where each entry came from, for the plan."""
 
-    fewest_outer: np.ndarray
-    fewest_inner: np.ndarray
-    open_from: np.ndarray
-    closed_at: np.ndarray
-    source: np.ndarray
-    source_p: np.ndarray
+    fewest_outer: np.ndarray  # P [state]
+    fewest_inner: np.ndarray  # Q [state, p]
+    open_from: np.ndarray  # [state]: the fewest p (outer machines before) an unreplicated outer stage starting after it has; M: none
+    closed_at: np.ndarray  # [state]: p of the unreplicated outer stage that ends at the state (-1: none)
+    source: np.ndarray  # [state, p]: the state the entry's last inner stage starts after (-1: the beginning)
+    source_p: np.ndarray  # [state, p]: the entry it extends there (its p, or the p of the outer stage closed there)
 
 
 class _Scratch(NamedTuple):

@@ -47,7 +47,7 @@ states (`flat_states`: which pairs a pass reads) and reads its tables.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -72,21 +72,16 @@ _BLOCK = 128
 @dataclass(frozen=True)
 class FlatStates:
     """Cut states ordered by size (ancestors first; the last holds every node) and, per block of `_BLOCK`
-    states, the earlier states a pass at up to `max_time_s` reads there (`columns`: a band of earlier blocks'
-    states, then the block's own) and which of them lie strictly inside each state of the block (`inside`:
-    a byte per (state, column), row by row). Block b's states start at `block_starts[b]`, its columns at
-    `column_offsets[b]`, its inclusions at `inside_offsets[b]`."""
+    states, the earlier states a pass at up to `max_time_s` reads there (`layout.columns`: a band of earlier
+    blocks' states, then the block's own) and which of them lie strictly inside each state of the block
+    (`layout.inside`: a byte per (state, column), row by row)."""
 
     members: tuple[int, ...]
     compute: np.ndarray
     parameters: np.ndarray
     output: np.ndarray
     max_time_s: float
-    block_starts: np.ndarray
-    column_offsets: np.ndarray
-    columns: np.ndarray
-    inside_offsets: np.ndarray
-    inside: np.ndarray
+    layout: Layout
     # On three levels: bit (later, earlier) set where state `earlier` lies strictly inside `later`, for the
     # pairs the blocks read (np.packbits rows), so the relaxation can chain a machine's own workers.
     inclusion: Optional[np.ndarray] = None
@@ -98,7 +93,7 @@ class FlatStates:
     @property
     def pairs(self) -> int:
         """Pairs of states a pass may visit (its cost)."""
-        return len(self.inside)
+        return len(self.layout.inside)
 
 
 def _windows(hierarchy: Hierarchy, limit: float) -> tuple[float, float]:
@@ -140,12 +135,12 @@ def flat_states(costs: CutCosts, hierarchy: Hierarchy, max_time_s: float, max_pa
     def offsets(sizes: list[int]) -> np.ndarray:
         return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
 
-    return FlatStates(
-        costs.members, compute, parameters, costs.output, max_time_s,
+    layout = Layout(
         block_starts=offsets([len(block) for block in blocks]), column_offsets=offsets([len(read) for read in columns]),
         columns=np.concatenate(columns).astype(np.int64), inside_offsets=offsets([within.size for within in inside]),
-        inside=np.concatenate([within.ravel() for within in inside]).view(np.uint8), inclusion=inclusion,
+        inside=np.concatenate([within.ravel() for within in inside]).view(np.uint8),
     )
+    return FlatStates(costs.members, compute, parameters, costs.output, max_time_s, layout, inclusion)
 
 
 def _inclusion_bits(n: int, blocks: list[np.ndarray], columns: list[np.ndarray], inside: list[np.ndarray]) -> np.ndarray:
@@ -158,16 +153,8 @@ def _inclusion_bits(n: int, blocks: list[np.ndarray], columns: list[np.ndarray],
     return bits
 
 
-@dataclass
-class _Pass:
-    """One pass at a time limit: the tables above and where each entry came from."""
-
-    fewest_outer: np.ndarray  # P [state]
-    fewest_inner: np.ndarray  # Q [state, p]
-    open_from: np.ndarray  # [state]: the fewest p (outer machines before) an unreplicated outer stage starting after it has; M: none
-    closed_at: np.ndarray  # [state]: p of the unreplicated outer stage that ends at the state (-1: none)
-    source: np.ndarray  # [state, p]: the state the entry's last inner stage starts after (-1: the beginning)
-    source_p: np.ndarray  # [state, p]: the entry it extends there (its p, or the p of the outer stage closed there)
+class _Pass(Tables):
+    """One pass at a time limit: its tables (`flat_kernel.Tables`) and the plan they hold."""
 
     def feasible(self) -> bool:
         return bool(self.fewest_outer[-1] <= self.fewest_inner.shape[1])
@@ -242,7 +229,6 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
         *level_transfers(states.output, outer, options), *level_transfers(states.output, innermost, options),
         states.inclusion if chains else np.zeros((1, 1), dtype=np.uint8), row_of, row_times,
     )
-    layout = Layout(states.block_starts, states.column_offsets, states.columns, states.inside_offsets, states.inside)
     if previous is None:
         resume_from = 0
         table = _Pass(
@@ -251,8 +237,8 @@ def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptio
             source_p=np.empty((n, outer_machines), dtype=np.int64),
         )
     else:
-        table = _Pass(*(getattr(previous, field.name).copy() for field in fields(_Pass)))
-    flat_pass(layout, costs, rules, resume_from, Tables(*(getattr(table, field.name) for field in fields(_Pass))))
+        table = _Pass(*(array.copy() for array in previous))
+    flat_pass(states.layout, costs, rules, resume_from, Tables(*table))  # plain Tables: one compiled signature
     return table
 
 
