@@ -76,6 +76,11 @@ def encode_value(value: Any) -> Any:
         return {"tuple": [encode_value(v) for v in value]}
     if isinstance(value, list):
         return [encode_value(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        # Only top-level values travel as tensors; one inside a tuple/list would need the header to nest.
+        raise PeerError(f"cannot send a tensor (shape {list(value.shape)}) nested inside a tuple or list between "
+                        "stages: tensors must be boundary values of their own; unpack the tuple into separate "
+                        "outputs (e.g. a stage's 1-tuple result passed on without taking its element)")
     raise PeerError(f"cannot send a value of type {type(value).__name__} between stages "
                     "(allowed: tensors, int, float, bool, str, None, tuple/list of them, torch.Size, dtype, device)")
 

@@ -4,7 +4,8 @@ Such a package has no graph.json/plan.json, only `__init__.py` with `model(crite
 `[(Stage0(), ["input0"], ["out0"]), ..., (criterion, ["outN"], ["loss"])]` and the configs
 `hybrid_conf.json` / `mp_conf.json` (`module_to_stage_map`, `stage_to_rank_map`; /work/shared/FORMATS.md).
 `load_pipedream_package` turns it into what the engine runs: a graph with one `call_module` node per
-generated module (`module0`, `module1`, ...; getitem nodes for modules with several outputs), a plan
+generated module (`module0`, `module1`, ...; getitem nodes for a module that returns a tuple, even a
+1-tuple as this project's generated stages do, while PipeDream's return one output bare), a plan
 from the configs, and a container module holding the generated modules under those names. A
 generated module is opaque (its layers are not graph nodes), so the plan cannot be re-cut: live plan
 switching needs a graph.json (`StaticPlanChannel` refuses it).
@@ -194,9 +195,11 @@ def load_pipedream_package(directory: Path, seed: int = 0, input_shape: Optional
         members.setdefault(stage_of[index], []).append(node_id)
         for k, (name, value) in enumerate(zip(out_names, outs)):
             values[name] = value
-            if len(outs) == 1:
-                produced[name] = node_id
+            if not isinstance(result, (tuple, list)):
+                produced[name] = node_id  # PipeDream's convention: one output is returned bare
                 continue
+            # A tuple (also a 1-tuple, as this project's generated stages return) is unpacked by
+            # getitem nodes, so the next module receives the tensor, not the tuple holding it.
             item = f"{node_id}_{k}"
             nodes.append(_node(item, "call_function", "operator.getitem", [{"node": node_id}, k], [value]))
             edges.append((node_id, item))
