@@ -239,3 +239,92 @@ def test_manifest_lists_shards(tmp_path):
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
     assert manifest["shards"][1]["params"]["2.weight"] == [[3, 8], "float32"]
     assert (tmp_path / "latest").read_text().strip() == "step_2"
+
+
+# ---- an interrupted checkpoint: only what was committed counts -----------------------------------------
+def test_rewritten_step_is_made_of_its_writers_shards_not_the_directorys(tmp_path):
+    fingerprint = ckpt.model_fingerprint(_model())
+    _save(tmp_path, 1, _split(_model(), [5]), [torch.optim.SGD(_model().parameters(), lr=0.1)], fingerprint)
+    # Step 3 written by 3 ranks, killed before its commit ...
+    for rank, stage in enumerate(_split(_model(), [1, 2, 2])):
+        ckpt.save_shard(tmp_path, 3, rank, *ckpt.split_state(stage))
+    # ... then written again by 2 ranks after a resume on fewer workers: rank 2's shard is stale.
+    stages = _split(_model(), [2, 3])
+    _train(stages, [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages], 1, seed=0)
+    for rank, stage in enumerate(stages):
+        ckpt.save_shard(tmp_path, 3, rank, *ckpt.split_state(stage))
+    ckpt.finalize(tmp_path, 3, {}, fingerprint, expected_ranks=[0, 1])
+    checkpoint = ckpt.load_checkpoint(tmp_path)
+    assert checkpoint.step == 3 and checkpoint.ranks == [0, 1]
+    for name, value in checkpoint.params().items():
+        assert torch.equal(value, {k: v for s in stages for k, v in s.state_dict().items()}[name]), name
+    with pytest.raises(CheckpointError, match=r"shards of ranks \[5\] are missing \(found ranks \[0, 1, 2\]\)"):
+        ckpt.finalize(tmp_path, 3, {}, fingerprint, expected_ranks=[0, 5])
+
+
+def test_a_manifest_past_latest_was_never_committed(tmp_path):
+    fingerprint = ckpt.model_fingerprint(_model())
+    stages = _split(_model(), [5])
+    opts = [torch.optim.SGD(stages[0].parameters(), lr=0.1)]
+    _save(tmp_path, 1, stages, opts, fingerprint)
+    _save(tmp_path, 2, stages, opts, fingerprint)
+    # Killed between step 4's manifest and the move of `latest`: step 4 does not count.
+    _save(tmp_path, 4, stages, opts, fingerprint)
+    (tmp_path / "latest").write_text("step_2\n")
+    assert ckpt.list_checkpoints(tmp_path) == [1, 2]
+    assert ckpt.latest_step(tmp_path) == 2 and ckpt.load_checkpoint(tmp_path).step == 2
+
+
+def test_commit_fsyncs_the_directory_after_moving_latest(tmp_path, monkeypatch):
+    synced = []
+
+    def record(directory):
+        synced.append((str(directory), (tmp_path / "latest").read_text().strip() if (tmp_path / "latest").exists() else None))
+
+    monkeypatch.setattr(ckpt, "fsync_dir", record)
+    ckpt.save_shard(tmp_path, 0, 0, {"a": torch.zeros(1)})
+    ckpt.finalize(tmp_path, 0, {}, None)
+    assert synced[-1] == (str(tmp_path), "step_0")  # the commit rename itself is made durable
+    assert (str(tmp_path / "step_0"), None) in synced  # and the shard's and manifest's renames before it
+
+
+def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
+    from model_parallel.runtime.checkpoint_commit import prune
+
+    fingerprint = ckpt.model_fingerprint(_model())
+    stages = _split(_model(), [2, 3])
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]
+    for step in (1, 3, 5, 7):
+        _save(tmp_path, step, stages, opts, fingerprint)
+    # Leftovers: an uncommitted step, a step whose manifest is past `latest`, a stale shard of an
+    # earlier attempt at a committed step, and temporary files of writes cut short.
+    ckpt.save_shard(tmp_path, 9, 0, *ckpt.split_state(stages[0]))
+    _save(tmp_path, 11, stages, opts, fingerprint)
+    (tmp_path / "latest").write_text("step_7\n")
+    ckpt.save_shard(tmp_path, 7, 2, {"junk": torch.zeros(1)})
+    (tmp_path / "step_7" / ".shard_0.pt.abc.tmp").write_bytes(b"half")
+    (tmp_path / ".latest.abc.tmp").write_text("step_")
+    (tmp_path / "notes.txt").write_text("not ours")
+
+    prune(tmp_path)  # at start: leftovers only, every committed step stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.txt", "step_1", "step_3", "step_5", "step_7"]
+    assert sorted(p.name for p in (tmp_path / "step_7").iterdir()) == [
+        "manifest.json", "shard_0.json", "shard_0.pt", "shard_1.json", "shard_1.pt"]
+    prune(tmp_path, keep=2)  # after a commit: the newest two
+    assert ckpt.list_checkpoints(tmp_path) == [5, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.txt", "step_5", "step_7"]
+    assert ckpt.load_checkpoint(tmp_path).step == 7
+    (tmp_path / "latest").write_text("garbage")
+    assert prune(tmp_path, keep=1) == []  # a broken pointer: nothing is guessed away
+    assert (tmp_path / "step_5").is_dir() and (tmp_path / "step_7").is_dir()
+
+
+def test_keep_checkpoints_must_keep_one():
+    from model_parallel.errors import ModelParallelError
+    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.worker import build_parser, make_config
+
+    assert make_config(build_parser().parse_args(["--keep_checkpoints", "5"])).keep_checkpoints == 5
+    assert TrainConfig().keep_checkpoints == 3
+    with pytest.raises(ModelParallelError, match=r"keep_checkpoints must be >= 1 \(the one to resume from\), got 0"):
+        TrainConfig(keep_checkpoints=0)

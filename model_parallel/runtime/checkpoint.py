@@ -10,12 +10,13 @@ API (stable; the runtime calls these):
         `extra` holds anything torch.load(weights_only=True) can read (dicts, lists, numbers,
         strings, tensors) - e.g. this rank's RNG state.
     finalize(directory, step, world_info, model_fingerprint, expected_ranks=None, extra=None) -> Path
-        Called by one rank after every shard is written (the runtime puts a barrier before it).
-        Checks the shards (present, keys disjoint, parameters matching the fingerprint), writes
-        `step_<N>/manifest.json`, then atomically moves the `latest` pointer to `step_<N>`.
+        Called by one rank after every shard is written (the runtime agrees on that first).
+        Checks the shards of `expected_ranks` (present, keys disjoint, parameters matching the
+        fingerprint), writes `step_<N>/manifest.json`, then atomically moves the `latest` pointer.
     load_checkpoint(directory, step=None, expected_fingerprint=None) -> Checkpoint
         `step=None` follows `latest`. `Checkpoint.params(keys)`, `.buffers(keys)`,
         `.optimizer_state(keys)`, `.load_into(module)`, `.extra` (finalize's), `.shard_extra(rank)`.
+    list_checkpoints(directory) -> [N, ...] / latest_step(directory) -> N    the committed steps
     model_fingerprint(named) -> str
         Hash of sorted parameter names + shapes + dtypes. Accepts a module, or a mapping of names to
         tensors or to `(shape, dtype)`; original names (`layer1.0.conv1.weight`) and stage-module
@@ -30,11 +31,16 @@ Layout of a checkpoint directory:
     <directory>/step_<N>/shard_<rank>.json  index of the shard: keys, shapes, sha256 (written after it)
     <directory>/step_<N>/manifest.json    written by finalize after all shards: shards, world, fingerprint
 
-Crash safety: every file is written atomically (temporary file + rename). Until `latest` moves, a
-reader sees the previous checkpoint, whole; a step directory without a manifest is ignored. If the
+Crash safety: every file is written atomically (temporary file + rename, fsync of the file and of
+its directory). A checkpoint counts once `latest` names it: until then a reader sees the previous
+one, whole, and reads only the shard files its manifest lists (checked by sha256), so whatever an
+interrupted write left (a step directory without a manifest or past `latest`, shards of ranks the
+manifest does not list, `.tmp` files) is ignored; `checkpoint_commit.prune` removes it. If the
 pointer itself is lost, the newest step directory with a manifest is used.
 
-Independent of torch.distributed: the runtime does the barriers.
+Independent of torch.distributed: `checkpoint_commit.py` is the runtime's protocol around these
+(who writes, agreeing on the outcome across ranks, cleaning up, keeping the last K);
+`checkpoint_state.py` holds the fingerprint and optimizer-state helpers re-exported here.
 """
 from __future__ import annotations
 
@@ -46,107 +52,38 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
+from model_parallel.runtime.checkpoint_layout import (  # noqa: F401 - part of this module's API
+    LATEST,
+    MANIFEST,
+    PathLike,
+    fsync_dir,
+    latest_step,
+    list_checkpoints,
+    shard_path,
+    step_dir,
+    step_dirs,
+)
+from model_parallel.runtime.checkpoint_state import (  # noqa: F401 - part of this module's API
+    OptimizerState,
+    _dtype_name,
+    _fingerprint,
+    load_optimizer_state_by_name,
+    model_fingerprint,
+    optimizer_state_by_name,
+    split_state,
+)
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "model_parallel.checkpoint"
 VERSION = 1
-LATEST = "latest"
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-PathLike = Union[str, "Path"]
-OptimizerState = Mapping[str, Mapping[str, Union[torch.Tensor, float, int]]]
-
-
-def step_dir(directory: PathLike, step: int) -> Path:
-    return Path(directory) / f"step_{step}"
-
-
-def shard_path(directory: PathLike, step: int, rank: int) -> Path:
-    return step_dir(directory, step) / f"shard_{rank}.pt"
-
-
-# ----------------------------------------------------------------------------- fingerprint
-
-
-def _dtype_name(dtype: Union[str, torch.dtype]) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _shape_dtype_map(named: Union[nn.Module, Mapping[str, Any]]) -> dict[str, tuple[tuple[int, ...], str]]:
-    items = named.named_parameters() if isinstance(named, nn.Module) else named.items()
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name, value in items:
-        if isinstance(value, torch.Tensor):
-            out[name] = (tuple(value.shape), _dtype_name(value.dtype))
-        else:
-            shape, dtype = value
-            out[name] = (tuple(int(d) for d in shape), _dtype_name(dtype))
-    return out
-
-
-def model_fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
-    """Hash of sorted parameter names, shapes and dtypes (16 hex digits).
-
-    Names are normalised with "." -> "_", so the original model's `layer1.0.conv1.weight` and the
-    stage-module name `layer1_0_conv1.weight` agree: any partition of a model has its fingerprint.
-    """
-    return _fingerprint(named)
-
-
-def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
-    entries = sorted(
-        (name.replace(".", "_"), list(shape), dtype) for name, (shape, dtype) in _shape_dtype_map(named).items()
-    )
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- optimizer state
-
-
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
-    by_id = {id(p): name for name, p in named_params.items()}
-    out: dict[str, dict[str, Any]] = {}
-    for param, state in optimizer.state.items():
-        name = by_id.get(id(param))
-        if name is None:
-            continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
-        out[name] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
-    return out
-
-
-def load_optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor], state: OptimizerState
-) -> None:
-    """Install name-keyed state into `optimizer` for the parameters it holds (moved to their device).
-
-    Names absent from `state` keep no state (e.g. a checkpoint taken before the first step).
-    """
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    for name, param in named_params.items():
-        entry = state.get(name)
-        if entry is None:
-            continue
-        group = group_of.get(id(param), {})
-        # As torch's own load_state_dict does: Adam's `step` stays on the CPU unless capturable/fused.
-        step_on_param_device = bool(group.get("capturable") or group.get("fused"))
-        restored: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                on_cpu = key == "step" and not step_on_param_device
-                restored[key] = value.detach().clone().to("cpu" if on_cpu else param.device)
-            else:
-                restored[key] = value
-        optimizer.state[param] = restored
 
 
 # ----------------------------------------------------------------------------- writing
@@ -204,6 +141,7 @@ def save_shard(
     }
     # The index is written after the shard: an index on disk means its shard is complete.
     atomic_write_json(path.with_suffix(".json"), index)
+    fsync_dir(path.parent)
     logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, len(data))
     return path
 
@@ -229,20 +167,24 @@ def finalize(
 
     `world_info` (JSON) records how the run was laid out (world size, plan version, stage -> ranks);
     `extra` (JSON) holds run-level state (data position, LR-scheduler state). `expected_ranks`, when
-    given, are the ranks that must have written a shard. Raises CheckpointError (and leaves `latest`
-    where it was) if a shard is missing, two shards hold the same name, or the parameters do not
-    match `model_fingerprint` (None: record the shards' own fingerprint, without that check).
+    given, are the ranks whose shards make the checkpoint: only theirs are read, so shards left in the
+    directory by an earlier, uncommitted attempt at this step (say with more ranks) are not part of it.
+    Raises CheckpointError (and leaves `latest` where it was) if a shard is missing, two shards hold
+    the same name, or the parameters do not match `model_fingerprint` (None: record the shards' own
+    fingerprint, without that check).
     """
     folder = step_dir(directory, step)
-    indexes = list(folder.glob("shard_*.json"))
+    if expected_ranks is None:
+        indexes = sorted(folder.glob("shard_*.json"))
+    else:
+        indexes = [shard_path(directory, step, rank).with_suffix(".json") for rank in sorted(set(expected_ranks))]
+        missing = [rank for rank, p in zip(sorted(set(expected_ranks)), indexes) if not p.is_file()]
+        if missing:
+            found = sorted(int(m.group(1)) for p in folder.glob("shard_*.json") if (m := re.match(r"shard_(\d+)\.json$", p.name)))
+            raise CheckpointError(f"{folder}: shards of ranks {missing} are missing (found ranks {found}); did those ranks fail in save_shard?")
     if not indexes:
         raise CheckpointError(f"{folder}: no shard was written for step {step}; call save_shard on the owning ranks before finalize")
     shards = sorted((_read_json(p, "shard index") for p in indexes), key=lambda s: s["rank"])
-    found = {s["rank"] for s in shards}
-    if expected_ranks is not None:
-        missing = sorted(set(expected_ranks) - found)
-        if missing:
-            raise CheckpointError(f"{folder}: shards of ranks {missing} are missing (found ranks {sorted(found)}); did those ranks fail in save_shard?")
     owner: dict[str, int] = {}
     shapes: dict[str, tuple[list[int], str]] = {}
     for shard in shards:
@@ -272,40 +214,14 @@ def finalize(
         "shards": shards,
     }
     manifest_path = atomic_write_json(folder / MANIFEST, manifest)
-    # The commit point: until this rename a reader still sees the previous checkpoint.
+    fsync_dir(folder)
+    # The commit point: until this rename a reader still sees the previous checkpoint. The directory's
+    # fsync makes it durable: a power loss must not bring back a pointer older than what was reported.
     atomic_write_text(Path(directory) / LATEST, f"step_{step}\n")
+    fsync_dir(directory)
     logger.info("checkpoint step %d committed in %s (%d shards)", step, folder, len(shards))
     return manifest_path
 
-
-def list_checkpoints(directory: PathLike) -> list[int]:
-    """Steps with a committed manifest, ascending (incomplete step directories are skipped)."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / MANIFEST).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def latest_step(directory: PathLike) -> Optional[int]:
-    """The step `latest` points at; without a pointer, the newest committed step; None if none."""
-    pointer = Path(directory) / LATEST
-    if pointer.is_file():
-        try:
-            text = pointer.read_text(encoding="utf-8").strip()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{pointer}: the '{LATEST}' pointer is not text (expected 'step_<N>'); "
-                                  "delete it to fall back to the newest complete step") from None
-        match = _STEP_DIR.match(text)
-        if not match:
-            raise CheckpointError(f"{pointer}: expected 'step_<N>', found {text[:40]!r}; delete it to fall back to the newest complete step")
-        return int(match.group(1))
-    steps = list_checkpoints(directory)
-    return steps[-1] if steps else None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -476,12 +392,3 @@ def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
         # The shard file must stay inside the step directory: a manifest is data, not a path to follow.
         if Path(shard["file"]).name != shard["file"]:
             raise bad(f"{where}.file must be a file name in the step directory, found {shard['file'][:40]!r}")
-
-
-def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(parameters, persistent buffers) of a stage module by state-dict name, ready for save_shard."""
-    state = module.state_dict()
-    param_names = {name for name, _ in module.named_parameters()}
-    params = {k: v for k, v in state.items() if k in param_names}
-    buffers = {k: v for k, v in state.items() if k not in param_names}
-    return params, buffers

@@ -70,6 +70,7 @@ class TrainConfig:
     heartbeat_interval: float = 1.0
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0  # steps; 0: only at the end when checkpoint_dir is set
+    keep_checkpoints: int = 3  # committed checkpoints kept; older ones are deleted after each commit
     resume: bool = False
     trace_dir: Optional[str] = None
     metrics: Optional[str] = None  # JSONL path; "{rank}" is replaced
@@ -91,6 +92,8 @@ class TrainConfig:
                                      "stage updates on its own after each microbatch, so there is no global norm")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ModelParallelError(f"clip_grad must be > 0, got {self.clip_grad}")
+        if self.keep_checkpoints < 1:
+            raise ModelParallelError(f"keep_checkpoints must be >= 1 (the one to resume from), got {self.keep_checkpoints}")
         if self.timeout <= 0:
             raise ModelParallelError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.slowdown < 1.0:
@@ -186,6 +189,7 @@ class PipelineEngine:
         self.updates = 0  # optimizer updates applied by this rank (PipeDream: one per microbatch)
         self.weight_versions: list[int] = []  # PipeDream: `updates` at each forward (its stashed version)
         self.history: list[StepResult] = []
+        self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.activate(plan)
@@ -519,21 +523,13 @@ class PipelineEngine:
         return model_fingerprint({mapping.get(name, name): p for name, p in self.model.named_parameters()})
 
     def save_checkpoint(self, step: int) -> None:
-        """All ranks: first replicas write their stage's shard, rank 0 commits after a barrier."""
-        from model_parallel.runtime import checkpoint as ckpt
+        """All ranks: first replicas write their stage's shard, rank 0 commits once all agree they did."""
+        from model_parallel.runtime.checkpoint_commit import save_and_commit
 
-        directory = self.config.checkpoint_dir
-        assert directory is not None
-        writers = [s.ranks[0] for s in self.plan.stages]
-        if self.stage is not None and self.replica == 0:
-            params, buffers = ckpt.split_state(self.stage)
-            opt = ckpt.optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters())) if self.optimizer else {}
-            ckpt.save_shard(directory, step, self.rank, params, buffers, opt)
-        self.barrier()
-        if self.rank == 0:
-            ckpt.finalize(directory, step, {"world_size": self.world_size, "plan": self.plan.to_dict()},
-                          self.fingerprint(), expected_ranks=writers, extra={"next_step": step + 1})
-        self.barrier()
+        if step == self._checkpointed_step:
+            return  # a stop right after a checkpoint: rewriting the committed one in place could corrupt it
+        save_and_commit(self, step)
+        self._checkpointed_step = step
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""
@@ -559,6 +555,10 @@ class PipelineEngine:
     def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
         """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results."""
         cfg = self.config
+        if cfg.checkpoint_dir and self.rank == 0:
+            from model_parallel.runtime.checkpoint_commit import prune
+
+            prune(cfg.checkpoint_dir)  # leftovers of a run killed mid-checkpoint
         if cfg.resume and cfg.checkpoint_dir:
             from model_parallel.runtime.checkpoint import latest_step
 

@@ -90,6 +90,8 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--checkpoint_dir", default=None)
     o.add_argument("--checkpoint_every", type=int, default=0)
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint_dir")
+    o.add_argument("--keep_checkpoints", type=int, default=3,
+                   help="committed checkpoints kept in --checkpoint_dir; older ones are deleted (default 3)")
     o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
     o.add_argument("--metrics", default=None, help="per-step metrics JSONL path ('{rank}' is replaced)")
     o.add_argument("-v", "--verbose", action="count", default=0)
@@ -251,6 +253,7 @@ def make_config(args: Any) -> Any:
         batch_size=args.batch_size, num_microbatches=args.num_microbatches, schedule=args.schedule, seed=args.seed,
         recompute=parse_recompute(args.recompute), bf16=args.bf16, clip_grad=args.clip_grad, lr_schedule=args.lr_schedule,
         timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
         resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics, slowdown=args.slowdown,
         slowdown_rank=args.slowdown_rank, slowdown_after_step=args.slowdown_after_step,
     )
