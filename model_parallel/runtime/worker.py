@@ -20,7 +20,7 @@ import torch
 from model_parallel import jsonbound
 from model_parallel.allocator import keep_freed_memory
 from model_parallel.cli.common import ArgumentParser, configure_logging
-from model_parallel.errors import ModelParallelError, PeerError, PlanError
+from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def ranks_from_hybrid_conf(plan: Any, path: Path) -> Any:
     if not path.is_file():
         return plan
     try:
-        mapping = json.loads(path.read_text(encoding="utf-8"))["stage_to_rank_map"]
+        mapping = jsonbound.load_file(path, error=PlanError, what="hybrid_conf.json")["stage_to_rank_map"]
         ranks = {int(stage): tuple(int(r) for r in rs) for stage, rs in mapping.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise PlanError(f"{path}: expected {{\"stage_to_rank_map\": {{\"0\": [0, 1], ...}}}} ({error})") from None
@@ -238,7 +238,6 @@ def make_channel(args: Any, rank: int, world_size: int) -> Any:
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel
-
         from model_parallel.coordinator.protocol import read_token
 
         return CoordinatorChannel(args.coordinator, read_token(args.token, args.token_file), rank, world_size)
@@ -248,7 +247,7 @@ def make_channel(args: Any, rank: int, world_size: int) -> Any:
 
 
 def read_control_script(path: str) -> Any:
-    from model_parallel.errors import ProtocolError
+    """--control_script FILE as a ScriptedChannel; any defect is a ProtocolError naming the file."""
     from model_parallel.runtime.control import ScriptedChannel
 
     try:
