@@ -26,6 +26,10 @@ class ProfileError(ModelParallelError, RuntimeError):
     """Profiling a model failed (untraceable model, bad example inputs)."""
 
 
+class DataError(ModelParallelError, ValueError):
+    """Training data cannot be read (a corrupt or unreadable sample); the message names the file."""
+
+
 class CodegenError(ModelParallelError, ValueError):
     """A layer cannot be turned into stage code (unknown description, shared module across stages)."""
 

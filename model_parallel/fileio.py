@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Union
 
+from model_parallel.jsonbound import load_file
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -36,15 +38,7 @@ def atomic_write_json(path: PathLike, data: Any) -> Path:
 
 
 def read_json_file(path: PathLike, error: type[Exception], what: str = "file") -> Any:
-    """Parse a JSON file; any failure becomes `error` naming the file (and line), never a raw exception."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    except RecursionError:
-        # json recurses per nesting level; a hostile file can nest deeper than the interpreter stack.
-        raise error(f"{path}: not valid JSON (nested too deeply)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        line = getattr(exc, "lineno", None)
-        raise error(f"{path}{':' + str(line) if line else ''}: not valid JSON ({exc})") from None
+    """Parse a JSON file; any failure becomes `error` naming the file (and line), never a raw exception.
+
+    Size, nesting depth and numbers are bounded (see `model_parallel.jsonbound`)."""
+    return load_file(path, error=error, what=what)

@@ -119,6 +119,8 @@ def test_graph_txt_random_text_parses_or_raises(text: str) -> None:
     result = check_reader(lambda: parse_graph_txt(text, "random.txt"))
     if isinstance(result, Graph):
         roundtrip_holds(result)
+    else:
+        assert "random.txt" in str(result), f"message must name the file: {result}"
 
 
 @settings(FUZZ, max_examples=60)
@@ -129,7 +131,8 @@ def test_graph_txt_file_with_random_bytes_or_truncated(tmp_path_factory: Any, da
     for payload in (data, raw[:cut] + data, raw[: len(raw) * cut // 2000]):
         path = folder / "graph.txt"
         path.write_bytes(payload)
-        check_reader(lambda: read_graph_txt(path))
+        result = check_reader(lambda: read_graph_txt(path))
+        assert isinstance(result, Graph) or str(path) in str(result), f"message must name the file: {result}"
 
 
 def test_graph_txt_cycle_error_names_file_and_line() -> None:
@@ -213,6 +216,20 @@ def test_graph_json_file_deeply_nested_or_binary(tmp_path: Path) -> None:
             read_graph_json(path)
 
 
+@pytest.mark.parametrize("payload, message", [
+    (b'{"schema": "model_parallel.graph", "version": 1, "nodes": [],\n "edges": ' + b"1" * 5000 + b"}", r"graph\.json:2: an integer of 5000 digits"),
+    (b'{"nodes": ' + b"[" * 70 + b"]" * 70 + b"}", r"graph\.json: nested deeper than 64 levels at \.nodes"),
+    (b'{"nodes": 1e999}', r"graph\.json:1: the number 1e999 does not fit"),
+    (b'{"nodes": NaN}', r"graph\.json:1: NaN is not a number JSON allows"),
+], ids=["huge-int", "deep", "overflowing-float", "nan"])
+def test_graph_json_file_numbers_and_depth_are_bounded(tmp_path: Path, payload: bytes, message: str) -> None:
+    # A 5000-digit integer once escaped as a bare ValueError (CPython's int-to-str limit).
+    path = tmp_path / "graph.json"
+    path.write_bytes(payload)
+    with pytest.raises(GraphFormatError, match=message):
+        read_graph_json(path)
+
+
 def test_graph_json_huge_integer_cost_is_typed() -> None:
     data = _small_graph_dict()
     data["nodes"][0]["forward_ms"] = 10**400  # JSON allows integers that do not fit a float
@@ -246,7 +263,7 @@ def test_plan_random_values_raise_plan_error(data: Any) -> None:
 
 def test_plan_reader_on_bytes_and_nesting(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
-    for payload in (b"\x00\xff", b"{" * 50_000, b"[" * 100_000, b"{}"):
+    for payload in (b"\x00\xff", b"{" * 50_000, b"[" * 100_000, b"{}", b'{"version": ' + b"9" * 4500 + b"}"):
         path.write_bytes(payload)
         with pytest.raises(PlanError, match="plan.json"):
             read_plan(path)

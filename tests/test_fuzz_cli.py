@@ -6,6 +6,7 @@ subprocess per tool checks that the real entry point prints no traceback.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,95 @@ def test_real_entry_points_print_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in result.stderr and "bad.txt:1" in result.stderr, result.stderr
         assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
     assert not (tmp_path / "pkg").exists() and not (tmp_path / "opt").exists()
+
+
+# ---- the worker command line: its input files are checked before it joins a world ------------------------
+WORKER = "model_parallel.runtime.worker"
+DEEP_JSON = "[" * 5000 + "]" * 5000
+HUGE_INT = "1" * 5000  # more digits than CPython converts (ValueError) and than jsonbound accepts
+
+
+def _worker_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """case -> (worker arguments, text the one error line must contain); files are written here."""
+    def write(name: str, text: str) -> str:
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    (tmp_path / "a_file").write_text("not a directory")
+    return {
+        "missing control script": (["--control_script", str(tmp_path / "absent.json")], "absent.json: no such file"),
+        "control script not JSON": (["--control_script", write("script.json", "{1: stop")], "script.json"),
+        "control script huge integer": (["--control_script", write("big.json", '{"1": {"kind": "stop", "rank": ' + HUGE_INT + "}}")],
+                                        "big.json: control script:1: an integer of 5000 digits"),
+        "control script nested": (["--control_script", write("deep.json", DEEP_JSON)], "deep.json: control script: nested deeper"),
+        "missing jobs file": (["--jobs", str(tmp_path / "nojobs.json")], "nojobs.json: cannot read jobs file"),
+        "jobs not JSON": (["--jobs", write("jobs1.json", '[["--model", "mlp"]')], "jobs1.json:1: not valid JSON"),
+        "jobs not a list": (["--jobs", write("jobs2.json", '{"--model": "mlp"}')], "jobs2.json: the jobs file holds dict"),
+        "jobs with a bad job": (["--jobs", write("jobs3.json", '[["--model", "mlp"], ["--steps", "x"]]')],
+                                "jobs3.json: job [1]: argument --steps: invalid int value"),
+        "jobs huge integer": (["--jobs", write("jobs4.json", "[[" + HUGE_INT + "]]")], "jobs4.json:1: an integer of 5000 digits"),
+        "jobs nested": (["--jobs", write("jobs5.json", DEEP_JSON)], "jobs5.json: nested deeper than 64 levels"),
+        "jobs with a missing file": (["--jobs", write("jobs6.json", json.dumps([["--control_script", "gone.json"]]))],
+                                     "jobs6.json: job [0]: --control_script gone.json: no such file"),
+        "checkpoint dir is a file": (["--checkpoint_dir", str(tmp_path / "a_file")], "a_file: is a file, not a directory"),
+        "data is not a directory": (["--data", str(tmp_path / "a_file")], "a_file: not a directory"),
+        "missing token file": (["--token-file", str(tmp_path / "token")], "token: no such file"),
+    }
+
+
+CASES = ["missing control script", "control script not JSON", "control script huge integer", "control script nested",
+         "missing jobs file", "jobs not JSON", "jobs not a list", "jobs with a bad job", "jobs huge integer", "jobs nested",
+         "jobs with a missing file", "checkpoint dir is a file", "data is not a directory", "missing token file"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_worker_cli_bad_input_file_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture, case: str) -> None:
+    argv, expected = _worker_inputs(tmp_path)[case]
+    code, err = run_main(_tool(WORKER), ["--model", "mlp", "--steps", "1", *argv], capsys)
+    assert_clean_failure(code, err, {}, {})
+    assert expected in err, f"{case}: expected {expected!r} in the error line, got:\n{err}"
+
+
+def _corrupt_image_folder(root: Path) -> Path:
+    from PIL import Image
+
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        Image.new("RGB", (40, 40), (10, 200, 30)).save(root / name / "ok.png")
+    (root / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00garbage" * 8)
+    return root / "dog" / "broken.png"
+
+
+def test_corrupt_image_is_a_data_error_naming_it(tmp_path: Path) -> None:
+    from model_parallel.errors import DataError
+    from model_parallel.runtime.data import ImageFolderData
+
+    broken = _corrupt_image_folder(tmp_path / "images")
+    data = ImageFolderData(tmp_path / "images", batch_size=3)  # one batch holds all three samples
+    with pytest.raises(DataError, match=rf"{broken}: cannot decode this image .*replace or delete it"):
+        data.batch(0)
+
+
+def test_real_worker_entry_point_on_bad_inputs(tmp_path: Path) -> None:
+    """The worker script as users run it: a missing control script and a corrupt image, exit 2, one line."""
+    broken = _corrupt_image_folder(tmp_path / "images")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    worker = [sys.executable, str(REPO / "test_parallel_0.py"), "--single_process", "--steps", "1"]
+    commands = {
+        "absent.json: no such file": [*worker, "--model", "mlp", "--control_script", str(tmp_path / "absent.json")],
+        f"{broken}: cannot decode this image": [*worker, "--model", "resnet18", "--data", str(tmp_path / "images"),
+                                                 "--batch_size", "3", "--num_microbatches", "1"],
+    }
+    procs = {expected: subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for expected, command in commands.items()}
+    try:
+        for expected, proc in procs.items():
+            _, err = proc.communicate(timeout=180)
+            errors = [line for line in err.splitlines() if "error:" in line]
+            assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+            assert len(errors) == 1 and expected in errors[0], err[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -123,6 +123,48 @@ def test_deeply_nested_body_is_protocol_error(token: Any) -> None:
         protocol.decode_frame(frame, token, protocol.C2S, NONCE, 0)
 
 
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["authenticated", "hello"])
+@pytest.mark.parametrize("body", [b'{"v": 1, "type": "hello", "seq": 0, "nonce": ' + b"9" * 5000 + b', "server": "x"}',
+                                  b'{"v": 1, "type": "hello", "seq": 0, "nonce": "a", "server": 1e999}',
+                                  b'{"v": 1, "type": "hello", "seq": 0, "nonce": "a", "server": ' + b"[" * 70 + b"]" * 70 + b"}"],
+                         ids=["huge-int", "overflowing-float", "deep"])
+def test_unbounded_numbers_and_depth_are_protocol_errors(token: Any, body: bytes) -> None:
+    # A >4300-digit integer raised a bare ValueError from json.loads: an unauthenticated hello crashed the worker.
+    mac = protocol.compute_mac(TOKEN, protocol.C2S, NONCE, 0, body) if token else bytes(protocol.MAC_BYTES)
+    frame = protocol.HEADER.pack(protocol.PREFIX_BYTES + len(body)) + mac + protocol.SEQ.pack(0) + body
+    with pytest.raises(ProtocolError, match="hello body|frame body"):
+        protocol.decode_frame(frame, token, protocol.C2S, NONCE, -1)
+
+
+def test_hostile_hello_from_a_fake_coordinator_is_a_protocol_error() -> None:
+    """A client (worker or ctl) that connects to a hostile server gets one ProtocolError, not a traceback."""
+    import socket
+    import threading
+
+    from model_parallel.coordinator.client import CtlClient
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(10)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        body = b'{"v": 1, "type": "hello", "seq": 0, "nonce": "00", "server": ' + b"1" * 5000 + b"}"
+        conn.sendall(protocol.HEADER.pack(protocol.PREFIX_BYTES + len(body)) + bytes(protocol.MAC_BYTES) + protocol.SEQ.pack(0) + body)
+        conn.recv(1)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ProtocolError, match="handshake failed: hello body:1: an integer of 5000 digits"):
+            CtlClient(f"127.0.0.1:{listener.getsockname()[1]}", TOKEN, timeout=5)
+    finally:
+        listener.close()
+        thread.join(5)
+
+
 @FUZZ
 @given(st.text(max_size=30) | st.from_regex(r"[a-z0-9.\[\]:]{0,12}:[0-9²١]{0,7}", fullmatch=True))
 def test_parse_address_parses_or_raises(text: str) -> None:

@@ -107,7 +107,7 @@ def test_corrupted_checkpoint_reads_back_exactly_or_raises(template: None, tmp_p
     try:
         step, params, buffers, optimizer, _ = _read_everything(root)
     except CheckpointError as error:
-        assert str(error)
+        assert str(root) in str(error), f"{change}: the message must name the file: {error}"
         return
     # Whatever loads must be the checkpoint as written (step 3, or step 1 if step 3 was not committed).
     assert step in (1, 3)
@@ -128,6 +128,19 @@ def test_malformed_manifest_is_a_checkpoint_error(template: dict[str, bytes], tm
     _apply(tmp_path, template, ("step_3/manifest.json", "json", manifest))
     with pytest.raises(CheckpointError, match="manifest"):
         _read_everything(tmp_path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"format": "model_parallel.checkpoint", "version": 1, "step": ' + "3" * 5000 + "}", "an integer of 5000 digits"),
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels"),
+    ('{"extra": ' + "{\"a\": " * 80 + "1" + "}" * 81, "nested deeper than 64 levels at .extra.a.a"),
+], ids=["huge-int", "deep-recursion", "deep"])
+def test_hostile_manifest_is_a_checkpoint_error_naming_it(template: dict[str, bytes], tmp_path: Path, text: str,
+                                                          message: str) -> None:
+    # These escaped as ValueError (int-to-str limit) and RecursionError before the decoder was bounded.
+    _apply(tmp_path, template, ("step_3/manifest.json", "garbage", text.encode()))
+    with pytest.raises(CheckpointError, match=rf"step_3/manifest.json: manifest is corrupt \(.*{message}"):
+        load_checkpoint(tmp_path)
 
 
 def test_latest_pointer_that_is_not_text_is_a_checkpoint_error(template: dict[str, bytes], tmp_path: Path) -> None:
@@ -177,3 +190,11 @@ def test_control_script_parses_or_raises_protocol_error(text: str) -> None:
         ScriptedChannel.from_json(text)
     except ModelParallelError as error:
         assert isinstance(error, ProtocolError), f"{type(error).__name__}: {error}"
+        assert "control script" in str(error) or "command" in str(error), f"the message must say what it read: {error}"
+
+
+@pytest.mark.parametrize("text", ['{"1": {"kind": "stop", "rank": ' + "7" * 5000 + "}}", "[" * 100_000, '{"1": {"kind": "stop", "factor": NaN}}'],
+                         ids=["huge-int", "deep", "nan"])
+def test_hostile_control_script_is_a_protocol_error(text: str) -> None:
+    with pytest.raises(ProtocolError, match="control script"):
+        ScriptedChannel.from_json(text)

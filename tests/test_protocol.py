@@ -63,9 +63,9 @@ def test_oversized_message_not_encoded():
 
 
 def test_bad_json_and_non_object():
-    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+    with pytest.raises(ProtocolError, match="not valid JSON"):
         decode(raw(b"{not json"))
-    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+    with pytest.raises(ProtocolError, match="not UTF-8"):
         decode(raw(b"\xff\xfe{}"))
     with pytest.raises(ProtocolError, match="must be a JSON object, got list"):
         decode(raw(b"[1, 2]"))

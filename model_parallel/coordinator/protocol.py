@@ -20,7 +20,8 @@ Frame layout (all integers big-endian)::
   another. The body's `seq` field must equal the header's.
 - `seq` starts at 1 and must strictly increase on each direction of a connection: a replayed or
   reordered frame is rejected.
-- Anything else — truncated frame, oversized length, bad UTF-8/JSON, wrong version, bad MAC,
+- Anything else — truncated frame, oversized length, bad UTF-8/JSON, JSON nested deeper than 64
+  levels or with an integer of more than 64 digits or a non-finite number, wrong version, bad MAC,
   replayed seq, unknown type, missing/ill-typed field — raises `ProtocolError`; the server then
   drops that connection (and only that one).
 
@@ -39,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from model_parallel import jsonbound
 from model_parallel.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -176,12 +178,10 @@ def decode_payload(payload: bytes, token: Optional[bytes], direction: bytes, non
             raise ProtocolError("authentication failed: bad MAC (wrong token, or a frame from another connection)")
         if seq <= last_seq:
             raise ProtocolError(f"replayed or reordered frame: seq {seq} after {last_seq}")
-    try:
-        message = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ProtocolError(f"frame body is not UTF-8 JSON ({type(error).__name__}: {error})") from None
-    except RecursionError:  # e.g. [[[[...]]]] nested deeper than the parser goes
-        raise ProtocolError("frame body is nested too deeply to parse") from None
+    # Bounded decoding: the hello is unauthenticated, so a 5000-digit integer or [[[[...]]]] from
+    # anyone who can connect must be a ProtocolError, never a ValueError/RecursionError in a worker.
+    message = jsonbound.loads(body, where=f"{'hello' if token is None else 'frame'} body", error=ProtocolError,
+                              fix="is the peer a model_parallel coordinator/worker of the same version?")
     if not isinstance(message, dict):
         raise ProtocolError(f"frame body must be a JSON object, got {type(message).__name__}")
     _check(message)
@@ -276,6 +276,8 @@ def client_handshake(sock: socket.socket, token: bytes, timeout: float) -> Sessi
     hello = decode_payload(recv_payload(sock, timeout), None, S2C, "", 0)
     if hello["type"] != "hello":
         raise ProtocolError(f"expected hello from the coordinator, got {hello['type']!r}")
+    if not (len(hello["nonce"]) == 32 and all(c in "0123456789abcdef" for c in hello["nonce"])):
+        raise ProtocolError(f"the coordinator's hello carries a malformed nonce {hello['nonce'][:40]!r} (expected 32 hex digits)")
     return Session(sock, token, hello["nonce"], C2S, timeout=timeout)
 
 

@@ -18,6 +18,7 @@ Life of a run:
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -28,18 +29,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_parallel.coordinator import policy as policy_mod
+from model_parallel.coordinator.admission import HANDSHAKE_DEADLINE_S, MAX_AUTHENTICATED, MAX_UNAUTHENTICATED, Admission, Ticket
 from model_parallel.coordinator.protocol import S2C, ProtocolError, Session, encode_frame, make_message, new_nonce
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
+from model_parallel.ratelog import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 5.0
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = HANDSHAKE_DEADLINE_S  # from accept to an authenticated register (admission.py)
 CTL_IDLE_TIMEOUT_S = 60.0
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = MAX_AUTHENTICATED + MAX_UNAUTHENTICATED
+NOISE_INTERVAL_S = 10.0  # at most one log line per address per this many seconds about unauthenticated clients
 WARMUP_STEPS = 1  # samples from the first step(s) under a plan include warm-up/migration noise
 SAMPLE_HISTORY = 200
 
@@ -119,7 +123,10 @@ class Coordinator:
         self.shutdown = threading.Event()
         self.done = threading.Event()
         self._listener: Optional[socket.socket] = None
-        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._admission = Admission()
+        # Unauthenticated clients cost at most one log line per address per interval (a flood of them
+        # would otherwise write hundreds of lines a second).
+        self._noise = RateLimitedLog(logger, NOISE_INTERVAL_S)
         self._threads: list[threading.Thread] = []
         self._status_dirty = True
 
@@ -179,22 +186,28 @@ class Coordinator:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        swept = time.monotonic()
         while not self.shutdown.is_set():
+            if time.monotonic() - swept >= 0.25:  # also under a flood, when accept never times out
+                swept = time.monotonic()
+                for ticket in self._admission.expire():
+                    self._log_unauthenticated(ticket, logging.WARNING, f"closed a connection from {ticket.address}",
+                                              ticket.closed_by_us)
+                self._noise.flush()
             try:
                 conn, addr = self._listener.accept()
             except socket.timeout:
                 continue
             except OSError:
                 break
-            if not self._connections.acquire(blocking=False):
-                logger.warning("refusing connection from %s:%d: %d connections already open", addr[0], addr[1], MAX_CONNECTIONS)
-                conn.close()
-                continue
-            thread = threading.Thread(target=self._serve_connection, args=(conn, addr), daemon=True,
+            ticket, evicted = self._admission.admit(conn, addr[0])
+            for old in evicted:
+                self._log_unauthenticated(old, logging.WARNING, f"closed a connection from {old.address}", old.closed_by_us)
+            thread = threading.Thread(target=self._serve_connection, args=(conn, addr, ticket), daemon=True,
                                       name=f"coordinator-conn-{addr[0]}:{addr[1]}")
             thread.start()
 
-    def _serve_connection(self, conn: socket.socket, addr: tuple) -> None:
+    def _serve_connection(self, conn: socket.socket, addr: tuple, ticket: Ticket) -> None:
         where = f"{addr[0]}:{addr[1]}"
         worker: Optional[WorkerState] = None
         clean = False
@@ -205,6 +218,12 @@ class Coordinator:
             conn.sendall(encode_frame(make_message("hello", 0, nonce=nonce, server="model_parallel.coordinator"), None, S2C, nonce))
             session = Session(conn, self.token, nonce, S2C, timeout=HANDSHAKE_TIMEOUT_S)
             first = session.recv(HANDSHAKE_TIMEOUT_S)
+            # The MAC checked out: the peer holds the token, so it takes a reserved authenticated slot.
+            if not self._admission.authenticate(ticket):
+                if ticket.closed_by_us:
+                    raise ConnectionError(ticket.closed_by_us)
+                raise ProtocolError(f"the coordinator already serves {self._admission.max_authenticated} authenticated "
+                                    "connections; close idle ctl clients")
             if first["type"] != "register":
                 raise ProtocolError(f"first message must be register, got {first['type']!r}")
             if first["role"] == "ctl":
@@ -213,22 +232,37 @@ class Coordinator:
             worker = self._register_worker(session, first, where)
             clean = self._serve_worker(session, worker)
         except ProtocolError as error:
-            logger.warning("dropped client %s: %s", where, error)
+            self._log_drop(ticket, logging.WARNING, f"dropped client {where}", str(error))
         except (socket.timeout, TimeoutError):
-            logger.warning("dropped client %s: no complete message within the timeout", where)
+            self._log_drop(ticket, logging.WARNING, f"dropped client {where}", "no complete message within the timeout")
         except ConnectionError as error:  # a worker's loss is reported below; say it for ctl clients too
-            logger.info("client %s closed the connection: %s", where, error)
+            self._log_drop(ticket, logging.INFO, f"client {where} closed the connection", str(error))
         except OSError as error:
             if not self.shutdown.is_set():
-                logger.warning("connection %s failed: %s", where, error)
+                self._log_drop(ticket, logging.WARNING, f"connection {where} failed", str(error))
         finally:
             try:
                 conn.close()
             except OSError:
                 pass
-            self._connections.release()
+            self._admission.release(ticket)
             if worker is not None and not clean:
                 self._connection_lost(worker)
+
+    def _log_drop(self, ticket: Ticket, level: int, what: str, why: str) -> None:
+        """Why a connection ended: said in full for an authenticated peer, rate-limited otherwise."""
+        if ticket.closed_by_us:
+            return  # the accept loop has logged (rate-limited) why it closed this one
+        if ticket.authenticated:
+            logger.log(level, "%s: %s", what, why)
+        else:
+            self._log_unauthenticated(ticket, level, what, why)
+
+    def _log_unauthenticated(self, ticket: Ticket, level: int, what: str, why: str) -> None:
+        # One line per address and kind of failure per interval: every kind is still seen at once,
+        # repeats are counted (the key leaves out numbers such as ports and byte counts).
+        self._noise.log(level, f"unauthenticated clients from {ticket.address} ({re.sub(r'[0-9]+', 'N', why)[:60]})",
+                        f"{what}: {why}")
 
     # ---- workers -------------------------------------------------------------------------------
     def _register_worker(self, session: Session, message: Mapping[str, Any], where: str) -> WorkerState:

@@ -57,6 +57,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
 from model_parallel.runtime.checkpoint_layout import (  # noqa: F401 - part of this module's API
@@ -148,10 +149,15 @@ def save_shard(
 
 def _read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read the {what}: {error.strerror or error}") from None
+    # Bounded: a hostile manifest (deep nesting, a 5000-digit step) is a CheckpointError, not a traceback.
+    try:
+        return jsonbound.loads(text, where=path.name, error=CheckpointError)
+    except CheckpointError as error:
         raise CheckpointError(f"{path}: {what} is corrupt ({error}); delete this step directory and resume from an earlier one") from None
 
 

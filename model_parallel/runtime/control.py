@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from model_parallel import jsonbound
 from model_parallel.errors import ProtocolError
 
 COMMAND_KINDS = ("continue", "switch", "stop", "slowdown")
@@ -116,10 +117,7 @@ class Command:
 
     @classmethod
     def from_json(cls, text: str) -> "Command":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ProtocolError(f"command is not valid JSON ({error}): {text[:80]!r}") from None
+        data = jsonbound.loads(text, where="command", error=ProtocolError, fix=f"got {text[:80]!r}")
         return cls.from_dict(data)
 
 
@@ -176,10 +174,8 @@ class ScriptedChannel:
     @classmethod
     def from_json(cls, text: str) -> "ScriptedChannel":
         """Parse `{"5": {"kind": "switch", "plan": {...}}, "9": {"kind": "stop"}}`."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ProtocolError(f"control script is not valid JSON ({error})") from None
+        data = jsonbound.loads(text, where="control script", error=ProtocolError,
+                               fix='expected {"<step>": {"kind": "switch"|"stop"|"slowdown", ...}}')
         if not isinstance(data, Mapping):
             raise ProtocolError("a control script must be a JSON object {step: command}")
         try:

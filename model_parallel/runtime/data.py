@@ -14,7 +14,7 @@ from typing import Any, Protocol, Union
 
 import torch
 
-from model_parallel.errors import ModelParallelError
+from model_parallel.errors import DataError, ModelParallelError
 
 
 class Dataset(Protocol):
@@ -76,7 +76,7 @@ class ImageFolderData:
             self.dataset = torchvision.datasets.ImageFolder(str(root), transform=transform)
         except (FileNotFoundError, RuntimeError) as error:
             raise ModelParallelError(f"--data {root}: cannot read an ImageFolder: {error}") from None
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.root = batch_size, seed, root
         self.num_classes = len(self.dataset.classes)
         self._orders: dict[int, torch.Tensor] = {}
 
@@ -85,11 +85,21 @@ class ImageFolderData:
             self._orders = {epoch: torch.randperm(len(self.dataset), generator=_generator(self.seed, -1 - epoch))}
         return self._orders[epoch]
 
+    def _sample(self, index: int) -> tuple[torch.Tensor, int]:
+        try:
+            return self.dataset[index]
+        except (OSError, ValueError, RuntimeError, SyntaxError) as error:
+            # PIL raises UnidentifiedImageError (an OSError) for a corrupt or truncated file, and
+            # SyntaxError/ValueError from some decoders: name the file, not a traceback from PIL.
+            path = self.dataset.samples[index][0]
+            raise DataError(f"{path}: cannot decode this image ({type(error).__name__}: {str(error)[:120]}); "
+                            f"replace or delete it (it is sample {index} of the ImageFolder --data {self.root})") from None
+
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         n = len(self.dataset)
         images, labels = [], []
         for i in range(step * self.batch_size, (step + 1) * self.batch_size):
-            image, label = self.dataset[int(self._order(i // n)[i % n])]
+            image, label = self._sample(int(self._order(i // n)[i % n]))
             images.append(image)
             labels.append(label)
         return (torch.stack(images),), torch.tensor(labels, dtype=torch.int64)

@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
+from model_parallel import jsonbound
 from model_parallel.allocator import keep_freed_memory
 from model_parallel.cli.common import ArgumentParser, configure_logging
-from model_parallel.errors import ModelParallelError, PeerError, PlanError
+from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,10 @@ def build_parser() -> ArgumentParser:
     o.add_argument("-v", "--verbose", action="count", default=0)
     c = p.add_argument_group("control")
     c.add_argument("--coordinator", default=None, help="HOST:PORT of the coordinator (test_socket.py)")
-    c.add_argument("--token", default=None, help="shared token for the coordinator (default $MODEL_PARALLEL_TOKEN)")
+    c.add_argument("--token", default=None, help="shared token for the coordinator (visible in `ps`: prefer --token-file "
+                                                   "or $MODEL_PARALLEL_TOKEN)")
+    c.add_argument("--token-file", "--token_file", dest="token_file", default=None,
+                   help="file whose first line is the coordinator's shared token")
     c.add_argument("--control_script", default=None, help="JSON file {step: command} played by rank 0 (tests, demos)")
     c.add_argument("--jobs", default=None, help="JSON file: a list of argument lists, run one after another in this world")
     c.add_argument("--slowdown", type=float, default=1.0, help="straggler injection: make compute FACTOR times slower")
@@ -221,7 +225,7 @@ def ranks_from_hybrid_conf(plan: Any, path: Path) -> Any:
     if not path.is_file():
         return plan
     try:
-        mapping = json.loads(path.read_text(encoding="utf-8"))["stage_to_rank_map"]
+        mapping = jsonbound.load_file(path, error=PlanError, what="hybrid_conf.json")["stage_to_rank_map"]
         ranks = {int(stage): tuple(int(r) for r in rs) for stage, rs in mapping.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise PlanError(f"{path}: expected {{\"stage_to_rank_map\": {{\"0\": [0, 1], ...}}}} ({error})") from None
@@ -236,14 +240,65 @@ def make_channel(args: Any, rank: int, world_size: int) -> Any:
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel
+        from model_parallel.coordinator.protocol import read_token
 
-        token = args.token or os.environ.get("MODEL_PARALLEL_TOKEN")
-        if not token:
-            raise PlanError("--coordinator needs --token (or $MODEL_PARALLEL_TOKEN), the coordinator's shared token")
-        return CoordinatorChannel(args.coordinator, token.encode(), rank, world_size)
+        return CoordinatorChannel(args.coordinator, read_token(args.token, args.token_file), rank, world_size)
     if args.control_script and rank == 0:
-        return ScriptedChannel.from_json(Path(args.control_script).read_text(encoding="utf-8"))
+        return read_control_script(args.control_script)
     return NullChannel()
+
+
+def read_control_script(path: str) -> Any:
+    """--control_script FILE as a ScriptedChannel; any defect is a ProtocolError naming the file."""
+    from model_parallel.runtime.control import ScriptedChannel
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ProtocolError(f"--control_script {path}: cannot read it ({error}); give the JSON file {{step: command}}") from None
+    try:
+        return ScriptedChannel.from_json(text)
+    except ProtocolError as error:
+        raise ProtocolError(f"--control_script {path}: {error}") from None
+
+
+def read_jobs(path: str) -> list[list[str]]:
+    """--jobs FILE: a JSON list of argument lists, each checked now (before any rank joins a world)."""
+    fix = 'expected a JSON list of argument lists, e.g. [["--model", "mlp", "--steps", "2"], [...]]'
+    jobs = jsonbound.load_file(path, error=PlanError, what="jobs file", fix=fix)
+    if not isinstance(jobs, list) or not jobs:
+        raise PlanError(f"{path}: the jobs file holds {type(jobs).__name__ if jobs != [] else 'an empty list'}; {fix}")
+    argvs = []
+    for number, job in enumerate(jobs):
+        if not isinstance(job, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in job):
+            raise PlanError(f"{path}: job [{number}] is {str(job)[:60]!r}, not a list of strings and numbers; {fix}")
+        argv = list(map(str, job))
+        parser = build_parser()
+
+        def refuse(message: str, number: int = number) -> None:
+            raise PlanError(f"{path}: job [{number}]: {message}; fix that job's arguments")
+
+        parser.error = refuse  # type: ignore[method-assign]  # a bad job is our typed error, not SystemExit
+        check_inputs(parser.parse_args(argv), f"{path}: job [{number}]: ")
+        argvs.append(argv)
+    return argvs
+
+
+def check_inputs(args: Any, where: str = "") -> None:
+    """Fail fast, before joining a world, on input files that cannot work (one line each, exit 2)."""
+    if args.control_script:
+        if not os.path.isfile(args.control_script):
+            raise PlanError(f"{where}--control_script {args.control_script}: no such file; give the JSON file "
+                            "{step: command} that rank 0 plays")
+        read_control_script(args.control_script)
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise PlanError(f"{where}--checkpoint_dir {args.checkpoint_dir}: is a file, not a directory; give a directory "
+                        "(it is created if missing)")
+    if args.data != "synthetic" and not os.path.isdir(args.data):
+        raise PlanError(f"{where}--data {args.data}: not a directory; give 'synthetic' or an ImageFolder directory "
+                        "(root/<class>/<image files>)")
+    if args.token_file and not os.path.isfile(args.token_file):
+        raise PlanError(f"{where}--token-file {args.token_file}: no such file; write the shared token on its first line")
 
 
 def make_config(args: Any) -> Any:
@@ -365,6 +420,8 @@ def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, dev
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    check_inputs(args)
+    jobs = read_jobs(args.jobs) if args.jobs else [None]
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # steady allocation cost, the same the profile was taken with
     config = make_config(args)
@@ -391,9 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank, world_size, store, device, store_host = init_world(args, config)
         health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10), store_host=store_host,
                         store_timeout=config.timeout, store_address=store_address(args)).start()
-        for job_argv in ([None] if not args.jobs else json.loads(Path(args.jobs).read_text(encoding="utf-8"))):
+        for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
-            job_args = args if job_argv is None else build_parser().parse_args(list(map(str, job_argv)))
+            job_args = args if job_argv is None else build_parser().parse_args(job_argv)
             job_config = config if job_argv is None else make_config(job_args)
             run_job(job_args, job_config, rank, world_size, health, device, prefix)
         health.stop("done")
