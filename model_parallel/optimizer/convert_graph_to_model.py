@@ -1,13 +1,17 @@
 """Command line (PipeDream's converter): partitioned graph -> importable package of stage modules.
 
     python model_parallel/optimizer/convert_graph_to_model.py -f out/gpus=3.txt -n ResNet152Partitioned \\
-        -a resnet152 -o model_parallel/models/resnet152/gpus=3 --stage_to_num_ranks 0:1,1:1,2:1
+        -a resnet152 -o models/resnet152/gpus=3 --stage_to_num_ranks 0:1,1:1,2:1
 
-The logic lives in `model_parallel.codegen.package`; this file only parses arguments.
+The logic lives in `model_parallel.codegen.package`; this file parses arguments, checks that `-a` names
+the model the graph was profiled from, and prices a plan read off the graph's stage ids (e.g. with
+`--stage_to_num_ranks`) from the profile, so workers and `ctl status` show real per-stage costs.
 """
 from __future__ import annotations
 
 import logging
+import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +22,9 @@ if __package__ in (None, ""):  # run as a plain script from a checkout: make the
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli  # noqa: E402
+from model_parallel.errors import CodegenError  # noqa: E402
+from model_parallel.graph.core import Graph  # noqa: E402
+from model_parallel.graph.plan import Plan  # noqa: E402
 
 log = logging.getLogger("model_parallel.optimizer.convert_graph_to_model")
 
@@ -36,10 +43,61 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def check_arch(graph: Graph, arch: str, source: str) -> None:
+    """Refuse `-a` naming another model than the one the graph was profiled from (the package would
+    be named, and later looked up, as that model); warn where the graph does not say which it is."""
+    profiled = graph.metadata.get("arch")
+    if isinstance(profiled, str) and profiled:
+        if profiled != arch:
+            raise CodegenError(f"{source} was profiled from {profiled!r} but -a says {arch!r}; use -a {profiled} "
+                               f"(or profile {arch} and partition that graph)")
+        return
+    model = graph.metadata.get("model")
+    if not isinstance(model, str) or not model:
+        log.warning("%s does not say which model it was profiled from (no graph.json sidecar?); -a %s is not checked", source, arch)
+        return
+
+    def plain(name: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", name.lower())
+
+    # Only the class is known (a model profiled through the Python API): ResNet for resnet152, VGG for vgg16.
+    if plain(model) not in plain(arch) and plain(arch) not in plain(model):
+        log.warning("%s was profiled from a %s model; -a %s may name another model", source, model, arch)
+
+
+def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9) -> Plan:
+    """`plan` (ranks assigned) with the per-stage costs the graph's profile predicts, under the optimizer's
+    cost model at `bandwidth` bytes/s with transfers counted (as step 2's `--activation_compression_ratio 1`).
+    A plan read off a graph's stage ids carries no costs; a priced plan (the optimizer's) is returned as is."""
+    from dataclasses import replace
+
+    from model_parallel.optimizer.costs import predict_stage_times, stage_costs, stash_factor
+
+    plan = plan.with_default_ranks()
+    if plan.time_per_minibatch_s or any(s.compute_s or s.communication_s or s.memory_bytes for s in plan.stages):
+        return plan
+    costs = stage_costs(graph, plan.stage_of, plan.num_stages)
+    stages, before = [], 0
+    for stage, cost in zip(plan.stages, costs):
+        r = stage.num_replicas
+        transfers = [4 * (r - 1) * cost.parameter_bytes / (bandwidth * r)]  # all-reduce among its replicas
+        if stage.stage_id > 0:
+            transfers.append(2.0 * cost.input_bytes / (bandwidth * r))
+        if stage.stage_id < plan.num_stages - 1:
+            transfers.append(2.0 * cost.output_bytes / (bandwidth * r))
+        memory = stash_factor("pipedream", plan.num_ranks, before, r) * (cost.activation_bytes + cost.parameter_bytes)
+        stages.append(replace(stage, compute_s=cost.compute_s, communication_s=max(transfers), memory_bytes=memory))
+        before += r
+    times = predict_stage_times(graph, plan, bandwidth=bandwidth, activation_compression_ratio=1.0)
+    extra = {**plan.extra, "priced_from": "profile", "bandwidths": [bandwidth]}
+    return replace(plan, stages=tuple(stages), time_per_minibatch_s=max(times) if times else math.nan,
+                   single_machine_time_s=sum(c.compute_s for c in costs), extra=extra)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
-    from model_parallel.codegen.package import generate_package
+    from model_parallel.codegen.package import generate_package, plan_with_replicas
     from model_parallel.graph.io import load_graph
     from model_parallel.graph.plan import parse_stage_to_num_ranks, plan_from_graph, read_plan
 
@@ -51,6 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         replicas = parse_stage_to_num_ranks(args.stage_to_num_ranks) if args.stage_to_num_ranks else None
         plan, plan_source = plan_from_graph(graph), f"stage_id fields of {args.profile_filename}"
+        plan = price_plan(graph, plan_with_replicas(plan, replicas))
+        replicas = None  # applied above, so the costs account for them
+    check_arch(graph, args.arch, args.profile_filename)
     out = generate_package(graph, plan, args.output_directory, args.model_name, args.arch, replicas,
                            graph_source=args.profile_filename, plan_source=plan_source)
     print(f"wrote {plan.num_stages} stage(s) to {out} in {time.perf_counter() - started:.2f} s")

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Protocol, Union
 
 import torch
 import torch.fx as fx
@@ -23,6 +24,17 @@ from model_parallel.profiler.trace import trace_model
 logger = logging.getLogger(__name__)
 
 DeviceLike = Union[str, torch.device, None]
+
+
+class TimingStore(Protocol):
+    """Where per-node timings are kept as they are measured, so an interrupted profile resumes
+    (`model_parallel.profiler.resume.PartialProfile` keeps them in a file)."""
+
+    def begin(self, graph: Graph) -> Mapping[str, NodeTiming]:
+        """The timings already measured for this traced graph (their nodes are not replayed again)."""
+
+    def record(self, node_id: str, timing: NodeTiming) -> None:
+        """One more node timed."""
 
 
 def resolve_device(device: DeviceLike, model: Optional[nn.Module] = None) -> torch.device:
@@ -81,11 +93,14 @@ class _TimingInterpreter(fx.Interpreter):
     """Runs the traced model once under no_grad (values freed after their last use) and, before each
     operator runs for real, replays it in isolation to time its forward and backward."""
 
-    def __init__(self, gm: fx.GraphModule, graph: Graph, replay: Replay, progress: Optional[tqdm]) -> None:
+    def __init__(self, gm: fx.GraphModule, graph: Graph, replay: Replay, progress: Optional[tqdm],
+                 store: Optional[TimingStore] = None, known: Optional[Mapping[str, NodeTiming]] = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.op_graph = graph
         self.replay = replay
         self.progress = progress
+        self.store = store
+        self.known = known or {}
         self.timings: dict[str, NodeTiming] = {}
         # Whether real training tracks gradients through each value: it depends on a parameter.
         self.needs_grad: dict[str, bool] = {}
@@ -100,7 +115,9 @@ class _TimingInterpreter(fx.Interpreter):
         inputs_need_grad = any(self.needs_grad.get(i.name, False) for i in n.all_input_nodes)
         own = self._own_parameters(n)
         has_tensor_output = bool(self.op_graph[n.name].layer.outputs) if n.op != "output" else False
-        if n.op not in ("placeholder", "get_attr", "output") and has_tensor_output:
+        if n.name in self.known:  # timed by an earlier, interrupted run: the real forward below still runs
+            self.timings[n.name] = self.known[n.name]
+        elif n.op not in ("placeholder", "get_attr", "output") and has_tensor_output:
             inputs = {i.name: (self.env[i], self.needs_grad.get(i.name, False)) for i in n.all_input_nodes}
 
             def run(prepared: dict[str, Any], n: fx.Node = n) -> Any:
@@ -115,6 +132,8 @@ class _TimingInterpreter(fx.Interpreter):
                 raise ProfileError(
                     f"node {n.name} ({n.op} {n.target}): replaying it in isolation failed: {type(error).__name__}: {error}"
                 ) from error
+            if self.store is not None:
+                self.store.record(n.name, self.timings[n.name])
         result = super().run_node(n)
         if n.op == "placeholder":
             self.needs_grad[n.name] = any(t.requires_grad for t in tensors_in(result))
@@ -139,6 +158,7 @@ def profile(
     subtract_overhead: bool = True,
     progress: bool = False,
     clock: str = "wall",
+    store: Optional[TimingStore] = None,
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
 
@@ -151,6 +171,8 @@ def profile(
     gradients, buffers (BatchNorm statistics), train/eval mode and the RNG state.
     `clock`: "wall" (default) or "cpu" (this process's CPU time; CPU only): on a machine shared with
     other busy processes, time they take from this one is then not counted.
+    `store`: keeps each node's timing as it is measured and supplies the ones an interrupted run
+    already measured (those nodes are not replayed); see `TimingStore`.
     """
     if warmup < 0 or iterations < 1:
         raise ProfileError(f"need warmup >= 0 and iterations >= 1, got warmup={warmup}, iterations={iterations}")
@@ -165,10 +187,11 @@ def profile(
         graph, gm = trace_model(model, example_inputs, leaf_modules)
         overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
         replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
-        bar = tqdm(total=len(graph), desc=f"profiling {graph.metadata.get('model', 'model')}", unit="node",
-                   disable=not progress, leave=False)
+        known = dict(store.begin(graph)) if store is not None else {}
+        bar = tqdm(total=len(graph), desc=f"timing {graph.metadata.get('model', 'model')} nodes", unit="node",
+                   disable=not progress, leave=progress, file=sys.stderr)
         try:
-            interpreter = _TimingInterpreter(gm, graph, replay, bar)
+            interpreter = _TimingInterpreter(gm, graph, replay, bar, store, known)
             output = interpreter.run(*example_inputs)
         finally:
             bar.close()

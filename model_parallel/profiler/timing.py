@@ -201,12 +201,16 @@ def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Cal
 
 
 def time_training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
-                       device: torch.device, iterations: int, clock: str = "wall") -> list[float]:
-    """Milliseconds of each of `iterations` plain training steps (the caller restores model state)."""
+                       device: torch.device, iterations: int, clock: str = "wall",
+                       on_step: Optional[Callable[[float], None]] = None) -> list[float]:
+    """Milliseconds of each of `iterations` plain training steps (the caller restores model state);
+    `on_step(ms)` is called after each one (a progress bar: a step of a large model takes minutes)."""
     check_clock(clock, device)
     times: list[float] = []
     for _ in range(iterations):
         start = _now_ms(device, clock)
         training_step(model, inputs, loss_fn)
         times.append(_now_ms(device, clock) - start)
+        if on_step is not None:
+            on_step(times[-1])
     return times

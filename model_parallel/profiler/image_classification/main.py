@@ -8,12 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a plain script from a checkout: make `model_parallel` importable
-    _ROOT = str(Path(__file__).resolve().parents[3])
-    try:
-        import model_parallel  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, _ROOT)
+if __package__ in (None, ""):  # run as a plain script from a checkout: import this checkout's `model_parallel`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # (not another one installed in the environment)
 
 import logging
 import statistics
@@ -24,6 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
 from model_parallel.compat import import_torchvision
@@ -33,6 +30,8 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.io import save_graph
 from model_parallel.profiler.api import preserved_model, profile, resolve_device
 from model_parallel.allocator import keep_freed_memory
+from model_parallel.profiler.image_classification import feasibility
+from model_parallel.profiler.resume import PARTIAL_NAME, PartialProfile
 from model_parallel.profiler.timing import clock_seconds, time_training_step, training_step
 
 logger = logging.getLogger(__name__)
@@ -48,14 +47,19 @@ def list_architectures() -> list[str]:
     return sorted(tv.models.list_models(module=tv.models))
 
 
-def build_model(arch: str, num_classes: int = 1000, image_size: int = 224) -> nn.Module:
-    """A freshly initialised torchvision classifier (no weights are downloaded)."""
+def check_arch(arch: str, image_size: int) -> None:
+    """Refuse an unknown model name, or images smaller than the model accepts."""
     names = list_architectures()
     if arch not in names:
         raise ProfileError(f"unknown architecture {arch!r}; valid ones: {', '.join(names)}")
     minimum = MIN_IMAGE_SIZE.get(arch, 32)
     if image_size < minimum:
         raise ProfileError(f"{arch} needs --image-size >= {minimum}, got {image_size}")
+
+
+def build_model(arch: str, num_classes: int = 1000, image_size: int = 224, *, quiet: bool = False) -> nn.Module:
+    """A freshly initialised torchvision classifier (no weights are downloaded); `quiet`: no warnings (a second build)."""
+    check_arch(arch, image_size)
     kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
     # These fix their input size at construction; build them for the size being profiled.
     if arch.startswith("vit_"):
@@ -65,7 +69,7 @@ def build_model(arch: str, num_classes: int = 1000, image_size: int = 224) -> nn
     if arch == "inception_v3" and image_size < INCEPTION_AUX_MIN_SIZE:
         # The auxiliary head (run in training only) pools 17x17 features with a 5x5 window: below
         # 299 pixels it cannot run, so the model is profiled without it (and says so).
-        logger.warning("inception_v3 at %d pixels: profiling without the auxiliary head (it needs >= %d)",
+        (logger.debug if quiet else logger.warning)("inception_v3 at %d pixels: profiling without the auxiliary head (it needs >= %d)",
                        image_size, INCEPTION_AUX_MIN_SIZE)
         kwargs["aux_logits"] = False
     if arch in ("inception_v3", "googlenet"):
@@ -137,19 +141,33 @@ def profile_arch(
     rounds: int = 1,
     progress: bool = False,
     clock: str = "wall",
+    partial_path: Optional[Path] = None,
+    estimate: bool = False,
+    force: bool = False,
 ) -> tuple[Graph, dict[str, Any]]:
     """Profile one torchvision model and time a plain training step of it; returns (graph, summary).
 
     The training step (forward + loss + backward, zero_grad; no optimizer) is timed in chunks of
     `step_iterations` before, between and after the `rounds` profiling passes, so background load
     hits both sides alike; with rounds > 1 each node's times are the median over the rounds.
+    `progress`: what is being measured, and bars over nodes and steps, on stderr.
+    `estimate`: first predict the peak memory (a `ProfileError` if it cannot fit, unless `force`) and
+    the time (with the flags that shorten it when over `feasibility.SLOW_SECONDS`).
+    `partial_path`: keep measurements there as they are made, and reuse those an interrupted run with
+    the same settings left (see `model_parallel.profiler.resume`).
     """
     if batch_size < 1:
         raise ProfileError(f"--batch-size must be >= 1, got {batch_size}")
     if rounds < 1 or step_iterations < 1:
         raise ProfileError(f"rounds and step_iterations must be >= 1, got {rounds} and {step_iterations}")
+    check_arch(arch, image_size)  # before the first status line: a usage error is one line
+    say = _status if progress else logger.info
     keep_freed_memory()  # pay the allocation cost our workers pay (see model_parallel/allocator.py)
     target = resolve_device(device)
+    threads = torch.get_num_threads()
+    say(f"profiling {arch}: batch {batch_size} of {image_size}x{image_size} images ({data_dir or 'synthetic'}) on {target}, "
+        f"{threads} thread(s); timing each node's forward and backward ({warmup} warm-up + {iterations} timed replays"
+        f"{f', {rounds} rounds' if rounds > 1 else ''}) and {step_iterations} plain training steps before and after")
     if data_dir is not None:
         images, targets, found_classes = image_folder_batch(data_dir, batch_size, image_size)
         num_classes = num_classes or found_classes
@@ -158,30 +176,46 @@ def profile_arch(
     else:
         num_classes = num_classes or 1000
         images, targets = synthetic_batch(batch_size, image_size, num_classes)
+    memory = _check_memory(arch, batch_size, image_size, num_classes, target, say, force) if estimate else None
     model = build_model(arch, num_classes, image_size).to(target)
     images, targets = images.to(target), targets.to(target)
     loss_fn = classification_loss(targets)
+    tv = import_torchvision()
+    key = {"arch": arch, "batch_size": batch_size, "image_size": image_size, "num_classes": num_classes,
+           "data": data_dir or "synthetic", "device": str(target), "num_threads": threads, "clock": clock,
+           "warmup": warmup, "iterations": iterations, "step_iterations": step_iterations, "rounds": rounds,
+           "torch_version": torch.__version__, "torchvision_version": tv.__version__}
+    partial = PartialProfile.open(partial_path, key, say)
 
     step_times: list[float] = []
     graphs: list[Graph] = []
     profile_seconds: list[float] = []
+    timing = None
     with preserved_model(model, target):
-        training_step(model, (images,), loss_fn)  # untimed warm-up: first-touch allocations, lazy init
-        step_times += time_training_step(model, (images,), loss_fn, target, step_iterations, clock)
-        for _ in range(rounds):
-            model.zero_grad(set_to_none=True)
-            started = clock_seconds(clock)
-            graphs.append(profile(model, (images,), loss_fn, warmup=warmup, iterations=iterations,
-                                  device=target, progress=progress, clock=clock))
-            profile_seconds.append(clock_seconds(clock) - started)
-            step_times += time_training_step(model, (images,), loss_fn, target, step_iterations, clock)
+        try:
+            if estimate:
+                probe = min(batch_size, feasibility.PROBE_BATCH)
+                timing = feasibility.estimate_time(model, (images[:probe],), classification_loss(targets[:probe]), probe,
+                                                   batch_size, image_size, target, (warmup, iterations, step_iterations, rounds), say)
+            say("warm-up training step (untimed)")
+            training_step(model, (images,), loss_fn)  # untimed warm-up: first-touch allocations, lazy init
+            step_times += _timed_steps(model, images, loss_fn, target, step_iterations, clock, partial, 0, rounds, progress)
+            for index in range(rounds):
+                model.zero_grad(set_to_none=True)
+                started = clock_seconds(clock)
+                graphs.append(profile(model, (images,), loss_fn, warmup=warmup, iterations=iterations,
+                                      device=target, progress=progress, clock=clock, store=partial.round(index)))
+                profile_seconds.append(clock_seconds(clock) - started)
+                step_times += _timed_steps(model, images, loss_fn, target, step_iterations, clock, partial, index + 1,
+                                           rounds, progress)
+        finally:
+            partial.save()  # interrupted or not, what was measured is on disk
         model.zero_grad(set_to_none=True)
     graph = graphs[0] if rounds == 1 else _median_graph(graphs)
 
     measured_step_ms = statistics.median(step_times)
     sum_layer_ms = graph.total_compute_ms
     profiling_seconds = statistics.median(profile_seconds)
-    tv = import_torchvision()
     summary = {
         "arch": arch,
         "batch_size": batch_size,
@@ -189,7 +223,7 @@ def profile_arch(
         "num_classes": num_classes,
         "data": data_dir or "synthetic",
         "device": str(target),
-        "num_threads": torch.get_num_threads(),
+        "num_threads": threads,
         "clock": clock,
         "num_nodes": len(graph),
         "num_edges": len(graph.edges),
@@ -207,12 +241,63 @@ def profile_arch(
         "iterations": iterations,
         "rounds": rounds,
         "overhead_subtracted_ms": graph.metadata["profile"]["overhead_subtracted_ms"],
+        "resumed_nodes": partial.resumed_nodes,
         "torch_version": torch.__version__,
         "torchvision_version": tv.__version__,
     }
+    if memory is not None:
+        summary["estimated_peak_bytes"] = memory.peak_bytes
+    if timing is not None:
+        summary["estimated_seconds"] = timing.total_s
     metadata = dict(graph.metadata)
     metadata.update({"arch": arch, "batch_size": batch_size, "image_size": image_size})
     return replace(graph, metadata=metadata), summary
+
+
+def _status(message: str) -> None:
+    """A status line on stderr that does not break a progress bar being drawn."""
+    tqdm.write(message, file=sys.stderr)
+
+
+def _check_memory(arch: str, batch_size: int, image_size: int, num_classes: int, device: torch.device,
+                  say: Any, force: bool) -> Optional[feasibility.MemoryEstimate]:
+    """Estimate the peak on the meta device before anything large is allocated; refuse what cannot fit."""
+    try:
+        with torch.device("meta"):
+            model = build_model(arch, num_classes, image_size, quiet=True)
+            images, targets = torch.empty(batch_size, 3, image_size, image_size), torch.zeros(batch_size, dtype=torch.long)
+            parameter_bytes, activation_bytes = feasibility.meta_training_bytes(model, (images,), classification_loss(targets))
+    except ProfileError:
+        raise
+    except Exception as error:  # an op without a meta kernel: no estimate, the profile itself still works
+        logger.info("no memory estimate for %s: %s: %s", arch, type(error).__name__, error)
+        return None
+    memory = feasibility.MemoryEstimate(batch_size, parameter_bytes, activation_bytes, feasibility.available_memory_bytes(device))
+    say(memory.describe())
+    if not memory.fits:
+        what = f"{arch} at batch {batch_size}, {image_size}x{image_size}"
+        if not force:
+            raise ProfileError(memory.refusal(what, device))
+        say(f"warning: {memory.refusal(what, device)} (going on: --force)")
+    return memory
+
+
+def _timed_steps(model: nn.Module, images: torch.Tensor, loss_fn: Any, device: torch.device, count: int, clock: str,
+                 partial: PartialProfile, index: int, rounds: int, progress: bool) -> list[float]:
+    """Chunk `index` of plain training steps: reused from an interrupted run, or timed with a bar."""
+    times = partial.steps(index)
+    if times:
+        partial.say(f"reusing {len(times)} training step time(s) measured by the interrupted run")
+    remaining = max(0, count - len(times))
+    if remaining:
+        def keep(milliseconds: float) -> None:
+            partial.add_step(index, milliseconds)
+            bar.update(1)
+
+        with tqdm(total=count, initial=count - remaining, desc=f"timing training steps ({index + 1}/{rounds + 1})",
+                  unit="step", file=sys.stderr, disable=not progress) as bar:
+            times += time_training_step(model, (images,), loss_fn, device, remaining, clock, on_step=keep)
+    return times
 
 
 def _median_graph(graphs: Sequence[Graph]) -> Graph:
@@ -264,6 +349,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default), or this process's CPU time (CPU only; ignores time other "
                              "processes take on a shared machine)")
+    parser.add_argument("--force", action="store_true",
+                        help="profile even when the memory estimate says the batch does not fit")
+    parser.add_argument("--fresh", action="store_true",
+                        help=f"ignore measurements an interrupted run left in <dir>/<arch>/{PARTIAL_NAME} (default: resume from them)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging")
     return parser
 
@@ -273,13 +362,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(args.verbose)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    graph, summary = profile_arch(
-        args.arch, args.batch_size, args.image_size, device=args.device, warmup=args.warmup,
-        iterations=args.iterations, num_classes=args.num_classes, data_dir=args.data_dir,
-        step_iterations=args.step_iterations, progress=True, clock=args.clock,
-    )
     directory = Path(args.profile_directory) / args.arch
+    partial_path = directory / PARTIAL_NAME
+    if args.fresh:
+        partial_path.unlink(missing_ok=True)
+    try:
+        graph, summary = profile_arch(
+            args.arch, args.batch_size, args.image_size, device=args.device, warmup=args.warmup,
+            iterations=args.iterations, num_classes=args.num_classes, data_dir=args.data_dir,
+            step_iterations=args.step_iterations, progress=True, clock=args.clock,
+            partial_path=partial_path, estimate=True, force=args.force,
+        )
+    except KeyboardInterrupt:
+        if partial_path.exists():
+            print(f"measurements so far are kept in {partial_path}: run the same command again to resume", file=sys.stderr)
+        raise
     written = write_profile(graph, summary, directory)
+    partial_path.unlink(missing_ok=True)  # the profile is complete: nothing left to resume
     print(f"{args.arch}: {summary['num_nodes']} nodes, batch {args.batch_size}, {args.image_size}x{args.image_size}, {summary['device']}")
     print(f"  measured training step {summary['measured_step_ms']:.2f} ms, sum of layers {summary['sum_layer_ms']:.2f} ms "
           f"(ratio {summary['accuracy_ratio']:.3f}); profiling took {summary['profiling_seconds']:.1f} s "
