@@ -45,6 +45,23 @@ class Tripwire(nn.Module):
         return x
 
 
+def halve(x: torch.Tensor) -> torch.Tensor:
+    """A user's helper that fx keeps as one call (wrapped): a graph names it `test_loader_security.halve`."""
+    return x / 2
+
+
+torch.fx.wrap("halve")
+
+
+class Halving(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return halve(self.lin(x))
+
+
 @dataclass(frozen=True)
 class Attempt:
     name: str
@@ -333,3 +350,34 @@ def test_real_models_pass_the_loader(registry: None) -> None:
 
     rebuilt.load_state_dict(stage_state_from_original(graph, model.state_dict()))
     assert torch.allclose(rebuilt(tokens), model(tokens))
+
+
+def test_trainer_allows_the_functions_of_the_model_it_traced(registry: None) -> None:
+    # PipelineTrainer(model) traced the model itself, so its wrapped helper is allowed; the same graph
+    # loaded without the model (a file, in a fresh process) is refused, naming the helper.
+    from model_parallel.runtime.data import SyntheticData
+    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.trainer import PipelineTrainer
+
+    torch.manual_seed(0)
+    trainer = PipelineTrainer(Halving(), lambda params: torch.optim.SGD(params, lr=0.1), SyntheticData(4, (4,), 4),
+                              TrainConfig(batch_size=4, num_microbatches=2), single_process=True)
+    halve_node = next(n for n in trainer.graph.nodes if n.layer.target == f"{__name__}.halve")
+    assert len(list(trainer.train(1))) == 1
+    loader._registered_functions.clear()
+    with pytest.raises(GraphFormatError, match=rf"node {halve_node.node_id} .*function '{__name__}.halve' is not allowed"):
+        full_model_from_graph(trainer.graph)
+
+
+def test_torchvision_graphs_pass_the_loader(registry: None) -> None:
+    # ViT records torch._assert and getattr(x, "shape"); EfficientNet torchvision's wrapped stochastic_depth.
+    from model_parallel.compat import import_torchvision
+    from model_parallel.profiler.trace import trace_model
+
+    tv = import_torchvision()
+    vit = tv.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=16)
+    for model in (vit, tv.models.efficientnet_b0(num_classes=10)):
+        graph, _ = trace_model(model.eval(), (torch.randn(1, 3, 32, 32),))
+        targets = {n.layer.target for n in graph.nodes}
+        assert targets & {"torch._assert", "torchvision.ops.stochastic_depth.stochastic_depth"}
+        loader.check_graph(graph)  # no custom class registered: only torch.nn constructors in there

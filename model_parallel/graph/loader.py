@@ -87,7 +87,7 @@ _DUNDER_METHODS = frozenset(("__getitem__", "__setitem__", "__add__", "__radd__"
                              "__or__"))
 _REGISTER_HINT = ("if it is your model's own code, register it in the process that loads the graph: "
                   "model_parallel.graph.loader.register_layer_classes(MyLayer) / register_functions(my_fn), "
-                  "or allow_model(model)")
+                  "or allow_model(model, traced=fx_graph_module) for a model it holds")
 
 _registered_classes: dict[str, type] = {}
 _registered_functions: dict[str, Callable[..., Any]] = {}
@@ -116,9 +116,13 @@ def register_functions(*functions: Callable[..., Any]) -> None:
         _registered_functions[qualified_name(function)] = function
 
 
-def allow_model(model: nn.Module) -> None:
-    """Allow the classes of every submodule of `model`, a model this process holds (and so vouches for)."""
+def allow_model(model: nn.Module, traced: Any = None) -> None:
+    """Allow the classes of every submodule of `model`, a model this process holds (and so vouches for),
+    and, given its fx trace `traced`, the model's own Python functions the trace calls (fx-wrapped helpers)."""
     register_layer_classes(*{type(m) for m in model.modules()})
+    if traced is not None:
+        register_functions(*{n.target for n in traced.graph.nodes if n.op == "call_function"
+                             and isinstance(n.target, types.FunctionType) and n.target.__module__ != "builtins"})
 
 
 @lru_cache(maxsize=1)
