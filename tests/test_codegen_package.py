@@ -249,13 +249,19 @@ class ScaledMLP(torch.nn.Module):
         return self.scale(self.lin(x))
 
 
-def test_custom_layers_are_imported_or_refused(run_dir: Path) -> None:
-    from model_parallel.errors import CodegenError
+def test_custom_layers_are_imported_or_refused(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_parallel.errors import CodegenError, GraphFormatError
+    from model_parallel.graph import loader
 
+    monkeypatch.setattr(loader, "_registered_classes", {})  # registrations end with the test
     model, x = ScaledMLP(), torch.randn(2, 3)
     graph, _ = trace_model(model, (x,), leaf_modules=[Scale])
     assert graph["scale"].layer.module == f"{__name__}.Scale(3)"
     graph = graph.with_stages(contiguous_split(graph, 2))
+    # The graph file alone cannot make this process construct Scale: the process registers it.
+    with pytest.raises(GraphFormatError, match=rf"node scale .*module class '{__name__}.Scale' is not allowed.*register"):
+        generate_package(graph, plan_from_graph(graph), run_dir / "scaled", "ScaledPartitioned", "scaled")
+    loader.allow_model(model)
     out = generate_package(graph, plan_from_graph(graph), run_dir / "scaled", "ScaledPartitioned", "scaled")
     assert f"import {__name__}\n" in (out / "stage1.py").read_text()
     _compare_with_memory(out, graph, model, (x,))

@@ -3,9 +3,10 @@
 This is the one place a graph's text becomes code: the runtime builds its stage with
 `build_stage`, live migration rebuilds stages from any range of layers (handing over the existing
 module objects through `modules=` so nothing is copied), and the package generator prints the
-very same fx graphs as source files. Functions are resolved only under an allow-list of module
-roots and modules are built only through `profiler.trace.build_module`, so a graph file can
-never run arbitrary code.
+very same fx graphs as source files. Every layer is first checked by `graph.loader` (closed
+allow-lists of constructors, functions and tensor methods decided by code, literal arguments only),
+so a graph file can never run code: anything else is refused with a GraphFormatError naming the
+node before any layer is built.
 """
 from __future__ import annotations
 
@@ -19,24 +20,11 @@ from torch import nn
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
 from model_parallel.codegen.naming import layer_name
 from model_parallel.errors import CodegenError, GraphError, PlanError
+from model_parallel.graph import loader
 from model_parallel.graph.arguments import decode_argument, referenced_nodes
 from model_parallel.graph.core import Graph, LayerSpec, Node
 from model_parallel.graph.plan import Plan
 
-# Roots a graph file may name functions and module classes under (plus the model class's module).
-ALLOWED_ROOTS = ("torch", "operator", "_operator", "builtins", "math", "torchvision", "model_parallel")
-# Callables under those roots that could read/write files, import or evaluate code.
-_DENIED = frozenset(
-    f"builtins.{name}" for name in (
-        "eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "globals", "locals",
-        "vars", "setattr", "delattr", "exit", "quit", "help", "memoryview",
-    )
-) | frozenset((
-    "torch.load", "torch.save", "torch.from_file", "torch.hub", "torch.serialization", "torch.package",
-    "torch.jit.load", "torch.jit.save", "torch.ops.load_library", "torch.classes", "torch.utils.cpp_extension",
-    "torch.distributed", "torch.multiprocessing", "torch.UntypedStorage.from_file", "operator.attrgetter",
-    "operator.methodcaller", "model_parallel.fileio", "model_parallel.cli",
-))
 # Operator functions and tensor methods that modify their first argument.
 _INPLACE_FUNCTIONS = frozenset(
     f"operator.{name}" for name in (
@@ -79,49 +67,8 @@ class StageModule(fx.GraphModule):
         return copied
 
 
-# ---- resolving names safely ---------------------------------------------------------------------
-def allowed_roots(graph: Graph) -> tuple[str, ...]:
-    """The module roots this graph may name: the fixed list plus the module of `metadata["model_class"]`."""
-    model_class = graph.metadata.get("model_class")
-    extra = (str(model_class).rpartition(".")[0],) if model_class and "." in str(model_class) else ()
-    return ALLOWED_ROOTS + tuple(e for e in extra if e)
-
-
-def check_allowed(path: str, roots: Sequence[str], where: str) -> None:
-    """Refuse a dotted name outside the allow-list, private-dunder parts, or a denied callable."""
-    parts = path.split(".")
-    qualified = path if len(parts) > 1 else f"builtins.{path}"
-    inside = any(qualified == r or qualified.startswith(r + ".") for r in roots)
-    dunder = any(p.startswith("__") and p.endswith("__") for p in parts)
-    denied = any(qualified == d or qualified.startswith(d + ".") for d in _DENIED)
-    if not inside or dunder or denied:
-        raise CodegenError(
-            f"{where}: {path!r} is not allowed in a graph file (functions and modules must come from "
-            f"{', '.join(roots)}, and may not be file, import or eval functions); "
-            "if this is your model's own code, record the model class in graph.metadata['model_class']"
-        )
-
-
-def resolve_function(path: str, roots: Sequence[str], where: str) -> Any:
-    """Import a call_function target such as `torch.flatten` or `operator.add`, under the allow-list."""
-    from model_parallel.profiler.trace import resolve_qualified_name
-
-    check_allowed(path, roots, where)
-    if path.startswith("torchvision"):
-        from model_parallel.compat import import_torchvision
-
-        import_torchvision()  # repairs the CPU/CUDA mismatch before torchvision submodules import
-    try:
-        function = resolve_qualified_name(path)
-    except ValueError as error:
-        raise CodegenError(f"{where}: {error}") from None
-    if not callable(function) or isinstance(function, type(torch)):
-        raise CodegenError(f"{where}: {path!r} is not a function")
-    return function
-
-
 def _where(graph: Graph, node_id: str) -> str:
-    return f"node {node_id} ({graph[node_id].description[:60]})"
+    return loader.describe_node(graph, node_id)
 
 
 # ---- modules ----------------------------------------------------------------------------------------
@@ -130,8 +77,6 @@ def make_module(
 ) -> nn.Module:
     """The module a call_module node runs: handed over in `modules`, else built from its constructor
     expression, else taken from `source_model`."""
-    from model_parallel.profiler.trace import build_module
-
     layer = _layer(graph, node)
     name = layer_name(layer.target)
     if modules is not None:
@@ -141,16 +86,13 @@ def make_module(
                 raise CodegenError(f"{_where(graph, node.node_id)}: modules[{name!r}] is a {type(given).__name__}, expected nn.Module")
             return given
     if layer.module is not None:
-        path = layer.module.partition("(")[0].strip()
-        check_allowed(path, allowed_roots(graph), _where(graph, node.node_id))
-        if path.startswith("torchvision"):
-            from model_parallel.compat import import_torchvision
-
-            import_torchvision()
+        where = _where(graph, node.node_id)
+        constructor = loader.parse_constructor(layer.module, where)
+        cls = loader.module_class(constructor.path, where)  # checked: a torch.nn or registered class
         try:
-            return build_module(layer.module)
+            return cls(*constructor.args, **constructor.kwargs)
         except Exception as error:  # a constructor may raise anything; report it with the node
-            raise CodegenError(f"{_where(graph, node.node_id)}: cannot build {layer.module!r}: {error}") from None
+            raise CodegenError(f"{where}: cannot build {layer.module!r}: {error}") from None
     if source_model is not None:
         try:
             return source_model.get_submodule(layer.target)
@@ -263,6 +205,27 @@ def _mutated_inputs(graph: Graph, node_ids: Sequence[str], inputs: Sequence[str]
 
 
 # ---- stages -------------------------------------------------------------------------------------
+def check_layers(
+    graph: Graph, node_ids: Optional[Sequence[str]] = None, *, modules: ModulesArg = None,
+    source_model: Optional[nn.Module] = None,
+) -> None:
+    """Refuse a graph asking for anything outside `graph.loader`'s allow-lists (GraphFormatError naming
+    the node), before any layer is built. Modules handed over in `modules` are not constructed, so their
+    expressions are only checked for form; `source_model` is a model this process holds, so its classes
+    are allowed."""
+    if source_model is not None:
+        loader.allow_model(source_model)
+    ids = list(node_ids) if node_ids is not None else list(graph.topological_order)
+    handed_over = []
+    if modules is not None:
+        for node_id in ids:
+            layer = graph[node_id].layer
+            if layer is not None and layer.op == "call_module":
+                if isinstance(modules.get(layer_name(layer.target), modules.get(layer.target)), nn.Module):
+                    handed_over.append(node_id)
+    loader.check_graph(graph, ids, handed_over=handed_over)
+
+
 def _ensure_layers(graph: Graph) -> Graph:
     if all(n.layer is not None for n in graph.nodes):
         return graph
@@ -283,7 +246,7 @@ def _build_fx(
 ) -> tuple[nn.Module, fx.Graph]:
     """Root module (layers as attributes) and fx graph computing `node_ids` from `inputs`;
     `output_value(env)` gives the fx output argument."""
-    roots = allowed_roots(graph)
+    check_layers(graph, node_ids, modules=modules, source_model=source_model)  # refuse before building anything
     members = set(node_ids)
     root = nn.Module()
     fx_graph = fx.Graph()
@@ -351,11 +314,9 @@ def _build_fx(
         except GraphError as error:
             raise CodegenError(f"{where}: {error}") from None
         if layer.op == "call_function":
-            target: Any = resolve_function(layer.target, roots, where)
+            target: Any = loader.function_target(layer.target, tuple(layer.args), where)
         elif layer.op == "call_method":
-            if not layer.target.isidentifier() or (layer.target.startswith("_") and layer.target not in _DUNDER_METHODS):
-                raise CodegenError(f"{where}: tensor method {layer.target!r} is not allowed in a graph file")
-            target = layer.target
+            target = loader.check_method(layer.target, where)
         else:
             target = layer_name(layer.target)
         fx_node = fx_graph.create_node(layer.op, target, args, kwargs, name=layer_name(node_id))
@@ -367,9 +328,6 @@ def _build_fx(
     fx_graph.lint()
     return root, fx_graph
 
-
-_DUNDER_METHODS = frozenset(("__getitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-                             "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__pow__", "__and__", "__or__"))
 
 
 def build_stage(
@@ -422,6 +380,7 @@ def build_stages(
     """Every stage of a plan (or node -> stage map), as `build_stage` builds them (classes Stage0, Stage1, ...)."""
     graph = _ensure_layers(graph)
     stage_of = stage_assignment(graph, stage_of_or_plan)
+    check_layers(graph, modules=modules, source_model=source_model)  # every stage's layers, before the first is built
     boundaries = stage_boundaries(graph, stage_of)
     check_shared_modules(graph, stage_of)
     stages = []

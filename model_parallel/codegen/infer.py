@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import CodegenError
+from model_parallel.graph.loader import build_module
 from model_parallel.graph.core import Graph, LayerSpec, Node
 
 _CALL = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z_0-9]*)(?:\((?P<args>.*)\))?$")
@@ -61,8 +62,6 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def _parameter_names(expression: str, where: str) -> tuple[str, ...]:
-    from model_parallel.profiler.trace import build_module
-
     try:
         with torch.device("meta"):  # only the names matter: no memory, no initialisation cost
             module = build_module(expression)

@@ -31,13 +31,21 @@ from typing import Any, Optional, Union
 import torch
 
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
-from model_parallel.codegen.build import StageModule, _ensure_layers, build_stage, check_shared_modules, stage_assignment
+from model_parallel.codegen.build import (
+    StageModule,
+    _ensure_layers,
+    build_stage,
+    check_layers,
+    check_shared_modules,
+    stage_assignment,
+)
 from model_parallel.codegen.naming import layer_name
 from model_parallel.errors import CodegenError, PlanError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.graph.arguments import decode_argument
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import read_graph_json, write_graph_json
+from model_parallel.graph.loader import parse_constructor
 from model_parallel.graph.plan import Plan, read_plan, write_plan
 
 log = logging.getLogger(__name__)
@@ -130,7 +138,8 @@ def _constructor_lines(graph: Graph, stage: StageModule) -> list[str]:
                     f"node {node_id}: module {layer.target!r} has no constructor expression, so it cannot be written "
                     "as source; build this stage in memory with build_stage(..., source_model=model) instead"
                 )
-            lines.append(f"self.{name} = {layer.module}")
+            # Re-printed from the checked parse, so only `dotted.Class(<literals>)` reaches the source.
+            lines.append(f"self.{name} = {parse_constructor(layer.module, f'node {node_id}').source}")
             continue
         tensor = getattr(stage, name)
         empty = f"torch.empty({tuple(tensor.shape)!r}, dtype={tensor.dtype})"
@@ -288,6 +297,7 @@ def generate_package(
     _check_identifier(arch, "arch (-a)")
     started = time.perf_counter()
     graph = _ensure_layers(graph)
+    check_layers(graph)  # a hostile graph is refused before any layer is built or any source printed
     plan = plan_with_replicas(plan, stage_to_num_ranks)
     stage_of = stage_assignment(graph, plan)
     boundaries = stage_boundaries(graph, stage_of)

@@ -34,6 +34,7 @@ from model_parallel.coordinator.protocol import S2C, ProtocolError, Session, enc
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.core import Graph
+from model_parallel.graph.loader import check_graph
 from model_parallel.graph.plan import Plan
 from model_parallel.ratelog import RateLimitedLog
 
@@ -88,6 +89,9 @@ class Coordinator:
         missing = [n for s in plan.stages for n in s.node_ids if n not in graph]
         if missing:
             raise PlanError(f"the plan names node(s) the graph lacks, e.g. {missing[:3]}; give the graph the plan was made for")
+        # The coordinator builds no layers, but a graph asking for code is refused here too, not
+        # only on the workers (constructors are checked for form: their classes live in the workers).
+        check_graph(graph, build_constructors=False)
         self.graph = policy_mod.with_cost_proxy(graph)
         self.plan = plan.with_default_ranks()
         self.token = token

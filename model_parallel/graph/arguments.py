@@ -22,6 +22,7 @@ import torch
 from model_parallel.errors import GraphError
 
 JSONValue = Any
+_TYPED = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
 
 
 def encode_argument(value: Any, node_name: Callable[[Any], str | None]) -> JSONValue:
@@ -66,21 +67,27 @@ def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any]) -> Any
         (kind, payload), = value.items()
         if kind == "node":
             return resolve_node(payload)
-        if kind == "tuple":
+        if kind == "tuple" and isinstance(payload, list):
             return tuple(decode_argument(v, resolve_node) for v in payload)
-        if kind == "dict":
+        if kind == "dict" and isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
             return {k: decode_argument(v, resolve_node) for k, v in payload.items()}
-        if kind == "slice":
+        if kind == "slice" and isinstance(payload, list) and len(payload) == 3:
             return slice(*(decode_argument(v, resolve_node) for v in payload))
-        if kind == "float":
+        if kind == "float" and payload in ("inf", "-inf", "nan"):
             return float(payload)
         if kind in ("dtype", "memory_format", "layout"):
-            attr = getattr(torch, str(payload), None)
-            if attr is None:
-                raise GraphError(f"unknown torch {kind} {payload!r}")
+            # Only a value of that very type: `{"dtype": "load"}` must not hand over torch.load.
+            attr = getattr(torch, payload, None) if isinstance(payload, str) and not payload.startswith("_") else None
+            if not isinstance(attr, _TYPED[kind]):
+                raise GraphError(f"unknown torch {kind} {str(payload)[:80]!r}")
             return attr
         if kind == "device":
-            return torch.device(payload)
+            if not isinstance(payload, (str, int)):
+                raise GraphError(f"a device is a string like 'cpu' or 'cuda:0', got {str(payload)[:80]!r}")
+            try:
+                return torch.device(payload)
+            except (RuntimeError, ValueError) as error:
+                raise GraphError(f"unknown device {str(payload)[:80]!r}: {error}") from None
         if kind == "ellipsis":
             return Ellipsis
     raise GraphError(f"cannot decode layer argument {value!r}")

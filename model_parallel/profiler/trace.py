@@ -7,8 +7,6 @@ as an `operator.add` node with both inputs), and activation/parameter bytes from
 """
 from __future__ import annotations
 
-import ast
-import importlib
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
@@ -21,6 +19,7 @@ from torch.fx.node import _get_qualified_name
 from model_parallel.errors import ModelParallelError, ProfileError
 from model_parallel.graph.arguments import encode_argument
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
+from model_parallel.graph.loader import parse_constructor
 
 
 class LeafTracer(fx.Tracer):
@@ -96,7 +95,10 @@ def module_constructor(module: nn.Module) -> Optional[str]:
         path = f"{cls.__module__}.{cls.__qualname__}"
     expression = f"{path}({module.extra_repr()})"
     try:
-        rebuilt = build_module(expression)
+        # The class is the module's own (this process holds the model); the loader checks the form,
+        # so whatever is recorded here is what a loading process would accept.
+        constructor = parse_constructor(expression)
+        rebuilt = cls(*constructor.args, **constructor.kwargs)
     except Exception:  # any failure just means "not rebuildable from text"
         return None
     if type(rebuilt) is not cls or repr(rebuilt) != repr(module):
@@ -104,56 +106,6 @@ def module_constructor(module: nn.Module) -> Optional[str]:
     ours = {k: (tuple(v.shape), v.dtype) for k, v in rebuilt.state_dict().items()}
     theirs = {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
     return expression if ours == theirs else None
-
-
-def build_module(expression: str) -> nn.Module:
-    """Build a module from a constructor expression, safely: only `dotted.Name(<literals>)` is accepted,
-    so a graph file can never run arbitrary code."""
-    try:
-        tree = ast.parse(expression, mode="eval")
-    except SyntaxError as error:
-        raise ValueError(f"module expression {expression!r} is not valid Python: {error.msg}") from None
-    call = tree.body
-    if not isinstance(call, ast.Call):
-        raise ValueError(f"module expression {expression!r} must be a call like torch.nn.Linear(4, 4)")
-    path = ast.unparse(call.func)
-    if not all(part.isidentifier() for part in path.split(".")):
-        raise ValueError(f"module expression {expression!r}: {path!r} is not a dotted name")
-    try:
-        args = [ast.literal_eval(a) for a in call.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
-    except ValueError:
-        raise ValueError(f"module expression {expression!r}: arguments must be literals") from None
-    if len(kwargs) != len(call.keywords):
-        raise ValueError(f"module expression {expression!r}: **kwargs are not allowed")
-    cls = resolve_qualified_name(path)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"module expression {expression!r}: {path} is not an nn.Module class")
-    return cls(*args, **kwargs)
-
-
-def resolve_qualified_name(path: str) -> Any:
-    """Import `a.b.c.name` by trying the longest importable module prefix, then attributes."""
-    parts = path.split(".")
-    if parts[0] == "operator":
-        parts[0] = "_operator" if not hasattr(operator, parts[-1]) else "operator"
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError:
-            continue
-    if parts[0] == "builtins" or len(parts) == 1:
-        import builtins
-
-        if hasattr(builtins, parts[-1]):
-            return getattr(builtins, parts[-1])
-    raise ValueError(f"cannot resolve {path!r} to an importable object")
 
 
 # ---- tracing --------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from torch import nn
 
 from model_parallel.errors import ModelParallelError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.loader import allow_model
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.data import split_microbatches
 from model_parallel.runtime.engine import OptimizerFactory, StepResult, TrainConfig, clip_coefficient, lr_factor
@@ -226,7 +227,8 @@ class PipelineTrainer:
             if example_inputs is None:
                 inputs, _ = dataset.batch(0)
                 example_inputs = [x[: max(1, config.batch_size // config.num_microbatches)] for x in inputs]
-            graph, _ = trace_model(model, tuple(example_inputs))
+            graph, traced = trace_model(model, tuple(example_inputs))
+            allow_model(model, traced)  # the graph comes from this process's own model, not from a file
         else:
             raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
                                      f"got {type(source).__name__}")

