@@ -226,7 +226,7 @@ def check_layers(
     loader.check_graph(graph, ids, handed_over=handed_over)
 
 
-def _ensure_layers(graph: Graph) -> Graph:
+def ensure_layers(graph: Graph) -> Graph:
     if all(n.layer is not None for n in graph.nodes):
         return graph
     from model_parallel.codegen.infer import infer_layers
@@ -347,7 +347,7 @@ def build_stage(
     `source_model`. Fresh layers are randomly initialised: load weights with
     `stage.load_state_dict(stage_state_from_original(graph, model.state_dict()), strict=False)`.
     """
-    graph = _ensure_layers(graph)
+    graph = ensure_layers(graph)
     missing = [n for n in node_ids if n not in graph]
     if missing:
         raise CodegenError(f"stage names node(s) not in the graph: {missing[:5]}")
@@ -378,7 +378,7 @@ def build_stages(
     source_model: Optional[nn.Module] = None,
 ) -> list[StageModule]:
     """Every stage of a plan (or node -> stage map), as `build_stage` builds them (classes Stage0, Stage1, ...)."""
-    graph = _ensure_layers(graph)
+    graph = ensure_layers(graph)
     stage_of = stage_assignment(graph, stage_of_or_plan)
     check_layers(graph, modules=modules, source_model=source_model)  # every stage's layers, before the first is built
     boundaries = stage_boundaries(graph, stage_of)
@@ -396,7 +396,7 @@ def full_model_from_graph(
 ) -> StageModule:
     """The whole model as one module: takes the model inputs, returns the model outputs in the
     structure the original model returned them (`graph.metadata["outputs"]`)."""
-    graph = _ensure_layers(graph)
+    graph = ensure_layers(graph)
     inputs = tuple(n for n in graph.topological_order if is_model_input(graph[n]))
     outputs = model_output_ids(graph)
     encoded = graph.metadata.get("outputs")

@@ -33,7 +33,7 @@ import torch
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
 from model_parallel.codegen.build import (
     StageModule,
-    _ensure_layers,
+    ensure_layers,
     build_stage,
     check_layers,
     check_shared_modules,
@@ -296,7 +296,7 @@ def generate_package(
     _check_identifier(class_name, "class name (-n)")
     _check_identifier(arch, "arch (-a)")
     started = time.perf_counter()
-    graph = _ensure_layers(graph)
+    graph = ensure_layers(graph)
     check_layers(graph)  # a hostile graph is refused before any layer is built or any source printed
     plan = plan_with_replicas(plan, stage_to_num_ranks)
     stage_of = stage_assignment(graph, plan)

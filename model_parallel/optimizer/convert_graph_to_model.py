@@ -97,12 +97,14 @@ def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9) -> Plan:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
+    from model_parallel.codegen.build import ensure_layers, check_layers
     from model_parallel.codegen.package import generate_package, plan_with_replicas
     from model_parallel.graph.io import load_graph
     from model_parallel.graph.plan import parse_stage_to_num_ranks, plan_from_graph, read_plan
 
     started = time.perf_counter()
     graph = load_graph(args.profile_filename)
+    check_layers(ensure_layers(graph))  # a hostile file is refused before anything else is said about it
     if args.plan:
         plan, plan_source = read_plan(args.plan), args.plan
         replicas = None
