@@ -46,6 +46,7 @@ def test_random_bytes_are_protocol_errors(data: bytes) -> None:
     assert isinstance(decode(data, token=None), (ProtocolError, dict))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_mutated_frames_are_rejected(data: st.DataObject) -> None:
@@ -81,6 +82,7 @@ def bodies(draw: st.DrawFn) -> dict:
     return body
 
 
+@pytest.mark.slow
 @FUZZ
 @given(bodies())
 def test_authenticated_bodies_decode_or_raise(body: dict) -> None:
@@ -123,6 +125,7 @@ def test_deeply_nested_body_is_protocol_error(token: Any) -> None:
         protocol.decode_frame(frame, token, protocol.C2S, NONCE, 0)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.text(max_size=30) | st.from_regex(r"[a-z0-9.\[\]:]{0,12}:[0-9²١]{0,7}", fullmatch=True))
 def test_parse_address_parses_or_raises(text: str) -> None:
