@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean setup
+.PHONY: demo test test-fast bench clean setup
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(TEST_ARGS)
+
+# The unit tests only (no worker processes, no multi-second searches): under a minute on 2 busy cores.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(TEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/profiler.py --quick

@@ -61,7 +61,7 @@ from model_parallel.optimizer.states import (  # noqa: E402
 )
 
 RESULTS = REPO / "bench" / "results" / "optimizer.json"
-REFERENCE = REPO.parent / "shared" / "reference_profiles"
+REFERENCE = REPO / "tests" / "fixtures" / "reference_profiles"
 HIERARCHIES = {
     "4": ([4], [1e9]),
     "4 4": ([4, 4], [40e9, 1.25e9]),

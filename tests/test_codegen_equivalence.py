@@ -13,7 +13,7 @@ from model_parallel.compat import import_torchvision
 from model_parallel.models.gpt import TinyGPT, lm_loss
 from model_parallel.models.mlp import StackedMLP
 from model_parallel.profiler.trace import trace_model
-from test_codegen_helpers import assert_equivalent, contiguous_split, split_before
+from support.codegen import assert_equivalent, contiguous_split, split_before
 
 torch.set_num_threads(1)
 
@@ -31,6 +31,7 @@ def _vision(name: str, size: int, **kwargs) -> tuple[nn.Module, torch.Tensor]:
     return model.train(), torch.randn(2, 3, size, size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,size,stage_counts",
     [
@@ -51,6 +52,7 @@ def test_torchvision_stages_match_original(name: str, size: int, stage_counts: t
         assert_equivalent(graph, model, stages, (x,), loss)
 
 
+@pytest.mark.slow
 def test_split_inside_residual_block_sends_several_tensors() -> None:
     model, x = _vision("resnet18", 32)
     graph, _ = trace_model(model, (x,))

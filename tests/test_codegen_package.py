@@ -22,7 +22,7 @@ from model_parallel.graph.plan import plan_from_graph, write_plan
 from model_parallel.models.gpt import TinyGPT
 from model_parallel.optimizer.convert_graph_to_model import main as convert_main
 from model_parallel.profiler.trace import trace_model
-from test_codegen_helpers import contiguous_split, split_before
+from support.codegen import contiguous_split, split_before
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +75,7 @@ def _compare_with_memory(package_dir: Path, graph, model, inputs) -> None:
         torch.testing.assert_close(full(*inputs), model(*inputs), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_package_imports_and_equals_in_memory_stages(resnet18, run_dir: Path) -> None:
     model, x, graph = resnet18
     out = generate_package(graph, plan_from_graph(graph), run_dir / "gpus=3", "ResNet18Partitioned", "resnet18",
@@ -101,6 +102,7 @@ def test_package_imports_and_equals_in_memory_stages(resnet18, run_dir: Path) ->
     assert [n.stage_id for n in package.graph.nodes] == [n.stage_id for n in graph.nodes]
 
 
+@pytest.mark.slow
 def test_regenerating_replaces_the_package_with_identical_files(resnet18, run_dir: Path) -> None:
     _, _, graph = resnet18
     plan = plan_from_graph(graph)
@@ -145,6 +147,7 @@ def test_command_line_with_stage_ranks_and_with_plan(resnet18, run_dir: Path, ca
     assert len(load_package(run_dir / "out2").stages) == 3  # 2 stages + criterion
 
 
+@pytest.mark.slow
 def test_command_line_error_is_one_line_and_exit_2(run_dir: Path, reference_profiles: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "-f", str(reference_profiles / "gnmt.graph.txt"), "-n", "G", "-a", "gnmt",
@@ -168,6 +171,7 @@ class _SizeRecorder(fx.Interpreter):
         return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vgg16", "resnet50"])
 def test_reference_profiles_generate_runnable_code(name: str, reference_profiles: Path, run_dir: Path) -> None:
     graph = load_graph(reference_profiles / f"{name}.graph.txt")

@@ -4,7 +4,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from model_parallel.runtime.launch import free_port, launch
+
+pytestmark = pytest.mark.slow  # a two-process gloo world
 
 # Each message: (tensor shapes, a JSON value). Changes of shape (a last partial batch), of a JSON
 # value, of the number of values and a header longer than the fixed slot must all arrive exactly.

@@ -138,6 +138,7 @@ def test_bad_clients_are_dropped_and_do_not_disturb(coordinator, caplog):
         ch1.close()
 
 
+@pytest.mark.slow
 def test_silent_and_vanished_workers_are_declared_dead(coordinator):
     ch0 = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=3)
     host, port = coordinator.address.split(":")
@@ -221,6 +222,7 @@ def test_lost_coordinator_keeps_training(coordinator, caplog):
         ch0.close()
 
 
+@pytest.mark.slow
 def test_command_lines_coordinator_ctl_and_sigterm(tmp_path):
     """`python test_socket.py` + `model-parallel ctl` as processes; bad token -> one line, exit 2; SIGTERM -> exit 0."""
     import os

@@ -24,6 +24,7 @@ def test_throughput_phases_without_a_switch():
     assert phases["after"] is None and phases["switch_step"] is None and phases["slowed"] == 5
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     out = tmp_path / "run"
     code = demo.main(["--out", str(out), "--steps", "16", "--slow-at", "4", "--workers", "2", "--batch-size", "16"])
@@ -43,6 +44,7 @@ def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     assert list((out / "checkpoint").glob("step_*"))
 
 
+@pytest.mark.slow
 def test_demo_failure_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["demo"])
     with pytest.raises(SystemExit) as exit_info:

@@ -10,7 +10,7 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PYTHON = sys.executable
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def run(argv: list[str], timeout: float = 180) -> str:

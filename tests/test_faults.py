@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_params_close, mlp_job, reference_params
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.checkpoint import latest_step, load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers, worker_commands
+from support.mlp import assert_params_close, mlp_job, reference_params
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "test_parallel_0.py"
 PYTHON = sys.executable
 TOKEN = "faults-test-token"
 PEER_TIMEOUT = 10  # --timeout of every worker: how long a blocking call may wait for a peer
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def args(plan: Path, steps: int, checkpoints: Path, *extra: object) -> list[str]:

@@ -22,12 +22,10 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import graph_from_dict, graph_to_dict, read_graph_json
 from model_parallel.graph.pipedream_format import format_graph_txt, parse_graph_txt, read_graph_txt
 from model_parallel.graph.plan import Hierarchy, Plan, parse_stage_to_num_ranks, plan_from_graph, read_plan
-
-from conftest import REFERENCE_PROFILES
+from support import REFERENCE_PROFILES
 
 PROFILES = ("toy_dag", "vgg16", "gnmt", "vgg16_partitioned_3stages", "resnet50")
-TEXTS = {name: (REFERENCE_PROFILES / f"{name}.graph.txt").read_text() for name in PROFILES} if REFERENCE_PROFILES.is_dir() else {}
-pytestmark = pytest.mark.skipif(not TEXTS, reason=f"reference profiles not found at {REFERENCE_PROFILES}")
+TEXTS = {name: (REFERENCE_PROFILES / f"{name}.graph.txt").read_text() for name in PROFILES}
 
 # MP_FUZZ_EXAMPLES=5000 runs that many fresh random examples per test (bug hunting); CI uses a fixed set.
 DEEP = int(os.environ.get("MP_FUZZ_EXAMPLES", "0"))
@@ -101,6 +99,7 @@ def roundtrip_holds(graph: Graph) -> None:
     assert again.nodes == graph.nodes and again.edges == graph.edges
 
 
+@pytest.mark.slow
 @FUZZ
 @given(mutated_profile())
 def test_graph_txt_mutations_parse_or_raise_typed_error(text: str) -> None:
@@ -191,6 +190,7 @@ def _layered_graph_dict() -> dict:
     return data
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from([_small_graph_dict, _layered_graph_dict]).flatmap(lambda make: mutated_tree(make())))
 def test_graph_json_mutations_parse_or_raise_typed_error(data: Any) -> None:
@@ -243,8 +243,9 @@ def _plan_dict() -> dict:
     return plan_from_graph(graph, {0: 2}).to_dict()
 
 
+@pytest.mark.slow
 @FUZZ
-@given(mutated_tree(_plan_dict()) if TEXTS else st.none())
+@given(mutated_tree(_plan_dict()))
 def test_plan_mutations_parse_or_raise_plan_error(data: Any) -> None:
     result = check_reader(lambda: Plan.from_dict(data, "plan.json"))
     if isinstance(result, Plan):
@@ -254,6 +255,7 @@ def test_plan_mutations_parse_or_raise_plan_error(data: Any) -> None:
         assert isinstance(result, PlanError) and "plan.json" in str(result)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(JSON_VALUES)
 def test_plan_random_values_raise_plan_error(data: Any) -> None:
@@ -295,6 +297,7 @@ def test_stage_to_num_ranks_superscript_digit_is_typed() -> None:
 NUMBERS = st.integers(-3, 10**6) | st.floats(allow_nan=True, allow_infinity=True) | st.integers(10**300, 10**400)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(NUMBERS, max_size=4), st.none() | st.lists(NUMBERS, max_size=4), NUMBERS)
 def test_hierarchy_from_lists_builds_or_raises(machines: list, bandwidths: Any, memory: Any) -> None:

@@ -15,12 +15,11 @@ from typing import Callable
 
 import pytest
 
-from conftest import REFERENCE_PROFILES
 from model_parallel.cli.common import run_cli
+from support import REFERENCE_PROFILES
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITIONED = REFERENCE_PROFILES / "vgg16_partitioned_3stages.graph.txt"
-pytestmark = pytest.mark.skipif(not PARTITIONED.exists(), reason=f"reference profiles not found at {REFERENCE_PROFILES}")
 
 
 CONVERT = "model_parallel.optimizer.convert_graph_to_model"
@@ -125,6 +124,7 @@ def test_optimizer_cli_bandwidth_count_mismatch(tmp_path: Path, capsys: pytest.C
     assert "bandwidth" in err
 
 
+@pytest.mark.slow
 def test_real_entry_points_print_one_line(tmp_path: Path) -> None:
     """The scripts as users run them: exit 2, one line, no traceback."""
     bad = tmp_path / "bad.txt"

@@ -46,6 +46,7 @@ def test_random_bytes_are_protocol_errors(data: bytes) -> None:
     assert isinstance(decode(data, token=None), (ProtocolError, dict))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_mutated_frames_are_rejected(data: st.DataObject) -> None:
@@ -81,6 +82,7 @@ def bodies(draw: st.DrawFn) -> dict:
     return body
 
 
+@pytest.mark.slow
 @FUZZ
 @given(bodies())
 def test_authenticated_bodies_decode_or_raise(body: dict) -> None:
@@ -165,6 +167,7 @@ def test_hostile_hello_from_a_fake_coordinator_is_a_protocol_error() -> None:
         thread.join(5)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.text(max_size=30) | st.from_regex(r"[a-z0-9.\[\]:]{0,12}:[0-9²١]{0,7}", fullmatch=True))
 def test_parse_address_parses_or_raises(text: str) -> None:

@@ -96,6 +96,7 @@ def _read_everything(root: Path) -> Any:
     return checkpoint.step, checkpoint.params(), checkpoint.buffers(), checkpoint.optimizer_state(), checkpoint.shard_extra(0)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.data())
 def test_corrupted_checkpoint_reads_back_exactly_or_raises(template: None, tmp_path_factory: pytest.TempPathFactory,
@@ -153,6 +154,7 @@ def test_latest_pointer_that_is_not_text_is_a_checkpoint_error(template: dict[st
 EDGE_NUMBERS = st.sampled_from([float("inf"), float("-inf"), float("nan"), 10**400, -1, 0, 1.5, True])
 
 
+@pytest.mark.slow
 @FUZZ
 @given(JSON | st.fixed_dictionaries({"kind": st.sampled_from(["continue", "switch", "stop", "slowdown", "x"])},
                                     optional={"rank": EDGE_NUMBERS | JSON, "factor": EDGE_NUMBERS | JSON, "plan": JSON,

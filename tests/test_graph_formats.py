@@ -10,9 +10,8 @@ from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.io import load_graph, save_graph
 from model_parallel.graph.json_format import graph_from_dict, graph_to_dict, read_graph_json
 from model_parallel.graph.pipedream_format import format_graph_txt, parse_graph_txt, read_graph_txt
+from support import REFERENCE_PROFILES as REFERENCE
 
-# CI clones the repository with shared/ beside it, so the reference profiles are always there.
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference_profiles"
 REFERENCE_FILES = sorted(REFERENCE.glob("*.graph.txt"))
 
 GOOD = "a -- Input0 -- forward_compute_time=0.0, backward_compute_time=0.0, activation_size=12.0, parameter_size=0.0"

@@ -10,8 +10,8 @@ from model_parallel.errors import RenderError
 from model_parallel.graph import render
 from model_parallel.graph.pipedream_format import read_graph_txt
 from model_parallel.graph.render import node_label, render_graph, to_dot
+from support import REFERENCE_PROFILES as REFERENCE
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference_profiles"
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' is not installed")
 
 

@@ -1,4 +1,4 @@
-"""Training across real network hosts: network namespaces with their own IP addresses (tests/netns.py).
+"""Training across real network hosts: network namespaces with their own IP addresses (tests/support/netns.py).
 
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
 """
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import netns
-from conftest import assert_params_close, mlp_job, reference_params
+from support import REFERENCE_PROFILES, netns
+from support.mlp import assert_params_close, mlp_job, reference_params
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"multi-host tests need network namespaces: {REASON}"),
-              pytest.mark.timeout(120)]
+              pytest.mark.timeout(120), pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
@@ -72,7 +72,7 @@ def test_gloo_all_reduce_across_two_hosts(tmp_path: Path) -> None:
     assert "rank=1 sum=[3.0, 3.0, 3.0, 3.0] peer=42.0" in outputs[1]
 
 
-GRAPH = Path(__file__).resolve().parents[2] / "shared" / "reference_profiles" / "vgg16_partitioned_3stages.graph.txt"
+GRAPH = REFERENCE_PROFILES / "vgg16_partitioned_3stages.graph.txt"
 TOKEN = "multihost-secret"
 
 HOSTILE_CLIENT = textwrap.dedent("""
@@ -116,8 +116,6 @@ def wait_for_text(path: Path, text: str, timeout: float, process) -> str:
 
 
 def test_coordinator_on_one_host_ctl_and_hostile_client_on_others(tmp_path: Path) -> None:
-    if not GRAPH.exists():
-        pytest.skip(f"reference profile missing: {GRAPH}")
     with netns.hosts(3) as net:
         coordinator_address = net[0].address
         log = tmp_path / "coordinator.log"

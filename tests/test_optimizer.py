@@ -192,6 +192,7 @@ def test_auto_beyond_pipedreams_dp_solves_exactly_with_bounds():
     assert plan.time_per_minibatch_s <= coarse.time_per_minibatch_s
 
 
+@pytest.mark.slow
 def test_auto_says_when_it_cannot_prove_optimality(monkeypatch, caplog):
     from model_parallel.optimizer import partition as partition_module
 
@@ -255,6 +256,7 @@ def test_cli_reports_no_speedup_for_a_profile_of_zero_times(reference_profiles, 
     assert "inf" not in text
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line_and_exit_2(reference_profiles, tmp_path):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "-f", str(reference_profiles / "vgg16.graph.txt"), "-n", "4", "2", "-b", "1e9"],
@@ -296,6 +298,7 @@ def test_forcing_pipedreams_states_on_a_huge_graph_is_a_clear_error(monkeypatch)
     assert partition(graph, Hierarchy.from_lists([4]), PartitionOptions()).extra["exact"] is True
 
 
+@pytest.mark.slow
 def test_multi_level_plans_place_replicas_where_the_cost_model_put_them():
     # Ranks number workers innermost first (-n 4 2: ranks 0-3 in server 0). A stage replicated r_l times at
     # level l must span exactly r_l machines of that level, so its all-reduce and activations use the links
@@ -328,6 +331,7 @@ def test_replicas_across_servers_sit_on_the_same_gpus_of_each():
     assert hierarchy_ranks(Hierarchy.from_lists([4]), (3,), (1,)) == (1, 2, 3)
 
 
+@pytest.mark.slow
 def test_cli_worker_speeds_on_a_hierarchy(reference_profiles, tmp_path, capsys):
     from model_parallel.optimizer.optimizer_graph_hierarchical import main
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import replace
 
 import numpy as np
@@ -14,35 +13,12 @@ from model_parallel.optimizer.bounds import boundary_states, level_bounds
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import bounded_solve, cut_union, solve
 from model_parallel.optimizer.states import antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states
-
-HIERARCHIES = [([3], [1e9]), ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([2, 2, 2], [40e9, 10e9, 1e9])]
-
-
-def problem(seed: int):
-    rng = random.Random(seed)
-    graph = [
-        synthetic.branches(rng.randint(2, 4), width=3, depth=2, seed=seed),
-        synthetic.residual(rng.randint(3, 8), 2, seed=seed),
-        synthetic.random_dag(rng.randint(15, 30), seed=seed, max_fan_in=3),
-    ][seed % 3]
-    machines, bandwidths = HIERARCHIES[seed % len(HIERARCHIES)]
-    options = PartitionOptions(
-        straight_pipeline=rng.random() < 0.25,
-        use_fewer_machines=rng.random() < 0.3,
-        activation_compression_ratio=rng.choice([None, 1.0]),
-        use_memory_constraint=rng.random() < 0.25,
-        memory_model=rng.choice(["pipedream", "1f1b"]),
-    )
-    memory = rng.choice([2e8, 6e8, 2e9])
-    return graph, Hierarchy.from_lists(machines, bandwidths, memory_bytes=memory), options
-
-
-def union_states(work, antichains):
-    return cut_states(work, list(prefix_states(work).members) + antichains.downsets(), "bounded")
+from support import first_fast
+from support.optimizer import HIERARCHIES, problem, union_states
 
 
 @pytest.mark.parametrize("over_cells", [False, True])
-@pytest.mark.parametrize("block", range(6))
+@pytest.mark.parametrize("block", first_fast(6))
 def test_bounded_solve_equals_the_full_dp(block, over_cells, monkeypatch):
     """Through `bounded_solve` (states kept by the bound, and with cells those some cell uses)."""
     if over_cells:
@@ -70,6 +46,7 @@ def test_bounded_solve_equals_the_full_dp(block, over_cells, monkeypatch):
     assert checked >= 5
 
 
+@pytest.mark.slow
 def test_bounded_plan_is_never_worse_than_pipedreams_states():
     graph = synthetic.branches(8, width=4, depth=3, seed=3)
     work = preprocess(graph)
@@ -105,6 +82,7 @@ def test_boundary_states_keep_exactly_the_feasible_worker_counts():
     assert counted.kept_states().tolist() == [True, True, False, False, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", range(3))
 def test_bounded_pipedream_dp_equals_pipedreams_dp(block):
     """PipeDream's own states, not-a-range entries included: the bounded DP gives the same time and plan."""
@@ -128,6 +106,7 @@ def test_bounded_pipedream_dp_equals_pipedreams_dp(block):
     assert checked >= 6
 
 
+@pytest.mark.slow
 def test_auto_prunes_pipedreams_dp_without_changing_the_plan(monkeypatch):
     import model_parallel.optimizer.partition as partition_module
 
@@ -151,6 +130,7 @@ def test_auto_prunes_pipedreams_dp_without_changing_the_plan(monkeypatch):
     assert [s.ranks for s in auto.stages] == [s.ranks for s in reference.stages]
 
 
+@pytest.mark.slow
 def test_a_bound_below_pipedreams_optimum_falls_back_to_the_full_dp(monkeypatch):
     """A prefix plan can beat every antichain plan (a cut PipeDream misses); then no antichain plan is
     within its time and the full DP must run. Simulated by a quick plan that claims half its time."""
@@ -173,6 +153,7 @@ def test_a_bound_below_pipedreams_optimum_falls_back_to_the_full_dp(monkeypatch)
     assert got.time_s == real_solve(states, hierarchy, options).time_s
 
 
+@pytest.mark.slow
 def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound(monkeypatch):
     """`solve_below` with budgets forcing its bounds below the known plan's time: when a bound
     reaches the optimum it returns the optimum, marked exact; when not, every plan takes more than the

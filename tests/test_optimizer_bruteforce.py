@@ -15,6 +15,7 @@ from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import antichain_states, preprocess, prefix_states
+from support import first_fast
 
 
 def small_graph(seed: int) -> Graph:
@@ -52,7 +53,7 @@ def _same(a: float, b: float) -> bool:
     return a == b == math.inf or math.isclose(a, b, rel_tol=1e-9)
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", first_fast(4))
 def test_dp_equals_brute_force(block):
     for seed in range(block * 25, block * 25 + 25):
         graph, machines, bandwidth, options = random_problem(seed)
@@ -240,6 +241,7 @@ def test_hierarchy_matches_brute_force_over_every_cut():
             assert got.time_per_minibatch_s == pytest.approx(oracle, rel=1e-12), (seed, machines, options)
 
 
+@pytest.mark.slow
 def test_worker_speeds_on_a_hierarchy_match_brute_force():
     # A stage on machines a..b of a level runs the inner plan at the slowest of them at every position;
     # the DP over prefixes (what speeds use) equals exhaustive search, and the speeds matter.

@@ -12,7 +12,8 @@ from model_parallel.optimizer.bounds import level_bounds, row_states
 from model_parallel.optimizer.cells import cell_mask, level_cell_work, stage_contexts
 from model_parallel.optimizer.partition import solve
 from model_parallel.optimizer.states import antichain_states, enumerate_antichains, preprocess, prefix_states
-from test_optimizer_bounds import problem, union_states
+from support import first_fast
+from support.optimizer import problem, union_states
 
 HIERARCHIES = [
     ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([4, 4], [40e9, 1e9]), ([2, 2, 2], [40e9, 10e9, 1e9]),
@@ -52,7 +53,7 @@ def test_a_cell_outside_every_window_is_dropped():
     assert np.flatnonzero(mask[0, :, 1]).tolist() == [3, 7]
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", first_fast(4))
 def test_the_dp_over_cells_equals_the_dense_bounded_dp(block, always_cells):
     """Random DAGs, every option, two- and three-level hierarchies, PipeDream's states (not-a-range
     entries) and the union: at a loose bound and at the optimum the same time and plan as the dense

@@ -8,8 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from test_optimizer_bounds import problem
-from test_optimizer_relaxation import exact_and_unproven
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Node
@@ -22,12 +20,14 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import solve
 from model_parallel.optimizer.relaxation import covers, fewest_replicas
 from model_parallel.optimizer.states import cut_costs, cut_states, enumerate_antichains, preprocess, prefix_states
+from support import first_fast
+from support.optimizer import exact_and_unproven, problem, three_level_problem
 
 # Seeds of `problem` with two or three levels (every fourth one has a single level).
 HIERARCHICAL = [seed for seed in range(160) if seed % 4]
 
 
-@pytest.fixture(params=[128, 8], ids=["one block", "blocks of 8"])
+@pytest.fixture(params=[128, pytest.param(8, marks=pytest.mark.slow)], ids=["one block", "blocks of 8"])
 def blocks(request, monkeypatch):
     """A pass reads earlier blocks through windows and its own block in waves: small graphs fit one
     block of the default size, so every test also runs with blocks of 8 states."""
@@ -42,7 +42,7 @@ def union_problem(seed: int):
     return work, downsets, hierarchy, options, optimum
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", first_fast(4))
 def test_relaxation_keeps_the_optimum_and_is_at_least_as_tight_as_covers(block, blocks):
     checked = tighter = 0
     for seed in HIERARCHICAL[block::4]:
@@ -63,6 +63,7 @@ def test_relaxation_keeps_the_optimum_and_is_at_least_as_tight_as_covers(block, 
     assert tighter >= 2  # and it does reject times covers cannot
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", range(2))
 def test_heuristic_cuts_give_real_plans_within_their_time(block, blocks):
     found = 0
@@ -111,6 +112,7 @@ def test_one_outer_machine_with_all_reduce_bound_and_plan():
     assert flat_plan_cuts(states, hierarchy, options, 0.999e-3) is None
 
 
+@pytest.mark.slow
 def test_unproven_plan_comes_from_the_flattened_search(monkeypatch):
     # No exact solve fits: the flattened search gives the plan and the bound.
     graph, hierarchy, options, exact, plan = exact_and_unproven(monkeypatch)
@@ -124,6 +126,7 @@ def test_unproven_plan_comes_from_the_flattened_search(monkeypatch):
     assert lower > coarse
 
 
+@pytest.mark.slow
 def test_the_proof_finds_and_proves_the_optimum_no_exact_solve_fits(monkeypatch):
     # The same problem with the proof on: the heuristic's plan, refined by exact inner rows, is the optimum.
     graph, hierarchy, options, exact, _ = exact_and_unproven(monkeypatch)
@@ -192,25 +195,7 @@ def test_windows_hold_every_stage_that_fits():
     assert not np.isfinite(count).any()
 
 
-def three_level_problem(seed: int):
-    """Small graphs on three levels where a server holds few nodes per GPU (its granularity matters)."""
-    rng = np.random.default_rng(seed)
-    graph = [
-        synthetic.branches(int(rng.integers(2, 5)), width=3, depth=2, seed=seed),
-        synthetic.residual(int(rng.integers(3, 7)), 2, seed=seed),
-        synthetic.chain(int(rng.integers(6, 14)), seed=seed),
-    ][seed % 3]
-    machines = [int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 3))]
-    bandwidths = [float(b) for b in rng.choice([1e8, 1e9, 1e10], size=3)]
-    options = PartitionOptions(activation_compression_ratio=[None, 1.0][seed % 2], straight_pipeline=seed % 7 == 0,
-                               use_fewer_machines=seed % 5 == 0)
-    work = preprocess(graph)
-    downsets = list(prefix_states(work).members) + enumerate_antichains(work).downsets()
-    hierarchy = Hierarchy.from_lists(machines, bandwidths)
-    optimum = solve(cut_states(work, downsets, "bounded"), hierarchy, options).time_s
-    return cut_costs(work, downsets), hierarchy, options, optimum, work
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("block", range(2))
 def test_chains_inside_a_machine_keep_the_optimum_and_tighten_perfect_balance(block, blocks):
     # On three levels the relaxation holds an unreplicated server to chains of its own GPUs: it still

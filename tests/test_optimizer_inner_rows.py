@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_optimizer_flattened import three_level_problem
 
 from model_parallel.optimizer import flattened
 from model_parallel.optimizer import partition as partition_module
@@ -18,6 +17,8 @@ from model_parallel.optimizer.flattened import flat_states, flat_witness, includ
 from model_parallel.optimizer.inner_rows import InnerRows
 from model_parallel.optimizer.partition import cut_union, flat_search, prefix_states, solve
 from model_parallel.optimizer.states import enumerate_antichains
+from support import first_fast
+from support.optimizer import three_level_problem
 
 
 def pod_rows(states, hierarchy, options) -> InnerRows:
@@ -58,6 +59,7 @@ def brute_force_row(states, level, options, start: int, end: int) -> float:
     return best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", range(2))
 def test_rows_are_the_innermost_optimum_of_each_range(block):
     checked = 0
@@ -81,7 +83,7 @@ def test_rows_are_the_innermost_optimum_of_each_range(block):
     assert checked >= 200
 
 
-@pytest.mark.parametrize("block", range(2))
+@pytest.mark.parametrize("block", first_fast(2))
 def test_relaxation_with_every_row_keeps_the_optimum_and_rejects_more(block):
     checked = tighter = 0
     for seed in range(block * 40, block * 40 + 40):
@@ -103,6 +105,7 @@ def test_relaxation_with_every_row_keeps_the_optimum_and_rejects_more(block):
     assert tighter >= 3
 
 
+@pytest.mark.slow
 def test_passes_resumed_after_new_rows_match_fresh_ones(monkeypatch):
     # The proof's next pass at the same time keeps the entries of the states before the first start whose
     # row is new (they cannot change) and computes the rest: its tables must be those of a pass computed
@@ -137,6 +140,7 @@ def test_passes_resumed_after_new_rows_match_fresh_ones(monkeypatch):
     assert compared >= 60 and resumed >= 15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", range(2))
 def test_a_proven_search_returns_the_optimum(block, monkeypatch):
     # The proof runs as soon as the heuristic finds a plan; whatever it says `exact` is the optimum over

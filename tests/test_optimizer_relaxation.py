@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from test_optimizer_bounds import problem, union_states
 
 from model_parallel.graph.core import Node
 from model_parallel.graph.plan import Hierarchy
@@ -16,6 +15,8 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition, solve
 from model_parallel.optimizer.relaxation import covers, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.states import cut_costs, enumerate_antichains, preprocess, prefix_states
+from support import first_fast
+from support.optimizer import exact_and_unproven, problem, union_states
 
 
 def two_node_chain(first: Node, second: Node):
@@ -27,7 +28,7 @@ def union_costs(work, antichains):
     return cut_costs(work, list(prefix_states(work).members) + antichains.downsets())
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", first_fast(4))
 def test_relaxation_never_exceeds_the_optimum(block):
     checked = 0
     for seed in range(block * 12, block * 12 + 12):
@@ -134,22 +135,6 @@ def test_node_share_bound_is_the_replicated_node_time():
         Node("input0", "Input0"), Node("node1", "Linear", 1.0, 3.0, 1e6, 1e6), Node("node2", "Linear", 1.0, 3.0, 1e6, 1e6),
     ])
     assert partition(pair, nested).time_per_minibatch_s == pytest.approx(3e-3, rel=1e-12)
-
-
-def exact_and_unproven(monkeypatch, **patches):
-    """A three-level problem solved exactly, then again under a budget no exact solve fits and without the
-    flattened search's proof (with `patches` on the partition module): (graph, hierarchy, options, exact
-    plan, unproven plan)."""
-    graph = synthetic.branches(10, width=4, depth=3, seed=5)
-    hierarchy = Hierarchy.from_lists([4, 2, 2], [40e9, 10e9, 1.25e9])
-    options = PartitionOptions(activation_compression_ratio=1.0)
-    exact = partition(graph, hierarchy, options)
-    assert exact.extra["exact"] is True
-    for name, value in {"AUTO_WORK_BUDGET": 2e4, "QUICK_CUT_POINTS": 12, "FLAT_PROOF_PASSES": 0, **patches}.items():
-        monkeypatch.setattr(partition_module, name, value)
-    plan = partition(graph, hierarchy, options)
-    assert plan.extra["exact"] is False
-    return graph, hierarchy, options, exact, plan
 
 
 def test_unproven_plan_reports_the_relaxed_bound(monkeypatch):

@@ -141,6 +141,7 @@ def _concat_inputs_match_arguments(graph: Graph) -> list[int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, size", [("densenet121", 32), ("inception_v3", 75), ("mobilenet_v2", 32), ("mobilenet_v3_small", 32)])
 def test_torchvision_dag_capture(arch: str, size: int):
     model = build_model(arch, num_classes=10, image_size=size)

@@ -33,6 +33,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
     return exit_info.value.code, out, err
 
 
+@pytest.mark.slow
 def test_profiles_resnet18_into_its_directory(tmp_path: Path, capsys: pytest.CaptureFixture):
     code, out, _ = run(["-a", "resnet18", *QUICK, "--num-classes", "10", "--profile_directory", str(tmp_path)], capsys)
     assert code == 0
@@ -76,6 +77,7 @@ def test_too_small_images_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture):
     assert code == 2 and "--batch-size must be >= 1, got 0" in err
 
 
+@pytest.mark.slow
 def test_image_folder_data(tmp_path: Path, capsys: pytest.CaptureFixture):
     from PIL import Image
 
@@ -94,6 +96,7 @@ def test_image_folder_data(tmp_path: Path, capsys: pytest.CaptureFixture):
     assert code == 2 and "not a readable ImageFolder" in err
 
 
+@pytest.mark.slow
 def test_runs_as_a_plain_script(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path, env=env,

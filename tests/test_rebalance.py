@@ -5,6 +5,7 @@ import struct
 import threading
 import time
 
+import pytest
 import torch
 
 from model_parallel.coordinator.local import CoordinatorProcess
@@ -17,6 +18,7 @@ from model_parallel.runtime.launch import LocalWorld, worker_commands
 from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.zoo import recipe
 
+pytestmark = pytest.mark.slow  # every test runs workers and a coordinator
 torch.set_num_threads(1)
 TOKEN = "rebalance-test-token"
 BATCH, MICRO = 8, 4

@@ -163,6 +163,7 @@ def jobs_world(tmp_path_factory):
     return root, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", CHECKED, ids=[j["name"] for j in CHECKED])
 def test_pipeline_matches_single_process(jobs_world, job):
     root, _ = jobs_world
@@ -171,6 +172,7 @@ def test_pipeline_matches_single_process(jobs_world, job):
     _assert_close(job["name"], checkpoint.params(), _reference(job), job["whole_model"])
 
 
+@pytest.mark.slow
 def test_switches_report_pauses_and_end_on_the_last_plan(jobs_world):
     root, result = jobs_world
     checkpoint = load_checkpoint(root / "mlp_switching")
@@ -187,6 +189,7 @@ def test_switches_report_pauses_and_end_on_the_last_plan(jobs_world):
     assert re.search(r"\[rank 1 stage \d\] done: 8 step\(s\).*switch pauses ms \[[\d., ]+\]", result.output(1))
 
 
+@pytest.mark.slow
 def test_killed_worker_is_named_by_the_others(tmp_path):
     commands = worker_commands(["--model", "mlp", "--num_stages", "3", "--steps", "100000", "--timeout", "15",
                                 "--batch_size", "4", "--num_microbatches", "2", "-v"], 3)

@@ -142,6 +142,7 @@ def test_health_gives_up_on_a_store_that_never_answers():
     assert str(error).endswith("; barrier timed out after 5 s")  # no "rank -1": a collective is not a rank
 
 
+@pytest.mark.slow
 # ---- launcher --------------------------------------------------------------------------------------
 def test_launcher_collects_output_and_kills_at_the_deadline():
     ok = [sys.executable, "-c", "print('hello')"]
@@ -235,6 +236,7 @@ def test_python_api_single_process_matches_reference():
         torch.testing.assert_close(got[state_key(name)], value.detach(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_graph_file_and_imagefolder_in_single_process_mode(tmp_path, capsys):
     from PIL import Image
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_params_close, mlp_job, reference_params
 from model_parallel.runtime.checkpoint import load_checkpoint
 from model_parallel.runtime.launch import launch_workers
+from support.mlp import assert_params_close, mlp_job, reference_params
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 TRAIN = ["--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01", "--timeout", "30"]
 
 

@@ -3,7 +3,7 @@
     <out_dir>/stage0.py ...   class Stage0(torch.nn.Module): layers as attributes, forward over names
     <out_dir>/<arch>.py       class <ClassName>: the stages composed, returns the model outputs
     <out_dir>/__init__.py     arch(), model(criterion), full_model()
-    <out_dir>/mp_conf.json, dp_conf.json, hybrid_conf.json   (../shared/FORMATS.md)
+    <out_dir>/mp_conf.json, dp_conf.json, hybrid_conf.json   (docs/FORMATS.md)
     <out_dir>/graph.json, plan.json                          (rebuild any stage with build_stage)
 
 The forward bodies are printed from the same fx graphs `build_stage` builds (with layers on the

@@ -1,4 +1,4 @@
-"""Read and write PipeDream's graph.txt (../shared/FORMATS.md): node lines, then tab-indented edges.
+"""Read and write PipeDream's graph.txt (docs/FORMATS.md): node lines, then tab-indented edges.
 
     <id> -- <description> -- forward_compute_time=<ms>, backward_compute_time=<ms>, activation_size=<bytes>, parameter_size=<bytes>[ -- stage_id=<k>]
     \t<src> -- <dst>

@@ -2,7 +2,7 @@
 
 Such a package has no graph.json/plan.json, only `__init__.py` with `model(criterion)` returning
 `[(Stage0(), ["input0"], ["out0"]), ..., (criterion, ["outN"], ["loss"])]` and the configs
-`hybrid_conf.json` / `mp_conf.json` (`module_to_stage_map`, `stage_to_rank_map`; /work/shared/FORMATS.md).
+`hybrid_conf.json` / `mp_conf.json` (`module_to_stage_map`, `stage_to_rank_map`; docs/FORMATS.md).
 `load_pipedream_package` turns it into what the engine runs: a graph with one `call_module` node per
 generated module (`module0`, `module1`, ...; getitem nodes for a module that returns a tuple, even a
 1-tuple as this project's generated stages do, while PipeDream's return one output bare), a plan

@@ -1,4 +1,4 @@
-"""Shared helpers for the code generator tests: contiguous splits and a runtime-like pipeline oracle."""
+"""Helpers for the code generator tests: contiguous splits and a runtime-like pipeline oracle."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence

@@ -1,0 +1,23 @@
+"""Plain helpers shared by test modules (pytest fixtures live in tests/conftest.py).
+
+Test modules never import each other or conftest.py: whatever two of them share lives here, so each
+test module can be run, moved or deleted on its own. `tests/` is on sys.path while pytest collects
+(rootdir-relative "prepend" import mode), so a test writes `from support.mlp import mlp_job`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+FIXTURES = TESTS / "fixtures"
+# PipeDream's published graph.txt profiles (vgg16, resnet50, gnmt, toy_dag, a partitioned vgg16): see its README.md.
+REFERENCE_PROFILES = FIXTURES / "reference_profiles"
+
+
+def first_fast(num_blocks: int) -> list:
+    """`range(num_blocks)` as test parameters of which only block 0 runs in the fast lane: an exhaustive
+    check split into blocks of seeds keeps one block in `make test-fast` and all of them in `make test`."""
+    return [0] + [pytest.param(block, marks=pytest.mark.slow) for block in range(1, num_blocks)]
