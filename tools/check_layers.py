@@ -40,7 +40,7 @@ EXCEPTIONS = REPO / "tools" / "layer_exceptions.txt"
 
 # (layer, rank, module prefixes relative to the package). Same rank + different layer = peers.
 LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
-    ("base", 0, ("graph", "errors", "fileio", "compat", "allocator", "messages")),
+    ("base", 0, ("graph", "errors", "fileio", "compat", "allocator", "messages", "jsonbound", "ratelog")),
     ("models", 1, ("models",)),
     ("profiler", 2, ("profiler",)),
     ("optimizer", 2, ("optimizer",)),
