@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_params_close, mlp_job, reference_params
+from support.mlp import assert_params_close, mlp_job, reference_params
 from model_parallel.runtime.checkpoint import latest_step, list_checkpoints, load_checkpoint
 from model_parallel.runtime.checkpoint_commit import ENOSPC_ENV, STALL_ENV
 from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
 
 PEER_TIMEOUT = 30  # --timeout of every worker
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def args(plan: Path, steps: int, checkpoints: Path, *extra: object) -> list[str]:

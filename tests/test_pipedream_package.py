@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import mlp_job
+from support.mlp import mlp_job
 from model_parallel.codegen.package import generate_package
 from model_parallel.errors import PeerError
 from model_parallel.graph.io import load_graph
@@ -19,7 +19,7 @@ from model_parallel.runtime import comm
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.pipedream import load_pipedream_package
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 STEPS = 3
 TRAIN = ["--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01", "--num_classes", "10", "--steps", str(STEPS)]
 
