@@ -18,6 +18,11 @@ class PlanError(ModelParallelError, ValueError):
     """A partition plan or stage/rank configuration is invalid or does not fit the world."""
 
 
+class TiedParameterError(PlanError):
+    """A plan puts the users of one tied tensor (an embedding shared with the output layer) on different
+    stages, where they would train as separate copies; names the parameters, nodes, stages and the fix."""
+
+
 class InfeasibleError(ModelParallelError, ValueError):
     """No partition satisfies the constraints (e.g. memory); the message says what would fit."""
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
 from model_parallel.codegen.naming import layer_name
+from model_parallel.codegen.ties import check_stage_ties, check_ties, tie_stage
 from model_parallel.errors import CodegenError, GraphError, PlanError
 from model_parallel.graph import loader
 from model_parallel.graph.arguments import decode_argument, referenced_nodes
@@ -144,7 +145,9 @@ def _layer(graph: Graph, node: Node) -> LayerSpec:
 
 
 def check_shared_modules(graph: Graph, stage_of: Mapping[str, int]) -> None:
-    """A module with parameters called from two stages cannot be split: its weights would diverge."""
+    """A module with parameters called from two stages cannot be split: its weights would diverge.
+    Neither can tied parameters (one tensor under two names, found by identity): `TiedParameterError`."""
+    check_ties(graph, stage_of)
     stages_of_target: dict[str, set[int]] = {}
     owns_state: set[str] = set()
     for node in graph.nodes:
@@ -265,6 +268,7 @@ def _build_fx(
                         f"module {layer.target!r} is used by node {node_id} of this stage and by node(s) "
                         f"{', '.join(others)} outside it, and has parameters: keep them in one stage"
                     )
+        check_stage_ties(graph, node_ids)
 
     for node_id in node_ids:  # modules first: in-place detection needs them
         node = graph[node_id]
@@ -282,6 +286,7 @@ def _build_fx(
                     root.register_parameter(name, tensor)
                 else:
                     root.register_buffer(name, tensor)
+    tie_stage(graph, node_ids, root)  # layers built separately: point each tie's attributes at one tensor
 
     for name in inputs:
         env[name] = fx_graph.placeholder(layer_name(name))

@@ -85,14 +85,22 @@ def stage_state_from_original(graph: Graph, state_dict: Mapping[str, Any], stric
     missing = [key for key in mapping if key not in state_dict]
     if strict and missing:
         raise CodegenError(f"state dict lacks {len(missing)} parameter(s) the graph owns, e.g. {missing[:3]}")
+    from model_parallel.codegen.ties import tie_aliases
+
+    result.update({alias: result[key] for alias, key in tie_aliases(graph).items() if key in result})
     return result
 
 
 def original_state_from_stage(graph: Graph, stage_state: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of `stage_state_from_original`: stage keys (from any number of stages) -> original keys."""
+    from model_parallel.codegen.ties import tie_aliases
+
     reverse = {new: old for old, new in state_key_map(graph).items()}
+    aliases = tie_aliases(graph)  # a second key of a tied tensor whose owned key is also there
     result: dict[str, Any] = {}
     for key, value in stage_state.items():
+        if key in aliases:
+            continue
         if key not in reverse:
             raise CodegenError(
                 f"stage state key {key!r} is not a parameter of any graph node; "

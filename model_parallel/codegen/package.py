@@ -40,6 +40,7 @@ from model_parallel.codegen.build import (
     stage_assignment,
 )
 from model_parallel.codegen.naming import layer_name
+from model_parallel.codegen.ties import tie_lines
 from model_parallel.errors import CodegenError, PlanError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.graph.arguments import decode_argument
@@ -175,7 +176,8 @@ def render_stage(graph: Graph, stage: StageModule, index: int, class_name: str, 
     body = "\n".join(forward)
     span = f"{stage.node_ids[0]} .. {stage.node_ids[-1]}" if stage.node_ids else "no nodes (passes values through)"
     constructors = _constructor_lines(graph, stage)
-    init = ["    def __init__(self):", "        super().__init__()"] + [f"        {c}" for c in constructors]
+    init = ["    def __init__(self):", "        super().__init__()"] + [
+        f"        {c}" for c in constructors + tie_lines(graph, stage.node_ids)]
     # Layers from outside torch (torchvision, the model's own module) need their module imported.
     modules = {c.partition(" = ")[2].partition("(")[0].rpartition(".")[0] for c in constructors if " = " in c}
     imports = _import_lines(globals_, body) + sorted(f"import {m}" for m in modules if m and m.split(".")[0] != "torch")

@@ -18,6 +18,9 @@ from model_parallel.errors import GraphError
 # JSON-compatible value: how layer arguments are stored (see `model_parallel.graph.arguments`).
 JSONValue = Any
 
+# metadata key of the tied parameters: [["wte.weight", "lm_head.weight"], ...] (see `Graph.tie_groups`).
+TIED_PARAMETERS = "tied_parameters"
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -128,7 +131,8 @@ class Graph:
     """A DAG of `Node`s. Node order is the order they were given (file order); edges keep order too,
     which matters: a node's inputs are its in-edges in order (the arguments of Add, Concat, ...).
 
-    `metadata` holds free-form facts about the profile (model name, batch size, input shapes, ...).
+    `metadata` holds free-form facts about the profile (model name, batch size, input shapes, ...);
+    one key is checked: `metadata["tied_parameters"]` (see `tie_groups`).
     """
 
     nodes: tuple[Node, ...]
@@ -152,6 +156,36 @@ class Graph:
         if len(self.topological_order) != len(self.nodes):
             cycle = self.find_cycle()
             raise GraphError(f"graph has a cycle: {' -> '.join(cycle)}")
+        self.tie_groups()  # validates the record
+
+    def tie_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of original state-dict names that are one tensor in the model (GPT-2's `transformer.wte.weight`
+        and `lm_head.weight`), as the profiler found them by identity: `metadata["tied_parameters"]`.
+
+        Every name is a parameter or buffer some node owns (`layer.parameters`); no name is in two groups.
+        """
+        record = self.metadata.get(TIED_PARAMETERS)
+        if record is None:
+            return ()
+        where = f"metadata.{TIED_PARAMETERS}"
+        if not isinstance(record, (list, tuple)):
+            raise GraphError(f"{where} must be a list of name lists like [[\"wte.weight\", \"lm_head.weight\"]], "
+                             f"got {type(record).__name__}")
+        owned = {p for n in self.nodes if n.layer is not None for p in n.layer.parameters}
+        seen: set[str] = set()
+        groups = []
+        for index, group in enumerate(record):
+            if not isinstance(group, (list, tuple)) or len(group) < 2 or not all(isinstance(g, str) for g in group):
+                raise GraphError(f"{where}[{index}] must list two or more parameter names, got {group!r}")
+            for name in group:
+                if name not in owned:
+                    raise GraphError(f"{where}[{index}]: {name!r} is not a parameter or buffer of any node "
+                                     "(no node lists it in layer.parameters); re-profile the model")
+                if name in seen:
+                    raise GraphError(f"{where}[{index}]: {name!r} is named twice; one name belongs to one tensor")
+                seen.add(name)
+            groups.append(tuple(group))
+        return tuple(groups)
 
     # ---- lookups -------------------------------------------------------------------------------
     @cached_property

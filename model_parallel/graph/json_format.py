@@ -5,6 +5,9 @@
                 "parameter_size", "stage_id"?, "layer"?: {"op", "target", "args", "kwargs",
                 "module", "outputs": [{"shape", "dtype"}], "parameters"}}],
      "edges": [[src, dst], ...]}
+
+`metadata["tied_parameters"]` ([[name, ...], ...], the state-dict names that are one tensor) is
+checked on reading: an unknown name is a GraphFormatError naming the file and the key.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -18,7 +19,7 @@ from torch.fx.node import _get_qualified_name
 
 from model_parallel.errors import ModelParallelError, ProfileError
 from model_parallel.graph.arguments import encode_argument
-from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
+from model_parallel.graph.core import TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.loader import parse_constructor
 
 
@@ -249,4 +250,23 @@ def trace_model(
                    for p, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)],
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
     }
-    return graph_from_fx(gm, recorder.metas, metadata), gm
+    graph = graph_from_fx(gm, recorder.metas, metadata)
+    owned = {name for node in graph.nodes for name in node.layer.parameters}
+    # A tie only matters between names nodes own (a tensor used twice inside one leaf module stays whole).
+    ties = [kept for group in tied_tensor_names(model) if len(kept := [n for n in group if n in owned]) > 1]
+    if ties:
+        graph = replace(graph, metadata={**graph.metadata, TIED_PARAMETERS: ties})
+    return graph, gm
+
+
+def tied_tensor_names(model: nn.Module) -> list[list[str]]:
+    """Groups of state-dict names that are one tensor object (GPT-2's `lm_head.weight = transformer.wte.weight`).
+
+    Found by identity, not by name: `named_parameters(remove_duplicate=False)` lists every name of a
+    shared Parameter, and fx records each module's own names, so the second user of a tied weight
+    would otherwise look like an independent parameter.
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(tensor), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]

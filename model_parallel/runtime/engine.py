@@ -39,6 +39,7 @@ from torch import nn
 
 from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage
+from model_parallel.codegen.ties import check_ties
 from model_parallel.errors import ModelParallelError, PeerError, PlanError
 from model_parallel.graph.arguments import decode_argument
 from model_parallel.graph.core import Graph
@@ -210,6 +211,7 @@ class PipelineEngine:
         """Build this rank's stage and optimizer for `plan` (collective: every rank calls it together)."""
         plan = plan.with_default_ranks()
         check_plan_fits(plan, self.world_size)
+        check_ties(self.graph, plan.stage_of)  # on every rank alike, before anything changes
         self.plan = plan
         self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
         self.boundaries = stage_boundaries(self.graph, plan.stage_of)

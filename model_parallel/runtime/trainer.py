@@ -245,6 +245,9 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, config.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        from model_parallel.codegen.ties import check_ties
+
+        check_ties(graph, self.plan.stage_of)  # before any runner or heartbeat starts
         if self.single_process:
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, criterion, optimizer_factory, dataset, config)
         else:

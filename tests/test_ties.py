@@ -1,0 +1,285 @@
+"""Tied parameters: found by identity, recorded in the graph, kept one tensor within a stage on every
+build path, and refused loudly (naming both parameters) when a plan puts them on different stages."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_parallel.codegen.boundary import stage_boundaries
+from model_parallel.codegen.build import build_stage, build_stages, full_model_from_graph
+from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original
+from model_parallel.codegen.package import generate_package, import_package
+from model_parallel.codegen.ties import find_ties, tie_lines
+from model_parallel.errors import GraphError, GraphFormatError, TiedParameterError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.json_format import graph_to_dict, read_graph_json, write_graph_json
+from model_parallel.graph.plan import Plan, StagePlan, plan_from_graph
+from model_parallel.models.gpt import lm_loss
+from model_parallel.profiler.trace import trace_model, tied_tensor_names
+from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.engine import TrainConfig
+from model_parallel.runtime.launch import launch_workers
+from model_parallel.runtime.stages import layer_modules
+from model_parallel.runtime.trainer import PipelineTrainer, SingleProcessRunner, single_process_reference
+
+VOCAB, DIM, SEQ = 24, 8, 6
+SPLIT = r"tied parameters 'wte.weight' and 'lm_head.weight' are one tensor.*node wte on stage 0.*node lm_head on stage 1"
+
+
+class TiedLM(nn.Module):
+    """GPT-2's tie in small: the output layer's weight *is* the token embedding (then a norm over the logits)."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.out_norm = nn.LayerNorm(VOCAB)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out_norm(self.lm_head(torch.relu(self.mid(self.wte(tokens)))))
+
+
+class FunctionalTie(nn.Module):
+    """The other way to tie: read the embedding's weight in forward (fx records a get_attr node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.mid(self.wte(tokens)), self.wte.weight)
+
+
+def _tokens(batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _traced(model: nn.Module) -> Graph:
+    graph, _ = trace_model(model, (_tokens(),))
+    return graph
+
+
+def _plan(graph: Graph, last_stage_nodes: tuple[str, ...]) -> dict[str, int]:
+    return {n: int(n in last_stage_nodes) for n in graph.topological_order}
+
+
+# ---- detection and the graph record --------------------------------------------------------------
+def test_ties_are_found_by_identity_and_recorded() -> None:
+    torch.manual_seed(0)
+    graph = _traced(TiedLM())
+    assert graph.tie_groups() == (("wte.weight", "lm_head.weight"),)
+    assert graph.metadata["tied_parameters"] == [["wte.weight", "lm_head.weight"]]
+    # each name maps to the node using it, whichever module fx saw first
+    (tie,) = find_ties(graph)
+    assert tie.users == (("wte", "wte.weight"), ("lm_head", "lm_head.weight"))
+    assert "tied_parameters" not in _traced(TiedLM(tie=False)).metadata
+
+
+def test_a_get_attr_of_a_module_weight_is_a_tie() -> None:
+    graph = _traced(FunctionalTie())
+    assert graph.tie_groups() == ()  # one name only: nothing to record, but two nodes use it
+    (tie,) = find_ties(graph)
+    assert tie.names == ("wte.weight",) and tie.users == (("wte", "wte.weight"), ("wte_weight", "wte_weight"))
+
+
+def test_hugging_face_gpt2_ties_are_found_by_identity() -> None:
+    from model_parallel.compat import import_torchvision
+
+    import_torchvision()  # transformers imports torchvision (see /work/shared/ENV.md)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def config(**kwargs: object) -> GPT2Config:
+        return GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, **kwargs)
+
+    assert tied_tensor_names(GPT2LMHeadModel(config())) == [["transformer.wte.weight", "lm_head.weight"]]
+    assert tied_tensor_names(GPT2LMHeadModel(config(tie_word_embeddings=False))) == []
+
+
+def test_graph_json_round_trips_the_ties(tmp_path) -> None:
+    graph = _traced(TiedLM())
+    write_graph_json(graph, tmp_path / "graph.json")
+    assert read_graph_json(tmp_path / "graph.json").tie_groups() == graph.tie_groups()
+
+
+@pytest.mark.parametrize("record, message", [
+    ([["wte.weight", "nope.weight"]], r"metadata\.tied_parameters\[0\]: 'nope\.weight' is not a parameter or buffer of any node"),
+    ([["wte.weight"]], r"metadata\.tied_parameters\[0\] must list two or more parameter names"),
+    ([["wte.weight", "lm_head.weight"], ["lm_head.weight", "mid.weight"]], r"metadata\.tied_parameters\[1\]: 'lm_head\.weight' is named twice"),
+    ("wte.weight", r"metadata\.tied_parameters must be a list"),
+])
+def test_a_bad_tie_record_is_a_format_error_naming_file_and_key(tmp_path, record, message) -> None:
+    data = graph_to_dict(_traced(TiedLM()))
+    data["metadata"]["tied_parameters"] = record
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(GraphFormatError, match=rf"graph\.json: {message}"):
+        read_graph_json(path)
+    with pytest.raises(GraphError, match=message):
+        Graph(_traced(TiedLM()).nodes, (), {"tied_parameters": record})
+
+
+# ---- same-stage ties stay one tensor -------------------------------------------------------------
+def _sgd_step(module: nn.Module, tokens: torch.Tensor) -> None:
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    output = module(tokens)
+    (output[0] if isinstance(output, tuple) else output).square().mean().backward()  # a stage returns a tuple
+    optimizer.step()
+
+
+def test_a_model_rebuilt_from_the_graph_keeps_the_tie_and_trains_like_the_original() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    graph = _traced(model)
+    full = full_model_from_graph(graph)  # fresh layers from constructor expressions: untied until re-tied
+    assert full.wte.weight is full.lm_head.weight
+    full.load_state_dict(stage_state_from_original(graph, model.state_dict()))
+    tokens = _tokens()
+    assert torch.equal(full(tokens), model(tokens))
+    _sgd_step(full, tokens)
+    _sgd_step(model, tokens)
+    assert full.wte.weight is full.lm_head.weight
+    torch.testing.assert_close(full.wte.weight, model.wte.weight, rtol=0, atol=1e-6)
+    # layer_modules hands the runtime the tied objects
+    modules = layer_modules(graph, full)
+    assert modules["wte"].weight is modules["lm_head"].weight
+
+
+def test_a_get_attr_tie_is_kept_and_its_alias_key_maps_back() -> None:
+    torch.manual_seed(0)
+    model = FunctionalTie()
+    graph = _traced(model)
+    full = full_model_from_graph(graph)  # was: an uninitialised buffer `wte_weight`, never trained
+    assert full.wte_weight is full.wte.weight and isinstance(full.wte_weight, nn.Parameter)
+    full.load_state_dict(stage_state_from_original(graph, model.state_dict()))
+    assert torch.equal(full(_tokens()), model(_tokens()))
+    assert original_state_from_stage(graph, full.state_dict()).keys() == model.state_dict().keys()
+
+
+def test_stages_keep_a_same_stage_tie_after_building_and_training() -> None:
+    graph = _traced(TiedLM())
+    one, = build_stages(graph, {n: 0 for n in graph.topological_order})
+    assert one.wte.weight is one.lm_head.weight
+    first, second = build_stages(graph, _plan(graph, ("out_norm",)))
+    assert first.wte.weight is first.lm_head.weight and len(list(first.parameters())) == 3
+    _sgd_step(one, _tokens())
+    assert one.wte.weight is one.lm_head.weight
+
+
+def test_single_process_training_with_a_same_stage_tie_equals_the_plain_model() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)  # deepcopy keeps the tie
+    graph = _traced(model)
+    plan = Plan(stages=(StagePlan(0, tuple(n for n in graph.topological_order if n != "out_norm")),
+                        StagePlan(1, ("out_norm",)))).with_default_ranks()
+    config = TrainConfig(batch_size=4, num_microbatches=2, progress=False)
+    data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
+    factory = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    runner = SingleProcessRunner(graph, plan, model, lm_loss, factory, data, config)
+    losses = [r.loss for r in runner.train(4)]
+    want = single_process_reference(reference, lm_loss, factory, data, config, 4)
+    assert losses == pytest.approx(want, abs=1e-6)
+    stage = runner.stages[0]
+    assert stage.wte.weight is stage.lm_head.weight
+    torch.testing.assert_close(stage.wte.weight, reference.wte.weight, rtol=0, atol=1e-6)
+
+
+def test_a_trainer_rebuilding_the_model_from_its_graph_keeps_the_tie() -> None:
+    graph = _traced(TiedLM())
+    data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
+    config = TrainConfig(batch_size=4, num_microbatches=2, progress=False)
+    trainer = PipelineTrainer(graph, lambda p: torch.optim.SGD(p, lr=0.1), data, config, criterion=lm_loss,
+                              plan=Plan(stages=(StagePlan(0, graph.topological_order),)), single_process=True)
+    reference = copy.deepcopy(trainer.model)
+    losses = [r.loss for r in trainer.train(3)]
+    assert losses == pytest.approx(single_process_reference(reference, lm_loss, lambda p: torch.optim.SGD(p, lr=0.1),
+                                                            data, config, 3), abs=1e-6)
+    stage = trainer.runner.stages[0]
+    assert stage.wte.weight is stage.lm_head.weight
+
+
+def test_a_generated_package_keeps_the_tie(tmp_path) -> None:
+    graph = _traced(TiedLM())
+    order = graph.topological_order
+    plan = Plan(stages=(StagePlan(0, tuple(n for n in order if n != "out_norm")), StagePlan(1, ("out_norm",))))
+    generate_package(graph, plan, tmp_path / "tied", "TiedPartitioned", "tied")
+    source = (tmp_path / "tied" / "stage0.py").read_text()
+    assert "self.lm_head.weight = self.wte.weight  # tied: one tensor (wte.weight, lm_head.weight)" in source
+    package = import_package(tmp_path / "tied")
+    stage = package.model(None)[0][0]
+    assert stage.wte.weight is stage.lm_head.weight and len(list(stage.parameters())) == 3
+    full = package.full_model()
+    assert full.stage0.wte.weight is full.stage0.lm_head.weight
+
+
+def test_generated_code_ties_a_get_attr_and_names_awkward_paths_through_get_submodule() -> None:
+    graph = _traced(FunctionalTie())
+    assert tie_lines(graph, graph.topological_order) == ["self.wte_weight = self.wte.weight  # tied: one tensor (wte.weight)"]
+
+    class InSequential(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(DIM, DIM))
+            self.head = nn.Linear(DIM, DIM)
+            self.head.weight = self.block[0].weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(x))
+
+    graph, _ = trace_model(InSequential(), (torch.randn(2, DIM),), leaf_modules=[nn.Sequential])
+    assert graph.tie_groups() == (("block.0.weight", "head.weight"),)
+    assert tie_lines(graph, graph.topological_order) == [
+        "self.head.weight = self.get_submodule('block.0').weight  # tied: one tensor (block.0.weight, head.weight)"]
+    full = full_model_from_graph(graph, modules={"block": nn.Sequential(nn.Linear(DIM, DIM)), "head": nn.Linear(DIM, DIM)})
+    assert full.head.weight is full.block[0].weight
+
+
+# ---- split ties are refused, naming both parameters ----------------------------------------------
+def test_build_stages_refuses_a_split_tie() -> None:
+    graph = _traced(TiedLM())
+    with pytest.raises(TiedParameterError, match=SPLIT + r".*not supported yet.*put nodes wte and lm_head in one stage.*tie_word_embeddings=False"):
+        build_stages(graph, _plan(graph, ("lm_head", "out_norm")))
+    with pytest.raises(TiedParameterError, match=r"'wte\.weight'.*this stage holds node\(s\) lm_head without wte"):
+        stage_of = _plan(graph, ("lm_head", "out_norm"))
+        build_stage(graph, ("lm_head", "out_norm"), stage_boundaries(graph, stage_of)[1])
+    functional = _traced(FunctionalTie())
+    with pytest.raises(TiedParameterError, match=r"parameter 'wte\.weight' is used by several nodes.*node wte_weight on stage 1"):
+        build_stages(functional, _plan(functional, ("wte_weight", "linear")))
+
+
+def test_package_generation_refuses_a_split_tie(tmp_path) -> None:
+    graph = _traced(TiedLM())
+    with pytest.raises(TiedParameterError, match=SPLIT):
+        generate_package(graph, plan_from_graph(graph.with_stages(_plan(graph, ("lm_head", "out_norm")))),
+                         tmp_path / "split", "Split", "split")
+    assert not (tmp_path / "split").exists()
+
+
+def test_the_trainer_refuses_a_split_tie_in_one_process() -> None:
+    torch.manual_seed(0)
+    data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
+    with pytest.raises(TiedParameterError, match=SPLIT):
+        PipelineTrainer(TiedLM(), lambda p: torch.optim.SGD(p, lr=0.1), data,
+                        TrainConfig(batch_size=4, num_microbatches=2, progress=False), criterion=lm_loss,
+                        num_stages=2, single_process=True)
+
+
+def test_workers_refuse_a_split_tie_with_one_line_and_exit_2(tmp_path) -> None:
+    write_graph_json(_traced(TiedLM()), tmp_path / "graph.json")
+    result = launch_workers(["--graph", str(tmp_path / "graph.json"), "--num_stages", "2", "--steps", "2",
+                             "--batch_size", "4", "--num_microbatches", "2", "--timeout", "30"], 2, timeout=180)
+    assert not result.timed_out, result.summary()
+    for worker in result.workers:
+        assert worker.returncode == 2, result.summary()
+        assert "Traceback" not in worker.output, worker.output
+        assert len([line for line in worker.output.splitlines() if "error: tied parameters" in line]) == 1, worker.output
+        assert "'wte.weight' and 'lm_head.weight'" in worker.output and "node lm_head on stage 1" in worker.output
