@@ -14,7 +14,8 @@ from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage, build_stages, full_model_from_graph
 from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original
 from model_parallel.codegen.package import generate_package, import_package
-from model_parallel.codegen.ties import find_ties, tie_lines
+from model_parallel.codegen.naming import find_ties
+from model_parallel.codegen.ties import tie_lines
 from model_parallel.errors import GraphError, GraphFormatError, TiedParameterError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import graph_to_dict, read_graph_json, write_graph_json

@@ -8,10 +8,11 @@ migration key on these names, which is why they must not depend on the stage bou
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from model_parallel.errors import CodegenError
-from model_parallel.graph.core import Graph
+from model_parallel.graph.core import Graph, Node
 
 
 def layer_name(target: str) -> str:
@@ -85,16 +86,12 @@ def stage_state_from_original(graph: Graph, state_dict: Mapping[str, Any], stric
     missing = [key for key in mapping if key not in state_dict]
     if strict and missing:
         raise CodegenError(f"state dict lacks {len(missing)} parameter(s) the graph owns, e.g. {missing[:3]}")
-    from model_parallel.codegen.ties import tie_aliases
-
     result.update({alias: result[key] for alias, key in tie_aliases(graph).items() if key in result})
     return result
 
 
 def original_state_from_stage(graph: Graph, stage_state: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of `stage_state_from_original`: stage keys (from any number of stages) -> original keys."""
-    from model_parallel.codegen.ties import tie_aliases
-
     reverse = {new: old for old, new in state_key_map(graph).items()}
     aliases = tie_aliases(graph)  # a second key of a tied tensor whose owned key is also there
     result: dict[str, Any] = {}
@@ -108,3 +105,88 @@ def original_state_from_stage(graph: Graph, stage_state: Mapping[str, Any]) -> d
             )
         result[reverse[key]] = value
     return result
+
+
+# ---- tied tensors (several names or attributes, one tensor) ------------------------------------------
+@dataclass(frozen=True)
+class Tie:
+    """One tensor of the original model and the nodes using it.
+
+    `names`: its original state-dict names. `users`: (node id, attribute path in a stage module,
+    e.g. `"lm_head.weight"` or `"wte_weight"`), owners first, then in topological order; the first
+    user's tensor is the one every other attribute is pointed at.
+    """
+
+    names: tuple[str, ...]
+    users: tuple[tuple[str, str], ...]
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(node_id for node_id, _ in self.users))
+
+
+def _attribute_path(node: Node, name: str) -> Optional[str]:
+    """Where a stage module holds `name` when it contains `node`, or None if the node does not use it."""
+    layer = node.layer
+    if layer is None:
+        return None
+    if layer.op == "call_module" and name.startswith(layer.target + "."):
+        return layer_name(layer.target) + name[len(layer.target):]
+    if layer.op == "get_attr" and name == layer.target:
+        return layer_name(layer.target)
+    return None
+
+
+def _shared_reads(graph: Graph, grouped: set[str]) -> list[tuple[str, ...]]:
+    """Single-name ties: get_attr nodes reading a tensor that a module node (or another node) also holds."""
+    module_targets = {n.layer.target for n in graph.nodes if n.layer is not None and n.layer.op == "call_module"}
+    reads: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.layer is not None and node.layer.op == "get_attr":
+            reads[node.layer.target] = reads.get(node.layer.target, 0) + 1
+    found = []
+    for target, count in reads.items():
+        parts = target.split(".")
+        held_by_module = any(".".join(parts[:i]) in module_targets for i in range(1, len(parts)))
+        if target not in grouped and (held_by_module or count > 1):
+            found.append((target,))
+    return found
+
+
+def find_ties(graph: Graph) -> tuple[Tie, ...]:
+    """Every tensor of `graph` used by two or more nodes under different attributes or names."""
+    groups = list(graph.tie_groups())
+    groups += _shared_reads(graph, {name for group in groups for name in group})
+    if not groups:
+        return ()
+    position = {node_id: i for i, node_id in enumerate(graph.topological_order)}
+    ties = []
+    for names in groups:
+        users = []
+        for node in graph.nodes:
+            owns = node.layer is not None and any(name in node.layer.parameters for name in names)
+            for name in names:
+                path = _attribute_path(node, name)
+                if path is not None:
+                    users.append((not owns, position[node.node_id], node.node_id, path))
+        users.sort()
+        tie = Tie(names=tuple(names), users=tuple((node_id, path) for _, _, node_id, path in users))
+        if len({path for _, path in tie.users}) > 1 or len(tie.node_ids) > 1:
+            ties.append(tie)
+    return tuple(ties)
+
+
+def tie_aliases(graph: Graph) -> dict[str, str]:
+    """Stage state keys that name a tied tensor no node owns under that key -> the owned key they repeat.
+
+    A get_attr of a module's parameter (`wte_weight` reading `wte.weight`) is such an alias: the
+    original state dict has only `wte.weight`, a stage holding both has both keys.
+    """
+    owned = {state_key(name, owner=n.layer.target) for n in graph.nodes if n.layer is not None for name in n.layer.parameters}
+    aliases = {}
+    for tie in find_ties(graph):
+        paths = list(dict.fromkeys(path for _, path in tie.users))
+        keys = [path for path in paths if path in owned]
+        if keys:
+            aliases.update({path: keys[0] for path in paths if path not in owned})
+    return aliases
