@@ -231,5 +231,5 @@ class StaticPlanChannel:
             return None
         return command
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, reason: str = "") -> None:
+        self.inner.close(reason)
