@@ -51,6 +51,10 @@ class PeerError(ModelParallelError, RuntimeError):
     """A distributed peer died, timed out, or never joined; the message names the rank."""
 
 
+class TrainingStopped(ModelParallelError, RuntimeError):
+    """A run was stopped (a stop command) before all its requested steps ran; the message says why."""
+
+
 class RenderError(ModelParallelError, RuntimeError):
     """A rendering could not be produced (graphviz `dot` missing)."""
 

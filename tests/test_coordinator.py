@@ -139,7 +139,8 @@ def test_bad_clients_are_dropped_and_do_not_disturb(coordinator, caplog):
 
 
 @pytest.mark.slow
-def test_silent_and_vanished_workers_are_declared_dead(coordinator):
+def test_silent_and_vanished_workers_are_marked_unreachable_and_nothing_stops(coordinator):
+    """The coordinator's view may be stale: it only marks such ranks unreachable (their peers name a dead one)."""
     ch0 = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=3)
     host, port = coordinator.address.split(":")
     silent = socket.create_connection((host, int(port)), timeout=5)
@@ -151,12 +152,14 @@ def test_silent_and_vanished_workers_are_declared_dead(coordinator):
             assert session.recv(5)["type"] == "welcome"
         start = time.monotonic()
         vanished.close()  # like kill -9: the connection closes without a bye
-        command = wait_for(ch0.poll, timeout=5, what="stop command")
-        assert command.kind == "stop" and "rank 2" in command.reason and "without a goodbye" in command.reason
-        wait_for(lambda: coordinator.workers[1].status == "dead", timeout=5, what="silent worker declared dead")
+        wait_for(lambda: coordinator.workers[2].status == "unreachable", timeout=5, what="vanished worker unreachable")
+        wait_for(lambda: coordinator.workers[1].status == "unreachable", timeout=5, what="silent worker unreachable")
         assert time.monotonic() - start < 10
-        with pytest.raises(PlanError, match="the run is stopping \\(rank 2"):
-            coordinator.handle_ctl("rebalance", {})
+        assert "without a goodbye" in coordinator.workers[2].note and "no heartbeat for" in coordinator.workers[1].note
+        assert coordinator.stop_reason is None and ch0.poll() is None  # nobody was told to stop
+        assert coordinator.workers[0].status == "running"
+        assert {w["rank"]: w["status"] for w in coordinator.handle_ctl("status", {})["workers"]} == {
+            0: "running", 1: "unreachable", 2: "unreachable"}
     finally:
         silent.close()
         ch0.close()

@@ -124,7 +124,7 @@ def add_coordinator_arguments(parser: Any) -> None:
     parser.add_argument("--persist", type=int, default=3,
                         help="evaluations in a row a speed change must last before re-planning (default 3)")
     parser.add_argument("--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=float, default=5.0,
-                        help="seconds of silence before a worker is declared dead (default 5)")
+                        help="seconds of silence before a worker is shown unreachable; it never stops the run (default 5)")
     parser.add_argument("--status-file", "--status_file", dest="status_file", help="JSON status, rewritten atomically")
     parser.add_argument("--port-file", "--port_file", dest="port_file", help="write the bound port here (for --port 0)")
     parser.add_argument("--timeout", type=float, default=0.0, help="exit after this many seconds (0 = no limit)")

@@ -5,17 +5,19 @@ background thread sends its step reports and a heartbeat every second; another t
 commands. `report()` never blocks on the network (a bounded queue; when it is full the oldest
 report is dropped). `poll()` returns the next pending command (rank 0 is the one that polls).
 
-Losing the coordinator is not fatal: the channel logs one clear error naming the address and the
-reason, and the worker keeps training with its current plan (no more rebalancing). The
-coordinator is an optimisation, not needed for correctness; a dead *worker* is what stops a run
-(the coordinator then sends `stop` to every survivor, and the runtime's own peer timeouts catch
-what the coordinator cannot).
+Losing the coordinator is never fatal: the channel logs one clear error naming the address and the
+reason, the worker keeps training with its current plan, and the channel reconnects (exponential
+backoff from 0.25 s to 5 s with jitter, for up to `reconnect_for` seconds, then it gives up and
+the run goes on without rebalancing). Reports made meanwhile wait in the bounded queue. The
+coordinator is an optimisation, not needed for correctness; it never stops a run. A dead *worker*
+is found by its peers (their timeouts and `runtime.health` name it), not by the coordinator.
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 HEARTBEAT_INTERVAL_S = 1.0
 REPORT_QUEUE = 256
+RECONNECT_FIRST_S = 0.25  # first wait before reconnecting; doubles per attempt (times a jitter in [0.5, 1])
+RECONNECT_MAX_S = 5.0  # the longest wait between attempts
+RECONNECT_FOR_S = 300.0  # give up after this long (training goes on without rebalancing)
 
 
 def _connect(address: str, token: bytes, timeout: float) -> Session:
@@ -75,31 +80,26 @@ class CoordinatorChannel:
     """`ControlChannel` backed by a coordinator; see the module docstring for failure behaviour."""
 
     def __init__(self, address: str, token: bytes, rank: int, world_size: int,
-                 timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> None:
-        self.address = address
-        self.rank = rank
+                 timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+                 reconnect_for: float = RECONNECT_FOR_S) -> None:
+        self.address, self.token = address, token
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
-        self.session = _connect(address, token, timeout)
+        self.reconnect_for = reconnect_for
+        self._lock = threading.Lock()  # guards `session` changes
         self._send_lock = threading.Lock()
         self._commands: "queue.Queue[Any]" = queue.Queue()
         self._reports: "queue.Queue[dict[str, Any]]" = queue.Queue(maxsize=REPORT_QUEUE)
         self._closed = threading.Event()
+        self._connected = threading.Event()
         self._step = -1
-        self.lost: Optional[str] = None
+        self.lost: Optional[str] = None  # why the connection is down right now (None while connected)
+        self.gave_up: Optional[str] = None  # set when reconnecting failed for `reconnect_for` seconds
+        self.reconnects = 0
         self.stop_reason: Optional[str] = None
-        try:
-            self._send("register", role="worker", rank=int(rank), host=socket.gethostname(), pid=os.getpid(),
-                       world_size=int(world_size))
-            welcome = self.session.recv(timeout)
-        except (OSError, ProtocolError) as error:
-            self.session.sock.close()
-            raise ProtocolError(f"coordinator at {address} refused rank {rank}: {error} "
-                                "(wrong token? the coordinator log says why)") from None
-        if welcome["type"] != "welcome":
-            self.session.sock.close()
-            raise ProtocolError(f"coordinator at {address}: expected welcome, got {welcome['type']!r}")
-        self.plan_version = welcome["plan_version"]
-        self.plan = welcome["plan"]
+        self.session: Optional[Session] = self._register(timeout)  # the first connection must work
+        self._connected.set()
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"coordinator-send-{rank}", daemon=True),
             threading.Thread(target=self._read_loop, name=f"coordinator-read-{rank}", daemon=True),
@@ -108,16 +108,35 @@ class CoordinatorChannel:
             thread.start()
         logger.info("rank %d connected to the coordinator at %s (plan v%d)", rank, address, self.plan_version)
 
+    def _register(self, timeout: float) -> Session:
+        """Connect, register and read the welcome (the live plan); ProtocolError says why not."""
+        session = _connect(self.address, self.token, timeout)
+        try:
+            with self._send_lock:
+                session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),
+                             world_size=int(self.world_size))
+            welcome = session.recv(timeout)
+        except (OSError, ProtocolError) as error:
+            session.sock.close()
+            raise ProtocolError(f"coordinator at {self.address} refused rank {self.rank}: {error} "
+                                "(wrong token? the coordinator log says why)") from None
+        if welcome["type"] != "welcome":
+            session.sock.close()
+            raise ProtocolError(f"coordinator at {self.address}: expected welcome, got {welcome['type']!r}")
+        self.plan_version = welcome["plan_version"]
+        self.plan = welcome["plan"]
+        return session
+
     # ---- ControlChannel --------------------------------------------------------------------------
     def report(self, metrics: dict[str, Any]) -> None:
-        if self.lost is not None or self._closed.is_set():
+        if self.gave_up is not None or self._closed.is_set():
             return
         message = metrics_to_report(metrics)
         self._step = max(self._step, message["step"])
         try:
             self._reports.put_nowait(message)
         except queue.Full:
-            # The coordinator is slow to read: drop the oldest report rather than stall training.
+            # The coordinator is slow to read (or away): drop the oldest report rather than stall training.
             try:
                 self._reports.get_nowait()
             except queue.Empty:
@@ -135,67 +154,116 @@ class CoordinatorChannel:
             return
         # Let queued reports go out first (bounded wait), then say goodbye.
         deadline = time.monotonic() + 2.0
-        while not self._reports.empty() and self.lost is None and time.monotonic() < deadline:
+        while not self._reports.empty() and self.session is not None and time.monotonic() < deadline:
             time.sleep(0.01)
         self._closed.set()
-        if self.lost is None:
+        with self._lock:
+            session, self.session = self.session, None
+        if session is not None:
             try:
-                self._send("bye", rank=self.rank, reason=reason)
+                self._send(session, "bye", rank=self.rank, reason=reason)
             except (OSError, ProtocolError):
                 pass
-        try:
-            self.session.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.session.sock.close()
+            _hang_up(session)
         for thread in self._threads:
             thread.join(timeout=2.0)
 
     # ---- threads -----------------------------------------------------------------------------------
-    def _send(self, kind: str, **fields: Any) -> None:
+    def _send(self, session: Session, kind: str, **fields: Any) -> None:
         with self._send_lock:
-            self.session.send(kind, **fields)
+            session.send(kind, **fields)
 
-    def _lose(self, why: str) -> None:
-        if self.lost is None and not self._closed.is_set():
+    def _drop(self, session: Session, why: str) -> None:
+        """The connection `session` failed: close it; the read loop reconnects."""
+        with self._lock:
+            if self.session is not session or self._closed.is_set():
+                return
+            self.session = None
+            self._connected.clear()
             self.lost = why
-            logger.error("rank %d lost the coordinator at %s: %s; training continues with the current plan "
-                         "(no more rebalancing)", self.rank, self.address, why)
+        _hang_up(session)
+        logger.error("rank %d lost the coordinator at %s: %s; training continues with the current plan "
+                     "(reconnecting with backoff for up to %.0f s)", self.rank, self.address, why, self.reconnect_for)
+
+    def _reconnect(self) -> bool:
+        """Register again, with exponential backoff and jitter, for up to `reconnect_for` seconds."""
+        started = time.monotonic()
+        delay, attempts = RECONNECT_FIRST_S, 0
+        while not self._closed.is_set():
+            if time.monotonic() - started > self.reconnect_for:
+                self.gave_up = f"{self.lost}; not back after {attempts} attempt(s) in {self.reconnect_for:.0f} s"
+                logger.error("rank %d gave up on the coordinator at %s: %s; training continues with the current "
+                             "plan (no more rebalancing)", self.rank, self.address, self.gave_up)
+                return False
+            # Jitter: the ranks that lost one coordinator do not all knock at the same instant.
+            if self._closed.wait(delay * random.uniform(0.5, 1.0)):
+                return False
+            delay = min(2 * delay, RECONNECT_MAX_S)
+            attempts += 1
+            try:
+                session = self._register(min(self.timeout, RECONNECT_MAX_S))
+            except ProtocolError as error:
+                logger.debug("rank %d: reconnecting to %s failed: %s", self.rank, self.address, error)
+                continue
+            with self._lock:
+                if self._closed.is_set():
+                    _hang_up(session)
+                    return False
+                self.session, self.lost = session, None
+                self._connected.set()
+            self.reconnects += 1
+            logger.warning("rank %d reconnected to the coordinator at %s after %.1f s (%d attempt(s); plan v%d there)",
+                           self.rank, self.address, time.monotonic() - started, attempts, self.plan_version)
+            return True
+        return False
 
     def _send_loop(self) -> None:
         last = 0.0
-        while not self._closed.is_set() and self.lost is None:
-            try:
-                message = self._reports.get(timeout=self.heartbeat_interval / 2)
-            except queue.Empty:
-                message = None
+        message: Optional[dict[str, Any]] = None
+        while not self._closed.is_set() and self.gave_up is None:
+            if message is None:
+                try:
+                    message = self._reports.get(timeout=self.heartbeat_interval / 2)
+                except queue.Empty:
+                    pass
+            session = self.session
+            if session is None:  # disconnected: reports wait in the bounded queue (oldest dropped)
+                self._connected.wait(self.heartbeat_interval / 2)
+                continue
             try:
                 if message is not None:
-                    self._send("report", **message)
-                    last = time.monotonic()
+                    self._send(session, "report", **message)
+                    message, last = None, time.monotonic()
                 if time.monotonic() - last >= self.heartbeat_interval:
-                    self._send("heartbeat", rank=self.rank, step=max(self._step, 0))
+                    self._send(session, "heartbeat", rank=self.rank, step=max(self._step, 0))
                     last = time.monotonic()
-            except (OSError, ProtocolError) as error:
+            except ProtocolError as error:  # raised before sending: the protocol refuses this report
+                logger.warning("rank %d: not sending a report the protocol refuses: %s", self.rank, error)
+                message = None
+            except OSError as error:
                 if not self._closed.is_set():
-                    self._lose(f"send failed ({error})")
-                return
+                    self._drop(session, f"send failed ({error})")
 
     def _read_loop(self) -> None:
         from model_parallel.runtime.control import Command
 
-        while not self._closed.is_set() and self.lost is None:
+        while not self._closed.is_set():
+            session = self.session
+            if session is None:
+                if not self._reconnect():
+                    return
+                continue
             try:
-                message = self.session.recv(1.0)
+                message = session.recv(1.0)
             except socket.timeout:
                 continue
             except (OSError, ProtocolError) as error:
                 if not self._closed.is_set():
-                    self._lose(f"connection closed ({error})" if str(error) else "connection closed")
-                return
+                    self._drop(session, f"connection closed ({error})" if str(error) else "connection closed")
+                continue
             if message["type"] != "command":
-                self._lose(f"unexpected {message['type']!r} from the coordinator")
-                return
+                self._drop(session, f"unexpected {message['type']!r} from the coordinator")
+                continue
             try:
                 command = Command.from_dict(message["command"])
             except ProtocolError as error:
@@ -205,6 +273,14 @@ class CoordinatorChannel:
                 self.stop_reason = command.reason
             logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
             self._commands.put(command)
+
+
+def _hang_up(session: Session) -> None:
+    try:
+        session.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    session.sock.close()
 
 
 class CtlClient:

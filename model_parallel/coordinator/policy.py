@@ -36,6 +36,7 @@ straggler (a 30-50% gain) still gets through.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -116,6 +117,30 @@ class Decision:
     estimate: Optional[Estimate] = None
     gain: float = 0.0
     extra: Mapping[str, float] = field(default_factory=dict)
+
+
+# The largest plausible value of each report field: a step of a day, a billion samples per second.
+REPORT_LIMITS = {"compute_ms": 86_400_000.0, "comm_ms": 86_400_000.0, "idle_ms": 86_400_000.0, "samples_per_s": 1e9}
+IDLE_SLACK_MS = 1.0  # idle = step - compute - comm can come out a hair below zero from rounding
+
+
+def report_problem(report: Mapping[str, object]) -> Optional[str]:
+    """Why a worker's step report cannot be used (non-finite, negative or absurd values), or None.
+
+    The protocol only checks types; a report that passes it but says `compute_ms=1e308` would turn
+    speeds into 0 or inf and the solver's input into nonsense, so the coordinator rejects it."""
+    problems = []
+    for name, limit in REPORT_LIMITS.items():
+        value = report.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            problems.append(f"{name}={value!r} is not a number")
+        elif not math.isfinite(value):
+            problems.append(f"{name}={value} is not finite")
+        elif value < (-IDLE_SLACK_MS if name == "idle_ms" else 0.0):
+            problems.append(f"{name}={value:g} is negative")
+        elif value > limit:
+            problems.append(f"{name}={value:g} exceeds {limit:g}")
+    return "; ".join(problems) or None
 
 
 def with_cost_proxy(graph: Graph) -> Graph:

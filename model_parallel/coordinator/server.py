@@ -1,7 +1,7 @@
-"""The coordinator: accepts workers and ctl clients, tracks plans and stage times, rebalances, detects death.
+"""The coordinator: accepts workers and ctl clients, tracks plans and stage times, rebalances.
 
 Threads, not asyncio: one accept loop, one thread per connection (bounded), one monitor thread
-(heartbeat deadlines + status file). All shared state sits behind one lock; sockets are only
+(heartbeat ages + status file). All shared state sits behind one lock; sockets are only
 written under their connection's send lock.
 
 Life of a run:
@@ -12,8 +12,15 @@ Life of a run:
      the coordinator sends `command {switch}` to rank 0, whose runtime broadcasts it to all ranks
      at the next step boundary; reports carrying the new `plan_version` confirm the switch;
   4. a worker silent for more than `heartbeat_timeout` seconds (5 s), or whose connection closes
-     without a `bye`, is declared dead: logged, and every survivor gets `command {stop}` naming it;
-  5. when every registered worker has said `bye` (or died) the coordinator exits.
+     without a `bye`, is marked `unreachable` (logged, shown in the status) and nothing else: the
+     coordinator never stops a run. Its view can be stale (it may itself have been paused, or only
+     the control link failed while the data plane is fine); a live worker reconnects and is
+     `running` again, and a dead one is named by its peers, whose timeouts end the run;
+  5. when no worker is running any more and one has said `bye` (or all stayed unreachable for
+     `UNREACHABLE_GRACE_S`), the coordinator exits.
+
+Reports are checked before the policy sees them (`policy.report_problem`): one with absurd values
+is rejected and logged (once per rank), and the connection stays up.
 """
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ MAX_CONNECTIONS = MAX_AUTHENTICATED + MAX_UNAUTHENTICATED
 NOISE_INTERVAL_S = 10.0  # at most one log line per address per this many seconds about unauthenticated clients
 WARMUP_STEPS = 1  # samples from the first step(s) under a plan include warm-up/migration noise
 SAMPLE_HISTORY = 200
+UNREACHABLE_GRACE_S = 60.0  # every worker unreachable this long (none said bye): nobody is coming back
+PENDING_STEPS = 20  # a switch not confirmed this many steps after it was sent was lost (a dropped connection)
 
 
 @dataclass
@@ -62,7 +71,9 @@ class WorkerState:
     stage: Optional[int] = None
     plan_version: int = 0
     slowdown: float = 1.0
-    status: str = "running"  # running | finished | dead
+    status: str = "running"  # running | unreachable (may come back) | finished | stopped (said bye early)
+    note: str = ""  # why it is unreachable or stopped
+    bad_reports: int = 0  # reports rejected by policy.report_problem
     # (step, plan_version, compute_ms, comm_ms, idle_ms, samples_per_s)
     reports: deque = field(default_factory=lambda: deque(maxlen=SAMPLE_HISTORY))
 
@@ -109,6 +120,7 @@ class Coordinator:
         self.workers: dict[int, WorkerState] = {}
         self.world_size: Optional[int] = None
         self.pending: Optional[Plan] = None  # sent to rank 0, not yet confirmed by reports
+        self.pending_step = 0  # the step after which `pending` was sent
         self.version_start_step = 0  # first step run under self.plan
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason
         self.last_decision = "no decision yet"
@@ -281,18 +293,27 @@ class Coordinator:
             if self.plan.num_ranks > world:
                 raise ProtocolError(f"plan v{self.plan.version} needs {self.plan.num_ranks} ranks, rank {rank} is in a world of {world}")
             old = self.workers.get(rank)
-            if old is not None and old.status == "running" and old.session is not None:
+            host, pid = str(message.get("host", where)), int(message.get("pid", 0))
+            # The same process reconnecting (its old connection may not look closed from here yet) replaces it.
+            if old is not None and old.status == "running" and old.session is not None and (old.host, old.pid) != (host, pid):
                 raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host})")
             self.world_size = world
-            worker = WorkerState(rank=rank, host=str(message.get("host", where)), pid=int(message.get("pid", 0)),
-                                 world_size=world, session=session)
+            worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session)
+            reconnection = old is not None and old.status in ("running", "unreachable")
+            if reconnection:  # keep what was learned about this rank
+                worker.step, worker.stage, worker.plan_version = old.step, old.stage, old.plan_version
+                worker.slowdown, worker.reports, worker.bad_reports = old.slowdown, old.reports, old.bad_reports
+                if old.session is not None:
+                    old.session.sock.close()
             self.workers[rank] = worker
             self.done.clear()
             plan = self.plan
             self._status_dirty = True
         with worker.send_lock:
             session.send("welcome", plan_version=plan.version, plan=plan.to_dict())
-        logger.info("rank %d registered from %s (pid %d, world size %d)", rank, worker.host, worker.pid, world)
+        (logger.warning if reconnection else logger.info)("rank %d %s from %s (pid %d, world size %d)", rank,
+                                                          "reconnected" if reconnection else "registered",
+                                                          worker.host, worker.pid, world)
         return worker
 
     def _serve_worker(self, session: Session, worker: WorkerState) -> bool:
@@ -304,8 +325,7 @@ class Coordinator:
             except socket.timeout:
                 # A timeout in the middle of a frame leaves the stream unusable; between frames it is fine.
                 continue
-            with self.lock:
-                worker.last_seen = time.monotonic()
+            self._seen(worker)
             kind = message["type"]
             if kind == "heartbeat":
                 with self.lock:
@@ -315,18 +335,42 @@ class Coordinator:
                     raise ProtocolError(f"rank {worker.rank} sent a report for rank {message['rank']}")
                 self._on_report(worker, message)
             elif kind == "bye":
+                reason = message["reason"]
                 with self.lock:
-                    worker.status = "finished"
+                    finished = reason == "training finished"
+                    worker.status, worker.note = ("finished", "") if finished else ("stopped", reason)
                     worker.session = None
+                    if not finished and self.stop_reason is None:
+                        self.stop_reason = f"rank {worker.rank}: {reason}"
                     self._status_dirty = True
-                logger.info("rank %d finished: %s", worker.rank, message["reason"])
+                (logger.info if finished else logger.warning)("rank %d %s: %s", worker.rank,
+                                                              "finished" if finished else "ended early", reason)
                 self._check_done()
                 return True
             else:
                 raise ProtocolError(f"rank {worker.rank}: unexpected {kind!r} from a worker")
         return True
 
+    def _seen(self, worker: WorkerState) -> None:
+        """A message from `worker` arrived just now (its age is measured from here, monotonic)."""
+        with self.lock:
+            worker.last_seen = time.monotonic()
+            if worker.status == "unreachable" and self.workers.get(worker.rank) is worker:
+                worker.status, worker.note = "running", ""
+                self._status_dirty = True
+                logger.warning("rank %d is reachable again", worker.rank)
+
     def _on_report(self, worker: WorkerState, message: Mapping[str, Any]) -> None:
+        problem = policy_mod.report_problem(message)
+        if problem is not None:
+            with self.lock:
+                worker.bad_reports += 1
+                first = worker.bad_reports == 1
+            # Authenticated but absurd: a bug or a broken clock on that worker, not a reason to drop it.
+            (logger.warning if first else logger.debug)(
+                "rank %d: rejected a bad report for step %s: %s%s", worker.rank, message["step"], problem,
+                " (further ones are counted in the status)" if first else "")
+            return
         with self.lock:
             worker.step = max(worker.step, message["step"])
             worker.stage = None if message["stage"] < 0 else message["stage"]
@@ -342,12 +386,22 @@ class Coordinator:
                              self.plan.version, expected)
             if self.pending is not None and message["plan_version"] >= self.pending.version:
                 self._confirm_switch(message["step"])
+            elif self.pending is not None and worker.rank == 0 and message["step"] > self.pending_step + PENDING_STEPS:
+                # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
+                logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.version,
+                               message["step"])
+                self.pending = None
             if self.policy == "auto" and self.pending is None and self.stop_reason is None:
                 step = max(w.step for w in self.workers.values())
                 # Evaluate at most once per step; after a solve that found nothing worth it, wait a
                 # window (solving can take a while on big graphs; the gates before it are cheap).
                 if step > self.last_eval_step:
-                    decision = self._decide(step, force=False)
+                    try:
+                        decision = self._decide(step, force=False)
+                    except Exception:  # noqa: BLE001 - a policy bug must not cut this worker's connection
+                        logger.exception("the policy failed at step %d; no rebalancing this time", step)
+                        self.last_eval_step = step + self.config.window - 1
+                        return
                     solved = decision.plan is None and decision.current_ms > 0
                     self.last_eval_step = step + self.config.window - 1 if solved else step
                     if decision.plan is not None:
@@ -410,7 +464,7 @@ class Coordinator:
     def _issue_switch(self, plan: Plan, reason: str, step: int) -> None:
         """Send plan v+1 to rank 0 (lock held)."""
         plan = replace(plan, version=self.plan.version + 1)
-        self.pending = plan
+        self.pending, self.pending_step = plan, step
         # Only policy decisions carry a prediction to check; ctl set-plan/scale do not.
         self.review = self.last_prediction if reason.startswith(("auto", "ctl rebalance")) else None
         self.last_prediction = None
@@ -418,7 +472,8 @@ class Coordinator:
         logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
         from model_parallel.runtime.control import Command  # the runtime owns the command type
 
-        self._send_to(0, Command.switch(plan, reason=reason).to_dict())
+        if not self._send_to(0, Command.switch(plan, reason=reason).to_dict()):
+            self.pending = None  # rank 0 is away: nothing will apply it (ask again once it is back)
 
     def _confirm_switch(self, step: int) -> None:
         assert self.pending is not None
@@ -453,43 +508,55 @@ class Coordinator:
                 return
             if self.shutdown.is_set():
                 return
-        self._declare_dead(worker, "its control connection closed without a goodbye")
+        self._mark_unreachable(worker, "its control connection closed without a goodbye")
 
-    def _declare_dead(self, worker: WorkerState, why: str) -> None:
-        from model_parallel.runtime.control import Command
-
+    def _mark_unreachable(self, worker: WorkerState, why: str) -> None:
+        """Note that `worker` cannot be reached; the run goes on (see the module docstring, item 4)."""
         with self.lock:
-            if worker.status != "running":
+            if worker.status != "running" or self.workers.get(worker.rank) is not worker:
                 return
-            worker.status = "dead"
-            worker.session = None
-            reason = f"rank {worker.rank} (pid {worker.pid} on {worker.host}) is dead: {why}"
-            logger.error("%s; stopping every other rank", reason)
-            if self.stop_reason is None:
-                self.stop_reason = reason
-            survivors = [r for r, w in self.workers.items() if w.status == "running"]
+            worker.status, worker.note = "unreachable", why
+            session, worker.session = worker.session, None
             self._status_dirty = True
-            for rank in survivors:
-                self._send_to(rank, Command.stop(reason).to_dict())
+        if session is not None:
+            try:
+                session.sock.shutdown(socket.SHUT_RDWR)  # a silent connection: its thread ends, the worker reconnects
+            except OSError:
+                pass
+        logger.warning("rank %d (pid %d on %s) is unreachable: %s; the run goes on (a live worker reconnects, "
+                       "a dead one is named by its peers)", worker.rank, worker.pid, worker.host, why)
         self._check_done()
 
     def _check_done(self) -> None:
         with self.lock:
-            if not self.workers:
+            if not self.workers or any(w.status == "running" for w in self.workers.values()):
                 return
             registered_all = self.world_size is not None and len(self.workers) >= self.world_size
-            gone = all(w.status != "running" for w in self.workers.values())
-            if gone and (registered_all or self.stop_reason is not None):
+            said_bye = any(w.status in ("finished", "stopped") for w in self.workers.values())
+            now = time.monotonic()
+            # An unreachable worker is only given up on after the grace period (it may be reconnecting).
+            gone = all(w.status != "unreachable" or now - w.last_seen > UNREACHABLE_GRACE_S for w in self.workers.values())
+            if (registered_all or said_bye) and (said_bye or gone):
                 self.done.set()
 
     def _monitor_loop(self) -> None:
         last_write = 0.0
+        last_tick = time.monotonic()
         while not self.shutdown.wait(0.25):
-            now = time.monotonic()
             with self.lock:
-                silent = [w for w in self.workers.values() if w.status == "running" and now - w.last_seen > self.heartbeat_timeout]
-            for worker in silent:
-                self._declare_dead(worker, f"no heartbeat for {now - worker.last_seen:.1f} s (limit {self.heartbeat_timeout:.0f} s)")
+                now = time.monotonic()  # under the lock: no heartbeat can arrive between this and the check
+                paused = now - last_tick
+                last_tick = now
+                if paused > self.heartbeat_timeout / 2:
+                    # This process stood still (SIGSTOP, swap, a debugger): the silence it sees is its own.
+                    logger.warning("the coordinator was paused for %.1f s; heartbeat ages restart now", paused)
+                    for worker in self.workers.values():
+                        worker.last_seen = max(worker.last_seen, now)
+                silent = [(w, now - w.last_seen) for w in self.workers.values()
+                          if w.status == "running" and now - w.last_seen > self.heartbeat_timeout]
+            for worker, age in silent:
+                self._mark_unreachable(worker, f"no heartbeat for {age:.1f} s (limit {self.heartbeat_timeout:g} s)")
+            self._check_done()
             if now - last_write >= 1.0 or silent:  # at most once a second (each write fsyncs)
                 self._write_status()
                 last_write = now
@@ -603,7 +670,8 @@ class Coordinator:
                         "speed": speeds.get(rank),
                     })
             workers = [{
-                "rank": w.rank, "host": w.host, "pid": w.pid, "status": w.status, "step": w.step,
+                "rank": w.rank, "host": w.host, "pid": w.pid, "status": w.status, "note": w.note,
+                "bad_reports": w.bad_reports, "step": w.step,
                 "stage": w.stage, "plan_version": w.plan_version, "slowdown": w.slowdown,
                 "last_seen_s_ago": round(time.monotonic() - w.last_seen, 2),
                 "samples_per_s": (w.reports[-1][5] if w.reports else None),

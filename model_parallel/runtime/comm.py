@@ -45,7 +45,7 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -205,7 +205,7 @@ def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torc
         _prefix(first, len(header))
         known = cache.sent[key] = _known(header, header_list)
         buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), _pack(tensors, known, device)]
-    works = [dist.isend(b, dst, group=group, tag=tag) for b in buffers]
+    works = [start_work(lambda b=b: dist.isend(b, dst, group=group, tag=tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
 
 
@@ -236,6 +236,15 @@ def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
         raise PeerError(f"{where} timed out after {timeout:.0f} s")
 
 
+def start_work(start: Callable[[], Any], peer: int, what: str) -> Any:
+    """Post a send/receive. Gloo raises at once when the connection to `peer` already broke (it died, or
+    this rank stood still and the peer gave up on it): the same PeerError as a failed wait."""
+    try:
+        return start()
+    except RuntimeError as error:
+        raise PeerError(f"{what} with rank {peer} failed: {str(error).splitlines()[0][:200]}") from error
+
+
 def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
                 cache: Optional[HeaderCache] = None, stream: Any = None) -> SendHandle:
     """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on.
@@ -253,7 +262,7 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
     if len(header) > _SLOT_ROOM:
         buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
     buffers += [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
-    works = [dist.isend(b, dst, group=group, tag=tag) for b in buffers]
+    works = [start_work(lambda b=b: dist.isend(b, dst, group=group, tag=tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
 
 
@@ -273,11 +282,12 @@ class PendingRecv:
         else:
             size = SLOT_BYTES
         self.slot = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self.work = dist.irecv(self.slot, src, group=group, tag=tag)
+        self.work = start_work(lambda: dist.irecv(self.slot, src, group=group, tag=tag), src, "receive")
 
     def _recv(self, nbytes: int, timeout: float) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        wait_work(dist.irecv(buffer, self.src, group=self.group, tag=self.tag), timeout, self.src, "receive")
+        work = start_work(lambda: dist.irecv(buffer, self.src, group=self.group, tag=self.tag), self.src, "receive")
+        wait_work(work, timeout, self.src, "receive")
         return buffer
 
     def _wait_cached(self, timeout: float) -> list[Any]:
@@ -309,7 +319,8 @@ class PendingRecv:
         data = slot[8:8 + min(size, _SLOT_ROOM)]
         if size > _SLOT_ROOM:
             rest = torch.empty(size - _SLOT_ROOM, dtype=torch.uint8, device=self.device)
-            wait_work(dist.irecv(rest, self.src, group=self.group, tag=self.tag), timeout, self.src, "receive")
+            work = start_work(lambda: dist.irecv(rest, self.src, group=self.group, tag=self.tag), self.src, "receive")
+            wait_work(work, timeout, self.src, "receive")
             data += rest.cpu().numpy().tobytes()
         try:
             header = json.loads(data.decode())
@@ -321,7 +332,8 @@ class PendingRecv:
         for entry in header:
             if entry["t"] == "tensor":
                 tensor = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device=self.device)
-                works.append(dist.irecv(tensor, self.src, group=self.group, tag=self.tag))
+                works.append(start_work(lambda t=tensor: dist.irecv(t, self.src, group=self.group, tag=self.tag),
+                                        self.src, "receive"))
                 values.append((tensor, entry["grad"]))
             else:
                 values.append((None, decode_value(entry["v"], self.device)))

@@ -15,7 +15,8 @@ Contract (stable; the coordinator client in `model_parallel.coordinator` impleme
     stop       -> every rank stops cleanly after this step (checkpoint written if configured)
     slowdown   -> rank `rank` multiplies its compute time by `factor` from now on (1.0 = off);
                   straggler injection for tests, benchmarks and the demo
-- `close()` is called once when training ends (also after an error).
+- `close(reason)` is called once when training ends (also after an error); `reason` says how it
+  ended ("training finished", "stopped after ...", "failed: ..."), for whoever steers the run.
 
 `Command.to_json()` / `Command.from_json()` is the wire format (no pickle); unknown kinds are a
 `ProtocolError`.
@@ -129,7 +130,7 @@ class ControlChannel(Protocol):
 
     def poll(self) -> Optional[Command]: ...
 
-    def close(self) -> None: ...
+    def close(self, reason: str = "") -> None: ...
 
 
 class NullChannel:
@@ -141,7 +142,7 @@ class NullChannel:
     def poll(self) -> Optional[Command]:
         return None
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
         pass
 
 
@@ -168,7 +169,7 @@ class ScriptedChannel:
     def poll(self) -> Optional[Command]:
         return self.script.get(self._last_step + 1)
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
         pass
 
     @classmethod

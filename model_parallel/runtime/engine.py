@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ from model_parallel.runtime.stages import check_plan_fits, layer_modules
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+# Per-step results kept in memory (a long run would otherwise grow by every step; the metrics JSONL
+# on disk keeps them all).
+HISTORY_WINDOW = 1000
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,11 @@ class PipelineEngine:
         self.step_pause_ms = 0.0
         self.switch_pauses_ms: list[float] = []
         self.updates = 0  # optimizer updates applied by this rank (PipeDream: one per microbatch)
-        self.weight_versions: list[int] = []  # PipeDream: `updates` at each forward (its stashed version)
-        self.history: list[StepResult] = []
+        # PipeDream: `updates` at each forward (its stashed version); the last HISTORY_WINDOW of them.
+        self.weight_versions: deque[int] = deque(maxlen=HISTORY_WINDOW)
+        self.history: deque[StepResult] = deque(maxlen=HISTORY_WINDOW)  # the latest steps' results
+        self.next_step = 0  # the first step not yet run (after `train`: how far it got)
+        self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -555,7 +562,9 @@ class PipelineEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
-        """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results."""
+        """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results (the
+        last HISTORY_WINDOW of them). A stop command ends it early: then `stop_reason` says why and
+        `next_step` how far it got."""
         cfg = self.config
         if cfg.checkpoint_dir and self.rank == 0:
             from model_parallel.runtime.checkpoint_commit import prune
@@ -572,7 +581,8 @@ class PipelineEngine:
             from tqdm import tqdm
 
             progress = tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        step = start_step
+        step = self.next_step = start_step
+        self.stop_reason = None
         try:
             while step < steps:
                 result = self.train_step(step)
@@ -589,7 +599,9 @@ class PipelineEngine:
                 report.update(loss=result.loss, stage=self.stage_id)
                 command = self.control(step, report)
                 step += 1
+                self.next_step = step
                 if command is not None and not self.apply(command):
+                    self.stop_reason = command.reason or "stop requested"
                     if cfg.checkpoint_dir:
                         self.save_checkpoint(step - 1)
                     break
@@ -602,4 +614,4 @@ class PipelineEngine:
 
                 self.tracer.save(Path(cfg.trace_dir) / f"rank{self.rank}.json")
             self.metrics.close()
-        return self.history
+        return list(self.history)

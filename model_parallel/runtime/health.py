@@ -6,13 +6,20 @@ When a send/recv/collective fails or times out, `diagnose` finds the culprit:
 1. a rank that already diagnosed a failure wrote `mp/status/<rank>` = {"state": "failed", "blame": r};
    its blame is reused, so every survivor names the same root cause (not the rank that exited
    because of it);
-2. otherwise the heartbeats are sampled twice, `3 * interval` apart; a rank whose heartbeat did
-   not move (and that did not finish normally) stopped responding;
+2. otherwise the heartbeats are sampled twice, `3 * interval` (at most a quarter of the timeout)
+   apart; a rank whose heartbeat did not move (and that did not finish normally) stopped responding;
 3. if the store itself is unreachable, the rank hosting it (rank 0 / the torchrun agent) is gone.
 
-Every store call made here is bounded by `store_timeout`: a cut network link sends no reset, and
-TCPStore's `check`/`get` then wait forever, so each call runs in a daemon thread that is abandoned
-at the deadline (the process exits soon after, with the store host named as unreachable).
+Before all that, a rank checks whether *it* stood still: its heartbeat thread notes when a wait of
+`interval` seconds ended much later (SIGSTOP, a debugger, a paused VM: the monotonic clock runs on
+while the process does not). A rank that stood still for half the peers' timeout or more is the
+one its peers gave up on, so it names itself instead of the peers that left without it.
+
+Time. A peer's wait ends after `--timeout` (T); the diagnosis then has a budget of 0.4 T in all,
+and each store call at most 0.15 T of it (a live store answers in milliseconds): every rank ends
+within about 1.4 T of the failure. A cut network link sends no reset, and TCPStore's
+`check`/`get` then wait forever, so each call runs in a daemon thread that is abandoned at its
+deadline (the process exits soon after, with the store host named as unreachable).
 
 The result is a `PeerError` such as "rank 2 stopped responding (last heartbeat 3.4 s ago)".
 """
@@ -31,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 _HB = "mp/hb/{}"
 _STATUS = "mp/status/{}"
+DIAGNOSIS_SHARE = 0.4  # of the timeout: the whole diagnosis (so a rank ends within 1.4 x --timeout)
+STORE_CALL_SHARE = 0.15  # of the timeout: one store call while diagnosing
+SAMPLE_SHARE = 0.25  # of the timeout: at most this long between the two heartbeat samples
+FROZEN_SHARE = 0.5  # of the timeout: standing still this long makes a rank the culprit of its peers' timeouts
 _T = TypeVar("_T")
 
 
@@ -49,8 +60,12 @@ class Health:
         self.store_address = store_address  # "host:port", for messages only
         self.store_timeout = store_timeout if store_timeout is not None else max(5.0, 3 * interval)
         self._store_dead = False  # a call timed out: later calls fail at once instead of waiting again
+        self.diagnosis_budget = max(1.0, DIAGNOSIS_SHARE * self.store_timeout)
+        self._deadline: Optional[float] = None  # monotonic end of the running diagnosis' budget
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._waiting_since: Optional[float] = None  # monotonic start of the heartbeat thread's current wait
+        self._frozen: tuple[float, float] = (0.0, 0.0)  # (seconds stood still, monotonic time it ended)
         try:
             store.set_timeout(timedelta(seconds=self.store_timeout))
         except Exception:  # noqa: BLE001 - PrefixStore wrappers may not expose it; their default is fine
@@ -77,18 +92,32 @@ class Health:
             except BaseException as error:  # noqa: BLE001 - handed to the caller below
                 box["error"] = error
 
+        limit = self.store_timeout
+        if self._deadline is not None:  # diagnosing: within the budget, and no call may eat all of it
+            limit = min(limit, max(0.5, STORE_CALL_SHARE * self.store_timeout), self._deadline - time.monotonic())
+            if limit <= 0:
+                self._store_dead = True
+                raise StoreUnreachable(f"{what}: the store answered too slowly for the diagnosis' "
+                                       f"{self.diagnosis_budget:.1f} s budget")
         thread = threading.Thread(target=target, name=f"store-call-{self.rank}", daemon=True)
         thread.start()
-        thread.join(self.store_timeout)
+        thread.join(limit)
         if thread.is_alive():
             self._store_dead = True  # the thread stays blocked; it is a daemon, so it cannot hold up the exit
-            raise StoreUnreachable(f"{what} got no answer within {self.store_timeout:.1f} s")
+            raise StoreUnreachable(f"{what} got no answer within {limit:.1f} s")
         if "error" in box:
             raise box["error"]
         return box["value"]
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._waiting_since = started = time.monotonic()
+            if self._stop.wait(self.interval):
+                return
+            self._waiting_since = None
+            late = time.monotonic() - started - self.interval
+            if late > 2 * self.interval:  # this process stood still (not a blocked store call: that is below)
+                self._frozen = (late, time.monotonic())
             try:
                 self._beat()
             except Exception as error:  # noqa: BLE001 - the store host died; diagnose() reports it
@@ -126,6 +155,16 @@ class Health:
             time.sleep(0.2)
 
     # ---- diagnosis ---------------------------------------------------------------------------------
+    def frozen_for(self) -> float:
+        """Seconds this process recently stood still (see the module docstring); 0 if it did not."""
+        now = time.monotonic()
+        since = self._waiting_since
+        late = now - since - self.interval if since is not None else 0.0  # still inside an overlong wait
+        seconds, ended = self._frozen
+        if now - ended <= 2 * self.store_timeout + seconds:  # recent enough to explain the failure at hand
+            late = max(late, seconds)
+        return max(late, 0.0)
+
     def _read(self, key: str) -> Optional[str]:
         if not self._bounded(lambda: self.store.check([key]), f"store check of {key!r}"):
             return None
@@ -150,12 +189,26 @@ class Health:
     def diagnose(self, error: BaseException) -> PeerError:
         """Name the rank that caused `error` (see module docstring); returns the PeerError to raise."""
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        self._deadline = time.monotonic() + self.diagnosis_budget
+        try:
+            return self._diagnose(detail)
+        finally:
+            self._deadline = None
+
+    def _diagnose(self, detail: str) -> PeerError:
+        frozen = self.frozen_for()
+        if frozen >= FROZEN_SHARE * self.store_timeout:
+            # Its peers timed out waiting for this rank; blaming them (gone by now) would be wrong.
+            return self._publish(self.rank, f"rank {self.rank} stopped responding: this process stood still for "
+                                            f"{frozen:.1f} s (SIGSTOP, a debugger or an overloaded host) while its "
+                                            f"peers wait at most {self.store_timeout:g} s (--timeout)", detail)
         try:
             reused = self._reuse(self._statuses(), detail)
             if reused is not None:
                 return reused
             first = self._heartbeats()
-            time.sleep(3 * self.interval)  # a live rank beats at least twice in this window
+            # A live rank beats at least twice in this window; bounded so the diagnosis fits its budget.
+            time.sleep(min(3 * self.interval, SAMPLE_SHARE * self.store_timeout))
             second = self._heartbeats()
             statuses = self._statuses()
             reused = self._reuse(statuses, detail)

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +59,8 @@ LANE_OF_KIND = {
     "migration": "migration",
 }
 PathLike = Union[str, "os.PathLike[str]"]
+# Records kept in memory: the latest steps (about 1.5 KB each; the JSONL file keeps every step).
+RECORD_WINDOW = 1000
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class MetricsRecorder:
         stage: Optional[int] = None,
         plan_version: int = 0,
         tracer: Any = None,
+        window: Optional[int] = None,
     ) -> None:
         self.rank = rank
         self.stage = stage
@@ -147,7 +150,8 @@ class MetricsRecorder:
         self._start = 0.0
         self._totals: dict[str, float] = defaultdict(float)
         self._microbatches = 0
-        self.records: list[StepRecord] = []  # also kept in memory, for the control channel and tests
+        # The last `window` records, also in memory (for the control channel, benchmarks and tests).
+        self.records: deque[StepRecord] = deque(maxlen=RECORD_WINDOW if window is None else window)
 
     def set_context(self, stage: Optional[int], plan_version: Optional[int] = None) -> None:
         self.stage = stage

@@ -234,5 +234,5 @@ class StaticPlanChannel:
             return None
         return command
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, reason: str = "") -> None:
+        self.inner.close(reason)

@@ -7,6 +7,7 @@
     trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
                               dataset, TrainConfig(batch_size=32, num_microbatches=4), num_stages=2)
     trainer.train(100)
+    trainer.close()                                        # or `with PipelineTrainer(...) as trainer:`
 
 Run it under `torchrun --nproc_per_node=2 my_script.py` (one stage per rank), or without a process
 group for single-process mode (all stages in this process, for debugging). `dataset` is anything
@@ -15,6 +16,7 @@ the oracle every pipeline run is compared with (the original model, same microba
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -245,6 +247,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, config.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        self.health: Any = None
         from model_parallel.codegen.ties import check_ties
 
         check_ties(graph, self.plan.stage_of)  # before any runner or heartbeat starts
@@ -262,6 +265,10 @@ class PipelineTrainer:
                 model.to(device)
             self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, config.timeout / 10),
                                  store_host=None).start()
+            # The heartbeat thread must be stopped before interpreter teardown: a store call still
+            # running in it then aborts the process ("terminate called without an active exception").
+            # atexit runs before the teardown (stop() is idempotent: close() may have run already).
+            atexit.register(self.health.stop, "done")
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=criterion,
                                          optimizer_factory=optimizer_factory, dataset=dataset, config=config, channel=channel,
                                          health=self.health, device=device)
@@ -270,6 +277,18 @@ class PipelineTrainer:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
         results = self.runner.train(steps)
         return results
+
+    def close(self) -> None:
+        """Stop and join the heartbeat thread (idempotent; also runs at exit). Call it before
+        `dist.destroy_process_group()`: the thread writes to the group's store."""
+        if self.health is not None:
+            self.health.stop("done")
+
+    def __enter__(self) -> "PipelineTrainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This process's stage state (all stages in single-process mode) by stage-module name."""

@@ -15,16 +15,26 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+# Before torch loads (c10 reads it once): when a peer or the store host dies, c10d logs a warning
+# with 13-26 lines of C++ stack frames per failed store call, ahead of our one-line error that
+# already names the rank. An explicit setting (debugging) is kept.
+if not os.environ.get("TORCH_CPP_LOG_LEVEL"):
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 
-from model_parallel import jsonbound
-from model_parallel.allocator import keep_freed_memory
-from model_parallel.cli.common import ArgumentParser, configure_logging
-from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError
+import torch  # noqa: E402
+
+from model_parallel import jsonbound  # noqa: E402
+from model_parallel.allocator import keep_freed_memory  # noqa: E402
+from model_parallel.cli.common import ArgumentParser, configure_logging  # noqa: E402
+from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+# Exit codes (docs/reliability.md): 0 only when every requested step ran; 2 a usage or configuration
+# error (cli.common.run_cli); 3 a peer died, stalled or became unreachable (the message names it);
+# 4 the run was stopped before its requested steps (the message says by whom and why).
 EXIT_PEER = 3
+EXIT_STOPPED = 4
 
 
 class RankPrefix(logging.Filter):
@@ -401,6 +411,7 @@ def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, dev
 
         channel = StaticPlanChannel(channel, "a PipeDream-generated package has no graph.json, and switching plans "
                                              "needs graph.json (regenerate the package with our converter)")
+    outcome = "training finished"  # what the coordinator is told at the end (its status shows it)
     try:
         engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
                                 optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
@@ -410,10 +421,18 @@ def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, dev
         if rank == 0:
             logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
         history = engine.train(args.steps)
+        if engine.stop_reason is not None:
+            outcome = (f"stopped after {engine.next_step} of the {args.steps} requested step(s): "
+                       f"{engine.stop_reason}")
+            raise TrainingStopped(f"{engine.prefix} {outcome}")
+    except BaseException as error:
+        if not isinstance(error, TrainingStopped):
+            outcome = f"failed: {error}".splitlines()[0][:500]
+        raise
     finally:
-        channel.close()
+        channel.close(outcome)
     if history:
-        print(f"{engine.prefix} done: {len(history)} step(s), last loss {history[-1].loss:.6f}, "
+        print(f"{engine.prefix} done: {engine.next_step} step(s), last loss {history[-1].loss:.6f}, "
               f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
     return engine
 
@@ -462,14 +481,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    except TrainingStopped as error:
+        # Every rank got the same stop at the same step boundary: nobody waits for anybody.
+        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        if health is not None:
+            health.stop("done", None, str(error))
+        logging.shutdown()
+        os._exit(EXIT_STOPPED)
     except PeerError as error:
         # A dead peer can leave gloo threads blocked; exit without waiting for them.
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         if health is not None:
             health.stop("failed", None, str(error))
-            if rank == health.store_host:
-                match = re.search(r"rank (\d+) stopped responding", str(error))
-                health.linger(4 * health.interval + 5, int(match.group(1)) if match else None)
+            match = re.search(r"rank (\d+) stopped responding", str(error))
+            blamed = int(match.group(1)) if match else None
+            # The store host keeps the store up so the others can read who is to blame; not when it is
+            # the culprit itself (it stood still): they gave up on it already.
+            if rank == health.store_host and blamed != rank:
+                health.linger(4 * health.interval + 5, blamed)
         logging.shutdown()
         os._exit(EXIT_PEER)
     except ModelParallelError as error:
