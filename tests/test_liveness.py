@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mlp_job
+from support.mlp import mlp_job
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.launch import LocalWorld, worker_commands
 
@@ -30,7 +30,7 @@ TOKEN = "liveness-test-token"
 TIMEOUT = 6  # --timeout of every worker here
 BOUND = 1.5 * TIMEOUT  # every process ends this long after a rank stalls or dies
 EXIT_PEER, EXIT_STOPPED = 3, 4
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def args(plan: Path, steps: int, *extra: object) -> list[str]:
