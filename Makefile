@@ -13,7 +13,6 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q "setuptools>=64" wheel
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m model_parallel.optimizer.flat_kernel  # compile the optimizer's kernels once (cached in __pycache__)
 	@command -v ip >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && { apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }; }; } || echo "warning: iproute2 could not be installed; multi-host tests will be skipped"
 	@command -v dot >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  { apt-get install -y -q graphviz >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1; }; }; } || \

@@ -13,18 +13,21 @@ result is. Hierarchies: `-n 4`,
 `-n 4 4`, `-n 8 2` (bandwidths 40e9 1.25e9) and `-n 8 16 8` (40e9 10e9 1.25e9), all with
 `--activation_compression_ratio 1`, default `cuts="auto"`: PipeDream's antichain DP when affordable
 ("antichain"), else the exact bounded solve over antichains and topological prefixes ("bounded"; only the DP cells a
-plan within the bound can use where that pays, `optimizer/cells.py`), at the best plan's time or below
+plan within the bound can use where that pays, `optimizer/search/cells.py`), at the best plan's time or below
 it, else the best plan found, `exact` false: over topological cut points ("topological*"), on
 hierarchies from one pass over the cuts for plans with unreplicated outermost stages ("flattened",
-`optimizer/flattened.py`), or the bounded solve's below the best time ("bounded"). PipeDream's own
+`optimizer/search/flattened.py`), or the bounded solve's below the best time ("bounded"). PipeDream's own
 optimizer needs 33-100 s (resnet50) and 136-462 s (resnet101) on the two-level cases.
+
+Each row also solves the core alone (`PartitionOptions(search=False)`: PipeDream's DP when affordable,
+else the best prefix plan): `search_gain` is how much slower that plan is than the search's.
 
 Optimality gap: on seeded small DAGs the DP ("antichain" and "all" cuts) is compared with exhaustive
 search (`optimizer.brute_force`), and on medium graphs the bounded solve with the unbounded DP over
 the same states; gaps are max relative differences (0.0 = exact).
 
 Unproven plans ("exact" false) carry `lower_bound_s`, a time no plan beats (the relaxation of
-`optimizer/relaxation.py` when it fits, else perfect balance `balance_bound_s`), and `max_gap`: the
+`optimizer/search/relaxation.py` when it fits, else perfect balance `balance_bound_s`), and `max_gap`: the
 plan is at most that fraction above the optimum.
 
 Writes `bench/results/optimizer.json` atomically: {"rows": [{profile, num_machines, seconds,
@@ -52,10 +55,13 @@ from model_parallel.fileio import atomic_write_json  # noqa: E402
 from model_parallel.graph.core import Graph  # noqa: E402
 from model_parallel.graph.io import load_graph  # noqa: E402
 from model_parallel.graph.plan import Hierarchy  # noqa: E402
-from model_parallel.optimizer import cells as cells_module, synthetic  # noqa: E402
+from model_parallel.optimizer import synthetic  # noqa: E402
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
-from model_parallel.optimizer.partition import bounded_solve, cut_union, partition, solve  # noqa: E402
+from model_parallel.optimizer.partition import partition  # noqa: E402
+from model_parallel.optimizer.search.bounded import bounded_solve, cut_union  # noqa: E402
+from model_parallel.optimizer.solve import solve  # noqa: E402
+from model_parallel.optimizer.tuning import Tuning  # noqa: E402
 from model_parallel.optimizer.states import (  # noqa: E402
     antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states,
 )
@@ -118,6 +124,10 @@ def solve_rows(graphs: list[tuple[str, Graph]], hierarchies: Sequence[str]) -> l
             started, cpu = time.perf_counter(), time.process_time()
             plan = partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(activation_compression_ratio=1.0))
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+            # The core alone (no optimizer/search): PipeDream's DP when affordable, else the best prefix plan.
+            started_core = time.perf_counter()
+            core = partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(activation_compression_ratio=1.0, search=False))
+            core_seconds = time.perf_counter() - started_core
             rows.append({
                 "profile": profile, "num_machines": machines, "seconds": round(seconds, 4), "cpu_seconds": round(cpu, 4),
                 "time_per_minibatch_s": plan.time_per_minibatch_s, "cuts": plan.extra["cuts"], "exact": plan.extra["exact"],
@@ -127,12 +137,14 @@ def solve_rows(graphs: list[tuple[str, Graph]], hierarchies: Sequence[str]) -> l
                 "lower_bound_s": plan.extra.get("lower_bound_s"),
                 "balance_bound_s": plan.single_machine_time_s / math.prod(machines),
                 "max_gap": None if plan.extra["exact"] else plan.time_per_minibatch_s / plan.extra["lower_bound_s"] - 1,
+                "core_time_per_minibatch_s": core.time_per_minibatch_s, "core_seconds": round(core_seconds, 4),
+                "core_exact": core.extra["exact"], "search_gain": core.time_per_minibatch_s / plan.time_per_minibatch_s - 1,
             })
             gap = "" if plan.extra["exact"] else f"  <= {rows[-1]['max_gap']:.1%} above optimal"
             print(f"{profile:<24} -n {key:<7} {seconds:>8.3f} s {cpu:>7.3f} s  {plan.time_per_minibatch_s * 1e3:>10.4f} ms  "
                   f"{plan.extra['cuts']:<19} {'yes' if plan.extra['exact'] else 'no':<5} {plan.extra['num_states']:>5} states"
                   f"{'' if not plan.extra.get('states_considered') else ' of ' + str(plan.extra['states_considered']):<10}"
-                  f"  {plan.num_stages:>3} stages{gap}", flush=True)
+                  f"  {plan.num_stages:>3} stages{gap}  core {rows[-1]['search_gain']:+.2%} in {core_seconds:.3f} s", flush=True)
     return rows
 
 
@@ -186,12 +198,8 @@ def bounded_gap(num_cases: int) -> dict[str, Any]:
             continue
         gap = max(gap, abs(bounded.time_s - full) / full)
         kept.append(bounded.states.num_states / union.num_states)
-        saved = cells_module.CELL_MIN_WORK, cells_module.CELL_GAIN
-        cells_module.CELL_MIN_WORK, cells_module.CELL_GAIN = 0.0, 0.0
-        try:
-            over_cells = bounded_solve(work, hierarchy, options, cut_union(work, antichains), solve(prefix_states(work, 10), hierarchy, options).time_s)
-        finally:
-            cells_module.CELL_MIN_WORK, cells_module.CELL_GAIN = saved
+        always = PartitionOptions(activation_compression_ratio=1.0, tuning=Tuning(cell_min_work=0.0, cell_gain=0.0))
+        over_cells = bounded_solve(work, hierarchy, always, cut_union(work, antichains), solve(prefix_states(work, 10), hierarchy, options).time_s)
         cells_gap = max(cells_gap, math.inf if over_cells is None else abs(over_cells.time_s - full) / full)
     return {"cases": num_cases, "max_relative_gap": gap, "max_relative_gap_over_cells": cells_gap,
             "mean_fraction_of_states_kept": sum(kept) / max(len(kept), 1)}

@@ -36,7 +36,7 @@ def coordinator(tmp_path):
     graph = chain_graph()
     coord = Coordinator(graph, two_stage_plan(graph), TOKEN, policy="auto",
                         config=pol.PolicyConfig(threshold=0.1, cooldown_steps=2, window=3),
-                        status_file=tmp_path / "status.json", heartbeat_timeout=1.5, solver=pol.chain_partition)
+                        status_file=tmp_path / "status.json", heartbeat_timeout=1.5, solver=pol.default_solver)
     port = coord.start("127.0.0.1", 0)
     coord.address = f"127.0.0.1:{port}"
     try:

@@ -17,8 +17,10 @@ from model_parallel.graph.plan import Hierarchy, read_plan
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import choose_states, partition, solve
+from model_parallel.optimizer.partition import choose_states, partition
+from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.states import preprocess
+from model_parallel.optimizer.tuning import Tuning
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "model_parallel" / "optimizer" / "optimizer_graph_hierarchical.py"
@@ -39,12 +41,12 @@ VECTORS = [
 ]
 
 
-def _solve(reference_profiles, name, machines, bandwidths, flags, cuts="antichain"):
+def _solve(reference_profiles, name, machines, bandwidths, flags, cuts="antichain", **options):
     flags = dict(flags)
     memory = flags.pop("memory", 16e9)
     graph = load_graph(reference_profiles / f"{name}.graph.txt")
     hierarchy = Hierarchy.from_lists(machines, bandwidths, memory)
-    return graph, partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts=cuts, **flags))
+    return graph, partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts=cuts, **flags, **options))
 
 
 @pytest.mark.parametrize("name,machines,bandwidths,flags,expected", VECTORS)
@@ -60,12 +62,9 @@ def test_reproduces_pipedream_vectors(reference_profiles, name, machines, bandwi
 
 
 @pytest.mark.parametrize("name,machines,bandwidths,flags,expected", [v for v in VECTORS if len(v[1]) > 1])
-def test_bounded_pipedream_dp_reproduces_the_hierarchical_vectors(reference_profiles, monkeypatch, name, machines, bandwidths, flags, expected):
+def test_bounded_pipedream_dp_reproduces_the_hierarchical_vectors(reference_profiles, name, machines, bandwidths, flags, expected):
     """auto bounds PipeDream's DP on hierarchies above a work threshold; forced on, the vectors still match."""
-    import model_parallel.optimizer.partition as partition_module
-
-    monkeypatch.setattr(partition_module, "PRUNE_MIN_WORK", 0.0)
-    _, auto = _solve(reference_profiles, name, machines, bandwidths, flags, cuts="auto")
+    _, auto = _solve(reference_profiles, name, machines, bandwidths, flags, cuts="auto", tuning=Tuning(prune_min_work=0.0))
     assert auto.time_per_minibatch_s == pytest.approx(expected, rel=1e-12)
     _, reference = _solve(reference_profiles, name, machines, bandwidths, flags)
     assert [s.node_ids for s in auto.stages] == [s.node_ids for s in reference.stages]
@@ -193,12 +192,9 @@ def test_auto_beyond_pipedreams_dp_solves_exactly_with_bounds():
 
 
 @pytest.mark.slow
-def test_auto_says_when_it_cannot_prove_optimality(monkeypatch, caplog):
-    from model_parallel.optimizer import partition as partition_module
-
+def test_auto_says_when_it_cannot_prove_optimality(caplog):
     graph = synthetic.branches(6, width=4, depth=3, seed=2)
-    monkeypatch.setattr(partition_module, "ENUMERATION_LIMIT", 20)
-    options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=10)
+    options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=10, tuning=Tuning(enumeration_limit=20))
     plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
     assert plan.extra["cuts"].startswith("topological") or plan.extra["cuts"] == "flattened"
     assert plan.extra["exact"] is False
@@ -269,7 +265,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(reference_profiles, tmp_path):
 
 def test_stage_communication_uses_the_bandwidth_of_the_level_that_splits_it():
     from model_parallel.optimizer.costs import stage_costs
-    from model_parallel.optimizer.partition import solve
+    from model_parallel.optimizer.solve import solve
     from model_parallel.optimizer.states import antichain_states, preprocess
 
     graph = synthetic.chain(12, seed=4)
@@ -323,7 +319,7 @@ def test_multi_level_plans_place_replicas_where_the_cost_model_put_them():
 
 
 def test_replicas_across_servers_sit_on_the_same_gpus_of_each():
-    from model_parallel.optimizer.partition import hierarchy_ranks
+    from model_parallel.optimizer.solve import hierarchy_ranks
 
     hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1e9])
     assert hierarchy_ranks(hierarchy, (1, 2), (2, 0)) == (2, 6)
@@ -348,24 +344,21 @@ def test_cli_worker_speeds_on_a_hierarchy(reference_profiles, tmp_path, capsys):
 
 
 def test_speed_profiles_are_solved_once_each():
-    from model_parallel.optimizer.partition import _profile_counts
+    from model_parallel.optimizer.solve import profile_counts as _profile_counts
 
     two_by_two = Hierarchy.from_lists([2, 2])
     assert _profile_counts([1.0, 1.0, 1.0, 0.5], two_by_two) == [2, 1]  # server 0, server 1 = min of both
     assert _profile_counts([1.0] * 4, two_by_two) == [1, 1]
 
 
-def test_speeds_differing_everywhere_fall_back_to_the_slowest_profile(monkeypatch, caplog):
+def test_speeds_differing_everywhere_fall_back_to_the_slowest_profile(caplog):
     # Measured speeds differ on every worker: solving each window's profile at every level would blow
     # the budget, so each outer level plans with the slowest worker of each position, and says so.
-    from model_parallel.optimizer import partition as partition_module
-
     graph = synthetic.residual(5, seed=2)
     hierarchy = Hierarchy.from_lists([2, 2, 2], [40e9, 10e9, 1e9])
     rng = random.Random(4)
     speeds = tuple(rng.uniform(0.5, 1.5) for _ in range(8))
-    monkeypatch.setattr(partition_module, "AUTO_WORK_BUDGET", 1.0)
-    plan = partition(graph, hierarchy, PartitionOptions(worker_speeds=speeds, cuts="topological"))
+    plan = partition(graph, hierarchy, PartitionOptions(worker_speeds=speeds, cuts="topological", tuning=Tuning(work_budget=1.0)))
     assert plan.extra["worker_speeds_simplified"] is True
     assert "too many to solve each" in caplog.text
     slowest = [min(speeds[position::2]) for position in range(2)]

@@ -9,9 +9,13 @@ import pytest
 
 from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
-from model_parallel.optimizer.bounds import boundary_states, level_bounds
+from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import bounded_solve, cut_union, solve
+from model_parallel.optimizer.search import bounded as bounded_module
+from model_parallel.optimizer.search.bounded import bounded_solve, cut_union, solve_bounded
+from model_parallel.optimizer.search.bounds import boundary_states, level_bounds
+from model_parallel.optimizer.solve import solve
+from model_parallel.optimizer.tuning import Tuning
 from model_parallel.optimizer.states import antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import HIERARCHIES, problem, union_states
@@ -19,16 +23,13 @@ from support.optimizer import HIERARCHIES, problem, union_states
 
 @pytest.mark.parametrize("over_cells", [False, True])
 @pytest.mark.parametrize("block", first_fast(6))
-def test_bounded_solve_equals_the_full_dp(block, over_cells, monkeypatch):
+def test_bounded_solve_equals_the_full_dp(block, over_cells):
     """Through `bounded_solve` (states kept by the bound, and with cells those some cell uses)."""
-    if over_cells:
-        import model_parallel.optimizer.cells as cells_module
-
-        monkeypatch.setattr(cells_module, "CELL_MIN_WORK", 0.0)
-        monkeypatch.setattr(cells_module, "CELL_GAIN", 0.0)
     checked = 0
     for seed in range(block * 10, block * 10 + 10):
         graph, hierarchy, options = problem(seed)
+        if over_cells:
+            options = replace(options, tuning=Tuning(cell_min_work=0.0, cell_gain=0.0))
         work = preprocess(graph)
         antichains = enumerate_antichains(work)
         full = solve(union_states(work, antichains), hierarchy, options)
@@ -100,7 +101,7 @@ def test_bounded_pipedream_dp_equals_pipedreams_dp(block):
         loose = solve(prefix_states(work, 4 + seed % 5), hierarchy, options).time_s
         for upper in {loose if math.isfinite(loose) else 2 * full.time_s, full.time_s}:
             bounds = level_bounds(states.compute, states.output, hierarchy, upper, options.activation_compression_ratio)
-            bounded = solve(states, hierarchy, options, bounds)
+            bounded = solve_bounded(states, hierarchy, options, bounds)
             assert bounded.time_s == full.time_s, (seed, upper)
             assert (bounded.parts, bounded.level_replicas, bounded.part_ranks) == (full.parts, full.level_replicas, full.part_ranks)
     assert checked >= 6
@@ -108,20 +109,17 @@ def test_bounded_pipedream_dp_equals_pipedreams_dp(block):
 
 @pytest.mark.slow
 def test_auto_prunes_pipedreams_dp_without_changing_the_plan(monkeypatch):
-    import model_parallel.optimizer.partition as partition_module
-
-    monkeypatch.setattr(partition_module, "PRUNE_MIN_WORK", 0.0)
     bounded_calls = []
-    real_solve = partition_module.solve
+    real_solve = bounded_module.solve_bounded
 
-    def counting_solve(states, hierarchy, options, bounds=None):
-        bounded_calls.append(states.kind == "antichain" and bounds is not None)
+    def counting_solve(states, hierarchy, options, bounds):
+        bounded_calls.append(states.kind == "antichain")
         return real_solve(states, hierarchy, options, bounds)
 
-    monkeypatch.setattr(partition_module, "solve", counting_solve)
+    monkeypatch.setattr(bounded_module, "solve_bounded", counting_solve)
     graph = synthetic.branches(8, width=4, depth=3, seed=3)
     hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
-    options = PartitionOptions(activation_compression_ratio=1.0)
+    options = PartitionOptions(activation_compression_ratio=1.0, tuning=Tuning(prune_min_work=0.0))
     auto = partition_module.partition(graph, hierarchy, options)
     assert any(bounded_calls) and auto.extra["cuts"] == "antichain" and auto.extra["exact"]
     reference = partition_module.partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts="antichain"))
@@ -134,32 +132,28 @@ def test_auto_prunes_pipedreams_dp_without_changing_the_plan(monkeypatch):
 def test_a_bound_below_pipedreams_optimum_falls_back_to_the_full_dp(monkeypatch):
     """A prefix plan can beat every antichain plan (a cut PipeDream misses); then no antichain plan is
     within its time and the full DP must run. Simulated by a quick plan that claims half its time."""
-    import model_parallel.optimizer.partition as partition_module
+    real_solve = bounded_module.solve
 
-    monkeypatch.setattr(partition_module, "PRUNE_MIN_WORK", 0.0)
-    real_solve = partition_module.solve
-
-    def optimistic_prefixes(states, hierarchy, options, bounds=None):
-        solution = real_solve(states, hierarchy, options, bounds)
+    def optimistic_prefixes(states, hierarchy, options, limits=None):
+        solution = real_solve(states, hierarchy, options, limits)
         return replace(solution, time_s=solution.time_s / 2) if states.kind.startswith("topological") else solution
 
-    monkeypatch.setattr(partition_module, "solve", optimistic_prefixes)
+    monkeypatch.setattr(bounded_module, "solve", optimistic_prefixes)
     graph = synthetic.branches(8, width=4, depth=3, seed=3)
     work = preprocess(graph)
     states = antichain_states(work)
     hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
-    options = PartitionOptions(activation_compression_ratio=1.0)
-    got = partition_module.solve_antichains(work, states, hierarchy, options)
+    options = PartitionOptions(activation_compression_ratio=1.0, tuning=Tuning(prune_min_work=0.0))
+    got = bounded_module.solve_antichains(work, states, hierarchy, options)
     assert got.time_s == real_solve(states, hierarchy, options).time_s
 
 
 @pytest.mark.slow
-def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound(monkeypatch):
+def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound():
     """`solve_below` with budgets forcing its bounds below the known plan's time: when a bound
     reaches the optimum it returns the optimum, marked exact; when not, every plan takes more than the
     bound it reports as `lower_bound_s`, and the plan it returns is a real one (never below the optimum)."""
-    import model_parallel.optimizer.partition as partition_module
-    from model_parallel.optimizer.partition import estimated_bounded_work, solve_below
+    from model_parallel.optimizer.search.bounded import estimated_bounded_work, solve_below
 
     outcomes = set()
     for seed in range(60):
@@ -176,8 +170,7 @@ def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound(mo
         # (a first, smaller one proves a weaker lower bound on the way).
         target = [lower + (optimum - lower) / 2, optimum * (1 + 1e-7)][seed % 2]
         budgets = tuple(estimated_bounded_work(union, hierarchy, options, t) for t in (lower + (target - lower) / 4, target))
-        monkeypatch.setattr(partition_module, "BELOW_BUDGETS", budgets)
-        got = solve_below(work, hierarchy, options, union, upper, lower)
+        got = solve_below(work, hierarchy, replace(options, tuning=Tuning(below_budgets=budgets)), union, upper, lower)
         if got.exact:
             outcomes.add("exact")
             assert got.time_s == pytest.approx(optimum, rel=1e-12, abs=0), seed
@@ -193,8 +186,8 @@ def test_the_work_estimate_matches_the_bounded_problem_without_transfers():
     """auto skips the crossing bytes of every cut when the estimate says a bounded solve is too big:
     from compute alone (states in compute order, not size order) it must stay within a factor 2 of the
     real count (transfers, when counted, only prune more)."""
-    from model_parallel.optimizer.bounds import bounded_work
-    from model_parallel.optimizer.partition import estimated_bounded_work
+    from model_parallel.optimizer.search.bounds import bounded_work
+    from model_parallel.optimizer.search.bounded import estimated_bounded_work
 
     for seed in range(12):
         graph, hierarchy, _ = problem(seed)

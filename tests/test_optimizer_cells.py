@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-import model_parallel.optimizer.cells as cells_module
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer.bounds import level_bounds, row_states
-from model_parallel.optimizer.cells import cell_mask, level_cell_work, stage_contexts
-from model_parallel.optimizer.partition import solve
+from model_parallel.optimizer.search.bounded import solve_bounded
+from model_parallel.optimizer.search.bounds import level_bounds, row_states
+from model_parallel.optimizer.search.cells import cell_mask, level_cell_work, stage_contexts
+from model_parallel.optimizer.solve import solve
+from model_parallel.optimizer.tuning import Tuning
 from model_parallel.optimizer.states import antichain_states, enumerate_antichains, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import problem, union_states
@@ -21,11 +23,8 @@ HIERARCHIES = [
 ]
 
 
-@pytest.fixture
-def always_cells(monkeypatch):
-    """Every bounded level runs over cells, however small."""
-    monkeypatch.setattr(cells_module, "CELL_MIN_WORK", 0.0)
-    monkeypatch.setattr(cells_module, "CELL_GAIN", 0.0)
+# Every bounded level runs over cells, however small.
+ALWAYS_CELLS = Tuning(cell_min_work=0.0, cell_gain=0.0)
 
 
 def test_stage_contexts_list_every_start_a_row_can_have():
@@ -54,13 +53,14 @@ def test_a_cell_outside_every_window_is_dropped():
 
 
 @pytest.mark.parametrize("block", first_fast(4))
-def test_the_dp_over_cells_equals_the_dense_bounded_dp(block, always_cells):
+def test_the_dp_over_cells_equals_the_dense_bounded_dp(block):
     """Random DAGs, every option, two- and three-level hierarchies, PipeDream's states (not-a-range
     entries) and the union: at a loose bound and at the optimum the same time and plan as the dense
     bounded DP (and the full DP); below the optimum, no plan within the bound."""
     checked = below = 0
     for seed in range(block * 8, block * 8 + 8):
         graph, memory_hierarchy, options = problem(seed)
+        options = replace(options, tuning=ALWAYS_CELLS)
         machines, bandwidths = HIERARCHIES[seed % len(HIERARCHIES)]
         hierarchy = Hierarchy.from_lists(machines, bandwidths, memory_bytes=memory_hierarchy.memory_bytes)
         work = preprocess(graph)
@@ -71,13 +71,13 @@ def test_the_dp_over_cells_equals_the_dense_bounded_dp(block, always_cells):
             loose = solve(prefix_states(work, 4 + seed % 5), hierarchy, options).time_s
             for upper in {loose if math.isfinite(loose) else 2 * full.time_s, full.time_s, full.time_s * 0.999}:
                 bounds = level_bounds(states.compute, states.output, hierarchy, upper, options.activation_compression_ratio)
-                over_cells = solve(states, hierarchy, options, bounds)
+                over_cells = solve_bounded(states, hierarchy, options, bounds)
                 if upper < full.time_s:
                     below += 1
                     assert over_cells.time_s > upper or not math.isfinite(over_cells.time_s), (seed, upper)
                     continue
                 checked += 1
-                dense = solve(states, hierarchy, options, bounds, use_cells=False)
+                dense = solve_bounded(states, hierarchy, options, bounds, use_cells=False)
                 assert over_cells.time_s == dense.time_s, (seed, states.kind, upper)
                 assert over_cells.time_s == pytest.approx(full.time_s, rel=1e-12, abs=0)
                 assert (over_cells.parts, over_cells.level_replicas) == (dense.parts, dense.level_replicas)

@@ -12,13 +12,14 @@ import pytest
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Node
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer import flattened as flattened_module
-from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer import synthetic
-from model_parallel.optimizer.flattened import flat_feasible, flat_plan_cuts, flat_states
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import solve
-from model_parallel.optimizer.relaxation import covers, fewest_replicas
+from model_parallel.optimizer.partition import partition
+from model_parallel.optimizer.search import flattened as flattened_module
+from model_parallel.optimizer.search.bounded import cut_union, relaxed_bound
+from model_parallel.optimizer.search.flattened import flat_feasible, flat_plan_cuts, flat_states
+from model_parallel.optimizer.search.relaxation import covers, fewest_replicas
+from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.states import cut_costs, cut_states, enumerate_antichains, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import exact_and_unproven, problem, three_level_problem
@@ -113,25 +114,24 @@ def test_one_outer_machine_with_all_reduce_bound_and_plan():
 
 
 @pytest.mark.slow
-def test_unproven_plan_comes_from_the_flattened_search(monkeypatch):
+def test_unproven_plan_comes_from_the_flattened_search():
     # No exact solve fits: the flattened search gives the plan and the bound.
-    graph, hierarchy, options, exact, plan = exact_and_unproven(monkeypatch)
+    graph, hierarchy, options, exact, plan = exact_and_unproven()
     assert plan.extra["cuts"] == "flattened"
     lower = plan.extra["lower_bound_s"]
     assert lower <= exact.time_per_minibatch_s * (1 + 1e-9) <= plan.time_per_minibatch_s * (1 + 2e-9)
     # Tighter than the coarse relaxation the same run would have used without it.
     work = preprocess(graph)
-    union = partition_module.cut_union(work, enumerate_antichains(work))
-    coarse = partition_module.relaxed_bound(work, hierarchy, options, union, plan.time_per_minibatch_s)
+    union = cut_union(work, enumerate_antichains(work))
+    coarse = relaxed_bound(work, hierarchy, options, union, plan.time_per_minibatch_s)
     assert lower > coarse
 
 
 @pytest.mark.slow
-def test_the_proof_finds_and_proves_the_optimum_no_exact_solve_fits(monkeypatch):
+def test_the_proof_finds_and_proves_the_optimum_no_exact_solve_fits():
     # The same problem with the proof on: the heuristic's plan, refined by exact inner rows, is the optimum.
-    graph, hierarchy, options, exact, _ = exact_and_unproven(monkeypatch)
-    monkeypatch.setattr(partition_module, "FLAT_PROOF_PASSES", 8)
-    plan = partition_module.partition(graph, hierarchy, options)
+    graph, hierarchy, options, exact, _ = exact_and_unproven()
+    plan = partition(graph, hierarchy, dataclasses.replace(options, tuning=dataclasses.replace(options.tuning, flat_proof_passes=8)))
     assert plan.extra["cuts"] == "flattened" and plan.extra["exact"] is True
     assert plan.time_per_minibatch_s == pytest.approx(exact.time_per_minibatch_s, rel=1e-9)
 

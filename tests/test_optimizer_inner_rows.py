@@ -11,11 +11,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from model_parallel.optimizer import flattened
-from model_parallel.optimizer import partition as partition_module
-from model_parallel.optimizer.flattened import flat_states, flat_witness, included
-from model_parallel.optimizer.inner_rows import InnerRows
-from model_parallel.optimizer.partition import cut_union, flat_search, prefix_states, solve
+from model_parallel.optimizer.search import flattened
+from model_parallel.optimizer.search.bounded import cut_union
+from model_parallel.optimizer.search.flat_kernel import included
+from model_parallel.optimizer.search.flat_search import flat_search
+from model_parallel.optimizer.search.flattened import flat_states, flat_witness
+from model_parallel.optimizer.search.inner_rows import InnerRows
+from model_parallel.optimizer.solve import solve
+from model_parallel.optimizer.states import prefix_states
+from model_parallel.optimizer.tuning import Tuning
 from model_parallel.optimizer.states import enumerate_antichains
 from support import first_fast
 from support.optimizer import three_level_problem
@@ -142,10 +146,10 @@ def test_passes_resumed_after_new_rows_match_fresh_ones(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", range(2))
-def test_a_proven_search_returns_the_optimum(block, monkeypatch):
+def test_a_proven_search_returns_the_optimum(block):
     # The proof runs as soon as the heuristic finds a plan; whatever it says `exact` is the optimum over
     # PipeDream's antichains and the prefixes, and its plan is never worse than the one it started from.
-    monkeypatch.setattr(partition_module, "FLAT_PROOF_WINDOW", math.inf)
+    proof_always = Tuning(flat_proof_window=math.inf)
     checked = proven = 0
     for seed in range(block * 40, block * 40 + 40):
         costs, hierarchy, options, optimum, work = three_level_problem(seed)
@@ -155,7 +159,7 @@ def test_a_proven_search_returns_the_optimum(block, monkeypatch):
         upper = replace(solve(prefix_states(work, 2), hierarchy, options), exact=False)
         if not math.isfinite(upper.time_s):
             continue
-        found = flat_search(work, hierarchy, options, union, upper)
+        found = flat_search(work, hierarchy, replace(options, tuning=proof_always), union, upper)
         assert found is not None
         best, lower = found
         checked += 1

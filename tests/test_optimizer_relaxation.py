@@ -3,17 +3,20 @@ relaxation is the problem itself, and reported by `partition` for plans it canno
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from model_parallel.graph.core import Node
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import partition, solve
-from model_parallel.optimizer.relaxation import covers, node_share_bound, relaxed_lower_bound
+from model_parallel.optimizer.partition import partition
+from model_parallel.optimizer.search.bounded import cut_union, relaxed_bound
+from model_parallel.optimizer.search.relaxation import covers, node_share_bound, relaxed_lower_bound
+from model_parallel.optimizer.solve import solve
+from model_parallel.optimizer.tuning import Tuning
 from model_parallel.optimizer.states import cut_costs, enumerate_antichains, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import exact_and_unproven, problem, union_states
@@ -137,14 +140,13 @@ def test_node_share_bound_is_the_replicated_node_time():
     assert partition(pair, nested).time_per_minibatch_s == pytest.approx(3e-3, rel=1e-12)
 
 
-def test_unproven_plan_reports_the_relaxed_bound(monkeypatch):
+def test_unproven_plan_reports_the_relaxed_bound():
     # The plan is the best over a few prefixes (without the flattened search, which would bound it
     # more tightly: test_optimizer_flattened.py).
-    graph, hierarchy, options, exact, plan = exact_and_unproven(monkeypatch, MAX_FLAT_STATES=0)
+    graph, hierarchy, options, exact, plan = exact_and_unproven(max_flat_states=0)
     balance = plan.single_machine_time_s / hierarchy.num_workers
     assert balance < plan.extra["lower_bound_s"] <= exact.time_per_minibatch_s * (1 + 1e-9)
     work = preprocess(graph)
-    relaxed = partition_module.relaxed_bound(
-        work, hierarchy, options, partition_module.cut_union(work, enumerate_antichains(work)), plan.time_per_minibatch_s)
+    relaxed = relaxed_bound(work, hierarchy, options, cut_union(work, enumerate_antichains(work)), plan.time_per_minibatch_s)
     nodes = node_share_bound(np.array(work.compute_s), np.array(work.parameters), hierarchy)
     assert plan.extra["lower_bound_s"] == pytest.approx(max(relaxed, nodes), rel=1e-12)

@@ -48,16 +48,16 @@ def test_median_ignores_outliers():
     assert est.speeds == pytest.approx({0: 1.0, 1: 1.0})
 
 
-def test_chain_partition_is_optimal_for_speeds():
+def test_default_solver_is_optimal_for_speeds():
     graph = chain_graph([1.0] * 12)
-    plan = pol.chain_partition(graph, [0, 1, 2], [1.0, 0.5, 1.0])
+    plan = pol.default_solver(graph, [0, 1, 2], [1.0, 0.5, 1.0])
     sizes = [len([n for n in s.node_ids if n != "input0"]) for s in plan.stages]
     assert sizes == [5, 2, 5]
     assert plan.stages[0].node_ids[0] == "input0"
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (2,)]
     assert plan.time_per_minibatch_s == pytest.approx(5e-3)
-    with pytest.raises(PlanError, match="cannot split 13 node\\(s\\) into 14 stage"):
-        pol.chain_partition(graph, list(range(14)), [1.0] * 14)
+    with pytest.raises(PlanError, match="cannot split 12 layer node\\(s\\) into 14 stage"):
+        pol.default_solver(graph, list(range(14)), [1.0] * 14)
 
 
 def test_noisy_balanced_pipeline_never_switches():
@@ -67,7 +67,7 @@ def test_noisy_balanced_pipeline_never_switches():
     config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=5)
     for _ in range(200):
         samples = measure(graph, plan, {r: 1.0 for r in range(4)}, calibration=2.0, noise=0.08, rng=rng)
-        decision = pol.decide(graph, plan, samples, config, steps_since_switch=100, solver=pol.chain_partition)
+        decision = pol.decide(graph, plan, samples, config, steps_since_switch=100, solver=pol.default_solver)
         assert decision.plan is None, decision.reason
 
 
@@ -81,7 +81,7 @@ def test_slowed_worker_switches_once_then_stays():
     since = 100
     for step in range(300):
         samples = measure(graph, plan, speeds, noise=0.05, rng=rng)
-        decision = pol.decide(graph, plan, samples, config, steps_since_switch=since, solver=pol.chain_partition)
+        decision = pol.decide(graph, plan, samples, config, steps_since_switch=since, solver=pol.default_solver)
         since += 1
         if decision.plan is not None:
             switches.append(step)
@@ -112,7 +112,7 @@ def test_calibration_fixes_a_wrong_profile():
     true = chain_graph([1.0] * 4 + [3.0] * 4)
     plan = even_plan(profiled, 2)
     samples = {s.ranks[0]: [pol.stage_profiled_ms(true, s)] * 5 for s in plan.stages}
-    decision = pol.decide(profiled, plan, samples, pol.PolicyConfig(cooldown_steps=0), 100, solver=pol.chain_partition)
+    decision = pol.decide(profiled, plan, samples, pol.PolicyConfig(cooldown_steps=0), 100, solver=pol.default_solver)
     assert decision.plan is not None
     assert decision.estimate.speeds[1] == pytest.approx(1 / 3)
     # true bottleneck improves from 12 to at most 9 (the slow-looking stage got fewer layers)
@@ -129,7 +129,7 @@ def test_policy_config_validation():
 
 def test_plan_for_workers_uses_given_ranks():
     graph = chain_graph([1.0] * 6)
-    plan = pol.plan_for_workers(graph, [1, 3], [1.0, 1.0], version=4, solver=pol.chain_partition)
+    plan = pol.plan_for_workers(graph, [1, 3], [1.0, 1.0], version=4, solver=pol.default_solver)
     assert [s.ranks for s in plan.stages] == [(1,), (3,)] and plan.version == 4
     with pytest.raises(PlanError, match="at least one worker"):
         pol.plan_for_workers(graph, [], [], version=1)
@@ -166,7 +166,7 @@ def simulate(graph, plan, true_ms, config, steps, rng, noise):
         if learn:
             baseline, learn = dict(pol.estimate_speeds(graph, plan, samples).speeds), False
             continue
-        decision = pol.decide(graph, plan, samples, config, since, solver=pol.chain_partition, misses=misses,
+        decision = pol.decide(graph, plan, samples, config, since, solver=pol.default_solver, misses=misses,
                               baseline=baseline, change_streak=streak)
         streak = streak + 1 if decision.extra.get("changed") else 0
         since += 1
@@ -215,10 +215,10 @@ def test_a_burst_of_contention_is_not_a_straggler():
     config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=1, persist=3)
     baseline = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
     slow = measure(graph, plan, {0: 1.0, 1: 1 / 3, 2: 1.0, 3: 1.0}, n=1)
-    first = pol.decide(graph, plan, slow, config, 100, solver=pol.chain_partition, baseline=baseline, change_streak=0)
+    first = pol.decide(graph, plan, slow, config, 100, solver=pol.default_solver, baseline=baseline, change_streak=0)
     assert first.plan is None and first.extra["changed"] == 1 and "seen 1 of 3 times" in first.reason
-    third = pol.decide(graph, plan, slow, config, 100, solver=pol.chain_partition, baseline=baseline, change_streak=2)
+    third = pol.decide(graph, plan, slow, config, 100, solver=pol.default_solver, baseline=baseline, change_streak=2)
     assert third.plan is not None
     steady = pol.decide(graph, plan, measure(graph, plan, {r: 1.0 for r in range(4)}, n=1), config, 100,
-                        solver=pol.chain_partition, baseline=baseline, change_streak=2)
+                        solver=pol.default_solver, baseline=baseline, change_streak=2)
     assert steady.plan is None and "speeds steady" in steady.reason and not steady.extra

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
-from model_parallel.optimizer.costs import stash_factor
+from model_parallel.optimizer.costs import allreduce_seconds, stash_factor, transfer_seconds
 from model_parallel.optimizer.states import States, Workload, crossing_bytes
 
 
@@ -126,12 +126,12 @@ def brute_force_hierarchy(
                 inner = None if window is None else tuple(map(_slowest, zip(*window)))
                 work, share = best(level - 1, prev, cut, inner)[0], r
             first = prev == start
-            allreduce = (4 * (r - 1) * w) / (bandwidth * r) / (within if first else 1)
+            allreduce = allreduce_seconds(w, r, bandwidth, within if first else 1)
             time = (work + allreduce) / share
             if ratio is not None and not first:
-                time = max(time, (2.0 * a.output) / (bandwidth * r) / ratio)
+                time = max(time, transfer_seconds(a.output, bandwidth, r, ratio))
                 if cut != full:
-                    time = max(time, (2.0 * b.output) / (bandwidth * r) / ratio)
+                    time = max(time, transfer_seconds(b.output, bandwidth, r, ratio))
             return time
 
         @lru_cache(maxsize=None)

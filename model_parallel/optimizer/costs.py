@@ -1,7 +1,16 @@
-"""Per-stage costs of a given assignment of nodes to stages, under PipeDream's cost model.
+"""PipeDream's cost model, written once: what a stage costs, and the costs of a given plan.
 
-Used to fill a `Plan`'s per-stage numbers and by the live rebalancer (`predict_stage_times`) to
-score an existing plan under measured worker speeds. `Input*` sources cost nothing (data loading).
+The terms (FORMATS.md), for a stage of compute T and weights W replicated r times over links of B
+bytes/s, each replica holding g machines of the level inside (g = 1 on the innermost level):
+
+    all-reduce      4 (r - 1) W / (B r g)                 `allreduce_seconds`
+    stage time      (T + all-reduce) / r                  `stage_seconds` (r times the slowest speed with speeds)
+    transfer        2 O / (B r R)                         `transfer_seconds` (O bytes cross, compression R)
+
+Every solver (dp.py, straight.py, brute_force.py, the plan's own numbers and the rebalancer's
+`predict_stage_times`) calls these, elementwise on numpy arrays or on floats, so their results agree
+to the bit. (The search's compiled pass, `search/flat_kernel.py`, and its bounds invert these terms to
+count replicas; they say so where they do.) `Input*` sources cost nothing (data loading).
 """
 from __future__ import annotations
 
@@ -26,13 +35,29 @@ class StageCost:
     output_bytes: float
 
 
+def allreduce_seconds(parameters: Any, replicas: Any, bandwidth: float, within: Any = 1) -> Any:
+    """PipeDream's weight synchronisation of a stage replicated `replicas` times: `4 (r-1) W / (B r) / g`."""
+    return (4 * (replicas - 1) * parameters) / (bandwidth * replicas) / within
+
+
+def stage_seconds(compute: Any, parameters: Any, replicas: Any, bandwidth: float, within: Any = 1, pace: Any = None) -> Any:
+    """A replicated stage's seconds per minibatch: `(T + all-reduce) / pace`, pace = r (the replicas share
+    the microbatches round-robin), or r times their slowest speed when workers differ."""
+    return (compute + allreduce_seconds(parameters, replicas, bandwidth, within)) / (replicas if pace is None else pace)
+
+
+def transfer_seconds(bytes_: Any, bandwidth: float, replicas: Any, ratio: float) -> Any:
+    """Sending (and receiving) activations across a cut: `2 O / (B r) / R` (PipeDream counts both ways)."""
+    return (2.0 * bytes_) / (bandwidth * replicas) / ratio
+
+
 def data_parallel_seconds(compute: Any, parameters: Any, levels: Sequence[Level]) -> Any:
     """PipeDream's time of one stage replicated on every machine of `levels` (innermost first): at each
     level `(t + 4 (M - 1) P / (B M) / M_inside) / M`. Works elementwise on numpy arrays."""
     time, within = compute, 1
     for level in levels:
         n = level.num_machines
-        time = (time + 4 * (n - 1) * parameters / (level.bandwidth * n) / within) / n
+        time = stage_seconds(time, parameters, n, level.bandwidth, within)
         within = n
     return time
 
@@ -76,8 +101,8 @@ def predict_stage_times(
 ) -> tuple[float, ...]:
     """Predicted seconds per minibatch of each stage of `plan` on workers of the given speeds.
 
-    Stage time = max((T + 4 (r-1) W / (B r)) / (r * slowest speed of its ranks), transfers), where the input
-    and output transfers `2 bytes / (B r R)` count only with a compression ratio R (as PipeDream).
+    Stage time = max(`stage_seconds` at r times the slowest speed of its ranks, `transfer_seconds` in and
+    out), the transfers only with a compression ratio R (as PipeDream).
     With speeds all 1.0 this is the optimizer's own model, so `max(...)` equals
     `plan.time_per_minibatch_s` for a one-level straight plan. Speeds are indexed by rank. (PipeDream's
     DP never charges the first stage for its output; here it is charged, at the first stage's replicas,
@@ -97,10 +122,27 @@ def predict_stage_times(
         r = stage.num_replicas
         # r replicas share the microbatches round-robin (the runtime's rule): the slowest sets the pace.
         speed = r * min(speeds[rank] for rank in stage.ranks) if speeds is not None else r
-        time = (cost.compute_s + (4 * (r - 1) * cost.parameter_bytes) / (bandwidth * r)) / speed
+        time = stage_seconds(cost.compute_s, cost.parameter_bytes, r, bandwidth, pace=speed)
         if activation_compression_ratio is not None:
-            time = max(time, (2.0 * cost.input_bytes) / (bandwidth * r) / activation_compression_ratio)
+            time = max(time, transfer_seconds(cost.input_bytes, bandwidth, r, activation_compression_ratio))
             if stage.stage_id < plan.num_stages - 1:
-                time = max(time, (2.0 * cost.output_bytes) / (bandwidth * r) / activation_compression_ratio)
+                time = max(time, transfer_seconds(cost.output_bytes, bandwidth, r, activation_compression_ratio))
         times.append(time)
     return tuple(times)
+
+
+def stage_transfers(
+    cost: StageCost, levels: Sequence[Level], replicas: Sequence[int], before: Optional[int], after: Optional[int],
+    ratio: float,
+) -> float:
+    """The largest communication term of a stage in a hierarchical plan: the all-reduce of its weights among
+    its replicas at each level (divided by the machines inside), and its activations over the level that
+    splits the boundary before it (`before`) and after it (`after`; None where there is none)."""
+    transfers, within = [0.0], 1
+    for level, count in zip(levels, replicas):
+        transfers.append(allreduce_seconds(cost.parameter_bytes, count, level.bandwidth, within))
+        within *= level.num_machines
+    for level, bytes_ in ((before, cost.input_bytes), (after, cost.output_bytes)):
+        if level is not None:
+            transfers.append(transfer_seconds(bytes_, levels[level].bandwidth, replicas[level], ratio))
+    return max(transfers)

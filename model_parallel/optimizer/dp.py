@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from model_parallel.optimizer.costs import stash_factor
+from model_parallel.optimizer.costs import allreduce_seconds, stage_seconds, stash_factor, transfer_seconds
 
 INF = math.inf
 
@@ -172,12 +172,12 @@ def solve_level(
                 return values[rows_k, js[None, :]]
         range_compute = ranges(sources[0])
         if mp > 1:
-            time = (range_compute + (4 * (mp - 1) * ranges(sources[2])) / (bandwidth * mp)) / mp
+            time = stage_seconds(range_compute, ranges(sources[2]), mp, bandwidth)
         else:
             time = range_compute  # x / 1 is x
         if ratio is not None:
-            np.maximum(time, ((2.0 * output[ks]) / (bandwidth * mp) / ratio)[:, None], out=time)
-            sends = np.where(js < s - 1, (2.0 * output[js]) / (bandwidth * mp) / ratio, -INF)  # the last state sends nothing
+            np.maximum(time, transfer_seconds(output[ks], bandwidth, mp, ratio)[:, None], out=time)
+            sends = np.where(js < s - 1, transfer_seconds(output[js], bandwidth, mp, ratio), -INF)  # the last state sends nothing
             np.maximum(time, sends[None, :], out=time)
         if cumulative is None or memory_limit is not None:  # sums of states are finite; table entries may not be
             ok = np.isfinite(range_compute)
@@ -208,7 +208,7 @@ def solve_level(
         for m in range(1 if straight_pipeline else big_m):
             share = (m + 1) if worker_speeds is None else (m + 1) * float(np.min(worker_speeds[: m + 1]))
             single = compute if window_compute is None else window_compute(0, m + 1)[solve_rows]
-            value = (single + (4 * m * parameters) / (bandwidth * (m + 1)) / machines_within) / share
+            value = stage_seconds(single, parameters, m + 1, bandwidth, machines_within, pace=share)
             ok = np.isfinite(single)
             if memory_limit is not None:
                 ok &= _stash_factor(memory_model, big_m, m + 1, m + 1) * stash_bytes <= memory_limit
@@ -434,15 +434,15 @@ def _last_stage_times(
     per_m = range_compute.ndim > 1 or memory_limit is not None or speed_sums is not None
     if range_compute.ndim == 1:
         range_compute = range_compute[None, :, None]
-    work = range_compute + ((4 * (mp - 1) * range_params[:, None]) / (bandwidth * mp))[None]
+    work = range_compute + allreduce_seconds(range_params[:, None], mp, bandwidth)[None]
     if speed_sums is None:
         last = np.broadcast_to(work / mp, (big_m - 1 if per_m else 1, len(range_params), big_m - 1)).copy()
     else:  # machines m-m'+1 .. m share the work by speed (m' <= m; larger m' are never read)
         last = np.where(np.isfinite(speed_sums)[:, None, :], work / speed_sums[:, None, :], INF)
     if ratio is not None:
-        transfer = (2.0 * output_in[:, None]) / (bandwidth * mp) / ratio
+        transfer = transfer_seconds(output_in[:, None], bandwidth, mp, ratio)
         if has_output:
-            transfer = np.maximum(transfer, (2.0 * output_out) / (bandwidth * mp) / ratio)
+            transfer = np.maximum(transfer, transfer_seconds(output_out, bandwidth, mp, ratio))
         last = np.maximum(last, transfer[None])
     last = np.where(np.isfinite(range_compute), last, INF)
     if memory_limit is not None:

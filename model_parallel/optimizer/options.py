@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from model_parallel.errors import PlanError
+from model_parallel.optimizer.tuning import Tuning
 
 MEMORY_MODELS = ("pipedream", "1f1b")
 CUTS = ("auto", "antichain", "topological", "all")
@@ -37,6 +38,10 @@ class PartitionOptions:
     - `max_cut_points`: keep at most this many topological cut points (the cheapest cut of each of
       that many equal-compute pieces: a heuristic for huge graphs). None = every prefix (or, under
       "auto", what the time budget allows).
+    - `search`: under "auto", where PipeDream's antichain DP is out of reach, use the search layers
+      (`optimizer/search`: bounded exact solves, and with numba installed the three-level proof) before
+      settling for the best prefix plan; False = PipeDream's DP and the prefix plans only.
+    - `tuning`: the budgets of "auto" and of the search (`tuning.Tuning`).
     """
 
     straight_pipeline: bool = False
@@ -48,6 +53,8 @@ class PartitionOptions:
     cuts: str = "auto"
     max_antichain_states: int = 5000
     max_cut_points: Optional[int] = None
+    search: bool = True
+    tuning: Tuning = field(default=Tuning(), repr=False)
 
     def __post_init__(self) -> None:
         ratio = self.activation_compression_ratio

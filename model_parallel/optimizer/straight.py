@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from model_parallel.optimizer.costs import transfer_seconds
 from model_parallel.optimizer.dp import Part
 from model_parallel.optimizer.states import States
 
@@ -42,7 +43,7 @@ def straight_partition(
     diff = np.where(lower, x[:, None] - x[None, :], INF)
     floor = None  # per-(j, k) terms that do not depend on the stage: the transfers
     if ratio is not None:
-        transfer = (2.0 * states.output) / bandwidth / ratio
+        transfer = transfer_seconds(states.output, bandwidth, 1, ratio)
         outgoing = transfer.copy()
         outgoing[-1] = 0.0  # the last state sends nothing on
         floor = np.maximum(outgoing[:, None], transfer[None, :])

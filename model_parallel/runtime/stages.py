@@ -13,52 +13,18 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from model_parallel.codegen.boundary import is_model_input
 from model_parallel.codegen.naming import layer_name
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Plan, StagePlan
-
-
-def node_cost(graph: Graph, node_id: str) -> float:
-    """Cost used by the even split when no timings exist: measured time, else parameter + activation bytes."""
-    node = graph[node_id]
-    if node.compute_ms > 0:
-        return node.compute_ms
-    return node.parameter_size + node.activation_bytes
+from model_parallel.graph.plan import Plan
+from model_parallel.optimizer.contiguous import even_stages
 
 
 def even_plan(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int]] = None) -> Plan:
-    """Cut the topological order into `num_stages` contiguous ranges of about equal cost.
-
-    Model inputs stay in stage 0. Ranks are assigned in stage order (`replicas` per stage, default 1).
-    """
-    replicas = dict(replicas or {})
-    unknown = sorted(s for s in replicas if not 0 <= int(s) < num_stages)
-    if unknown:
-        raise PlanError(f"--stage_to_num_ranks names stage(s) {unknown} but the plan has stages 0..{num_stages - 1}; "
-                        "name only existing stages (or raise --num_stages)")
-    order = list(graph.topological_order)
-    inputs = [n for n in order if is_model_input(graph[n])]
-    rest = [n for n in order if n not in set(inputs)]
-    if num_stages < 1 or num_stages > len(rest):
-        raise PlanError(f"cannot split {len(rest)} layer node(s) into {num_stages} stage(s); choose 1..{len(rest)}")
-    costs = [max(node_cost(graph, n), 1e-9) for n in rest]
-    total = sum(costs)
-    stages: list[list[str]] = [[] for _ in range(num_stages)]
-    stage, acc = 0, 0.0
-    for index, (node_id, cost) in enumerate(zip(rest, costs)):
-        remaining_nodes = len(rest) - index
-        remaining_stages = num_stages - stage
-        # Move on when this stage has its share, but never leave a later stage empty.
-        if stages[stage] and stage < num_stages - 1 and (acc + cost / 2 > total * (stage + 1) / num_stages
-                                                         or remaining_nodes < remaining_stages):
-            stage += 1
-        stages[stage].append(node_id)
-        acc += cost
-    stages[0] = inputs + stages[0]
-    plan = Plan(stages=tuple(StagePlan(s, tuple(ids), num_replicas=int(replicas.get(s, 1))) for s, ids in enumerate(stages)))
-    return plan.with_default_ranks()
+    """`num_stages` contiguous stages of about equal profiled time: the optimizer's straight solver with
+    unit speeds (`optimizer.contiguous.even_stages`). Model inputs stay in stage 0; ranks in stage order
+    (`replicas` per stage, default 1)."""
+    return even_stages(graph, num_stages, replicas)
 
 
 def layer_targets(graph: Graph) -> dict[str, str]:

@@ -3,13 +3,14 @@ inner rows): each is deterministic in its seed, so a failing seed reproduces."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.tuning import Tuning
 from model_parallel.optimizer.partition import partition, solve
 from model_parallel.optimizer.states import cut_costs, cut_states, enumerate_antichains, preprocess, prefix_states
 
@@ -41,17 +42,16 @@ def union_states(work, antichains):
     return cut_states(work, list(prefix_states(work).members) + antichains.downsets(), "bounded")
 
 
-def exact_and_unproven(monkeypatch, **patches):
+def exact_and_unproven(**changes):
     """A three-level problem solved exactly, then again under a budget no exact solve fits and without the
-    flattened search's proof (with `patches` on the partition module): (graph, hierarchy, options, exact
+    flattened search's proof (with `changes` to that tuning): (graph, hierarchy, those options, exact
     plan, unproven plan)."""
     graph = synthetic.branches(10, width=4, depth=3, seed=5)
     hierarchy = Hierarchy.from_lists([4, 2, 2], [40e9, 10e9, 1.25e9])
     options = PartitionOptions(activation_compression_ratio=1.0)
     exact = partition(graph, hierarchy, options)
     assert exact.extra["exact"] is True
-    for name, value in {"AUTO_WORK_BUDGET": 2e4, "QUICK_CUT_POINTS": 12, "FLAT_PROOF_PASSES": 0, **patches}.items():
-        monkeypatch.setattr(partition_module, name, value)
+    options = replace(options, tuning=Tuning(**{"work_budget": 2e4, "quick_cut_points": 12, "flat_proof_passes": 0, **changes}))
     plan = partition(graph, hierarchy, options)
     assert plan.extra["exact"] is False
     return graph, hierarchy, options, exact, plan

@@ -31,27 +31,23 @@ from typing import Optional
 import numpy as np
 
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer.bounds import ROUNDING, boundary_states
+from model_parallel.optimizer.search.bounds import ROUNDING, boundary_states
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.states import CutCosts
 
-# Most cut states worth building for the relaxation (a states x nodes membership matrix).
-MAX_RELAXED_STATES = 40_000
-# Pairs of states one bisection may visit in all (a check visits about states^2 / 2 of them, 30-50 ns
-# each on this machine's cores): about 1.5 s.
-RELAXATION_BUDGET = 4e7
 _BLOCK = 256
 
 
 def relaxed_lower_bound(
     costs: CutCosts, hierarchy: Hierarchy, options: PartitionOptions, upper_bound: float,
-    tolerance: float = 1e-3, budget: float = RELAXATION_BUDGET,
+    tolerance: float = 1e-3, budget: Optional[float] = None,
 ) -> float:
     """A time no plan over the cuts of `costs` beats (module doc), at least `C_total / N`: the largest
     time the bisection proves infeasible, within `tolerance` (relative) of the relaxation's optimum
     unless a check would exceed what is left of `budget` (pairs of states; then it counts as feasible).
     `upper_bound` is the time of a known plan; `costs` must hold the state with every node (the
     largest) and be sorted by size (`cut_costs`)."""
+    budget = options.tuning.relaxation_budget if budget is None else budget
     lower = float(costs.compute[-1]) / hierarchy.num_workers
     high = upper_bound
     while high - lower > tolerance * lower:

@@ -7,22 +7,23 @@ block): ~60 ns per pair, against ~10 ns here on 2 cores. The rules are those of 
 `flattened.py`, term for term in the same floating-point order (the heuristic's data-parallel work is
 its linear form), checked against that version on random problems when it was replaced.
 
-Compiled once per checkout (`cache=True` keeps the machine code beside this file, in __pycache__; ~15 s,
-which `compile_kernels` pays at install). The workqueue threading layer runs one parallel pass at a
-time per process.
+Compiled on first use when numba is installed (`cache=True` keeps the machine code beside this file, in
+__pycache__; ~15-25 s once per checkout); without numba the same loops run as plain Python (`jit.py`:
+fine for the tests' small problems, far too slow for the 1000-node graphs). This module also holds the
+data a pass reads (`FlatStates`, `level_transfers`, `included`), so that `inner_rows.py` and
+`flattened.py` both import it and not each other.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import numpy as np
-from numba import config, njit, prange
-
-from model_parallel.optimizer.bounds import ROUNDING
-
-# numba's own thread pool: its OpenMP layer would load a second OpenMP runtime beside torch's.
-config.THREADING_LAYER = "workqueue"
+from model_parallel.graph.plan import Level
+from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.search.bounds import ROUNDING
+from model_parallel.optimizer.search.jit import njit, prange
 
 
 class Layout(NamedTuple):
@@ -101,6 +102,46 @@ class _Scratch(NamedTuple):
     opening_best: np.ndarray
     opening_source: np.ndarray
     replicated: np.ndarray
+
+
+@dataclass(frozen=True)
+class FlatStates:
+    """Cut states ordered by size (ancestors first; the last holds every node) and, per block of `_BLOCK`
+    states, the earlier states a pass at up to `max_time_s` reads there (`layout.columns`: a band of earlier
+    blocks' states, then the block's own) and which of them lie strictly inside each state of the block
+    (`layout.inside`: a byte per (state, column), row by row)."""
+
+    members: tuple[int, ...]
+    compute: np.ndarray
+    parameters: np.ndarray
+    output: np.ndarray
+    max_time_s: float
+    layout: Layout
+    # On three levels: bit (later, earlier) set where state `earlier` lies strictly inside `later`, for the
+    # pairs the blocks read (np.packbits rows), so the relaxation can chain a machine's own workers.
+    inclusion: Optional[np.ndarray] = None
+
+    @property
+    def num_states(self) -> int:
+        return len(self.compute)
+
+    @property
+    def pairs(self) -> int:
+        """Pairs of states a pass may visit (its cost)."""
+        return len(self.layout.inside)
+
+
+def level_transfers(output: np.ndarray, level: Level, options: PartitionOptions) -> tuple[np.ndarray, np.ndarray]:
+    """Per state, a stage's transfer over the level's links of the activations crossing it (`2 O / (B R)`,
+    zero when transfers are not counted) as its input, and as its output (none from the whole graph)."""
+    ratio = options.activation_compression_ratio
+    send = np.zeros(len(output)) if ratio is None else 2 * output / (level.bandwidth * ratio)
+    return send, np.where(np.arange(len(output)) < len(output) - 1, send, 0.0)
+
+
+def included(bits: np.ndarray, later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
+    """Whether `earlier` lies strictly inside `later` (elementwise, broadcast) in packed inclusion bits."""
+    return ((bits[later, earlier >> 3] >> (7 - (earlier & 7))) & 1).astype(bool)
 
 
 @njit(cache=True, inline="always")
@@ -249,7 +290,9 @@ def _offer(row: int, end: int, block: int, first: int, stop: int, layout: Layout
             opening = _exact(opening, time, opening_reduce, 0.0, rules)
             continuing = _exact(continuing, time, continuing_reduce, moved, rules)
         threshold = open_from[start]
-        if opening < scratch.opening_best[row, threshold]:
+        # threshold == machines: no stage opens after `start` (opening is inf); the table has no such column
+        # (numba does not check bounds; plain Python, without numba, does).
+        if threshold < machines and opening < scratch.opening_best[row, threshold]:
             scratch.opening_best[row, threshold], scratch.opening_source[row, threshold] = opening, start
         if continuing < math.inf:
             for p in range(machines):
@@ -312,29 +355,3 @@ def _settle(row: int, end: int, rules: Rules, outer_send: np.ndarray, tables: Ta
         tables.fewest_outer[end], tables.closed_at[end] = replicated, -1
     if end < last and outer_send[end] <= limit and tables.fewest_outer[end] < machines:
         tables.open_from[end] = int(tables.fewest_outer[end])
-
-
-def compile_kernels() -> None:
-    """Compile (or load from the cache) the pass and the inner rows for the argument types the optimizer
-    uses, on a small three-level problem: `make` runs it once after installing, so that the first real
-    search does not pay the compilation (~15 s on this machine's cores)."""
-    from model_parallel.graph.plan import Hierarchy
-    from model_parallel.optimizer import synthetic
-    from model_parallel.optimizer.flattened import flat_feasible, flat_plan_cuts, flat_states, flat_witness
-    from model_parallel.optimizer.inner_rows import InnerRows
-    from model_parallel.optimizer.options import PartitionOptions
-    from model_parallel.optimizer.states import cut_costs, preprocess, prefix_states
-
-    work = preprocess(synthetic.chain(6))
-    hierarchy, options = Hierarchy.from_lists([2, 2, 2], [4e10, 1e10, 1.25e9]), PartitionOptions(activation_compression_ratio=1.0)
-    time_s = float(sum(work.compute_s))
-    states = flat_states(cut_costs(work, list(prefix_states(work).members)), hierarchy, time_s)
-    rows = InnerRows(states, hierarchy.levels[0], options, 4 * time_s)
-    rows.add(-1, math.inf)
-    flat_feasible(states, hierarchy, options, time_s)
-    flat_plan_cuts(states, hierarchy, options, time_s)
-    flat_witness(states, hierarchy, options, time_s, rows)
-
-
-if __name__ == "__main__":
-    compile_kernels()

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from numba import njit
 
 from model_parallel.graph.plan import Level
-from model_parallel.optimizer.flattened import FlatStates, included, level_transfers
+from model_parallel.optimizer.search.flat_kernel import FlatStates, included, level_transfers
+from model_parallel.optimizer.search.jit import njit
 from model_parallel.optimizer.options import PartitionOptions
 
 

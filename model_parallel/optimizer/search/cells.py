@@ -31,16 +31,11 @@ from typing import Optional
 import numpy as np
 
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer.bounds import ROUNDING, LevelBounds, bounded_level_work, row_states as bounded_rows
+from model_parallel.optimizer.search.bounds import ROUNDING, LevelBounds, bounded_level_work, row_states as bounded_rows
 from model_parallel.optimizer.options import PartitionOptions
 
 # Most (row, context) pairs a level's cells are worked out for (a few array operations on each).
 MAX_ROW_CONTEXTS = 200_000
-# A level is solved over its cells when that cuts its estimated work at least this many times (the loop
-# over cells runs more, smaller array operations than the dense one).
-CELL_GAIN = 4.0
-# Below this many elements a level's dense bounded DP is cheaper than working out its cells.
-CELL_MIN_WORK = 1e6
 _ROW_CHUNK = 256
 
 
@@ -151,11 +146,11 @@ def bounded_plan(
     total, over_cells = 0.0, []
     for number, dense in enumerate(bounded_level_work(bounds, hierarchy, options.straight_pipeline)):
         cells = math.inf
-        if dense >= CELL_MIN_WORK:
+        if dense >= options.tuning.cell_min_work:
             cells = level_cell_work(
                 compute, bounded_rows(bounds, number), number, hierarchy, bounds.upper_bound_s, options.straight_pipeline,
             )
-        over_cells.append(cells * CELL_GAIN < dense)
+        over_cells.append(cells * options.tuning.cell_gain < dense)
         total += cells if over_cells[-1] else dense
     return total, tuple(over_cells)
 

@@ -48,52 +48,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
 from model_parallel.errors import PlanError
-from model_parallel.graph.plan import Hierarchy, Level
-from model_parallel.optimizer.bounds import ROUNDING
+from model_parallel.graph.plan import Hierarchy
+from model_parallel.optimizer.search.bounds import ROUNDING
 from model_parallel.optimizer.costs import data_parallel_seconds
-from model_parallel.optimizer.flat_kernel import Costs, Layout, Rules, Tables, flat_pass
+from model_parallel.optimizer.search.flat_kernel import (
+    Costs, FlatStates, Layout, Rules, Tables, flat_pass, included, level_transfers,
+)
+from model_parallel.optimizer.search.inner_rows import InnerRows
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.states import CutCosts, node_kinds
 
-if TYPE_CHECKING:
-    from model_parallel.optimizer.inner_rows import InnerRows
-
-# Most states the pass takes: each reads a band of earlier states (up to a next-level machine's compute
-# back) and keeps their inclusions (a byte each).
-MAX_FLAT_STATES = 12_000
 _BLOCK = 128
-
-
-@dataclass(frozen=True)
-class FlatStates:
-    """Cut states ordered by size (ancestors first; the last holds every node) and, per block of `_BLOCK`
-    states, the earlier states a pass at up to `max_time_s` reads there (`layout.columns`: a band of earlier
-    blocks' states, then the block's own) and which of them lie strictly inside each state of the block
-    (`layout.inside`: a byte per (state, column), row by row)."""
-
-    members: tuple[int, ...]
-    compute: np.ndarray
-    parameters: np.ndarray
-    output: np.ndarray
-    max_time_s: float
-    layout: Layout
-    # On three levels: bit (later, earlier) set where state `earlier` lies strictly inside `later`, for the
-    # pairs the blocks read (np.packbits rows), so the relaxation can chain a machine's own workers.
-    inclusion: Optional[np.ndarray] = None
-
-    @property
-    def num_states(self) -> int:
-        return len(self.compute)
-
-    @property
-    def pairs(self) -> int:
-        """Pairs of states a pass may visit (its cost)."""
-        return len(self.layout.inside)
 
 
 def _windows(hierarchy: Hierarchy, limit: float) -> tuple[float, float]:
@@ -178,19 +148,6 @@ class _Pass(Tables):
                 return stages, True
             j, p = s, int(self.source_p[j, p])  # an outer stage opened after s: the p it closed there (-1: replicated)
         return stages, False
-
-
-def level_transfers(output: np.ndarray, level: Level, options: PartitionOptions) -> tuple[np.ndarray, np.ndarray]:
-    """Per state, a stage's transfer over the level's links of the activations crossing it (`2 O / (B R)`,
-    zero when transfers are not counted) as its input, and as its output (none from the whole graph)."""
-    ratio = options.activation_compression_ratio
-    send = np.zeros(len(output)) if ratio is None else 2 * output / (level.bandwidth * ratio)
-    return send, np.where(np.arange(len(output)) < len(output) - 1, send, 0.0)
-
-
-def included(bits: np.ndarray, later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
-    """Whether `earlier` lies strictly inside `later` (elementwise, broadcast) in packed inclusion bits."""
-    return ((bits[later, earlier >> 3] >> (7 - (earlier & 7))) & 1).astype(bool)
 
 
 def _flat_pass(states: FlatStates, hierarchy: Hierarchy, options: PartitionOptions, time_s: float, heuristic: bool,
