@@ -47,6 +47,18 @@ def test_command_round_trip_and_errors():
     assert isinstance(NullChannel(), ControlChannel)
 
 
+def test_switch_command_carries_a_plan_and_refuses_a_bad_one():
+    plan = even_plan(trace_model(recipe("mlp").model(0), recipe("mlp").example(2))[0], 2)
+    command = Command.from_json(Command.switch(plan, "faster").to_json())
+    assert isinstance(command.plan, Plan) and command.plan == plan
+    with pytest.raises(ProtocolError, match="needs the new plan \\(a Plan\\)"):
+        Command("switch", plan=plan.to_dict())  # a dict is not a plan: parse it with Plan.from_dict
+    with pytest.raises(ProtocolError, match="switch command's plan: not a model_parallel plan"):
+        Command.from_dict({"kind": "switch", "plan": {"stages": []}})
+    with pytest.raises(ProtocolError, match="malformed command"):  # a stage that is not an object
+        Command.from_dict({"kind": "switch", "plan": {**plan.to_dict(), "stages": [1]}})
+
+
 def step_report(step, **changes):
     values = dict(rank=0, step=step, plan_version=0, stage=0, step_ms=20.0, compute_ms=12.0, comm_ms=3.0, idle_ms=5.0,
                   samples_per_s=400.0, loss=2.5)
