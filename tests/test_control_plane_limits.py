@@ -16,6 +16,7 @@ import pytest
 
 from model_parallel.coordinator import admission as adm
 from model_parallel.coordinator import policy as pol
+from model_parallel.coordinator.solver import default_solver
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient
 from model_parallel.coordinator.server import Coordinator
 from model_parallel.graph.core import Graph, Node
@@ -122,7 +123,7 @@ def coordinator():
     ids = list(graph.topological_order)
     plan = Plan((StagePlan(0, tuple(ids[:3]), ranks=(0,)), StagePlan(1, tuple(ids[3:]), ranks=(1,))))
     coord = Coordinator(graph, plan, TOKEN, policy="manual", config=pol.PolicyConfig(window=3), heartbeat_timeout=30,
-                        solver=pol.chain_partition)
+                        solver=default_solver)
     port = coord.start("127.0.0.1", 0)
     coord.address = f"127.0.0.1:{port}"
     try:

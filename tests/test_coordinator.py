@@ -12,9 +12,11 @@ from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient
 from model_parallel.coordinator.protocol import C2S, client_handshake, encode_frame, make_message
 from model_parallel.coordinator.server import Coordinator
+from model_parallel.coordinator.solver import default_solver
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan, write_plan
+from model_parallel.messages import StepReport
 
 torch.set_num_threads(1)
 TOKEN = b"test-token"
@@ -36,7 +38,7 @@ def coordinator(tmp_path):
     graph = chain_graph()
     coord = Coordinator(graph, two_stage_plan(graph), TOKEN, policy="auto",
                         config=pol.PolicyConfig(threshold=0.1, cooldown_steps=2, window=3),
-                        status_file=tmp_path / "status.json", heartbeat_timeout=1.5, solver=pol.default_solver)
+                        status_file=tmp_path / "status.json", heartbeat_timeout=1.5, solver=default_solver)
     port = coord.start("127.0.0.1", 0)
     coord.address = f"127.0.0.1:{port}"
     try:
@@ -52,8 +54,8 @@ def cli_main(argv):
 
 
 def metrics(rank, step, version, compute_s):
-    return {"rank": rank, "step": step, "plan_version": version, "stage": rank, "step_s": 0.02,
-            "compute_s": compute_s, "comm_s": 0.001, "idle_s": 0.0, "samples": 8}
+    return StepReport(rank=rank, step=step, plan_version=version, stage=rank, step_ms=20.0, compute_ms=compute_s * 1e3,
+                      comm_ms=1.0, idle_ms=0.0, samples_per_s=400.0)
 
 
 def wait_for(predicate, timeout=10.0, what="condition"):
@@ -81,7 +83,7 @@ def test_auto_rebalance_switch_and_confirm(coordinator, tmp_path):
                 break
             time.sleep(0.01)
         assert command is not None and command != "none" and command.kind == "switch"
-        plan = Plan.from_dict(command.plan)
+        plan = command.plan
         assert plan.version == 1
         assert len(plan.stages[1].node_ids) < len(plan.stages[0].node_ids)  # work moved off rank 1
         assert ch1.poll() is None  # only rank 0 hears commands
@@ -183,7 +185,7 @@ def test_ctl_scale_slow_and_set_plan(coordinator, tmp_path, capsys):
         assert (command.kind, command.rank, command.factor) == ("slowdown", 1, 2.0)
         assert cli_main(base + ["scale", "--workers", "1"]) == 0
         command = wait_for(ch0.poll, what="scale command")
-        plan = Plan.from_dict(command.plan)
+        plan = command.plan
         assert plan.num_stages == 1 and plan.stages[0].ranks == (0,) and plan.version == 1
         with pytest.raises(PlanError, match="still being applied"):
             coordinator.handle_ctl("scale", {"workers": 2})
@@ -198,7 +200,7 @@ def test_ctl_scale_slow_and_set_plan(coordinator, tmp_path, capsys):
         write_plan(two_stage_plan(coordinator.graph), tmp_path / "good.json")
         assert cli_main(base + ["set-plan", str(tmp_path / "good.json")]) == 0
         command = wait_for(ch0.poll, what="set-plan command")
-        assert Plan.from_dict(command.plan).num_stages == 2 and Plan.from_dict(command.plan).version == 2
+        assert command.plan.num_stages == 2 and command.plan.version == 2
         with pytest.raises(ProtocolError, match="closed the connection"):
             cli_main(["ctl", "--address", coordinator.address, "--token", "nope", "status"])
     finally:

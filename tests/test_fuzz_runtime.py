@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_parallel.errors import CheckpointError, ModelParallelError, ProtocolError
+from model_parallel.graph.plan import Plan
+from model_parallel.messages import Command, ScriptedChannel
 from model_parallel.runtime.checkpoint import finalize, load_checkpoint, save_shard
-from model_parallel.runtime.control import Command, ScriptedChannel
 
 DEEP = int(os.environ.get("MP_FUZZ_EXAMPLES", "0"))  # see test_fuzz.py
 FUZZ = settings(max_examples=DEEP or 150, deadline=None, derandomize=not DEEP, database=None,
@@ -165,7 +166,7 @@ def test_command_from_dict_builds_or_raises_protocol_error(data: Any) -> None:
     except ModelParallelError as error:
         assert isinstance(error, ProtocolError), f"{type(error).__name__}: {error}"
         return
-    assert command.plan is None or isinstance(command.plan, dict)
+    assert command.plan is None or isinstance(command.plan, Plan)
     assert Command.from_dict(command.to_dict()) == command
 
 

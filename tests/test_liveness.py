@@ -23,6 +23,7 @@ import pytest
 
 from support.mlp import mlp_job
 from model_parallel.coordinator.local import CoordinatorProcess
+from model_parallel.messages import StepReport
 from model_parallel.runtime.launch import LocalWorld, worker_commands
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +68,9 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):  # noqa
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def metrics(rank: int, step: int, version: int, compute_s: float) -> dict:
-    return {"rank": rank, "step": step, "plan_version": version, "stage": rank, "step_s": 0.02,
-            "compute_s": compute_s, "comm_s": 0.001, "idle_s": 0.0, "samples": 8}
+def metrics(rank: int, step: int, version: int, compute_s: float) -> StepReport:
+    return StepReport(rank=rank, step=step, plan_version=version, stage=rank, step_ms=20.0, compute_ms=compute_s * 1e3,
+                      comm_ms=1.0, idle_ms=0.0, samples_per_s=400.0)
 
 
 def chain_plan():  # noqa: ANN201
@@ -185,12 +186,13 @@ def test_bad_reports_are_rejected_and_the_run_goes_on(caplog: pytest.LogCaptureF
     from model_parallel.coordinator.client import CoordinatorChannel
     from model_parallel.coordinator.protocol import C2S, HEADER, SEQ, compute_mac
     from model_parallel.coordinator.server import Coordinator
+    from model_parallel.coordinator.solver import default_solver
 
     caplog.set_level(logging.DEBUG, logger="model_parallel.coordinator")
     graph, plan = chain_plan()
     coordinator = Coordinator(graph, plan, TOKEN.encode(), policy="auto",
                               config=pol.PolicyConfig(threshold=0.1, cooldown_steps=2, window=3), heartbeat_timeout=5,
-                              solver=pol.chain_partition)
+                              solver=default_solver)
     address = f"127.0.0.1:{coordinator.start('127.0.0.1', 0)}"
     ch0 = CoordinatorChannel(address, TOKEN.encode(), rank=0, world_size=2)
     ch1 = CoordinatorChannel(address, TOKEN.encode(), rank=1, world_size=2)
@@ -204,14 +206,14 @@ def test_bad_reports_are_rejected_and_the_run_goes_on(caplog: pytest.LogCaptureF
         bad = [dict(compute_ms=1e308), dict(compute_ms=-3.0), dict(samples_per_s=-1.0), dict(comm_ms=1e300, idle_ms=-50.0)]
         with ch1._send_lock:
             for step, values in enumerate(bad, start=4):
-                fields = {"rank": 1, "step": step, "stage": 1, "plan_version": 0, "compute_ms": 4.0, "comm_ms": 1.0,
+                fields = {"rank": 1, "step": step, "stage": 1, "plan_version": 0, "step_ms": 20.0, "compute_ms": 4.0, "comm_ms": 1.0,
                           "idle_ms": 0.0, "samples_per_s": 400.0, **values}
                 session.send("report", **fields)
         wait_for(lambda: coordinator.workers[1].bad_reports == len(bad), what="bad reports counted")
         assert coordinator.workers[1].status == "running" and coordinator.stop_reason is None
         assert caplog.text.count("rejected a bad report") == len(bad)
         assert "compute_ms=1e+308 exceeds" in caplog.text and "compute_ms=-3 is negative" in caplog.text
-        assert all(r[2] < 1e6 for r in coordinator.workers[1].reports)  # none reached the policy's samples
+        assert all(r.compute_ms < 1e6 for r in coordinator.workers[1].reports)  # none reached the policy's samples
         for step in range(8, 16):  # the policy keeps deciding on good reports
             ch0.report(metrics(0, step, 0, 0.004))
             ch1.report(metrics(1, step, 0, 0.004))
@@ -220,7 +222,7 @@ def test_bad_reports_are_rejected_and_the_run_goes_on(caplog: pytest.LogCaptureF
 
         # NaN: refused by the frame decoder (the protocol allows no non-finite number) -> connection dropped.
         body = json.dumps({"v": 1, "type": "report", "seq": session.send_seq + 1, "rank": 1, "step": 16, "stage": 1,
-                           "plan_version": 0, "compute_ms": float("nan"), "comm_ms": 1.0, "idle_ms": 0.0,
+                           "plan_version": 0, "step_ms": 20.0, "compute_ms": float("nan"), "comm_ms": 1.0, "idle_ms": 0.0,
                            "samples_per_s": 1.0}).encode()
         with ch1._send_lock:
             session.send_seq += 1

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from model_parallel.messages import StepReport
 from model_parallel.runtime.metrics import MetricsRecorder, format_summary, read_metrics, summarize, throughput
 from model_parallel.runtime.tracing import Tracer
 
@@ -48,8 +49,10 @@ def test_step_record_adds_up_and_is_written(tmp_path):
     # The tracer got one span per measured action, on the kind's lane.
     names = [(e["name"], e["cat"]) for e in tracer.events]
     assert names[:2] == [("forward", "compute"), ("send", "send")] and len(names) == 10
-    report = recorder.records[1].to_report()
-    assert report["step_s"] == pytest.approx(r["step_ms"] / 1000) and report["idle_s"] == pytest.approx(r["idle_ms"] / 1000)
+    report = recorder.records[1].to_report()  # the control channel's report: the same milliseconds, one shape
+    assert report.step_ms == pytest.approx(r["step_ms"]) and report.idle_ms == pytest.approx(r["idle_ms"])
+    assert (report.rank, report.stage, report.plan_version, report.loss) == (0, 0, 3, 1.5)
+    assert StepReport.from_dict(report.to_dict()) == report
 
 
 def test_recorder_errors():

@@ -1,9 +1,12 @@
 """Rebalancing policy: speed estimates, calibration, hysteresis, cooldown, the chain solver."""
+import copy
+import dataclasses
 import random
 
 import pytest
 
 from model_parallel.coordinator import policy as pol
+from model_parallel.coordinator.solver import default_solver, plan_for_workers
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
@@ -20,6 +23,14 @@ def even_plan(graph, p):
     per = (len(ids) - 1) // p
     bounds = [0] + [1 + per * k for k in range(1, p)] + [len(ids)]
     return Plan(tuple(StagePlan(k, tuple(ids[bounds[k]:bounds[k + 1]]), ranks=(k,)) for k in range(p)))
+
+
+def decide(graph, plan, samples, config, steps_since_switch, force=False, **memory):
+    """One evaluation from a fresh policy state holding `memory` (misses, baseline, ...), `steps_since_switch`
+    steps after `plan` went live."""
+    state = pol.PolicyState(graph, plan, **memory)
+    decision, _ = pol.decide(state, pol.Samples(steps_since_switch, samples), config, force=force)
+    return decision
 
 
 def measure(graph, plan, speeds, calibration=1.0, noise=0.0, rng=None, n=5):
@@ -50,14 +61,14 @@ def test_median_ignores_outliers():
 
 def test_default_solver_is_optimal_for_speeds():
     graph = chain_graph([1.0] * 12)
-    plan = pol.default_solver(graph, [0, 1, 2], [1.0, 0.5, 1.0])
+    plan = default_solver(graph, [0, 1, 2], [1.0, 0.5, 1.0])
     sizes = [len([n for n in s.node_ids if n != "input0"]) for s in plan.stages]
     assert sizes == [5, 2, 5]
     assert plan.stages[0].node_ids[0] == "input0"
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (2,)]
     assert plan.time_per_minibatch_s == pytest.approx(5e-3)
     with pytest.raises(PlanError, match="cannot split 12 layer node\\(s\\) into 14 stage"):
-        pol.default_solver(graph, list(range(14)), [1.0] * 14)
+        default_solver(graph, list(range(14)), [1.0] * 14)
 
 
 def test_noisy_balanced_pipeline_never_switches():
@@ -67,7 +78,7 @@ def test_noisy_balanced_pipeline_never_switches():
     config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=5)
     for _ in range(200):
         samples = measure(graph, plan, {r: 1.0 for r in range(4)}, calibration=2.0, noise=0.08, rng=rng)
-        decision = pol.decide(graph, plan, samples, config, steps_since_switch=100, solver=pol.default_solver)
+        decision = decide(graph, plan, samples, config, steps_since_switch=100, solver=default_solver)
         assert decision.plan is None, decision.reason
 
 
@@ -81,7 +92,7 @@ def test_slowed_worker_switches_once_then_stays():
     since = 100
     for step in range(300):
         samples = measure(graph, plan, speeds, noise=0.05, rng=rng)
-        decision = pol.decide(graph, plan, samples, config, steps_since_switch=since, solver=pol.default_solver)
+        decision = decide(graph, plan, samples, config, steps_since_switch=since, solver=default_solver)
         since += 1
         if decision.plan is not None:
             switches.append(step)
@@ -99,10 +110,10 @@ def test_window_and_cooldown_gate_the_decision():
     plan = even_plan(graph, 2)
     config = pol.PolicyConfig(threshold=0.1, cooldown_steps=10, window=5)
     samples = measure(graph, plan, {0: 1.0, 1: 0.5}, n=3)
-    assert "waiting for 5 samples" in pol.decide(graph, plan, samples, config, 50).reason
+    assert "waiting for 5 samples" in decide(graph, plan, samples, config, 50).reason
     samples = measure(graph, plan, {0: 1.0, 1: 0.5}, n=5)
-    assert "cooldown: 3 of 10" in pol.decide(graph, plan, samples, config, 3).reason
-    forced = pol.decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.5}, n=1), config, 0, force=True)
+    assert "cooldown: 3 of 10" in decide(graph, plan, samples, config, 3).reason
+    forced = decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.5}, n=1), config, 0, force=True)
     assert forced.plan is not None and forced.plan.version == 1
 
 
@@ -112,7 +123,7 @@ def test_calibration_fixes_a_wrong_profile():
     true = chain_graph([1.0] * 4 + [3.0] * 4)
     plan = even_plan(profiled, 2)
     samples = {s.ranks[0]: [pol.stage_profiled_ms(true, s)] * 5 for s in plan.stages}
-    decision = pol.decide(profiled, plan, samples, pol.PolicyConfig(cooldown_steps=0), 100, solver=pol.default_solver)
+    decision = decide(profiled, plan, samples, pol.PolicyConfig(cooldown_steps=0), 100, solver=default_solver)
     assert decision.plan is not None
     assert decision.estimate.speeds[1] == pytest.approx(1 / 3)
     # true bottleneck improves from 12 to at most 9 (the slow-looking stage got fewer layers)
@@ -129,10 +140,10 @@ def test_policy_config_validation():
 
 def test_plan_for_workers_uses_given_ranks():
     graph = chain_graph([1.0] * 6)
-    plan = pol.plan_for_workers(graph, [1, 3], [1.0, 1.0], version=4, solver=pol.default_solver)
+    plan = plan_for_workers(graph, [1, 3], [1.0, 1.0], version=4, solver=default_solver)
     assert [s.ranks for s in plan.stages] == [(1,), (3,)] and plan.version == 4
     with pytest.raises(PlanError, match="at least one worker"):
-        pol.plan_for_workers(graph, [], [], version=1)
+        plan_for_workers(graph, [], [], version=1)
 
 
 def test_unprofiled_graph_gets_a_byte_proxy():
@@ -151,32 +162,20 @@ def test_delivered():
 
 
 def simulate(graph, plan, true_ms, config, steps, rng, noise):
-    """The coordinator's loop in miniature: measure, decide, switch, review, back off. Returns switch steps."""
-    switches, since, misses, review, baseline, learn, streak = [], 10 ** 6, 0, None, None, False, 0
+    """The coordinator's loop in miniature: measure, decide, switch; the policy's own state reviews each switch
+    and backs off. Returns switch steps and the final plan."""
+    switches = []
+    state = pol.PolicyState(graph, plan, solver=default_solver, version_start_step=-10 ** 6)
     for step in range(steps):
         samples = {s.ranks[0]: [true_ms(s, step) * (1 + rng.uniform(-noise, noise)) for _ in range(config.window)]
-                   for s in plan.stages}
-        if since < config.window:
-            since += 1
-            continue
-        if review is not None:
-            after = max(sorted(v)[len(v) // 2] for v in samples.values())
-            misses = max(0, misses - 1) if pol.delivered(*review, after) else misses + 1
-            review = None
-        if learn:
-            baseline, learn = dict(pol.estimate_speeds(graph, plan, samples).speeds), False
-            continue
-        decision = pol.decide(graph, plan, samples, config, since, solver=pol.default_solver, misses=misses,
-                              baseline=baseline, change_streak=streak)
-        streak = streak + 1 if decision.extra.get("changed") else 0
-        since += 1
-        if decision.plan is None and baseline is None and decision.estimate is not None:
-            baseline = dict(decision.estimate.speeds)
+                   for s in state.plan.stages}
+        if step - state.version_start_step <= config.window:
+            continue  # the new plan's first window is filling
+        decision, state = pol.decide(state, pol.Samples(step, samples), config)
         if decision.plan is not None:
             switches.append(step)
-            review = (decision.current_ms, decision.predicted_ms)
-            plan, since, baseline, learn = decision.plan, 0, None, True
-    return switches, plan
+            state = pol.switched(state, decision.plan, step, predicted=True)
+    return switches, state.plan
 
 
 def test_backoff_stops_oscillation_when_the_profile_misleads():
@@ -215,10 +214,41 @@ def test_a_burst_of_contention_is_not_a_straggler():
     config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=1, persist=3)
     baseline = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
     slow = measure(graph, plan, {0: 1.0, 1: 1 / 3, 2: 1.0, 3: 1.0}, n=1)
-    first = pol.decide(graph, plan, slow, config, 100, solver=pol.default_solver, baseline=baseline, change_streak=0)
+    first = decide(graph, plan, slow, config, 100, solver=default_solver, baseline=baseline, change_streak=0)
     assert first.plan is None and first.extra["changed"] == 1 and "seen 1 of 3 times" in first.reason
-    third = pol.decide(graph, plan, slow, config, 100, solver=pol.default_solver, baseline=baseline, change_streak=2)
+    third = decide(graph, plan, slow, config, 100, solver=default_solver, baseline=baseline, change_streak=2)
     assert third.plan is not None
-    steady = pol.decide(graph, plan, measure(graph, plan, {r: 1.0 for r in range(4)}, n=1), config, 100,
-                        solver=pol.default_solver, baseline=baseline, change_streak=2)
+    steady = decide(graph, plan, measure(graph, plan, {r: 1.0 for r in range(4)}, n=1), config, 100,
+                        solver=default_solver, baseline=baseline, change_streak=2)
     assert steady.plan is None and "speeds steady" in steady.reason and not steady.extra
+
+
+def test_decide_is_pure_and_threads_its_memory():
+    """Same inputs, same outputs, inputs untouched; the memory (prediction, review, baseline) travels in the state."""
+    graph = chain_graph([1.0] * 16)
+    plan = even_plan(graph, 4)
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=0, window=5)
+    speeds = {0: 1.0, 1: 0.5, 2: 1.0, 3: 1.0}
+    state = pol.PolicyState(graph, plan, solver=default_solver)
+    samples = pol.Samples(10, measure(graph, plan, speeds))
+    state_before, samples_before = copy.deepcopy(state), copy.deepcopy(samples)
+    first = pol.decide(state, samples, config)
+
+    def untimed(result):  # the solver's own run time is the only thing allowed to differ
+        decision, new_state = result
+        return dataclasses.replace(decision, plan=dataclasses.replace(decision.plan, optimizer_seconds=0.0)), new_state
+
+    assert untimed(pol.decide(state, samples, config)) == untimed(first)
+    assert state == state_before and samples == samples_before
+    decision, after = first
+    assert decision.plan is not None and after.prediction == (decision.current_ms, decision.predicted_ms)
+    assert state.prediction is None  # the input state did not learn it
+    live = pol.switched(after, decision.plan, 11, predicted=True)
+    assert (live.plan.version, live.version_start_step, live.learn_baseline, live.review) == (1, 11, True, after.prediction)
+    # The new plan's first full window: its switch is judged (it delivered), its baseline learned, nothing proposed.
+    judged, learned = pol.decide(live, pol.Samples(20, measure(graph, live.plan, speeds)), config)
+    assert judged.plan is None and "learned the speeds under plan v1" in judged.reason
+    assert judged.review is not None and judged.review.version == 1 and judged.review.delivered
+    assert learned.review is None and learned.baseline is not None and not learned.learn_baseline and learned.misses == 0
+    assert not pol.switched(after, decision.plan, 11, predicted=False).review  # set-plan/scale: nothing to judge
+

@@ -32,7 +32,7 @@ def test_round_trip_keeps_fields():
 
 
 def test_report_round_trip():
-    fields = dict(rank=1, step=4, stage=1, plan_version=2, compute_ms=3.5, comm_ms=0.1, idle_ms=0.0, samples_per_s=10)
+    fields = dict(rank=1, step=4, stage=1, plan_version=2, step_ms=4.0, compute_ms=3.5, comm_ms=0.1, idle_ms=0.0, samples_per_s=10)
     assert decode(frame("report", **fields))["compute_ms"] == 3.5
 
 
@@ -123,7 +123,7 @@ def test_unknown_type_and_bad_fields():
     with pytest.raises(ProtocolError, match="unknown kind 'explode'"):
         p.make_message("command", 1, command={"kind": "explode"})
     with pytest.raises(ProtocolError, match="must be finite"):
-        p.make_message("report", 1, rank=0, step=0, stage=0, plan_version=0, compute_ms=float("nan"),
+        p.make_message("report", 1, rank=0, step=0, stage=0, plan_version=0, step_ms=0, compute_ms=float("nan"),
                        comm_ms=0, idle_ms=0, samples_per_s=0)
 
 

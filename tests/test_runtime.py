@@ -17,9 +17,9 @@ import torch
 
 from model_parallel.codegen.naming import state_key
 from model_parallel.graph.plan import Plan, write_plan
+from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.checkpoint import load_checkpoint
-from model_parallel.runtime.control import Command
 from model_parallel.runtime.data import split_microbatches
 from model_parallel.runtime.engine import TrainConfig
 from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands

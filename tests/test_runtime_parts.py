@@ -12,9 +12,9 @@ import torch
 
 from model_parallel.errors import ModelParallelError, PeerError, ProtocolError
 from model_parallel.graph.plan import Plan
+from model_parallel.messages import Command, ControlChannel, NullChannel, ScriptedChannel, StepReport
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime import comm
-from model_parallel.runtime.control import Command, ControlChannel, NullChannel, ScriptedChannel
 from model_parallel.runtime.engine import TrainConfig, clip_coefficient, lr_factor
 from model_parallel.runtime.health import Health
 from model_parallel.runtime.launch import LocalWorld, launch
@@ -47,11 +47,64 @@ def test_command_round_trip_and_errors():
     assert isinstance(NullChannel(), ControlChannel)
 
 
+def test_switch_command_carries_a_plan_and_refuses_a_bad_one():
+    plan = even_plan(trace_model(recipe("mlp").model(0), recipe("mlp").example(2))[0], 2)
+    command = Command.from_json(Command.switch(plan, "faster").to_json())
+    assert isinstance(command.plan, Plan) and command.plan == plan
+    with pytest.raises(ProtocolError, match="needs the new plan \\(a Plan\\)"):
+        Command("switch", plan=plan.to_dict())  # a dict is not a plan: parse it with Plan.from_dict
+    with pytest.raises(ProtocolError, match="switch command's plan: not a model_parallel plan"):
+        Command.from_dict({"kind": "switch", "plan": {"stages": []}})
+    with pytest.raises(ProtocolError, match="malformed command"):  # a stage that is not an object
+        Command.from_dict({"kind": "switch", "plan": {**plan.to_dict(), "stages": [1]}})
+
+
+def step_report(step, **changes):
+    values = dict(rank=0, step=step, plan_version=0, stage=0, step_ms=20.0, compute_ms=12.0, comm_ms=3.0, idle_ms=5.0,
+                  samples_per_s=400.0, loss=2.5)
+    return StepReport(**{**values, **changes})
+
+
+def test_step_report_round_trips_in_milliseconds():
+    report = step_report(3, stage=None, loss=None)
+    assert StepReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    assert report.to_dict()["compute_ms"] == 12.0 and "compute_s" not in report.to_dict()
+    assert StepReport.from_dict({**report.to_dict(), "idle_ms": -0.5}).idle_ms == -0.5  # rounding slack
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"compute_ms": float("nan")}, r"compute_ms=nan is not finite"),
+    ({"comm_ms": -3.0}, r"comm_ms=-3 is negative"),
+    ({"step_ms": 1e308}, r"step_ms=1e\+308 exceeds 8.64e\+07"),
+    ({"samples_per_s": 1e12}, r"samples_per_s=1e\+12 exceeds"),
+    ({"idle_ms": -50.0}, r"idle_ms=-50 is negative"),
+    ({"step": -1}, r"step=-1 is negative"),
+    ({"rank": True}, r"rank=True is not an integer"),
+    ({"stage": "1"}, r"stage='1' is not an integer"),
+    ({"compute_ms": "4"}, r"compute_ms='4' is not a number"),
+    ({"loss": float("inf")}, r"loss=inf is not a finite number"),
+])
+def test_step_report_rejects_absurd_values_naming_the_field(changes, match):
+    with pytest.raises(ProtocolError, match=r"step report of rank \S+ for step \S+: .*" + match):
+        StepReport.from_dict({**step_report(3).to_dict(), **changes})
+
+
+def test_step_report_names_every_problem_and_missing_fields():
+    with pytest.raises(ProtocolError, match=r"comm_ms=1e\+300 exceeds .*; idle_ms=-50 is negative"):
+        StepReport.from_dict({**step_report(3).to_dict(), "comm_ms": 1e300, "idle_ms": -50.0})
+    partial = step_report(3).to_dict()
+    del partial["step_ms"]
+    with pytest.raises(ProtocolError, match=r"missing field\(s\) \['step_ms'\]"):
+        StepReport.from_dict(partial)
+    with pytest.raises(ProtocolError, match="must be a JSON object"):
+        StepReport.from_dict([1, 2])
+
+
 def test_scripted_channel_plays_commands_before_their_step():
     channel = ScriptedChannel.from_json(json.dumps({"2": {"kind": "stop", "reason": "scripted"}}))
-    channel.report({"step": 0})
+    channel.report(step_report(0))
     assert channel.poll() is None
-    channel.report({"step": 1})
+    channel.report(step_report(1))
     assert channel.poll() == Command.stop("scripted")
     assert len(channel.reports) == 2
     with pytest.raises(ProtocolError, match=r"apply before step >= 1, got step\(s\) \[0\]"):

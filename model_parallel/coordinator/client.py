@@ -21,11 +21,11 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any, Optional
 
 from model_parallel.coordinator.protocol import Session, client_handshake, parse_address
 from model_parallel.errors import PlanError, ProtocolError
+from model_parallel.messages import Command, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -52,30 +52,6 @@ def _connect(address: str, token: bytes, timeout: float) -> Session:
         raise ProtocolError(f"coordinator at {address}: handshake failed: {error}") from None
 
 
-def metrics_to_report(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The runtime's per-step metrics dict (seconds, `samples`) -> the protocol's report fields (ms)."""
-    def number(*names: str) -> float:
-        for name in names:
-            value = metrics.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-        return 0.0
-
-    step_s = number("step_s")
-    samples = number("samples")
-    stage = metrics.get("stage")
-    return {
-        "rank": int(metrics.get("rank", 0)),
-        "step": int(metrics.get("step", 0)),
-        "stage": -1 if stage is None else int(stage),
-        "plan_version": int(metrics.get("plan_version", 0)),
-        "compute_ms": number("compute_s") * 1e3 if "compute_s" in metrics else number("compute_ms"),
-        "comm_ms": number("comm_s") * 1e3 if "comm_s" in metrics else number("comm_ms"),
-        "idle_ms": number("idle_s") * 1e3 if "idle_s" in metrics else number("idle_ms"),
-        "samples_per_s": samples / step_s if step_s > 0 else number("samples_per_s"),
-    }
-
-
 class CoordinatorChannel:
     """`ControlChannel` backed by a coordinator; see the module docstring for failure behaviour."""
 
@@ -89,7 +65,7 @@ class CoordinatorChannel:
         self.reconnect_for = reconnect_for
         self._lock = threading.Lock()  # guards `session` changes
         self._send_lock = threading.Lock()
-        self._commands: "queue.Queue[Any]" = queue.Queue()
+        self._commands: "queue.Queue[Command]" = queue.Queue()
         self._reports: "queue.Queue[dict[str, Any]]" = queue.Queue(maxsize=REPORT_QUEUE)
         self._closed = threading.Event()
         self._connected = threading.Event()
@@ -128,11 +104,11 @@ class CoordinatorChannel:
         return session
 
     # ---- ControlChannel --------------------------------------------------------------------------
-    def report(self, metrics: dict[str, Any]) -> None:
+    def report(self, report: StepReport) -> None:
         if self.gave_up is not None or self._closed.is_set():
             return
-        message = metrics_to_report(metrics)
-        self._step = max(self._step, message["step"])
+        message = report.to_dict()  # the protocol's `report` is the StepReport itself
+        self._step = max(self._step, report.step)
         try:
             self._reports.put_nowait(message)
         except queue.Full:
@@ -143,7 +119,7 @@ class CoordinatorChannel:
                 pass
             self._reports.put_nowait(message)
 
-    def poll(self) -> Optional[Any]:
+    def poll(self) -> Optional[Command]:
         try:
             return self._commands.get_nowait()
         except queue.Empty:
@@ -245,8 +221,6 @@ class CoordinatorChannel:
                     self._drop(session, f"send failed ({error})")
 
     def _read_loop(self) -> None:
-        from model_parallel.runtime.control import Command
-
         while not self._closed.is_set():
             session = self.session
             if session is None:

@@ -32,25 +32,26 @@ deliver at least half its predicted gain counts as a miss, and each miss doubles
 threshold (capped at `max_threshold`) and adds one cooldown period; a delivered switch forgives one
 miss. So a pipeline that cannot be improved settles instead of oscillating, while a real 2x
 straggler (a 30-50% gain) still gets through.
+
+Memory. Everything the policy remembers between evaluations (the live plan and when it went live,
+misses, baseline, change streak, the pending prediction) is one frozen `PolicyState`:
+`decide(state, samples, config) -> (decision, state)` and `switched(state, plan, step, predicted)`
+are pure, so the coordinator only stores the state it gets back, and a test replays a run with them.
 """
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Optional
 
+from model_parallel.coordinator.solver import Solver, default_solver
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.optimizer.contiguous import straight_plan
 
 logger = logging.getLogger(__name__)
-
-# solver(graph, ranks in stage order, speeds in the same order) -> Plan (ranks filled in)
-Solver = Callable[[Graph, Sequence[int], Sequence[float]], Plan]
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,20 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class Review:
+    """How the switch to plan `version` did: measured bottleneck before it, its prediction, measured after (ms)."""
+
+    version: int
+    before_ms: float
+    predicted_ms: float
+    after_ms: float
+    delivered: bool
+
+
+@dataclass(frozen=True)
 class Decision:
-    """`plan` is the proposed plan v+1, or None with `reason` saying why not."""
+    """`plan` is the proposed plan v+1, or None with `reason` saying why not. `review`: the live plan's
+    switch was judged in this evaluation (once, when its first window was full)."""
 
     plan: Optional[Plan]
     reason: str
@@ -116,30 +129,36 @@ class Decision:
     estimate: Optional[Estimate] = None
     gain: float = 0.0
     extra: Mapping[str, float] = field(default_factory=dict)
+    review: Optional[Review] = None
 
 
-# The largest plausible value of each report field: a step of a day, a billion samples per second.
-REPORT_LIMITS = {"compute_ms": 86_400_000.0, "comm_ms": 86_400_000.0, "idle_ms": 86_400_000.0, "samples_per_s": 1e9}
-IDLE_SLACK_MS = 1.0  # idle = step - compute - comm can come out a hair below zero from rounding
+@dataclass(frozen=True)
+class PolicyState:
+    """The policy's memory between evaluations. `decide` and `switched` return a new one, never change it.
+
+    `graph` (cost-proxied, see `with_cost_proxy`) and `solver` are fixed for a run; `plan` is the live
+    plan and `version_start_step` the first step run under it."""
+
+    graph: Graph
+    plan: Plan
+    solver: Optional[Solver] = None
+    version_start_step: int = 0
+    misses: int = 0  # recent switches that did not deliver (back-off)
+    # Speeds in the live plan's first full window (change detection); None at v0 until its first window.
+    baseline: Optional[Mapping[int, float]] = None
+    learn_baseline: bool = False  # right after a switch: the next full window becomes the baseline
+    change_streak: int = 0  # evaluations in a row that saw a speed change beyond `speed_change`
+    prediction: Optional[tuple[float, float]] = None  # (current, predicted) ms of the last proposed plan
+    review: Optional[tuple[float, float]] = None  # the live plan's switch: (measured before, predicted) ms
 
 
-def report_problem(report: Mapping[str, object]) -> Optional[str]:
-    """Why a worker's step report cannot be used (non-finite, negative or absurd values), or None.
+@dataclass(frozen=True)
+class Samples:
+    """What the policy sees at one evaluation: `step` is now (the furthest step any rank reported) and
+    `compute_ms` each rank's compute ms measured under the live plan, past its warm-up steps, oldest first."""
 
-    The protocol only checks types; a report that passes it but says `compute_ms=1e308` would turn
-    speeds into 0 or inf and the solver's input into nonsense, so the coordinator rejects it."""
-    problems = []
-    for name, limit in REPORT_LIMITS.items():
-        value = report.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            problems.append(f"{name}={value!r} is not a number")
-        elif not math.isfinite(value):
-            problems.append(f"{name}={value} is not finite")
-        elif value < (-IDLE_SLACK_MS if name == "idle_ms" else 0.0):
-            problems.append(f"{name}={value:g} is negative")
-        elif value > limit:
-            problems.append(f"{name}={value:g} exceeds {limit:g}")
-    return "; ".join(problems) or None
+    step: int
+    compute_ms: Mapping[int, Sequence[float]]
 
 
 def with_cost_proxy(graph: Graph) -> Graph:
@@ -205,52 +224,81 @@ def predicted_bottleneck_ms(graph: Graph, plan: Plan, speeds: Mapping[int, float
     return worst
 
 
-def decide(
-    graph: Graph,
-    plan: Plan,
-    samples: Mapping[int, Sequence[float]],
-    config: PolicyConfig,
-    steps_since_switch: int,
-    solver: Optional[Solver] = None,
-    force: bool = False,
-    misses: int = 0,
-    baseline: Optional[Mapping[int, float]] = None,
-    change_streak: int = 0,
-) -> Decision:
-    """Propose plan v+1 or say why not. `samples`: rank -> compute ms measured under `plan.version`.
+def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
+           force: bool = False) -> tuple[Decision, PolicyState]:
+    """Propose plan v+1 or say why not; returns the decision and the policy's next state. Pure: no I/O,
+    no clock (the step in `samples` is "now"), the inputs are not changed.
 
-    `misses`: recent switches that did not deliver (see module docstring: back-off).
-    `baseline`: speeds when the live plan's first window was full; `change_streak`: how many
-    evaluations in a row before this one saw a speed change beyond `speed_change` (a change must
-    persist for `persist` evaluations: a burst of contention on a shared machine is not a straggler).
-    A decision that saw such a change has `extra["changed"] == 1`.
-    `force=True` (ctl rebalance) skips the window-length, cooldown and threshold checks but still
+    One evaluation, in order: once the live plan's first window is full, judge the switch that made
+    it live (`Decision.review`; a miss raises the threshold and cooldown, see the module docstring),
+    then learn its baseline speeds (that evaluation proposes nothing); otherwise `evaluate`.
+    `force=True` (ctl rebalance) skips the window-length, cooldown, change and threshold gates but still
     needs one sample per rank, and still returns None when the re-solved plan is the same.
     """
-    threshold, cooldown = config.threshold_after(misses), config.cooldown_after(misses)
-    solver = solver or default_solver
-    plan = plan.with_default_ranks()
-    ranks = active_ranks(plan)
+    ranks = active_ranks(state.plan)
+    full = all(len(samples.compute_ms.get(r, ())) >= config.window for r in ranks)
+    review = None
+    if state.review is not None and full:
+        before, predicted = state.review
+        windows = [list(samples.compute_ms[r])[-config.window:] for r in ranks]
+        after = max(sorted(w)[len(w) // 2] for w in windows)
+        ok = delivered(before, predicted, after)
+        review = Review(state.plan.version, before, predicted, after, ok)
+        state = replace(state, review=None, misses=max(0, state.misses - 1) if ok else state.misses + 1)
+    if state.learn_baseline and not force and full:
+        window = {r: list(samples.compute_ms[r])[-config.window:] for r in ranks}
+        baseline = dict(estimate_speeds(state.graph, state.plan, window).speeds)
+        reason = f"learned the speeds under plan v{state.plan.version}: " + ", ".join(
+            f"rank {r} {v:.2f}" for r, v in sorted(baseline.items()))
+        return Decision(None, reason, review=review), replace(state, baseline=baseline, learn_baseline=False)
+    decision = evaluate(state, samples, config, force)
     if not force:
-        short = [r for r in ranks if len(samples.get(r, ())) < config.window]
+        state = replace(state, change_streak=state.change_streak + 1 if decision.extra.get("changed") else 0)
+        if decision.plan is None and state.baseline is None and decision.estimate is not None:
+            state = replace(state, baseline=dict(decision.estimate.speeds))  # v0: its first full window
+    if decision.plan is not None:
+        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms))
+    return replace(decision, review=review), state
+
+
+def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> PolicyState:
+    """The state once `plan` went live at `step`. A switch the policy proposed (`predicted`: auto or ctl
+    rebalance, not set-plan/scale) is judged against its prediction once the new plan's window is full."""
+    return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=None, learn_baseline=True,
+                   change_streak=0, prediction=None, review=state.prediction if predicted else None)
+
+
+def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: bool = False) -> Decision:
+    """The decision itself (see the module docstring): gates, speeds, change detection, re-solve, threshold.
+
+    A decision that saw a speed change beyond `speed_change` has `extra["changed"] == 1` (it must persist
+    for `persist` evaluations in a row: a burst of contention on a shared machine is not a straggler).
+    """
+    threshold, cooldown = config.threshold_after(state.misses), config.cooldown_after(state.misses)
+    graph, solver = state.graph, state.solver or default_solver
+    plan = state.plan.with_default_ranks()
+    ranks = active_ranks(plan)
+    steps_since_switch = samples.step - state.version_start_step
+    if not force:
+        short = [r for r in ranks if len(samples.compute_ms.get(r, ())) < config.window]
         if short:
             return Decision(None, f"waiting for {config.window} samples from rank(s) {short}")
         if steps_since_switch < cooldown:
             return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the last switch")
     try:
-        estimate = estimate_speeds(graph, plan, {r: list(samples.get(r, ()))[-config.window:] for r in ranks})
+        estimate = estimate_speeds(graph, plan, {r: list(samples.compute_ms.get(r, ()))[-config.window:] for r in ranks})
     except PlanError as error:
         return Decision(None, str(error))
     changed: dict[str, float] = {}
-    if not force and baseline is not None:
-        change = speed_change(baseline, estimate.speeds)
+    if not force and state.baseline is not None:
+        change = speed_change(state.baseline, estimate.speeds)
         if change <= config.speed_change:
             return Decision(None, f"speeds steady since plan v{plan.version} went live (largest change {change:.0%})",
                             estimate=estimate)
         changed = {"changed": 1}
-        if change_streak + 1 < config.persist:
-            return Decision(None, f"speed change of {change:.0%} seen {change_streak + 1} of {config.persist} times in a row",
-                            estimate=estimate, extra=changed)
+        if state.change_streak + 1 < config.persist:
+            return Decision(None, f"speed change of {change:.0%} seen {state.change_streak + 1} of {config.persist} "
+                                  "times in a row", estimate=estimate, extra=changed)
     current = max(estimate.measured_ms.values())
     speeds = [estimate.speeds[r] for r in ranks]
     candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, speeds)
@@ -283,19 +331,3 @@ def speed_change(baseline: Mapping[int, float], speeds: Mapping[int, float]) -> 
             return 1.0
         worst = max(worst, max(value / before[rank], before[rank] / value) - 1.0)
     return worst
-
-
-def plan_for_workers(graph: Graph, ranks: Sequence[int], speeds: Sequence[float], version: int,
-                     solver: Optional[Solver] = None) -> Plan:
-    """A plan on exactly `ranks` (stage k on ranks[k]) for the given speeds: used by `scale`."""
-    if not ranks:
-        raise PlanError("a plan needs at least one worker; scale --workers K with K >= 1")
-    return replace((solver or default_solver)(graph, list(ranks), list(speeds)), version=version)
-
-
-# ---- solving ---------------------------------------------------------------------------------------
-def default_solver(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
-    """The optimizer's contiguous partitioner (straight fast path) with these speeds: stage k on ranks[k]."""
-    return straight_plan(graph, ranks, speeds)
-
-

@@ -62,12 +62,13 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     # server -> client: registration accepted; the live plan (dict) and its version.
     "welcome": {"plan_version": (int,), "plan": (dict,)},
     "heartbeat": {"rank": (int,), "step": (int,)},
-    # per-rank per-step metrics; stage is -1 on a spare rank
+    # per-rank per-step report: a `model_parallel.messages.StepReport` as its `to_dict()` (ms; stage null on a
+    # spare rank). Only the types are checked here; `StepReport.from_dict` refuses absurd values on the server.
     "report": {
-        "rank": (int,), "step": (int,), "stage": (int,), "plan_version": (int,),
-        "compute_ms": _NUM, "comm_ms": _NUM, "idle_ms": _NUM, "samples_per_s": _NUM,
+        "rank": (int,), "step": (int,), "stage": (int, type(None)), "plan_version": (int,), "step_ms": _NUM,
+        "compute_ms": _NUM, "comm_ms": _NUM, "idle_ms": _NUM, "samples_per_s": _NUM, "loss": (int, float, type(None)),
     },
-    # server -> worker: a `model_parallel.runtime.control.Command` as its `to_dict()`:
+    # server -> worker: a `model_parallel.messages.Command` as its `to_dict()`:
     # kind "switch" (plan), "stop" (reason) or "slowdown" (rank, factor)
     "command": {"command": (dict,)},
     # ctl client -> server: op status|rebalance|set-plan|scale|slow, with args
@@ -81,6 +82,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
     "register": frozenset({"rank", "host", "pid", "world_size"}),
     "reply": frozenset({"result", "error"}),
+    "report": frozenset({"loss"}),
 }
 COMMAND_KINDS = ("switch", "stop", "slowdown")
 CTL_OPS = ("status", "rebalance", "set-plan", "scale", "slow")

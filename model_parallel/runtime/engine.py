@@ -46,7 +46,7 @@ from model_parallel.graph.arguments import decode_argument
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime import comm
-from model_parallel.runtime.control import Command, ControlChannel, NullChannel
+from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
 from model_parallel.runtime.data import split_microbatches
 from model_parallel.runtime.schedule import make_schedule
 from model_parallel.runtime.stages import check_plan_fits, layer_modules
@@ -486,8 +486,8 @@ class PipelineEngine:
         return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
 
     # ---- control --------------------------------------------------------------------------------
-    def control(self, step: int, report: dict[str, Any]) -> Optional[Command]:
-        """Report metrics; rank 0 polls its channel; the decision is broadcast to every rank."""
+    def control(self, step: int, report: StepReport) -> Optional[Command]:
+        """Report the step; rank 0 polls its channel; the decision is broadcast to every rank."""
         self.channel.report(report)
         command = self.channel.poll() if self.rank == 0 else None
         try:
@@ -508,7 +508,8 @@ class PipelineEngine:
         elif command.kind == "switch":
             from model_parallel.runtime.migration import switch_plan
 
-            new_plan = Plan.from_dict(command.plan, source="switch command")
+            new_plan = command.plan
+            assert new_plan is not None  # Command refuses a switch without a plan
             try:
                 pause = switch_plan(self, new_plan)
             except PeerError as error:
@@ -595,9 +596,7 @@ class PipelineEngine:
                 logger.info("%s step %d loss %.6f", self.prefix, step, result.loss)
                 if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == steps):
                     self.save_checkpoint(step)
-                report = record.to_report()
-                report.update(loss=result.loss, stage=self.stage_id)
-                command = self.control(step, report)
+                command = self.control(step, record.to_report())  # the record carries stage and loss
                 step += 1
                 self.next_step = step
                 if command is not None and not self.apply(command):

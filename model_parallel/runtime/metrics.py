@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict, deque
@@ -40,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
+
+from model_parallel.messages import StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +100,14 @@ class StepRecord:
         data.update({k: v for k, v in extra.items() if k not in data})
         return data
 
-    def to_report(self) -> dict[str, Any]:
-        """The seconds-based dict a `ControlChannel.report` takes (see runtime/control.py)."""
-        report = self.to_dict()
-        for name in ("step", "compute", "comm", "idle"):
-            report[f"{name}_s"] = report[f"{name}_ms"] / 1000.0
-        return report
+    def to_report(self) -> StepReport:
+        """What a `ControlChannel.report` takes (model_parallel/messages.py): the same milliseconds, and the loss
+        from `extra` (None unless finite: the wire carries finite numbers only, this record keeps the NaN)."""
+        loss = self.extra.get("loss")
+        finite = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
+        return StepReport(rank=self.rank, step=self.step, plan_version=self.plan_version, stage=self.stage,
+                          step_ms=self.step_ms, compute_ms=self.compute_ms, comm_ms=self.comm_ms, idle_ms=self.idle_ms,
+                          samples_per_s=self.samples_per_s, loss=float(loss) if finite else None)
 
 
 class _Measure:

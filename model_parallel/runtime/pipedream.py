@@ -27,7 +27,7 @@ from torch import nn
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.runtime.control import Command
+from model_parallel.messages import Command, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +223,8 @@ class StaticPlanChannel:
     def __init__(self, inner: Any, why: str) -> None:
         self.inner, self.why = inner, why
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        self.inner.report(metrics)
+    def report(self, report: StepReport) -> None:
+        self.inner.report(report)
 
     def poll(self) -> Optional[Command]:
         command = self.inner.poll()

@@ -246,7 +246,7 @@ def ranks_from_hybrid_conf(plan: Any, path: Path) -> Any:
 
 
 def make_channel(args: Any, rank: int, world_size: int) -> Any:
-    from model_parallel.runtime.control import NullChannel, ScriptedChannel
+    from model_parallel.messages import NullChannel, ScriptedChannel
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel
@@ -260,7 +260,7 @@ def make_channel(args: Any, rank: int, world_size: int) -> Any:
 
 def read_control_script(path: str) -> Any:
     """--control_script FILE as a ScriptedChannel; any defect is a ProtocolError naming the file."""
-    from model_parallel.runtime.control import ScriptedChannel
+    from model_parallel.messages import ScriptedChannel
 
     try:
         text = Path(path).read_text(encoding="utf-8")

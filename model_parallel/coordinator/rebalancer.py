@@ -1,0 +1,185 @@
+"""Plan switches on the coordinator: when the policy runs, sending plan v+1 to rank 0, confirming it, the log.
+
+The policy (`policy.decide`) is pure; `Rebalancer` keeps the `PolicyState` it returns and what the
+coordinator tells about switches (`history`, `decisions`). Every method runs with the coordinator's
+lock held; `send(rank, command)` is the server's transport and says whether the command went out.
+
+A switch's life: a decision (auto, ctl rebalance) or a ctl set-plan/scale gives plan v+1; `issue`
+sends `command {switch}` to rank 0, whose runtime broadcasts it to every rank at its next step
+boundary, and keeps it `pending`; the first report carrying the new version confirms it (it is live
+from that step). One not confirmed PENDING_STEPS steps after it was sent was lost with a dropped
+connection and is forgotten.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+from model_parallel.coordinator import policy
+from model_parallel.coordinator.status import WorkerState
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.messages import Command, StepReport
+
+logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = 1  # samples from the first step(s) under a plan include warm-up/migration noise
+PENDING_STEPS = 20  # a switch not confirmed this many steps after it was sent was lost (a dropped connection)
+DECISION_LOG = 100
+
+Send = Callable[[int, Command], bool]
+
+
+@dataclass(frozen=True)
+class PendingSwitch:
+    plan: Plan  # plan v+1, sent to rank 0
+    sent_after_step: int
+    predicted: bool  # proposed by the policy: judged against its prediction once live
+
+
+class Rebalancer:
+    """The live plan, the policy's memory and the switch in flight; see the module docstring."""
+
+    def __init__(self, graph: Graph, plan: Plan, config: policy.PolicyConfig, solver: Optional[policy.Solver],
+                 auto: bool) -> None:
+        self.state = policy.PolicyState(graph, plan.with_default_ranks(), solver)
+        self.config = config
+        self.auto = auto
+        self.pending: Optional[PendingSwitch] = None
+        self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
+        self.last_decision = "no decision yet"
+        self.last_eval_step = -1
+        self._mismatch_warned = False
+
+    @property
+    def plan(self) -> Plan:
+        return self.state.plan
+
+    @property
+    def graph(self) -> Graph:
+        return self.state.graph
+
+    def samples(self, workers: Mapping[int, WorkerState], step: int) -> policy.Samples:
+        """Each rank's compute ms measured under the live plan, past its warm-up steps."""
+        first = self.state.version_start_step + WARMUP_STEPS
+        version = self.plan.version
+        return policy.Samples(step, {rank: [r.compute_ms for r in w.reports if r.plan_version == version and r.step >= first]
+                                     for rank, w in workers.items()})
+
+    def on_report(self, worker: WorkerState, report: StepReport, workers: Mapping[int, WorkerState], send: Send,
+                  stopping: bool) -> None:
+        """A checked report was recorded: confirm or forget the pending switch, maybe run the policy."""
+        expected = self.plan.stage_of_rank(worker.rank)
+        if report.plan_version == self.plan.version and report.stage != expected and not self._mismatch_warned:
+            self._mismatch_warned = True
+            logger.error("rank %d runs stage %s but plan v%d puts it on stage %s: start the workers with the "
+                         "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, report.stage,
+                         self.plan.version, expected)
+        if self.pending is not None and report.plan_version >= self.pending.plan.version:
+            self.confirm(report.step)
+        elif self.pending is not None and worker.rank == 0 and report.step > self.pending.sent_after_step + PENDING_STEPS:
+            # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
+            logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
+                           report.step)
+            self.pending = None
+        if not self.auto or self.pending is not None or stopping:
+            return
+        step = max(w.step for w in workers.values())
+        # Evaluate at most once per step; after a solve that found nothing worth it, wait a window
+        # (solving can take a while on big graphs; the gates before it are cheap).
+        if step <= self.last_eval_step:
+            return
+        try:
+            decision = self.decide(workers, step, force=False)
+        except Exception:  # noqa: BLE001 - a policy bug must not cut this worker's connection
+            logger.exception("the policy failed at step %d; no rebalancing this time", step)
+            self.last_eval_step = step + self.config.window - 1
+            return
+        solved = decision.plan is None and decision.current_ms > 0
+        self.last_eval_step = step + self.config.window - 1 if solved else step
+        if decision.plan is not None:
+            self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True)
+
+    def decide(self, workers: Mapping[int, WorkerState], step: int, force: bool) -> policy.Decision:
+        """Run the policy on the live plan's samples and keep the state it returns."""
+        decision, self.state = policy.decide(self.state, self.samples(workers, step), self.config, force)
+        if decision.review is not None:
+            self._note_review(decision.review)
+        if decision.reason != self.last_decision:
+            self.decisions.append({"step": step, "plan_version": self.plan.version, "reason": decision.reason})
+        self.last_decision = decision.reason
+        logger.debug("policy at step %d: %s", step, decision.reason)
+        return decision
+
+    def _note_review(self, review: policy.Review) -> None:
+        entry = next((h for h in self.history if h["version"] == review.version), None)
+        if entry is not None:
+            entry.update(measured_before_ms=round(review.before_ms, 3), predicted_ms=round(review.predicted_ms, 3),
+                         measured_after_ms=round(review.after_ms, 3), delivered=review.delivered)
+        misses = self.state.misses
+        log = logger.info if review.delivered else logger.warning
+        log("plan v%d: bottleneck %.2f -> %.2f ms (predicted %.2f)%s", review.version, review.before_ms, review.after_ms,
+            review.predicted_ms, "" if review.delivered else
+            f"; gain not delivered, backing off (threshold now {self.config.threshold_after(misses):.0%}, "
+            f"cooldown {self.config.cooldown_after(misses)} steps)")
+
+    def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
+        """Send `plan` as v+1 to rank 0; returns it, or None when rank 0 is away (nothing will apply it)."""
+        plan = replace(plan, version=self.plan.version + 1)
+        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
+        logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
+        if not send(0, Command.switch(plan, reason=reason)):
+            return None  # asked again once rank 0 is back (the next evaluation or ctl request)
+        self.pending = PendingSwitch(plan, step, predicted)
+        return plan
+
+    def confirm(self, step: int) -> None:
+        assert self.pending is not None
+        pending, self.pending = self.pending, None
+        self.state = policy.switched(self.state, pending.plan, step, pending.predicted)
+        self.last_eval_step = step
+        for entry in self.history:
+            if entry["version"] == self.plan.version:
+                entry["applied_at_step"] = step
+        logger.warning("plan v%d is live from step %d", self.plan.version, step)
+
+    def speeds(self, workers: Mapping[int, WorkerState]) -> dict[int, float]:
+        """Latest speed estimate per rank (ranks without samples are absent)."""
+        window = self.config.window
+        samples = {r: list(v)[-window:] for r, v in self.samples(workers, 0).compute_ms.items() if v}
+        try:
+            return dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
+        except PlanError:
+            return {}
+
+    def summary(self, workers: Mapping[int, WorkerState]) -> dict[str, Any]:
+        """The plan part of the status: live and pending plan, per-stage times, policy outcomes, history."""
+        samples = self.samples(workers, 0).compute_ms
+        speeds = self.speeds(workers)
+        stages = []
+        for stage in self.plan.stages:
+            for rank in stage.ranks:
+                values = list(samples.get(rank, []))[-self.config.window:]
+                stages.append({
+                    "stage": stage.stage_id, "rank": rank, "num_nodes": len(stage.node_ids),
+                    "profiled_ms": policy.stage_profiled_ms(self.graph, stage) / stage.num_replicas,
+                    "measured_ms": (sorted(values)[len(values) // 2] if values else None),
+                    "speed": speeds.get(rank),
+                })
+        return {
+            "plan_version": self.plan.version,
+            "plan": self.plan.to_dict(),
+            "table": self.plan.table(),
+            "pending_version": self.pending.plan.version if self.pending else None,
+            "last_decision": self.last_decision,
+            "misses": self.state.misses,
+            "effective_threshold": self.config.threshold_after(self.state.misses),
+            "stages": stages,
+            "history": list(self.history),
+            "decisions": list(self.decisions),
+        }

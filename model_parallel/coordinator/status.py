@@ -1,0 +1,165 @@
+"""The coordinator's bookkeeping of ranks (`Roster`, one `WorkerState` per rank) and its status file.
+
+A rank's status: `running` (connected, heard from within the heartbeat timeout), `unreachable` (may
+come back: its view can be stale, see server.py), `finished` (said bye after the last step) or
+`stopped` (said bye early; the run is stopping). The roster only records; the server decides when
+to look (heartbeats, the monitor loop). Every `Roster` method runs with the coordinator's lock held.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from model_parallel.coordinator.protocol import ProtocolError, Session
+from model_parallel.fileio import atomic_write_json
+from model_parallel.graph.plan import Plan
+from model_parallel.messages import StepReport
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_HISTORY = 200
+UNREACHABLE_GRACE_S = 60.0  # every worker unreachable this long (none said bye): nobody is coming back
+
+
+@dataclass
+class WorkerState:
+    rank: int
+    host: str
+    pid: int
+    world_size: int
+    session: Optional[Session] = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    last_seen: float = field(default_factory=time.monotonic)
+    step: int = -1
+    stage: Optional[int] = None
+    plan_version: int = 0
+    slowdown: float = 1.0
+    status: str = "running"  # running | unreachable (may come back) | finished | stopped (said bye early)
+    note: str = ""  # why it is unreachable or stopped
+    bad_reports: int = 0  # reports refused by StepReport.from_dict
+    reports: deque[StepReport] = field(default_factory=lambda: deque(maxlen=SAMPLE_HISTORY))
+
+
+class Roster:
+    """Who registered, what each rank last said, and whether the run is over (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[int, WorkerState] = {}
+        self.world_size: Optional[int] = None
+        self.stop_reason: Optional[str] = None  # a rank ended early: no more plan changes
+        self.dirty = True  # something the status file shows changed since it was last written
+
+    def register(self, message: Mapping[str, Any], session: Session, where: str, plan: Plan) -> tuple[WorkerState, bool]:
+        """Admit a worker's `register` (ProtocolError says why not); returns it and whether it is a reconnection."""
+        rank, world = message.get("rank"), message.get("world_size")
+        if rank is None or world is None:
+            raise ProtocolError("worker register needs rank and world_size")
+        if world < 1 or not 0 <= rank < world:
+            raise ProtocolError(f"worker register: rank {rank} is not in a world of {world}")
+        if self.world_size is not None and world != self.world_size:
+            raise ProtocolError(f"rank {rank} says world size {world}, others said {self.world_size}")
+        if plan.num_ranks > world:
+            raise ProtocolError(f"plan v{plan.version} needs {plan.num_ranks} ranks, rank {rank} is in a world of {world}")
+        old = self.workers.get(rank)
+        host, pid = str(message.get("host", where)), int(message.get("pid", 0))
+        # The same process reconnecting (its old connection may not look closed from here yet) replaces it.
+        if old is not None and old.status == "running" and old.session is not None and (old.host, old.pid) != (host, pid):
+            raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host})")
+        self.world_size = world
+        worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session)
+        reconnection = old is not None and old.status in ("running", "unreachable")
+        if reconnection:  # keep what was learned about this rank
+            worker.step, worker.stage, worker.plan_version = old.step, old.stage, old.plan_version
+            worker.slowdown, worker.reports, worker.bad_reports = old.slowdown, old.reports, old.bad_reports
+            if old.session is not None:
+                old.session.sock.close()
+        self.workers[rank] = worker
+        self.dirty = True
+        return worker, reconnection
+
+    def seen(self, worker: WorkerState, now: float) -> bool:
+        """A message from `worker` arrived at `now` (monotonic); True when it was unreachable until now."""
+        worker.last_seen = now
+        if worker.status == "unreachable" and self.workers.get(worker.rank) is worker:
+            worker.status, worker.note = "running", ""
+            self.dirty = True
+            return True
+        return False
+
+    def record(self, worker: WorkerState, report: StepReport) -> None:
+        worker.step = max(worker.step, report.step)
+        worker.stage, worker.plan_version = report.stage, report.plan_version
+        worker.reports.append(report)
+        self.dirty = True
+
+    def bye(self, worker: WorkerState, reason: str) -> bool:
+        """The worker said goodbye; True when it finished training ("training finished"), False when it ended early."""
+        finished = reason == "training finished"
+        worker.status, worker.note = ("finished", "") if finished else ("stopped", reason)
+        worker.session = None
+        if not finished and self.stop_reason is None:
+            self.stop_reason = f"rank {worker.rank}: {reason}"
+        self.dirty = True
+        return finished
+
+    def is_current(self, worker: WorkerState) -> bool:
+        """`worker` is running and still this rank's latest registration."""
+        return worker.status == "running" and self.workers.get(worker.rank) is worker
+
+    def unreachable(self, worker: WorkerState, why: str) -> Optional[Session]:
+        """Mark a current running worker unreachable; returns its session, for the caller to shut down."""
+        worker.status, worker.note = "unreachable", why
+        session, worker.session = worker.session, None
+        self.dirty = True
+        return session
+
+    def paused(self, now: float) -> None:
+        """This process stood still (SIGSTOP, swap, a debugger): the silence it saw is its own."""
+        for worker in self.workers.values():
+            worker.last_seen = max(worker.last_seen, now)
+
+    def silent(self, now: float, timeout: float) -> list[tuple[WorkerState, float]]:
+        """Running workers not heard from for more than `timeout` seconds, with their silence."""
+        return [(w, now - w.last_seen) for w in self.workers.values() if w.status == "running" and now - w.last_seen > timeout]
+
+    def done(self, now: float) -> bool:
+        """No worker runs any more, and one said bye (or all stayed unreachable for UNREACHABLE_GRACE_S)."""
+        if not self.workers or any(w.status == "running" for w in self.workers.values()):
+            return False
+        registered_all = self.world_size is not None and len(self.workers) >= self.world_size
+        said_bye = any(w.status in ("finished", "stopped") for w in self.workers.values())
+        # An unreachable worker is only given up on after the grace period (it may be reconnecting).
+        gone = all(w.status != "unreachable" or now - w.last_seen > UNREACHABLE_GRACE_S for w in self.workers.values())
+        return (registered_all or said_bye) and (said_bye or gone)
+
+    def step(self) -> int:
+        """The furthest step any rank reached (0 before the first)."""
+        return max((w.step for w in self.workers.values()), default=0)
+
+    def running(self) -> set[int]:
+        return {r for r, w in self.workers.items() if w.status == "running"}
+
+    def rows(self, now: float) -> list[dict[str, Any]]:
+        """One status row per rank, by rank."""
+        return [{
+            "rank": w.rank, "host": w.host, "pid": w.pid, "status": w.status, "note": w.note,
+            "bad_reports": w.bad_reports, "step": w.step,
+            "stage": w.stage, "plan_version": w.plan_version, "slowdown": w.slowdown,
+            "last_seen_s_ago": round(now - w.last_seen, 2),
+            "samples_per_s": (w.reports[-1].samples_per_s if w.reports else None),
+            "loss": (w.reports[-1].loss if w.reports else None),
+        } for w in sorted(self.workers.values(), key=lambda w: w.rank)]
+
+
+def write_status(path: Path, data: Mapping[str, Any]) -> None:
+    """Write the status file atomically; a failure is logged, never raised (the run does not need the file)."""
+    try:
+        atomic_write_json(path, data)
+    except OSError as error:
+        logger.warning("cannot write status file %s: %s", path, error)
