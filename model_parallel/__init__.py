@@ -8,7 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from model_parallel import compat as _compat
+
 __version__ = "0.1.0"
+
+# transformers and timm import torchvision internally; on a CPU torch with PyPI's CUDA torchvision that
+# import fails unless the repair runs first (model_parallel.compat). The hook costs nothing until then.
+_compat.install_import_hook()
 
 # name -> "module:attribute"; filled in as each workflow step lands.
 _LAZY = {

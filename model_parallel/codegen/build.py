@@ -22,7 +22,7 @@ from model_parallel.codegen.naming import layer_name
 from model_parallel.codegen.ties import check_stage_ties, check_ties, tie_stage
 from model_parallel.errors import CodegenError, GraphError, PlanError
 from model_parallel.graph import loader
-from model_parallel.graph.arguments import decode_argument, referenced_nodes
+from model_parallel.graph.arguments import CONSTANTS, OutputDict, decode_argument, decode_constant, referenced_nodes
 from model_parallel.graph.core import Graph, LayerSpec, Node
 from model_parallel.graph.plan import Plan
 
@@ -58,6 +58,8 @@ class StageModule(fx.GraphModule):
         node_ids: Sequence[str] = (),
     ) -> None:
         super().__init__(root, graph, class_name)
+        # GraphModule copies buffers as persistent ones: constants stay out of the state dict, as in the root.
+        self._non_persistent_buffers_set.update(getattr(root, "_non_persistent_buffers_set", set()) & set(self._buffers))
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
         self.node_ids = tuple(node_ids)
@@ -111,8 +113,9 @@ def make_module(
 def make_attribute(
     graph: Graph, node: Node, *, modules: ModulesArg = None, source_model: Optional[nn.Module] = None
 ) -> torch.Tensor:
-    """The tensor a get_attr node reads; without a source, an uninitialised one of the recorded shape
-    (its value comes with the state dict), a Parameter if the profile counted it as one."""
+    """The tensor a get_attr node reads; without a source, a constant's recorded value
+    (`metadata["constants"]`), else an uninitialised one of the recorded shape (its value comes with
+    the state dict), a Parameter if the profile counted it as one."""
     layer = _layer(graph, node)
     name = layer_name(layer.target)
     if modules is not None:
@@ -128,6 +131,19 @@ def make_attribute(
             value = None
         if isinstance(value, torch.Tensor):
             return value
+    constants = graph.metadata.get(CONSTANTS) or {}
+    if layer.target in constants:  # no state dict carries it: never an uninitialised tensor
+        where = f"{_where(graph, node.node_id)}: constant {layer.target!r}"
+        try:
+            value = decode_constant(constants[layer.target], where)
+        except GraphError as error:
+            raise CodegenError(str(error)) from None
+        if value is None:
+            raise CodegenError(
+                f"{where} (a non-persistent buffer or lifted constant) is too large to be stored in the graph "
+                "and no state dict carries it; pass source_model=<the original model> (or modules={...}) to take it from there"
+            )
+        return value
     if not layer.outputs:
         raise CodegenError(
             f"{_where(graph, node.node_id)}: attribute {layer.target!r} has no recorded shape; "
@@ -170,7 +186,22 @@ def _first_argument(layer: LayerSpec) -> Optional[str]:
     return refs[0] if refs and isinstance(layer.args[0], Mapping) and "node" in layer.args[0] else None
 
 
+def _aten_aliasing(layer: LayerSpec) -> Optional[tuple[bool, bool]]:
+    """(writes its first argument, returns a view of it) for an ATen operator, from its schema; else None."""
+    if layer.op != "call_function" or loader.aten_schema_name(layer.target) is None:
+        return None
+    op = loader.aten_operator(layer.target)
+    if op is None:
+        return None
+    first = op._schema.arguments[0].alias_info if op._schema.arguments else None
+    returns = [r.alias_info for r in op._schema.returns]
+    return bool(first is not None and first.is_write), first is not None and any(r is not None for r in returns)
+
+
 def _is_inplace(layer: LayerSpec, module: Optional[nn.Module]) -> bool:
+    aliasing = _aten_aliasing(layer)
+    if aliasing is not None:
+        return aliasing[0]
     if layer.op == "call_module":
         return bool(getattr(module, "inplace", False))
     if layer.kwargs.get("inplace") is True:
@@ -199,7 +230,9 @@ def _mutated_inputs(graph: Graph, node_ids: Sequence[str], inputs: Sequence[str]
         if first is None or first not in root:
             continue
         inplace = _is_inplace(layer, built.get(node_id))
-        view = layer.op in ("call_method", "call_function") and layer.target.rpartition(".")[2] in _VIEW_OPS
+        aliasing = _aten_aliasing(layer)
+        view = aliasing[1] if aliasing is not None else (
+            layer.op in ("call_method", "call_function") and layer.target.rpartition(".")[2] in _VIEW_OPS)
         if view or inplace:  # the result aliases the input: later in-place ops on it modify the input too
             root[node_id] = root[first]
         if inplace:
@@ -284,8 +317,8 @@ def _build_fx(
                 tensor = make_attribute(graph, node, modules=modules, source_model=source_model)
                 if isinstance(tensor, nn.Parameter):
                     root.register_parameter(name, tensor)
-                else:
-                    root.register_buffer(name, tensor)
+                else:  # a constant stays out of the state dict, as in the original model
+                    root.register_buffer(name, tensor, persistent=layer.target not in (graph.metadata.get(CONSTANTS) or {}))
     tie_stage(graph, node_ids, root)  # layers built separately: point each tie's attributes at one tensor
 
     for name in inputs:
@@ -413,5 +446,9 @@ def full_model_from_graph(
 
     root, fx_graph = _build_fx(graph, graph.topological_order, inputs, output_value,
                                modules=modules, source_model=source_model, check_sharing=False)
+    output = next(n for n in fx_graph.nodes if n.op == "output")
+    if isinstance(output.args[0], Mapping):  # fx returns plain dicts: keep `out.logits` working (OutputDict)
+        with fx_graph.inserting_before(output):
+            output.args = (fx_graph.call_function(OutputDict, (dict(output.args[0]),)),)
     return StageModule(root, fx_graph, str(graph.metadata.get("model", "FullModel")), inputs, outputs,
                        graph.topological_order)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from model_parallel.errors import CodegenError
-from model_parallel.graph.core import Graph, Node
+from model_parallel.graph.core import STATE_ALIASES, Graph, Node
 
 
 def layer_name(target: str) -> str:
@@ -74,10 +74,13 @@ def stage_state_from_original(graph: Graph, state_dict: Mapping[str, Any], stric
     is a `CodegenError`; otherwise unknown keys are dropped.
     """
     mapping = state_key_map(graph)
+    aliases = graph.metadata.get(STATE_ALIASES) or {}  # another name of a tensor a node owns: same value
     result: dict[str, Any] = {}
     for key, value in state_dict.items():
         if key in mapping:
             result[mapping[key]] = value
+        elif key in aliases and aliases[key] in mapping:
+            continue
         elif strict:
             raise CodegenError(
                 f"state dict key {key!r} is not owned by any node of the graph; "
@@ -104,6 +107,9 @@ def original_state_from_stage(graph: Graph, stage_state: Mapping[str, Any]) -> d
                 "was it saved from a stage built from another graph?"
             )
         result[reverse[key]] = value
+    for alias, owned in (graph.metadata.get(STATE_ALIASES) or {}).items():
+        if owned in result:  # the original model's state dict lists the tensor under both names
+            result[alias] = result[owned]
     return result
 
 

@@ -43,7 +43,7 @@ from model_parallel.codegen.naming import layer_name
 from model_parallel.codegen.ties import tie_lines
 from model_parallel.errors import CodegenError, PlanError
 from model_parallel.fileio import atomic_write_text
-from model_parallel.graph.arguments import decode_argument
+from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import read_graph_json, write_graph_json
 from model_parallel.graph.loader import parse_constructor
@@ -143,6 +143,16 @@ def _constructor_lines(graph: Graph, stage: StageModule) -> list[str]:
             lines.append(f"self.{name} = {parse_constructor(layer.module, f'node {node_id}').source}")
             continue
         tensor = getattr(stage, name)
+        constant = (graph.metadata.get(CONSTANTS) or {}).get(layer.target)
+        if constant is not None:  # no state dict carries it: its value is written into the source
+            if "values" not in constant:
+                raise CodegenError(f"node {node_id}: constant {layer.target!r} is too large to be stored in the graph, so "
+                                   "it cannot be written as source; build this stage in memory with "
+                                   "build_stage(..., source_model=model) instead")
+            values = decode_constant(constant, f"node {node_id}: constant {layer.target!r}")
+            literal = f"torch.tensor({values.reshape(-1).tolist()!r}, dtype={values.dtype}).reshape({tuple(values.shape)!r})"
+            lines.append(f"self.register_buffer({name!r}, {literal}, persistent=False)  # a constant of the model")
+            continue
         empty = f"torch.empty({tuple(tensor.shape)!r}, dtype={tensor.dtype})"
         if isinstance(tensor, torch.nn.Parameter):
             lines.append(f"self.{name} = torch.nn.Parameter({empty})  # loaded from the state dict")

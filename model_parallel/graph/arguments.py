@@ -10,6 +10,14 @@
     torch.layout        {"layout": "strided"}
     Ellipsis            {"ellipsis": true}
     None, bool, int, float, str as themselves (inf/nan floats as {"float": "inf"})
+
+A dict decodes to an `OutputDict`: a dict that also reads its keys as attributes, so a loss written
+for a Hugging Face `ModelOutput` (`out.logits`) works on a rebuilt model's output too.
+
+`metadata["constants"]` holds the tensors a graph reads that no state dict carries (non-persistent
+buffers such as Llama's rotary `inv_freq`, constants torch.export lifted), by get_attr target:
+`{"shape": [...], "dtype": "float32", "values": [flat numbers]}`; "values" is left out above
+`MAX_CONSTANT_ELEMENTS`, and a rebuild then needs the original model (`source_model=`).
 """
 from __future__ import annotations
 
@@ -18,10 +26,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree
 
 from model_parallel.errors import GraphError
 
 JSONValue = Any
+CONSTANTS = "constants"  # graph metadata key, see the module docstring
+MAX_CONSTANT_ELEMENTS = 65536  # a rotary table or position ids are a few hundred to a few thousand
 _TYPED = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
 
 
@@ -70,7 +81,7 @@ def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any]) -> Any
         if kind == "tuple" and isinstance(payload, list):
             return tuple(decode_argument(v, resolve_node) for v in payload)
         if kind == "dict" and isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
-            return {k: decode_argument(v, resolve_node) for k, v in payload.items()}
+            return OutputDict((k, decode_argument(v, resolve_node)) for k, v in payload.items())
         if kind == "slice" and isinstance(payload, list) and len(payload) == 3:
             return slice(*(decode_argument(v, resolve_node) for v in payload))
         if kind == "float" and payload in ("inf", "-inf", "nan"):
@@ -110,3 +121,57 @@ def referenced_nodes(value: JSONValue) -> list[str]:
 
     walk(value)
     return found
+
+
+class OutputDict(dict):
+    """A dict whose keys read as attributes too (`out.logits` and `out["logits"]`), like transformers'
+    ModelOutput; an int index gives the value in that position (`out[0]`, as ModelOutput does)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"model output has no field {name!r}; its fields are {', '.join(self) or 'none'}") from None
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int) and not isinstance(key, bool):
+            return list(self.values())[key]
+        return dict.__getitem__(self, key)
+
+
+# pytree (tree_map, to_device, export) sees through it like a dict; keys are kept in order.
+torch.utils._pytree.register_pytree_node(
+    OutputDict, lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: OutputDict(zip(keys, values)), serialized_type_name="model_parallel.OutputDict",
+)
+
+
+def encode_constant(tensor: torch.Tensor) -> dict[str, Any]:
+    """A constant tensor's record for `metadata["constants"]` (values only up to MAX_CONSTANT_ELEMENTS)."""
+    record: dict[str, Any] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+    if tensor.numel() <= MAX_CONSTANT_ELEMENTS and not tensor.is_complex():
+        # Python floats hold float32/bfloat16/float16 values exactly; JSON keeps them exactly (repr round trip).
+        values = tensor.detach().cpu().reshape(-1)
+        record["values"] = [encode_argument(v, lambda _: None) for v in values.tolist()]
+    return record
+
+
+def decode_constant(record: Any, where: str) -> torch.Tensor | None:
+    """The tensor a `metadata["constants"]` record holds, or None when its values were not stored."""
+    if not isinstance(record, Mapping) or not isinstance(record.get("shape"), list) \
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in record["shape"]):
+        raise GraphError(f"{where}: expected {{'shape': [ints], 'dtype': name, 'values': [numbers]}}, got {str(record)[:120]}")
+    dtype = decode_argument({"dtype": record.get("dtype")}, lambda _: None)
+    if "values" not in record:
+        return None
+    values = record["values"]
+    numel = 1
+    for d in record["shape"]:
+        numel *= d
+    if not isinstance(values, list) or len(values) != numel or numel > MAX_CONSTANT_ELEMENTS:
+        raise GraphError(f"{where}: 'values' must list {numel} numbers for shape {record['shape']} "
+                         f"(at most {MAX_CONSTANT_ELEMENTS})")
+    decoded = [decode_argument(v, lambda _: None) for v in values]
+    if not all(isinstance(v, (bool, int, float)) for v in decoded):
+        raise GraphError(f"{where}: 'values' must be numbers")
+    return torch.tensor(decoded, dtype=dtype).reshape(record["shape"])

@@ -20,6 +20,9 @@ JSONValue = Any
 
 # metadata key of the tied parameters: [["wte.weight", "lm_head.weight"], ...] (see `Graph.tie_groups`).
 TIED_PARAMETERS = "tied_parameters"
+# metadata key of the other state-dict names of a tied tensor no node reads under that name:
+# {"cls.predictions.bias": "cls.predictions.decoder.bias"} (BERT); see codegen.naming.stage_state_from_original.
+STATE_ALIASES = "state_aliases"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import GraphError, GraphFormatError
-from model_parallel.graph.arguments import decode_argument
+from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
 
 MAX_EXPRESSION_CHARS = 4096  # a module constructor expression (the longest torch.nn repr is a few hundred)
 MAX_NAME_CHARS = 200  # a target or node id
@@ -68,7 +68,11 @@ _TORCH_DENIED = re.compile(
     r"hook|register|storage|compile|export|torch_function|^vmap$|^cond$|^while_loop$|^classproperty$|"
     r"^prepare_multiprocessing_environment$|^profiler_)"
 )
-_TORCH_EXTRA = frozenset(("torch._assert",))  # fx keeps `torch._assert` (ViT's shape checks) as a call
+_TORCH_EXTRA = frozenset(("torch._assert",))
+# Private ATen ops export's training IR may still record: functional kernels with no side effects.
+_ATEN_PRIVATE = frozenset(("_to_copy", "_softmax", "_log_softmax", "_unsafe_view", "_native_batch_norm_legit_functional",
+                           "_native_batch_norm_legit_no_training", "_safe_softmax", "_unsafe_index"))
+_ATEN_PATH = re.compile(r"^torch\.ops\.aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")  # fx keeps `torch._assert` (ViT's shape checks) as a call
 # torchvision functions fx records as calls (they are `torch.fx.wrap`ped), by exact name.
 _TORCHVISION_FUNCTIONS = frozenset((
     "torchvision.ops.stochastic_depth.stochastic_depth",
@@ -183,12 +187,38 @@ def _allowed_function(path: str) -> Optional[Callable[..., Any]]:
         return vars(torch)[name]
     if namespace in _torch_namespaces() and not name.startswith("_") and not _TORCH_DENIED.search(name):
         return _namespace_function(namespace, name)
+    if path.startswith("torch.ops."):
+        return aten_operator(path)
     if path in _TORCHVISION_FUNCTIONS:
         from model_parallel.compat import import_torchvision
 
         import_torchvision()  # repairs the CPU/CUDA mismatch before torchvision submodules import
         return vars(importlib.import_module(namespace))[name]
     return None
+
+
+def aten_operator(path: str) -> Optional[Callable[..., Any]]:
+    """`torch.ops.aten.<op>.<overload>` -> that OpOverload, for public ATen ops the torch denylist does not
+    name (files, RNG seeding, storage, ...) and a few private functional ones; None for anything else
+    (other namespaces, higher-order ops, custom ops)."""
+    match = _ATEN_PATH.match(path)
+    if match is None:
+        return None
+    op, overload = match.groups()
+    if (op.startswith("_") and op not in _ATEN_PRIVATE) or _TORCH_DENIED.search(op.lstrip("_")):
+        return None
+    try:
+        packet = getattr(torch.ops.aten, op)
+        value = getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return None
+    return value if isinstance(value, torch._ops.OpOverload) and value.namespace == "aten" else None
+
+
+def aten_schema_name(target: str) -> Optional[str]:
+    """`"torch.ops.aten.silu_.default"` -> `"silu_"`; None for other targets."""
+    match = _ATEN_PATH.match(target)
+    return match.group(1) if match else None
 
 
 @lru_cache(maxsize=1)
@@ -285,8 +315,8 @@ def function_target(path: str, args: tuple = (), where: str = "call_function") -
     _check_name(path, where, "function")
     function = _allowed_function(path)
     if function is None:
-        raise _refuse(where, f"function {path!r}", "functions must be torch ops, arithmetic/comparison operators, a "
-                      "few builtins and math functions, or functions registered by the process", _REGISTER_HINT)
+        raise _refuse(where, f"function {path!r}", "functions must be torch ops, ATen operators, arithmetic/comparison "
+                      "operators, a few builtins and math functions, or functions registered by the process", _REGISTER_HINT)
     if function is builtins.getattr:
         node, attribute = args if len(args) == 2 else (None, None)
         if not (isinstance(node, Mapping) and "node" in node) or not isinstance(attribute, str) or attribute not in TENSOR_ATTRIBUTES:
@@ -368,6 +398,16 @@ def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_
     node ids whose module the caller supplies, so their constructor is never called."""
     skip = set(handed_over)
     _check_arguments((graph.metadata.get("outputs"),), {}, "graph metadata 'outputs'")
+    constants = graph.metadata.get(CONSTANTS) or {}
+    if not isinstance(constants, Mapping):
+        raise _refuse(f"graph metadata {CONSTANTS!r}", "a non-mapping", "expected {get_attr target: record}")
+    for target, record in constants.items():
+        where = f"graph metadata {CONSTANTS!r} entry {str(target)[:80]!r}"
+        _check_name(target, where, "constant name")
+        try:
+            decode_constant(record, where)
+        except GraphError as error:
+            raise _refuse(where, "a constant", str(error)) from None
     for node_id in (node_ids if node_ids is not None else graph.by_id):
         check_layer(graph, node_id, build_constructor=build_constructors and node_id not in skip)
 
@@ -375,4 +415,5 @@ def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_
 __all__ = [
     "register_layer_classes", "register_functions", "allow_model", "check_graph", "check_layer", "build_module",
     "parse_constructor", "module_class", "function_target", "check_method", "Constructor", "TENSOR_ATTRIBUTES",
+    "aten_operator", "aten_schema_name",
 ]

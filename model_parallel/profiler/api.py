@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph
 from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, tensors_in
-from model_parallel.profiler.trace import trace_model
+from model_parallel.graph.arguments import OutputDict
+from model_parallel.profiler.trace import flat_inputs, split_inputs, trace_model
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,22 @@ class _TimingInterpreter(fx.Interpreter):
         return result
 
 
+def output_dicts(value: Any) -> Any:
+    """A traced model's output with every dict an `OutputDict` (`out.logits` works, as on a ModelOutput)."""
+    if isinstance(value, Mapping):
+        return OutputDict((k, output_dicts(v)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(output_dicts(v) for v in value) if type(value) in (tuple, list) else value
+    return value
+
+
 def profile(
     model: nn.Module,
-    example_inputs: Iterable[Any],
+    example_inputs: Union[Iterable[Any], Mapping[str, Any]],
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
     *,
+    example_kwargs: Optional[Mapping[str, Any]] = None,
+    route: str = "auto",
     warmup: int = 1,
     iterations: int = 3,
     device: DeviceLike = None,
@@ -161,6 +173,12 @@ def profile(
     store: Optional[TimingStore] = None,
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
+
+    `example_inputs` is a tuple of positional inputs or a dict of keyword inputs (`{"input_ids": ...,
+    "attention_mask": ...}`); `example_kwargs` adds keyword inputs to positional ones. `route` picks
+    the tracer ("auto", "fx", "export"; see `trace_model` and docs/profiler.md): unmodified Hugging
+    Face and timm models need no wrapper. A dict output (a ModelOutput) reaches `loss_fn` as an
+    `OutputDict`, so `out.logits` works.
 
     One node per torch.fx node; each node's `forward_ms` / `backward_ms` is the median of `iterations`
     isolated replays (after `warmup` untimed ones) at this batch size, minus the replay's fixed
@@ -181,10 +199,11 @@ def profile(
         check_clock(clock, target)
     except ValueError as error:
         raise ProfileError(str(error)) from None
-    example_inputs = to_device(tuple(example_inputs), target)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    args, kwargs = to_device(args, target), to_device(kwargs, target)
     started = time.perf_counter()
     with preserved_model(model, target), torch.no_grad():
-        graph, gm = trace_model(model, example_inputs, leaf_modules)
+        graph, gm = trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
         overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
         replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
         known = dict(store.begin(graph)) if store is not None else {}
@@ -192,7 +211,7 @@ def profile(
                    disable=not progress, leave=progress, file=sys.stderr)
         try:
             interpreter = _TimingInterpreter(gm, graph, replay, bar, store, known)
-            output = interpreter.run(*example_inputs)
+            output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))
         finally:
             bar.close()
         loss_timing = NodeTiming(0.0, 0.0)

@@ -1,4 +1,8 @@
-"""Turn an unmodified model into an operator `Graph` with torch.fx: structure, layer specs and sizes.
+"""Turn an unmodified model into an operator `Graph`: structure, layer specs and sizes.
+
+Two routes (`trace_model(route=...)`, recorded in `graph.metadata["route"]`): torch.fx's
+symbolic trace (torch-level ops and leaf modules; our zoo and torchvision models), and torch.export
+(`profiler.export_trace`: ATen ops; Hugging Face models, keyword inputs, and whatever fx fails on).
 
 Timing is added by `model_parallel.profiler.timing`; this module only captures what the model
 computes: one node per fx node (leaf module call, function, tensor method, attribute), the real
@@ -7,8 +11,9 @@ as an `operator.add` node with both inputs), and activation/parameter bytes from
 """
 from __future__ import annotations
 
+import logging
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -18,9 +23,13 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from model_parallel.errors import ModelParallelError, ProfileError
-from model_parallel.graph.arguments import encode_argument
-from model_parallel.graph.core import TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
+from model_parallel.graph.arguments import CONSTANTS, encode_argument, encode_constant
+from model_parallel.graph.core import STATE_ALIASES, TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.loader import parse_constructor
+from model_parallel.profiler.export_trace import export_model, is_hugging_face_model
+
+logger = logging.getLogger(__name__)
+ROUTES = ("auto", "fx", "export")
 
 
 class LeafTracer(fx.Tracer):
@@ -154,8 +163,16 @@ def run_preserving_state(model: nn.Module, fn: Any) -> Any:
                     buffer.copy_(saved[name])
 
 
-def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], metadata: Optional[dict] = None) -> Graph:
-    """Build our Graph from a traced GraphModule and per-node output metadata (zero times)."""
+def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], metadata: Optional[dict] = None,
+                  state_names: Optional[set[str]] = None) -> Graph:
+    """Build our Graph from a traced GraphModule and per-node output metadata (zero times).
+
+    `state_names`: the model's state-dict keys. Tensors outside it (non-persistent buffers such as
+    Llama's rotary `inv_freq`, constants export lifted) are owned by no node, so state dicts load
+    strictly; a get_attr of one is recorded in `metadata["constants"]` (values included when small,
+    see `graph.arguments.encode_constant`) so a rebuilt stage gets its real value, never torch.empty.
+    """
+    constants: dict[str, Any] = {}
     modules = dict(gm.named_modules())
     fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
     names = {n: n.name for n in fx_nodes}
@@ -174,6 +191,8 @@ def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], 
         if fx_node.op == "call_module":
             for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 full = f"{fx_node.target}.{name}"
+                if state_names is not None and full not in state_names:
+                    continue  # a non-persistent buffer: the module's constructor (or the handed-over module) has it
                 if full not in owned:
                     owned.add(full)
                     parameters.append(full)
@@ -183,7 +202,10 @@ def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], 
             attr = gm
             for part in str(fx_node.target).split("."):
                 attr = getattr(attr, part)
-            if isinstance(attr, torch.Tensor):
+            if isinstance(attr, torch.Tensor) and state_names is not None and str(fx_node.target) not in state_names \
+                    and not isinstance(attr, nn.Parameter):
+                constants[str(fx_node.target)] = encode_constant(attr)
+            elif isinstance(attr, torch.Tensor):
                 owned.add(str(fx_node.target))
                 parameters.append(str(fx_node.target))
                 if isinstance(attr, nn.Parameter):
@@ -213,50 +235,126 @@ def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], 
             input_index += 1
         edges += [(src.name, fx_node.name) for src in fx_node.all_input_nodes]
     meta = {"outputs": outputs, "model": type(gm).__name__, **(metadata or {})}
+    if constants:
+        meta[CONSTANTS] = constants
     return Graph(nodes=tuple(nodes), edges=tuple(edges), metadata=meta)
+
+
+def split_inputs(example_inputs: Any, example_kwargs: Optional[Mapping[str, Any]] = None) -> tuple[tuple, dict]:
+    """(positional, keyword) example inputs; a dict given as `example_inputs` is the keyword inputs."""
+    if isinstance(example_inputs, Mapping):
+        if example_kwargs:
+            raise ProfileError("give keyword inputs either as a dict in example_inputs or as example_kwargs, not both")
+        return (), dict(example_inputs)
+    return tuple(example_inputs), dict(example_kwargs or {})
+
+
+def flat_inputs(example_inputs: Any, example_kwargs: Optional[Mapping[str, Any]] = None) -> tuple[Any, ...]:
+    """The values a traced graph's placeholders take, in order: positional inputs, then keyword ones."""
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    return (*args, *kwargs.values())
 
 
 def trace_model(
     model: nn.Module,
-    example_inputs: Iterable[Any],
+    example_inputs: Any,
     leaf_modules: Sequence[type[nn.Module]] = (),
+    *,
+    example_kwargs: Optional[Mapping[str, Any]] = None,
+    route: str = "auto",
 ) -> tuple[Graph, fx.GraphModule]:
-    """Trace `model` and run it once on `example_inputs` to record shapes; the model is left unchanged.
+    """Trace `model` and run it once on the example inputs to record shapes; the model is left unchanged.
 
-    Returns the graph (times zero; `model_parallel.profile` fills them in) and the GraphModule.
+    `example_inputs`: a tuple of positional inputs, or a dict of keyword inputs (`example_kwargs`
+    adds keyword inputs to positional ones). `route`: "fx" (torch.fx symbolic trace), "export"
+    (torch.export), or "auto": export for Hugging Face models and keyword inputs, else fx, falling
+    back to export when fx fails. Returns the graph (times zero; `model_parallel.profile` fills them
+    in) and the GraphModule, whose forward takes `flat_inputs(example_inputs, example_kwargs)`.
     """
-    example_inputs = tuple(example_inputs)
-    gm = symbolic_trace(model, leaf_modules)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if route not in ROUTES:
+        raise ProfileError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    if route == "fx" and kwargs:
+        raise ProfileError(f"keyword inputs ({', '.join(kwargs)}) need route='export' (or 'auto'): "
+                           "torch.fx traces positional inputs only")
+    if route == "auto" and (kwargs or is_hugging_face_model(model)):
+        why = "keyword inputs" if kwargs else "a Hugging Face model (fx cannot trace its **kwargs forwards)"
+        return _trace(model, args, kwargs, leaf_modules, "export", why)
+    if route != "auto":
+        return _trace(model, args, kwargs, leaf_modules, route, "asked for")
+    try:
+        graph, gm = _trace(model, args, kwargs, leaf_modules, "fx", "default")
+        buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+        lost = sorted((set(model.state_dict()) & buffers) - _covered_names(graph))
+        if not lost:
+            return graph, gm
+        # fx ran a method on a real buffer instead of recording it (timm's BatchNormAct2d does
+        # `self.num_batches_tracked.add_(1)`): the graph would not carry that state; export records it.
+        raise ProfileError(f"the fx graph of {type(model).__name__} does not use {len(lost)} buffer(s) of its "
+                           f"state dict, e.g. {lost[:3]}")
+    except ProfileError as fx_error:
+        logger.info("torch.fx failed on %s, trying torch.export: %s", type(model).__name__, fx_error)
+        try:
+            return _trace(model, args, kwargs, leaf_modules, "export", f"torch.fx failed: {str(fx_error)[:200]}")
+        except ProfileError as export_error:
+            raise ProfileError(f"{fx_error} torch.export failed too: {export_error}") from export_error
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[type[nn.Module]], route: str,
+           why: str) -> tuple[Graph, fx.GraphModule]:
+    inputs = (*args, *kwargs.values())
+    if route == "export":
+        if leaf_modules:
+            raise ProfileError("leaf_modules apply to route='fx' only; torch.export records ATen operators")
+        gm, inputs = export_model(model, args, kwargs)
+    else:
+        gm = symbolic_trace(model, leaf_modules)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(example_inputs):
+    if len(placeholders) != len(inputs):
         raise ProfileError(
             f"{type(model).__name__}.forward takes {len(placeholders)} input(s) "
-            f"({', '.join(p.name for p in placeholders)}) but {len(example_inputs)} example input(s) were given"
+            f"({', '.join(p.name for p in placeholders)}) but {len(inputs)} example input(s) were given"
         )
     recorder = _Recorder(gm)
     try:
         with torch.no_grad():
-            run_preserving_state(model, lambda: recorder.run(*example_inputs))
+            run_preserving_state(model, lambda: recorder.run(*inputs))
     except ModelParallelError:
         raise
     except Exception as error:  # shape mismatches and the like: name the model and the inputs
-        shapes = ", ".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs)
+        shapes = ", ".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs)
         raise ProfileError(
             f"running {type(model).__name__} on the example inputs ({shapes}) failed: {type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}. Check the input shapes the model expects"
         ) from error
     metadata = {
         "inputs": [{"name": p.name, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
-                   for p, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)],
+                   for p, x in zip(placeholders, inputs) if isinstance(x, torch.Tensor)],
+        "model": type(model).__name__,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "route": route,
     }
-    graph = graph_from_fx(gm, recorder.metas, metadata)
+    if route == "export":
+        metadata["route_reason"] = why
+    state_names = set(model.state_dict().keys())
+    graph = graph_from_fx(gm, recorder.metas, metadata, state_names)
     owned = {name for node in graph.nodes for name in node.layer.parameters}
     # A tie only matters between names nodes own (a tensor used twice inside one leaf module stays whole).
-    ties = [kept for group in tied_tensor_names(model) if len(kept := [n for n in group if n in owned]) > 1]
+    groups = tied_tensor_names(model)
+    ties = [kept for group in groups if len(kept := [n for n in group if n in owned]) > 1]
     if ties:
         graph = replace(graph, metadata={**graph.metadata, TIED_PARAMETERS: ties})
+    # Names of a tied tensor that no node reads (export reads one name per reader): the state dict has them.
+    aliases = {n: kept[0] for group in groups if (kept := [n for n in group if n in owned]) for n in group if n not in owned}
+    if aliases:
+        graph = replace(graph, metadata={**graph.metadata, STATE_ALIASES: aliases})
     return graph, gm
+
+
+def _covered_names(graph: Graph) -> set[str]:
+    """State-dict names the graph's nodes own, or that are another name of an owned tensor."""
+    owned = {name for node in graph.nodes for name in node.layer.parameters}
+    return owned | set(graph.metadata.get(STATE_ALIASES) or {})
 
 
 def tied_tensor_names(model: nn.Module) -> list[list[str]]:

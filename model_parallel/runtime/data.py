@@ -8,7 +8,7 @@ comparable with single-process runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
@@ -106,14 +106,24 @@ class ImageFolderData:
 
 
 def split_microbatches(inputs: Sequence[Any], target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
-    """Split a minibatch along dim 0 into `num_microbatches` parts (sizes differ by at most one)."""
+    """Split a minibatch along dim 0 into `num_microbatches` parts (sizes differ by at most one); a dict
+    input (`{"input_ids": ..., "attention_mask": ...}`) splits into dicts of the same keys."""
     batch = target.shape[0]
     if batch < num_microbatches:
         raise ModelParallelError(f"a minibatch of {batch} samples cannot be split into {num_microbatches} microbatches; "
                                  "raise --batch_size or lower --num_microbatches")
-    parts_in = [torch.tensor_split(x, num_microbatches) if isinstance(x, torch.Tensor) else [x] * num_microbatches for x in inputs]
+    parts_in = [_split(x, num_microbatches) for x in inputs]
     parts_t = torch.tensor_split(target, num_microbatches)
     return [(tuple(p[j] for p in parts_in), parts_t[j]) for j in range(num_microbatches)]
+
+
+def _split(value: Any, parts: int) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, parts))
+    if isinstance(value, Mapping):
+        split = {key: _split(v, parts) for key, v in value.items()}
+        return [{key: split[key][j] for key in value} for j in range(parts)]
+    return [value] * parts
 
 
 def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...], num_classes: int, kind: str = "dense",

@@ -1,0 +1,203 @@
+"""Trace a model with `torch.export` (the route for Hugging Face and timm models fx cannot trace).
+
+`torch.fx.symbolic_trace` runs `forward` on proxies, so `**kwargs` forwards, mask-building code that
+inspects tensor values, and optional arguments defeat it. `torch.export.export(..., strict=False)`
+runs `forward` on fake tensors instead and records the ATen operators it dispatches (the training
+IR: no decompositions, so `aten.linear`, `aten.layer_norm`, `aten.scaled_dot_product_attention`
+stay whole). `ep.module()` gives back an fx GraphModule whose parameters and buffers are get_attr
+nodes under their state-dict names; this module turns it into a plain GraphModule the profiler
+records like an fx trace:
+
+- inputs are the flattened positional then keyword example inputs (placeholders `input_ids`,
+  `attention_mask`, ...); the output is the model's structure with `ModelOutput`s as dicts;
+- export's guard call and shape assertions (no results, nothing to rebuild) are dropped;
+- a parameter read by several operators gets one get_attr node per reader, named by the module
+  the reader runs in and placed just before it (export reads every parameter at the top), so tied weights (GPT-2's `transformer.wte.weight` / `lm_head.weight`, which
+  export reads under one name) show up as ties (`codegen.ties`) instead of a weight sent between
+  stages as an activation;
+- `aten.__and__`-style operators become their named equivalents (`aten.bitwise_and`): graph files
+  refuse dunder names.
+
+Mode-dependent arguments are fixed at export time: `aten.dropout(x, p, train)` and
+`aten.batch_norm(..., training, ...)` keep the mode the model was exported in (the profiler
+exports in training mode).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from model_parallel.errors import ProfileError
+
+logger = logging.getLogger(__name__)
+
+# Export's checks: they return nothing and guard shapes the trace was specialised to.
+_ASSERTIONS = ("_assert_tensor_metadata", "_assert_async", "_assert_scalar", "sym_constrain_range",
+               "sym_constrain_range_for_size", "_functional_assert_async")
+# Python operators export records by their dunder ATen names, and the named ops that compute the same.
+_DUNDER_OPS = {"__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor",
+               "__lshift__": "bitwise_left_shift", "__rshift__": "bitwise_right_shift"}
+
+
+def is_hugging_face_model(model: nn.Module) -> bool:
+    """A transformers `PreTrainedModel` (checked by class name, so transformers need not be importable)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+@contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models return a `DynamicCache` when `config.use_cache`: a Python object, not
+    tensors, which export cannot return. A training pipeline never wants it: off while tracing, on
+    every config the model holds (T5's encoder and decoder stacks keep copies of their own)."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False) is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+def export_model(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[fx.GraphModule, tuple[Any, ...]]:
+    """`model` traced by torch.export on `args` / `kwargs`, as a plain fx GraphModule whose forward takes
+    the flattened inputs (positional first, then keyword in the given order); also returns those inputs."""
+    name = type(model).__name__
+    try:
+        with _without_cache(model):
+            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except Exception as error:  # export raises many types (UserError, GuardOnDataDependentSymNode, ...)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ProfileError(
+            f"torch.export could not trace {name}: {type(error).__name__}: {first[:300]}. "
+            "If Python control flow depends on tensor values there, rewrite it with torch.cond or torch.where, "
+            "or profile with route='fx' and pass the offending submodule classes as leaf_modules=[...]"
+        ) from error
+    gm = exported.module()
+    graph = gm.graph
+    logger.info("torch.export traced %s: %d nodes", name, len(graph.nodes))
+    graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs instead of export's pytree calling convention
+    _drop_checks(graph, name)
+    _restructure_output(graph, exported.call_spec.out_spec, name)
+    _rename_dunder_ops(graph)
+    graph.eliminate_dead_code()  # get_attr of names export did not use (the second name of a tied weight)
+    _one_read_per_user(graph, model)
+    graph.lint()
+    gm.recompile()
+    flat_inputs = tuple(pytree.tree_leaves((tuple(args), dict(kwargs))))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat_inputs):
+        raise ProfileError(f"torch.export traced {name} with {len(placeholders)} input(s) "
+                           f"({', '.join(p.name for p in placeholders)}) but {len(flat_inputs)} example tensor(s) "
+                           "were given; pass only tensors as example inputs (set flags like use_cache on the config)")
+    return gm, flat_inputs
+
+
+def _drop_checks(graph: fx.Graph, name: str) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target._schema.name.split("::")[-1] in _ASSERTIONS and not node.users:
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op == "call_module" or isinstance(node.target, torch._ops.HigherOrderOperator):
+            what = node.target if node.op == "call_module" else node.target.name()
+            stack = list(node.meta.get("nn_module_stack", {}).values())
+            where, cls = (stack[-1][0] or name, str(stack[-1][1]).rpartition(".")[2]) if stack else (name, name)
+            raise ProfileError(
+                f"torch.export traced {name} into a nested graph at node {node.name} ({what}, in module "
+                f"{where}): it comes from a torch.no_grad/enable_grad/autocast region or torch.cond inside "
+                "forward, which a stage cannot rebuild operator by operator. Remove that region from forward "
+                f"(profile in the mode you train in), or profile with route='fx' and leaf_modules=[{cls}]"
+            )
+        if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.__module__ not in ("_operator", "operator"):
+            raise ProfileError(f"torch.export traced {name} to node {node.name} calling {node.target!r}, "
+                               "which is not an ATen operator; profile with route='fx' instead")
+
+
+def _structure(spec: pytree.TreeSpec, leaves: Iterator[Any], name: str) -> Any:
+    """The model's output rebuilt from export's output spec with the output nodes as leaves:
+    dict-like outputs (ModelOutput) become dicts, tuples and lists stay."""
+    if spec.is_leaf():
+        return next(leaves)
+    kind = spec.type
+    specs = spec.children() if hasattr(spec, "children") else spec.children_specs
+    children = [_structure(child, leaves, name) for child in specs]
+    if isinstance(kind, type) and issubclass(kind, Mapping):  # dict, OrderedDict, transformers' ModelOutput
+        return {str(key): value for key, value in zip(spec.context, children)}
+    if isinstance(kind, type) and issubclass(kind, (tuple, list)):
+        return list(children) if issubclass(kind, list) else tuple(children)
+    if kind is type(None):
+        return None
+    raise ProfileError(f"{name} returns a {getattr(kind, '__name__', kind)}, which a graph cannot describe; "
+                       "return tensors, tuples, lists or dicts of them (wrap the model to convert its output)")
+
+
+def _restructure_output(graph: fx.Graph, out_spec: pytree.TreeSpec, name: str) -> None:
+    output = next(n for n in graph.nodes if n.op == "output")
+    flat = output.args[0]
+    flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+    value = _structure(out_spec, iter(flat), name)
+    graph.erase_node(output)
+    graph.output(value)
+
+
+def _rename_dunder_ops(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            packet = node.target._schema.name.split("::")[-1]
+            if packet in _DUNDER_OPS:
+                overload = node.target._overloadname
+                replacement = getattr(getattr(torch.ops.aten, _DUNDER_OPS[packet]), overload, None)
+                if replacement is None:
+                    raise ProfileError(f"node {node.name}: no named ATen operator computes aten.{packet}.{overload}")
+                node.target = replacement
+
+
+def _innermost_module(node: fx.Node) -> str:
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    return stack[-1][0] if stack else ""
+
+
+def _one_read_per_user(graph: fx.Graph, model: nn.Module) -> None:
+    """Give every reader of a parameter/buffer its own get_attr node, under the name (of a tensor's
+    several names) whose module the reader runs in."""
+    names_of: dict[int, list[str]] = {}
+    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names_of.setdefault(id(tensor), []).append(key)
+    by_name = {key: names for names in names_of.values() for key in names}
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or len(node.users) < 2 and len(by_name.get(str(node.target), ())) < 2:
+            continue
+        names = by_name.get(str(node.target), [str(node.target)])
+        for index, user in enumerate(list(node.users)):
+            target = _name_for(user, names, str(node.target))
+            if index == 0 and target == node.target:
+                continue
+            with graph.inserting_before(user):
+                read = graph.get_attr(target)
+            read.meta.update(node.meta)
+            user.replace_input_with(node, read)
+        if not node.users:
+            graph.erase_node(node)
+    # Export reads every parameter at the top of the graph; fx reads each where it is used. Reading it
+    # just before its (single) user keeps a contiguous split from sending weights between stages.
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and len(node.users) == 1:
+            next(iter(node.users)).prepend(node)
+
+
+def _name_for(user: fx.Node, names: list[str], default: str) -> str:
+    module = _innermost_module(user)
+    matching = [n for n in names if n.rpartition(".")[0] == module]
+    return matching[0] if matching else default
