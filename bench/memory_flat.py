@@ -60,7 +60,7 @@ def run(steps: int, sample_every: int, window: int, warmup: float, workdir: Path
 
     from model_parallel.runtime import engine as engine_mod
     from model_parallel.runtime import metrics as metrics_mod
-    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.launch import free_port
     from model_parallel.runtime.trainer import PipelineTrainer
     from model_parallel.runtime.zoo import recipe
@@ -71,9 +71,10 @@ def run(steps: int, sample_every: int, window: int, warmup: float, workdir: Path
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     r = recipe("mlp")
     metrics_path = workdir / "rank{rank}.jsonl"
-    config = TrainConfig(batch_size=8, num_microbatches=2, timeout=30.0, metrics=str(metrics_path), progress=False)
+    config = TrainConfig(batch_size=8, num_microbatches=2)
+    options = RunOptions(timeout=30.0, metrics=str(metrics_path), progress=False)
     trainer = PipelineTrainer(r.model(0), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), r.data(8, 0), config,
-                              criterion=r.criterion)
+                              options=options, criterion=r.criterion)
     samples: list[tuple[int, int]] = []
     engine = trainer.runner
     finished = threading.Event()

@@ -201,15 +201,17 @@ def torch_side(model_name: str, schedule_name: str, rank: int, world_size: int, 
 def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, spec: dict[str, Any],
               control_group: Any) -> dict[str, Any]:
     """Our runtime's worker API (`PipelineEngine`) with the same graph, plan, model, data and optimizer."""
-    from model_parallel.runtime.engine import PipelineEngine, TrainConfig
+    from model_parallel.runtime.config import RunOptions, TrainConfig
+    from model_parallel.runtime.engine import PipelineEngine
 
     rec, model, graph, plan, _ = _build(model_name, spec)
     config = TrainConfig(batch_size=spec["batch_size"], num_microbatches=spec["microbatches"], schedule=schedule_name,
-                         seed=spec["seed"], timeout=spec["op_timeout"], progress=False)
+                         seed=spec["seed"])
     engine = PipelineEngine(
         graph=graph, plan=plan, model=model, criterion=rec.criterion,
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=spec["lr"], momentum=0.9),
         dataset=rec.data(spec["batch_size"], spec["seed"]), config=config, control_group=control_group,
+        options=RunOptions(timeout=spec["op_timeout"], progress=False),
     )
     step_s = _timed(lambda first, end: engine.train(end, start_step=first), spec)
     # The engine's own per-step split (runtime.metrics), for the report: where did the time go?

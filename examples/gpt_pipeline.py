@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from _common import finish, init_distributed
-from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, TrainConfig, partition, profile
+from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, RunOptions, TrainConfig, partition, profile
 from model_parallel.models import TinyGPT
 from model_parallel.models.gpt import lm_loss
 from model_parallel.runtime.data import SyntheticData
@@ -43,9 +43,9 @@ def main() -> None:
         print(plan.table(), flush=True)
     # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
-    config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches, progress=False)
+    config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches)
     trainer = PipelineTrainer(model, lambda params: torch.optim.AdamW(params, lr=1e-3), data, config,
-                              criterion=lm_loss, plan=plan)
+                              options=RunOptions(progress=False), criterion=lm_loss, plan=plan)
     results = trainer.train(args.steps)
     if rank == 0 and results:
         print(f"trained {len(results)} steps on {world} process(es); loss {results[0].loss:.4f} -> {results[-1].loss:.4f}",

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import finish, init_distributed
-from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, TrainConfig, partition, profile
+from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, RunOptions, TrainConfig, partition, profile
 from model_parallel.models import StackedMLP
 from model_parallel.runtime.data import SyntheticData
 
@@ -44,9 +44,9 @@ def main() -> None:
     # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
     # 3. Train: 1F1B with a flush per minibatch, so the result equals single-process training.
-    config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches, progress=False)
+    config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches)
     trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), data, config,
-                              criterion=F.cross_entropy, plan=plan)
+                              options=RunOptions(progress=False), criterion=F.cross_entropy, plan=plan)
     results = trainer.train(args.steps)
     if rank == 0 and results:
         print(f"trained {len(results)} steps on {world} process(es); loss {results[0].loss:.4f} -> {results[-1].loss:.4f}",

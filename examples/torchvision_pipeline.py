@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import finish, init_distributed
-from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, TrainConfig, import_torchvision, partition, profile
+from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, RunOptions, TrainConfig, import_torchvision, partition, profile
 from model_parallel.runtime.data import SyntheticData
 
 
@@ -42,9 +42,9 @@ def main() -> None:
         print(plan.table(), flush=True)
     # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
-    config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches, progress=False)
+    config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches)
     trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), data, config,
-                              criterion=F.cross_entropy, plan=plan)
+                              options=RunOptions(progress=False), criterion=F.cross_entropy, plan=plan)
     results = trainer.train(args.steps)
     if rank == 0 and results:
         print(f"trained {len(results)} steps of {args.arch} on {world} process(es); "

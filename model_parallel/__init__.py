@@ -35,6 +35,7 @@ _LAZY = {
     "build_stage": "model_parallel.codegen.build:build_stage",
     "build_stages": "model_parallel.codegen.build:build_stages",
     "generate_package": "model_parallel.codegen.package:generate_package",
+    "RunOptions": "model_parallel.runtime.config:RunOptions",
 }
 
 

@@ -14,6 +14,11 @@ class GraphError(ModelParallelError, ValueError):
     """A graph is structurally invalid (duplicate id, unknown node, cycle, negative cost, empty)."""
 
 
+class ConfigError(ModelParallelError, ValueError):
+    """A setting the user typed is invalid (a TrainConfig/RunOptions field, a command-line value); the message
+    names the setting, the value found and what to give instead."""
+
+
 class PlanError(ModelParallelError, ValueError):
     """A partition plan or stage/rank configuration is invalid or does not fit the world."""
 

@@ -321,10 +321,10 @@ def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
 
 def test_keep_checkpoints_must_keep_one():
     from model_parallel.errors import ModelParallelError
-    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.config import RunOptions
     from model_parallel.runtime.worker import build_parser, make_config
 
-    assert make_config(build_parser().parse_args(["--keep_checkpoints", "5"])).keep_checkpoints == 5
-    assert TrainConfig().keep_checkpoints == 3
+    assert make_config(build_parser().parse_args(["--keep_checkpoints", "5"]))[1].keep_checkpoints == 5
+    assert RunOptions().keep_checkpoints == 3
     with pytest.raises(ModelParallelError, match=r"keep_checkpoints must be >= 1 \(the one to resume from\), got 0"):
-        TrainConfig(keep_checkpoints=0)
+        RunOptions(keep_checkpoints=0)

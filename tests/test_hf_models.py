@@ -225,7 +225,7 @@ def test_single_process_training_step_of_a_split_timm_vit_matches_plain_training
     graph, _ = trace_model(model, (torch.randn(2, 3, 32, 32),))
     plan = plan_from_graph(graph.with_stages(_cut_before(graph, "blocks.6.")))
     factory = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    config = TrainConfig(batch_size=4, num_microbatches=2, progress=False)
+    config = TrainConfig(batch_size=4, num_microbatches=2)
     runner = SingleProcessRunner(graph, plan, model, _ce, factory, _Images(), config)
     got = runner.train_step(0).loss
     want = single_process_reference(reference, _ce, factory, _Images(), config, 1)[0]

@@ -359,7 +359,7 @@ def test_trainer_allows_the_functions_of_the_model_it_traced(registry: None) -> 
     # PipelineTrainer(model) traced the model itself, so its wrapped helper is allowed; the same graph
     # loaded without the model (a file, in a fresh process) is refused, naming the helper.
     from model_parallel.runtime.data import SyntheticData
-    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.config import TrainConfig
     from model_parallel.runtime.trainer import PipelineTrainer
 
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.checkpoint import load_checkpoint
 from model_parallel.runtime.data import split_microbatches
-from model_parallel.runtime.engine import TrainConfig
+from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
 from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import single_process_reference

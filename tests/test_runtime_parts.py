@@ -15,12 +15,13 @@ from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, ScriptedChannel, StepReport
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime import comm
-from model_parallel.runtime.engine import TrainConfig, clip_coefficient, lr_factor
+from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.health import Health
 from model_parallel.runtime.launch import LocalWorld, launch
 from model_parallel.runtime.migration import plan_transfers
 from model_parallel.runtime.stages import even_plan, layer_owners
 from model_parallel.runtime.trainer import PipelineTrainer, SingleProcessRunner, single_process_reference
+from model_parallel.runtime.update import clip_coefficient, lr_factor
 from model_parallel.runtime.zoo import recipe
 
 

@@ -23,7 +23,7 @@ from model_parallel.graph.plan import Plan, StagePlan, plan_from_graph
 from model_parallel.models.gpt import lm_loss
 from model_parallel.profiler.trace import trace_model, tied_tensor_names
 from model_parallel.runtime.data import SyntheticData
-from model_parallel.runtime.engine import TrainConfig
+from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.stages import layer_modules
 from model_parallel.runtime.trainer import PipelineTrainer, SingleProcessRunner, single_process_reference
@@ -182,7 +182,7 @@ def test_single_process_training_with_a_same_stage_tie_equals_the_plain_model() 
     graph = _traced(model)
     plan = Plan(stages=(StagePlan(0, tuple(n for n in graph.topological_order if n != "out_norm")),
                         StagePlan(1, ("out_norm",)))).with_default_ranks()
-    config = TrainConfig(batch_size=4, num_microbatches=2, progress=False)
+    config = TrainConfig(batch_size=4, num_microbatches=2)
     data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
     factory = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
     runner = SingleProcessRunner(graph, plan, model, lm_loss, factory, data, config)
@@ -197,7 +197,7 @@ def test_single_process_training_with_a_same_stage_tie_equals_the_plain_model() 
 def test_a_trainer_rebuilding_the_model_from_its_graph_keeps_the_tie() -> None:
     graph = _traced(TiedLM())
     data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
-    config = TrainConfig(batch_size=4, num_microbatches=2, progress=False)
+    config = TrainConfig(batch_size=4, num_microbatches=2)
     trainer = PipelineTrainer(graph, lambda p: torch.optim.SGD(p, lr=0.1), data, config, criterion=lm_loss,
                               plan=Plan(stages=(StagePlan(0, graph.topological_order),)), single_process=True)
     reference = copy.deepcopy(trainer.model)
@@ -270,7 +270,7 @@ def test_the_trainer_refuses_a_split_tie_in_one_process() -> None:
     data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
     with pytest.raises(TiedParameterError, match=SPLIT):
         PipelineTrainer(TiedLM(), lambda p: torch.optim.SGD(p, lr=0.1), data,
-                        TrainConfig(batch_size=4, num_microbatches=2, progress=False), criterion=lm_loss,
+                        TrainConfig(batch_size=4, num_microbatches=2), criterion=lm_loss,
                         num_stages=2, single_process=True)
 
 

@@ -96,12 +96,12 @@ def write_pipedream_package(directory: Path) -> Path:
 
 def single_process_params(package: Path, steps: int, shape: tuple[int, ...], classes: int) -> dict[str, torch.Tensor]:
     from model_parallel.runtime.data import make_dataset
-    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.config import TrainConfig
     from model_parallel.runtime.pipedream import load_pipedream_package
     from model_parallel.runtime.trainer import single_process_reference
 
     job = load_pipedream_package(package, seed=0, input_shape=shape)
-    config = TrainConfig(batch_size=8, num_microbatches=4, progress=False)
+    config = TrainConfig(batch_size=8, num_microbatches=4)
     single_process_reference(job.model, torch.nn.functional.cross_entropy,
                              lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
                              make_dataset("synthetic", 8, 0, shape=shape, num_classes=classes, kind="dense"), config, steps)

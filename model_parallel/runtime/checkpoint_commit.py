@@ -59,7 +59,7 @@ _SHARD_FILE = re.compile(r"^shard_\d+\.(pt|json)$")
 
 def save_and_commit(engine: Any, step: int) -> None:
     """Checkpoint `step` of a running PipelineEngine; every rank calls it at the same step."""
-    directory = engine.config.checkpoint_dir
+    directory = engine.options.checkpoint_dir
     assert directory is not None
     error = None
     if engine.stage is not None and engine.replica == 0:
@@ -82,7 +82,7 @@ def save_and_commit(engine: Any, step: int) -> None:
         except Exception as exc:  # noqa: BLE001 - as above
             error = _describe(exc)
         else:
-            prune(directory, engine.config.keep_checkpoints)
+            prune(directory, engine.options.keep_checkpoints)
     failure = _agree(engine, error)
     if failure is not None:
         raise CheckpointError(f"checkpoint commit failed on {failure}; --resume continues from the checkpoint "
@@ -117,9 +117,9 @@ def _stall_if_asked(engine: Any, step: int) -> None:
 def _agree(engine: Any, error: Optional[str]) -> Optional[str]:
     """Every rank learns whether some rank failed: None, or "rank R: <its message>" (the lowest failed rank)."""
     try:
-        return share_failure(error, engine.rank, engine.world_size, engine.control_group, engine.config.timeout)
+        return share_failure(error, engine.rank, engine.world_size, engine.control_group, engine.timeout)
     except PeerError as exc:
-        raise engine._diagnose(exc) from None
+        raise engine.diagnose(exc) from None
 
 
 def share_failure(error: Optional[str], rank: int, world_size: int, group: Any, timeout: float) -> Optional[str]:

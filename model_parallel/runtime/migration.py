@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional, Protocol, Union
 
 import torch
+from torch import nn
 
+from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime import comm
 from model_parallel.runtime.stages import layer_owners
@@ -35,6 +38,28 @@ from model_parallel.runtime.stages import layer_owners
 logger = logging.getLogger(__name__)
 
 Transfer = tuple[int, int, str]  # (source rank, destination rank, layer name)
+
+
+class MigratingEngine(Protocol):
+    """What a plan switch needs of a rank's engine (`PipelineEngine` is one)."""
+
+    graph: Graph
+    plan: Plan  # the plan running now
+    rank: int
+    device: torch.device
+    # Every layer object by layer name, owned or not (a module, or a bare parameter/buffer tensor).
+    modules: Mapping[str, Union[nn.Module, torch.Tensor]]
+    stage: Optional[nn.Module]  # this rank's stage under `plan`; None on a spare
+    optimizer: Optional[torch.optim.Optimizer]
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any blocking communication may take."""
+        ...
+
+    def activate(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> None:
+        """Rebuild the stage and optimizer for `plan` around the layer objects (collective)."""
+        ...
 
 
 def plan_transfers(graph: Any, old: Plan, new: Plan) -> list[Transfer]:
@@ -51,14 +76,14 @@ def plan_transfers(graph: Any, old: Plan, new: Plan) -> list[Transfer]:
     return moves
 
 
-def _layer_keys(engine: Any, layer: str) -> list[str]:
+def _layer_keys(engine: MigratingEngine, layer: str) -> list[str]:
     obj = engine.modules[layer]
     if isinstance(obj, torch.Tensor):
         return [layer]
     return [f"{layer}.{key}" for key in obj.state_dict().keys()]
 
 
-def _get_state(engine: Any, key: str) -> torch.Tensor:
+def _get_state(engine: MigratingEngine, key: str) -> torch.Tensor:
     layer, _, rest = key.partition(".")
     obj = engine.modules[layer]
     if not rest:
@@ -66,17 +91,17 @@ def _get_state(engine: Any, key: str) -> torch.Tensor:
     return obj.state_dict(keep_vars=True)[rest]
 
 
-def switch_plan(engine: Any, new_plan: Plan) -> float:
+def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
     """Move this rank's share of layers to `new_plan` and rebuild its stage; returns the pause in seconds."""
     from model_parallel.runtime.checkpoint import optimizer_state_by_name
 
     start = time.perf_counter()
     new_plan = new_plan.with_default_ranks()
-    old_plan, rank, timeout = engine.plan, engine.rank, engine.config.timeout
+    old_plan, rank, timeout = engine.plan, engine.rank, engine.timeout
     moves = plan_transfers(engine.graph, old_plan, new_plan)
     # Optimizer state of what this rank holds now, by parameter name (kept layers and outgoing ones).
     opt_state: dict[str, dict[str, Any]] = {}
-    if engine.optimizer is not None:
+    if engine.optimizer is not None and engine.stage is not None:
         opt_state = optimizer_state_by_name(engine.optimizer, dict(engine.stage.named_parameters()))
 
     outgoing: dict[int, list[str]] = {}

@@ -32,29 +32,14 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.loader import allow_model
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.data import split_microbatches
-from model_parallel.runtime.engine import OptimizerFactory, StepResult, TrainConfig, clip_coefficient, lr_factor
+from model_parallel.runtime.config import RunOptions, TrainConfig
+from model_parallel.runtime.engine import OptimizerFactory, StepResult
+from model_parallel.runtime.output import model_output
+from model_parallel.runtime.update import apply_update, squared_grad_norm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PipelineTrainer", "TrainConfig", "SingleProcessRunner", "single_process_reference"]
-
-
-def _set_lr(optimizer: torch.optim.Optimizer, schedule: str, step: int) -> float:
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-        group["lr"] = group["initial_lr"] * lr_factor(schedule, step)
-    return optimizer.param_groups[0]["lr"]
-
-
-def _clip(params: Sequence[nn.Parameter], max_norm: Optional[float]) -> float:
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = float(sum(g.detach().float().pow(2).sum() for g in grads)) ** 0.5 if grads else 0.0
-    if max_norm is not None:
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-    return norm
+__all__ = ["PipelineTrainer", "TrainConfig", "RunOptions", "SingleProcessRunner", "single_process_reference"]
 
 
 def single_process_reference(
@@ -73,10 +58,7 @@ def single_process_reference(
             loss = criterion(model(*mb_inputs), mb_target) / config.num_microbatches
             loss.backward()
             total += float(loss.detach())
-        _clip(list(model.parameters()), config.clip_grad)
-        _set_lr(optimizer, config.lr_schedule, step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        apply_update(optimizer, step, lr_schedule=config.lr_schedule, clip_grad=config.clip_grad)
         losses.append(total)
     return losses
 
@@ -99,11 +81,7 @@ class SingleProcessRunner:
                                      for s in self.stages]
 
     def _model_output(self, outputs: Sequence[Any]) -> Any:
-        from model_parallel.graph.arguments import decode_argument
-
-        values = dict(zip(self.stages[-1].output_names, outputs))
-        encoded = self.graph.metadata.get("outputs")
-        return decode_argument(encoded, lambda ref: values[ref]) if encoded is not None else outputs[0]
+        return model_output(self.graph, self.stages[-1].output_names, outputs)
 
     def _pipedream_step(self, step: int) -> StepResult:
         """PipeDream's asynchronous 1F1B with weight stashing, run in grid order in this process."""
@@ -149,9 +127,7 @@ class SingleProcessRunner:
                     if optimizer is not None:
                         for n, q in stage.named_parameters():
                             q.grad = entry["weights"][n].grad
-                        _set_lr(optimizer, cfg.lr_schedule, step)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
+                        apply_update(optimizer, step, lr_schedule=cfg.lr_schedule)
         return StepResult(step, total, 0.0, self.stage_optimizers[0].param_groups[0]["lr"] if self.stage_optimizers[0] else 0.0)
 
     def train_step(self, step: int) -> StepResult:
@@ -173,10 +149,8 @@ class SingleProcessRunner:
             loss = self.criterion(self._model_output(values).float(), mb_target) / cfg.num_microbatches
             loss.backward()
             total += float(loss.detach())
-        norm = _clip(self.params, cfg.clip_grad)
-        lr = _set_lr(self.optimizer, cfg.lr_schedule, step)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = squared_grad_norm(self.params) ** 0.5
+        lr = apply_update(self.optimizer, step, lr_schedule=cfg.lr_schedule, clip_grad=cfg.clip_grad, total_norm=norm)
         return StepResult(step, total, norm, lr)
 
     def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
@@ -198,6 +172,7 @@ class PipelineTrainer:
         dataset: Any,
         config: TrainConfig = TrainConfig(),
         *,
+        options: RunOptions = RunOptions(),
         criterion: Callable[[Any, torch.Tensor], torch.Tensor] = F.cross_entropy,
         plan: Optional[Plan] = None,
         num_stages: Optional[int] = None,
@@ -244,7 +219,7 @@ class PipelineTrainer:
             # everyone trains rank 0's plan, or stages would not line up.
             from model_parallel.runtime.comm import broadcast_json
 
-            text = broadcast_json(json.dumps(plan.to_dict()), 0, None, config.timeout)
+            text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
         self.health: Any = None
@@ -263,7 +238,7 @@ class PipelineTrainer:
             if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
                 device = torch.device("cuda", torch.cuda.current_device())
                 model.to(device)
-            self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, config.timeout / 10),
+            self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, options.timeout / 10),
                                  store_host=None).start()
             # The heartbeat thread must be stopped before interpreter teardown: a store call still
             # running in it then aborts the process ("terminate called without an active exception").
@@ -271,7 +246,7 @@ class PipelineTrainer:
             atexit.register(self.health.stop, "done")
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=criterion,
                                          optimizer_factory=optimizer_factory, dataset=dataset, config=config, channel=channel,
-                                         health=self.health, device=device)
+                                         options=options, health=self.health, device=device)
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""

@@ -312,16 +312,25 @@ def check_inputs(args: Any, where: str = "") -> None:
 
 
 def make_config(args: Any) -> Any:
-    from model_parallel.runtime.engine import TrainConfig
+    """The training hyperparameters and the run options the arguments give: (TrainConfig, RunOptions)."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.runtime.config import RunOptions, StragglerInjection, TrainConfig
 
-    return TrainConfig(
+    config = TrainConfig(
         batch_size=args.batch_size, num_microbatches=args.num_microbatches, schedule=args.schedule, seed=args.seed,
         recompute=parse_recompute(args.recompute), bf16=args.bf16, clip_grad=args.clip_grad, lr_schedule=args.lr_schedule,
-        timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics, slowdown=args.slowdown,
-        slowdown_rank=args.slowdown_rank, slowdown_after_step=args.slowdown_after_step,
     )
+    if args.slowdown != 1.0 and args.slowdown_rank is None:
+        raise ConfigError(f"--slowdown {args.slowdown} needs --slowdown_rank R (the rank to slow down)")
+    straggler = None
+    if args.slowdown_rank is not None:
+        straggler = StragglerInjection(args.slowdown, args.slowdown_rank, args.slowdown_after_step)
+    options = RunOptions(
+        timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics,
+        straggler=straggler,
+    )
+    return config, options
 
 
 def resolve_backend(name: str) -> str:
@@ -399,7 +408,7 @@ def store_address(args: Any) -> str:
     return f"{addr}:{args.dist_port or os.environ.get('MASTER_PORT', 29500)}"
 
 
-def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, device: torch.device,
+def run_job(args: Any, config: Any, options: Any, rank: int, world_size: int, health: Any, device: torch.device,
             prefix: Optional[RankPrefix] = None) -> Any:
     """Build this rank's engine for one job on the already-initialised world and train it."""
     from model_parallel.runtime.engine import PipelineEngine
@@ -415,7 +424,7 @@ def run_job(args: Any, config: Any, rank: int, world_size: int, health: Any, dev
     try:
         engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
                                 optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
-                                channel=channel, health=health, device=device)
+                                options=options, channel=channel, health=health, device=device)
         if prefix is not None:
             prefix.engine = engine
         if rank == 0:
@@ -443,7 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobs = read_jobs(args.jobs) if args.jobs else [None]
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # steady allocation cost, the same the profile was taken with
-    config = make_config(args)
+    config, options = make_config(args)
     if args.single_process:
         configure_logging(args.verbose, prefix="[single process] ")
         from model_parallel.runtime.trainer import SingleProcessRunner
@@ -464,14 +473,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = install_rank_prefix(rank)
     health = None
     try:
-        rank, world_size, store, device, store_host = init_world(args, config)
-        health = Health(store, rank, world_size, interval=min(1.0, config.timeout / 10), store_host=store_host,
-                        store_timeout=config.timeout, store_address=store_address(args)).start()
+        rank, world_size, store, device, store_host = init_world(args, options)
+        health = Health(store, rank, world_size, interval=min(1.0, options.timeout / 10), store_host=store_host,
+                        store_timeout=options.timeout, store_address=store_address(args)).start()
         for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
-            job_config = config if job_argv is None else make_config(job_args)
-            run_job(job_args, job_config, rank, world_size, health, device, prefix)
+            job_config, job_options = (config, options) if job_argv is None else make_config(job_args)
+            run_job(job_args, job_config, job_options, rank, world_size, health, device, prefix)
         health.stop("done")
         dist.destroy_process_group()
         # Leave without interpreter teardown: the store host may already be gone, and a store call

@@ -10,7 +10,7 @@ from model_parallel.codegen.naming import state_key
 from model_parallel.graph.io import save_graph
 from model_parallel.graph.plan import write_plan
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.engine import TrainConfig
+from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import single_process_reference
 from model_parallel.runtime.zoo import recipe
@@ -29,7 +29,7 @@ def reference_params(steps: int, batch: int = 8, micro: int = 4, lr: float = 0.0
     """Parameters after single-process training of `--model mlp` (SGD, momentum 0.9): the oracle."""
     r = recipe("mlp")
     model = r.model(0)
-    config = TrainConfig(batch_size=batch, num_microbatches=micro, progress=False)
+    config = TrainConfig(batch_size=batch, num_microbatches=micro)
     single_process_reference(model, r.criterion, lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9), r.data(batch, 0), config, steps)
     return {state_key(k): v.detach() for k, v in model.named_parameters()}
 

@@ -1,0 +1,90 @@
+"""What a run is told: `TrainConfig` (the training hyperparameters), `RunOptions` (how this run is
+operated: timeouts, checkpoints, outputs) and `StragglerInjection` (a test and benchmark knob).
+
+Only `TrainConfig` changes what is computed: two runs with the same TrainConfig, model, data and
+optimizer end with the same parameters whatever their RunOptions. Every check raises `ConfigError`
+(also a `ValueError`) naming the field, the value found and what to give instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from model_parallel.errors import ConfigError
+from model_parallel.runtime.update import lr_factor
+
+SCHEDULES = ("1f1b", "gpipe", "pipedream")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train; shared by the command line, `PipelineTrainer` and single-process mode."""
+
+    batch_size: int = 8
+    num_microbatches: int = 4
+    schedule: str = "1f1b"  # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py)
+    seed: int = 0
+    recompute: Union[bool, tuple[int, ...]] = False  # True: every stage; a tuple: those stage ids
+    bf16: bool = False
+    clip_grad: Optional[float] = None  # max global gradient norm
+    lr_schedule: str = "constant"  # constant | cosine:<total_steps> | warmup:<steps> | step:<every>:<gamma>
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.num_microbatches < 1:
+            raise ConfigError(f"batch_size and num_microbatches must be >= 1, got {self.batch_size} and "
+                              f"{self.num_microbatches}")
+        if self.batch_size < self.num_microbatches:
+            raise ConfigError(f"batch size {self.batch_size} < {self.num_microbatches} microbatches: every microbatch "
+                              "needs at least one sample; raise batch_size or lower num_microbatches")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose 1f1b, gpipe or pipedream")
+        if self.schedule == "pipedream" and self.clip_grad is not None:
+            raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
+                              "stage updates on its own after each microbatch, so there is no global norm")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ConfigError(f"clip_grad must be > 0, got {self.clip_grad}; leave it unset to not clip")
+        lr_factor(self.lr_schedule, 0)  # validates
+
+    def recompute_stage(self, stage: int) -> bool:
+        return self.recompute is True or (isinstance(self.recompute, tuple) and stage in self.recompute)
+
+
+@dataclass(frozen=True)
+class StragglerInjection:
+    """Make rank `rank` `factor` times slower at compute from step `after_step` on (tests, benchmarks,
+    the demo): it sleeps `(factor - 1) x` the measured time after each forward and backward."""
+
+    factor: float
+    rank: int
+    after_step: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ConfigError(f"slowdown factor must be >= 1 (1 = off), got {self.factor}")
+        if self.rank < 0:
+            raise ConfigError(f"slowdown_rank must be a rank >= 0, got {self.rank}")
+        if self.after_step < 0:
+            raise ConfigError(f"slowdown_after_step must be >= 0, got {self.after_step}")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run is operated (never what it computes)."""
+
+    timeout: float = 60.0  # seconds for every blocking communication
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0  # steps; 0: only at the end when checkpoint_dir is set
+    keep_checkpoints: int = 3  # committed checkpoints kept; older ones are deleted after each commit
+    resume: bool = False
+    trace_dir: Optional[str] = None
+    metrics: Optional[str] = None  # JSONL path; "{rank}" is replaced
+    progress: bool = True  # a tqdm bar on rank 0
+    straggler: Optional[StragglerInjection] = None
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0 steps (0: only at the end), got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"keep_checkpoints must be >= 1 (the one to resume from), got {self.keep_checkpoints}")
