@@ -24,7 +24,7 @@ _LAZY = {
     "import_torchvision": "model_parallel.compat:import_torchvision",
     "partition": "model_parallel.optimizer.partition:partition",
     "PartitionOptions": "model_parallel.optimizer.options:PartitionOptions",
-    "PipelineTrainer": "model_parallel.runtime.trainer:PipelineTrainer",
+    "PipelineTrainer": "model_parallel.api.trainer:PipelineTrainer",
     "TrainConfig": "model_parallel.runtime.engine:TrainConfig",
     "build_stage": "model_parallel.codegen.build:build_stage",
     "build_stages": "model_parallel.codegen.build:build_stages",
