@@ -81,3 +81,22 @@ def test_a_module_needs_something_to_trace_it_with() -> None:
     job = build_job(JobSpec(model=torch.nn.Linear(4, 2), example_inputs=[torch.zeros(2, 4)], num_classes=2), world_size=1)
     (x,), y = job.dataset.batch(0)
     assert x.shape == (8, 4) and int(y.max()) < 2
+
+
+def test_only_the_job_builder_traces_a_model_or_rebuilds_one_from_a_graph() -> None:
+    """One job builder: no other module outside the profiler and the code generator assembles a job."""
+    import ast
+
+    from support import REPO
+
+    builders = {"trace_model", "full_model_from_graph", "load_pipedream_package"}
+    owners = {"model_parallel/api/job.py"}
+    found = set()
+    for path in sorted((REPO / "model_parallel").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith(("model_parallel/profiler/", "model_parallel/codegen/")) or rel.endswith("runtime/pipedream.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and builders & {a.name for a in node.names}:
+                found.add(rel)
+    assert found == owners
