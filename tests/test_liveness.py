@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mlp_job
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.launch import LocalWorld, worker_commands
+from support.mlp import mlp_job
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "liveness-test-token"
