@@ -62,7 +62,7 @@ def run(steps: int, sample_every: int, window: int, warmup: float, workdir: Path
     from model_parallel.runtime import metrics as metrics_mod
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.launch import free_port
-    from model_parallel.runtime.trainer import PipelineTrainer
+    from model_parallel.api.trainer import PipelineTrainer
     from model_parallel.runtime.zoo import recipe
 
     if window:

@@ -206,7 +206,7 @@ def test_worker_with_token_file_joins_and_ps_does_not_show_the_token(coordinator
     token_file.write_text(TOKEN.decode() + "\n")
     token_file.chmod(0o600)
     code = ("import sys, time\n"
-            "from model_parallel.runtime.worker import build_parser, make_channel\n"
+            "from model_parallel.cli.worker import build_parser, make_channel\n"
             "args = build_parser().parse_args(sys.argv[1:])\n"
             "channel = make_channel(args, 1, 2)\n"
             "print('joined', channel.plan_version, flush=True)\n"
@@ -231,7 +231,7 @@ def test_worker_with_token_file_joins_and_ps_does_not_show_the_token(coordinator
 
 
 def test_worker_takes_the_token_from_the_environment(coordinator) -> None:
-    from model_parallel.runtime.worker import build_parser, make_channel
+    from model_parallel.cli.worker import build_parser, make_channel
 
     os.environ["MODEL_PARALLEL_TOKEN"] = TOKEN.decode()
     try:

@@ -146,7 +146,7 @@ def test_real_entry_points_print_one_line(tmp_path: Path) -> None:
 
 
 # ---- the worker command line: its input files are checked before it joins a world ------------------------
-WORKER = "model_parallel.runtime.worker"
+WORKER = "model_parallel.cli.worker"
 DEEP_JSON = "[" * 5000 + "]" * 5000
 HUGE_INT = "1" * 5000  # more digits than CPython converts (ValueError) and than jsonbound accepts
 

@@ -216,7 +216,7 @@ class _Images:
 def test_single_process_training_step_of_a_split_timm_vit_matches_plain_training() -> None:
     import copy
 
-    from model_parallel.runtime.engine import TrainConfig
+    from model_parallel.runtime.config import TrainConfig
     from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
 
     torch.manual_seed(0)

@@ -90,6 +90,33 @@ def test_peers_may_not_import_each_other_but_may_import_below(tmp_path: Path) ->
     assert found(tmp_path) == {("model_parallel.codegen.build", "model_parallel.profiler.trace"): "peer"}
 
 
+def test_the_runtime_may_not_import_the_profiler_although_it_lies_below(tmp_path: Path) -> None:
+    make_package(tmp_path, {
+        "runtime/worker.py": "def load():\n    from model_parallel.profiler.trace import trace_model\n"
+                             "from model_parallel.codegen import build\n",
+        "profiler/trace.py": "",
+        "codegen/build.py": "",
+    })
+    violations, _, _ = check_layers.check(tmp_path)
+    assert [(v.key, v.kind, v.detail, v.where) for v in violations] == [
+        (("model_parallel.runtime.worker", "model_parallel.profiler.trace"), "forbidden",
+         "runtime -> profiler (forbidden: see FORBIDDEN)", ("model_parallel/runtime/worker.py:2",))]
+
+
+def test_the_api_layer_wires_every_layer_below_it_and_only_the_command_line_imports_it(tmp_path: Path) -> None:
+    make_package(tmp_path, {
+        "api/job.py": "from model_parallel.profiler import trace\nfrom model_parallel.runtime import run\n"
+                      "from model_parallel.cli import common\n",
+        "cli/worker.py": "from model_parallel.api.job import build_job\n",
+        "coordinator/server.py": "from model_parallel.api import job\n",
+        "profiler/trace.py": "",
+        "runtime/run.py": "",
+        "cli/common.py": "",
+    })
+    assert found(tmp_path) == {("model_parallel.api.job", "model_parallel.cli.common"): "upward",
+                               ("model_parallel.coordinator.server", "model_parallel.api.job"): "upward"}
+
+
 def test_a_circle_through_a_function_level_import_is_found(tmp_path: Path) -> None:
     make_package(tmp_path, {
         "optimizer/a.py": "from model_parallel.optimizer.b import f\n",

@@ -25,6 +25,7 @@ from support.mlp import mlp_job
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.messages import StepReport
 from model_parallel.runtime.launch import LocalWorld, worker_commands
+from support.mlp import mlp_job
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "liveness-test-token"

@@ -239,7 +239,7 @@ def test_package_generation_refuses(attempt: Attempt, registry: None, tmp_path: 
 @pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
 def test_pipeline_trainer_refuses(attempt: Attempt, registry: None, tmp_path: Path) -> None:
     from model_parallel.runtime.data import SyntheticData
-    from model_parallel.runtime.trainer import PipelineTrainer
+    from model_parallel.api.trainer import PipelineTrainer
 
     with pytest.raises(GraphFormatError) as error:
         PipelineTrainer(_hostile(attempt, tmp_path), lambda params: torch.optim.SGD(params, lr=0.1),
@@ -360,7 +360,7 @@ def test_trainer_allows_the_functions_of_the_model_it_traced(registry: None) -> 
     # loaded without the model (a file, in a fresh process) is refused, naming the helper.
     from model_parallel.runtime.data import SyntheticData
     from model_parallel.runtime.config import TrainConfig
-    from model_parallel.runtime.trainer import PipelineTrainer
+    from model_parallel.api.trainer import PipelineTrainer
 
     torch.manual_seed(0)
     trainer = PipelineTrainer(Halving(), lambda params: torch.optim.SGD(params, lr=0.1), SyntheticData(4, (4,), 4),

@@ -108,7 +108,7 @@ def test_summarize_and_throughput(tmp_path):
 
 
 def test_command_line_summary(tmp_path, capsys):
-    from model_parallel.runtime.metrics import main
+    from model_parallel.cli.metrics import main
 
     (tmp_path / "rank0.jsonl").write_text("".join(json.dumps(_record(s, 0, 0, 100.0, 60.0, 10.0)) + "\n" for s in range(3)))
     assert main([str(tmp_path), "--warmup", "1"]) == 0

@@ -25,7 +25,7 @@ from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
 from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import single_process_reference
-from model_parallel.runtime.worker import main as worker_main
+from model_parallel.cli.worker import main as worker_main
 from model_parallel.runtime.zoo import recipe
 
 WORLD = 4

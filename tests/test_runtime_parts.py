@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.errors import ModelParallelError, PeerError, ProtocolError
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, ScriptedChannel, StepReport
@@ -20,7 +21,8 @@ from model_parallel.runtime.health import Health
 from model_parallel.runtime.launch import LocalWorld, launch
 from model_parallel.runtime.migration import plan_transfers
 from model_parallel.runtime.stages import even_plan, layer_owners
-from model_parallel.runtime.trainer import PipelineTrainer, SingleProcessRunner, single_process_reference
+from model_parallel.api.trainer import PipelineTrainer
+from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
 from model_parallel.runtime.update import clip_coefficient, lr_factor
 from model_parallel.runtime.zoo import recipe
 
@@ -296,7 +298,7 @@ def test_graph_file_and_imagefolder_in_single_process_mode(tmp_path, capsys):
 
     from model_parallel.graph.io import save_graph
     from model_parallel.runtime.data import ImageFolderData
-    from model_parallel.runtime.worker import main
+    from model_parallel.cli.worker import main
 
     for label in ("cat", "dog"):
         (tmp_path / "images" / label).mkdir(parents=True)
@@ -319,7 +321,7 @@ def test_graph_file_and_imagefolder_in_single_process_mode(tmp_path, capsys):
 
 def test_generated_package_runs_in_single_process_mode(tmp_path, mlp_graph, capsys):
     from model_parallel.codegen.package import generate_package
-    from model_parallel.runtime.worker import main
+    from model_parallel.cli.worker import main
 
     generate_package(mlp_graph, even_plan(mlp_graph, 3), tmp_path / "pkg", "StackedMLPPipe", "mlp")
     assert main(["--single_process", "--package", str(tmp_path / "pkg"), "--steps", "2"]) == 0
@@ -328,7 +330,7 @@ def test_generated_package_runs_in_single_process_mode(tmp_path, mlp_graph, caps
 
 def test_hybrid_conf_places_package_stages(tmp_path, mlp_graph):
     from model_parallel.errors import PlanError
-    from model_parallel.runtime.worker import ranks_from_hybrid_conf
+    from model_parallel.api.job import ranks_from_hybrid_conf
 
     plan = even_plan(mlp_graph, 2)
     conf = tmp_path / "hybrid_conf.json"

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage, build_stages, full_model_from_graph
 from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original
@@ -26,7 +27,7 @@ from model_parallel.runtime.data import SyntheticData
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.stages import layer_modules
-from model_parallel.runtime.trainer import PipelineTrainer, SingleProcessRunner, single_process_reference
+from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
 
 VOCAB, DIM, SEQ = 24, 8, 6
 SPLIT = r"tied parameters 'wte.weight' and 'lm_head.weight' are one tensor.*node wte on stage 0.*node lm_head on stage 1"

@@ -111,7 +111,7 @@ def test_merge_traces(tmp_path):
 
 
 def test_command_line_merge(tmp_path, capsys):
-    from model_parallel.runtime.tracing import main
+    from model_parallel.cli.tracing import main
 
     for rank in range(2):
         _spans(rank, stage=rank).save(tmp_path / f"rank{rank}.json")

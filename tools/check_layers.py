@@ -9,9 +9,13 @@ three middle peers may not import each other):
     base         graph/, errors.py, fileio.py, compat.py, allocator.py, messages.py
     models       models/ (the zoo: small torch models; imports base at most)
     profiler | optimizer | codegen     (peers)
-    runtime
+    runtime      (never the profiler either: FORBIDDEN below)
     coordinator
+    api          api/: the one job builder and the `PipelineTrainer` facade, which wire the layers together
     cli          cli/, the package facade (model_parallel/__init__.py) and the seed's entry-point scripts
+
+A few downward imports are forbidden as well (FORBIDDEN): the runtime runs the stages it is given and
+never traces a model itself (the job builder in api/ calls the profiler).
 
 Every import counts, wherever it is written: module level, inside a function (an import hidden in a
 function body is still a dependency, only a later one), under `if TYPE_CHECKING:`, and
@@ -47,8 +51,14 @@ LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
     ("codegen", 2, ("codegen",)),
     ("runtime", 3, ("runtime",)),
     ("coordinator", 4, ("coordinator",)),
-    ("cli", 5, ("cli", "")),  # "" is the package facade, model_parallel/__init__.py
+    ("api", 5, ("api",)),
+    ("cli", 6, ("cli", "")),  # "" is the package facade, model_parallel/__init__.py
 ]
+CLI = next((name, rank) for name, rank, _ in LAYERS if name == "cli")
+# (importer layer, imported layer) pairs that are forbidden although the import points down.
+FORBIDDEN: tuple[tuple[str, str], ...] = (
+    ("runtime", "profiler"),
+)
 # Thin command-line entry points that live beside the code they start; they count as the cli layer.
 ENTRY_POINTS = (
     "profiler.image_classification.main",
@@ -70,7 +80,7 @@ class Import:
 class Violation:
     importer: str
     imported: str
-    kind: str  # "upward" | "peer" | "cycle" | "unlayered"
+    kind: str  # "upward" | "peer" | "forbidden" | "cycle" | "unlayered"
     detail: str
     where: tuple[str, ...]  # "file:line" of every import making the edge
 
@@ -82,12 +92,12 @@ class Violation:
 def layer_of(module: str, package: str = PACKAGE) -> Optional[tuple[str, int]]:
     """(layer, rank) of a module of the package (or a root script), None when no layer claims it."""
     if module in {Path(s).stem for s in ROOT_SCRIPTS}:
-        return "cli", 5
+        return CLI
     if module != package and not module.startswith(package + "."):
         return None
     rel = module[len(package) + 1:]
     if any(rel == e or rel.startswith(e + ".") for e in ENTRY_POINTS):
-        return "cli", 5
+        return CLI
     best: Optional[tuple[str, int, int]] = None
     for name, rank, prefixes in LAYERS:
         for prefix in prefixes:
@@ -247,6 +257,9 @@ def check(root: Path, package: str = PACKAGE) -> tuple[list[Violation], int, int
             violations.append(Violation(*key, "upward", f"{low[0]} -> {high[0]}", where(key)))
         elif high[1] == low[1] and high[0] != low[0]:
             violations.append(Violation(*key, "peer", f"{low[0]} -> {high[0]} (peers may not import each other)",
+                                        where(key)))
+        elif (low[0], high[0]) in FORBIDDEN:
+            violations.append(Violation(*key, "forbidden", f"{low[0]} -> {high[0]} (forbidden: see FORBIDDEN)",
                                         where(key)))
     for component in strongly_connected(graph):
         members = set(component)

@@ -117,7 +117,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     time_per_minibatch_s: float = 0.0
     single_machine_time_s: float = 0.0
-    optimizer_seconds: float = 0.0
+    optimizer_seconds: float = field(default=0.0, compare=False)  # how long the solve took: not part of the plan
     num_machines: tuple[int, ...] = ()
     version: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -330,23 +330,3 @@ def format_summary(rows: Iterable[Mapping[str, Any]]) -> str:
         lines.append(f"{row['step']:>5} {row['plan_version']:>4} {row['step_ms']:>9.1f} {row['samples_per_s']:>10.1f}  {parts}")
     return "\n".join(lines)
 
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m model_parallel.runtime.metrics PATH...` prints the per-step summary of metrics JSONL files."""
-    from model_parallel.cli.common import ArgumentParser
-
-    parser = ArgumentParser(prog="python -m model_parallel.runtime.metrics", description=main.__doc__)
-    parser.add_argument("paths", nargs="+", help="metrics JSONL files or directories of *.jsonl")
-    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the mean throughput (default 1)")
-    args = parser.parse_args(argv)
-    try:
-        records = read_metrics(args.paths)
-    except (OSError, ValueError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    print(format_summary(summarize(records)))
-    print(f"throughput after {args.warmup} warm-up step(s): {throughput(records, args.warmup):.1f} samples/s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -246,26 +246,3 @@ def merge_traces(paths: Iterable[PathLike], out: PathLike, rebase: bool = True) 
     timed_events = sorted((e for e in events if e.get("ph") != "M"), key=lambda e: (e.get("ts", 0), e.get("pid", 0)))
     return atomic_write_json(out, {"traceEvents": meta + timed_events, "displayTimeUnit": "ms", "otherData": {"dropped_events": dropped}})
 
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m model_parallel.runtime.tracing OUT.json rank0.json rank1.json ...` merges per-rank traces."""
-    from model_parallel.cli.common import ArgumentParser
-
-    parser = ArgumentParser(prog="python -m model_parallel.runtime.tracing", description=main.__doc__)
-    parser.add_argument("out", help="merged trace to write")
-    parser.add_argument("traces", nargs="+", help="per-rank trace files (or directories of *.json)")
-    args = parser.parse_args(argv)
-    paths: list[Path] = []
-    for item in args.traces:
-        p = Path(item)
-        paths += sorted(q for q in p.glob("*.json") if q.resolve() != Path(args.out).resolve()) if p.is_dir() else [p]
-    try:
-        out = merge_traces(paths, args.out)
-    except (OSError, ValueError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    print(f"wrote {out} ({len(paths)} ranks); open it in https://ui.perfetto.dev")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,16 +2,18 @@
 
 Also works under `torchrun --nproc_per_node=K test_parallel_0.py ...` (env:// rendezvous) and, with
 `--single_process`, runs every stage in one process for debugging. See docs/runtime.md.
+
+This layer turns the flags into typed inputs (a `JobSpec` for `api.job.build_job`, a `TrainConfig`, a
+`Rendezvous`, a control channel: the coordinator's, a scripted one or none), runs the jobs with
+`runtime.run`, and maps how the run ended to the process's exit code.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,8 +27,10 @@ import torch  # noqa: E402
 
 from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
+from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli.common import ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
+from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -139,70 +143,23 @@ def make_optimizer_factory(args: Any) -> Any:
     return factory
 
 
-def load_job(args: Any, world_size: int) -> dict[str, Any]:
-    """Graph, plan, seed-built model, criterion and dataset from the command line."""
-    from torch.nn import functional as F
-
-    from model_parallel.graph.plan import parse_stage_to_num_ranks, read_plan
-    from model_parallel.runtime.data import make_dataset
-    from model_parallel.runtime.stages import even_plan
+def job_spec(args: Any) -> JobSpec:
+    """The job the flags describe (`--model/--package/--graph`, the plan and the data)."""
+    from model_parallel.graph.plan import parse_stage_to_num_ranks
 
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
-    plan = None
-    static = None  # a PipeDreamJob when --package is a PipeDream-generated package (static plan)
-    if args.model:
-        from model_parallel.profiler.trace import trace_model
-        from model_parallel.runtime.zoo import recipe
+    replicas = parse_stage_to_num_ranks(args.stage_to_num_ranks) if args.stage_to_num_ranks else None
+    return JobSpec(model=args.model or None, package=args.package or None, graph=args.graph or None,
+                   plan=args.plan or None, num_stages=args.num_stages, stage_to_num_ranks=replicas, loss=args.loss,
+                   input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
+                   seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches)
 
-        r = recipe(args.model)
-        model = r.model(args.seed)
-        micro = max(1, args.batch_size // args.num_microbatches)
-        graph, _ = trace_model(model, r.example(micro))
-        criterion = r.criterion
-        shape, classes, kind = r.input_shape, r.num_classes, r.kind
-    else:
-        from model_parallel.codegen.build import full_model_from_graph
-        from model_parallel.graph.io import load_graph
 
-        from model_parallel.runtime.pipedream import is_pipedream_package, load_pipedream_package
-
-        if args.package and is_pipedream_package(Path(args.package)):
-            # PipeDream's converter wrote it: its stage modules are the layers of a static plan.
-            micro = max(1, args.batch_size // args.num_microbatches)
-            pipedream = load_pipedream_package(Path(args.package), args.seed, parse_shape(args.input_shape), micro)
-            graph, plan, model, static = pipedream.graph, pipedream.plan, pipedream.model, pipedream
-            logger.info("running PipeDream package %s: %d stage(s), static plan", args.package, plan.num_stages)
-        elif args.package:
-            package = Path(args.package)
-            graph = load_graph(package / "graph.json")
-            plan = ranks_from_hybrid_conf(read_plan(package / "plan.json"), package / "hybrid_conf.json")
-        else:
-            graph = load_graph(args.graph)
-        if static is None:
-            torch.manual_seed(args.seed)
-            model = full_model_from_graph(graph)
-        inputs = graph.metadata.get("inputs") or []
-        if not inputs:
-            raise PlanError(f"{args.package or args.graph}: graph metadata lacks the model inputs' shapes; re-profile the model")
-        shape = tuple(inputs[0]["shape"][1:])
-        kind = "tokens" if inputs[0]["dtype"].startswith("int") else "dense"
-        loss = args.loss or ("lm" if kind == "tokens" else "cross_entropy")
-        from model_parallel.models.gpt import lm_loss
-
-        criterion = lm_loss if loss == "lm" else F.cross_entropy
-        classes = int(args.num_classes or graph.metadata.get("num_classes") or output_width(graph)
-                      or (128 if kind == "tokens" else 10))
-    if args.plan:
-        plan = read_plan(args.plan)
-    if plan is None:
-        replicas = parse_stage_to_num_ranks(args.stage_to_num_ranks) if args.stage_to_num_ranks else None
-        stages = args.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
-        plan = even_plan(graph, stages, replicas)
-    dataset = make_dataset(args.data, args.batch_size, args.seed, shape=shape, num_classes=classes, kind=kind)
-    return {"graph": graph, "plan": plan.with_default_ranks(), "model": model, "criterion": criterion, "dataset": dataset,
-            "static_plan": static is not None}
+def load_job(args: Any, world_size: int) -> Job:
+    """Graph, plan, seed-built model, criterion and dataset from the command line."""
+    return build_job(job_spec(args), world_size)
 
 
 def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -216,33 +173,6 @@ def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
     if not shape or any(d < 1 for d in shape):
         raise PlanError(f"--input_shape: {text!r} is not a comma-separated list of positive sizes, e.g. 3,224,224")
     return shape
-
-
-def output_width(graph: Any) -> Optional[int]:
-    """Last dimension of the model output (the number of classes / vocabulary size), if the graph records it."""
-    node_id = (graph.metadata.get("outputs") or {}).get("node") if isinstance(graph.metadata.get("outputs"), dict) else None
-    try:
-        outputs = graph[node_id].layer.outputs if node_id is not None else ()
-    except Exception:  # noqa: BLE001 - unknown node or no layer: fall back to the default
-        return None
-    return int(outputs[0].shape[-1]) if outputs and outputs[0].shape else None
-
-
-def ranks_from_hybrid_conf(plan: Any, path: Path) -> Any:
-    """Place a package's stages on the ranks its `hybrid_conf.json` names (PipeDream's stage_to_rank_map)."""
-    from dataclasses import replace
-
-    if not path.is_file():
-        return plan
-    try:
-        mapping = jsonbound.load_file(path, error=PlanError, what="hybrid_conf.json")["stage_to_rank_map"]
-        ranks = {int(stage): tuple(int(r) for r in rs) for stage, rs in mapping.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise PlanError(f"{path}: expected {{\"stage_to_rank_map\": {{\"0\": [0, 1], ...}}}} ({error})") from None
-    if sorted(ranks) != list(range(plan.num_stages)):
-        raise PlanError(f"{path}: stage_to_rank_map names stages {sorted(ranks)}, the plan has 0..{plan.num_stages - 1}")
-    stages = tuple(replace(s, ranks=ranks[s.stage_id], num_replicas=len(ranks[s.stage_id])) for s in plan.stages)
-    return replace(plan, stages=stages)
 
 
 def make_channel(args: Any, rank: int, world_size: int) -> Any:
@@ -333,117 +263,17 @@ def make_config(args: Any) -> Any:
     return config, options
 
 
-def resolve_backend(name: str) -> str:
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if name == "nccl" and not torch.cuda.is_available():
-        raise PlanError("--backend nccl needs CUDA, which this machine lacks; use --backend gloo")
-    return name
+def rendezvous(args: Any) -> Rendezvous:
+    return Rendezvous(rank=args.rank, world_size=args.world_size, addr=args.dist_addr, port=args.dist_port,
+                      backend=args.backend, timeout=args.timeout)
 
 
-_JOINED = "mp/joined/{}"
-
-
-def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0) -> Optional[list[int]]:
-    """Ranks that never registered in the store (None if the store cannot say within `deadline_s`)."""
-    import threading
-
-    box: dict[str, list[int]] = {}
-
-    def look() -> None:
-        box["missing"] = [r for r in range(world_size) if not store.check([_JOINED.format(r)])]
-
-    # A daemon thread with a deadline: a store call on an unreachable host would otherwise never return.
-    thread = threading.Thread(target=look, name="join-check", daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    return box.get("missing")
-
-
-def init_world(args: Any, config: Any) -> tuple[int, int, Any, torch.device, Optional[int]]:
-    """Join the process group (TCPStore on rank 0, or torchrun's env://); returns rank, world, store,
-    device and the rank hosting the store (None under torchrun: its agent hosts it)."""
-    import torch.distributed as dist
-
-    backend = resolve_backend(args.backend)
-    timeout = timedelta(seconds=config.timeout)
-    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", -1))
-    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
-    if rank < 0 or world_size < 1:
-        raise PlanError("the rank and world size are unknown: pass --rank and --world_size, or launch with torchrun")
-    if not 0 <= rank < world_size:
-        raise PlanError(f"--rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    if args.dist_addr is None and "MASTER_ADDR" in os.environ and args.rank is None:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        return rank, world_size, dist.distributed_c10d._get_default_store(), device, None
-    else:
-        from torch.distributed import TCPStore
-
-        addr = args.dist_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = args.dist_port or int(os.environ.get("MASTER_PORT", 29500))
-        try:
-            store = TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-        except (RuntimeError, OSError) as error:
-            raise PeerError(f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {config.timeout:.0f} s "
-                            f"(is rank 0 running, and is the port free/reachable?): {str(error).splitlines()[0]}") from None
-        store.set(_JOINED.format(rank), "1")  # so a rank whose join fails can name who never came
-        try:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
-            missing = missing_ranks(store, world_size)
-            who = f"rank(s) {missing} never joined" if missing else f"{str(error).splitlines()[0]}"
-            raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {config.timeout:.0f} s: "
-                            f"{who} (are they running and pointed at {addr}:{port}?)") from None
-    return rank, world_size, store, device, 0
-
-
-def store_address(args: Any) -> str:
-    """'host:port' of the rendezvous store, for error messages."""
-    addr = args.dist_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    return f"{addr}:{args.dist_port or os.environ.get('MASTER_PORT', 29500)}"
-
-
-def run_job(args: Any, config: Any, options: Any, rank: int, world_size: int, health: Any, device: torch.device,
-            prefix: Optional[RankPrefix] = None) -> Any:
-    """Build this rank's engine for one job on the already-initialised world and train it."""
-    from model_parallel.runtime.engine import PipelineEngine
-
-    job = load_job(args, world_size)
-    channel = make_channel(args, rank, world_size)
-    if job["static_plan"]:
-        from model_parallel.runtime.pipedream import StaticPlanChannel
-
-        channel = StaticPlanChannel(channel, "a PipeDream-generated package has no graph.json, and switching plans "
-                                             "needs graph.json (regenerate the package with our converter)")
-    outcome = "training finished"  # what the coordinator is told at the end (its status shows it)
-    try:
-        engine = PipelineEngine(graph=job["graph"], plan=job["plan"], model=job["model"].to(device), criterion=job["criterion"],
-                                optimizer_factory=make_optimizer_factory(args), dataset=job["dataset"], config=config,
-                                options=options, channel=channel, health=health, device=device)
-        if prefix is not None:
-            prefix.engine = engine
-        if rank == 0:
-            logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
-        history = engine.train(args.steps)
-        if engine.stop_reason is not None:
-            outcome = (f"stopped after {engine.next_step} of the {args.steps} requested step(s): "
-                       f"{engine.stop_reason}")
-            raise TrainingStopped(f"{engine.prefix} {outcome}")
-    except BaseException as error:
-        if not isinstance(error, TrainingStopped):
-            outcome = f"failed: {error}".splitlines()[0][:500]
-        raise
-    finally:
-        channel.close(outcome)
-    if history:
-        print(f"{engine.prefix} done: {engine.next_step} step(s), last loss {history[-1].loss:.6f}, "
-              f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
-    return engine
+def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefix: Optional[RankPrefix] = None) -> Any:
+    """Build one job from its flags and train it on the already-joined world."""
+    job = load_job(args, world.world_size)
+    channel = make_channel(args, world.rank, world.world_size)
+    on_engine = None if prefix is None else lambda engine: setattr(prefix, "engine", engine)
+    return run_job(job, config, options, args.steps, make_optimizer_factory(args), channel, world, health, on_engine)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -458,29 +288,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from model_parallel.runtime.trainer import SingleProcessRunner
 
         job = load_job(args, world_size=args.world_size or 1)
-        runner = SingleProcessRunner(job["graph"], job["plan"], job["model"], job["criterion"],
-                                     make_optimizer_factory(args), job["dataset"], config)
+        runner = SingleProcessRunner(job.graph, job.plan, job.model, job.criterion,
+                                     make_optimizer_factory(args), job.dataset, config)
         for result in runner.train(args.steps):
             print(f"step {result.step} loss {result.loss:.6f}", flush=True)
         return 0
 
     import torch.distributed as dist
 
-    from model_parallel.runtime.health import Health
-
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     configure_logging(max(args.verbose, 1) if rank == 0 else args.verbose)
     prefix = install_rank_prefix(rank)
     health = None
     try:
-        rank, world_size, store, device, store_host = init_world(args, options)
-        health = Health(store, rank, world_size, interval=min(1.0, options.timeout / 10), store_host=store_host,
-                        store_timeout=options.timeout, store_address=store_address(args)).start()
+        world = join_world(rendezvous(args))
+        rank = world.rank
+        health = start_health(world, options.timeout)
         for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
             job_config, job_options = (config, options) if job_argv is None else make_config(job_args)
-            run_job(job_args, job_config, job_options, rank, world_size, health, device, prefix)
+            run_one(job_args, job_config, job_options, world, health, prefix)
         health.stop("done")
         dist.destroy_process_group()
         # Leave without interpreter teardown: the store host may already be gone, and a store call

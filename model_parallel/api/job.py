@@ -1,0 +1,218 @@
+"""The one job builder: what to train (a zoo name, a package, a graph, a module) -> graph, plan, model, data.
+
+    spec = JobSpec(model="mlp", num_stages=2, batch_size=8, num_microbatches=4)
+    job = build_job(spec, world_size=2)          # -> runtime.run.Job(graph, plan, model, criterion, dataset)
+
+Both the worker command line (`--model/--package/--graph`, model_parallel.cli.worker) and the Python
+API (`PipelineTrainer`, model_parallel.api.trainer) describe their job as a `JobSpec` and build it
+here, so they trace, seed, load and cut a model the same way. This is the place that wires the
+workflow's steps together: the profiler traces a module, the code generator rebuilds a model from a
+graph, the runtime loads a PipeDream-generated package, and the even split is the default plan.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from model_parallel import jsonbound
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime.run import Job
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JobSpec", "Job", "build_job", "output_width", "ranks_from_hybrid_conf"]
+
+LOSSES = ("cross_entropy", "lm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """What to train and how to cut it. Exactly one of `model`, `package`, `graph` names the model."""
+
+    model: Union[str, nn.Module, None] = None  # a built-in model name (runtime.zoo) or a module this process holds
+    package: Union[str, Path, None] = None  # a generated package directory (ours, or PipeDream's converter's)
+    graph: Union[Graph, str, Path, None] = None  # a Graph, or its graph.json / graph.txt file
+    plan: Union[Plan, str, Path, None] = None  # a Plan or plan.json; default: the package's, else an even split
+    num_stages: Optional[int] = None  # stages of the even split (default: the world size less the extra replicas)
+    stage_to_num_ranks: Optional[Mapping[int, int]] = None  # replicas per stage of the even split
+    criterion: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None  # default: the zoo's, else by `loss`
+    loss: Optional[str] = None  # "cross_entropy" | "lm"; default: "lm" for token inputs, else "cross_entropy"
+    input_shape: Optional[tuple[int, ...]] = None  # per sample, for a PipeDream package (it records none)
+    num_classes: Optional[int] = None  # classes of synthetic data (default: the model's output width)
+    data: Any = "synthetic"  # "synthetic", an ImageFolder directory, or a dataset (`batch(step) -> (inputs, target)`)
+    example_inputs: Optional[Sequence[Any]] = None  # a microbatch to trace a module with (default: from `data`)
+    seed: int = 0  # the weights every rank builds
+    batch_size: int = 8
+    num_microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("model", "package", "graph") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise PlanError(f"JobSpec: give exactly one of model, package, graph (got {', '.join(given) or 'none'})")
+        if not isinstance(self.model, (str, nn.Module, type(None))) or not isinstance(self.graph, (Graph, str, Path, type(None))):
+            raise PlanError(f"JobSpec: model takes a built-in model's name or an nn.Module, graph a Graph or its file; "
+                            f"got model={type(self.model).__name__}, graph={type(self.graph).__name__}")
+        if self.loss is not None and self.loss not in LOSSES:
+            raise PlanError(f"JobSpec: loss {self.loss!r} is unknown; use one of {', '.join(LOSSES)}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise PlanError(f"JobSpec: num_stages must be >= 1, got {self.num_stages}")
+
+    @property
+    def micro_batch(self) -> int:
+        return max(1, self.batch_size // self.num_microbatches)
+
+
+def build_job(spec: JobSpec, world_size: int) -> Job:
+    """Graph, plan, seed-built model, criterion and dataset of `spec` for a world of `world_size` ranks."""
+    plan: Optional[Plan] = None
+    static = False  # a PipeDream-generated package: its plan is static (no graph.json to re-cut)
+    if isinstance(spec.model, str):
+        graph, model, criterion, shape, classes, kind = _zoo_model(spec)
+    else:
+        if isinstance(spec.model, nn.Module):
+            graph, model = _traced_module(spec)
+        elif spec.package is not None:
+            graph, plan, model, static = _package(spec)
+        else:
+            graph, model = _graph_model(spec)
+        criterion, shape, classes, kind = spec.criterion, (), 0, "dense"
+        if criterion is None or isinstance(spec.data, str):  # the graph's inputs say which loss and data fit
+            inputs = graph.metadata.get("inputs") or []
+            if not inputs:
+                raise PlanError(f"{_source(spec)}: graph metadata lacks the model inputs' shapes; re-profile the model")
+            shape = tuple(inputs[0]["shape"][1:])
+            kind = "tokens" if inputs[0]["dtype"].startswith("int") else "dense"
+            criterion = spec.criterion or _criterion(spec.loss or ("lm" if kind == "tokens" else "cross_entropy"))
+            classes = int(spec.num_classes or graph.metadata.get("num_classes") or output_width(graph)
+                          or (128 if kind == "tokens" else 10))
+    if spec.plan is not None:
+        from model_parallel.graph.plan import read_plan
+
+        plan = spec.plan if isinstance(spec.plan, Plan) else read_plan(spec.plan)
+    if plan is None:
+        from model_parallel.runtime.stages import even_plan
+
+        replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
+        stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
+        plan = even_plan(graph, stages, replicas)
+    if isinstance(spec.data, str):
+        from model_parallel.runtime.data import make_dataset
+
+        dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind)
+    else:
+        dataset = spec.data
+    return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
+               static_plan=static)
+
+
+def _source(spec: JobSpec) -> str:
+    """How the spec names its model, for error messages."""
+    if spec.package is not None:
+        return str(spec.package)
+    if spec.graph is not None and not isinstance(spec.graph, Graph):
+        return str(spec.graph)
+    return f"the {type(spec.model or spec.graph).__name__} given"
+
+
+def _criterion(loss: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    if loss == "lm":
+        from model_parallel.models.gpt import lm_loss
+
+        return lm_loss
+    from torch.nn import functional as F
+
+    return F.cross_entropy
+
+
+def _zoo_model(spec: JobSpec) -> tuple[Graph, nn.Module, Callable, tuple[int, ...], int, str]:
+    """A built-in model, built from the seed and traced on one microbatch of its example input."""
+    from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.zoo import recipe
+
+    r = recipe(str(spec.model))
+    model = r.model(spec.seed)
+    graph, _ = trace_model(model, r.example(spec.micro_batch))
+    return graph, model, spec.criterion or r.criterion, r.input_shape, r.num_classes, r.kind
+
+
+def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
+    """A module this process holds, traced on one microbatch (`example_inputs`, else the data's first)."""
+    from model_parallel.graph.loader import allow_model
+    from model_parallel.profiler.trace import trace_model
+
+    model = spec.model
+    assert isinstance(model, nn.Module)
+    example = spec.example_inputs
+    if example is None:
+        if isinstance(spec.data, str):
+            raise PlanError(f"JobSpec(model={type(model).__name__}): give example_inputs (one microbatch of inputs to "
+                            f"trace with) or a dataset as data, not {spec.data!r}")
+        inputs, _ = spec.data.batch(0)
+        example = [x[: spec.micro_batch] for x in inputs]
+    graph, traced = trace_model(model, tuple(example))
+    allow_model(model, traced)  # the graph comes from this process's own model, not from a file
+    return graph, model
+
+
+def _graph_model(spec: JobSpec) -> tuple[Graph, nn.Module]:
+    """The whole model rebuilt from a graph (a Graph or its file), weights from the seed."""
+    from model_parallel.codegen.build import full_model_from_graph
+    from model_parallel.graph.io import load_graph
+
+    graph = spec.graph if isinstance(spec.graph, Graph) else load_graph(spec.graph)
+    torch.manual_seed(spec.seed)
+    return graph, full_model_from_graph(graph)
+
+
+def _package(spec: JobSpec) -> tuple[Graph, Plan, nn.Module, bool]:
+    """A generated package: ours (graph.json + plan.json, ranks from hybrid_conf.json) or PipeDream's."""
+    from model_parallel.runtime.pipedream import is_pipedream_package, load_pipedream_package
+
+    package = Path(spec.package)  # type: ignore[arg-type]
+    if is_pipedream_package(package):
+        # PipeDream's converter wrote it: its stage modules are the layers of a static plan.
+        pipedream = load_pipedream_package(package, spec.seed, spec.input_shape, spec.micro_batch)
+        logger.info("running PipeDream package %s: %d stage(s), static plan", package, pipedream.plan.num_stages)
+        return pipedream.graph, pipedream.plan, pipedream.model, True
+    from model_parallel.codegen.build import full_model_from_graph
+    from model_parallel.graph.io import load_graph
+    from model_parallel.graph.plan import read_plan
+
+    graph = load_graph(package / "graph.json")
+    plan = None if spec.plan is not None else ranks_from_hybrid_conf(read_plan(package / "plan.json"),
+                                                                     package / "hybrid_conf.json")
+    torch.manual_seed(spec.seed)
+    return graph, plan, full_model_from_graph(graph), False
+
+
+def output_width(graph: Graph) -> Optional[int]:
+    """Last dimension of the model output (the number of classes / vocabulary size), if the graph records it."""
+    node_id = (graph.metadata.get("outputs") or {}).get("node") if isinstance(graph.metadata.get("outputs"), dict) else None
+    try:
+        outputs = graph[node_id].layer.outputs if node_id is not None else ()
+    except Exception:  # noqa: BLE001 - unknown node or no layer: fall back to the default
+        return None
+    return int(outputs[0].shape[-1]) if outputs and outputs[0].shape else None
+
+
+def ranks_from_hybrid_conf(plan: Plan, path: Path) -> Plan:
+    """Place a package's stages on the ranks its `hybrid_conf.json` names (PipeDream's stage_to_rank_map)."""
+    if not path.is_file():
+        return plan
+    try:
+        mapping = jsonbound.load_file(path, error=PlanError, what="hybrid_conf.json")["stage_to_rank_map"]
+        ranks = {int(stage): tuple(int(r) for r in rs) for stage, rs in mapping.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise PlanError(f"{path}: expected {{\"stage_to_rank_map\": {{\"0\": [0, 1], ...}}}} ({error})") from None
+    if sorted(ranks) != list(range(plan.num_stages)):
+        raise PlanError(f"{path}: stage_to_rank_map names stages {sorted(ranks)}, the plan has 0..{plan.num_stages - 1}")
+    stages = tuple(replace(s, ranks=ranks[s.stage_id], num_replicas=len(ranks[s.stage_id])) for s in plan.stages)
+    return replace(plan, stages=stages)

@@ -1,0 +1,136 @@
+"""The Python API: `PipelineTrainer(model, optimizer_factory, dataset, TrainConfig(...)).train(steps)`.
+
+    import torch, torch.distributed as dist
+    from model_parallel import PipelineTrainer, TrainConfig
+    torch.manual_seed(0)                                   # every rank builds the same weights
+    model = MyModel()
+    trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                              dataset, TrainConfig(batch_size=32, num_microbatches=4), num_stages=2)
+    trainer.train(100)
+    trainer.close()                                        # or `with PipelineTrainer(...) as trainer:`
+
+Run it under `torchrun --nproc_per_node=2 my_script.py` (one stage per rank), or without a process
+group for single-process mode (all stages in this process, for debugging). `dataset` is anything
+with `batch(step) -> (inputs_tuple, target)` (see `runtime.data`). The model, graph or package is
+turned into a job by `api.job.build_job`, the same builder the worker command line uses.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_parallel.api.job import JobSpec, build_job
+from model_parallel.errors import ModelParallelError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime.config import RunOptions, TrainConfig
+from model_parallel.runtime.engine import OptimizerFactory, StepResult
+from model_parallel.runtime.trainer import SingleProcessRunner
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PipelineTrainer", "TrainConfig", "RunOptions"]
+
+
+class PipelineTrainer:
+    """Pipeline-train a model (or a graph, or a generated package directory) on the current
+    process group, or in this process when no group is initialised (or `single_process=True`)."""
+
+    def __init__(
+        self,
+        model_or_package_or_graph: Union[nn.Module, Graph, str, Path],
+        optimizer_factory: OptimizerFactory,
+        dataset: Any,
+        config: TrainConfig = TrainConfig(),
+        *,
+        options: RunOptions = RunOptions(),
+        criterion: Callable[[Any, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        plan: Optional[Plan] = None,
+        num_stages: Optional[int] = None,
+        example_inputs: Optional[Sequence[Any]] = None,
+        channel: Any = None,
+        single_process: Optional[bool] = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        source = model_or_package_or_graph
+        if not isinstance(source, (nn.Module, Graph, str, Path)):
+            raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
+                                     f"got {type(source).__name__}")
+        distributed = dist.is_available() and dist.is_initialized()
+        self.single_process = (not distributed) if single_process is None else single_process
+        world = dist.get_world_size() if distributed and not self.single_process else 1
+        spec = JobSpec(
+            model=source if isinstance(source, nn.Module) else None,
+            package=source if isinstance(source, (str, Path)) else None,
+            graph=source if isinstance(source, Graph) else None,
+            plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
+            data=dataset, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
+            num_microbatches=config.num_microbatches)
+        job = build_job(spec, world)
+        graph, plan, model = job.graph, job.plan, job.model
+        if world > 1:
+            # Ranks may have profiled and partitioned on their own (timings differ per process):
+            # everyone trains rank 0's plan, or stages would not line up.
+            from model_parallel.runtime.comm import broadcast_json
+
+            text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
+            plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
+        self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        self.health: Any = None
+        from model_parallel.codegen.ties import check_ties
+
+        check_ties(graph, self.plan.stage_of)  # before any runner or heartbeat starts
+        if self.single_process:
+            self.runner: Any = SingleProcessRunner(graph, self.plan, model, job.criterion, optimizer_factory, job.dataset,
+                                                   config)
+        else:
+            from model_parallel.runtime.engine import PipelineEngine
+            from model_parallel.runtime.health import Health
+
+            # Heartbeats in the process group's own store, so a dead peer is named (see health.py).
+            store = dist.distributed_c10d._get_default_store()
+            device = torch.device("cpu")
+            if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
+                device = torch.device("cuda", torch.cuda.current_device())
+                model.to(device)
+            self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, options.timeout / 10),
+                                 store_host=None).start()
+            # The heartbeat thread must be stopped before interpreter teardown: a store call still
+            # running in it then aborts the process ("terminate called without an active exception").
+            # atexit runs before the teardown (stop() is idempotent: close() may have run already).
+            atexit.register(self.health.stop, "done")
+            self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
+                                         optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
+                                         options=options, channel=channel, health=self.health, device=device)
+
+    def train(self, steps: int) -> list[StepResult]:
+        """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
+        results = self.runner.train(steps)
+        return results
+
+    def close(self) -> None:
+        """Stop and join the heartbeat thread (idempotent; also runs at exit). Call it before
+        `dist.destroy_process_group()`: the thread writes to the group's store."""
+        if self.health is not None:
+            self.health.stop("done")
+
+    def __enter__(self) -> "PipelineTrainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's stage state (all stages in single-process mode) by stage-module name."""
+        if self.single_process:
+            return self.runner.state_dict()
+        return self.runner.named_state()

@@ -1,0 +1,27 @@
+"""`python -m model_parallel.cli.metrics PATH...`: the per-step summary of metrics JSONL files (runtime.metrics)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+from model_parallel.cli.common import ArgumentParser
+from model_parallel.runtime.metrics import format_summary, read_metrics, summarize, throughput
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m model_parallel.cli.metrics PATH...` prints the per-step summary of metrics JSONL files."""
+    parser = ArgumentParser(prog="python -m model_parallel.cli.metrics", description=main.__doc__)
+    parser.add_argument("paths", nargs="+", help="metrics JSONL files or directories of *.jsonl")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the mean throughput (default 1)")
+    args = parser.parse_args(argv)
+    try:
+        records = read_metrics(args.paths)
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(format_summary(summarize(records)))
+    print(f"throughput after {args.warmup} warm-up step(s): {throughput(records, args.warmup):.1f} samples/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""One rank of a pipeline: join the world, then train a built job on it (what every worker process runs).
+
+    world = join_world(Rendezvous(rank=0, world_size=2, addr="127.0.0.1", port=29500, timeout=60))
+    health = start_health(world, timeout=60)
+    engine = run_job(job, config, steps=10, optimizer_factory=factory, channel=NullChannel(), world=world,
+                     health=health)
+
+Inputs are typed: a `Job` (graph, plan, model, criterion, dataset; `model_parallel.api.job.build_job`
+makes one), a `TrainConfig` and a `ControlChannel`. Command-line parsing, the coordinator connection and
+the process's exit codes live above, in `model_parallel.cli.worker`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from model_parallel.errors import PeerError, PlanError, TrainingStopped
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+
+if TYPE_CHECKING:
+    from model_parallel.messages import ControlChannel
+    from model_parallel.runtime.config import RunOptions, TrainConfig
+    from model_parallel.runtime.engine import PipelineEngine
+    from model_parallel.runtime.health import Health
+
+logger = logging.getLogger(__name__)
+
+_JOINED = "mp/joined/{}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one training run needs besides its config: built the same way for the CLI and the Python API."""
+
+    graph: Graph
+    plan: Plan
+    model: torch.nn.Module  # the whole model, built from the seed; each rank keeps its stages' layers
+    criterion: Callable[[Any, torch.Tensor], torch.Tensor]
+    dataset: Any  # anything with `batch(step) -> (inputs_tuple, target)`
+    static_plan: bool = False  # a PipeDream-generated package: no graph.json, so no plan switches
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this process joins the world: explicit rank/world/address, else torchrun's environment."""
+
+    rank: Optional[int] = None  # None: $RANK (torchrun)
+    world_size: Optional[int] = None  # None: $WORLD_SIZE
+    addr: Optional[str] = None  # rank 0's address, hosting the store; None: $MASTER_ADDR
+    port: Optional[int] = None  # None: $MASTER_PORT, else 29500
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout: float = 60.0  # seconds any blocking communication may take
+
+    def address(self) -> str:
+        """'host:port' of the rendezvous store, for error messages."""
+        addr = self.addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return f"{addr}:{self.port or os.environ.get('MASTER_PORT', 29500)}"
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    store: Any
+    device: torch.device
+    store_host: Optional[int]  # the rank hosting the store (None under torchrun: its agent hosts it)
+    store_address: str
+
+
+def resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise PlanError("--backend nccl needs CUDA, which this machine lacks; use --backend gloo")
+    return name
+
+
+def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0) -> Optional[list[int]]:
+    """Ranks that never registered in the store (None if the store cannot say within `deadline_s`)."""
+    import threading
+
+    box: dict[str, list[int]] = {}
+
+    def look() -> None:
+        box["missing"] = [r for r in range(world_size) if not store.check([_JOINED.format(r)])]
+
+    # A daemon thread with a deadline: a store call on an unreachable host would otherwise never return.
+    thread = threading.Thread(target=look, name="join-check", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    return box.get("missing")
+
+
+def join_world(rdv: Rendezvous) -> World:
+    """Join the process group (TCPStore on rank 0, or torchrun's env://)."""
+    import torch.distributed as dist
+
+    backend = resolve_backend(rdv.backend)
+    timeout = timedelta(seconds=rdv.timeout)
+    rank = rdv.rank if rdv.rank is not None else int(os.environ.get("RANK", -1))
+    world_size = rdv.world_size or int(os.environ.get("WORLD_SIZE", 0))
+    if rank < 0 or world_size < 1:
+        raise PlanError("the rank and world size are unknown: pass --rank and --world_size, or launch with torchrun")
+    if not 0 <= rank < world_size:
+        raise PlanError(f"--rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    if rdv.addr is None and "MASTER_ADDR" in os.environ and rdv.rank is None:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return World(rank, world_size, dist.distributed_c10d._get_default_store(), device, None, rdv.address())
+    from torch.distributed import TCPStore
+
+    addr = rdv.addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = rdv.port or int(os.environ.get("MASTER_PORT", 29500))
+    try:
+        store = TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as error:
+        raise PeerError(f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {rdv.timeout:.0f} s "
+                        f"(is rank 0 running, and is the port free/reachable?): {str(error).splitlines()[0]}") from None
+    store.set(_JOINED.format(rank), "1")  # so a rank whose join fails can name who never came
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
+        missing = missing_ranks(store, world_size)
+        who = f"rank(s) {missing} never joined" if missing else f"{str(error).splitlines()[0]}"
+        raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {rdv.timeout:.0f} s: "
+                        f"{who} (are they running and pointed at {addr}:{port}?)") from None
+    return World(rank, world_size, store, device, 0, rdv.address())
+
+
+def start_health(world: World, timeout: float) -> "Health":
+    """Heartbeats in the world's store, so a dead or stalled peer is named (see health.py)."""
+    from model_parallel.runtime.health import Health
+
+    return Health(world.store, world.rank, world.world_size, interval=min(1.0, timeout / 10), store_host=world.store_host,
+                  store_timeout=timeout, store_address=world.store_address).start()
+
+
+def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, optimizer_factory: Callable,
+            channel: "ControlChannel", world: World, health: "Health", on_engine: Optional[Callable[["PipelineEngine"], None]] = None) -> "PipelineEngine":
+    """Build this rank's engine for one job on the already-joined world and train `steps` steps.
+
+    The channel is closed at the end with the outcome (the coordinator's status shows it). Raises
+    TrainingStopped when the run stopped before its requested steps. `on_engine` sees the engine
+    before training starts (the command line's log prefix follows its stage from then on)."""
+    from model_parallel.runtime.engine import PipelineEngine
+
+    if job.static_plan:
+        from model_parallel.runtime.pipedream import StaticPlanChannel
+
+        channel = StaticPlanChannel(channel, "a PipeDream-generated package has no graph.json, and switching plans "
+                                             "needs graph.json (regenerate the package with our converter)")
+    outcome = "training finished"  # what the coordinator is told at the end (its status shows it)
+    try:
+        engine = PipelineEngine(graph=job.graph, plan=job.plan, model=job.model.to(world.device), criterion=job.criterion,
+                                optimizer_factory=optimizer_factory, dataset=job.dataset, config=config, options=options,
+                                channel=channel, health=health, device=world.device)
+        if on_engine is not None:
+            on_engine(engine)
+        if world.rank == 0:
+            logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
+        history = engine.train(steps)
+        if engine.stop_reason is not None:
+            outcome = (f"stopped after {engine.next_step} of the {steps} requested step(s): "
+                       f"{engine.stop_reason}")
+            raise TrainingStopped(f"{engine.prefix} {outcome}")
+    except BaseException as error:
+        if not isinstance(error, TrainingStopped):
+            outcome = f"failed: {error}".splitlines()[0][:500]
+        raise
+    finally:
+        channel.close(outcome)
+    if history:
+        print(f"{engine.prefix} done: {engine.next_step} step(s), last loss {history[-1].loss:.6f}, "
+              f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
+    return engine

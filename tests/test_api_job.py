@@ -1,0 +1,102 @@
+"""The one job builder (model_parallel.api.job): the worker command line and `PipelineTrainer` build the
+same job from the same model, and a `JobSpec` that cannot work is refused before anything is built."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_parallel.api.job import JobSpec, build_job
+from model_parallel.api.trainer import PipelineTrainer
+from model_parallel.cli.worker import build_parser, load_job
+from model_parallel.codegen.naming import state_key
+from model_parallel.errors import PlanError
+from model_parallel.graph.io import save_graph
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.zoo import recipe
+
+
+def _sgd(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_the_worker_cli_and_the_pipeline_trainer_build_the_same_job_for_the_mlp() -> None:
+    seed, stages = 3, 3
+    cli = load_job(build_parser().parse_args(["--model", "mlp", "--num_stages", str(stages), "--seed", str(seed),
+                                              "--batch_size", "8", "--num_microbatches", "4"]), world_size=stages)
+    r = recipe("mlp")
+    trainer = PipelineTrainer(r.model(seed), _sgd, r.data(8, seed), TrainConfig(batch_size=8, num_microbatches=4, seed=seed),
+                              criterion=r.criterion, num_stages=stages, single_process=True)
+
+    assert [n.node_id for n in trainer.graph.nodes] == [n.node_id for n in cli.graph.nodes]
+    assert trainer.graph == cli.graph
+    assert trainer.plan == cli.plan and cli.plan.num_stages == stages
+    expected = {name: value for name, value in cli.model.state_dict().items()}
+    got = trainer.model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    # The trainer's stages hold those same initial weights under their stage-module names.
+    stage_state = trainer.state_dict()
+    for name, value in expected.items():
+        assert torch.equal(stage_state[state_key(name)], value), name
+    # The data the worker builds for the zoo model is the recipe's synthetic data, step for step.
+    (x_cli,), y_cli = cli.dataset.batch(1)
+    (x_api,), y_api = r.data(8, seed).batch(1)
+    assert torch.equal(x_cli, x_api) and torch.equal(y_cli, y_api)
+
+
+def test_a_graph_file_and_the_graph_object_give_the_same_job(tmp_path) -> None:
+    zoo = build_job(JobSpec(model="gpt", num_stages=2), world_size=2)
+    save_graph(zoo.graph, tmp_path / "graph.json")
+    from_file = build_job(JobSpec(graph=tmp_path / "graph.json", seed=1), world_size=2)
+    from_object = build_job(JobSpec(graph=zoo.graph, seed=1), world_size=2)
+    assert from_file.plan == from_object.plan == zoo.plan
+    for (name, a), b in zip(from_file.model.state_dict().items(), from_object.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    # Token inputs: the language-model loss and token data, as for the zoo's gpt.
+    (tokens,), _ = from_file.dataset.batch(0)
+    assert tokens.dtype == torch.int64 and from_file.criterion.__name__ == "lm_loss"
+
+
+def test_replicas_of_the_even_split_come_out_of_the_world_size() -> None:
+    job = build_job(JobSpec(model="mlp", stage_to_num_ranks={0: 2}), world_size=4)
+    assert job.plan.num_stages == 3 and [s.ranks for s in job.plan.stages] == [(0, 1), (2,), (3,)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, r"JobSpec: give exactly one of model, package, graph \(got none\)"),
+    ({"model": "mlp", "graph": "g.json"}, r"JobSpec: give exactly one of model, package, graph \(got model, graph\)"),
+    ({"model": 3}, r"model takes a built-in model's name or an nn.Module.*got model=int"),
+    ({"model": "mlp", "loss": "hinge"}, r"loss 'hinge' is unknown; use one of cross_entropy, lm"),
+    ({"model": "mlp", "num_stages": 0}, r"num_stages must be >= 1, got 0"),
+])
+def test_a_spec_that_cannot_work_is_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        JobSpec(**kwargs)
+
+
+def test_a_module_needs_something_to_trace_it_with() -> None:
+    with pytest.raises(PlanError, match=r"JobSpec\(model=Linear\): give example_inputs .* not 'synthetic'"):
+        build_job(JobSpec(model=torch.nn.Linear(4, 2)), world_size=1)
+    job = build_job(JobSpec(model=torch.nn.Linear(4, 2), example_inputs=[torch.zeros(2, 4)], num_classes=2), world_size=1)
+    (x,), y = job.dataset.batch(0)
+    assert x.shape == (8, 4) and int(y.max()) < 2
+
+
+def test_only_the_job_builder_traces_a_model_or_rebuilds_one_from_a_graph() -> None:
+    """One job builder: no other module outside the profiler and the code generator assembles a job."""
+    import ast
+
+    from support import REPO
+
+    builders = {"trace_model", "full_model_from_graph", "load_pipedream_package"}
+    owners = {"model_parallel/api/job.py"}
+    found = set()
+    for path in sorted((REPO / "model_parallel").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith(("model_parallel/profiler/", "model_parallel/codegen/")) or rel.endswith("runtime/pipedream.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and builders & {a.name for a in node.names}:
+                found.add(rel)
+    assert found == owners
