@@ -10,10 +10,14 @@ A message is two or three transfers on one tag, in order:
                     {"t": "tensor", "shape": [...], "dtype": "float32", "grad": true}
                     {"t": "json", "v": <encoded>}    ints, floats, bools, None, tuples/lists,
                                                      torch.Size, torch.dtype, torch.device
+                    {"t": "structure", "v": ...}     optional, last: how the flat values nest
+                                                     (structure.py; the receiver's `structure`)
     tensors         the tensor values, in order, with the shapes/dtypes the header announced
 
 So nothing about shapes is hard-coded and a boundary may carry any number of values. Small
-Python values travel inside the header as JSON - never pickle.
+Python values travel inside the header as JSON - never pickle. A message is flat: nested values
+(a module's tuple output, a dict, a ModelOutput) are flattened by the caller (`structure.flatten`)
+and their structure rides in the header, so it too costs nothing once the header is cached.
 
 The engine's hot path passes a `HeaderCache` (both ends, with the same `stream`: the microbatch
 index, so uneven microbatches of one step each keep their own shapes). Then the header is sent
@@ -77,10 +81,10 @@ def encode_value(value: Any) -> Any:
     if isinstance(value, list):
         return [encode_value(v) for v in value]
     if isinstance(value, torch.Tensor):
-        # Only top-level values travel as tensors; one inside a tuple/list would need the header to nest.
-        raise PeerError(f"cannot send a tensor (shape {list(value.shape)}) nested inside a tuple or list between "
-                        "stages: tensors must be boundary values of their own; unpack the tuple into separate "
-                        "outputs (e.g. a stage's 1-tuple result passed on without taking its element)")
+        # A message is flat: callers with nested values flatten them first and send the structure along.
+        raise PeerError(f"cannot send a tensor (shape {list(value.shape)}) nested inside a tuple or list as one "
+                        "message value: flatten nested values with runtime.structure.flatten_values and pass "
+                        "structure= to send_values (StepExecutor does this for stage boundaries)")
     raise PeerError(f"cannot send a value of type {type(value).__name__} between stages "
                     "(allowed: tensors, int, float, bool, str, None, tuple/list of them, torch.Size, dtype, device)")
 
@@ -101,7 +105,8 @@ def decode_value(data: Any, device: Optional[torch.device] = None) -> Any:
     return data
 
 
-def make_header(values: list[Any]) -> list[dict[str, Any]]:
+def make_header(values: list[Any], structure: Any = None) -> list[dict[str, Any]]:
+    """One entry per value, then the structure's entry when there is one (see the module docstring)."""
     header = []
     for value in values:
         if isinstance(value, torch.Tensor):
@@ -109,7 +114,13 @@ def make_header(values: list[Any]) -> list[dict[str, Any]]:
                            "grad": bool(value.requires_grad)})
         else:
             header.append({"t": "json", "v": encode_value(value)})
+    if structure is not None:
+        header.append({"t": "structure", "v": structure})
     return header
+
+
+def _structure(header: list[dict[str, Any]]) -> Any:
+    return next((entry["v"] for entry in header if entry.get("t") == "structure"), None)
 
 
 # ---- the header cache (engine hot path) -------------------------------------------------------------
@@ -185,14 +196,14 @@ def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[A
             offset, shape, dtype, nbytes = next(layout)
             tensor = buffer[offset:offset + nbytes].view(dtype).view(shape)
             out.append(tensor.requires_grad_(bool(entry["grad"])) if tensor.is_floating_point() else tensor)
-        else:
+        elif entry["t"] != "structure":
             out.append(decode_value(entry["v"], device))
     return out
 
 
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
-                 stream: Any) -> "SendHandle":
-    header_list = make_header(values)
+                 stream: Any, structure: Any) -> "SendHandle":
+    header_list = make_header(values, structure)
     header = json.dumps(header_list, separators=(",", ":")).encode()
     tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
     key = (dst, tag, stream)
@@ -246,14 +257,15 @@ def start_work(start: Callable[[], Any], peer: int, what: str) -> Any:
 
 
 def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
-                cache: Optional[HeaderCache] = None, stream: Any = None) -> SendHandle:
-    """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on.
+                cache: Optional[HeaderCache] = None, stream: Any = None, structure: Any = None) -> SendHandle:
+    """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on. `structure`
+    (JSON, see structure.py) travels in the header; the receiver reads it as `PendingRecv.structure`.
 
     With `cache` the receiver must pass a cache and the same `stream` too (see the module docstring)."""
     device = device or torch.device("cpu")
     if cache is not None:
-        return _send_cached(values, dst, tag, group, device, cache, stream)
-    header = json.dumps(make_header(values), separators=(",", ":")).encode()
+        return _send_cached(values, dst, tag, group, device, cache, stream, structure)
+    header = json.dumps(make_header(values, structure), separators=(",", ":")).encode()
     slot = bytearray(SLOT_BYTES)
     slot[:8] = len(header).to_bytes(8, "little")
     head = header[:_SLOT_ROOM]
@@ -269,13 +281,15 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
 class PendingRecv:
     """A message being received from `src`: the header slot is posted at construction (so it can
     land while we compute) - with a `cache` that knows this (src, tag, stream), the whole packed
-    message; `wait()` completes the header and receives the tensors."""
+    message; `wait()` completes the header and receives the tensors (then `structure` holds the
+    structure the sender passed, or None)."""
 
     def __init__(self, src: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
                  cache: Optional[HeaderCache] = None, stream: Any = None) -> None:
         self.src, self.tag, self.group, self.cache, self.stream = src, tag, group, cache, stream
         self.device = device or torch.device("cpu")
         self.known: Optional[_Known] = None
+        self.structure: Any = None
         if cache is not None:
             self.known = cache.received.get((src, tag, stream))
             size = self.known.size if self.known is not None else _ALIGN
@@ -294,6 +308,7 @@ class PendingRecv:
         assert self.cache is not None
         size = _read_prefix(self.slot)
         if size == 0 and self.known is not None:
+            self.structure = _structure(list(self.known.entries))
             return _unpack(self.slot, self.known, self.device)
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
@@ -305,6 +320,7 @@ class PendingRecv:
             raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
                             "are both ranks running the same version of model_parallel?") from None
         known = self.cache.received[(self.src, self.tag, self.stream)] = _known(data, header)
+        self.structure = _structure(header)
         return _unpack(self._recv(known.size, timeout), known, self.device)
 
     def wait(self, timeout: float) -> list[Any]:
@@ -327,6 +343,8 @@ class PendingRecv:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
                             "are both ranks running the same version of model_parallel?") from None
+        self.structure = _structure(header)
+        header = [entry for entry in header if entry["t"] != "structure"]
         values: list[Any] = []
         works = []
         for entry in header:

@@ -10,6 +10,12 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
           k > 0:   isend(input grads) to stage k-1
     wait for every send
 
+Boundary values travel flat (structure.py): a stage's outputs and the target are flattened into
+their tensors (a module's tuple output, a dict, a ModelOutput: whatever a node produced), the
+structure rides in the message header, and the receiver rebuilds the values around the received
+tensors. Gradients are per tensor: the receiver's inputs ARE the flat tensors, and the sender pairs
+its flat output tensors with the gradients it gets back, so none is lost inside a container.
+
 With the `pipedream` schedule (no flush) each forward runs on a stashed copy of the weights and each
 backward's gradient is applied at once (`WeightStash`; the loss is not divided by m).
 """
@@ -24,8 +30,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from model_parallel.runtime import comm
+from model_parallel.errors import PeerError
+from model_parallel.runtime import comm, structure
 from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.output import float_output
 from model_parallel.runtime.schedule import Action
 from model_parallel.runtime.straggler import Compute
 from model_parallel.runtime.update import apply_update
@@ -35,8 +43,8 @@ Microbatches = Sequence[tuple[Sequence[Any], torch.Tensor]]
 
 @dataclass
 class _Stash:
-    inputs: list[Any]
-    outputs: Any  # tuple of stage outputs, or the loss on the last stage
+    inputs: list[Any]  # the stage's flat input tensors (k > 0: as received), which collect the input grads
+    outputs: Any  # the flat output tensors sent (target last), or the loss on the last stage
     weights: Optional[dict[str, torch.Tensor]] = None  # PipeDream: the stashed weight version
 
 
@@ -75,6 +83,9 @@ class StepExecutor:
         self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
         self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
         self.recompute = config.recompute_stage(stage_id)
+        # Boundary values are named by node id in errors (a PipeDream package's stage may have no names).
+        names = getattr(stage, "output_names", None)
+        self.output_names = (*names, "target") if names is not None else None
 
     def forward(self, values: Sequence[Any], weights: Optional[dict[str, torch.Tensor]] = None) -> Any:
         """Run the stage; with `weights` (PipeDream weight stashing) on those parameter tensors instead."""
@@ -108,31 +119,38 @@ class StepExecutor:
                     assert microbatches is not None
                     values, target = list(microbatches[j][0]), microbatches[j][1]
                     receives.skip("F")
+                    inputs = values
                 else:
-                    received = receives.take("F", j)
+                    inputs, tree = receives.take("F", j)
+                    received = structure.unflatten(inputs, tree, self.device) if tree is not None else inputs
                     values, target = received[:-1], received[-1]
                 weights = self.weight_stash.stash() if self.weight_stash is not None else None
                 if last:
                     def forward_loss() -> torch.Tensor:
                         output = self.decode(self.forward(values, weights))
                         if self.config.bf16:
-                            output = output.float()
+                            output = float_output(output)
                         return self.criterion(output, target) / loss_scale
                     loss = compute("forward", j, forward_loss)
                     loss_sum += float(loss.detach()) * loss_scale / m
-                    stash[j] = _Stash(values, loss, weights=weights)
+                    stash[j] = _Stash(inputs, loss, weights=weights)
                 else:
-                    outputs = compute("forward", j, lambda: self.forward(values, weights))
+                    outputs = list(compute("forward", j, lambda: self.forward(values, weights))) + [target]
+                    names = self.output_names or tuple(f"output {i}" for i in range(len(outputs)))
+                    leaves, tree = structure.flatten_values(outputs, names)
                     with self.metrics.measure("send", microbatch=j):
-                        sends.append(comm.send_values(list(outputs) + [target], self.route(k + 1, j), comm.TAG_ACTIVATION,
-                                                      device=self.device, cache=self.header_cache, stream=j))
-                    stash[j] = _Stash(values, outputs, weights=weights)
+                        sends.append(comm.send_values(leaves, self.route(k + 1, j), comm.TAG_ACTIVATION, device=self.device,
+                                                      cache=self.header_cache, stream=j, structure=tree))
+                    stash[j] = _Stash(inputs, leaves, weights=weights)
             else:
                 entry = stash.pop(j)
                 if last:
                     compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
                 else:
-                    output_grads = receives.take("B", j)
+                    output_grads, _ = receives.take("B", j)
+                    if len(output_grads) != len(entry.outputs):
+                        raise PeerError(f"stage {k + 1} sent {len(output_grads)} gradients for microbatch {j}, expected "
+                                        f"{len(entry.outputs)} (one per tensor sent); are both ranks running the same plan?")
                     pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
                              if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
                     if pairs:
@@ -176,9 +194,12 @@ class _Receives:
         """An action that needs no receive (stage 0's forwards read the data)."""
         self.position[kind] += 1
 
-    def take(self, kind: str, j: int) -> list[Any]:
+    def take(self, kind: str, j: int) -> tuple[list[Any], Any]:
+        """The flat values of microbatch j's message and the structure the sender attached (or None)."""
+        pending = self.pending[kind]
+        assert pending is not None
         with self.executor.metrics.measure("recv", microbatch=j):
-            values = self.pending[kind].wait(self.executor.timeout)  # type: ignore[union-attr]
+            values = pending.wait(self.executor.timeout)
         self.position[kind] += 1
         self.pending[kind] = self._post(kind)
-        return values
+        return values, pending.structure

@@ -6,7 +6,7 @@ The Python API `PipelineTrainer` lives in `model_parallel.api.trainer` (it runs 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -17,7 +17,8 @@ from model_parallel.graph.plan import Plan
 from model_parallel.runtime.data import split_microbatches
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.engine import OptimizerFactory, StepResult
-from model_parallel.runtime.output import model_output
+from model_parallel.runtime.output import float_output, model_output
+from model_parallel.runtime.structure import cross, flatten_values, unflatten
 from model_parallel.runtime.update import apply_update, squared_grad_norm
 
 logger = logging.getLogger(__name__)
@@ -30,15 +31,17 @@ def single_process_reference(
     dataset: Any, config: TrainConfig, steps: int, start_step: int = 0,
 ) -> list[float]:
     """Train the original model the way the pipeline does: per microbatch forward/backward of loss/m,
-    then clip and step. Returns the loss per step. (The oracle of the exactness tests.)"""
+    then clip and step. Returns the loss per step. (The oracle of the exactness tests.) A dataset whose
+    inputs are a dict (`{"input_ids": ...}`) calls the model with keywords."""
     optimizer = optimizer_factory(list(model.parameters()))
     losses = []
     model.train()
     for step in range(start_step, steps):
         inputs, target = dataset.batch(step)
         total = 0.0
-        for mb_inputs, mb_target in split_microbatches(list(inputs), target, config.num_microbatches):
-            loss = criterion(model(*mb_inputs), mb_target) / config.num_microbatches
+        for mb_inputs, mb_target in _microbatches(inputs, target, config.num_microbatches):
+            output = model(**mb_inputs[0]) if isinstance(inputs, Mapping) else model(*mb_inputs)
+            loss = criterion(output, mb_target) / config.num_microbatches
             loss.backward()
             total += float(loss.detach())
         apply_update(optimizer, step, lr_schedule=config.lr_schedule, clip_grad=config.clip_grad)
@@ -46,8 +49,27 @@ def single_process_reference(
     return losses
 
 
+def _microbatches(inputs: Any, target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """`split_microbatches` of a dataset's inputs: a tuple of positional inputs, or one dict of keyword inputs."""
+    return split_microbatches([inputs] if isinstance(inputs, Mapping) else list(inputs), target, num_microbatches)
+
+
+def _stage_inputs(graph: Graph, inputs: Any, mb_inputs: Sequence[Any]) -> list[Any]:
+    """Stage 0's model inputs for one microbatch: positional inputs as they are; keyword inputs in the
+    order of the graph's placeholders (`metadata["inputs"]`, as the profiler traced them)."""
+    if not isinstance(inputs, Mapping):
+        return list(mb_inputs)
+    kwargs = mb_inputs[0]
+    names = [i["name"] for i in graph.metadata.get("inputs", ()) if isinstance(i, Mapping) and "name" in i]
+    if sorted(names) != sorted(kwargs):
+        return list(kwargs.values())  # no record of the placeholders: the dict's order (how flat_inputs traced it)
+    return [kwargs[name] for name in names]
+
+
 class SingleProcessRunner:
-    """Every stage of a plan in this process, run microbatch by microbatch (debugging mode)."""
+    """Every stage of a plan in this process, run microbatch by microbatch (debugging mode). Values pass
+    between stages as they would cross a pipeline boundary (`structure.cross`: flattened and rebuilt),
+    so a plan runs here exactly when it runs on several ranks."""
 
     def __init__(self, graph: Graph, plan: Plan, model: nn.Module, criterion: Callable, optimizer_factory: OptimizerFactory,
                  dataset: Any, config: TrainConfig) -> None:
@@ -66,6 +88,9 @@ class SingleProcessRunner:
     def _model_output(self, outputs: Sequence[Any]) -> Any:
         return model_output(self.graph, self.stages[-1].output_names, outputs)
 
+    def _names(self, stage: Any) -> tuple[str, ...]:
+        return tuple(stage.output_names)
+
     def _pipedream_step(self, step: int) -> StepResult:
         """PipeDream's asynchronous 1F1B with weight stashing, run in grid order in this process."""
         from torch.func import functional_call
@@ -74,7 +99,7 @@ class SingleProcessRunner:
 
         cfg, p = self.config, len(self.stages)
         inputs, target = self.dataset.batch(step)
-        microbatches = split_microbatches(list(inputs), target, cfg.num_microbatches)
+        microbatches = _microbatches(inputs, target, cfg.num_microbatches)
         schedule = pipedream_async(p, cfg.num_microbatches)
         state: dict[tuple[int, int], dict[str, Any]] = {}
         total = 0.0
@@ -86,15 +111,20 @@ class SingleProcessRunner:
                 j, stage = action.microbatch, self.stages[s]
                 if action.is_forward:
                     if s == 0:
-                        values = list(microbatches[j][0])
+                        leaves = values = _stage_inputs(self.graph, inputs, microbatches[j][0])
                     else:
-                        values = [v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                                  else v for v in state[(s - 1, j)]["outputs"]]
+                        # A new graph per stage, as across ranks: the boundary's flat tensors, detached.
+                        upstream = state[(s - 1, j)]
+                        leaves = [v.detach().requires_grad_(v.requires_grad) if v.is_floating_point() else v
+                                  for v in upstream["leaves"]]
+                        values = unflatten(leaves, upstream["tree"])
                     weights = {n: q.detach().clone().requires_grad_(True) for n, q in stage.named_parameters()}
-                    outputs = functional_call(stage, weights, tuple(values))
-                    entry = {"inputs": values, "outputs": outputs, "weights": weights}
-                    if s == p - 1:
-                        entry["loss"] = self.criterion(self._model_output(list(outputs)), microbatches[j][1])
+                    outputs = list(functional_call(stage, weights, tuple(values)))
+                    entry = {"inputs": leaves, "outputs": outputs, "weights": weights}
+                    if s < p - 1:
+                        entry["leaves"], entry["tree"] = flatten_values(outputs, self._names(stage))
+                    else:
+                        entry["loss"] = self.criterion(self._model_output(outputs), microbatches[j][1])
                         total += float(entry["loss"].detach()) / cfg.num_microbatches
                     state[(s, j)] = entry
                 else:
@@ -103,7 +133,7 @@ class SingleProcessRunner:
                         entry["loss"].backward()
                     else:
                         downstream = state[(s + 1, j)]["inputs"]
-                        pairs = [(o, v.grad) for o, v in zip(entry["outputs"], downstream)
+                        pairs = [(o, v.grad) for o, v in zip(entry["leaves"], downstream, strict=True)
                                  if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(v, torch.Tensor) and v.grad is not None]
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     optimizer = self.stage_optimizers[s]
@@ -119,9 +149,11 @@ class SingleProcessRunner:
             return self._pipedream_step(step)
         inputs, target = self.dataset.batch(step)
         total = 0.0
-        for j, (mb_inputs, mb_target) in enumerate(split_microbatches(list(inputs), target, cfg.num_microbatches)):
-            values: list[Any] = list(mb_inputs)
+        for mb_inputs, mb_target in _microbatches(inputs, target, cfg.num_microbatches):
+            values: list[Any] = _stage_inputs(self.graph, inputs, mb_inputs)
             for index, stage in enumerate(self.stages):
+                if index > 0:
+                    values = cross(values, self._names(self.stages[index - 1]))
                 with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
                     if cfg.recompute_stage(index):
                         from torch.utils.checkpoint import checkpoint
@@ -129,7 +161,7 @@ class SingleProcessRunner:
                         values = list(checkpoint(stage, *values, use_reentrant=False))
                     else:
                         values = list(stage(*values))
-            loss = self.criterion(self._model_output(values).float(), mb_target) / cfg.num_microbatches
+            loss = self.criterion(float_output(self._model_output(values)), mb_target) / cfg.num_microbatches
             loss.backward()
             total += float(loss.detach())
         norm = squared_grad_norm(self.params) ** 0.5

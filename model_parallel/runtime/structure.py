@@ -1,0 +1,207 @@
+"""Values crossing a stage boundary, as flat tensors plus a JSON description of where they sit.
+
+A node's value may be a tensor, a tuple from a multi-output module (`nn.MultiheadAttention`, every
+Hugging Face attention), a list from `split`, a dict or `ModelOutput`, a `torch.return_types`
+tuple from `max`, or a small Python value. `flatten` turns any such value into its tensors (the
+leaves, sent as tensors) and a structure that says where each one goes, with the small values
+inlined; `unflatten` rebuilds the value around the received tensors. The structure is plain JSON
+(it travels in a message header, see comm.py), one kind per node:
+
+    {"leaf": i}                         the i-th tensor
+    {"tuple": [...]}  {"list": [...]}   containers, in order
+    {"dict": [[key, ...], ...]}         a dict (str or int keys, order kept)
+    {"record": [[key, ...], ...]}       our OutputDict or a Hugging Face ModelOutput: rebuilt as an
+                                        OutputDict (`out.logits`, `out["logits"]`, `out[0]` all work)
+    {"namedtuple": [[field, ...], ...]} rebuilt as a namedtuple with those fields
+    {"return_type": name, "items": [...]}   a torch.return_types tuple (`torch.max(x, 1)`)
+    {"value": v}                        None, bool, int, finite float, str
+    {"float": "inf"|"-inf"|"nan"}  {"size": [...]}  {"dtype": "float32"}  {"device": "cuda"}
+
+Decoding accepts only these kinds and constructs no type named on the wire other than a
+`torch.return_types` member (closed list) and a fresh namedtuple of identifier fields: a peer can
+never make this process import or build an arbitrary object. A device is re-localised to the
+receiver's own device (ranks hold their stage on their own GPU).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import keyword
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.return_types
+
+from model_parallel.errors import PlanError, ProtocolError
+from model_parallel.graph.arguments import OutputDict
+
+Structure = Any  # the JSON description above
+MAX_DEPTH = 64  # nesting deeper than this is garbage from the wire, not a model's value
+ALLOWED = ("tensors, tuples/lists/dicts of them, Hugging Face ModelOutputs, namedtuples, None, bool, int, "
+           "float, str, torch.Size, torch.dtype and torch.device")
+
+
+def _is_record(value: Any) -> bool:
+    """Our OutputDict, or a transformers ModelOutput (recognised by class, without importing transformers)."""
+    return isinstance(value, OutputDict) or any(
+        c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.") for c in type(value).__mro__)
+
+
+def _return_type(value: Any) -> Optional[str]:
+    name = type(value).__name__
+    if type(value).__module__ == "torch.return_types" and getattr(torch.return_types, name, None) is type(value):
+        return name
+    return None
+
+
+def _walk(v: Any, path: str, name: str, leaves: list[torch.Tensor]) -> Structure:
+    """The structure of `v` (at `path` inside boundary value `name`), appending its tensors to `leaves`."""
+    if isinstance(v, torch.Tensor):
+        leaves.append(v)
+        return {"leaf": len(leaves) - 1}
+    if v is None or isinstance(v, (bool, int, str)):
+        return {"value": v}
+    if isinstance(v, float):
+        return {"value": v} if math.isfinite(v) else {"float": repr(v)}
+    if isinstance(v, torch.Size):
+        return {"size": [int(d) for d in v]}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"device": v.type}
+    if isinstance(v, tuple):
+        return_type = _return_type(v)
+        if return_type is not None:
+            return {"return_type": return_type,
+                    "items": [_walk(x, f"{path}[{i}]", name, leaves) for i, x in enumerate(v)]}
+        fields = getattr(type(v), "_fields", None)
+        if isinstance(fields, tuple) and all(isinstance(f, str) for f in fields):
+            return {"namedtuple": [[f, _walk(x, f"{path}.{f}", name, leaves)] for f, x in zip(fields, v)]}
+        return {"tuple": [_walk(x, f"{path}[{i}]", name, leaves) for i, x in enumerate(v)]}
+    if isinstance(v, list):
+        return {"list": [_walk(x, f"{path}[{i}]", name, leaves) for i, x in enumerate(v)]}
+    if isinstance(v, Mapping):
+        bad = [k for k in v if not isinstance(k, (str, int)) or isinstance(k, bool)]
+        if bad:
+            raise PlanError(f"boundary value {name!r}{path} is a dict with a key of type {type(bad[0]).__name__} "
+                            f"({bad[0]!r}); only str and int keys can cross a stage boundary: move the cut so that "
+                            "this dict stays inside one stage")
+        kind = "record" if _is_record(v) else "dict"
+        return {kind: [[k, _walk(x, f"{path}[{k!r}]", name, leaves)] for k, x in v.items()]}
+    kind = f"{type(v).__module__}.{type(v).__qualname__}"
+    raise PlanError(f"boundary value {name!r}{path} is a {kind}, which cannot cross a stage boundary (allowed: "
+                    f"{ALLOWED}); move the cut so that node {name!r} and its users are in one stage, or make the "
+                    "module return one of the allowed types")
+
+
+def flatten(value: Any, name: str = "value") -> tuple[list[torch.Tensor], Structure]:
+    """The tensors of `value` in order, and its structure; `name` (a node id) names it in errors."""
+    leaves: list[torch.Tensor] = []
+    return leaves, _walk(value, "", name, leaves)
+
+
+def flatten_values(values: Sequence[Any], names: Sequence[str]) -> tuple[list[torch.Tensor], Structure]:
+    """`flatten` of a list of boundary values (a {"list": [...]}), each named by its node id in errors."""
+    leaves: list[torch.Tensor] = []
+    return leaves, {"list": [_walk(v, "", name, leaves) for v, name in zip(values, names, strict=True)]}
+
+
+def _bad(structure: Any, why: str) -> ProtocolError:
+    return ProtocolError(f"malformed boundary structure {str(structure)[:120]}: {why} "
+                         "(are both ranks running the same version of model_parallel?)")
+
+
+@functools.lru_cache(maxsize=256)
+def _namedtuple(fields: tuple[str, ...]) -> type:
+    return collections.namedtuple("BoundaryTuple", fields)  # type: ignore[misc]
+
+
+def unflatten(leaves: Sequence[Any], structure: Structure, device: Optional[torch.device] = None) -> Any:
+    """The value `structure` describes, with its leaves taken from `leaves` (each exactly once)."""
+    used = [False] * len(leaves)
+
+    def pairs(payload: Any, depth: int, kinds: tuple[type, ...]) -> list[tuple[Any, Any]]:
+        if not isinstance(payload, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], kinds) and not isinstance(p[0], bool)
+                for p in payload):
+            raise _bad(payload, f"expected [[key, value], ...] with keys of type {'/'.join(k.__name__ for k in kinds)}")
+        return [(k, build(s, depth + 1)) for k, s in payload]
+
+    def items(payload: Any, depth: int) -> list[Any]:
+        if not isinstance(payload, list):
+            raise _bad(payload, "expected a list")
+        return [build(s, depth + 1) for s in payload]
+
+    def build(s: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise _bad(s, f"nested deeper than {MAX_DEPTH}")
+        if not isinstance(s, dict) or not s:
+            raise _bad(s, "expected an object with one kind")
+        kind = "return_type" if "return_type" in s else next(iter(s))
+        payload = s[kind]
+        if len(s) != (2 if kind == "return_type" else 1):
+            raise _bad(s, "unexpected keys")
+        if kind == "leaf":
+            if not isinstance(payload, int) or isinstance(payload, bool) or not 0 <= payload < len(leaves) \
+                    or used[payload]:
+                raise _bad(s, f"leaf index must be an unused int in 0..{len(leaves) - 1}")
+            used[payload] = True
+            return leaves[payload]
+        if kind == "value":
+            if payload is None or isinstance(payload, (bool, int, str)) or (isinstance(payload, float)
+                                                                            and math.isfinite(payload)):
+                return payload
+            raise _bad(s, "a value is None, bool, int, str or a finite float")
+        if kind == "float":
+            if payload not in ("inf", "-inf", "nan"):
+                raise _bad(s, "expected 'inf', '-inf' or 'nan'")
+            return float(payload)
+        if kind == "size":
+            if not isinstance(payload, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in payload):
+                raise _bad(s, "a size is a list of ints")
+            return torch.Size(payload)
+        if kind == "dtype":
+            dtype = getattr(torch, payload, None) if isinstance(payload, str) and not payload.startswith("_") else None
+            if not isinstance(dtype, torch.dtype):
+                raise _bad(s, "unknown dtype")
+            return dtype
+        if kind == "device":
+            if not isinstance(payload, str):
+                raise _bad(s, "a device is a type name")
+            return device if device is not None else torch.device("cpu")
+        if kind == "tuple":
+            return tuple(items(payload, depth))
+        if kind == "list":
+            return items(payload, depth)
+        if kind == "dict":
+            return dict(pairs(payload, depth, (str, int)))
+        if kind == "record":
+            return OutputDict(pairs(payload, depth, (str,)))
+        if kind == "namedtuple":
+            built = pairs(payload, depth, (str,))
+            fields = tuple(f for f, _ in built)
+            if not all(f.isidentifier() and not keyword.iskeyword(f) and not f.startswith("_") for f in fields) \
+                    or len(set(fields)) != len(fields):
+                raise _bad(s, "namedtuple fields must be distinct public identifiers")
+            return _namedtuple(fields)(*(v for _, v in built))
+        if kind == "return_type":
+            name = payload
+            cls = getattr(torch.return_types, name, None) if isinstance(name, str) and not name.startswith("_") else None
+            if not (isinstance(cls, type) and issubclass(cls, tuple) and cls.__module__ == "torch.return_types"):
+                raise _bad(s, "unknown torch.return_types member")
+            return cls(items(s.get("items"), depth))
+        raise _bad(s, f"unknown kind {str(kind)[:40]!r}")
+
+    value = build(structure, 0)
+    if not all(used):
+        raise _bad(structure, f"{used.count(False)} of {len(leaves)} tensors are not placed")
+    return value
+
+
+def cross(values: Sequence[Any], names: Sequence[str]) -> list[Any]:
+    """What the next stage receives for `values` (same tensors, containers rebuilt as the wire rebuilds
+    them): single-process mode runs exactly the values a pipeline would, and refuses the same ones."""
+    leaves, structure = flatten_values(values, names)
+    return unflatten(leaves, structure)
