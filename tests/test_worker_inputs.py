@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.runtime.checkpoint import load_checkpoint
 from model_parallel.runtime.launch import launch_workers
 from support.mlp import assert_params_close, mlp_job, reference_params
@@ -122,7 +123,8 @@ def test_pipedream_generated_package_trains_like_one_process(tmp_path: Path) -> 
 def test_pipedream_package_refuses_a_live_plan_switch_and_trains_on(tmp_path: Path) -> None:
     package = write_pipedream_package(tmp_path / "tiny_pkg")
     script = tmp_path / "control.json"
-    script.write_text(json.dumps({"1": {"kind": "switch", "plan": {"stages": []}}}), encoding="utf-8")
+    any_plan = Plan(stages=(StagePlan(stage_id=0, node_ids=("x",)),)).to_dict()  # refused before it is looked at
+    script.write_text(json.dumps({"1": {"kind": "switch", "plan": any_plan}}), encoding="utf-8")
     result = launch_workers(["--package", str(package), "--input_shape", "16", "--steps", "3",
                              "--control_script", str(script), *TRAIN], 2, timeout=150)
     assert result.ok, result.summary()  # refused, not fatal: training goes on with the static plan
