@@ -108,13 +108,14 @@ def run_ctl(args: Any) -> int:
 
 # ---- coordinator (also `python test_socket.py`) -----------------------------------------------------
 def add_coordinator_arguments(parser: Any) -> None:
-    from model_parallel.coordinator.jobfiles import DEFAULT_COORDINATOR_PORT, SERVED_FLAGS
+    from model_parallel.coordinator.jobfiles import COORDINATOR_ENV, DEFAULT_COORDINATOR_PORT, SERVED_FLAGS, coordinator_port
 
     parser.add_argument("--host", default="0.0.0.0",
                         help="bind address (default 0.0.0.0: all interfaces, so workers on other machines reach it; "
                              "127.0.0.1 for this machine only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_COORDINATOR_PORT,
-                        help=f"TCP port (default {DEFAULT_COORDINATOR_PORT}; 0 = any free port, printed)")
+    parser.add_argument("--port", type=int, default=coordinator_port(),
+                        help=f"TCP port (default: the port of ${COORDINATOR_ENV}, else {DEFAULT_COORDINATOR_PORT}; "
+                             "0 = any free port, printed)")
     _add_token_arguments(parser)
     job = parser.add_argument_group("the job (default: the package convert_graph_to_model.py wrote last)")
     job.add_argument("--package", help="a generated package directory (graph.json + plan.json inside)")

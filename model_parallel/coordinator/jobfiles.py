@@ -91,6 +91,14 @@ def default_token_file() -> Optional[str]:
     return str(path) if path.is_file() else None
 
 
+def coordinator_port() -> int:
+    """The coordinator's default port: the one `$MODEL_PARALLEL_COORDINATOR` names, else 29600 (one
+    variable then tells the coordinator and its workers where to meet)."""
+    text = os.environ.get(COORDINATOR_ENV, "")
+    port = text.rpartition(":")[2]
+    return int(port) if port.isascii() and port.isdigit() and 0 < int(port) < 65536 else DEFAULT_COORDINATOR_PORT
+
+
 def coordinator_address(flag: Optional[str], dist_addr: Optional[str]) -> Optional[str]:
     """A worker's coordinator: `--coordinator`, else `$MODEL_PARALLEL_COORDINATOR`, else rank 0's host on the
     default port (the seed's master server and rank 0 often share a machine); None when nothing says."""
