@@ -25,6 +25,29 @@ def test_throughput_phases_without_a_switch():
 
 
 @pytest.mark.slow
+def test_worker_and_coordinator_lines_show_once_and_as_they_come(capsys):
+    """Worker lines name their rank already (no `[rank 2] [rank 2 stage 2]`); coordinator decisions stream live."""
+    class Bar:
+        def __init__(self):
+            self.written = []
+
+        def write(self, text):
+            self.written.append(text)
+
+    bar = Bar()
+    echo = demo._Echo(bar)
+    echo(2, "12:00:01 WARNING model_parallel.runtime.engine: [rank 2 stage 2] switch to plan v1 at step 5")
+    echo(1, "test_parallel_0.py: error: something failed")
+    assert bar.written == ["  12:00:01 WARNING model_parallel.runtime.engine: [rank 2 stage 2] switch to plan v1 at step 5",
+                           "  [rank 1] test_parallel_0.py: error: something failed"]
+    coordinator = demo._CoordinatorEcho()
+    coordinator(0, "12:00:00 [coordinator] INFO x: coordinator listening on 127.0.0.1:1 (policy auto, plan v0, 3 stage(s))")
+    assert "[coordinator] coordinator listening" in capsys.readouterr().out  # before the bar exists: printed
+    coordinator.bar = bar
+    coordinator(0, "12:00:02 [coordinator] INFO x: switching to plan v1: predicted 5.00 -> 4.00 ms")
+    assert bar.written[-1] == "  [coordinator] switching to plan v1: predicted 5.00 -> 4.00 ms"
+
+
 def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     out = tmp_path / "run"
     code = demo.main(["--out", str(out), "--steps", "16", "--slow-at", "4", "--workers", "2", "--batch-size", "16"])

@@ -57,3 +57,15 @@ def test_gpt_example_single_process() -> None:
 def test_torchvision_example_single_process() -> None:
     output = run([PYTHON, str(EXAMPLES / "torchvision_pipeline.py"), "--steps", "1", "--batch_size", "8", "--microbatches", "2"])
     assert "trained 1 steps of resnet18 on 1 process(es)" in output, output[-3000:]
+
+
+def test_readme_python_snippet_under_torchrun(tmp_path: Path) -> None:
+    """The README's "The same in Python" block, as written, under `torchrun --nproc_per_node=2`: progress and a result."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme[readme.index("### The same in Python"):]
+    snippet = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    script = tmp_path / "readme_snippet.py"
+    script.write_text(snippet.replace("trainer.train(100)", "trainer.train(5)") + "\n")
+    output = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
+    assert "trained 5 steps; loss" in output, output[-3000:]
+    assert "train: 100%" in output  # rank 0's progress bar

@@ -55,6 +55,19 @@ def test_step_record_adds_up_and_is_written(tmp_path):
     assert StepReport.from_dict(report.to_dict()) == report
 
 
+def test_pause_before_the_switch_step_counts_in_its_time_so_idle_is_never_negative():
+    """A plan switch pauses between two steps; the next step carries the pause as migration time."""
+    recorder = MetricsRecorder(rank=0)
+    recorder.begin_step(3)
+    recorder.add_before_step("migration", 0.2)  # paused 200 ms before begin_step
+    with recorder.measure("forward"):
+        time.sleep(0.01)
+    record = recorder.end_step(samples=8)
+    assert record.migration_ms == pytest.approx(200.0)
+    assert record.step_ms >= record.compute_ms + record.comm_ms and record.idle_ms >= 0, record
+    assert record.step_ms == pytest.approx(210.0, abs=50.0)
+
+
 def test_recorder_errors():
     recorder = MetricsRecorder(1)
     with pytest.raises(ValueError, match="rank 1: end_step\\(\\) without begin_step\\(\\)"):

@@ -111,9 +111,22 @@ def test_window_and_cooldown_gate_the_decision():
     samples = measure(graph, plan, {0: 1.0, 1: 0.5}, n=3)
     assert "waiting for 5 samples" in decide(graph, plan, samples, config, 50).reason
     samples = measure(graph, plan, {0: 1.0, 1: 0.5}, n=5)
-    assert "cooldown: 3 of 10" in decide(graph, plan, samples, config, 3).reason
+    switched_once = Plan(plan.stages, version=1)  # the cooldown runs between switches
+    assert "cooldown: 3 of 10" in decide(graph, switched_once, samples, config, 3).reason
     forced = decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.5}, n=1), config, 0, force=True)
     assert forced.plan is not None and forced.plan.version == 1
+
+
+def test_short_run_switches_before_the_first_cooldown_when_the_imbalance_is_plain():
+    """The cooldown counts from the start before the first switch: a 10-step run would never rebalance."""
+    graph = chain_graph([1.0] * 40)
+    plan = even_plan(graph, 2)
+    config = pol.PolicyConfig(threshold=0.1, cooldown_steps=20, window=5)
+    plain = decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.5}), config, 5)  # 2x slower rank: 33% gain
+    assert plain.plan is not None and plain.plan.version == 1, plain.reason
+    marginal = decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.75}), config, 5)  # 23/17 split: 14% gain
+    assert marginal.plan is None and "cooldown: 5 of 20 steps since the start" in marginal.reason, marginal.reason
+    assert decide(graph, plan, measure(graph, plan, {0: 1.0, 1: 0.75}), config, 20).plan is not None
 
 
 def test_calibration_fixes_a_wrong_profile():

@@ -64,6 +64,8 @@ ENTRY_POINTS = (
     "profiler.image_classification.main",
     "optimizer.optimizer_graph_hierarchical",
     "optimizer.convert_graph_to_model",
+    "test_socket",  # model_parallel/test_socket.py: the seed runs step 4 from model_parallel/
+    "test_parallel_0",
 )
 ROOT_SCRIPTS = ("test_socket.py", "test_parallel_0.py")  # the seed's scripts at the repository root
 

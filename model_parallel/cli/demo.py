@@ -69,7 +69,20 @@ class _Echo:
             self.bar.n = int(match.group(1)) + 1
             self.bar.refresh()
         elif any(word in line for word in ("switch", "ERROR", "error:", "migrat")) and "%|" not in line:
-            self.bar.write(f"  [rank {rank}] {line}")
+            # A worker's lines name their rank already (`[rank r stage s]`); add it only where missing.
+            self.bar.write(f"  {line}" if f"[rank {rank}" in line else f"  [rank {rank}] {line}")
+
+
+class _CoordinatorEcho:
+    """Shows the coordinator's plan decisions as they happen (above the progress bar once there is one)."""
+
+    def __init__(self) -> None:
+        self.bar: Optional[tqdm] = None
+
+    def __call__(self, rank: int, line: str) -> None:
+        if "plan v" in line:
+            text = f"  [coordinator] {line.split(': ', 1)[-1]}"
+            self.bar.write(text) if self.bar is not None else print(text, flush=True)
 
 
 def _short(arg: str) -> str:
@@ -126,15 +139,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for command in commands:
         print(f"  worker:      {' '.join(_short(c) for c in command[1:]).replace(token, '<token>')}")
     started = time.monotonic()
-    with LocalWorld([coordinator_cmd]) as coordinator:
+    echo = _CoordinatorEcho()
+    with LocalWorld([coordinator_cmd], echo=echo) as coordinator:
         coordinator.wait_for_line(0, r"listening", timeout=60)
-        training = tqdm(total=args.steps, desc="training", unit="step", file=sys.stdout, leave=False)
+        training = echo.bar = tqdm(total=args.steps, desc="training", unit="step", file=sys.stdout, leave=False)
         with LocalWorld(commands, echo=_Echo(training)) as world:
             result = world.wait(args.timeout)
+        echo.bar = None
         training.close()
-        for line in coordinator.lines(0):
-            if "plan v" in line:
-                print(f"  [coordinator] {line.split(': ', 1)[-1]}")
         (logs / "coordinator.log").write_text("\n".join(coordinator.lines(0)) + "\n")
     for worker in result.workers:
         (logs / f"worker{worker.rank}.log").write_text(worker.output + "\n")

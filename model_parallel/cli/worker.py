@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -143,10 +144,70 @@ def make_optimizer_factory(args: Any) -> Any:
     return factory
 
 
-def job_spec(args: Any) -> JobSpec:
-    """The job the flags describe (`--model/--package/--graph`, the plan and the data)."""
+@dataclass(frozen=True)
+class ServedJob:
+    """What the coordinator sent a worker started without a model (`ask_coordinator`)."""
+
+    graph: Any  # graph.core.Graph, checked by the safe loader
+    plan: Any  # graph.plan.Plan
+    address: str  # the coordinator's HOST:PORT
+    token: bytes  # the token that worked
+
+
+def wants_served_job(args: Any) -> bool:
+    """The seed's `--rank N --dist_addr IP` alone: no model on the command line, so the coordinator sends it."""
+    return not (args.model or args.package or args.graph or args.jobs or args.single_process)
+
+
+def ask_coordinator(argv: Sequence[str], args: Any) -> tuple[Any, ServedJob]:
+    """Fetch the job from the coordinator; returns the arguments with its training flags (the command line's
+    own flags win) and the served graph and plan."""
+    from model_parallel.codegen.build import check_layers, ensure_layers
+    from model_parallel.coordinator.client import fetch_job
+    from model_parallel.coordinator.jobfiles import SERVED_FLAGS, coordinator_address, token_path
+    from model_parallel.coordinator.protocol import read_token
+    from model_parallel.graph.json_format import graph_from_dict
+    from model_parallel.graph.plan import Plan
+
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
+    address = coordinator_address(args.coordinator, args.dist_addr or os.environ.get("MASTER_ADDR"))
+    if address is None:
+        raise PlanError("nothing to train: give --model, --package or --graph, or --dist_addr (the coordinator is "
+                        "then asked on that host) or --coordinator HOST:PORT / $MODEL_PARALLEL_COORDINATOR")
+    reply, token = fetch_job(address, lambda: read_token(args.token, args.token_file, str(token_path())), rank,
+                             args.timeout)
+    where = f"the job from the coordinator at {address}"
+    graph = graph_from_dict(reply["graph"], source=where)
+    check_layers(ensure_layers(graph))  # a file from the network: the same allow-lists as a graph.json on disk
+    plan = Plan.from_dict(reply["plan"], source=where)
+    served: list[str] = []
+    for flag, value in reply["train"].items():
+        if flag not in SERVED_FLAGS or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ProtocolError(f"{where}: training flag {flag!r} = {str(value)[:40]!r} is not one a coordinator may "
+                                f"set ({', '.join(SERVED_FLAGS)}); run the same model_parallel version on both sides")
+        served += [f"--{flag}", str(value)]
+    parser = build_parser()
+
+    def refuse(message: str) -> None:
+        raise ProtocolError(f"{where}: {message}; fix the coordinator's training flags")
+
+    parser.error = refuse  # type: ignore[method-assign]  # a bad served flag is a typed error, not SystemExit
+    merged = parser.parse_args(served + list(argv))  # argparse keeps the last value: the worker's own flags win
+    merged.coordinator = address
+    if merged.world_size is None and not os.environ.get("WORLD_SIZE"):
+        merged.world_size = plan.num_ranks
+    logger.info("rank %d got the job from the coordinator at %s: %d stage(s) on %d rank(s)%s", rank, address,
+                plan.num_stages, plan.num_ranks, f", flags {' '.join(served)}" if served else "")
+    return merged, ServedJob(graph, plan, address, token)
+
+
+def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
+    """The job the flags describe (`--model/--package/--graph`, the plan and the data), or the coordinator sent."""
     from model_parallel.graph.plan import parse_stage_to_num_ranks
 
+    if served is not None:
+        return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
+                       data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches)
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
@@ -157,9 +218,9 @@ def job_spec(args: Any) -> JobSpec:
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches)
 
 
-def load_job(args: Any, world_size: int) -> Job:
-    """Graph, plan, seed-built model, criterion and dataset from the command line."""
-    return build_job(job_spec(args), world_size)
+def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:
+    """Graph, plan, seed-built model, criterion and dataset from the command line (or the coordinator)."""
+    return build_job(job_spec(args, served), world_size)
 
 
 def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -175,14 +236,14 @@ def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
     return shape
 
 
-def make_channel(args: Any, rank: int, world_size: int) -> Any:
+def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None) -> Any:
     from model_parallel.messages import NullChannel, ScriptedChannel
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel
         from model_parallel.coordinator.protocol import read_token
 
-        return CoordinatorChannel(args.coordinator, read_token(args.token, args.token_file), rank, world_size)
+        return CoordinatorChannel(args.coordinator, token or read_token(args.token, args.token_file), rank, world_size)
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
@@ -268,17 +329,23 @@ def rendezvous(args: Any) -> Rendezvous:
                       backend=args.backend, timeout=args.timeout)
 
 
-def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefix: Optional[RankPrefix] = None) -> Any:
-    """Build one job from its flags and train it on the already-joined world."""
-    job = load_job(args, world.world_size)
-    channel = make_channel(args, world.rank, world.world_size)
+def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefix: Optional[RankPrefix] = None,
+            served: Optional[ServedJob] = None) -> Any:
+    """Build one job from its flags (or the coordinator's) and train it on the already-joined world."""
+    job = load_job(args, world.world_size, served)
+    channel = make_channel(args, world.rank, world.world_size, served.token if served else None)
     on_engine = None if prefix is None else lambda engine: setattr(prefix, "engine", engine)
     return run_job(job, config, options, args.steps, make_optimizer_factory(args), channel, world, health, on_engine)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     check_inputs(args)
+    served = None
+    if wants_served_job(args):
+        configure_logging(args.verbose)
+        args, served = ask_coordinator(argv, args)
     jobs = read_jobs(args.jobs) if args.jobs else [None]
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # steady allocation cost, the same the profile was taken with
@@ -308,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
             job_config, job_options = (config, options) if job_argv is None else make_config(job_args)
-            run_one(job_args, job_config, job_options, world, health, prefix)
+            run_one(job_args, job_config, job_options, world, health, prefix, served)
         health.stop("done")
         dist.destroy_process_group()
         # Leave without interpreter teardown: the store host may already be gone, and a store call

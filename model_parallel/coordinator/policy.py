@@ -15,7 +15,9 @@ bottleneck by construction), the partition is re-solved for the same ranks in th
 (a) every active rank has a full window of samples under the current plan version, (b) at least
 `cooldown_steps` steps passed since the last switch, and (c) the predicted gain
 `(current - new) / current` beats `threshold` (hysteresis: a noisy but balanced pipeline never
-switches, and a switch is not undone by noise).
+switches, and a switch is not undone by noise). Before the first switch (plan v0) the cooldown would
+count from the start, so a short run could never rebalance: there a predicted gain above twice the
+threshold (a plain imbalance) switches at once, and only a marginal one waits for the cooldown.
 
 Change detection. Per-stage measurements cannot tell a slow worker from layers that cost more
 than profiled, so every plan changes what the speeds *look* like. Hence speeds are compared with a
@@ -283,8 +285,11 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         short = [r for r in ranks if len(samples.compute_ms.get(r, ())) < config.window]
         if short:
             return Decision(None, f"waiting for {config.window} samples from rank(s) {short}")
-        if steps_since_switch < cooldown:
+        if steps_since_switch < cooldown and plan.version > 0:
             return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the last switch")
+    # Before the first switch the cooldown counts from the start, which a short run (10 steps) never
+    # leaves: a plain imbalance (twice the threshold) may switch at once; a marginal one waits.
+    early = not force and plan.version == 0 and steps_since_switch < cooldown
     try:
         estimate = estimate_speeds(graph, plan, {r: list(samples.compute_ms.get(r, ()))[-config.window:] for r in ranks})
     except PlanError as error:
@@ -307,6 +312,10 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks
     if same:
         return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain, changed)
+    if early and gain <= 2 * threshold:
+        return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the start (a first switch "
+                              f"before then needs a predicted gain above {2 * threshold:.0%}, got {gain:.1%})",
+                        current, new, estimate, gain, changed)
     if not force and gain <= threshold:
         return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}",
                         current, new, estimate, gain, changed)

@@ -8,7 +8,9 @@ Frame layout (all integers big-endian)::
     +-------------+----------------------+------------+---------------------------+
 
 - `length` is at most `MAX_FRAME_BYTES` (1 MiB); a larger length is rejected *before* the body is
-  read, so a hostile peer cannot make us allocate or wait for more.
+  read, so a hostile peer cannot make us allocate or wait for more. One exception: the `job` reply a
+  worker asked its coordinator for (a whole graph.json) may be up to `MAX_JOB_FRAME_BYTES` (64 MiB);
+  only that client, reading that one reply from the server it connected to, accepts it.
 - `body` is a JSON object `{"v": 1, "type": "<type>", "seq": n, ...fields}`. `v` must equal
   `PROTOCOL_VERSION`; `type` must be one of `MESSAGE_FIELDS` and carry that type's fields.
 - Every connection starts with the server sending an unauthenticated `hello` carrying a fresh
@@ -45,6 +47,7 @@ from model_parallel.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
+MAX_JOB_FRAME_BYTES = 64 << 20  # a `job` reply carries a graph.json (tens of MB for a very large model)
 MAC_BYTES = 32
 HEADER = struct.Struct(">I")
 SEQ = struct.Struct(">Q")
@@ -77,12 +80,18 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "reply": {"ok": (bool,), "result": (dict,), "error": (str,)},
     # client -> server: the worker finished (or is stopping) on purpose
     "bye": {"rank": (int,), "reason": (str,)},
+    # client -> server, instead of register: a worker started without a model asks what to train
+    "job-request": {"rank": (int,), "host": (str,), "pid": (int,)},
+    # server -> client: graph.json and plan.json as objects, the plan's version, and worker flags
+    # (`train`: {flag: value}, e.g. {"batch_size": 8}) that the worker's own command line overrides
+    "job": {"graph": (dict,), "plan": (dict,), "plan_version": (int,), "train": (dict,)},
 }
 # Fields a message may omit (e.g. a ctl client's register has no rank).
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
     "register": frozenset({"rank", "host", "pid", "world_size"}),
     "reply": frozenset({"result", "error"}),
     "report": frozenset({"loss"}),
+    "job-request": frozenset({"rank", "host", "pid"}),
 }
 COMMAND_KINDS = ("switch", "stop", "slowdown")
 CTL_OPS = ("status", "rebalance", "set-plan", "scale", "slow")
@@ -134,13 +143,18 @@ def make_message(kind: str, seq: int = 0, **fields: Any) -> dict[str, Any]:
     return _check({"v": PROTOCOL_VERSION, "type": kind, "seq": seq, **fields})
 
 
+def _frame_limit(kind: Any) -> int:
+    return MAX_JOB_FRAME_BYTES if kind == "job" else MAX_FRAME_BYTES
+
+
 def encode_body(message: dict[str, Any]) -> bytes:
     try:
         body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as error:
         raise ProtocolError(f"{message.get('type')}: cannot encode message as JSON ({error})") from None
-    if len(body) + PREFIX_BYTES > MAX_FRAME_BYTES:
-        raise ProtocolError(f"{message.get('type')}: message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    limit = _frame_limit(message.get("type"))
+    if len(body) + PREFIX_BYTES > limit:
+        raise ProtocolError(f"{message.get('type')}: message of {len(body)} bytes exceeds the {limit}-byte frame limit")
     return body
 
 
@@ -153,19 +167,20 @@ def encode_frame(message: dict[str, Any], token: Optional[bytes], direction: byt
     return HEADER.pack(PREFIX_BYTES + len(body)) + mac + SEQ.pack(seq) + body
 
 
-def parse_length(header: bytes) -> int:
+def parse_length(header: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
     """The payload length from a 4-byte header; rejects short headers and oversized/undersized lengths."""
     if len(header) != HEADER.size:
         raise ProtocolError(f"truncated frame: header has {len(header)} of {HEADER.size} bytes")
     (length,) = HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit; refusing to read it")
+    if length > max_bytes:
+        raise ProtocolError(f"frame length {length} exceeds the {max_bytes}-byte limit; refusing to read it")
     if length < PREFIX_BYTES + 2:
         raise ProtocolError(f"frame length {length} is too short for a MAC, a seq and a JSON body")
     return length
 
 
-def decode_payload(payload: bytes, token: Optional[bytes], direction: bytes, nonce: str, last_seq: int) -> dict[str, Any]:
+def decode_payload(payload: bytes, token: Optional[bytes], direction: bytes, nonce: str, last_seq: int,
+                   max_bytes: int = MAX_FRAME_BYTES) -> dict[str, Any]:
     """Check the MAC (unless `token` is None: hello), then parse and validate the body.
 
     `last_seq` is the highest sequence number accepted so far on this direction; a frame must exceed it.
@@ -186,6 +201,8 @@ def decode_payload(payload: bytes, token: Optional[bytes], direction: bytes, non
                               fix="is the peer a model_parallel coordinator/worker of the same version?")
     if not isinstance(message, dict):
         raise ProtocolError(f"frame body must be a JSON object, got {type(message).__name__}")
+    if len(payload) > MAX_FRAME_BYTES and message.get("type") != "job":  # only a job reply may be larger
+        raise ProtocolError(f"a {message.get('type')!r} frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     _check(message)
     if message["seq"] != seq:
         raise ProtocolError(f"body seq {message['seq']} differs from the frame's seq {seq}")
@@ -232,7 +249,7 @@ def _recv_exactly(sock: socket.socket, count: int, deadline: float, started: boo
     return b"".join(chunks)
 
 
-def recv_payload(sock: socket.socket, timeout: float) -> bytes:
+def recv_payload(sock: socket.socket, timeout: float, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
     """Read one frame's payload (mac + body).
 
     `socket.timeout` if no frame starts within `timeout` (the stream stays usable),
@@ -240,8 +257,10 @@ def recv_payload(sock: socket.socket, timeout: float) -> bytes:
     frame, or a frame that does not complete within `FRAME_TIMEOUT_S` of its first byte.
     """
     header = _recv_exactly(sock, HEADER.size, time.monotonic() + timeout, started=False)
-    length = parse_length(header)
-    return _recv_exactly(sock, length, time.monotonic() + FRAME_TIMEOUT_S, started=True)
+    length = parse_length(header, max_bytes)
+    # A job reply of up to 64 MiB gets more than FRAME_TIMEOUT_S (1 s more per 2 MiB, for a slow link).
+    extra = length / (2 << 20) if length > MAX_FRAME_BYTES else 0.0
+    return _recv_exactly(sock, length, time.monotonic() + FRAME_TIMEOUT_S + extra, started=True)
 
 
 @dataclass
@@ -266,9 +285,10 @@ class Session:
         self.sock.settimeout(self.timeout)
         self.sock.sendall(frame)
 
-    def recv(self, timeout: Optional[float] = None) -> dict[str, Any]:
-        payload = recv_payload(self.sock, self.timeout if timeout is None else timeout)
-        message = decode_payload(payload, self.token, self.recv_direction, self.nonce, self.recv_seq)
+    def recv(self, timeout: Optional[float] = None, max_bytes: int = MAX_FRAME_BYTES) -> dict[str, Any]:
+        """The next authenticated message; `max_bytes` above 1 MiB only where a `job` reply is awaited."""
+        payload = recv_payload(self.sock, self.timeout if timeout is None else timeout, max_bytes)
+        message = decode_payload(payload, self.token, self.recv_direction, self.nonce, self.recv_seq, max_bytes)
         self.recv_seq = message["seq"]
         return message
 
@@ -296,8 +316,9 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def read_token(token: Optional[str] = None, token_file: Optional[str] = None) -> bytes:
-    """The shared secret from --token, else --token-file (first line), else $MODEL_PARALLEL_TOKEN."""
+def read_token(token: Optional[str] = None, token_file: Optional[str] = None, default_file: Optional[str] = None) -> bytes:
+    """The shared secret from --token, else --token-file (first line), else $MODEL_PARALLEL_TOKEN, else
+    `default_file` (a worker: the token file a coordinator on this machine wrote, coordinator.jobfiles)."""
     if token is not None and token_file is not None:
         raise ProtocolError("give --token or --token-file, not both")
     if token_file is not None:
@@ -310,6 +331,9 @@ def read_token(token: Optional[str] = None, token_file: Optional[str] = None) ->
             raise ProtocolError(f"{token_file}: the token file is empty; write the shared secret on its first line")
     if token is None:
         token = os.environ.get(TOKEN_ENV)
+    if not token and default_file is not None and os.path.isfile(default_file):
+        return read_token(None, default_file)
     if not token:
-        raise ProtocolError(f"no shared token: pass --token T or --token-file F (or set ${TOKEN_ENV})")
+        where = f"; no coordinator on this machine wrote {default_file} either" if default_file else ""
+        raise ProtocolError(f"no shared token: pass --token-file F or set ${TOKEN_ENV} (or --token T, visible in `ps`){where}")
     return token.encode("utf-8")

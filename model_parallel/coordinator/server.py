@@ -75,6 +75,7 @@ class Coordinator:
         status_file: Optional[Path] = None,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
         solver: Optional[policy_mod.Solver] = None,
+        job: Optional[Mapping[str, Any]] = None,
     ) -> None:
         if policy not in ("auto", "manual"):
             raise PlanError(f"--policy must be auto or manual, got {policy!r}")
@@ -90,6 +91,7 @@ class Coordinator:
             except ImportError:
                 pass
         self.token = token
+        self.job = job  # what a worker started without a model gets (`job` message fields), if any
         self.policy = policy
         self.config = config
         self.status_file = Path(status_file) if status_file else None
@@ -222,6 +224,9 @@ class Coordinator:
                     raise ConnectionError(ticket.closed_by_us)
                 raise ProtocolError(f"the coordinator already serves {self._admission.max_authenticated} authenticated "
                                     "connections; close idle ctl clients")
+            if first["type"] == "job-request":
+                clean = self._send_job(session, first, where)
+                return
             if first["type"] != "register":
                 raise ProtocolError(f"first message must be register, got {first['type']!r}")
             if first["role"] == "ctl":
@@ -274,6 +279,18 @@ class Coordinator:
                                                           "reconnected" if reconnection else "registered",
                                                           worker.host, worker.pid, worker.world_size)
         return worker
+
+    def _send_job(self, session: Session, message: Mapping[str, Any], where: str) -> bool:
+        """Answer a worker that has no model with the job (graph, plan, flags), or say there is none."""
+        who = f"rank {message['rank']}" if "rank" in message else where
+        if self.job is None:
+            session.send("reply", ok=False, error="this coordinator serves no job; start the worker with --package "
+                                                  "or --graph/--plan (or give test_socket.py the job)")
+            logger.warning("%s asked for the job, but none is served", who)
+            return True
+        session.send("job", **self.job)
+        logger.info("sent the job (plan v%d) to %s", self.job["plan_version"], who)
+        return True
 
     def _serve_worker(self, session: Session, worker: WorkerState) -> bool:
         """Read heartbeats/reports until bye (True) or the connection ends (exception / False)."""

@@ -94,6 +94,28 @@ def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9) -> Plan:
                    single_machine_time_s=sum(c.compute_s for c in costs), extra=extra)
 
 
+def straight_recut(graph: Graph, plan: Plan, replicas: Optional[dict[int, int]], source: str) -> Plan:
+    """The plan, or a fresh straight pipeline when `--stage_to_num_ranks` asks for K stages of one rank each
+    and the partitioned graph has another shape: PipeDream's README runs step 3 with `0:1,1:1,2:1` whatever
+    step 2 chose (it may replicate a stage and cut fewer), so the flag, which describes the deployment, wins."""
+    if not replicas or set(replicas) <= set(range(plan.num_stages)):
+        return plan
+    if sorted(replicas) != list(range(len(replicas))) or set(replicas.values()) != {1}:
+        return plan  # another shape: plan_with_replicas says what is wrong
+    from model_parallel.graph.plan import Hierarchy
+    from model_parallel.optimizer.options import PartitionOptions
+    from model_parallel.optimizer.partition import partition
+
+    recut = partition(graph, Hierarchy.from_lists([len(replicas)]),
+                      PartitionOptions(straight_pipeline=True, activation_compression_ratio=1.0))
+    if recut.num_stages != len(replicas):
+        return plan
+    log.warning("%s has %d stage(s) but --stage_to_num_ranks asks for %d stage(s) of one rank each: re-cut the "
+                "profile as a straight %d-stage pipeline (the optimizer with --straight_pipeline)",
+                source, plan.num_stages, len(replicas), len(replicas))
+    return recut.with_default_ranks()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
@@ -111,12 +133,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         replicas = parse_stage_to_num_ranks(args.stage_to_num_ranks) if args.stage_to_num_ranks else None
         plan, plan_source = plan_from_graph(graph), f"stage_id fields of {args.profile_filename}"
-        plan = price_plan(graph, plan_with_replicas(plan, replicas))
+        recut = straight_recut(graph, plan, replicas, args.profile_filename)
+        if recut is not plan:
+            plan, plan_source = recut, f"a straight pipeline re-cut from {args.profile_filename} (--stage_to_num_ranks)"
+        else:
+            plan = price_plan(graph, plan_with_replicas(plan, replicas))
         replicas = None  # applied above, so the costs account for them
     check_arch(graph, args.arch, args.profile_filename)
     out = generate_package(graph, plan, args.output_directory, args.model_name, args.arch, replicas,
                            graph_source=args.profile_filename, plan_source=plan_source)
-    print(f"wrote {plan.num_stages} stage(s) to {out} in {time.perf_counter() - started:.2f} s")
+    from model_parallel.coordinator.jobfiles import record_last_job
+
+    # `python test_socket.py` with no arguments serves this package (the seed's step 4).
+    record = record_last_job(out, arch=args.arch, model_name=args.model_name, num_stages=plan.num_stages,
+                             num_ranks=plan.with_default_ranks().num_ranks)
+    print(f"wrote {plan.num_stages} stage(s) to {out} in {time.perf_counter() - started:.2f} s "
+          f"(recorded in {record}: `python test_socket.py` serves it)")
     return 0
 
 

@@ -200,7 +200,7 @@ class PipelineEngine:
         # A plan switch happened after the previous step: its pause counts in this step's metrics.
         self.step_pause_ms = self._pending_migration_s * 1e3
         if self._pending_migration_s:
-            self.metrics.add("migration", self._pending_migration_s)
+            self.metrics.add_before_step("migration", self._pending_migration_s)
             self._pending_migration_s = 0.0
         clip = self.config.clip_grad
         loss_sum, sq = 0.0, 0.0

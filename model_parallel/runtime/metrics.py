@@ -7,6 +7,7 @@ API (stable; the worker loop feeds it, the demo and the rebalance benchmark read
     with recorder.measure("forward", microbatch=3):   # times it; also a tracer span when a tracer is given
         ...
     recorder.add("send", seconds)                     # a duration measured elsewhere
+    recorder.add_before_step("migration", seconds)    # a pause between the last step and this one
     record = recorder.end_step(samples=64, loss=2.3)  # -> StepRecord, appended to the JSONL file
     recorder.set_context(stage=1, plan_version=2)     # after a plan switch
     recorder.close()
@@ -187,6 +188,13 @@ class MetricsRecorder:
         """Count `seconds` as `kind` (a duration measured by the caller)."""
         self._check_kind(kind)
         self._totals[kind] += seconds
+
+    def add_before_step(self, kind: str, seconds: float) -> None:
+        """Count `seconds` spent just before this step began (a plan switch's pause, between two steps) as
+        `kind` *and* in this step's time, which then starts that much earlier: counted in `kind` alone,
+        the pause would make `idle_ms` negative at the switch step."""
+        self.add(kind, seconds)
+        self._start -= seconds
 
     def end_step(self, samples: int, **extra: Any) -> StepRecord:
         """Close the step, append its JSONL line (flushed) and return the record."""
