@@ -1,31 +1,46 @@
 """Runtime benchmark: our pipeline runtime vs torch.distributed.pipelining, same model, split, schedule, machine.
 
-    python bench/runtime.py            # full run (a few minutes on 2 cores)
-    python bench/runtime.py --quick    # about two minutes (2 rounds of 8 timed steps)
+    python bench/runtime.py            # full run (about 15 minutes on 2 cores)
+    python bench/runtime.py --quick    # about 5 minutes (2 rounds of 8 timed steps), `make bench`
     python bench/runtime.py --models mlp --schedules 1f1b --steps 10
 
-For each model (a 2-stage StackedMLP 256 -> 8 x 1024 -> 10, and the worker zoo's resnet18 at 32x32) the
-main process profiles the model at microbatch size, cuts it into 2 stages of about equal measured
-compute (`runtime.stages.even_plan`) and writes the graph and plan; both runtimes then build their
-stage modules from that same graph and plan (`codegen.build_stages`), so only the runtime differs.
-Every worker is its own process with one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1),
-gloo on localhost; every world runs under a deadline and is always reaped (`runtime.launch`). The
-sides alternate model by model (torch world, our world, next model), each world running every schedule,
-for `--rounds` rounds (the order of the two sides flips every round, so a drift in machine load hits
-both alike); each number is the median over the rounds.
+Rows (model x schedule; `SHAPES`): torchvision resnet50 at 32x32 on 4 stages (batch 32, 4
+microbatches), a GPT-style transformer (TinyGPT: 4 blocks, width 128, 64 tokens) on 4 stages (batch
+32, 4 microbatches), the StackedMLP 256 -> 8 x 1024 -> 10 on 2 stages (batch 64, 4 microbatches);
+1F1B and GPipe. The main process first calibrates the machine (`runtime.calibrate`: link, optimizer
+step per MB, the runtime's fixed cost per microbatch), then profiles each model at microbatch size
+(its loss too), cuts it into stages of about equal measured compute (`runtime.stages.even_plan`)
+and writes the graph and plan; both runtimes build their stage modules from that same graph and
+plan (`codegen.build_stages`), so only the runtime differs. Every worker is its own process with
+one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1), gloo on localhost; every world runs
+under a deadline and is always reaped (`runtime.launch`). The sides alternate model by model (torch
+world, our world, next model), each world running every schedule, for `--rounds` rounds (the order
+of the two sides flips every round, so a drift in machine load hits both alike); each number is
+the median over the rounds.
 
 - torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`.
 - ours: the worker API, `runtime.engine.PipelineEngine` (what test_parallel_0.py runs) with the
   same graph, plan, schedule, batch size, microbatches and data; its own per-step metrics
-  (compute / comm / idle split, `runtime.metrics`) are stored in the row as well.
+  (compute / comm / idle split per rank, `runtime.metrics`) are stored in the row as well.
 - both: SGD with momentum 0.9; steps/s = timed steps / wall time between two barriers, after
   warm-up steps (slowest rank), median over the rounds (every round's value is in the row too).
+- ratio = ours / torch steps per second (goal >= 1.10).
 - efficiency = ideal / measured step time, ideal = (m + p - 1) * max stage time, where a stage's
   time is its per-microbatch forward + backward measured in isolation (no communication, best of
   several repetitions) by its own rank at the start of each world (best over that side's rounds).
+- predicted_stage_ms / measured_stage_ms (ours, per stage, ms per step): a stage rank's *busy* time
+  in one step of m microbatches, i.e. everything but waiting on a peer: forward + backward of all m
+  microbatches, the loss (last stage), the optimizer step, posting and completing its sends, the
+  runtime's own Python work. Measured: `runtime.calibrate.busy_ms` of the engine's step records
+  (compute + send + idle; receives and the step-end all-reduce are waits), median over the timed
+  steps. Predicted: `optimizer.fidelity.predict_stage_ms` with the calibration (terms in
+  `predicted_terms_ms`). Goal: within +-10 %.
 
-Writes `bench/results/runtime.json` (atomically): rows {model, schedule, ours_steps_per_s,
-torch_steps_per_s, ratio, efficiency, torch_efficiency, ...} plus the settings. The goal is ratio >= 1.1.
+Writes `bench/results/runtime.json` (atomically): {"rows": [{model, schedule, num_stages, ratio,
+efficiency, predicted_stage_ms, measured_stage_ms, ours_split_ms_by_rank, machine: {cpus, load_1min
+[min, max] over the row's worlds, processes, ...}, ...}], "machine": {..., "uptime"}, "calibration"}.
+With more ranks than cores (4 stages on 2 cores) ranks time-share the cores: busy times then include
+time a rank was runnable but descheduled, and efficiency is bounded by cores / ranks.
 Timings on a shared 2-core machine are noisy: compare numbers taken in the same run only.
 """
 from __future__ import annotations
@@ -124,7 +139,7 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     target = rec.data(micro, spec["seed"]).batch(0)[1]
     graph = profile(model, example, iterations=spec["profile_iterations"],
                     loss_fn=lambda output: rec.criterion(output, target))
-    plan = even_plan(graph, num_stages)
+    plan = block_plan(graph, num_stages) if model_name == "gpt" else even_plan(graph, num_stages)
     entry = {"graph": str(save_graph(graph, workdir / f"{model_name}.graph.json")),
              "plan": str(workdir / f"{model_name}.plan.json"), "num_stages": num_stages,
              "batch_size": batch_size, "microbatches": microbatches}
@@ -138,6 +153,27 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     logger.info("%s: %d stages of %s nodes, predicted busy ms per step %s", model_name, num_stages,
                 entry["stage_nodes"], [round(t, 1) for t in entry["predicted_stage_ms"]])
     return entry
+
+
+def block_plan(graph: Any, num_stages: int) -> Any:
+    """Cuts between transformer blocks (`blocks.<i>.`), blocks spread evenly over the stages.
+
+    An even split by time may cut inside a block, where a Python int (a size) crosses the boundary:
+    our runtime carries it, torch's `PipelineStage` refuses non-tensor stage arguments, and the
+    benchmark needs a split both can run.
+    """
+    from model_parallel.graph.plan import Plan, StagePlan
+
+    blocks = sorted({int(n.layer.target.split(".")[1]) for n in graph.nodes
+                     if n.layer is not None and str(n.layer.target).startswith("blocks.")})
+    first_of_stage = {blocks[len(blocks) * k // num_stages]: k for k in range(1, num_stages)}
+    stage, members = 0, [[] for _ in range(num_stages)]
+    for node in graph.nodes:  # topological (program) order
+        target = str(node.layer.target) if node.layer is not None else ""
+        if target.startswith("blocks."):
+            stage = max(stage, first_of_stage.get(int(target.split(".")[1]), 0))
+        members[stage].append(node.node_id)
+    return Plan(stages=tuple(StagePlan(k, tuple(ids), ranks=(k,)) for k, ids in enumerate(members)))
 
 
 def model_shape(model_name: str, spec: dict[str, Any]) -> tuple[int, int, int]:
