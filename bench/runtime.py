@@ -1,31 +1,46 @@
 """Runtime benchmark: our pipeline runtime vs torch.distributed.pipelining, same model, split, schedule, machine.
 
-    python bench/runtime.py            # full run (a few minutes on 2 cores)
-    python bench/runtime.py --quick    # about two minutes (2 rounds of 8 timed steps)
+    python bench/runtime.py            # full run (about 15 minutes on 2 cores)
+    python bench/runtime.py --quick    # about 5 minutes (2 rounds of 8 timed steps), `make bench`
     python bench/runtime.py --models mlp --schedules 1f1b --steps 10
 
-For each model (a 2-stage StackedMLP 256 -> 8 x 1024 -> 10, and the worker zoo's resnet18 at 32x32) the
-main process profiles the model at microbatch size, cuts it into 2 stages of about equal measured
-compute (`runtime.stages.even_plan`) and writes the graph and plan; both runtimes then build their
-stage modules from that same graph and plan (`codegen.build_stages`), so only the runtime differs.
-Every worker is its own process with one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1),
-gloo on localhost; every world runs under a deadline and is always reaped (`runtime.launch`). The
-sides alternate model by model (torch world, our world, next model), each world running every schedule,
-for `--rounds` rounds (the order of the two sides flips every round, so a drift in machine load hits
-both alike); each number is the median over the rounds.
+Rows (model x schedule; `SHAPES`): torchvision resnet50 at 32x32 on 4 stages (batch 32, 4
+microbatches), a GPT-style transformer (TinyGPT: 4 blocks, width 128, 64 tokens) on 4 stages (batch
+32, 4 microbatches), the StackedMLP 256 -> 8 x 1024 -> 10 on 2 stages (batch 64, 4 microbatches);
+1F1B and GPipe. The main process first calibrates the machine (`runtime.calibrate`: link, optimizer
+step per MB, the runtime's fixed cost per microbatch), then profiles each model at microbatch size
+(its loss too), cuts it into stages of about equal measured compute (`runtime.stages.even_plan`)
+and writes the graph and plan; both runtimes build their stage modules from that same graph and
+plan (`codegen.build_stages`), so only the runtime differs. Every worker is its own process with
+one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1), gloo on localhost; every world runs
+under a deadline and is always reaped (`runtime.launch`). The sides alternate model by model (torch
+world, our world, next model), each world running every schedule, for `--rounds` rounds (the order
+of the two sides flips every round, so a drift in machine load hits both alike); each number is
+the median over the rounds.
 
 - torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`.
 - ours: the worker API, `runtime.engine.PipelineEngine` (what test_parallel_0.py runs) with the
   same graph, plan, schedule, batch size, microbatches and data; its own per-step metrics
-  (compute / comm / idle split, `runtime.metrics`) are stored in the row as well.
+  (compute / comm / idle split per rank, `runtime.metrics`) are stored in the row as well.
 - both: SGD with momentum 0.9; steps/s = timed steps / wall time between two barriers, after
   warm-up steps (slowest rank), median over the rounds (every round's value is in the row too).
+- ratio = ours / torch steps per second (goal >= 1.10).
 - efficiency = ideal / measured step time, ideal = (m + p - 1) * max stage time, where a stage's
   time is its per-microbatch forward + backward measured in isolation (no communication, best of
   several repetitions) by its own rank at the start of each world (best over that side's rounds).
+- predicted_stage_ms / measured_stage_ms (ours, per stage, ms per step): a stage rank's *busy* time
+  in one step of m microbatches, i.e. everything but waiting on a peer: forward + backward of all m
+  microbatches, the loss (last stage), the optimizer step, posting and completing its sends, the
+  runtime's own Python work. Measured: `runtime.calibrate.busy_ms` of the engine's step records
+  (compute + send + idle; receives and the step-end all-reduce are waits), median over the timed
+  steps. Predicted: `optimizer.fidelity.predict_stage_ms` with the calibration (terms in
+  `predicted_terms_ms`). Goal: within +-10 %.
 
-Writes `bench/results/runtime.json` (atomically): rows {model, schedule, ours_steps_per_s,
-torch_steps_per_s, ratio, efficiency, torch_efficiency, ...} plus the settings. The goal is ratio >= 1.1.
+Writes `bench/results/runtime.json` (atomically): {"rows": [{model, schedule, num_stages, ratio,
+efficiency, predicted_stage_ms, measured_stage_ms, ours_split_ms_by_rank, machine: {cpus, load_1min
+[min, max] over the row's worlds, processes, ...}, ...}], "machine": {..., "uptime"}, "calibration"}.
+With more ranks than cores (4 stages on 2 cores) ranks time-share the cores: busy times then include
+time a rank was runnable but descheduled, and efficiency is bounded by cores / ranks.
 Timings on a shared 2-core machine are noisy: compare numbers taken in the same run only.
 """
 from __future__ import annotations
@@ -48,7 +63,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "runtime.json"
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
-NUM_STAGES = 2
+# model -> (stages, batch size, microbatches): the issue's rows (resnet50 and the GPT at 4 stages, the MLP at 2).
+SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt": (4, 32, 4), "resnet18": (2, 64, 4)}
 
 logger = logging.getLogger("bench.runtime")
 
@@ -63,13 +79,29 @@ def _bench_mlp() -> torch.nn.Module:
     return StackedMLP(in_features=256, width=1024, depth=8, num_classes=10)
 
 
+def _bench_resnet50() -> torch.nn.Module:
+    from model_parallel.compat import import_torchvision
+
+    return import_torchvision().models.resnet50(num_classes=10)
+
+
+def _bench_gpt() -> torch.nn.Module:
+    from model_parallel.models import TinyGPT
+
+    # GPT-2-shaped, scaled to a 2-core machine: 4 blocks of width 128, 64 tokens of a 512-token vocabulary.
+    return TinyGPT(vocab_size=512, seq_len=64, dim=128, num_heads=4, num_layers=4)
+
+
 def recipes() -> dict[str, Any]:
     """The benchmark's models, as worker-zoo recipes (seeded builder, loss, input shape)."""
     import torch.nn.functional as F
 
+    from model_parallel.models.gpt import lm_loss
     from model_parallel.runtime.zoo import Recipe, recipe
 
-    return {"mlp": Recipe("mlp", _bench_mlp, F.cross_entropy, (256,), 10), "resnet18": recipe("resnet18")}
+    return {"mlp": Recipe("mlp", _bench_mlp, F.cross_entropy, (256,), 10), "resnet18": recipe("resnet18"),
+            "resnet50": Recipe("resnet50", _bench_resnet50, F.cross_entropy, (3, 32, 32), 10),
+            "gpt": Recipe("gpt", _bench_gpt, lm_loss, (64,), 512, kind="tokens")}
 
 
 def _build(model_name: str, spec: dict[str, Any]):
@@ -88,27 +120,66 @@ def _build(model_name: str, spec: dict[str, Any]):
     return rec, model, graph, plan, stages
 
 
-def prepare(model_name: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Profile at microbatch size, split into 2 stages of about equal compute, save graph + plan."""
+def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: Any) -> dict[str, Any]:
+    """Profile at microbatch size, split into the model's stages of about equal compute, save graph +
+    plan, and predict each stage's busy time per step (`optimizer.fidelity.predict_stage_ms`)."""
     from model_parallel.graph.io import save_graph
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.api import profile
     from model_parallel.runtime.stages import even_plan
 
+    from model_parallel.optimizer.fidelity import predict_stage_ms
+
     rec = recipes()[model_name]
-    micro = spec["batch_size"] // spec["microbatches"]
+    num_stages, batch_size, microbatches = model_shape(model_name, spec)
+    micro = batch_size // microbatches
     model = rec.model(spec["seed"])
-    graph = profile(model, rec.example(micro), iterations=spec["profile_iterations"])
-    plan = even_plan(graph, NUM_STAGES)
+    # The loss is profiled too (graph.metadata["profile"]): the last stage pays it per microbatch.
+    example = rec.example(micro)
+    target = rec.data(micro, spec["seed"]).batch(0)[1]
+    graph = profile(model, example, iterations=spec["profile_iterations"],
+                    loss_fn=lambda output: rec.criterion(output, target))
+    plan = block_plan(graph, num_stages) if model_name == "gpt" else even_plan(graph, num_stages)
     entry = {"graph": str(save_graph(graph, workdir / f"{model_name}.graph.json")),
-             "plan": str(workdir / f"{model_name}.plan.json")}
+             "plan": str(workdir / f"{model_name}.plan.json"), "num_stages": num_stages,
+             "batch_size": batch_size, "microbatches": microbatches}
     write_plan(plan, entry["plan"])
     spec["models"][model_name] = entry
     entry["stage_nodes"] = [len(s.node_ids) for s in plan.stages]
-    entry["predicted_stage_ms"] = [sum(graph[n].compute_ms for n in s.node_ids) for s in plan.stages]
-    logger.info("%s: split %s nodes, profiled fwd+bwd per microbatch %s ms", model_name,
-                entry["stage_nodes"], [round(t, 2) for t in entry["predicted_stage_ms"]])
+    prediction = predict_stage_ms(graph, plan, num_microbatches=microbatches, calibration=calibration, optimizer="sgd")
+    entry["predicted_stage_ms"] = [p.total_ms for p in prediction]
+    entry["predicted_terms_ms"] = [{key: getattr(p, key) for key in ("compute_ms", "loss_ms", "optimizer_ms", "send_ms",
+                                                                     "overhead_ms")} for p in prediction]
+    logger.info("%s: %d stages of %s nodes, predicted busy ms per step %s", model_name, num_stages,
+                entry["stage_nodes"], [round(t, 1) for t in entry["predicted_stage_ms"]])
     return entry
+
+
+def block_plan(graph: Any, num_stages: int) -> Any:
+    """Cuts between transformer blocks (`blocks.<i>.`), blocks spread evenly over the stages.
+
+    An even split by time may cut inside a block, where a Python int (a size) crosses the boundary:
+    our runtime carries it, torch's `PipelineStage` refuses non-tensor stage arguments, and the
+    benchmark needs a split both can run.
+    """
+    from model_parallel.graph.plan import Plan, StagePlan
+
+    blocks = sorted({int(n.layer.target.split(".")[1]) for n in graph.nodes
+                     if n.layer is not None and str(n.layer.target).startswith("blocks.")})
+    first_of_stage = {blocks[len(blocks) * k // num_stages]: k for k in range(1, num_stages)}
+    stage, members = 0, [[] for _ in range(num_stages)]
+    for node in graph.nodes:  # topological (program) order
+        target = str(node.layer.target) if node.layer is not None else ""
+        if target.startswith("blocks."):
+            stage = max(stage, first_of_stage.get(int(target.split(".")[1]), 0))
+        members[stage].append(node.node_id)
+    return Plan(stages=tuple(StagePlan(k, tuple(ids), ranks=(k,)) for k, ids in enumerate(members)))
+
+
+def model_shape(model_name: str, spec: dict[str, Any]) -> tuple[int, int, int]:
+    """(stages, batch size, microbatches) of a model in this run (SHAPES, or the command line's override)."""
+    stages, batch, micro = SHAPES.get(model_name, (2, 64, 4))
+    return (spec.get("num_stages") or stages, spec.get("batch_size") or batch, spec.get("microbatches") or micro)
 
 
 def isolated_stage_ms(rec: Any, stages: Sequence[torch.nn.Module], micro: int, reps: int,
@@ -171,16 +242,17 @@ def torch_side(model_name: str, schedule_name: str, rank: int, world_size: int, 
     from torch.distributed import pipelining
 
     rec, _, _, _, stages = _build(model_name, spec)
+    entry = spec["models"][model_name]
     module = stages[rank]
     last = rank == world_size - 1
-    data = rec.data(spec["batch_size"], spec["seed"])
+    data = rec.data(entry["batch_size"], spec["seed"])
 
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         # Stage modules return the tuple of their boundary outputs; the model output is its one element.
         return rec.criterion(output[0] if isinstance(output, tuple) else output, target)
 
     stage = pipelining.PipelineStage(module, rank, world_size, torch.device("cpu"))
-    schedule = getattr(pipelining, SCHEDULES[schedule_name])(stage, spec["microbatches"], loss_fn=loss_fn)
+    schedule = getattr(pipelining, SCHEDULES[schedule_name])(stage, entry["microbatches"], loss_fn=loss_fn)
     optimizer = torch.optim.SGD(module.parameters(), lr=spec["lr"], momentum=0.9)
 
     def run_steps(first: int, end: int) -> None:
@@ -204,19 +276,23 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
 
+    from model_parallel.runtime.calibrate import busy_ms
+
     rec, model, graph, plan, _ = _build(model_name, spec)
-    config = TrainConfig(batch_size=spec["batch_size"], num_microbatches=spec["microbatches"], schedule=schedule_name,
+    entry = spec["models"][model_name]
+    config = TrainConfig(batch_size=entry["batch_size"], num_microbatches=entry["microbatches"], schedule=schedule_name,
                          seed=spec["seed"])
     engine = PipelineEngine(
         graph=graph, plan=plan, model=model, criterion=rec.criterion,
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=spec["lr"], momentum=0.9),
-        dataset=rec.data(spec["batch_size"], spec["seed"]), config=config, control_group=control_group,
+        dataset=rec.data(entry["batch_size"], spec["seed"]), config=config, control_group=control_group,
         options=RunOptions(timeout=spec["op_timeout"], progress=False),
     )
     step_s = _timed(lambda first, end: engine.train(end, start_step=first), spec)
     # The engine's own per-step split (runtime.metrics), for the report: where did the time go?
     timed = [r for r in engine.metrics.records if r.step >= spec["warmup"]]
     split = {key: statistics.mean(getattr(r, key) for r in timed) for key in ("step_ms", "compute_ms", "comm_ms", "idle_ms")}
+    split["busy_ms"] = statistics.median(busy_ms(r) for r in timed)  # what predict_stage_ms predicts
     return {"step_s": step_s, "split": split}
 
 
@@ -237,7 +313,7 @@ def worker(side: str, model_name: str, rank: int, world_size: int, port: int, sp
         # Each rank times its own stage alone (no communication) under the same conditions as the
         # pipelined run that follows: one thread, the other rank busy on the other core.
         rec, _, _, _, stages = _build(model_name, spec)
-        micro = spec["batch_size"] // spec["microbatches"]
+        micro = spec["models"][model_name]["batch_size"] // spec["models"][model_name]["microbatches"]
         results["stage_ms"] = isolated_stage_ms(rec, stages, micro, spec["isolated_reps"], only=rank)[0]
         dist.barrier()
         control_group = dist.new_group(backend="gloo") if side == "ours" else None
@@ -261,12 +337,13 @@ def run_world(side: str, model_name: str, spec_path: Path, workdir: Path, timeou
     """
     from model_parallel.runtime.launch import free_port, launch, print_echo
 
+    num_stages = json.loads(spec_path.read_text())["models"][model_name]["num_stages"]
     port = free_port()
-    paths = [workdir / f"{side}_{model_name}_rank{rank}.json" for rank in range(NUM_STAGES)]
+    paths = [workdir / f"{side}_{model_name}_rank{rank}.json" for rank in range(num_stages)]
     commands = [
         [sys.executable, str(Path(__file__).resolve()), "--_worker", side, "--_model", model_name, "--_rank", str(rank),
          "--_port", str(port), "--_spec", str(spec_path), "--_result", str(paths[rank])]
-        for rank in range(NUM_STAGES)
+        for rank in range(num_stages)
     ]
     result = launch(commands, timeout=timeout, echo=print_echo if echo else None)
     if not result.ok:
@@ -304,10 +381,14 @@ def combine_rounds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about two minutes)")
-    parser.add_argument("--models", default="mlp,resnet18", help="comma-separated zoo models (default mlp,resnet18)")
+    parser.add_argument("--models", default="mlp,resnet50,gpt",
+                        help="comma-separated: mlp, resnet50, gpt, resnet18 (default mlp,resnet50,gpt)")
     parser.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch_size", type=int, default=None, help="override every model's batch size (SHAPES)")
+    parser.add_argument("--microbatches", type=int, default=None, help="override every model's microbatches")
+    parser.add_argument("--num_stages", type=int, default=None, help="override every model's number of stages")
+    parser.add_argument("--calibration", default=None,
+                        help="a calibration JSON (runtime.calibrate); default: measure one at the start")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 2)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -328,7 +409,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args._worker is not None:
-        return worker(args._worker, args._model, args._rank, NUM_STAGES, args._port, args._spec, args._result)
+        world_size = json.loads(Path(args._spec).read_text())["models"][args._model]["num_stages"]
+        return worker(args._worker, args._model, args._rank, world_size, args._port, args._spec, args._result)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)
     models = [m for m in args.models.split(",") if m]
@@ -336,11 +418,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise SystemExit(f"unknown schedule(s) {unknown}; choose from {sorted(SCHEDULES)}")
-    if args.batch_size % args.microbatches:
-        raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of --microbatches {args.microbatches}")
+    unknown = [m for m in models if m not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(SHAPES)}")
     spec: dict[str, Any] = {
         "batch_size": args.batch_size,
         "microbatches": args.microbatches,
+        "num_stages": args.num_stages,
         "steps": args.steps or (8 if args.quick else 30),
         "rounds": args.rounds or (2 if args.quick else 3),
         "warmup": args.warmup if args.warmup is not None else (2 if args.quick else 5),
@@ -353,11 +437,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "profile_iterations": 2 if args.quick else 5,
         "isolated_reps": 8 if args.quick else 20,
     }
+    for model_name in models:
+        _, batch, micro = model_shape(model_name, spec)
+        if batch % micro:
+            raise SystemExit(f"{model_name}: batch size {batch} must be a multiple of microbatches {micro}")
     started = time.perf_counter()
+    from model_parallel.optimizer.fidelity import Calibration
+    from model_parallel.runtime.calibrate import calibrate
+
+    if args.calibration:
+        calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)
+    else:
+        logger.info("calibrating (link, optimizer, runtime overhead per microbatch) ...")
+        calibration = calibrate(timeout=args.timeout)
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
         workdir = Path(tmp)
         for model_name in models:
-            prepare(model_name, spec, workdir)
+            prepare(model_name, spec, workdir, calibration)
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         sides = ["torch", "ours"] if args.only == "both" else [args.only]
@@ -370,24 +466,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     logger.info("%s: %s, schedules %s (round %d/%d) ...", model_name,
                                 "torch.distributed.pipelining" if side == "torch" else "ours", schedules,
                                 round_index + 1, spec["rounds"])
-                    worlds.setdefault((side, model_name), []).append(
-                        run_world(side, model_name, spec_path, workdir, args.timeout, args.echo))
+                    load = os.getloadavg()[0]
+                    world = run_world(side, model_name, spec_path, workdir, args.timeout, args.echo)
+                    world["load"] = [load, os.getloadavg()[0]]  # 1-min load average before and after
+                    worlds.setdefault((side, model_name), []).append(world)
         measured = {key: combine_rounds(runs) for key, runs in worlds.items()}
     rows = []
-    m, p = spec["microbatches"], NUM_STAGES
-
-    def ideal_s(world: dict[str, Any]) -> Optional[float]:
-        return (m + p - 1) * max(world["stage_ms"]) / 1000.0 if world else None
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
 
     for model_name in models:
         entry = spec["models"][model_name]
+        m, p = entry["microbatches"], entry["num_stages"]
+
+        def ideal_s(world: dict[str, Any]) -> Optional[float]:
+            return (m + p - 1) * max(world["stage_ms"]) / 1000.0 if world else None
+
         ours_world, torch_world = measured.get(("ours", model_name), {}), measured.get(("torch", model_name), {})
+        loads = [x for key in (("ours", model_name), ("torch", model_name)) for run in worlds.get(key, []) for x in run["load"]]
         for schedule in schedules:
             ours_result = ours_world.get("schedules", {}).get(schedule, {})
             ours, theirs = ours_result.get("step_s"), torch_world.get("schedules", {}).get(schedule, {}).get("step_s")
+            split = ours_result.get("split_by_rank")
             rows.append({
                 "model": model_name,
                 "schedule": schedule,
+                "num_stages": p,
+                "batch_size": entry["batch_size"],
+                "microbatches": m,
                 "ours_steps_per_s": 1.0 / ours if ours else None,
                 "torch_steps_per_s": 1.0 / theirs if theirs else None,
                 "ratio": theirs / ours if ours and theirs else None,
@@ -401,14 +506,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "ours_stage_ms": ours_world.get("stage_ms"),
                 "torch_stage_ms": torch_world.get("stage_ms"),
                 "predicted_stage_ms": entry["predicted_stage_ms"],
+                "measured_stage_ms": [r["busy_ms"] for r in split] if split else None,
+                "predicted_terms_ms": entry["predicted_terms_ms"],
                 "stage_nodes": entry["stage_nodes"],
-                "ours_split_ms_by_rank": ours_result.get("split_by_rank"),
+                "ours_split_ms_by_rank": split,
+                "machine": machine | {"load_1min": [min(loads), max(loads)] if loads else None,
+                                      "processes": p, "threads_per_rank": 1},
             })
     report = {
         "benchmark": "runtime",
-        "settings": {k: spec[k] for k in ("batch_size", "microbatches", "steps", "warmup", "rounds", "lr", "seed")}
-        | {"num_stages": NUM_STAGES, "threads_per_rank": 1, "backend": "gloo", "quick": args.quick},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "settings": {k: spec[k] for k in ("steps", "warmup", "rounds", "lr", "seed")}
+        | {"shapes": {name: list(model_shape(name, spec)) for name in models}, "threads_per_rank": 1, "backend": "gloo",
+           "quick": args.quick},
+        "machine": machine | {"uptime": _uptime()},
+        "calibration": calibration.to_json(),
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
@@ -420,18 +531,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _uptime() -> str:
+    """`uptime`'s line (load averages): how busy the machine was; the rows carry the load per model."""
+    load = os.getloadavg()
+    return f"load average: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} on {os.cpu_count()} cpus"
+
+
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """The ratio table, then per row the stages' predicted vs measured busy ms and per-rank compute/comm/idle."""
+    from model_parallel.optimizer.fidelity import format_fidelity
+
     def num(value: Optional[float], fmt: str) -> str:
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
-    lines = [f"{'model':<10} {'schedule':<8} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>7} {'eff ours':>9} {'eff torch':>10}"]
+    lines = [f"{'model':<9} {'sched':<6} {'p':>2} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>6} {'eff ours':>9} "
+             f"{'eff torch':>10}  load"]
     for r in rows:
+        load = r["machine"]["load_1min"]
         lines.append(
-            f"{r['model']:<10} {r['schedule']:<8} {num(r['ours_steps_per_s'], '10.2f')} {num(r['torch_steps_per_s'], '11.2f')} "
-            f"{num(r['ratio'], '7.2f')} {num(r['efficiency'], '9.2f')} {num(r['torch_efficiency'], '10.2f')}"
-        )
+            f"{r['model']:<9} {r['schedule']:<6} {r['num_stages']:>2} {num(r['ours_steps_per_s'], '10.2f')} "
+            f"{num(r['torch_steps_per_s'], '11.2f')} {num(r['ratio'], '6.2f')} {num(r['efficiency'], '9.2f')} "
+            f"{num(r['torch_efficiency'], '10.2f')}  {load[0]:.1f}-{load[1]:.1f}" if load else "")
+    for r in rows:
+        if r["measured_stage_ms"] is None:
+            continue
+        lines += ["", f"{r['model']} {r['schedule']}: busy ms per step by stage, predicted vs measured (ours)",
+                  format_fidelity(r["predicted_stage_ms"], r["measured_stage_ms"]),
+                  "  per rank compute / comm / idle ms: " + "  ".join(
+                      f"{s['compute_ms']:.0f}/{s['comm_ms']:.0f}/{s['idle_ms']:.0f}" for s in r["ours_split_ms_by_rank"])]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -62,6 +62,9 @@ def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["workers"] == 2 and report["throughput_before"] > 0
     assert len(report["predicted_stage_ms"]) == 2
+    # Predicted vs measured busy time per stage, priced with the run's calibration (issue 26).
+    assert (out / "profiles" / "calibration.json").is_file() and "error" in text
+    assert all(isinstance(ms, float) and ms > 0 for ms in report["measured_stage_ms"])
     trace = json.loads((out / "pipeline_trace.json").read_text())
     assert any(e.get("name", "").startswith("forward") for e in trace["traceEvents"])
     assert list((out / "checkpoint").glob("step_*"))

@@ -62,6 +62,9 @@ JOBS = [
     # A multi-level plan's placement (optimizer, `-n 2 2`): each stage on the same GPU of both servers.
     _job("mlp2_replicas_across_servers", "mlp", 3, "--plan", "{interleaved_plan}", "--num_microbatches", "2"),
     _job("gpt3", "gpt", 3, "--num_stages", "3", "--schedule", "gpipe"),
+    # bf16 autocast per stage: boundary activations and their gradients cross as bf16 tensors; the
+    # oracle is the same stages under the same autocast in one process (SingleProcessRunner).
+    _job("mlp3_bf16", "mlp", 3, "--num_stages", "3", "--bf16"),
     # PipeDream's asynchronous 1F1B with weight stashing: compared with the same semantics run in
     # one process (grid order), see test_pipedream_single_process_semantics for that oracle.
     _job("mlp4_pipedream", "mlp", 3, "--num_stages", "4", "--schedule", "pipedream", "--lr", "0.02"),
@@ -122,11 +125,11 @@ def _reference(job: dict) -> dict[str, torch.Tensor]:
         factory = lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=wd)  # noqa: E731
     else:
         factory = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)  # noqa: E731
-    if flags.get("schedule") == "pipedream":
+    if flags.get("schedule") == "pipedream" or "bf16" in flags:
         from model_parallel.runtime.trainer import SingleProcessRunner
 
         graph, _ = trace_model(model, r.example(2))
-        config = replace(config, schedule="pipedream")
+        config = replace(config, schedule=flags.get("schedule", config.schedule), bf16="bf16" in flags)
         runner = SingleProcessRunner(graph, even_plan(graph, int(flags["num_stages"])), model, r.criterion, factory,
                                      r.data(batch, 0), config)
         runner.train(job["steps"])

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_parallel.fileio import atomic_write_json
-from model_parallel.graph.plan import read_plan
+from model_parallel.graph.plan import Plan, read_plan
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
 from model_parallel.runtime.metrics import read_metrics, summarize
 
 
@@ -52,6 +53,31 @@ def plot_throughput(rows: Sequence[Mapping[str, Any]], slow_at: int, path: Path)
     return path
 
 
+def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any]], args: Any
+                   ) -> tuple[list[float], list[Optional[float]]]:
+    """Predicted (`optimizer.fidelity.predict_stage_ms` with the run's calibration, when there is one) and
+    measured (`runtime.calibrate.busy_ms`, median over the steps before the slowdown) ms per stage and step."""
+    import json
+
+    from model_parallel.graph.io import load_graph
+    from model_parallel.runtime.calibrate import busy_ms
+
+    path = run_dir / "profiles" / "calibration.json"
+    calibration = Calibration.from_json(json.loads(path.read_text()), str(path)) if path.exists() else Calibration()
+    graph = load_graph(run_dir / "package" / "graph.json")
+    optimizer = getattr(args, "optimizer", "sgd")
+    if optimizer not in calibration.optimizer_ms_per_mb:
+        calibration = Calibration(**{**calibration.__dict__, "optimizer_ms_per_mb": {optimizer: 0.0}})
+    predicted = [p.total_ms for p in predict_stage_ms(graph, plan, num_microbatches=args.microbatches,
+                                                      calibration=calibration, optimizer=optimizer)]
+    first_version = min((r["plan_version"] for r in records), default=0)
+    measured: dict[int, list[float]] = {}
+    for record in records:
+        if 2 <= record["step"] < args.slow_at and record["plan_version"] == first_version and record["stage"] is not None:
+            measured.setdefault(int(record["stage"]), []).append(busy_ms(record))
+    return predicted, [statistics.median(measured[s]) if measured.get(s) else None for s in range(plan.num_stages)]
+
+
 def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     """Summarise a finished demo run; writes report.json and throughput.png and returns the text report."""
     records = read_metrics(run_dir / "metrics")
@@ -60,18 +86,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     phases = throughput_phases(rows, args.slow_at)
     plot = plot_throughput(rows, args.slow_at, run_dir / "throughput.png")
 
-    # Predicted vs measured per-stage compute, on the initial plan before the slowdown.
-    measured: dict[int, list[float]] = {}
-    for row in rows:
-        if 2 <= row["step"] < args.slow_at and row["plan_version"] == rows[0]["plan_version"]:
-            for stage, times in row["stages"].items():
-                measured.setdefault(int(stage), []).append(times["compute_ms"])
-    # The profile is per microbatch; a step runs `microbatches` of them through every stage.
-    predicted_ms = [s.compute_s * 1e3 * args.microbatches for s in plan.stages]
-    stage_lines = [f"{'stage':>5} {'predicted ms':>13} {'measured ms':>12}"]
-    for stage, predicted in zip(plan.stages, predicted_ms):
-        got = statistics.median(measured[stage.stage_id]) if measured.get(stage.stage_id) else float("nan")
-        stage_lines.append(f"{stage.stage_id:>5} {predicted:>13.2f} {got:>12.2f}")
+    predicted_ms, measured_ms = stage_fidelity(run_dir, plan, records, args)
+    stage_lines = format_fidelity(predicted_ms, measured_ms).splitlines()
 
     trace_path = None
     trace_files = sorted((run_dir / "trace").glob("*.json")) if (run_dir / "trace").exists() else []
@@ -88,7 +104,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "throughput_after": phases["after"], "switch_step": phases["switch_step"],
         "steps_to_detect": phases["steps_to_detect"],
         "predicted_stage_ms": predicted_ms,
-        "measured_stage_ms": [statistics.median(measured[s]) if measured.get(s) else None for s in range(plan.num_stages)],
+        "measured_stage_ms": measured_ms,
     }
     atomic_write_json(run_dir / "report.json", report)
     text = [
@@ -96,7 +112,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "== plan (initial) ==",
         plan.table(),
         "",
-        "== per-stage compute per step: predicted (profile x microbatches) vs measured (before the slowdown) ==",
+        "== per-stage busy ms per step: predicted (optimizer.fidelity) vs measured (before the slowdown) ==",
         *stage_lines,
         "",
         "== throughput (samples/s, median) ==",

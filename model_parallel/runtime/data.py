@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
@@ -127,8 +127,18 @@ def _split(value: Any, parts: int) -> list[Any]:
 
 
 def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...], num_classes: int, kind: str = "dense",
-                 image_size: int = 32) -> Any:
-    """`spec` is "synthetic" or an ImageFolder directory."""
+                 image_size: int = 32, prefetch: Optional[int] = None) -> Any:
+    """`spec` is "synthetic" or an ImageFolder directory. `prefetch` batches are prepared ahead on a
+    background thread (`runtime.prefetch.Prefetcher`; 0: none); default 2 for an ImageFolder (decoding
+    images costs as much as a stage's compute) and 0 for synthetic data (a few random numbers)."""
     if spec == "synthetic":
-        return SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
-    return ImageFolderData(spec, batch_size, image_size, seed)
+        dataset: Any = SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
+        depth = 0 if prefetch is None else prefetch
+    else:
+        dataset = ImageFolderData(spec, batch_size, image_size, seed)
+        depth = 2 if prefetch is None else prefetch
+    if depth:
+        from model_parallel.runtime.prefetch import Prefetcher
+
+        return Prefetcher(dataset, depth=depth)
+    return dataset

@@ -97,6 +97,8 @@ class PipelineEngine:
         self.modules = layer_modules(graph, model)
         self.tracer = Tracer(self.rank, enabled=bool(options.trace_dir))
         self.metrics = MetricsRecorder(self.rank, path=options.metrics, tracer=self.tracer)
+        if self.tracer.enabled and hasattr(dataset, "attach_tracer"):
+            dataset.attach_tracer(self.tracer)  # a Prefetcher: its data spans join this rank's trace
         self.straggler = Slowdown(self.metrics, self.rank, options.straggler)  # runs forwards and backwards
         self.replica_groups = ReplicaGroups(self.device)
         # Boundary headers (shapes/dtypes) are sent once per (peer, tag) and then only on change.

@@ -135,6 +135,10 @@ class Tracer:
             return _NULL
         return _Span(self, name, lane, args)
 
+    def add_lane(self, lane: str) -> None:
+        """Register `lane` now (from the recording thread's owner), before another thread records on it."""
+        self._tid(lane)
+
     def now_ns(self) -> int:
         """The clock spans use (time.perf_counter_ns), for `add` with start/end measured by the caller."""
         return time.perf_counter_ns()

@@ -1,0 +1,59 @@
+"""The stage-time model of issue 26 (optimizer/fidelity.py): every term against literal values."""
+from __future__ import annotations
+
+import pytest
+
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph, Node
+from model_parallel.graph.plan import Plan, StagePlan
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
+from model_parallel.runtime.calibrate import busy_ms
+
+
+def _chain() -> Graph:
+    # input -> a (1 ms fwd, 2 ms bwd, 4 MB weights, 1 MB out) -> b (3 + 3 ms, 2 MB weights)
+    nodes = (Node("input", "Input0", activation_size=1e5), Node("a", "Linear", 1.0, 2.0, 1e6, 4e6),
+             Node("b", "Linear", 3.0, 3.0, 1e3, 2e6))
+    return Graph(nodes=nodes, edges=(("input", "a"), ("a", "b")),
+                 metadata={"profile": {"loss_forward_ms": 0.25, "loss_backward_ms": 0.25}})
+
+
+CAL = Calibration(microbatch_overhead_ms=0.5, link_latency_ms=0.1, link_bandwidth=1e9, optimizer_ms_per_mb={"sgd": 0.2})
+
+
+def test_every_term_of_a_two_stage_plan():
+    plan = Plan(stages=(StagePlan(0, ("input", "a")), StagePlan(1, ("b",))))
+    first, last = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=CAL)
+    # stage 0: 4 x 3 ms compute, 4 MB x 0.2 ms/MB, 4 x (0.1 ms + 1 MB / 1 GB/s) sends, 4 x 0.5 overhead
+    assert (first.compute_ms, first.loss_ms, first.allreduce_ms) == (12.0, 0.0, 0.0)
+    assert first.optimizer_ms == pytest.approx(0.8) and first.send_ms == pytest.approx(4 * 1.1)
+    assert first.total_ms == pytest.approx(12 + 0.8 + 4.4 + 2.0)
+    # stage 1: 4 x 6 ms, the loss 4 x 0.5 ms, gradients up 4 x (0.1 + 1 ms), 2 MB of weights
+    assert (last.compute_ms, last.loss_ms) == (24.0, 2.0)
+    assert last.optimizer_ms == pytest.approx(0.4) and last.send_ms == pytest.approx(4.4)
+
+
+def test_microbatch_scale_and_replicas():
+    plan = Plan(stages=(StagePlan(0, ("input", "a"), num_replicas=2, ranks=(0, 1)), StagePlan(1, ("b",), ranks=(2,))))
+    first, _ = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=CAL, scale=0.5)
+    assert first.compute_ms == pytest.approx(2 * 3.0 * 0.5)  # each replica runs 2 of the 4 microbatches
+    assert first.allreduce_ms == pytest.approx(4 * 1 * 4e6 / (1e9 * 2) * 1e3)  # 4 (r-1) W / (B r)
+    assert first.overhead_ms == pytest.approx(1.0)
+
+
+def test_calibration_round_trips_and_refuses_bad_values():
+    assert Calibration.from_json(CAL.to_json()) == CAL
+    with pytest.raises(PlanError, match=r"calibration link_latency_ms must be a finite number >= 0, got -1"):
+        Calibration(link_latency_ms=-1)
+    with pytest.raises(PlanError, match=r"cal.json: unknown key\(s\) \['speed'\]"):
+        Calibration.from_json({"speed": 1}, "cal.json")
+    with pytest.raises(PlanError, match="no optimizer coefficient for 'adamw'"):
+        predict_stage_ms(_chain(), Plan(stages=(StagePlan(0, ("input", "a", "b")),)), num_microbatches=1,
+                         calibration=CAL, optimizer="adamw")
+
+
+def test_busy_excludes_waiting_on_peers_and_the_table_shows_the_error():
+    record = {"compute_ms": 10.0, "send_ms": 1.0, "idle_ms": 0.5, "recv_ms": 30.0, "allreduce_ms": 4.0}
+    assert busy_ms(record) == 11.5
+    table = format_fidelity([11.0, 20.0], [10.0, None])
+    assert table.splitlines()[1].split() == ["0", "11.00", "10.00", "+10%"] and "n/a" in table.splitlines()[2]
