@@ -7,7 +7,7 @@
 Rows (model x schedule; `SHAPES`): torchvision resnet50 at 32x32 on 4 stages (batch 32, 4
 microbatches), a GPT-style transformer (TinyGPT: 4 blocks, width 128, 64 tokens) on 4 stages (batch
 32, 4 microbatches), the StackedMLP 256 -> 8 x 1024 -> 10 on 2 stages (batch 64, 4 microbatches);
-1F1B and GPipe. The main process first calibrates the machine (`runtime.calibrate`: link, optimizer
+1F1B and GPipe. The main process first calibrates the machine (`cli.calibrate`: link, optimizer
 step per MB, the runtime's fixed cost per microbatch), then profiles each model at microbatch size
 (its loss too), cuts it into stages of about equal measured compute (`runtime.stages.even_plan`)
 and writes the graph and plan; both runtimes build their stage modules from that same graph and
@@ -31,7 +31,7 @@ the median over the rounds.
 - predicted_stage_ms / measured_stage_ms (ours, per stage, ms per step): a stage rank's *busy* time
   in one step of m microbatches, i.e. everything but waiting on a peer: forward + backward of all m
   microbatches, the loss (last stage), the optimizer step, posting and completing its sends, the
-  runtime's own Python work. Measured: `runtime.calibrate.busy_ms` of the engine's step records
+  runtime's own Python work. Measured: `runtime.metrics.busy_ms` of the engine's step records
   (compute + send + idle; receives and the step-end all-reduce are waits), median over the timed
   steps. Predicted: `optimizer.fidelity.predict_stage_ms` with the calibration (terms in
   `predicted_terms_ms`). Goal: within +-10 %.
@@ -276,7 +276,7 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
 
-    from model_parallel.runtime.calibrate import busy_ms
+    from model_parallel.runtime.metrics import busy_ms
 
     rec, model, graph, plan, _ = _build(model_name, spec)
     entry = spec["models"][model_name]
@@ -443,7 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"{model_name}: batch size {batch} must be a multiple of microbatches {micro}")
     started = time.perf_counter()
     from model_parallel.optimizer.fidelity import Calibration
-    from model_parallel.runtime.calibrate import calibrate
+    from model_parallel.cli.calibrate import calibrate
 
     if args.calibration:
         calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)

@@ -7,7 +7,7 @@ from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
-from model_parallel.runtime.calibrate import busy_ms
+from model_parallel.runtime.metrics import busy_ms
 
 
 def _chain() -> Graph:

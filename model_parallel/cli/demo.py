@@ -112,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "--threads", "1"], logs / "profile.log")
     graph_txt = run_dir / "profiles" / args.arch / "graph.txt"
     # This machine's link, optimizer and per-microbatch runtime cost: the report's predicted stage times.
-    run_step("calibrate", [py, "-m", "model_parallel.runtime.calibrate", "--out", str(run_dir / "profiles" / "calibration.json")],
+    run_step("calibrate", [py, "-m", "model_parallel.cli.calibrate", "--out", str(run_dir / "profiles" / "calibration.json")],
              logs / "calibrate.log")
     # 2. partition
     partition_dir = run_dir / "partition"

@@ -56,11 +56,11 @@ def plot_throughput(rows: Sequence[Mapping[str, Any]], slow_at: int, path: Path)
 def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any]], args: Any
                    ) -> tuple[list[float], list[Optional[float]]]:
     """Predicted (`optimizer.fidelity.predict_stage_ms` with the run's calibration, when there is one) and
-    measured (`runtime.calibrate.busy_ms`, median over the steps before the slowdown) ms per stage and step."""
+    measured (`runtime.metrics.busy_ms`, median over the steps before the slowdown) ms per stage and step."""
     import json
 
     from model_parallel.graph.io import load_graph
-    from model_parallel.runtime.calibrate import busy_ms
+    from model_parallel.runtime.metrics import busy_ms
 
     path = run_dir / "profiles" / "calibration.json"
     calibration = Calibration.from_json(json.loads(path.read_text()), str(path)) if path.exists() else Calibration()

@@ -10,7 +10,7 @@ flush step of `m` microbatches, so a prediction can be checked against the runti
     sends      m x per message sent: latency + bytes / bandwidth   (activations down, gradients up)
     overhead   m x the runtime's fixed cost per microbatch   (Calibration.microbatch_overhead_ms)
 
-The measured counterpart (`runtime.calibrate.busy_ms`) is the rank's step time minus the time it was
+The measured counterpart (`runtime.metrics.busy_ms`) is the rank's step time minus the time it was
 blocked waiting on a peer (receives, the step-end loss all-reduce): compute + optimizer + sends +
 Python overhead. Receives are posted ahead and land during compute, so they are not priced; waiting
 for them is the pipeline's bubble, which `(m + p - 1) x max stage` accounts for, not a stage.
@@ -35,7 +35,7 @@ MB = 1e6
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per-machine constants of the stage-time model, measured once (`runtime.calibrate`) and stored
+    """Per-machine constants of the stage-time model, measured once (`cli.calibrate`) and stored
     beside the profile as JSON (`to_json` / `from_json`)."""
 
     microbatch_overhead_ms: float = 0.0  # the runtime's fixed cost per microbatch and stage (F + B actions)

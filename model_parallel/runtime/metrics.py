@@ -338,3 +338,9 @@ def format_summary(rows: Iterable[Mapping[str, Any]]) -> str:
         lines.append(f"{row['step']:>5} {row['plan_version']:>4} {row['step_ms']:>9.1f} {row['samples_per_s']:>10.1f}  {parts}")
     return "\n".join(lines)
 
+
+def busy_ms(record: Any) -> float:
+    """A rank's milliseconds in a step not spent blocked on a peer: compute (forward, backward, loss,
+    optimizer) + sends + idle (Python, data wait); receives and the step-end all-reduce are waits."""
+    get = record.get if isinstance(record, Mapping) else lambda key: getattr(record, key)
+    return float(get("compute_ms")) + float(get("send_ms")) + float(get("idle_ms"))

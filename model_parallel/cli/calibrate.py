@@ -1,6 +1,6 @@
 """Measure this machine's stage-time constants once (`optimizer.fidelity.Calibration`) and store them.
 
-    python -m model_parallel.runtime.calibrate --out profiles/calibration.json   # a 2-rank gloo world, ~10 s
+    python -m model_parallel.cli.calibrate --out profiles/calibration.json   # a 2-rank gloo world, ~10 s
 
 Three measurements, each in the conditions of a real run (one thread per rank, gloo on localhost):
 
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_parallel.optimizer.fidelity import Calibration
+from model_parallel.runtime.metrics import busy_ms
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,6 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
-
-
-def busy_ms(record: Any) -> float:
-    """A rank's milliseconds in a step not spent blocked on a peer: compute (forward, backward, loss,
-    optimizer) + sends + idle (Python, data wait); receives and the step-end all-reduce are waits."""
-    get = record.get if isinstance(record, Mapping) else lambda key: getattr(record, key)
-    return float(get("compute_ms")) + float(get("send_ms")) + float(get("idle_ms"))
 
 
 def optimizer_ms_per_mb(kind: str, megabytes: float = 8.0, reps: int = 5) -> float:
@@ -147,7 +141,7 @@ def calibrate(out: Optional[Path] = None, timeout: float = 180.0) -> Calibration
     with tempfile.TemporaryDirectory(prefix="calibrate_") as tmp:
         port = free_port()
         paths = [Path(tmp) / f"rank{rank}.json" for rank in range(2)]
-        commands = [[sys.executable, "-m", "model_parallel.runtime.calibrate", "--_rank", str(rank), "--_port", str(port),
+        commands = [[sys.executable, "-m", "model_parallel.cli.calibrate", "--_rank", str(rank), "--_port", str(port),
                      "--out", str(paths[rank])] for rank in range(2)]
         result = launch(commands, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
         if not result.ok:
@@ -159,7 +153,7 @@ def calibrate(out: Optional[Path] = None, timeout: float = 180.0) -> Calibration
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model_parallel.runtime.calibrate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m model_parallel.cli.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="calibration JSON to write")
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--_rank", type=int, help=argparse.SUPPRESS)
