@@ -62,9 +62,8 @@ from model_parallel.optimizer.partition import partition  # noqa: E402
 from model_parallel.optimizer.search.bounded import bounded_solve, cut_union  # noqa: E402
 from model_parallel.optimizer.solve import solve  # noqa: E402
 from model_parallel.optimizer.tuning import Tuning  # noqa: E402
-from model_parallel.optimizer.states import (  # noqa: E402
-    antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states,
-)
+from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains  # noqa: E402
+from model_parallel.optimizer.states import cut_states, preprocess, prefix_states  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "optimizer.json"
 REFERENCE = REPO / "tests" / "fixtures" / "reference_profiles"

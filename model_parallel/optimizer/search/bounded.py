@@ -22,8 +22,9 @@ from model_parallel.optimizer.search.bounds import ROUNDING, LevelBounds, bounda
 from model_parallel.optimizer.search.cells import bounded_plan, cell_mask, used_states
 from model_parallel.optimizer.search.relaxation import relaxed_lower_bound
 from model_parallel.optimizer.solve import Limits, Solution, better, dp_work, solve
+from model_parallel.optimizer.antichains import Antichains, enumerate_antichains
 from model_parallel.optimizer.states import (
-    Antichains, CutCosts, States, Workload, cut_costs, downset_sums, enumerate_antichains, prefix_states, states_from_costs,
+    CutCosts, States, Workload, cut_costs, downset_sums, prefix_states, states_from_costs,
 )
 
 
