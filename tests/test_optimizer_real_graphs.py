@@ -190,3 +190,26 @@ def test_timm_models_get_real_pipelines(name):
     slowest = max(stage.compute_s for stage in plan.stages)
     total = sum(n.forward_ms + n.backward_ms for n in graph.nodes) / 1000
     assert slowest < total * 0.75, plan.table()  # not everything on one stage
+
+
+def test_beyond_the_enumeration_limit_the_main_source_walk_gives_candidates_never_exact():
+    from model_parallel.optimizer.tuning import Tuning
+
+    checked = 0
+    for seed in range(20):
+        graph = traced_graph(seed)
+        work = preprocess(graph)
+        everything = set(enumerate_antichains(work).downsets())
+        some = set(enumerate_antichains(work, main_source_only=True).downsets())
+        assert some <= everything, seed  # real cuts, fewer of them
+        if some == everything:
+            continue
+        hierarchy = Hierarchy.from_lists([3])
+        limited = PartitionOptions(max_antichain_states=2, tuning=Tuning(enumeration_limit=len(everything) - 1))
+        plan = partition(graph, hierarchy, limited)
+        optimum = partition(graph, hierarchy, PartitionOptions())
+        assert optimum.extra["exact"] is True and plan.extra["exact"] is False, seed
+        assert plan.time_per_minibatch_s >= optimum.time_per_minibatch_s * (1 - 1e-12), seed
+        assert 0 < plan.extra["lower_bound_s"] <= optimum.time_per_minibatch_s * (1 + 1e-12), seed
+        checked += 1
+    assert checked >= 5

@@ -14,7 +14,7 @@ the main branch, constants built from nothing), and leave PipeDream's one-source
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -149,9 +149,24 @@ def enumeration_view(work: Workload) -> EnumerationView:
     return EnumerationView(view, tuple(kept), tuple(groups), always, root)
 
 
-def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> Antichains:
-    """Breadth-first enumeration of PipeDream's antichain DAG; `InfeasibleError` beyond `max_states`."""
+def enumerate_antichains(work: Workload, max_states: Optional[int] = None, main_source_only: bool = False) -> Antichains:
+    """Breadth-first enumeration of PipeDream's antichain DAG; `InfeasibleError` beyond `max_states`.
+
+    `main_source_only`: PipeDream's own walk, from one source only (the one with the most descendants,
+    no root), where other sources join a cut only with their first reader: some cuts, not all (a
+    heuristic candidate set when all of them are too many; the last state need not hold every node).
+    """
     view = enumeration_view(work)
+    if main_source_only and view.root is not None:
+        starts, graph = view.work.succ[view.root], view.work
+        without_root = Workload(  # the root is the last view node: the walk must not step through it
+            graph.node_ids[:-1], graph.compute_s[:-1], graph.activation[:-1], graph.parameters[:-1], graph.succ[:-1],
+            tuple(tuple(p for p in preds if p != view.root) for preds in graph.pred[:-1]), (), (),
+        )
+        _, desc = closures(without_root)
+        main = max(starts, key=lambda v: (desc[v].bit_count(), -v))
+        found = _walk(without_root, max_states, start=main)
+        return _cuts_of(work, replace(view, work=without_root, root=None), found)
     if max_states is not None:
         # The walk meets every non-empty downset of the view once (a minimal node outside a cut always
         # has a predecessor in its augmented antichain, the root's included): count them first, so a
@@ -161,6 +176,11 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None) -> An
         if states is not None and states > max_states:
             raise InfeasibleError(f"more than {max_states} antichain states ({states})")
     found = _walk(view.work, max_states if view.root is None or max_states is None else max_states + 1)
+    return _cuts_of(work, view, found)
+
+
+def _cuts_of(work: Workload, view: EnumerationView, found: _Walk) -> Antichains:
+    """The walk's states as cuts of the workload (the root's own state, the empty cut, dropped)."""
     anc, _ = closures(view.work)
     root = view.root
     # The cut of view node x and its ancestors, in workload nodes (the root stands for nothing).
@@ -193,8 +213,8 @@ class _Walk:
     out_edges: list[list[int]]
 
 
-def _walk(work: Workload, max_states: Optional[int]) -> _Walk:
-    """PipeDream's breadth-first walk from the first source (view positions throughout)."""
+def _walk(work: Workload, max_states: Optional[int], start: Optional[int] = None) -> _Walk:
+    """PipeDream's breadth-first walk from the first source, or `start` (view positions throughout)."""
     n = work.num_nodes
     anc, desc = closures(work)
     # augment(a) adds every ancestor p of an antichain node x that also feeds a node outside
@@ -223,11 +243,10 @@ def _walk(work: Workload, max_states: Optional[int]) -> _Walk:
             mask |= bit[x]
         return mask
 
-    sources = [v for v in range(n) if not work.pred[v]]
-    start = [sources[0]]
-    mapping: dict[int, int] = {key(start): 0}
-    keys: list[int] = [key(start)]
-    augmented: list[list[int]] = [augment(start)]
+    first = [next(v for v in range(n) if not work.pred[v]) if start is None else start]
+    mapping: dict[int, int] = {key(first): 0}
+    keys: list[int] = [key(first)]
+    augmented: list[list[int]] = [augment(first)]
     out_edges: list[list[int]] = [[]]
     # Breadth first: PipeDream's queue meets each antichain first when it creates it (later copies are
     # skipped), so states are processed exactly in creation order.

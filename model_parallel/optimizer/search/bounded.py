@@ -180,8 +180,8 @@ def relaxed_bound(
     return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound)
 
 
-def enumerate_or_none(work: Workload, limit: int) -> Optional[Antichains]:
+def enumerate_or_none(work: Workload, limit: int, main_source_only: bool = False) -> Optional[Antichains]:
     try:
-        return enumerate_antichains(work, max_states=limit)
+        return enumerate_antichains(work, max_states=limit, main_source_only=main_source_only)
     except InfeasibleError:
         return None
