@@ -30,6 +30,12 @@ Unproven plans ("exact" false) carry `lower_bound_s`, a time no plan beats (the 
 `optimizer/search/relaxation.py` when it fits, else perfect balance `balance_bound_s`), and `max_gap`: the
 plan is at most that fraction above the optimum.
 
+Real models (`--real` alone, and in the full run): torchvision efficientnet_b0 and resnet50 (torch.fx),
+timm efficientnet_b0 (torch.export: a node per weight read and per BatchNorm counter update, 649 nodes),
+timm ViT-tiny and MLP-Mixer at 32x32, and tiny GPT-2 and Llama (torch.export: mask and rotary side
+branches), random weights, synthetic costs, on `-n 4` and `-n 4 2`; `--real` writes
+`bench/results/optimizer_real.json`.
+
 Writes `bench/results/optimizer.json` atomically: {"rows": [{profile, num_machines, seconds,
 time_per_minibatch_s, cuts, num_states, num_nodes, lower_bound_s, max_gap}], "optimality": {...},
 settings}. Prints a table.
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import random
 import sys
@@ -62,15 +69,16 @@ from model_parallel.optimizer.partition import partition  # noqa: E402
 from model_parallel.optimizer.search.bounded import bounded_solve, cut_union  # noqa: E402
 from model_parallel.optimizer.solve import solve  # noqa: E402
 from model_parallel.optimizer.tuning import Tuning  # noqa: E402
-from model_parallel.optimizer.states import (  # noqa: E402
-    antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states,
-)
+from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains  # noqa: E402
+from model_parallel.optimizer.states import cut_states, preprocess, prefix_states  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "optimizer.json"
+REAL_RESULTS = REPO / "bench" / "results" / "optimizer_real.json"
 REFERENCE = REPO / "tests" / "fixtures" / "reference_profiles"
 HIERARCHIES = {
     "4": ([4], [1e9]),
     "4 4": ([4, 4], [40e9, 1.25e9]),
+    "4 2": ([4, 2], [40e9, 1.25e9]),
     "8 2": ([8, 2], [40e9, 1.25e9]),
     "8 16 8": ([8, 16, 8], [40e9, 10e9, 1.25e9]),
 }
@@ -105,6 +113,47 @@ def profiles(quick: bool) -> list[tuple[str, Graph]]:
     # As wide as PipeDream's inception_v3 (221,564 states, out of memory there): 197,953 antichain states.
     found.append(("wide branches 1551 nodes", synthetic.branches(95, width=6, depth=4, seed=1)))
     return found
+
+
+def real_graph(name: str) -> Graph:
+    """A model as the profiler records it (torch.fx for torchvision, torch.export for timm and Hugging
+    Face: a node per weight read, shape reads, mask and rotary side branches), tiny configurations with
+    random weights, synthetic costs."""
+    import torch
+
+    import model_parallel
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    image = (torch.randn(2, 3, 32, 32),)
+    if name in ("efficientnet_b0", "resnet50"):
+        model, inputs = getattr(model_parallel.import_torchvision().models, name)(num_classes=10), image
+    elif name in ("timm efficientnet_b0", "vit_tiny", "mixer"):
+        import timm
+
+        timm_name = {"timm efficientnet_b0": "efficientnet_b0", "vit_tiny": "vit_tiny_patch16_224", "mixer": "mixer_s16_224"}[name]
+        kwargs = {} if name.startswith("timm") else {"img_size": 32}
+        model, inputs = timm.create_model(timm_name, pretrained=False, num_classes=10, **kwargs), image
+    else:
+        import transformers
+
+        if name == "gpt2":
+            config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+            model = transformers.GPT2LMHeadModel(config)
+        else:
+            config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+            model = transformers.LlamaForCausalLM(config)
+        inputs = {"input_ids": torch.randint(0, 128, (2, 16))}
+    graph, _ = model_parallel.trace_model(model, inputs)
+    return synthetic.traced_costs(graph)
+
+
+REAL_GRAPHS = ("efficientnet_b0", "timm efficientnet_b0", "resnet50", "vit_tiny", "mixer", "gpt2", "llama")
+
+
+def real_graphs(names: Sequence[str] = REAL_GRAPHS) -> list[tuple[str, Graph]]:
+    return [(f"{name} (real)", real_graph(name)) for name in names]
 
 
 def other_seeds() -> list[tuple[str, Graph]]:
@@ -205,16 +254,31 @@ def bounded_gap(num_cases: int) -> dict[str, Any]:
             "mean_fraction_of_states_kept": sum(kept) / max(len(kept), 1)}
 
 
+def _machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+            "load_average": list(os.getloadavg())}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="reference profiles, -n 4 and -n 4 4, 30 optimality cases")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--real", action="store_true", help=f"only the real models ({', '.join(REAL_GRAPHS)}) on -n 4 and -n 4 2")
+    parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.real:
+        print(f"{'profile':<24} {'hierarchy':<10} {'wall':>10} {'cpu':>9}  {'time/minibatch':>13}  {'cuts':<19} {'exact':<5} {'states':>5}")
+        rows = solve_rows(real_graphs(), ["4", "4 2"])
+        output = args.output or REAL_RESULTS
+        atomic_write_json(output, {"rows": rows, "machine": _machine()})
+        print(f"wrote {output}")
+        return 0
+    args.output = args.output or RESULTS
     hierarchies = ["4", "4 4"] if args.quick else list(HIERARCHIES)
     print(f"{'profile':<24} {'hierarchy':<10} {'wall':>10} {'cpu':>9}  {'time/minibatch':>13}  {'cuts':<19} {'exact':<5} {'states':>5}")
     rows = solve_rows(profiles(args.quick), hierarchies)
     if not args.quick:
         rows += solve_rows(other_seeds(), ["8 16 8"])
+        rows += solve_rows(real_graphs(), ["4", "4 2"])
     gap = optimality(30 if args.quick else 120)
     print(f"optimality vs brute force on {gap['cases']} small DAGs: max relative gap "
           f"{gap['max_relative_gap']}; all-cuts beat PipeDream's states in {gap['cases_where_all_cuts_beat_pipedream']} case(s)")
@@ -224,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"states kept {bounded['mean_fraction_of_states_kept']:.1%} on average")
     atomic_write_json(args.output, {
         "rows": rows, "optimality": gap, "bounded_vs_full_dp": bounded, "quick": args.quick,
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "machine": _machine(),
     })
     print(f"wrote {args.output}")
     return 0

@@ -16,7 +16,8 @@ from model_parallel.optimizer.search.bounded import bounded_solve, cut_union, so
 from model_parallel.optimizer.search.bounds import boundary_states, level_bounds
 from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.tuning import Tuning
-from model_parallel.optimizer.states import antichain_states, cut_states, enumerate_antichains, preprocess, prefix_states
+from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains
+from model_parallel.optimizer.states import cut_states, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import HIERARCHIES, problem, union_states
 
@@ -54,7 +55,7 @@ def test_bounded_plan_is_never_worse_than_pipedreams_states():
     antichains = enumerate_antichains(work)
     hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
     options = PartitionOptions(activation_compression_ratio=1.0)
-    from model_parallel.optimizer.states import finish_antichains
+    from model_parallel.optimizer.antichains import finish_antichains
     pipedream_states = finish_antichains(work, antichains)
     strict = solve(cut_states(work, list(pipedream_states.members), "bounded"), hierarchy, options)
     upper = solve(prefix_states(work, 12), hierarchy, options).time_s

@@ -14,7 +14,8 @@ from model_parallel.optimizer.brute_force import all_cuts, brute_force, brute_fo
 from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
-from model_parallel.optimizer.states import antichain_states, preprocess, prefix_states
+from model_parallel.optimizer.antichains import antichain_states
+from model_parallel.optimizer.states import preprocess, prefix_states
 from support import first_fast
 
 

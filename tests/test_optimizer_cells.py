@@ -13,7 +13,8 @@ from model_parallel.optimizer.search.bounds import level_bounds, row_states
 from model_parallel.optimizer.search.cells import cell_mask, level_cell_work, stage_contexts
 from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.tuning import Tuning
-from model_parallel.optimizer.states import antichain_states, enumerate_antichains, preprocess, prefix_states
+from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains
+from model_parallel.optimizer.states import preprocess, prefix_states
 from support import first_fast
 from support.optimizer import problem, union_states
 

@@ -20,7 +20,8 @@ from model_parallel.optimizer.search.bounded import cut_union, relaxed_bound
 from model_parallel.optimizer.search.flattened import flat_feasible, flat_plan_cuts, flat_states
 from model_parallel.optimizer.search.relaxation import covers, fewest_replicas
 from model_parallel.optimizer.solve import solve
-from model_parallel.optimizer.states import cut_costs, cut_states, enumerate_antichains, preprocess, prefix_states
+from model_parallel.optimizer.antichains import enumerate_antichains
+from model_parallel.optimizer.states import cut_costs, cut_states, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import exact_and_unproven, problem, three_level_problem
 

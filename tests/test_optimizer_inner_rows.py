@@ -20,7 +20,7 @@ from model_parallel.optimizer.search.inner_rows import InnerRows
 from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.states import prefix_states
 from model_parallel.optimizer.tuning import Tuning
-from model_parallel.optimizer.states import enumerate_antichains
+from model_parallel.optimizer.antichains import enumerate_antichains
 from support import first_fast
 from support.optimizer import three_level_problem
 

@@ -17,7 +17,8 @@ from model_parallel.optimizer.search.bounded import cut_union, relaxed_bound
 from model_parallel.optimizer.search.relaxation import covers, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.tuning import Tuning
-from model_parallel.optimizer.states import cut_costs, enumerate_antichains, preprocess, prefix_states
+from model_parallel.optimizer.antichains import enumerate_antichains
+from model_parallel.optimizer.states import cut_costs, preprocess, prefix_states
 from support import first_fast
 from support.optimizer import exact_and_unproven, problem, union_states
 

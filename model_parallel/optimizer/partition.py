@@ -23,16 +23,15 @@ import numpy as np
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan
-from model_parallel.optimizer import states as states_module
+from model_parallel.optimizer import antichains as antichains_module
 from model_parallel.optimizer.assemble import assign_nodes, build_plan, infeasible_message
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.auto import search_auto
 from model_parallel.optimizer.search.bounded import solve_antichains
 from model_parallel.optimizer.search.relaxation import node_share_bound
 from model_parallel.optimizer.solve import Solution, affordable_cut_points, check_speed_count, profile_counts, solve
-from model_parallel.optimizer.states import (
-    States, Workload, antichain_states, enumerate_antichains, finish_antichains, ideal_states, preprocess, prefix_states,
-)
+from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains, finish_antichains
+from model_parallel.optimizer.states import States, Workload, ideal_states, preprocess, prefix_states
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         return solve(prefix_states(work, limit), hierarchy, options)
     affordable = affordable_cut_points(hierarchy, options)
     try:
-        small = enumerate_antichains(work, max_states=min(options.max_antichain_states, affordable, states_module.MAX_DP_STATES))
+        small = enumerate_antichains(work, max_states=min(options.max_antichain_states, affordable, antichains_module.MAX_DP_STATES))
     except InfeasibleError:
         small = None  # more states than PipeDream's DP can take here
     if small is not None:

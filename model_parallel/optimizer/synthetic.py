@@ -80,10 +80,14 @@ def random_dag(num_nodes: int, seed: int = 0, max_fan_in: int = 2, window: Optio
 
 
 def traced_costs(graph: Graph, ms_per_mb: float = 0.05) -> Graph:
-    """A traced graph (zero times) with synthetic costs: compute proportional to activation bytes."""
+    """A traced graph (zero times) with synthetic costs: compute proportional to activation bytes.
+
+    Nodes the profiler never times stay free, as in a real profile: inputs, weight reads (get_attr) and
+    nodes without a tensor output (`x.size(0)`, `torch._assert`).
+    """
     nodes = []
     for node in graph.nodes:
-        if node.is_input:
+        if node.is_input or node.activation_bytes == 0 or (node.layer is not None and node.layer.op == "get_attr"):
             nodes.append(node)
             continue
         mb = node.activation_bytes / 2**20

@@ -28,6 +28,9 @@ class Tuning:
     # --- search: bounded exact solves (search/bounded.py) ---------------------------------------------
     # Most antichain states enumerated for a bounded solve (~15 us each; PipeDream's inception_v3 has 221,564).
     enumeration_limit: int = 250_000
+    # Beyond it, the cuts of PipeDream's own walk from the main source alone (side branches join with
+    # their first reader) still give the bounded solve candidate plans (not exact): at most this many.
+    partial_walk_states: int = 5_000
     # PipeDream's antichain DP on a hierarchy is first bounded by a quick plan when it touches at least
     # this many elements: below, the quick plan over `quick_antichain_cut_points` prefixes costs about
     # what the bound saves.

@@ -12,7 +12,8 @@ from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.tuning import Tuning
 from model_parallel.optimizer.partition import partition, solve
-from model_parallel.optimizer.states import cut_costs, cut_states, enumerate_antichains, preprocess, prefix_states
+from model_parallel.optimizer.antichains import enumerate_antichains
+from model_parallel.optimizer.states import cut_costs, cut_states, preprocess, prefix_states
 
 HIERARCHIES = [([3], [1e9]), ([2, 2], [40e9, 1e9]), ([3, 2], [40e9, 2e9]), ([2, 2, 2], [40e9, 10e9, 1e9])]
 

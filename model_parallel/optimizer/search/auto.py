@@ -50,6 +50,16 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
                 exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
     if exact is not None:
         return better(upper, exact)
+    if found is None and prefixes_fit:
+        # Too many antichains for an exact solve: PipeDream's own walk from the main source alone still
+        # offers cuts no prefix order has (side branches beside the main one). Some cuts, not all: the
+        # plan is a candidate, never exact, and these cuts bound nothing below it.
+        limit = min(options.tuning.partial_walk_states, options.tuning.enumeration_limit)  # one source: the whole walk
+        partial = enumerate_or_none(work, limit, main_source_only=True)
+        if partial is not None:
+            candidate = bounded_solve(work, hierarchy, options, cut_union(work, partial), upper.time_s)
+            if candidate is not None:
+                upper = better(upper, replace(candidate, exact=False))
     if found is None and not prefixes_fit:  # a relaxed bound needs them; a cheap try only
         found = enumerate_or_none(work, options.tuning.max_relaxed_states)
         union = None if found is None else cut_union(work, found)

@@ -22,8 +22,9 @@ from model_parallel.optimizer.search.bounds import ROUNDING, LevelBounds, bounda
 from model_parallel.optimizer.search.cells import bounded_plan, cell_mask, used_states
 from model_parallel.optimizer.search.relaxation import relaxed_lower_bound
 from model_parallel.optimizer.solve import Limits, Solution, better, dp_work, solve
+from model_parallel.optimizer.antichains import Antichains, enumerate_antichains
 from model_parallel.optimizer.states import (
-    Antichains, CutCosts, States, Workload, cut_costs, downset_sums, enumerate_antichains, prefix_states, states_from_costs,
+    CutCosts, States, Workload, cut_costs, downset_sums, prefix_states, states_from_costs,
 )
 
 
@@ -179,8 +180,8 @@ def relaxed_bound(
     return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound)
 
 
-def enumerate_or_none(work: Workload, limit: int) -> Optional[Antichains]:
+def enumerate_or_none(work: Workload, limit: int, main_source_only: bool = False) -> Optional[Antichains]:
     try:
-        return enumerate_antichains(work, max_states=limit)
+        return enumerate_antichains(work, max_states=limit, main_source_only=main_source_only)
     except InfeasibleError:
         return None

@@ -1,0 +1,404 @@
+"""PipeDream's antichain DAG: the cut states of its DP, enumerated breadth first from the graph's sources.
+
+A state is an antichain of nodes; its cut `P(s)` is the antichain with all its ancestors. PipeDream
+(graph.py `antichain_dag`) walks from the first source, replacing a node of the (augmented) antichain
+by one of its successors. Two changes make the walk see every cut on graphs with several sources,
+which traced models have (a parameter read per weight under `torch.export`, `x.shape[0]` read beside
+the main branch, constants built from nothing), and leave PipeDream's one-source graphs untouched:
+
+- a virtual root feeds every source and the walk starts there, so no source is unreachable (from one
+  source only, the walk never cut a side branch that starts at another: timm's Mixer got one stage);
+- a source that computes nothing and feeds exactly one node (a parameter read) travels with that
+  node (`enumeration_view`): otherwise every subset of the weights not yet read is a cut of its own
+  and the states grow as 2^weights (Llama: over 250,000 before the first layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+from model_parallel.errors import InfeasibleError
+from model_parallel.optimizer.states import States
+from model_parallel.optimizer.workload import (
+    Workload, bit_positions, closures, masks_to_matrix, matrix_to_masks, topological_order,
+)
+
+
+@dataclass(frozen=True)
+class Antichains:
+    """PipeDream's antichain DAG as enumerated: per state its cut `P(s)` (a bitset over workload nodes),
+    PipeDream's bytes crossing it (the augmented antichain's outputs) and the DAG's edges."""
+
+    cuts: list[int]
+    output: list[float]
+    out_edges: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.cuts)
+
+    def downsets(self) -> list[int]:
+        """`P(s)` of every state as a bitset (enumeration order)."""
+        return list(self.cuts)
+
+
+# PipeDream's DP keeps a states x states ancestry matrix (1 byte per pair) and tables of that size.
+MAX_DP_STATES = 50_000
+
+
+def antichain_states(work: Workload, max_states: Optional[int] = None) -> States:
+    """PipeDream's antichain DAG (graph.py `antichain_dag`), topologically sorted as PipeDream sorts it.
+
+    Raises `InfeasibleError` when more than `max_states` states exist (the caller falls back to prefixes).
+    """
+    return finish_antichains(work, enumerate_antichains(work, max_states))
+
+
+def finish_antichains(work: Workload, found: Antichains) -> States:
+    """PipeDream's state order and costs for an enumerated antichain DAG."""
+    if len(found) > MAX_DP_STATES:
+        raise InfeasibleError(
+            f"PipeDream's state space has {len(found)} antichain states: its DP would need "
+            f"{len(found) ** 2 / 2**30:.1f} GiB for the state order alone; use cuts='auto' (an exact bounded solve "
+            "where one exists) or cuts='topological'"
+        )
+    order = _dfs_topological(found.out_edges)
+    return _finish_states(
+        work, [found.cuts[s] for s in order], [found.output[s] for s in order], _reindex(found.out_edges, order),
+    )
+
+
+@dataclass(frozen=True)
+class EnumerationView:
+    """The graph the walk runs on: view node i stands for the workload nodes `groups[i]` (a bitset, its
+    representative `nodes[i]` first among them); `always` are workload nodes inside every cut; `root`,
+    when there is one, is the last view node and stands for no workload node."""
+
+    work: Workload  # the view as a workload (structure only; its costs are zeros)
+    nodes: tuple[int, ...]
+    groups: tuple[int, ...]
+    always: int
+    root: Optional[int]
+
+
+def enumeration_view(work: Workload) -> EnumerationView:
+    """The workload with the nodes whose place in a cut is decided by another node folded into it, plus
+    a root before every remaining source when there are several.
+
+    Why the cuts this drops lose nothing:
+    - a *free* node (no compute, no parameters, no bytes: a shape read, `x.size(0)`, timm's `_assert`)
+      joins a cut as soon as its inputs are in it (`always` when it needs none, else with its one
+      predecessor that is not `always`). Any cut D and the cut D' with the free nodes D allows added
+      have the same sums, and no more bytes cross D' (a free node sends nothing, and may consume an
+      output that crossed D); the map keeps inclusion, so a plan over all cuts has a plan over these
+      as fast, except that a stage holding only free nodes disappears (on one level with
+      `use_fewer_machines` that loses nothing either);
+    - a source that computes nothing and feeds one node (a weight read: a get_attr that the profiler
+      places just before its single reader) is in a cut exactly when its reader is. A cut between them
+      would send the weight forward as an activation and its gradient back on every microbatch,
+      between two stages that both own it; the weight belongs to the stage that reads it.
+    `tests/test_optimizer_real_graphs.py` checks plans over these cuts against brute force over all cuts.
+    """
+    n = work.num_nodes
+    free = [work.compute_s[v] == 0.0 and work.parameters[v] == 0.0 and work.activation[v] == 0.0 for v in range(n)]
+    if all(free):  # a profile without costs: every cut is alike, keep them all
+        free = [False] * n
+    owner = list(range(n))  # the node whose presence in a cut decides v's; -1 = every cut
+    for v in topological_order(work):
+        if free[v]:
+            deciding = {owner[p] for p in work.pred[v]} - {-1}
+            if len(deciding) <= 1:
+                owner[v] = deciding.pop() if deciding else -1
+        elif not work.pred[v] and len(work.succ[v]) == 1 and work.compute_s[v] == 0.0:
+            owner[v] = work.succ[v][0]  # its reader comes later in topological order: resolved below
+    for v in range(n):  # follow the chain to its end (a weight read's reader may be folded too)
+        while owner[v] >= 0 and owner[owner[v]] != owner[v]:
+            owner[v] = owner[owner[v]]
+    kept = [v for v in range(n) if owner[v] == v]
+    position = {v: i for i, v in enumerate(kept)}
+    groups = [0] * len(kept)
+    always = 0
+    for v in range(n):
+        if owner[v] < 0:
+            always |= 1 << v
+        else:
+            groups[position[owner[v]]] |= 1 << v
+    succ: list[list[int]] = [[] for _ in kept]
+    pred: list[list[int]] = [[] for _ in kept]
+    for v in range(n):
+        for t in work.succ[v]:
+            a, b = owner[v], owner[t]
+            if a >= 0 and b >= 0 and a != b and position[b] not in succ[position[a]]:
+                succ[position[a]].append(position[b])
+                pred[position[b]].append(position[a])
+    starts = [i for i, p in enumerate(pred) if not p]
+    root = None
+    if len(starts) > 1:
+        root = len(kept)
+        succ.append(starts)
+        pred.append([])
+        for i in starts:
+            pred[i].append(root)
+    size = len(succ)
+    view = Workload(
+        node_ids=tuple(work.node_ids[v] for v in kept) + (("<root>",) if root is not None else ()),
+        compute_s=(0.0,) * size, activation=(0.0,) * size, parameters=(0.0,) * size,
+        succ=tuple(tuple(s) for s in succ), pred=tuple(tuple(p) for p in pred), inputs=(), dropped=(),
+    )
+    return EnumerationView(view, tuple(kept), tuple(groups), always, root)
+
+
+def enumerate_antichains(work: Workload, max_states: Optional[int] = None, main_source_only: bool = False) -> Antichains:
+    """Breadth-first enumeration of PipeDream's antichain DAG; `InfeasibleError` beyond `max_states`.
+
+    `main_source_only`: PipeDream's own walk, from one source only (the one with the most descendants,
+    no root), where other sources join a cut only with their first reader: some cuts, not all (a
+    heuristic candidate set when all of them are too many; the last state need not hold every node).
+    """
+    view = enumeration_view(work)
+    if main_source_only and view.root is not None:
+        starts, graph = view.work.succ[view.root], view.work
+        without_root = Workload(  # the root is the last view node: the walk must not step through it
+            graph.node_ids[:-1], graph.compute_s[:-1], graph.activation[:-1], graph.parameters[:-1], graph.succ[:-1],
+            tuple(tuple(p for p in preds if p != view.root) for preds in graph.pred[:-1]), (), (),
+        )
+        _, desc = closures(without_root)
+        main = max(starts, key=lambda v: (desc[v].bit_count(), -v))
+        found = _walk(without_root, max_states, start=main)
+        return _cuts_of(work, replace(view, work=without_root, root=None), found)
+    if max_states is not None:
+        # The walk meets every non-empty downset of the view once (a minimal node outside a cut always
+        # has a predecessor in its augmented antichain, the root's included): count them first, so a
+        # graph with far too many states is refused in milliseconds instead of after `max_states` steps.
+        count = count_downsets(view.work)
+        states = None if count is None else count - 1 - (view.root is not None)  # not the empty cut, nor {root}
+        if states is not None and states > max_states:
+            raise InfeasibleError(f"more than {max_states} antichain states ({states})")
+    found = _walk(view.work, max_states if view.root is None or max_states is None else max_states + 1)
+    return _cuts_of(work, view, found)
+
+
+def _cuts_of(work: Workload, view: EnumerationView, found: _Walk) -> Antichains:
+    """The walk's states as cuts of the workload (the root's own state, the empty cut, dropped)."""
+    anc, _ = closures(view.work)
+    root = view.root
+    # The cut of view node x and its ancestors, in workload nodes (the root stands for nothing).
+    below = []
+    for x in range(view.work.num_nodes):
+        mask = view.always
+        for y in bit_positions(anc[x] | 1 << x):
+            if y != root:
+                mask |= view.groups[y]
+        below.append(mask)
+    cuts, output = [], []
+    for aug in found.augmented:
+        mask, o = 0, 0.0
+        for x in aug:
+            if x != root:
+                mask |= below[x]
+                o += work.activation[view.nodes[x]]  # a group sends its representative's output
+        cuts.append(mask)
+        output.append(o)
+    out_edges = found.out_edges
+    if root is not None:  # the root's own state is the empty cut: no state of the DP
+        cuts, output = cuts[1:], output[1:]
+        out_edges = [[t - 1 for t in targets] for targets in out_edges[1:]]
+    return Antichains(cuts, output, out_edges)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    augmented: list[list[int]]
+    out_edges: list[list[int]]
+
+
+def _walk(work: Workload, max_states: Optional[int], start: Optional[int] = None) -> _Walk:
+    """PipeDream's breadth-first walk from the first source, or `start` (view positions throughout)."""
+    n = work.num_nodes
+    anc, desc = closures(work)
+    # augment(a) adds every ancestor p of an antichain node x that also feeds a node outside
+    # ancestors(x) + {x}: such p's output is still live across the cut. It depends on x only, and
+    # for all x at once it is one boolean matrix product: feeds_outside[x, p] = any_s E[p, s] & ~keep[x, s].
+    anc_matrix = masks_to_matrix(anc, n)
+    keep = anc_matrix | np.eye(n, dtype=bool)
+    adjacency = np.zeros((n, n), dtype=np.float32)
+    for p, targets in enumerate(work.succ):
+        adjacency[p, list(targets)] = 1.0
+    feeds_outside = ((~keep).astype(np.float32) @ adjacency.T) > 0  # [x, p]
+    extra = matrix_to_masks(anc_matrix & feeds_outside)
+
+    def augment(antichain: list[int]) -> list[int]:
+        extras = 0
+        for x in antichain:
+            extras |= extra[x]
+        # PipeDream writes list(set) + antichain; the set order does not change any cost (sums only).
+        return bit_positions(extras) + list(antichain)
+
+    bit = [1 << x for x in range(n)]
+
+    def key(nodes: list[int]) -> int:
+        mask = 0
+        for x in nodes:
+            mask |= bit[x]
+        return mask
+
+    first = [next(v for v in range(n) if not work.pred[v]) if start is None else start]
+    mapping: dict[int, int] = {key(first): 0}
+    keys: list[int] = [key(first)]
+    augmented: list[list[int]] = [augment(first)]
+    out_edges: list[list[int]] = [[]]
+    # Breadth first: PipeDream's queue meets each antichain first when it creates it (later copies are
+    # skipped), so states are processed exactly in creation order.
+    current = 0
+    while current < len(augmented):
+        akey, aug = keys[current], augmented[current]
+        aug_mask = key(aug)
+        edges = out_edges[current]
+        current += 1
+        for index, u in enumerate(aug):
+            before, after = aug[:index], aug[index + 1:]
+            for v in work.succ[u]:
+                if akey & bit[v] or desc[v] & aug_mask:  # is_next_antichain: no successor of v may sit in the cut
+                    continue
+                # PipeDream's deaugment of aug with u replaced by v: keep the nodes with no descendant in
+                # the set, in order (v has none there: checked above; nodes of aug are distinct).
+                members = (aug_mask ^ bit[u]) | bit[v]
+                nxt = [x for x in before if not desc[x] & members]
+                nxt.append(v)
+                nxt.extend([x for x in after if not desc[x] & members])
+                nkey = key(nxt)
+                target = mapping.get(nkey)
+                if target is None:
+                    target = mapping[nkey] = len(augmented)
+                    keys.append(nkey)
+                    augmented.append(augment(nxt))
+                    out_edges.append([])
+                    if max_states is not None and len(augmented) > max_states:
+                        raise InfeasibleError(f"more than {max_states} antichain states")
+                edges.append(target)
+    return _Walk(augmented, out_edges)
+
+
+def _dfs_topological(out_edges: list[list[int]]) -> list[int]:
+    """PipeDream's `topological_sort`: reverse post-order of a DFS in insertion order (iterative here)."""
+    marked = [False] * len(out_edges)
+    post: list[int] = []
+    for root in range(len(out_edges)):
+        if marked[root]:
+            continue
+        marked[root] = True
+        stack = [(root, iter(out_edges[root]))]
+        while stack:
+            node, children = stack[-1]
+            for child in children:
+                if not marked[child]:
+                    marked[child] = True
+                    stack.append((child, iter(out_edges[child])))
+                    break
+            else:
+                stack.pop()
+                post.append(node)
+    return post[::-1]
+
+
+def _reindex(out_edges: list[list[int]], order: list[int]) -> list[list[int]]:
+    position = {s: i for i, s in enumerate(order)}
+    return [[position[t] for t in out_edges[s]] for s in order]
+
+
+def _finish_states(work: Workload, cuts: list[int], output: list[float], out_edges: list[list[int]]) -> States:
+    num = len(cuts)
+    # Sums over P(s) for every state at once; summation order differs from PipeDream's (set order)
+    # only in the last bits.
+    member_matrix = masks_to_matrix(cuts, work.num_nodes).astype(np.float64)
+    compute = member_matrix @ np.array(work.compute_s, dtype=np.float64)
+    activation = member_matrix @ np.array(work.activation, dtype=np.float64)
+    parameters = member_matrix @ np.array(work.parameters, dtype=np.float64)
+    # Ancestor states, as bitsets over state positions, then as a boolean matrix.
+    in_edges: list[list[int]] = [[] for _ in range(num)]
+    for s, targets in enumerate(out_edges):
+        for t in targets:
+            in_edges[t].append(s)
+    pred_bits = [0] * num
+    for j in range(num):
+        mask = 0
+        for p in in_edges[j]:
+            mask |= pred_bits[p] | (1 << p)
+        pred_bits[j] = mask
+    pred_mask = masks_to_matrix(pred_bits, num)
+    return States(
+        members=tuple(cuts),
+        compute=np.array(compute, dtype=np.float64),
+        activation=np.array(activation, dtype=np.float64),
+        parameters=np.array(parameters, dtype=np.float64),
+        output=np.array(output, dtype=np.float64),
+        pred_mask=pred_mask,
+        kind="antichain",
+    )
+
+
+def count_downsets(work: Workload, max_calls: int = 20_000) -> Optional[int]:
+    """The number of downward-closed node sets (the empty one included), or None when counting would
+    take more than `max_calls` steps.
+
+    Ideals of a set P split on any node x into those without x (the ideals of P minus x's descendants)
+    and those with it (P minus x's ancestors, each joined with them): #I(P) = #I(P - up(x)) + #I(P - down(x));
+    the ideals of parts with no edge between them multiply. Every set met is an intersection of down-
+    and up-closed sets, so the graph's direct edges inside it give its whole order. Side branches that
+    run beside each other (a model's mask and rotary tables beside its embedding) are what makes the
+    states explode, and they are exactly the parts that multiply here.
+    """
+    n = work.num_nodes
+    anc, desc = closures(work)
+    neighbours = [0] * n
+    for v in range(n):
+        for s in work.succ[v]:
+            neighbours[v] |= 1 << s
+            neighbours[s] |= 1 << v
+    position = {v: i for i, v in enumerate(topological_order(work))}
+    memo: dict[int, int] = {}
+    calls = 0
+
+    def component(mask: int) -> int:
+        seed = mask & -mask
+        part, frontier = seed, seed
+        while frontier:
+            grown = 0
+            for v in bit_positions(frontier):
+                grown |= neighbours[v]
+            frontier = grown & mask & ~part
+            part |= frontier
+        return part
+
+    def count(mask: int) -> int:
+        nonlocal calls
+        if not mask:
+            return 1
+        if mask & (mask - 1) == 0:
+            return 2
+        known = memo.get(mask)
+        if known is not None:
+            return known
+        calls += 1
+        if calls > max_calls:
+            raise _TooMany
+        part = component(mask)
+        if part != mask:
+            result = count(part) * count(mask & ~part)
+        else:
+            members = bit_positions(mask)
+            members.sort(key=position.__getitem__)
+            x = members[len(members) // 2]  # the middle of a topological order splits chains in halves
+            result = count(mask & ~(desc[x] | 1 << x)) + count(mask & ~(anc[x] | 1 << x))
+        memo[mask] = result
+        return result
+
+    try:
+        return count((1 << n) - 1)
+    except _TooMany:
+        return None
+
+
+class _TooMany(Exception):
+    """`count_downsets` ran out of steps."""
