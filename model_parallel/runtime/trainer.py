@@ -72,8 +72,12 @@ class SingleProcessRunner:
         from model_parallel.runtime.stages import layer_modules
 
         self.graph, self.plan, self.criterion, self.dataset, self.config = graph, plan, criterion, dataset, config
+        from model_parallel.runtime.tied import check_schedule
+
+        check_schedule(graph, plan, config.schedule)  # one optimizer per stage would step a split tie twice
         self.stages = build_stages(graph, plan, modules=layer_modules(graph, model))
-        self.params = [p for s in self.stages for p in s.parameters()]
+        # A tie split across stages is one Parameter in both here: once in the optimizer and the norm.
+        self.params = list({id(p): p for s in self.stages for p in s.parameters()}.values())
         self.optimizer = optimizer_factory(self.params)
         if config.schedule == "pipedream":
             # Every stage updates on its own after each microbatch: one optimizer per stage.
@@ -223,9 +227,9 @@ class PipelineTrainer:
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
         self.health: Any = None
-        from model_parallel.codegen.ties import check_ties
+        from model_parallel.runtime.tied import check_schedule
 
-        check_ties(graph, self.plan.stage_of)  # before any runner or heartbeat starts
+        check_schedule(graph, self.plan, config.schedule)  # before any runner or heartbeat starts
         if self.single_process:
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, criterion, optimizer_factory, dataset, config)
         else:
