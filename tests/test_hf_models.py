@@ -173,11 +173,23 @@ def test_a_split_between_transformer_blocks_reproduces_the_model(name: str, fact
     torch.testing.assert_close(_chain(stages, graph, example).logits, _run(model, example), rtol=1e-5, atol=1e-5)
 
 
-def test_a_split_tied_embedding_is_refused_naming_both_parameters() -> None:
-    graph, _ = trace_model(gpt2(tie=True), (_ids(),))
+def test_a_split_tied_embedding_stays_one_parameter_and_a_package_refuses_it_naming_both(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = gpt2(tie=True).train()
+    graph, _ = trace_model(model, (_ids(),))
     assert graph.metadata["tied_parameters"] == [["transformer.wte.weight", "lm_head.weight"]]
-    with pytest.raises(TiedParameterError, match=r"'transformer.wte.weight' and 'lm_head.weight'.*tie_word_embeddings=False"):
-        build_stages(graph, _cut_before(graph, "transformer.h.1."))
+    stage_of = _cut_before(graph, "transformer.h.1.")
+    first, second = build_stages(graph, stage_of)  # the embedding in stage 0, the output layer in stage 1
+    assert first.transformer_wte_weight is second.lm_head_weight
+    state = stage_state_from_original(graph, model.state_dict(), strict=False)
+    for stage in (first, second):
+        stage.load_state_dict(state, strict=False)
+    torch.testing.assert_close(_chain([first, second], graph, (_ids(),)).logits, _run(model, (_ids(),)), rtol=1e-5, atol=1e-5)
+    # PipeDream's runtime would run a generated package's stages as separate copies: refused.
+    with pytest.raises(TiedParameterError, match=r"'transformer.wte.weight' and 'lm_head.weight'.*generated package"
+                                                 r".*tie_word_embeddings=False"):
+        generate_package(graph.with_stages(stage_of), plan_from_graph(graph.with_stages(stage_of)), tmp_path / "pkg",
+                         "Gpt2", "gpt2")
 
 
 def test_profile_takes_dict_inputs_and_the_loss_reads_model_output_attributes() -> None:

@@ -1,5 +1,7 @@
 """Tied parameters: found by identity, recorded in the graph, kept one tensor within a stage on every
-build path, and refused loudly (naming both parameters) when a plan puts them on different stages."""
+build path and one Parameter across the stages one process builds; refused loudly (naming both
+parameters) on the paths that cannot keep split copies one parameter (a generated package, the
+pipedream schedule). Split ties across processes: tests/test_ties_distributed.py."""
 from __future__ import annotations
 
 import copy
@@ -245,43 +247,113 @@ def test_generated_code_ties_a_get_attr_and_names_awkward_paths_through_get_subm
     assert full.head.weight is full.block[0].weight
 
 
-# ---- split ties are refused, naming both parameters ----------------------------------------------
-def test_build_stages_refuses_a_split_tie() -> None:
-    graph = _traced(TiedLM())
-    with pytest.raises(TiedParameterError, match=SPLIT + r".*not supported yet.*put nodes wte and lm_head in one stage.*tie_word_embeddings=False"):
-        build_stages(graph, _plan(graph, ("lm_head", "out_norm")))
-    with pytest.raises(TiedParameterError, match=r"'wte\.weight'.*this stage holds node\(s\) lm_head without wte"):
-        stage_of = _plan(graph, ("lm_head", "out_norm"))
-        build_stage(graph, ("lm_head", "out_norm"), stage_boundaries(graph, stage_of)[1])
+# ---- split ties: one Parameter in one process; refused where copies cannot be kept one -----------
+def test_build_stages_keeps_a_split_tie_one_parameter() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    graph = _traced(model)
+    first, second = build_stages(graph, _plan(graph, ("lm_head", "out_norm")))  # fresh layers, re-tied across stages
+    assert first.wte.weight is second.lm_head.weight
+    state = stage_state_from_original(graph, model.state_dict())
+    for stage in (first, second):
+        stage.load_state_dict(state, strict=False)
+    tokens = _tokens()
+    torch.testing.assert_close(second(*first(tokens))[0], model(tokens), rtol=0, atol=0)
+    # a stage built alone holds its own copy (the runtime keeps the copies one parameter across ranks)
+    stage_of = _plan(graph, ("lm_head", "out_norm"))
+    alone = build_stage(graph, ("lm_head", "out_norm"), stage_boundaries(graph, stage_of)[1])
+    assert alone.lm_head.weight.shape == (VOCAB, DIM)
     functional = _traced(FunctionalTie())
-    with pytest.raises(TiedParameterError, match=r"parameter 'wte\.weight' is used by several nodes.*node wte_weight on stage 1"):
-        build_stages(functional, _plan(functional, ("wte_weight", "linear")))
+    head, tail = build_stages(functional, _plan(functional, ("wte_weight", "linear")))
+    assert head.wte.weight is tail.wte_weight and isinstance(tail.wte_weight, nn.Parameter)
 
 
 def test_package_generation_refuses_a_split_tie(tmp_path) -> None:
     graph = _traced(TiedLM())
-    with pytest.raises(TiedParameterError, match=SPLIT):
+    with pytest.raises(TiedParameterError, match=SPLIT + r".*a generated package's stages are separate modules"
+                       r".*Put nodes wte and lm_head in one stage.*tie_word_embeddings=False"):
         generate_package(graph, plan_from_graph(graph.with_stages(_plan(graph, ("lm_head", "out_norm")))),
                          tmp_path / "split", "Split", "split")
     assert not (tmp_path / "split").exists()
 
 
-def test_the_trainer_refuses_a_split_tie_in_one_process() -> None:
+def _split_trainer(schedule: str = "1f1b", **config: object) -> tuple[PipelineTrainer, nn.Module, SyntheticData]:
     torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)  # deepcopy keeps the tie
     data = SyntheticData(4, (SEQ,), VOCAB, "tokens", seed=0)
-    with pytest.raises(TiedParameterError, match=SPLIT):
-        PipelineTrainer(TiedLM(), lambda p: torch.optim.SGD(p, lr=0.1), data,
-                        TrainConfig(batch_size=4, num_microbatches=2), criterion=lm_loss,
-                        num_stages=2, single_process=True)
+    factory = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    trainer = PipelineTrainer(model, factory, data, TrainConfig(batch_size=4, num_microbatches=2, schedule=schedule, **config),
+                              criterion=lm_loss, plan=Plan(stages=(StagePlan(0, ("tokens", "wte", "mid", "relu")),
+                                                                   StagePlan(1, ("lm_head", "out_norm")))),
+                              single_process=True)
+    return trainer, reference, data
 
 
-def test_workers_refuse_a_split_tie_with_one_line_and_exit_2(tmp_path) -> None:
+def test_the_trainer_trains_a_split_tie_in_one_process_as_one_parameter() -> None:
+    trainer, reference, data = _split_trainer(clip_grad=0.05)
+    first, second = trainer.runner.stages
+    assert first.wte.weight is second.lm_head.weight  # one Parameter in both stages ...
+    assert len(trainer.runner.params) == 5  # ... stepped and counted in the norm once
+    losses = [r.loss for r in trainer.train(4)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    config = TrainConfig(batch_size=4, num_microbatches=2, clip_grad=0.05)
+    assert losses == pytest.approx(single_process_reference(reference, lm_loss, factory, data, config, 4), abs=1e-6)
+    torch.testing.assert_close(first.wte.weight, reference.wte.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_the_pipedream_schedule_refuses_a_split_tie() -> None:
+    with pytest.raises(TiedParameterError, match=SPLIT + r".*the pipedream schedule updates each stage after every "
+                       r"microbatch.*use the 1f1b or gpipe schedule.*Put nodes wte and lm_head in one stage"):
+        _split_trainer("pipedream")
+
+
+def test_workers_refuse_a_split_tie_under_pipedream_with_one_line_and_exit_2(tmp_path) -> None:
     write_graph_json(_traced(TiedLM()), tmp_path / "graph.json")
     result = launch_workers(["--graph", str(tmp_path / "graph.json"), "--num_stages", "2", "--steps", "2",
-                             "--batch_size", "4", "--num_microbatches", "2", "--timeout", "30"], 2, timeout=180)
+                             "--batch_size", "4", "--num_microbatches", "2", "--timeout", "30", "--schedule", "pipedream"],
+                            2, timeout=180)
     assert not result.timed_out, result.summary()
     for worker in result.workers:
         assert worker.returncode == 2, result.summary()
         assert "Traceback" not in worker.output, worker.output
         assert len([line for line in worker.output.splitlines() if "error: tied parameters" in line]) == 1, worker.output
         assert "'wte.weight' and 'lm_head.weight'" in worker.output and "node lm_head on stage 1" in worker.output
+        assert "pipedream schedule" in worker.output
+
+
+# ---- the runtime's bookkeeping for split ties (pure parts; the collectives: test_ties_distributed.py) ---
+def test_a_tie_is_stored_once_and_restored_into_a_stage_holding_only_the_other_name(tmp_path) -> None:
+    from model_parallel.runtime import checkpoint as ckpt
+    from model_parallel.runtime.tied import expand_state, plan_ties, stored_keys, without_aliases
+
+    torch.manual_seed(0)
+    graph = _traced(TiedLM())
+    assert stored_keys(graph) == {"lm_head.weight": "wte.weight"}
+    assert expand_state(graph, {"lm_head.weight": {"step": 3}}) == {"lm_head.weight": {"step": 3}, "wte.weight": {"step": 3}}
+    plan = Plan(stages=(StagePlan(0, ("tokens", "wte", "mid", "relu")), StagePlan(1, ("lm_head", "out_norm")))).with_default_ranks()
+    (tie,) = plan_ties(graph, plan)
+    assert tie.paths == ((0, "wte.weight"), (1, "lm_head.weight")) and tie.ranks == (0, 1)
+    stage_of = plan.stage_of
+    boundaries = stage_boundaries(graph, stage_of)
+    first = build_stage(graph, plan.stages[0].node_ids, boundaries[0])
+    second = build_stage(graph, plan.stages[1].node_ids, boundaries[1])  # its own copy, other values
+    for rank, stage in enumerate((first, second)):
+        params, buffers = (without_aliases(part, graph) for part in ckpt.split_state(stage))
+        ckpt.save_shard(tmp_path, 0, rank, params, buffers)
+    ckpt.finalize(tmp_path, 0, {}, None)
+    checkpoint = ckpt.load_checkpoint(tmp_path)
+    assert "wte.weight" in checkpoint.param_names and "lm_head.weight" not in checkpoint.param_names + checkpoint.buffer_names
+    checkpoint.load_into(second, stored_keys(graph))
+    assert torch.equal(second.lm_head.weight, first.wte.weight)
+
+
+def test_a_same_stage_get_attr_tie_is_a_parameter_under_both_names_in_a_shard() -> None:
+    from model_parallel.runtime.checkpoint import split_state
+    from model_parallel.runtime.tied import without_aliases
+
+    graph = _traced(FunctionalTie())
+    (stage,) = build_stages(graph, {n: 0 for n in graph.topological_order})
+    params, buffers = split_state(stage)
+    assert {"wte.weight", "wte_weight"} <= set(params) and not buffers  # was: "wte.weight" filed as a buffer
+    assert "wte_weight" not in without_aliases(params, graph)

@@ -86,9 +86,9 @@ class PipelineTrainer:
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
         self.health: Any = None
-        from model_parallel.codegen.ties import check_ties
+        from model_parallel.runtime.tied import check_schedule
 
-        check_ties(graph, self.plan.stage_of)  # before any runner or heartbeat starts
+        check_schedule(graph, self.plan, config.schedule)  # before any runner or heartbeat starts
         if self.single_process:
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, job.criterion, optimizer_factory, job.dataset,
                                                    config)

@@ -19,7 +19,7 @@ from torch import nn
 
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
 from model_parallel.codegen.naming import layer_name
-from model_parallel.codegen.ties import check_stage_ties, check_ties, tie_stage
+from model_parallel.codegen.ties import tie_stage, tie_stages
 from model_parallel.errors import CodegenError, GraphError, PlanError
 from model_parallel.graph import loader
 from model_parallel.graph.arguments import CONSTANTS, OutputDict, decode_argument, decode_constant, referenced_nodes
@@ -162,8 +162,7 @@ def _layer(graph: Graph, node: Node) -> LayerSpec:
 
 def check_shared_modules(graph: Graph, stage_of: Mapping[str, int]) -> None:
     """A module with parameters called from two stages cannot be split: its weights would diverge.
-    Neither can tied parameters (one tensor under two names, found by identity): `TiedParameterError`."""
-    check_ties(graph, stage_of)
+    (Tied parameters - one tensor under two names, found by identity - can: see codegen/ties.py.)"""
     stages_of_target: dict[str, set[int]] = {}
     owns_state: set[str] = set()
     for node in graph.nodes:
@@ -301,7 +300,6 @@ def _build_fx(
                         f"module {layer.target!r} is used by node {node_id} of this stage and by node(s) "
                         f"{', '.join(others)} outside it, and has parameters: keep them in one stage"
                     )
-        check_stage_ties(graph, node_ids)
 
     for node_id in node_ids:  # modules first: in-place detection needs them
         node = graph[node_id]
@@ -426,6 +424,7 @@ def build_stages(
         node_ids = tuple(n for n in graph.topological_order if stage_of[n] == index)
         stages.append(build_stage(graph, node_ids, boundary, modules=modules, source_model=source_model,
                                   class_name=f"Stage{index}"))
+    tie_stages(graph, stages)  # a tie split across these stages stays one Parameter, as in the model
     return stages
 
 

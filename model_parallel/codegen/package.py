@@ -40,7 +40,7 @@ from model_parallel.codegen.build import (
     stage_assignment,
 )
 from model_parallel.codegen.naming import layer_name
-from model_parallel.codegen.ties import tie_lines
+from model_parallel.codegen.ties import check_ties, tie_lines
 from model_parallel.errors import CodegenError, PlanError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
@@ -316,6 +316,8 @@ def generate_package(
     if len(boundaries) != plan.num_stages:
         raise PlanError(f"the plan has {plan.num_stages} stages but its nodes use stages 0..{len(boundaries) - 1}")
     check_shared_modules(graph, stage_of)
+    check_ties(graph, stage_of, "a generated package's stages are separate modules (PipeDream's runtime does not "
+                                "sum tied gradients; model_parallel's runtime does: train from graph.json instead)")
     unprintable = [n.node_id for n in graph.nodes if n.layer.op == "call_module" and n.layer.module is None]
     if unprintable:
         raise CodegenError(

@@ -7,9 +7,12 @@ target is a prefix of the name) or reads it (a get_attr of the name). A get_attr
 that a module also holds (`F.linear(x, self.wte.weight)`) is a tie as well, with a single name.
 
 Rebuilding a stage creates each layer separately, so a tie must be restored explicitly: in memory
-(`tie_stage`, called by `codegen.build`) and in generated code (`tie_lines`). The users of one tie
-on different stages would be separate copies whose gradients are never summed; until the runtime
-sums them, `check_ties` refuses such a plan instead of training silently apart.
+(`tie_stage` within a stage, `tie_stages` across the stages one process builds, both called by
+`codegen.build`) and in generated code (`tie_lines`). The users of one tie on stages in different
+processes are copies: the runtime keeps them one logical parameter (runtime/tied.py sums their
+gradients). A path that cannot do that (a generated package run by PipeDream's runtime, the
+asynchronous pipedream schedule) calls `check_ties`, which refuses such a plan naming the tie,
+instead of letting the copies train silently apart.
 """
 from __future__ import annotations
 
@@ -25,12 +28,10 @@ from model_parallel.errors import CodegenError, TiedParameterError
 from model_parallel.graph.core import Graph, Node
 
 
-# ---- refusing a split tie ---------------------------------------------------------------------------
+# ---- refusing a split tie where it cannot be honoured ------------------------------------------------
 def _fix(tie: Tie) -> str:
     nodes = " and ".join(tie.node_ids)
-    return ("Summing the gradients of tied parameters across stages is not supported yet (coming: one logical "
-            "parameter per tie, as Megatron and DeepSpeed keep embeddings). Until then put nodes "
-            f"{nodes} in one stage (for a contiguous split that is every node between them too, e.g. a "
+    return (f"Put nodes {nodes} in one stage (for a contiguous split that is every node between them too, e.g. a "
             "single-stage plan), or untie them in the model (e.g. tie_word_embeddings=False in a Hugging Face "
             "config, or give the output layer its own Parameter) and profile it again")
 
@@ -41,29 +42,25 @@ def _describe(tie: Tie) -> str:
     return f"parameter {tie.names[0]!r} is used by several nodes"
 
 
-def check_ties(graph: Graph, stage_of: Mapping[str, int]) -> None:
-    """Refuse a node -> stage assignment that puts the users of one tied tensor on different stages."""
+def split_ties(graph: Graph, stage_of: Mapping[str, int]) -> list[tuple[Tie, dict[str, int]]]:
+    """Every tie whose users `stage_of` puts on two or more stages, with its users' stages."""
+    found = []
     for tie in find_ties(graph):
         stages = {node_id: int(stage_of[node_id]) for node_id in tie.node_ids if node_id in stage_of}
         if len(set(stages.values())) > 1:
-            where = ", ".join(f"node {n} on stage {s}" for n, s in stages.items())
-            raise TiedParameterError(
-                f"{_describe(tie)}, but the plan splits its users ({where}); separate copies on different "
-                f"stages would silently train apart. {_fix(tie)}"
-            )
+            found.append((tie, stages))
+    return found
 
 
-def check_stage_ties(graph: Graph, node_ids: Iterable[str]) -> None:
-    """Refuse a stage holding some users of a tied tensor but not all of them."""
-    members = set(node_ids)
-    for tie in find_ties(graph):
-        inside = [n for n in tie.node_ids if n in members]
-        outside = [n for n in tie.node_ids if n not in members]
-        if inside and outside:
-            raise TiedParameterError(
-                f"{_describe(tie)}, but this stage holds node(s) {', '.join(inside)} without "
-                f"{', '.join(outside)}; separate copies on different stages would silently train apart. {_fix(tie)}"
-            )
+def check_ties(graph: Graph, stage_of: Mapping[str, int], reason: str) -> None:
+    """Refuse a node -> stage assignment that splits the users of one tied tensor, on a path that cannot
+    keep the copies one parameter; `reason` says why this path cannot (it ends the message's middle)."""
+    for tie, stages in split_ties(graph, stage_of):
+        where = ", ".join(f"node {n} on stage {s}" for n, s in stages.items())
+        raise TiedParameterError(
+            f"{_describe(tie)}, but the plan splits its users ({where}) and {reason}, so the copies would "
+            f"silently train apart. {_fix(tie)}"
+        )
 
 
 # ---- keeping a tie within a stage ---------------------------------------------------------------------
@@ -117,6 +114,24 @@ def tie_stage(graph: Graph, node_ids: Sequence[str], root: nn.Module) -> None:
                     f"{tuple(canonical.shape)}, {path} {tuple(current.shape)}); the graph does not match the model"
                 )
             _set(root, path, canonical)
+
+
+def tie_stages(graph: Graph, stages: Sequence[nn.Module]) -> None:
+    """Point the attributes of every tie split across `stages` (built in one process, e.g. by
+    `build_stages` from fresh layers) at the first stage's tensor: one Parameter, as in the model."""
+    for tie in find_ties(graph):
+        held = [(stage, path) for stage in stages for path in _stage_paths(tie, getattr(stage, "node_ids", ()))]
+        if len({id(stage) for stage, _ in held}) < 2:
+            continue
+        canonical = _get(held[0][0], held[0][1])
+        for stage, path in held[1:]:
+            current = _get(stage, path)
+            if current is not canonical:
+                if current.shape != canonical.shape:
+                    raise CodegenError(f"{_describe(tie)} but have different shapes in the rebuilt stages "
+                                       f"({tuple(canonical.shape)}, {path} {tuple(current.shape)}); the graph does "
+                                       "not match the model")
+                _set(stage, path, canonical)
 
 
 def _expression(path: str) -> str:

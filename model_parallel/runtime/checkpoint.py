@@ -15,7 +15,7 @@ API (stable; the runtime calls these):
         fingerprint), writes `step_<N>/manifest.json`, then atomically moves the `latest` pointer.
     load_checkpoint(directory, step=None, expected_fingerprint=None) -> Checkpoint
         `step=None` follows `latest`. `Checkpoint.params(keys)`, `.buffers(keys)`,
-        `.optimizer_state(keys)`, `.load_into(module)`, `.extra` (finalize's), `.shard_extra(rank)`.
+        `.optimizer_state(keys)`, `.load_into(module, stored=None)`, `.extra` (finalize's), `.shard_extra(rank)`.
     list_checkpoints(directory) -> [N, ...] / latest_step(directory) -> N    the committed steps
     model_fingerprint(named) -> str
         Hash of sorted parameter names + shapes + dtypes. Accepts a module, or a mapping of names to
@@ -322,10 +322,15 @@ class Checkpoint:
                 return self._shard(index)["extra"]
         raise CheckpointError(f"{self.path}: rank {rank} wrote no shard (shards from ranks {self.ranks})")
 
-    def load_into(self, module: nn.Module) -> None:
-        """Copy this checkpoint's values into every parameter and persistent buffer of a stage module."""
+    def load_into(self, module: nn.Module, stored: Optional[Mapping[str, str]] = None) -> None:
+        """Copy this checkpoint's values into every parameter and persistent buffer of a stage module.
+        `stored` maps a module key to the parameter it is stored as (a tied copy: runtime/tied.py)."""
+        stored = stored or {}
         param_part, buffer_part = split_state(module)
-        values = {**self.params(param_part), **self.buffers(buffer_part)}
+        tied = [k for k in list(param_part) + list(buffer_part) if k in stored]
+        params = self.params(sorted({stored.get(k, k) for k in param_part} | {stored[k] for k in tied}))
+        values = {**self.buffers(k for k in buffer_part if k not in stored),
+                  **{k: params[stored.get(k, k)] for k in list(param_part) + tied}}
         state = module.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, value in values.items():

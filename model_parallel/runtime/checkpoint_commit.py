@@ -90,8 +90,14 @@ def save_and_commit(engine: Any, step: int) -> None:
 
 
 def _write_shard(engine: Any, directory: str, step: int) -> None:
-    params, buffers = split_state(engine.stage)
+    from model_parallel.runtime.tied import stored_keys, without_aliases
+
+    # A tied tensor is stored once, under its first user's key, by the stage holding that user (its
+    # optimizer state too, whichever name the stage gave the Parameter).
+    params, buffers = (without_aliases(part, engine.graph) for part in split_state(engine.stage))
     opt = optimizer_state_by_name(engine.optimizer, dict(engine.stage.named_parameters())) if engine.optimizer else {}
+    stored = stored_keys(engine.graph)
+    opt = {stored.get(name, name): entry for name, entry in opt.items() if stored.get(name, name) in params}
     if os.environ.get(ENOSPC_ENV, "") == str(engine.rank):
         # As the write of a full disk fails: an OSError carrying errno ENOSPC and the file name.
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard_path(directory, step, engine.rank)))

@@ -95,7 +95,8 @@ def load_optimizer_state_by_name(
 def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters, persistent buffers) of a stage module by state-dict name, ready for save_shard."""
     state = module.state_dict()
-    param_names = {name for name, _ in module.named_parameters()}
+    # Every name of a Parameter: a tied one is in the state dict under each of its names.
+    param_names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     params = {k: v for k, v in state.items() if k in param_names}
     buffers = {k: v for k, v in state.items() if k not in param_names}
     return params, buffers

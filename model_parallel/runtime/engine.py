@@ -3,7 +3,8 @@
 Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m microbatches):
 
     run the rank's schedule actions (executor.py: forwards, backwards, sends, receives)
-    all-reduce grads among the stage's replicas (replicas.py; sum: the loss is already / m)
+    all-reduce the grads of tied copies over every rank holding one (tied.py: a tie split across stages)
+    all-reduce the other grads among the stage's replicas (replicas.py; sum: the loss is already / m)
     one all-reduce over all ranks of [loss, squared grad norm]  (clipping by global norm)
     the update (update.py: clip, this step's learning rate, optimizer step); metrics; checkpoint
     control: every rank reports metrics to its ControlChannel; rank 0 polls it and broadcasts the
@@ -28,7 +29,6 @@ from torch import nn
 
 from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage
-from model_parallel.codegen.ties import check_ties
 from model_parallel.errors import PeerError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
@@ -42,6 +42,7 @@ from model_parallel.runtime.replicas import ReplicaGroups, all_reduce_grads
 from model_parallel.runtime.schedule import make_schedule
 from model_parallel.runtime.stages import check_plan_fits, layer_modules
 from model_parallel.runtime.straggler import Slowdown
+from model_parallel.runtime.tied import TiedCopies, check_schedule, check_trainable, plan_ties
 from model_parallel.runtime.update import apply_update, squared_grad_norm
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,9 @@ class PipelineEngine:
         """Build this rank's stage and optimizer for `plan` (collective: every rank calls it together)."""
         plan = plan.with_default_ranks()
         check_plan_fits(plan, self.world_size)
-        check_ties(self.graph, plan.stage_of)  # on every rank alike, before anything changes
+        check_schedule(self.graph, plan, self.config.schedule)  # on every rank alike, before anything changes
+        ties = plan_ties(self.graph, plan)
+        check_trainable(ties, self.modules)
         self.plan = plan
         self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
         self.boundaries = stage_boundaries(self.graph, plan.stage_of)
@@ -153,6 +156,9 @@ class PipelineEngine:
         self.replica, self.num_replicas = 0, 1
         if self.stage_id is not None:
             self._build_stage(self.stage_id, optimizer_state)
+        # A tie split across stages: its holders form a group (created on every rank, in the same order).
+        self.tied = TiedCopies(ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
+        self._check_tied(f"when plan v{plan.version} was activated")
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 
@@ -179,6 +185,12 @@ class PipelineEngine:
             config=self.config, criterion=self.criterion, decode=lambda outputs: model_output(self.graph, names, outputs),
             device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
             flush=self.schedule.flush, weight_stash=stash)
+
+    def _check_tied(self, when: str) -> None:
+        try:
+            self.tied.check_identical(self.timeout, when)
+        except PeerError as error:
+            raise self.diagnose(error) from None
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         ranks = self.plan.stages[stage].ranks
@@ -209,14 +221,19 @@ class PipelineEngine:
         try:
             if self.executor is not None:
                 loss_sum = self.executor.run(step, self._microbatches(step), self.straggler.compute)
+                tied = self.tied.param_ids
+                if tied:  # first, on each replica's own gradient: the sum covers every replica's microbatches
+                    with self.metrics.measure("allreduce"):
+                        self.tied.all_reduce_grads(self.timeout)
                 if self.num_replicas > 1:
                     with self.metrics.measure("allreduce"):
                         all_reduce_grads(self.stage, self.replica_groups.group(self.plan.stages[self.stage_id].ranks),
-                                         self.timeout)
+                                         self.timeout, skip=tied)
                 if clip is not None:
                     # Only when clipping: a pass over every gradient costs a few % of a step. Each
-                    # replica holds the whole stage gradient: count it once.
-                    sq = squared_grad_norm(self.stage.parameters()) / self.num_replicas
+                    # replica holds the whole stage gradient: count it once (a tied copy: once over its holders).
+                    untied = [p for p in self.stage.parameters() if id(p) not in tied]
+                    sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
             totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
             reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
             if clip is not None:  # the update needs the global norm first
@@ -303,6 +320,7 @@ class PipelineEngine:
 
         if step == self._checkpointed_step:
             return  # a stop right after a checkpoint: rewriting the committed one in place could corrupt it
+        self._check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
         save_and_commit(self, step)
         self._checkpointed_step = step
 

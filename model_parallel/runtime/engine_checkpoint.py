@@ -17,22 +17,31 @@ def fingerprint(graph: Graph, model: nn.Module) -> str:
     """The model's parameter names (as stage modules name them), shapes and dtypes, hashed."""
     from model_parallel.codegen.naming import state_key_map
     from model_parallel.runtime.checkpoint import model_fingerprint
+    from model_parallel.runtime.tied import without_aliases
 
     # A traced model has original names (`0.weight`); one rebuilt from a graph already has stage names.
+    # A tied tensor counts once, under the key checkpoints store it by (tied.stored_keys).
     mapping = state_key_map(graph)
-    return model_fingerprint({mapping.get(name, name): p for name, p in model.named_parameters()})
+    named = {mapping.get(name, name): p for name, p in model.named_parameters(remove_duplicate=False)}
+    return model_fingerprint(without_aliases(named, graph))
 
 
 def restore(engine: Any) -> int:
-    """Load this rank's stage and optimizer state from the latest checkpoint; returns the next step."""
+    """Load this rank's stage and optimizer state from the latest checkpoint; returns the next step.
+    Collective (every rank together): the copies of a tie split across stages are checked to agree."""
     from model_parallel.runtime import checkpoint as ckpt
+    from model_parallel.runtime.tied import stored_keys
 
     checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
     if engine.stage is not None:
-        checkpoint.load_into(engine.stage)
+        stored = stored_keys(engine.graph)  # a tied copy is restored from the one stored tensor
+        checkpoint.load_into(engine.stage, stored)
         if engine.optimizer is not None:
             named = dict(engine.stage.named_parameters())
-            ckpt.load_optimizer_state_by_name(engine.optimizer, named, checkpoint.optimizer_state(list(named)))
+            state = checkpoint.optimizer_state(sorted({stored.get(name, name) for name in named}))
+            state = {name: state[stored.get(name, name)] for name in named if stored.get(name, name) in state}
+            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state)
+    engine._check_tied(f"after restoring checkpoint step {checkpoint.step}")
     return int(checkpoint.extra.get("next_step", checkpoint.step + 1))
 
 

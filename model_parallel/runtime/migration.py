@@ -34,6 +34,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime import comm
 from model_parallel.runtime.stages import layer_owners
+from model_parallel.runtime.tied import expand_state
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
     opt_state: dict[str, dict[str, Any]] = {}
     if engine.optimizer is not None and engine.stage is not None:
         opt_state = optimizer_state_by_name(engine.optimizer, dict(engine.stage.named_parameters()))
+        # A tied Parameter is named once per stage: under every key of the tie, so it travels (and is
+        # found again) under whichever key the sending and receiving stages hold it by.
+        opt_state = expand_state(engine.graph, opt_state)
 
     outgoing: dict[int, list[str]] = {}
     incoming: dict[int, list[str]] = {}

@@ -1,7 +1,7 @@
 """Replicated stages: their process groups and the gradient all-reduce among a stage's replicas."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -34,10 +34,11 @@ class ReplicaGroups:
                 self.group(stage.ranks)
 
 
-def all_reduce_grads(stage: nn.Module, group: Any, timeout: float) -> None:
+def all_reduce_grads(stage: nn.Module, group: Any, timeout: float, skip: Collection[int] = ()) -> None:
     """Sum the gradients of `stage` over its replicas (one flat all-reduce; the loss is already / m,
-    so the sum is the gradient of the minibatch mean). A parameter without a gradient counts as zeros."""
-    params = list(stage.parameters())
+    so the sum is the gradient of the minibatch mean). A parameter without a gradient counts as zeros.
+    `skip`: ids of parameters summed already (tied copies, runtime/tied.py: over every replica too)."""
+    params = [p for p in stage.parameters() if id(p) not in skip]
     if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

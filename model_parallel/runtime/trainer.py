@@ -77,8 +77,12 @@ class SingleProcessRunner:
         from model_parallel.runtime.stages import layer_modules
 
         self.graph, self.plan, self.criterion, self.dataset, self.config = graph, plan, criterion, dataset, config
+        from model_parallel.runtime.tied import check_schedule
+
+        check_schedule(graph, plan, config.schedule)  # one optimizer per stage would step a split tie twice
         self.stages = build_stages(graph, plan, modules=layer_modules(graph, model))
-        self.params = [p for s in self.stages for p in s.parameters()]
+        # A tie split across stages is one Parameter in both here: once in the optimizer and the norm.
+        self.params = list({id(p): p for s in self.stages for p in s.parameters()}.values())
         self.optimizer = optimizer_factory(self.params)
         if config.schedule == "pipedream":
             # Every stage updates on its own after each microbatch: one optimizer per stage.
