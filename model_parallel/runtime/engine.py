@@ -175,7 +175,7 @@ class PipelineEngine:
             if optimizer_state:
                 from model_parallel.runtime.checkpoint import load_optimizer_state_by_name
 
-                load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state)
+                load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state, copy=False)
         stash = None
         if not self.schedule.flush and self.optimizer is not None:
             stash = WeightStash(self.stage, self.optimizer, self.config.lr_schedule, self.metrics, HISTORY_WINDOW)
