@@ -32,17 +32,15 @@ import torch
 from torch import fx, nn
 
 from model_parallel.codegen.naming import find_ties, layer_name
-from model_parallel.errors import ModelParallelError
+from model_parallel.errors import InitError
 from model_parallel.graph.core import Graph
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["InitError", "Initializer", "ValueSource", "layer_seed", "materialize_layers", "materialize_model"]
+
 Layer = Union[nn.Module, torch.Tensor]
 InitWeights = Callable[[Layer, str], None]  # fills one layer's tensors in place, drawing from the global RNG
-
-
-class InitError(ModelParallelError, ValueError):
-    """A layer's tensors cannot be given values (no reset_parameters, no hook, no source)."""
 
 
 class ValueSource(Protocol):
