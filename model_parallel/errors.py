@@ -44,6 +44,10 @@ class CodegenError(ModelParallelError, ValueError):
     """A layer cannot be turned into stage code (unknown description, shared module across stages)."""
 
 
+class InitError(ModelParallelError, ValueError):
+    """A layer's tensors cannot be given values: no reset_parameters, no init hook, a missing or mis-shaped stored tensor."""
+
+
 class CheckpointError(ModelParallelError, ValueError):
     """A checkpoint is missing, corrupt, or belongs to another model."""
 

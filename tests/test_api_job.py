@@ -12,6 +12,7 @@ from model_parallel.codegen.naming import state_key
 from model_parallel.errors import PlanError
 from model_parallel.graph.io import save_graph
 from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.materialize import materialize_model
 from model_parallel.runtime.zoo import recipe
 
 
@@ -30,6 +31,9 @@ def test_the_worker_cli_and_the_pipeline_trainer_build_the_same_job_for_the_mlp(
     assert [n.node_id for n in trainer.graph.nodes] == [n.node_id for n in cli.graph.nodes]
     assert trainer.graph == cli.graph
     assert trainer.plan == cli.plan and cli.plan.num_stages == stages
+    # The worker builds on meta (no memory); the per-layer init rule gives it the trainer's values.
+    assert all(p.is_meta for p in cli.model.parameters())
+    materialize_model(cli.model, seed, cli.graph)
     expected = {name: value for name, value in cli.model.state_dict().items()}
     got = trainer.model.state_dict()
     assert sorted(got) == sorted(expected)
@@ -51,6 +55,8 @@ def test_a_graph_file_and_the_graph_object_give_the_same_job(tmp_path) -> None:
     from_file = build_job(JobSpec(graph=tmp_path / "graph.json", seed=1), world_size=2)
     from_object = build_job(JobSpec(graph=zoo.graph, seed=1), world_size=2)
     assert from_file.plan == from_object.plan == zoo.plan
+    materialize_model(from_file.model, 1, from_file.graph)
+    materialize_model(from_object.model, 1, from_object.graph)
     for (name, a), b in zip(from_file.model.state_dict().items(), from_object.model.state_dict().values()):
         assert torch.equal(a, b), name
     # Token inputs: the language-model loss and token data, as for the zoo's gpt.

@@ -8,6 +8,11 @@ API (`PipelineTrainer`, model_parallel.api.trainer) describe their job as a `Job
 here, so they trace, seed, load and cut a model the same way. This is the place that wires the
 workflow's steps together: the profiler traces a module, the code generator rebuilds a model from a
 graph, the runtime loads a PipeDream-generated package, and the even split is the default plan.
+
+Models are built on the meta device (zoo names, graphs and our packages; a module the caller built on
+meta is traced there too): no rank holds the whole model's memory. Each rank's engine materializes
+the layers of its own stage (`runtime.materialize`), with values from `weights` (safetensors or our
+checkpoint, `runtime.weights`) or else the per-layer init rule under `seed`.
 """
 from __future__ import annotations
 
@@ -49,7 +54,9 @@ class JobSpec:
     num_classes: Optional[int] = None  # classes of synthetic data (default: the model's output width)
     data: Any = "synthetic"  # "synthetic", an ImageFolder directory, or a dataset (`batch(step) -> (inputs, target)`)
     example_inputs: Optional[Sequence[Any]] = None  # a microbatch to trace a module with (default: from `data`)
-    seed: int = 0  # the weights every rank builds
+    seed: int = 0  # the per-layer init rule's seed (runtime.materialize.layer_seed)
+    weights: Union[str, Path, None] = None  # initial values: a .safetensors file, an HF sharded directory, our checkpoint
+    init_weights: Optional[Callable[[Any, str], None]] = None  # init_weights(layer, layer_name): replaces reset_parameters()
     batch_size: int = 8
     num_microbatches: int = 4
 
@@ -109,8 +116,15 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind)
     else:
         dataset = spec.data
+    from model_parallel.runtime.materialize import Initializer
+
+    source = None
+    if spec.weights is not None:
+        from model_parallel.runtime.weights import weight_source
+
+        source = weight_source(spec.weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
-               static_plan=static)
+               static_plan=static, initializer=Initializer(spec.seed, spec.init_weights, source))
 
 
 def _source(spec: JobSpec) -> str:
@@ -133,13 +147,13 @@ def _criterion(loss: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
 
 
 def _zoo_model(spec: JobSpec) -> tuple[Graph, nn.Module, Callable, tuple[int, ...], int, str]:
-    """A built-in model, built from the seed and traced on one microbatch of its example input."""
+    """A built-in model, built on meta and traced there on one microbatch of its example input."""
     from model_parallel.profiler.trace import trace_model
     from model_parallel.runtime.zoo import recipe
 
     r = recipe(str(spec.model))
-    model = r.model(spec.seed)
-    graph, _ = trace_model(model, r.example(spec.micro_batch))
+    model = r.meta_model()
+    graph, _ = trace_model(model, tuple(x.to("meta") for x in r.example(spec.micro_batch)))
     return graph, model, spec.criterion or r.criterion, r.input_shape, r.num_classes, r.kind
 
 
@@ -157,19 +171,21 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
                             f"trace with) or a dataset as data, not {spec.data!r}")
         inputs, _ = spec.data.batch(0)
         example = [x[: spec.micro_batch] for x in inputs]
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # built on meta: trace shapes on meta
+        example = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example]
     graph, traced = trace_model(model, tuple(example))
     allow_model(model, traced)  # the graph comes from this process's own model, not from a file
     return graph, model
 
 
 def _graph_model(spec: JobSpec) -> tuple[Graph, nn.Module]:
-    """The whole model rebuilt from a graph (a Graph or its file), weights from the seed."""
+    """The whole model rebuilt from a graph (a Graph or its file), on meta."""
     from model_parallel.codegen.build import full_model_from_graph
     from model_parallel.graph.io import load_graph
 
     graph = spec.graph if isinstance(spec.graph, Graph) else load_graph(spec.graph)
-    torch.manual_seed(spec.seed)
-    return graph, full_model_from_graph(graph)
+    with torch.device("meta"):
+        return graph, full_model_from_graph(graph)
 
 
 def _package(spec: JobSpec) -> tuple[Graph, Plan, nn.Module, bool]:
@@ -189,8 +205,8 @@ def _package(spec: JobSpec) -> tuple[Graph, Plan, nn.Module, bool]:
     graph = load_graph(package / "graph.json")
     plan = None if spec.plan is not None else ranks_from_hybrid_conf(read_plan(package / "plan.json"),
                                                                      package / "hybrid_conf.json")
-    torch.manual_seed(spec.seed)
-    return graph, plan, full_model_from_graph(graph), False
+    with torch.device("meta"):
+        return graph, plan, full_model_from_graph(graph), False
 
 
 def output_width(graph: Graph) -> Optional[int]:

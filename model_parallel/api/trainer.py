@@ -2,8 +2,8 @@
 
     import torch, torch.distributed as dist
     from model_parallel import PipelineTrainer, TrainConfig
-    torch.manual_seed(0)                                   # every rank builds the same weights
-    model = MyModel()
+    with torch.device("meta"):                             # no memory: each rank allocates its own stage
+        model = MyModel()                                  # (a model with real values works too, and keeps them)
     trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
                               dataset, TrainConfig(batch_size=32, num_microbatches=4), num_stages=2)
     trainer.train(100)
@@ -58,6 +58,8 @@ class PipelineTrainer:
         example_inputs: Optional[Sequence[Any]] = None,
         channel: Any = None,
         single_process: Optional[bool] = None,
+        weights: Union[str, Path, None] = None,
+        init_weights: Optional[Callable[[Any, str], None]] = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -74,7 +76,7 @@ class PipelineTrainer:
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
             data=dataset, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
-            num_microbatches=config.num_microbatches)
+            num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights)
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
         if world > 1:
@@ -91,7 +93,7 @@ class PipelineTrainer:
         check_schedule(graph, self.plan, config.schedule)  # before any runner or heartbeat starts
         if self.single_process:
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, job.criterion, optimizer_factory, job.dataset,
-                                                   config)
+                                                   config, initializer=job.initializer)
         else:
             from model_parallel.runtime.engine import PipelineEngine
             from model_parallel.runtime.health import Health
@@ -100,8 +102,10 @@ class PipelineTrainer:
             store = dist.distributed_c10d._get_default_store()
             device = torch.device("cpu")
             if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
+                from model_parallel.runtime.materialize import move_real
+
                 device = torch.device("cuda", torch.cuda.current_device())
-                model.to(device)
+                move_real(model, device)
             self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, options.timeout / 10),
                                  store_host=None).start()
             # The heartbeat thread must be stopped before interpreter teardown: a store call still
@@ -110,7 +114,8 @@ class PipelineTrainer:
             atexit.register(self.health.stop, "done")
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
                                          optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
-                                         options=options, channel=channel, health=self.health, device=device)
+                                         options=options, channel=channel, health=self.health, device=device,
+                                         initializer=job.initializer)
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""

@@ -135,7 +135,8 @@ def make_attribute(
     if layer.target in constants:  # no state dict carries it: never an uninitialised tensor
         where = f"{_where(graph, node.node_id)}: constant {layer.target!r}"
         try:
-            value = decode_constant(constants[layer.target], where)
+            with torch.device("cpu"):  # a constant needs its values, also in a model built on meta
+                value = decode_constant(constants[layer.target], where)
         except GraphError as error:
             raise CodegenError(str(error)) from None
         if value is None:

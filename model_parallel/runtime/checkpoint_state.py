@@ -68,11 +68,14 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapp
 
 
 def load_optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor], state: OptimizerState
+    optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor], state: OptimizerState,
+    copy: bool = True,
 ) -> None:
     """Install name-keyed state into `optimizer` for the parameters it holds (moved to their device).
 
-    Names absent from `state` keep no state (e.g. a checkpoint taken before the first step).
+    Names absent from `state` keep no state (e.g. a checkpoint taken before the first step). With
+    `copy=False` tensors already on the right device are taken over, not cloned: a plan switch hands
+    over the state it owns, and a clone would hold the whole optimizer state twice at that moment.
     """
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for name, param in named_params.items():
@@ -86,7 +89,8 @@ def load_optimizer_state_by_name(
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 on_cpu = key == "step" and not step_on_param_device
-                restored[key] = value.detach().clone().to("cpu" if on_cpu else param.device)
+                value = value.detach().clone() if copy else value.detach()
+                restored[key] = value.to("cpu" if on_cpu else param.device)
             else:
                 restored[key] = value
         optimizer.state[param] = restored

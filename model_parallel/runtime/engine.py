@@ -37,10 +37,11 @@ from model_parallel.runtime import comm, engine_checkpoint
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.data import split_microbatches
 from model_parallel.runtime.executor import Microbatches, StepExecutor, WeightStash
+from model_parallel.runtime.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
 from model_parallel.runtime.output import model_output
 from model_parallel.runtime.replicas import ReplicaGroups, all_reduce_grads
 from model_parallel.runtime.schedule import make_schedule
-from model_parallel.runtime.stages import check_plan_fits, layer_modules
+from model_parallel.runtime.stages import check_plan_fits, layer_modules, stage_layers
 from model_parallel.runtime.straggler import Slowdown
 from model_parallel.runtime.tied import TiedCopies, check_schedule, check_trainable, plan_ties
 from model_parallel.runtime.update import apply_update, squared_grad_norm
@@ -82,6 +83,7 @@ class PipelineEngine:
         health: Any = None,
         device: Optional[torch.device] = None,
         control_group: Any = None,
+        initializer: Any = None,
     ) -> None:
         from model_parallel.allocator import keep_freed_memory
         from model_parallel.runtime.metrics import MetricsRecorder
@@ -96,6 +98,9 @@ class PipelineEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control_group = control_group if control_group is not None else dist.new_group(backend="gloo")
         self.modules = layer_modules(graph, model)
+        # A model built on meta: this rank allocates its stage's layers only (runtime/materialize.py).
+        self.initializer = initializer or Initializer(seed=config.seed)
+        self.lazy_layers = {name for name, obj in self.modules.items() if is_meta(obj)}  # freed when they leave
         self.tracer = Tracer(self.rank, enabled=bool(options.trace_dir))
         self.metrics = MetricsRecorder(self.rank, path=options.metrics, tracer=self.tracer)
         if self.tracer.enabled and hasattr(dataset, "attach_tracer"):
@@ -153,6 +158,8 @@ class PipelineEngine:
             raise PlanError("the pipedream schedule does not support replicated stages (each microbatch is an update, "
                             "which would need an all-reduce per microbatch); use 1f1b or gpipe, or a straight plan")
         self.optimizer, self.stage, self.executor = None, None, None
+        keep = set(stage_layers(self.graph, plan, self.stage_id)) if self.stage_id is not None else set()
+        release_layers(self.modules, sorted(self.lazy_layers - keep))  # layers that left this rank
         self.replica, self.num_replicas = 0, 1
         if self.stage_id is not None:
             self._build_stage(self.stage_id, optimizer_state)
@@ -165,6 +172,8 @@ class PipelineEngine:
     def _build_stage(self, stage_id: int, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         sp = self.plan.stages[stage_id]
         self.replica, self.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
+        materialize_layers(self.modules, stage_layers(self.graph, self.plan, stage_id), self.initializer, self.device,
+                           self.graph, graph_constants(self.graph, self.modules))
         self.stage = build_stage(self.graph, sp.node_ids, self.boundaries[stage_id], modules=self.modules,
                                  class_name=f"Stage{stage_id}").to(self.device)
         self.stage.train()
@@ -174,7 +183,7 @@ class PipelineEngine:
             if optimizer_state:
                 from model_parallel.runtime.checkpoint import load_optimizer_state_by_name
 
-                load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state)
+                load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state, copy=False)
         stash = None
         if not self.schedule.flush and self.optimizer is not None:
             stash = WeightStash(self.stage, self.optimizer, self.config.lr_schedule, self.metrics, HISTORY_WINDOW)

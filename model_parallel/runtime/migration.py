@@ -12,7 +12,8 @@ same new plan; with a flush schedule nothing is in flight, so the switch is exac
    `["opt", "layer1_0_conv1.weight", "momentum_buffer"]` for optimizer state - then the values
    (tensors, or JSON for scalars). Every rank first posts all its sends, then receives: no deadlock.
 3. Received values are copied into this rank's layer objects (every rank holds every layer
-   object; only owned ones are current). Kept layers are the same objects, untouched.
+   object; only owned ones are current; a layer on meta is first given storage). Kept layers
+   are the same objects, untouched; `activate` puts layers that left back on meta (freed).
 4. `engine.activate(new_plan, optimizer_state)` rebuilds the stage around those objects with
    `codegen.build_stage(..., modules=...)`, creates new replica groups collectively, and rebuilds
    the optimizer with its state keyed by parameter name (momentum, Adam moments, step counts).
@@ -33,6 +34,7 @@ from torch import nn
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime import comm
+from model_parallel.runtime.materialize import allocate_layers
 from model_parallel.runtime.stages import layer_owners
 from model_parallel.runtime.tied import expand_state
 
@@ -133,6 +135,8 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
         handles.append(comm.send_values([manifest] + values, dst, comm.TAG_MIGRATION, device=engine.device))
 
     received_opt: dict[str, dict[str, Any]] = {}
+    # Layers arriving on meta (a model built without memory) get storage here, their values below.
+    allocate_layers(engine.modules, [layer for layers in incoming.values() for layer in layers], engine.device)  # type: ignore[arg-type]
     for src in sorted(incoming):
         message = comm.recv_values(src, comm.TAG_MIGRATION, timeout, device=engine.device)
         manifest, values = message[0], message[1:]

@@ -41,10 +41,11 @@ class Job:
 
     graph: Graph
     plan: Plan
-    model: torch.nn.Module  # the whole model, built from the seed; each rank keeps its stages' layers
+    model: torch.nn.Module  # the whole model, on meta when built here: each rank materializes its stage's layers
     criterion: Callable[[Any, torch.Tensor], torch.Tensor]
     dataset: Any  # anything with `batch(step) -> (inputs_tuple, target)`
     static_plan: bool = False  # a PipeDream-generated package: no graph.json, so no plan switches
+    initializer: Any = None  # runtime.materialize.Initializer: seed, init hook, stored weights (None: the config's seed)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
     TrainingStopped when the run stopped before its requested steps. `on_engine` sees the engine
     before training starts (the command line's log prefix follows its stage from then on)."""
     from model_parallel.runtime.engine import PipelineEngine
+    from model_parallel.runtime.materialize import move_real
 
     if job.static_plan:
         from model_parallel.runtime.pipedream import StaticPlanChannel
@@ -162,9 +164,10 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
                                              "needs graph.json (regenerate the package with our converter)")
     outcome = "training finished"  # what the coordinator is told at the end (its status shows it)
     try:
-        engine = PipelineEngine(graph=job.graph, plan=job.plan, model=job.model.to(world.device), criterion=job.criterion,
-                                optimizer_factory=optimizer_factory, dataset=job.dataset, config=config, options=options,
-                                channel=channel, health=health, device=world.device)
+        engine = PipelineEngine(graph=job.graph, plan=job.plan, model=move_real(job.model, world.device),
+                                criterion=job.criterion, optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
+                                options=options, channel=channel, health=health, device=world.device,
+                                initializer=job.initializer)
         if on_engine is not None:
             on_engine(engine)
         if world.rank == 0:

@@ -72,9 +72,13 @@ class SingleProcessRunner:
     so a plan runs here exactly when it runs on several ranks."""
 
     def __init__(self, graph: Graph, plan: Plan, model: nn.Module, criterion: Callable, optimizer_factory: OptimizerFactory,
-                 dataset: Any, config: TrainConfig) -> None:
+                 dataset: Any, config: TrainConfig, initializer: Any = None) -> None:
         from model_parallel.codegen.build import build_stages
+        from model_parallel.runtime.materialize import Initializer, materialize_model
         from model_parallel.runtime.stages import layer_modules
+
+        init = initializer or Initializer(seed=config.seed)  # a model on meta gets the pipeline's values
+        materialize_model(model, init.seed, graph, init_weights=init.init_weights, source=init.source)
 
         self.graph, self.plan, self.criterion, self.dataset, self.config = graph, plan, criterion, dataset, config
         from model_parallel.runtime.tied import check_schedule

@@ -1,7 +1,8 @@
 """Built-in models the worker command line can train by name (`--model mlp|resnet18|gpt`).
 
-Each recipe builds the model (seeded, so every rank builds identical weights), the loss, an
-example input for tracing and a synthetic dataset of matching shape.
+Each recipe builds the model (on meta for a job, see runtime/materialize.py; with values by the
+per-layer init rule for a reference), the loss, an example input for tracing and a synthetic
+dataset of matching shape.
 """
 from __future__ import annotations
 
@@ -26,8 +27,15 @@ class Recipe:
     kind: str = "dense"  # "dense" float inputs or "tokens"
 
     def model(self, seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return self.build()
+        """The model with the values every pipeline run of this seed gives it (the per-layer init rule)."""
+        from model_parallel.runtime.materialize import materialize_model
+
+        return materialize_model(self.meta_model(), seed)
+
+    def meta_model(self) -> nn.Module:
+        """The model on the meta device: shapes only, no memory (each rank materializes its own layers)."""
+        with torch.device("meta"):
+            return self.build()
 
     def example(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         return SyntheticData(batch_size, self.input_shape, self.num_classes, self.kind).batch(0)[0]
