@@ -210,12 +210,19 @@ def _package(spec: JobSpec) -> tuple[Graph, Plan, nn.Module, bool]:
 
 
 def output_width(graph: Graph) -> Optional[int]:
-    """Last dimension of the model output (the number of classes / vocabulary size), if the graph records it."""
-    node_id = (graph.metadata.get("outputs") or {}).get("node") if isinstance(graph.metadata.get("outputs"), dict) else None
-    try:
-        outputs = graph[node_id].layer.outputs if node_id is not None else ()
-    except Exception:  # noqa: BLE001 - unknown node or no layer: fall back to the default
+    """Last dimension of the model output (the number of classes / vocabulary size), if the graph records
+    it. A structured output (a dict such as Hugging Face's `ModelOutput`) is read at its `logits` entry,
+    else its first entry."""
+    from model_parallel.graph.arguments import referenced_nodes
+
+    encoded = graph.metadata.get("outputs")
+    if isinstance(encoded, dict) and isinstance(encoded.get("dict"), dict):
+        entries = encoded["dict"]
+        encoded = entries.get("logits", next(iter(entries.values()), None))
+    refs = referenced_nodes(encoded) if encoded is not None else []
+    if not refs or refs[0] not in graph or graph[refs[0]].layer is None:
         return None
+    outputs = graph[refs[0]].layer.outputs
     return int(outputs[0].shape[-1]) if outputs and outputs[0].shape else None
 
 

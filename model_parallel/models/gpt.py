@@ -5,6 +5,9 @@ Written to trace with torch.fx: shapes come from `x.size()` proxies, attention u
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,6 +65,9 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy over (batch, seq, vocab) logits and (batch, seq) targets."""
+def lm_loss(logits: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy over (batch, seq, vocab) logits and (batch, seq) targets. A structured
+    model output (a Hugging Face `ModelOutput`, or the dict a traced one decodes to) is read at `logits`."""
+    if isinstance(logits, Mapping):
+        logits = logits["logits"]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
