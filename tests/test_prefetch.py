@@ -23,9 +23,12 @@ class _Recording:
 
     def __init__(self, fail_at: int = -1) -> None:
         self.inner, self.fail_at, self.asked = SyntheticData(2, (3,), seed=5), fail_at, []
+        self.asked_for_step_1 = threading.Event()
 
     def batch(self, step: int):
         self.asked.append(step)
+        if step == 1:
+            self.asked_for_step_1.set()
         if step == self.fail_at:
             raise OSError("disk went away")
         return self.inner.batch(step)
@@ -49,8 +52,9 @@ def test_prefetcher_prepares_the_next_steps_ahead():
     data = _Recording()
     with Prefetcher(data, depth=2) as ahead:
         ahead.batch(0)
-        ahead.close()  # waits for the queue's running preparation; queued ones are dropped
-        assert data.asked[:2] == [0, 1]  # step 1 started before anyone asked for it
+        # Nobody asks for step 1: the prefetcher's own thread must start preparing it.
+        assert data.asked_for_step_1.wait(timeout=30), f"step 1 was never prepared ahead (asked: {data.asked})"
+        assert data.asked[:2] == [0, 1]
 
 
 def test_prefetcher_error_names_the_step_and_close_stops_the_thread():

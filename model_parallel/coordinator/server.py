@@ -283,13 +283,14 @@ class Coordinator:
     def _send_job(self, session: Session, message: Mapping[str, Any], where: str) -> bool:
         """Answer a worker that has no model with the job (graph, plan, flags), or say there is none."""
         who = f"rank {message['rank']}" if "rank" in message else where
-        if self.job is None:
+        job = self.job  # one read: another thread may replace or clear it meanwhile
+        if job is None:
             session.send("reply", ok=False, error="this coordinator serves no job; start the worker with --package "
                                                   "or --graph/--plan (or give test_socket.py the job)")
             logger.warning("%s asked for the job, but none is served", who)
             return True
-        session.send("job", **self.job)
-        logger.info("sent the job (plan v%d) to %s", self.job["plan_version"], who)
+        session.send("job", **job)
+        logger.info("sent the job (plan v%d) to %s", job["plan_version"], who)
         return True
 
     def _serve_worker(self, session: Session, worker: WorkerState) -> bool:

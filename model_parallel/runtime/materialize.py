@@ -146,7 +146,7 @@ def move_real(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 # ---- the init rule ----------------------------------------------------------------------------------
-def _run_init(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeights]) -> None:
+def init_layer(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeights] = None) -> None:
     """Initialise one (allocated) layer under its own seed; refuse a tensor no rule covers."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(layer_seed(seed, name))
@@ -198,7 +198,7 @@ def _owner_values(owner: str, obj: Layer, seed: int, init_weights: Optional[Init
     clone = copy.deepcopy(obj, memo)
     originals = {id(c): o for o, c in zip(_tensors(obj), _tensors(clone))}
     clone = _replace(clone, lambda t: _empty_like(t, torch.device("cpu")) if t.is_meta else None)
-    _run_init(owner, clone, seed, init_weights)
+    init_layer(owner, clone, seed, init_weights)
     return {id(originals.get(id(c), c)): c.detach() for c in _tensors(clone)}
 
 
@@ -236,7 +236,7 @@ def materialize_layers(
             continue
         complete = bool(keys) and all(k in stored for k in keys) and len(_tensors(obj)) == len(keys)
         if not complete:
-            _run_init(name, obj, init.seed, init.init_weights)
+            init_layer(name, obj, init.seed, init.init_weights)
         with torch.no_grad():
             for key, tensor in keys.items():
                 if key in stored:

@@ -148,6 +148,13 @@ def load_pipedream_package(directory: Path, seed: int = 0, input_shape: Optional
                             f"(nn.Module, [input names], [output names]): {str(entry)[:80]}")
     if not entries:
         raise PlanError(f"{directory / '__init__.py'}: model(criterion) returned no stage modules")
+    # The init rule of every other path (runtime/materialize.py): each layer under a seed of (seed, its
+    # name), so a package generated here starts exactly where its graph.json would.
+    from model_parallel.runtime.materialize import init_layer
+
+    for module, _, _ in entries:
+        for name, child in module.named_children():
+            init_layer(name, child, seed)
     if input_shape is None:
         raise PlanError(f"{directory}: a PipeDream-generated package does not record its input shape; pass "
                         "--input_shape (per sample, e.g. 3,224,224) and --num_classes")
