@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # 4 the run was stopped before its requested steps (the message says by whom and why).
 EXIT_PEER = 3
 EXIT_STOPPED = 4
+# How long the store host keeps the store up after a failure, in --timeouts, unless every other live rank
+# has published its verdict sooner: a peer may sit in a receive for up to one timeout before its own
+# diagnosis (at most 0.4 timeouts) reads the store to name the culprit.
+LINGER_TIMEOUTS = 1.4
 
 
 class RankPrefix(logging.Filter):
@@ -402,12 +406,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # The store host keeps the store up so the others can read who is to blame; not when it is
             # the culprit itself (it stood still): they gave up on it already.
             if rank == health.store_host and blamed != rank:
-                health.linger(4 * health.interval + 5, blamed)
+                health.linger(LINGER_TIMEOUTS * health.store_timeout, blamed)
         logging.shutdown()
         os._exit(EXIT_PEER)
     except ModelParallelError as error:
         if health is not None:
             health.stop("failed", None, f"{type(error).__name__}: {error}")
             if rank == health.store_host:
-                health.linger(4 * health.interval + 5)  # let the others read why before the store goes
+                health.linger(LINGER_TIMEOUTS * health.store_timeout)  # let the others read why before the store goes
         raise
