@@ -17,8 +17,6 @@ Before the windows, RSS grew about 2 KB per step; flat means a slope of a few by
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import sys

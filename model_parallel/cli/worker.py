@@ -241,7 +241,7 @@ def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
 
 
 def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None) -> Any:
-    from model_parallel.messages import NullChannel, ScriptedChannel
+    from model_parallel.messages import NullChannel
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel

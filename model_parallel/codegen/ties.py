@@ -17,15 +17,12 @@ instead of letting the copies train silently apart.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 from torch import nn
 
-from model_parallel.codegen.naming import Tie, find_ties, layer_name
+from model_parallel.codegen.naming import Tie, find_ties
 from model_parallel.errors import CodegenError, TiedParameterError
-from model_parallel.graph.core import Graph, Node
+from model_parallel.graph.core import Graph
 
 
 # ---- refusing a split tie where it cannot be honoured ------------------------------------------------

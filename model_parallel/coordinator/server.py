@@ -86,10 +86,7 @@ class Coordinator:
         # only on the workers (constructors are checked for form: their classes live in the workers).
         check_graph(graph, build_constructors=False)
         if solver is None:
-            try:  # import the optimizer now, not in the middle of the first decision
-                import model_parallel.optimizer.partition  # noqa: F401
-            except ImportError:
-                pass
+            import model_parallel.optimizer.partition  # noqa: F401 - now, not in the middle of the first decision
         self.token = token
         self.job = job  # what a worker started without a model gets (`job` message fields), if any
         self.policy = policy

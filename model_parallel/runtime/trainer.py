@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.data import split_microbatches
-from model_parallel.runtime.config import RunOptions, TrainConfig
+from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.engine import OptimizerFactory, StepResult
 from model_parallel.runtime.output import float_output, model_output
 from model_parallel.runtime.structure import cross, flatten_values, unflatten
