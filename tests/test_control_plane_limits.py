@@ -184,6 +184,7 @@ def test_flood_summary_line_carries_the_count(coordinator, caplog: pytest.LogCap
             sock.close()
 
 
+@pytest.mark.slow
 def test_trickling_client_is_closed_at_the_handshake_deadline(coordinator) -> None:
     host, port = coordinator.address.split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -201,6 +202,7 @@ def test_trickling_client_is_closed_at_the_handshake_deadline(coordinator) -> No
 
 
 # ---- the token stays off the command line --------------------------------------------------------------
+@pytest.mark.slow
 def test_worker_with_token_file_joins_and_ps_does_not_show_the_token(coordinator, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN.decode() + "\n")

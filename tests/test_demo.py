@@ -48,6 +48,7 @@ def test_worker_and_coordinator_lines_show_once_and_as_they_come(capsys):
     assert bar.written[-1] == "  [coordinator] switching to plan v1: predicted 5.00 -> 4.00 ms"
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     out = tmp_path / "run"
     code = demo.main(["--out", str(out), "--steps", "16", "--slow-at", "4", "--workers", "2", "--batch-size", "16"])

@@ -212,6 +212,7 @@ def test_corrupt_image_is_a_data_error_naming_it(tmp_path: Path) -> None:
         data.batch(0)
 
 
+@pytest.mark.slow
 def test_real_worker_entry_point_on_bad_inputs(tmp_path: Path) -> None:
     """The worker script as users run it: a missing control script and a corrupt image, exit 2, one line."""
     broken = _corrupt_image_folder(tmp_path / "images")

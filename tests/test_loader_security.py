@@ -267,6 +267,7 @@ def test_codegen_command_line_refuses(attempt: Attempt, registry: None, tmp_path
     assert not (tmp_path / SENTINEL_NAME).exists() and BUILT == [] and not (tmp_path / "pkg").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["getattr_chain_globals_map", "model_class_os_system", "keyword_name_source_injection"])
 def test_codegen_script_in_a_subprocess_exits_2_with_one_line(name: str, tmp_path: Path) -> None:
     attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == name)
@@ -288,6 +289,7 @@ def _worker(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_worker_refuses_a_hostile_graph(tmp_path: Path) -> None:
     from model_parallel.runtime.launch import launch_workers
 
@@ -300,6 +302,7 @@ def test_worker_refuses_a_hostile_graph(tmp_path: Path) -> None:
     assert not (tmp_path / SENTINEL_NAME).exists()
 
 
+@pytest.mark.slow
 def test_worker_refuses_a_package_with_a_hostile_graph(tmp_path: Path) -> None:
     attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == "model_class_os_path")
     package = tmp_path / "package"

@@ -63,6 +63,7 @@ print(json.dumps({"vectors": got, "numba_loaded": "numba" in sys.modules, "jit":
 """
 
 
+@pytest.mark.slow
 def test_everything_but_the_search_extra_works_without_numba(reference_profiles):
     done = subprocess.run(
         [sys.executable, "-c", NO_NUMBA, str(REPO), str(REPO / "tests"), str(reference_profiles)],
@@ -77,6 +78,7 @@ def test_everything_but_the_search_extra_works_without_numba(reference_profiles)
     assert result["flat_cuts"]  # the plain-Python pass found a plan
 
 
+@pytest.mark.slow
 def test_importing_the_package_does_not_load_numba():
     done = subprocess.run(
         [sys.executable, "-c", "import sys, model_parallel.optimizer.partition, model_parallel.runtime.stages; print('numba' in sys.modules)"],

@@ -125,6 +125,7 @@ def test_exact_plans_equal_brute_force_over_every_cut():
             assert exact and _same(got, oracle), (seed, cuts, got, oracle)
 
 
+@pytest.mark.slow
 def test_exact_plans_with_weight_reads_equal_brute_force_over_the_cuts_that_keep_weights_with_readers():
     for seed in range(60):
         rng = random.Random(100 + seed)

@@ -308,6 +308,7 @@ def test_the_pipedream_schedule_refuses_a_split_tie() -> None:
         _split_trainer("pipedream")
 
 
+@pytest.mark.slow
 def test_workers_refuse_a_split_tie_under_pipedream_with_one_line_and_exit_2(tmp_path) -> None:
     write_graph_json(_traced(TiedLM()), tmp_path / "graph.json")
     result = launch_workers(["--graph", str(tmp_path / "graph.json"), "--num_stages", "2", "--steps", "2",
