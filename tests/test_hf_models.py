@@ -361,3 +361,21 @@ def test_the_job_builder_traces_a_module_on_a_dict_dataset() -> None:
     job = build_job(JobSpec(model=bert(tie=False), data=Tokens(), num_stages=2, batch_size=4, num_microbatches=2), 1)
     assert [i["name"] for i in job.graph.metadata["inputs"]] == ["input_ids", "attention_mask"]  # was: the keys traced as values
     assert job.graph.metadata["inputs"][0]["shape"] == [2, SEQ]  # one microbatch
+
+
+def test_a_graph_from_its_file_rebuilds_with_initialised_weights_the_same_on_every_seeded_rank(tmp_path: object) -> None:
+    # An export-route graph names ATen operators: no module constructor initialises their weights. They were
+    # torch.empty, and a package trained from the seed (the command-line workflow) gave NaN losses.
+    graph, _ = trace_model(vit(), (torch.randn(2, 3, 32, 32),))
+    write_graph_json(graph, tmp_path / "graph.json")
+    builds = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        builds.append(full_model_from_graph(read_graph_json(tmp_path / "graph.json")))
+    state = builds[0].state_dict()
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert all(torch.equal(v, builds[1].state_dict()[k]) for k, v in state.items())
+    assert torch.equal(state["blocks_0_norm1_bias"], torch.zeros(192)) and torch.equal(state["blocks_0_norm1_weight"], torch.ones(192))
+    assert 0 < state["patch_embed_proj_weight"].abs().max() <= 1 / (3 * 16 * 16) ** 0.5
+    loss = _ce(builds[0](torch.randn(2, 3, 32, 32)), torch.arange(2))  # export fixed the batch at 2
+    assert torch.isfinite(loss) and 1.0 < float(loss) < 4.0  # about log(10): a sane start
