@@ -1,10 +1,11 @@
 """One rank of tests/test_hf_distributed.py's world: trains every listed case on its plan and saves this rank's
 stage state, one world for all cases (a process start with transformers and timm costs seconds).
 
-    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...]
+    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics]
 
 Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
-rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`.
+rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, and
+with `metrics` each rank's per-step records to `DIR/<case>.metrics.<R>.jsonl` (bench/models.py reads them).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def config() -> TrainConfig:
 
 def main() -> None:
     rank, world, port, out, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
+    metrics = sys.argv[6:] == ["metrics"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -45,7 +47,9 @@ def main() -> None:
         switch = out / f"{name}.switch.json"
         if rank == 0 and switch.is_file():
             channel = ScriptedChannel({SWITCH_STEP: Command.switch(read_plan(switch), reason="test: move a block")})
-        trainer = PipelineTrainer(case.build(), sgd, case.data, config(), options=RunOptions(timeout=120, progress=False),
+        options = RunOptions(timeout=120, progress=False,
+                             metrics=str(out / f"{name}.metrics.{{rank}}.jsonl") if metrics else None)
+        trainer = PipelineTrainer(case.build(), sgd, case.data, config(), options=options,
                                   criterion=case.loss, plan=read_plan(out / f"{name}.plan.json"),
                                   example_inputs=case.example(BATCH // MICROBATCHES), channel=channel)
         results = trainer.train(STEPS)
