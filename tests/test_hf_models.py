@@ -340,3 +340,54 @@ def test_importing_transformers_and_timm_after_model_parallel_just_works() -> No
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "imported GPT2LMHeadModel" in done.stdout
+
+
+def test_tracing_leaves_every_buffer_as_it_was() -> None:
+    # timm's BatchNormAct2d counts `num_batches_tracked` in Python, outside any traced op: the job builder
+    # traces the very model it trains, so one extra count broke exactness against single-process training.
+    model = efficientnet().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trace_model(model, (torch.randn(2, 3, 32, 32),))
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])] == []
+
+
+def test_the_profiled_graph_has_the_nodes_training_traces() -> None:
+    # The profiler times under no_grad, but traces with autograd on: T5's graph had 4 `contiguous` nodes
+    # fewer under no_grad, and a plan from it missed nodes of the graph every worker traces.
+    torch.manual_seed(0)
+    model, inputs = t5(), {"input_ids": _ids(), "decoder_input_ids": _ids(1)}
+    profiled = profile(model, inputs, warmup=0, iterations=1, subtract_overhead=False)
+    traced, _ = trace_model(model, inputs)
+    assert [n.node_id for n in profiled.nodes] == [n.node_id for n in traced.nodes]
+
+
+def test_the_job_builder_traces_a_module_on_a_dict_dataset() -> None:
+    from model_parallel.api.job import JobSpec, build_job
+
+    class Tokens:
+        batch_size = 4
+
+        def batch(self, step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+            return {"input_ids": _ids(step, 4), "attention_mask": torch.ones(4, SEQ, dtype=torch.long)}, _ids(9, 4)
+
+    job = build_job(JobSpec(model=bert(tie=False), data=Tokens(), num_stages=2, batch_size=4, num_microbatches=2), 1)
+    assert [i["name"] for i in job.graph.metadata["inputs"]] == ["input_ids", "attention_mask"]  # was: the keys traced as values
+    assert job.graph.metadata["inputs"][0]["shape"] == [2, SEQ]  # one microbatch
+
+
+def test_a_graph_from_its_file_rebuilds_with_initialised_weights_the_same_on_every_seeded_rank(tmp_path: object) -> None:
+    # An export-route graph names ATen operators: no module constructor initialises their weights. They were
+    # torch.empty, and a package trained from the seed (the command-line workflow) gave NaN losses.
+    graph, _ = trace_model(vit(), (torch.randn(2, 3, 32, 32),))
+    write_graph_json(graph, tmp_path / "graph.json")
+    builds = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        builds.append(full_model_from_graph(read_graph_json(tmp_path / "graph.json")))
+    state = builds[0].state_dict()
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert all(torch.equal(v, builds[1].state_dict()[k]) for k, v in state.items())
+    assert torch.equal(state["blocks_0_norm1_bias"], torch.zeros(192)) and torch.equal(state["blocks_0_norm1_weight"], torch.ones(192))
+    assert 0 < state["patch_embed_proj_weight"].abs().max() <= 1 / (3 * 16 * 16) ** 0.5
+    loss = _ce(builds[0](torch.randn(2, 3, 32, 32)), torch.arange(2))  # export fixed the batch at 2
+    assert torch.isfinite(loss) and 1.0 < float(loss) < 4.0  # about log(10): a sane start

@@ -53,7 +53,7 @@ class JobSpec:
     input_shape: Optional[tuple[int, ...]] = None  # per sample, for a PipeDream package (it records none)
     num_classes: Optional[int] = None  # classes of synthetic data (default: the model's output width)
     data: Any = "synthetic"  # "synthetic", an ImageFolder directory, or a dataset (`batch(step) -> (inputs, target)`)
-    example_inputs: Optional[Sequence[Any]] = None  # a microbatch to trace a module with (default: from `data`)
+    example_inputs: Union[Sequence[Any], Mapping[str, Any], None] = None  # a microbatch to trace a module with (default: from `data`)
     seed: int = 0  # the per-layer init rule's seed (runtime.materialize.layer_seed)
     weights: Union[str, Path, None] = None  # initial values: a .safetensors file, an HF sharded directory, our checkpoint
     init_weights: Optional[Callable[[Any, str], None]] = None  # init_weights(layer, layer_name): replaces reset_parameters()
@@ -170,10 +170,14 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
             raise PlanError(f"JobSpec(model={type(model).__name__}): give example_inputs (one microbatch of inputs to "
                             f"trace with) or a dataset as data, not {spec.data!r}")
         inputs, _ = spec.data.batch(0)
-        example = [x[: spec.micro_batch] for x in inputs]
+        if isinstance(inputs, Mapping):  # keyword inputs (`{"input_ids": ...}`): one microbatch of each
+            example = {k: v[: spec.micro_batch] for k, v in inputs.items()}
+        else:
+            example = [x[: spec.micro_batch] for x in inputs]
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # built on meta: trace shapes on meta
-        example = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example]
-    graph, traced = trace_model(model, tuple(example))
+        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+        example = {k: to_meta(v) for k, v in example.items()} if isinstance(example, Mapping) else [to_meta(x) for x in example]
+    graph, traced = trace_model(model, dict(example) if isinstance(example, Mapping) else tuple(example))
     allow_model(model, traced)  # the graph comes from this process's own model, not from a file
     return graph, model
 

@@ -10,6 +10,7 @@ node before any layer is built.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -138,8 +139,26 @@ def make_attribute(
             "pass source_model=<the original model> so it can be taken from there"
         )
     meta = layer.outputs[0]
-    tensor = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype))
+    tensor = fresh_tensor(layer.target, tuple(meta.shape), getattr(torch, meta.dtype))
     return nn.Parameter(tensor) if node.parameter_size > 0 else tensor
+
+
+def fresh_tensor(target: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A freshly initialised weight or buffer for a get_attr with no source (an export-route graph rebuilt
+    from its file: the operators are ATen calls, no module's constructor initialises them). Never
+    `torch.empty`: a package trained from the seed would start from garbage (NaN losses). Drawn from the
+    global RNG in graph order, so every rank seeded alike builds the same values; the usual defaults by
+    name: biases, BatchNorm means and counters 0, norm scales and running variances 1, matrices and
+    kernels uniform(+-1/sqrt(fan_in)) (nn.Linear's), other tensors (ViT's cls_token, pos_embed) N(0, 0.02)."""
+    leaf = target.rsplit(".", 1)[-1]
+    if not dtype.is_floating_point or leaf in ("bias", "running_mean", "num_batches_tracked"):
+        return torch.zeros(shape, dtype=dtype)
+    if leaf == "running_var" or (leaf == "weight" and len(shape) == 1):
+        return torch.ones(shape, dtype=dtype)
+    if leaf == "weight" and len(shape) >= 2:
+        bound = 1.0 / math.sqrt(max(1, math.prod(shape[1:])))
+        return torch.empty(shape, dtype=dtype).uniform_(-bound, bound)
+    return torch.empty(shape, dtype=dtype).normal_(0.0, 0.02)
 
 
 def _layer(graph: Graph, node: Node) -> LayerSpec:

@@ -203,7 +203,10 @@ def profile(
     args, kwargs = to_device(args, target), to_device(kwargs, target)
     started = time.perf_counter()
     with preserved_model(model, target), torch.no_grad():
-        graph, gm = trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
+        # Traced with autograd on, as training traces it (api.job, workers): under no_grad torch.export
+        # leaves out ops (T5's `contiguous`), and a plan from this graph would miss nodes of theirs.
+        with torch.enable_grad():
+            graph, gm = trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
         overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
         replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
         known = dict(store.begin(graph)) if store is not None else {}

@@ -306,9 +306,11 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[t
     if route == "export":
         if leaf_modules:
             raise ProfileError("leaf_modules apply to route='fx' only; torch.export records ATen operators")
-        gm, inputs = export_model(model, args, kwargs)
+        gm, inputs = run_preserving_state(model, lambda: export_model(model, args, kwargs))
     else:
-        gm = symbolic_trace(model, leaf_modules)
+        gm = run_preserving_state(model, lambda: symbolic_trace(model, leaf_modules))
+    # (Tracing runs the model's Python on its real buffers - timm's BatchNormAct2d counts
+    # `num_batches_tracked` outside any op - and the job builder trains the model it traced.)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
         raise ProfileError(

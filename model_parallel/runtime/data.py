@@ -117,6 +117,23 @@ def split_microbatches(inputs: Sequence[Any], target: torch.Tensor, num_microbat
     return [(tuple(p[j] for p in parts_in), parts_t[j]) for j in range(num_microbatches)]
 
 
+def minibatch_parts(inputs: Any, target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """`split_microbatches` of a dataset's inputs: a tuple of positional inputs, or one dict of keyword inputs."""
+    return split_microbatches([inputs] if isinstance(inputs, Mapping) else list(inputs), target, num_microbatches)
+
+
+def stage_zero_inputs(graph_inputs: Sequence[Any], inputs: Any, mb_inputs: Sequence[Any]) -> list[Any]:
+    """Stage 0's model inputs for one microbatch: positional inputs as they are; keyword inputs in the
+    order of the graph's placeholders (`graph_inputs`: `graph.metadata["inputs"]`, as the profiler traced them)."""
+    if not isinstance(inputs, Mapping):
+        return list(mb_inputs)
+    kwargs = mb_inputs[0]
+    names = [i["name"] for i in graph_inputs if isinstance(i, Mapping) and "name" in i]
+    if sorted(names) != sorted(kwargs):
+        return list(kwargs.values())  # no record of the placeholders: the dict's order (how flat_inputs traced it)
+    return [kwargs[name] for name in names]
+
+
 def _split(value: Any, parts: int) -> list[Any]:
     if isinstance(value, torch.Tensor):
         return list(torch.tensor_split(value, parts))

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage
@@ -35,7 +36,7 @@ from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
 from model_parallel.runtime import comm, engine_checkpoint
 from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.data import split_microbatches
+from model_parallel.runtime.data import minibatch_parts, stage_zero_inputs
 from model_parallel.runtime.executor import Microbatches, StepExecutor, WeightStash
 from model_parallel.runtime.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
 from model_parallel.runtime.output import model_output
@@ -213,9 +214,11 @@ class PipelineEngine:
     def _microbatches(self, step: int) -> Optional[Microbatches]:
         if self.stage_id != 0:
             return None  # later stages receive theirs
-        inputs, target = self.dataset.batch(step)
-        return split_microbatches([x.to(self.device) for x in inputs], target.to(self.device),
-                                  self.config.num_microbatches)
+        # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
+        inputs, target = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, self.dataset.batch(step))
+        graph_inputs = self.graph.metadata.get("inputs") or ()
+        return [(stage_zero_inputs(graph_inputs, inputs, mb), t)
+                for mb, t in minibatch_parts(inputs, target, self.config.num_microbatches)]
 
     def train_step(self, step: int) -> StepResult:
         self.straggler.at_step(step)

@@ -14,7 +14,7 @@ from torch import nn
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.data import split_microbatches
+from model_parallel.runtime.data import minibatch_parts as _microbatches, stage_zero_inputs
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.engine import OptimizerFactory, StepResult
 from model_parallel.runtime.output import float_output, model_output
@@ -49,21 +49,8 @@ def single_process_reference(
     return losses
 
 
-def _microbatches(inputs: Any, target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
-    """`split_microbatches` of a dataset's inputs: a tuple of positional inputs, or one dict of keyword inputs."""
-    return split_microbatches([inputs] if isinstance(inputs, Mapping) else list(inputs), target, num_microbatches)
-
-
 def _stage_inputs(graph: Graph, inputs: Any, mb_inputs: Sequence[Any]) -> list[Any]:
-    """Stage 0's model inputs for one microbatch: positional inputs as they are; keyword inputs in the
-    order of the graph's placeholders (`metadata["inputs"]`, as the profiler traced them)."""
-    if not isinstance(inputs, Mapping):
-        return list(mb_inputs)
-    kwargs = mb_inputs[0]
-    names = [i["name"] for i in graph.metadata.get("inputs", ()) if isinstance(i, Mapping) and "name" in i]
-    if sorted(names) != sorted(kwargs):
-        return list(kwargs.values())  # no record of the placeholders: the dict's order (how flat_inputs traced it)
-    return [kwargs[name] for name in names]
+    return stage_zero_inputs(graph.metadata.get("inputs") or (), inputs, mb_inputs)
 
 
 class SingleProcessRunner:

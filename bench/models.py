@@ -1,0 +1,170 @@
+"""Models benchmark: one row per Hugging Face / timm model (GPT-2, BERT-MLM, Llama, OPT, T5, ViT, EfficientNet-B0).
+
+    python bench/models.py             # warmup 1, 5 timed replays per node, 9 measured steps
+    python bench/models.py --quick     # 1 timed replay per node, 3 measured steps (about 2-3 minutes)
+    python bench/models.py --models gpt2,vit --calibration calibration.json
+
+The models are the tiny configurations of the exactness tests (tests/support/hf_zoo.py: 2 blocks,
+width 32, vocabulary 64, 8 tokens; timm at 32x32), at one microbatch of 2 samples (batch 8, 4
+microbatches). Per row:
+- nodes: graph nodes (torch.export: ATen operators);
+- profile_accuracy: (sum of the per-node forward + backward times + the loss) / a measured plain
+  training step (forward + backward, no optimizer) of the same microbatch, median of the steps;
+- partition_s: `partition` wall time on one level (2 workers, straight pipeline: the plan that runs)
+  and on two levels (2 machines x 2 workers, default options);
+- predicted_stage_ms / measured_stage_ms: each stage rank's busy time per step of the 2-stage run
+  (`optimizer.fidelity.predict_stage_ms` with the machine's calibration; measured: the median
+  `runtime.metrics.busy_ms` of its step records after 2 warm-up steps, 10 steps of PipelineTrainer on
+  a 2-rank gloo world, one world for every model: tests/support/hf_worker.py).
+
+Writes `bench/results/models.json` (atomically) with the 1-minute load average before and after.
+Timings on a shared 2-core machine are noisy: compare numbers from the same run only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the model cases: tests/support/hf_zoo.py
+
+import torch  # noqa: E402
+
+from model_parallel.fileio import atomic_write_json  # noqa: E402
+from model_parallel.graph.plan import Hierarchy, write_plan  # noqa: E402
+from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
+from model_parallel.optimizer.partition import partition  # noqa: E402
+from model_parallel.profiler.api import profile  # noqa: E402
+from model_parallel.profiler.timing import time_training_step  # noqa: E402
+from support import hf_worker  # noqa: E402
+from support.hf_zoo import CASES  # noqa: E402
+
+MICRO = hf_worker.BATCH // hf_worker.MICROBATCHES
+WARMUP_STEPS = 2
+
+
+def prepare(name: str, quick: bool, calibration: Any, workdir: Path) -> dict[str, Any]:
+    """Profile, time plain steps, partition (1 and 2 levels), predict the 2-stage plan's stage times."""
+    from model_parallel.optimizer.fidelity import predict_stage_ms
+
+    case = CASES[name]
+    model, example = case.build(), case.example(MICRO)
+    target = case.data.batch(0)[1][:MICRO]
+    loss_fn = lambda out: case.loss(out, target)  # noqa: E731
+    started = time.perf_counter()
+    graph = profile(model, example, loss_fn, warmup=0 if quick else 1, iterations=1 if quick else 5)
+    profile_s = time.perf_counter() - started
+    inputs = [example] if isinstance(example, dict) else list(example)
+    step = _plain_step_ms(model, inputs, loss_fn, 3 if quick else 9)
+    nodes_ms = sum(n.forward_ms + n.backward_ms for n in graph.nodes)
+    loss_ms = graph.metadata["profile"]["loss_forward_ms"] + graph.metadata["profile"]["loss_backward_ms"]
+    started = time.perf_counter()
+    plan = partition(graph, Hierarchy.from_lists([2]), PartitionOptions(straight_pipeline=True, cuts="topological"))
+    one_level = time.perf_counter() - started
+    started = time.perf_counter()
+    partition(graph, Hierarchy.from_lists([2, 2]))
+    two_levels = time.perf_counter() - started
+    write_plan(plan, workdir / f"{name}.plan.json")
+    predicted = predict_stage_ms(graph, plan, num_microbatches=hf_worker.MICROBATCHES, calibration=calibration,
+                                 optimizer="sgd")
+    return {"model": name, "nodes": len(graph.nodes), "profile_s": round(profile_s, 2),
+            "sum_of_nodes_ms": round(nodes_ms + loss_ms, 3), "measured_step_ms": round(step, 3),
+            "profile_accuracy": round((nodes_ms + loss_ms) / step, 3),
+            "partition_s": {"1_level": round(one_level, 3), "2_levels": round(two_levels, 3)},
+            "stage_nodes": [len(s.node_ids) for s in plan.stages],
+            "predicted_stage_ms": [round(p.total_ms, 3) for p in predicted]}
+
+
+def _plain_step_ms(model: torch.nn.Module, inputs: list, loss_fn: Any, count: int) -> float:
+    if isinstance(inputs[0], dict):  # keyword inputs: time_training_step calls model(*inputs)
+        kwargs = inputs[0]
+        wrapped = _Keywords(model, list(kwargs))
+        inputs = list(kwargs.values())
+        model = wrapped
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    times = time_training_step(model, inputs, loss_fn, torch.device("cpu"), count + 1)[1:]  # the first warms up
+    model.load_state_dict(saved)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+class _Keywords(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *values: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, values)))
+
+
+def measure(names: list[str], workdir: Path, timeout: float) -> dict[str, list[float]]:
+    """One 2-rank world trains every model on its plan; each stage rank's median busy ms per step."""
+    from model_parallel.runtime.launch import free_port, launch
+    from model_parallel.runtime.metrics import busy_ms
+
+    port = free_port()
+    result = launch([[sys.executable, str(REPO / "tests" / "support" / "hf_worker.py"), str(rank), "2", str(port),
+                      str(workdir), ",".join(names), "metrics"] for rank in range(2)], timeout=timeout)
+    if not result.ok:
+        raise SystemExit(f"the 2-rank world failed:\n{result.summary()}")
+    measured = {}
+    for name in names:
+        per_rank = []
+        for rank in range(2):
+            lines = (workdir / f"{name}.metrics.{rank}.jsonl").read_text().splitlines()
+            records = [r for r in map(json.loads, lines) if "compute_ms" in r and r.get("step", 0) >= WARMUP_STEPS]
+            per_rank.append(round(statistics.median(busy_ms(r) for r in records), 3))
+        measured[name] = per_rank
+    return measured
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--calibration", default=None, help="a calibration JSON (model-parallel calibrate); default: measure one")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "models.json"))
+    args = parser.parse_args()
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"bench/models.py: unknown model(s) {unknown}; use {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # as every worker runs
+    from model_parallel.cli.calibrate import calibrate
+    from model_parallel.optimizer.fidelity import Calibration
+
+    load_before = os.getloadavg()[0]
+    if args.calibration:
+        calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)
+    else:
+        calibration = calibrate(timeout=args.timeout)
+    with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:
+        rows = [prepare(name, args.quick, calibration, Path(tmp)) for name in names]
+        measured = measure(names, Path(tmp), args.timeout)
+    for row in rows:
+        row["measured_stage_ms"] = measured[row["model"]]
+        row["predicted_over_measured"] = [round(p / m, 3) for p, m in zip(row["predicted_stage_ms"], row["measured_stage_ms"])]
+    result = {"rows": rows, "quick": args.quick, "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+              "cpus": os.cpu_count(), "torch": torch.__version__, "calibration": calibration.to_json()}
+    atomic_write_json(Path(args.out), result)
+    print(f"{'model':13s} {'nodes':>5s} {'accuracy':>8s} {'part 1L s':>9s} {'part 2L s':>9s}  predicted / measured stage ms")
+    for row in rows:
+        pairs = ", ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(row["predicted_stage_ms"], row["measured_stage_ms"]))
+        print(f"{row['model']:13s} {row['nodes']:5d} {row['profile_accuracy']:8.2f} {row['partition_s']['1_level']:9.3f} "
+              f"{row['partition_s']['2_levels']:9.3f}  {pairs}")
+    print(f"load average {result['load_average_1min']}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""One rank of tests/test_hf_distributed.py's world: trains every listed case on its plan and saves this rank's
+stage state, one world for all cases (a process start with transformers and timm costs seconds).
+
+    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics]
+
+Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
+rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, and
+with `metrics` each rank's per-step records to `DIR/<case>.metrics.<R>.jsonl` (bench/models.py reads them).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
+
+from model_parallel import PipelineTrainer, RunOptions, TrainConfig  # noqa: E402
+from model_parallel.graph.plan import read_plan  # noqa: E402
+from model_parallel.messages import Command, NullChannel, ScriptedChannel  # noqa: E402
+from support.hf_zoo import BATCH, CASES  # noqa: E402
+
+STEPS, MICROBATCHES, SWITCH_STEP = 10, 4, 5
+
+
+def sgd(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def config() -> TrainConfig:
+    return TrainConfig(batch_size=BATCH, num_microbatches=MICROBATCHES)
+
+
+def main() -> None:
+    rank, world, port, out, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
+    metrics = sys.argv[6:] == ["metrics"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    for name in names.split(","):
+        case = CASES[name.split("+")[0]]  # "gpt2+rebalance": the gpt2 case with a live plan switch
+        channel = NullChannel()
+        switch = out / f"{name}.switch.json"
+        if rank == 0 and switch.is_file():
+            channel = ScriptedChannel({SWITCH_STEP: Command.switch(read_plan(switch), reason="test: move a block")})
+        options = RunOptions(timeout=120, progress=False,
+                             metrics=str(out / f"{name}.metrics.{{rank}}.jsonl") if metrics else None)
+        trainer = PipelineTrainer(case.build(), sgd, case.data, config(), options=options,
+                                  criterion=case.loss, plan=read_plan(out / f"{name}.plan.json"),
+                                  example_inputs=case.example(BATCH // MICROBATCHES), channel=channel)
+        results = trainer.train(STEPS)
+        torch.save({"state": trainer.state_dict(), "losses": [r.loss for r in results],
+                    "plan_version": trainer.runner.plan.version}, out / f"{name}-rank{rank}.pt")
+        trainer.close()
+        print(f"[rank {rank}] {name}: trained {len(results)} steps", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
