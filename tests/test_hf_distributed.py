@@ -9,9 +9,9 @@ size runs every model in turn (tests/support/hf_worker.py): a process start with
 costs seconds. On the 2-rank world GPT-2 also runs with a live rebalance: the controller switches to a
 plan that moves a transformer block to the other stage after step 5.
 
-Tied variants (GPT-2, BERT-MLM, OPT embeddings = output head; T5's shared embedding) are refused today
-when a plan splits the tie (`TiedParameterError`): cross-stage gradient summation of tied weights is
-not in this tree yet. Those tests assert the loud refusal; flip them to the exactness check once it is.
+Tied variants (GPT-2, BERT-MLM, OPT embeddings = output head; T5's shared embedding) run on the 2-rank
+world with the tie split across the two stages: the ranks holding a copy sum its gradients, so the run
+still equals single-process training of the tied model, and the copies stay identical.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, RunOptions, partition, profile
+from model_parallel import Hierarchy, PartitionOptions, partition, profile
 from model_parallel.codegen.naming import original_state_from_stage
-from model_parallel.errors import TiedParameterError
+from model_parallel.codegen.naming import find_ties
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan, plan_from_graph, write_plan
 from model_parallel.runtime.launch import free_port, launch
@@ -68,14 +68,20 @@ class Run:
         self.root = root
         self.graphs = {name: _profile(case) for name, case in CASES.items()}
         self.plans = {(name, w): _plan(graph, w) for name, graph in self.graphs.items() for w in WORLDS}
+        for name, case in CASES.items():
+            if case.tie:  # the tied variant, on 2 ranks: embedding and output head on different stages
+                tied = self.graphs[name + worker.TIED] = _profile(case, tie=True)
+                self.plans[(name + worker.TIED, 2)] = _plan(tied, 2)
         gpt2 = self.graphs["gpt2"]
         # The rebalance: block 1 starts stage 1, then (plan v1) block 0 does: a whole block changes stage.
         self.plans[(REBALANCE, 2)] = _cut_before(gpt2, "transformer.h.1.")
         self.switch = replace(_cut_before(gpt2, "transformer.h.0."), version=1)
-        self.initial = {name: case.build().state_dict() for name, case in CASES.items()}
+        variants = [(name, case, False) for name, case in CASES.items()]
+        variants += [(name + worker.TIED, case, True) for name, case in CASES.items() if case.tie]
+        self.initial = {name: case.build(tie=tie).state_dict() for name, case, tie in variants}
         self.reference: dict[str, tuple[dict[str, torch.Tensor], list[float]]] = {}
-        for name, case in CASES.items():
-            model = case.build()
+        for name, case, tie in variants:
+            model = case.build(tie=tie)
             losses = single_process_reference(model, case.loss, worker.sgd, case.data, worker.config(), worker.STEPS)
             self.reference[name] = (model.state_dict(), losses)
         self.results = {w: self._launch(w) for w in WORLDS}
@@ -104,7 +110,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def _check(run: Run, name: str, world: int) -> list[dict[str, Any]]:
-    model = name.split("+")[0]
+    model = name if name in run.graphs else name.split("+")[0]
     saved = run.stage_states(name, world)
     graph, (want, want_losses), initial = run.graphs[model], run.reference[model], run.initial[model]
     for rank, entry in enumerate(saved):
@@ -144,13 +150,12 @@ def test_a_live_rebalance_moving_a_transformer_block_keeps_training_exact(run: R
     assert [entry["plan_version"] for entry in saved] == [1, 1]  # both ranks switched
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.tie])
-def test_a_plan_splitting_a_tied_weight_is_refused_loudly_today(name: str) -> None:
-    # TODO(tiesx): once cross-stage tied gradients land, train these on 2 and 4 ranks with `_check`.
-    case = CASES[name]
-    graph = _profile(case, tie=True)
+def test_a_tied_weight_split_across_stages_trains_exactly(run: Run, name: str) -> None:
+    variant = name + worker.TIED
+    graph, plan = run.graphs[variant], run.plans[(variant, 2)]
     assert graph.metadata["tied_parameters"], f"{name}: the tracer recorded no tie"
-    plan = _plan(graph, 2)
-    with pytest.raises(TiedParameterError, match="tie"):
-        PipelineTrainer(case.build(tie=True), worker.sgd, case.data, worker.config(), options=RunOptions(progress=False),
-                        criterion=case.loss, plan=plan, example_inputs=case.example(2), single_process=True)
+    stage_of = plan.stage_of
+    assert any(len({stage_of[n] for n, _ in tie.users}) > 1 for tie in find_ties(graph)), f"{name}: no tie is split"
+    _check(run, variant, 2)

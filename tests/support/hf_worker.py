@@ -27,6 +27,9 @@ from support.hf_zoo import BATCH, CASES  # noqa: E402
 STEPS, MICROBATCHES, SWITCH_STEP = 10, 4, 5
 
 
+TIED = "+tied"  # a case name with this suffix runs the tied variant (embedding = output head)
+
+
 def sgd(params: list) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
@@ -42,14 +45,14 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     for name in names.split(","):
-        case = CASES[name.split("+")[0]]  # "gpt2+rebalance": the gpt2 case with a live plan switch
+        case = CASES[name.split("+")[0]]  # "gpt2+rebalance": with a live plan switch; "gpt2+tied": its tied variant
         channel = NullChannel()
         switch = out / f"{name}.switch.json"
         if rank == 0 and switch.is_file():
             channel = ScriptedChannel({SWITCH_STEP: Command.switch(read_plan(switch), reason="test: move a block")})
         options = RunOptions(timeout=120, progress=False,
                              metrics=str(out / f"{name}.metrics.{{rank}}.jsonl") if metrics else None)
-        trainer = PipelineTrainer(case.build(), sgd, case.data, config(), options=options,
+        trainer = PipelineTrainer(case.build(tie=name.endswith(TIED)), sgd, case.data, config(), options=options,
                                   criterion=case.loss, plan=read_plan(out / f"{name}.plan.json"),
                                   example_inputs=case.example(BATCH // MICROBATCHES), channel=channel)
         results = trainer.train(STEPS)
