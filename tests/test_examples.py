@@ -4,12 +4,12 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
+from support.process import run_to_completion
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PYTHON = sys.executable
@@ -19,20 +19,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 def run(argv: list[str], timeout: float = 180, env: Optional[dict[str, str]] = None) -> str:
     """Run an example to completion (killed at the deadline); returns its output, failing on a non-zero exit."""
     env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(argv, cwd=EXAMPLES.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(argv)} still running after {timeout} s:\n{output[-3000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.wait()
-    assert process.returncode == 0, f"{' '.join(argv)} exited {process.returncode}:\n{output[-3000:]}"
-    return output
+    return run_to_completion(argv, EXAMPLES.parent, env, timeout)
 
 
 @pytest.mark.parametrize("script, command", [

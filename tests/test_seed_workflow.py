@@ -15,11 +15,11 @@ import re
 import shlex
 import shutil
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.process import run_to_completion
 
 from support import REPO, netns
 
@@ -55,20 +55,7 @@ def seed_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def run_step(cwd: Path, command: str, env: dict[str, str], timeout: float = 300) -> str:
-    process = subprocess.Popen(argv(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"{command} still running after {timeout} s:\n{output[-3000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.wait()
-    assert process.returncode == 0, f"[{cwd}] {command} exited {process.returncode}:\n{output[-3000:]}"
-    return output
+    return run_to_completion(argv(command), cwd, env, timeout, what=f"[{cwd}] {command}")
 
 
 @pytest.fixture(scope="module")
