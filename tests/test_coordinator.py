@@ -17,6 +17,7 @@ from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan, write_plan
 from model_parallel.messages import StepReport
+from support import wait_for
 
 torch.set_num_threads(1)
 TOKEN = b"test-token"
@@ -58,14 +59,6 @@ def metrics(rank, step, version, compute_s):
                       comm_ms=1.0, idle_ms=0.0, samples_per_s=400.0)
 
 
-def wait_for(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_auto_rebalance_switch_and_confirm(coordinator, tmp_path):

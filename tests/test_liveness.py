@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from support.mlp import mlp_job
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.messages import StepReport
 from model_parallel.runtime.launch import LocalWorld, worker_commands
+from support import wait_for
 from support.mlp import mlp_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,14 +59,6 @@ def exit_times(world: LocalWorld, ranks: list[int], since: float, timeout: float
     return times
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def metrics(rank: int, step: int, version: int, compute_s: float) -> StepReport:

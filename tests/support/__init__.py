@@ -6,7 +6,9 @@ test module can be run, moved or deleted on its own. `tests/` is on sys.path whi
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -21,3 +23,14 @@ def first_fast(num_blocks: int) -> list:
     """`range(num_blocks)` as test parameters of which only block 0 runs in the fast lane: an exhaustive
     check split into blocks of seeds keeps one block in `make test-fast` and all of them in `make test`."""
     return [0] + [pytest.param(block, marks=pytest.mark.slow) for block in range(1, num_blocks)]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something true (returned), failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
