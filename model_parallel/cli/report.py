@@ -1,6 +1,7 @@
 """The demo's closing report: plan table, predicted vs measured stage times, throughput around the rebalance."""
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -97,6 +98,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         trace_path = merge_traces([p for p in trace_files if p.name != "pipeline_trace.json"], run_dir / "pipeline_trace.json")
 
     fmt = lambda x: f"{x:.1f}" if isinstance(x, (int, float)) else "n/a"  # noqa: E731
+    cores = os.cpu_count() or 1
+    load_1, load_5, _ = os.getloadavg()  # the last 1 and 5 minutes: the run itself and what shared the machine
     report = {
         "arch": args.arch, "workers": args.workers, "steps": args.steps, "straggler": args.straggler,
         "slowdown": args.slowdown, "slow_at": args.slow_at, "training_seconds": training_seconds,
@@ -105,6 +108,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "steps_to_detect": phases["steps_to_detect"],
         "predicted_stage_ms": predicted_ms,
         "measured_stage_ms": measured_ms,
+        "cores": cores, "load_average_1min": load_1, "load_average_5min": load_5,
     }
     atomic_write_json(run_dir / "report.json", report)
     text = [
@@ -120,6 +124,14 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         f"after the rebalance: {fmt(phases['after'])}",
         f"rebalanced at step {phases['switch_step']} ({phases['steps_to_detect']} steps after the slowdown)"
         if phases["switch_step"] is not None else "no rebalance happened",
+        f"machine: {cores} core(s), load average {load_1:.1f} (1 min) / {load_5:.1f} (5 min) while it ran, "
+        f"{args.workers} worker process(es)",
+        "How to read this: 'before' is the balanced plan; 'slowed' the same plan with rank "
+        f"{args.straggler} made {args.slowdown:g}x slower; 'after' the re-partitioned plan with that rank still "
+        "slow, so its ceiling is 'before' (the slow rank cannot be made fast, only given less work). With more "
+        "worker processes than cores, a straggler that sleeps frees a core for the others, so 'after' can "
+        "exceed that ceiling and the predicted stage times (taken on an idle core) read low; compare numbers "
+        "of one run only, and rerun on a quiet machine before quoting them.",
         "",
         "== artifacts ==",
         f"run directory:     {run_dir}",
