@@ -150,12 +150,14 @@ def fresh_tensor(target: str, shape: tuple[int, ...], dtype: torch.dtype) -> tor
     global RNG in graph order, so every rank seeded alike builds the same values; the usual defaults by
     name: biases, BatchNorm means and counters 0, norm scales and running variances 1, matrices and
     kernels uniform(+-1/sqrt(fan_in)) (nn.Linear's), other tensors (ViT's cls_token, pos_embed) N(0, 0.02)."""
-    leaf = target.rsplit(".", 1)[-1]
-    if not dtype.is_floating_point or leaf in ("bias", "running_mean", "num_batches_tracked"):
+    def named(*leaves: str) -> bool:  # `a.b.bias` (a target) or `a_b_bias` (its layer name)
+        return any(target == leaf or target.endswith(("." + leaf, "_" + leaf)) for leaf in leaves)
+
+    if not dtype.is_floating_point or named("bias", "running_mean", "num_batches_tracked"):
         return torch.zeros(shape, dtype=dtype)
-    if leaf == "running_var" or (leaf == "weight" and len(shape) == 1):
+    if named("running_var") or (named("weight") and len(shape) == 1):
         return torch.ones(shape, dtype=dtype)
-    if leaf == "weight" and len(shape) >= 2:
+    if named("weight") and len(shape) >= 2:
         bound = 1.0 / math.sqrt(max(1, math.prod(shape[1:])))
         return torch.empty(shape, dtype=dtype).uniform_(-bound, bound)
     return torch.empty(shape, dtype=dtype).normal_(0.0, 0.02)

@@ -59,6 +59,10 @@ class Initializer:
     seed: int = 0
     init_weights: Optional[InitWeights] = None
     source: Optional[ValueSource] = None
+    # A model rebuilt from a graph file: a bare tensor there is a weight an ATen graph reads directly
+    # (torch.export route), which no module initialises; it gets the generator's defaults by name
+    # (codegen.build.fresh_tensor) under its own seed. A user's own module's bare tensor is refused instead.
+    bare_tensor_defaults: bool = False
 
 
 def layer_seed(seed: int, name: str) -> int:
@@ -146,12 +150,18 @@ def move_real(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 # ---- the init rule ----------------------------------------------------------------------------------
-def init_layer(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeights] = None) -> None:
+def init_layer(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeights] = None,
+               bare_tensor_defaults: bool = False) -> None:
     """Initialise one (allocated) layer under its own seed; refuse a tensor no rule covers."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(layer_seed(seed, name))
         if init_weights is not None:
             init_weights(obj, name)
+            return
+        if isinstance(obj, torch.Tensor) and bare_tensor_defaults:
+            from model_parallel.codegen.build import fresh_tensor
+
+            obj.copy_(fresh_tensor(name, tuple(obj.shape), obj.dtype))
             return
         if isinstance(obj, torch.Tensor):
             raise InitError(f"layer {name!r} is a bare tensor of shape {tuple(obj.shape)} built on meta, and no "
@@ -191,14 +201,14 @@ def _tie_owners(graph: Optional[Graph], modules: Mapping[str, Layer]) -> dict[in
     return {k: owners.get(k, seen[k]) for k in shared}
 
 
-def _owner_values(owner: str, obj: Layer, seed: int, init_weights: Optional[InitWeights]) -> dict[int, torch.Tensor]:
+def _owner_values(owner: str, obj: Layer, init: Initializer) -> dict[int, torch.Tensor]:
     """The values the owner layer's init gives its tensors, from a throwaway copy (the owner lives on
     another rank; its rule is deterministic), by id of the original (meta) tensor."""
     memo: dict[int, Any] = {}
     clone = copy.deepcopy(obj, memo)
     originals = {id(c): o for o, c in zip(_tensors(obj), _tensors(clone))}
     clone = _replace(clone, lambda t: _empty_like(t, torch.device("cpu")) if t.is_meta else None)
-    init_layer(owner, clone, seed, init_weights)
+    init_layer(owner, clone, init.seed, init.init_weights, init.bare_tensor_defaults)
     return {id(originals.get(id(c), c)): c.detach() for c in _tensors(clone)}
 
 
@@ -236,7 +246,7 @@ def materialize_layers(
             continue
         complete = bool(keys) and all(k in stored for k in keys) and len(_tensors(obj)) == len(keys)
         if not complete:
-            init_layer(name, obj, init.seed, init.init_weights)
+            init_layer(name, obj, init.seed, init.init_weights, init.bare_tensor_defaults)
         with torch.no_grad():
             for key, tensor in keys.items():
                 if key in stored:
@@ -247,7 +257,7 @@ def materialize_layers(
             owner = tied.get(id(meta))
             if owner is not None and owner not in pending and init.source is None:
                 with torch.no_grad():
-                    real.copy_(_owner_values(owner, modules[owner], init.seed, init.init_weights)[id(meta)])
+                    real.copy_(_owner_values(owner, modules[owner], init)[id(meta)])
     if device != cpu:
         memo: dict[int, torch.Tensor] = {}
         for name in pending:
