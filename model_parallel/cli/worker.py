@@ -91,6 +91,9 @@ def build_parser() -> ArgumentParser:
                    help="per-sample input shape for a PipeDream-generated --package, e.g. 3,224,224 (it records none)")
     m.add_argument("--num_classes", type=int, default=None,
                    help="classes of the synthetic data for --graph/--package models (default: the model's output width)")
+    m.add_argument("--weights", default=None,
+                   help="initial values on this machine: a .safetensors file, an HF sharded directory (with its "
+                        "model.safetensors.index.json) or our checkpoint directory; each rank reads only its stage's tensors")
     t = p.add_argument_group("training")
     t.add_argument("--batch_size", type=int, default=8)
     t.add_argument("--num_microbatches", type=int, default=4)
@@ -211,7 +214,8 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
 
     if served is not None:
         return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
-                       data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches)
+                       data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
+                       weights=args.weights)
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
@@ -219,7 +223,8 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
     return JobSpec(model=args.model or None, package=args.package or None, graph=args.graph or None,
                    plan=args.plan or None, num_stages=args.num_stages, stage_to_num_ranks=replicas, loss=args.loss,
                    input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
-                   seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches)
+                   seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
+                   weights=args.weights)
 
 
 def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:
@@ -302,8 +307,27 @@ def check_inputs(args: Any, where: str = "") -> None:
     if args.data != "synthetic" and not os.path.isdir(args.data):
         raise PlanError(f"{where}--data {args.data}: not a directory; give 'synthetic' or an ImageFolder directory "
                         "(root/<class>/<image files>)")
+    if args.weights:
+        check_weights(args.weights, where)
     if args.token_file and not os.path.isfile(args.token_file):
         raise PlanError(f"{where}--token-file {args.token_file}: no such file; write the shared token on its first line")
+
+
+def check_weights(path: str, where: str = "") -> None:
+    """`--weights`: a path that exists, and a file there a safetensors header (the rest is read per stage)."""
+    from model_parallel.errors import InitError
+
+    fix = "give a .safetensors file, an HF sharded directory or our checkpoint directory"
+    if not os.path.exists(path):
+        raise InitError(f"{where}--weights {path}: no such file or directory; {fix}")
+    from model_parallel.runtime.weights import weight_source
+
+    try:
+        weight_source(path)  # reads the safetensors headers (or the index) only; a checkpoint is read later
+    except ModelParallelError as error:
+        raise InitError(f"{where}--weights {path}: {error}") from None
+    except Exception as error:  # safetensors raises its own (untyped) errors for a bad header
+        raise InitError(f"{where}--weights {path}: not a readable safetensors file ({str(error)[:120]}); {fix}") from None
 
 
 def make_config(args: Any) -> Any:
