@@ -9,8 +9,9 @@ from dataclasses import replace
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
-from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stage_transfers, stash_factor
+from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stage_transfers
 from model_parallel.optimizer.dp import Part
+from model_parallel.optimizer.memory import MemoryModel, footprint_parts, multipliers, stage_bytes
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.solve import Solution, solve
 from model_parallel.optimizer.states import States, Workload, prefix_states
@@ -45,7 +46,7 @@ def infeasible_message(graph: Graph, work: Workload, hierarchy: Hierarchy, optio
         search = states if thorough else prefix_states(work, options.tuning.quick_cut_points)
         free = solve(search, hierarchy, replace(options, use_memory_constraint=False))
         if math.isfinite(free.time_s):
-            need = minimum_memory(search, hierarchy, options, _peak_memory(free.parts, search, workers, options.memory_model))
+            need = minimum_memory(search, hierarchy, options, _peak_memory(free.parts, search, workers, options.memory))
             found = (
                 f"the smallest memory any plan fits in is about {need:.4g} bytes per worker"
                 if thorough else f"a plan over {search.num_states} cut points fits in {need:.4g} bytes per worker"
@@ -77,14 +78,20 @@ def minimum_memory(states: States, hierarchy: Hierarchy, options: PartitionOptio
     return high
 
 
-def _peak_memory(parts: tuple[Part, ...], states: States, workers: int, memory_model: str) -> float:
+def _peak_memory(parts: tuple[Part, ...], states: States, workers: int, memory_model: MemoryModel) -> float:
     peak, before = 0.0, 0
     for part in parts:
         low = part.start - 1
-        bytes_ = (states.activation[part.end - 1] + states.parameters[part.end - 1]) - (
-            states.activation[low] + states.parameters[low] if low >= 0 else 0.0
-        )
-        peak = max(peak, stash_factor(memory_model, workers, before, part.replicas) * bytes_)
+        factors = multipliers(memory_model, workers, before, part.replicas)
+        if isinstance(memory_model, str):  # PipeDream's f (A + W), summed before the difference as always
+            bytes_ = (states.activation[part.end - 1] + states.parameters[part.end - 1]) - (
+                states.activation[low] + states.parameters[low] if low >= 0 else 0.0
+            )
+            peak = max(peak, factors[0] * bytes_)
+        else:
+            act = states.activation[part.end - 1] - (states.activation[low] if low >= 0 else 0.0)
+            params = states.parameters[part.end - 1] - (states.parameters[low] if low >= 0 else 0.0)
+            peak = max(peak, float(stage_bytes(factors, act, params)))
         before += part.replicas
     return peak
 
@@ -106,6 +113,7 @@ def build_plan(
     level_replicas = solution.level_replicas or tuple((part.replicas,) for part in solution.parts)
     boundary_levels = solution.boundary_levels or (0,) * (num_stages - 1)
     stages = []
+    memory_parts = []
     before = 0
     order = graph.topological_order
     for index, (part, cost) in enumerate(zip(solution.parts, costs)):
@@ -120,11 +128,13 @@ def build_plan(
                     cost, levels, level_replicas[index], boundary_levels[index - 1] if index > 0 else None,
                     boundary_levels[index] if index < num_stages - 1 else None, ratio,
                 ),
-                memory_bytes=stash_factor(options.memory_model, workers, before, r)
-                * (cost.activation_bytes + cost.parameter_bytes),
+                memory_bytes=stage_bytes(
+                    multipliers(options.memory, workers, before, r), cost.activation_bytes, cost.parameter_bytes
+                ),
                 ranks=solution.part_ranks[index] if solution.part_ranks else (),
             )
         )
+        memory_parts.append(footprint_parts(options.memory, cost.activation_bytes, cost.parameter_bytes, workers, before, r))
         before += r
     extra = {
         "cuts": solution.states.kind,
@@ -135,6 +145,9 @@ def build_plan(
         "memory_model": options.memory_model,
         "workers_unused": workers - before,
     }
+    if options.footprint is not None:  # what each stage's predicted bytes are made of (`memory.py`)
+        extra["footprint"] = options.footprint.to_dict()
+        extra["memory"] = memory_parts
     if solution.states_considered:
         extra["states_considered"] = solution.states_considered
     if not solution.exact:

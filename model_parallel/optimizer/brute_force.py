@@ -7,7 +7,7 @@ cuts `{} < D1 < ... < Dq = all nodes` plus a replica count per stage (sum = M, o
     max((T + 4 (r-1) W / (B r)) / r,  2 O(D_{i-1}) / (B r R) [i > 1],  2 O(D_i) / (B r R) [1 < i < q])
 
 (the first stage never counts transfers, the last no output), and with a memory limit a stage whose
-`stash_factor * (A + W)` exceeds it is not allowed. On a hierarchy (`brute_force_hierarchy`) T is the
+`memory.stage_bytes` (e.g. `f * (A + W)`) exceeds it is not allowed. On a hierarchy (`brute_force_hierarchy`) T is the
 range's best time one level down, and the first stage's all-reduce divides by that level's machines.
 
 - `all_cuts(work)`: every downward-closed node set, found by testing all 2^n subsets (independent of
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
-from model_parallel.optimizer.costs import allreduce_seconds, stash_factor, transfer_seconds
+from model_parallel.optimizer.costs import allreduce_seconds, transfer_seconds
+from model_parallel.optimizer.memory import MemoryModel, multipliers, stage_bytes
 from model_parallel.optimizer.states import States, Workload, crossing_bytes
 
 
@@ -83,7 +84,7 @@ def brute_force_hierarchy(
     straight_pipeline: bool = False,
     use_fewer_machines: bool = False,
     memory_limit: Optional[float] = None,
-    memory_model: str = "pipedream",
+    memory_model: MemoryModel = "pipedream",
     worker_speeds: Optional[Sequence[float]] = None,
 ) -> tuple[float, tuple[tuple[int, int], ...]]:
     """Best slowest-stage time over every chain of cuts ending at the full cut, and the outermost level's
@@ -115,8 +116,9 @@ def brute_force_hierarchy(
             a = cuts[prev] if prev >= 0 else None
             b = cuts[cut]
             w = b.parameters - (a.parameters if a else 0.0)
-            stash = b.activation - (a.activation if a else 0.0) + w
-            if memory_limit is not None and stash_factor(memory_model, big_m, used_before, r) * stash > memory_limit:
+            act = b.activation - (a.activation if a else 0.0)
+            factors = multipliers(memory_model, big_m, used_before, r) if memory_limit is not None else (0, 0)
+            if memory_limit is not None and stage_bytes(factors, act, w) > memory_limit:
                 return math.inf
             window = None if block is None else block[used_before:used_before + r]
             if level == 0:

@@ -9,12 +9,8 @@ order, each for all rows, machine counts m and last-stage machines m' with a few
 (blocks of rows, split states as the contiguous innermost axis). Given the cells a bounded solve can
 use (`cells.py`), it solves only those, by machine count instead (`dp_cells.py`).
 
-Memory models (checked with `use_memory_constraint`; bytes one worker of the stage holds):
-- "pipedream": `ceil((M - machines_so_far) / r) * (A + W)` — PipeDream's stash estimate (the last
-  stage counts 0).
-- "1f1b": a 1F1B stage k of p keeps one microbatch in flight per stage from k to the end, i.e.
-  `in_flight = ceil((M - machines_before) / r)`, and weight stashing keeps one weight version per
-  in-flight microbatch (the newest is the live copy): `in_flight * (A + W)`.
+Memory models (checked with `use_memory_constraint`; bytes one worker of the stage holds): `memory.py`
+(PipeDream's stash estimate "pipedream", "1f1b", and the real "footprint"), as `a A + w W`.
 """
 from __future__ import annotations
 
@@ -24,8 +20,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from model_parallel.optimizer.costs import allreduce_seconds, stage_seconds, stash_factor, transfer_seconds
+from model_parallel.optimizer.costs import allreduce_seconds, stage_seconds, transfer_seconds
 from model_parallel.optimizer.dp_cells import cell_blocks, fill_cells
+from model_parallel.optimizer.memory import MemoryModel, multipliers, stage_bytes
 
 INF = math.inf
 
@@ -75,9 +72,9 @@ def range_table(values: np.ndarray, pred_mask: Optional[np.ndarray] = None, row_
     return table
 
 
-def _stash_factor(memory_model: str, total: int, used_through: int, replicas: int) -> int:
-    """`costs.stash_factor` in the DP's terms: `used_through` machines up to and including this stage."""
-    return stash_factor(memory_model, total, used_through - replicas, replicas)
+def _factors(memory_model: MemoryModel, total: int, used_through: int, replicas: int) -> tuple[float, float]:
+    """`memory.multipliers` in the DP's terms: `used_through` machines up to and including this stage."""
+    return multipliers(memory_model, total, used_through - replicas, replicas)
 
 
 def solve_level(
@@ -94,7 +91,7 @@ def solve_level(
     use_fewer_machines: bool = False,
     activation_compression_ratio: Optional[float] = None,
     memory_limit: Optional[float] = None,
-    memory_model: str = "pipedream",
+    memory_model: MemoryModel = "pipedream",
     cumulative: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
     row_states: Optional[np.ndarray] = None,
     solve_rows: Optional[np.ndarray] = None,
@@ -142,7 +139,7 @@ def solve_level(
     if cumulative is not None:
         def last_ranges(ks: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             c, a, w = cumulative
-            return c[j] - c[ks], w[j] - w[ks], (a[j] - a[ks]) + (w[j] - w[ks])
+            return c[j] - c[ks], w[j] - w[ks], a[j] - a[ks]
     else:
         full_c, full_a, full_w = compute, activation, parameters
         row_index = np.full(s + 1, -1)
@@ -157,10 +154,10 @@ def solve_level(
                 for m in range(1, big_m):
                     for mp in range(1, m + 1):
                         range_compute[m - 1, :, mp - 1] = window_compute(m - mp + 1, mp)[rows_k, j]
-            return range_compute, full_w[rows_k, j], full_a[rows_k, j] + full_w[rows_k, j]
+            return range_compute, full_w[rows_k, j], full_a[rows_k, j]
     sources = cumulative if cumulative is not None else (full_c, full_a, full_w)
 
-    def split_stage(ks: np.ndarray, js: np.ndarray, mp: int, factor: int) -> np.ndarray:
+    def split_stage(ks: np.ndarray, js: np.ndarray, mp: int, factor: tuple[float, float]) -> np.ndarray:
         """[split, column]: the last stage after state ks[p] up to state js[c] on mp machines (no ancestor
         test): `_last_stage_times`' terms in the same order, so the values are the same to the bit."""
         if cumulative is not None:
@@ -184,7 +181,7 @@ def solve_level(
             ok = np.isfinite(range_compute)
             if memory_limit is not None:
                 with np.errstate(invalid="ignore"):
-                    ok &= (ranges(sources[1]) + ranges(sources[2])) * factor <= memory_limit
+                    ok &= stage_bytes(factor, ranges(sources[1]), ranges(sources[2])) <= memory_limit
             time[~ok] = INF
         return time
 
@@ -194,7 +191,6 @@ def solve_level(
     split_k = np.full((rows_total, s, big_m), -1, dtype=np.int32)
     split_m = np.full((rows_total, s, big_m), -1, dtype=np.int32)
     last_m = np.zeros((rows_total, s, big_m), dtype=np.int32)
-    stash_bytes = activation + parameters  # inf where the range does not exist
 
     speed_sums = None
     if worker_speeds is not None:
@@ -212,7 +208,8 @@ def solve_level(
             value = stage_seconds(single, parameters, m + 1, bandwidth, machines_within, pace=share)
             ok = np.isfinite(single)
             if memory_limit is not None:
-                ok &= _stash_factor(memory_model, big_m, m + 1, m + 1) * stash_bytes <= memory_limit
+                # inf where the range does not exist
+                ok &= stage_bytes(_factors(memory_model, big_m, m + 1, m + 1), activation, parameters) <= memory_limit
             best[:, :, m] = np.where(ok, value, INF)
             last_m[:, :, m] = np.where(ok, m + 1, 0)
 
@@ -316,9 +313,9 @@ def _row_blocks(first_splits: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _last_stage_times(
-    range_compute: np.ndarray, range_params: np.ndarray, range_stash: np.ndarray, output_in: np.ndarray,
+    range_compute: np.ndarray, range_params: np.ndarray, range_act: np.ndarray, output_in: np.ndarray,
     output_out: float, has_output: bool, mps: np.ndarray, big_m: int, bandwidth: float,
-    ratio: Optional[float], memory_limit: Optional[float], memory_model: str, straight_pipeline: bool,
+    ratio: Optional[float], memory_limit: Optional[float], memory_model: MemoryModel, straight_pipeline: bool,
     speed_sums: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """`last[m-1, k, m'-1]`: the last stage (after split k) on m' machines, when m+1 machines are in use;
@@ -344,10 +341,15 @@ def _last_stage_times(
         last = np.maximum(last, transfer[None])
     last = np.where(np.isfinite(range_compute), last, INF)
     if memory_limit is not None:
+        range_stash = range_act + range_params
         for m in range(1, big_m):
-            factors = np.array([_stash_factor(memory_model, big_m, m + 1, int(r)) for r in mps], dtype=np.float64)
+            factors = np.array([_factors(memory_model, big_m, m + 1, int(r)) for r in mps], dtype=np.float64)
             with np.errstate(invalid="ignore"):
-                last[m - 1] = np.where(range_stash[:, None] * factors[None, :] <= memory_limit, last[m - 1], INF)
+                if np.array_equal(factors[:, 0], factors[:, 1]):  # a legacy model: f (A + W), PipeDream's terms
+                    held = range_stash[:, None] * factors[None, :, 0]
+                else:
+                    held = range_act[:, None] * factors[None, :, 0] + range_params[:, None] * factors[None, :, 1]
+                last[m - 1] = np.where(held <= memory_limit, last[m - 1], INF)
     if straight_pipeline:
         last[:, :, 1:] = INF
     return last

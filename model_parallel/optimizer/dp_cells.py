@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from model_parallel.optimizer.costs import stash_factor
+from model_parallel.optimizer.memory import MemoryModel, multipliers
 
 INF = math.inf
 _ROW_BLOCK = 64  # rows solved together at most (as `dp.py`'s column loop)
@@ -26,8 +26,8 @@ _SPLIT_GROUP = 32
 def fill_cells(
     cells: np.ndarray, blocks: list[tuple[int, int]], best: np.ndarray, split_k: np.ndarray, split_m: np.ndarray,
     last_m: np.ndarray, not_before: np.ndarray, pred_mask: np.ndarray, split_states: np.ndarray,
-    solve_states: np.ndarray, split_stage: Callable[[np.ndarray, np.ndarray, int, int], np.ndarray],
-    memory_limited: bool, memory_model: str, straight_pipeline: bool, use_fewer_machines: bool,
+    solve_states: np.ndarray, split_stage: Callable[[np.ndarray, np.ndarray, int, tuple[float, float]], np.ndarray],
+    memory_limited: bool, memory_model: MemoryModel, straight_pipeline: bool, use_fewer_machines: bool,
 ) -> None:
     """`solve_level`'s splits over the given cells only, by machine count instead of by column (a part
     on m machines splits into parts on fewer, so counts in ascending order see finished tables): for a
@@ -60,7 +60,7 @@ def fill_cells(
                 ks = ks[ks < js[-1]]
                 if not ks.size:
                     continue
-                factor = stash_factor(memory_model, big_m, m + 1 - mp, mp) if memory_limited else 0
+                factor = multipliers(memory_model, big_m, m + 1 - mp, mp) if memory_limited else (0.0, 0.0)
                 earlier = np.where(not_before[block][:, ks], best[block][:, ks, q], INF)  # [row, split]
                 step = max(1, _CELL_CHUNK // max(1, num * ks.size))
                 for start in range(0, js.size, step):

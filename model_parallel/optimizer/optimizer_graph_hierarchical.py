@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 if __package__ in (None, ""):  # run as a plain script from a checkout: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -38,8 +38,17 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--activation_compression_ratio", type=float, default=None,
                         help="count inter-stage transfers at size/R (without it, transfers are not counted)")
     parser.add_argument("-o", "--output_directory", default=None, help="write gpus=<N>.txt, plan.json and gpus=<N>.svg here")
-    parser.add_argument("--memory_model", choices=("pipedream", "1f1b"), default="pipedream",
-                        help="stash estimate for --use_memory_constraint (see docs/optimizer.md)")
+    parser.add_argument("--memory_model", choices=("pipedream", "1f1b", "footprint"), default=None,
+                        help="memory estimate for --use_memory_constraint and the plan's memory column: PipeDream's "
+                             "stash estimates, or the real footprint (default pipedream; footprint when --optimizer, "
+                             "--schedule, --microbatches or --microbatch_size is given; see docs/optimizer.md)")
+    parser.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adam", "adamw"), default=None,
+                        help="footprint: optimizer state per parameter (sgd 0, sgd_momentum 1, adam/adamw 2; default sgd_momentum)")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "pipedream"), default=None,
+                        help="footprint: the schedule whose in-flight microbatches (and weight versions) a stage holds (default 1f1b)")
+    parser.add_argument("--microbatches", type=int, default=None, help="footprint: microbatches per minibatch (default: the workers)")
+    parser.add_argument("--microbatch_size", type=int, default=None,
+                        help="footprint: samples per microbatch; activations scale by it / the graph's profiled batch_size")
     parser.add_argument("--worker_speeds", nargs="+", type=float, default=None,
                         help="relative speed of each worker in rank order, innermost level first (1.0 = as profiled); "
                              "one per worker of the whole hierarchy")
@@ -61,12 +70,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     graph = load_graph(args.profile_filename)
     hierarchy = Hierarchy.from_lists(args.all_num_machines, args.network_bandwidths, args.memory_size)
+    memory_model, footprint = _memory_model(args, graph.metadata)
     options = PartitionOptions(
         straight_pipeline=args.straight_pipeline,
         use_fewer_machines=args.use_fewer_machines,
         activation_compression_ratio=args.activation_compression_ratio,
         use_memory_constraint=args.use_memory_constraint,
-        memory_model=args.memory_model,
+        memory_model=memory_model,
+        footprint=footprint,
         worker_speeds=tuple(args.worker_speeds) if args.worker_speeds else None,
         cuts=args.cuts,
     )
@@ -121,6 +132,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except RenderError as error:
             print(f"warning: {error}", file=sys.stderr)
     return 0
+
+
+def _memory_model(args: Any, metadata: Any) -> tuple[str, Any]:
+    """`--memory_model` and the footprint the flags describe (`optimizer/memory.py`)."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.optimizer.memory import Footprint
+
+    flags = {"--optimizer": args.optimizer, "--schedule": args.schedule, "--microbatches": args.microbatches,
+             "--microbatch_size": args.microbatch_size}
+    given = [flag for flag, value in flags.items() if value is not None]
+    model = args.memory_model or ("footprint" if given else "pipedream")
+    if model != "footprint":
+        if given:
+            raise ConfigError(f"{', '.join(given)} describe the footprint memory model; drop --memory_model {model} "
+                             "or use --memory_model footprint")
+        return model, None
+    scale = 1.0
+    if args.microbatch_size is not None:
+        profiled = metadata.get("batch_size") if hasattr(metadata, "get") else None
+        if not isinstance(profiled, int) or isinstance(profiled, bool) or profiled < 1 or args.microbatch_size < 1:
+            raise ConfigError(f"--microbatch_size {args.microbatch_size} needs the graph's metadata batch_size (found "
+                             f"{profiled!r}) and a size >= 1; profile with a batch size, or leave --microbatch_size out")
+        scale = args.microbatch_size / profiled
+    return model, Footprint(optimizer=args.optimizer or "sgd_momentum", schedule=args.schedule or "1f1b",
+                            microbatches=args.microbatches, activation_scale=scale)
 
 
 def _speedup(before: float, after: float) -> object:

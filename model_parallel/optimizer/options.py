@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from model_parallel.errors import PlanError
+from model_parallel.optimizer.memory import MEMORY_MODELS, Footprint, MemoryModel
 from model_parallel.optimizer.tuning import Tuning
 
-MEMORY_MODELS = ("pipedream", "1f1b")
 CUTS = ("auto", "antichain", "topological", "all")
 
 
@@ -21,7 +21,9 @@ class PartitionOptions:
     - `activation_compression_ratio`: count inter-stage transfers at size / R; None ignores transfers
       (PipeDream's behaviour without the flag).
     - `use_memory_constraint` + `memory_model`: drop candidates whose per-worker bytes exceed the
-      hierarchy's `memory_bytes` ("pipedream" stash estimate or "1f1b"; see `dp.py`).
+      hierarchy's `memory_bytes` ("pipedream" stash estimate, "1f1b", or "footprint": parameters,
+      gradients, optimizer state and stashed activations by `footprint`'s optimizer and schedule;
+      `memory.py`). `footprint` is only for "footprint" (default `Footprint()` there).
     - `worker_speeds`: relative speed of each worker in rank order (1.0 = as profiled); stages take
       workers in rank order and a stage's work divides by its replica count times their slowest speed
       (the runtime deals microbatches round-robin; compute / speed_w for one worker). On a hierarchy,
@@ -49,6 +51,7 @@ class PartitionOptions:
     activation_compression_ratio: Optional[float] = None
     use_memory_constraint: bool = False
     memory_model: str = "pipedream"
+    footprint: Optional[Footprint] = None
     worker_speeds: Optional[tuple[float, ...]] = None
     cuts: str = "auto"
     max_antichain_states: int = 5000
@@ -62,6 +65,11 @@ class PartitionOptions:
             raise PlanError(f"activation_compression_ratio must be a positive number, got {ratio}")
         if self.memory_model not in MEMORY_MODELS:
             raise PlanError(f"memory_model must be one of {MEMORY_MODELS}, got {self.memory_model!r}")
+        if self.memory_model == "footprint" and self.footprint is None:
+            object.__setattr__(self, "footprint", Footprint())
+        if self.memory_model != "footprint" and self.footprint is not None:
+            raise PlanError(f"footprint {self.footprint} needs memory_model='footprint' (got {self.memory_model!r}); "
+                            "the legacy stash estimates ignore the optimizer and schedule")
         if self.cuts not in CUTS:
             raise PlanError(f"cuts must be one of {CUTS}, got {self.cuts!r}")
         if self.max_antichain_states < 1:
@@ -79,3 +87,8 @@ class PartitionOptions:
                     "worker_speeds with replicated stages cannot leave workers idle (use_fewer_machines): stages take "
                     "workers in rank order; use straight_pipeline=True or drop use_fewer_machines"
                 )
+
+    @property
+    def memory(self) -> MemoryModel:
+        """What the solvers' memory checks take (`memory.multipliers`): the legacy name or the footprint."""
+        return self.footprint if self.footprint is not None else self.memory_model

@@ -106,7 +106,7 @@ def solve(
     ):
         value, parts = straight_partition(
             states, options.worker_speeds or (1.0,) * levels[0].num_machines, levels[0].bandwidth,
-            options.activation_compression_ratio, options.use_fewer_machines, memory, options.memory_model,
+            options.activation_compression_ratio, options.use_fewer_machines, memory, options.memory,
         )
         return Solution(value, tuple(parts), states, exact=False)
     speeds = None if options.worker_speeds is None else _speed_array(options.worker_speeds, hierarchy)
@@ -157,7 +157,7 @@ def solve(
             level.num_machines, within, level.bandwidth, final_level=number == len(levels) - 1,
             straight_pipeline=options.straight_pipeline, use_fewer_machines=options.use_fewer_machines,
             activation_compression_ratio=options.activation_compression_ratio,
-            memory_limit=memory, memory_model=options.memory_model,
+            memory_limit=memory, memory_model=options.memory,
             cumulative=sums if one_level or (number == 0 and limits is not None) else None,
             row_states=table_rows, worker_speeds=speeds, **level_limits,
         )
@@ -232,7 +232,7 @@ def _tables_by_speed(
                 states.pred_mask, level.num_machines, levels[number - 1].num_machines if number else 1, level.bandwidth,
                 final_level=number == len(levels) - 1, straight_pipeline=options.straight_pipeline,
                 use_fewer_machines=options.use_fewer_machines, activation_compression_ratio=options.activation_compression_ratio,
-                memory_limit=memory, memory_model=options.memory_model, row_states=rows,
+                memory_limit=memory, memory_model=options.memory, row_states=rows,
                 worker_speeds=block if number == 0 else None, window_compute=window if number else None,
             )
         return solved[key]

@@ -17,6 +17,7 @@ import numpy as np
 
 from model_parallel.optimizer.costs import transfer_seconds
 from model_parallel.optimizer.dp import Part
+from model_parallel.optimizer.memory import MemoryModel, multipliers
 from model_parallel.optimizer.states import States
 
 INF = np.inf
@@ -29,7 +30,7 @@ def straight_partition(
     activation_compression_ratio: Optional[float] = None,
     use_fewer_machines: bool = False,
     memory_limit: Optional[float] = None,
-    memory_model: str = "pipedream",
+    memory_model: MemoryModel = "pipedream",
 ) -> tuple[float, list[Part]]:
     """Best bottleneck and its parts (inf and [] when infeasible, e.g. more workers than states)."""
     x = states.compute
@@ -47,12 +48,17 @@ def straight_partition(
         outgoing = transfer.copy()
         outgoing[-1] = 0.0  # the last state sends nothing on
         floor = np.maximum(outgoing[:, None], transfer[None, :])
-    stash_diff = np.where(lower, stash[:, None] - stash[None, :], INF) if memory_limit is not None else None
+    legacy = isinstance(memory_model, str)
+    if memory_limit is not None and not legacy:  # the footprint weighs activations and weights apart
+        stash = np.stack([states.activation, states.parameters])
+    stash_diff = np.where(lower, stash[..., :, None] - stash[..., None, :], INF) if memory_limit is not None else None
 
     def stash_ok(bytes_: np.ndarray, stage: int) -> np.ndarray:
-        factor = p - stage if memory_model == "1f1b" else p - stage - 1
+        act, params = multipliers(memory_model, p, stage, 1)
         with np.errstate(invalid="ignore"):
-            return factor * bytes_ <= memory_limit
+            if legacy:  # PipeDream's f (A + W), summed before the difference as it always was
+                return act * bytes_ <= memory_limit
+            return act * bytes_[0] + params * bytes_[1] <= memory_limit
 
     best = np.full((p, s), INF)
     choice = np.full((p, s), -1, dtype=np.int64)

@@ -1,0 +1,131 @@
+"""What one worker of a stage holds, written once: the memory models every solver and the plan use.
+
+Two legacy stash estimates (PipeDream's, kept bit for bit) and the real footprint:
+
+    "pipedream"  f (A + W), f = ceil((M - ranks up to and including the stage) / r)   (last stage 0)
+    "1f1b"       f (A + W), f = ceil((M - ranks before the stage) / r)
+    "footprint"  W (2 + k + v) + A s n
+
+with A the stage's activation bytes and W its parameter bytes at the profiled batch size, r its
+replicas and M the ranks of the whole pipeline. In the footprint, W counts the parameters once, their
+gradients once (same bytes) and the optimizer's state k times (`OPTIMIZER_STATE`: SGD 0, SGD with
+momentum 1 buffer, Adam/AdamW 2 moments); `v` is PipeDream's stashed weight versions (the `pipedream`
+schedule clones the stage's weights at every forward and keeps each until its backward: one per
+microbatch in flight; 0 for flush schedules). `s` scales the profiled activations to one microbatch
+(microbatch size / profiled batch size) and `n` is the microbatches whose saved activations a stage
+holds at its peak (schedule.py): GPipe all m; 1F1B and PipeDream min(m, p - k) for stage k of p, i.e.
+`ceil((M - ranks before) / r)` with replicas dealt microbatches round-robin.
+
+Solvers call `multipliers` once per (stage position, replicas) and `stage_bytes` on arrays or floats.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from model_parallel.errors import PlanError
+
+LEGACY_MODELS = ("pipedream", "1f1b")
+MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
+SCHEDULES = ("1f1b", "gpipe", "pipedream")
+# Tensors of optimizer state per parameter tensor, each the parameter's size (torch.optim's own state).
+OPTIMIZER_STATE = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The real per-stage footprint model: which optimizer and schedule the run will use.
+
+    - `optimizer`: a key of `OPTIMIZER_STATE` ("sgd" is plain SGD; the worker's `--optimizer sgd` has
+      momentum 0.9 by default: "sgd_momentum").
+    - `schedule`: 1f1b | gpipe | pipedream (the runtime's `TrainConfig.schedule`).
+    - `microbatches`: m per minibatch; None = as many as the pipeline has ranks (1F1B then never caps).
+    - `activation_scale`: one microbatch's activations / the profiled ones (microbatch size / profiled
+      batch size; 1.0 when the graph was profiled at the microbatch size).
+    """
+
+    optimizer: str = "sgd_momentum"
+    schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    activation_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATE:
+            raise PlanError(f"optimizer must be one of {tuple(OPTIMIZER_STATE)}, got {self.optimizer!r}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
+            raise PlanError(f"microbatches must be an integer >= 1 or None, got {self.microbatches!r}")
+        scale = self.activation_scale
+        if not (math.isfinite(scale) and scale > 0):
+            raise PlanError(f"activation_scale (microbatch size / profiled batch size) must be > 0, got {scale}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "schedule": self.schedule, "microbatches": self.microbatches,
+                "activation_scale": self.activation_scale}
+
+
+MemoryModel = Union[str, Footprint]  # a legacy model's name, or the footprint
+
+
+def in_flight(model: Footprint, num_ranks: int, ranks_before: int, replicas: int) -> int:
+    """Microbatches whose saved activations one replica holds at its peak."""
+    microbatches = model.microbatches if model.microbatches is not None else num_ranks
+    if model.schedule == "gpipe":
+        return math.ceil(microbatches / replicas)  # replicas are dealt the minibatch's microbatches round-robin
+    downstream = math.ceil((num_ranks - ranks_before) / replicas)
+    if model.schedule == "pipedream":
+        return downstream  # no flush: the stream never drains, so m does not cap it
+    return min(downstream, math.ceil(microbatches / replicas))
+
+
+def multipliers(model: MemoryModel, num_ranks: int, ranks_before: int, replicas: int) -> tuple[float, float]:
+    """(activation multiplier, parameter multiplier) of a stage after `ranks_before` ranks on `replicas`."""
+    if isinstance(model, str):
+        if model == "1f1b":
+            factor = math.ceil((num_ranks - ranks_before) / replicas)
+        elif model == "pipedream":
+            factor = math.ceil((num_ranks - ranks_before - replicas) / replicas)
+        else:
+            raise PlanError(f"memory_model must be one of {MEMORY_MODELS}, got {model!r}")
+        return factor, factor
+    flight = in_flight(model, num_ranks, ranks_before, replicas)
+    versions = flight if model.schedule == "pipedream" else 0
+    return model.activation_scale * flight, float(2 + OPTIMIZER_STATE[model.optimizer] + versions)
+
+
+def stage_bytes(factors: tuple[float, float], activation: Any, parameters: Any) -> Any:
+    """Bytes one worker holds; legacy models keep PipeDream's `f * (A + W)` to the bit."""
+    act, params = factors
+    if act == params:
+        return act * (activation + parameters)
+    return act * activation + params * parameters
+
+
+def footprint_parts(model: MemoryModel, activation: float, parameters: float, num_ranks: int, ranks_before: int,
+                    replicas: int) -> dict[str, float]:
+    """One stage's predicted bytes by kind (the plan's `extra["memory"]`); legacy models give one total."""
+    factors = multipliers(model, num_ranks, ranks_before, replicas)
+    if isinstance(model, str):
+        return {"total": float(stage_bytes(factors, activation, parameters))}
+    flight = in_flight(model, num_ranks, ranks_before, replicas)
+    parts = {
+        "parameters": float(parameters),
+        "gradients": float(parameters),
+        "optimizer_state": float(OPTIMIZER_STATE[model.optimizer] * parameters),
+        "weight_stash": float((flight if model.schedule == "pipedream" else 0) * parameters),
+        "activations": float(model.activation_scale * flight * activation),
+        "in_flight": float(flight),
+    }
+    parts["total"] = float(stage_bytes(factors, activation, parameters))
+    return parts
+
+
+def optimizer_kind(name: str, momentum: float = 0.0) -> str:
+    """The `OPTIMIZER_STATE` key of a torch optimizer named as the worker's `--optimizer` flag."""
+    if name == "sgd":
+        return "sgd_momentum" if momentum else "sgd"
+    if name in OPTIMIZER_STATE:
+        return name
+    raise PlanError(f"no memory model for optimizer {name!r}; known: sgd, adam, adamw")
