@@ -49,6 +49,14 @@ def test_two_ranks_from_a_safetensors_file_match_the_reference(tmp_path: Path) -
     assert_params_close(got, want, "--weights run")
     seeded = reference_params(steps)  # the same run from the init rule: the file's values must have been used
     assert any(not torch.allclose(got[k], seeded[k]) for k in seeded)
+    # Rank 0's end-of-run table: per rank, the predicted footprint against the measured bytes; what the
+    # stage keeps between steps (parameters + SGD momentum) is predicted exactly.
+    out = result.output(0)
+    assert "memory per stage, predicted vs measured:" in out, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["0", "0"], ["1", "1"])]
+    assert len(rows) == 2, out
+    for rank, stage, total, static, held, peak in rows:
+        assert float(static) == float(held) > 0 and float(total) > float(static) and float(peak) >= 0
 
 
 def test_a_missing_or_malformed_weights_path_is_refused(tmp_path: Path) -> None:
