@@ -13,15 +13,9 @@ from typing import Any, Optional
 
 from model_parallel.errors import CodegenError
 from model_parallel.graph.core import STATE_ALIASES, Graph, Node
+from model_parallel.graph.init_rule import layer_name  # noqa: F401 - one owner: the init rule seeds layers by it
 
 
-def layer_name(target: str) -> str:
-    """`"layer1.0.conv1"` -> `"layer1_0_conv1"`: the attribute a stage module holds the layer under."""
-    name = str(target).replace(".", "_")
-    if not name.isidentifier():
-        # graph.txt node ids like `5` are not identifiers; a prefix keeps them readable and unique.
-        name = "_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return name
 
 
 def state_key(original_key: str, owner: Optional[str] = None) -> str:

@@ -149,7 +149,8 @@ torch.utils._pytree.register_pytree_node(
 def encode_constant(tensor: torch.Tensor) -> dict[str, Any]:
     """A constant tensor's record for `metadata["constants"]` (values only up to MAX_CONSTANT_ELEMENTS)."""
     record: dict[str, Any] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
-    if tensor.numel() <= MAX_CONSTANT_ELEMENTS and not tensor.is_complex():
+    # A meta tensor (a model traced on meta) has no values: the record keeps its shape and dtype.
+    if tensor.numel() <= MAX_CONSTANT_ELEMENTS and not tensor.is_complex() and not tensor.is_meta:
         # Python floats hold float32/bfloat16/float16 values exactly; JSON keeps them exactly (repr round trip).
         values = tensor.detach().cpu().reshape(-1)
         record["values"] = [encode_argument(v, lambda _: None) for v in values.tolist()]

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph
+from model_parallel.profiler.layer_by_layer import LayerWalk, refuse_meta
 from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, tensors_in
 from model_parallel.graph.arguments import OutputDict
 from model_parallel.profiler.trace import flat_inputs, split_inputs, trace_model
@@ -171,6 +172,7 @@ def profile(
     progress: bool = False,
     clock: str = "wall",
     store: Optional[TimingStore] = None,
+    layer_by_layer: bool = False,
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
 
@@ -191,10 +193,17 @@ def profile(
     other busy processes, time they take from this one is then not counted.
     `store`: keeps each node's timing as it is measured and supplies the ones an interrupted run
     already measured (those nodes are not replayed); see `TimingStore`.
+    `layer_by_layer`: for a model larger than one device, or built under `torch.device("meta")`: traced
+    on meta, each node timed with only its own tensors materialized (`profiler.layer_by_layer`); the
+    model is never moved. `device` None is then where the model's real tensors are, else the CPU.
     """
     if warmup < 0 or iterations < 1:
         raise ProfileError(f"need warmup >= 0 and iterations >= 1, got warmup={warmup}, iterations={iterations}")
-    target = resolve_device(device, model)
+    walk = LayerWalk(model, None if device is None else resolve_device(device), (example_inputs, example_kwargs)) \
+        if layer_by_layer else None
+    if walk is None:
+        refuse_meta(model)
+    target = walk.device if walk is not None else resolve_device(device, model)
     try:
         check_clock(clock, target)
     except ValueError as error:
@@ -202,18 +211,20 @@ def profile(
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     args, kwargs = to_device(args, target), to_device(kwargs, target)
     started = time.perf_counter()
-    with preserved_model(model, target), torch.no_grad():
+    with walk.preserved() if walk is not None else preserved_model(model, target), torch.no_grad():
         # Traced with autograd on, as training traces it (api.job, workers): under no_grad torch.export
         # leaves out ops (T5's `contiguous`), and a plan from this graph would miss nodes of theirs.
         with torch.enable_grad():
-            graph, gm = trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
+            graph, gm = walk.trace(args, kwargs, leaf_modules, route) if walk is not None else \
+                trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
         overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
         replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
         known = dict(store.begin(graph)) if store is not None else {}
         bar = tqdm(total=len(graph), desc=f"timing {graph.metadata.get('model', 'model')} nodes", unit="node",
                    disable=not progress, leave=progress, file=sys.stderr)
         try:
-            interpreter = _TimingInterpreter(gm, graph, replay, bar, store, known)
+            interpreter = (walk.interpreter(_TimingInterpreter) if walk is not None else _TimingInterpreter)(
+                gm, graph, replay, bar, store, known)
             output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))
         finally:
             bar.close()
@@ -241,5 +252,7 @@ def profile(
         "loss_backward_ms": loss_timing.backward_ms,
         "profiling_seconds": seconds,
     }
+    if walk is not None:
+        metadata["profile"]["layer_by_layer"] = walk.summary()
     logger.info("profiled %d nodes in %.1f s (sum of layer times %.2f ms)", len(nodes), seconds, sum(n.compute_ms for n in nodes))
     return replace(graph, nodes=nodes, metadata=metadata)

@@ -22,25 +22,23 @@ model built with real values keeps them (and its memory, until the caller drops 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import fx, nn
 
 from model_parallel.codegen.naming import find_ties, layer_name
 from model_parallel.errors import InitError
+from model_parallel.graph import init_rule as rule
 from model_parallel.graph.core import Graph
+from model_parallel.graph.init_rule import InitWeights, Layer, layer_seed
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["InitError", "Initializer", "ValueSource", "layer_seed", "materialize_layers", "materialize_model"]
-
-Layer = Union[nn.Module, torch.Tensor]
-InitWeights = Callable[[Layer, str], None]  # fills one layer's tensors in place, drawing from the global RNG
 
 
 class ValueSource(Protocol):
@@ -63,12 +61,6 @@ class Initializer:
     # (torch.export route), which no module initialises; it gets the generator's defaults by name
     # (codegen.build.fresh_tensor) under its own seed. A user's own module's bare tensor is refused instead.
     bare_tensor_defaults: bool = False
-
-
-def layer_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed for one layer: sha256 of (seed, layer name), whatever the process or order."""
-    digest = hashlib.sha256(f"{int(seed)}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _tensors(obj: Layer) -> list[torch.Tensor]:
@@ -149,35 +141,17 @@ def move_real(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-# ---- the init rule ----------------------------------------------------------------------------------
+# ---- the init rule (owned by graph/init_rule.py: the profiler applies it too) ------------------------
 def init_layer(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeights] = None,
                bare_tensor_defaults: bool = False) -> None:
     """Initialise one (allocated) layer under its own seed; refuse a tensor no rule covers."""
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(layer_seed(seed, name))
-        if init_weights is not None:
-            init_weights(obj, name)
-            return
-        if isinstance(obj, torch.Tensor) and bare_tensor_defaults:
-            from model_parallel.codegen.build import fresh_tensor
+    rule.init_layer(name, obj, seed, init_weights, _fresh_defaults if bare_tensor_defaults else None)
 
-            obj.copy_(fresh_tensor(name, tuple(obj.shape), obj.dtype))
-            return
-        if isinstance(obj, torch.Tensor):
-            raise InitError(f"layer {name!r} is a bare tensor of shape {tuple(obj.shape)} built on meta, and no "
-                            f"module's reset_parameters() covers it; pass init_weights=fn(layer, layer_name) (it "
-                            f"fills tensors in place), or load its values (safetensors or a checkpoint)")
-        for path, module in obj.named_modules():
-            own = [k for k, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
-            if not own:
-                continue
-            reset = getattr(module, "reset_parameters", None)
-            if not callable(reset):
-                where = f"{name}.{path}" if path else name
-                raise InitError(f"layer {name!r}: {type(module).__name__} at {where!r} holds {', '.join(own)} but has no "
-                                f"reset_parameters(); pass init_weights=fn(layer, layer_name) to initialise it, or "
-                                f"load its values (safetensors or a checkpoint)")
-            reset()
+
+def _fresh_defaults(name: str, tensor: torch.Tensor) -> None:
+    from model_parallel.codegen.build import fresh_tensor
+
+    tensor.copy_(fresh_tensor(name, tuple(tensor.shape), tensor.dtype))
 
 
 def _tie_owners(graph: Optional[Graph], modules: Mapping[str, Layer]) -> dict[int, str]:
