@@ -67,7 +67,8 @@ def _first_read(graph: Graph, prefix: str) -> int:
 
 def _cut(graph: Graph, starts: list[int]) -> Plan:
     """Contiguous stages of the topological order: stage k + 1 starts at position starts[k]."""
-    return plan_from_graph(graph.with_stages({n: sum(i >= s for s in starts) for i, n in enumerate(graph.topological_order)}))
+    order = graph.topological_order
+    return plan_from_graph(graph.with_stages({n: sum(i >= s for s in starts) for i, n in enumerate(order)}))
 
 
 def _cut_before(graph: Graph, prefix: str) -> Plan:
