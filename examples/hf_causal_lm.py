@@ -27,12 +27,12 @@ import transformers  # noqa: E402
 
 
 def build(name: str, args: argparse.Namespace) -> torch.nn.Module:
-    """A tiny causal LM with dropout off. GPT-2's embedding is untied from its head: a plan may not split a
-    tied weight across stages yet (TiedParameterError), and the embedding and the head sit at both ends."""
+    """A tiny causal LM with dropout off. GPT-2 keeps its tied embedding and head (HF's default): they sit
+    at both ends of the pipeline, and the two stages that hold them keep one logical weight."""
     if name == "gpt2":
         config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.dim, n_head=4, vocab_size=args.vocab,
                                          n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+                                         bos_token_id=0, eos_token_id=0)
     else:
         config = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.dim, intermediate_size=2 * args.dim,
                                           num_attention_heads=4, num_key_value_heads=4, vocab_size=args.vocab,
@@ -96,7 +96,10 @@ def main() -> None:
     # Only rank 0 profiled and partitioned: the trainer hands its plan to every rank.
 
     config = TrainConfig(batch_size=args.batch_size, num_microbatches=args.microbatches)
-    optimizer = lambda params: torch.optim.AdamW(params, lr=3e-3)  # noqa: E731
+    # eps 1e-6, not 1e-8: GPT-2's attention key bias has a gradient that is zero in exact arithmetic (softmax
+    # ignores a per-query constant); with eps 1e-8 Adam turns its rounding noise into lr-sized steps, so the
+    # summation order of the tied embedding's two gradients (one per stage) would show in --check.
+    optimizer = lambda params: torch.optim.AdamW(params, lr=3e-3, eps=1e-6)  # noqa: E731
     with PipelineTrainer(model, optimizer, data, config, criterion=lm_loss, plan=plan, example_inputs=example) as trainer:
         results = trainer.train(args.steps)
         if rank == 0 and results:
