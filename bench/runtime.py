@@ -28,13 +28,14 @@ the median over the rounds.
 - efficiency = ideal / measured step time, ideal = (m + p - 1) * max stage time, where a stage's
   time is its per-microbatch forward + backward measured in isolation (no communication, best of
   several repetitions) by its own rank at the start of each world (best over that side's rounds).
-- predicted_stage_ms / measured_stage_ms (ours, per stage, ms per step): a stage rank's *busy* time
-  in one step of m microbatches, i.e. everything but waiting on a peer: forward + backward of all m
-  microbatches, the loss (last stage), the optimizer step, posting and completing its sends, the
-  runtime's own Python work. Measured: `runtime.metrics.busy_ms` of the engine's step records
-  (compute + send + idle; receives and the step-end all-reduce are waits), median over the timed
-  steps. Predicted: `optimizer.fidelity.predict_stage_ms` with the calibration (terms in
-  `predicted_terms_ms`). Goal: within +-10 %.
+- predicted_stage_ms / measured_stage_ms (ours, per stage, ms per step, on `stage_clock`): what a
+  stage rank does in one step of m microbatches. On the CPU clock (default, `--clock`): the rank
+  process's CPU time per step (`StepRecord.cpu_ms`, median over the timed steps), which neither
+  waiting on a peer nor being descheduled (4 ranks on 2 cores, other processes) inflates; on the
+  wall clock `runtime.metrics.busy_ms`. Predicted: `optimizer.fidelity.predict_stage_ms` from a
+  profile on the same clock and the calibration (terms in `predicted_terms_ms`; the printed table
+  puts them next to the rank's measured forward / backward / optimizer / send / recv, wall ms).
+  `stage_error_pct` = (predicted - measured) / measured. Goal: within +-10 %.
 
 Writes `bench/results/runtime.json` (atomically): {"rows": [{model, schedule, num_stages, ratio,
 efficiency, predicted_stage_ms, measured_stage_ms, ours_split_ms_by_rank, machine: {cpus, load_1min
@@ -137,7 +138,8 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     # The loss is profiled too (graph.metadata["profile"]): the last stage pays it per microbatch.
     example = rec.example(micro)
     target = rec.data(micro, spec["seed"]).batch(0)[1]
-    graph = profile(model, example, iterations=spec["profile_iterations"],
+    # On the calibration's clock: prediction and measurement must be the same quantity (fidelity.py).
+    graph = profile(model, example, iterations=spec["profile_iterations"], clock=calibration.clock,
                     loss_fn=lambda output: rec.criterion(output, target))
     plan = block_plan(graph, num_stages) if model_name == "gpt" else even_plan(graph, num_stages)
     entry = {"graph": str(save_graph(graph, workdir / f"{model_name}.graph.json")),
@@ -148,10 +150,9 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     entry["stage_nodes"] = [len(s.node_ids) for s in plan.stages]
     prediction = predict_stage_ms(graph, plan, num_microbatches=microbatches, calibration=calibration, optimizer="sgd")
     entry["predicted_stage_ms"] = [p.total_ms for p in prediction]
-    entry["predicted_terms_ms"] = [{key: getattr(p, key) for key in ("compute_ms", "loss_ms", "optimizer_ms", "send_ms",
-                                                                     "overhead_ms")} for p in prediction]
-    logger.info("%s: %d stages of %s nodes, predicted busy ms per step %s", model_name, num_stages,
-                entry["stage_nodes"], [round(t, 1) for t in entry["predicted_stage_ms"]])
+    entry["predicted_terms_ms"] = [p.terms() for p in prediction]
+    logger.info("%s: %d stages of %s nodes, predicted %s ms per step %s", model_name, num_stages,
+                entry["stage_nodes"], calibration.clock, [round(t, 1) for t in entry["predicted_stage_ms"]])
     return entry
 
 
@@ -276,6 +277,7 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
 
+    from model_parallel.optimizer.fidelity import measured_ms
     from model_parallel.runtime.metrics import busy_ms
 
     rec, model, graph, plan, _ = _build(model_name, spec)
@@ -292,7 +294,13 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     # The engine's own per-step split (runtime.metrics), for the report: where did the time go?
     timed = [r for r in engine.metrics.records if r.step >= spec["warmup"]]
     split = {key: statistics.mean(getattr(r, key) for r in timed) for key in ("step_ms", "compute_ms", "comm_ms", "idle_ms")}
-    split["busy_ms"] = statistics.median(busy_ms(r) for r in timed)  # what predict_stage_ms predicts
+    split["busy_ms"] = statistics.median(busy_ms(r) for r in timed)
+    # What predict_stage_ms predicts on the calibration's clock (CPU ms or busy ms per step), and the
+    # measured breakdown to hold its terms against (wall ms, medians over the timed steps).
+    split["measured_ms"] = statistics.median(measured_ms(r, spec["clock"]) for r in timed)
+    split["cpu_ms"] = statistics.median(r.cpu_ms for r in timed)
+    split["breakdown_ms"] = {key: statistics.median(getattr(r, key) for r in timed)
+                             for key in ("forward_ms", "backward_ms", "optimizer_ms", "send_ms", "recv_ms", "allreduce_ms")}
     return {"step_s": step_s, "split": split}
 
 
@@ -389,6 +397,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--num_stages", type=int, default=None, help="override every model's number of stages")
     parser.add_argument("--calibration", default=None,
                         help="a calibration JSON (runtime.calibrate); default: measure one at the start")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="what predicted and measured stage times are on: cpu = each rank's CPU ms per step "
+                             "(holds with more ranks than cores; default), wall = busy ms (needs a core per rank)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 2)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -434,7 +445,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "model_order": models,
         "models": {},
         "op_timeout": 120,
-        "profile_iterations": 2 if args.quick else 5,
+        # Medians of 5 (9) replays per node: a few seconds for these models, and a profile noisier than
+        # the measurement it predicts would decide the comparison.
+        "profile_iterations": 5 if args.quick else 9,
         "isolated_reps": 8 if args.quick else 20,
     }
     for model_name in models:
@@ -449,7 +462,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)
     else:
         logger.info("calibrating (link, optimizer, runtime overhead per microbatch) ...")
-        calibration = calibrate(timeout=args.timeout)
+        calibration = calibrate(timeout=args.timeout, clock=args.clock)
+    spec["clock"] = calibration.clock  # a given calibration file decides the clock
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
         workdir = Path(tmp)
         for model_name in models:
@@ -506,7 +520,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "ours_stage_ms": ours_world.get("stage_ms"),
                 "torch_stage_ms": torch_world.get("stage_ms"),
                 "predicted_stage_ms": entry["predicted_stage_ms"],
-                "measured_stage_ms": [r["busy_ms"] for r in split] if split else None,
+                "measured_stage_ms": [r["measured_ms"] for r in split] if split else None,
+                "stage_clock": spec["clock"],
+                "stage_error_pct": [100.0 * (want - got) / got for want, got in
+                                    zip(entry["predicted_stage_ms"], [r["measured_ms"] for r in split])] if split else None,
                 "predicted_terms_ms": entry["predicted_terms_ms"],
                 "stage_nodes": entry["stage_nodes"],
                 "ours_split_ms_by_rank": split,
@@ -538,9 +555,7 @@ def _uptime() -> str:
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
-    """The ratio table, then per row the stages' predicted vs measured busy ms and per-rank compute/comm/idle."""
-    from model_parallel.optimizer.fidelity import format_fidelity
-
+    """The ratio table, then per row the stages' predicted vs measured ms (`stage_table`)."""
     def num(value: Optional[float], fmt: str) -> str:
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
@@ -555,11 +570,31 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         if r["measured_stage_ms"] is None:
             continue
-        lines += ["", f"{r['model']} {r['schedule']}: busy ms per step by stage, predicted vs measured (ours)",
-                  format_fidelity(r["predicted_stage_ms"], r["measured_stage_ms"]),
-                  "  per rank compute / comm / idle ms: " + "  ".join(
-                      f"{s['compute_ms']:.0f}/{s['comm_ms']:.0f}/{s['idle_ms']:.0f}" for s in r["ours_split_ms_by_rank"])]
+        what = "CPU ms" if r.get("stage_clock") == "cpu" else "busy ms"
+        lines += ["", f"{r['model']} {r['schedule']}: {what} per step by stage, predicted vs measured (ours); "
+                      "predicted terms | measured wall fwd/bwd/opt/send/recv",
+                  *stage_table(r)]
     return "\n".join(lines)
+
+
+def stage_table(row: dict[str, Any]) -> list[str]:
+    """`format_fidelity`'s predicted / measured / error lines, each stage followed by its predicted
+    terms (fidelity.StagePrediction) and the engine's measured wall-clock breakdown of that rank."""
+    from model_parallel.optimizer.fidelity import format_fidelity
+
+    table = format_fidelity(row["predicted_stage_ms"], row["measured_stage_ms"]).splitlines()
+    short = {"compute_ms": "comp", "loss_ms": "loss", "accumulate_ms": "acc", "optimizer_ms": "opt",
+             "allreduce_ms": "ar", "send_ms": "send", "recv_ms": "recv", "overhead_ms": "ovh"}
+    lines = [table[0]]
+    for stage, line in enumerate(table[1:]):
+        terms = row["predicted_terms_ms"][stage]
+        split = row["ours_split_ms_by_rank"][stage]
+        b = split.get("breakdown_ms", {})
+        measured = "/".join(f"{b.get(k, 0.0):.1f}" for k in ("forward_ms", "backward_ms", "optimizer_ms", "send_ms", "recv_ms"))
+        lines.append(f"{line}   " + " ".join(f"{short[k]} {v:.1f}" for k, v in terms.items() if v)
+                     + f" | {measured} (busy {split['busy_ms']:.1f}, step {split['step_ms']:.1f})")
+    return lines
+
 
 if __name__ == "__main__":
     sys.exit(main())

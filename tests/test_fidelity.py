@@ -1,13 +1,16 @@
 """The stage-time model of issue 26 (optimizer/fidelity.py): every term against literal values."""
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
-from model_parallel.runtime.metrics import busy_ms
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, measured_ms, predict_stage_ms
+from model_parallel.runtime.metrics import MetricsRecorder, busy_ms
 
 
 def _chain() -> Graph:
@@ -57,3 +60,68 @@ def test_busy_excludes_waiting_on_peers_and_the_table_shows_the_error():
     assert busy_ms(record) == 11.5
     table = format_fidelity([11.0, 20.0], [10.0, None])
     assert table.splitlines()[1].split() == ["0", "11.00", "10.00", "+10%"] and "n/a" in table.splitlines()[2]
+
+
+def _three_stages() -> tuple[Graph, Plan]:
+    graph = Graph(nodes=(*_chain().nodes, Node("c", "Linear", 1.0, 1.0, 1e3, 0.0)),
+                  edges=(("input", "a"), ("a", "b"), ("b", "c")), metadata=_chain().metadata)
+    return graph, Plan(stages=(StagePlan(0, ("input", "a")), StagePlan(1, ("b",)), StagePlan(2, ("c",))))
+
+
+def test_loss_only_on_the_last_stage_and_gradient_accumulation_after_the_first_microbatch():
+    graph, plan = _three_stages()
+    cal = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, accumulate_ms_per_mb=0.25)
+    stages = predict_stage_ms(graph, plan, num_microbatches=4, calibration=cal)
+    assert [s.loss_ms for s in stages] == [0.0, 0.0, 4 * 0.5]
+    # 3 of the 4 microbatches add into .grad: 4 MB and 2 MB of weights, none on the last stage.
+    assert [s.accumulate_ms for s in stages] == pytest.approx([3 * 4 * 0.25, 3 * 2 * 0.25, 0.0])
+    assert predict_stage_ms(graph, plan, num_microbatches=1, calibration=cal)[0].accumulate_ms == 0.0
+    replicated = Plan(stages=(StagePlan(0, ("input", "a"), num_replicas=2, ranks=(0, 1)), StagePlan(1, ("b", "c"), ranks=(2,))))
+    assert predict_stage_ms(graph, replicated, num_microbatches=4, calibration=cal)[0].accumulate_ms == pytest.approx(1 * 4 * 0.25)
+
+
+def test_optimizer_term_is_parameter_bytes_times_the_kinds_coefficient():
+    cal = Calibration(optimizer_ms_per_mb={"sgd": 0.2, "adamw": 1.0})
+    plan = Plan(stages=(StagePlan(0, ("input", "a")), StagePlan(1, ("b",))))
+    sgd = [s.optimizer_ms for s in predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal)]
+    adamw = [s.optimizer_ms for s in predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal, optimizer="adamw")]
+    assert sgd == pytest.approx([4 * 0.2, 2 * 0.2]) and adamw == pytest.approx([4.0, 2.0])
+    # The optimizer steps once per flush: more microbatches do not change it.
+    assert [s.optimizer_ms for s in predict_stage_ms(_chain(), plan, num_microbatches=8, calibration=cal)] == pytest.approx(sgd)
+
+
+def test_cpu_clock_prices_receives_and_a_mismatched_profile_clock_is_refused():
+    graph, plan = _three_stages()
+    wall = Calibration(link_latency_ms=0.1, link_bandwidth=1e9, optimizer_ms_per_mb={"sgd": 0.0})
+    cpu = Calibration(**{**wall.to_json(), "clock": "cpu"})
+    assert all(s.recv_ms == 0.0 for s in predict_stage_ms(graph, plan, num_microbatches=2, calibration=wall))
+    first, middle, last = predict_stage_ms(graph, plan, num_microbatches=2, calibration=cpu)
+    # Stage 0 receives the gradient of its 1 MB output, stage 2 the 1 kB activation it computes on; the
+    # middle stage both: per microbatch latency + bytes / bandwidth each.
+    assert first.recv_ms == pytest.approx(2 * (0.1 + 1.0)) and last.recv_ms == pytest.approx(2 * (0.1 + 0.001))
+    assert middle.recv_ms == pytest.approx(first.recv_ms + last.recv_ms) and middle.recv_ms == pytest.approx(middle.send_ms)
+    profiled = Graph(nodes=graph.nodes, edges=graph.edges, metadata={"profile": {"clock": "wall"}})
+    with pytest.raises(PlanError, match="profile was timed on the 'wall' clock and the calibration on 'cpu'"):
+        predict_stage_ms(profiled, plan, num_microbatches=2, calibration=cpu)
+    with pytest.raises(PlanError, match="calibration clock must be one of"):
+        Calibration(clock="gpu")
+
+
+def test_measured_is_cpu_ms_on_the_cpu_clock_and_busy_ms_on_the_wall_clock():
+    record = {"compute_ms": 10.0, "send_ms": 1.0, "idle_ms": 0.5, "recv_ms": 30.0, "cpu_ms": 9.0}
+    assert measured_ms(record, "cpu") == 9.0 and measured_ms(record, "wall") == 11.5
+    assert math.isnan(measured_ms({k: v for k, v in record.items() if k != "cpu_ms"}, "cpu"))  # an old metrics file
+
+
+def test_step_records_carry_the_process_cpu_time_not_the_wall_time():
+    recorder = MetricsRecorder(rank=0)
+    recorder.begin_step(0)
+    time.sleep(0.3)  # waiting (on a peer, or descheduled) costs no CPU
+    waited = recorder.end_step(samples=1)
+    recorder.begin_step(1)
+    start = time.process_time()
+    while time.process_time() - start < 0.1:
+        pass
+    worked = recorder.end_step(samples=1)
+    assert waited.step_ms >= 300.0 and waited.cpu_ms < 100.0
+    assert worked.cpu_ms >= 100.0 and worked.to_dict()["cpu_ms"] == worked.cpu_ms

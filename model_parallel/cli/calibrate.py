@@ -2,15 +2,24 @@
 
     python -m model_parallel.cli.calibrate --out profiles/calibration.json   # a 2-rank gloo world, ~10 s
 
-Three measurements, each in the conditions of a real run (one thread per rank, gloo on localhost):
+Every number is on one clock (`--clock`, stored as `Calibration.clock`): "cpu" (default) = the
+process's CPU time, the clock that holds on a shared machine (see optimizer/fidelity.py); "wall" =
+perf_counter. Measurements, each in the conditions of a real run (one thread per rank, gloo on localhost):
 
-- link: ping-pong between rank 0 and 1; latency = half the round trip of a 4-byte tensor, bandwidth =
-  bytes / (half the round trip of 4 MB - latency); medians.
-- optimizer: one `step()` of SGD (momentum 0.9) and AdamW on 8 MB of weights with gradients set, per MB.
+- link: ping-pong between rank 0 and 1 through the runtime's message layer (`runtime.comm`, as the
+  engine sends a boundary); latency = half the round trip of a 4-byte tensor, bandwidth = bytes /
+  (half the round trip of 1 MB - latency); medians. On the CPU clock a round trip is one send and
+  one receive of this rank: half of its CPU time prices either.
+- optimizer: one `step()` of SGD (momentum 0.9) and AdamW on 64 MB of weights with gradients set, per MB.
+- accumulate: a backward through 64 MB of linear layers with `.grad` set minus one with `.grad` empty,
+  per MB: what autograd adds for every microbatch's weight gradient after the first (the profile's
+  replays never accumulate).
 - runtime overhead: `PipelineEngine` training a 2-stage model of two 4x4 linear layers with 8
-  microbatches, so compute is next to nothing: (busy - compute - optimizer) / m - one message latency,
-  median over the steps, the larger of the two ranks. Busy is `busy_ms` below (the same measure the
-  benchmark compares predictions with).
+  microbatches, profiled on the same clock: (measured - predicted without overhead) / m per stage,
+  median over the steps, the larger of the two ranks; so whatever the engine costs per microbatch
+  beyond the priced terms is measured, and a faster (or slower) runtime is picked up by re-running.
+  Measured is `optimizer.fidelity.measured_ms` (the same measure the benchmark and the demo compare
+  predictions with).
 """
 from __future__ import annotations
 
@@ -31,8 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model_parallel.optimizer.fidelity import Calibration
-from model_parallel.runtime.metrics import busy_ms
+from model_parallel.optimizer.fidelity import CLOCKS, Calibration, measured_ms, predict_stage_ms
 
 logger = logging.getLogger(__name__)
 
@@ -42,44 +50,83 @@ OPTIMIZERS = {
 }
 
 
-def optimizer_ms_per_mb(kind: str, megabytes: float = 8.0, reps: int = 5) -> float:
-    """Milliseconds of one optimizer step per MB of float32 weights (best of `reps`, after two warm-ups)."""
+def now_s(clock: str) -> float:
+    """Seconds on `clock`: the process's CPU time (all threads) or perf_counter."""
+    return time.process_time() if clock == "cpu" else time.perf_counter()
+
+
+def _best_ms(work: Any, clock: str, reps: int) -> float:
+    """Best of `reps` timings of `work()` on `clock`, after two warm-ups."""
+    samples = []
+    for rep in range(reps + 2):
+        start = now_s(clock)
+        work()
+        if rep >= 2:
+            samples.append((now_s(clock) - start) * 1e3)
+    return min(samples)
+
+
+def optimizer_ms_per_mb(kind: str, megabytes: float = 64.0, reps: int = 5, clock: str = "wall") -> float:
+    """Milliseconds of one optimizer step per MB of float32 weights (best of `reps`, after two warm-ups).
+    64 MB, more than the caches hold: in a run the weights went cold during the step's microbatches."""
     weight = nn.Parameter(torch.randn(int(megabytes * 1e6 / 4)))
     weight.grad = torch.randn_like(weight)
     optimizer = OPTIMIZERS[kind]([weight])
-    samples = []
+    return _best_ms(optimizer.step, clock, reps) / megabytes
+
+
+def accumulate_ms_per_mb(reps: int = 7, clock: str = "wall") -> float:
+    """Milliseconds per MB of float32 weights that a backward costs more when `.grad` already holds a
+    gradient (autograd adds into it) than when it is empty (autograd stores its result): four 2048 x 2048
+    linear layers (64 MB, more than the caches hold), the two cases interleaved, best of `reps` each."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(4)))
+    x = torch.randn(4, 2048)
+    megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    samples: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(reps + 2):
-        start = time.perf_counter()
-        optimizer.step()
-        if rep >= 2:
-            samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples) / megabytes
+        for accumulate in (False, True):
+            if not accumulate:
+                model.zero_grad(set_to_none=True)
+            loss = model(x).sum()
+            start = now_s(clock)
+            loss.backward()
+            if rep >= 2:
+                samples[accumulate].append((now_s(clock) - start) * 1e3)
+    return max(min(samples[True]) - min(samples[False]), 0.0) / megabytes
 
 
-def link(rank: int, reps: int = 30) -> tuple[float, float]:
-    """(latency ms, bandwidth bytes/s) between ranks 0 and 1, by ping-pong; both ranks call it."""
+def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) -> tuple[float, float]:
+    """(latency ms, bandwidth bytes/s) of one boundary message between ranks 0 and 1, by ping-pong through
+    the runtime's own message layer (`runtime.comm` with a header cache, as the engine sends them), so
+    its per-message Python and packing are priced with the link; both ranks call it."""
+    from model_parallel.runtime import comm
+
+    cache = comm.HeaderCache()
+
     def half_round_trip(numel: int, count: int) -> float:
-        buffer = torch.zeros(numel)
+        value = [torch.zeros(numel)]
         times = []
         for _ in range(count):
-            start = time.perf_counter()
+            start = now_s(clock)
             if rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
+                comm.send_values(value, 1, comm.TAG_ACTIVATION, cache=cache, stream=numel).wait(timeout)
+                value = comm.PendingRecv(1, comm.TAG_GRADIENT, cache=cache, stream=numel).wait(timeout)
             else:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            times.append((time.perf_counter() - start) / 2)
-        return statistics.median(times[2:])
+                value = comm.PendingRecv(0, comm.TAG_ACTIVATION, cache=cache, stream=numel).wait(timeout)
+                comm.send_values(value, 0, comm.TAG_GRADIENT, cache=cache, stream=numel).wait(timeout)
+            times.append((now_s(clock) - start) / 2)
+        return statistics.median(times[2:])  # the first two carry the header
 
     latency = half_round_trip(1, reps)
-    big = 1 << 20  # 4 MB of float32
-    transfer = max(half_round_trip(big, max(reps // 3, 5)) - latency, 1e-6)
+    big = 1 << 18  # 1 MB of float32: the size of a typical boundary here, not a bulk transfer
+    transfer = max(half_round_trip(big, max(reps // 2, 5)) - latency, 1e-6)
     return latency * 1e3, big * 4 / transfer
 
 
-def runtime_overhead_ms(latency_ms: float, optimizer_kind: str = "sgd", steps: int = 30, microbatches: int = 8) -> float:
-    """The engine's fixed cost per microbatch and stage on a model whose compute is next to nothing."""
+def runtime_overhead_ms(partial: Calibration, optimizer_kind: str = "sgd", steps: int = 30, microbatches: int = 8) -> float:
+    """The engine's fixed cost per microbatch and stage: on a model whose compute is next to nothing,
+    what a step measures beyond the prediction of `partial` (every term but the overhead) per microbatch."""
     from model_parallel.profiler.api import profile
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.data import SyntheticData
@@ -88,53 +135,67 @@ def runtime_overhead_ms(latency_ms: float, optimizer_kind: str = "sgd", steps: i
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    graph = profile(model, (torch.zeros(1, 4),), iterations=1, warmup=0)  # times only pick the cut
-    engine = PipelineEngine(graph=graph, plan=even_plan(graph, 2), model=model, criterion=nn.functional.cross_entropy,
+    batch = torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)
+    graph = profile(model, (batch[0],), lambda out: nn.functional.cross_entropy(out, batch[1]), iterations=5,
+                    clock=partial.clock)
+    plan = even_plan(graph, 2)
+    engine = PipelineEngine(graph=graph, plan=plan, model=model, criterion=nn.functional.cross_entropy,
                             optimizer_factory=OPTIMIZERS[optimizer_kind], dataset=SyntheticData(microbatches, (4,), 4),
                             config=TrainConfig(batch_size=microbatches, num_microbatches=microbatches),
                             options=RunOptions(timeout=60, progress=False))
     engine.train(steps)
+    stage = dist.get_rank()  # even_plan's ranks are in stage order
+    predicted = predict_stage_ms(graph, plan, num_microbatches=microbatches, calibration=partial,
+                                 optimizer=optimizer_kind)[stage].total_ms
     records = list(engine.metrics.records)[5:]  # after warm-up
-    per_step = [(busy_ms(r) - r.compute_ms) / microbatches - latency_ms for r in records]
+    per_step = [(measured_ms(r, partial.clock) - predicted) / microbatches for r in records]
     return max(statistics.median(per_step), 0.0)
 
 
-def measure(rank: int, world_size: int) -> dict[str, Any]:
+def measure(rank: int, world_size: int, clock: str = "cpu") -> dict[str, Any]:
     """Every rank of an initialised world of 2 calls this; returns this rank's measurements."""
-    latency, bandwidth = link(rank)
-    overhead = runtime_overhead_ms(latency)
-    return {"latency_ms": latency, "bandwidth": bandwidth, "overhead_ms": overhead,
-            "optimizer_ms_per_mb": {kind: optimizer_ms_per_mb(kind) for kind in OPTIMIZERS}}
+    latency, bandwidth = link(rank, clock=clock)
+    optimizers = {kind: optimizer_ms_per_mb(kind, clock=clock) for kind in OPTIMIZERS}
+    accumulate = accumulate_ms_per_mb(clock=clock)
+    partial = Calibration(link_latency_ms=latency, link_bandwidth=bandwidth, optimizer_ms_per_mb=optimizers,
+                          accumulate_ms_per_mb=accumulate, clock=clock)
+    return {"latency_ms": latency, "bandwidth": bandwidth, "overhead_ms": runtime_overhead_ms(partial),
+            "optimizer_ms_per_mb": optimizers, "accumulate_ms_per_mb": accumulate, "clock": clock}
 
 
 def combine(per_rank: Sequence[Mapping[str, Any]]) -> Calibration:
-    """The ranks' measurements -> one Calibration (the slower rank's overhead, optimizer: the faster)."""
+    """The ranks' measurements -> one Calibration (the slower rank's overhead; optimizer, accumulate: the faster)."""
     return Calibration(
         microbatch_overhead_ms=max(r["overhead_ms"] for r in per_rank),
         link_latency_ms=statistics.mean(r["latency_ms"] for r in per_rank),
         link_bandwidth=statistics.mean(r["bandwidth"] for r in per_rank),
         optimizer_ms_per_mb={kind: min(r["optimizer_ms_per_mb"][kind] for r in per_rank) for kind in OPTIMIZERS},
+        accumulate_ms_per_mb=min(r["accumulate_ms_per_mb"] for r in per_rank),
+        clock=per_rank[0]["clock"],
         machine={"platform": platform.platform(), "cpus": os.cpu_count(), "threads_per_rank": 1,
                  "load": list(os.getloadavg()), "torch": torch.__version__},
     )
 
 
-def _worker(rank: int, port: int, out: str) -> int:
+def _worker(rank: int, port: int, out: str, clock: str = "cpu") -> int:
     from model_parallel.fileio import atomic_write_json
 
+    from model_parallel.allocator import keep_freed_memory
+
     torch.set_num_threads(1)
+    keep_freed_memory()  # as every worker does: allocation costs as in a run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        result = measure(rank, 2)
+        result = measure(rank, 2, clock)
     finally:
         dist.destroy_process_group()
     atomic_write_json(out, result)
     return 0
 
 
-def calibrate(out: Optional[Path] = None, timeout: float = 180.0) -> Calibration:
-    """Start a 2-rank world (under a deadline, always reaped), measure, and write `out` when given."""
+def calibrate(out: Optional[Path] = None, timeout: float = 180.0, clock: str = "cpu") -> Calibration:
+    """Start a 2-rank world (under a deadline, always reaped), measure on `clock`, and write `out` when given."""
     from model_parallel.fileio import atomic_write_json
     from model_parallel.runtime.launch import free_port, launch
 
@@ -142,7 +203,7 @@ def calibrate(out: Optional[Path] = None, timeout: float = 180.0) -> Calibration
         port = free_port()
         paths = [Path(tmp) / f"rank{rank}.json" for rank in range(2)]
         commands = [[sys.executable, "-m", "model_parallel.cli.calibrate", "--_rank", str(rank), "--_port", str(port),
-                     "--out", str(paths[rank])] for rank in range(2)]
+                     "--out", str(paths[rank]), "--clock", clock] for rank in range(2)]
         result = launch(commands, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
         if not result.ok:
             raise RuntimeError(f"calibration world failed:\n{result.summary()}")
@@ -156,13 +217,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m model_parallel.cli.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="calibration JSON to write")
     parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--clock", choices=CLOCKS, default="cpu",
+                        help="cpu: process CPU time (holds on a shared machine; default); wall: perf_counter")
     parser.add_argument("--_rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._rank is not None:
-        return _worker(args._rank, args._port, args.out)
+        return _worker(args._rank, args._port, args.out, args.clock)
     try:
-        calibration = calibrate(Path(args.out), args.timeout)
+        calibration = calibrate(Path(args.out), args.timeout, args.clock)
     except RuntimeError as error:
         parser.exit(2, f"{parser.prog}: error: {str(error).splitlines()[0]}\n")
     print(json.dumps(calibration.to_json(), indent=1))

@@ -109,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_step("profile", [py, str(PROFILER), "-a", args.arch, "-b", str(max(args.batch_size // args.microbatches, 1)),
                          "--image-size", str(args.image_size),
                          "--profile_directory", str(run_dir / "profiles"), "--iterations", "3",
-                         "--threads", "1"], logs / "profile.log")
+                         "--threads", "1", "--clock", "cpu"], logs / "profile.log")  # the calibration's clock
     graph_txt = run_dir / "profiles" / args.arch / "graph.txt"
     # This machine's link, optimizer and per-microbatch runtime cost: the report's predicted stage times.
     run_step("calibrate", [py, "-m", "model_parallel.cli.calibrate", "--out", str(run_dir / "profiles" / "calibration.json")],

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
-from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, measured_ms, predict_stage_ms
 from model_parallel.runtime.metrics import read_metrics, summarize
 
 
@@ -57,11 +57,11 @@ def plot_throughput(rows: Sequence[Mapping[str, Any]], slow_at: int, path: Path)
 def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any]], args: Any
                    ) -> tuple[list[float], list[Optional[float]]]:
     """Predicted (`optimizer.fidelity.predict_stage_ms` with the run's calibration, when there is one) and
-    measured (`runtime.metrics.busy_ms`, median over the steps before the slowdown) ms per stage and step."""
+    measured (`optimizer.fidelity.measured_ms` on the calibration's clock: CPU ms, or busy ms on the wall
+    clock; median over the steps before the slowdown) ms per stage and step."""
     import json
 
     from model_parallel.graph.io import load_graph
-    from model_parallel.runtime.metrics import busy_ms
 
     path = run_dir / "profiles" / "calibration.json"
     calibration = Calibration.from_json(json.loads(path.read_text()), str(path)) if path.exists() else Calibration()
@@ -75,8 +75,8 @@ def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any
     measured: dict[int, list[float]] = {}
     for record in records:
         if 2 <= record["step"] < args.slow_at and record["plan_version"] == first_version and record["stage"] is not None:
-            measured.setdefault(int(record["stage"]), []).append(busy_ms(record))
-    return predicted, [statistics.median(measured[s]) if measured.get(s) else None for s in range(plan.num_stages)]
+            measured.setdefault(int(record["stage"]), []).append(measured_ms(record, calibration.clock))
+    return predicted, [statistics.median(measured[s]) if measured.get(s) else None for s in range(plan.num_stages)], calibration.clock
 
 
 def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
@@ -87,8 +87,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     phases = throughput_phases(rows, args.slow_at)
     plot = plot_throughput(rows, args.slow_at, run_dir / "throughput.png")
 
-    predicted_ms, measured_ms = stage_fidelity(run_dir, plan, records, args)
-    stage_lines = format_fidelity(predicted_ms, measured_ms).splitlines()
+    predicted_ms, measured_stage_ms, clock = stage_fidelity(run_dir, plan, records, args)
+    stage_lines = format_fidelity(predicted_ms, measured_stage_ms).splitlines()
 
     trace_path = None
     trace_files = sorted((run_dir / "trace").glob("*.json")) if (run_dir / "trace").exists() else []
@@ -107,7 +107,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "throughput_after": phases["after"], "switch_step": phases["switch_step"],
         "steps_to_detect": phases["steps_to_detect"],
         "predicted_stage_ms": predicted_ms,
-        "measured_stage_ms": measured_ms,
+        "measured_stage_ms": measured_stage_ms,
+        "stage_clock": clock,
         "cores": cores, "load_average_1min": load_1, "load_average_5min": load_5,
     }
     atomic_write_json(run_dir / "report.json", report)
@@ -116,7 +117,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "== plan (initial) ==",
         plan.table(),
         "",
-        "== per-stage busy ms per step: predicted (optimizer.fidelity) vs measured (before the slowdown) ==",
+        f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "
+        "(before the slowdown) ==",
         *stage_lines,
         "",
         "== throughput (samples/s, median) ==",
@@ -130,7 +132,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         f"{args.straggler} made {args.slowdown:g}x slower; 'after' the re-partitioned plan with that rank still "
         "slow, so its ceiling is 'before' (the slow rank cannot be made fast, only given less work). With more "
         "worker processes than cores, a straggler that sleeps frees a core for the others, so 'after' can "
-        "exceed that ceiling and the predicted stage times (taken on an idle core) read low; compare numbers "
+        "exceed that ceiling (stage times are CPU ms, which descheduling does not inflate); compare numbers "
         "of one run only, and rerun on a quiet machine before quoting them.",
         "",
         "== artifacts ==",

@@ -1,20 +1,34 @@
 """What a stage of a plan really costs per training step, priced in one place (bench, demo report).
 
 The optimizer's objective (costs.py) compares plans; this prices what a stage rank *does* in one
-flush step of `m` microbatches, so a prediction can be checked against the runtime's metrics:
+flush step of `m` microbatches (`s` = its share, ceil(m / replicas)), so a prediction can be checked
+against the runtime's metrics:
 
-    compute    m x sum of its nodes' forward + backward      (profile, scaled to the microbatch size)
-    loss       m x the loss's forward + backward             (last stage; graph.metadata["profile"])
-    optimizer  parameter bytes x ms-per-byte of the kind     (Calibration.optimizer_ms_per_mb)
-    allreduce  costs.allreduce_seconds over the link         (replicated stages only)
-    sends      m x per message sent: latency + bytes / bandwidth   (activations down, gradients up)
-    overhead   m x the runtime's fixed cost per microbatch   (Calibration.microbatch_overhead_ms)
+    compute     s x sum of its nodes' forward + backward     (profile, scaled to the microbatch size)
+    loss        s x the loss's forward + backward            (last stage; graph.metadata["profile"])
+    accumulate  (s - 1) x parameter MB x ms per MB           (backward adds each microbatch's weight
+                                                              gradient into .grad; the first one is
+                                                              stored, the profile's replays only store)
+    optimizer   parameter MB x ms per MB of the kind         (Calibration.optimizer_ms_per_mb)
+    allreduce   costs.allreduce_seconds over the link        (replicated stages only)
+    sends       s x per message sent: latency + bytes / bandwidth   (activations down, gradients up)
+    receives    the same per message received                (clock "cpu" only, see below)
+    overhead    s x the runtime's fixed cost per microbatch  (Calibration.microbatch_overhead_ms)
 
-The measured counterpart (`runtime.metrics.busy_ms`) is the rank's step time minus the time it was
-blocked waiting on a peer (receives, the step-end loss all-reduce): compute + optimizer + sends +
-Python overhead. Receives are posted ahead and land during compute, so they are not priced; waiting
-for them is the pipeline's bubble, which `(m + p - 1) x max stage` accounts for, not a stage.
+Two clocks; the profile, the calibration and the measurement must use the same one
+(`Calibration.clock`, the profile's `metadata["profile"]["clock"]`; a mismatch is a PlanError):
 
+- "cpu" (the default of `cli.calibrate`): the rank process's CPU time per step
+  (`StepRecord.cpu_ms`, all its threads). Waiting on a peer costs no CPU and a rank that is
+  runnable but descheduled (more ranks than cores, a loaded machine) is not charged, so this is the
+  one comparison that holds on a shared machine. Receiving costs CPU (gloo's thread reads the
+  socket), so receives are priced like sends.
+- "wall": `runtime.metrics.busy_ms` (step time minus time blocked in receives and the step-end
+  all-reduce). Only meaningful with a free core per rank; receives are waits, not priced, and the
+  executor's final wait for its sends (gloo completes a send when the peer has received it) counts
+  as busy although it is a wait: expect wall predictions to read low on the first stages.
+
+Waiting is the pipeline's bubble, which `(m + p - 1) x max stage` accounts for, not a stage.
 Sizes in the profile are per profiled batch; they scale linearly to the microbatch (`scale`), which
 is exact only for layers whose cost is proportional to the batch: profile at the microbatch size.
 """
@@ -31,6 +45,7 @@ from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.costs import allreduce_seconds, stage_costs
 
 MB = 1e6
+CLOCKS = ("cpu", "wall")
 
 
 @dataclass(frozen=True)
@@ -43,10 +58,15 @@ class Calibration:
     link_bandwidth: float = 4e9  # bytes/s of a point-to-point message
     optimizer_ms_per_mb: Mapping[str, float] = field(default_factory=dict)  # "sgd" / "adamw" -> ms per MB of weights
     machine: Mapping[str, Any] = field(default_factory=dict)  # where it was measured (platform, cpus, threads)
+    accumulate_ms_per_mb: float = 0.0  # adding one microbatch's weight gradient into .grad, per MB of weights
+    clock: str = "wall"  # what every number is on: "cpu" (process CPU time) or "wall" (see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise PlanError(f"calibration clock must be one of {CLOCKS}, got {self.clock!r}; re-run the calibration")
         values = {"microbatch_overhead_ms": self.microbatch_overhead_ms, "link_latency_ms": self.link_latency_ms,
-                  "link_bandwidth": self.link_bandwidth, **{f"optimizer_ms_per_mb[{k}]": v for k, v in self.optimizer_ms_per_mb.items()}}
+                  "link_bandwidth": self.link_bandwidth, "accumulate_ms_per_mb": self.accumulate_ms_per_mb,
+                  **{f"optimizer_ms_per_mb[{k}]": v for k, v in self.optimizer_ms_per_mb.items()}}
         for name, value in values.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise PlanError(f"calibration {name} must be a finite number >= 0, got {value!r}; re-run the calibration")
@@ -58,7 +78,8 @@ class Calibration:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "calibration") -> "Calibration":
-        known = {"microbatch_overhead_ms", "link_latency_ms", "link_bandwidth", "optimizer_ms_per_mb", "machine"}
+        known = {"microbatch_overhead_ms", "link_latency_ms", "link_bandwidth", "optimizer_ms_per_mb", "machine",
+                 "accumulate_ms_per_mb", "clock"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{where}: unknown key(s) {unknown}; expected {sorted(known)}")
@@ -76,10 +97,17 @@ class StagePrediction:
     allreduce_ms: float
     send_ms: float
     overhead_ms: float
+    accumulate_ms: float = 0.0
+    recv_ms: float = 0.0
+
+    TERMS = ("compute_ms", "loss_ms", "accumulate_ms", "optimizer_ms", "allreduce_ms", "send_ms", "recv_ms", "overhead_ms")
 
     @property
     def total_ms(self) -> float:
-        return self.compute_ms + self.loss_ms + self.optimizer_ms + self.allreduce_ms + self.send_ms + self.overhead_ms
+        return sum(getattr(self, term) for term in self.TERMS)
+
+    def terms(self) -> dict[str, float]:
+        return {term: getattr(self, term) for term in self.TERMS}
 
 
 def predict_stage_ms(
@@ -105,6 +133,10 @@ def predict_stage_ms(
     plan = plan.with_default_ranks()
     costs = stage_costs(graph, plan.stage_of, plan.num_stages)
     profile = graph.metadata.get("profile", {}) if isinstance(graph.metadata.get("profile"), Mapping) else {}
+    if profile.get("clock", calibration.clock) != calibration.clock:
+        raise PlanError(f"the profile was timed on the {profile['clock']!r} clock and the calibration on "
+                        f"{calibration.clock!r}: their sum means nothing; profile with clock={calibration.clock!r} "
+                        f"(profiler --clock {calibration.clock}) or calibrate with --clock {profile['clock']}")
     loss_ms = float(profile.get("loss_forward_ms", 0.0)) + float(profile.get("loss_backward_ms", 0.0))
     m, last = num_microbatches, plan.num_stages - 1
     latency, bandwidth = calibration.link_latency_ms, calibration.link_bandwidth
@@ -114,19 +146,25 @@ def predict_stage_ms(
         # Microbatch j runs on replica j % r: each replica does about m / r of the microbatches.
         share = math.ceil(m / r)
         messages = 1 if messages_out is None else messages_out[k]
-        send = 0.0
-        if k < last:  # activations down
+        send = recv = 0.0
+        if k < last:  # activations down, their gradients back
             send += messages * latency + cost.output_bytes * scale / bandwidth * 1e3
-        if k > 0:  # input gradients up
+            recv += messages * latency + cost.output_bytes * scale / bandwidth * 1e3
+        if k > 0:  # activations in, input gradients up
             send += messages * latency + cost.input_bytes * scale / bandwidth * 1e3
+            recv += messages * latency + cost.input_bytes * scale / bandwidth * 1e3
+        parameter_mb = cost.parameter_bytes / MB
         out.append(StagePrediction(
             stage=k,
             compute_ms=share * cost.compute_s * 1e3 * scale,
             loss_ms=share * loss_ms * scale if k == last else 0.0,
-            optimizer_ms=cost.parameter_bytes / MB * calibration.optimizer_ms_per_mb.get(optimizer, 0.0),
+            optimizer_ms=parameter_mb * calibration.optimizer_ms_per_mb.get(optimizer, 0.0),
             allreduce_ms=allreduce_seconds(cost.parameter_bytes, r, bandwidth) * 1e3 if r > 1 else 0.0,
             send_ms=share * send,
             overhead_ms=share * calibration.microbatch_overhead_ms,
+            accumulate_ms=(share - 1) * parameter_mb * calibration.accumulate_ms_per_mb,
+            # A receive is a wait on the wall clock (the bubble); on the CPU clock its copy is work.
+            recv_ms=share * recv if calibration.clock == "cpu" else 0.0,
         ))
     return out
 
@@ -140,3 +178,12 @@ def format_fidelity(predicted: Sequence[float], measured: Sequence[Optional[floa
         else:
             lines.append(f"{stage:>5} {want:>13.2f} {got:>12.2f} {100.0 * (want - got) / got:>+6.0f}%")
     return "\n".join(lines)
+
+
+def measured_ms(record: Any, clock: str) -> float:
+    """A step record's counterpart of a prediction on `clock`: its `cpu_ms` ("cpu") or `busy_ms` ("wall")."""
+    from model_parallel.runtime.metrics import busy_ms
+
+    if clock == "cpu":  # NaN (shown as n/a) for records written before steps carried their CPU time
+        return float(record.get("cpu_ms", math.nan) if isinstance(record, Mapping) else record.cpu_ms)
+    return busy_ms(record)

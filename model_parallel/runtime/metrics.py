@@ -92,6 +92,9 @@ class StepRecord:
     migration_ms: float
     microbatches: int
     time: float  # unix time at the end of the step
+    # CPU time of the whole process (all its threads) during the step: what the rank did, without the
+    # time it waited on a peer or was descheduled (more ranks than cores, a loaded machine).
+    cpu_ms: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. loss, lr
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +157,7 @@ class MetricsRecorder:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._step: Optional[int] = None
         self._start = 0.0
+        self._cpu_start = 0.0
         self._totals: dict[str, float] = defaultdict(float)
         self._microbatches = 0
         # The last `window` records, also in memory (for the control channel, benchmarks and tests).
@@ -171,6 +175,7 @@ class MetricsRecorder:
         self._totals = defaultdict(float)
         self._microbatches = 0
         self._start = time.perf_counter()
+        self._cpu_start = time.process_time()
 
     def _check_kind(self, kind: str) -> None:
         if kind not in LANE_OF_KIND:
@@ -227,6 +232,7 @@ class MetricsRecorder:
             migration_ms=ms["migration"],
             microbatches=self._microbatches,
             time=time.time(),
+            cpu_ms=(time.process_time() - self._cpu_start) * 1000.0,
             extra=dict(extra),
         )
         self._step = None
