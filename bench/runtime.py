@@ -277,7 +277,7 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
 
-    from model_parallel.optimizer.fidelity import measured_ms
+    from model_parallel.runtime.metrics import measured_ms
     from model_parallel.runtime.metrics import busy_ms
 
     rec, model, graph, plan, _ = _build(model_name, spec)

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model_parallel.optimizer.fidelity import CLOCKS, Calibration, measured_ms, predict_stage_ms
+from model_parallel.runtime.metrics import measured_ms
+from model_parallel.optimizer.fidelity import CLOCKS, Calibration, predict_stage_ms
 
 logger = logging.getLogger(__name__)
 

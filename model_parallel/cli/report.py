@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
-from model_parallel.optimizer.fidelity import Calibration, format_fidelity, measured_ms, predict_stage_ms
+from model_parallel.runtime.metrics import measured_ms
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
 from model_parallel.runtime.metrics import read_metrics, summarize
 
 

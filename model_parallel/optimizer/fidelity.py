@@ -178,12 +178,3 @@ def format_fidelity(predicted: Sequence[float], measured: Sequence[Optional[floa
         else:
             lines.append(f"{stage:>5} {want:>13.2f} {got:>12.2f} {100.0 * (want - got) / got:>+6.0f}%")
     return "\n".join(lines)
-
-
-def measured_ms(record: Any, clock: str) -> float:
-    """A step record's counterpart of a prediction on `clock`: its `cpu_ms` ("cpu") or `busy_ms` ("wall")."""
-    from model_parallel.runtime.metrics import busy_ms
-
-    if clock == "cpu":  # NaN (shown as n/a) for records written before steps carried their CPU time
-        return float(record.get("cpu_ms", math.nan) if isinstance(record, Mapping) else record.cpu_ms)
-    return busy_ms(record)

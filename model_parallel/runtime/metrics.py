@@ -350,3 +350,10 @@ def busy_ms(record: Any) -> float:
     optimizer) + sends + idle (Python, data wait); receives and the step-end all-reduce are waits."""
     get = record.get if isinstance(record, Mapping) else lambda key: getattr(record, key)
     return float(get("compute_ms")) + float(get("send_ms")) + float(get("idle_ms"))
+
+
+def measured_ms(record: Any, clock: str) -> float:
+    """A step record's counterpart of a prediction on `clock`: its `cpu_ms` ("cpu") or `busy_ms` ("wall")."""
+    if clock == "cpu":  # NaN (shown as n/a) for records written before steps carried their CPU time
+        return float(record.get("cpu_ms", math.nan) if isinstance(record, Mapping) else record.cpu_ms)
+    return busy_ms(record)
