@@ -9,7 +9,8 @@ import pytest
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.optimizer.fidelity import Calibration, format_fidelity, measured_ms, predict_stage_ms
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
+from model_parallel.runtime.metrics import measured_ms
 from model_parallel.runtime.metrics import MetricsRecorder, busy_ms
 
 
