@@ -105,6 +105,9 @@ class Coordinator:
         # would otherwise write hundreds of lines a second).
         self._noise = RateLimitedLog(logger, NOISE_INTERVAL_S)
         self._threads: list[threading.Thread] = []
+        # Open connections and their threads: `stop` closes them and waits, so no connection thread
+        # outlives the coordinator (one logging after its caller's streams closed prints a traceback).
+        self._connections: dict[threading.Thread, socket.socket] = {}
 
     # What tests, the demo and the command line read.
     @property
@@ -169,6 +172,15 @@ class Coordinator:
                 pass
         for thread in self._threads:
             thread.join(timeout=2.0)
+        with self.lock:
+            connections = dict(self._connections)
+        for conn in connections.values():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in connections:
+            thread.join(timeout=2.0)
         self._write_status(force=True)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -202,6 +214,8 @@ class Coordinator:
                 self._log_unauthenticated(old, logging.WARNING, f"closed a connection from {old.address}", old.closed_by_us)
             thread = threading.Thread(target=self._serve_connection, args=(conn, addr, ticket), daemon=True,
                                       name=f"coordinator-conn-{addr[0]}:{addr[1]}")
+            with self.lock:
+                self._connections[thread] = conn
             thread.start()
 
     def _serve_connection(self, conn: socket.socket, addr: tuple, ticket: Ticket) -> None:
@@ -248,6 +262,8 @@ class Coordinator:
             self._admission.release(ticket)
             if worker is not None and not clean:
                 self._connection_lost(worker)
+            with self.lock:
+                self._connections.pop(threading.current_thread(), None)
 
     def _log_drop(self, ticket: Ticket, level: int, what: str, why: str) -> None:
         """Why a connection ended: said in full for an authenticated peer, rate-limited otherwise."""

@@ -81,6 +81,9 @@ class Node:
 
     Times are milliseconds per minibatch at the profiled batch size; sizes are bytes.
     `activation_size` is a tuple for nodes with several outputs (PipeDream writes `[a; b; c]`).
+    `uncrossable`: why this node's value cannot be sent to another stage (a Python object the wire
+    cannot carry, a buffer its reader updates in place), as the profiler found it; None when it can.
+    A plan keeps such a node and all its consumers in one stage.
     """
 
     node_id: str
@@ -91,6 +94,7 @@ class Node:
     parameter_size: float = 0.0
     stage_id: Optional[int] = None
     layer: Optional[LayerSpec] = None
+    uncrossable: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.node_id or any(c.isspace() for c in self.node_id):
@@ -106,6 +110,14 @@ class Node:
                 raise GraphError(f"node {self.node_id}: activation_size must be >= 0, got {value}")
         if self.stage_id is not None and self.stage_id < 0:
             raise GraphError(f"node {self.node_id}: stage_id must be >= 0, got {self.stage_id}")
+        if self.uncrossable is not None and (not isinstance(self.uncrossable, str) or not self.uncrossable.strip()):
+            raise GraphError(f"node {self.node_id}: uncrossable must be a reason (a non-empty string) or None, "
+                             f"got {self.uncrossable!r}")
+
+    @property
+    def crossable(self) -> bool:
+        """Whether this node's value may be sent to another stage (see `uncrossable`)."""
+        return self.uncrossable is None
 
     @property
     def activation_sizes(self) -> tuple[float, ...]:

@@ -36,8 +36,9 @@ def load_graph(path: PathLike, use_sidecar: bool = True) -> Graph:
                 f"{sidecar}: sidecar does not describe the same nodes as {path}; "
                 "regenerate it or remove it to use the text file alone"
             )
-        # The text file is authoritative for costs and stages; the sidecar adds layers and metadata.
-        nodes = tuple(replace(t, layer=j.layer) for t, j in zip(graph.nodes, rich.nodes))
+        # The text file is authoritative for costs and stages; the sidecar adds layers, what cannot
+        # cross a stage boundary (graph.txt has no field for it) and metadata.
+        nodes = tuple(replace(t, layer=j.layer, uncrossable=j.uncrossable) for t, j in zip(graph.nodes, rich.nodes))
         graph = replace(graph, nodes=nodes, metadata=rich.metadata)
     return graph
 

@@ -2,9 +2,12 @@
 
     {"schema": "model_parallel.graph", "version": 1, "metadata": {...},
      "nodes": [{"id", "description", "forward_ms", "backward_ms", "activation_size",
-                "parameter_size", "stage_id"?, "layer"?: {"op", "target", "args", "kwargs",
-                "module", "outputs": [{"shape", "dtype"}], "parameters"}}],
+                "parameter_size", "stage_id"?, "uncrossable"?, "layer"?: {"op", "target", "args",
+                "kwargs", "module", "outputs": [{"shape", "dtype"}], "parameters"}}],
      "edges": [[src, dst], ...]}
+
+`"uncrossable": "<reason>"` marks a node whose value cannot be sent to another stage (absent: it can;
+files written before the field existed read as all crossable).
 
 `metadata["tied_parameters"]` ([[name, ...], ...], the state-dict names that are one tensor) is
 checked on reading: an unknown name is a GraphFormatError naming the file and the key.
@@ -60,6 +63,8 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
         }
         if node.stage_id is not None:
             entry["stage_id"] = node.stage_id
+        if node.uncrossable is not None:
+            entry["uncrossable"] = node.uncrossable
         if node.layer is not None:
             entry["layer"] = layer_to_dict(node.layer)
         nodes.append(entry)
@@ -95,6 +100,7 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
                         parameter_size=float(entry["parameter_size"]),
                         stage_id=int(entry["stage_id"]) if entry.get("stage_id") is not None else None,
                         layer=layer_from_dict(entry["layer"]) if entry.get("layer") else None,
+                        uncrossable=entry.get("uncrossable"),
                     )
                 )
             except (KeyError, TypeError, ValueError, OverflowError) as error:

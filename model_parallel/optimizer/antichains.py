@@ -11,6 +11,9 @@ the main branch, constants built from nothing), and leave PipeDream's one-source
 - a source that computes nothing and feeds exactly one node (a parameter read) travels with that
   node (`enumeration_view`): otherwise every subset of the weights not yet read is a cut of its own
   and the states grow as 2^weights (Llama: over 250,000 before the first layer).
+
+Nodes the workload glues (`workload.glued_groups`: a value that cannot cross with its consumers, a
+side effect with its anchor) are one view node, so no state splits them.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import numpy as np
 from model_parallel.errors import InfeasibleError
 from model_parallel.optimizer.states import States
 from model_parallel.optimizer.workload import (
-    Workload, bit_positions, closures, masks_to_matrix, matrix_to_masks, topological_order,
+    Workload, bit_positions, closures, glued_groups, masks_to_matrix, matrix_to_masks, topological_order,
 )
 
 
@@ -80,6 +83,7 @@ class EnumerationView:
     groups: tuple[int, ...]
     always: int
     root: Optional[int]
+    output: tuple[float, ...] = ()  # bytes each view node sends on when it is in an antichain
 
 
 def enumeration_view(work: Workload) -> EnumerationView:
@@ -99,13 +103,17 @@ def enumeration_view(work: Workload) -> EnumerationView:
       would send the weight forward as an activation and its gradient back on every microbatch,
       between two stages that both own it; the weight belongs to the stage that reads it.
     `tests/test_optimizer_real_graphs.py` checks plans over these cuts against brute force over all cuts.
+    Glued nodes (`workload.glued_groups`) start as one group and are not folded elsewhere.
     """
     n = work.num_nodes
     free = [work.compute_s[v] == 0.0 and work.parameters[v] == 0.0 and work.activation[v] == 0.0 for v in range(n)]
     if all(free):  # a profile without costs: every cut is alike, keep them all
         free = [False] * n
-    owner = list(range(n))  # the node whose presence in a cut decides v's; -1 = every cut
+    owner = glued_groups(work)  # the node whose presence in a cut decides v's; -1 = every cut
+    glued = {r for v, r in enumerate(owner) if r != v}
     for v in topological_order(work):
+        if owner[v] != v or v in glued:
+            continue  # its group decides
         if free[v]:
             deciding = {owner[p] for p in work.pred[v]} - {-1}
             if len(deciding) <= 1:
@@ -132,6 +140,15 @@ def enumeration_view(work: Workload) -> EnumerationView:
             if a >= 0 and b >= 0 and a != b and position[b] not in succ[position[a]]:
                 succ[position[a]].append(position[b])
                 pred[position[b]].append(position[a])
+    # What a view node sends on: its representative's output (PipeDream's count), or for a glued group
+    # the outputs of its members read outside the group.
+    output = []
+    for i, v in enumerate(kept):
+        if v not in glued:
+            output.append(work.activation[v])
+            continue
+        output.append(sum(work.activation[x] for x in bit_positions(groups[i])
+                          if any(owner[t] != owner[x] for t in work.succ[x])))
     starts = [i for i, p in enumerate(pred) if not p]
     root = None
     if len(starts) > 1:
@@ -146,7 +163,7 @@ def enumeration_view(work: Workload) -> EnumerationView:
         compute_s=(0.0,) * size, activation=(0.0,) * size, parameters=(0.0,) * size,
         succ=tuple(tuple(s) for s in succ), pred=tuple(tuple(p) for p in pred), inputs=(), dropped=(),
     )
-    return EnumerationView(view, tuple(kept), tuple(groups), always, root)
+    return EnumerationView(view, tuple(kept), tuple(groups), always, root, tuple(output) + ((0.0,) if root is not None else ()))
 
 
 def enumerate_antichains(work: Workload, max_states: Optional[int] = None, main_source_only: bool = False) -> Antichains:
@@ -197,7 +214,7 @@ def _cuts_of(work: Workload, view: EnumerationView, found: _Walk) -> Antichains:
         for x in aug:
             if x != root:
                 mask |= below[x]
-                o += work.activation[view.nodes[x]]  # a group sends its representative's output
+                o += view.output[x]  # a group sends its representative's output (a glued one: what leaves it)
         cuts.append(mask)
         output.append(o)
     out_edges = found.out_edges

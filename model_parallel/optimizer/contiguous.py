@@ -22,7 +22,8 @@ def _timed(graph: Graph) -> Graph:
     """`graph`, or with 1 ms on every node when no node carries a time (nothing to balance otherwise)."""
     if any(node.compute_ms > 0 for node in graph.nodes):
         return graph
-    return Graph(tuple(replace(node, forward_ms=1.0) for node in graph.nodes), graph.edges)
+    # (The metadata stays: its model outputs tell side effects apart, see optimizer/workload.py.)
+    return graph.replace_nodes(replace(node, forward_ms=1.0) for node in graph.nodes)
 
 
 def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[float]] = None) -> Plan:

@@ -14,6 +14,7 @@ Node sets are Python ints used as bitsets over node positions (`workload.py`).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,7 +23,7 @@ import numpy as np
 from model_parallel.errors import InfeasibleError
 # The workload is re-exported: most of the optimizer reads it together with the states.
 from model_parallel.optimizer.workload import (  # noqa: F401
-    Workload, crossing_bytes, masks_to_matrix, preprocess, topological_order,
+    Workload, crossing_bytes, glue_masks, glued_groups, masks_to_matrix, preprocess, respects_glue, topological_order,
 )
 
 
@@ -76,7 +77,8 @@ def ideal_states(work: Workload, max_states: int = 4096) -> States:
         nxt.sort()
         ideals.extend(nxt)
         frontier = nxt
-    return cut_states(work, ideals, "all")
+    glued = glue_masks(work)
+    return cut_states(work, [d for d in ideals if respects_glue(glued, d)], "all")
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,34 @@ def downset_sums(work: Workload, downsets: list[int], chunk: int = 16384) -> np.
 
 
 def prefix_order(work: Workload) -> list[int]:
-    """The topological order prefixes are taken from (Kahn, ties by file position)."""
-    return topological_order(work)
+    """The topological order prefixes are taken from (Kahn, ties by file position), with the members of
+    each glued group (`workload.glued_groups`) next to each other: Kahn over the groups (ties by their
+    first member's position), each group's members in their own order."""
+    order = topological_order(work)
+    rep = glued_groups(work)
+    if all(r == v for v, r in enumerate(rep)):
+        return order
+    members: dict[int, list[int]] = {}
+    for v in order:
+        members.setdefault(rep[v], []).append(v)
+    succ: dict[int, set[int]] = {r: set() for r in members}
+    indegree = {r: 0 for r in members}
+    for v in range(work.num_nodes):
+        for t in work.succ[v]:
+            if rep[t] != rep[v] and rep[t] not in succ[rep[v]]:
+                succ[rep[v]].add(rep[t])
+                indegree[rep[t]] += 1
+    ready = [min(members[r]) for r in members if indegree[r] == 0]
+    heapq.heapify(ready)
+    grouped: list[int] = []
+    while ready:
+        r = rep[heapq.heappop(ready)]
+        grouped += members[r]
+        for t in succ[r]:
+            indegree[t] -= 1
+            if indegree[t] == 0:
+                heapq.heappush(ready, min(members[t]))
+    return grouped
 
 
 def prefix_states(work: Workload, max_states: Optional[int] = None) -> States:
@@ -206,13 +234,16 @@ def prefix_states(work: Workload, max_states: Optional[int] = None) -> States:
     for v in order:
         mask |= 1 << v
         members.append(mask)
-    keep = np.arange(n)
-    if max_states is not None and n > max_states:
-        keep = _coarse_cuts(compute, output, max_states)
+    # Only positions that end a glued group (all of them when nothing is glued) are cuts.
+    rep = glued_groups(work)
+    keep = np.array([i for i in range(n) if i == n - 1 or rep[order[i + 1]] != rep[order[i]]], dtype=np.int64)
+    coarse = max_states is not None and len(keep) > max_states
+    if coarse:
+        keep = keep[_coarse_cuts(compute[keep], output[keep], max_states)]
     count = len(keep)
     return States(
         tuple(members[i] for i in keep), compute[keep], activation[keep], parameters[keep], output[keep],
-        np.tri(count, count, -1, dtype=bool), "topological" if count == n else "topological-coarse",
+        np.tri(count, count, -1, dtype=bool), "topological-coarse" if coarse else "topological",
     )
 
 

@@ -93,5 +93,5 @@ def traced_costs(graph: Graph, ms_per_mb: float = 0.05) -> Graph:
         mb = node.activation_bytes / 2**20
         forward = round(ms_per_mb * mb + 0.01, 4)
         nodes.append(Node(node.node_id, node.description, forward, 2 * forward, node.activation_size,
-                          node.parameter_size, None, node.layer))
+                          node.parameter_size, None, node.layer, node.uncrossable))
     return graph.replace_nodes(nodes)

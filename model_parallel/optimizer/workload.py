@@ -1,6 +1,14 @@
 """The graph as the optimizer sees it (`Workload`: PipeDream's pre-processing) and bitset helpers.
 
 Node sets are Python ints used as bitsets over node positions: union and intersection run at C speed.
+
+Two facts of the graph restrict where a cut may go (`glued_groups`); every state space honours them:
+- a node whose value cannot cross a stage boundary (`Node.uncrossable`) is in the same cuts as all its
+  consumers (and the nodes between them): a cut after it would need the runtime to send its value;
+- a side effect no model output depends on (torch.export's `num_batches_tracked.add_(1)`, one per
+  BatchNorm, with no edge to the rest) travels with the node just before it in file order, where the
+  profiler places it (right after its module's operator, `profiler/export_trace.py`). Left free, each
+  such component doubles the cuts (2^49 for timm's efficientnet_b0) for a scalar add.
 """
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from model_parallel.errors import PlanError
+from model_parallel.graph.arguments import referenced_nodes
 from model_parallel.graph.core import Graph
 
 
@@ -29,6 +38,8 @@ class Workload:
     pred: tuple[tuple[int, ...], ...]  # direct predecessors, edge order
     inputs: tuple[str, ...]
     dropped: tuple[str, ...]
+    uncrossable: tuple[int, ...] = ()  # nodes whose value cannot leave their stage
+    attached: tuple[tuple[int, int], ...] = ()  # (side-effect node, the node it travels with)
 
     @property
     def num_nodes(self) -> int:
@@ -64,7 +75,109 @@ def preprocess(graph: Graph) -> Workload:
         pred=tuple(tuple(p) for p in pred),
         inputs=inputs,
         dropped=dropped,
+        uncrossable=tuple(i for i, n in enumerate(remaining) if not n.crossable),
+        attached=_side_effects(graph, input_set, index),
     )
+
+
+def _side_effects(graph: Graph, inputs: set[str], index: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """(node, anchor) for every workload node of a component (edges either way, model inputs aside) that
+    holds no model output: its results feed nothing the model returns, only buffers it updates in place.
+    The anchor is the workload node just before the component's first node in file order (else just after)."""
+    encoded = graph.metadata.get("outputs")
+    outputs = set(referenced_nodes(encoded)) if encoded is not None else set(graph.sinks)
+    neighbours: dict[str, list[str]] = {n.node_id: [] for n in graph.nodes if n.node_id not in inputs}
+    for a, b in graph.edges:
+        if a not in inputs and b not in inputs:
+            neighbours[a].append(b)
+            neighbours[b].append(a)
+    component: dict[str, int] = {}
+    members: list[list[str]] = []
+    for start in neighbours:
+        if start in component:
+            continue
+        component[start] = len(members)
+        todo, found = [start], [start]
+        while todo:
+            for other in neighbours[todo.pop()]:
+                if other not in component:
+                    component[other] = len(members)
+                    todo.append(other)
+                    found.append(other)
+        members.append(found)
+    if len(members) < 2:
+        return ()
+    order = list(index)  # workload nodes in file order
+    attached = []
+    for number, found in enumerate(members):
+        if any(node in outputs for node in found):
+            continue
+        own = sorted(index[node] for node in found if node in index)
+        if not own or len(own) == len(order):
+            continue
+        before = [v for v in range(own[0] - 1, -1, -1) if component[order[v]] != number]
+        after = [v for v in range(own[0] + 1, len(order)) if component[order[v]] != number]
+        anchor = (before or after)[0]
+        attached += [(v, anchor) for v in own]
+    return tuple(attached)
+
+
+def glued_groups(work: Workload) -> list[int]:
+    """Per node, the representative of the nodes that must be in exactly the same cuts (`v` itself when
+    nothing binds it): an uncrossable node with its consumers, a side effect with its anchor, and every
+    node on a path between two members (a cut holding the first must hold the last, hence all between)."""
+    n = work.num_nodes
+    parent = list(range(n))
+
+    def find(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    def union(a: int, b: int) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+
+    for u in work.uncrossable:
+        for s in work.succ[u]:
+            union(u, s)
+    for v, anchor in work.attached:
+        union(v, anchor)
+    if not work.uncrossable and not work.attached:
+        return parent
+    anc, desc = closures(work)
+    changed = True
+    while changed:  # close each group under "between two members" until nothing joins
+        changed = False
+        groups: dict[int, int] = {}
+        for v in range(n):
+            groups[find(v)] = groups.get(find(v), 0) | 1 << v
+        for rep, mask in groups.items():
+            if mask & (mask - 1) == 0:
+                continue
+            below = above = 0
+            for v in bit_positions(mask):
+                below |= anc[v]
+                above |= desc[v]
+            for v in bit_positions(below & above & ~mask):
+                union(rep, v)
+                changed = True
+    return [find(v) for v in range(n)]
+
+
+def glue_masks(work: Workload) -> list[int]:
+    """The groups of `glued_groups` with more than one node, as bitsets."""
+    groups: dict[int, int] = {}
+    for v, rep in enumerate(glued_groups(work)):
+        groups[rep] = groups.get(rep, 0) | 1 << v
+    return [mask for mask in groups.values() if mask & (mask - 1)]
+
+
+def respects_glue(masks: list[int], cut: int) -> bool:
+    """Whether the cut (a bitset) holds each glued group whole or not at all."""
+    return all(cut & mask in (0, mask) for mask in masks)
 
 
 def bit_positions(mask: int) -> list[int]:

@@ -16,7 +16,14 @@ records like an fx trace:
   export reads under one name) show up as ties (`codegen.ties`) instead of a weight sent between
   stages as an activation;
 - `aten.__and__`-style operators become their named equivalents (`aten.bitwise_and`): graph files
-  refuse dunder names.
+  refuse dunder names;
+- a parameter or buffer an operator updates in place (`aten.batch_norm`'s running statistics,
+  `num_batches_tracked.add_(1)`) is marked `meta["uncrossable"]` on its read: sent to another stage,
+  the update would land on the received copy, never on the stage's own buffer;
+- an update no later operator reads (BatchNorm's `num_batches_tracked.add_(1)`, which export records
+  before the module's operator, with no edge to the rest) moves, with its reads, to just after the
+  last operator that reads the same module's state: the optimizer keeps such a side effect with the
+  node before it in file order (`optimizer/workload.py`), so the counter stays with its BatchNorm.
 
 Mode-dependent arguments are fixed at export time: `aten.dropout(x, p, train)` and
 `aten.batch_norm(..., training, ...)` keep the mode the model was exported in (the profiler
@@ -42,6 +49,9 @@ logger = logging.getLogger(__name__)
 _ASSERTIONS = ("_assert_tensor_metadata", "_assert_async", "_assert_scalar", "sym_constrain_range",
                "sym_constrain_range_for_size", "_functional_assert_async")
 # Python operators export records by their dunder ATen names, and the named ops that compute the same.
+# Operators that update buffers in place although their schema does not say so (CompositeImplicit ops):
+# argument names they write in training mode.
+_IMPLICIT_WRITES = {"batch_norm": ("running_mean", "running_var"), "instance_norm": ("running_mean", "running_var")}
 _DUNDER_OPS = {"__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor",
                "__lshift__": "bitwise_left_shift", "__rshift__": "bitwise_right_shift"}
 
@@ -90,6 +100,8 @@ def export_model(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tu
     _rename_dunder_ops(graph)
     graph.eliminate_dead_code()  # get_attr of names export did not use (the second name of a tied weight)
     _one_read_per_user(graph, model)
+    _mark_updated_in_place(graph)
+    _updates_after_their_module(graph)
     graph.lint()
     gm.recompile()
     flat_inputs = tuple(pytree.tree_leaves((tuple(args), dict(kwargs))))
@@ -201,3 +213,47 @@ def _name_for(user: fx.Node, names: list[str], default: str) -> str:
     module = _innermost_module(user)
     matching = [n for n in names if n.rpartition(".")[0] == module]
     return matching[0] if matching else default
+
+
+def _written_arguments(node: fx.Node) -> list[Any]:
+    """The arguments `node`'s ATen schema says it writes to (`Tensor(a!)`)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    written = []
+    implicit = _IMPLICIT_WRITES.get(node.target._schema.name.split("::")[-1], ())
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write or argument.name in implicit:
+            written.append(node.args[index] if index < len(node.args) else node.kwargs.get(argument.name))
+    return written
+
+
+def _mark_updated_in_place(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        for value in _written_arguments(node):
+            if isinstance(value, fx.Node) and value.op == "get_attr":
+                op = node.target._schema.name.split("::")[-1]
+                value.meta["uncrossable"] = (f"{value.target} is updated in place by {node.name} (aten.{op}); "
+                                             "the update must run on the stage that holds it")
+
+
+def _updates_after_their_module(graph: fx.Graph) -> None:
+    """Move each in-place update of a parameter/buffer that nothing reads afterwards, with its reads,
+    to just after the last other operator that reads state of the same module."""
+    nodes = list(graph.nodes)
+    for node in nodes:
+        if node.users or not _written_arguments(node) \
+                or not all(i.op == "get_attr" and len(i.users) == 1 for i in node.all_input_nodes):
+            continue
+        modules = {str(i.target).rpartition(".")[0] for i in node.all_input_nodes}
+        if len(modules) != 1:
+            continue
+        module = modules.pop()
+        owners = [n for n in nodes if n is not node and n.op == "call_function"
+                  and any(i.op == "get_attr" and str(i.target).rpartition(".")[0] == module for i in n.all_input_nodes)]
+        if not owners:
+            continue
+        place = owners[-1]
+        for read in node.all_input_nodes:
+            place.append(read)
+            place = read
+        place.append(node)

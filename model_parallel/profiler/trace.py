@@ -24,6 +24,7 @@ from torch.fx.node import _get_qualified_name
 
 from model_parallel.errors import ModelParallelError, ProfileError
 from model_parallel.graph.arguments import CONSTANTS, encode_argument, encode_constant
+from model_parallel.graph.crossing import value_refusal
 from model_parallel.graph.core import STATE_ALIASES, TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.loader import parse_constructor
 from model_parallel.profiler.export_trace import export_model, is_hugging_face_model
@@ -144,10 +145,14 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.metas: dict[str, tuple[TensorMeta, ...]] = {}
+        self.refusals: dict[str, str] = {}  # node -> why its value cannot cross a stage boundary
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         self.metas[n.name] = tensor_metas(result)
+        why = value_refusal(result)
+        if why is not None:
+            self.refusals[n.name] = why
         return result
 
 
@@ -164,13 +169,15 @@ def run_preserving_state(model: nn.Module, fn: Any) -> Any:
 
 
 def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], metadata: Optional[dict] = None,
-                  state_names: Optional[set[str]] = None) -> Graph:
+                  state_names: Optional[set[str]] = None, refusals: Optional[Mapping[str, str]] = None) -> Graph:
     """Build our Graph from a traced GraphModule and per-node output metadata (zero times).
 
     `state_names`: the model's state-dict keys. Tensors outside it (non-persistent buffers such as
     Llama's rotary `inv_freq`, constants export lifted) are owned by no node, so state dicts load
     strictly; a get_attr of one is recorded in `metadata["constants"]` (values included when small,
     see `graph.arguments.encode_constant`) so a rebuilt stage gets its real value, never torch.empty.
+    `refusals`: node -> why its value cannot cross a stage boundary (`Node.uncrossable`); the export
+    route adds its own in `fx_node.meta["uncrossable"]` (buffers updated in place).
     """
     constants: dict[str, Any] = {}
     modules = dict(gm.named_modules())
@@ -229,6 +236,7 @@ def graph_from_fx(gm: fx.GraphModule, metas: dict[str, tuple[TensorMeta, ...]], 
                 activation_size=activation if len(activation) > 1 else (activation[0] if activation else 0.0),
                 parameter_size=float(parameter_bytes),
                 layer=layer,
+                uncrossable=(refusals or {}).get(fx_node.name) or fx_node.meta.get("uncrossable"),
             )
         )
         if fx_node.op == "placeholder":
@@ -339,7 +347,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[t
     if route == "export":
         metadata["route_reason"] = why
     state_names = set(model.state_dict().keys())
-    graph = graph_from_fx(gm, recorder.metas, metadata, state_names)
+    graph = graph_from_fx(gm, recorder.metas, metadata, state_names, recorder.refusals)
     owned = {name for node in graph.nodes for name in node.layer.parameters}
     # A tie only matters between names nodes own (a tensor used twice inside one leaf module stays whole).
     groups = tied_tensor_names(model)
