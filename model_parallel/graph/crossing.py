@@ -14,10 +14,11 @@ import torch
 
 from model_parallel.graph.arguments import OutputDict
 
-MAX_DEPTH = 64  # as deep as the wire format accepts
+MAX_DEPTH = 64  # nesting deeper than this is garbage from the wire (runtime/structure.py), not a model's value
 
 
-def _is_record(value: Any) -> bool:
+def is_record(value: Any) -> bool:
+    """Our OutputDict, or a transformers ModelOutput (recognised by class, without importing transformers)."""
     return isinstance(value, OutputDict) or any(
         c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.") for c in type(value).__mro__)
 
@@ -38,7 +39,7 @@ def value_refusal(value: Any, depth: int = 0, path: str = "") -> Optional[str]:
         bad = [k for k in value if not isinstance(k, (str, int)) or isinstance(k, bool)]
         if bad:
             return f"the value{path} is a dict with a key of type {type(bad[0]).__name__} (only str and int keys cross)"
-        if _is_record(value) and any(not isinstance(k, str) for k in value):
+        if is_record(value) and any(not isinstance(k, str) for k in value):
             return f"the value{path} is a ModelOutput with a non-string key"
         for key, item in value.items():
             why = value_refusal(item, depth + 1, f"{path}[{key!r}]")

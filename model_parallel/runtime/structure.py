@@ -36,17 +36,11 @@ import torch.return_types
 
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.arguments import OutputDict
+from model_parallel.graph.crossing import MAX_DEPTH, is_record as _is_record
 
 Structure = Any  # the JSON description above
-MAX_DEPTH = 64  # nesting deeper than this is garbage from the wire, not a model's value
 ALLOWED = ("tensors, tuples/lists/dicts of them, Hugging Face ModelOutputs, namedtuples, None, bool, int, "
            "float, str, torch.Size, torch.dtype and torch.device")
-
-
-def _is_record(value: Any) -> bool:
-    """Our OutputDict, or a transformers ModelOutput (recognised by class, without importing transformers)."""
-    return isinstance(value, OutputDict) or any(
-        c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.") for c in type(value).__mro__)
 
 
 def _return_type(value: Any) -> Optional[str]:
