@@ -36,6 +36,7 @@ _LAZY = {
     "build_stages": "model_parallel.codegen.build:build_stages",
     "generate_package": "model_parallel.codegen.package:generate_package",
     "RunOptions": "model_parallel.runtime.config:RunOptions",
+    "hf_init_weights": "model_parallel.graph.init_rule:hf_init_weights",
 }
 
 

@@ -125,7 +125,8 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         source = weight_source(spec.weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
                static_plan=static, initializer=Initializer(spec.seed, spec.init_weights, source,
-                                                          bare_tensor_defaults=spec.model is None))
+                                                          bare_tensor_defaults=spec.model is None,
+                                                          model=spec.model if isinstance(spec.model, nn.Module) else None))
 
 
 def _source(spec: JobSpec) -> str:

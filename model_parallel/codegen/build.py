@@ -286,6 +286,18 @@ def _build_fx(
             )
         return env[ref]
 
+    device: list[fx.Node] = []
+
+    def run_device() -> fx.Node:
+        """`<first input>.device`, read once: every input arrives on the device the stage runs on."""
+        if not device:
+            if not inputs:
+                raise CodegenError(f"{where}: an operator takes the device the stage runs on, and this stage has no "
+                                   "input to read it from; move the operator into a stage with inputs")
+            device.append(fx_graph.call_function(getattr, (env[inputs[0]], "device")))
+            device[0].meta["comment"] = "the device this stage runs on (the graph records it as 'run')"
+        return device[0]
+
     for node_id in node_ids:
         node = graph[node_id]
         layer = _layer(graph, node)
@@ -295,8 +307,8 @@ def _build_fx(
                 raise CodegenError(f"{where}: model input {node_id} is in this stage but not among its inputs")
             continue
         try:
-            args = tuple(decode_argument(a, lambda ref: resolve(ref, where)) for a in layer.args)
-            kwargs = {k: decode_argument(v, lambda ref: resolve(ref, where)) for k, v in layer.kwargs.items()}
+            args = tuple(decode_argument(a, lambda ref: resolve(ref, where), run_device) for a in layer.args)
+            kwargs = {k: decode_argument(v, lambda ref: resolve(ref, where), run_device) for k, v in layer.kwargs.items()}
         except GraphError as error:
             raise CodegenError(f"{where}: {error}") from None
         if layer.op == "call_function":

@@ -5,7 +5,7 @@
     dict                {"dict": {"key": ...}}      (string keys)
     slice               {"slice": [start, stop, step]}
     torch.dtype         {"dtype": "float32"}
-    torch.device        {"device": "cpu"}
+    torch.device        {"device": "cpu"}; {"device": "run"}: the device the code runs on (see RUN_DEVICE)
     torch.memory_format {"memory_format": "contiguous_format"}
     torch.layout        {"layout": "strided"}
     Ellipsis            {"ellipsis": true}
@@ -33,6 +33,10 @@ from model_parallel.errors import GraphError
 JSONValue = Any
 CONSTANTS = "constants"  # graph metadata key, see the module docstring
 MAX_CONSTANT_ELEMENTS = 65536  # a rotary table or position ids are a few hundred to a few thousand
+# torch.export writes the device it traced on into operators (`aten.arange(..., device=cpu)`); the
+# tracer records that device as "run" (profiler.export_trace.portable_devices), so a graph traced on
+# meta or on the CPU runs wherever a stage is placed: a rebuilt stage reads its inputs' device there.
+RUN_DEVICE = "run"
 _TYPED = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
 
 
@@ -68,22 +72,24 @@ def encode_argument(value: Any, node_name: Callable[[Any], str | None]) -> JSONV
     raise GraphError(f"cannot encode argument of type {type(value).__name__}: {value!r}")
 
 
-def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any]) -> Any:
-    """Inverse of `encode_argument`; `resolve_node(node_id)` supplies what a node reference stands for."""
+def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any],
+                    run_device: Callable[[], Any] | None = None) -> Any:
+    """Inverse of `encode_argument`; `resolve_node(node_id)` supplies what a node reference stands for,
+    `run_device()` what the device the code runs on (`{"device": "run"}`) stands for."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [decode_argument(v, resolve_node) for v in value]
+        return [decode_argument(v, resolve_node, run_device) for v in value]
     if isinstance(value, Mapping) and len(value) == 1:
         (kind, payload), = value.items()
         if kind == "node":
             return resolve_node(payload)
         if kind == "tuple" and isinstance(payload, list):
-            return tuple(decode_argument(v, resolve_node) for v in payload)
+            return tuple(decode_argument(v, resolve_node, run_device) for v in payload)
         if kind == "dict" and isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
-            return OutputDict((k, decode_argument(v, resolve_node)) for k, v in payload.items())
+            return OutputDict((k, decode_argument(v, resolve_node, run_device)) for k, v in payload.items())
         if kind == "slice" and isinstance(payload, list) and len(payload) == 3:
-            return slice(*(decode_argument(v, resolve_node) for v in payload))
+            return slice(*(decode_argument(v, resolve_node, run_device) for v in payload))
         if kind == "float" and payload in ("inf", "-inf", "nan"):
             return float(payload)
         if kind in ("dtype", "memory_format", "layout"):
@@ -95,6 +101,11 @@ def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any]) -> Any
         if kind == "device":
             if not isinstance(payload, (str, int)):
                 raise GraphError(f"a device is a string like 'cpu' or 'cuda:0', got {str(payload)[:80]!r}")
+            if payload == RUN_DEVICE:
+                if run_device is None:
+                    raise GraphError(f"device {RUN_DEVICE!r} (the device the code runs on) is only known where a "
+                                     "stage is built; build the stage with codegen.build_stage")
+                return run_device()
             try:
                 return torch.device(payload)
             except (RuntimeError, ValueError) as error:

@@ -355,7 +355,7 @@ def _check_arguments(args: Iterable[Any], kwargs: Mapping[str, Any], where: str)
             raise _refuse(where, f"a string argument of {len(value)} characters", f"at most {MAX_EXPRESSION_CHARS}")
     try:  # typed values decode to exactly their type: `{"dtype": "load"}` is refused, not torch.load
         for value in (*args, *kwargs.values()):
-            decode_argument(value, lambda ref: None)
+            decode_argument(value, lambda ref: None, lambda: None)
     except GraphError as error:
         raise _refuse(where, "an argument", str(error)) from None
 

@@ -25,6 +25,11 @@ records like an fx trace:
   last operator that reads the same module's state: the optimizer keeps such a side effect with the
   node before it in file order (`optimizer/workload.py`), so the counter stays with its BatchNorm.
 
+Export also writes the device it traced on into operators (`aten.arange(8, device=cpu)`, GPT-2's
+`.to(inputs_embeds.device)`): `portable_devices` records that device as "the device the stage runs
+on" in the graph, and `retarget_devices` points a traced GraphModule at another device (a model
+traced on meta, run on real tensors).
+
 Mode-dependent arguments are fixed at export time: `aten.dropout(x, p, train)` and
 `aten.batch_norm(..., training, ...)` keep the mode the model was exported in (the profiler
 exports in training mode).
@@ -34,6 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -42,6 +48,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from model_parallel.errors import ProfileError
+from model_parallel.graph.arguments import RUN_DEVICE, encode_argument
+from model_parallel.graph.core import Graph
 
 logger = logging.getLogger(__name__)
 
@@ -257,3 +265,42 @@ def _updates_after_their_module(graph: fx.Graph) -> None:
             place.append(read)
             place = read
         place.append(node)
+
+
+def portable_devices(graph: Graph, traced_on: torch.device) -> Graph:
+    """The graph with every device argument equal to the device the model was traced on recorded as
+    `{"device": "run"}` (graph.arguments.RUN_DEVICE): a graph traced on meta or on the CPU then runs on
+    the device each stage is placed on. Other devices (a model's explicit `device="cpu"`) stay."""
+    traced, run = encode_argument(traced_on, lambda _: None), {"device": RUN_DEVICE}
+
+    def swap(value: Any) -> Any:
+        if value == traced:
+            return run
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return type(value)(swap(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+    nodes = []
+    for node in graph.nodes:
+        layer = node.layer
+        if layer is not None:
+            args, kwargs = swap(layer.args), swap(layer.kwargs)
+            if (args, kwargs) != (layer.args, layer.kwargs):
+                node = replace(node, layer=replace(layer, args=args, kwargs=kwargs))
+        nodes.append(node)
+    return replace(graph, nodes=tuple(nodes))
+
+
+def retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> list[fx.Node]:
+    """Put `new` in place of the device argument `old` in `gm`'s operators (a model traced on meta is
+    profiled on real tensors); returns the nodes changed."""
+    on_new = lambda v: new if isinstance(v, torch.device) and v == old else v  # noqa: E731
+    changed = []
+    for node in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(node.args, on_new), fx.node.map_aggregate(node.kwargs, on_new)
+        if (args, kwargs) != (node.args, node.kwargs):
+            node.args, node.kwargs = args, kwargs
+            changed.append(node)
+    if changed:
+        gm.recompile()
+    return changed

@@ -18,7 +18,6 @@ dense operator does not depend on the values as long as they are finite.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,9 +31,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from model_parallel.errors import InitError, ProfileError
-from model_parallel.graph.arguments import CONSTANTS, encode_argument, encode_constant
+from model_parallel.graph.arguments import CONSTANTS, encode_constant
 from model_parallel.graph.core import Graph
+from model_parallel.graph import init_rule
 from model_parallel.graph.init_rule import init_layer, layer_name
+from model_parallel.profiler.export_trace import retarget_devices
 from model_parallel.profiler.trace import describe, trace_model
 
 logger = logging.getLogger(__name__)
@@ -57,18 +58,10 @@ def refuse_meta(model: nn.Module) -> None:
                            "materializes one node's parameters at a time")
 
 
-def _as_meta(tensor: torch.Tensor) -> torch.Tensor:
-    meta = tensor.detach().to("meta")
-    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-
-
 def meta_copy(model: nn.Module) -> nn.Module:
     """The model with every parameter and buffer on meta (no storage allocated; ties stay ties)."""
-    memo: dict[int, Any] = {}
-    for _, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        memo.setdefault(id(tensor), _as_meta(tensor))
     try:
-        return copy.deepcopy(model, memo)
+        return init_rule.meta_copy(model)
     except Exception as error:  # deepcopy raises whatever a module's state raises
         raise ProfileError(f"layer_by_layer: could not copy {type(model).__name__} onto meta ({type(error).__name__}: "
                            f"{error}); build the model under torch.device('meta') and profile that") from error
@@ -138,28 +131,11 @@ class LayerWalk:
 
     def _on_device(self, graph: Graph, gm: fx.GraphModule) -> tuple[Graph, fx.GraphModule]:
         """torch.export bakes the device it traced on into operators (GPT-2's `.to(inputs_embeds.device)`
-        becomes `aten.to(..., device=meta)`): put the profiling device there, as a real trace has it."""
-        meta, real = torch.device("meta"), self.device
-        on_device = lambda v: real if isinstance(v, torch.device) and v == meta else v  # noqa: E731
-        changed: dict[str, str] = {}  # node id -> its description with the real device
-        for n in gm.graph.nodes:
-            args, kwargs = fx.node.map_aggregate(n.args, on_device), fx.node.map_aggregate(n.kwargs, on_device)
-            if (args, kwargs) != (n.args, n.kwargs):
-                n.args, n.kwargs = args, kwargs
-                changed[n.name] = describe(n, None, 0)
-        gm.recompile()
-        encoded_meta, encoded_real = encode_argument(meta, lambda _: None), encode_argument(real, lambda _: None)
-
-        def swap(value: Any) -> Any:
-            if value == encoded_meta:
-                return encoded_real
-            if isinstance(value, dict):
-                return {k: swap(v) for k, v in value.items()}
-            return type(value)(swap(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-        nodes = tuple(replace(node, description=changed[node.node_id],
-                              layer=replace(node.layer, args=swap(node.layer.args), kwargs=swap(node.layer.kwargs)))
-                      if node.node_id in changed and node.layer is not None else node for node in graph.nodes)
+        becomes `aten.to(..., device=meta)`); the graph records it as the run device already
+        (`export_trace.portable_devices`), the module to time gets the profiling device, as a real trace has it."""
+        changed = {n.name: describe(n, None, 0) for n in retarget_devices(gm, torch.device("meta"), self.device)}
+        nodes = tuple(replace(node, description=changed[node.node_id]) if node.node_id in changed else node
+                      for node in graph.nodes)
         return replace(graph, nodes=nodes), gm
 
     # ---- materializing -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from model_parallel.graph.arguments import CONSTANTS, encode_argument, encode_co
 from model_parallel.graph.crossing import value_refusal
 from model_parallel.graph.core import STATE_ALIASES, TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.loader import parse_constructor
-from model_parallel.profiler.export_trace import export_model, is_hugging_face_model
+from model_parallel.profiler.export_trace import export_model, is_hugging_face_model, portable_devices
 
 logger = logging.getLogger(__name__)
 ROUTES = ("auto", "fx", "export")
@@ -348,6 +348,9 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[t
         metadata["route_reason"] = why
     state_names = set(model.state_dict().keys())
     graph = graph_from_fx(gm, recorder.metas, metadata, state_names, recorder.refusals)
+    if route == "export":  # export wrote the traced-on device into operators: "wherever it runs" instead
+        traced_on = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        graph = portable_devices(graph, traced_on)
     owned = {name for node in graph.nodes for name in node.layer.parameters}
     # A tie only matters between names nodes own (a tensor used twice inside one leaf module stays whole).
     groups = tied_tensor_names(model)

@@ -11,7 +11,11 @@ values from, in this order:
    state-dict key (`blocks_0_fc.weight`), reading only the keys of the layers being built;
 2. otherwise the init rule: under a CPU generator seeded with `layer_seed(seed, layer_name)`, the
    user's `init_weights(layer, layer_name)` hook if given, else `reset_parameters()` of every module
-   of the layer that holds tensors directly. A tensor nothing can initialise is a loud error.
+   of the layer that holds tensors directly; a bare tensor (the torch.export route, used for Hugging
+   Face models, lifts parameters out of their modules) gets what its owning module's
+   `reset_parameters()` gives it. A tensor nothing can initialise is a loud error naming it; for a
+   Hugging Face model `init_weights=model_parallel.hf_init_weights(model)` applies the model's own
+   `_init_weights` (graph/init_rule.py).
 
 Every layer draws from its own seed, so its values do not depend on the partition, on which rank
 builds it, or on the order; `materialize_model` applies the same rule to a whole model, which is how
@@ -22,6 +26,7 @@ model built with real values keeps them (and its memory, until the caller drops 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +39,7 @@ from model_parallel.codegen.naming import find_ties, layer_name
 from model_parallel.errors import InitError
 from model_parallel.graph import init_rule as rule
 from model_parallel.graph.core import Graph
-from model_parallel.graph.init_rule import InitWeights, Layer, layer_seed
+from model_parallel.graph.init_rule import InitWeights, Layer, TensorOwners, layer_seed, owner_reset, tensor_owners
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,12 @@ class Initializer:
     # (torch.export route), which no module initialises; it gets the generator's defaults by name
     # (codegen.build.fresh_tensor) under its own seed. A user's own module's bare tensor is refused instead.
     bare_tensor_defaults: bool = False
+    # The model the layers come from: a bare tensor's owning module is looked up there (owner_reset).
+    model: Optional[nn.Module] = None
+
+    @functools.cached_property
+    def owners(self) -> Optional[TensorOwners]:
+        return tensor_owners(self.model) if self.model is not None and not self.bare_tensor_defaults else None
 
 
 def _tensors(obj: Layer) -> list[torch.Tensor]:
@@ -143,9 +154,12 @@ def move_real(model: nn.Module, device: torch.device) -> nn.Module:
 
 # ---- the init rule (owned by graph/init_rule.py: the profiler applies it too) ------------------------
 def init_layer(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeights] = None,
-               bare_tensor_defaults: bool = False) -> None:
-    """Initialise one (allocated) layer under its own seed; refuse a tensor no rule covers."""
-    rule.init_layer(name, obj, seed, init_weights, _fresh_defaults if bare_tensor_defaults else None)
+               bare_tensor_defaults: bool = False, owners: Optional[TensorOwners] = None) -> None:
+    """Initialise one (allocated) layer under its own seed; refuse a tensor no rule covers. A bare
+    tensor: the generator's defaults by name (a model rebuilt from a graph file), else its owner's
+    reset_parameters() (`owners`: of the model the layers come from)."""
+    bare = _fresh_defaults if bare_tensor_defaults else owner_reset(owners) if owners is not None else None
+    rule.init_layer(name, obj, seed, init_weights, bare)
 
 
 def _fresh_defaults(name: str, tensor: torch.Tensor) -> None:
@@ -182,7 +196,7 @@ def _owner_values(owner: str, obj: Layer, init: Initializer) -> dict[int, torch.
     clone = copy.deepcopy(obj, memo)
     originals = {id(c): o for o, c in zip(_tensors(obj), _tensors(clone))}
     clone = _replace(clone, lambda t: _empty_like(t, torch.device("cpu")) if t.is_meta else None)
-    init_layer(owner, clone, init.seed, init.init_weights, init.bare_tensor_defaults)
+    init_layer(owner, clone, init.seed, init.init_weights, init.bare_tensor_defaults, init.owners)
     return {id(originals.get(id(c), c)): c.detach() for c in _tensors(clone)}
 
 
@@ -192,12 +206,12 @@ def materialize_layers(
     init: Initializer,
     device: torch.device = torch.device("cpu"),
     graph: Optional[Graph] = None,
-    constants: Optional[Mapping[str, torch.Tensor]] = None,
+    constants: Optional[Mapping[str, Optional[torch.Tensor]]] = None,
 ) -> list[str]:
     """Allocate and fill the meta layers among `names` (see the module docstring); returns them.
 
     `constants`: layer name -> value of a non-persistent buffer recorded in the graph (no state dict
-    or init rule has it). Layers are filled on the CPU (the CPU generator gives the same values on
+    has it; None: the graph holds no values, e.g. traced on meta, and the init rule must give them). Layers are filled on the CPU (the CPU generator gives the same values on
     every machine) and then moved to `device`.
     """
     tied = _tie_owners(graph, modules)
@@ -209,18 +223,21 @@ def materialize_layers(
     allocated = allocate_layers(modules, pending, cpu)
     stored: dict[str, torch.Tensor] = {}
     if init.source is not None and allocated:
-        expected = {k: v for n in allocated for k, v in layer_state(n, modules[n]).items()}
+        expected = {k: v for n in allocated if n not in (constants or {}) for k, v in layer_state(n, modules[n]).items()}
         stored = init.source.read(expected)
     for name in order:
         obj = modules[name]
         keys = layer_state(name, obj)
-        if constants is not None and name in constants:
+        if constants is not None and constants.get(name) is not None:
             with torch.no_grad():
-                obj.copy_(constants[name])  # type: ignore[union-attr]
+                obj.copy_(constants[name])  # type: ignore[union-attr,arg-type]
             continue
+        if constants is not None and name in constants and init.init_weights is None and init.owners is None:
+            raise InitError(f"constant {name!r} (a non-persistent buffer) was built on meta and the graph holds no "
+                            f"values for it (too large, or traced on meta); build that buffer with real values")
         complete = bool(keys) and all(k in stored for k in keys) and len(_tensors(obj)) == len(keys)
         if not complete:
-            init_layer(name, obj, init.seed, init.init_weights, init.bare_tensor_defaults)
+            init_layer(name, obj, init.seed, init.init_weights, init.bare_tensor_defaults, init.owners)
         with torch.no_grad():
             for key, tensor in keys.items():
                 if key in stored:
@@ -246,20 +263,17 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
 
 
-def graph_constants(graph: Graph, modules: Mapping[str, Layer]) -> dict[str, torch.Tensor]:
-    """Layer name -> the recorded value of each constant (non-persistent buffer) the graph reads."""
+def graph_constants(graph: Graph, modules: Mapping[str, Layer]) -> dict[str, Optional[torch.Tensor]]:
+    """Layer name -> the recorded value of each constant (non-persistent buffer) the graph reads and the
+    model holds on meta; None where the graph holds no values (materialize_layers applies the init rule)."""
     from model_parallel.graph.arguments import CONSTANTS, decode_constant
 
     records = graph.metadata.get(CONSTANTS) or {}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Optional[torch.Tensor]] = {}
     for target, record in records.items():
         name = layer_name(target)
         if name in modules and is_meta(modules[name]):
-            value = decode_constant(record, f"graph constant {target!r}")
-            if value is None:
-                raise InitError(f"constant {target!r} (a non-persistent buffer) was built on meta and the graph "
-                                f"holds no values for it (too large); build that buffer with real values")
-            out[name] = value
+            out[name] = decode_constant(record, f"graph constant {target!r}")
     return out
 
 
@@ -299,10 +313,16 @@ def materialize_model(
     from model_parallel.runtime.stages import layer_modules
 
     layers = dict(layer_modules(graph, model) if graph is not None else default_layers(model))
-    before = dict(layers)
-    constants = graph_constants(graph, layers) if graph is not None else None
-    materialize_layers(layers, list(layers), Initializer(seed, init_weights, source), device, graph, constants)
     paths = {layer_name(t): t for t in _tensor_paths(model)}
+    # Tensors the graph does not read (Llama's `original_inv_freq`): the rule too, as bare tensors by path.
+    covered = {id(t) for obj in layers.values() for t in _tensors(obj)}
+    unread = {layer_name(path): tensor for path, tensor in [*model.named_parameters(), *model.named_buffers()]
+              if tensor.is_meta and id(tensor) not in covered and layer_name(path) not in layers}
+    layers.update(unread)
+    before = dict(layers)
+    constants = {**(graph_constants(graph, layers) if graph is not None else {}), **dict.fromkeys(unread)} or None
+    init = Initializer(seed, init_weights, source, model=model)
+    materialize_layers(layers, list(layers), init, device, graph, constants)
     for name, obj in layers.items():
         if isinstance(obj, torch.Tensor) and obj is not before[name]:
             _set_tensor(model, paths.get(name, name), obj)
