@@ -14,7 +14,6 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +29,7 @@ from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli.common import ArgumentParser, configure_logging  # noqa: E402
+from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 
@@ -151,61 +151,9 @@ def make_optimizer_factory(args: Any) -> Any:
     return factory
 
 
-@dataclass(frozen=True)
-class ServedJob:
-    """What the coordinator sent a worker started without a model (`ask_coordinator`)."""
-
-    graph: Any  # graph.core.Graph, checked by the safe loader
-    plan: Any  # graph.plan.Plan
-    address: str  # the coordinator's HOST:PORT
-    token: bytes  # the token that worked
-
-
-def wants_served_job(args: Any) -> bool:
-    """The seed's `--rank N --dist_addr IP` alone: no model on the command line, so the coordinator sends it."""
-    return not (args.model or args.package or args.graph or args.jobs or args.single_process)
-
-
 def ask_coordinator(argv: Sequence[str], args: Any) -> tuple[Any, ServedJob]:
-    """Fetch the job from the coordinator; returns the arguments with its training flags (the command line's
-    own flags win) and the served graph and plan."""
-    from model_parallel.codegen.build import check_layers, ensure_layers
-    from model_parallel.coordinator.client import fetch_job
-    from model_parallel.coordinator.jobfiles import SERVED_FLAGS, coordinator_address, token_path
-    from model_parallel.coordinator.protocol import read_token
-    from model_parallel.graph.json_format import graph_from_dict
-    from model_parallel.graph.plan import Plan
-
-    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
-    address = coordinator_address(args.coordinator, args.dist_addr or os.environ.get("MASTER_ADDR"))
-    if address is None:
-        raise PlanError("nothing to train: give --model, --package or --graph, or --dist_addr (the coordinator is "
-                        "then asked on that host) or --coordinator HOST:PORT / $MODEL_PARALLEL_COORDINATOR")
-    reply, token = fetch_job(address, lambda: read_token(args.token, args.token_file, str(token_path())), rank,
-                             args.timeout)
-    where = f"the job from the coordinator at {address}"
-    graph = graph_from_dict(reply["graph"], source=where)
-    check_layers(ensure_layers(graph))  # a file from the network: the same allow-lists as a graph.json on disk
-    plan = Plan.from_dict(reply["plan"], source=where)
-    served: list[str] = []
-    for flag, value in reply["train"].items():
-        if flag not in SERVED_FLAGS or isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ProtocolError(f"{where}: training flag {flag!r} = {str(value)[:40]!r} is not one a coordinator may "
-                                f"set ({', '.join(SERVED_FLAGS)}); run the same model_parallel version on both sides")
-        served += [f"--{flag}", str(value)]
-    parser = build_parser()
-
-    def refuse(message: str) -> None:
-        raise ProtocolError(f"{where}: {message}; fix the coordinator's training flags")
-
-    parser.error = refuse  # type: ignore[method-assign]  # a bad served flag is a typed error, not SystemExit
-    merged = parser.parse_args(served + list(argv))  # argparse keeps the last value: the worker's own flags win
-    merged.coordinator = address
-    if merged.world_size is None and not os.environ.get("WORLD_SIZE"):
-        merged.world_size = plan.num_ranks
-    logger.info("rank %d got the job from the coordinator at %s: %d stage(s) on %d rank(s)%s", rank, address,
-                plan.num_stages, plan.num_ranks, f", flags {' '.join(served)}" if served else "")
-    return merged, ServedJob(graph, plan, address, token)
+    """Fetch the job from the coordinator (`cli.served_job`), its flags parsed by this command line's parser."""
+    return fetch_served_job(argv, args, build_parser())
 
 
 def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
