@@ -97,9 +97,15 @@ class _StepInterpreter(fx.Interpreter):
                 call, call_args = getattr(args[0], n.target), args[1:]
             else:
                 call, call_args = n.target, args
+            dying = self.user_to_last_uses.pop(n, []) if self.garbage_collect_values else []
             try:
                 start = self.stamp()
                 result = call(*call_args, **kwargs)
+                # Values this node used last die here, as they do in a step (`del`, scope exit): their
+                # release (allocator, autograd bookkeeping) is part of the node's time.
+                del args, kwargs, call_args
+                for value in dying:
+                    del self.env[value]
                 end = self.stamp()
             except Exception as error:  # ran when traced, fails with autograd on: say which node
                 raise ProfileError(f"node {n.name} ({n.op} {n.target}) failed in an in-situ training step: "
