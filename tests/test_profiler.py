@@ -403,6 +403,9 @@ def test_insitu_is_the_default_on_cpu_and_replay_stays_available():
     with pytest.raises(ProfileError, match=r"timing must be one of auto, insitu, replay, got 'isolated'"):
         model_parallel.profile(model, (x,), timing="isolated", **FAST)
     assert api.timing_mode("auto", torch.device("cuda")) == "replay"
+    # a store resumes node by node (the image-classification command line): only replays time node by node
+    assert api.timing_mode("auto", torch.device("cpu"), resumable=True) == "replay"
+    assert api.timing_mode("insitu", torch.device("cpu"), resumable=True) == "insitu"
     with pytest.raises(ProfileError, match=r"timing='insitu' runs on CPU only \(got device cuda\)"):
         api.timing_mode("insitu", torch.device("cuda"))
 

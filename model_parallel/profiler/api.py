@@ -77,14 +77,16 @@ def instrumentation_cost(clock: str = "wall") -> Instrumentation:
 TIMINGS = ("auto", "insitu", "replay")
 
 
-def timing_mode(timing: str, device: torch.device) -> str:
-    """"auto": in-situ on CPU, isolated replay on other devices (in-situ timing is CPU-only, see profiler.insitu)."""
+def timing_mode(timing: str, device: torch.device, resumable: bool = False) -> str:
+    """"auto": in situ on CPU, isolated replay on other devices (in-situ timing is CPU-only, see
+    profiler.insitu) and where a `store` resumes node by node (`resumable`: in-situ steps time every
+    node at once, so an interrupted in-situ profile resumes only once all nodes were timed)."""
     if timing not in TIMINGS:
         raise ProfileError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
     if timing == "insitu" and device.type != "cpu":
         raise ProfileError(f"timing='insitu' runs on CPU only (got device {device}); use timing='replay' or 'auto'")
     if timing == "auto":
-        return "insitu" if device.type == "cpu" else "replay"
+        return "insitu" if device.type == "cpu" and not resumable else "replay"
     return timing
 
 
@@ -221,7 +223,7 @@ def profile(
     `OutputDict`, so `out.logits` works.
 
     One node per torch.fx node; each node's `forward_ms` / `backward_ms` at this batch size is, with
-    `timing="insitu"` (the default on CPU), its median over `iterations` real training steps of the
+    `timing="insitu"` (the default on CPU without a `store`), its median over `iterations` real training steps of the
     traced model (after `warmup` untimed ones), timed in place (`profiler.insitu`); with
     `timing="replay"` (the default elsewhere) the median of `iterations` isolated replays of the node.
     `subtract_overhead` subtracts the measured cost of the instrumentation (in-situ) or of the
@@ -242,7 +244,7 @@ def profile(
         check_clock(clock, target)
     except ValueError as error:
         raise ProfileError(str(error)) from None
-    mode = timing_mode(timing, target)
+    mode = timing_mode(timing, target, resumable=store is not None)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     args, kwargs = to_device(args, target), to_device(kwargs, target)
     started = time.perf_counter()
