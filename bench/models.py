@@ -3,13 +3,20 @@
     python bench/models.py             # warmup 1, 5 timed replays per node, 9 measured steps
     python bench/models.py --quick     # 1 timed replay per node, 3 measured steps (about 2-3 minutes)
     python bench/models.py --models gpt2,vit --calibration calibration.json
+    python bench/models.py --clock cpu --profile-only   # accuracy rows only, CPU time (a shared machine)
 
 The models are the tiny configurations of the exactness tests (tests/support/hf_zoo.py: 2 blocks,
 width 32, vocabulary 64, 8 tokens; timm at 32x32), at one microbatch of 2 samples (batch 8, 4
 microbatches). Per row:
 - nodes: graph nodes (torch.export: ATen operators);
 - profile_accuracy: (sum of the per-node forward + backward times + the loss) / a measured plain
-  training step (forward + backward, no optimizer) of the same microbatch, median of the steps;
+  training step (forward + backward, no optimizer) of the same microbatch of the unmodified model,
+  on the same clock (`--clock`): the median over `--rounds` profiles of each one's sum / the median
+  of the plain steps timed just before and after it (the profile with the median sum is kept for
+  partitioning; sum_of_nodes_ms and measured_step_ms are the medians overall); the profile's
+  timing method (`--timing`, default in situ on CPU) and its instrumented step are in the row too;
+- graph_step_ms / profile_accuracy_vs_graph_step: the same plain step run by the traced graph's
+  GraphModule (no eager Python between operators: what stage code runs), and the sum over it;
 - partition_s: `partition` wall time on one level (2 workers, straight pipeline: the plan that runs)
   and on two levels (2 machines x 2 workers, default options);
 - predicted_stage_ms / measured_stage_ms: each stage rank's busy time per step of the 2-stage run
@@ -42,8 +49,9 @@ from model_parallel.fileio import atomic_write_json  # noqa: E402
 from model_parallel.graph.plan import Hierarchy, write_plan  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
 from model_parallel.optimizer.partition import partition  # noqa: E402
-from model_parallel.profiler.api import profile  # noqa: E402
+from model_parallel.profiler.api import output_dicts, profile  # noqa: E402
 from model_parallel.profiler.timing import time_training_step  # noqa: E402
+from model_parallel.profiler.trace import flat_inputs, split_inputs, trace_model  # noqa: E402
 from support import hf_worker  # noqa: E402
 from support.hf_zoo import CASES  # noqa: E402
 
@@ -51,7 +59,8 @@ MICRO = hf_worker.BATCH // hf_worker.MICROBATCHES
 WARMUP_STEPS = 2
 
 
-def prepare(name: str, quick: bool, calibration: Any, workdir: Path) -> dict[str, Any]:
+def prepare(name: str, quick: bool, calibration: Any, workdir: Path, clock: str = "wall", timing: str = "auto",
+            stages: bool = True, rounds: int = 5) -> dict[str, Any]:
     """Profile, time plain steps, partition (1 and 2 levels), predict the 2-stage plan's stage times."""
     from model_parallel.optimizer.fidelity import predict_stage_ms
 
@@ -59,13 +68,48 @@ def prepare(name: str, quick: bool, calibration: Any, workdir: Path) -> dict[str
     model, example = case.build(), case.example(MICRO)
     target = case.data.batch(0)[1][:MICRO]
     loss_fn = lambda out: case.loss(out, target)  # noqa: E731
-    started = time.perf_counter()
-    graph = profile(model, example, loss_fn, warmup=0 if quick else 1, iterations=1 if quick else 5)
-    profile_s = time.perf_counter() - started
     inputs = [example] if isinstance(example, dict) else list(example)
-    step = _plain_step_ms(model, inputs, loss_fn, 3 if quick else 9)
+    count = 3 if quick else 9
+    load_before = os.getloadavg()[0]
+    # Rounds interleave plain steps and profiles: each profile is compared with the plain steps just
+    # before and after it (load on a shared machine drifts within seconds), and the median of those
+    # paired ratios is the accuracy. The profile whose sum is the rounds' median is kept whole.
+    # The same steps of the traced graph (its GraphModule's generated code: no eager Python between
+    # the operators, what stage code runs): sum / that step separates profiler error from the glue.
+    traced, traced_inputs = _traced(model, example)
+    chunks = [_plain_steps_ms(model, inputs, loss_fn, count, clock)]
+    graph_chunks = [_plain_steps_ms(traced, traced_inputs, loss_fn, count, clock)]
+    graphs, profile_s, ratios, graph_ratios = [], [], [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        graphs.append(profile(model, example, loss_fn, warmup=0 if quick else 1, iterations=1 if quick else 5,
+                              clock=clock, timing=timing))
+        profile_s.append(time.perf_counter() - started)
+        chunks.append(_plain_steps_ms(model, inputs, loss_fn, count, clock))
+        graph_chunks.append(_plain_steps_ms(traced, traced_inputs, loss_fn, count, clock))
+        ratios.append(_sum_ms(graphs[-1]) / statistics.median(chunks[-2] + chunks[-1]))
+        graph_ratios.append(_sum_ms(graphs[-1]) / statistics.median(graph_chunks[-2] + graph_chunks[-1]))
+    steps = [t for chunk in chunks for t in chunk]
+    step = statistics.median(steps)
+    graph = sorted(graphs, key=_sum_ms)[len(graphs) // 2]
+    meta = graph.metadata["profile"]
     nodes_ms = sum(n.forward_ms + n.backward_ms for n in graph.nodes)
-    loss_ms = graph.metadata["profile"]["loss_forward_ms"] + graph.metadata["profile"]["loss_backward_ms"]
+    loss_ms = meta["loss_forward_ms"] + meta["loss_backward_ms"]
+    row = {"model": name, "nodes": len(graph.nodes), "clock": clock, "timing": meta["timing"],
+           "profile_s": round(statistics.median(profile_s), 2), "rounds": rounds,
+           "sum_of_nodes_ms_rounds": [round(_sum_ms(g), 3) for g in graphs], "sum_of_nodes_ms": round(nodes_ms + loss_ms, 3),
+           "sum_forward_ms": round(sum(n.forward_ms for n in graph.nodes), 3),
+           "sum_backward_ms": round(sum(n.backward_ms for n in graph.nodes), 3), "loss_ms": round(loss_ms, 3),
+           "measured_step_ms": round(step, 3), "measured_step_ms_all": [round(t, 3) for t in steps],
+           "instrumented_step_ms": round(meta.get("instrumented_step_ms", float("nan")), 3),
+           "overhead_subtracted_ms": meta["overhead_subtracted_ms"],
+           "profile_accuracy": round(statistics.median(ratios), 3),
+           "profile_accuracy_rounds": [round(r, 3) for r in ratios],
+           "graph_step_ms": round(statistics.median([t for c in graph_chunks for t in c]), 3),
+           "profile_accuracy_vs_graph_step": round(statistics.median(graph_ratios), 3),
+           "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    if not stages:
+        return row
     started = time.perf_counter()
     plan = partition(graph, Hierarchy.from_lists([2]), PartitionOptions(straight_pipeline=True, cuts="topological"))
     one_level = time.perf_counter() - started
@@ -75,25 +119,44 @@ def prepare(name: str, quick: bool, calibration: Any, workdir: Path) -> dict[str
     write_plan(plan, workdir / f"{name}.plan.json")
     predicted = predict_stage_ms(graph, plan, num_microbatches=hf_worker.MICROBATCHES, calibration=calibration,
                                  optimizer="sgd")
-    return {"model": name, "nodes": len(graph.nodes), "profile_s": round(profile_s, 2),
-            "sum_of_nodes_ms": round(nodes_ms + loss_ms, 3), "measured_step_ms": round(step, 3),
-            "profile_accuracy": round((nodes_ms + loss_ms) / step, 3),
-            "partition_s": {"1_level": round(one_level, 3), "2_levels": round(two_levels, 3)},
+    return {**row, "partition_s": {"1_level": round(one_level, 3), "2_levels": round(two_levels, 3)},
             "stage_nodes": [len(s.node_ids) for s in plan.stages],
             "predicted_stage_ms": [round(p.total_ms, 3) for p in predicted]}
 
 
-def _plain_step_ms(model: torch.nn.Module, inputs: list, loss_fn: Any, count: int) -> float:
+class _Traced(torch.nn.Module):
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *values: Any) -> Any:
+        return output_dicts(self.gm.forward(*values))  # .forward: export's input-spec pre-hook wants keywords
+
+
+def _traced(model: torch.nn.Module, example: Any) -> tuple[torch.nn.Module, list]:
+    args, kwargs = split_inputs(example)
+    with torch.enable_grad():
+        _, gm = trace_model(model, args, example_kwargs=kwargs)
+    return _Traced(gm), list(flat_inputs(args, kwargs))
+
+
+def _sum_ms(graph: Any) -> float:
+    """Nodes' forward + backward and the loss: what a profile says one training step costs."""
+    meta = graph.metadata["profile"]
+    return sum(n.forward_ms + n.backward_ms for n in graph.nodes) + meta["loss_forward_ms"] + meta["loss_backward_ms"]
+
+
+def _plain_steps_ms(model: torch.nn.Module, inputs: list, loss_fn: Any, count: int, clock: str) -> list[float]:
     if isinstance(inputs[0], dict):  # keyword inputs: time_training_step calls model(*inputs)
         kwargs = inputs[0]
         wrapped = _Keywords(model, list(kwargs))
         inputs = list(kwargs.values())
         model = wrapped
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    times = time_training_step(model, inputs, loss_fn, torch.device("cpu"), count + 1)[1:]  # the first warms up
+    times = time_training_step(model, inputs, loss_fn, torch.device("cpu"), count + 1, clock)[1:]  # the first warms up
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return times
 
 
 class _Keywords(torch.nn.Module):
@@ -132,6 +195,12 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--calibration", default=None, help="a calibration JSON (model-parallel calibrate); default: measure one")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="'cpu' counts this process's CPU time only (profile and plain steps): for a shared machine")
+    parser.add_argument("--timing", choices=("auto", "insitu", "replay"), default="auto", help="the profiler's timing method")
+    parser.add_argument("--rounds", type=int, default=5, help="profiles per model, interleaved with plain steps")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="accuracy rows only: no partitioning and no 2-rank training run")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "models.json"))
     args = parser.parse_args()
     names = args.models.split(",")
@@ -144,12 +213,25 @@ def main() -> int:
     from model_parallel.optimizer.fidelity import Calibration
 
     load_before = os.getloadavg()[0]
+    if args.profile_only:
+        rows = [prepare(name, args.quick, None, Path("."), args.clock, args.timing, stages=False, rounds=args.rounds) for name in names]
+        atomic_write_json(Path(args.out), {"rows": rows, "quick": args.quick, "profile_only": True,
+                                           "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                                           "cpus": os.cpu_count(), "torch": torch.__version__})
+        print(f"{'model':13s} {'nodes':>5s} {'timing':>7s} {'clock':>5s} {'nodes ms':>9s} {'step ms':>8s} {'accuracy':>8s} "
+              f"{'graph step':>10s} {'vs graph':>8s}  load")
+        for row in rows:
+            print(f"{row['model']:13s} {row['nodes']:5d} {row['timing']:>7s} {row['clock']:>5s} {row['sum_of_nodes_ms']:9.3f} "
+                  f"{row['measured_step_ms']:8.3f} {row['profile_accuracy']:8.3f} {row['graph_step_ms']:10.3f} "
+                  f"{row['profile_accuracy_vs_graph_step']:8.3f}  {row['load_average_1min']}")
+        print(f"wrote {args.out}")
+        return 0
     if args.calibration:
         calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)
     else:
         calibration = calibrate(timeout=args.timeout)
     with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:
-        rows = [prepare(name, args.quick, calibration, Path(tmp)) for name in names]
+        rows = [prepare(name, args.quick, calibration, Path(tmp), args.clock, args.timing, rounds=args.rounds) for name in names]
         measured = measure(names, Path(tmp), args.timeout)
     for row in rows:
         row["measured_stage_ms"] = measured[row["model"]]

@@ -50,6 +50,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="'cpu' counts this process's CPU time only: use it on a machine shared with busy processes")
+    parser.add_argument("--timing", choices=("auto", "insitu", "replay"), default="insitu",
+                        help="node timing: 'insitu' (CPU only; default), 'replay', or 'auto' (what the command line uses: replay, resumable)")
     parser.add_argument("-o", "--output", type=Path, default=RESULTS)
     return parser.parse_args(argv)
 
@@ -58,7 +60,7 @@ def run_row(arch: str, size: int, args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     _, summary = profile_arch(arch, args.batch_size, size, device=args.device, warmup=args.warmup,
                               iterations=args.iterations, num_classes=1000, step_iterations=args.step_iterations,
-                              rounds=args.rounds, clock=args.clock)
+                              rounds=args.rounds, clock=args.clock, node_timing=args.timing)
     return {
         "model": arch,
         "image_size": size,
@@ -97,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "settings": {
             "quick": args.quick, "threads": args.threads, "rounds": args.rounds, "warmup": args.warmup,
             "iterations": args.iterations, "step_iterations": args.step_iterations, "device": args.device,
-            "clock": args.clock, "accuracy_bar": [LOW, HIGH],
+            "clock": args.clock, "timing": args.timing, "accuracy_bar": [LOW, HIGH],
         },
         "environment": {
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),

@@ -16,7 +16,9 @@ from model_parallel.models import TinyGPT
 from model_parallel.models.gpt import lm_loss
 from model_parallel.profiler import api
 from model_parallel.profiler.image_classification.main import build_model
-from model_parallel.profiler.timing import HarnessOverhead, Replay
+from model_parallel.profiler.insitu import Instrumentation, run_steps
+from model_parallel.profiler.timing import HarnessOverhead, Replay, time_training_step
+from model_parallel.profiler.trace import trace_model
 
 FAST = {"warmup": 0, "iterations": 1}
 
@@ -257,11 +259,16 @@ class TwoProbes(nn.Module):
 
 def test_gradients_flow_only_where_training_computes_them():
     model = TwoProbes()
-    model_parallel.profile(model, (torch.randn(2, 3),), warmup=1, iterations=2, leaf_modules=[Probe])
+    model_parallel.profile(model, (torch.randn(2, 3),), warmup=1, iterations=2, leaf_modules=[Probe], timing="replay")
     # one shape-recording run, then 3 replays and the real forward: the input image tracks no gradient,
     # values computed from parameters do.
     assert model.first.seen == [False] * 5
     assert model.second.seen == [False] + [True] * 3 + [False]
+    model = TwoProbes()
+    model_parallel.profile(model, (torch.randn(2, 3),), warmup=1, iterations=2, leaf_modules=[Probe], timing="insitu")
+    # in situ: the shape-recording run, then 3 real training steps with autograd on
+    assert model.first.seen == [False] * 4
+    assert model.second.seen == [False] + [True] * 3
 
 
 def test_replay_handles_inplace_ops_and_non_differentiable_outputs():
@@ -342,3 +349,100 @@ def test_cpu_clock_profiles_and_rejects_bad_clocks():
         model_parallel.profile(model, (torch.randn(2, 4, 8, 8),), clock="gpu", **FAST)
     with pytest.raises(ValueError, match=r"clock 'cpu' .* cannot time cuda kernels"):
         Replay(torch.device("cuda"), warmup=0, iterations=1, clock="cpu")
+
+
+# ---- in-situ timing (the default on CPU) ------------------------------------------------------------
+class ForkAndSplit(nn.Module):
+    """A fork (x feeds fc1 and the add), an in-place ReLU, a multi-output op with getitems."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(self.relu(self.fc1(x)) + x)
+        a, b = h.chunk(2, dim=1)
+        return a * b
+
+
+def test_insitu_intervals_cover_the_backward_pass_and_every_node_that_has_backward_work():
+    model = ForkAndSplit()
+    model.fc1.weight.grad = torch.full_like(model.fc1.weight, 0.5)  # an existing gradient must survive
+    graph, gm = trace_model(model, (torch.randn(4, 8),), route="fx")
+    timed = {n.node_id for n in graph.nodes if n.layer.op.startswith("call") and n.layer.outputs}
+    result = run_steps(gm, (torch.randn(4, 8),), lambda out: out.sum(), timed, warmup=1, iterations=1,
+                       clock="cpu", instrumentation=Instrumentation())
+    assert set(result.timings) == timed
+    # who owns which autograd Node: parameters' ops, the in-place ReLU, the add at the fork, chunk;
+    # getitem only picks an output of chunk's (its grad_fn is chunk's)
+    for name in ("fc1", "relu", "add", "fc2", "chunk", "mul"):
+        assert result.grad_fns[name] >= 1, name
+        assert result.timings[name].backward_ms > 0, name
+    assert result.grad_fns["getitem"] == result.grad_fns["getitem_1"] == 0
+    # the stamps cut the backward pass into intervals: nodes plus loss are exactly the whole pass,
+    # and the forward windows are disjoint parts of the rest of the step
+    backward = sum(t.backward_ms for t in result.timings.values()) + result.loss.backward_ms
+    assert backward == pytest.approx(result.backward_ms, rel=1e-9, abs=1e-9)
+    forward = sum(t.forward_ms for t in result.timings.values()) + result.loss.forward_ms
+    assert 0 < forward <= result.step_ms - result.backward_ms
+    assert torch.equal(model.fc1.weight.grad, torch.full_like(model.fc1.weight, 0.5))
+    assert model.fc2.weight.grad is None
+
+
+def test_insitu_is_the_default_on_cpu_and_replay_stays_available():
+    model = ForkAndSplit()
+    x = torch.randn(4, 8)
+    insitu = model_parallel.profile(model, (x,), lambda out: out.sum(), **FAST)
+    meta = insitu.metadata["profile"]
+    assert meta["timing"] == "insitu" and meta["instrumented_step_ms"] > 0
+    assert insitu["fc1"].backward_ms > 0 and insitu["fc2"].forward_ms > 0
+    replay = model_parallel.profile(model, (x,), lambda out: out.sum(), timing="replay", **FAST)
+    assert replay.metadata["profile"]["timing"] == "replay" and replay["fc1"].backward_ms > 0
+    assert "instrumented_step_ms" not in replay.metadata["profile"]
+    with pytest.raises(ProfileError, match=r"timing must be one of auto, insitu, replay, got 'isolated'"):
+        model_parallel.profile(model, (x,), timing="isolated", **FAST)
+    assert api.timing_mode("auto", torch.device("cuda")) == "replay"
+    # a store resumes node by node (the image-classification command line): only replays time node by node
+    assert api.timing_mode("auto", torch.device("cpu"), resumable=True) == "replay"
+    assert api.timing_mode("insitu", torch.device("cpu"), resumable=True) == "insitu"
+    with pytest.raises(ProfileError, match=r"timing='insitu' runs on CPU only \(got device cuda\)"):
+        api.timing_mode("insitu", torch.device("cuda"))
+
+
+def test_insitu_node_times_add_up_to_a_training_step_of_large_operators():
+    # Operators of milliseconds each (so neither instrumentation nor the Python between them matters)
+    # and CPU time (other processes' load is not counted): the sum lands near a plain step. The bar is
+    # wide on purpose; bench/models.py and bench/profiler.py hold the accuracy numbers.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 384), nn.GELU(), nn.Linear(384, 384), nn.GELU(), nn.Linear(384, 10))
+    x, y = torch.randn(512, 384), torch.randint(0, 10, (512,))
+    loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    graph = model_parallel.profile(model, (x,), loss_fn, warmup=1, iterations=3, clock="cpu")
+    steps = time_training_step(model, (x,), loss_fn, torch.device("cpu"), 6, "cpu")[1:]
+    model.zero_grad(set_to_none=True)
+    meta = graph.metadata["profile"]
+    total = graph.total_compute_ms + meta["loss_forward_ms"] + meta["loss_backward_ms"]
+    ratio = total / sorted(steps)[len(steps) // 2]
+    assert 0.7 < ratio < 1.4, (total, steps)
+    # most of a step is the three matmuls: each owns its weight gradient's work
+    assert all(graph[n].backward_ms > 0.5 * graph[n].forward_ms for n in ("_0", "_2"))
+
+
+def test_insitu_times_an_exported_transformer_operator_by_operator():
+    from support.hf_zoo import CASES  # transformers: imported only by the test that needs it
+
+    case = CASES["gpt2"]
+    model, example = case.build(), case.example(2)
+    target = case.data.batch(0)[1][:2]
+    before = snapshot(model)
+    graph = model_parallel.profile(model, example, lambda out: case.loss(out, target), warmup=1, iterations=1)
+    assert graph.metadata["route"] == "export" and graph.metadata["profile"]["timing"] == "insitu"
+    # every ATen operator that reads a weight (addmm, embedding, layer_norm) computes its gradient in backward
+    weights = [n.node_id for n in graph.nodes if n.layer.op == "get_attr" and n.parameter_size > 0]
+    readers = {user for w in weights for user in graph.successors[w]}
+    assert len(weights) >= 10 and len(readers) >= 10
+    for node_id in readers:
+        assert graph[node_id].forward_ms > 0 and graph[node_id].backward_ms > 0, node_id
+    assert all(n.compute_ms == 0 for n in graph.nodes if n.layer.op in ("placeholder", "get_attr"))
+    assert_unchanged(model, before)

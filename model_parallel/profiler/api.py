@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph
+from model_parallel.profiler.insitu import Instrumentation, calibrate_instrumentation, run_steps
 from model_parallel.profiler.layer_by_layer import LayerWalk, refuse_meta
 from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, tensors_in
 from model_parallel.graph.arguments import OutputDict
@@ -64,6 +65,46 @@ def harness_overhead(device: torch.device, clock: str = "wall") -> HarnessOverhe
     overhead = calibrate_overhead(device, clock=clock)
     logger.info("replay overhead per node on %s: forward %.4f ms, backward %.4f ms", device, overhead.forward_ms, overhead.backward_ms)
     return overhead
+
+
+@functools.lru_cache(maxsize=None)
+def instrumentation_cost(clock: str = "wall") -> Instrumentation:
+    """The in-situ instrumentation's per-window and per-hook cost, measured once per process (about 0.1 s)."""
+    cost = calibrate_instrumentation(clock)
+    logger.info("in-situ instrumentation (%s clock): forward window %.4f ms, backward hook %.4f ms", clock, cost.forward_ms, cost.backward_ms)
+    return cost
+
+
+TIMINGS = ("auto", "insitu", "replay")
+
+
+def timing_mode(timing: str, device: torch.device, resumable: bool = False) -> str:
+    """"auto": in situ on CPU, isolated replay on other devices (in-situ timing is CPU-only, see
+    profiler.insitu) and where a `store` resumes node by node (`resumable`: in-situ steps time every
+    node at once, so an interrupted in-situ profile resumes only once all nodes were timed)."""
+    if timing not in TIMINGS:
+        raise ProfileError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    if timing == "insitu" and device.type != "cpu":
+        raise ProfileError(f"timing='insitu' runs on CPU only (got device {device}); use timing='replay' or 'auto'")
+    if timing == "auto":
+        return "insitu" if device.type == "cpu" and not resumable else "replay"
+    return timing
+
+
+def _time_in_situ(gm: fx.GraphModule, graph: Graph, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
+                  warmup: int, iterations: int, clock: str, cost: Instrumentation, known: Mapping[str, NodeTiming],
+                  store: Optional[TimingStore], bar: tqdm) -> tuple[dict[str, NodeTiming], NodeTiming, Optional[float]]:
+    """Node timings from real training steps of `gm` (see profiler.insitu); the loss's; the instrumented step ms."""
+    timed = {n.node_id for n in graph.nodes
+             if n.layer.op in ("call_function", "call_method", "call_module") and n.layer.outputs}
+    if timed and timed <= set(known):  # an interrupted run timed them all: nothing left to measure
+        return {k: v for k, v in known.items() if k in timed}, NodeTiming(0.0, 0.0), None
+    result = run_steps(gm, inputs, loss_fn, timed, warmup=warmup, iterations=iterations, clock=clock,
+                       instrumentation=cost, wrap_output=output_dicts, on_step=lambda: bar.update(1))
+    if store is not None:
+        for node_id, node_timing in result.timings.items():
+            store.record(node_id, node_timing)
+    return result.timings, result.loss, result.step_ms
 
 
 @contextmanager
@@ -172,6 +213,7 @@ def profile(
     progress: bool = False,
     clock: str = "wall",
     store: Optional[TimingStore] = None,
+    timing: str = "auto",
     layer_by_layer: bool = False,
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
@@ -182,9 +224,12 @@ def profile(
     Face and timm models need no wrapper. A dict output (a ModelOutput) reaches `loss_fn` as an
     `OutputDict`, so `out.logits` works.
 
-    One node per torch.fx node; each node's `forward_ms` / `backward_ms` is the median of `iterations`
-    isolated replays (after `warmup` untimed ones) at this batch size, minus the replay's fixed
-    per-call cost (`subtract_overhead`). `loss_fn(output) -> scalar` is timed too, into
+    One node per torch.fx node; each node's `forward_ms` / `backward_ms` at this batch size is, with
+    `timing="insitu"` (the default on CPU without a `store`), its median over `iterations` real training steps of the
+    traced model (after `warmup` untimed ones), timed in place (`profiler.insitu`); with
+    `timing="replay"` (the default elsewhere) the median of `iterations` isolated replays of the node.
+    `subtract_overhead` subtracts the measured cost of the instrumentation (in-situ) or of the
+    replay harness (replay). `loss_fn(output) -> scalar` is timed too, into
     `graph.metadata["profile"]["loss_forward_ms" / "loss_backward_ms"]` (it is not a graph node).
     `device`: None = where the model is; "auto" = cuda if available; else a torch device (the model is
     moved there for profiling and back afterwards). The model is left exactly as it was: parameters,
@@ -194,8 +239,9 @@ def profile(
     `store`: keeps each node's timing as it is measured and supplies the ones an interrupted run
     already measured (those nodes are not replayed); see `TimingStore`.
     `layer_by_layer`: for a model larger than one device, or built under `torch.device("meta")`: traced
-    on meta, each node timed with only its own tensors materialized (`profiler.layer_by_layer`); the
-    model is never moved. `device` None is then where the model's real tensors are, else the CPU.
+    on meta, each node timed by isolated replay with only its own tensors materialized
+    (`profiler.layer_by_layer`; in-situ timing needs the whole model); the model is never moved.
+    `device` None is then where the model's real tensors are, else the CPU.
     """
     if warmup < 0 or iterations < 1:
         raise ProfileError(f"need warmup >= 0 and iterations >= 1, got warmup={warmup}, iterations={iterations}")
@@ -203,11 +249,15 @@ def profile(
         if layer_by_layer else None
     if walk is None:
         refuse_meta(model)
+    elif timing == "insitu":
+        raise ProfileError("layer_by_layer=True times each node alone (replay): in-situ timing runs whole training "
+                           "steps, which needs the whole model; use timing='auto' or 'replay'")
     target = walk.device if walk is not None else resolve_device(device, model)
     try:
         check_clock(clock, target)
     except ValueError as error:
         raise ProfileError(str(error)) from None
+    mode = "replay" if walk is not None else timing_mode(timing, target, resumable=store is not None)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     args, kwargs = to_device(args, target), to_device(kwargs, target)
     started = time.perf_counter()
@@ -217,22 +267,34 @@ def profile(
         with torch.enable_grad():
             graph, gm = walk.trace(args, kwargs, leaf_modules, route) if walk is not None else \
                 trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
-        overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
-        replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
         known = dict(store.begin(graph)) if store is not None else {}
-        bar = tqdm(total=len(graph), desc=f"timing {graph.metadata.get('model', 'model')} nodes", unit="node",
-                   disable=not progress, leave=progress, file=sys.stderr)
-        try:
-            interpreter = (walk.interpreter(_TimingInterpreter) if walk is not None else _TimingInterpreter)(
-                gm, graph, replay, bar, store, known)
-            output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))
-        finally:
-            bar.close()
-        loss_timing = NodeTiming(0.0, 0.0)
-        if loss_fn is not None:
-            with torch.enable_grad():
-                loss_timing = replay.time(lambda p: loss_fn(p["output"]), {"output": (output, True)})
-    timings = interpreter.timings
+        instrumented_step_ms: Optional[float] = None
+        if mode == "insitu":
+            cost = instrumentation_cost(clock) if subtract_overhead else Instrumentation()
+            overhead = HarnessOverhead(cost.forward_ms, cost.backward_ms)
+            bar = tqdm(total=warmup + iterations, desc=f"timing {graph.metadata.get('model', 'model')} training steps",
+                       unit="step", disable=not progress, leave=progress, file=sys.stderr)
+            try:
+                timings, loss_timing, instrumented_step_ms = _time_in_situ(
+                    gm, graph, flat_inputs(args, kwargs), loss_fn, warmup, iterations, clock, cost, known, store, bar)
+            finally:
+                bar.close()
+        else:
+            overhead = harness_overhead(target, clock) if subtract_overhead else HarnessOverhead()
+            replay = Replay(target, warmup=warmup, iterations=iterations, overhead=overhead, clock=clock)
+            bar = tqdm(total=len(graph), desc=f"timing {graph.metadata.get('model', 'model')} nodes", unit="node",
+                       disable=not progress, leave=progress, file=sys.stderr)
+            try:
+                interpreter = (walk.interpreter(_TimingInterpreter) if walk is not None else _TimingInterpreter)(
+                    gm, graph, replay, bar, store, known)
+                output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))
+            finally:
+                bar.close()
+            loss_timing = NodeTiming(0.0, 0.0)
+            if loss_fn is not None:
+                with torch.enable_grad():
+                    loss_timing = replay.time(lambda p: loss_fn(p["output"]), {"output": (output, True)})
+            timings = interpreter.timings
     nodes = tuple(
         replace(node, forward_ms=timings[node.node_id].forward_ms, backward_ms=timings[node.node_id].backward_ms)
         if node.node_id in timings else node
@@ -246,6 +308,7 @@ def profile(
         "iterations": iterations,
         "num_threads": torch.get_num_threads(),
         "clock": clock,
+        "timing": mode,
         "torch_version": torch.__version__,
         "overhead_subtracted_ms": {"forward": overhead.forward_ms, "backward": overhead.backward_ms},
         "loss_forward_ms": loss_timing.forward_ms,
@@ -254,5 +317,7 @@ def profile(
     }
     if walk is not None:
         metadata["profile"]["layer_by_layer"] = walk.summary()
+    if instrumented_step_ms is not None:  # the whole in-situ step, instrumentation included: what was cut up
+        metadata["profile"]["instrumented_step_ms"] = instrumented_step_ms
     logger.info("profiled %d nodes in %.1f s (sum of layer times %.2f ms)", len(nodes), seconds, sum(n.compute_ms for n in nodes))
     return replace(graph, nodes=nodes, metadata=metadata)

@@ -144,6 +144,7 @@ def profile_arch(
     partial_path: Optional[Path] = None,
     estimate: bool = False,
     force: bool = False,
+    node_timing: str = "auto",
 ) -> tuple[Graph, dict[str, Any]]:
     """Profile one torchvision model and time a plain training step of it; returns (graph, summary).
 
@@ -182,7 +183,7 @@ def profile_arch(
     loss_fn = classification_loss(targets)
     tv = import_torchvision()
     key = {"arch": arch, "batch_size": batch_size, "image_size": image_size, "num_classes": num_classes,
-           "data": data_dir or "synthetic", "device": str(target), "num_threads": threads, "clock": clock,
+           "data": data_dir or "synthetic", "device": str(target), "num_threads": threads, "clock": clock, "timing": node_timing,
            "warmup": warmup, "iterations": iterations, "step_iterations": step_iterations, "rounds": rounds,
            "torch_version": torch.__version__, "torchvision_version": tv.__version__}
     partial = PartialProfile.open(partial_path, key, say)
@@ -204,7 +205,8 @@ def profile_arch(
                 model.zero_grad(set_to_none=True)
                 started = clock_seconds(clock)
                 graphs.append(profile(model, (images,), loss_fn, warmup=warmup, iterations=iterations,
-                                      device=target, progress=progress, clock=clock, store=partial.round(index)))
+                                      device=target, progress=progress, clock=clock, store=partial.round(index),
+                                      timing=node_timing))
                 profile_seconds.append(clock_seconds(clock) - started)
                 step_times += _timed_steps(model, images, loss_fn, target, step_iterations, clock, partial, index + 1,
                                            rounds, progress)
