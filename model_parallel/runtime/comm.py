@@ -157,6 +157,7 @@ class _Known:
     entries: tuple[dict[str, Any], ...]  # the parsed header (not mutated)
     tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
     size: int  # bytes of the packed buffer, prefix included
+    structure: Any = None  # the header's structure entry, parsed once (not per message)
 
 
 def _wire(name: Any) -> torch.dtype:
@@ -177,7 +178,7 @@ def _known(data: bytes, header: list[dict[str, Any]]) -> _Known:
             nbytes = math.prod(shape) * dtype.itemsize
             tensors.append((offset, shape, dtype, nbytes))
             offset = _aligned(offset + nbytes)
-    return _Known(data, tuple(header), tuple(tensors), offset)
+    return _Known(data, tuple(header), tuple(tensors), offset, _structure(header))
 
 
 class HeaderCache:
@@ -201,7 +202,8 @@ def _prefix(buffer: torch.Tensor, value: int) -> None:
 
 
 def _read_prefix(buffer: torch.Tensor) -> int:
-    return int.from_bytes(buffer[:8].cpu().numpy().tobytes(), "little")
+    prefix = buffer[:8] if buffer.device.type == "cpu" else buffer[:8].cpu()
+    return int.from_bytes(prefix.numpy().tobytes(), "little")
 
 
 def _pack(tensors: list[torch.Tensor], known: _Known, device: torch.device) -> torch.Tensor:
@@ -351,7 +353,7 @@ class PendingRecv:
         assert self.cache is not None
         size = _read_prefix(self.slot)
         if size == 0 and self.known is not None:
-            self.structure = _structure(list(self.known.entries))
+            self.structure = self.known.structure
             return _unpack(self.slot, self.known, self.device)
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
