@@ -210,6 +210,21 @@ def test_a_bf16_model_output_in_a_dict_becomes_float32_wherever_it_sits() -> Non
     assert got.extra[1] == 3 and got.ids.dtype == torch.int64  # was AttributeError: 'OutputDict' has no .float()
 
 
+def test_bf16_crossing_rounds_float32_values_and_their_gradients_like_the_wire() -> None:
+    # What a bf16 pipeline does at a cut (comm.py: float32 travels as bf16, widened back; its gradient
+    # likewise), single-process mode does with `cross`: the oracle and the pipeline round alike.
+    x = torch.tensor([1.0 + 2.0 ** -10, 3.0], requires_grad=True)  # 1 + 2^-10 is not a bf16 value
+    half = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.arange(2)
+    ((y, (h, i)),) = cross([(x * 1.0, (half * 1.0, ids))], ["out"], torch.bfloat16)
+    assert y.dtype == torch.float32 and torch.equal(y.detach(), torch.tensor([1.0, 3.0]))
+    assert h.dtype == torch.bfloat16 and i is ids  # already bf16 / not floating point: as they are
+    y.backward(torch.tensor([1.0 + 2.0 ** -10, 1.0]))
+    assert torch.equal(x.grad, torch.tensor([1.0, 1.0]))  # the gradient crossed back rounded too
+    exact, = cross([x * 1.0], ["out"])
+    assert torch.equal(exact.detach(), x.detach())  # without a wire dtype nothing changes
+
+
 # ---- (d) Hugging Face GPT-2 cut inside a block, where `split`'s list crosses ------------------------------------
 class _Tokens:
     batch_size = 4

@@ -65,3 +65,55 @@ def test_cached_headers_survive_shape_and_value_changes(tmp_path: Path) -> None:
     port = free_port()
     result = launch([[sys.executable, str(script), str(rank), str(port)] for rank in range(2)], timeout=60)
     assert result.ok, result.summary()
+
+
+# bf16 training: float32 values travel as bf16 (half the bytes) and arrive rounded, widened back to
+# float32 with their requires_grad; integer tensors and values past `num_wire` (a target) travel
+# exactly. Both paths: with the header cache (the engine's) and without.
+_WIRE_WORKER = r'''
+import sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from model_parallel.runtime import comm
+
+torch.set_num_threads(1)
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64, 256, generator=g).requires_grad_()  # float32: 65536 bytes, 32768 as bf16
+exempt = torch.randn(8, generator=g)                      # past num_wire: exact (a float target)
+values = [x, torch.arange(5), exempt]
+nbytes = {}
+for cache in (None, comm.HeaderCache()):
+    for wire in (None, None, torch.bfloat16, torch.bfloat16, None):  # header changes both ways
+        if rank == 0:
+            handle = comm.send_values(values, 1, comm.TAG_ACTIVATION, cache=cache, stream=0, wire_dtype=wire, num_wire=2)
+            handle.wait(30)
+            nbytes.setdefault((cache is not None, wire), []).append(handle.nbytes)
+        else:
+            got = comm.PendingRecv(0, comm.TAG_ACTIVATION, cache=cache, stream=0).wait(30)
+            want = x.detach().to(torch.bfloat16).float() if wire is not None else x.detach()
+            assert got[0].dtype == torch.float32 and got[0].requires_grad and got[0].is_leaf, got[0]
+            assert torch.equal(got[0].detach(), want), (wire, cache)
+            assert not torch.equal(want, x.detach()) or wire is None  # the rounding is visible
+            assert torch.equal(got[1], torch.arange(5)) and torch.equal(got[2], exempt), (wire, cache)
+if rank == 0:
+    # steady state with the cache: one packed transfer, 16-byte prefix + each tensor 16-byte aligned
+    full, half = min(nbytes[(True, None)]), min(nbytes[(True, torch.bfloat16)])
+    assert full == 16 + 65536 + 48 + 32 and half == 16 + 32768 + 48 + 32, (full, half)
+    uncached_full, uncached_half = min(nbytes[(False, None)]), min(nbytes[(False, torch.bfloat16)])
+    assert uncached_full - uncached_half == 32768, (uncached_full, uncached_half)
+    print("bytes", full, half, uncached_full, uncached_half, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_bf16_wire_halves_the_bytes_and_arrives_rounded_in_float32(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(_WIRE_WORKER)
+    port = free_port()
+    result = launch([[sys.executable, str(script), str(rank), str(port)] for rank in range(2)], timeout=60)
+    assert result.ok, result.summary()

@@ -63,8 +63,11 @@ JOBS = [
     _job("mlp2_replicas_across_servers", "mlp", 3, "--plan", "{interleaved_plan}", "--num_microbatches", "2"),
     _job("gpt3", "gpt", 3, "--num_stages", "3", "--schedule", "gpipe"),
     # bf16 autocast per stage: boundary activations and their gradients cross as bf16 tensors; the
-    # oracle is the same stages under the same autocast in one process (SingleProcessRunner).
+    # oracle is the same stages under the same autocast in one process (SingleProcessRunner). The
+    # MLP's cuts are bf16 already (a Linear under autocast); the GPT's residual stream is float32
+    # there, so it crosses rounded to bf16 both ways, and the oracle rounds at the same cuts.
     _job("mlp3_bf16", "mlp", 3, "--num_stages", "3", "--bf16"),
+    _job("gpt3_bf16", "gpt", 2, "--num_stages", "3", "--bf16", "--schedule", "gpipe"),
     # PipeDream's asynchronous 1F1B with weight stashing: compared with the same semantics run in
     # one process (grid order), see test_pipedream_single_process_semantics for that oracle.
     _job("mlp4_pipedream", "mlp", 3, "--num_stages", "4", "--schedule", "pipedream", "--lr", "0.02"),
@@ -172,6 +175,8 @@ def test_pipeline_matches_single_process(jobs_world, job):
     root, _ = jobs_world
     checkpoint = load_checkpoint(root / job["name"])
     assert checkpoint.extra["next_step"] == job["steps"]
+    if "--bf16" in job["extra"]:  # mixed precision keeps float32 master weights
+        assert {v.dtype for v in checkpoint.params().values()} == {torch.float32}, job["name"]
     _assert_close(job["name"], checkpoint.params(), _reference(job), job["whole_model"])
 
 

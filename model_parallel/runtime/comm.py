@@ -8,6 +8,8 @@ A message is two or three transfers on one tag, in order:
     uint8[n - 1016] only when the header does not fit the slot: the rest of it
                     header JSON: one entry per value
                     {"t": "tensor", "shape": [...], "dtype": "float32", "grad": true}
+                                                     (+ "cast": "float32" when it travels narrowed,
+                                                     see `wire_dtype` below)
                     {"t": "json", "v": <encoded>}    ints, floats, bools, None, tuples/lists,
                                                      torch.Size, torch.dtype, torch.device
                     {"t": "structure", "v": ...}     optional, last: how the flat values nest
@@ -36,6 +38,11 @@ placeholder whose prefix holds the new header's length n, followed by
     uint8[n]        the header JSON
     uint8[size']    the packed tensors in the new layout
 
+A sender may narrow its floating-point tensors to a `wire_dtype` (bf16 training: half the bytes).
+Such a tensor is announced with its wire dtype and `"cast"`: the dtype it had, which the receiver
+restores, so the receiving stage computes on the value rounded to the wire dtype, in its own dtype
+(a single-process run does the same rounding at the cut: `structure.cross`).
+
 Both ends update their cache after each message, so they agree as long as every message sent is
 received (true at every step boundary: the engine drains all its sends and receives per step,
 and every rank clears its cache on `activate`). Every wait has a timeout; a
@@ -55,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
+from model_parallel.runtime.structure import narrowed
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -105,13 +113,23 @@ def decode_value(data: Any, device: Optional[torch.device] = None) -> Any:
     return data
 
 
-def make_header(values: list[Any], structure: Any = None) -> list[dict[str, Any]]:
-    """One entry per value, then the structure's entry when there is one (see the module docstring)."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_header(values: list[Any], structure: Any = None, wire_dtype: Optional[torch.dtype] = None,
+                num_wire: Optional[int] = None) -> list[dict[str, Any]]:
+    """One entry per value, then the structure's entry when there is one (see the module docstring).
+    The first `num_wire` values (None: all) may be narrowed to `wire_dtype`."""
     header = []
-    for value in values:
+    for index, value in enumerate(values):
         if isinstance(value, torch.Tensor):
-            header.append({"t": "tensor", "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
-                           "grad": bool(value.requires_grad)})
+            entry = {"t": "tensor", "shape": list(value.shape), "dtype": _dtype_name(value.dtype),
+                     "grad": bool(value.requires_grad)}
+            if (num_wire is None or index < num_wire) and narrowed(value, wire_dtype):
+                assert wire_dtype is not None
+                entry["dtype"], entry["cast"] = _dtype_name(wire_dtype), entry["dtype"]
+            header.append(entry)
         else:
             header.append({"t": "json", "v": encode_value(value)})
     if structure is not None:
@@ -139,18 +157,28 @@ class _Known:
     entries: tuple[dict[str, Any], ...]  # the parsed header (not mutated)
     tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
     size: int  # bytes of the packed buffer, prefix included
+    structure: Any = None  # the header's structure entry, parsed once (not per message)
+
+
+def _wire(name: Any) -> torch.dtype:
+    """A dtype named in a header; anything else is a protocol error, never an arbitrary torch attribute."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise PeerError(f"a message header names dtype {str(name)[:40]!r}, which is not a torch dtype "
+                        "(are both ranks running the same version of model_parallel?)")
+    return dtype
 
 
 def _known(data: bytes, header: list[dict[str, Any]]) -> _Known:
     offset, tensors = _ALIGN, []
     for entry in header:
         if entry["t"] == "tensor":
-            dtype = getattr(torch, entry["dtype"])
+            dtype = _wire(entry["dtype"])
             shape = tuple(entry["shape"])
             nbytes = math.prod(shape) * dtype.itemsize
             tensors.append((offset, shape, dtype, nbytes))
             offset = _aligned(offset + nbytes)
-    return _Known(data, tuple(header), tuple(tensors), offset)
+    return _Known(data, tuple(header), tuple(tensors), offset, _structure(header))
 
 
 class HeaderCache:
@@ -174,17 +202,26 @@ def _prefix(buffer: torch.Tensor, value: int) -> None:
 
 
 def _read_prefix(buffer: torch.Tensor) -> int:
-    return int.from_bytes(buffer[:8].cpu().numpy().tobytes(), "little")
+    prefix = buffer[:8] if buffer.device.type == "cpu" else buffer[:8].cpu()
+    return int.from_bytes(prefix.numpy().tobytes(), "little")
 
 
 def _pack(tensors: list[torch.Tensor], known: _Known, device: torch.device) -> torch.Tensor:
     """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
     buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
     buffer[:_ALIGN].zero_()
-    for tensor, (offset, _, _, nbytes) in zip(tensors, known.tensors):
-        if nbytes:
-            buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
+        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
+            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
     return buffer
+
+
+def _received(tensor: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
+    """A received tensor as the receiver uses it: widened back to its announced dtype (a copy, so a
+    fresh leaf), floating-point ones with the sender's requires_grad."""
+    if "cast" in entry:
+        tensor = tensor.to(_wire(entry["cast"]))
+    return tensor.requires_grad_(bool(entry["grad"])) if tensor.is_floating_point() else tensor
 
 
 def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[Any]:
@@ -194,16 +231,15 @@ def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[A
     for entry in known.entries:
         if entry["t"] == "tensor":
             offset, shape, dtype, nbytes = next(layout)
-            tensor = buffer[offset:offset + nbytes].view(dtype).view(shape)
-            out.append(tensor.requires_grad_(bool(entry["grad"])) if tensor.is_floating_point() else tensor)
+            out.append(_received(buffer[offset:offset + nbytes].view(dtype).view(shape), entry))
         elif entry["t"] != "structure":
             out.append(decode_value(entry["v"], device))
     return out
 
 
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
-                 stream: Any, structure: Any) -> "SendHandle":
-    header_list = make_header(values, structure)
+                 stream: Any, structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> "SendHandle":
+    header_list = make_header(values, structure, wire_dtype, num_wire)
     header = json.dumps(header_list, separators=(",", ":")).encode()
     tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
     key = (dst, tag, stream)
@@ -228,6 +264,10 @@ class SendHandle:
     works: list[Any]
     buffers: list[torch.Tensor]
     peer: int
+    nbytes: int = 0  # bytes put on the wire (every transfer of the message)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
 
     def wait(self, timeout: float) -> None:
         for work in self.works:
@@ -257,15 +297,19 @@ def start_work(start: Callable[[], Any], peer: int, what: str) -> Any:
 
 
 def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
-                cache: Optional[HeaderCache] = None, stream: Any = None, structure: Any = None) -> SendHandle:
+                cache: Optional[HeaderCache] = None, stream: Any = None, structure: Any = None,
+                wire_dtype: Optional[torch.dtype] = None, num_wire: Optional[int] = None) -> SendHandle:
     """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on. `structure`
     (JSON, see structure.py) travels in the header; the receiver reads it as `PendingRecv.structure`.
+    With `wire_dtype`, the first `num_wire` values (None: all) travel narrowed to it where they are
+    wider floating-point tensors, and arrive rounded, in their own dtype (see the module docstring).
 
     With `cache` the receiver must pass a cache and the same `stream` too (see the module docstring)."""
     device = device or torch.device("cpu")
     if cache is not None:
-        return _send_cached(values, dst, tag, group, device, cache, stream, structure)
-    header = json.dumps(make_header(values, structure), separators=(",", ":")).encode()
+        return _send_cached(values, dst, tag, group, device, cache, stream, structure, wire_dtype, num_wire)
+    header_list = make_header(values, structure, wire_dtype, num_wire)
+    header = json.dumps(header_list, separators=(",", ":")).encode()
     slot = bytearray(SLOT_BYTES)
     slot[:8] = len(header).to_bytes(8, "little")
     head = header[:_SLOT_ROOM]
@@ -273,7 +317,8 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
     buffers = [torch.frombuffer(slot, dtype=torch.uint8).to(device)]
     if len(header) > _SLOT_ROOM:
         buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
-    buffers += [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
+    buffers += [v.detach().to(_wire(e["dtype"])).contiguous() for v, e in zip(values, header_list)
+                if isinstance(v, torch.Tensor)]
     works = [start_work(lambda b=b: dist.isend(b, dst, group=group, tag=tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
 
@@ -308,7 +353,7 @@ class PendingRecv:
         assert self.cache is not None
         size = _read_prefix(self.slot)
         if size == 0 and self.known is not None:
-            self.structure = _structure(list(self.known.entries))
+            self.structure = self.known.structure
             return _unpack(self.slot, self.known, self.device)
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
@@ -349,7 +394,7 @@ class PendingRecv:
         works = []
         for entry in header:
             if entry["t"] == "tensor":
-                tensor = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device=self.device)
+                tensor = torch.empty(entry["shape"], dtype=_wire(entry["dtype"]), device=self.device)
                 works.append(start_work(lambda t=tensor: dist.irecv(t, self.src, group=self.group, tag=self.tag),
                                         self.src, "receive"))
                 values.append((tensor, entry["grad"]))
@@ -360,7 +405,7 @@ class PendingRecv:
         out = []
         for entry, (tensor, extra) in zip(header, values):
             if entry["t"] == "tensor":
-                out.append(tensor.requires_grad_(bool(extra)) if tensor.is_floating_point() else tensor)
+                out.append(_received(tensor, entry))
             else:
                 out.append(extra)
         return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
+
 from model_parallel.errors import ConfigError
 from model_parallel.runtime.update import lr_factor
 
@@ -25,6 +27,9 @@ class TrainConfig:
     schedule: str = "1f1b"  # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py)
     seed: int = 0
     recompute: Union[bool, tuple[int, ...]] = False  # True: every stage; a tuple: those stage ids
+    # bf16: forwards under bf16 autocast (weights and optimizer state stay float32), and float32
+    # boundary activations and their gradients cross stages rounded to bf16 (half the bytes; the
+    # single-process oracle rounds at the same cuts, so both stay exact).
     bf16: bool = False
     clip_grad: Optional[float] = None  # max global gradient norm
     lr_schedule: str = "constant"  # constant | cosine:<total_steps> | warmup:<steps> | step:<every>:<gamma>
@@ -44,6 +49,11 @@ class TrainConfig:
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"clip_grad must be > 0, got {self.clip_grad}; leave it unset to not clip")
         lr_factor(self.lr_schedule, 0)  # validates
+
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype wider floating-point boundary values travel in (None: as they are)."""
+        return torch.bfloat16 if self.bf16 else None
 
     def recompute_stage(self, stage: int) -> bool:
         return self.recompute is True or (isinstance(self.recompute, tuple) and stage in self.recompute)

@@ -10,6 +10,10 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
           k > 0:   isend(input grads) to stage k-1
     wait for every send
 
+Under bf16 (`TrainConfig.wire_dtype`) float32 boundary activations and their gradients travel as
+bf16 and are widened back on arrival: the receiver computes on the rounded value (comm.py); the
+single-process oracle rounds at the same cuts (`structure.cross`). The target is never rounded.
+
 Boundary values travel flat (structure.py): a stage's outputs and the target are flattened into
 their tensors (a module's tuple output, a dict, a ModelOutput: whatever a node produced), the
 structure rides in the message header, and the receiver rebuilds the values around the received
@@ -83,6 +87,7 @@ class StepExecutor:
         self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
         self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
         self.recompute = config.recompute_stage(stage_id)
+        self.wire_dtype = config.wire_dtype  # bf16: float32 boundary values and gradients travel rounded to bf16
         # Boundary values are named by node id in errors (a PipeDream package's stage may have no names).
         names = getattr(stage, "output_names", None)
         self.output_names = (*names, "target") if names is not None else None
@@ -138,9 +143,12 @@ class StepExecutor:
                     outputs = list(compute("forward", j, lambda: self.forward(values, weights))) + [target]
                     names = self.output_names or tuple(f"output {i}" for i in range(len(outputs)))
                     leaves, tree = structure.flatten_values(outputs, names)
+                    # bf16: the stage's outputs may travel narrowed, the target (last) exactly as the data has it.
+                    num_wire = len(leaves) - (1 if isinstance(target, torch.Tensor) else len(structure.flatten(target)[0]))
                     with self.metrics.measure("send", microbatch=j):
                         sends.append(comm.send_values(leaves, self.route(k + 1, j), comm.TAG_ACTIVATION, device=self.device,
-                                                      cache=self.header_cache, stream=j, structure=tree))
+                                                      cache=self.header_cache, stream=j, structure=tree,
+                                                      wire_dtype=self.wire_dtype, num_wire=num_wire))
                     stash[j] = _Stash(inputs, leaves, weights=weights)
             else:
                 entry = stash.pop(j)
@@ -160,7 +168,7 @@ class StepExecutor:
                     grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
                     with self.metrics.measure("send", microbatch=j):
                         sends.append(comm.send_values(grads, self.route(k - 1, j), comm.TAG_GRADIENT, device=self.device,
-                                                      cache=self.header_cache, stream=j))
+                                                      cache=self.header_cache, stream=j, wire_dtype=self.wire_dtype))
                 if self.weight_stash is not None and entry.weights is not None:
                     self.weight_stash.update(step, entry.weights)
         with self.metrics.measure("send"):

@@ -194,8 +194,20 @@ def unflatten(leaves: Sequence[Any], structure: Structure, device: Optional[torc
     return value
 
 
-def cross(values: Sequence[Any], names: Sequence[str]) -> list[Any]:
+def narrowed(value: torch.Tensor, wire_dtype: Optional[torch.dtype]) -> bool:
+    """Whether `value` crosses a boundary as `wire_dtype`: a floating-point tensor wider than it
+    (float32 -> bf16); a bf16 or float16 value, or an integer one, crosses as it is."""
+    return wire_dtype is not None and value.is_floating_point() and value.dtype.itemsize > wire_dtype.itemsize
+
+
+def cross(values: Sequence[Any], names: Sequence[str], wire_dtype: Optional[torch.dtype] = None) -> list[Any]:
     """What the next stage receives for `values` (same tensors, containers rebuilt as the wire rebuilds
-    them): single-process mode runs exactly the values a pipeline would, and refuses the same ones."""
+    them): single-process mode runs exactly the values a pipeline would, and refuses the same ones.
+
+    With `wire_dtype` (bf16 training) a wider floating-point tensor is rounded to it and back, as it
+    is on the wire (comm.py). In autograd this is two casts, so the gradient flowing back through the
+    cut is rounded the same way, as the pipeline sends it: both directions match a pipeline exactly."""
     leaves, structure = flatten_values(values, names)
+    if wire_dtype is not None:
+        leaves = [leaf.to(wire_dtype).to(leaf.dtype) if narrowed(leaf, wire_dtype) else leaf for leaf in leaves]
     return unflatten(leaves, structure)

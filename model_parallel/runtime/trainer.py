@@ -148,7 +148,7 @@ class SingleProcessRunner:
             values: list[Any] = _stage_inputs(self.graph, inputs, mb_inputs)
             for index, stage in enumerate(self.stages):
                 if index > 0:
-                    values = cross(values, self._names(self.stages[index - 1]))
+                    values = cross(values, self._names(self.stages[index - 1]), cfg.wire_dtype)
                 with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
                     if cfg.recompute_stage(index):
                         from torch.utils.checkpoint import checkpoint
