@@ -17,7 +17,7 @@ import model_parallel  # noqa: F401  (installs the torchvision repair: transform
 from model_parallel.codegen.naming import original_state_from_stage
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.arguments import OutputDict
-from model_parallel.runtime import comm
+from model_parallel.runtime import comm, message_header
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.output import float_output
@@ -111,10 +111,10 @@ def test_an_unsupported_value_names_its_type_its_node_and_the_remedy() -> None:
 
 
 def test_comm_headers_carry_the_structure_after_the_flat_values() -> None:
-    header = comm.make_header([torch.zeros(2, requires_grad=True)], {"tuple": [{"leaf": 0}]})
+    header = message_header.make_header([torch.zeros(2, requires_grad=True)], {"tuple": [{"leaf": 0}]})
     assert header[-1] == {"t": "structure", "v": {"tuple": [{"leaf": 0}]}}
     with pytest.raises(comm.PeerError, match=r"nested inside a tuple or list as one message value: flatten"):
-        comm.make_header([(torch.zeros(2, 3),)])
+        message_header.make_header([(torch.zeros(2, 3),)])
 
 
 # ---- (b) a 2-rank gloo world: the tuple and the dict cross between ranks ---------------------------------

@@ -6,14 +6,7 @@ A message is two or three transfers on one tag, in order:
                     bytes of the header (the receiver pre-posts it, so one round trip usually
                     carries the whole description)
     uint8[n - 1016] only when the header does not fit the slot: the rest of it
-                    header JSON: one entry per value
-                    {"t": "tensor", "shape": [...], "dtype": "float32", "grad": true}
-                                                     (+ "cast": "float32" when it travels narrowed,
-                                                     see `wire_dtype` below)
-                    {"t": "json", "v": <encoded>}    ints, floats, bools, None, tuples/lists,
-                                                     torch.Size, torch.dtype, torch.device
-                    {"t": "structure", "v": ...}     optional, last: how the flat values nest
-                                                     (structure.py; the receiver's `structure`)
+                    header JSON: one entry per value (`runtime.message_header`)
     tensors         the tensor values, in order, with the shapes/dtypes the header announced
 
 So nothing about shapes is hard-coded and a boundary may carry any number of values. Small
@@ -62,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.structure import narrowed
+from model_parallel.runtime.message_header import decode_value, make_header, structure_of
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -71,74 +64,6 @@ TAG_MIGRATION = 3
 _MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
 SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
 _SLOT_ROOM = SLOT_BYTES - 8
-
-
-# ---- encoding small values ---------------------------------------------------------------------
-def encode_value(value: Any) -> Any:
-    """A JSON form of a non-tensor boundary value (see module docstring for what is allowed)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Size):
-        return {"size": list(value)}
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"device": value.type}
-    if isinstance(value, tuple):
-        return {"tuple": [encode_value(v) for v in value]}
-    if isinstance(value, list):
-        return [encode_value(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        # A message is flat: callers with nested values flatten them first and send the structure along.
-        raise PeerError(f"cannot send a tensor (shape {list(value.shape)}) nested inside a tuple or list as one "
-                        "message value: flatten nested values with runtime.structure.flatten_values and pass "
-                        "structure= to send_values (StepExecutor does this for stage boundaries)")
-    raise PeerError(f"cannot send a value of type {type(value).__name__} between stages "
-                    "(allowed: tensors, int, float, bool, str, None, tuple/list of them, torch.Size, dtype, device)")
-
-
-def decode_value(data: Any, device: Optional[torch.device] = None) -> Any:
-    """Inverse of `encode_value`; a device is re-localised to the receiver's `device`."""
-    if isinstance(data, list):
-        return [decode_value(v, device) for v in data]
-    if isinstance(data, dict):
-        if "size" in data:
-            return torch.Size(data["size"])
-        if "dtype" in data:
-            return getattr(torch, data["dtype"])
-        if "device" in data:
-            return device if device is not None else torch.device("cpu")
-        if "tuple" in data:
-            return tuple(decode_value(v, device) for v in data["tuple"])
-    return data
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def make_header(values: list[Any], structure: Any = None, wire_dtype: Optional[torch.dtype] = None,
-                num_wire: Optional[int] = None) -> list[dict[str, Any]]:
-    """One entry per value, then the structure's entry when there is one (see the module docstring).
-    The first `num_wire` values (None: all) may be narrowed to `wire_dtype`."""
-    header = []
-    for index, value in enumerate(values):
-        if isinstance(value, torch.Tensor):
-            entry = {"t": "tensor", "shape": list(value.shape), "dtype": _dtype_name(value.dtype),
-                     "grad": bool(value.requires_grad)}
-            if (num_wire is None or index < num_wire) and narrowed(value, wire_dtype):
-                assert wire_dtype is not None
-                entry["dtype"], entry["cast"] = _dtype_name(wire_dtype), entry["dtype"]
-            header.append(entry)
-        else:
-            header.append({"t": "json", "v": encode_value(value)})
-    if structure is not None:
-        header.append({"t": "structure", "v": structure})
-    return header
-
-
-def _structure(header: list[dict[str, Any]]) -> Any:
-    return next((entry["v"] for entry in header if entry.get("t") == "structure"), None)
 
 
 # ---- the header cache (engine hot path) -------------------------------------------------------------
@@ -178,7 +103,7 @@ def _known(data: bytes, header: list[dict[str, Any]]) -> _Known:
             nbytes = math.prod(shape) * dtype.itemsize
             tensors.append((offset, shape, dtype, nbytes))
             offset = _aligned(offset + nbytes)
-    return _Known(data, tuple(header), tuple(tensors), offset, _structure(header))
+    return _Known(data, tuple(header), tuple(tensors), offset, structure_of(header))
 
 
 class HeaderCache:
@@ -365,7 +290,7 @@ class PendingRecv:
             raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
                             "are both ranks running the same version of model_parallel?") from None
         known = self.cache.received[(self.src, self.tag, self.stream)] = _known(data, header)
-        self.structure = _structure(header)
+        self.structure = structure_of(header)
         return _unpack(self._recv(known.size, timeout), known, self.device)
 
     def wait(self, timeout: float) -> list[Any]:
@@ -388,7 +313,7 @@ class PendingRecv:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
                             "are both ranks running the same version of model_parallel?") from None
-        self.structure = _structure(header)
+        self.structure = structure_of(header)
         header = [entry for entry in header if entry["t"] != "structure"]
         values: list[Any] = []
         works = []
