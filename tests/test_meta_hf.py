@@ -2,11 +2,13 @@
 
 `with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)` goes through the torch.export route,
 whose graph reads parameters as bare tensors and writes the traced-on device into operators. Checked
-here: the graph records that device as "run" (no `meta` left for training to run on); a bare tensor
-gets its owning module's reset_parameters() (OPT) or the model's own `_init_weights` through
-`hf_init_weights` (GPT-2's Conv1D, Llama's RMSNorm and rotary table), under the layer's seed, so the
-pipeline equals `materialize_model` + `single_process_reference` whatever the partition; weights from
-`save_pretrained` equal the real model's training; and on 2 ranks each rank holds only its stage.
+here: the graph records that device as "run" (no `meta` left for training to run on); with no
+`init_weights` a bare tensor gets the model's own `_init_weights` (`hf_init_weights`, the default for a
+`PreTrainedModel`: GPT-2's Conv1D, Llama's RMSNorm and rotary table have no reset_parameters()), under
+the layer's seed, so the pipeline equals `materialize_model` + `single_process_reference` whatever the
+partition; an explicit `init_weights` overrides it; weights from `save_pretrained` equal the real
+model's training (Llama's rotary table, in no weight file, by the default rule); and on 2 ranks each
+rank holds only its stage.
 """
 from __future__ import annotations
 
@@ -70,16 +72,11 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def hook(name: str, model):
-    """GPT-2 (Conv1D) and Llama (RMSNorm, rotary) need HF's init; OPT's modules all reset themselves."""
-    return None if name == "opt" else model_parallel.hf_init_weights(model)
-
-
 def reference(name: str, model, graph, weights=None):
     """The single-process oracle: the meta model materialized by the same rule (or the real model), trained."""
     if weights is None:
         ref = copy.deepcopy(model)
-        materialize_model(ref, SEED, graph, init_weights=hook(name, ref))
+        materialize_model(ref, SEED, graph)  # no hook: the HF default, as in the pipeline
     else:
         ref = weights
     initial = {k: v.clone() for k, v in stage_state_from_original(graph, ref.state_dict(), strict=False).items()}
@@ -105,33 +102,61 @@ def train(model, num_stages, init_weights=None, weights=None, steps=STEPS):
 def test_fresh_init_of_a_meta_model_trains_like_the_reference_and_ignores_the_partition(name):
     model = meta_model(name)
     pristine = copy.deepcopy(model)  # the single-process trainer materializes the model it is given
-    graph, initial, trained = train(model, 2, hook(name, model))
+    graph, initial, trained = train(model, 2)  # no init_weights: HF's own init by default
     want_initial, want_trained = reference(name, pristine, graph)
     assert_close(initial, want_initial, "initial values")
     assert_close(trained, want_trained, f"after {STEPS} steps")
     other = copy.deepcopy(pristine)
-    _, initial_3, _ = train(other, 3, hook(name, other), steps=0)
+    _, initial_3, _ = train(other, 3, steps=0)
     assert initial_3.keys() == initial.keys()
     assert all(torch.equal(initial_3[k], initial[k]) for k in initial)
 
 
-def test_hf_init_weights_follows_the_models_own_init():
+def test_the_default_init_is_the_models_own_and_an_explicit_hook_overrides_it():
     gpt2 = meta_model("gpt2")
-    graph, initial, _ = train(gpt2, 1, model_parallel.hf_init_weights(gpt2), steps=0)
+    graph, initial, _ = train(gpt2, 1, steps=0)
     attn, proj = initial["transformer_h_0_attn_c_attn_weight"], initial["transformer_h_0_attn_c_proj_weight"]
     assert proj.std() < 0.014 < attn.std()  # GPT-2 scales c_proj by 1/sqrt(2 * n_layer): 0.01 against 0.02
     assert torch.equal(initial["transformer_h_0_ln_1_weight"], torch.ones(32))
+    explicit = meta_model("gpt2")
+    _, same, _ = train(explicit, 1, model_parallel.hf_init_weights(explicit), steps=0)
+    assert same.keys() == initial.keys() and all(torch.equal(same[k], initial[k]) for k in initial)
     llama = meta_model("llama")
     ref = copy.deepcopy(llama)
-    materialize_model(ref, SEED, init_weights=model_parallel.hf_init_weights(ref))
+    materialize_model(ref, SEED)
     real = transformers.AutoModelForCausalLM.from_config(hf_config("llama"))
     torch.testing.assert_close(ref.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
     assert torch.equal(ref.model.norm.weight, torch.ones(32))
 
+    def halves(layer, name):  # the user's hook replaces HF's rule, for every tensor
+        for tensor in [layer] if isinstance(layer, torch.Tensor) else [*layer.parameters(), *layer.buffers()]:
+            tensor.fill_(0.5)
+
+    _, mine, _ = train(meta_model("gpt2"), 2, halves, steps=0)
+    assert mine.keys() == initial.keys() and all(torch.equal(v, torch.full_like(v, 0.5)) for v in mine.values())
+    ref = materialize_model(meta_model("llama"), SEED, init_weights=halves)
+    assert torch.equal(ref.model.rotary_emb.inv_freq, torch.full_like(ref.model.rotary_emb.inv_freq, 0.5))
+
 
 def test_a_module_without_reset_parameters_is_named_with_the_fix():
-    with pytest.raises(InitError, match=r"'transformer\.h\.0\.attn\.c_attn\.weight' of a Conv1D.*hf_init_weights"):
-        train(meta_model("gpt2"), 2, steps=0)
+    class Scaled(torch.nn.Module):  # no Hugging Face model: no default hook, and `scale` has no rule
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.scale = torch.nn.Parameter(torch.empty(4))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    class Dense:
+        def batch(self, step: int):
+            return (torch.zeros(4, 4),), torch.zeros(4, 4)
+
+    with torch.device("meta"):
+        scaled = Scaled()
+    with pytest.raises(InitError, match=r"layer 'scale' .*\('scale' of a Scaled, which has no reset_parameters\(\)\)"):
+        PipelineTrainer(scaled, sgd, Dense(), CONFIG, criterion=F.mse_loss, example_inputs=(torch.zeros(2, 4),),
+                        num_stages=1)
     with pytest.raises(InitError, match="is not a Hugging Face PreTrainedModel"):
         model_parallel.hf_init_weights(torch.nn.Linear(2, 2))
 
@@ -142,8 +167,8 @@ def test_save_pretrained_weights_train_like_the_real_model(name, tmp_path):
     real = transformers.AutoModelForCausalLM.from_config(hf_config(name))
     real.save_pretrained(tmp_path / "hf")
     model = meta_model(name)
-    # Llama's rotary table is no weight (a non-persistent buffer): HF's init computes it.
-    graph, initial, trained = train(model, 2, hook(name, model) if name == "llama" else None, tmp_path / "hf")
+    # Llama's rotary table is no weight (a non-persistent buffer): HF's init computes it, by default.
+    graph, initial, trained = train(model, 2, weights=tmp_path / "hf")
     want_initial, want_trained = reference(name, None, graph, weights=real)
     assert_close(initial, want_initial, "initial values")
     assert_close(trained, want_trained, f"after {STEPS} steps")
@@ -176,9 +201,8 @@ rank, world, port, tmp, name, weights = int(sys.argv[1]), 2, int(sys.argv[3]), s
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=120))
 model = t.meta_model(name)
-init = t.hook(name, model) if weights == "-" or name == "llama" else None
 trainer = PipelineTrainer(model, t.sgd, t.Data(), t.CONFIG, criterion=t.loss, example_inputs=t.EXAMPLE, num_stages=2,
-                          init_weights=init, weights=None if weights == "-" else weights,
+                          weights=None if weights == "-" else weights,
                           options=RunOptions(timeout=120, progress=False))
 engine = trainer.runner
 mine = set(stage_layers(engine.graph, engine.plan, engine.stage_id))

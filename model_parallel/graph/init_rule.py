@@ -9,8 +9,9 @@ its owning module's `reset_parameters()` gives it (`owner_reset`). Every layer d
 seed, so its values depend neither on the partition nor on the order.
 
 Hugging Face modules often have no `reset_parameters()` (GPT-2's Conv1D, Llama's RMSNorm and rotary
-table): `hf_init_weights(model)` is the ready-made hook that applies the model's own `_init_weights`
-(what `from_config` uses) to each tensor.
+table): `hf_init_weights(model)` is the hook that applies the model's own `_init_weights` (what
+`from_config` uses) to each tensor; the runtime uses it by default for a `PreTrainedModel`
+(`runtime.materialize.Initializer.hook`).
 """
 from __future__ import annotations
 
@@ -110,9 +111,9 @@ def owner_reset(owners: TensorOwners) -> BareTensorInit:
         path, module, key = owners[name]
         if not callable(getattr(module, "reset_parameters", None)):
             raise InitError(f"layer {name!r} is a bare tensor of shape {tuple(tensor.shape)} ({path!r} of a "
-                            f"{type(module).__name__}, which has no reset_parameters()); pass init_weights=fn(layer, "
-                            f"layer_name) (for a Hugging Face model: model_parallel.hf_init_weights(model)), or load "
-                            f"its values (safetensors or a checkpoint)")
+                            f"{type(module).__name__}, which has no reset_parameters()); give {type(module).__name__} a "
+                            f"reset_parameters(), pass init_weights=fn(layer, layer_name) (it fills tensors in place), "
+                            f"or load its values (safetensors or a checkpoint)")
         clone = meta_copy(module).to_empty(device="cpu", recurse=False)
         clone.reset_parameters()
         tensor.copy_(clone._parameters[key] if key in clone._parameters else clone._buffers[key])

@@ -10,12 +10,11 @@ values from, in this order:
 1. a `ValueSource` (our layer-keyed checkpoint, safetensors files: `runtime/weights.py`), by stage
    state-dict key (`blocks_0_fc.weight`), reading only the keys of the layers being built;
 2. otherwise the init rule: under a CPU generator seeded with `layer_seed(seed, layer_name)`, the
-   user's `init_weights(layer, layer_name)` hook if given, else `reset_parameters()` of every module
-   of the layer that holds tensors directly; a bare tensor (the torch.export route, used for Hugging
-   Face models, lifts parameters out of their modules) gets what its owning module's
-   `reset_parameters()` gives it. A tensor nothing can initialise is a loud error naming it; for a
-   Hugging Face model `init_weights=model_parallel.hf_init_weights(model)` applies the model's own
-   `_init_weights` (graph/init_rule.py).
+   user's `init_weights(layer, layer_name)` hook if given; else, for a Hugging Face `PreTrainedModel`,
+   the model's own `_init_weights` (`hf_init_weights(model)`, graph/init_rule.py: what `from_config`
+   applies); else `reset_parameters()` of every module of the layer that holds tensors directly; a
+   bare tensor (the torch.export route lifts parameters out of their modules) gets what its owning
+   module's `reset_parameters()` gives it. A tensor nothing can initialise is a loud error naming it.
 
 Every layer draws from its own seed, so its values do not depend on the partition, on which rank
 builds it, or on the order; `materialize_model` applies the same rule to a whole model, which is how
@@ -72,6 +71,16 @@ class Initializer:
     @functools.cached_property
     def owners(self) -> Optional[TensorOwners]:
         return tensor_owners(self.model) if self.model is not None and not self.bare_tensor_defaults else None
+
+    @functools.cached_property
+    def hook(self) -> Optional[InitWeights]:
+        """The hook the init rule applies: `init_weights` if given, else a Hugging Face model's own
+        `_init_weights` (many HF modules have no reset_parameters(), and it is what `from_config` gives)."""
+        if self.init_weights is not None or self.model is None or self.bare_tensor_defaults:
+            return self.init_weights
+        from model_parallel.profiler.export_trace import is_hugging_face_model
+
+        return rule.hf_init_weights(self.model) if is_hugging_face_model(self.model) else None
 
 
 def _tensors(obj: Layer) -> list[torch.Tensor]:
@@ -196,7 +205,7 @@ def _owner_values(owner: str, obj: Layer, init: Initializer) -> dict[int, torch.
     clone = copy.deepcopy(obj, memo)
     originals = {id(c): o for o, c in zip(_tensors(obj), _tensors(clone))}
     clone = _replace(clone, lambda t: _empty_like(t, torch.device("cpu")) if t.is_meta else None)
-    init_layer(owner, clone, init.seed, init.init_weights, init.bare_tensor_defaults, init.owners)
+    init_layer(owner, clone, init.seed, init.hook, init.bare_tensor_defaults, init.owners)
     return {id(originals.get(id(c), c)): c.detach() for c in _tensors(clone)}
 
 
@@ -232,12 +241,12 @@ def materialize_layers(
             with torch.no_grad():
                 obj.copy_(constants[name])  # type: ignore[union-attr,arg-type]
             continue
-        if constants is not None and name in constants and init.init_weights is None and init.owners is None:
+        if constants is not None and name in constants and init.hook is None and init.owners is None:
             raise InitError(f"constant {name!r} (a non-persistent buffer) was built on meta and the graph holds no "
                             f"values for it (too large, or traced on meta); build that buffer with real values")
         complete = bool(keys) and all(k in stored for k in keys) and len(_tensors(obj)) == len(keys)
         if not complete:
-            init_layer(name, obj, init.seed, init.init_weights, init.bare_tensor_defaults, init.owners)
+            init_layer(name, obj, init.seed, init.hook, init.bare_tensor_defaults, init.owners)
         with torch.no_grad():
             for key, tensor in keys.items():
                 if key in stored:
@@ -308,8 +317,9 @@ def materialize_model(
     source: Optional[ValueSource] = None,
     device: torch.device = torch.device("cpu"),
 ) -> nn.Module:
-    """Give every meta tensor of `model` the values the pipeline gives it (same rule, same seeds), in
-    place; layers from `graph` when given, else `default_layers(model)`. Returns the model."""
+    """Give every meta tensor of `model` the values the pipeline gives it (same rule, same seeds, the
+    same default hook for a Hugging Face model), in place; layers from `graph` when given, else
+    `default_layers(model)`. Returns the model."""
     from model_parallel.runtime.stages import layer_modules
 
     layers = dict(layer_modules(graph, model) if graph is not None else default_layers(model))
