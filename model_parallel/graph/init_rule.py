@@ -31,6 +31,12 @@ BareTensorInit = Callable[[str, torch.Tensor], None]  # fills one bare tensor in
 TensorOwners = Mapping[str, tuple[str, nn.Module, str]]  # layer name -> (state path, owning module, key)
 
 
+def is_hugging_face_model(model: nn.Module) -> bool:
+    """A transformers `PreTrainedModel` (checked by class name, so transformers need not be importable)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
 def layer_name(target: str) -> str:
     """`"layer1.0.conv1"` -> `"layer1_0_conv1"`: the attribute a stage module holds the layer under,
     and the name its seed is drawn from (`codegen.naming` re-exports it)."""

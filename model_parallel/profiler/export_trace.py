@@ -64,12 +64,6 @@ _DUNDER_OPS = {"__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bit
                "__lshift__": "bitwise_left_shift", "__rshift__": "bitwise_right_shift"}
 
 
-def is_hugging_face_model(model: nn.Module) -> bool:
-    """A transformers `PreTrainedModel` (checked by class name, so transformers need not be importable)."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(model).__mro__)
-
-
 @contextmanager
 def _without_cache(model: nn.Module) -> Iterator[None]:
     """Hugging Face models return a `DynamicCache` when `config.use_cache`: a Python object, not

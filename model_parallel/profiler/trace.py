@@ -27,7 +27,8 @@ from model_parallel.graph.arguments import CONSTANTS, encode_argument, encode_co
 from model_parallel.graph.crossing import value_refusal
 from model_parallel.graph.core import STATE_ALIASES, TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.loader import parse_constructor
-from model_parallel.profiler.export_trace import export_model, is_hugging_face_model, portable_devices
+from model_parallel.graph.init_rule import is_hugging_face_model
+from model_parallel.profiler.export_trace import export_model, portable_devices
 
 logger = logging.getLogger(__name__)
 ROUTES = ("auto", "fx", "export")

@@ -78,9 +78,8 @@ class Initializer:
         `_init_weights` (many HF modules have no reset_parameters(), and it is what `from_config` gives)."""
         if self.init_weights is not None or self.model is None or self.bare_tensor_defaults:
             return self.init_weights
-        from model_parallel.profiler.export_trace import is_hugging_face_model
 
-        return rule.hf_init_weights(self.model) if is_hugging_face_model(self.model) else None
+        return rule.hf_init_weights(self.model) if rule.is_hugging_face_model(self.model) else None
 
 
 def _tensors(obj: Layer) -> list[torch.Tensor]:
