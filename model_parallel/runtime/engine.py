@@ -100,7 +100,7 @@ class PipelineEngine:
         self.control_group = control_group if control_group is not None else dist.new_group(backend="gloo")
         self.modules = layer_modules(graph, model)
         # A model built on meta: this rank allocates its stage's layers only (runtime/materialize.py).
-        self.initializer = initializer or Initializer(seed=config.seed)
+        self.initializer = initializer or Initializer(seed=config.seed, model=model)
         self.lazy_layers = {name for name, obj in self.modules.items() if is_meta(obj)}  # freed when they leave
         self.tracer = Tracer(self.rank, enabled=bool(options.trace_dir))
         self.metrics = MetricsRecorder(self.rank, path=options.metrics, tracer=self.tracer)
