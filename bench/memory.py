@@ -18,8 +18,10 @@ parameters plus its stage's gradients and optimizer state (how every rank worked
    engine starts (what a rank that builds the whole model does): every rank is expected to fail with
    an allocation error.
 
-Per rank, for each phase (before and after the switch): peak RSS (VmHWM, reset between phases via
-/proc/self/clear_refs), the bytes of its stage's parameters + gradients + optimizer state as held,
+Per rank, for each phase (before and after the switch): the footprint model's predicted peak
+(optimizer/memory.py) next to the measured one (held parameters + gradients + Adam state + the peak of
+what microbatches in flight keep for backward, `RunOptions(measure_memory=True)`), peak RSS (VmHWM,
+reset between phases via /proc/self/clear_refs), the bytes of its stage's parameters + gradients + optimizer state as held,
 the whole model's (16 bytes per parameter) and the goal, peak RSS <= 1.25 x stage share + 0.5 GB.
 Writes bench/results/memory.json (atomically).
 """
@@ -63,6 +65,22 @@ def _stage_bytes(engine) -> dict[str, int]:
             "optimizer_bytes": optimizer}
 
 
+def _footprint(engine, args: argparse.Namespace) -> dict[str, float]:
+    """The stage's predicted footprint (optimizer/memory.py, Adam, 1F1B) and its measured counterpart: the
+    largest parameters + gradients + Adam state held after a step's backwards + the peak bytes microbatches in
+    flight kept for backward (runtime/memory_probe.StashMeter), over the steps of the current plan."""
+    from model_parallel.cli.memory_summary import predicted
+
+    if engine.stage is None:
+        return {}
+    parts = predicted(engine.graph, engine.plan, "adam", 0.0, "1f1b", args.micro, args.batch // args.micro)
+    records = [r for r in engine.metrics.records if r.plan_version == engine.plan.version]
+    held = max(r.extra["held_bytes"] for r in records)
+    stash = max(r.extra["stash_peak_bytes"] for r in records)
+    return {"predicted_peak_bytes": parts[engine.stage_id]["total"], "measured_peak_bytes": held + stash,
+            "predicted_activation_bytes": parts[engine.stage_id]["activations"], "measured_stash_peak_bytes": stash}
+
+
 def worker(args: argparse.Namespace) -> None:
     from datetime import timedelta
 
@@ -73,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.models import StackedMLP
     from model_parallel.profiler.trace import trace_model
-    from model_parallel.runtime.config import TrainConfig
+    from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.data import SyntheticData
     from model_parallel.runtime.engine import PipelineEngine
     from model_parallel.runtime.materialize import materialize_model
@@ -101,9 +119,10 @@ def worker(args: argparse.Namespace) -> None:
         engine = PipelineEngine(graph=graph, plan=plan, model=model, criterion=torch.nn.functional.cross_entropy,
                                 optimizer_factory=lambda p: torch.optim.Adam(p, lr=1e-4), dataset=SyntheticData(
                                     args.batch, (args.width,), 10, seed=0),
-                                config=TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0))
+                                config=TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0),
+                                options=RunOptions(measure_memory=True))
         engine.train(args.steps)
-        report["before"] = {**_stage_bytes(engine), "peak_rss_bytes": _status("VmHWM")}
+        report["before"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": _status("VmHWM")}
         # One Linear+ReLU moves from stage 1 to stage 0: a live switch with layer values and Adam state.
         ids = [list(s.node_ids) for s in plan.stages]
         moved, ids[1] = ids[1][:2], ids[1][2:]
@@ -112,7 +131,8 @@ def worker(args: argparse.Namespace) -> None:
         _reset_peak()
         pause = switch_plan(engine, new)
         engine.train(2 * args.steps, start_step=args.steps)
-        report["after"] = {**_stage_bytes(engine), "peak_rss_bytes": _status("VmHWM"), "switch_pause_s": pause}
+        report["after"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": _status("VmHWM"),
+                           "switch_pause_s": pause}
         report["final_loss"] = engine.history[-1].loss if engine.history else None
         report["ok"] = True
     except (MemoryError, RuntimeError) as error:
@@ -199,6 +219,10 @@ def main() -> int:
                   f"{p['stage_share_bytes'] / GB:.3f} GB (params {p['param_bytes'] / GB:.3f}, grads as params, "
                   f"Adam {p['optimizer_bytes'] / GB:.3f}), whole model {row['whole_model_bytes'] / GB:.3f} GB, cap "
                   f"{row['budget_bytes'] / GB:.3f} GB above baseline, goal {'met' if p['meets_goal'] else 'MISSED'}")
+            error = 100.0 * (p["predicted_peak_bytes"] - p["measured_peak_bytes"]) / p["measured_peak_bytes"]
+            print(f"    footprint: predicted {p['predicted_peak_bytes'] / GB:.3f} GB, measured (tensor-accounted) "
+                  f"{p['measured_peak_bytes'] / GB:.3f} GB ({error:+.0f}%); activations predicted "
+                  f"{p['predicted_activation_bytes'] / 1e6:.3f} MB, measured {p['measured_stash_peak_bytes'] / 1e6:.3f} MB")
     for row in control:
         print(f"control rank {row['rank']}: {'failed as expected: ' + row.get('error', '') if not row.get('ok') else 'DID NOT FAIL'}")
     print(json.dumps(summary), f"-> {args.out}")

@@ -66,6 +66,10 @@ def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     # Predicted vs measured busy time per stage, priced with the run's calibration (issue 26).
     assert (out / "profiles" / "calibration.json").is_file() and "error" in text
     assert all(isinstance(ms, float) and ms > 0 for ms in report["measured_stage_ms"])
+    # Predicted vs measured (tensor-accounted, --measure_memory) peak memory per stage (issue 25).
+    assert "== per-stage peak memory" in text and len(report["predicted_stage_memory_bytes"]) == 2
+    assert all(isinstance(b, float) and b > 0 for b in report["measured_stage_memory_bytes"])
+    assert all(b > 0 for b in report["measured_stage_activation_bytes"])
     trace = json.loads((out / "pipeline_trace.json").read_text())
     assert any(e.get("name", "").startswith("forward") for e in trace["traceEvents"])
     assert list((out / "checkpoint").glob("step_*"))

@@ -55,8 +55,9 @@ def test_two_ranks_from_a_safetensors_file_match_the_reference(tmp_path: Path) -
     assert "memory per stage, predicted vs measured:" in out, out
     rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["0", "0"], ["1", "1"])]
     assert len(rows) == 2, out
-    for rank, stage, total, static, held, peak in rows:
+    for rank, stage, total, measured, error, static, held, activations, stashed, peak in rows:
         assert float(static) == float(held) > 0 and float(total) > float(static) and float(peak) >= 0
+        assert measured == error == stashed == "n/a"  # without --measure_memory
 
 
 def test_a_missing_or_malformed_weights_path_is_refused(tmp_path: Path) -> None:

@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "--status-file", str(status_file)]
     worker_args = ["--package", str(package), "--batch_size", str(args.batch_size), "--num_microbatches", str(args.microbatches),
                    "--steps", str(args.steps), "--coordinator", f"127.0.0.1:{coordinator_port}", "--token", token,
-                   "--metrics", str(run_dir / "metrics" / "rank{rank}.jsonl"), "--trace_dir", str(run_dir / "trace"),
+                   "--metrics", str(run_dir / "metrics" / "rank{rank}.jsonl"), "--trace_dir", str(run_dir / "trace"), "--measure_memory",
                    "--checkpoint_dir", str(run_dir / "checkpoint"), "--checkpoint_every", str(max(args.steps // 3, 1))]
     if args.straggler >= 0:
         worker_args += ["--slowdown", str(args.slowdown), "--slowdown_rank", str(args.straggler),

@@ -3,7 +3,10 @@ what its ranks measured (`runtime/memory_probe.py`), gathered to rank 0 as plain
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -11,7 +14,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.costs import stage_costs
 from model_parallel.optimizer.memory import Footprint, footprint_parts, optimizer_kind
-from model_parallel.runtime.memory_probe import PeakProbe, state_bytes
+from model_parallel.runtime.memory_probe import PeakProbe, StashMeter, state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -32,40 +35,82 @@ def predicted(graph: Graph, plan: Plan, optimizer: str, momentum: float, schedul
     return out
 
 
-def measured(engine: Any, probe: PeakProbe) -> tuple[float, float]:
-    """(bytes of the stage's parameters and optimizer state, counted from storages; the peak since `probe.start`)."""
+@dataclass(frozen=True)
+class Measured:
+    """One rank's (or stage's) measured bytes; None where the run did not measure it (no `--measure_memory`).
+
+    - `weights_opt`: parameters + optimizer state counted from the stage's tensor storages.
+    - `held`: parameters + gradients + optimizer state at the end of a step's backwards (the largest).
+    - `stash_peak`: the peak bytes kept for backward over the microbatches in flight (StashMeter).
+    - `process_peak`: `torch.cuda.max_memory_allocated` on a GPU, else the growth of peak RSS.
+    """
+
+    stage: Optional[int]
+    weights_opt: Optional[float] = None
+    held: Optional[float] = None
+    stash_peak: Optional[float] = None
+    process_peak: Optional[float] = None
+
+    @property
+    def peak(self) -> Optional[float]:
+        """The measured counterpart of the predicted footprint: held + peak stashed activations."""
+        return None if self.held is None or self.stash_peak is None else self.held + self.stash_peak
+
+
+def measured(engine: Any, probe: PeakProbe) -> Measured:
+    """This rank's measurement at the end of a run."""
+    meter = getattr(engine, "meter", None)
+    metered = isinstance(meter, StashMeter)
     if engine.stage is None:  # a spare rank holds no stage
-        return 0.0, float(probe.peak())
+        return Measured(None, process_peak=float(probe.peak()))
     held = state_bytes(engine.stage, engine.optimizer)
-    return float(held["parameters"] + held["optimizer_state"]), float(probe.peak())
+    return Measured(engine.stage_id, float(held["parameters"] + held["optimizer_state"]),
+                    float(meter.held_peak) if metered else None, float(meter.peak) if metered else None,
+                    float(probe.peak()))
 
 
 def gather_table(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], device: torch.device) -> str:
-    """Every rank's measurement to every rank (one all_gather of 3 floats); the table rank 0 prints."""
+    """Every rank's measurement to every rank (one all_gather of 5 floats; NaN = not measured); rank 0 prints it."""
     import torch.distributed as dist
 
-    held, peak = measured(engine, probe)
-    stage = -1 if engine.stage_id is None else engine.stage_id
-    mine = torch.tensor([float(stage), held, peak], dtype=torch.float64, device=device)
-    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    return table([[float(v) for v in row.cpu()] for row in rows], parts, probe.source)
+    mine = measured(engine, probe)
+    values = [-1.0 if mine.stage is None else float(mine.stage), mine.weights_opt, mine.held, mine.stash_peak,
+              mine.process_peak]
+    row = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64, device=device)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    table = []
+    for rank, gathered in enumerate(rows):
+        stage, *rest = [float(v) for v in gathered.cpu()]
+        table.append((str(rank), Measured(None if stage < 0 else int(stage),
+                                          *[None if math.isnan(v) else v for v in rest])))
+    return format_memory(parts, table, "rank", probe.source)
 
 
-def table(rows: list[list[float]], parts: list[dict[str, float]], source: str) -> str:
-    """One line per rank: its stage's predicted bytes (total, and parameters + optimizer state, which the
-    run keeps between steps) against the measured held bytes and peak."""
-    lines = [f"rank stage  predicted MB  (weights+opt MB)  held MB  peak MB ({source})",
-             "-" * 72]
-    for rank, (stage, held, peak) in enumerate(rows):
-        if stage < 0:
-            lines.append(f"{rank:>4} spare")
+def _mb(value: Optional[float], width: int) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value / 1e6:>{width}.3f}"
+
+
+def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, Measured]], label: str,
+                  source: str) -> str:
+    """Predicted (`parts`, per stage) vs measured bytes, one line per row (a rank, or a stage): the footprint
+    against held + peak stashed activations, with the error in % (the worker's table and the demo's report)."""
+    lines = [f"{label:>5} stage {'predicted MB':>12} {'measured MB':>11} {'error':>6}  {'weights+opt MB':>14} "
+             f"{'held':>8}  {'activations MB':>14} {'measured':>8}  peak MB ({source})",
+             "-" * 110]
+    for name, m in rows:
+        if m.stage is None:
+            lines.append(f"{name:>5} spare")
             continue
-        p = parts[int(stage)]
-        static = p["parameters"] + p["optimizer_state"]
-        lines.append(f"{rank:>4} {int(stage):>5} {p['total'] / 1e6:>13.3f} {static / 1e6:>17.3f} {held / 1e6:>8.3f} "
-                     f"{peak / 1e6:>8.3f}")
+        p = parts[m.stage]
+        peak = m.peak
+        error = f"{100.0 * (p['total'] - peak) / peak:>+5.0f}%" if peak else f"{'n/a':>6}"
+        activations = p["activations"] + p["weight_stash"]
+        lines.append(f"{name:>5} {m.stage:>5} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
+                     f"{_mb(p['parameters'] + p['optimizer_state'], 14)} {_mb(m.weights_opt, 8)}  "
+                     f"{_mb(activations, 14)} {_mb(m.stash_peak, 8)}  {_mb(m.process_peak, 8)}")
     lines.append("predicted = parameters + gradients + optimizer state + stashed weights + activations in flight "
-                 "(docs/optimizer.md); held = parameters + optimizer state counted from tensor storages (gradients "
-                 "are freed after each update)")
+                 "(optimizer/memory.py); measured = parameters + gradients + optimizer state held after the "
+                 "backwards + the peak of what microbatches in flight keep for backward (runtime/memory_probe."
+                 "StashMeter; n/a without --measure_memory); weights+opt: predicted and counted from tensor storages")
     return "\n".join(lines)

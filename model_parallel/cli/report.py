@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from model_parallel.cli.memory_summary import Measured, format_memory, predicted
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
 from model_parallel.runtime.metrics import measured_ms
@@ -80,6 +81,24 @@ def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any
     return predicted, [statistics.median(measured[s]) if measured.get(s) else None for s in range(plan.num_stages)], calibration.clock
 
 
+def stage_memory(graph: Any, plan: Plan, records: Sequence[Mapping[str, Any]], *, optimizer: str, momentum: float,
+                 schedule: str, microbatches: int, microbatch_size: int) -> tuple[list[dict[str, float]], list[Measured]]:
+    """Predicted (`cli.memory_summary.predicted`: the footprint of the run's optimizer, schedule and microbatches)
+    and measured bytes per stage under the initial plan: the largest over its steps of each rank's metrics fields
+    `held_bytes`, `weights_opt_bytes`, `stash_peak_bytes` and `cuda_peak_bytes` (written with `--measure_memory`)."""
+    parts = predicted(graph, plan, optimizer, momentum, schedule, microbatches, microbatch_size)
+    first_version = min((r["plan_version"] for r in records), default=0)
+
+    def largest(stage: int, key: str) -> Optional[float]:
+        values = [float(r[key]) for r in records if r.get("stage") == stage and r["plan_version"] == first_version
+                  and isinstance(r.get(key), (int, float))]
+        return max(values) if values else None
+
+    rows = [Measured(s, largest(s, "weights_opt_bytes"), largest(s, "held_bytes"), largest(s, "stash_peak_bytes"),
+                     largest(s, "cuda_peak_bytes")) for s in range(plan.num_stages)]
+    return parts, rows
+
+
 def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     """Summarise a finished demo run; writes report.json and throughput.png and returns the text report."""
     records = read_metrics(run_dir / "metrics")
@@ -90,6 +109,14 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
 
     predicted_ms, measured_stage_ms, clock = stage_fidelity(run_dir, plan, records, args)
     stage_lines = format_fidelity(predicted_ms, measured_stage_ms).splitlines()
+    from model_parallel.graph.io import load_graph
+
+    memory_parts, memory_rows = stage_memory(
+        load_graph(run_dir / "package" / "graph.json"), plan, records, optimizer=getattr(args, "optimizer", "sgd"),
+        momentum=getattr(args, "momentum", 0.9), schedule=getattr(args, "schedule", "1f1b"),
+        microbatches=args.microbatches, microbatch_size=max(args.batch_size // args.microbatches, 1))
+    memory_lines = format_memory(memory_parts, [(str(m.stage), m) for m in memory_rows], "stage",
+                                 "cuda_max_allocated").splitlines()
 
     trace_path = None
     trace_files = sorted((run_dir / "trace").glob("*.json")) if (run_dir / "trace").exists() else []
@@ -110,6 +137,10 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "predicted_stage_ms": predicted_ms,
         "measured_stage_ms": measured_stage_ms,
         "stage_clock": clock,
+        "predicted_stage_memory_bytes": [p["total"] for p in memory_parts],
+        "measured_stage_memory_bytes": [m.peak for m in memory_rows],
+        "predicted_stage_activation_bytes": [p["activations"] + p["weight_stash"] for p in memory_parts],
+        "measured_stage_activation_bytes": [m.stash_peak for m in memory_rows],
         "cores": cores, "load_average_1min": load_1, "load_average_5min": load_5,
     }
     atomic_write_json(run_dir / "report.json", report)
@@ -121,6 +152,9 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "
         "(before the slowdown) ==",
         *stage_lines,
+        "",
+        "== per-stage peak memory: predicted (optimizer/memory.py footprint) vs measured (tensor-accounted) ==",
+        *memory_lines,
         "",
         "== throughput (samples/s, median) ==",
         f"before the slowdown: {fmt(phases['before'])}   slowed: {fmt(phases['slowed'])}   "

@@ -117,6 +117,8 @@ def build_parser() -> ArgumentParser:
                    help="committed checkpoints kept in --checkpoint_dir; older ones are deleted (default 3)")
     o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
     o.add_argument("--metrics", default=None, help="per-step metrics JSONL path ('{rank}' is replaced)")
+    o.add_argument("--measure_memory", action="store_true",
+                   help="count the bytes each microbatch keeps for backward (metrics stash_peak_bytes, the memory table)")
     o.add_argument("-v", "--verbose", action="count", default=0)
     c = p.add_argument_group("control")
     c.add_argument("--coordinator", default=None, help="HOST:PORT of the coordinator (test_socket.py)")
@@ -295,7 +297,7 @@ def make_config(args: Any) -> Any:
     options = RunOptions(
         timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics,
-        straggler=straggler,
+        straggler=straggler, measure_memory=args.measure_memory,
     )
     return config, options
 

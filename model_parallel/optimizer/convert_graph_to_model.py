@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 if __package__ in (None, ""):  # run as a plain script from a checkout: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,6 +25,9 @@ from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
 from model_parallel.errors import CodegenError  # noqa: E402
 from model_parallel.graph.core import Graph  # noqa: E402
 from model_parallel.graph.plan import Plan  # noqa: E402
+
+if TYPE_CHECKING:
+    from model_parallel.optimizer.memory import Footprint
 
 log = logging.getLogger("model_parallel.optimizer.convert_graph_to_model")
 
@@ -65,19 +68,23 @@ def check_arch(graph: Graph, arch: str, source: str) -> None:
         log.warning("%s was profiled from a %s model; -a %s may name another model", source, model, arch)
 
 
-def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9) -> Plan:
+def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9, footprint: Optional["Footprint"] = None) -> Plan:
     """`plan` (ranks assigned) with the per-stage costs the graph's profile predicts, under the optimizer's
-    cost model at `bandwidth` bytes/s with transfers counted (as step 2's `--activation_compression_ratio 1`).
+    cost model at `bandwidth` bytes/s with transfers counted (as step 2's `--activation_compression_ratio 1`),
+    and each stage's memory by the footprint model (`optimizer/memory.py`; default `Footprint()`: SGD with
+    momentum, 1F1B, as many microbatches as ranks), its parts in `extra["memory"]` as the optimizer records them.
     A plan read off a graph's stage ids carries no costs; a priced plan (the optimizer's) is returned as is."""
     from dataclasses import replace
 
-    from model_parallel.optimizer.costs import predict_stage_times, stage_costs, stash_factor
+    from model_parallel.optimizer.costs import predict_stage_times, stage_costs
+    from model_parallel.optimizer.memory import Footprint, footprint_parts
 
     plan = plan.with_default_ranks()
     if plan.time_per_minibatch_s or any(s.compute_s or s.communication_s or s.memory_bytes for s in plan.stages):
         return plan
+    footprint = footprint if footprint is not None else Footprint()
     costs = stage_costs(graph, plan.stage_of, plan.num_stages)
-    stages, before = [], 0
+    stages, memory_parts, before = [], [], 0
     for stage, cost in zip(plan.stages, costs):
         r = stage.num_replicas
         transfers = [4 * (r - 1) * cost.parameter_bytes / (bandwidth * r)]  # all-reduce among its replicas
@@ -85,11 +92,13 @@ def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9) -> Plan:
             transfers.append(2.0 * cost.input_bytes / (bandwidth * r))
         if stage.stage_id < plan.num_stages - 1:
             transfers.append(2.0 * cost.output_bytes / (bandwidth * r))
-        memory = stash_factor("pipedream", plan.num_ranks, before, r) * (cost.activation_bytes + cost.parameter_bytes)
-        stages.append(replace(stage, compute_s=cost.compute_s, communication_s=max(transfers), memory_bytes=memory))
+        parts = footprint_parts(footprint, cost.activation_bytes, cost.parameter_bytes, plan.num_ranks, before, r)
+        memory_parts.append(parts)
+        stages.append(replace(stage, compute_s=cost.compute_s, communication_s=max(transfers), memory_bytes=parts["total"]))
         before += r
     times = predict_stage_times(graph, plan, bandwidth=bandwidth, activation_compression_ratio=1.0)
-    extra = {**plan.extra, "priced_from": "profile", "bandwidths": [bandwidth]}
+    extra = {**plan.extra, "priced_from": "profile", "bandwidths": [bandwidth], "memory_model": "footprint",
+             "footprint": footprint.to_dict(), "memory": memory_parts}
     return replace(plan, stages=tuple(stages), time_per_minibatch_s=max(times) if times else math.nan,
                    single_machine_time_s=sum(c.compute_s for c in costs), extra=extra)
 

@@ -90,6 +90,9 @@ class RunOptions:
     metrics: Optional[str] = None  # JSONL path; "{rank}" is replaced
     progress: bool = True  # a tqdm bar on rank 0
     straggler: Optional[StragglerInjection] = None
+    # Count the bytes each microbatch keeps for backward (runtime/memory_probe.StashMeter): a hook per
+    # saved tensor, off by default (docs/runtime.md "Where every byte lives" gives its cost).
+    measure_memory: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:

@@ -36,6 +36,7 @@ from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
 from model_parallel.runtime import comm, engine_checkpoint
 from model_parallel.runtime.config import RunOptions, TrainConfig
+from model_parallel.runtime.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.data import minibatch_parts, stage_zero_inputs
 from model_parallel.runtime.executor import Microbatches, StepExecutor, WeightStash
 from model_parallel.runtime.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
@@ -121,6 +122,7 @@ class PipelineEngine:
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.executor: Optional[StepExecutor] = None
+        self.meter = StashMeter(self.device) if options.measure_memory else NO_METER
         self.activate(plan)
 
     @property
@@ -195,6 +197,7 @@ class PipelineEngine:
             config=self.config, criterion=self.criterion, decode=lambda outputs: model_output(self.graph, names, outputs),
             device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
             flush=self.schedule.flush, weight_stash=stash)
+        self.executor.meter = self.meter
 
     def _check_tied(self, when: str) -> None:
         try:
@@ -232,7 +235,10 @@ class PipelineEngine:
         loss_sum, sq = 0.0, 0.0
         try:
             if self.executor is not None:
-                loss_sum = self.executor.run(step, self._microbatches(step), self.straggler.compute)
+                microbatches = self._microbatches(step)
+                with self.meter.step(self.stage, microbatches):
+                    loss_sum = self.executor.run(step, microbatches, self.straggler.compute)
+                self.meter.held(self.stage, self.optimizer)  # gradients present, optimizer state of earlier steps
                 tied = self.tied.param_ids
                 if tied:  # first, on each replica's own gradient: the sum covers every replica's microbatches
                     with self.metrics.measure("allreduce"):

@@ -37,6 +37,7 @@ from torch import nn
 from model_parallel.errors import PeerError
 from model_parallel.runtime import comm, structure
 from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.memory_probe import NO_METER
 from model_parallel.runtime.output import float_output
 from model_parallel.runtime.schedule import Action
 from model_parallel.runtime.straggler import Compute
@@ -77,6 +78,8 @@ class WeightStash:
 class StepExecutor:
     """Runs the actions of stage `stage_id` (one of `num_stages`) for one step. `route(stage, j)` is the
     rank holding microbatch j of a stage; `decode(outputs)` rebuilds the model output on the last stage."""
+
+    meter: Any = NO_METER  # memory_probe.StashMeter when the run measures what each microbatch keeps
 
     def __init__(self, *, stage: nn.Module, stage_id: int, num_stages: int, actions: Sequence[Action],
                  route: Callable[[int, int], int], config: TrainConfig, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
@@ -129,6 +132,7 @@ class StepExecutor:
                     inputs, tree = receives.take("F", j)
                     received = structure.unflatten(inputs, tree, self.device) if tree is not None else inputs
                     values, target = received[:-1], received[-1]
+                self.meter.begin(j)
                 weights = self.weight_stash.stash() if self.weight_stash is not None else None
                 if last:
                     def forward_loss() -> torch.Tensor:
@@ -150,6 +154,7 @@ class StepExecutor:
                                                       cache=self.header_cache, stream=j, structure=tree,
                                                       wire_dtype=self.wire_dtype, num_wire=num_wire))
                     stash[j] = _Stash(inputs, leaves, weights=weights)
+                self.meter.kept(j, stash[j])
             else:
                 entry = stash.pop(j)
                 if last:
@@ -171,6 +176,7 @@ class StepExecutor:
                                                       cache=self.header_cache, stream=j, wire_dtype=self.wire_dtype))
                 if self.weight_stash is not None and entry.weights is not None:
                     self.weight_stash.update(step, entry.weights)
+                self.meter.release(j)
         with self.metrics.measure("send"):
             for handle in sends:
                 handle.wait(self.timeout)

@@ -24,7 +24,8 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
         while step < steps:
             result = engine.train_step(step)
             record = engine.metrics.end_step(samples=engine.config.batch_size, loss=result.loss, lr=result.lr,
-                                             grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms)
+                                             grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms,
+                                             **engine.meter.record())
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{result.loss:.4f}", plan=engine.plan.version)

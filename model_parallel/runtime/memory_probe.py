@@ -8,8 +8,10 @@ peak RSS since `start` (an upper estimate: it includes allocator slack and the s
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -77,3 +79,162 @@ class PeakProbe:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return max(0, peak_rss_bytes() - self.baseline)
+
+
+class NullMeter:
+    """The executor's meter when memory is not measured: every hook is a no-op (`RunOptions.measure_memory`)."""
+
+    def step(self, stage: Any, data: Any = None) -> "contextlib.AbstractContextManager[None]":
+        return contextlib.nullcontext()
+
+    def begin(self, microbatch: int) -> None:
+        pass
+
+    def kept(self, microbatch: int, entry: Any) -> None:
+        pass
+
+    def release(self, microbatch: int) -> None:
+        pass
+
+    def held(self, stage: Any, optimizer: Any) -> None:
+        pass
+
+    def record(self) -> dict[str, int]:
+        return {}
+
+
+NO_METER = NullMeter()
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """(storage pointer, first byte, end byte) of the storage bytes `tensor` views: a microbatch that is a
+    slice of the minibatch counts its slice, not the whole minibatch's storage."""
+    pointer = tensor.untyped_storage().data_ptr()
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return pointer, start, start
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+    return pointer, start, start + extent * size
+
+
+class StashMeter:
+    """Measures the bytes a stage keeps for backward per microbatch in flight, and their peak over a step.
+
+    Counted: every tensor autograd saves during a microbatch's forward (a `saved_tensors_hooks` pack
+    hook, which returns the tensor unchanged) and the boundary buffers the executor keeps until that
+    microbatch's backward (received inputs, sent outputs, PipeDream's stashed weight version). Each
+    storage counts once (the union of the byte ranges its tensors view); the stage's parameters and
+    buffers (held, counted by `state_bytes`) and the step's input data (held for the whole step whatever
+    the schedule) are not counted. A microbatch's bytes are released when its backward has run.
+    Also records the parameters + gradients + optimizer state at the end of a step's backwards
+    (`held`), and on CUDA `torch.cuda.max_memory_allocated`.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.current: Optional[int] = None  # the microbatch whose forward runs
+        self.spans: dict[int, dict[int, tuple[int, int]]] = {}  # storage -> microbatch -> (start, end)
+        self.owned: dict[int, set[int]] = {}  # microbatch -> its storages
+        self.live: dict[int, int] = {}  # storage -> bytes counted now
+        self.total = 0
+        self.step_peak = 0
+        self.peak = 0  # over the run
+        self.excluded: set[int] = set()
+        self.held_bytes: dict[str, int] = {}  # this step's, by kind
+        self.held_peak = 0  # the largest parameters + gradients + optimizer state over the run
+
+    @contextlib.contextmanager
+    def step(self, stage: Any, data: Any = None) -> Iterator[None]:
+        """One step of `stage` on `data` (stage 0's microbatches): installs the pack hook for its duration."""
+        self.excluded = {t.untyped_storage().data_ptr() for t in _tensors(data)}
+        if stage is not None:
+            self.excluded |= {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+        self.step_peak = self.total
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+        self.current = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.current is not None:
+            self._add(self.current, tensor)
+        return tensor
+
+    def _add(self, microbatch: int, tensor: Any) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        pointer, start, end = _span(tensor)
+        if pointer == 0 or pointer in self.excluded or end <= start:
+            return
+        mine = self.spans.setdefault(pointer, {})
+        old = mine.get(microbatch)
+        mine[microbatch] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+        self.owned.setdefault(microbatch, set()).add(pointer)
+        self._recount(pointer)
+
+    def _recount(self, pointer: int) -> None:
+        """The union of the byte ranges microbatches in flight view in one storage."""
+        covered, reach = 0, -1
+        for start, end in sorted(self.spans.get(pointer, {}).values()):
+            if end > reach:
+                covered += end - max(start, reach)
+                reach = end
+        self.total += covered - self.live.get(pointer, 0)
+        if covered:
+            self.live[pointer] = covered
+        else:
+            self.live.pop(pointer, None)
+            self.spans.pop(pointer, None)
+        self.step_peak = max(self.step_peak, self.total)
+        self.peak = max(self.peak, self.total)
+
+    def begin(self, microbatch: int) -> None:
+        """Microbatch `microbatch`'s forward starts: what autograd saves from now on is its."""
+        self.current = microbatch
+
+    def kept(self, microbatch: int, entry: Any) -> None:
+        """The executor's stash entry of a microbatch (inputs, outputs, weight version): kept until its backward."""
+        self.current = None
+        for tensor in (*_tensors(entry.inputs), *_tensors(entry.outputs), *_tensors(entry.weights)):
+            self._add(microbatch, tensor)
+
+    def release(self, microbatch: int) -> None:
+        """Microbatch `microbatch`'s backward has run: autograd freed what it saved, the executor its stash."""
+        for pointer in self.owned.pop(microbatch, ()):
+            self.spans.get(pointer, {}).pop(microbatch, None)
+            self._recount(pointer)
+
+    def held(self, stage: Any, optimizer: Any) -> None:
+        """After the step's backwards: parameters, gradients and the optimizer state of earlier steps (none
+        at the first step: a reader takes the largest over steps)."""
+        self.held_bytes = state_bytes(stage, optimizer) if stage is not None else {}
+        self.held_peak = max(self.held_peak, _held(self.held_bytes))
+
+    def record(self) -> dict[str, int]:
+        """This step's measurements, as metrics fields (`StepRecord.extra`)."""
+        held = self.held_bytes
+        out = {"stash_peak_bytes": self.step_peak, "held_bytes": _held(held),
+               "weights_opt_bytes": held.get("parameters", 0) + held.get("optimizer_state", 0)}
+        if self.device.type == "cuda":
+            out["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+        return out
+
+
+def _held(kinds: dict[str, int]) -> int:
+    """Parameters + gradients + optimizer state (Adam's 0-d step counters are not in the footprint)."""
+    return sum(v for k, v in kinds.items() if k != "optimizer_scalars")
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value (nested lists, tuples, dicts; a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
