@@ -22,7 +22,6 @@ from typing import Any, Optional
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Level, Plan
-from model_parallel.optimizer.memory import LEGACY_MODELS, multipliers
 
 
 @dataclass(frozen=True)
@@ -84,13 +83,6 @@ def stage_costs(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list
             outputs[boundary] += node.activation_bytes
             inputs[boundary + 1] += node.activation_bytes
     return [StageCost(*values) for values in zip(compute, params, acts, inputs, outputs)]
-
-
-def stash_factor(memory_model: str, num_ranks: int, ranks_before: int, replicas: int) -> int:
-    """How many (activations + weights) copies one replica holds under a legacy model (`memory.py`)."""
-    if memory_model not in LEGACY_MODELS:
-        raise PlanError(f"stash_factor is for the legacy models {LEGACY_MODELS}; use memory.multipliers for {memory_model!r}")
-    return int(multipliers(memory_model, num_ranks, ranks_before, replicas)[0])
 
 
 def predict_stage_times(
