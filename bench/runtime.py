@@ -3,6 +3,7 @@
     python bench/runtime.py            # full run (about 15 minutes on 2 cores)
     python bench/runtime.py --quick    # about 5 minutes (2 rounds of 8 timed steps), `make bench`
     python bench/runtime.py --models mlp --schedules 1f1b --steps 10
+    python bench/runtime.py --bf16     # mixed precision on both sides (writes runtime_bf16.json)
 
 Rows (model x schedule; `SHAPES`): torchvision resnet50 at 32x32 on 4 stages (batch 32, 4
 microbatches), a GPT-style transformer (TinyGPT: 4 blocks, width 128, 64 tokens) on 4 stages (batch
@@ -37,7 +38,14 @@ the median over the rounds.
   puts them next to the rank's measured forward / backward / optimizer / send / recv, wall ms).
   `stage_error_pct` = (predicted - measured) / measured. Goal: within +-10 %.
 
-Writes `bench/results/runtime.json` (atomically): {"rows": [{model, schedule, num_stages, ratio,
+`--bf16`: both sides train in mixed precision. Ours: `TrainConfig.bf16` (forwards under bf16
+autocast, float32 boundary tensors and their gradients sent as bf16), profiled and priced at bf16
+(`profile(..., precision="bf16")`). torch's: each stage module's forward wrapped in the same autocast
+(`AutocastStage`) and the loss on the float32 output; its boundary tensors travel in the dtype the
+stage produced (a float32 residual stream stays float32: torch's pipelining has no wire narrowing).
+Every row carries its `precision`.
+
+Writes `bench/results/runtime.json` (atomically; `runtime_bf16.json` with --bf16): {"rows": [{model, schedule, num_stages, ratio,
 efficiency, predicted_stage_ms, measured_stage_ms, ours_split_ms_by_rank, machine: {cpus, load_1min
 [min, max] over the row's worlds, processes, ...}, ...}], "machine": {..., "uptime"}, "calibration"}.
 With more ranks than cores (4 stages on 2 cores) ranks time-share the cores: busy times then include
@@ -63,6 +71,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "runtime.json"
+RESULTS_BF16 = REPO / "bench" / "results" / "runtime_bf16.json"
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 # model -> (stages, batch size, microbatches): the issue's rows (resnet50 and the GPT at 4 stages, the MLP at 2).
 SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt": (4, 32, 4), "resnet18": (2, 64, 4)}
@@ -105,6 +114,24 @@ def recipes() -> dict[str, Any]:
             "gpt": Recipe("gpt", _bench_gpt, lm_loss, (64,), 512, kind="tokens")}
 
 
+class AutocastStage(torch.nn.Module):
+    """A stage module whose forward runs under bf16 autocast (torch's side of --bf16), as our
+    `StepExecutor.forward` runs it; the parameters stay the inner module's (float32)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(*args)
+
+
+def _float(output: Any) -> Any:
+    """The model output in float32 for the criterion (runtime/output.py `float_output`)."""
+    return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+
 def _build(model_name: str, spec: dict[str, Any]):
     """(recipe, model, graph, plan, stage modules) exactly as every process of this benchmark builds them."""
     from model_parallel.codegen.build import build_stages
@@ -140,7 +167,7 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     target = rec.data(micro, spec["seed"]).batch(0)[1]
     # On the calibration's clock: prediction and measurement must be the same quantity (fidelity.py).
     graph = profile(model, example, iterations=spec["profile_iterations"], clock=calibration.clock,
-                    loss_fn=lambda output: rec.criterion(output, target))
+                    loss_fn=lambda output: rec.criterion(output, target), precision=spec["precision"])
     plan = block_plan(graph, num_stages) if model_name == "gpt" else even_plan(graph, num_stages)
     entry = {"graph": str(save_graph(graph, workdir / f"{model_name}.graph.json")),
              "plan": str(workdir / f"{model_name}.plan.json"), "num_stages": num_stages,
@@ -184,13 +211,14 @@ def model_shape(model_name: str, spec: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def isolated_stage_ms(rec: Any, stages: Sequence[torch.nn.Module], micro: int, reps: int,
-                      only: Optional[int] = None) -> list[float]:
+                      only: Optional[int] = None, bf16: bool = False) -> list[float]:
     """Best-of-`reps` forward+backward time of each stage (or of stage `only`) on one microbatch, no communication.
 
     The minimum, not the median: on a shared machine other processes only ever add time, so the
     fastest repetition is the closest to the stage's own cost. Repetitions alternate between stages.
     """
     inputs, target = rec.data(micro, 0).batch(0)
+    stages = [AutocastStage(stage) for stage in stages] if bf16 else list(stages)
     stage_inputs: list[tuple[Any, ...]] = []
     boundary: tuple[Any, ...] = inputs
     with torch.no_grad():
@@ -205,7 +233,7 @@ def isolated_stage_ms(rec: Any, stages: Sequence[torch.nn.Module], micro: int, r
         start = time.perf_counter()
         out = stage(*args)
         if last:
-            rec.criterion(out[0], target).backward()
+            rec.criterion(_float(out[0]), target).backward()
         else:
             tensors = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
             torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
@@ -244,13 +272,13 @@ def torch_side(model_name: str, schedule_name: str, rank: int, world_size: int, 
 
     rec, _, _, _, stages = _build(model_name, spec)
     entry = spec["models"][model_name]
-    module = stages[rank]
+    module = AutocastStage(stages[rank]) if spec["precision"] == "bf16" else stages[rank]
     last = rank == world_size - 1
     data = rec.data(entry["batch_size"], spec["seed"])
 
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         # Stage modules return the tuple of their boundary outputs; the model output is its one element.
-        return rec.criterion(output[0] if isinstance(output, tuple) else output, target)
+        return rec.criterion(_float(output[0] if isinstance(output, tuple) else output), target)
 
     stage = pipelining.PipelineStage(module, rank, world_size, torch.device("cpu"))
     schedule = getattr(pipelining, SCHEDULES[schedule_name])(stage, entry["microbatches"], loss_fn=loss_fn)
@@ -283,7 +311,7 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     rec, model, graph, plan, _ = _build(model_name, spec)
     entry = spec["models"][model_name]
     config = TrainConfig(batch_size=entry["batch_size"], num_microbatches=entry["microbatches"], schedule=schedule_name,
-                         seed=spec["seed"])
+                         seed=spec["seed"], bf16=spec["precision"] == "bf16")
     engine = PipelineEngine(
         graph=graph, plan=plan, model=model, criterion=rec.criterion,
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=spec["lr"], momentum=0.9),
@@ -322,7 +350,8 @@ def worker(side: str, model_name: str, rank: int, world_size: int, port: int, sp
         # pipelined run that follows: one thread, the other rank busy on the other core.
         rec, _, _, _, stages = _build(model_name, spec)
         micro = spec["models"][model_name]["batch_size"] // spec["models"][model_name]["microbatches"]
-        results["stage_ms"] = isolated_stage_ms(rec, stages, micro, spec["isolated_reps"], only=rank)[0]
+        results["stage_ms"] = isolated_stage_ms(rec, stages, micro, spec["isolated_reps"], only=rank,
+                                                bf16=spec["precision"] == "bf16")[0]
         dist.barrier()
         control_group = dist.new_group(backend="gloo") if side == "ours" else None
         for schedule_name in spec["schedules"]:
@@ -406,7 +435,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="worlds per side and model, sides alternating; medians are reported (default 3, quick 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds for each world of workers")
     parser.add_argument("--only", choices=("both", "torch", "ours"), default="both", help="run one side only (debugging)")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--bf16", action="store_true",
+                        help="mixed precision on both sides: our --bf16, torch's stages under the same autocast")
+    parser.add_argument("--out", default=None, help=f"the report (default {RESULTS.name}, {RESULTS_BF16.name} with --bf16)")
     parser.add_argument("--echo", action="store_true", help="print worker output as it arrives")
     parser.add_argument("--_worker", choices=("torch", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--_model", help=argparse.SUPPRESS)
@@ -442,6 +473,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "lr": 0.01,
         "seed": 0,
         "schedules": schedules,
+        "precision": "bf16" if args.bf16 else "fp32",
         "model_order": models,
         "models": {},
         "op_timeout": 120,
@@ -504,6 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows.append({
                 "model": model_name,
                 "schedule": schedule,
+                "precision": spec["precision"],
                 "num_stages": p,
                 "batch_size": entry["batch_size"],
                 "microbatches": m,
@@ -532,7 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             })
     report = {
         "benchmark": "runtime",
-        "settings": {k: spec[k] for k in ("steps", "warmup", "rounds", "lr", "seed")}
+        "settings": {k: spec[k] for k in ("steps", "warmup", "rounds", "lr", "seed", "precision")}
         | {"shapes": {name: list(model_shape(name, spec)) for name in models}, "threads_per_rank": 1, "backend": "gloo",
            "quick": args.quick},
         "machine": machine | {"uptime": _uptime()},
@@ -542,9 +575,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     from model_parallel.fileio import atomic_write_json
 
-    atomic_write_json(args.out, report)
+    out = args.out or str(RESULTS_BF16 if args.bf16 else RESULTS)
+    atomic_write_json(out, report)
     print(format_rows(rows))
-    print(f"wrote {args.out} in {report['seconds']:.0f} s (goal: ratio >= 1.1)")
+    print(f"wrote {out} in {report['seconds']:.0f} s (goal: ratio >= 1.1)")
     return 0
 
 
@@ -559,19 +593,19 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Optional[float], fmt: str) -> str:
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
-    lines = [f"{'model':<9} {'sched':<6} {'p':>2} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>6} {'eff ours':>9} "
+    lines = [f"{'model':<9} {'sched':<6} {'prec':<4} {'p':>2} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>6} {'eff ours':>9} "
              f"{'eff torch':>10}  load"]
     for r in rows:
         load = r["machine"]["load_1min"]
         lines.append(
-            f"{r['model']:<9} {r['schedule']:<6} {r['num_stages']:>2} {num(r['ours_steps_per_s'], '10.2f')} "
+            f"{r['model']:<9} {r['schedule']:<6} {r.get('precision', 'fp32'):<4} {r['num_stages']:>2} {num(r['ours_steps_per_s'], '10.2f')} "
             f"{num(r['torch_steps_per_s'], '11.2f')} {num(r['ratio'], '6.2f')} {num(r['efficiency'], '9.2f')} "
             f"{num(r['torch_efficiency'], '10.2f')}  {load[0]:.1f}-{load[1]:.1f}" if load else "")
     for r in rows:
         if r["measured_stage_ms"] is None:
             continue
         what = "CPU ms" if r.get("stage_clock") == "cpu" else "busy ms"
-        lines += ["", f"{r['model']} {r['schedule']}: {what} per step by stage, predicted vs measured (ours); "
+        lines += ["", f"{r['model']} {r['schedule']} {r.get('precision', 'fp32')}: {what} per step by stage, predicted vs measured (ours); "
                       "predicted terms | measured wall fwd/bwd/opt/send/recv",
                   *stage_table(r)]
     return "\n".join(lines)

@@ -73,6 +73,8 @@ JOBS = [
     _job("mlp4_pipedream", "mlp", 3, "--num_stages", "4", "--schedule", "pipedream", "--lr", "0.02"),
     _job("gpt3_pipedream_adamw", "gpt", 2, "--num_stages", "3", "--schedule", "pipedream", "--optimizer", "adamw",
          "--lr", "0.003"),
+    # bf16 under PipeDream: the oracle applies the same autocast and rounds at the same cuts (trainer.py).
+    _job("gpt3_pipedream_bf16", "gpt", 2, "--num_stages", "3", "--schedule", "pipedream", "--bf16", "--lr", "0.02"),
     # Checkpoints are keyed by layer: 3 steps on 2 stages, then resume on 4 stages up to step 6.
     _job("mlp_resume_part1", "mlp", 3, "--num_stages", "2", "--checkpoint_dir", "{root}/mlp_resume"),
     _job("mlp_resume", "mlp", 6, "--num_stages", "4", "--resume", "--metrics", "{root}/metrics/rank{{rank}}.jsonl"),

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+from model_parallel.graph.precision import precision_of
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stage_transfers
 from model_parallel.optimizer.dp import Part
 from model_parallel.optimizer.memory import MemoryModel, footprint_parts, multipliers, stage_bytes
@@ -143,6 +144,7 @@ def build_plan(
         "data_parallel_time_s": data_parallel_time(solution.states, hierarchy),
         "bandwidths": [level.bandwidth for level in hierarchy.levels],
         "memory_model": options.memory_model,
+        "precision": precision_of(graph),  # what boundary bytes were priced at (graph/precision.py)
         "workers_unused": workers - before,
     }
     if options.footprint is not None:  # what each stage's predicted bytes are made of (`memory.py`)

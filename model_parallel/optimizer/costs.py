@@ -11,6 +11,10 @@ Every solver (dp.py, straight.py, brute_force.py, the plan's own numbers and the
 `predict_stage_times`) calls these, elementwise on numpy arrays or on floats, so their results agree
 to the bit. (The search's compiled pass, `search/flat_kernel.py`, and its bounds invert these terms to
 count replicas; they say so where they do.) `Input*` sources cost nothing (data loading).
+
+O is priced at the wire precision (graph/precision.py): under a bf16 profile a float32 boundary
+tensor counts half (it crosses as bf16), while activation (stash) bytes count what is held. An fp32
+profile prices every byte as before, bit for bit.
 """
 from __future__ import annotations
 
@@ -22,11 +26,13 @@ from typing import Any, Optional
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Level, Plan
+from model_parallel.graph.precision import precision_of, wire_bytes
 
 
 @dataclass(frozen=True)
 class StageCost:
-    """Sums over one stage's nodes: compute seconds, parameter and activation bytes, bytes in and out."""
+    """Sums over one stage's nodes: compute seconds, parameter and activation bytes (held), bytes in and
+    out (as they cross: at the wire precision)."""
 
     compute_s: float
     parameter_bytes: float
@@ -62,8 +68,10 @@ def data_parallel_seconds(compute: Any, parameters: Any, levels: Sequence[Level]
     return time
 
 
-def stage_costs(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list[StageCost]:
-    """Costs of every stage; a value crossing several boundaries counts at each (it is passed through)."""
+def stage_costs(graph: Graph, stage_of: dict[str, int], num_stages: int, precision: Optional[str] = None) -> list[StageCost]:
+    """Costs of every stage; a value crossing several boundaries counts at each (it is passed through).
+    Boundary bytes at `precision` (None: the one the graph was profiled at, `precision_of`)."""
+    precision = precision_of(graph) if precision is None else precision
     compute = [0.0] * num_stages
     params = [0.0] * num_stages
     acts = [0.0] * num_stages
@@ -79,9 +87,10 @@ def stage_costs(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list
         params[stage] += node.parameter_size
         acts[stage] += node.activation_bytes
         last = max((stage_of[s] for s in graph.successors[node.node_id]), default=stage)
+        sent = wire_bytes(node, precision) if last > stage else 0.0
         for boundary in range(stage, last):  # live across the cut after `boundary`
-            outputs[boundary] += node.activation_bytes
-            inputs[boundary + 1] += node.activation_bytes
+            outputs[boundary] += sent
+            inputs[boundary + 1] += sent
     return [StageCost(*values) for values in zip(compute, params, acts, inputs, outputs)]
 
 

@@ -11,7 +11,10 @@ against the runtime's metrics:
                                                               stored, the profile's replays only store)
     optimizer   parameter MB x ms per MB of the kind         (Calibration.optimizer_ms_per_mb)
     allreduce   costs.allreduce_seconds over the link        (replicated stages only)
-    sends       s x per message sent: latency + bytes / bandwidth   (activations down, gradients up)
+    sends       s x per message sent: latency + bytes / bandwidth   (activations down, gradients up;
+                                                              bytes at the wire precision: a bf16
+                                                              profile's float32 boundary tensors
+                                                              count half, graph/precision.py)
     receives    the same per message received                (clock "cpu" only, see below)
     overhead    s x the runtime's fixed cost per microbatch  (Calibration.microbatch_overhead_ms)
 
@@ -119,11 +122,13 @@ def predict_stage_ms(
     optimizer: str = "sgd",
     scale: float = 1.0,
     messages_out: Optional[Sequence[int]] = None,
+    precision: Optional[str] = None,
 ) -> list[StagePrediction]:
     """Each stage's predicted time per flush step of `num_microbatches` microbatches on one of its ranks.
 
     `scale` = microbatch size / profiled batch size (1.0 when profiled at the microbatch size).
     `messages_out[k]`: tensors stage k sends per boundary message (default 1: latency per message).
+    `precision`: what boundary tensors travel at ("fp32" / "bf16"; None: the profile's own).
     """
     if num_microbatches < 1 or not scale > 0:
         raise PlanError(f"need num_microbatches >= 1 and scale > 0, got {num_microbatches} and {scale}")
@@ -131,7 +136,7 @@ def predict_stage_ms(
         raise PlanError(f"the calibration has no optimizer coefficient for {optimizer!r} "
                         f"(it has {sorted(calibration.optimizer_ms_per_mb)}); calibrate with that optimizer")
     plan = plan.with_default_ranks()
-    costs = stage_costs(graph, plan.stage_of, plan.num_stages)
+    costs = stage_costs(graph, plan.stage_of, plan.num_stages, precision)
     profile = graph.metadata.get("profile", {}) if isinstance(graph.metadata.get("profile"), Mapping) else {}
     if profile.get("clock", calibration.clock) != calibration.clock:
         raise PlanError(f"the profile was timed on the {profile['clock']!r} clock and the calibration on "

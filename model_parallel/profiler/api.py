@@ -17,12 +17,14 @@ from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from model_parallel.errors import ProfileError
-from model_parallel.graph.core import Graph
+from model_parallel.graph.core import Graph, TensorMeta
 from model_parallel.profiler.insitu import Instrumentation, calibrate_instrumentation, run_steps
 from model_parallel.profiler.layer_by_layer import LayerWalk, refuse_meta
-from model_parallel.profiler.timing import HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, tensors_in
+from model_parallel.profiler.timing import (HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, float32_output,
+                                            precision_autocast, tensors_in)
 from model_parallel.graph.arguments import OutputDict
-from model_parallel.profiler.trace import flat_inputs, split_inputs, trace_model
+from model_parallel.graph.precision import PRECISIONS
+from model_parallel.profiler.trace import flat_inputs, run_preserving_state, split_inputs, tensor_metas, trace_model
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +95,16 @@ def timing_mode(timing: str, device: torch.device, resumable: bool = False) -> s
 
 def _time_in_situ(gm: fx.GraphModule, graph: Graph, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
                   warmup: int, iterations: int, clock: str, cost: Instrumentation, known: Mapping[str, NodeTiming],
-                  store: Optional[TimingStore], bar: tqdm) -> tuple[dict[str, NodeTiming], NodeTiming, Optional[float]]:
+                  store: Optional[TimingStore], bar: tqdm, precision: str = "fp32") -> tuple[dict[str, NodeTiming], NodeTiming, Optional[float]]:
     """Node timings from real training steps of `gm` (see profiler.insitu); the loss's; the instrumented step ms."""
     timed = {n.node_id for n in graph.nodes
              if n.layer.op in ("call_function", "call_method", "call_module") and n.layer.outputs}
     if timed and timed <= set(known):  # an interrupted run timed them all: nothing left to measure
         return {k: v for k, v in known.items() if k in timed}, NodeTiming(0.0, 0.0), None
+    wrap = output_dicts if precision == "fp32" else lambda out: float32_output(output_dicts(out))
     result = run_steps(gm, inputs, loss_fn, timed, warmup=warmup, iterations=iterations, clock=clock,
-                       instrumentation=cost, wrap_output=output_dicts, on_step=lambda: bar.update(1))
+                       instrumentation=cost, wrap_output=wrap, on_step=lambda: bar.update(1),
+                       autocast=lambda: precision_autocast(precision, torch.device("cpu")))
     if store is not None:
         for node_id, node_timing in result.timings.items():
             store.record(node_id, node_timing)
@@ -189,6 +193,39 @@ class _TimingInterpreter(fx.Interpreter):
         return result
 
 
+class _DtypeRecorder(fx.Interpreter):
+    """Runs the traced model once, keeping each node's output shapes and dtypes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.metas: dict[str, tuple[TensorMeta, ...]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.metas[n.name] = tensor_metas(result)
+        return result
+
+
+def _dtypes_at(graph: Graph, gm: fx.GraphModule, inputs: Sequence[Any], precision: str, device: torch.device,
+               walk: Optional[LayerWalk]) -> Graph:
+    """`graph` with each node's output dtypes and `activation_size` as a forward at `precision` produces
+    them (bf16: autocast makes a Linear's output bf16, 2 bytes per element; a LayerNorm's stays float32):
+    the bytes a stage holds. (The trace ran without autocast; what crosses is `graph.precision.wire_bytes`.)"""
+    recorder = (walk.interpreter(_DtypeRecorder) if walk is not None else _DtypeRecorder)(gm)
+    with torch.no_grad(), precision_autocast(precision, device):
+        run_preserving_state(gm, lambda: recorder.run(*inputs))
+    nodes = []
+    for node in graph.nodes:
+        metas = recorder.metas.get(node.node_id)
+        if metas is None or node.layer is None or len(metas) != len(node.layer.outputs):
+            nodes.append(node)
+            continue
+        sizes = tuple(float(m.numel * getattr(torch, m.dtype).itemsize) for m in metas)
+        nodes.append(replace(node, layer=replace(node.layer, outputs=metas),
+                             activation_size=sizes if len(sizes) > 1 else (sizes[0] if sizes else 0.0)))
+    return replace(graph, nodes=tuple(nodes))
+
+
 def output_dicts(value: Any) -> Any:
     """A traced model's output with every dict an `OutputDict` (`out.logits` works, as on a ModelOutput)."""
     if isinstance(value, Mapping):
@@ -215,6 +252,7 @@ def profile(
     store: Optional[TimingStore] = None,
     timing: str = "auto",
     layer_by_layer: bool = False,
+    precision: str = "fp32",
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
 
@@ -242,7 +280,14 @@ def profile(
     on meta, each node timed by isolated replay with only its own tensors materialized
     (`profiler.layer_by_layer`; in-situ timing needs the whole model); the model is never moved.
     `device` None is then where the model's real tensors are, else the CPU.
+    `precision`: "fp32" (default) or "bf16": time every forward under the bf16 autocast the runtime
+    trains with (`TrainConfig.bf16`; the loss on the float32 output, as there), both timing modes,
+    and record each node's outputs at the dtypes that forward produces (`activation_size`: what a
+    stage holds). Recorded in `metadata["profile"]["precision"]`; the cost model then prices boundary
+    tensors as the bf16 wire sends them (`graph.precision.wire_bytes`).
     """
+    if precision not in PRECISIONS:
+        raise ProfileError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if warmup < 0 or iterations < 1:
         raise ProfileError(f"need warmup >= 0 and iterations >= 1, got warmup={warmup}, iterations={iterations}")
     walk = LayerWalk(model, None if device is None else resolve_device(device), (example_inputs, example_kwargs)) \
@@ -276,7 +321,8 @@ def profile(
                        unit="step", disable=not progress, leave=progress, file=sys.stderr)
             try:
                 timings, loss_timing, instrumented_step_ms = _time_in_situ(
-                    gm, graph, flat_inputs(args, kwargs), loss_fn, warmup, iterations, clock, cost, known, store, bar)
+                    gm, graph, flat_inputs(args, kwargs), loss_fn, warmup, iterations, clock, cost, known, store, bar,
+                    precision)
             finally:
                 bar.close()
         else:
@@ -287,14 +333,18 @@ def profile(
             try:
                 interpreter = (walk.interpreter(_TimingInterpreter) if walk is not None else _TimingInterpreter)(
                     gm, graph, replay, bar, store, known)
-                output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))
+                with precision_autocast(precision, target):  # the replays and the real forward alike
+                    output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))
             finally:
                 bar.close()
             loss_timing = NodeTiming(0.0, 0.0)
             if loss_fn is not None:
                 with torch.enable_grad():
-                    loss_timing = replay.time(lambda p: loss_fn(p["output"]), {"output": (output, True)})
+                    loss_timing = replay.time(lambda p: loss_fn(float32_output(p["output"]) if precision != "fp32" else p["output"]),
+                                              {"output": (output, True)})
             timings = interpreter.timings
+        if precision != "fp32":
+            graph = _dtypes_at(graph, gm, flat_inputs(args, kwargs), precision, target, walk)
     nodes = tuple(
         replace(node, forward_ms=timings[node.node_id].forward_ms, backward_ms=timings[node.node_id].backward_ms)
         if node.node_id in timings else node
@@ -309,6 +359,7 @@ def profile(
         "num_threads": torch.get_num_threads(),
         "clock": clock,
         "timing": mode,
+        "precision": precision,
         "torch_version": torch.__version__,
         "overhead_subtracted_ms": {"forward": overhead.forward_ms, "backward": overhead.backward_ms},
         "loss_forward_ms": loss_timing.forward_ms,

@@ -25,6 +25,9 @@ How (CPU, one process):
   measured step: the instrumented step time is reported beside the sums
   (`InSituProfile.step_ms`), so what the instrumentation adds stays visible.
 
+At bf16 (`autocast`: the runtime's bf16 autocast, `timing.precision_autocast`) the forward pass runs
+under it, so each node is timed on the dtypes it computes in when training at that precision.
+
 Per node, the median over the timed steps is kept. Parameter `.grad`s and the GraphModule's buffers
 are put back afterwards. CUDA is not supported here (kernels are asynchronous and CUDA backward
 runs on the engine's device threads): `model_parallel.profile` replays operators there instead.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -143,10 +147,12 @@ def run_steps(gm: fx.GraphModule, inputs: Sequence[Any], loss_fn: Optional[Calla
               timed: Collection[str], *, warmup: int = 1, iterations: int = 5, clock: str = "wall",
               instrumentation: Instrumentation = Instrumentation(),
               wrap_output: Callable[[Any], Any] = lambda out: out,
-              on_step: Optional[Callable[[], None]] = None) -> InSituProfile:
+              on_step: Optional[Callable[[], None]] = None,
+              autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> InSituProfile:
     """Time the nodes named in `timed` in `warmup + iterations` training steps of `gm` (forward, `loss_fn`,
     backward into `.grad`, no optimizer), keeping the median of the last `iterations` per node.
-    `wrap_output(output)` is what `loss_fn` receives; `on_step()` is called after each step."""
+    `wrap_output(output)` is what `loss_fn` receives; `on_step()` is called after each step; the
+    forward runs inside `autocast()` (bf16: the runtime's autocast; the loss and backward outside)."""
     check_clock(clock, torch.device("cpu"))
     stamp = stamp_function(clock)
     params = [p for p in gm.parameters() if p.requires_grad]
@@ -167,7 +173,9 @@ def run_steps(gm: fx.GraphModule, inputs: Sequence[Any], loss_fn: Optional[Calla
                     p.grad = None  # zero_grad(set_to_none=True), as the measured plain step does
                 interpreter = _StepInterpreter(gm, timed, stamp)
                 started = stamp()
-                output = wrap_output(interpreter.run(*inputs))
+                with autocast():
+                    output = interpreter.run(*inputs)
+                output = wrap_output(output)
                 loss_started = stamp()
                 loss = loss_fn(output) if loss_fn is not None else None
                 loss_ended = stamp()

@@ -1,6 +1,9 @@
 """Timers for the profiler: replay one operator in isolation (forward and backward), a plain training step,
 and the fixed per-call cost of the replay harness that is subtracted from every node.
 
+At precision "bf16" forwards run under `precision_autocast` (the runtime's autocast: runtime/executor.py)
+and the loss gets the output in float32 (`float32_output`), as the runtime's last stage gives it.
+
 Every timed region is bracketed by a device synchronisation (`torch.cuda.synchronize` on CUDA, nothing
 on CPU), so asynchronous kernels are counted where they run, not where they are launched.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -66,6 +70,20 @@ def _now_ms(device: torch.device, clock: str = "wall") -> float:
     if clock == "cpu":
         return time.process_time_ns() / 1e6
     return time.perf_counter_ns() / 1e6
+
+
+def precision_autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """The context a forward runs in at `precision`: bf16 autocast on the device's type exactly as the
+    runtime enters it (`StepExecutor.forward`), nothing at fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def float32_output(value: Any) -> Any:
+    """`value` with its floating-point tensors in float32 (runtime/output.py `float_output`: what the
+    criterion gets after a bf16 forward). Tensors already float32 are returned as they are."""
+    return tree_map(lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
 
 
 def median(values: Sequence[float]) -> float:
@@ -189,11 +207,15 @@ def calibrate_overhead(device: torch.device, repeats: int = 30, clock: str = "wa
 
 
 def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
-                  zero_grad: bool = True) -> None:
-    """One plain training step without the optimizer: zero_grad(set_to_none), forward, loss, backward."""
+                  zero_grad: bool = True, precision: str = "fp32") -> None:
+    """One plain training step without the optimizer: zero_grad(set_to_none), forward (under autocast at
+    bf16, the loss on its float32 output), loss, backward."""
     if zero_grad:
         model.zero_grad(set_to_none=True)
-    output = model(*inputs)
+    with precision_autocast(precision, _device_of(model)):
+        output = model(*inputs)
+    if precision != "fp32":
+        output = float32_output(output)
     if loss_fn is not None:
         loss_fn(output).backward()
         return
@@ -202,9 +224,13 @@ def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Cal
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    return next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+
+
 def time_training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optional[Callable[[Any], torch.Tensor]],
                        device: torch.device, iterations: int, clock: str = "wall",
-                       on_step: Optional[Callable[[float], None]] = None) -> list[float]:
+                       on_step: Optional[Callable[[float], None]] = None, precision: str = "fp32") -> list[float]:
     """Milliseconds of each of `iterations` plain training steps: forward, loss, backward (the caller
     restores model state); `on_step(ms)` is called after each one (a progress bar: a step of a large
     model takes minutes). `zero_grad` runs before the clock starts: it is the optimizer's work, not
@@ -214,7 +240,7 @@ def time_training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optiona
     for _ in range(iterations):
         model.zero_grad(set_to_none=True)
         start = _now_ms(device, clock)
-        training_step(model, inputs, loss_fn, zero_grad=False)
+        training_step(model, inputs, loss_fn, zero_grad=False, precision=precision)
         times.append(_now_ms(device, clock) - start)
         if on_step is not None:
             on_step(times[-1])

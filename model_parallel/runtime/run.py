@@ -23,6 +23,7 @@ import torch
 from model_parallel.errors import PeerError, PlanError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
+from model_parallel.graph.precision import precision_mismatch
 
 if TYPE_CHECKING:
     from model_parallel.messages import ControlChannel
@@ -147,6 +148,15 @@ def start_health(world: World, timeout: float) -> "Health":
                   store_timeout=timeout, store_address=world.store_address).start()
 
 
+def warn_precision_mismatch(job: Job, bf16: bool, prefix: str = "") -> Optional[str]:
+    """Log (a warning, not an error: the run is still correct, only maybe unbalanced) when the plan was
+    priced at another precision than this run trains at; returns the message, None when they agree."""
+    message = precision_mismatch(job.plan, job.graph, bf16)
+    if message is not None:
+        logger.warning("%s%s", f"{prefix} " if prefix else "", message)
+    return message
+
+
 def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, optimizer_factory: Callable,
             channel: "ControlChannel", world: World, health: "Health", on_engine: Optional[Callable[["PipelineEngine"], None]] = None) -> "PipelineEngine":
     """Build this rank's engine for one job on the already-joined world and train `steps` steps.
@@ -172,6 +182,7 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
             on_engine(engine)
         if world.rank == 0:
             logger.info("%s plan v%d:\n%s", engine.prefix, engine.plan.version, engine.plan.table())
+            warn_precision_mismatch(job, config.bf16, engine.prefix)
         history = engine.train(steps)
         if engine.stop_reason is not None:
             outcome = (f"stopped after {engine.next_step} of the {steps} requested step(s): "

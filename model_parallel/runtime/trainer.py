@@ -18,7 +18,7 @@ from model_parallel.runtime.data import minibatch_parts as _microbatches, stage_
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.engine import OptimizerFactory, StepResult
 from model_parallel.runtime.output import float_output, model_output
-from model_parallel.runtime.structure import cross, flatten_values, unflatten
+from model_parallel.runtime.structure import cross, flatten_values, narrowed, unflatten
 from model_parallel.runtime.update import apply_update, squared_grad_norm
 
 logger = logging.getLogger(__name__)
@@ -87,12 +87,19 @@ class SingleProcessRunner:
         return tuple(stage.output_names)
 
     def _pipedream_step(self, step: int) -> StepResult:
-        """PipeDream's asynchronous 1F1B with weight stashing, run in grid order in this process."""
+        """PipeDream's asynchronous 1F1B with weight stashing, run in grid order in this process. Under
+        bf16 as the pipeline runs it: forwards under autocast, float32 boundary values and their
+        gradients rounded to bf16 at the cuts (`wire`), the loss on the float32 output."""
         from torch.func import functional_call
 
         from model_parallel.runtime.schedule import pipedream_async
 
         cfg, p = self.config, len(self.stages)
+        wire = cfg.wire_dtype
+
+        def rounded(value: Any) -> Any:  # what arrives over the wire: narrowed and widened back
+            return value.to(wire).to(value.dtype) if isinstance(value, torch.Tensor) and narrowed(value, wire) else value
+
         inputs, target = self.dataset.batch(step)
         microbatches = _microbatches(inputs, target, cfg.num_microbatches)
         schedule = pipedream_async(p, cfg.num_microbatches)
@@ -110,16 +117,18 @@ class SingleProcessRunner:
                     else:
                         # A new graph per stage, as across ranks: the boundary's flat tensors, detached.
                         upstream = state[(s - 1, j)]
-                        leaves = [v.detach().requires_grad_(v.requires_grad) if v.is_floating_point() else v
+                        leaves = [rounded(v.detach()).requires_grad_(v.requires_grad) if v.is_floating_point() else v
                                   for v in upstream["leaves"]]
                         values = unflatten(leaves, upstream["tree"])
                     weights = {n: q.detach().clone().requires_grad_(True) for n, q in stage.named_parameters()}
-                    outputs = list(functional_call(stage, weights, tuple(values)))
+                    with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
+                        outputs = list(functional_call(stage, weights, tuple(values)))
                     entry = {"inputs": leaves, "outputs": outputs, "weights": weights}
                     if s < p - 1:
                         entry["leaves"], entry["tree"] = flatten_values(outputs, self._names(stage))
                     else:
-                        entry["loss"] = self.criterion(self._model_output(outputs), microbatches[j][1])
+                        output = self._model_output(outputs)
+                        entry["loss"] = self.criterion(float_output(output) if cfg.bf16 else output, microbatches[j][1])
                         total += float(entry["loss"].detach()) / cfg.num_microbatches
                     state[(s, j)] = entry
                 else:
@@ -128,7 +137,7 @@ class SingleProcessRunner:
                         entry["loss"].backward()
                     else:
                         downstream = state[(s + 1, j)]["inputs"]
-                        pairs = [(o, v.grad) for o, v in zip(entry["leaves"], downstream, strict=True)
+                        pairs = [(o, rounded(v.grad).to(o.dtype)) for o, v in zip(entry["leaves"], downstream, strict=True)
                                  if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(v, torch.Tensor) and v.grad is not None]
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     optimizer = self.stage_optimizers[s]

@@ -145,6 +145,7 @@ def profile_arch(
     estimate: bool = False,
     force: bool = False,
     node_timing: str = "auto",
+    precision: str = "fp32",
 ) -> tuple[Graph, dict[str, Any]]:
     """Profile one torchvision model and time a plain training step of it; returns (graph, summary).
 
@@ -156,6 +157,7 @@ def profile_arch(
     the time (with the flags that shorten it when over `feasibility.SLOW_SECONDS`).
     `partial_path`: keep measurements there as they are made, and reuse those an interrupted run with
     the same settings left (see `model_parallel.profiler.resume`).
+    `precision` "bf16": nodes and training steps timed under the runtime's bf16 autocast (`--bf16`).
     """
     if batch_size < 1:
         raise ProfileError(f"--batch-size must be >= 1, got {batch_size}")
@@ -184,7 +186,7 @@ def profile_arch(
     tv = import_torchvision()
     key = {"arch": arch, "batch_size": batch_size, "image_size": image_size, "num_classes": num_classes,
            "data": data_dir or "synthetic", "device": str(target), "num_threads": threads, "clock": clock, "timing": node_timing,
-           "warmup": warmup, "iterations": iterations, "step_iterations": step_iterations, "rounds": rounds,
+           "precision": precision, "warmup": warmup, "iterations": iterations, "step_iterations": step_iterations, "rounds": rounds,
            "torch_version": torch.__version__, "torchvision_version": tv.__version__}
     partial = PartialProfile.open(partial_path, key, say)
 
@@ -199,17 +201,18 @@ def profile_arch(
                 timing = feasibility.estimate_time(model, (images[:probe],), classification_loss(targets[:probe]), probe,
                                                    batch_size, image_size, target, (warmup, iterations, step_iterations, rounds), say)
             say("warm-up training step (untimed)")
-            training_step(model, (images,), loss_fn)  # untimed warm-up: first-touch allocations, lazy init
-            step_times += _timed_steps(model, images, loss_fn, target, step_iterations, clock, partial, 0, rounds, progress)
+            training_step(model, (images,), loss_fn, precision=precision)  # untimed warm-up: first-touch allocations, lazy init
+            step_times += _timed_steps(model, images, loss_fn, target, step_iterations, clock, partial, 0, rounds, progress,
+                                       precision)
             for index in range(rounds):
                 model.zero_grad(set_to_none=True)
                 started = clock_seconds(clock)
                 graphs.append(profile(model, (images,), loss_fn, warmup=warmup, iterations=iterations,
                                       device=target, progress=progress, clock=clock, store=partial.round(index),
-                                      timing=node_timing))
+                                      timing=node_timing, precision=precision))
                 profile_seconds.append(clock_seconds(clock) - started)
                 step_times += _timed_steps(model, images, loss_fn, target, step_iterations, clock, partial, index + 1,
-                                           rounds, progress)
+                                           rounds, progress, precision)
         finally:
             partial.save()  # interrupted or not, what was measured is on disk
         model.zero_grad(set_to_none=True)
@@ -227,6 +230,7 @@ def profile_arch(
         "device": str(target),
         "num_threads": threads,
         "clock": clock,
+        "precision": precision,
         "num_nodes": len(graph),
         "num_edges": len(graph.edges),
         "parameter_bytes": sum(n.parameter_size for n in graph.nodes),
@@ -285,7 +289,7 @@ def _check_memory(arch: str, batch_size: int, image_size: int, num_classes: int,
 
 
 def _timed_steps(model: nn.Module, images: torch.Tensor, loss_fn: Any, device: torch.device, count: int, clock: str,
-                 partial: PartialProfile, index: int, rounds: int, progress: bool) -> list[float]:
+                 partial: PartialProfile, index: int, rounds: int, progress: bool, precision: str = "fp32") -> list[float]:
     """Chunk `index` of plain training steps: reused from an interrupted run, or timed with a bar."""
     times = partial.steps(index)
     if times:
@@ -298,7 +302,8 @@ def _timed_steps(model: nn.Module, images: torch.Tensor, loss_fn: Any, device: t
 
         with tqdm(total=count, initial=count - remaining, desc=f"timing training steps ({index + 1}/{rounds + 1})",
                   unit="step", file=sys.stderr, disable=not progress) as bar:
-            times += time_training_step(model, (images,), loss_fn, device, remaining, clock, on_step=keep)
+            times += time_training_step(model, (images,), loss_fn, device, remaining, clock, on_step=keep,
+                                        precision=precision)
     return times
 
 
@@ -351,6 +356,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default), or this process's CPU time (CPU only; ignores time other "
                              "processes take on a shared machine)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="time under the bf16 autocast that training with --bf16 uses, and record bf16 sizes")
     parser.add_argument("--force", action="store_true",
                         help="profile even when the memory estimate says the batch does not fit")
     parser.add_argument("--fresh", action="store_true",
@@ -373,7 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.arch, args.batch_size, args.image_size, device=args.device, warmup=args.warmup,
             iterations=args.iterations, num_classes=args.num_classes, data_dir=args.data_dir,
             step_iterations=args.step_iterations, progress=True, clock=args.clock,
-            partial_path=partial_path, estimate=True, force=args.force,
+            partial_path=partial_path, estimate=True, force=args.force, precision="bf16" if args.bf16 else "fp32",
         )
     except KeyboardInterrupt:
         if partial_path.exists():
