@@ -13,7 +13,7 @@ import torch
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.costs import stage_costs
-from model_parallel.optimizer.memory import Footprint, footprint_parts, optimizer_kind
+from model_parallel.optimizer.memory import Footprint, footprint_parts, optimizer_kind, stash_bytes
 from model_parallel.runtime.memory_probe import PeakProbe, StashMeter, state_bytes
 
 logger = logging.getLogger(__name__)
@@ -27,9 +27,10 @@ def predicted(graph: Graph, plan: Plan, optimizer: str, momentum: float, schedul
     scale = microbatch_size / profiled if isinstance(profiled, int) and not isinstance(profiled, bool) and profiled > 0 else 1.0
     model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, scale)
     costs = stage_costs(graph, plan.stage_of, plan.num_stages)
+    stash = stash_bytes(graph, plan.stage_of, plan.num_stages)
     out, before = [], 0
-    for stage, cost in zip(plan.stages, costs):
-        out.append(footprint_parts(model, cost.activation_bytes, cost.parameter_bytes, plan.num_ranks, before,
+    for stage, cost, kept in zip(plan.stages, costs, stash):
+        out.append(footprint_parts(model, kept, cost.parameter_bytes, plan.num_ranks, before,
                                    stage.num_replicas))
         before += stage.num_replicas
     return out

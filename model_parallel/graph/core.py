@@ -84,6 +84,9 @@ class Node:
     `uncrossable`: why this node's value cannot be sent to another stage (a Python object the wire
     cannot carry, a buffer its reader updates in place), as the profiler found it; None when it can.
     A plan keeps such a node and all its consumers in one stage.
+    `saved_bytes`: bytes autograd saves for backward from this node's values in a training forward (its
+    outputs that any consumer saves, and what its own operator saves beyond its inputs), each storage
+    once (graph/saved.py); None when not profiled: the footprint then takes `activation_bytes`.
     """
 
     node_id: str
@@ -95,6 +98,7 @@ class Node:
     stage_id: Optional[int] = None
     layer: Optional[LayerSpec] = None
     uncrossable: Optional[str] = None
+    saved_bytes: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.node_id or any(c.isspace() for c in self.node_id):
@@ -113,6 +117,9 @@ class Node:
         if self.uncrossable is not None and (not isinstance(self.uncrossable, str) or not self.uncrossable.strip()):
             raise GraphError(f"node {self.node_id}: uncrossable must be a reason (a non-empty string) or None, "
                              f"got {self.uncrossable!r}")
+        if self.saved_bytes is not None and not (math.isfinite(self.saved_bytes) and self.saved_bytes >= 0):
+            raise GraphError(f"node {self.node_id}: saved_bytes must be a finite number >= 0 or None (not profiled), "
+                             f"got {self.saved_bytes}")
 
     @property
     def crossable(self) -> bool:
@@ -130,6 +137,11 @@ class Node:
     def activation_bytes(self) -> float:
         """Bytes leaving this node (sum over outputs)."""
         return float(sum(self.activation_sizes))
+
+    @property
+    def stash_bytes(self) -> float:
+        """Bytes kept for backward from this node: `saved_bytes` where profiled, else its outputs."""
+        return float(self.saved_bytes) if self.saved_bytes is not None else self.activation_bytes
 
     @property
     def compute_ms(self) -> float:

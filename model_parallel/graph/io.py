@@ -38,7 +38,7 @@ def load_graph(path: PathLike, use_sidecar: bool = True) -> Graph:
             )
         # The text file is authoritative for costs and stages; the sidecar adds layers, what cannot
         # cross a stage boundary (graph.txt has no field for it) and metadata.
-        nodes = tuple(replace(t, layer=j.layer, uncrossable=j.uncrossable) for t, j in zip(graph.nodes, rich.nodes))
+        nodes = tuple(replace(t, layer=j.layer, uncrossable=j.uncrossable, saved_bytes=j.saved_bytes) for t, j in zip(graph.nodes, rich.nodes))
         graph = replace(graph, nodes=nodes, metadata=rich.metadata)
     return graph
 

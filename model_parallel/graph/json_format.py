@@ -2,12 +2,14 @@
 
     {"schema": "model_parallel.graph", "version": 1, "metadata": {...},
      "nodes": [{"id", "description", "forward_ms", "backward_ms", "activation_size",
-                "parameter_size", "stage_id"?, "uncrossable"?, "layer"?: {"op", "target", "args",
+                "parameter_size", "stage_id"?, "uncrossable"?, "saved_bytes"?, "layer"?: {"op", "target", "args",
                 "kwargs", "module", "outputs": [{"shape", "dtype"}], "parameters"}}],
      "edges": [[src, dst], ...]}
 
 `"uncrossable": "<reason>"` marks a node whose value cannot be sent to another stage (absent: it can;
-files written before the field existed read as all crossable).
+files written before the field existed read as all crossable). `"saved_bytes"` is what autograd saves
+for backward from the node's values (`Node.saved_bytes`; absent: not profiled, the memory model takes
+the activation size).
 
 `metadata["tied_parameters"]` ([[name, ...], ...], the state-dict names that are one tensor) is
 checked on reading: an unknown name is a GraphFormatError naming the file and the key.
@@ -65,6 +67,8 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
             entry["stage_id"] = node.stage_id
         if node.uncrossable is not None:
             entry["uncrossable"] = node.uncrossable
+        if node.saved_bytes is not None:
+            entry["saved_bytes"] = node.saved_bytes
         if node.layer is not None:
             entry["layer"] = layer_to_dict(node.layer)
         nodes.append(entry)
@@ -101,6 +105,7 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
                         stage_id=int(entry["stage_id"]) if entry.get("stage_id") is not None else None,
                         layer=layer_from_dict(entry["layer"]) if entry.get("layer") else None,
                         uncrossable=entry.get("uncrossable"),
+                        saved_bytes=float(entry["saved_bytes"]) if entry.get("saved_bytes") is not None else None,
                     )
                 )
             except (KeyError, TypeError, ValueError, OverflowError) as error:

@@ -12,7 +12,7 @@ from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
 from model_parallel.graph.precision import precision_of
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stage_transfers
 from model_parallel.optimizer.dp import Part
-from model_parallel.optimizer.memory import MemoryModel, footprint_parts, multipliers, stage_bytes
+from model_parallel.optimizer.memory import MemoryModel, footprint_parts, multipliers, stage_bytes, stash_bytes
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.solve import Solution, solve
 from model_parallel.optimizer.states import States, Workload, prefix_states
@@ -117,6 +117,8 @@ def build_plan(
     memory_parts = []
     before = 0
     order = graph.topological_order
+    # The footprint holds what autograd and the executor keep (memory.stash_bytes); legacy models PipeDream's A.
+    stash = [c.activation_bytes for c in costs] if isinstance(options.memory, str) else stash_bytes(graph, stage_of, num_stages)
     for index, (part, cost) in enumerate(zip(solution.parts, costs)):
         r = part.replicas
         stages.append(
@@ -130,12 +132,12 @@ def build_plan(
                     boundary_levels[index] if index < num_stages - 1 else None, ratio,
                 ),
                 memory_bytes=stage_bytes(
-                    multipliers(options.memory, workers, before, r), cost.activation_bytes, cost.parameter_bytes
+                    multipliers(options.memory, workers, before, r), stash[index], cost.parameter_bytes
                 ),
                 ranks=solution.part_ranks[index] if solution.part_ranks else (),
             )
         )
-        memory_parts.append(footprint_parts(options.memory, cost.activation_bytes, cost.parameter_bytes, workers, before, r))
+        memory_parts.append(footprint_parts(options.memory, stash[index], cost.parameter_bytes, workers, before, r))
         before += r
     extra = {
         "cuts": solution.states.kind,

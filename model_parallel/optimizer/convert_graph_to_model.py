@@ -77,22 +77,23 @@ def price_plan(graph: Graph, plan: Plan, bandwidth: float = 1e9, footprint: Opti
     from dataclasses import replace
 
     from model_parallel.optimizer.costs import predict_stage_times, stage_costs
-    from model_parallel.optimizer.memory import Footprint, footprint_parts
+    from model_parallel.optimizer.memory import Footprint, footprint_parts, stash_bytes
 
     plan = plan.with_default_ranks()
     if plan.time_per_minibatch_s or any(s.compute_s or s.communication_s or s.memory_bytes for s in plan.stages):
         return plan
     footprint = footprint if footprint is not None else Footprint()
     costs = stage_costs(graph, plan.stage_of, plan.num_stages)
+    stash = stash_bytes(graph, plan.stage_of, plan.num_stages)
     stages, memory_parts, before = [], [], 0
-    for stage, cost in zip(plan.stages, costs):
+    for stage, cost, kept in zip(plan.stages, costs, stash):
         r = stage.num_replicas
         transfers = [4 * (r - 1) * cost.parameter_bytes / (bandwidth * r)]  # all-reduce among its replicas
         if stage.stage_id > 0:
             transfers.append(2.0 * cost.input_bytes / (bandwidth * r))
         if stage.stage_id < plan.num_stages - 1:
             transfers.append(2.0 * cost.output_bytes / (bandwidth * r))
-        parts = footprint_parts(footprint, cost.activation_bytes, cost.parameter_bytes, plan.num_ranks, before, r)
+        parts = footprint_parts(footprint, kept, cost.parameter_bytes, plan.num_ranks, before, r)
         memory_parts.append(parts)
         stages.append(replace(stage, compute_s=cost.compute_s, communication_s=max(transfers), memory_bytes=parts["total"]))
         before += r

@@ -16,7 +16,15 @@ microbatch in flight; 0 for flush schedules). `s` scales the profiled activation
 holds at its peak (schedule.py): GPipe all m; 1F1B and PipeDream min(m, p - k) for stage k of p, i.e.
 `ceil((M - ranks before) / r)` with replicas dealt microbatches round-robin.
 
+In the footprint, A is what one microbatch of the stage keeps for backward (`stash_bytes`), counted as
+the runtime's StashMeter measures it: each node's `saved_bytes` (what autograd saves from its values,
+profiled; its output bytes where not profiled), a value sent on kept whole until its backward, every
+value received (and passed through) kept too, and on the last stage what the loss saves. The legacy
+models take A = the sum of the nodes' output bytes, as PipeDream does.
+
 Solvers call `multipliers` once per (stage position, replicas) and `stage_bytes` on arrays or floats.
+(The solvers' per-node sums, `Workload.activation`, still weigh each node by its output bytes: the
+search's constraint does not use `stash_bytes` yet; the plan's numbers and tables do.)
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
 
 LEGACY_MODELS = ("pipedream", "1f1b")
 MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
@@ -120,6 +129,29 @@ def footprint_parts(model: MemoryModel, activation: float, parameters: float, nu
     }
     parts["total"] = float(stage_bytes(factors, activation, parameters))
     return parts
+
+
+def stash_bytes(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list[float]:
+    """Per stage, the bytes one microbatch keeps for backward at the profiled batch size (the footprint's A).
+
+    A node's value saved by autograd counts once, on the stage that produced it (`saved_bytes`); a value
+    that crosses is also kept whole by its sender (the executor holds what it sent until the backward)
+    and by every stage that receives it (received, passed on: one tensor). Model inputs are the step's
+    data on stage 0 (not counted there, as the runtime does not); received later, they count."""
+    stash = [0.0] * num_stages
+    for node in graph.nodes:
+        stage = stage_of[node.node_id]
+        data = node.is_input and not graph.predecessors[node.node_id]
+        last = max((stage_of[s] for s in graph.successors[node.node_id]), default=stage)
+        if not data:
+            stash[stage] += max(node.stash_bytes, node.activation_bytes) if last > stage else node.stash_bytes
+        for receiver in range(stage + 1, last + 1):
+            stash[receiver] += node.activation_bytes
+    profile = graph.metadata.get("profile")
+    loss = profile.get("loss_saved_bytes") if isinstance(profile, dict) else None
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool) and num_stages:
+        stash[-1] += float(loss)
+    return stash
 
 
 def optimizer_kind(name: str, momentum: float = 0.0) -> str:

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from model_parallel.graph.saved import covered, span
+
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     storage = tensor.untyped_storage()
@@ -106,25 +108,14 @@ class NullMeter:
 NO_METER = NullMeter()
 
 
-def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """(storage pointer, first byte, end byte) of the storage bytes `tensor` views: a microbatch that is a
-    slice of the minibatch counts its slice, not the whole minibatch's storage."""
-    pointer = tensor.untyped_storage().data_ptr()
-    size = tensor.element_size()
-    start = tensor.storage_offset() * size
-    if tensor.numel() == 0:
-        return pointer, start, start
-    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
-    return pointer, start, start + extent * size
-
-
 class StashMeter:
     """Measures the bytes a stage keeps for backward per microbatch in flight, and their peak over a step.
 
     Counted: every tensor autograd saves during a microbatch's forward (a `saved_tensors_hooks` pack
     hook, which returns the tensor unchanged) and the boundary buffers the executor keeps until that
     microbatch's backward (received inputs, sent outputs, PipeDream's stashed weight version). Each
-    storage counts once (the union of the byte ranges its tensors view); the stage's parameters and
+    storage counts once (the union of the byte ranges its tensors view: `graph/saved.py`, the rule the
+    profiler's `Node.saved_bytes` is counted by); the stage's parameters and
     buffers (held, counted by `state_bytes`) and the step's input data (held for the whole step whatever
     the schedule) are not counted. A microbatch's bytes are released when its backward has run.
     Also records the parameters + gradients + optimizer state at the end of a step's backwards
@@ -163,7 +154,7 @@ class StashMeter:
     def _add(self, microbatch: int, tensor: Any) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
-        pointer, start, end = _span(tensor)
+        pointer, start, end = span(tensor)
         if pointer == 0 or pointer in self.excluded or end <= start:
             return
         mine = self.spans.setdefault(pointer, {})
@@ -174,14 +165,10 @@ class StashMeter:
 
     def _recount(self, pointer: int) -> None:
         """The union of the byte ranges microbatches in flight view in one storage."""
-        covered, reach = 0, -1
-        for start, end in sorted(self.spans.get(pointer, {}).values()):
-            if end > reach:
-                covered += end - max(start, reach)
-                reach = end
-        self.total += covered - self.live.get(pointer, 0)
-        if covered:
-            self.live[pointer] = covered
+        union = covered(self.spans.get(pointer, {}).values())
+        self.total += union - self.live.get(pointer, 0)
+        if union:
+            self.live[pointer] = union
         else:
             self.live.pop(pointer, None)
             self.spans.pop(pointer, None)
