@@ -260,15 +260,16 @@ class TwoProbes(nn.Module):
 def test_gradients_flow_only_where_training_computes_them():
     model = TwoProbes()
     model_parallel.profile(model, (torch.randn(2, 3),), warmup=1, iterations=2, leaf_modules=[Probe], timing="replay")
-    # one shape-recording run, then 3 replays and the real forward: the input image tracks no gradient,
-    # values computed from parameters do.
-    assert model.first.seen == [False] * 5
-    assert model.second.seen == [False] + [True] * 3 + [False]
+    # one shape-recording run, then 3 replays and the real forward, then the forward that counts saved
+    # bytes (profiler/saved.py, autograd on): the input image tracks no gradient, values computed from
+    # parameters do.
+    assert model.first.seen == [False] * 6
+    assert model.second.seen == [False] + [True] * 3 + [False] + [True]
     model = TwoProbes()
     model_parallel.profile(model, (torch.randn(2, 3),), warmup=1, iterations=2, leaf_modules=[Probe], timing="insitu")
-    # in situ: the shape-recording run, then 3 real training steps with autograd on
-    assert model.first.seen == [False] * 4
-    assert model.second.seen == [False] + [True] * 3
+    # in situ: the shape-recording run, then 3 real training steps with autograd on, then the saved-bytes run
+    assert model.first.seen == [False] * 5
+    assert model.second.seen == [False] + [True] * 4
 
 
 def test_replay_handles_inplace_ops_and_non_differentiable_outputs():
