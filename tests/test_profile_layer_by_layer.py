@@ -119,6 +119,9 @@ def test_hugging_face_gpt2_export_route_gives_the_same_graph() -> None:
     # Export bakes the traced-on device into `aten.to(..., device=...)`: the walk puts the real one back.
     assert structure(walked) == structure(whole)
     assert walked.metadata["route"] == "export" and walked.metadata["tied_parameters"]
+    # Export reads every tensor by get_attr: each segment's copies are freed before the next one's.
+    summary = walked.metadata["profile"]["layer_by_layer"]
+    assert summary["segments"] > 1 and 0 < summary["peak_parameter_bytes"] <= summary["budget_bytes"], summary
 
 
 def test_replay_never_materializes_a_meta_model_beyond_one_node() -> None:
