@@ -224,3 +224,27 @@ def test_bad_inputs_are_typed_errors() -> None:
     with pytest.raises(ProfileError, match="layer_by_layer_bytes=1024 needs layer_by_layer=True"):
         model_parallel.profile(SmallCNN(), (x,), layer_by_layer_bytes=1024, **FAST)
     assert all(p.is_meta for p in model.parameters())
+
+
+class DictStore:
+    """A `TimingStore` in memory: what `record` got, `begin` gives back."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, Any] = {}
+
+    def begin(self, graph: Graph) -> dict[str, Any]:
+        return dict(self.timings)
+
+    def record(self, node_id: str, timing: Any) -> None:
+        self.timings[node_id] = timing
+
+
+def test_in_situ_segments_already_timed_by_a_store_are_not_timed_again() -> None:
+    torch.manual_seed(0)
+    model, inputs = SmallCNN(), (torch.randn(2, 3, 8, 8),)
+    store = DictStore()
+    first = model_parallel.profile(model, inputs, store=store, timing="insitu", layer_by_layer=True, **FAST)
+    assert first.metadata["profile"]["layer_by_layer"]["segments"] > 1 and store.timings
+    again = model_parallel.profile(model, inputs, store=store, timing="insitu", layer_by_layer=True, **FAST)
+    # Every segment was known: run forward once for its activations, timings taken from the store.
+    assert [(n.forward_ms, n.backward_ms) for n in again.nodes] == [(n.forward_ms, n.backward_ms) for n in first.nodes]
