@@ -234,12 +234,13 @@ def run_segments(walk: LayerWalk, gm: fx.GraphModule, inputs: Sequence[Any], los
                 else:
                     boundary_ms += _ms(result.loss)
                 step_ms += result.step_ms
-            del sub, args, leaves
+            del sub, args
         if not final:
             values.update(zip(piece.outputs, kept[0]))
         for node in [n for n in values if last_read.get(n, -1) <= k]:
             del values[node]
-        del kept, piece  # (its graph's owning module is the segment's GraphModule, which holds the tensors)
+        kept.clear()
+        del piece  # (its graph's owning module is the segment's GraphModule, which holds the tensors)
         gc.collect()  # the segment's tensors are counted until collected: free them before the next segment
     return SegmentedProfile(timings=timings, loss=loss, step_ms=step_ms, boundary_ms=boundary_ms,
                             budget_bytes=limit, segments=len(segments))
