@@ -1,14 +1,16 @@
-"""Layer-by-layer profiling benchmark: peak memory and sum of node times, whole model vs `layer_by_layer=True`.
+"""Layer-by-layer profiling benchmark: peak memory and Σ/step, whole model vs `layer_by_layer=True`.
 
-    python bench/profile_layer_by_layer.py            # resnet50 (64x64, batch 8) and a GPT (several minutes)
-    python bench/profile_layer_by_layer.py --quick    # smaller models, about a minute
+    python bench/profile_layer_by_layer.py            # resnet50 (64x64, batch 8), TinyGPT 12x768, GPT-2 (many minutes)
+    python bench/profile_layer_by_layer.py --quick    # smaller models, a few minutes
 
 Each (model, mode) runs in its own process, so its peak RSS (`ru_maxrss`) is its own: the whole-model
-profile builds the model with real values; the layer-by-layer one builds it under
-`torch.device("meta")` and materializes one node's tensors at a time. Writes
+profile builds the model with real values (in-situ timing) and also times plain training steps of it
+(the "step" of Σ/step); the layer-by-layer one builds it under `torch.device("meta")` and times it
+segment by segment (`profiler/segments.py`, default budget). Σ = nodes' forward + backward + the loss.
+`--clock cpu` (the default) counts this process's CPU time only, for a shared machine. Writes
 bench/results/profile_layer_by_layer.json: {"rows": [{"model", "mode", "peak_rss_mb",
-"rss_after_import_mb", "sum_layer_ms", "parameter_mb", "peak_parameter_mb", "seconds"}], "settings"}.
-Times are meaningful on a quiet machine only (the load average is recorded with each row).
+"rss_after_import_mb", "sum_ms", "step_ms", "sum_per_step", "parameter_mb", "peak_parameter_mb",
+"segments", "seconds"}], "settings"}. The load average is recorded with each row.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import time
 from collections.abc import Sequence
@@ -40,10 +43,12 @@ OUT = Path(__file__).resolve().parent / "results" / "profile_layer_by_layer.json
 MODELS = {
     "resnet50": {"kind": "resnet50", "image": 64, "batch": 8},
     "gpt": {"kind": "gpt", "vocab": 50304, "seq": 128, "dim": 768, "heads": 12, "layers": 12, "batch": 4},
+    "gpt2": {"kind": "gpt2", "vocab": 50257, "seq": 128, "dim": 768, "heads": 12, "layers": 12, "batch": 4},
 }
 QUICK = {
     "resnet50": {"kind": "resnet50", "image": 32, "batch": 4},
     "gpt": {"kind": "gpt", "vocab": 50304, "seq": 64, "dim": 256, "heads": 4, "layers": 4, "batch": 2},
+    "gpt2": {"kind": "gpt2", "vocab": 50257, "seq": 64, "dim": 128, "heads": 4, "layers": 2, "batch": 2},
 }
 
 
@@ -60,6 +65,12 @@ def build(spec: dict[str, Any]) -> torch.nn.Module:
         import torchvision
 
         return torchvision.models.resnet50(num_classes=1000)
+    if spec["kind"] == "gpt2":
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=spec["layers"], n_embd=spec["dim"], n_head=spec["heads"],
+                                         vocab_size=spec["vocab"], n_positions=spec["seq"])
+        return transformers.AutoModelForCausalLM.from_config(config)
     from model_parallel.models import TinyGPT
 
     return TinyGPT(vocab_size=spec["vocab"], seq_len=spec["seq"], dim=spec["dim"], num_heads=spec["heads"],
@@ -75,10 +86,34 @@ def example(spec: dict[str, Any]) -> tuple[tuple, Any]:
     from model_parallel.models.gpt import lm_loss
 
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
+    if spec["kind"] == "gpt2":
+        return {"input_ids": ids}, lambda out: lm_loss(out.logits, ids)
     return (ids,), lambda out: lm_loss(out, ids)
 
 
-def one(spec: dict[str, Any], mode: str, warmup: int, iterations: int) -> dict[str, Any]:
+class Keywords(torch.nn.Module):
+    """`model(**inputs)` as `time_training_step` calls it: `wrapped(*values)`."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *values: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, values)))
+
+
+def plain_step_ms(model: torch.nn.Module, inputs: Any, loss_fn: Any, count: int, clock: str) -> float:
+    """Median of `count` plain training steps (after one untimed)."""
+    from model_parallel.profiler.timing import time_training_step
+
+    if isinstance(inputs, dict):
+        model, inputs = Keywords(model, list(inputs)), tuple(inputs.values())
+    times = time_training_step(model, list(inputs), loss_fn, torch.device("cpu"), count + 1, clock)[1:]
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def one(spec: dict[str, Any], mode: str, warmup: int, iterations: int, clock: str) -> dict[str, Any]:
     """Profile one model in this process and report its peak memory."""
     import model_parallel  # noqa: F811 - (the checkout import above only finds the package)
 
@@ -91,20 +126,28 @@ def one(spec: dict[str, Any], mode: str, warmup: int, iterations: int) -> dict[s
     else:
         model = build(spec)
     inputs, loss_fn = example(spec)
-    graph = model_parallel.profile(model, inputs, loss_fn, warmup=warmup, iterations=iterations,
+    graph = model_parallel.profile(model, inputs, loss_fn, warmup=warmup, iterations=iterations, clock=clock,
                                    layer_by_layer=mode == "layer_by_layer")
+    seconds = time.perf_counter() - started
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the profile's (the plain steps add activations)
+    step = plain_step_ms(model, inputs, loss_fn, 2 * iterations + 1, clock) if mode == "whole" else float("nan")
     walk = graph.metadata["profile"].get("layer_by_layer", {})
+    loss_ms = graph.metadata["profile"]["loss_forward_ms"] + graph.metadata["profile"]["loss_backward_ms"]
     return {
         "mode": mode,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "timing": graph.metadata["profile"]["timing"],
+        "peak_rss_mb": peak_rss,
         "rss_after_import_mb": base,
-        "sum_layer_ms": sum(n.compute_ms for n in graph.nodes),
-        "loss_ms": graph.metadata["profile"]["loss_forward_ms"] + graph.metadata["profile"]["loss_backward_ms"],
+        "sum_ms": sum(n.compute_ms for n in graph.nodes) + loss_ms,
+        "step_ms": step,
+        "loss_ms": loss_ms,
+        "segments": walk.get("segments"),
+        "boundary_ms": walk.get("boundary_ms"),
         "num_nodes": len(graph.nodes),
         "parameter_mb": sum(n.parameter_size for n in graph.nodes) / 2**20,
         "largest_node_parameter_mb": max(n.parameter_size for n in graph.nodes) / 2**20,
         "peak_parameter_mb": walk.get("peak_parameter_bytes", float("nan")) / 2**20,
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
         "load_average": os.getloadavg(),
     }
 
@@ -112,7 +155,8 @@ def one(spec: dict[str, Any], mode: str, warmup: int, iterations: int) -> dict[s
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models (about a minute)")
-    parser.add_argument("--models", default="resnet50,gpt", help="comma-separated: resnet50, gpt")
+    parser.add_argument("--models", default="resnet50,gpt,gpt2", help="comma-separated: resnet50, gpt, gpt2")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="profile and step clock")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (model, mode) process")
@@ -125,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.one:
         spec, mode = json.loads(args.one)
-        print(json.dumps(one(spec, mode, args.warmup, args.iterations)))
+        print(json.dumps(one(spec, mode, args.warmup, args.iterations, args.clock)))
         return 0
     table = QUICK if args.quick else MODELS
     rows = []
@@ -135,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         for mode in ("whole", "layer_by_layer"):
             command = [sys.executable, __file__, "--one", json.dumps([table[name], mode]),
-                       "--warmup", str(args.warmup), "--iterations", str(args.iterations)]
+                       "--warmup", str(args.warmup), "--iterations", str(args.iterations), "--clock", args.clock]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
@@ -145,11 +189,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{name} {mode} failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 return 2
             row = {"model": name, **table[name], **json.loads(done.stdout.strip().splitlines()[-1])}
+            if mode == "whole":
+                step = row["step_ms"]
+            row["step_ms"] = step  # the layer-by-layer run has no real model to step: the whole run's step
+            row["sum_per_step"] = row["sum_ms"] / step
             rows.append(row)
             print(f"{name:9s} {mode:15s} peak RSS {row['peak_rss_mb']:7.0f} MB (after import {row['rss_after_import_mb']:.0f})"
-                  f"  params {row['parameter_mb']:6.1f} MB, largest node {row['largest_node_parameter_mb']:5.1f} MB"
-                  f"  sum {row['sum_layer_ms']:8.1f} ms  ({row['seconds']:.0f} s)", flush=True)
-    settings = {"warmup": args.warmup, "iterations": args.iterations, "quick": args.quick, "threads": 1,
+                  f"  params {row['parameter_mb']:6.1f} MB, held at once {row['peak_parameter_mb']:5.1f} MB"
+                  f"  Σ {row['sum_ms']:8.2f} ms / step {step:8.2f} ms = {row['sum_per_step']:.3f}"
+                  f"  ({row['seconds']:.0f} s, load {row['load_average'][0]:.1f})", flush=True)
+    settings = {"warmup": args.warmup, "iterations": args.iterations, "quick": args.quick, "threads": 1, "clock": args.clock,
                 "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count()}
     atomic_write_json(args.out, {"rows": rows, "settings": settings})
     print(f"wrote {args.out}")

@@ -23,6 +23,7 @@ from model_parallel.profiler.layer_by_layer import LayerWalk, refuse_meta
 from model_parallel.profiler.saved import record_saved_bytes
 from model_parallel.profiler.timing import (HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, float32_output,
                                             precision_autocast, tensors_in)
+from model_parallel.profiler.segments import run_segments
 from model_parallel.graph.arguments import OutputDict
 from model_parallel.graph.precision import PRECISIONS
 from model_parallel.profiler.trace import flat_inputs, run_preserving_state, split_inputs, tensor_metas, trace_model
@@ -110,6 +111,22 @@ def _time_in_situ(gm: fx.GraphModule, graph: Graph, inputs: Sequence[Any], loss_
         for node_id, node_timing in result.timings.items():
             store.record(node_id, node_timing)
     return result.timings, result.loss, result.step_ms
+
+
+def _time_segments(walk: LayerWalk, gm: fx.GraphModule, graph: Graph, inputs: Sequence[Any],
+                   loss_fn: Optional[Callable[[Any], torch.Tensor]], warmup: int, iterations: int, clock: str,
+                   cost: Instrumentation, known: Mapping[str, NodeTiming], store: Optional[TimingStore], bar: tqdm,
+                   budget: Optional[int], precision: str = "fp32") -> tuple[dict[str, NodeTiming], NodeTiming, float, dict[str, Any]]:
+    """`_time_in_situ` for a layer-by-layer walk: segment by segment (see profiler.segments)."""
+    timed = {n.node_id for n in graph.nodes
+             if n.layer.op in ("call_function", "call_method", "call_module") and n.layer.outputs}
+    result = run_segments(walk, gm, inputs, loss_fn, timed, budget=budget, warmup=warmup, iterations=iterations,
+                          clock=clock, instrumentation=cost, known=known,
+                          wrap_output=output_dicts if precision == "fp32" else lambda out: float32_output(output_dicts(out)),
+                          record=store.record if store is not None else None, on_step=lambda: bar.update(1),
+                          autocast=lambda: precision_autocast(precision, torch.device("cpu")))
+    summary = {"budget_bytes": result.budget_bytes, "segments": result.segments, "boundary_ms": result.boundary_ms}
+    return result.timings, result.loss, result.step_ms, summary
 
 
 @contextmanager
@@ -254,6 +271,7 @@ def profile(
     timing: str = "auto",
     layer_by_layer: bool = False,
     precision: str = "fp32",
+    layer_by_layer_bytes: Optional[int] = None,
 ) -> Graph:
     """Profile `model` on `example_inputs` (one minibatch) and return its operator graph with times.
 
@@ -278,9 +296,10 @@ def profile(
     `store`: keeps each node's timing as it is measured and supplies the ones an interrupted run
     already measured (those nodes are not replayed); see `TimingStore`.
     `layer_by_layer`: for a model larger than one device, or built under `torch.device("meta")`: traced
-    on meta, each node timed by isolated replay with only its own tensors materialized
-    (`profiler.layer_by_layer`; in-situ timing needs the whole model); the model is never moved.
-    `device` None is then where the model's real tensors are, else the CPU.
+    on meta and timed with only some tensors materialized; the model is never moved. In situ (CPU):
+    segment by segment, each segment's tensors at most `layer_by_layer_bytes` (default 1/8 of the
+    model's, never below its largest node; `profiler.segments`); replay: one node at a time
+    (`profiler.layer_by_layer`). `device` None is then where the model's real tensors are, else the CPU.
     `precision`: "fp32" (default) or "bf16": time every forward under the bf16 autocast the runtime
     trains with (`TrainConfig.bf16`; the loss on the float32 output, as there), both timing modes,
     and record each node's outputs at the dtypes that forward produces (`activation_size`: what a
@@ -295,15 +314,15 @@ def profile(
         if layer_by_layer else None
     if walk is None:
         refuse_meta(model)
-    elif timing == "insitu":
-        raise ProfileError("layer_by_layer=True times each node alone (replay): in-situ timing runs whole training "
-                           "steps, which needs the whole model; use timing='auto' or 'replay'")
+    if layer_by_layer_bytes is not None and (walk is None or layer_by_layer_bytes < 1):
+        raise ProfileError(f"layer_by_layer_bytes={layer_by_layer_bytes!r} needs layer_by_layer=True and a positive "
+                           "number of bytes (the budget of tensors materialized at once)")
     target = walk.device if walk is not None else resolve_device(device, model)
     try:
         check_clock(clock, target)
     except ValueError as error:
         raise ProfileError(str(error)) from None
-    mode = "replay" if walk is not None else timing_mode(timing, target, resumable=store is not None)
+    mode = timing_mode(timing, target, resumable=store is not None)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     args, kwargs = to_device(args, target), to_device(kwargs, target)
     started = time.perf_counter()
@@ -315,15 +334,21 @@ def profile(
                 trace_model(model, args, leaf_modules, example_kwargs=kwargs, route=route)
         known = dict(store.begin(graph)) if store is not None else {}
         instrumented_step_ms: Optional[float] = None
+        segmented: dict[str, Any] = {}
         if mode == "insitu":
             cost = instrumentation_cost(clock) if subtract_overhead else Instrumentation()
             overhead = HarnessOverhead(cost.forward_ms, cost.backward_ms)
             bar = tqdm(total=warmup + iterations, desc=f"timing {graph.metadata.get('model', 'model')} training steps",
                        unit="step", disable=not progress, leave=progress, file=sys.stderr)
             try:
-                timings, loss_timing, instrumented_step_ms = _time_in_situ(
-                    gm, graph, flat_inputs(args, kwargs), loss_fn, warmup, iterations, clock, cost, known, store, bar,
-                    precision)
+                if walk is not None:
+                    timings, loss_timing, instrumented_step_ms, segmented = _time_segments(
+                        walk, gm, graph, flat_inputs(args, kwargs), loss_fn, warmup, iterations, clock, cost, known,
+                        store, bar, layer_by_layer_bytes, precision)
+                else:
+                    timings, loss_timing, instrumented_step_ms = _time_in_situ(
+                        gm, graph, flat_inputs(args, kwargs), loss_fn, warmup, iterations, clock, cost, known, store, bar,
+                        precision)
             finally:
                 bar.close()
         else:
@@ -374,7 +399,7 @@ def profile(
         "profiling_seconds": seconds,
     }
     if walk is not None:
-        metadata["profile"]["layer_by_layer"] = walk.summary()
+        metadata["profile"]["layer_by_layer"] = {**walk.summary(), **(segmented if mode == "insitu" else {})}
     if instrumented_step_ms is not None:  # the whole in-situ step, instrumentation included: what was cut up
         metadata["profile"]["instrumented_step_ms"] = instrumented_step_ms
     logger.info("profiled %d nodes in %.1f s (sum of layer times %.2f ms)", len(nodes), seconds, sum(n.compute_ms for n in nodes))

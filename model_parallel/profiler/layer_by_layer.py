@@ -185,16 +185,37 @@ class LayerWalk:
         if node.op != "call_module":
             yield
             return
-        module = self.gm.get_submodule(str(node.target))  # type: ignore[union-attr]
+        with self.materialized_module(str(node.target)):
+            yield
+
+    def tensor_bytes(self, node: fx.Node) -> int:
+        """The bytes materializing what `node` reads costs (as `live_bytes` counts them): a call_module's
+        module tensors (each once), a get_attr's meta tensor; 0 for other nodes."""
+        if node.op == "call_module":
+            tensors = {id(t): t for _, _, t in _entries(self.gm.get_submodule(str(node.target)))}.values()  # type: ignore[union-attr]
+        elif node.op == "get_attr":
+            value: Any = self.gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            tensors = [value] if isinstance(value, torch.Tensor) and value.is_meta else []  # (as `fetch` counts)
+        else:
+            return 0
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @contextmanager
+    def materialized_module(self, target: str) -> Iterator[nn.Module]:
+        """The module at `target` with real tensors inside the block (meta ones again after it)."""
+        module = self.gm.get_submodule(target)  # type: ignore[union-attr]
         tensors, paths = [], []
         for path, key, tensor in _entries(module):
             if id(tensor) not in {id(t) for t in tensors}:
                 tensors.append(tensor)
-                paths.append(f"{node.target}.{path}{key}")
-        real = dict(zip(map(id, tensors), self._fill(layer_name(str(node.target)), module, tensors, paths)))
+                paths.append(f"{target}.{path}{key}")
+        real = dict(zip(map(id, tensors), self._fill(layer_name(target), module, tensors, paths)))
         swapped = _swap(module, lambda t: real.get(id(t)))
+        del real
         try:
-            yield
+            yield module
         finally:
             _restore(swapped)  # the real tensors are dropped here (and the replay's graphs are gone)
 
