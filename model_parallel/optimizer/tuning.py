@@ -48,6 +48,8 @@ class Tuning:
     # Seconds per element of a bounded solve below the best time (its cell DP; measured 10-27 ns on 2 shared
     # cores), to tell whether the next budget ends before `search_seconds`.
     below_seconds_per_element: float = 1e-8
+    # The plain DP's pace (dense numpy), for the same question about the unbounded DP over every prefix.
+    dp_seconds_per_element: float = 1.5e-9
     # The cell DP (search/cells.py) runs a level when its work is at most 1/cell_gain of the dense
     # bounded DP's and at least cell_min_work (below that the dense DP is as fast as the bookkeeping).
     cell_gain: float = 4.0

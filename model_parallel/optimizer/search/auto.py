@@ -14,7 +14,7 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.bounded import (
     bounded_solve, cut_union, enumerate_or_none, estimated_bounded_work, relaxed_bound, solve_below,
 )
-from model_parallel.optimizer.solve import Solution, better, solve
+from model_parallel.optimizer.solve import Solution, better, dp_work, solve
 from model_parallel.optimizer.states import Workload, prefix_states
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,12 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     if flat is None and len(hierarchy.levels) > 1 and not jit.AVAILABLE:
         logger.info("numba is not installed: the search for plans with unreplicated outermost stages ran only on small "
                     "problems; pip install 'model_parallel[search]' for the rest")
-    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit:
+    # Every prefix, unbounded (seconds on a few hundred nodes), when nothing better was found: if it ends
+    # within the cap at the DP's pace.
+    in_time = deadline is None or (
+        time.perf_counter() + dp_work(limit or work.num_nodes, hierarchy, options) * tuning.dp_seconds_per_element < deadline
+    )
+    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit and in_time:
         upper = better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
     if flat is not None:
         upper = better(upper, flat[0])
