@@ -36,6 +36,10 @@ timm ViT-tiny and MLP-Mixer at 32x32, and tiny GPT-2 and Llama (torch.export: ma
 branches), random weights, synthetic costs, on `-n 4` and `-n 4 2`; `--real` writes
 `bench/results/optimizer_real.json`.
 
+Profiles on disk (`--profiles DIR`): every `DIR/*.graph.txt` with default options on `-n 4`, `4 2`, `4 4`
+and `8 2`, e.g. the in-situ profiles of `tests/fixtures/make_real_profiles.py DIR` (the models of
+bench/models.py and five torchvision classifiers); writes `bench/results/optimizer_profiles.json`.
+
 Writes `bench/results/optimizer.json` atomically: {"rows": [{profile, num_machines, seconds,
 time_per_minibatch_s, cuts, num_states, num_nodes, lower_bound_s, max_gap}], "optimality": {...},
 settings}. Prints a table.
@@ -254,6 +258,26 @@ def bounded_gap(num_cases: int) -> dict[str, Any]:
             "mean_fraction_of_states_kept": sum(kept) / max(len(kept), 1)}
 
 
+def profile_rows(directory: Path, levels: Sequence[Sequence[int]] = ((4,), (4, 2), (4, 4), (8, 2))) -> list[dict[str, Any]]:
+    """`partition` with default options (as `model_parallel.partition` is called) on every
+    `directory/*.graph.txt`, e.g. the in-situ profiles `tests/fixtures/make_real_profiles.py` writes."""
+    from model_parallel.graph.io import load_graph
+
+    rows = []
+    for path in sorted(directory.glob("*.graph.txt")):
+        graph = load_graph(path, use_sidecar=False)
+        for machines in levels:
+            started, cpu = time.perf_counter(), time.process_time()
+            plan = partition(graph, Hierarchy.from_lists(list(machines)))
+            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+            rows.append({"profile": path.name.split(".")[0], "num_machines": list(machines), "seconds": round(seconds, 3),
+                         "cpu_seconds": round(cpu, 3), "time_per_minibatch_s": plan.time_per_minibatch_s,
+                         "cuts": plan.extra["cuts"], "exact": plan.extra["exact"], "lower_bound_s": plan.extra.get("lower_bound_s")})
+            print(f"{rows[-1]['profile']:<14} -n {' '.join(map(str, machines)):<5} {seconds:>7.2f} s {cpu:>6.2f} s cpu  "
+                  f"{plan.time_per_minibatch_s * 1e3:>9.4f} ms  {plan.extra['cuts']:<19} exact={plan.extra['exact']}", flush=True)
+    return rows
+
+
 def _machine() -> dict[str, Any]:
     return {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
             "load_average": list(os.getloadavg())}
@@ -263,8 +287,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="reference profiles, -n 4 and -n 4 4, 30 optimality cases")
     parser.add_argument("--real", action="store_true", help=f"only the real models ({', '.join(REAL_GRAPHS)}) on -n 4 and -n 4 2")
+    parser.add_argument("--profiles", type=Path, default=None,
+                        help="only the graph.txt profiles in this folder (default options) on -n 4, 4 2, 4 4, 8 2")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.profiles is not None:
+        output = args.output or REPO / "bench" / "results" / "optimizer_profiles.json"
+        atomic_write_json(output, {"rows": profile_rows(args.profiles), "machine": _machine()})
+        print(f"wrote {output}")
+        return 0
     if args.real:
         print(f"{'profile':<24} {'hierarchy':<10} {'wall':>10} {'cpu':>9}  {'time/minibatch':>13}  {'cuts':<19} {'exact':<5} {'states':>5}")
         rows = solve_rows(real_graphs(), ["4", "4 2"])

@@ -170,7 +170,8 @@ def test_a_bounded_solve_below_the_best_time_is_exact_or_proves_a_lower_bound():
         # Budgets that reach a time between the lower bound and the optimum, or just past the optimum
         # (a first, smaller one proves a weaker lower bound on the way).
         target = [lower + (optimum - lower) / 2, optimum * (1 + 1e-7)][seed % 2]
-        budgets = tuple(estimated_bounded_work(union, hierarchy, options, t) for t in (lower + (target - lower) / 4, target))
+        budgets = tuple(estimated_bounded_work(union, hierarchy, options, t, with_inclusion=True)
+                        for t in (lower + (target - lower) / 4, target))
         got = solve_below(work, hierarchy, replace(options, tuning=Tuning(below_budgets=budgets)), union, upper, lower)
         if got.exact:
             outcomes.add("exact")

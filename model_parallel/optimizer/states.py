@@ -142,11 +142,27 @@ def states_from_costs(costs: CutCosts, kind: str) -> States:
     )
 
 
-def strict_inclusion(matrix: np.ndarray) -> np.ndarray:
+def strict_inclusion(matrix: np.ndarray, block: int = 512) -> np.ndarray:
     """`[j, k]` True when state k (a row of the bool membership `matrix`) is strictly inside state j."""
-    # k is inside j when no member of k is outside j.
+    # k is inside j when no member of k is outside j: one AND per 64 node kinds of each pair, in row
+    # blocks (a float matrix product over the kinds took 42 s and 9 GB for BERT's 47,190 bounded states).
+    sizes = matrix.sum(axis=1)
     matrix = node_kinds(matrix)
-    inside = ((~matrix).astype(np.float32) @ matrix.astype(np.float32).T) == 0  # [j, k]
+    words = (matrix.shape[1] + 63) // 64
+    padded = np.zeros((len(matrix), words * 64), dtype=bool)
+    padded[:, : matrix.shape[1]] = matrix
+    packed = np.packbits(padded, axis=1, bitorder="little").view(np.uint64)  # [state, word]
+    outside = ~packed
+    # States come in size order (cut_costs): only the columns no larger than a block's rows can be inside.
+    ordered = bool(np.all(sizes[1:] >= sizes[:-1]))
+    inside = np.zeros((len(matrix), len(matrix)), dtype=bool)
+    for start in range(0, len(matrix), block):
+        end = min(start + block, len(matrix))
+        columns = int(np.searchsorted(sizes, sizes[end - 1], side="right")) if ordered else len(matrix)
+        fits = (packed[None, :columns, 0] & outside[start:end, None, 0]) == 0
+        for word in range(1, words):
+            fits &= (packed[None, :columns, word] & outside[start:end, None, word]) == 0
+        inside[start:end, :columns] = fits
     np.fill_diagonal(inside, False)
     return inside
 

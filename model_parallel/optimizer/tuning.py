@@ -7,6 +7,7 @@ docs/optimizer.md ("Tuning") and bench/optimizer.py; here only what each one is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from model_parallel.errors import PlanError
 
@@ -39,10 +40,24 @@ class Tuning:
     # Work of the bounded solves below the best known time, tried in turn (`solve_below`): the work grows
     # steeply with the time bound, and the optimum is often just above the lower bound.
     below_budgets: tuple[float, ...] = (WORK_BUDGET / 64, WORK_BUDGET / 8, WORK_BUDGET)
+    # Seconds after the search starts by which a budget below the best time must end (at the predicted pace
+    # below) to be tried; the first always is. Else the plan found so far is returned with its lower bound
+    # (`exact` false unless proven). A wall-clock cap, so past it the plan may depend on the machine's
+    # load; None: every budget, whatever it takes.
+    search_seconds: Optional[float] = 2.0
+    # Seconds per element of a bounded solve below the best time (its cell DP; measured 10-27 ns on 2 shared
+    # cores), to tell whether the next budget ends before `search_seconds`.
+    below_seconds_per_element: float = 1e-8
+    # The plain DP's pace (dense numpy), for the same question about the unbounded DP over every prefix.
+    dp_seconds_per_element: float = 1.5e-9
     # The cell DP (search/cells.py) runs a level when its work is at most 1/cell_gain of the dense
     # bounded DP's and at least cell_min_work (below that the dense DP is as fast as the bookkeeping).
     cell_gain: float = 4.0
     cell_min_work: float = 1e6
+    # The ancestor matrix of a bounded solve's S states costs about this many DP elements per pair (S^2
+    # pairs, ~3 ns each packed, a DP element ~1.5 ns): counted in its work, so a bound that keeps tens of
+    # thousands of cuts is solved at a lower time instead (`solve_below`), where it keeps fewer.
+    inclusion_cost: float = 2.0
     # Most outermost-boundary states the relaxed lower bound (search/relaxation.py) takes, and the
     # (state, state) pairs its passes may visit.
     max_relaxed_states: int = 40_000

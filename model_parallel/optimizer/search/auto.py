@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import replace
 
 from model_parallel.graph.plan import Hierarchy
@@ -13,7 +14,7 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.bounded import (
     bounded_solve, cut_union, enumerate_or_none, estimated_bounded_work, relaxed_bound, solve_below,
 )
-from model_parallel.optimizer.solve import Solution, better, solve
+from model_parallel.optimizer.solve import Solution, better, dp_work, solve
 from model_parallel.optimizer.states import Workload, prefix_states
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     """The best plan over PipeDream's antichains and every topological prefix that the budgets of
     `options.tuning` allow (`affordable`: cut points a plain DP may take); `exact` when proven optimal,
     else with `lower_bound_s`."""
+    tuning = options.tuning
+    deadline = None if tuning.search_seconds is None else time.perf_counter() + tuning.search_seconds
     # An upper bound first: a plan over a few topological cut points (all of them on the straight
     # one-level fast path), then the optimum over every prefix, bounded by it.
     fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
@@ -46,7 +49,7 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
             union = cut_union(work, found)
             # The estimate skips the crossing bytes of thousands of cuts when the solve is not cheap: then the
             # solve below the best time, in growing steps, usually finds the optimum sooner.
-            if estimated_bounded_work(union, hierarchy, options, upper.time_s) <= options.tuning.below_budgets[0]:
+            if estimated_bounded_work(union, hierarchy, options, upper.time_s, True) <= tuning.below_budgets[0]:
                 exact = bounded_solve(work, hierarchy, options, union, upper.time_s)
     if exact is not None:
         return better(upper, exact)
@@ -72,7 +75,12 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     if flat is None and len(hierarchy.levels) > 1 and not jit.AVAILABLE:
         logger.info("numba is not installed: the search for plans with unreplicated outermost stages ran only on small "
                     "problems; pip install 'model_parallel[search]' for the rest")
-    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit:
+    # Every prefix, unbounded (seconds on a few hundred nodes), when nothing better was found: if it ends
+    # within the cap at the DP's pace.
+    in_time = deadline is None or (
+        time.perf_counter() + dp_work(limit or work.num_nodes, hierarchy, options) * tuning.dp_seconds_per_element < deadline
+    )
+    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit and in_time:
         upper = better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
     if flat is not None:
         upper = better(upper, flat[0])
@@ -86,7 +94,7 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     if union is not None:
         lower = flat[1] if flat is not None and flat[1] is not None else relaxed_bound(work, hierarchy, options, union, upper.time_s) or 0.0
         lower = max(lower, float(union.compute.max()) / hierarchy.num_workers)
-        below = solve_below(work, hierarchy, options, union, upper, lower)
+        below = solve_below(work, hierarchy, options, union, upper, lower, deadline)
         if below.exact:
             return below
         if below.states.kind == "bounded":

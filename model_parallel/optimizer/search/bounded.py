@@ -10,6 +10,7 @@ time (`solve_below`) the same solve either finds the optimum or proves a lower b
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -88,14 +89,20 @@ def bounded_solve(
     if any(over_cells):  # fewer states: a smaller ancestor matrix and tables
         used = used_states(costs.compute, bounds, hierarchy, options, over_cells)
         costs, bounds = costs.subset(used), bounds.restricted(used)
+    if estimate + inclusion_work(len(costs.compute), options) > options.tuning.work_budget:
+        return None  # the states x states ancestor matrix alone would cost more than the DP may
     states = states_from_costs(costs, "bounded" if union.with_antichains else "topological-bounded")
     solution = solve_bounded(states, hierarchy, options, bounds)
     return replace(solution, exact=union.with_antichains, states_considered=len(union.downsets))
 
 
-def estimated_bounded_work(union: CutUnion, hierarchy: Hierarchy, options: PartitionOptions, upper_bound: float) -> float:
+def estimated_bounded_work(
+    union: CutUnion, hierarchy: Hierarchy, options: PartitionOptions, upper_bound: float, with_inclusion: bool = False,
+) -> float:
     """`bounded_work` of a bounded solve over `union` at `upper_bound`, from compute alone (transfers only
-    prune more) and without the crossing bytes of every cut: milliseconds for 200,000 cuts."""
+    prune more) and without the crossing bytes of every cut: milliseconds for 200,000 cuts. With
+    `with_inclusion`, plus the ancestor matrix of the states it keeps (`inclusion_work`): what the
+    gates compare with their budgets."""
     total = float(union.compute.max())
     maybe = boundary_states(union.compute, total, hierarchy.num_workers, 1, upper_bound)
     if float(maybe.sum()) ** 2 / 2 > options.tuning.work_budget:
@@ -103,7 +110,20 @@ def estimated_bounded_work(union: CutUnion, hierarchy: Hierarchy, options: Parti
     compute = np.append(np.sort(union.compute[maybe]), total)  # states are solved in size order: close enough
     bounds = level_bounds(compute, np.zeros(len(compute)), hierarchy, upper_bound, None)
     kept = bounds.kept_states()
-    return bounded_plan(compute[kept], bounds.restricted(kept), hierarchy, options)[0]
+    estimate, over_cells = bounded_plan(compute[kept], bounds.restricted(kept), hierarchy, options)
+    if not with_inclusion:
+        return estimate
+    states = int(kept.sum())
+    if any(over_cells):
+        states = int(used_states(compute[kept], bounds.restricted(kept), hierarchy, options, over_cells).sum())
+    return estimate + inclusion_work(states, options)
+
+
+def inclusion_work(num_states: int, options: PartitionOptions) -> float:
+    """What the bounded DP's ancestor matrix (`states.strict_inclusion`, a bool per pair of states) costs,
+    in DP elements: where the bound keeps tens of thousands of nearly equal cuts (BERT profiled in situ
+    on 16 workers: 47,190) it, not the DP, took the time."""
+    return options.tuning.inclusion_cost * float(num_states) ** 2
 
 
 def largest_affordable_bound(
@@ -112,7 +132,7 @@ def largest_affordable_bound(
     """The largest time in [low, high] (to 0.01%) whose bounded solve over `union` is estimated to fit
     `budget`; None when not even `low` does."""
     def fits(bound: float) -> bool:
-        return estimated_bounded_work(union, hierarchy, options, bound) <= budget
+        return estimated_bounded_work(union, hierarchy, options, bound, with_inclusion=True) <= budget
 
     if not fits(low):
         return None
@@ -126,17 +146,24 @@ def largest_affordable_bound(
 
 def solve_below(
     work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper: Solution, lower: float,
+    deadline: Optional[float] = None,
 ) -> Solution:
     """Bounded solves at the largest times `T` above `lower` (up to the best plan's time) that growing
     budgets allow (`Tuning.below_budgets`: the work grows steeply with `T`, and the optimum is often close above
     the lower bound). Each keeps every plan taking at most `T`: if it finds one, that is the optimum
     over `union` (exact); if not, every plan takes more than `T`, the next lower bound, and what it
     found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless
-    exact; `upper` must be a plan (finite time)."""
+    exact; `upper` must be a plan (finite time). A budget that would end past `deadline` (a
+    `time.perf_counter()` value) is not tried: the plan so far, with its lower bound (exact only when proven)."""
     if not math.isfinite(upper.time_s):
         raise PlanError("solve_below needs a plan to improve on (a finite upper time)")
     best, proven = upper, lower
-    for budget in options.tuning.below_budgets:
+    for number, budget in enumerate(options.tuning.below_budgets):
+        # The first (smallest) budget always runs: it often proves the optimum. A later one only when it
+        # would end by the deadline at its work's pace (the cell DP's elements cost ~10 ns, not ~1.5).
+        pace = options.tuning.below_seconds_per_element
+        if number and deadline is not None and time.perf_counter() + budget * pace > deadline:
+            break
         bound = largest_affordable_bound(union, hierarchy, options, proven, best.time_s, budget)
         found = None if bound is None or bound <= proven else bounded_solve(work, hierarchy, options, union, bound)
         if found is None:
