@@ -2,7 +2,8 @@
 
 A state s stands for a downward-closed set of nodes `P(s)` (everything computed before the cut).
 The DP in `dp.py` only needs, per state, the cumulative compute/activation/parameter sums over `P(s)`,
-the bytes crossing the cut `O(s)`, and which states are ancestors of which. The state spaces:
+the bytes crossing the cut `O(s)` (of `Workload.wire`; the activation sums are of `Workload.activation`,
+what is held), and which states are ancestors of which. The state spaces:
 
 - PipeDream's antichain DAG (`antichains.py`), reproduced one for one on PipeDream's graphs, so the DP
   gives PipeDream's numbers;
