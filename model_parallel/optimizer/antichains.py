@@ -106,7 +106,8 @@ def enumeration_view(work: Workload) -> EnumerationView:
     Glued nodes (`workload.glued_groups`) start as one group and are not folded elsewhere.
     """
     n = work.num_nodes
-    free = [work.compute_s[v] == 0.0 and work.parameters[v] == 0.0 and work.activation[v] == 0.0 for v in range(n)]
+    free = [work.compute_s[v] == 0.0 and work.parameters[v] == 0.0 and work.activation[v] == 0.0 and work.wire[v] == 0.0
+            for v in range(n)]
     if all(free):  # a profile without costs: every cut is alike, keep them all
         free = [False] * n
     owner = glued_groups(work)  # the node whose presence in a cut decides v's; -1 = every cut
@@ -145,9 +146,9 @@ def enumeration_view(work: Workload) -> EnumerationView:
     output = []
     for i, v in enumerate(kept):
         if v not in glued:
-            output.append(work.activation[v])
+            output.append(work.wire[v])
             continue
-        output.append(sum(work.activation[x] for x in bit_positions(groups[i])
+        output.append(sum(work.wire[x] for x in bit_positions(groups[i])
                           if any(owner[t] != owner[x] for t in work.succ[x])))
     starts = [i for i, p in enumerate(pred) if not p]
     root = None
@@ -160,7 +161,7 @@ def enumeration_view(work: Workload) -> EnumerationView:
     size = len(succ)
     view = Workload(
         node_ids=tuple(work.node_ids[v] for v in kept) + (("<root>",) if root is not None else ()),
-        compute_s=(0.0,) * size, activation=(0.0,) * size, parameters=(0.0,) * size,
+        compute_s=(0.0,) * size, activation=(0.0,) * size, wire=(0.0,) * size, parameters=(0.0,) * size,
         succ=tuple(tuple(s) for s in succ), pred=tuple(tuple(p) for p in pred), inputs=(), dropped=(),
     )
     return EnumerationView(view, tuple(kept), tuple(groups), always, root, tuple(output) + ((0.0,) if root is not None else ()))
@@ -177,7 +178,8 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None, main_
     if main_source_only and view.root is not None:
         starts, graph = view.work.succ[view.root], view.work
         without_root = Workload(  # the root is the last view node: the walk must not step through it
-            graph.node_ids[:-1], graph.compute_s[:-1], graph.activation[:-1], graph.parameters[:-1], graph.succ[:-1],
+            graph.node_ids[:-1], graph.compute_s[:-1], graph.activation[:-1], graph.wire[:-1], graph.parameters[:-1],
+            graph.succ[:-1],
             tuple(tuple(p for p in preds if p != view.root) for preds in graph.pred[:-1]), (), (),
         )
         _, desc = closures(without_root)

@@ -23,8 +23,10 @@ value received (and passed through) kept too, and on the last stage what the los
 models take A = the sum of the nodes' output bytes, as PipeDream does.
 
 Solvers call `multipliers` once per (stage position, replicas) and `stage_bytes` on arrays or floats.
-(The solvers' per-node sums, `Workload.activation`, still weigh each node by its output bytes: the
-search's constraint does not use `stash_bytes` yet; the plan's numbers and tables do.)
+The solvers' per-node sums (`Workload.activation`, `workload.preprocess`) weigh a node by its
+`Node.stash_bytes` under the footprint and by its output bytes under the legacy models; the bytes that
+cross a cut are `Workload.wire`. The search does not add the values a stage sends or receives (the
+boundary terms of `stash_bytes` below): the plan's numbers and tables do.
 """
 from __future__ import annotations
 

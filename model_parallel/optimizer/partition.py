@@ -91,7 +91,7 @@ def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = Pa
     for inconsistent arguments.
     """
     started = time.perf_counter()
-    work = preprocess(graph)
+    work = preprocess(graph, options.memory_model)
     if options.cuts == "auto":
         solution = solve_auto(work, hierarchy, options)
     else:

@@ -2,7 +2,8 @@
 
 A state s stands for a downward-closed set of nodes `P(s)` (everything computed before the cut).
 The DP in `dp.py` only needs, per state, the cumulative compute/activation/parameter sums over `P(s)`,
-the bytes crossing the cut `O(s)`, and which states are ancestors of which. The state spaces:
+the bytes crossing the cut `O(s)` (of `Workload.wire`; the activation sums are of `Workload.activation`,
+what is held), and which states are ancestors of which. The state spaces:
 
 - PipeDream's antichain DAG (`antichains.py`), reproduced one for one on PipeDream's graphs, so the DP
   gives PipeDream's numbers;
@@ -110,6 +111,7 @@ def cut_costs(work: Workload, downsets: list[int], chunk: int = 8192) -> CutCost
         adjacency[v, list(targets)] = 1.0
     out_degree = adjacency.sum(axis=1)
     per_node = np.array([work.compute_s, work.activation, work.parameters], dtype=np.float64).T  # (n, 3)
+    wire = np.array(work.wire, dtype=np.float64)
     sums = np.empty((len(unique), 3))
     output = np.empty(len(unique))
     for start in range(0, len(unique), chunk):
@@ -117,7 +119,7 @@ def cut_costs(work: Workload, downsets: list[int], chunk: int = 8192) -> CutCost
         sums[start:start + chunk] = block @ per_node
         # A member crosses the cut when one of its successors is outside: fewer successors inside than it has.
         successors_inside = block.astype(np.float32) @ adjacency.T  # small integers, exact in float32
-        output[start:start + chunk] = (block & (successors_inside < out_degree[None, :])) @ per_node[:, 1]
+        output[start:start + chunk] = (block & (successors_inside < out_degree[None, :])) @ wire
     return CutCosts(
         members=tuple(unique), matrix=members,
         compute=sums[:, 0].copy(), activation=sums[:, 1].copy(), parameters=sums[:, 2].copy(), output=output,
@@ -242,8 +244,8 @@ def prefix_states(work: Workload, max_states: Optional[int] = None) -> States:
     for v in order:
         last = max((position[s] for s in work.succ[v]), default=position[v])
         if last > position[v]:
-            delta[position[v]] += work.activation[v]
-            delta[last] -= work.activation[v]
+            delta[position[v]] += work.wire[v]
+            delta[last] -= work.wire[v]
     output = np.cumsum(delta[:n])
     members = []
     mask = 0

@@ -20,6 +20,7 @@ import numpy as np
 from model_parallel.errors import PlanError
 from model_parallel.graph.arguments import referenced_nodes
 from model_parallel.graph.core import Graph
+from model_parallel.graph.precision import precision_of, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,17 @@ class Workload:
 
     `node_ids` are the remaining nodes in file order (PipeDream's order); `inputs` and `dropped` are
     re-attached by the plan builder (inputs to stage 0, dropped sinks to their producer's stage).
+
+    A node's bytes count twice, differently: `activation` is what a stage holding it keeps for
+    backward (the memory sums: its output bytes, or its profiled `stash_bytes` under the footprint
+    memory model) and `wire` is what crosses a cut after it (its output bytes at the graph's precision:
+    a float32 output crosses as bf16 under a bf16 profile, `graph.precision.wire_bytes`).
     """
 
     node_ids: tuple[str, ...]
     compute_s: tuple[float, ...]  # (forward + backward) / 1000 per node
-    activation: tuple[float, ...]
+    activation: tuple[float, ...]  # bytes held per node: the memory sums
+    wire: tuple[float, ...]  # bytes sent per node when it is read across a cut
     parameters: tuple[float, ...]
     succ: tuple[tuple[int, ...], ...]  # direct successors, edge order
     pred: tuple[tuple[int, ...], ...]  # direct predecessors, edge order
@@ -46,8 +53,12 @@ class Workload:
         return len(self.node_ids)
 
 
-def preprocess(graph: Graph) -> Workload:
-    """Drop `Input*` sources and `__getitem__` sinks exactly as PipeDream does (FORMATS.md step 1)."""
+def preprocess(graph: Graph, memory_model: str = "pipedream") -> Workload:
+    """Drop `Input*` sources and `__getitem__` sinks exactly as PipeDream does (FORMATS.md step 1).
+
+    `memory_model` (`PartitionOptions.memory_model`) picks the held bytes: the legacy models keep
+    PipeDream's output bytes (its reference partitions stay exact); "footprint" holds what autograd
+    saves, `Node.stash_bytes`."""
     inputs = tuple(n for n in graph.sources if graph[n].is_input)
     input_set = set(inputs)
     # PipeDream removes sinks after removing the inputs; an input is never a __getitem__ sink.
@@ -60,6 +71,7 @@ def preprocess(graph: Graph) -> Workload:
     if not remaining:
         raise PlanError("graph has no nodes left to partition after setting aside Input* sources and __getitem__ sinks")
     index = {n.node_id: i for i, n in enumerate(remaining)}
+    precision = precision_of(graph)
     succ: list[list[int]] = [[] for _ in remaining]
     pred: list[list[int]] = [[] for _ in remaining]
     for a, b in kept_edges:
@@ -69,7 +81,8 @@ def preprocess(graph: Graph) -> Workload:
     return Workload(
         node_ids=tuple(n.node_id for n in remaining),
         compute_s=tuple((n.forward_ms + n.backward_ms) / 1000.0 for n in remaining),
-        activation=tuple(n.activation_bytes for n in remaining),
+        activation=tuple(n.stash_bytes if memory_model == "footprint" else n.activation_bytes for n in remaining),
+        wire=tuple(wire_bytes(n, precision) for n in remaining),
         parameters=tuple(float(n.parameter_size) for n in remaining),
         succ=tuple(tuple(s) for s in succ),
         pred=tuple(tuple(p) for p in pred),
@@ -243,6 +256,6 @@ def crossing_bytes(work: Workload, mask: int) -> float:
     total = 0.0
     for v in bit_positions(mask):
         if any(not (mask >> s) & 1 for s in work.succ[v]):
-            total += work.activation[v]
+            total += work.wire[v]
     return total
 
