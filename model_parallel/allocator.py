@@ -40,3 +40,18 @@ def keep_freed_memory() -> bool:
         logger.debug("mallopt refused the thresholds; allocation costs stay as they are")
     _applied = ok
     return ok
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free memory back to the OS now (glibc `malloc_trim`); True if it released any.
+
+    `keep_freed_memory` keeps freed blocks for the next step; after a plan switch the layers that left
+    a rank (and their gradients and optimizer state) are not coming back, so a worker returns them."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from model_parallel.errors import InfeasibleError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
 from model_parallel.graph.precision import precision_of
@@ -139,6 +140,13 @@ def build_plan(
         )
         memory_parts.append(footprint_parts(options.memory, stash[index], cost.parameter_bytes, workers, before, r))
         before += r
+    over = [s for s in stages if options.use_memory_constraint and s.memory_bytes > hierarchy.memory_bytes]
+    if over:  # the search sums per-node stash; the values a stage sends and receives come on top of it
+        worst = max(over, key=lambda s: s.memory_bytes)
+        raise InfeasibleError(
+            f"the best plan the search found needs {worst.memory_bytes:.4g} bytes on stage {worst.stage_id} once the "
+            f"values it sends and receives are counted, over the {hierarchy.memory_bytes:.4g} bytes per worker allowed "
+            f"(memory model {options.memory_model!r}); raise -s/--memory_size to at least that, or add workers")
     extra = {
         "cuts": solution.states.kind,
         "num_states": solution.states.num_states,

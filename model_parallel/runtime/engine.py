@@ -17,6 +17,8 @@ schedule (no flush) each microbatch is its own update (see executor.WeightStash)
 """
 from __future__ import annotations
 
+import gc
+
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from model_parallel.allocator import return_freed_memory
 from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage
 from model_parallel.errors import PeerError, PlanError
@@ -162,10 +165,14 @@ class PipelineEngine:
                             "which would need an all-reduce per microbatch); use 1f1b or gpipe, or a straight plan")
         self.optimizer, self.stage, self.executor = None, None, None
         keep = set(stage_layers(self.graph, plan, self.stage_id)) if self.stage_id is not None else set()
-        release_layers(self.modules, sorted(self.lazy_layers - keep))  # layers that left this rank
+        left = sorted(self.lazy_layers - keep)
+        release_layers(self.modules, left)  # layers that left this rank
         self.replica, self.num_replicas = 0, 1
         if self.stage_id is not None:
             self._build_stage(self.stage_id, optimizer_state)
+        if left:  # their values, gradients and optimizer state are gone: give the memory back to the OS
+            gc.collect()
+            return_freed_memory()
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
         self.tied = TiedCopies(ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
         self._check_tied(f"when plan v{plan.version} was activated")
