@@ -59,12 +59,17 @@ dist.destroy_process_group()
 '''
 
 
-def test_cached_headers_survive_shape_and_value_changes(tmp_path: Path) -> None:
+def _run_pair(tmp_path: Path, source: str) -> None:
+    """`source` as a script on ranks 0 and 1 (argv: rank, port); both must exit 0 within a minute."""
     script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
+    script.write_text(source)
     port = free_port()
     result = launch([[sys.executable, str(script), str(rank), str(port)] for rank in range(2)], timeout=60)
     assert result.ok, result.summary()
+
+
+def test_cached_headers_survive_shape_and_value_changes(tmp_path: Path) -> None:
+    _run_pair(tmp_path, _WORKER)
 
 
 # bf16 training: float32 values travel as bf16 (half the bytes) and arrive rounded, widened back to
@@ -112,8 +117,4 @@ dist.destroy_process_group()
 
 
 def test_bf16_wire_halves_the_bytes_and_arrives_rounded_in_float32(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(_WIRE_WORKER)
-    port = free_port()
-    result = launch([[sys.executable, str(script), str(rank), str(port)] for rank in range(2)], timeout=60)
-    assert result.ok, result.summary()
+    _run_pair(tmp_path, _WIRE_WORKER)

@@ -26,6 +26,7 @@ from model_parallel.runtime.checkpoint import load_checkpoint  # noqa: E402
 from model_parallel.runtime.checkpoint_layout import list_checkpoints  # noqa: E402
 from model_parallel.runtime.launch import LocalWorld, free_port  # noqa: E402
 from model_parallel.runtime.stages import even_plan  # noqa: E402
+from support import assert_relatively_close  # noqa: E402
 from support.tied import TiedJob, reference_state, write_jobs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -88,9 +89,7 @@ def test_a_tied_hf_model_resumes_on_another_partition_like_one_uninterrupted_pro
         for key, value in saved.items():
             if key not in want:
                 continue  # a buffer the original model keeps elsewhere (none are trained)
-            diff = torch.linalg.vector_norm(value.double() - want[key].double()).item()
-            scale = max(torch.linalg.vector_norm(want[key].double()).item(), 1e-12)
-            assert diff <= TOL * scale, f"rank {rank} {key} differs by {diff:.3g} (relative {diff / scale:.3g})"
+            assert_relatively_close(value, want[key], TOL, f"rank {rank} {key}")
             covered.add(key)
             if key in keys:
                 copies[rank] = value

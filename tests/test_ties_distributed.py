@@ -20,6 +20,7 @@ from model_parallel.graph.plan import write_plan
 from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.launch import LocalWorld, free_port
+from support import assert_relatively_close
 from support.tied import TiedJob, cut, reference_state, write_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -132,9 +133,7 @@ def test_split_tie_trains_like_one_process_and_copies_stay_identical(worlds, nam
         for key, value in data["state"].items():
             if key not in want:
                 continue  # a buffer the original model keeps elsewhere (none of these are trained)
-            diff = torch.linalg.vector_norm(value.double() - want[key].double()).item()
-            scale = max(torch.linalg.vector_norm(want[key].double()).item(), 1e-12)
-            assert diff <= TOL * scale, f"{name}: rank {rank} {key} differs by {diff:.3g} (relative {diff / scale:.3g})"
+            assert_relatively_close(value, want[key], TOL, f"{name}: rank {rank} {key}")
             covered.add(key)
             if key in tie:
                 copies[rank] = value

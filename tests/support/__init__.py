@@ -34,3 +34,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_relatively_close(value: Any, want: Any, tol: float, what: str) -> None:
+    """||value - want|| <= tol * ||want|| (in float64; the oracle's relative tolerance), naming `what`."""
+    import torch
+
+    diff = torch.linalg.vector_norm(value.double() - want.double()).item()
+    scale = max(torch.linalg.vector_norm(want.double()).item(), 1e-12)
+    assert diff <= tol * scale, f"{what} differs by {diff:.3g} (relative {diff / scale:.3g})"
