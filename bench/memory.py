@@ -6,7 +6,8 @@
 Every rank is a process of its own (one thread, gloo on localhost, reaped under a deadline). Before
 it builds anything it caps its own memory with `RLIMIT_DATA` (private writable memory: the heap and
 torch's allocations) at what it holds after `import torch` and joining the world, plus a budget of
-`--budget` x its stage's share (fp32 parameters + gradients + Adam's two moments) + `--slack` GB
+`--budget` x its stage's share (fp32 parameters + gradients + Adam's two moments; the larger of its
+shares before and after the switch) + `--slack` GB
 (thread stacks, the allocator, messages in flight); the budget is
 below the whole model's footprint, and below what a rank needs that holds the whole model's
 parameters plus its stage's gradients and optimizer state (how every rank worked before issue 25).
@@ -107,7 +108,15 @@ def worker(args: argparse.Namespace) -> None:
     graph, _ = trace_model(model, (torch.zeros(args.batch // args.micro, args.width, device="meta"),))
     total = sum(p.numel() for p in model.parameters())
     whole = 16 * total  # fp32 parameters + gradients + Adam's exp_avg and exp_avg_sq
-    share = whole // world
+    plan = even_plan(graph, world).with_default_ranks()
+    # One Linear+ReLU moves from stage 1 to stage 0 after `--steps`: a live switch with layer values and Adam state.
+    ids = [list(s.node_ids) for s in plan.stages]
+    moved, ids[1] = ids[1][:2], ids[1][2:]
+    ids[0] += moved
+    new = Plan(stages=tuple(StagePlan(i, tuple(n)) for i, n in enumerate(ids)), version=1).with_default_ranks()
+    # This rank's share under either plan (4 x its parameter bytes): the cap follows the larger one, so a rank
+    # that receives layers may hold them, and stays far below the whole model.
+    share = max(4 * sum(graph[n].parameter_size for n in p.stages[p.stage_of_rank(rank)].node_ids) for p in (plan, new))
     baseline = _status("VmData")
     cap = baseline + int(args.budget * share + args.slack * GB)  # slack: thread stacks, allocator, messages
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
@@ -116,7 +125,6 @@ def worker(args: argparse.Namespace) -> None:
     try:
         if args.mode == "whole":
             materialize_model(model, 0, graph)  # every rank holding the whole model, as before issue 25
-        plan = even_plan(graph, world).with_default_ranks()
         engine = PipelineEngine(graph=graph, plan=plan, model=model, criterion=torch.nn.functional.cross_entropy,
                                 optimizer_factory=lambda p: torch.optim.Adam(p, lr=1e-4), dataset=SyntheticData(
                                     args.batch, (args.width,), 10, seed=0),
@@ -124,11 +132,6 @@ def worker(args: argparse.Namespace) -> None:
                                 options=RunOptions(measure_memory=True))
         engine.train(args.steps)
         report["before"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": _status("VmHWM")}
-        # One Linear+ReLU moves from stage 1 to stage 0: a live switch with layer values and Adam state.
-        ids = [list(s.node_ids) for s in plan.stages]
-        moved, ids[1] = ids[1][:2], ids[1][2:]
-        ids[0] += moved
-        new = Plan(stages=tuple(StagePlan(i, tuple(n)) for i, n in enumerate(ids)), version=1).with_default_ranks()
         _reset_peak()
         pause = switch_plan(engine, new)
         # The switch itself holds the leaving layers until the arriving ones are in: its own peak, then the
