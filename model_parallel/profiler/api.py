@@ -21,8 +21,8 @@ from model_parallel.graph.core import Graph, TensorMeta
 from model_parallel.profiler.insitu import Instrumentation, calibrate_instrumentation, run_steps
 from model_parallel.profiler.layer_by_layer import LayerWalk, refuse_meta
 from model_parallel.profiler.saved import record_saved_bytes
-from model_parallel.profiler.timing import (HarnessOverhead, NodeTiming, Replay, calibrate_overhead, check_clock, float32_output,
-                                            precision_autocast, tensors_in)
+from model_parallel.profiler.timing import (HarnessOverhead, NodeTiming, Replay, ReplayInterpreter, calibrate_overhead,
+                                            check_clock, float32_output, precision_autocast)
 from model_parallel.profiler.segments import run_segments
 from model_parallel.graph.arguments import OutputDict
 from model_parallel.graph.precision import PRECISIONS
@@ -152,63 +152,6 @@ def preserved_model(model: nn.Module, device: torch.device) -> Iterator[None]:
                 for name, buffer in model.named_buffers():
                     if name in saved_buffers:
                         buffer.copy_(saved_buffers[name].to(buffer.device))
-
-
-class _TimingInterpreter(fx.Interpreter):
-    """Runs the traced model once under no_grad (values freed after their last use) and, before each
-    operator runs for real, replays it in isolation to time its forward and backward."""
-
-    def __init__(self, gm: fx.GraphModule, graph: Graph, replay: Replay, progress: Optional[tqdm],
-                 store: Optional[TimingStore] = None, known: Optional[Mapping[str, NodeTiming]] = None) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-        self.op_graph = graph
-        self.replay = replay
-        self.progress = progress
-        self.store = store
-        self.known = known or {}
-        self.timings: dict[str, NodeTiming] = {}
-        # Whether real training tracks gradients through each value: it depends on a parameter.
-        self.needs_grad: dict[str, bool] = {}
-        self.modules = dict(gm.named_modules())
-
-    def _own_parameters(self, n: fx.Node) -> list[torch.Tensor]:
-        if n.op == "call_module":
-            return list(self.modules[n.target].parameters())
-        return []
-
-    def run_node(self, n: fx.Node) -> Any:
-        inputs_need_grad = any(self.needs_grad.get(i.name, False) for i in n.all_input_nodes)
-        own = self._own_parameters(n)
-        has_tensor_output = bool(self.op_graph[n.name].layer.outputs) if n.op != "output" else False
-        if n.name in self.known:  # timed by an earlier, interrupted run: the real forward below still runs
-            self.timings[n.name] = self.known[n.name]
-        elif n.op not in ("placeholder", "get_attr", "output") and has_tensor_output:
-            inputs = {i.name: (self.env[i], self.needs_grad.get(i.name, False)) for i in n.all_input_nodes}
-
-            def run(prepared: dict[str, Any], n: fx.Node = n) -> Any:
-                args = fx.node.map_arg(n.args, lambda a: prepared[a.name])
-                kwargs = fx.node.map_arg(n.kwargs, lambda a: prepared[a.name])
-                return getattr(self, n.op)(n.target, args, kwargs)
-
-            try:
-                with torch.enable_grad():
-                    self.timings[n.name] = self.replay.time(run, inputs, own)
-            except Exception as error:  # the op failed alone although it ran in the model: say which
-                raise ProfileError(
-                    f"node {n.name} ({n.op} {n.target}): replaying it in isolation failed: {type(error).__name__}: {error}"
-                ) from error
-            if self.store is not None:
-                self.store.record(n.name, self.timings[n.name])
-        result = super().run_node(n)
-        if n.op == "placeholder":
-            self.needs_grad[n.name] = any(t.requires_grad for t in tensors_in(result))
-        elif n.op == "get_attr":
-            self.needs_grad[n.name] = isinstance(result, torch.Tensor) and result.requires_grad
-        else:
-            self.needs_grad[n.name] = inputs_need_grad or any(p.requires_grad for p in own)
-        if self.progress is not None and n.op != "output":
-            self.progress.update(1)
-        return result
 
 
 class _DtypeRecorder(fx.Interpreter):
@@ -357,7 +300,7 @@ def profile(
             bar = tqdm(total=len(graph), desc=f"timing {graph.metadata.get('model', 'model')} nodes", unit="node",
                        disable=not progress, leave=progress, file=sys.stderr)
             try:
-                interpreter = (walk.interpreter(_TimingInterpreter) if walk is not None else _TimingInterpreter)(
+                interpreter = (walk.interpreter(ReplayInterpreter) if walk is not None else ReplayInterpreter)(
                     gm, graph, replay, bar, store, known)
                 with precision_autocast(precision, target):  # the replays and the real forward alike
                     output = output_dicts(interpreter.run(*flat_inputs(args, kwargs)))

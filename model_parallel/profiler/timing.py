@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+
+from model_parallel.errors import ProfileError
+from model_parallel.graph.core import Graph
 
 
 @dataclass(frozen=True)
@@ -245,3 +249,60 @@ def time_training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Optiona
         if on_step is not None:
             on_step(times[-1])
     return times
+
+
+class ReplayInterpreter(fx.Interpreter):
+    """Runs the traced model once under no_grad (values freed after their last use) and, before each
+    operator runs for real, replays it in isolation to time its forward and backward."""
+
+    def __init__(self, gm: fx.GraphModule, graph: Graph, replay: Replay, progress: Optional[Any],
+                 store: Optional[Any] = None, known: Optional[Mapping[str, NodeTiming]] = None) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.op_graph = graph
+        self.replay = replay
+        self.progress = progress
+        self.store = store
+        self.known = known or {}
+        self.timings: dict[str, NodeTiming] = {}
+        # Whether real training tracks gradients through each value: it depends on a parameter.
+        self.needs_grad: dict[str, bool] = {}
+        self.modules = dict(gm.named_modules())
+
+    def _own_parameters(self, n: fx.Node) -> list[torch.Tensor]:
+        if n.op == "call_module":
+            return list(self.modules[n.target].parameters())
+        return []
+
+    def run_node(self, n: fx.Node) -> Any:
+        inputs_need_grad = any(self.needs_grad.get(i.name, False) for i in n.all_input_nodes)
+        own = self._own_parameters(n)
+        has_tensor_output = bool(self.op_graph[n.name].layer.outputs) if n.op != "output" else False
+        if n.name in self.known:  # timed by an earlier, interrupted run: the real forward below still runs
+            self.timings[n.name] = self.known[n.name]
+        elif n.op not in ("placeholder", "get_attr", "output") and has_tensor_output:
+            inputs = {i.name: (self.env[i], self.needs_grad.get(i.name, False)) for i in n.all_input_nodes}
+
+            def run(prepared: dict[str, Any], n: fx.Node = n) -> Any:
+                args = fx.node.map_arg(n.args, lambda a: prepared[a.name])
+                kwargs = fx.node.map_arg(n.kwargs, lambda a: prepared[a.name])
+                return getattr(self, n.op)(n.target, args, kwargs)
+
+            try:
+                with torch.enable_grad():
+                    self.timings[n.name] = self.replay.time(run, inputs, own)
+            except Exception as error:  # the op failed alone although it ran in the model: say which
+                raise ProfileError(
+                    f"node {n.name} ({n.op} {n.target}): replaying it in isolation failed: {type(error).__name__}: {error}"
+                ) from error
+            if self.store is not None:
+                self.store.record(n.name, self.timings[n.name])
+        result = super().run_node(n)
+        if n.op == "placeholder":
+            self.needs_grad[n.name] = any(t.requires_grad for t in tensors_in(result))
+        elif n.op == "get_attr":
+            self.needs_grad[n.name] = isinstance(result, torch.Tensor) and result.requires_grad
+        else:
+            self.needs_grad[n.name] = inputs_need_grad or any(p.requires_grad for p in own)
+        if self.progress is not None and n.op != "output":
+            self.progress.update(1)
+        return result
