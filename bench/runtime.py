@@ -455,6 +455,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return worker(args._worker, args._model, args._rank, world_size, args._port, args._spec, args._result)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)
+    from model_parallel.allocator import keep_freed_memory
+
+    keep_freed_memory()  # the profiles here predict workers that tune the allocator: pay what they pay (no page faults)
     models = [m for m in args.models.split(",") if m]
     schedules = [s for s in args.schedules.split(",") if s]
     unknown = [s for s in schedules if s not in SCHEDULES]
