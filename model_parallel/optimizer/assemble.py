@@ -140,8 +140,11 @@ def build_plan(
         )
         memory_parts.append(footprint_parts(options.memory, stash[index], cost.parameter_bytes, workers, before, r))
         before += r
-    over = [s for s in stages if options.use_memory_constraint and s.memory_bytes > hierarchy.memory_bytes]
-    if over:  # the search sums per-node stash; the values a stage sends and receives come on top of it
+    # Footprint only: the search sums per-node stash; the values a stage sends and receives come on top of it
+    # (the legacy models' search sums exactly what their plans report).
+    footprint = options.use_memory_constraint and options.memory_model == "footprint"
+    over = [s for s in stages if footprint and s.memory_bytes > hierarchy.memory_bytes]
+    if over:
         worst = max(over, key=lambda s: s.memory_bytes)
         raise InfeasibleError(
             f"the best plan the search found needs {worst.memory_bytes:.4g} bytes on stage {worst.stage_id} once the "
