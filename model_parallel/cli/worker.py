@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
-from model_parallel.cli.common import ArgumentParser, configure_logging  # noqa: E402
+from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
@@ -395,8 +395,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.shutdown()
         os._exit(EXIT_PEER)
     except ModelParallelError as error:
-        if health is not None:
-            health.stop("failed", None, f"{type(error).__name__}: {error}")
-            if rank == health.store_host:
-                health.linger(LINGER_TIMEOUTS * health.store_timeout)  # let the others read why before the store goes
-        raise
+        if health is None:
+            raise  # before joining a world: no threads yet, cli.common prints it and exits 2
+        health.stop("failed", None, f"{type(error).__name__}: {error}")
+        if rank == health.store_host:
+            health.linger(LINGER_TIMEOUTS * health.store_timeout)  # let the others read why before the store goes
+        # As after a success: no interpreter teardown, which a store call blocked in a daemon thread aborts
+        # (exit -6 instead of 2).
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(EXIT_USAGE)
