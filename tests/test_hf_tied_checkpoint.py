@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
 from model_parallel.codegen.naming import find_ties, layer_name  # noqa: E402
 from model_parallel.graph.core import Graph  # noqa: E402
 from model_parallel.graph.json_format import read_graph_json, write_graph_json  # noqa: E402

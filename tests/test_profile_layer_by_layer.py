@@ -109,7 +109,7 @@ def test_same_graph_as_the_whole_model_profile_on_fx_models() -> None:
 
 
 def test_hugging_face_gpt2_export_route_gives_the_same_graph() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
                                      bos_token_id=0, eos_token_id=0)
     model = transformers.AutoModelForCausalLM.from_config(config)
