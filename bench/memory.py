@@ -58,13 +58,13 @@ def _reset_peak() -> None:
 
 
 def _stage_bytes(engine) -> dict[str, int]:
-    params = list(engine.stage.parameters()) if engine.stage is not None else []
-    state = engine.optimizer.state if engine.optimizer is not None else {}
-    optimizer = sum(v.numel() * v.element_size() for p in params for v in state.get(p, {}).values()
-                    if hasattr(v, "numel") and v.dim() > 0)
-    return {"param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            "optimizer_bytes": optimizer}
+    """The stage's parameters, gradients and optimizer state as held (runtime.memory_probe.state_bytes)."""
+    from model_parallel.runtime.memory_probe import state_bytes
+
+    if engine.stage is None:
+        return {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
+    held = state_bytes(engine.stage, engine.optimizer)
+    return {"param_bytes": held["parameters"], "grad_bytes": held["gradients"], "optimizer_bytes": held["optimizer_state"]}
 
 
 def _footprint(engine, args: argparse.Namespace) -> dict[str, float]:

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from model_parallel.graph.saved import countable, covered, span
 from model_parallel.profiler.timing import tensors_in
+from model_parallel.profiler.trace import run_preserving_state
 
 LOSS = "loss"
 
@@ -92,19 +93,16 @@ def record_saved_bytes(gm: fx.GraphModule, inputs: Sequence[Any], loss_fn: Optio
     `autocast()` as in the runtime), counting what autograd saves per node. Runs no backward."""
     excluded = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers()) if countable(t)}
     ledger = _Ledger(excluded)
-    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    try:
+
+    def forward_and_loss() -> None:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ledger.pack, _unpack):
             with autocast():
                 output = _SavingInterpreter(gm, ledger).run(*inputs)
             ledger.current = LOSS
             if loss_fn is not None:
                 loss_fn(wrap_output(output))
-    finally:
-        with torch.no_grad():  # a training forward updated BatchNorm's statistics: put them back
-            for name, buffer in gm.named_buffers():
-                if name in buffers:
-                    buffer.copy_(buffers[name])
+
+    run_preserving_state(gm, forward_and_loss)  # a training forward updates BatchNorm's statistics: put back
     totals = ledger.totals()
     loss = totals.pop(LOSS, 0)
     nodes = {n.name: totals.get(n.name, 0) for n in gm.graph.nodes if n.op not in ("output",)}
