@@ -4,10 +4,13 @@
     python bench/models.py --quick     # 1 timed replay per node, 3 measured steps (about 2-3 minutes)
     python bench/models.py --models gpt2,vit --calibration calibration.json
     python bench/models.py --clock cpu --profile-only   # accuracy rows only, CPU time (a shared machine)
+    python bench/models.py --size bench                 # width 256, 4 blocks, 64 tokens, 64x64 images
 
-The models are the tiny configurations of the exactness tests (tests/support/hf_zoo.py: 2 blocks,
-width 32, vocabulary 64, 8 tokens; timm at 32x32), at one microbatch of 2 samples (batch 8, 4
-microbatches). Per row:
+`--size test` (default) runs the tiny configurations of the exactness tests (tests/support/hf_zoo.py:
+2 blocks, width 32, vocabulary 64, 8 tokens; timm at 32x32); their steps are ~2 ms, mostly per-operator
+dispatch and module-call Python. `--size bench` runs the same models at width 256, 4 blocks (ViT 8),
+64 tokens, vocabulary 1024, 64x64 images: steps of tens of ms where compute dominates, as in the
+models people pipeline. Both at one microbatch of 2 samples (batch 8, 4 microbatches). Per row:
 - nodes: graph nodes (torch.export: ATen operators);
 - profile_accuracy: (sum of the per-node forward + backward times + the loss) / a measured plain
   training step (forward + backward, no optimizer) of the same microbatch of the unmodified model,
@@ -24,7 +27,7 @@ microbatches). Per row:
   `runtime.metrics.busy_ms` of its step records after 2 warm-up steps, 10 steps of PipelineTrainer on
   a 2-rank gloo world, one world for every model: tests/support/hf_worker.py).
 
-Writes `bench/results/models.json` (atomically) with the 1-minute load average before and after.
+Writes `bench/results/models.json` (`models_bench.json` with `--size bench`; atomically) with the 1-minute load average before and after.
 Timings on a shared 2-core machine are noisy: compare numbers from the same run only.
 """
 from __future__ import annotations
@@ -53,18 +56,18 @@ from model_parallel.profiler.api import output_dicts, profile  # noqa: E402
 from model_parallel.profiler.timing import time_training_step  # noqa: E402
 from model_parallel.profiler.trace import flat_inputs, split_inputs, trace_model  # noqa: E402
 from support import hf_worker  # noqa: E402
-from support.hf_zoo import CASES  # noqa: E402
+from support.hf_zoo import CASES, SIZES, cases  # noqa: E402
 
 MICRO = hf_worker.BATCH // hf_worker.MICROBATCHES
 WARMUP_STEPS = 2
 
 
 def prepare(name: str, quick: bool, calibration: Any, workdir: Path, clock: str = "wall", timing: str = "auto",
-            stages: bool = True, rounds: int = 5) -> dict[str, Any]:
+            stages: bool = True, rounds: int = 5, size: str = "test") -> dict[str, Any]:
     """Profile, time plain steps, partition (1 and 2 levels), predict the 2-stage plan's stage times."""
     from model_parallel.optimizer.fidelity import predict_stage_ms
 
-    case = CASES[name]
+    case = cases(SIZES[size])[name]
     model, example = case.build(), case.example(MICRO)
     target = case.data.batch(0)[1][:MICRO]
     loss_fn = lambda out: case.loss(out, target)  # noqa: E731
@@ -95,7 +98,7 @@ def prepare(name: str, quick: bool, calibration: Any, workdir: Path, clock: str 
     meta = graph.metadata["profile"]
     nodes_ms = sum(n.forward_ms + n.backward_ms for n in graph.nodes)
     loss_ms = meta["loss_forward_ms"] + meta["loss_backward_ms"]
-    row = {"model": name, "nodes": len(graph.nodes), "clock": clock, "timing": meta["timing"],
+    row = {"model": name, "size": size, "nodes": len(graph.nodes), "clock": clock, "timing": meta["timing"],
            "profile_s": round(statistics.median(profile_s), 2), "rounds": rounds,
            "sum_of_nodes_ms_rounds": [round(_sum_ms(g), 3) for g in graphs], "sum_of_nodes_ms": round(nodes_ms + loss_ms, 3),
            "sum_forward_ms": round(sum(n.forward_ms for n in graph.nodes), 3),
@@ -168,14 +171,14 @@ class _Keywords(torch.nn.Module):
         return self.model(**dict(zip(self.names, values)))
 
 
-def measure(names: list[str], workdir: Path, timeout: float) -> dict[str, list[float]]:
+def measure(names: list[str], workdir: Path, timeout: float, size: str = "test") -> dict[str, list[float]]:
     """One 2-rank world trains every model on its plan; each stage rank's median busy ms per step."""
     from model_parallel.runtime.launch import free_port, launch
     from model_parallel.runtime.metrics import busy_ms
 
     port = free_port()
     result = launch([[sys.executable, str(REPO / "tests" / "support" / "hf_worker.py"), str(rank), "2", str(port),
-                      str(workdir), ",".join(names), "metrics"] for rank in range(2)], timeout=timeout)
+                      str(workdir), ",".join(names), "metrics", f"size={size}"] for rank in range(2)], timeout=timeout)
     if not result.ok:
         raise SystemExit(f"the 2-rank world failed:\n{result.summary()}")
     measured = {}
@@ -201,8 +204,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="profiles per model, interleaved with plain steps")
     parser.add_argument("--profile-only", action="store_true",
                         help="accuracy rows only: no partitioning and no 2-rank training run")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "models.json"))
+    parser.add_argument("--size", choices=tuple(SIZES), default="test",
+                        help="the models' size (tests/support/hf_zoo.py): 'test' (width 32, 2 blocks, 8 tokens: the "
+                             "exactness tests' cases, steps of ~2 ms, mostly per-operator dispatch) or 'bench' "
+                             "(width 256, 4 blocks, 64 tokens, 64x64 images)")
+    parser.add_argument("--out", default=None,
+                        help="the report (default bench/results/models.json; models_bench.json with --size bench)")
     args = parser.parse_args()
+    args.out = args.out or str(REPO / "bench" / "results" / ("models.json" if args.size == "test" else "models_bench.json"))
     names = args.models.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -217,8 +226,9 @@ def main() -> int:
 
     load_before = os.getloadavg()[0]
     if args.profile_only:
-        rows = [prepare(name, args.quick, None, Path("."), args.clock, args.timing, stages=False, rounds=args.rounds) for name in names]
-        atomic_write_json(Path(args.out), {"rows": rows, "quick": args.quick, "profile_only": True,
+        rows = [prepare(name, args.quick, None, Path("."), args.clock, args.timing, stages=False, rounds=args.rounds,
+                        size=args.size) for name in names]
+        atomic_write_json(Path(args.out), {"rows": rows, "quick": args.quick, "profile_only": True, "size": args.size,
                                            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                                            "cpus": os.cpu_count(), "torch": torch.__version__})
         print(f"{'model':13s} {'nodes':>5s} {'timing':>7s} {'clock':>5s} {'nodes ms':>9s} {'step ms':>8s} {'accuracy':>8s} "
@@ -234,12 +244,13 @@ def main() -> int:
     else:
         calibration = calibrate(timeout=args.timeout)
     with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:
-        rows = [prepare(name, args.quick, calibration, Path(tmp), args.clock, args.timing, rounds=args.rounds) for name in names]
-        measured = measure(names, Path(tmp), args.timeout)
+        rows = [prepare(name, args.quick, calibration, Path(tmp), args.clock, args.timing, rounds=args.rounds,
+                        size=args.size) for name in names]
+        measured = measure(names, Path(tmp), args.timeout, args.size)
     for row in rows:
         row["measured_stage_ms"] = measured[row["model"]]
         row["predicted_over_measured"] = [round(p / m, 3) for p, m in zip(row["predicted_stage_ms"], row["measured_stage_ms"])]
-    result = {"rows": rows, "quick": args.quick, "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    result = {"rows": rows, "quick": args.quick, "size": args.size, "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "cpus": os.cpu_count(), "torch": torch.__version__, "calibration": calibration.to_json()}
     atomic_write_json(Path(args.out), result)
     print(f"{'model':13s} {'nodes':>5s} {'accuracy':>8s} {'part 1L s':>9s} {'part 2L s':>9s}  predicted / measured stage ms")

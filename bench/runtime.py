@@ -6,8 +6,9 @@
     python bench/runtime.py --bf16     # mixed precision on both sides (writes runtime_bf16.json)
 
 Rows (model x schedule; `SHAPES`): torchvision resnet50 at 32x32 on 4 stages (batch 32, 4
-microbatches), a GPT-style transformer (TinyGPT: 4 blocks, width 128, 64 tokens) on 4 stages (batch
-32, 4 microbatches), the StackedMLP 256 -> 8 x 1024 -> 10 on 2 stages (batch 64, 4 microbatches);
+microbatches), Hugging Face GPT-2 from a config (`GPT2LMHeadModel`, random init: 4 blocks, width 128,
+64 tokens, vocabulary 512; traced by torch.export, cut between blocks; untied head, because torch's
+pipelining has no tie across stages) on 4 stages (batch 32, 4 microbatches), the StackedMLP 256 -> 8 x 1024 -> 10 on 2 stages (batch 64, 4 microbatches);
 1F1B and GPipe. The main process first calibrates the machine (`cli.calibrate`: link, optimizer
 step per MB, the runtime's fixed cost per microbatch), then profiles each model at microbatch size
 (its loss too), cuts it into stages of about equal measured compute (`runtime.stages.even_plan`)
@@ -59,6 +60,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -74,7 +76,7 @@ RESULTS = REPO / "bench" / "results" / "runtime.json"
 RESULTS_BF16 = REPO / "bench" / "results" / "runtime_bf16.json"
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 # model -> (stages, batch size, microbatches): the issue's rows (resnet50 and the GPT at 4 stages, the MLP at 2).
-SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt": (4, 32, 4), "resnet18": (2, 64, 4)}
+SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt2": (4, 32, 4), "resnet18": (2, 64, 4)}
 
 logger = logging.getLogger("bench.runtime")
 
@@ -95,23 +97,30 @@ def _bench_resnet50() -> torch.nn.Module:
     return import_torchvision().models.resnet50(num_classes=10)
 
 
-def _bench_gpt() -> torch.nn.Module:
-    from model_parallel.models import TinyGPT
+def _bench_gpt2() -> torch.nn.Module:
+    import transformers
 
-    # GPT-2-shaped, scaled to a 2-core machine: 4 blocks of width 128, 64 tokens of a 512-token vocabulary.
-    return TinyGPT(vocab_size=512, seq_len=64, dim=128, num_heads=4, num_layers=4)
+    # Scaled to a 2-core machine: 4 blocks of width 128, 64 tokens of a 512-token vocabulary.
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False))
+
+
+def _lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Token cross entropy of logits (B, T, V), or of a Hugging Face output's "logits", against ids (B, T)."""
+    logits = output if isinstance(output, torch.Tensor) else output["logits"]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def recipes() -> dict[str, Any]:
     """The benchmark's models, as worker-zoo recipes (seeded builder, loss, input shape)."""
     import torch.nn.functional as F
 
-    from model_parallel.models.gpt import lm_loss
     from model_parallel.runtime.zoo import Recipe, recipe
 
     return {"mlp": Recipe("mlp", _bench_mlp, F.cross_entropy, (256,), 10), "resnet18": recipe("resnet18"),
             "resnet50": Recipe("resnet50", _bench_resnet50, F.cross_entropy, (3, 32, 32), 10),
-            "gpt": Recipe("gpt", _bench_gpt, lm_loss, (64,), 512, kind="tokens")}
+            "gpt2": Recipe("gpt2", _bench_gpt2, _lm_loss, (64,), 512, kind="tokens")}
 
 
 class AutocastStage(torch.nn.Module):
@@ -168,7 +177,7 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     # On the calibration's clock: prediction and measurement must be the same quantity (fidelity.py).
     graph = profile(model, example, iterations=spec["profile_iterations"], clock=calibration.clock,
                     loss_fn=lambda output: rec.criterion(output, target), precision=spec["precision"])
-    plan = block_plan(graph, num_stages) if model_name == "gpt" else even_plan(graph, num_stages)
+    plan = block_plan(graph, num_stages) if model_name == "gpt2" else even_plan(graph, num_stages)
     entry = {"graph": str(save_graph(graph, workdir / f"{model_name}.graph.json")),
              "plan": str(workdir / f"{model_name}.plan.json"), "num_stages": num_stages,
              "batch_size": batch_size, "microbatches": microbatches}
@@ -183,8 +192,12 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     return entry
 
 
+BLOCK_PARAMETER = re.compile(r"^(?:blocks|transformer\.h)\.(\d+)\.")  # TinyGPT's and HF GPT-2's block parameters
+
+
 def block_plan(graph: Any, num_stages: int) -> Any:
-    """Cuts between transformer blocks (`blocks.<i>.`), blocks spread evenly over the stages.
+    """Cuts between transformer blocks, blocks spread evenly over the stages: a stage starts at the first
+    node reading a parameter of its first block (`blocks.<i>.` or `transformer.h.<i>.`).
 
     An even split by time may cut inside a block, where a Python int (a size) crosses the boundary:
     our runtime carries it, torch's `PipelineStage` refuses non-tensor stage arguments, and the
@@ -192,14 +205,19 @@ def block_plan(graph: Any, num_stages: int) -> Any:
     """
     from model_parallel.graph.plan import Plan, StagePlan
 
-    blocks = sorted({int(n.layer.target.split(".")[1]) for n in graph.nodes
-                     if n.layer is not None and str(n.layer.target).startswith("blocks.")})
+    def block(node: Any) -> Optional[int]:
+        match = BLOCK_PARAMETER.match(str(node.layer.target)) if node.layer is not None else None
+        return int(match.group(1)) if match else None
+
+    blocks = sorted({b for b in map(block, graph.nodes) if b is not None})
+    if len(blocks) < num_stages:
+        raise SystemExit(f"bench/runtime.py: {len(blocks)} transformer blocks cannot fill {num_stages} stages")
     first_of_stage = {blocks[len(blocks) * k // num_stages]: k for k in range(1, num_stages)}
     stage, members = 0, [[] for _ in range(num_stages)]
     for node in graph.nodes:  # topological (program) order
-        target = str(node.layer.target) if node.layer is not None else ""
-        if target.startswith("blocks."):
-            stage = max(stage, first_of_stage.get(int(target.split(".")[1]), 0))
+        index = block(node)
+        if index is not None:
+            stage = max(stage, first_of_stage.get(index, 0))
         members[stage].append(node.node_id)
     return Plan(stages=tuple(StagePlan(k, tuple(ids), ranks=(k,)) for k, ids in enumerate(members)))
 
@@ -418,8 +436,8 @@ def combine_rounds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about two minutes)")
-    parser.add_argument("--models", default="mlp,resnet50,gpt",
-                        help="comma-separated: mlp, resnet50, gpt, resnet18 (default mlp,resnet50,gpt)")
+    parser.add_argument("--models", default="mlp,resnet50,gpt2",
+                        help="comma-separated: mlp, resnet50, gpt2, resnet18 (default mlp,resnet50,gpt2)")
     parser.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
     parser.add_argument("--batch_size", type=int, default=None, help="override every model's batch size (SHAPES)")
     parser.add_argument("--microbatches", type=int, default=None, help="override every model's microbatches")

@@ -1,7 +1,7 @@
 """One rank of tests/test_hf_distributed.py's world: trains every listed case on its plan and saves this rank's
 stage state, one world for all cases (a process start with transformers and timm costs seconds).
 
-    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics]
+    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics] [size=test|bench]
 
 Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
 rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, and
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `sup
 from model_parallel import PipelineTrainer, RunOptions, TrainConfig  # noqa: E402
 from model_parallel.graph.plan import read_plan  # noqa: E402
 from model_parallel.messages import Command, NullChannel, ScriptedChannel  # noqa: E402
-from support.hf_zoo import BATCH, CASES  # noqa: E402
+from support.hf_zoo import BATCH, SIZES, cases  # noqa: E402
 
 STEPS, MICROBATCHES, SWITCH_STEP = 10, 4, 5
 
@@ -40,12 +40,14 @@ def config() -> TrainConfig:
 
 def main() -> None:
     rank, world, port, out, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
-    metrics = sys.argv[6:] == ["metrics"]
+    flags = sys.argv[6:]
+    metrics = "metrics" in flags
+    sized = cases(SIZES[next((f.split("=", 1)[1] for f in flags if f.startswith("size=")), "test")])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     for name in names.split(","):
-        case = CASES[name.split("+")[0]]  # "gpt2+rebalance": with a live plan switch; "gpt2+tied": its tied variant
+        case = sized[name.split("+")[0]]  # "gpt2+rebalance": with a live plan switch; "gpt2+tied": its tied variant
         channel = NullChannel()
         switch = out / f"{name}.switch.json"
         if rank == 0 and switch.is_file():
