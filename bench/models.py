@@ -23,8 +23,8 @@ models people pipeline. Both at one microbatch of 2 samples (batch 8, 4 microbat
 - partition_s: `partition` wall time on one level (2 workers, straight pipeline: the plan that runs)
   and on two levels (2 machines x 2 workers, default options);
 - predicted_stage_ms / measured_stage_ms: each stage rank's busy time per step of the 2-stage run
-  (`optimizer.fidelity.predict_stage_ms` with the machine's calibration; measured: the median
-  `runtime.metrics.busy_ms` of its step records after 2 warm-up steps, 10 steps of PipelineTrainer on
+  (`optimizer.fidelity.predict_stage_ms` with the machine's calibration on `--clock`; measured: the median
+  `runtime.metrics.measured_ms` on that clock (the rank's CPU ms, or wall busy ms) of its step records after 2 warm-up steps, 10 steps of PipelineTrainer on
   a 2-rank gloo world, one world for every model: tests/support/hf_worker.py).
 
 Writes `bench/results/models.json` (`models_bench.json` with `--size bench`; atomically) with the 1-minute load average before and after.
@@ -171,10 +171,10 @@ class _Keywords(torch.nn.Module):
         return self.model(**dict(zip(self.names, values)))
 
 
-def measure(names: list[str], workdir: Path, timeout: float, size: str = "test") -> dict[str, list[float]]:
+def measure(names: list[str], workdir: Path, timeout: float, size: str = "test", clock: str = "wall") -> dict[str, list[float]]:
     """One 2-rank world trains every model on its plan; each stage rank's median busy ms per step."""
     from model_parallel.runtime.launch import free_port, launch
-    from model_parallel.runtime.metrics import busy_ms
+    from model_parallel.runtime.metrics import measured_ms
 
     port = free_port()
     result = launch([[sys.executable, str(REPO / "tests" / "support" / "hf_worker.py"), str(rank), "2", str(port),
@@ -187,7 +187,7 @@ def measure(names: list[str], workdir: Path, timeout: float, size: str = "test")
         for rank in range(2):
             lines = (workdir / f"{name}.metrics.{rank}.jsonl").read_text().splitlines()
             records = [r for r in map(json.loads, lines) if "compute_ms" in r and r.get("step", 0) >= WARMUP_STEPS]
-            per_rank.append(round(statistics.median(busy_ms(r) for r in records), 3))
+            per_rank.append(round(statistics.median(measured_ms(r, clock) for r in records), 3))
         measured[name] = per_rank
     return measured
 
@@ -242,11 +242,11 @@ def main() -> int:
     if args.calibration:
         calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)
     else:
-        calibration = calibrate(timeout=args.timeout)
+        calibration = calibrate(timeout=args.timeout, clock=args.clock)
     with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:
         rows = [prepare(name, args.quick, calibration, Path(tmp), args.clock, args.timing, rounds=args.rounds,
                         size=args.size) for name in names]
-        measured = measure(names, Path(tmp), args.timeout, args.size)
+        measured = measure(names, Path(tmp), args.timeout, args.size, args.clock)
     for row in rows:
         row["measured_stage_ms"] = measured[row["model"]]
         row["predicted_over_measured"] = [round(p / m, 3) for p, m in zip(row["predicted_stage_ms"], row["measured_stage_ms"])]
