@@ -66,6 +66,32 @@ def test_nested_values_round_trip_through_json() -> None:
     assert _same(cross([t[0], (t[1], t[2])], ["a", "b"]), [t[0], (t[1], t[2])])
 
 
+def test_the_receiver_shortcuts_only_a_flat_list_of_leaves_in_order() -> None:
+    """StepExecutor skips the structure walk for the usual boundary ([t0, t1, ...]); anything else,
+    a bool index included, goes through `unflatten` (and its checks) every time."""
+    from types import SimpleNamespace
+
+    from model_parallel.runtime.executor import StepExecutor, _is_flat
+
+    leaves = [torch.zeros(1), torch.ones(2)]
+    flat = {"list": [{"leaf": 0}, {"leaf": 1}]}
+    assert _is_flat(flat, 2) and not _is_flat(flat, 3)
+    for other in ({"list": [{"leaf": 1}, {"leaf": 0}]}, {"list": [{"leaf": 0}, {"leaf": True}]},
+                  {"tuple": [{"leaf": 0}, {"leaf": 1}]}, {"list": [{"leaf": 0}, {"tuple": [{"leaf": 1}]}]}):
+        assert not _is_flat(other, 2), other
+    executor = SimpleNamespace(_flat_trees={}, device=torch.device("cpu"))
+    for _ in range(2):  # the first call verifies, the second takes the shortcut: same result
+        got = StepExecutor._unflatten(executor, leaves, flat)
+        assert isinstance(got, list) and len(got) == 2 and got[0] is leaves[0] and got[1] is leaves[1]
+    assert list(executor._flat_trees.values()) == [flat]
+    nested = {"list": [{"tuple": [{"leaf": 0}, {"leaf": 1}]}]}
+    for _ in range(2):
+        got = StepExecutor._unflatten(executor, leaves, nested)
+        assert isinstance(got[0], tuple) and got[0][1] is leaves[1]
+    with pytest.raises(ProtocolError, match="leaf index"):
+        StepExecutor._unflatten(executor, leaves, {"list": [{"leaf": 0}, {"leaf": 0}]})
+
+
 def test_a_hugging_face_model_output_arrives_as_an_output_dict() -> None:
     import transformers
 

@@ -5,10 +5,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from model_parallel.runtime import comm
 from model_parallel.runtime.launch import free_port, launch
 
-pytestmark = pytest.mark.slow  # a two-process gloo world
+
+def test_signature_tells_apart_what_the_header_tells_apart() -> None:
+    """The sender's cached header is reused when the signature matches: equal signatures must mean equal
+    headers, including values Python calls equal (1, True, 1.0) and structures holding them."""
+    x = torch.zeros(2, 3)
+    sig = lambda values, structure=None, wire=None: comm._signature(values, structure, wire, None)  # noqa: E731
+    assert sig([x, 1]) == sig([torch.ones(2, 3), 1])  # values of tensors are not in the header
+    different = [sig([x, 1]), sig([x, True]), sig([x, 1.0]), sig([x.requires_grad_(), 1]),
+                 sig([torch.zeros(3, 2), 1]), sig([torch.zeros(2, 3, dtype=torch.float64), 1]),
+                 sig([torch.zeros(2, 3), 1], {"value": 1}), sig([torch.zeros(2, 3), 1], {"value": True}),
+                 sig([torch.zeros(2, 3), 1], wire=torch.bfloat16)]
+    assert len(set(different)) == len(different), different
+
 
 # Each message: (tensor shapes, a JSON value). Changes of shape (a last partial batch), of a JSON
 # value, of the number of values and a header longer than the fixed slot must all arrive exactly.
@@ -23,8 +37,10 @@ torch.set_num_threads(1)
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=timedelta(seconds=30))
-PLAN = [([(4, 3)], 1), ([(4, 3)], 1), ([(4, 3)], 1), ([(2, 3)], 1), ([(4, 3)], 2), ([(4, 3), (5,)], 2),
-        ([(4, 3), (5,)], 2), ([(1,)] * 40, 3), ([(1,)] * 40, 3), ([(4, 3)], 1), ([(4, 3)], 1)]
+# 1, True and 1.0 are equal in Python but not on the wire: each must arrive as itself.
+PLAN = [([(4, 3)], 1), ([(4, 3)], 1), ([(4, 3)], True), ([(4, 3)], 1.0), ([(4, 3)], 1), ([(2, 3)], 1),
+        ([(4, 3)], 2), ([(4, 3), (5,)], 2), ([(4, 3), (5,)], 2), ([(1,)] * 40, 3), ([(1,)] * 40, 3),
+        ([(4, 3)], 1), ([(4, 3)], 1)]
 
 def message(i):
     shapes, extra = PLAN[i]
@@ -52,7 +68,7 @@ for tag, streams in ((comm.TAG_ACTIVATION, 1), (comm.TAG_GRADIENT, 3)):
                     assert a.dtype == b.dtype and torch.equal(a.detach(), b.detach()), (i, a, b)
                     assert a.requires_grad == b.requires_grad, i
                 else:
-                    assert a == b, (i, a, b)
+                    assert a == b and type(a) is type(b), (i, a, b)
         print("received all", tag, len(cache.received), flush=True)
 dist.barrier()
 dist.destroy_process_group()
@@ -68,6 +84,7 @@ def _run_pair(tmp_path: Path, source: str) -> None:
     assert result.ok, result.summary()
 
 
+@pytest.mark.slow  # a two-process gloo world
 def test_cached_headers_survive_shape_and_value_changes(tmp_path: Path) -> None:
     _run_pair(tmp_path, _WORKER)
 
@@ -116,5 +133,6 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow  # a two-process gloo world
 def test_bf16_wire_halves_the_bytes_and_arrives_rounded_in_float32(tmp_path: Path) -> None:
     _run_pair(tmp_path, _WIRE_WORKER)

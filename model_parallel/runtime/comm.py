@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.message_header import decode_value, make_header, structure_of
+from model_parallel.runtime.message_header import decode_value, encode_value, make_header, structure_of
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -83,6 +84,12 @@ class _Known:
     tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
     size: int  # bytes of the packed buffer, prefix included
     structure: Any = None  # the header's structure entry, parsed once (not per message)
+    # Sender: `_signature` of the values this header describes, so a steady-state send compares a
+    # tuple instead of building and encoding the header again (None: compare the header bytes).
+    signature: Any = None
+    # Receiver: per value, how to rebuild it from the packed buffer (computed once, not per message):
+    # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad) or ("json", encoded).
+    layout: tuple[tuple[Any, ...], ...] = ()
 
 
 def _wire(name: Any) -> torch.dtype:
@@ -94,16 +101,35 @@ def _wire(name: Any) -> torch.dtype:
     return dtype
 
 
-def _known(data: bytes, header: list[dict[str, Any]]) -> _Known:
-    offset, tensors = _ALIGN, []
+def _known(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> _Known:
+    offset, tensors, layout = _ALIGN, [], []
     for entry in header:
         if entry["t"] == "tensor":
             dtype = _wire(entry["dtype"])
             shape = tuple(entry["shape"])
             nbytes = math.prod(shape) * dtype.itemsize
             tensors.append((offset, shape, dtype, nbytes))
+            cast = _wire(entry["cast"]) if "cast" in entry else None
+            layout.append(("tensor", offset, offset + nbytes, dtype, shape, cast, bool(entry["grad"])))
             offset = _aligned(offset + nbytes)
-    return _Known(data, tuple(header), tuple(tensors), offset, structure_of(header))
+        elif entry["t"] != "structure":
+            layout.append(("json", entry["v"]))
+    return _Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
+
+
+def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> Any:
+    """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
+    signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
+    fields; narrowing follows from dtype, wire_dtype and position); other values and the structure by
+    their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
+    parts: list[Any] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            parts.append((value.shape, value.dtype, value.requires_grad))
+        else:
+            parts.append(json.dumps(encode_value(value)))
+    text = None if structure is None else json.dumps(structure, separators=(",", ":"))
+    return wire_dtype, num_wire, text, tuple(parts)
 
 
 class HeaderCache:
@@ -126,9 +152,13 @@ def _prefix(buffer: torch.Tensor, value: int) -> None:
     buffer[:8] = torch.frombuffer(bytearray(value.to_bytes(8, "little")), dtype=torch.uint8)
 
 
+_LITTLE = sys.byteorder == "little"
+
+
 def _read_prefix(buffer: torch.Tensor) -> int:
-    prefix = buffer[:8] if buffer.device.type == "cpu" else buffer[:8].cpu()
-    return int.from_bytes(prefix.numpy().tobytes(), "little")
+    # One int64 view and item() (a few microseconds; the prefix is read once per message).
+    value = int(buffer[:8].view(torch.int64).item())
+    return value if _LITTLE else int.from_bytes(value.to_bytes(8, sys.byteorder, signed=True), "little")
 
 
 def _pack(tensors: list[torch.Tensor], known: _Known, device: torch.device) -> torch.Tensor:
@@ -141,44 +171,64 @@ def _pack(tensors: list[torch.Tensor], known: _Known, device: torch.device) -> t
     return buffer
 
 
-def _received(tensor: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
+def _received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> torch.Tensor:
     """A received tensor as the receiver uses it: widened back to its announced dtype (a copy, so a
     fresh leaf), floating-point ones with the sender's requires_grad."""
-    if "cast" in entry:
-        tensor = tensor.to(_wire(entry["cast"]))
-    return tensor.requires_grad_(bool(entry["grad"])) if tensor.is_floating_point() else tensor
+    if cast is not None:
+        tensor = tensor.to(cast)
+    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
 
 
 def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[Any]:
     """The message's values: tensors are views into `buffer` (leaves; float ones get the sender's requires_grad)."""
-    layout = iter(known.tensors)
     out: list[Any] = []
-    for entry in known.entries:
-        if entry["t"] == "tensor":
-            offset, shape, dtype, nbytes = next(layout)
-            out.append(_received(buffer[offset:offset + nbytes].view(dtype).view(shape), entry))
-        elif entry["t"] != "structure":
-            out.append(decode_value(entry["v"], device))
+    for item in known.layout:
+        if item[0] == "tensor":
+            _, start, end, dtype, shape, cast, grad = item
+            out.append(_received(buffer[start:end].view(dtype).view(shape), cast, grad))
+        else:
+            out.append(decode_value(item[1], device))
     return out
 
 
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
                  stream: Any, structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> "SendHandle":
-    header_list = make_header(values, structure, wire_dtype, num_wire)
-    header = json.dumps(header_list, separators=(",", ":")).encode()
+    signature = _signature(values, structure, wire_dtype, num_wire)
     tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
     key = (dst, tag, stream)
     previous = cache.sent.get(key)
-    if previous is not None and previous.data == header:
-        buffers = [_pack(tensors, previous, device)]  # steady state: one transfer
+    if previous is not None and previous.signature == signature:
+        buffers = [_pack(tensors, previous, device)]  # steady state: one transfer, no header built
     else:
-        # The receiver pre-posted `previous.size` bytes (just the prefix if it knows nothing yet).
-        first = torch.zeros(previous.size if previous is not None else _ALIGN, dtype=torch.uint8, device=device)
-        _prefix(first, len(header))
-        known = cache.sent[key] = _known(header, header_list)
-        buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), _pack(tensors, known, device)]
-    works = [start_work(lambda b=b: dist.isend(b, dst, group=group, tag=tag), dst, "send") for b in buffers]
+        header_list = make_header(values, structure, wire_dtype, num_wire)
+        header = json.dumps(header_list, separators=(",", ":")).encode()
+        if previous is not None and previous.data == header:  # same header from a different signature
+            cache.sent[key] = _known(header, header_list, signature)
+            buffers = [_pack(tensors, previous, device)]
+        else:
+            # The receiver pre-posted `previous.size` bytes (just the prefix if it knows nothing yet).
+            first = torch.zeros(previous.size if previous is not None else _ALIGN, dtype=torch.uint8, device=device)
+            _prefix(first, len(header))
+            known = cache.sent[key] = _known(header, header_list, signature)
+            buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
+                       _pack(tensors, known, device)]
+    works = [start_work(lambda b=b: _isend(b, dst, group, tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
+
+
+def _isend(buffer: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
+    """`dist.isend`; on the default group straight on the process group (the wrapper's checks cost
+    about as much as gloo posting the send, once per message on the hot path)."""
+    if group is None:
+        return dist.group.WORLD.send([buffer], dst, tag)
+    return dist.isend(buffer, dst, group=group, tag=tag)
+
+
+def _irecv(buffer: torch.Tensor, src: int, group: Any, tag: int) -> Any:
+    """`dist.irecv`; on the default group straight on the process group (see `_isend`)."""
+    if group is None:
+        return dist.group.WORLD.recv([buffer], src, tag)
+    return dist.irecv(buffer, src, group=group, tag=tag)
 
 
 # ---- sending / receiving -------------------------------------------------------------------------
@@ -203,12 +253,13 @@ class SendHandle:
 
 def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
     """Wait for a torch.distributed work handle; failure or timeout becomes a PeerError (peer -1: a collective)."""
-    where = what if peer < 0 else f"{what} with rank {peer}"
     try:
         ok = work.wait(timedelta(seconds=timeout))
     except RuntimeError as error:
+        where = what if peer < 0 else f"{what} with rank {peer}"
         raise PeerError(f"{where} failed: {str(error).splitlines()[0][:200]}") from error
     if ok is False:
+        where = what if peer < 0 else f"{what} with rank {peer}"
         raise PeerError(f"{where} timed out after {timeout:.0f} s")
 
 
@@ -266,11 +317,11 @@ class PendingRecv:
         else:
             size = SLOT_BYTES
         self.slot = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self.work = start_work(lambda: dist.irecv(self.slot, src, group=group, tag=tag), src, "receive")
+        self.work = start_work(lambda: _irecv(self.slot, src, group, tag), src, "receive")
 
     def _recv(self, nbytes: int, timeout: float) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        work = start_work(lambda: dist.irecv(buffer, self.src, group=self.group, tag=self.tag), self.src, "receive")
+        work = start_work(lambda: _irecv(buffer, self.src, self.group, self.tag), self.src, "receive")
         wait_work(work, timeout, self.src, "receive")
         return buffer
 
@@ -290,7 +341,7 @@ class PendingRecv:
             raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
                             "are both ranks running the same version of model_parallel?") from None
         known = self.cache.received[(self.src, self.tag, self.stream)] = _known(data, header)
-        self.structure = structure_of(header)
+        self.structure = known.structure
         return _unpack(self._recv(known.size, timeout), known, self.device)
 
     def wait(self, timeout: float) -> list[Any]:
@@ -330,7 +381,7 @@ class PendingRecv:
         out = []
         for entry, (tensor, extra) in zip(header, values):
             if entry["t"] == "tensor":
-                out.append(_received(tensor, entry))
+                out.append(_received(tensor, _wire(entry["cast"]) if "cast" in entry else None, bool(entry["grad"])))
             else:
                 out.append(extra)
         return out

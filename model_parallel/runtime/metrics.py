@@ -183,10 +183,14 @@ class MetricsRecorder:
 
     def measure(self, kind: str, microbatch: Optional[int] = None, **trace_args: Any) -> _Measure:
         """Time the body as `kind`; with a tracer, also a span on the kind's lane."""
-        self._check_kind(kind)
+        lane = LANE_OF_KIND.get(kind)
+        if lane is None:
+            self._check_kind(kind)
+        tracer = self.tracer
         span = None
-        if self.tracer is not None:
-            span = self.tracer.span(kind, lane=LANE_OF_KIND[kind], microbatch=microbatch, **trace_args)
+        # Several measures per microbatch: a tracer that records nothing gets no span object at all.
+        if tracer is not None and (tracer.enabled or tracer.annotate):
+            span = tracer.span(kind, lane=lane, microbatch=microbatch, **trace_args)
         return _Measure(self, kind, span)
 
     def add(self, kind: str, seconds: float) -> None:
