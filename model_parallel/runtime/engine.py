@@ -38,6 +38,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
 from model_parallel.runtime import comm, engine_checkpoint
+from model_parallel.runtime.agreement import check_same_job, graph_digest
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.data import minibatch_parts, stage_zero_inputs
@@ -103,6 +104,7 @@ class PipelineEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control_group = control_group if control_group is not None else dist.new_group(backend="gloo")
         self.modules = layer_modules(graph, model)
+        self.graph_hash = graph_digest(graph)  # checked against every other rank's at each activation
         # A model built on meta: this rank allocates its stage's layers only (runtime/materialize.py).
         self.initializer = initializer or Initializer(seed=config.seed, model=model)
         self.lazy_layers = {name for name, obj in self.modules.items() if is_meta(obj)}  # freed when they leave
@@ -151,6 +153,7 @@ class PipelineEngine:
         """Build this rank's stage and optimizer for `plan` (collective: every rank calls it together)."""
         plan = plan.with_default_ranks()
         check_plan_fits(plan, self.world_size)
+        check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout)
         check_schedule(self.graph, plan, self.config.schedule)  # on every rank alike, before anything changes
         ties = plan_ties(self.graph, plan)
         check_trainable(ties, self.modules)
