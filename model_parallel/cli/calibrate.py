@@ -174,6 +174,7 @@ def _ring(members: int, tokens: int, rounds: int, timeout: float) -> float:
     """Median over `members` processes (each started fresh, always reaped) of their CPU ms per action,
     `tokens` of them running at once."""
     import multiprocessing
+    import queue
 
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may have used OpenMP threads
     pipes = [ctx.Pipe(duplex=False) for _ in range(members)]  # pipe k carries the token from k - 1 to k
@@ -185,7 +186,10 @@ def _ring(members: int, tokens: int, rounds: int, timeout: float) -> float:
     for process in processes:
         process.start()
     try:
-        return statistics.median(results.get(timeout=timeout)[1] for _ in processes)
+        return statistics.median([results.get(timeout=timeout)[1] for _ in processes])
+    except queue.Empty:
+        raise RuntimeError(f"timeshare ring of {members} processes: no result within {timeout:.0f} s (exit codes "
+                           f"{[p.exitcode for p in processes]}); re-run the calibration on a less loaded machine") from None
     finally:
         for process in processes:
             process.join(5.0)
