@@ -1,6 +1,6 @@
 """Measure this machine's stage-time constants once (`optimizer.fidelity.Calibration`) and store them.
 
-    python -m model_parallel.cli.calibrate --out profiles/calibration.json   # a 2-rank gloo world, ~10 s
+    python -m model_parallel.cli.calibrate --out profiles/calibration.json   # a 2-rank gloo world + the timeshare ring, ~30 s
 
 Every number is on one clock (`--clock`, stored as `Calibration.clock`): "cpu" (default) = the
 process's CPU time, the clock that holds on a shared machine (see optimizer/fidelity.py); "wall" =
