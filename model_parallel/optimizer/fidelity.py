@@ -10,8 +10,8 @@ against the runtime's metrics:
                                                              (backward adds each microbatch's weight
                                                               gradient into .grad; the first one is
                                                               stored, the profile's replays only store.
-                                                              Per MB it costs 4x more for a 16 MB
-                                                              tensor than for a 1 MB one that the
+                                                              Per MB it costs ~4x more for a 16 MB
+                                                              tensor than for a 0.25 MB one that the
                                                               core's cache holds: priced on the
                                                               calibration's `accumulate_curve`)
     optimizer   parameter MB x ms per MB of the kind         (Calibration.optimizer_ms_per_mb)
