@@ -184,7 +184,9 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     write_plan(plan, entry["plan"])
     spec["models"][model_name] = entry
     entry["stage_nodes"] = [len(s.node_ids) for s in plan.stages]
-    prediction = predict_stage_ms(graph, plan, num_microbatches=microbatches, calibration=calibration, optimizer="sgd")
+    # Every rank runs on this host: more ranks than cores adds the timeshare term (fidelity.py).
+    prediction = predict_stage_ms(graph, plan, num_microbatches=microbatches, calibration=calibration, optimizer="sgd",
+                                  ranks_per_host=plan.num_ranks)
     entry["predicted_stage_ms"] = [p.total_ms for p in prediction]
     entry["predicted_terms_ms"] = [p.terms() for p in prediction]
     logger.info("%s: %d stages of %s nodes, predicted %s ms per step %s", model_name, num_stages,
@@ -639,7 +641,7 @@ def stage_table(row: dict[str, Any]) -> list[str]:
 
     table = format_fidelity(row["predicted_stage_ms"], row["measured_stage_ms"]).splitlines()
     short = {"compute_ms": "comp", "loss_ms": "loss", "accumulate_ms": "acc", "optimizer_ms": "opt",
-             "allreduce_ms": "ar", "send_ms": "send", "recv_ms": "recv", "overhead_ms": "ovh"}
+             "allreduce_ms": "ar", "send_ms": "send", "recv_ms": "recv", "overhead_ms": "ovh", "timeshare_ms": "tsh"}
     lines = [table[0]]
     for stage, line in enumerate(table[1:]):
         terms = row["predicted_terms_ms"][stage]

@@ -1,6 +1,7 @@
 """The stage-time model of issue 26 (optimizer/fidelity.py): every term against literal values."""
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -126,3 +127,46 @@ def test_step_records_carry_the_process_cpu_time_not_the_wall_time():
     worked = recorder.end_step(samples=1)
     assert waited.step_ms >= 300.0 and waited.cpu_ms < 100.0
     assert worked.cpu_ms >= 100.0 and worked.to_dict()["cpu_ms"] == worked.cpu_ms
+
+
+def test_accumulation_is_priced_per_node_at_the_price_per_mb_of_its_size():
+    # a: 4 MB of weights, b: 2 MB. The curve: 0.1 ms/MB at 1 MB, 0.3 at 4 MB (log-interpolated between).
+    cal = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, accumulate_ms_per_mb=9.0,
+                      accumulate_curve=((1e6, 0.1), (4e6, 0.3)))
+    assert cal.accumulate_ms_per_mb_at(2e6) == pytest.approx(0.2)  # halfway on log(size)
+    assert (cal.accumulate_ms_per_mb_at(1e3), cal.accumulate_ms_per_mb_at(1e9)) == (0.1, 0.3)  # ends held
+    plan = Plan(stages=(StagePlan(0, ("input", "a")), StagePlan(1, ("b",))))
+    first, last = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal)
+    assert first.accumulate_ms == pytest.approx(3 * 4 * 0.3) and last.accumulate_ms == pytest.approx(3 * 2 * 0.2)
+    # Without a curve (an older calibration) the flat coefficient prices every size.
+    flat = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, accumulate_ms_per_mb=0.25)
+    assert predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=flat)[0].accumulate_ms == pytest.approx(3 * 4 * 0.25)
+
+
+def test_timeshare_term_only_when_the_host_runs_more_ranks_than_cores():
+    cal = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, accumulate_ms_per_mb=0.25, timeshare_factor=1.2,
+                      machine={"cpus": 2})
+    plan = Plan(stages=(StagePlan(0, ("input", "a")), StagePlan(1, ("b",))))
+    for ranks in (None, 1, 2):  # a core per rank (or unknown): warm caches, as profiled
+        assert all(s.timeshare_ms == 0.0 for s in predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal,
+                                                                   ranks_per_host=ranks))
+    first, last = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal, ranks_per_host=4)
+    # 0.2 x (compute + loss + accumulate): stage 0 4 x 3 ms + 3 x 4 MB x 0.25; stage 1 4 x 6 + 4 x 0.5 + 3 x 2 x 0.25
+    assert first.timeshare_ms == pytest.approx(0.2 * (12 + 3.0)) and last.timeshare_ms == pytest.approx(0.2 * (24 + 2 + 1.5))
+    assert first.total_ms == pytest.approx(sum(first.terms().values())) and "timeshare_ms" in first.terms()
+    # A calibration that does not know its cores never applies it.
+    unknown = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, timeshare_factor=1.2)
+    assert predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=unknown, ranks_per_host=4)[0].timeshare_ms == 0.0
+
+
+def test_an_older_calibration_loads_with_the_new_terms_off_and_bad_new_values_are_refused():
+    old = {"microbatch_overhead_ms": 0.5, "link_latency_ms": 0.1, "link_bandwidth": 1e9, "optimizer_ms_per_mb": {"sgd": 0.2},
+           "machine": {"cpus": 2}, "accumulate_ms_per_mb": 0.1, "clock": "cpu"}
+    loaded = Calibration.from_json(old, "old.json")
+    assert (loaded.accumulate_curve, loaded.timeshare_factor) == ((), 1.0)
+    new = Calibration(accumulate_curve=((1e6, 0.1), (4e6, 0.3)), timeshare_factor=1.1)
+    assert Calibration.from_json(json.loads(json.dumps(new.to_json()))) == new  # through JSON (lists)
+    with pytest.raises(PlanError, match=r"timeshare_factor must be a finite number >= 1, got 0.9"):
+        Calibration(timeshare_factor=0.9)
+    with pytest.raises(PlanError, match=r"accumulate_curve must be .* by increasing size"):
+        Calibration(accumulate_curve=((4e6, 0.3), (1e6, 0.1)))

@@ -1,6 +1,6 @@
 """Measure this machine's stage-time constants once (`optimizer.fidelity.Calibration`) and store them.
 
-    python -m model_parallel.cli.calibrate --out profiles/calibration.json   # a 2-rank gloo world, ~10 s
+    python -m model_parallel.cli.calibrate --out profiles/calibration.json   # a 2-rank gloo world + the timeshare ring, ~30 s
 
 Every number is on one clock (`--clock`, stored as `Calibration.clock`): "cpu" (default) = the
 process's CPU time, the clock that holds on a shared machine (see optimizer/fidelity.py); "wall" =
@@ -14,6 +14,16 @@ perf_counter. Measurements, each in the conditions of a real run (one thread per
 - accumulate: a backward through 64 MB of linear layers with `.grad` set minus one with `.grad` empty,
   per MB: what autograd adds for every microbatch's weight gradient after the first (the profile's
   replays never accumulate).
+- accumulate curve: the same difference per tensor size (square linear layers of 256 to 2048, about
+  16 MB in all each): the price per MB grows about 4x from tensors the core's cache holds to ones it
+  does not, so the model prices each node's weights at its size (`Calibration.accumulate_curve`).
+- timeshare factor (measured by the main process after the world): CPU ms per action of a
+  transformer layer when 2 x cores processes time-share the cores in a ring that passes `cores`
+  tokens (each forward or backward starts right after a blocking wait, on caches other processes
+  used, as pipeline ranks do when they outnumber the cores) over the same actions in one process
+  alone (`Calibration.timeshare_factor`, >= 1). Found by measurement (2 cores): the GPT stages'
+  compute inside a 4-rank engine ran 1.07-1.15x their profile while the same stage modules timed
+  alone matched it within 3 %; evicting the caches before every action reproduced it in one process.
 - runtime overhead: `PipelineEngine` training a 2-stage model of two 4x4 linear layers with 8
   microbatches, profiled on the same clock: (measured - predicted without overhead) / m per stage,
   median over the steps, the larger of the two ranks; so whatever the engine costs per microbatch
@@ -24,6 +34,7 @@ perf_counter. Measurements, each in the conditions of a real run (one thread per
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -97,6 +108,121 @@ def accumulate_ms_per_mb(reps: int = 7, clock: str = "wall") -> float:
     return max(min(samples[True]) - min(samples[False]), 0.0) / megabytes
 
 
+CURVE_WIDTHS = (256, 512, 1024, 2048)  # square linear layers: 0.25, 1, 4 and 16 MB weight tensors
+
+
+def accumulate_curve(reps: int = 7, clock: str = "wall", megabytes: float = 16.0) -> tuple[tuple[float, float], ...]:
+    """((tensor bytes, accumulate ms per MB), ...): `accumulate_ms_per_mb`'s difference for layers of
+    each width in `CURVE_WIDTHS`, about `megabytes` of weights each (batch 8)."""
+    torch.manual_seed(0)
+    curve = []
+    for width in CURVE_WIDTHS:
+        layers = max(1, round(megabytes * 1e6 / (width * width * 4)))
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+        x = torch.randn(8, width)
+        total_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for rep in range(reps + 2):
+            for accumulate in (False, True):
+                if not accumulate:
+                    model.zero_grad(set_to_none=True)
+                loss = model(x).sum()
+                start = now_s(clock)
+                loss.backward()
+                if rep >= 2:
+                    samples[accumulate].append((now_s(clock) - start) * 1e3)
+        curve.append((float(width * width * 4), max(min(samples[True]) - min(samples[False]), 0.0) / total_mb))
+    return tuple(curve)
+
+
+def _timeshare_workload() -> tuple[nn.Module, torch.Tensor]:
+    """The reference stage of the timeshare measurement: one transformer layer (width 128, 8 sequences
+    of 64 tokens), the typical stage of today's models. Measured on this machine: weight-streaming
+    stages inflate more (three 1024-wide linear layers: 1.29 where this layer gave 1.14)."""
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True), torch.randn(8, 64, 128)
+
+
+def _ring_member(index: int, rounds: int, start_with_token: bool, receive: Any, send: Any, results: Any) -> None:
+    """One process of `timeshare_factor`'s ring: per round 4 forwards then 4 backwards (a GPipe
+    stage's actions), each after taking the token from its predecessor and passing it on after;
+    puts the median CPU ms per action (after the first two rounds) into `results`."""
+    torch.set_num_threads(1)
+    module, x = _timeshare_workload()
+    inputs = [x.clone().requires_grad_() for _ in range(4)]
+    samples, token = [], start_with_token
+    for round_index in range(rounds):
+        outputs: list[torch.Tensor] = []
+        for action in range(8):
+            if not token and not receive.poll(60.0):
+                raise TimeoutError(f"timeshare ring member {index}: no token from its predecessor in 60 s")
+            if not token:
+                receive.recv_bytes()
+            token = False
+            start = time.process_time()
+            if action < 4:
+                outputs.append(module(inputs[action]))
+            else:
+                outputs.pop(0).sum().backward()
+            if round_index >= 2:
+                samples.append((time.process_time() - start) * 1e3)
+            send.send_bytes(b"t")
+    results.put((index, statistics.median(samples)))
+
+
+def _ring(members: int, tokens: int, rounds: int, timeout: float) -> float:
+    """Median over `members` processes (each started fresh, always reaped) of their CPU ms per action,
+    `tokens` of them running at once."""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may have used OpenMP threads
+    pipes = [ctx.Pipe(duplex=False) for _ in range(members)]  # pipe k carries the token from k - 1 to k
+    results = ctx.Queue()
+    spacing = members // tokens
+    processes = [ctx.Process(target=_ring_member, daemon=True,
+                             args=(k, rounds, k % spacing == 0, pipes[k][0], pipes[(k + 1) % members][1], results))
+                 for k in range(members)]
+    for process in processes:
+        process.start()
+    try:
+        return statistics.median([results.get(timeout=timeout)[1] for _ in processes])
+    except queue.Empty:
+        raise RuntimeError(f"timeshare ring of {members} processes: no result within {timeout:.0f} s (exit codes "
+                           f"{[p.exitcode for p in processes]}); re-run the calibration on a less loaded machine") from None
+    finally:
+        for process in processes:
+            process.join(5.0)
+            if process.is_alive():
+                process.terminate()
+                process.join(5.0)
+
+
+def timeshare_factor(cores: Optional[int] = None, rounds: int = 20, timeout: float = 120.0) -> float:
+    """CPU time per action when 2 x `cores` stage processes time-share the cores, handing work on
+    as a pipeline does (a ring passing `cores` tokens: every action starts right after a blocking
+    wait, on caches the other processes used) over the same actions in this process alone (the
+    profile's conditions; timed before and after, the smaller kept), at least 1. CPU time only."""
+    import multiprocessing
+    import queue
+
+    cores = cores or os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def alone() -> float:
+            receive, send = multiprocessing.Pipe(duplex=False)
+            results: "queue.Queue[tuple[int, float]]" = queue.Queue()
+            _ring_member(0, rounds, True, receive, send, results)
+            return results.get_nowait()[1]
+
+        before = alone()
+        shared = _ring(2 * cores, cores, rounds, timeout)
+        return max(shared / min(before, alone()), 1.0)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) -> tuple[float, float]:
     """(latency ms, bandwidth bytes/s) of one boundary message between ranks 0 and 1, by ping-pong through
     the runtime's own message layer (`runtime.comm` with a header cache, as the engine sends them), so
@@ -158,10 +284,12 @@ def measure(rank: int, world_size: int, clock: str = "cpu") -> dict[str, Any]:
     latency, bandwidth = link(rank, clock=clock)
     optimizers = {kind: optimizer_ms_per_mb(kind, clock=clock) for kind in OPTIMIZERS}
     accumulate = accumulate_ms_per_mb(clock=clock)
+    curve = accumulate_curve(clock=clock)
     partial = Calibration(link_latency_ms=latency, link_bandwidth=bandwidth, optimizer_ms_per_mb=optimizers,
-                          accumulate_ms_per_mb=accumulate, clock=clock)
+                          accumulate_ms_per_mb=accumulate, accumulate_curve=curve, clock=clock)
     return {"latency_ms": latency, "bandwidth": bandwidth, "overhead_ms": runtime_overhead_ms(partial),
-            "optimizer_ms_per_mb": optimizers, "accumulate_ms_per_mb": accumulate, "clock": clock}
+            "optimizer_ms_per_mb": optimizers, "accumulate_ms_per_mb": accumulate, "clock": clock,
+            "accumulate_curve": [list(point) for point in curve]}
 
 
 def combine(per_rank: Sequence[Mapping[str, Any]]) -> Calibration:
@@ -173,6 +301,8 @@ def combine(per_rank: Sequence[Mapping[str, Any]]) -> Calibration:
         optimizer_ms_per_mb={kind: min(r["optimizer_ms_per_mb"][kind] for r in per_rank) for kind in OPTIMIZERS},
         accumulate_ms_per_mb=min(r["accumulate_ms_per_mb"] for r in per_rank),
         clock=per_rank[0]["clock"],
+        accumulate_curve=tuple((points[0][0], min(y for _, y in points))
+                               for points in zip(*(r["accumulate_curve"] for r in per_rank))),
         machine={"platform": platform.platform(), "cpus": os.cpu_count(), "threads_per_rank": 1,
                  "load": list(os.getloadavg()), "torch": torch.__version__},
     )
@@ -209,6 +339,8 @@ def calibrate(out: Optional[Path] = None, timeout: float = 180.0, clock: str = "
         if not result.ok:
             raise RuntimeError(f"calibration world failed:\n{result.summary()}")
         calibration = combine([json.loads(p.read_text()) for p in paths])
+    # After the world: its ranks would time-share the cores with the ring.
+    calibration = dataclasses.replace(calibration, timeshare_factor=timeshare_factor(timeout=timeout))
     if out is not None:
         atomic_write_json(out, calibration.to_json())
     return calibration

@@ -71,8 +71,10 @@ def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any
     optimizer = getattr(args, "optimizer", "sgd")
     if optimizer not in calibration.optimizer_ms_per_mb:
         calibration = Calibration(**{**calibration.__dict__, "optimizer_ms_per_mb": {optimizer: 0.0}})
+    # The demo's workers all run on this host (LocalWorld): more of them than cores adds the timeshare term.
     predicted = [p.total_ms for p in predict_stage_ms(graph, plan, num_microbatches=args.microbatches,
-                                                      calibration=calibration, optimizer=optimizer)]
+                                                      calibration=calibration, optimizer=optimizer,
+                                                      ranks_per_host=plan.num_ranks)]
     first_version = min((r["plan_version"] for r in records), default=0)
     measured: dict[int, list[float]] = {}
     for record in records:

@@ -6,9 +6,14 @@ against the runtime's metrics:
 
     compute     s x sum of its nodes' forward + backward     (profile, scaled to the microbatch size)
     loss        s x the loss's forward + backward            (last stage; graph.metadata["profile"])
-    accumulate  (s - 1) x parameter MB x ms per MB           (backward adds each microbatch's weight
+    accumulate  (s - 1) x sum over its nodes of parameter MB x ms per MB at that node's size
+                                                             (backward adds each microbatch's weight
                                                               gradient into .grad; the first one is
-                                                              stored, the profile's replays only store)
+                                                              stored, the profile's replays only store.
+                                                              Per MB it costs ~4x more for a 16 MB
+                                                              tensor than for a 0.25 MB one that the
+                                                              core's cache holds: priced on the
+                                                              calibration's `accumulate_curve`)
     optimizer   parameter MB x ms per MB of the kind         (Calibration.optimizer_ms_per_mb)
     allreduce   costs.allreduce_seconds over the link        (replicated stages only)
     sends       s x per message sent: latency + bytes / bandwidth   (activations down, gradients up;
@@ -17,6 +22,13 @@ against the runtime's metrics:
                                                               count half, graph/precision.py)
     receives    the same per message received                (clock "cpu" only, see below)
     overhead    s x the runtime's fixed cost per microbatch  (Calibration.microbatch_overhead_ms)
+    timeshare   (timeshare_factor - 1) x (compute + loss + accumulate), only when more ranks run on
+                the host than it has cores (`ranks_per_host`): a rank that blocks on a receive gives
+                its core to another rank, whose work evicts the caches, so each forward and backward
+                starts cold. The profile times them warm (one process alone). Measured on this
+                machine (`cli.calibrate`: a ring of 2 x cores processes handing a transformer layer's
+                actions on vs. one process alone); the GPT stages' compute inside a 4-rank engine on
+                2 cores ran 1.07-1.15x their profile (alone: within 3 %).
 
 Two clocks; the profile, the calibration and the measurement must use the same one
 (`Calibration.clock`, the profile's `metadata["profile"]["clock"]`; a mismatch is a PlanError):
@@ -63,6 +75,27 @@ class Calibration:
     machine: Mapping[str, Any] = field(default_factory=dict)  # where it was measured (platform, cpus, threads)
     accumulate_ms_per_mb: float = 0.0  # adding one microbatch's weight gradient into .grad, per MB of weights
     clock: str = "wall"  # what every number is on: "cpu" (process CPU time) or "wall" (see the module docstring)
+    # ((tensor bytes, accumulate ms per MB), ...) by increasing size: the accumulation's price per MB
+    # depends on whether the core's cache holds the tensor. Empty (older calibrations): the flat
+    # `accumulate_ms_per_mb` for every size.
+    accumulate_curve: tuple[tuple[float, float], ...] = ()
+    # CPU time of forward + backward when every action starts on caches another process evicted,
+    # relative to warm (>= 1; see the module docstring). 1.0 (older calibrations): not measured, no term.
+    timeshare_factor: float = 1.0
+
+    def accumulate_ms_per_mb_at(self, tensor_bytes: float) -> float:
+        """Accumulate ms per MB for a tensor of `tensor_bytes`: the curve interpolated on log(size),
+        its end values beyond its ends; the flat coefficient without a curve."""
+        curve = self.accumulate_curve
+        if not curve:
+            return self.accumulate_ms_per_mb
+        if tensor_bytes <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if tensor_bytes <= x1:
+                t = math.log(tensor_bytes / x0) / math.log(x1 / x0)
+                return y0 + t * (y1 - y0)
+        return curve[-1][1]
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -75,14 +108,26 @@ class Calibration:
                 raise PlanError(f"calibration {name} must be a finite number >= 0, got {value!r}; re-run the calibration")
         if self.link_bandwidth <= 0:
             raise PlanError(f"calibration link_bandwidth must be > 0 bytes/s, got {self.link_bandwidth}")
+        if not (isinstance(self.timeshare_factor, (int, float)) and math.isfinite(self.timeshare_factor)
+                and self.timeshare_factor >= 1.0):
+            raise PlanError(f"calibration timeshare_factor must be a finite number >= 1, got {self.timeshare_factor!r}; "
+                            "re-run the calibration")
+        curve = tuple((float(x), float(y)) for x, y in self.accumulate_curve)  # JSON gives lists
+        sizes = [x for x, _ in curve]
+        if any(not (math.isfinite(x) and x > 0 and math.isfinite(y) and y >= 0) for x, y in curve) \
+                or sizes != sorted(set(sizes)):
+            raise PlanError(f"calibration accumulate_curve must be (bytes > 0, ms per MB >= 0) pairs by increasing "
+                            f"size, got {self.accumulate_curve!r}; re-run the calibration")
+        object.__setattr__(self, "accumulate_curve", curve)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"optimizer_ms_per_mb": dict(self.optimizer_ms_per_mb), "machine": dict(self.machine)}
+        return asdict(self) | {"optimizer_ms_per_mb": dict(self.optimizer_ms_per_mb), "machine": dict(self.machine),
+                               "accumulate_curve": [list(point) for point in self.accumulate_curve]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "calibration") -> "Calibration":
         known = {"microbatch_overhead_ms", "link_latency_ms", "link_bandwidth", "optimizer_ms_per_mb", "machine",
-                 "accumulate_ms_per_mb", "clock"}
+                 "accumulate_ms_per_mb", "clock", "accumulate_curve", "timeshare_factor"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{where}: unknown key(s) {unknown}; expected {sorted(known)}")
@@ -102,8 +147,10 @@ class StagePrediction:
     overhead_ms: float
     accumulate_ms: float = 0.0
     recv_ms: float = 0.0
+    timeshare_ms: float = 0.0
 
-    TERMS = ("compute_ms", "loss_ms", "accumulate_ms", "optimizer_ms", "allreduce_ms", "send_ms", "recv_ms", "overhead_ms")
+    TERMS = ("compute_ms", "loss_ms", "accumulate_ms", "optimizer_ms", "allreduce_ms", "send_ms", "recv_ms", "overhead_ms",
+             "timeshare_ms")
 
     @property
     def total_ms(self) -> float:
@@ -123,12 +170,15 @@ def predict_stage_ms(
     scale: float = 1.0,
     messages_out: Optional[Sequence[int]] = None,
     precision: Optional[str] = None,
+    ranks_per_host: Optional[int] = None,
 ) -> list[StagePrediction]:
     """Each stage's predicted time per flush step of `num_microbatches` microbatches on one of its ranks.
 
     `scale` = microbatch size / profiled batch size (1.0 when profiled at the microbatch size).
     `messages_out[k]`: tensors stage k sends per boundary message (default 1: latency per message).
     `precision`: what boundary tensors travel at ("fp32" / "bf16"; None: the profile's own).
+    `ranks_per_host`: how many ranks share one host of the calibration's machine (None: one rank per
+    core, no time-sharing); above its cores (`calibration.machine["cpus"]`) the timeshare term applies.
     """
     if num_microbatches < 1 or not scale > 0:
         raise PlanError(f"need num_microbatches >= 1 and scale > 0, got {num_microbatches} and {scale}")
@@ -145,6 +195,15 @@ def predict_stage_ms(
     loss_ms = float(profile.get("loss_forward_ms", 0.0)) + float(profile.get("loss_backward_ms", 0.0))
     m, last = num_microbatches, plan.num_stages - 1
     latency, bandwidth = calibration.link_latency_ms, calibration.link_bandwidth
+    cores = calibration.machine.get("cpus")
+    timeshared = ranks_per_host is not None and isinstance(cores, int) and ranks_per_host > cores
+    # Accumulation per stage: each node's weights at the price per MB of their size (a node's
+    # parameters stand for one tensor: a layer's weight, its bias is small).
+    accumulate_per_mb, stage_of = [0.0] * plan.num_stages, plan.stage_of
+    for node in graph.nodes:
+        if node.parameter_size and node.node_id in stage_of:
+            accumulate_per_mb[stage_of[node.node_id]] += (
+                node.parameter_size / MB * calibration.accumulate_ms_per_mb_at(node.parameter_size))
     out = []
     for stage, cost in zip(plan.stages, costs):
         k, r = stage.stage_id, stage.num_replicas
@@ -159,17 +218,21 @@ def predict_stage_ms(
             send += messages * latency + cost.input_bytes * scale / bandwidth * 1e3
             recv += messages * latency + cost.input_bytes * scale / bandwidth * 1e3
         parameter_mb = cost.parameter_bytes / MB
+        compute = share * cost.compute_s * 1e3 * scale
+        loss = share * loss_ms * scale if k == last else 0.0
+        accumulate = (share - 1) * accumulate_per_mb[k]
         out.append(StagePrediction(
             stage=k,
-            compute_ms=share * cost.compute_s * 1e3 * scale,
-            loss_ms=share * loss_ms * scale if k == last else 0.0,
+            compute_ms=compute,
+            loss_ms=loss,
             optimizer_ms=parameter_mb * calibration.optimizer_ms_per_mb.get(optimizer, 0.0),
             allreduce_ms=allreduce_seconds(cost.parameter_bytes, r, bandwidth) * 1e3 if r > 1 else 0.0,
             send_ms=share * send,
             overhead_ms=share * calibration.microbatch_overhead_ms,
-            accumulate_ms=(share - 1) * parameter_mb * calibration.accumulate_ms_per_mb,
+            accumulate_ms=accumulate,
             # A receive is a wait on the wall clock (the bubble); on the CPU clock its copy is work.
             recv_ms=share * recv if calibration.clock == "cpu" else 0.0,
+            timeshare_ms=(calibration.timeshare_factor - 1.0) * (compute + loss + accumulate) if timeshared else 0.0,
         ))
     return out
 
