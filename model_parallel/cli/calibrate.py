@@ -231,24 +231,32 @@ def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) 
 
     cache = comm.HeaderCache()
 
-    def half_round_trip(numel: int, count: int) -> float:
+    def half_round_trip(numel: int) -> float:
         value = [torch.zeros(numel)]
-        times = []
-        for _ in range(count):
-            start = now_s(clock)
-            if rank == 0:
-                comm.send_values(value, 1, comm.TAG_ACTIVATION, cache=cache, stream=numel).wait(timeout)
-                value = comm.PendingRecv(1, comm.TAG_GRADIENT, cache=cache, stream=numel).wait(timeout)
-            else:
-                value = comm.PendingRecv(0, comm.TAG_ACTIVATION, cache=cache, stream=numel).wait(timeout)
-                comm.send_values(value, 0, comm.TAG_GRADIENT, cache=cache, stream=numel).wait(timeout)
-            times.append((now_s(clock) - start) / 2)
-        return statistics.median(times[2:])  # the first two carry the header
+        start = now_s(clock)
+        if rank == 0:
+            comm.send_values(value, 1, comm.TAG_ACTIVATION, cache=cache, stream=numel).wait(timeout)
+            comm.PendingRecv(1, comm.TAG_GRADIENT, cache=cache, stream=numel).wait(timeout)
+        else:
+            value = comm.PendingRecv(0, comm.TAG_ACTIVATION, cache=cache, stream=numel).wait(timeout)
+            comm.send_values(value, 0, comm.TAG_GRADIENT, cache=cache, stream=numel).wait(timeout)
+        return (now_s(clock) - start) / 2
 
-    latency = half_round_trip(1, reps)
     big = 1 << 18  # 1 MB of float32: the size of a typical boundary here, not a bulk transfer
-    transfer = max(half_round_trip(big, max(reps // 2, 5)) - latency, 1e-6)
-    return latency * 1e3, big * 4 / transfer
+    # Small and big messages alternate, and the transfer time is the median of each pair's difference:
+    # measured one after the other, a change of machine load between the two series made the
+    # difference anything (a 1 ms latency and 500 GB/s under load 4).
+    small_times, differences = [], []
+    for rep in range(reps + 2):  # the first two carry the headers
+        small, large = half_round_trip(1), half_round_trip(big)
+        if rep >= 2:
+            small_times.append(small)
+            differences.append(large - small)
+    # A message is copied at least once on its way: the transfer takes no less than one copy of it here.
+    source = torch.zeros(big)
+    copy = _best_ms(lambda: source.clone(), clock, 5) / 1e3
+    transfer = max(statistics.median(differences), copy)
+    return statistics.median(small_times) * 1e3, big * 4 / transfer
 
 
 def runtime_overhead_ms(partial: Calibration, optimizer_kind: str = "sgd", steps: int = 30, microbatches: int = 8) -> float:
@@ -257,21 +265,25 @@ def runtime_overhead_ms(partial: Calibration, optimizer_kind: str = "sgd", steps
     from model_parallel.profiler.api import profile
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.data import SyntheticData
+    from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.stages import even_plan
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     batch = torch.zeros(1, 4), torch.zeros(1, dtype=torch.long)
     graph = profile(model, (batch[0],), lambda out: nn.functional.cross_entropy(out, batch[1]), iterations=5,
                     clock=partial.clock)
-    plan = even_plan(graph, 2)
+    # Split by position, not by the profile's timings: each rank profiles on its own, and a split by
+    # time could differ between them (the engine refuses ranks with different plans).
+    order = [node.node_id for node in graph.nodes]
+    half = len(order) // 2
+    plan = Plan(stages=(StagePlan(0, tuple(order[:half]), ranks=(0,)), StagePlan(1, tuple(order[half:]), ranks=(1,))))
     engine = PipelineEngine(graph=graph, plan=plan, model=model, criterion=nn.functional.cross_entropy,
                             optimizer_factory=OPTIMIZERS[optimizer_kind], dataset=SyntheticData(microbatches, (4,), 4),
                             config=TrainConfig(batch_size=microbatches, num_microbatches=microbatches),
                             options=RunOptions(timeout=60, progress=False))
     engine.train(steps)
-    stage = dist.get_rank()  # even_plan's ranks are in stage order
+    stage = dist.get_rank()  # ranks are in stage order
     predicted = predict_stage_ms(graph, plan, num_microbatches=microbatches, calibration=partial,
                                  optimizer=optimizer_kind)[stage].total_ms
     records = list(engine.metrics.records)[5:]  # after warm-up
