@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any
 
 import torch
@@ -30,10 +31,12 @@ from model_parallel.runtime.comm import wait_work
 from model_parallel.runtime.config import TrainConfig
 
 PARTS = ("graph", "plan", "config")
+_DEVICE_INDEX = re.compile(r"cuda:\d+")
 
 
 def _digest(value: Any) -> int:
-    text = json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
+    # A device index is per rank (each GPU rank traces on its own cuda:N), not part of the job.
+    text = _DEVICE_INDEX.sub("cuda", json.dumps(value, sort_keys=True, default=repr, separators=(",", ":")))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
