@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from model_parallel.optimizer.search.cells import bounded_plan, cell_mask, used_
 from model_parallel.optimizer.search.relaxation import relaxed_lower_bound
 from model_parallel.optimizer.solve import Limits, Solution, better, dp_work, solve
 from model_parallel.optimizer.antichains import Antichains, enumerate_antichains
+from model_parallel.optimizer.downsets import Downsets, enumerate_downsets
 from model_parallel.optimizer.states import (
     CutCosts, States, Workload, cut_costs, downset_sums, prefix_states, states_from_costs,
 )
@@ -61,7 +62,7 @@ class CutUnion:
         return cut_costs(work, [d for d, k in zip(self.downsets, keep) if k] + [everything])
 
 
-def cut_union(work: Workload, antichains: Optional[Antichains]) -> CutUnion:
+def cut_union(work: Workload, antichains: Optional[Union[Antichains, Downsets]]) -> CutUnion:
     """Every prefix of `prefix_order`, plus `antichains` when given, with their compute sums."""
     downsets = set(prefix_states(work).members)
     if antichains is not None:
@@ -207,8 +208,12 @@ def relaxed_bound(
     return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound)
 
 
-def enumerate_or_none(work: Workload, limit: int, main_source_only: bool = False) -> Optional[Antichains]:
+def enumerate_or_none(work: Workload, limit: int, main_source_only: bool = False) -> Optional[Union[Antichains, Downsets]]:
+    """The cuts of PipeDream's antichain states (only their cuts: `downsets.py`, far faster than its walk),
+    or with `main_source_only` those of its walk from the main source; None beyond `limit` states."""
     try:
-        return enumerate_antichains(work, max_states=limit, main_source_only=main_source_only)
+        if main_source_only:
+            return enumerate_antichains(work, max_states=limit, main_source_only=True)
+        return enumerate_downsets(work, max_states=limit)
     except InfeasibleError:
         return None
