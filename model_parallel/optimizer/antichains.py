@@ -200,16 +200,15 @@ def enumerate_antichains(work: Workload, max_states: Optional[int] = None, main_
 
 def _cuts_of(work: Workload, view: EnumerationView, found: _Walk) -> Antichains:
     """The walk's states as cuts of the workload (the root's own state, the empty cut, dropped)."""
-    anc, _ = closures(view.work)
     root = view.root
-    # The cut of view node x and its ancestors, in workload nodes (the root stands for nothing).
-    below = []
-    for x in range(view.work.num_nodes):
-        mask = view.always
-        for y in bit_positions(anc[x] | 1 << x):
-            if y != root:
-                mask |= view.groups[y]
-        below.append(mask)
+    # The cut of view node x and its ancestors, in workload nodes (the root stands for nothing): built
+    # from its predecessors' in topological order (linear in edges, not quadratic in nodes).
+    below = [0] * view.work.num_nodes
+    for x in topological_order(view.work):
+        mask = view.always if x == root else view.always | view.groups[x]
+        for p in view.work.pred[x]:
+            mask |= below[p]
+        below[x] = mask
     cuts, output = [], []
     for aug in found.augmented:
         mask, o = 0, 0.0
