@@ -25,7 +25,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["bert_insitu", "gpt2_insitu"])
+# bert_insitu_unproven: another in-situ profile of the same BERT (bench/optimizer.py --zoo, one step) whose
+# one-level plan the first bounded solve does not prove: the relaxed bound then ran 4e7 pairs, 1.2-2.4 s.
+@pytest.mark.parametrize("name", ["bert_insitu", "gpt2_insitu", "bert_insitu_unproven"])
 def test_in_situ_profiles_partition_within_the_bar(name: str) -> None:
     graph = load_graph(FIXTURES / f"{name}.graph.txt", use_sidecar=False)
     for machines, bar in (([4], 1.0), ([2, 2], 3.0), ([4, 2], 3.0)):

@@ -63,6 +63,9 @@ class Tuning:
     # (state, state) pairs its passes may visit.
     max_relaxed_states: int = 40_000
     relaxation_budget: float = 4e7
+    # On one level the same passes, at 30-50 ns a pair, would take most of the bar of 1 s (issue 26: BERT's
+    # in-situ profiles spent 1-2 s there for a bound 0.5% tighter): a tenth of the pairs.
+    one_level_relaxation_budget: float = 4e6
 
     # --- search: plans with unreplicated outermost stages (search/flat_search.py) ---------------------
     # Most states a flattened pass takes (each keeps a byte per inclusion it reads).

@@ -206,7 +206,8 @@ def relaxed_bound(
     outer = boundary_states(union.compute, float(union.compute.max()), hierarchy.num_workers, group, upper_bound)
     if int(outer.sum()) > options.tuning.max_relaxed_states:
         return None
-    return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound)
+    budget = options.tuning.one_level_relaxation_budget if len(hierarchy.levels) == 1 else None
+    return relaxed_lower_bound(union.costs(work, outer), hierarchy, options, upper_bound, budget=budget)
 
 
 def enumerate_or_none(work: Workload, limit: int, main_source_only: bool = False) -> Optional[Union[Antichains, Downsets]]:
