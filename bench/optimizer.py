@@ -36,6 +36,10 @@ timm ViT-tiny and MLP-Mixer at 32x32, and tiny GPT-2 and Llama (torch.export: ma
 branches), random weights, synthetic costs, on `-n 4` and `-n 4 2`; `--real` writes
 `bench/results/optimizer_real.json`.
 
+Every torchvision classifier and the Hugging Face / timm cases of tests/support/hf_zoo.py at both sizes
+(`--zoo`, `--zoo --quick` for a subset; bench/optimizer_zoo.py): the time of `partition` against the bar of
+1 s on one level and 3 s on two; writes `bench/results/optimizer_zoo.json`.
+
 Profiles on disk (`--profiles DIR`): every `DIR/*.graph.txt` with default options on `-n 4`, `4 2`, `4 4`
 and `8 2`, e.g. the in-situ profiles of `tests/fixtures/make_real_profiles.py DIR` (the models of
 bench/models.py and five torchvision classifiers); writes `bench/results/optimizer_profiles.json`.
@@ -78,6 +82,7 @@ from model_parallel.optimizer.states import cut_states, preprocess, prefix_state
 
 RESULTS = REPO / "bench" / "results" / "optimizer.json"
 REAL_RESULTS = REPO / "bench" / "results" / "optimizer_real.json"
+ZOO_RESULTS = REPO / "bench" / "results" / "optimizer_zoo.json"
 REFERENCE = REPO / "tests" / "fixtures" / "reference_profiles"
 HIERARCHIES = {
     "4": ([4], [1e9]),
@@ -289,8 +294,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--real", action="store_true", help=f"only the real models ({', '.join(REAL_GRAPHS)}) on -n 4 and -n 4 2")
     parser.add_argument("--profiles", type=Path, default=None,
                         help="only the graph.txt profiles in this folder (default options) on -n 4, 4 2, 4 4, 8 2")
+    parser.add_argument("--zoo", action="store_true",
+                        help="only every torchvision classifier and the hf_zoo cases at both sizes on -n 4, 4 2, 2 2 "
+                             "(bench/optimizer_zoo.py; with --quick a subset)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.zoo:
+        from bench.optimizer_zoo import zoo
+
+        output = args.output or ZOO_RESULTS
+        atomic_write_json(output, {**zoo(args.quick), "machine": _machine()})
+        print(f"wrote {output}")
+        return 0
     if args.profiles is not None:
         output = args.output or REPO / "bench" / "results" / "optimizer_profiles.json"
         atomic_write_json(output, {"rows": profile_rows(args.profiles), "machine": _machine()})

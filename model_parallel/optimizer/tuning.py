@@ -27,8 +27,9 @@ class Tuning:
     quick_cut_points: int = 200
 
     # --- search: bounded exact solves (search/bounded.py) ---------------------------------------------
-    # Most antichain states enumerated for a bounded solve (~15 us each; PipeDream's inception_v3 has 221,564).
-    enumeration_limit: int = 250_000
+    # Most antichain states enumerated for a bounded solve (~1 us each (downsets.py) and ~1.5 us to sum their
+    # costs: 0.75 s for 385,000; PipeDream's inception_v3 has 221,564, GPT-2 traced by torch.export 258,503).
+    enumeration_limit: int = 300_000
     # Beyond it, the cuts of PipeDream's own walk from the main source alone (side branches join with
     # their first reader) still give the bounded solve candidate plans (not exact): at most this many.
     partial_walk_states: int = 5_000
@@ -62,6 +63,9 @@ class Tuning:
     # (state, state) pairs its passes may visit.
     max_relaxed_states: int = 40_000
     relaxation_budget: float = 4e7
+    # On one level the same passes, at 30-50 ns a pair, would take most of the bar of 1 s (issue 26: BERT's
+    # in-situ profiles spent 1-2 s there for a bound 0.5% tighter): a tenth of the pairs.
+    one_level_relaxation_budget: float = 4e6
 
     # --- search: plans with unreplicated outermost stages (search/flat_search.py) ---------------------
     # Most states a flattened pass takes (each keeps a byte per inclusion it reads).

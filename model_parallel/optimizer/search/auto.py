@@ -67,11 +67,14 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
         found = enumerate_or_none(work, options.tuning.max_relaxed_states)
         union = None if found is None else cut_union(work, found)
     # numba (when installed) loads with the flattened search, on its first use here: importing the
-    # optimizer never pays for it, nor sets its process-wide threading layer.
-    from model_parallel.optimizer.search import jit
-    from model_parallel.optimizer.search.flat_search import flat_search
+    # optimizer never pays for it, nor sets its process-wide threading layer; nor does one level, where
+    # the flattened search does not apply (the import alone took 0.3-1.5 s).
+    flat = None
+    if len(hierarchy.levels) > 1:
+        from model_parallel.optimizer.search import jit
+        from model_parallel.optimizer.search.flat_search import flat_search
 
-    flat = flat_search(work, hierarchy, options, union, upper)
+        flat = flat_search(work, hierarchy, options, union, upper)
     if flat is None and len(hierarchy.levels) > 1 and not jit.AVAILABLE:
         logger.info("numba is not installed: the search for plans with unreplicated outermost stages ran only on small "
                     "problems; pip install 'model_parallel[search]' for the rest")
