@@ -151,8 +151,15 @@ def test_timeshare_term_only_when_the_host_runs_more_ranks_than_cores():
         assert all(s.timeshare_ms == 0.0 for s in predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal,
                                                                    ranks_per_host=ranks))
     first, last = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal, ranks_per_host=4)
-    # 0.2 x (compute + loss + accumulate): stage 0 4 x 3 ms + 3 x 4 MB x 0.25; stage 1 4 x 6 + 4 x 0.5 + 3 x 2 x 0.25
-    assert first.timeshare_ms == pytest.approx(0.2 * (12 + 3.0)) and last.timeshare_ms == pytest.approx(0.2 * (24 + 2 + 1.5))
+    # 0.2 x the compute of the actions that start after a receive: the first stage's backwards and their
+    # accumulation (4 x 2 ms + 3 x 4 MB x 0.25), the last stage's forwards (4 x 3 ms; loss and backward follow)
+    assert first.timeshare_ms == pytest.approx(0.2 * (8 + 3.0)) and last.timeshare_ms == pytest.approx(0.2 * 12)
+    # A middle stage waits before both: 4 x (1 + 2) ms + 3 x 4 MB x 0.25; a stage of inputs only computes nothing.
+    three = Plan(stages=(StagePlan(0, ("input",)), StagePlan(1, ("a",)), StagePlan(2, ("b",))))
+    inputs, middle, end = predict_stage_ms(_chain(), three, num_microbatches=4, calibration=cal, ranks_per_host=4)
+    assert (inputs.timeshare_ms, middle.timeshare_ms, end.timeshare_ms) == pytest.approx((0.0, 0.2 * 15, 0.2 * 12))
+    alone = Plan(stages=(StagePlan(0, ("input", "a", "b")),))
+    assert predict_stage_ms(_chain(), alone, num_microbatches=4, calibration=cal, ranks_per_host=4)[0].timeshare_ms == 0.0
     assert first.total_ms == pytest.approx(sum(first.terms().values())) and "timeshare_ms" in first.terms()
     # A calibration that does not know its cores never applies it.
     unknown = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, timeshare_factor=1.2)

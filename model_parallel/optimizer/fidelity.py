@@ -22,13 +22,17 @@ against the runtime's metrics:
                                                               count half, graph/precision.py)
     receives    the same per message received                (clock "cpu" only, see below)
     overhead    s x the runtime's fixed cost per microbatch  (Calibration.microbatch_overhead_ms)
-    timeshare   (timeshare_factor - 1) x (compute + loss + accumulate), only when more ranks run on
-                the host than it has cores (`ranks_per_host`): a rank that blocks on a receive gives
-                its core to another rank, whose work evicts the caches, so each forward and backward
-                starts cold. The profile times them warm (one process alone). Measured on this
-                machine (`cli.calibrate`: a ring of 2 x cores processes handing a transformer layer's
-                actions on vs. one process alone); the GPT stages' compute inside a 4-rank engine on
-                2 cores ran 1.07-1.15x their profile (alone: within 3 %).
+    timeshare   (timeshare_factor - 1) x the compute of the actions that start after a receive,
+                only when more ranks run on the host than it has cores (`ranks_per_host`): a rank that
+                blocks on a receive gives its core to another rank, whose work evicts the caches, so
+                the action it then runs starts cold. The profile times them warm (one process alone).
+                Which actions wait follows from the stage's place: the first stage's backwards (with
+                their accumulation; its forwards read local data), a middle stage's forwards and
+                backwards, the last stage's forwards (its loss and backward follow at once). Measured
+                on this machine (`cli.calibrate`: a ring of 2 x cores processes, each action after a
+                wait, vs. one process alone); the GPT stages' compute inside a 4-rank engine on 2 cores
+                ran 1.07-1.15x their profile (alone: within 3 %). Pricing every action cold put the
+                first and last stages of resnet50 and GPT-2 13-27 % high at load 1-3.
 
 Two clocks; the profile, the calibration and the measurement must use the same one
 (`Calibration.clock`, the profile's `metadata["profile"]["clock"]`; a mismatch is a PlanError):
@@ -200,7 +204,11 @@ def predict_stage_ms(
     # Accumulation per stage: each node's weights at the price per MB of their size (a node's
     # parameters stand for one tensor: a layer's weight, its bias is small).
     accumulate_per_mb, stage_of = [0.0] * plan.num_stages, plan.stage_of
+    forward_ms, backward_ms = [0.0] * plan.num_stages, [0.0] * plan.num_stages  # per microbatch, for timeshare
     for node in graph.nodes:
+        if node.node_id in stage_of:
+            forward_ms[stage_of[node.node_id]] += node.forward_ms
+            backward_ms[stage_of[node.node_id]] += node.backward_ms
         if node.parameter_size and node.node_id in stage_of:
             accumulate_per_mb[stage_of[node.node_id]] += (
                 node.parameter_size / MB * calibration.accumulate_ms_per_mb_at(node.parameter_size))
@@ -221,6 +229,11 @@ def predict_stage_ms(
         compute = share * cost.compute_s * 1e3 * scale
         loss = share * loss_ms * scale if k == last else 0.0
         accumulate = (share - 1) * accumulate_per_mb[k]
+        # The compute of the actions that start right after a blocking receive (see the timeshare term).
+        cold = 0.0
+        if timeshared and plan.num_stages > 1:
+            cold += share * scale * forward_ms[k] if k > 0 else 0.0
+            cold += share * scale * backward_ms[k] + accumulate if k < last else 0.0
         out.append(StagePrediction(
             stage=k,
             compute_ms=compute,
@@ -232,7 +245,7 @@ def predict_stage_ms(
             accumulate_ms=accumulate,
             # A receive is a wait on the wall clock (the bubble); on the CPU clock its copy is work.
             recv_ms=share * recv if calibration.clock == "cpu" else 0.0,
-            timeshare_ms=(calibration.timeshare_factor - 1.0) * (compute + loss + accumulate) if timeshared else 0.0,
+            timeshare_ms=(calibration.timeshare_factor - 1.0) * cold,
         ))
     return out
 
