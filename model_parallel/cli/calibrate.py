@@ -92,8 +92,12 @@ def accumulate_ms_per_mb(reps: int = 7, clock: str = "wall") -> float:
     gradient (autograd adds into it) than when it is empty (autograd stores its result): four 2048 x 2048
     linear layers (64 MB, more than the caches hold), the two cases interleaved, best of `reps` each."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(4)))
-    x = torch.randn(4, 2048)
+    return _accumulate_difference(nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(4))), torch.randn(4, 2048), reps, clock)
+
+
+def _accumulate_difference(model: nn.Module, x: torch.Tensor, reps: int, clock: str) -> float:
+    """Ms per MB of `model`'s weights: a backward into filled `.grad`s minus one into empty ones, best of
+    `reps` each, the two interleaved."""
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     samples: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(reps + 2):
@@ -119,19 +123,7 @@ def accumulate_curve(reps: int = 7, clock: str = "wall", megabytes: float = 16.0
     for width in CURVE_WIDTHS:
         layers = max(1, round(megabytes * 1e6 / (width * width * 4)))
         model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-        x = torch.randn(8, width)
-        total_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-        samples: dict[bool, list[float]] = {False: [], True: []}
-        for rep in range(reps + 2):
-            for accumulate in (False, True):
-                if not accumulate:
-                    model.zero_grad(set_to_none=True)
-                loss = model(x).sum()
-                start = now_s(clock)
-                loss.backward()
-                if rep >= 2:
-                    samples[accumulate].append((now_s(clock) - start) * 1e3)
-        curve.append((float(width * width * 4), max(min(samples[True]) - min(samples[False]), 0.0) / total_mb))
+        curve.append((float(width * width * 4), _accumulate_difference(model, torch.randn(8, width), reps, clock)))
     return tuple(curve)
 
 

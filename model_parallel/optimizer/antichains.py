@@ -366,6 +366,29 @@ def _finish_states(work: Workload, cuts: list[int], output: list[float], out_edg
     )
 
 
+def undirected_neighbours(work: Workload) -> list[int]:
+    """Per node, the bit mask of the nodes joined to it by an edge either way."""
+    neighbours = [0] * work.num_nodes
+    for v in range(work.num_nodes):
+        for s in work.succ[v]:
+            neighbours[v] |= 1 << s
+            neighbours[s] |= 1 << v
+    return neighbours
+
+
+def connected_part(mask: int, neighbours: list[int]) -> int:
+    """The connected part of the nodes in `mask` that holds its lowest node."""
+    seed = mask & -mask
+    part, frontier = seed, seed
+    while frontier:
+        grown = 0
+        for v in bit_positions(frontier):
+            grown |= neighbours[v]
+        frontier = grown & mask & ~part
+        part |= frontier
+    return part
+
+
 def count_downsets(work: Workload, max_calls: int = 20_000) -> Optional[int]:
     """The number of downward-closed node sets (the empty one included), or None when counting would
     take more than `max_calls` steps.
@@ -379,25 +402,13 @@ def count_downsets(work: Workload, max_calls: int = 20_000) -> Optional[int]:
     """
     n = work.num_nodes
     anc, desc = closures(work)
-    neighbours = [0] * n
-    for v in range(n):
-        for s in work.succ[v]:
-            neighbours[v] |= 1 << s
-            neighbours[s] |= 1 << v
+    neighbours = undirected_neighbours(work)
     position = {v: i for i, v in enumerate(topological_order(work))}
     memo: dict[int, int] = {}
     calls = 0
 
     def component(mask: int) -> int:
-        seed = mask & -mask
-        part, frontier = seed, seed
-        while frontier:
-            grown = 0
-            for v in bit_positions(frontier):
-                grown |= neighbours[v]
-            frontier = grown & mask & ~part
-            part |= frontier
-        return part
+        return connected_part(mask, neighbours)
 
     def count(mask: int) -> int:
         nonlocal calls

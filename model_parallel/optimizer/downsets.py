@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from model_parallel.errors import InfeasibleError
-from model_parallel.optimizer.antichains import count_downsets, enumerate_antichains, enumeration_view
+from model_parallel.optimizer.antichains import (
+    connected_part, count_downsets, enumerate_antichains, enumeration_view, undirected_neighbours,
+)
 from model_parallel.optimizer.workload import Workload, bit_positions, closures, topological_order
 
 
@@ -47,24 +49,12 @@ def enumerate_downsets(work: Workload, max_states: Optional[int] = None) -> Down
     n = graph.num_nodes
     anc, desc = closures(graph)
     image = [view.groups[x] if x != view.root else 0 for x in range(n)]  # the root stands for no workload node
-    neighbours = [0] * n
-    for v in range(n):
-        for s in graph.succ[v]:
-            neighbours[v] |= 1 << s
-            neighbours[s] |= 1 << v
+    neighbours = undirected_neighbours(graph)
     position = {v: i for i, v in enumerate(topological_order(graph))}
     memo: dict[int, list[int]] = {}
 
     def component(mask: int) -> int:
-        seed = mask & -mask
-        part, frontier = seed, seed
-        while frontier:
-            grown = 0
-            for v in bit_positions(frontier):
-                grown |= neighbours[v]
-            frontier = grown & mask & ~part
-            part |= frontier
-        return part
+        return connected_part(mask, neighbours)
 
     def ideals(mask: int) -> list[int]:
         """The workload images of every downset of the view nodes in `mask` (the empty one included)."""
