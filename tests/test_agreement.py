@@ -15,7 +15,7 @@ from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.zoo import recipe
 
 RANK = """
-import sys, datetime, torch, torch.distributed as dist
+import os, sys, datetime, torch, torch.distributed as dist
 from model_parallel.errors import PlanError
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -40,8 +40,10 @@ try:
     engine.train(2)
 except PlanError as error:
     print("REFUSED", error, flush=True)
-    sys.exit(3)
+    os._exit(3)  # as the worker CLI leaves: no interpreter teardown under live gloo threads (exit -6)
 print("TRAINED", flush=True)
+dist.destroy_process_group()
+os._exit(0)
 """
 
 
