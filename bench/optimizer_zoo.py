@@ -79,14 +79,7 @@ def hf_graphs(size_names: Sequence[str] = ("test", "bench"), names: Optional[Seq
 
     torch.set_num_threads(1)
     for size_name in size_names:
-        if hasattr(hf_zoo, "cases"):
-            cases = hf_zoo.cases(hf_zoo.SIZES[size_name])
-        elif size_name == "test":  # before hf_zoo had sizes: its one size is "test"
-            cases = hf_zoo.CASES
-        else:
-            print(f"tests/support/hf_zoo.py has no cases(size): skipping size {size_name!r}", flush=True)
-            continue
-        for name, case in cases.items():
+        for name, case in hf_zoo.cases(hf_zoo.SIZES[size_name]).items():
             if names and name not in names:
                 continue
             model, example = case.build(), case.example(2)

@@ -7,16 +7,17 @@ process's CPU time, the clock that holds on a shared machine (see optimizer/fide
 perf_counter. Measurements, each in the conditions of a real run (one thread per rank, gloo on localhost):
 
 - link: ping-pong between rank 0 and 1 through the runtime's message layer (`runtime.comm`, as the
-  engine sends a boundary); latency = half the round trip of a 4-byte tensor, bandwidth = bytes /
-  (half the round trip of 1 MB - latency); medians. On the CPU clock a round trip is one send and
-  one receive of this rank: half of its CPU time prices either.
+  engine sends a boundary), 4-byte and 1 MB messages alternating; latency = the median half round
+  trip of 4 bytes, bandwidth = 1 MB / the median of each pair's difference (at least one copy of
+  1 MB). On the CPU clock a round trip is one send and one receive of this rank: half of its CPU
+  time prices either.
 - optimizer: one `step()` of SGD (momentum 0.9) and AdamW on 64 MB of weights with gradients set, per MB.
-- accumulate: a backward through 64 MB of linear layers with `.grad` set minus one with `.grad` empty,
+- accumulate curve: a backward through linear layers with `.grad` set minus one with `.grad` empty,
   per MB: what autograd adds for every microbatch's weight gradient after the first (the profile's
-  replays never accumulate).
-- accumulate curve: the same difference per tensor size (square linear layers of 256 to 2048, about
-  16 MB in all each): the price per MB grows about 4x from tensors the core's cache holds to ones it
-  does not, so the model prices each node's weights at its size (`Calibration.accumulate_curve`).
+  replays never accumulate), per tensor size (square layers of 256 to 2048, about 16 MB in all
+  each): the price per MB grows about 4x from tensors the core's cache holds to ones it does not, so
+  the model prices each node's weights at its size (`Calibration.accumulate_curve`); its 16 MB point
+  is also stored as the flat `accumulate_ms_per_mb` that older calibrations had.
 - timeshare factor (measured by the main process after the world): CPU ms per action of a
   transformer layer when 2 x cores processes time-share the cores in a ring that passes `cores`
   tokens (each forward or backward starts right after a blocking wait, on caches other processes
@@ -87,17 +88,10 @@ def optimizer_ms_per_mb(kind: str, megabytes: float = 64.0, reps: int = 5, clock
     return _best_ms(optimizer.step, clock, reps) / megabytes
 
 
-def accumulate_ms_per_mb(reps: int = 7, clock: str = "wall") -> float:
-    """Milliseconds per MB of float32 weights that a backward costs more when `.grad` already holds a
-    gradient (autograd adds into it) than when it is empty (autograd stores its result): four 2048 x 2048
-    linear layers (64 MB, more than the caches hold), the two cases interleaved, best of `reps` each."""
-    torch.manual_seed(0)
-    return _accumulate_difference(nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(4))), torch.randn(4, 2048), reps, clock)
-
-
 def _accumulate_difference(model: nn.Module, x: torch.Tensor, reps: int, clock: str) -> float:
-    """Ms per MB of `model`'s weights: a backward into filled `.grad`s minus one into empty ones, best of
-    `reps` each, the two interleaved."""
+    """Ms per MB of `model`'s float32 weights that a backward costs more when `.grad` already holds a
+    gradient (autograd adds into it) than when it is empty (autograd stores its result): best of `reps`
+    each, the two cases interleaved."""
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     samples: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(reps + 2):
@@ -116,8 +110,8 @@ CURVE_WIDTHS = (256, 512, 1024, 2048)  # square linear layers: 0.25, 1, 4 and 16
 
 
 def accumulate_curve(reps: int = 7, clock: str = "wall", megabytes: float = 16.0) -> tuple[tuple[float, float], ...]:
-    """((tensor bytes, accumulate ms per MB), ...): `accumulate_ms_per_mb`'s difference for layers of
-    each width in `CURVE_WIDTHS`, about `megabytes` of weights each (batch 8)."""
+    """((tensor bytes, accumulate ms per MB), ...): `_accumulate_difference` for layers of each width in
+    `CURVE_WIDTHS`, about `megabytes` of weights each (batch 8)."""
     torch.manual_seed(0)
     curve = []
     for width in CURVE_WIDTHS:
@@ -287,8 +281,8 @@ def measure(rank: int, world_size: int, clock: str = "cpu") -> dict[str, Any]:
     """Every rank of an initialised world of 2 calls this; returns this rank's measurements."""
     latency, bandwidth = link(rank, clock=clock)
     optimizers = {kind: optimizer_ms_per_mb(kind, clock=clock) for kind in OPTIMIZERS}
-    accumulate = accumulate_ms_per_mb(clock=clock)
     curve = accumulate_curve(clock=clock)
+    accumulate = curve[-1][1]  # the flat coefficient of older calibrations: its largest size (16 MB tensors)
     partial = Calibration(link_latency_ms=latency, link_bandwidth=bandwidth, optimizer_ms_per_mb=optimizers,
                           accumulate_ms_per_mb=accumulate, accumulate_curve=curve, clock=clock)
     return {"latency_ms": latency, "bandwidth": bandwidth, "overhead_ms": runtime_overhead_ms(partial),
