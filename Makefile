@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/profiler.py --quick
 	$(PY) bench/optimizer.py --quick
 	$(PY) bench/runtime.py --quick
+	$(PY) bench/machine_drift.py --seconds 20
 	$(PY) bench/rebalance.py --quick
 	$(PY) bench/memory.py
 

@@ -10,7 +10,7 @@ import pytest
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
 from model_parallel.runtime.metrics import measured_ms
 from model_parallel.runtime.metrics import MetricsRecorder, busy_ms
 
@@ -61,7 +61,17 @@ def test_busy_excludes_waiting_on_peers_and_the_table_shows_the_error():
     record = {"compute_ms": 10.0, "send_ms": 1.0, "idle_ms": 0.5, "recv_ms": 30.0, "allreduce_ms": 4.0}
     assert busy_ms(record) == 11.5
     table = format_fidelity([11.0, 20.0], [10.0, None])
-    assert table.splitlines()[1].split() == ["0", "11.00", "10.00", "+10%"] and "n/a" in table.splitlines()[2]
+    assert table.splitlines()[1].split() == ["0", "11.00", "10.00", "+10%", "n/a"] and "n/a" in table.splitlines()[2]
+
+
+def test_share_errors_ignore_a_machine_that_is_uniformly_slower_than_at_the_profile():
+    # Every stage measured 1.3x its prediction: -23 % each, but the shares of the step are exact.
+    assert share_errors([10.0, 20.0, 30.0], [13.0, 26.0, 39.0]) == pytest.approx([0.0, 0.0, 0.0])
+    # Stage 0 predicted 1/4 of the work and measured 1/5: its share is 25 % high, the other's 6.25 % low.
+    assert share_errors([10.0, 30.0], [10.0, 40.0]) == pytest.approx([25.0, -6.25])
+    assert share_errors([10.0, 30.0], [10.0, None]) == [None, None]  # no share without every stage
+    table = format_fidelity([10.0, 30.0], [10.0, 40.0]).splitlines()
+    assert table[1].split()[-2:] == ["+0%", "+25%"] and table[2].split()[-2:] == ["-25%", "-6%"]
 
 
 def _three_stages() -> tuple[Graph, Plan]:
@@ -166,14 +176,36 @@ def test_timeshare_term_only_when_the_host_runs_more_ranks_than_cores():
     assert predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=unknown, ranks_per_host=4)[0].timeshare_ms == 0.0
 
 
+def test_corun_term_when_other_ranks_share_the_host_and_timeshare_counts_only_what_it_adds():
+    cal = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, timeshare_factor=1.3, corun_factor=1.2, machine={"cpus": 2})
+    plan = Plan(stages=(StagePlan(0, ("input", "a")), StagePlan(1, ("b",))))
+    for ranks in (None, 1):  # unknown, or alone on its host: as profiled
+        assert all(s.corun_ms == 0.0 for s in predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal,
+                                                               ranks_per_host=ranks))
+    # Two ranks on two cores: both compute at once, every action 1.2x its profile; no time-sharing.
+    first, last = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal, ranks_per_host=2)
+    assert first.corun_ms == pytest.approx(0.2 * first.compute_ms) and first.timeshare_ms == 0.0
+    assert last.corun_ms == pytest.approx(0.2 * (last.compute_ms + last.loss_ms))
+    # Four ranks on two cores: the cold actions cost 1.3x in all, of which 1.2x is the co-running.
+    first, last = predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=cal, ranks_per_host=4)
+    assert first.corun_ms == pytest.approx(0.2 * first.compute_ms)
+    assert first.timeshare_ms == pytest.approx(0.1 * 8) and last.timeshare_ms == pytest.approx(0.1 * 12)
+    # A co-running factor above the timeshare factor leaves nothing for time-sharing to add.
+    both = Calibration(optimizer_ms_per_mb={"sgd": 0.0}, timeshare_factor=1.1, corun_factor=1.2, machine={"cpus": 2})
+    assert all(s.timeshare_ms == 0.0 for s in predict_stage_ms(_chain(), plan, num_microbatches=4, calibration=both,
+                                                               ranks_per_host=4))
+
+
 def test_an_older_calibration_loads_with_the_new_terms_off_and_bad_new_values_are_refused():
     old = {"microbatch_overhead_ms": 0.5, "link_latency_ms": 0.1, "link_bandwidth": 1e9, "optimizer_ms_per_mb": {"sgd": 0.2},
            "machine": {"cpus": 2}, "accumulate_ms_per_mb": 0.1, "clock": "cpu"}
     loaded = Calibration.from_json(old, "old.json")
-    assert (loaded.accumulate_curve, loaded.timeshare_factor) == ((), 1.0)
-    new = Calibration(accumulate_curve=((1e6, 0.1), (4e6, 0.3)), timeshare_factor=1.1)
+    assert (loaded.accumulate_curve, loaded.timeshare_factor, loaded.corun_factor) == ((), 1.0, 1.0)
+    new = Calibration(accumulate_curve=((1e6, 0.1), (4e6, 0.3)), timeshare_factor=1.1, corun_factor=1.05)
     assert Calibration.from_json(json.loads(json.dumps(new.to_json()))) == new  # through JSON (lists)
     with pytest.raises(PlanError, match=r"timeshare_factor must be a finite number >= 1, got 0.9"):
         Calibration(timeshare_factor=0.9)
+    with pytest.raises(PlanError, match=r"corun_factor must be a finite number >= 1, got nan"):
+        Calibration(corun_factor=float("nan"))
     with pytest.raises(PlanError, match=r"accumulate_curve must be .* by increasing size"):
         Calibration(accumulate_curve=((4e6, 0.3), (1e6, 0.1)))

@@ -25,6 +25,12 @@ perf_counter. Measurements, each in the conditions of a real run (one thread per
   alone (`Calibration.timeshare_factor`, >= 1). Found by measurement (2 cores): the GPT stages'
   compute inside a 4-rank engine ran 1.07-1.15x their profile while the same stage modules timed
   alone matched it within 3 %; evicting the caches before every action reproduced it in one process.
+- co-running factor (`Calibration.corun_factor`, >= 1; measured in the world): CPU time per forward
+  + backward of the same transformer layer while both ranks compute at once, over one rank alone
+  (the other waiting at a barrier), the median over 5 alternations. The profile times every node in
+  one process alone; a pipeline's ranks compute at the same time. On the 2-core development VM the
+  ratio read 1.01-1.46 in three measurements a minute apart (both cores are likely hyperthreads of
+  one host core); on machines with real cores it reads about 1.
 - runtime overhead: `PipelineEngine` training a 2-stage model of two 4x4 linear layers with 8
   microbatches, profiled on the same clock: (measured - predicted without overhead) / m per stage,
   median over the steps, the larger of the two ranks; so whatever the engine costs per microbatch
@@ -38,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -209,6 +216,35 @@ def timeshare_factor(cores: Optional[int] = None, rounds: int = 20, timeout: flo
         torch.set_num_threads(threads)
 
 
+def corun_factor(rank: int, world_size: int, phases: int = 5, pairs: int = 30) -> float:
+    """This rank's CPU time per forward + backward of the reference stage (`_timeshare_workload`) while
+    every rank of the world computes it at once, over the same alone (the others waiting at a barrier,
+    which costs no CPU): the median ratio over `phases` alternations, so a change of the machine's
+    speed between the two hits both sides of one ratio. Every rank of the world calls it together."""
+    module, x = _timeshare_workload()
+    inputs = x.clone().requires_grad_()
+
+    def timed() -> float:  # median thread CPU ms per forward + backward
+        samples = []
+        for _ in range(pairs):
+            start = time.thread_time()
+            module(inputs).sum().backward()
+            samples.append((time.thread_time() - start) * 1e3)
+        return statistics.median(samples)
+
+    timed()  # warm-up
+    ratios = []
+    for _ in range(phases):
+        alone = math.nan
+        for turn in range(world_size):
+            dist.barrier()
+            if turn == rank:
+                alone = timed()
+        dist.barrier()
+        ratios.append(timed() / alone)
+    return statistics.median(ratios)
+
+
 def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) -> tuple[float, float]:
     """(latency ms, bandwidth bytes/s) of one boundary message between ranks 0 and 1, by ping-pong through
     the runtime's own message layer (`runtime.comm` with a header cache, as the engine sends them), so
@@ -287,7 +323,7 @@ def measure(rank: int, world_size: int, clock: str = "cpu") -> dict[str, Any]:
                           accumulate_ms_per_mb=accumulate, accumulate_curve=curve, clock=clock)
     return {"latency_ms": latency, "bandwidth": bandwidth, "overhead_ms": runtime_overhead_ms(partial),
             "optimizer_ms_per_mb": optimizers, "accumulate_ms_per_mb": accumulate, "clock": clock,
-            "accumulate_curve": [list(point) for point in curve]}
+            "accumulate_curve": [list(point) for point in curve], "corun_factor": corun_factor(rank, world_size)}
 
 
 def combine(per_rank: Sequence[Mapping[str, Any]]) -> Calibration:
@@ -301,6 +337,8 @@ def combine(per_rank: Sequence[Mapping[str, Any]]) -> Calibration:
         clock=per_rank[0]["clock"],
         accumulate_curve=tuple((points[0][0], min(y for _, y in points))
                                for points in zip(*(r["accumulate_curve"] for r in per_rank))),
+        # Older rank files have no co-running measurement: 1.0, no term.
+        corun_factor=max(statistics.median(r.get("corun_factor", 1.0) for r in per_rank), 1.0),
         machine={"platform": platform.platform(), "cpus": os.cpu_count(), "threads_per_rank": 1,
                  "load": list(os.getloadavg()), "torch": torch.__version__},
     )

@@ -11,7 +11,7 @@ from model_parallel.cli.memory_summary import Measured, format_memory, predicted
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
 from model_parallel.runtime.metrics import measured_ms
-from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms
+from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
 from model_parallel.runtime.metrics import read_metrics, summarize
 
 
@@ -139,6 +139,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "predicted_stage_ms": predicted_ms,
         "measured_stage_ms": measured_stage_ms,
         "stage_clock": clock,
+        "stage_share_error_pct": share_errors(predicted_ms, measured_stage_ms),
         "predicted_stage_memory_bytes": [p["total"] for p in memory_parts],
         "measured_stage_memory_bytes": [m.peak for m in memory_rows],
         "predicted_stage_activation_bytes": [p["activations"] + p["weight_stash"] for p in memory_parts],
@@ -154,6 +155,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "
         "(before the slowdown) ==",
         *stage_lines,
+        "share error: the error of the stage's share of the step's work, which a partition balances and a machine "
+        "uniformly slower or faster than when it was profiled does not move (docs/runtime.md, Plan fidelity)",
         "",
         "== per-stage peak memory: predicted (optimizer/memory.py footprint) vs measured (tensor-accounted) ==",
         *memory_lines,

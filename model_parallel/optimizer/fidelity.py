@@ -22,7 +22,13 @@ against the runtime's metrics:
                                                               count half, graph/precision.py)
     receives    the same per message received                (clock "cpu" only, see below)
     overhead    s x the runtime's fixed cost per microbatch  (Calibration.microbatch_overhead_ms)
-    timeshare   (timeshare_factor - 1) x the compute of the actions that start after a receive,
+    corun       (corun_factor - 1) x (compute + loss), when other ranks share the host (`ranks_per_host`
+                >= 2): the profile timed every node in one process alone, while a pipeline's ranks
+                compute at the same time, and on some machines (the 2-core development VM: 1.0-1.46
+                from one minute to the next, likely two hyperthreads of one host core) each then runs
+                slower. Measured by `cli.calibrate` (two ranks at once vs one alone). The accumulate,
+                optimizer, link and overhead terms were calibrated with both ranks running already.
+    timeshare   (timeshare_factor - corun_factor) x the compute of the actions that start after a receive,
                 only when more ranks run on the host than it has cores (`ranks_per_host`): a rank that
                 blocks on a receive gives its core to another rank, whose work evicts the caches, so
                 the action it then runs starts cold. The profile times them warm (one process alone).
@@ -86,6 +92,9 @@ class Calibration:
     # CPU time of forward + backward when every action starts on caches another process evicted,
     # relative to warm (>= 1; see the module docstring). 1.0 (older calibrations): not measured, no term.
     timeshare_factor: float = 1.0
+    # CPU time of forward + backward while the host's other ranks compute at the same time, relative to
+    # alone (>= 1; see the module docstring). 1.0 (older calibrations): not measured, no term.
+    corun_factor: float = 1.0
 
     def accumulate_ms_per_mb_at(self, tensor_bytes: float) -> float:
         """Accumulate ms per MB for a tensor of `tensor_bytes`: the curve interpolated on log(size),
@@ -112,10 +121,10 @@ class Calibration:
                 raise PlanError(f"calibration {name} must be a finite number >= 0, got {value!r}; re-run the calibration")
         if self.link_bandwidth <= 0:
             raise PlanError(f"calibration link_bandwidth must be > 0 bytes/s, got {self.link_bandwidth}")
-        if not (isinstance(self.timeshare_factor, (int, float)) and math.isfinite(self.timeshare_factor)
-                and self.timeshare_factor >= 1.0):
-            raise PlanError(f"calibration timeshare_factor must be a finite number >= 1, got {self.timeshare_factor!r}; "
-                            "re-run the calibration")
+        for name in ("timeshare_factor", "corun_factor"):
+            factor = getattr(self, name)
+            if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1.0):
+                raise PlanError(f"calibration {name} must be a finite number >= 1, got {factor!r}; re-run the calibration")
         curve = tuple((float(x), float(y)) for x, y in self.accumulate_curve)  # JSON gives lists
         sizes = [x for x, _ in curve]
         if any(not (math.isfinite(x) and x > 0 and math.isfinite(y) and y >= 0) for x, y in curve) \
@@ -131,7 +140,7 @@ class Calibration:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "calibration") -> "Calibration":
         known = {"microbatch_overhead_ms", "link_latency_ms", "link_bandwidth", "optimizer_ms_per_mb", "machine",
-                 "accumulate_ms_per_mb", "clock", "accumulate_curve", "timeshare_factor"}
+                 "accumulate_ms_per_mb", "clock", "accumulate_curve", "timeshare_factor", "corun_factor"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{where}: unknown key(s) {unknown}; expected {sorted(known)}")
@@ -152,9 +161,10 @@ class StagePrediction:
     accumulate_ms: float = 0.0
     recv_ms: float = 0.0
     timeshare_ms: float = 0.0
+    corun_ms: float = 0.0
 
     TERMS = ("compute_ms", "loss_ms", "accumulate_ms", "optimizer_ms", "allreduce_ms", "send_ms", "recv_ms", "overhead_ms",
-             "timeshare_ms")
+             "corun_ms", "timeshare_ms")
 
     @property
     def total_ms(self) -> float:
@@ -181,8 +191,9 @@ def predict_stage_ms(
     `scale` = microbatch size / profiled batch size (1.0 when profiled at the microbatch size).
     `messages_out[k]`: tensors stage k sends per boundary message (default 1: latency per message).
     `precision`: what boundary tensors travel at ("fp32" / "bf16"; None: the profile's own).
-    `ranks_per_host`: how many ranks share one host of the calibration's machine (None: one rank per
-    core, no time-sharing); above its cores (`calibration.machine["cpus"]`) the timeshare term applies.
+    `ranks_per_host`: how many ranks share one host of the calibration's machine (None: unknown, no
+    co-running or time-sharing terms); from 2 the co-running term applies, above its cores
+    (`calibration.machine["cpus"]`) the timeshare term too.
     """
     if num_microbatches < 1 or not scale > 0:
         raise PlanError(f"need num_microbatches >= 1 and scale > 0, got {num_microbatches} and {scale}")
@@ -201,6 +212,10 @@ def predict_stage_ms(
     latency, bandwidth = calibration.link_latency_ms, calibration.link_bandwidth
     cores = calibration.machine.get("cpus")
     timeshared = ranks_per_host is not None and isinstance(cores, int) and ranks_per_host > cores
+    corun = calibration.corun_factor if ranks_per_host is not None and ranks_per_host >= 2 else 1.0
+    # The timeshare factor is measured against one process alone, so it holds the co-running slowdown
+    # too: the cold actions pay only what it adds beyond that.
+    cold_extra = max(calibration.timeshare_factor - corun, 0.0)
     # Accumulation per stage: each node's weights at the price per MB of their size (a node's
     # parameters stand for one tensor: a layer's weight, its bias is small).
     accumulate_per_mb, stage_of = [0.0] * plan.num_stages, plan.stage_of
@@ -245,17 +260,32 @@ def predict_stage_ms(
             accumulate_ms=accumulate,
             # A receive is a wait on the wall clock (the bubble); on the CPU clock its copy is work.
             recv_ms=share * recv if calibration.clock == "cpu" else 0.0,
-            timeshare_ms=(calibration.timeshare_factor - 1.0) * cold,
+            timeshare_ms=cold_extra * cold,
+            corun_ms=(corun - 1.0) * (compute + loss),
         ))
     return out
 
 
+def share_errors(predicted: Sequence[float], measured: Sequence[Optional[float]]) -> list[Optional[float]]:
+    """Per stage, in %: how far the predicted share of the step's work (this stage's ms over all stages')
+    is from the measured share. A machine that runs everything 1.3x slower than when it was profiled
+    moves every absolute error alike and no share: the shares are what a partition balances."""
+    known = [(p, m) for p, m in zip(predicted, measured) if m is not None and math.isfinite(m) and m > 0]
+    total_predicted, total_measured = sum(p for p, _ in known), sum(m for _, m in known)
+    if len(known) != len(predicted) or not total_predicted > 0:
+        return [None] * len(predicted)
+    return [100.0 * ((p / total_predicted) / (m / total_measured) - 1.0) for p, m in known]
+
+
 def format_fidelity(predicted: Sequence[float], measured: Sequence[Optional[float]]) -> str:
-    """A per-stage table: predicted ms, measured ms, error in % (the ±10 % goal of issue 26)."""
-    lines = [f"{'stage':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"]
-    for stage, (want, got) in enumerate(zip(predicted, measured)):
+    """A per-stage table: predicted ms, measured ms, error in % (the ±10 % goal of issue 26), and the
+    error of the stage's share of the work (`share_errors`)."""
+    lines = [f"{'stage':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7} {'share error':>12}"]
+    shares = share_errors(predicted, measured)
+    for stage, (want, got, share) in enumerate(zip(predicted, measured, shares)):
         if got is None or not math.isfinite(got) or got <= 0:
-            lines.append(f"{stage:>5} {want:>13.2f} {'n/a':>12} {'n/a':>7}")
+            lines.append(f"{stage:>5} {want:>13.2f} {'n/a':>12} {'n/a':>7} {'n/a':>12}")
         else:
-            lines.append(f"{stage:>5} {want:>13.2f} {got:>12.2f} {100.0 * (want - got) / got:>+6.0f}%")
+            share_text = f"{share:>+11.0f}%" if share is not None else f"{'n/a':>12}"
+            lines.append(f"{stage:>5} {want:>13.2f} {got:>12.2f} {100.0 * (want - got) / got:>+6.0f}% {share_text}")
     return "\n".join(lines)
