@@ -1,6 +1,6 @@
 """Runtime benchmark: our pipeline runtime vs torch.distributed.pipelining, same model, split, schedule, machine.
 
-    python bench/runtime.py            # full run (3 rounds of 30 steps a side; about 12 minutes on 2 cores)
+    python bench/runtime.py            # full run (3 rounds of 30 steps a side; about 8 minutes on 2 cores)
     python bench/runtime.py --quick    # about 3 minutes (1 round of 4 chunks of 4 steps a side), `make bench`
     python bench/runtime.py --models mlp --schedules 1f1b --steps 10
     python bench/runtime.py --bf16     # mixed precision on both sides (writes runtime_bf16.json)
@@ -19,7 +19,7 @@ under a deadline and is always reaped (`runtime.launch`).
 
 Both runtimes run in the SAME world: each rank builds torch's stage and schedule and our engine, and
 the two alternate chunks of `--chunk_steps` steps (the order flipping every chunk), each chunk timed
-between barriers. This machine's speed drifts by 1.3x from one minute to the next (docs/runtime.md),
+between barriers. This machine's speed moves by 1.36-1.59x between 5-second windows (docs/runtime.md),
 so worlds run one after the other compared the load of two moments, not the runtimes; chunks timed
 back to back see the same machine. `ratio` is the median over those chunk pairs, `--rounds` worlds
 per model (each number the median over every chunk of every round).

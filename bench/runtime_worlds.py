@@ -145,7 +145,7 @@ def _cpu_ms_by_thread() -> dict[str, float]:
     """CPU ms of each thread of this process so far (/proc/self/task: utime + stime), keyed "tid:name";
     empty where /proc is missing. Tells the main thread's work from gloo's receive thread."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    tick = os.sysconf("SC_CLK_TCK")
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
