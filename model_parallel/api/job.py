@@ -176,9 +176,11 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
             example = {k: v[: spec.micro_batch] for k, v in inputs.items()}
         else:
             example = [x[: spec.micro_batch] for x in inputs]
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # built on meta: trace shapes on meta
-        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
-        example = {k: to_meta(v) for k, v in example.items()} if isinstance(example, Mapping) else [to_meta(x) for x in example]
+    # Trace where the model is (a model built on meta traces shapes on meta; one on a GPU runs there).
+    where = next((t.device for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"), None)
+    if where is not None:
+        move = lambda x: x.to(where) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        example = {k: move(v) for k, v in example.items()} if isinstance(example, Mapping) else [move(x) for x in example]
     graph, traced = trace_model(model, dict(example) if isinstance(example, Mapping) else tuple(example))
     allow_model(model, traced)  # the graph comes from this process's own model, not from a file
     return graph, model

@@ -36,7 +36,11 @@ def node_label(node: Node) -> str:
 
 def to_dot(graph: Graph, title: Optional[str] = None) -> "graphviz.Digraph":  # noqa: F821
     """A graphviz.Digraph of the graph; nodes of a partitioned graph are clustered and coloured by stage."""
-    import graphviz
+    try:
+        import graphviz
+    except ImportError:
+        raise RenderError("the Python package 'graphviz' is not installed, so no picture was drawn "
+                          "(pip install graphviz)") from None
 
     dot = graphviz.Digraph(name=title or "graph", graph_attr={"rankdir": "TB", "label": title or ""},
                            node_attr={"shape": "box", "style": "rounded,filled", "fontsize": "10", "fillcolor": "white"})

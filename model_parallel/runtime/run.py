@@ -76,12 +76,36 @@ class World:
     store_address: str
 
 
-def resolve_backend(name: str) -> str:
+def resolve_backend(name: str, ranks_per_gpu_host: Optional[list[tuple[int, int]]] = None) -> str:
+    """"auto" -> nccl where every host has a GPU for each of its ranks, else gloo (CPU tensors).
+
+    `ranks_per_gpu_host`: (ranks on the host, GPUs on the host) for every host of the world; None = this host only.
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so a world with more ranks than GPUs on a host
+    (4 stages on a 1-GPU machine) trains on the CPUs with gloo rather than failing at its first message.
+    """
     if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        hosts = ranks_per_gpu_host or [(1, torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+        return "nccl" if all(0 < ranks <= gpus for ranks, gpus in hosts) else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
         raise PlanError("--backend nccl needs CUDA, which this machine lacks; use --backend gloo")
     return name
+
+
+def _hosts(store: Any, rank: int, world_size: int, timeout: timedelta) -> tuple[list[tuple[int, int]], int]:
+    """Every rank publishes (host, GPU count); returns (ranks, GPUs) per host and this rank's index on its host."""
+    import socket
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    store.set(f"mp/host/{rank}", f"{gpus} {socket.gethostname()}")
+    keys = [f"mp/host/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    seen = [store.get(k).decode().split(" ", 1) for k in keys]
+    by_host: dict[str, list[int]] = {}
+    for r, (_, host) in enumerate(seen):
+        by_host.setdefault(host, []).append(r)
+    mine = seen[rank][1]
+    counts = [(len(ranks), int(seen[ranks[0]][0])) for ranks in by_host.values()]
+    return counts, by_host[mine].index(rank)
 
 
 def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0) -> Optional[list[int]]:
@@ -100,11 +124,21 @@ def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0) -> Optio
     return box.get("missing")
 
 
+def _use_gpu(backend: str, local_rank: int) -> torch.device:
+    """This rank's device: its own GPU under NCCL (the local rank's), else the CPU."""
+    if backend != "nccl":
+        if torch.cuda.is_available():
+            logger.warning("CUDA is present but this world trains with gloo on the CPUs: a host has more ranks than "
+                           "GPUs, and NCCL needs a GPU of its own for each rank (start one rank per GPU)")
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def join_world(rdv: Rendezvous) -> World:
     """Join the process group (TCPStore on rank 0, or torchrun's env://)."""
     import torch.distributed as dist
 
-    backend = resolve_backend(rdv.backend)
     timeout = timedelta(seconds=rdv.timeout)
     rank = rdv.rank if rdv.rank is not None else int(os.environ.get("RANK", -1))
     world_size = rdv.world_size or int(os.environ.get("WORLD_SIZE", 0))
@@ -112,12 +146,12 @@ def join_world(rdv: Rendezvous) -> World:
         raise PlanError("the rank and world size are unknown: pass --rank and --world_size, or launch with torchrun")
     if not 0 <= rank < world_size:
         raise PlanError(f"--rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
     if rdv.addr is None and "MASTER_ADDR" in os.environ and rdv.rank is None:
+        # torchrun: LOCAL_WORLD_SIZE ranks on this node (torchrun starts the same number on every node).
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = resolve_backend(rdv.backend, [(local_ranks, gpus)])
+        device = _use_gpu(backend, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
         return World(rank, world_size, dist.distributed_c10d._get_default_store(), device, None, rdv.address())
     from torch.distributed import TCPStore
@@ -131,6 +165,11 @@ def join_world(rdv: Rendezvous) -> World:
                         f"(is rank 0 running, and is the port free/reachable?): {str(error).splitlines()[0]}") from None
     store.set(_JOINED.format(rank), "1")  # so a rank whose join fails can name who never came
     try:
+        backend, device = "gloo", torch.device("cpu")
+        if rdv.backend != "gloo":  # only NCCL needs to know where the other ranks run
+            hosts, local = _hosts(store, rank, world_size, timeout)
+            backend = resolve_backend(rdv.backend, hosts)
+            device = _use_gpu(backend, local)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
         missing = missing_ranks(store, world_size)
