@@ -73,7 +73,7 @@ devices = sorted({str(t.device) for t in trainer.state_dict().values()})
 print("single-process pipeline with the model on cuda: stage state on", devices, "losses", [r.loss for r in results])
 '
 run_section multi 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 examples/hf_causal_lm.py \
-    --model llama --steps 5 --check
+    --model gpt2 --steps 5 --check
 run_section runtime 180 "$PY" bench/runtime.py --quick --models mlp,resnet50 --schedules 1f1b --out "$OUTDIR/runtime.json"
 if [ -f bench/schedules.py ]; then
     run_section emulated 120 "$PY" bench/schedules.py --quick --out "$OUTDIR/schedules.json"
