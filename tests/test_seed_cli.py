@@ -147,7 +147,7 @@ def test_worker_with_a_wrong_token_gives_up_at_its_timeout(served, monkeypatch: 
 
 
 def test_coordinator_job_flags(user: Path) -> None:
-    from model_parallel.cli.main import _coordinator_job
+    from model_parallel.cli.coordinator import _coordinator_job
 
     def args(**given: str) -> SimpleNamespace:
         return SimpleNamespace(**{"graph": None, "plan": None, "package": None, **given})
