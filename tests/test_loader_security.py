@@ -250,7 +250,7 @@ def test_pipeline_trainer_refuses(attempt: Attempt, registry: None, tmp_path: Pa
 @pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
 def test_codegen_command_line_refuses(attempt: Attempt, registry: None, tmp_path: Path,
                                       capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    from model_parallel.optimizer import convert_graph_to_model
+    from model_parallel.cli import generate as convert_graph_to_model
     from model_parallel.optimizer.convert_graph_to_model import main
 
     monkeypatch.setattr(convert_graph_to_model, "configure_logging", lambda verbose: None)  # would outlive capsys
