@@ -165,3 +165,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "model-parallel coord
 def coordinator_main(argv: Optional[Sequence[str]] = None) -> int:
     """`python test_socket.py ...` = `model-parallel coordinator ...`."""
     return main(argv, prog="test_socket.py")
+
+
+if __name__ == "__main__":  # `python -m model_parallel.cli.coordinator`: what the launchers start
+    from model_parallel.cli.common import run_cli
+
+    run_cli(main)

@@ -406,3 +406,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(EXIT_USAGE)
+
+
+if __name__ == "__main__":  # `python -m model_parallel.cli.worker`: what the launchers start
+    from model_parallel.cli.common import run_cli
+
+    run_cli(main)
