@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser, configure_logging
+from model_parallel.runtime.schedule import SCHEDULE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def build_parser(prog: Optional[str] = "model-parallel partition") -> ArgumentPa
                              "--schedule, --microbatches or --microbatch_size is given; see docs/optimizer.md)")
     parser.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adam", "adamw"), default=None,
                         help="footprint: optimizer state per parameter (sgd 0, sgd_momentum 1, adam/adamw 2; default sgd_momentum)")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "pipedream"), default=None,
+    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
                         help="footprint: the schedule whose in-flight microbatches (and weight versions) a stage holds (default 1f1b)")
     parser.add_argument("--microbatches", type=int, default=None, help="footprint: microbatches per minibatch (default: the workers)")
     parser.add_argument("--microbatch_size", type=int, default=None,
@@ -154,7 +155,7 @@ def _memory_model(args: Any, metadata: Any) -> tuple[str, Any]:
             raise ConfigError(f"--microbatch_size {args.microbatch_size} needs the graph's metadata batch_size (found "
                              f"{profiled!r}) and a size >= 1; profile with a batch size, or leave --microbatch_size out")
         scale = args.microbatch_size / profiled
-    return model, Footprint(optimizer=args.optimizer or "sgd_momentum", schedule=args.schedule or "1f1b",
+    return model, Footprint(optimizer=args.optimizer or "sgd_momentum", schedule=args.schedule or SCHEDULE_NAMES[0],
                             microbatches=args.microbatches, activation_scale=scale)
 
 

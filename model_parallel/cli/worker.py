@@ -32,6 +32,7 @@ from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logg
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
+from model_parallel.runtime.schedule import SCHEDULE_NAMES  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def build_parser() -> ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--batch_size", type=int, default=8)
     t.add_argument("--num_microbatches", type=int, default=4)
-    t.add_argument("--schedule", choices=("1f1b", "gpipe", "pipedream"), default="1f1b")
+    t.add_argument("--schedule", choices=SCHEDULE_NAMES, default=SCHEDULE_NAMES[0])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     t.add_argument("--lr", type=float, default=0.01)
