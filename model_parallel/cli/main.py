@@ -52,6 +52,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "export": Subcommand("model_parallel.cli.export", "export a trained pipeline", verbose_flag=False),
     "calibrate": Subcommand("model_parallel.cli.calibrate", "measure this machine's speeds for the cost model",
                             verbose_flag=False),
+    "metrics": Subcommand("model_parallel.cli.metrics", "per-step summary of the workers' metrics JSONL files",
+                          verbose_flag=False),
+    "trace": Subcommand("model_parallel.cli.tracing", "merge per-rank traces into one timeline", verbose_flag=False),
 }
 
 
