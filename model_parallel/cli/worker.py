@@ -1,5 +1,6 @@
-"""The worker command line (`python test_parallel_0.py --rank N --dist_addr HOST ...`): one rank of a pipeline.
+"""The worker command line (`model-parallel worker --rank N --dist_addr HOST ...`): one rank of a pipeline.
 
+The seed's `python test_parallel_0.py ...` runs the same; launchers start `python -m model_parallel.cli.worker`.
 Also works under `torchrun --nproc_per_node=K test_parallel_0.py ...` (env:// rendezvous) and, with
 `--single_process`, runs every stage in one process for debugging. See docs/runtime.md.
 
