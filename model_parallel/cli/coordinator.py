@@ -166,8 +166,3 @@ def coordinator_main(argv: Optional[Sequence[str]] = None) -> int:
     """`python test_socket.py ...` = `model-parallel coordinator ...`."""
     return main(argv, prog="test_socket.py")
 
-
-if __name__ == "__main__":  # `python -m model_parallel.cli.coordinator`: what the launchers start
-    from model_parallel.cli.common import run_cli
-
-    run_cli(main)

@@ -1,4 +1,4 @@
-"""`make demo`: the whole workflow on this machine, through the same command lines a user types.
+"""`model-parallel demo` (`make demo`): the whole workflow on this machine, through the same command lines a user types.
 
 profile -> partition -> generate -> coordinator + workers -> train, slow one worker, rebalance live
 -> report. Everything lands in `runs/<timestamp>/`.
@@ -16,7 +16,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
+from model_parallel.cli.common import ArgumentParser, configure_logging
 from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.fileio import atomic_write_json
 from model_parallel.runtime.launch import REPO_ROOT, LocalWorld, free_port, worker_commands
@@ -26,7 +26,7 @@ MODEL_PARALLEL = ("-m", "model_parallel.cli.main")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> "argparse.Namespace":  # noqa: F821
-    p = ArgumentParser(prog="model_parallel.cli.demo", description=__doc__)
+    p = ArgumentParser(prog="model-parallel demo", description=__doc__)
     p.add_argument("--arch", default="resnet18", help="torchvision classification model (default resnet18)")
     p.add_argument("--image-size", type=int, default=32, help="CPU-friendly input size (default 32)")
     p.add_argument("--batch-size", type=int, default=32, help="minibatch size (default 32)")
@@ -161,6 +161,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     atomic_write_json(run_dir / "demo_args.json", vars(args))
     return 0
 
-
-if __name__ == "__main__":
-    run_cli(main)
