@@ -285,7 +285,7 @@ def test_codegen_script_in_a_subprocess_exits_2_with_one_line(name: str, tmp_pat
 
 
 def _worker(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "test_parallel_0.py"), *args, "--steps", "1", "--timeout", "30"],
+    return subprocess.run([sys.executable, "-m", "model_parallel.cli.worker", *args, "--steps", "1", "--timeout", "30"],
                           capture_output=True, text=True, timeout=180, cwd=cwd)
 
 
