@@ -31,7 +31,7 @@ class Subcommand:
         elif args.verbose:
             configure_logging(args.verbose)
         if importlib.util.find_spec(self.module) is None:
-            # Only `export` can be missing (another branch brings it); say so instead of a traceback.
+            # A build without the module (export lands from another branch): one line, not a traceback.
             print(f"{args.command}: not available in this build", file=sys.stderr)
             return EXIT_USAGE
         return importlib.import_module(self.module).main(rest)
