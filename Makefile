@@ -21,7 +21,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m model_parallel.cli.demo $(DEMO_ARGS)
+	$(PY) -m model_parallel.cli.main demo $(DEMO_ARGS)
 
 # The tests also install the optional `search` extra (numba): the three-level proof's tests then run
 # compiled. Without it they pass too, as plain Python (about 10 more minutes on 2 cores); the package

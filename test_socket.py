@@ -11,7 +11,7 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from model_parallel.cli.common import run_cli
-from model_parallel.cli.main import coordinator_main
+from model_parallel.cli.coordinator import coordinator_main
 
 if __name__ == "__main__":
     run_cli(coordinator_main)

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from model_parallel.fileio import atomic_write_json
-from model_parallel.profiler.image_classification.main import profile_arch
+from model_parallel.profiler.image_classification.classifier import profile_arch
 
 FULL = [(arch, size) for arch in ("resnet18", "resnet50", "resnet152") for size in (32, 224)]
 QUICK = [("resnet18", 32), ("resnet50", 32), ("resnet18", 224)]

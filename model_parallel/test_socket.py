@@ -15,6 +15,6 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(here))
 
     from model_parallel.cli.common import run_cli
-    from model_parallel.cli.main import coordinator_main
+    from model_parallel.cli.coordinator import coordinator_main
 
     run_cli(coordinator_main)

@@ -21,7 +21,7 @@ from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers,
 from support.mlp import assert_params_close, mlp_job, reference_params
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "test_parallel_0.py"
+WORKER = ("-m", "model_parallel.cli.worker")  # run from REPO (cwd below), as the launchers do
 PYTHON = sys.executable
 TOKEN = "faults-test-token"
 PEER_TIMEOUT = 10  # --timeout of every worker: how long a blocking call may wait for a peer
@@ -126,7 +126,7 @@ def run_all(commands: dict[str, list[str]], timeout: float = 120) -> dict[str, s
 
 def one_worker(*extra: object) -> list[object]:
     """A world of one rank (no peer to wait for), so a configuration error is the only way to fail."""
-    return [PYTHON, WORKER, "--rank", 0, "--world_size", 1, "--dist_addr", "127.0.0.1", "--dist_port", free_port(),
+    return [PYTHON, *WORKER, "--rank", 0, "--world_size", 1, "--dist_addr", "127.0.0.1", "--dist_port", free_port(),
             "--timeout", PEER_TIMEOUT, "--steps", 2, *extra]
 
 

@@ -250,7 +250,7 @@ def test_pipeline_trainer_refuses(attempt: Attempt, registry: None, tmp_path: Pa
 @pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
 def test_codegen_command_line_refuses(attempt: Attempt, registry: None, tmp_path: Path,
                                       capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    from model_parallel.optimizer import convert_graph_to_model
+    from model_parallel.cli import generate as convert_graph_to_model
     from model_parallel.optimizer.convert_graph_to_model import main
 
     monkeypatch.setattr(convert_graph_to_model, "configure_logging", lambda verbose: None)  # would outlive capsys
@@ -285,7 +285,7 @@ def test_codegen_script_in_a_subprocess_exits_2_with_one_line(name: str, tmp_pat
 
 
 def _worker(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "test_parallel_0.py"), *args, "--steps", "1", "--timeout", "30"],
+    return subprocess.run([sys.executable, "-m", "model_parallel.cli.worker", *args, "--steps", "1", "--timeout", "30"],
                           capture_output=True, text=True, timeout=180, cwd=cwd)
 
 

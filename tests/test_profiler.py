@@ -15,7 +15,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.models import TinyGPT
 from model_parallel.models.gpt import lm_loss
 from model_parallel.profiler import api
-from model_parallel.profiler.image_classification.main import build_model
+from model_parallel.profiler.image_classification.classifier import build_model
 from model_parallel.profiler.insitu import Instrumentation, run_steps
 from model_parallel.profiler.timing import HarnessOverhead, Replay, time_training_step
 from model_parallel.profiler.trace import trace_model

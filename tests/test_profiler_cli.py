@@ -16,6 +16,7 @@ from model_parallel.graph import render
 from model_parallel.graph.io import load_graph
 from model_parallel.profiler import resume
 from model_parallel.profiler.image_classification import feasibility
+from model_parallel.profiler.image_classification import classifier
 from model_parallel.profiler.image_classification import main as cli
 from model_parallel.profiler.resume import PARTIAL_NAME
 from model_parallel.profiler.timing import Replay
@@ -112,7 +113,7 @@ def test_rounds_keep_each_nodes_median():
     def graph(times: list[float]) -> Graph:
         return Graph(nodes=tuple(Node(f"n{i}", "X", t, 2 * t) for i, t in enumerate(times)), edges=(("n0", "n1"),))
 
-    merged = cli._median_graph([graph([1.0, 5.0]), graph([3.0, 4.0]), graph([2.0, 9.0])])
+    merged = classifier._median_graph([graph([1.0, 5.0]), graph([3.0, 4.0]), graph([2.0, 9.0])])
     assert [(n.forward_ms, n.backward_ms) for n in merged.nodes] == [(2.0, 4.0), (5.0, 10.0)]
     assert merged.edges == (("n0", "n1"),)
 
@@ -223,8 +224,8 @@ def partitioned_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model_parallel.optimizer.optimizer_graph_hierarchical import main as optimize
 
     root = tmp_path_factory.mktemp("workflow")
-    graph, summary = cli.profile_arch("resnet18", 2, 32, device="cpu", warmup=0, iterations=1, num_classes=10, step_iterations=1)
-    cli.write_profile(graph, summary, root / "profiles" / "resnet18")
+    graph, summary = classifier.profile_arch("resnet18", 2, 32, device="cpu", warmup=0, iterations=1, num_classes=10, step_iterations=1)
+    classifier.write_profile(graph, summary, root / "profiles" / "resnet18")
     assert optimize(["-f", str(root / "profiles" / "resnet18" / "graph.txt"), "-n", "3", "--straight_pipeline",
                      "--activation_compression_ratio", "1", "-o", str(root / "part")]) == 0
     return root / "part" / "gpus=3.txt"

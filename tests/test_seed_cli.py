@@ -147,7 +147,7 @@ def test_worker_with_a_wrong_token_gives_up_at_its_timeout(served, monkeypatch: 
 
 
 def test_coordinator_job_flags(user: Path) -> None:
-    from model_parallel.cli.main import _coordinator_job
+    from model_parallel.cli.coordinator import _coordinator_job
 
     def args(**given: str) -> SimpleNamespace:
         return SimpleNamespace(**{"graph": None, "plan": None, "package": None, **given})
@@ -166,7 +166,7 @@ def test_coordinator_job_flags(user: Path) -> None:
 def test_converter_recuts_a_straight_pipeline_the_seed_flags_ask_for() -> None:
     """PipeDream's README runs step 3 with `--stage_to_num_ranks 0:1,1:1,2:1` whatever shape step 2 chose."""
     from model_parallel.graph.plan import plan_from_graph
-    from model_parallel.optimizer.convert_graph_to_model import straight_recut
+    from model_parallel.cli.generate import straight_recut
 
     nodes = [Node("input0", "Input0", stage_id=0)] + [
         Node(f"n{i}", f"Linear({i})", forward_ms=1.0, backward_ms=1.0, stage_id=0 if i < 6 else 1) for i in range(9)]

@@ -19,6 +19,12 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def add_token_arguments(parser: argparse.ArgumentParser) -> None:
+    """--token / --token-file: the shared secret of `model-parallel coordinator` and `ctl`."""
+    parser.add_argument("--token", help="shared secret (or --token-file, or $MODEL_PARALLEL_TOKEN)")
+    parser.add_argument("--token-file", "--token_file", dest="token_file", help="file whose first line is the shared secret")
+
+
 def configure_logging(verbose: int = 0, prefix: str = "") -> None:
     """Only command lines configure handlers; library code just calls logging.getLogger(__name__)."""
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose == 1 else logging.WARNING

@@ -1,4 +1,4 @@
-"""`make demo`: the whole workflow on this machine, through the same command lines a user types.
+"""`model-parallel demo` (`make demo`): the whole workflow on this machine, through the same command lines a user types.
 
 profile -> partition -> generate -> coordinator + workers -> train, slow one worker, rebalance live
 -> report. Everything lands in `runs/<timestamp>/`.
@@ -16,19 +16,17 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
+from model_parallel.cli.common import ArgumentParser, configure_logging
 from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.fileio import atomic_write_json
 from model_parallel.runtime.launch import REPO_ROOT, LocalWorld, free_port, worker_commands
 
-PROFILER = REPO_ROOT / "model_parallel" / "profiler" / "image_classification" / "main.py"
-OPTIMIZER = REPO_ROOT / "model_parallel" / "optimizer" / "optimizer_graph_hierarchical.py"
-CONVERTER = REPO_ROOT / "model_parallel" / "optimizer" / "convert_graph_to_model.py"
-COORDINATOR = REPO_ROOT / "test_socket.py"
+# Each step is `model-parallel <command>`, run from REPO_ROOT (run_step's and LocalWorld's directory).
+MODEL_PARALLEL = ("-m", "model_parallel.cli.main")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> "argparse.Namespace":  # noqa: F821
-    p = ArgumentParser(prog="model_parallel.cli.demo", description=__doc__)
+    p = ArgumentParser(prog="model-parallel demo", description=__doc__)
     p.add_argument("--arch", default="resnet18", help="torchvision classification model (default resnet18)")
     p.add_argument("--image-size", type=int, default=32, help="CPU-friendly input size (default 32)")
     p.add_argument("--batch-size", type=int, default=32, help="minibatch size (default 32)")
@@ -106,28 +104,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 1. profile
     # Profile at the microbatch size the pipeline will run: layers whose cost is dominated by their
     # weights (resnet's last blocks at small images) cost per microbatch, not per sample.
-    run_step("profile", [py, str(PROFILER), "-a", args.arch, "-b", str(max(args.batch_size // args.microbatches, 1)),
+    run_step("profile", [py, *MODEL_PARALLEL, "profile", "-a", args.arch, "-b", str(max(args.batch_size // args.microbatches, 1)),
                          "--image-size", str(args.image_size),
                          "--profile_directory", str(run_dir / "profiles"), "--iterations", "3",
                          "--threads", "1", "--clock", "cpu"], logs / "profile.log")  # the calibration's clock
     graph_txt = run_dir / "profiles" / args.arch / "graph.txt"
     # This machine's link, optimizer and per-microbatch runtime cost: the report's predicted stage times.
-    run_step("calibrate", [py, "-m", "model_parallel.cli.calibrate", "--out", str(run_dir / "profiles" / "calibration.json")],
+    run_step("calibrate", [py, *MODEL_PARALLEL, "calibrate", "--out", str(run_dir / "profiles" / "calibration.json")],
              logs / "calibrate.log")
     # 2. partition
     partition_dir = run_dir / "partition"
-    run_step("partition", [py, str(OPTIMIZER), "-f", str(graph_txt), "-n", str(n), "--straight_pipeline",
+    run_step("partition", [py, *MODEL_PARALLEL, "partition", "-f", str(graph_txt), "-n", str(n), "--straight_pipeline",
                            "--activation_compression_ratio", "1", "-o", str(partition_dir)], logs / "partition.log")
     # 3. generate
     package = run_dir / "package"
     class_name = "".join(part.capitalize() for part in args.arch.split("_")) + "Partitioned"
-    run_step("generate", [py, str(CONVERTER), "-f", str(partition_dir / f"gpus={n}.txt"), "-n", class_name, "-a", args.arch,
+    run_step("generate", [py, *MODEL_PARALLEL, "generate", "-f", str(partition_dir / f"gpus={n}.txt"), "-n", class_name, "-a", args.arch,
                           "-o", str(package), "--plan", str(partition_dir / "plan.json")], logs / "generate.log")
     # 4. coordinator + workers
     token = secrets.token_hex(16)
     coordinator_port = free_port()
     status_file = run_dir / "coordinator_status.json"
-    coordinator_cmd = [py, str(COORDINATOR), "--host", "127.0.0.1", "--port", str(coordinator_port), "--token", token,
+    coordinator_cmd = [py, *MODEL_PARALLEL, "coordinator", "--host", "127.0.0.1", "--port", str(coordinator_port), "--token", token,
                        "--graph", str(package / "graph.json"), "--plan", str(package / "plan.json"), "--policy", "auto",
                        "--status-file", str(status_file)]
     worker_args = ["--package", str(package), "--batch_size", str(args.batch_size), "--num_microbatches", str(args.microbatches),
@@ -163,6 +161,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     atomic_write_json(run_dir / "demo_args.json", vars(args))
     return 0
 
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -1,4 +1,4 @@
-"""`python -m model_parallel.cli.metrics PATH...`: the per-step summary of metrics JSONL files (runtime.metrics)."""
+"""`model-parallel metrics PATH...`: the per-step summary of metrics JSONL files (runtime.metrics)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,8 +9,8 @@ from model_parallel.runtime.metrics import format_summary, read_metrics, summari
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m model_parallel.cli.metrics PATH...` prints the per-step summary of metrics JSONL files."""
-    parser = ArgumentParser(prog="python -m model_parallel.cli.metrics", description=main.__doc__)
+    """`model-parallel metrics PATH...` prints the per-step summary of metrics JSONL files."""
+    parser = ArgumentParser(prog="model-parallel metrics", description=main.__doc__)
     parser.add_argument("paths", nargs="+", help="metrics JSONL files or directories of *.jsonl")
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the mean throughput (default 1)")
     args = parser.parse_args(argv)
@@ -22,6 +22,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"throughput after {args.warmup} warm-up step(s): {throughput(records, args.warmup):.1f} samples/s")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

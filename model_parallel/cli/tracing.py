@@ -1,4 +1,4 @@
-"""`python -m model_parallel.cli.tracing OUT.json rank0.json rank1.json ...`: merge per-rank traces (runtime.tracing)."""
+"""`model-parallel trace OUT.json rank0.json rank1.json ...`: merge per-rank traces (runtime.tracing)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,8 +10,8 @@ from model_parallel.runtime.tracing import merge_traces
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m model_parallel.cli.tracing OUT.json rank0.json rank1.json ...` merges per-rank traces."""
-    parser = ArgumentParser(prog="python -m model_parallel.cli.tracing", description=main.__doc__)
+    """`model-parallel trace OUT.json rank0.json rank1.json ...` merges per-rank traces."""
+    parser = ArgumentParser(prog="model-parallel trace", description=main.__doc__)
     parser.add_argument("out", help="merged trace to write")
     parser.add_argument("traces", nargs="+", help="per-rank trace files (or directories of *.json)")
     args = parser.parse_args(argv)
@@ -26,6 +26,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {out} ({len(paths)} ranks); open it in https://ui.perfetto.dev")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

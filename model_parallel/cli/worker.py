@@ -1,5 +1,6 @@
-"""The worker command line (`python test_parallel_0.py --rank N --dist_addr HOST ...`): one rank of a pipeline.
+"""The worker command line (`model-parallel worker --rank N --dist_addr HOST ...`): one rank of a pipeline.
 
+The seed's `python test_parallel_0.py ...` runs the same; launchers start `python -m model_parallel.cli.worker`.
 Also works under `torchrun --nproc_per_node=K test_parallel_0.py ...` (env:// rendezvous) and, with
 `--single_process`, runs every stage in one process for debugging. See docs/runtime.md.
 
@@ -32,6 +33,7 @@ from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logg
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
+from model_parallel.runtime.schedule import SCHEDULE_NAMES  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ def build_parser() -> ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--batch_size", type=int, default=8)
     t.add_argument("--num_microbatches", type=int, default=4)
-    t.add_argument("--schedule", choices=("1f1b", "gpipe", "pipedream"), default="1f1b")
+    t.add_argument("--schedule", choices=SCHEDULE_NAMES, default=SCHEDULE_NAMES[0])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     t.add_argument("--lr", type=float, default=0.01)
@@ -406,3 +408,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(EXIT_USAGE)
+
+
+if __name__ == "__main__":  # `python -m model_parallel.cli.worker`: what the launchers start
+    from model_parallel.cli.common import run_cli
+
+    run_cli(main)

@@ -22,11 +22,12 @@ from typing import Any, Optional, Union
 from model_parallel.errors import PeerError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "test_socket.py"
+# `model-parallel coordinator` (= the seed's test_socket.py) as `python -m`, run from REPO_ROOT: this checkout.
+COMMAND = ("-m", "model_parallel.cli.main", "coordinator")
 
 
 class CoordinatorProcess:
-    """`python test_socket.py --port 0 ...` in its own session; `address` once it listens."""
+    """`model-parallel coordinator --port 0 ...` in its own session; `address` once it listens."""
 
     def __init__(self, graph: Union[str, Path], plan: Union[str, Path], token: str, *, workdir: Union[str, Path],
                  extra: Sequence[str] = (), host: str = "127.0.0.1", start_timeout: float = 30.0) -> None:
@@ -37,7 +38,7 @@ class CoordinatorProcess:
         self.token = token
         self.host = host
         self.start_timeout = start_timeout
-        self.command = [sys.executable, str(SCRIPT), "--host", host, "--port", "0", "--port-file", str(self.port_file),
+        self.command = [sys.executable, *COMMAND, "--host", host, "--port", "0", "--port-file", str(self.port_file),
                         "--token", token, "--graph", str(Path(graph).resolve()), "--plan", str(Path(plan).resolve()),
                         "--status-file", str(self.status_file), *map(str, extra)]
         self.proc: Optional[subprocess.Popen] = None

@@ -13,8 +13,9 @@ momentum 1 buffer, Adam/AdamW 2 moments); `v` is PipeDream's stashed weight vers
 schedule clones the stage's weights at every forward and keeps each until its backward: one per
 microbatch in flight; 0 for flush schedules). `s` scales the profiled activations to one microbatch
 (microbatch size / profiled batch size) and `n` is the microbatches whose saved activations a stage
-holds at its peak (schedule.py): GPipe all m; 1F1B and PipeDream min(m, p - k) for stage k of p, i.e.
-`ceil((M - ranks before) / r)` with replicas dealt microbatches round-robin.
+holds at its peak (graph/in_flight.py, the rule the runtime's schedules share): GPipe all m; 1F1B
+min(m, p - k) for stage k of p and PipeDream p - k, i.e. `ceil((M - ranks before) / r)` with replicas
+dealt microbatches round-robin.
 
 In the footprint, A is what one microbatch of the stage keeps for backward (`stash_bytes`), counted as
 the runtime's StashMeter measures it: each node's `saved_bytes` (what autograd saves from its values,
@@ -36,10 +37,10 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import SCHEDULE_NAMES, microbatches_in_flight
 
 LEGACY_MODELS = ("pipedream", "1f1b")
 MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
-SCHEDULES = ("1f1b", "gpipe", "pipedream")
 # Tensors of optimizer state per parameter tensor, each the parameter's size (torch.optim's own state).
 OPTIMIZER_STATE = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
@@ -64,8 +65,8 @@ class Footprint:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE:
             raise PlanError(f"optimizer must be one of {tuple(OPTIMIZER_STATE)}, got {self.optimizer!r}")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise PlanError(f"schedule must be one of {SCHEDULE_NAMES}, got {self.schedule!r}")
         if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
             raise PlanError(f"microbatches must be an integer >= 1 or None, got {self.microbatches!r}")
         scale = self.activation_scale
@@ -83,12 +84,7 @@ MemoryModel = Union[str, Footprint]  # a legacy model's name, or the footprint
 def in_flight(model: Footprint, num_ranks: int, ranks_before: int, replicas: int) -> int:
     """Microbatches whose saved activations one replica holds at its peak."""
     microbatches = model.microbatches if model.microbatches is not None else num_ranks
-    if model.schedule == "gpipe":
-        return math.ceil(microbatches / replicas)  # replicas are dealt the minibatch's microbatches round-robin
-    downstream = math.ceil((num_ranks - ranks_before) / replicas)
-    if model.schedule == "pipedream":
-        return downstream  # no flush: the stream never drains, so m does not cap it
-    return min(downstream, math.ceil(microbatches / replicas))
+    return microbatches_in_flight(model.schedule, microbatches, num_ranks, ranks_before, replicas)
 
 
 def multipliers(model: MemoryModel, num_ranks: int, ranks_before: int, replicas: int) -> tuple[float, float]:

@@ -13,9 +13,8 @@ from typing import Optional, Union
 import torch
 
 from model_parallel.errors import ConfigError
+from model_parallel.runtime.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
 from model_parallel.runtime.update import lr_factor
-
-SCHEDULES = ("1f1b", "gpipe", "pipedream")
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class TrainConfig:
 
     batch_size: int = 8
     num_microbatches: int = 4
-    schedule: str = "1f1b"  # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py)
+    schedule: str = SCHEDULE_NAMES[0]  # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py)
     seed: int = 0
     recompute: Union[bool, tuple[int, ...]] = False  # True: every stage; a tuple: those stage ids
     # bf16: forwards under bf16 autocast (weights and optimizer state stay float32), and float32
@@ -41,9 +40,9 @@ class TrainConfig:
         if self.batch_size < self.num_microbatches:
             raise ConfigError(f"batch size {self.batch_size} < {self.num_microbatches} microbatches: every microbatch "
                               "needs at least one sample; raise batch_size or lower num_microbatches")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose 1f1b, gpipe or pipedream")
-        if self.schedule == "pipedream" and self.clip_grad is not None:
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose {', '.join(SCHEDULE_NAMES[:-1])} or {SCHEDULE_NAMES[-1]}")
+        if self.schedule not in FLUSH_SCHEDULES and self.clip_grad is not None:
             raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
                               "stage updates on its own after each microbatch, so there is no global norm")
         if self.clip_grad is not None and not self.clip_grad > 0:

@@ -37,7 +37,9 @@ from model_parallel.errors import PeerError
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKER_SCRIPT = REPO_ROOT / "test_parallel_0.py"
+# Workers start as `python -m model_parallel.cli.worker` (the seed's test_parallel_0.py runs the same), from
+# REPO_ROOT (LocalWorld's default directory) so they import this checkout.
+WORKER_MODULE = "model_parallel.cli.worker"
 
 
 def free_port() -> int:
@@ -206,13 +208,13 @@ def worker_commands(
     world_size: int,
     *,
     port: Optional[int] = None,
-    script: Union[str, Path] = WORKER_SCRIPT,
+    module: str = WORKER_MODULE,
     python: str = sys.executable,
 ) -> list[list[str]]:
-    """The command line of each rank: `python test_parallel_0.py --rank r --world_size N --dist_addr ...`."""
+    """The command line of each rank: `python -m model_parallel.cli.worker --rank r --world_size N --dist_addr ...`."""
     port = port or free_port()
     return [
-        [python, str(script), "--rank", str(rank), "--world_size", str(world_size),
+        [python, "-m", module, "--rank", str(rank), "--world_size", str(world_size),
          "--dist_addr", "127.0.0.1", "--dist_port", str(port), *map(str, args)]
         for rank in range(world_size)
     ]
@@ -227,7 +229,7 @@ def launch(commands: Sequence[Sequence[str]], *, timeout: float, env: Optional[M
 
 def launch_workers(args: Sequence[str], world_size: int, *, timeout: float, port: Optional[int] = None,
                    env: Optional[Mapping[str, str]] = None, echo: Optional[Callable[[int, str], None]] = None) -> WorldResult:
-    """Start `world_size` workers of test_parallel_0.py with `args` on localhost and wait for them."""
+    """Start `world_size` workers (`python -m model_parallel.cli.worker`) with `args` on localhost and wait for them."""
     return launch(worker_commands(args, world_size, port=port), timeout=timeout, env=env, echo=echo)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from model_parallel.errors import ScheduleError
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, SCHEDULE_NAMES, microbatches_in_flight
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -80,7 +81,7 @@ class Schedule:
     num_microbatches: int
     grid: Grid
     flush: bool = True
-    max_in_flight: Optional[tuple[int, ...]] = None  # per stage bound checked by `check` (1F1B: p-s)
+    max_in_flight: Optional[tuple[int, ...]] = None  # per stage bound checked by `check` (graph/in_flight.py; 1F1B: p-s)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(tuple(row) for row in self.grid))
@@ -162,7 +163,8 @@ def gpipe(p: int, m: int) -> Schedule:
     """All forwards, then all backwards (increasing microbatch order), flush."""
     _validate_sizes(p, m)
     orders = [[Action(s, FORWARD, j) for j in range(m)] + [Action(s, BACKWARD, j) for j in range(m)] for s in range(p)]
-    return Schedule("gpipe", p, m, grid_from_orders(orders, p), flush=True)
+    return Schedule("gpipe", p, m, grid_from_orders(orders, p), flush="gpipe" in FLUSH_SCHEDULES,
+                    max_in_flight=_in_flight_bounds("gpipe", p, m))
 
 
 def _one_f_one_b_orders(p: int, m: int) -> list[list[Action]]:
@@ -180,25 +182,31 @@ def _one_f_one_b_orders(p: int, m: int) -> list[list[Action]]:
 def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B with a flush per minibatch (PipeDream-Flush / Megatron's non-interleaved schedule)."""
     _validate_sizes(p, m)
-    return Schedule("1f1b", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p), flush=True,
-                    max_in_flight=tuple(p - s for s in range(p)))
+    return Schedule("1f1b", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p), flush="1f1b" in FLUSH_SCHEDULES,
+                    max_in_flight=_in_flight_bounds("1f1b", p, m))
 
 
 def pipedream_async(p: int, m: int) -> Schedule:
     """PipeDream's asynchronous 1F1B with weight stashing over a stream of m microbatches (no flush)."""
     _validate_sizes(p, m)
-    return Schedule("pipedream", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p), flush=False,
-                    max_in_flight=tuple(p - s for s in range(p)))
+    return Schedule("pipedream", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p),
+                    flush="pipedream" in FLUSH_SCHEDULES, max_in_flight=_in_flight_bounds("pipedream", p, m))
+
+
+def _in_flight_bounds(name: str, p: int, m: int) -> tuple[int, ...]:
+    """The bound `check` enforces per stage: the rule the optimizer's memory model counts with (one rank per stage)."""
+    return tuple(microbatches_in_flight(name, m, p, s) for s in range(p))
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
+assert tuple(SCHEDULES) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
 
 
 def make_schedule(name: str, p: int, m: int) -> Schedule:
     try:
         factory = SCHEDULES[name]
     except KeyError:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
     return factory(p, m)
 
 
@@ -257,7 +265,7 @@ def check(schedule: Schedule) -> None:
     Rules: actions sit on their own stage's row and name a valid microbatch; each stage runs every
     microbatch's F and B exactly once, forwards and backwards each in increasing microbatch order;
     F(s, j) after F(s-1, j); B(s, j) after F(s, j) and after B(s+1, j); and, where the schedule has
-    an in-flight bound (1F1B: p - s), stage s never holds more un-backwarded microbatches.
+    an in-flight bound (graph/in_flight.py; 1F1B: p - s), stage s never holds more un-backwarded microbatches.
     """
     p, m = schedule.num_stages, schedule.num_microbatches
     time_of: dict[Action, int] = {}
@@ -288,7 +296,8 @@ def check(schedule: Schedule) -> None:
                     1 for a in time_of if a.stage == s and not a.is_forward)
                 bound = schedule.max_in_flight[s]
                 if in_flight > bound:
-                    _fail(schedule, t, f"stage {s} holds {in_flight} microbatches in flight, above the 1F1B bound {bound} (p - s)")
+                    _fail(schedule, t, f"stage {s} holds {in_flight} microbatches in flight, above the "
+                                       f"{schedule.name.upper()} bound {bound} (graph/in_flight.py)")
     for s in range(p):
         for j in range(m):
             for kind in (FORWARD, BACKWARD):

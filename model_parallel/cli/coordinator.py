@@ -1,0 +1,168 @@
+"""`model-parallel coordinator ...` (the seed's `python test_socket.py`): serve a job, collect measurements, rebalance live."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from model_parallel.cli.common import ArgumentParser, add_token_arguments, configure_logging
+
+logger = logging.getLogger(__name__)
+
+HELP = "run the coordinator (same as `python test_socket.py`)"
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    from model_parallel.coordinator.jobfiles import COORDINATOR_ENV, DEFAULT_COORDINATOR_PORT, SERVED_FLAGS, coordinator_port
+
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="bind address (default 0.0.0.0: all interfaces, so workers on other machines reach it; "
+                             "127.0.0.1 for this machine only)")
+    parser.add_argument("--port", type=int, default=coordinator_port(),
+                        help=f"TCP port (default: the port of ${COORDINATOR_ENV}, else {DEFAULT_COORDINATOR_PORT}; "
+                             "0 = any free port, printed)")
+    add_token_arguments(parser)
+    job = parser.add_argument_group("the job (default: the package convert_graph_to_model.py wrote last)")
+    job.add_argument("--package", help="a generated package directory (graph.json + plan.json inside)")
+    job.add_argument("--graph", help="the profiled graph (graph.json or graph.txt), with --plan")
+    job.add_argument("--plan", help="the starting plan v0 (plan.json, or a partitioned gpus=N.txt), with --graph")
+    train = parser.add_argument_group("training flags sent to workers (a worker's own flags win; unset: the worker's defaults)")
+    for flag, kind in SERVED_FLAGS.items():
+        train.add_argument(f"--{flag}", type=kind, default=None)
+    parser.add_argument("--policy", choices=("auto", "manual"), default="auto",
+                        help="auto: rebalance on measured speeds; manual: only on ctl commands")
+    parser.add_argument("--threshold", type=float, default=0.1, help="minimum predicted gain to switch (default 0.1)")
+    parser.add_argument("--cooldown-steps", "--cooldown_steps", dest="cooldown_steps", type=int, default=20,
+                        help="steps between two switches (default 20; the first switch may come sooner when the "
+                             "predicted gain is at least twice the threshold)")
+    parser.add_argument("--window", type=int, default=5, help="samples per rank whose median is trusted (default 5)")
+    parser.add_argument("--speed-change", "--speed_change", dest="speed_change", type=float, default=0.5,
+                        help="relative change of a worker's speed that triggers re-planning (default 0.5)")
+    parser.add_argument("--persist", type=int, default=3,
+                        help="evaluations in a row a speed change must last before re-planning (default 3)")
+    parser.add_argument("--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=float, default=5.0,
+                        help="seconds of silence before a worker is shown unreachable; it never stops the run (default 5)")
+    parser.add_argument("--status-file", "--status_file", dest="status_file", help="JSON status, rewritten atomically")
+    parser.add_argument("--port-file", "--port_file", dest="port_file", help="write the bound port here (for --port 0)")
+    parser.add_argument("--timeout", type=float, default=0.0, help="exit after this many seconds (0 = no limit)")
+
+
+def _load_plan(path: str) -> Any:
+    from model_parallel.graph.io import load_graph
+    from model_parallel.graph.plan import plan_from_graph, read_plan
+
+    if path.endswith(".json"):
+        return read_plan(path)
+    return plan_from_graph(load_graph(path))
+
+
+def _coordinator_job(args: Any) -> tuple[Any, Any, str]:
+    """(graph, plan v0, where they came from): --graph/--plan, --package, else the last converted package."""
+    from pathlib import Path
+
+    from model_parallel.api.job import ranks_from_hybrid_conf
+    from model_parallel.coordinator.jobfiles import read_last_job
+    from model_parallel.errors import ConfigError
+    from model_parallel.graph.io import load_graph
+    from model_parallel.graph.plan import read_plan
+
+    if args.package and (args.graph or args.plan):
+        raise ConfigError("give --package or --graph/--plan, not both")
+    if bool(args.graph) != bool(args.plan):
+        raise ConfigError(f"--{'graph' if args.graph else 'plan'} needs --{'plan' if args.graph else 'graph'} as well "
+                          "(or give --package DIR, or nothing: the package convert_graph_to_model.py wrote last)")
+    if args.graph:
+        return load_graph(args.graph), _load_plan(args.plan), f"{args.graph} + {args.plan}"
+    package = Path(args.package) if args.package else read_last_job()
+    plan = ranks_from_hybrid_conf(read_plan(package / "plan.json"), package / "hybrid_conf.json")
+    return load_graph(package / "graph.json"), plan, str(package)
+
+
+def _coordinator_token(args: Any) -> tuple[bytes, str]:
+    """The token given (flag, file, environment), else a fresh one in the local token file; and where it is."""
+    import os
+
+    from model_parallel.coordinator.jobfiles import write_fresh_token
+    from model_parallel.coordinator.protocol import TOKEN_ENV, read_token
+
+    if args.token is not None or args.token_file is not None or os.environ.get(TOKEN_ENV):
+        where = "--token" if args.token is not None else args.token_file or f"${TOKEN_ENV}"
+        return read_token(args.token, args.token_file), where
+    token, path = write_fresh_token()
+    return token, f"{path} (fresh for this run, readable only by you)"
+
+
+def join_instructions(plan: Any, port: int, token_where: str) -> str:
+    """What to run on the workers (printed at start: the seed's step 4 needs nothing else)."""
+    lines = [f"token: {token_where}", f"start one worker per rank ({plan.num_ranks}), from this directory or any "
+             "with the project installed (they get the graph, plan and training flags from here):"]
+    lines += [f"  python test_parallel_0.py --rank {r} --dist_addr <rank 0's address>" for r in range(plan.num_ranks)]
+    lines += ["other machines: export MODEL_PARALLEL_TOKEN=<the token file's first line> (or --token-file F);",
+              f"  if this coordinator is not on rank 0's machine: export MODEL_PARALLEL_COORDINATOR=<this host>:{port}"]
+    return "\n".join(lines)
+
+
+def run(args: Any) -> int:
+    from model_parallel.coordinator.jobfiles import SERVED_FLAGS
+    from model_parallel.coordinator.policy import PolicyConfig
+    from model_parallel.coordinator.server import Coordinator
+    from model_parallel.fileio import atomic_write_text
+    from model_parallel.graph.json_format import graph_to_dict
+
+    graph, plan, source = _coordinator_job(args)
+    token, token_where = _coordinator_token(args)
+    config = PolicyConfig(threshold=args.threshold, cooldown_steps=args.cooldown_steps, window=args.window,
+                          speed_change=args.speed_change, persist=args.persist)
+    served = {flag: getattr(args, flag) for flag in SERVED_FLAGS if getattr(args, flag) is not None}
+    job = {"graph": graph_to_dict(graph), "plan": plan.to_dict(), "plan_version": plan.version, "train": served}
+    coordinator = Coordinator(graph, plan, token, policy=args.policy, config=config, status_file=args.status_file,
+                              heartbeat_timeout=args.heartbeat_timeout, job=job)
+    port = coordinator.start(args.host, args.port)
+    print(f"coordinator listening on {args.host}:{port}, serving {source} "
+          f"({plan.num_stages} stage(s) on {plan.num_ranks} rank(s))", flush=True)
+    print(join_instructions(plan, port, token_where), flush=True)
+    if args.port_file:
+        atomic_write_text(args.port_file, f"{port}\n")
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        logger.warning("signal %d: shutting down", signum)
+        stopping.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+    import time
+
+    deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
+    try:
+        while not stopping.is_set():
+            if coordinator.wait(0.5):
+                logger.info("every worker finished or died; exiting")
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("--timeout %.0f s reached; exiting", args.timeout)
+                break
+    finally:
+        coordinator.stop()
+    status = coordinator.status()
+    print(f"coordinator done: plan v{status['plan_version']}, {len(status['history'])} switch(es)"
+          + (f"; {status['stop_reason']}" if status["stop_reason"] else ""), flush=True)
+    return 1 if status["stop_reason"] else 0
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "model-parallel coordinator") -> int:
+    parser = ArgumentParser(prog=prog, description="The model_parallel coordinator (control plane).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose + 1, prefix="[coordinator] ")
+    return run(args)
+
+
+def coordinator_main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python test_socket.py ...` = `model-parallel coordinator ...`."""
+    return main(argv, prog="test_socket.py")
+

@@ -1,0 +1,96 @@
+"""`model-parallel ctl ...`: the operator's requests to a running coordinator (status, rebalance, set-plan, scale, slow).
+
+Imports no torch (only the wire protocol, the client and the plan file reader), so a status costs
+a fraction of a second; tests/test_cli_entry.py keeps it that way.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from model_parallel.cli.common import ArgumentParser, add_token_arguments, configure_logging
+
+HELP = "talk to a running coordinator: status | rebalance | set-plan FILE | scale --workers K | slow"
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("--address", required=True, help="the coordinator's HOST:PORT")
+    add_token_arguments(parser)
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    ops = parser.add_subparsers(dest="op", required=True, metavar="OP", parser_class=ArgumentParser)
+    ops.add_parser("status", help="live plan, per-stage measured times, worker speeds, plan version")
+    ops.add_parser("rebalance", help="re-solve now with the measured speeds (no threshold/cooldown)")
+    set_plan = ops.add_parser("set-plan", help="switch to the plan in FILE (plan.json)")
+    set_plan.add_argument("file")
+    scale = ops.add_parser("scale", help="move the pipeline onto K of the running workers (the rest become spares)")
+    scale.add_argument("--workers", type=int, required=True)
+    slow = ops.add_parser("slow", help="slow rank R down by FACTOR on purpose (1.0 = back to normal)")
+    slow.add_argument("--rank", type=int, required=True)
+    slow.add_argument("--factor", type=float, required=True)
+
+
+def build_parser(prog: str = "model-parallel ctl") -> ArgumentParser:
+    parser = ArgumentParser(prog=prog, description=HELP)
+    add_arguments(parser)
+    return parser
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [f"plan v{status['plan_version']}"
+             + (f" (v{status['pending_version']} being applied)" if status.get("pending_version") is not None else "")
+             + f", policy {status['policy']}: {status['last_decision']}", status["table"], "",
+             f"{'stage':>5} {'rank':>4} {'nodes':>5} {'profiled ms':>11} {'measured ms':>11} {'speed':>6}"]
+    for row in status["stages"]:
+        measured = "-" if row["measured_ms"] is None else f"{row['measured_ms']:.2f}"
+        speed = "-" if row["speed"] is None else f"{row['speed']:.2f}"
+        lines.append(f"{row['stage']:>5} {row['rank']:>4} {row['num_nodes']:>5} {row['profiled_ms']:>11.2f} {measured:>11} {speed:>6}")
+    lines += ["", f"{'rank':>4} {'status':<9} {'step':>5} {'stage':>5} {'plan':>4} {'slowdown':>8} {'samples/s':>9}  host (pid)"]
+    for w in status["workers"]:
+        sps = "-" if w["samples_per_s"] is None else f"{w['samples_per_s']:.1f}"
+        stage = "spare" if w["stage"] is None else str(w["stage"])
+        lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
+                     f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
+    for entry in status.get("history", []):
+        lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
+                     f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}")
+    if status.get("stop_reason"):
+        lines.append(f"stopping: {status['stop_reason']}")
+    return "\n".join(lines)
+
+
+def run(args: Any) -> int:
+    from model_parallel.coordinator.client import CtlClient
+    from model_parallel.coordinator.protocol import read_token
+    from model_parallel.graph.plan import read_plan
+
+    token = read_token(args.token, args.token_file)
+    request: dict[str, Any] = {}
+    if args.op == "set-plan":
+        request = {"plan": read_plan(args.file).to_dict()}
+    elif args.op == "scale":
+        request = {"workers": args.workers}
+    elif args.op == "slow":
+        request = {"rank": args.rank, "factor": args.factor}
+    with CtlClient(args.address, token, timeout=args.timeout) as client:
+        result = client.request(args.op, **request)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.op == "status":
+        print(format_status(result))
+    elif args.op == "slow":
+        print(f"rank {result['rank']} slowed down {result['factor']:g}x")
+    elif result.get("switched"):
+        print(f"switching to plan v{result['version']}" + (f": {result['reason']}" if result.get("reason") else ""))
+    else:
+        print(f"no switch: {result.get('reason', '')}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.verbose:  # otherwise Python's last-resort handler prints warnings; nothing is set up to outlive the call
+        configure_logging(args.verbose)
+    return run(args)

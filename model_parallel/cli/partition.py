@@ -1,0 +1,167 @@
+"""`model-parallel partition` (PipeDream's step 2): profile graph -> pipeline plan on a machine hierarchy.
+
+    model-parallel partition -f profiles/resnet50/graph.txt -n 4 4 -b 40e9 1.25e9 --activation_compression_ratio 1 -o out/
+
+(the seed's `python model_parallel/optimizer/optimizer_graph_hierarchical.py ...` runs the same).
+
+Prints PipeDream's numbers and the plan as a table; with -o writes gpus=<N>.txt (the graph with a
+stage_id on every node, plus its .json sidecar when the input had one), plan.json and gpus=<N>.svg.
+The logic lives in `model_parallel.optimizer.partition`; this file parses arguments and writes files.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from model_parallel.cli.common import ArgumentParser, configure_logging
+from model_parallel.runtime.schedule import SCHEDULE_NAMES
+
+log = logging.getLogger(__name__)
+
+
+def build_parser(prog: Optional[str] = "model-parallel partition") -> ArgumentParser:
+    parser = ArgumentParser(prog=prog, description="Partition a profiled graph into pipeline stages (PipeDream's optimizer, exact and fast).")
+    parser.add_argument("-f", "--profile_filename", required=True, help="graph.txt (PipeDream format) or graph.json to partition")
+    parser.add_argument("-n", "--all_num_machines", nargs="+", type=int, required=True,
+                        help="workers per level, innermost first (-n 8 2 = 8 GPUs in each of 2 servers)")
+    parser.add_argument("-b", "--network_bandwidths", nargs="+", type=float, default=None,
+                        help="bytes/s of each level's links, one per level (default 1e9 each)")
+    parser.add_argument("-s", "--memory_size", type=float, default=16e9, help="bytes of memory per worker (default 16e9)")
+    parser.add_argument("--straight_pipeline", action="store_true", help="no replication of stages")
+    parser.add_argument("--use_memory_constraint", action="store_true", help="discard plans whose stashed bytes exceed -s")
+    parser.add_argument("--use_fewer_machines", action="store_true", help="a level may leave machines unused when faster")
+    parser.add_argument("--activation_compression_ratio", type=float, default=None,
+                        help="count inter-stage transfers at size/R (without it, transfers are not counted)")
+    parser.add_argument("-o", "--output_directory", default=None, help="write gpus=<N>.txt, plan.json and gpus=<N>.svg here")
+    parser.add_argument("--memory_model", choices=("pipedream", "1f1b", "footprint"), default=None,
+                        help="memory estimate for --use_memory_constraint and the plan's memory column: PipeDream's "
+                             "stash estimates, or the real footprint (default pipedream; footprint when --optimizer, "
+                             "--schedule, --microbatches or --microbatch_size is given; see docs/optimizer.md)")
+    parser.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adam", "adamw"), default=None,
+                        help="footprint: optimizer state per parameter (sgd 0, sgd_momentum 1, adam/adamw 2; default sgd_momentum)")
+    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
+                        help="footprint: the schedule whose in-flight microbatches (and weight versions) a stage holds (default 1f1b)")
+    parser.add_argument("--microbatches", type=int, default=None, help="footprint: microbatches per minibatch (default: the workers)")
+    parser.add_argument("--microbatch_size", type=int, default=None,
+                        help="footprint: samples per microbatch; activations scale by it / the graph's profiled batch_size")
+    parser.add_argument("--worker_speeds", nargs="+", type=float, default=None,
+                        help="relative speed of each worker in rank order, innermost level first (1.0 = as profiled); "
+                             "one per worker of the whole hierarchy")
+    parser.add_argument("--cuts", choices=("auto", "antichain", "topological", "all"), default="auto",
+                        help="state space: PipeDream's antichains (exact reproduction), topological prefixes, all valid cuts (small graphs), or auto")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for info logs, -vv for debug")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-parallel partition") -> int:
+    """`model-parallel partition ...`; `prog=None`: named after the running script (the seed's optimizer_graph_hierarchical.py)."""
+    args = build_parser(prog).parse_args(argv)
+    configure_logging(args.verbose)
+    from model_parallel.errors import RenderError
+    from model_parallel.graph.io import load_graph, save_graph, sidecar_path
+    from model_parallel.graph.plan import Hierarchy, write_plan
+    from model_parallel.graph.render import render_graph
+    from model_parallel.optimizer.options import PartitionOptions
+    from model_parallel.optimizer.partition import partition
+
+    graph = load_graph(args.profile_filename)
+    hierarchy = Hierarchy.from_lists(args.all_num_machines, args.network_bandwidths, args.memory_size)
+    memory_model, footprint = _memory_model(args, graph.metadata)
+    options = PartitionOptions(
+        straight_pipeline=args.straight_pipeline,
+        use_fewer_machines=args.use_fewer_machines,
+        activation_compression_ratio=args.activation_compression_ratio,
+        use_memory_constraint=args.use_memory_constraint,
+        memory_model=memory_model,
+        footprint=footprint,
+        worker_speeds=tuple(args.worker_speeds) if args.worker_speeds else None,
+        cuts=args.cuts,
+    )
+    for level in hierarchy.levels:
+        print(f"Solving optimization problem with {level.num_machines} machines with "
+              f"inter-machine bandwidth of {level.bandwidth / 1e9:.2f} GB/s")
+    plan = partition(graph, hierarchy, options)
+
+    total = plan.single_machine_time_s
+    pipeline = plan.time_per_minibatch_s
+    data_parallel = float(plan.extra.get("data_parallel_time_s", math.nan))
+    machines = ",".join(str(n) for n in args.all_num_machines)
+    considered = plan.extra.get("states_considered")
+    print(f"Total number of states: {plan.extra.get('num_states')} ({plan.extra.get('cuts')} cuts"
+          + (f", bounded from {considered}" if considered else "") + ")")
+    if plan.extra.get("exact"):
+        print("Optimal over PipeDream's states: yes")
+    else:
+        lower = plan.extra.get("lower_bound_s") or 0.0
+        within = f"; at most {plan.time_per_minibatch_s / lower - 1:.1%} above the optimum" if lower > 0 else ""
+        searched = {
+            "bounded": "the cuts a bounded solve kept",
+            "flattened": "the cuts of plans with unreplicated outermost stages",
+        }.get(plan.extra.get("cuts"), "topological cut points")
+        print(f"Optimal over PipeDream's states: not proven (best over {searched}{within})")
+    print(f"Total number of stages: {plan.num_stages}")
+    print()
+    print("Time taken by single-stage pipeline:", total)
+    print("Time per stage in pipeline:", pipeline)
+    print("Throughput increase (compared to single machine):", _speedup(total, pipeline))
+    print(f"[Note that single-machine and ({machines})-machine DP might not fit given memory constraints]")
+    print(f"Throughput increase of ({machines})-machine DP compared to single machine:", _speedup(total, data_parallel))
+    print(f"Throughput increase (compared to ({machines})-machine DP):", _speedup(data_parallel, pipeline))
+    print(f"Optimizer time: {plan.optimizer_seconds:.3f} s")
+    print()
+    print(plan.table())
+
+    if args.output_directory:
+        out = Path(args.output_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        workers = hierarchy.num_workers
+        partitioned = graph.with_stages(plan.stage_of)
+        # Keep layer specs beside the text file only when the input carried them (graph.json or sidecar).
+        source = Path(args.profile_filename)
+        had_layers = source.suffix == ".json" or sidecar_path(source).exists()
+        text_path = save_graph(partitioned, out / f"gpus={workers}.txt", with_sidecar=had_layers)
+        plan_path = write_plan(plan, out / "plan.json")
+        print(f"wrote {text_path} and {plan_path}")
+        try:
+            picture = render_graph(partitioned, out / f"gpus={workers}.svg", title=f"{source.name}: {plan.num_stages} stages")
+            print(f"wrote {picture}")
+        except RenderError as error:
+            print(f"warning: {error}", file=sys.stderr)
+    return 0
+
+
+def _memory_model(args: Any, metadata: Any) -> tuple[str, Any]:
+    """`--memory_model` and the footprint the flags describe (`optimizer/memory.py`)."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.optimizer.memory import Footprint
+
+    flags = {"--optimizer": args.optimizer, "--schedule": args.schedule, "--microbatches": args.microbatches,
+             "--microbatch_size": args.microbatch_size}
+    given = [flag for flag, value in flags.items() if value is not None]
+    model = args.memory_model or ("footprint" if given else "pipedream")
+    if model != "footprint":
+        if given:
+            raise ConfigError(f"{', '.join(given)} describe the footprint memory model; drop --memory_model {model} "
+                             "or use --memory_model footprint")
+        return model, None
+    scale = 1.0
+    if args.microbatch_size is not None:
+        profiled = metadata.get("batch_size") if hasattr(metadata, "get") else None
+        if not isinstance(profiled, int) or isinstance(profiled, bool) or profiled < 1 or args.microbatch_size < 1:
+            raise ConfigError(f"--microbatch_size {args.microbatch_size} needs the graph's metadata batch_size (found "
+                             f"{profiled!r}) and a size >= 1; profile with a batch size, or leave --microbatch_size out")
+        scale = args.microbatch_size / profiled
+    return model, Footprint(optimizer=args.optimizer or "sgd_momentum", schedule=args.schedule or SCHEDULE_NAMES[0],
+                            microbatches=args.microbatches, activation_scale=scale)
+
+
+def _speedup(before: float, after: float) -> object:
+    """`before / after`; a profile whose times are all zero has no speedup to report."""
+    if after > 0:
+        return before / after
+    return "n/a (all times are zero)" if before == 0 else math.inf
+
