@@ -145,5 +145,5 @@ def tie_lines(graph: Graph, node_ids: Sequence[str]) -> list[str]:
     for tie in find_ties(graph):
         paths = _stage_paths(tie, node_ids)
         for path in paths[1:]:
-            lines.append(f"{_expression(path)} = {_expression(paths[0])}  # tied: one tensor ({', '.join(tie.names)})")
+            lines.append(f"{_expression(path)} = {_expression(paths[0])}  # tied: one tensor ({', '.join(map(repr, tie.names))})")
     return lines
