@@ -209,6 +209,7 @@ def check_layers(
                 if isinstance(modules.get(layer_name(layer.target), modules.get(layer.target)), nn.Module):
                     handed_over.append(node_id)
     loader.check_graph(graph, ids, handed_over=handed_over)
+    loader.guard_sparse(graph, ids)
 
 
 def ensure_layers(graph: Graph) -> Graph:

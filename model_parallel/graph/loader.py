@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import GraphError, GraphFormatError
+from model_parallel.graph import allowed_ops
 from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
 
 MAX_EXPRESSION_CHARS = 4096  # a module constructor expression (the longest torch.nn repr is a few hundred)
@@ -174,6 +175,21 @@ def _allowed_function(path: str) -> Optional[Callable[..., Any]]:
     """The function a call_function target names, if the allow-lists contain it; None otherwise."""
     if path in _registered_functions:
         return _registered_functions[path]
+    if path.startswith("torch.ops."):
+        return aten_operator(path)
+    function = _function_by_code(path)
+    return function if function is not None and allowed_ops.is_reviewed("function", canonical_path(path)) else None
+
+
+def canonical_path(path: str) -> str:
+    """`len` -> `builtins.len`, `_operator.add` -> `operator.add`: how allowed_ops.txt names a function."""
+    namespace, _, name = path.rpartition(".")
+    namespace = {"": "builtins", "_operator": "operator"}.get(namespace, namespace)
+    return f"{namespace}.{name}"
+
+
+def _function_by_code(path: str) -> Optional[Callable[..., Any]]:
+    """What the code's rules alone admit for `path` (not ATen, not registered functions), before the reviewed list."""
     namespace, _, name = path.rpartition(".")
     namespace = {"": "builtins", "_operator": "operator"}.get(namespace, namespace)
     if namespace == "builtins":
@@ -185,10 +201,9 @@ def _allowed_function(path: str) -> Optional[Callable[..., Any]]:
         return value if isinstance(value, types.BuiltinFunctionType) and not name.startswith("_") else None
     if path in _TORCH_EXTRA:
         return vars(torch)[name]
-    if namespace in _torch_namespaces() and not name.startswith("_") and not _TORCH_DENIED.search(name):
+    if namespace in _torch_namespaces() and not name.startswith("_") and not _TORCH_DENIED.search(name) \
+            and allowed_ops.refused_family(name) is None:
         return _namespace_function(namespace, name)
-    if path.startswith("torch.ops."):
-        return aten_operator(path)
     if path in _TORCHVISION_FUNCTIONS:
         from model_parallel.compat import import_torchvision
 
@@ -205,7 +220,7 @@ def aten_operator(path: str) -> Optional[Callable[..., Any]]:
     if match is None:
         return None
     op, overload = match.groups()
-    if (op.startswith("_") and op not in _ATEN_PRIVATE) or _TORCH_DENIED.search(op.lstrip("_")):
+    if not (aten_admitted_by_code(op) and allowed_ops.is_reviewed("aten", op)):
         return None
     try:
         packet = getattr(torch.ops.aten, op)
@@ -215,16 +230,43 @@ def aten_operator(path: str) -> Optional[Callable[..., Any]]:
     return value if isinstance(value, torch._ops.OpOverload) and value.namespace == "aten" else None
 
 
+def aten_admitted_by_code(op: str) -> bool:
+    """Whether the code's rules admit ATen op name `op` (public, no denied word, no refused family, or a listed private one)."""
+    if op.startswith("_"):
+        return op in _ATEN_PRIVATE
+    return not _TORCH_DENIED.search(op) and allowed_ops.refused_family(op) is None
+
+
 def aten_schema_name(target: str) -> Optional[str]:
     """`"torch.ops.aten.silu_.default"` -> `"silu_"`; None for other targets."""
     match = _ATEN_PATH.match(target)
     return match.group(1) if match else None
 
 
+def _methods_by_code() -> frozenset:
+    names = {n for n in dir(torch.Tensor) if not n.startswith("_") and callable(getattr(torch.Tensor, n, None))
+             and allowed_ops.refused_family(n) is None}
+    return frozenset(names - _METHODS_DENIED) | _DUNDER_METHODS
+
+
 @lru_cache(maxsize=1)
 def _tensor_methods() -> frozenset:
-    names = {n for n in dir(torch.Tensor) if not n.startswith("_") and callable(getattr(torch.Tensor, n, None))}
-    return frozenset(names - _METHODS_DENIED) | _DUNDER_METHODS
+    return frozenset(n for n in _methods_by_code() if allowed_ops.is_reviewed("method", n))
+
+
+def admitted_by_code() -> set[tuple[str, str]]:
+    """(kind, name) of everything the code's rules admit, before the reviewed list (allowed_ops.txt)
+    narrows it: what tests/test_allowed_ops.py compares with that list, and tools/write_allowed_ops.py writes."""
+    entries = {("module", path) for path in _torch_nn_classes()}
+    candidates = [f"{ns}.{name}" for ns, module in _torch_namespaces().items() for name in vars(module)]
+    candidates += [f"operator.{n}" for n in _OPERATOR_FUNCTIONS] + [f"builtins.{n}" for n in _BUILTIN_FUNCTIONS]
+    candidates += ["builtins.getattr", *_TORCH_EXTRA, *_TORCHVISION_FUNCTIONS]
+    candidates += [f"math.{n}" for n in vars(math)]
+    entries |= {("function", p) for p in candidates if _function_by_code(p) is not None}
+    ops = {n.split("::", 1)[1].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    entries |= {("aten", op) for op in ops if aten_admitted_by_code(op)}
+    entries |= {("method", m) for m in _methods_by_code()} | {("attribute", a) for a in TENSOR_ATTRIBUTES}
+    return entries
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -296,7 +338,8 @@ def parse_constructor(expression: Any, where: str = "module expression") -> Cons
 
 def module_class(path: str, where: str) -> type:
     """The nn.Module class a constructor names: torch.nn's, or one this process registered."""
-    cls = _registered_classes.get(path) or _torch_nn_classes().get(path)
+    cls = _registered_classes.get(path) or (_torch_nn_classes().get(path)
+                                            if allowed_ops.is_reviewed("module", path) else None)
     if cls is None:
         raise _refuse(where, f"module class {path!r}", "only torch.nn module classes and classes registered by "
                       "the process loading the graph can be constructed", _REGISTER_HINT)
@@ -315,11 +358,17 @@ def function_target(path: str, args: tuple = (), where: str = "call_function") -
     _check_name(path, where, "function")
     function = _allowed_function(path)
     if function is None:
+        name = aten_schema_name(path) or path.rpartition(".")[2]
+        family = allowed_ops.refused_family(name)
+        if family is not None:
+            raise _refuse(where, f"function {path!r}", f"not memory-safe for literal arguments: {family}")
         raise _refuse(where, f"function {path!r}", "functions must be torch ops, ATen operators, arithmetic/comparison "
-                      "operators, a few builtins and math functions, or functions registered by the process", _REGISTER_HINT)
+                      "operators, a few builtins and math functions listed in model_parallel/graph/allowed_ops.txt, "
+                      "or functions registered by the process", _REGISTER_HINT)
     if function is builtins.getattr:
         node, attribute = args if len(args) == 2 else (None, None)
-        if not (isinstance(node, Mapping) and "node" in node) or not isinstance(attribute, str) or attribute not in TENSOR_ATTRIBUTES:
+        if not (isinstance(node, Mapping) and "node" in node) or not isinstance(attribute, str) \
+                or attribute not in TENSOR_ATTRIBUTES or not allowed_ops.is_reviewed("attribute", attribute):
             raise _refuse(where, f"getattr with arguments {list(args)[:3]!r}"[:200],
                           f"only getattr(<node>, name) with name one of {', '.join(sorted(TENSOR_ATTRIBUTES))}")
     return function
@@ -328,8 +377,10 @@ def function_target(path: str, args: tuple = (), where: str = "call_function") -
 def check_method(name: str, where: str) -> str:
     """A call_method name: a public torch.Tensor method that takes no callables and exposes no storage."""
     if not isinstance(name, str) or name not in _tensor_methods():
-        raise _refuse(where, f"tensor method {name!r}"[:200], "methods must be public torch.Tensor methods "
-                      "other than hooks, storage, numpy and callable-taking ones")
+        family = allowed_ops.refused_family(name) if isinstance(name, str) else None
+        raise _refuse(where, f"tensor method {name!r}"[:200], f"not memory-safe for literal arguments: {family}"
+                      if family else "methods must be public torch.Tensor methods other than hooks, storage, numpy "
+                      "and callable-taking ones, listed in model_parallel/graph/allowed_ops.txt")
     return name
 
 
@@ -390,6 +441,24 @@ def check_layer(graph: Any, node_id: str, *, build_constructor: bool = True) -> 
         constructor = parse_constructor(layer.module, where)
         if build_constructor:
             module_class(constructor.path, where)
+
+
+def may_make_sparse(graph: Any, node_ids: Iterable[str]) -> bool:
+    """Whether any of these layers can produce sparse values (an op, argument or constructor mentions
+    sparse): where it can, layers run with torch's sparse invariant checks on (`guard_sparse`)."""
+    for node_id in node_ids:
+        layer = graph[node_id].layer
+        if layer is not None and "sparse" in repr((layer.target, layer.args, dict(layer.kwargs), layer.module)):
+            return True
+    return False
+
+
+def guard_sparse(graph: Any, node_ids: Iterable[str]) -> None:
+    """Turn on torch's sparse tensor invariant checks in this process when these layers can make sparse
+    values: torch skips them by default, and an invalid sparse tensor corrupts memory in the next op.
+    (The constructors that take literal indices are refused outright; this covers every other way in.)"""
+    if may_make_sparse(graph, node_ids):
+        torch.sparse.check_sparse_tensor_invariants.enable()
 
 
 def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_over: Iterable[str] = (),
