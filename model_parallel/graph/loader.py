@@ -42,6 +42,7 @@ from torch import nn
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.graph import allowed_ops
 from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
+from model_parallel.graph.sizes import check_graph_sizes
 
 MAX_EXPRESSION_CHARS = 4096  # a module constructor expression (the longest torch.nn repr is a few hundred)
 MAX_NAME_CHARS = 200  # a target or node id
@@ -477,8 +478,10 @@ def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_
             decode_constant(record, where)
         except GraphError as error:
             raise _refuse(where, "a constant", str(error)) from None
-    for node_id in (node_ids if node_ids is not None else graph.by_id):
+    ids = list(node_ids if node_ids is not None else graph.by_id)
+    for node_id in ids:
         check_layer(graph, node_id, build_constructor=build_constructors and node_id not in skip)
+    check_graph_sizes(graph, ids)  # shapes that become allocations fit this host, before any is made
 
 
 __all__ = [
