@@ -15,6 +15,10 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 PATH = Path(__file__).with_name("allowed_ops.txt")
 
@@ -88,3 +92,22 @@ def render(entries: set[tuple[str, str]]) -> str:
         lines += ["", f"# {why}", f"[{kind}]"]
         lines += sorted(name for k, name in entries if k == kind)
     return "\n".join(lines) + "\n"
+
+
+# ---- where sparse values can exist -----------------------------------------------------------------
+def may_make_sparse(graph: Any, node_ids: Iterable[str]) -> bool:
+    """Whether any of these layers can produce sparse values (an op, argument or constructor mentions
+    sparse): where it can, layers run with torch's sparse invariant checks on (`guard_sparse`)."""
+    for node_id in node_ids:
+        layer = graph[node_id].layer
+        if layer is not None and "sparse" in repr((layer.target, layer.args, dict(layer.kwargs), layer.module)):
+            return True
+    return False
+
+
+def guard_sparse(graph: Any, node_ids: Iterable[str]) -> None:
+    """Turn on torch's sparse tensor invariant checks in this process when these layers can make sparse
+    values: torch skips them by default, and an invalid sparse tensor corrupts memory in the next op.
+    (The constructors that take literal indices are refused outright; this covers every other way in.)"""
+    if may_make_sparse(graph, node_ids):
+        torch.sparse.check_sparse_tensor_invariants.enable()

@@ -16,6 +16,11 @@ node is checked against closed allow-lists (`check_graph`), so a hostile file is
                    map_) or exposing storage, files or numpy
     get_attr       an attribute path without dunder parts
 Arguments are literals and node references only (graph.arguments); keyword names are identifiers.
+Every op must also be memory-safe for any literal arguments: families whose safety rests on
+unchecked indices, strides or sizes (sparse constructors, as_strided, set_/resize, *data_ptr, ...)
+are refused, and an op is admitted only if the reviewed list allowed_ops.txt names it too
+(graph/op_rules.py holds the rules, graph/allowed_ops.py the families and the list). Shapes that
+become allocations must fit this host's memory (graph/sizes.py).
 
 `metadata["model_class"]` is information only: it never widens these lists. A user whose model
 has its own leaf module classes (or fx-wrapped functions) registers them in the process that loads
@@ -25,22 +30,20 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib
 import keyword
-import math
-import operator
-import re
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from model_parallel.errors import GraphError, GraphFormatError
-from model_parallel.graph import allowed_ops
+from model_parallel.graph import allowed_ops, op_rules
+from model_parallel.graph.allowed_ops import guard_sparse, may_make_sparse  # noqa: F401 - re-exported
+from model_parallel.graph.op_rules import (  # noqa: F401 - re-exported: the loader's public names
+    TENSOR_ATTRIBUTES, admitted_by_code, aten_operator, aten_schema_name, canonical_path)
 from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
 from model_parallel.graph.sizes import check_graph_sizes
 
@@ -49,48 +52,6 @@ MAX_NAME_CHARS = 200  # a target or node id
 MAX_ARGUMENT_DEPTH = 32  # nesting of a layer's encoded arguments
 MAX_ARGUMENT_ITEMS = 100_000  # values in one layer's encoded arguments
 
-# The only attributes `getattr(<node>, name)` may read: what fx records for `x.shape`, `x.device`, ...
-TENSOR_ATTRIBUTES = frozenset((
-    "shape", "dtype", "device", "ndim", "T", "mT", "H", "mH", "is_cuda", "is_sparse", "is_quantized",
-    "is_meta", "is_cpu", "layout", "requires_grad", "real", "imag", "itemsize", "nbytes", "is_leaf",
-))
-_OPERATOR_FUNCTIONS = frozenset((
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "neg", "pos", "abs", "invert",
-    "not_", "and_", "or_", "xor", "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge", "getitem",
-    "setitem", "contains", "truth", "is_", "is_not", "index", "iadd", "isub", "imul", "itruediv",
-    "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor", "ilshift", "irshift",
-))
-_BUILTIN_FUNCTIONS = frozenset((
-    "len", "int", "float", "bool", "abs", "min", "max", "sum", "round", "divmod", "pow", "tuple", "list",
-    "range", "slice", "all", "any",
-))
-# Public torch functions that touch files, global state, threads or code instead of tensors.
-_TORCH_DENIED = re.compile(
-    r"(^set_|^use_|^get_|load|save|file|import|fork|dlpack|thread|autocast|anomaly|seed|rng|flush|cache|"
-    r"hook|register|storage|compile|export|torch_function|^vmap$|^cond$|^while_loop$|^classproperty$|"
-    r"^prepare_multiprocessing_environment$|^profiler_)"
-)
-_TORCH_EXTRA = frozenset(("torch._assert",))
-# Private ATen ops export's training IR may still record: functional kernels with no side effects.
-_ATEN_PRIVATE = frozenset(("_to_copy", "_softmax", "_log_softmax", "_unsafe_view", "_native_batch_norm_legit_functional",
-                           "_native_batch_norm_legit_no_training", "_safe_softmax", "_unsafe_index"))
-_ATEN_PATH = re.compile(r"^torch\.ops\.aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")  # fx keeps `torch._assert` (ViT's shape checks) as a call
-# torchvision functions fx records as calls (they are `torch.fx.wrap`ped), by exact name.
-_TORCHVISION_FUNCTIONS = frozenset((
-    "torchvision.ops.stochastic_depth.stochastic_depth",
-    "torchvision.models.swin_transformer._get_relative_position_bias",
-    "torchvision.models.swin_transformer._patch_merging_pad",
-    "torchvision.models.swin_transformer.shifted_window_attention",
-))
-# Tensor methods that take callables, expose storage/memory/files or leave torch (numpy's dump/tofile).
-_METHODS_DENIED = frozenset((
-    "register_hook", "register_post_accumulate_grad_hook", "apply_", "map_", "map2_", "storage",
-    "untyped_storage", "share_memory_", "is_shared", "numpy", "backward", "set_", "record_stream",
-    "as_subclass", "module_load", "data_ptr", "pin_memory", "to_dlpack", "new", "storage_type",
-))
-_DUNDER_METHODS = frozenset(("__getitem__", "__setitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
-                             "__rmul__", "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__pow__", "__and__",
-                             "__or__"))
 _REGISTER_HINT = ("if it is your model's own code, register it in the process that loads the graph: "
                   "model_parallel.graph.loader.register_layer_classes(MyLayer) / register_functions(my_fn), "
                   "or allow_model(model, traced=fx_graph_module) for a model it holds")
@@ -131,143 +92,14 @@ def allow_model(model: nn.Module, traced: Any = None) -> None:
                              and isinstance(n.target, types.FunctionType) and n.target.__module__ != "builtins"})
 
 
-@lru_cache(maxsize=1)
-def _torch_nn_classes() -> Mapping[str, type]:
-    """`torch.nn.X` and `torch.nn.modules.<file>.X` -> class, for every torch.nn module class."""
-    table: dict[str, type] = {}
-    for name, value in vars(nn).items():
-        if isinstance(value, type) and issubclass(value, nn.Module) and not name.startswith("_"):
-            if not value.__module__.startswith("torch.nn.parallel"):  # wrappers of other modules, never leaves
-                table[f"torch.nn.{name}"] = value
-    stack = [nn.Module]
-    while stack:  # classes printed by file path, e.g. torch.nn.modules.linear.NonDynamicallyQuantizableLinear
-        for sub in stack.pop().__subclasses__():
-            stack.append(sub)
-            if sub.__module__.startswith("torch.nn.modules.") and not sub.__name__.startswith("_"):
-                table[f"{sub.__module__}.{sub.__qualname__}"] = sub
-    return table
-
-
-@lru_cache(maxsize=1)
-def _torch_namespaces() -> Mapping[str, types.ModuleType]:
-    """Namespaces whose public ops a graph may call (fx names F.linear `torch._C._nn.linear`)."""
-    import torch.fft
-    import torch.functional
-    import torch.linalg
-    import torch.nn.functional
-    import torch.special
-
-    return {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.functional": torch.functional,
-            "torch.fft": torch.fft, "torch.linalg": torch.linalg, "torch.special": torch.special,
-            "torch._C._nn": torch._C._nn, "torch._C._fft": torch._C._fft, "torch._C._linalg": torch._C._linalg,
-            "torch._C._special": torch._C._special}
-
-
-def _namespace_function(namespace: str, name: str) -> Optional[Callable[..., Any]]:
-    value = vars(_torch_namespaces()[namespace]).get(name)
-    if isinstance(value, types.BuiltinFunctionType):
-        return value
-    if isinstance(value, types.FunctionType) and value.__module__ in ("torch.functional", "torch.nn.functional"):
-        return value  # torch's own Python ops (einsum, split, F.relu, ...), not torch.load and friends
-    return None
-
-
 def _allowed_function(path: str) -> Optional[Callable[..., Any]]:
     """The function a call_function target names, if the allow-lists contain it; None otherwise."""
     if path in _registered_functions:
         return _registered_functions[path]
     if path.startswith("torch.ops."):
         return aten_operator(path)
-    function = _function_by_code(path)
+    function = op_rules.function_by_code(path)
     return function if function is not None and allowed_ops.is_reviewed("function", canonical_path(path)) else None
-
-
-def canonical_path(path: str) -> str:
-    """`len` -> `builtins.len`, `_operator.add` -> `operator.add`: how allowed_ops.txt names a function."""
-    namespace, _, name = path.rpartition(".")
-    namespace = {"": "builtins", "_operator": "operator"}.get(namespace, namespace)
-    return f"{namespace}.{name}"
-
-
-def _function_by_code(path: str) -> Optional[Callable[..., Any]]:
-    """What the code's rules alone admit for `path` (not ATen, not registered functions), before the reviewed list."""
-    namespace, _, name = path.rpartition(".")
-    namespace = {"": "builtins", "_operator": "operator"}.get(namespace, namespace)
-    if namespace == "builtins":
-        return getattr(builtins, name) if name in _BUILTIN_FUNCTIONS or name == "getattr" else None
-    if namespace == "operator":
-        return vars(operator)[name] if name in _OPERATOR_FUNCTIONS else None
-    if namespace == "math":
-        value = vars(math).get(name)
-        return value if isinstance(value, types.BuiltinFunctionType) and not name.startswith("_") else None
-    if path in _TORCH_EXTRA:
-        return vars(torch)[name]
-    if namespace in _torch_namespaces() and not name.startswith("_") and not _TORCH_DENIED.search(name) \
-            and allowed_ops.refused_family(name) is None:
-        return _namespace_function(namespace, name)
-    if path in _TORCHVISION_FUNCTIONS:
-        from model_parallel.compat import import_torchvision
-
-        import_torchvision()  # repairs the CPU/CUDA mismatch before torchvision submodules import
-        return vars(importlib.import_module(namespace))[name]
-    return None
-
-
-def aten_operator(path: str) -> Optional[Callable[..., Any]]:
-    """`torch.ops.aten.<op>.<overload>` -> that OpOverload, for public ATen ops the torch denylist does not
-    name (files, RNG seeding, storage, ...) and a few private functional ones; None for anything else
-    (other namespaces, higher-order ops, custom ops)."""
-    match = _ATEN_PATH.match(path)
-    if match is None:
-        return None
-    op, overload = match.groups()
-    if not (aten_admitted_by_code(op) and allowed_ops.is_reviewed("aten", op)):
-        return None
-    try:
-        packet = getattr(torch.ops.aten, op)
-        value = getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        return None
-    return value if isinstance(value, torch._ops.OpOverload) and value.namespace == "aten" else None
-
-
-def aten_admitted_by_code(op: str) -> bool:
-    """Whether the code's rules admit ATen op name `op` (public, no denied word, no refused family, or a listed private one)."""
-    if op.startswith("_"):
-        return op in _ATEN_PRIVATE
-    return not _TORCH_DENIED.search(op) and allowed_ops.refused_family(op) is None
-
-
-def aten_schema_name(target: str) -> Optional[str]:
-    """`"torch.ops.aten.silu_.default"` -> `"silu_"`; None for other targets."""
-    match = _ATEN_PATH.match(target)
-    return match.group(1) if match else None
-
-
-def _methods_by_code() -> frozenset:
-    names = {n for n in dir(torch.Tensor) if not n.startswith("_") and callable(getattr(torch.Tensor, n, None))
-             and allowed_ops.refused_family(n) is None}
-    return frozenset(names - _METHODS_DENIED) | _DUNDER_METHODS
-
-
-@lru_cache(maxsize=1)
-def _tensor_methods() -> frozenset:
-    return frozenset(n for n in _methods_by_code() if allowed_ops.is_reviewed("method", n))
-
-
-def admitted_by_code() -> set[tuple[str, str]]:
-    """(kind, name) of everything the code's rules admit, before the reviewed list (allowed_ops.txt)
-    narrows it: what tests/test_allowed_ops.py compares with that list, and tools/write_allowed_ops.py writes."""
-    entries = {("module", path) for path in _torch_nn_classes()}
-    candidates = [f"{ns}.{name}" for ns, module in _torch_namespaces().items() for name in vars(module)]
-    candidates += [f"operator.{n}" for n in _OPERATOR_FUNCTIONS] + [f"builtins.{n}" for n in _BUILTIN_FUNCTIONS]
-    candidates += ["builtins.getattr", *_TORCH_EXTRA, *_TORCHVISION_FUNCTIONS]
-    candidates += [f"math.{n}" for n in vars(math)]
-    entries |= {("function", p) for p in candidates if _function_by_code(p) is not None}
-    ops = {n.split("::", 1)[1].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
-    entries |= {("aten", op) for op in ops if aten_admitted_by_code(op)}
-    entries |= {("method", m) for m in _methods_by_code()} | {("attribute", a) for a in TENSOR_ATTRIBUTES}
-    return entries
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -339,7 +171,7 @@ def parse_constructor(expression: Any, where: str = "module expression") -> Cons
 
 def module_class(path: str, where: str) -> type:
     """The nn.Module class a constructor names: torch.nn's, or one this process registered."""
-    cls = _registered_classes.get(path) or (_torch_nn_classes().get(path)
+    cls = _registered_classes.get(path) or (op_rules.torch_nn_classes().get(path)
                                             if allowed_ops.is_reviewed("module", path) else None)
     if cls is None:
         raise _refuse(where, f"module class {path!r}", "only torch.nn module classes and classes registered by "
@@ -377,7 +209,7 @@ def function_target(path: str, args: tuple = (), where: str = "call_function") -
 
 def check_method(name: str, where: str) -> str:
     """A call_method name: a public torch.Tensor method that takes no callables and exposes no storage."""
-    if not isinstance(name, str) or name not in _tensor_methods():
+    if not isinstance(name, str) or name not in op_rules.tensor_methods():
         family = allowed_ops.refused_family(name) if isinstance(name, str) else None
         raise _refuse(where, f"tensor method {name!r}"[:200], f"not memory-safe for literal arguments: {family}"
                       if family else "methods must be public torch.Tensor methods other than hooks, storage, numpy "
@@ -444,24 +276,6 @@ def check_layer(graph: Any, node_id: str, *, build_constructor: bool = True) -> 
             module_class(constructor.path, where)
 
 
-def may_make_sparse(graph: Any, node_ids: Iterable[str]) -> bool:
-    """Whether any of these layers can produce sparse values (an op, argument or constructor mentions
-    sparse): where it can, layers run with torch's sparse invariant checks on (`guard_sparse`)."""
-    for node_id in node_ids:
-        layer = graph[node_id].layer
-        if layer is not None and "sparse" in repr((layer.target, layer.args, dict(layer.kwargs), layer.module)):
-            return True
-    return False
-
-
-def guard_sparse(graph: Any, node_ids: Iterable[str]) -> None:
-    """Turn on torch's sparse tensor invariant checks in this process when these layers can make sparse
-    values: torch skips them by default, and an invalid sparse tensor corrupts memory in the next op.
-    (The constructors that take literal indices are refused outright; this covers every other way in.)"""
-    if may_make_sparse(graph, node_ids):
-        torch.sparse.check_sparse_tensor_invariants.enable()
-
-
 def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_over: Iterable[str] = (),
                 build_constructors: bool = True) -> None:
     """`check_layer` on `node_ids` (default: every node) before anything is built; `handed_over` are
@@ -487,5 +301,5 @@ def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_
 __all__ = [
     "register_layer_classes", "register_functions", "allow_model", "check_graph", "check_layer", "build_module",
     "parse_constructor", "module_class", "function_target", "check_method", "Constructor", "TENSOR_ATTRIBUTES",
-    "aten_operator", "aten_schema_name",
+    "aten_operator", "aten_schema_name", "admitted_by_code", "guard_sparse", "may_make_sparse",
 ]
