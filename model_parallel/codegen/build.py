@@ -80,7 +80,9 @@ def make_module(
         where = _where(graph, node.node_id)
         constructor = loader.parse_constructor(layer.module, where)
         cls = loader.module_class(constructor.path, where)  # checked: a torch.nn or registered class
-        _check_module_size(cls, constructor, where)
+        if torch.get_default_device().type != "meta" and cls.__module__.startswith("torch.nn."):  # registered: vouched for
+            sizes.check_module_fits(cls, constructor.args, constructor.kwargs, where, f"module {constructor.source[:80]}",
+                                    CodegenError)
         try:
             return cls(*constructor.args, **constructor.kwargs)
         except Exception as error:  # a constructor may raise anything; report it with the node
@@ -97,19 +99,6 @@ def make_module(
         f"{_where(graph, node.node_id)}: module {layer.target!r} has no constructor expression in the graph; "
         "pass source_model=<the original model> (or modules={...}) so it can be taken from there"
     )
-
-
-def _check_module_size(cls: type, constructor: loader.Constructor, where: str) -> None:
-    """Refuse a torch.nn module whose parameters and buffers exceed this host's memory, measured on meta
-    (no memory, no initialisation) before it is built for real; on meta itself nothing is allocated."""
-    if torch.get_default_device().type == "meta" or not cls.__module__.startswith("torch.nn."):
-        return  # a class the process registered is its own code: vouched for, and maybe not meta-safe
-    try:
-        with torch.device("meta"):
-            probe = cls(*constructor.args, **constructor.kwargs)
-    except Exception:  # the real construction below reports it with the node
-        return
-    sizes.check_fits(sizes.module_bytes(probe), where, f"module {constructor.source[:80]}", CodegenError)
 
 
 def make_attribute(
@@ -153,11 +142,7 @@ def make_attribute(
             "pass source_model=<the original model> so it can be taken from there"
         )
     meta = layer.outputs[0]
-    try:
-        sizes.check_fits(sizes.tensor_bytes(meta.shape, meta.dtype), _where(graph, node.node_id),
-                         f"attribute {layer.target!r}", CodegenError)
-    except ValueError as error:
-        raise CodegenError(f"{_where(graph, node.node_id)}: attribute {layer.target!r}: {error}") from None
+    sizes.check_tensor_fits(meta.shape, meta.dtype, _where(graph, node.node_id), f"attribute {layer.target!r}", CodegenError)
     tensor = fresh_tensor(layer.target, tuple(meta.shape), getattr(torch, meta.dtype))
     return nn.Parameter(tensor) if node.parameter_size > 0 else tensor
 

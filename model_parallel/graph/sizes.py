@@ -49,6 +49,18 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def check_module_fits(cls: type, args: tuple, kwargs: dict, where: str, what: str,
+                      error: type[Exception] = GraphFormatError) -> None:
+    """Refuse a module whose parameters and buffers exceed this host's memory, measured by building it on
+    meta (no memory, no initialisation) before it is built for real."""
+    try:
+        with torch.device("meta"):
+            probe = cls(*args, **kwargs)
+    except Exception:  # the real construction reports it, with the node
+        return
+    check_fits(module_bytes(probe), where, what, error)
+
+
 def check_fits(num_bytes: int, where: str, what: str, error: type[Exception] = GraphFormatError) -> None:
     """Refuse `num_bytes` above this host's physical memory, before anything is allocated."""
     limit = host_memory_bytes()
@@ -58,26 +70,28 @@ def check_fits(num_bytes: int, where: str, what: str, error: type[Exception] = G
                     "or run it where that memory exists)")
 
 
+def check_tensor_fits(shape: Any, dtype: Any, where: str, what: str, error: type[Exception] = GraphFormatError) -> None:
+    """Refuse a tensor of `shape` and `dtype` (from a file) that is malformed or exceeds this host's memory."""
+    try:
+        size = tensor_bytes(shape, dtype)
+    except (TypeError, ValueError) as problem:
+        raise error(f"{where}: {what}: {problem}") from None
+    check_fits(size, where, what, error)
+
+
 def check_graph_sizes(graph: Any, node_ids: Iterable[str]) -> None:
     """The shapes a graph turns into allocations directly: model inputs (metadata and placeholders),
     get_attr tensors and constants, each within this host's memory (GraphFormatError naming it)."""
-    def fits(shape: Any, dtype: Any, where: str, what: str) -> None:
-        try:
-            size = tensor_bytes(shape, dtype)
-        except (TypeError, ValueError) as problem:
-            raise GraphFormatError(f"{where}: {what}: {problem}") from None
-        check_fits(size, where, what)
-
     inputs = graph.metadata.get("inputs") or []
     for index, entry in enumerate(inputs if isinstance(inputs, list) else []):
         if isinstance(entry, Mapping) and "shape" in entry:
-            fits(entry["shape"], entry.get("dtype", "float32"), f"graph metadata 'inputs'[{index}]", "this model input")
+            check_tensor_fits(entry["shape"], entry.get("dtype", "float32"), f"graph metadata 'inputs'[{index}]", "this model input")
     constants = graph.metadata.get("constants") or {}
     for target, record in (constants.items() if isinstance(constants, Mapping) else ()):
         if isinstance(record, Mapping) and isinstance(record.get("shape"), list):
-            fits(record["shape"], record.get("dtype"), f"graph metadata 'constants' entry {str(target)[:80]!r}", "this constant")
+            check_tensor_fits(record["shape"], record.get("dtype"), f"graph metadata 'constants' entry {str(target)[:80]!r}", "this constant")
     for node_id in node_ids:
         layer = graph[node_id].layer
         if layer is not None and layer.op in ("placeholder", "get_attr"):
             for meta in layer.outputs:
-                fits(meta.shape, meta.dtype, f"node {node_id}", f"its {layer.op} tensor of shape {list(meta.shape)[:8]}")
+                check_tensor_fits(meta.shape, meta.dtype, f"node {node_id}", f"its {layer.op} tensor of shape {list(meta.shape)[:8]}")
