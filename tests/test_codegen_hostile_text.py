@@ -146,3 +146,34 @@ def test_nul_and_control_characters_in_ids_are_refused() -> None:
         data = graph_dict({**PLAIN, "relu": bad}, "plain text")
         with pytest.raises(ModelParallelError, match=r"node id .* printable"):
             graph_from_dict(data, "g.json")
+
+
+@pytest.mark.parametrize("kind", sorted(payloads(Path("/x"))))
+def test_a_hostile_tied_parameter_name_stays_in_its_comment(kind: str, tmp_path: Path) -> None:
+    """A get_attr of a module's weight is a tie; generated code restores it with a commented line naming it."""
+    sentinel = tmp_path / "pwned"
+    target = payloads(sentinel)[kind]
+    meta = [{"shape": [2, 4], "dtype": "float32"}]
+    nodes = [("x", {"op": "placeholder", "target": "x", "outputs": meta}),
+             ("lin", {"op": "call_module", "target": target, "args": [{"node": "x"}], "module": "torch.nn.Linear(4, 4)",
+                      "outputs": meta, "parameters": [f"{target}.weight", f"{target}.bias"]}),
+             ("w", {"op": "get_attr", "target": f"{target}.weight", "outputs": [{"shape": [4, 4], "dtype": "float32"}]}),
+             ("out", {"op": "call_function", "target": "torch.matmul", "args": [{"node": "lin"}, {"node": "w"}]})]
+    data = {"schema": "model_parallel.graph", "version": 1, "metadata": {"outputs": {"node": "out"}},
+            "nodes": [{"id": i, "description": "d", "forward_ms": 1.0, "backward_ms": 1.0, "activation_size": 32.0,
+                       "parameter_size": 80.0 if i == "lin" else 0.0, "stage_id": 0, "layer": layer} for i, layer in nodes],
+            "edges": [["x", "lin"], ["lin", "out"], ["w", "out"]]}
+    graph = graph_from_dict(data, "tied.json")
+    try:
+        out = generate_package(graph, Plan((StagePlan(0, tuple(graph.topological_order), ranks=(0,)),)),
+                               tmp_path / "pkg", "Tied", "tied")
+    except ModelParallelError as error:  # a target with a line break is refused by the loader, naming the node
+        assert "not allowed in a graph file" in str(error) and not sentinel.exists()
+        return
+    source = (out / "stage0.py").read_text()
+    assert "# tied: one tensor" in source
+    _inert(source, out / "stage0.py")
+    (stage, _, _), _ = load_package(out).stages
+    with torch.no_grad():
+        stage(torch.ones(2, 4))
+    assert not sentinel.exists()

@@ -115,6 +115,8 @@ def _check_name(text: Any, where: str, what: str) -> str:
         raise _refuse(where, f"{what} {text[:40]!r}... ({len(text)} characters)", f"names are at most {MAX_NAME_CHARS}")
     if not text.isascii():
         raise _refuse(where, f"{what} {text!r}", "names must be ASCII: look-alike letters are refused")
+    if not text.isprintable():  # a line break or NUL would reach logs, comments and generated code raw
+        raise _refuse(where, f"{what} {text!r}", "names must be printable: no line breaks or control characters")
     if any(part.startswith("__") for part in text.split(".")):
         raise _refuse(where, f"{what} {text!r}", "dunder names reach into Python internals")
     return text
