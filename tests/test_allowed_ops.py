@@ -113,3 +113,18 @@ def test_ordinary_ops_are_still_admitted() -> None:
         assert loader.function_target(path) is not None
     for method in ("view", "to_sparse", "index_select", "__getitem__", "size"):
         assert loader.check_method(method, "t") == method
+
+
+def test_a_served_job_with_the_sparse_exploit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's served job is a graph from the network: the worker vets it like a file."""
+    from model_parallel.cli.served_job import fetch_served_job
+    from model_parallel.cli.worker import build_parser
+    from model_parallel.coordinator import client
+
+    data = _graph(("sp", REFUSED["sparse_coo_tensor"]), ("out", _call("torch.add", X, {"node": "sp"})))
+    plan = Plan((StagePlan(0, ("x", "sp", "out"), ranks=(0,)),))
+    monkeypatch.setattr(client, "fetch_job", lambda *a, **k: ({"graph": data, "plan": plan.to_dict(), "train": {}}, b"t"))
+    argv = ["--rank", "0", "--coordinator", "127.0.0.1:1"]
+    parser = build_parser()
+    with pytest.raises(GraphFormatError, match=r"node sp .*torch.sparse_coo_tensor.*not memory-safe"):
+        fetch_served_job(argv, parser.parse_args(argv), parser)
