@@ -27,8 +27,11 @@ REFUSED_FAMILIES: tuple[tuple[str, str], ...] = (
     (r"^sparse_.*tensor$|^sparse_resize|_coalesced_$",
      "sparse and compressed constructors from literal indices: torch skips their invariant checks by default, "
      "so an index past the dense size writes past a heap buffer in the next op"),
+    (r"^indices$|^(c?col|crow|row)_indices$",
+     "aliases of a sparse tensor's index arrays: an in-place op on one (indices().add_(10**8)) breaks the "
+     "invariants after they were checked, and the next op writes out of bounds (SIGSEGV)"),
     (r"as_strided", "views from literal sizes, strides and offsets over another tensor's storage"),
-    (r"^set_$|^resize|storage", "re-pointing or resizing a tensor's storage in place"),
+    (r"^set_?$|^resize|storage", "re-pointing or resizing a tensor's storage in place (aten.set is set_'s functional twin)"),
     (r"data_ptr|^pin_memory$|^is_pinned$|record_stream",
      "addresses and host/device memory management: leak heap addresses or touch allocator state"),
     (r"^from_numpy$|^frombuffer$", "tensors over foreign raw buffers"),
