@@ -137,6 +137,13 @@ def corpus(sentinel: Path) -> list[Attempt]:
                 [("evil", _call("torch.relu", x, **{f"input=x) if {system} else torch.relu(input": 1}))]),
         Attempt("callable_typed_argument", [("evil", _call("builtins.max", [s], key={"dtype": "load"}))]),
         Attempt("deeply_nested_arguments", [("evil", _call("torch.cat", _nested([x], 100)))]),
+        # Memory safety (issue 33): a sparse tensor with an index past its size, added to a dense one,
+        # wrote past a heap buffer; const_data_ptr leaked heap addresses; as_strided reads by literal strides.
+        Attempt("sparse_coo_heap_write", [("evil", _call("torch.sparse_coo_tensor", [[0], [100000000]], [7.0],
+                                                         {"tuple": [2, 128]})),
+                                          ("evil_add", _call("torch.add", x, {"node": "evil"}))]),
+        Attempt("method_const_data_ptr", [("evil", _call("const_data_ptr", x, op="call_method"))]),
+        Attempt("aten_as_strided", [("evil", _call("torch.ops.aten.as_strided.default", x, [10], [100000]))]),
     ]
 
 
@@ -290,10 +297,11 @@ def _worker(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_worker_refuses_a_hostile_graph(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["getattr_chain_globals_map", "sparse_coo_heap_write"])
+def test_worker_refuses_a_hostile_graph(name: str, tmp_path: Path) -> None:
     from model_parallel.runtime.launch import launch_workers
 
-    attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == "getattr_chain_globals_map")
+    attempt = next(a for a in corpus(tmp_path / SENTINEL_NAME) if a.name == name)
     path = tmp_path / "graph.json"
     path.write_text(json.dumps(graph_dict(attempt, tripwire=False)))
     result = launch_workers(["--graph", str(path), "--steps", "1", "--timeout", "30"], 1, timeout=150)

@@ -23,7 +23,7 @@ from model_parallel.codegen.boundary import StageBoundary, is_model_input, model
 from model_parallel.codegen.naming import layer_name
 from model_parallel.codegen.ties import tie_stage, tie_stages
 from model_parallel.errors import CodegenError, GraphError, PlanError
-from model_parallel.graph import loader
+from model_parallel.graph import loader, sizes
 from model_parallel.graph.arguments import CONSTANTS, OutputDict, decode_argument, decode_constant
 from model_parallel.graph.core import Graph, LayerSpec, Node
 from model_parallel.graph.plan import Plan
@@ -80,6 +80,9 @@ def make_module(
         where = _where(graph, node.node_id)
         constructor = loader.parse_constructor(layer.module, where)
         cls = loader.module_class(constructor.path, where)  # checked: a torch.nn or registered class
+        if torch.get_default_device().type != "meta" and cls.__module__.startswith("torch.nn."):  # registered: vouched for
+            sizes.check_module_fits(cls, constructor.args, constructor.kwargs, where, f"module {constructor.source[:80]}",
+                                    CodegenError)
         try:
             return cls(*constructor.args, **constructor.kwargs)
         except Exception as error:  # a constructor may raise anything; report it with the node
@@ -139,6 +142,7 @@ def make_attribute(
             "pass source_model=<the original model> so it can be taken from there"
         )
     meta = layer.outputs[0]
+    sizes.check_tensor_fits(meta.shape, meta.dtype, _where(graph, node.node_id), f"attribute {layer.target!r}", CodegenError)
     tensor = fresh_tensor(layer.target, tuple(meta.shape), getattr(torch, meta.dtype))
     return nn.Parameter(tensor) if node.parameter_size > 0 else tensor
 
@@ -209,6 +213,7 @@ def check_layers(
                 if isinstance(modules.get(layer_name(layer.target), modules.get(layer.target)), nn.Module):
                     handed_over.append(node_id)
     loader.check_graph(graph, ids, handed_over=handed_over)
+    loader.guard_sparse(graph, ids)
 
 
 def ensure_layers(graph: Graph) -> Graph:

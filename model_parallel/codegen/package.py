@@ -178,13 +178,20 @@ def render_forward(stage: StageModule) -> tuple[list[str], dict[str, Any]]:
 
 
 def _docstring(first: str, *rest: str) -> str:
-    return '"""' + "\n".join((first, "", *rest)).rstrip() + '\n"""'
+    """A module docstring; as a `repr()` literal when the text could end a triple-quoted string or hide a line
+    (a quote, a backslash, a control character: a file name the header quotes may hold any of them)."""
+    text = "\n".join((first, "", *rest)).rstrip() + "\n"
+    if '"' in text or "\\" in text or not all(c == "\n" or c.isprintable() for c in text):
+        return repr(text)
+    return '"""' + text + '"""'
 
 
 def render_stage(graph: Graph, stage: StageModule, index: int, class_name: str, header: str) -> str:
     forward, globals_ = render_forward(stage)
     body = "\n".join(forward)
-    span = f"{stage.node_ids[0]} .. {stage.node_ids[-1]}" if stage.node_ids else "no nodes (passes values through)"
+    # Node ids come from the file: the docstring names them as the identifiers the code uses (layer_name).
+    span = (f"{layer_name(stage.node_ids[0])} .. {layer_name(stage.node_ids[-1])}" if stage.node_ids
+            else "no nodes (passes values through)")
     constructors = _constructor_lines(graph, stage)
     init = ["    def __init__(self):", "        super().__init__()"] + [
         f"        {c}" for c in constructors + tie_lines(graph, stage.node_ids)]
@@ -195,7 +202,8 @@ def render_stage(graph: Graph, stage: StageModule, index: int, class_name: str, 
         _docstring(
             f"Stage {index} of {class_name}: {len(stage.node_ids)} nodes, {span}.",
             header,
-            f"Takes {', '.join(stage.input_names) or 'nothing'}; returns {', '.join(stage.output_names) or 'nothing'}.",
+            f"Takes {', '.join(map(layer_name, stage.input_names)) or 'nothing'}; "
+            f"returns {', '.join(map(layer_name, stage.output_names)) or 'nothing'}.",
             *(["Shapes in comments are at the profiled batch size."] if "  # (" in body else []),
         ),
         "\n".join(imports),

@@ -139,11 +139,17 @@ def _expression(path: str) -> str:
     return f"self.get_submodule({module_path!r}).{leaf}"
 
 
+def _comment_names(tie: Tie) -> str:
+    """The tie's names for a source comment: a name from the file with a line break or control character
+    would end the comment and start code, so such a name is printed as its repr()."""
+    return ", ".join(n if n.isprintable() else repr(n) for n in tie.names)
+
+
 def tie_lines(graph: Graph, node_ids: Sequence[str]) -> list[str]:
     """Statements for a generated stage's `__init__` (after the layers are built) that restore its ties."""
     lines = []
     for tie in find_ties(graph):
         paths = _stage_paths(tie, node_ids)
         for path in paths[1:]:
-            lines.append(f"{_expression(path)} = {_expression(paths[0])}  # tied: one tensor ({', '.join(tie.names)})")
+            lines.append(f"{_expression(path)} = {_expression(paths[0])}  # tied: one tensor ({_comment_names(tie)})")
     return lines

@@ -103,6 +103,8 @@ class Node:
     def __post_init__(self) -> None:
         if not self.node_id or any(c.isspace() for c in self.node_id):
             raise GraphError(f"node id must be a non-empty token without spaces, got {self.node_id!r}")
+        if not self.node_id.isprintable():  # a NUL or escape byte would reach logs, files and generated code raw
+            raise GraphError(f"node id {self.node_id!r} must be printable (no NUL or control characters)")
         if " -- " in self.description or "\n" in self.description:
             raise GraphError(f"node {self.node_id}: description may not contain ' -- ' or a newline")
         for name in ("forward_ms", "backward_ms", "parameter_size"):

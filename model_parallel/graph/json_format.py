@@ -16,6 +16,7 @@ checked on reading: an unknown name is a GraphFormatError naming the file and th
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Union
@@ -40,6 +41,16 @@ def layer_to_dict(layer: LayerSpec) -> dict[str, Any]:
     }
 
 
+def _number(value: Any, what: str, integer: bool = False) -> Any:
+    """A JSON number as a finite float (or an int): a string such as "nan", "inf" or "1e3" and a bool are
+    refused, and so is a fraction where a count is meant (int(2.7) would silently read 2)."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (isinstance(value, float) and not math.isfinite(value)):
+        expected = "an integer" if integer else "a finite number"
+        raise ValueError(f"{what} must be {expected} (a JSON number), got {str(value)[:40]!r}")
+    return value if integer else float(value)
+
+
 def layer_from_dict(data: dict[str, Any]) -> LayerSpec:
     return LayerSpec(
         op=data["op"],
@@ -47,7 +58,8 @@ def layer_from_dict(data: dict[str, Any]) -> LayerSpec:
         args=tuple(data.get("args", ())),
         kwargs=dict(data.get("kwargs", {})),
         module=data.get("module"),
-        outputs=tuple(TensorMeta(tuple(int(s) for s in t["shape"]), str(t["dtype"])) for t in data.get("outputs", ())),
+        outputs=tuple(TensorMeta(tuple(_number(s, "an output shape entry", integer=True) for s in t["shape"]),
+                                 str(t["dtype"])) for t in data.get("outputs", ())),
         parameters=tuple(data.get("parameters", ())),
     )
 
@@ -98,14 +110,16 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
                     Node(
                         node_id=str(entry["id"]),
                         description=str(entry["description"]),
-                        forward_ms=float(entry["forward_ms"]),
-                        backward_ms=float(entry["backward_ms"]),
-                        activation_size=tuple(float(a) for a in activation) if isinstance(activation, list) else float(activation),
-                        parameter_size=float(entry["parameter_size"]),
-                        stage_id=int(entry["stage_id"]) if entry.get("stage_id") is not None else None,
+                        forward_ms=_number(entry["forward_ms"], "forward_ms"),
+                        backward_ms=_number(entry["backward_ms"], "backward_ms"),
+                        activation_size=tuple(_number(a, "activation_size") for a in activation)
+                        if isinstance(activation, list) else _number(activation, "activation_size"),
+                        parameter_size=_number(entry["parameter_size"], "parameter_size"),
+                        stage_id=_number(entry["stage_id"], "stage_id", integer=True)
+                        if entry.get("stage_id") is not None else None,
                         layer=layer_from_dict(entry["layer"]) if entry.get("layer") else None,
                         uncrossable=entry.get("uncrossable"),
-                        saved_bytes=float(entry["saved_bytes"]) if entry.get("saved_bytes") is not None else None,
+                        saved_bytes=_number(entry["saved_bytes"], "saved_bytes") if entry.get("saved_bytes") is not None else None,
                     )
                 )
             except (KeyError, TypeError, ValueError, OverflowError) as error:

@@ -16,6 +16,11 @@ node is checked against closed allow-lists (`check_graph`), so a hostile file is
                    map_) or exposing storage, files or numpy
     get_attr       an attribute path without dunder parts
 Arguments are literals and node references only (graph.arguments); keyword names are identifiers.
+Every op must also be memory-safe for any literal arguments: families whose safety rests on
+unchecked indices, strides or sizes (sparse constructors, as_strided, set_/resize, *data_ptr, ...)
+are refused, and an op is admitted only if the reviewed list allowed_ops.txt names it too
+(graph/op_rules.py holds the rules, graph/allowed_ops.py the families and the list). Shapes that
+become allocations must fit this host's memory (graph/sizes.py).
 
 `metadata["model_class"]` is information only: it never widens these lists. A user whose model
 has its own leaf module classes (or fx-wrapped functions) registers them in the process that loads
@@ -25,70 +30,28 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib
 import keyword
-import math
-import operator
-import re
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from model_parallel.errors import GraphError, GraphFormatError
+from model_parallel.graph import allowed_ops, op_rules
+from model_parallel.graph.allowed_ops import guard_sparse, may_make_sparse  # noqa: F401 - re-exported
+from model_parallel.graph.op_rules import (  # noqa: F401 - re-exported: the loader's public names
+    TENSOR_ATTRIBUTES, admitted_by_code, aten_operator, aten_schema_name, canonical_path)
 from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
+from model_parallel.graph.sizes import check_graph_sizes
 
 MAX_EXPRESSION_CHARS = 4096  # a module constructor expression (the longest torch.nn repr is a few hundred)
 MAX_NAME_CHARS = 200  # a target or node id
 MAX_ARGUMENT_DEPTH = 32  # nesting of a layer's encoded arguments
 MAX_ARGUMENT_ITEMS = 100_000  # values in one layer's encoded arguments
 
-# The only attributes `getattr(<node>, name)` may read: what fx records for `x.shape`, `x.device`, ...
-TENSOR_ATTRIBUTES = frozenset((
-    "shape", "dtype", "device", "ndim", "T", "mT", "H", "mH", "is_cuda", "is_sparse", "is_quantized",
-    "is_meta", "is_cpu", "layout", "requires_grad", "real", "imag", "itemsize", "nbytes", "is_leaf",
-))
-_OPERATOR_FUNCTIONS = frozenset((
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "neg", "pos", "abs", "invert",
-    "not_", "and_", "or_", "xor", "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge", "getitem",
-    "setitem", "contains", "truth", "is_", "is_not", "index", "iadd", "isub", "imul", "itruediv",
-    "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor", "ilshift", "irshift",
-))
-_BUILTIN_FUNCTIONS = frozenset((
-    "len", "int", "float", "bool", "abs", "min", "max", "sum", "round", "divmod", "pow", "tuple", "list",
-    "range", "slice", "all", "any",
-))
-# Public torch functions that touch files, global state, threads or code instead of tensors.
-_TORCH_DENIED = re.compile(
-    r"(^set_|^use_|^get_|load|save|file|import|fork|dlpack|thread|autocast|anomaly|seed|rng|flush|cache|"
-    r"hook|register|storage|compile|export|torch_function|^vmap$|^cond$|^while_loop$|^classproperty$|"
-    r"^prepare_multiprocessing_environment$|^profiler_)"
-)
-_TORCH_EXTRA = frozenset(("torch._assert",))
-# Private ATen ops export's training IR may still record: functional kernels with no side effects.
-_ATEN_PRIVATE = frozenset(("_to_copy", "_softmax", "_log_softmax", "_unsafe_view", "_native_batch_norm_legit_functional",
-                           "_native_batch_norm_legit_no_training", "_safe_softmax", "_unsafe_index"))
-_ATEN_PATH = re.compile(r"^torch\.ops\.aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")  # fx keeps `torch._assert` (ViT's shape checks) as a call
-# torchvision functions fx records as calls (they are `torch.fx.wrap`ped), by exact name.
-_TORCHVISION_FUNCTIONS = frozenset((
-    "torchvision.ops.stochastic_depth.stochastic_depth",
-    "torchvision.models.swin_transformer._get_relative_position_bias",
-    "torchvision.models.swin_transformer._patch_merging_pad",
-    "torchvision.models.swin_transformer.shifted_window_attention",
-))
-# Tensor methods that take callables, expose storage/memory/files or leave torch (numpy's dump/tofile).
-_METHODS_DENIED = frozenset((
-    "register_hook", "register_post_accumulate_grad_hook", "apply_", "map_", "map2_", "storage",
-    "untyped_storage", "share_memory_", "is_shared", "numpy", "backward", "set_", "record_stream",
-    "as_subclass", "module_load", "data_ptr", "pin_memory", "to_dlpack", "new", "storage_type",
-))
-_DUNDER_METHODS = frozenset(("__getitem__", "__setitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
-                             "__rmul__", "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__pow__", "__and__",
-                             "__or__"))
 _REGISTER_HINT = ("if it is your model's own code, register it in the process that loads the graph: "
                   "model_parallel.graph.loader.register_layer_classes(MyLayer) / register_functions(my_fn), "
                   "or allow_model(model, traced=fx_graph_module) for a model it holds")
@@ -129,102 +92,14 @@ def allow_model(model: nn.Module, traced: Any = None) -> None:
                              and isinstance(n.target, types.FunctionType) and n.target.__module__ != "builtins"})
 
 
-@lru_cache(maxsize=1)
-def _torch_nn_classes() -> Mapping[str, type]:
-    """`torch.nn.X` and `torch.nn.modules.<file>.X` -> class, for every torch.nn module class."""
-    table: dict[str, type] = {}
-    for name, value in vars(nn).items():
-        if isinstance(value, type) and issubclass(value, nn.Module) and not name.startswith("_"):
-            if not value.__module__.startswith("torch.nn.parallel"):  # wrappers of other modules, never leaves
-                table[f"torch.nn.{name}"] = value
-    stack = [nn.Module]
-    while stack:  # classes printed by file path, e.g. torch.nn.modules.linear.NonDynamicallyQuantizableLinear
-        for sub in stack.pop().__subclasses__():
-            stack.append(sub)
-            if sub.__module__.startswith("torch.nn.modules.") and not sub.__name__.startswith("_"):
-                table[f"{sub.__module__}.{sub.__qualname__}"] = sub
-    return table
-
-
-@lru_cache(maxsize=1)
-def _torch_namespaces() -> Mapping[str, types.ModuleType]:
-    """Namespaces whose public ops a graph may call (fx names F.linear `torch._C._nn.linear`)."""
-    import torch.fft
-    import torch.functional
-    import torch.linalg
-    import torch.nn.functional
-    import torch.special
-
-    return {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.functional": torch.functional,
-            "torch.fft": torch.fft, "torch.linalg": torch.linalg, "torch.special": torch.special,
-            "torch._C._nn": torch._C._nn, "torch._C._fft": torch._C._fft, "torch._C._linalg": torch._C._linalg,
-            "torch._C._special": torch._C._special}
-
-
-def _namespace_function(namespace: str, name: str) -> Optional[Callable[..., Any]]:
-    value = vars(_torch_namespaces()[namespace]).get(name)
-    if isinstance(value, types.BuiltinFunctionType):
-        return value
-    if isinstance(value, types.FunctionType) and value.__module__ in ("torch.functional", "torch.nn.functional"):
-        return value  # torch's own Python ops (einsum, split, F.relu, ...), not torch.load and friends
-    return None
-
-
 def _allowed_function(path: str) -> Optional[Callable[..., Any]]:
     """The function a call_function target names, if the allow-lists contain it; None otherwise."""
     if path in _registered_functions:
         return _registered_functions[path]
-    namespace, _, name = path.rpartition(".")
-    namespace = {"": "builtins", "_operator": "operator"}.get(namespace, namespace)
-    if namespace == "builtins":
-        return getattr(builtins, name) if name in _BUILTIN_FUNCTIONS or name == "getattr" else None
-    if namespace == "operator":
-        return vars(operator)[name] if name in _OPERATOR_FUNCTIONS else None
-    if namespace == "math":
-        value = vars(math).get(name)
-        return value if isinstance(value, types.BuiltinFunctionType) and not name.startswith("_") else None
-    if path in _TORCH_EXTRA:
-        return vars(torch)[name]
-    if namespace in _torch_namespaces() and not name.startswith("_") and not _TORCH_DENIED.search(name):
-        return _namespace_function(namespace, name)
     if path.startswith("torch.ops."):
         return aten_operator(path)
-    if path in _TORCHVISION_FUNCTIONS:
-        from model_parallel.compat import import_torchvision
-
-        import_torchvision()  # repairs the CPU/CUDA mismatch before torchvision submodules import
-        return vars(importlib.import_module(namespace))[name]
-    return None
-
-
-def aten_operator(path: str) -> Optional[Callable[..., Any]]:
-    """`torch.ops.aten.<op>.<overload>` -> that OpOverload, for public ATen ops the torch denylist does not
-    name (files, RNG seeding, storage, ...) and a few private functional ones; None for anything else
-    (other namespaces, higher-order ops, custom ops)."""
-    match = _ATEN_PATH.match(path)
-    if match is None:
-        return None
-    op, overload = match.groups()
-    if (op.startswith("_") and op not in _ATEN_PRIVATE) or _TORCH_DENIED.search(op.lstrip("_")):
-        return None
-    try:
-        packet = getattr(torch.ops.aten, op)
-        value = getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        return None
-    return value if isinstance(value, torch._ops.OpOverload) and value.namespace == "aten" else None
-
-
-def aten_schema_name(target: str) -> Optional[str]:
-    """`"torch.ops.aten.silu_.default"` -> `"silu_"`; None for other targets."""
-    match = _ATEN_PATH.match(target)
-    return match.group(1) if match else None
-
-
-@lru_cache(maxsize=1)
-def _tensor_methods() -> frozenset:
-    names = {n for n in dir(torch.Tensor) if not n.startswith("_") and callable(getattr(torch.Tensor, n, None))}
-    return frozenset(names - _METHODS_DENIED) | _DUNDER_METHODS
+    function = op_rules.function_by_code(path)
+    return function if function is not None and allowed_ops.is_reviewed("function", canonical_path(path)) else None
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -240,6 +115,8 @@ def _check_name(text: Any, where: str, what: str) -> str:
         raise _refuse(where, f"{what} {text[:40]!r}... ({len(text)} characters)", f"names are at most {MAX_NAME_CHARS}")
     if not text.isascii():
         raise _refuse(where, f"{what} {text!r}", "names must be ASCII: look-alike letters are refused")
+    if not text.isprintable():  # a line break or NUL would reach logs, comments and generated code raw
+        raise _refuse(where, f"{what} {text!r}", "names must be printable: no line breaks or control characters")
     if any(part.startswith("__") for part in text.split(".")):
         raise _refuse(where, f"{what} {text!r}", "dunder names reach into Python internals")
     return text
@@ -296,7 +173,8 @@ def parse_constructor(expression: Any, where: str = "module expression") -> Cons
 
 def module_class(path: str, where: str) -> type:
     """The nn.Module class a constructor names: torch.nn's, or one this process registered."""
-    cls = _registered_classes.get(path) or _torch_nn_classes().get(path)
+    cls = _registered_classes.get(path) or (op_rules.torch_nn_classes().get(path)
+                                            if allowed_ops.is_reviewed("module", path) else None)
     if cls is None:
         raise _refuse(where, f"module class {path!r}", "only torch.nn module classes and classes registered by "
                       "the process loading the graph can be constructed", _REGISTER_HINT)
@@ -315,11 +193,17 @@ def function_target(path: str, args: tuple = (), where: str = "call_function") -
     _check_name(path, where, "function")
     function = _allowed_function(path)
     if function is None:
+        name = aten_schema_name(path) or path.rpartition(".")[2]
+        family = allowed_ops.refused_family(name)
+        if family is not None:
+            raise _refuse(where, f"function {path!r}", f"not memory-safe for literal arguments: {family}")
         raise _refuse(where, f"function {path!r}", "functions must be torch ops, ATen operators, arithmetic/comparison "
-                      "operators, a few builtins and math functions, or functions registered by the process", _REGISTER_HINT)
+                      "operators, a few builtins and math functions listed in model_parallel/graph/allowed_ops.txt, "
+                      "or functions registered by the process", _REGISTER_HINT)
     if function is builtins.getattr:
         node, attribute = args if len(args) == 2 else (None, None)
-        if not (isinstance(node, Mapping) and "node" in node) or not isinstance(attribute, str) or attribute not in TENSOR_ATTRIBUTES:
+        if not (isinstance(node, Mapping) and "node" in node) or not isinstance(attribute, str) \
+                or attribute not in TENSOR_ATTRIBUTES or not allowed_ops.is_reviewed("attribute", attribute):
             raise _refuse(where, f"getattr with arguments {list(args)[:3]!r}"[:200],
                           f"only getattr(<node>, name) with name one of {', '.join(sorted(TENSOR_ATTRIBUTES))}")
     return function
@@ -327,9 +211,11 @@ def function_target(path: str, args: tuple = (), where: str = "call_function") -
 
 def check_method(name: str, where: str) -> str:
     """A call_method name: a public torch.Tensor method that takes no callables and exposes no storage."""
-    if not isinstance(name, str) or name not in _tensor_methods():
-        raise _refuse(where, f"tensor method {name!r}"[:200], "methods must be public torch.Tensor methods "
-                      "other than hooks, storage, numpy and callable-taking ones")
+    if not isinstance(name, str) or name not in op_rules.tensor_methods():
+        family = allowed_ops.refused_family(name) if isinstance(name, str) else None
+        raise _refuse(where, f"tensor method {name!r}"[:200], f"not memory-safe for literal arguments: {family}"
+                      if family else "methods must be public torch.Tensor methods other than hooks, storage, numpy "
+                      "and callable-taking ones, listed in model_parallel/graph/allowed_ops.txt")
     return name
 
 
@@ -408,12 +294,14 @@ def check_graph(graph: Any, node_ids: Optional[Iterable[str]] = None, *, handed_
             decode_constant(record, where)
         except GraphError as error:
             raise _refuse(where, "a constant", str(error)) from None
-    for node_id in (node_ids if node_ids is not None else graph.by_id):
+    ids = list(node_ids if node_ids is not None else graph.by_id)
+    for node_id in ids:
         check_layer(graph, node_id, build_constructor=build_constructors and node_id not in skip)
+    check_graph_sizes(graph, ids)  # shapes that become allocations fit this host, before any is made
 
 
 __all__ = [
     "register_layer_classes", "register_functions", "allow_model", "check_graph", "check_layer", "build_module",
     "parse_constructor", "module_class", "function_target", "check_method", "Constructor", "TENSOR_ATTRIBUTES",
-    "aten_operator", "aten_schema_name",
+    "aten_operator", "aten_schema_name", "admitted_by_code", "guard_sparse", "may_make_sparse",
 ]

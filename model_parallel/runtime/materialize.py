@@ -38,6 +38,7 @@ from model_parallel.codegen.naming import find_ties, layer_name
 from model_parallel.errors import InitError
 from model_parallel.graph import init_rule as rule
 from model_parallel.graph.core import Graph
+from model_parallel.graph.sizes import check_fits
 from model_parallel.graph.init_rule import InitWeights, Layer, TensorOwners, layer_seed, owner_reset, tensor_owners
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,18 @@ def _replace(obj: Layer, convert: Callable[[torch.Tensor], Optional[torch.Tensor
                 if tensor is not None:
                     table[key] = swap(tensor)
     return obj
+
+
+def check_layer_sizes(modules: Mapping[str, Layer], names: Sequence[str]) -> None:
+    """The meta tensors of these layers fit this host's memory together: refused (InitError naming the
+    largest layer) before any is allocated, instead of the kernel killing the process while it fills them."""
+    need = {n: sum(t.numel() * t.element_size() for t in {id(t): t for t in _tensors(modules[n]) if t.is_meta}.values())
+            for n in names}
+    if need:
+        largest = max(need, key=need.__getitem__)
+        check_fits(sum(need.values()), f"layers {', '.join(list(need)[:3])}{' ...' if len(need) > 3 else ''}",
+                   f"allocating {len(need)} layer(s) (the largest, {largest}, {need[largest] / (1 << 30):,.1f} GiB)",
+                   InitError)
 
 
 def allocate_layers(modules: MutableMapping[str, Layer], names: Iterable[str], device: torch.device) -> list[str]:
@@ -228,6 +241,7 @@ def materialize_layers(
     # Tie owners last: a user's reset_parameters must not have the last word on a tensor it shares.
     order = sorted(pending, key=lambda n: any(tied.get(id(t)) == n for t in before[n]))
     cpu = torch.device("cpu")
+    check_layer_sizes(modules, pending)
     allocated = allocate_layers(modules, pending, cpu)
     stored: dict[str, torch.Tensor] = {}
     if init.source is not None and allocated:
