@@ -10,8 +10,9 @@
     trainer.close()                                        # or `with PipelineTrainer(...) as trainer:`
 
 Run it under `torchrun --nproc_per_node=2 my_script.py` (one stage per rank), or without a process
-group for single-process mode (all stages in this process, for debugging). `dataset` is anything
-with `batch(step) -> (inputs_tuple, target)` (see `runtime.data`). The model, graph or package is
+group for single-process mode (all stages in this process, for debugging). `dataset` is a map-style
+`torch.utils.data.Dataset` (batched by `collate_fn`, default torch's), an iterable of samples, a `DataLoader`,
+or anything with `batch(step) -> (inputs_tuple, target)` (`runtime.sources`, `runtime.data`). The model, graph or package is
 turned into a job by `api.job.build_job`, the same builder the worker command line uses.
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ class PipelineTrainer:
         single_process: Optional[bool] = None,
         weights: Union[str, Path, None] = None,
         init_weights: Optional[Callable[[Any, str], None]] = None,
+        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -75,7 +77,7 @@ class PipelineTrainer:
             package=source if isinstance(source, (str, Path)) else None,
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
-            data=dataset, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
+            data=dataset, collate_fn=collate_fn, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
             num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights)
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
