@@ -89,6 +89,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        self.config, self.collate_fn = config, collate_fn
         self.health: Any = None
         from model_parallel.runtime.tied import check_schedule
 
@@ -123,6 +124,16 @@ class PipelineTrainer:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
         results = self.runner.train(steps)
         return results
+
+    def evaluate(self, data: Any, steps: int, metric: Optional[Callable[[Any, torch.Tensor], Any]] = None,
+                 collate_fn: Optional[Callable[[list[Any]], Any]] = None) -> Any:
+        """Validate on `steps` minibatches of `data` (any form `dataset` takes; all ranks call this together):
+        a forward-only pipeline, no backward or update. Returns `EvalResult(loss, metric, steps)`, the means over
+        steps of each minibatch's mean over microbatches of `criterion` (and `metric(output, target)`)."""
+        from model_parallel.runtime.sources import as_source
+
+        source = as_source(data, self.config.batch_size, self.config.seed, collate_fn or self.collate_fn)
+        return self.runner.evaluate(source, steps, metric)
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (idempotent; also runs at exit). Call it before

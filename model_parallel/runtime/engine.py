@@ -224,11 +224,12 @@ class PipelineEngine:
         return dict(self.stage.state_dict()) if self.stage is not None else {}
 
     # ---- one step --------------------------------------------------------------------------------------
-    def _microbatches(self, step: int) -> Optional[Microbatches]:
+    def _microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
         if self.stage_id != 0:
             return None  # later stages receive theirs
         # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
-        inputs, target = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, self.dataset.batch(step))
+        batch = (dataset or self.dataset).batch(step)
+        inputs, target = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, batch)
         graph_inputs = self.graph.metadata.get("inputs") or ()
         return [(stage_zero_inputs(graph_inputs, inputs, mb), t)
                 for mb, t in minibatch_parts(inputs, target, self.config.num_microbatches)]
@@ -298,6 +299,12 @@ class PipelineEngine:
             return PeerError(f"{self.prefix} {error}")
         return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
 
+
+    def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
+        """Forward-only over `steps` minibatches of `dataset` (all ranks together): `evaluate.EvalResult`."""
+        from model_parallel.runtime.evaluate import evaluate_pipeline
+
+        return evaluate_pipeline(self, dataset, steps, metric)
 
     # ---- control --------------------------------------------------------------------------------
     def control(self, step: int, report: StepReport) -> Optional[Command]:
