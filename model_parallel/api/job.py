@@ -58,6 +58,7 @@ class JobSpec:
     collate_fn: Optional[Callable[[list[Any]], Any]] = None  # a map-style Dataset's or an iterable's (default: torch's)
     seq_len: Optional[int] = None  # "tokens:PATH" windows (default: the model's input length)
     token_dtype: str = "uint16"  # "tokens:PATH" ids: uint16 (nanoGPT's GPT-2 vocabulary) or uint32
+    eval_data: Any = None  # validation data, any form `data` takes (synthetic: another seed than training's)
     example_inputs: Union[Sequence[Any], Mapping[str, Any], None] = None  # a microbatch to trace a module with (default: from `data`)
     seed: int = 0  # the per-layer init rule's seed (runtime.materialize.layer_seed)
     weights: Union[str, Path, None] = None  # initial values: a .safetensors file, an HF sharded directory, our checkpoint
@@ -103,7 +104,8 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         else:
             graph, model = _graph_model(spec)
         criterion, shape, classes, kind = spec.criterion, (), 0, "dense"
-        if criterion is None or isinstance(spec.data, str):  # the graph's inputs say which loss and data fit
+        # The graph's inputs say which loss and data fit.
+        if criterion is None or isinstance(spec.data, str) or isinstance(spec.eval_data, str):
             inputs = graph.metadata.get("inputs") or []
             if not inputs:
                 raise PlanError(f"{_source(spec)}: graph metadata lacks the model inputs' shapes; re-profile the model")
@@ -133,6 +135,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         dataset = Prefetcher(spec.data, depth=2)
     else:
         dataset = spec.data
+    eval_dataset = _eval_dataset(spec, shape, classes, kind)
     from model_parallel.runtime.materialize import Initializer
 
     source = None
@@ -141,9 +144,25 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
 
         source = weight_source(spec.weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
-               static_plan=static, initializer=Initializer(spec.seed, spec.init_weights, source,
+               static_plan=static, eval_dataset=eval_dataset, initializer=Initializer(spec.seed, spec.init_weights, source,
                                                           bare_tensor_defaults=spec.model is None,
                                                           model=spec.model if isinstance(spec.model, nn.Module) else None))
+
+
+def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str) -> Any:
+    """The validation data of `spec` (None without): read on demand, no prefetching (each validation
+    rereads steps 0..n-1, which a prefetcher would only read ahead past)."""
+    if spec.eval_data is None:
+        return None
+    if not isinstance(spec.eval_data, str):
+        from model_parallel.runtime.sources import as_source
+
+        return as_source(spec.eval_data, spec.batch_size, spec.seed, spec.collate_fn)
+    from model_parallel.runtime.data import make_dataset
+
+    # Synthetic validation data from another seed: training's own minibatches would not be held out.
+    return make_dataset(spec.eval_data, spec.batch_size, spec.seed + 1, shape=shape, num_classes=classes, kind=kind,
+                        prefetch=0, seq_len=spec.seq_len, token_dtype=spec.token_dtype)
 
 
 def _source(spec: JobSpec) -> str:

@@ -62,6 +62,7 @@ class PipelineTrainer:
         weights: Union[str, Path, None] = None,
         init_weights: Optional[Callable[[Any, str], None]] = None,
         collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+        eval_data: Any = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -77,7 +78,7 @@ class PipelineTrainer:
             package=source if isinstance(source, (str, Path)) else None,
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
-            data=dataset, collate_fn=collate_fn, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
+            data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
             num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights)
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
@@ -118,7 +119,7 @@ class PipelineTrainer:
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
                                          optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
                                          options=options, channel=channel, health=self.health, device=device,
-                                         initializer=job.initializer)
+                                         initializer=job.initializer, eval_dataset=job.eval_dataset)
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""

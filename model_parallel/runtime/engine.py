@@ -90,6 +90,7 @@ class PipelineEngine:
         device: Optional[torch.device] = None,
         control_group: Any = None,
         initializer: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         from model_parallel.allocator import keep_freed_memory
         from model_parallel.runtime.metrics import MetricsRecorder
@@ -98,6 +99,7 @@ class PipelineEngine:
         keep_freed_memory()  # steady per-step allocation cost (see model_parallel/allocator.py)
         self.graph, self.model, self.criterion = graph, model, criterion
         self.optimizer_factory, self.dataset, self.config, self.options = optimizer_factory, dataset, config, options
+        self.eval_dataset = eval_dataset  # validated on every `options.eval_every` steps (loop.py)
         self.channel = channel or NullChannel()
         self.health = health
         self.device = device or torch.device("cpu")
@@ -122,6 +124,7 @@ class PipelineEngine:
         self.updates = 0  # optimizer updates after a flush applied by this rank (PipeDream: see WeightStash)
         self.history: deque[StepResult] = deque(maxlen=HISTORY_WINDOW)  # the latest steps' results
         self.next_step = 0  # the first step not yet run (after `train`: how far it got)
+        self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self.stage: Any = None
@@ -358,6 +361,12 @@ class PipelineEngine:
         self._check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
         save_and_commit(self, step)
         self._checkpointed_step = step
+
+    def training_record(self, next_step: int) -> dict[str, Any]:
+        """This run's training configuration and data position at `next_step` (what a checkpoint records)."""
+        from model_parallel.runtime.training_record import training_record
+
+        return training_record(self.config, self.dataset, next_step)
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""
