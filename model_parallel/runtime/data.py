@@ -16,17 +16,13 @@ from typing import Any, Optional, Protocol, Union
 import torch
 
 from model_parallel.errors import DataError, ModelParallelError
+from model_parallel.runtime.sources import seeded_generator as _generator, token_data
 
 
 class Dataset(Protocol):
     batch_size: int
 
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]: ...
-
-
-def _generator(seed: int, step: int) -> torch.Generator:
-    # Distinct streams per (seed, step) without correlations between neighbouring steps.
-    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1))
 
 
 @dataclass(frozen=True)
@@ -155,8 +151,6 @@ def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...
         dataset: Any = SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
         depth = 0 if prefetch is None else prefetch
     elif spec.startswith("tokens:"):
-        from model_parallel.runtime.sources import token_data
-
         length = seq_len or (shape[-1] if shape else 0)
         if not length:
             raise DataError(f"--data {spec}: the model records no sequence length; give --seq_len N")

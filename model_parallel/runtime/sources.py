@@ -32,10 +32,15 @@ from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
-from model_parallel.runtime.data import _generator
 
 Batch = tuple[Any, torch.Tensor]
 TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def seeded_generator(seed: int, key: int) -> torch.Generator:
+    """A generator for (seed, key): a step's synthetic batch, or (key = -1 - epoch) an epoch's shuffle."""
+    # Distinct streams per (seed, key) without correlations between neighbouring keys.
+    return torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + 17) % (2**63 - 1))
 
 
 def as_pair(batch: Any, where: str) -> Batch:
@@ -78,7 +83,7 @@ class MapData:
 
     def _batches(self, epoch: int) -> list[list[int]]:
         if self._epoch[0] != epoch:  # one epoch's order kept (a resume or an evaluation asks for another)
-            sampler = (RandomSampler(self.dataset, generator=_generator(self.seed, -1 - epoch)) if self.shuffle
+            sampler = (RandomSampler(self.dataset, generator=seeded_generator(self.seed, -1 - epoch)) if self.shuffle
                        else SequentialSampler(self.dataset))
             self._epoch = (epoch, list(BatchSampler(sampler, self.batch_size, self.drop_last)))
         return self._epoch[1]
