@@ -65,3 +65,15 @@ def test_pipeline_evaluate_matches_single_process(tmp_path, world):
         want = _reference(name)
         assert got[name]["loss"] == pytest.approx(want["loss"], abs=1e-5), name
         assert got[name]["metric"] == pytest.approx(want["metric"], abs=1e-6), name
+
+
+def test_report_and_plot_show_the_validation_loss(tmp_path):
+    from model_parallel.cli.report import plot_throughput, validation_losses
+
+    records = [{"step": 3, "val_loss": 2.0, "rank": 0}, {"step": 3, "val_loss": 2.0, "rank": 1}, {"step": 4},
+               {"step": 7, "val_loss": 1.5}]
+    validation = validation_losses(records)
+    assert validation == [(3, 2.0), (7, 1.5)]
+    rows = [{"step": s, "samples_per_s": 10.0 + s, "plan_version": 0} for s in range(8)]
+    path = plot_throughput(rows, 2, tmp_path / "throughput.png", validation)
+    assert path.stat().st_size > 0
