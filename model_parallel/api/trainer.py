@@ -78,8 +78,9 @@ class PipelineTrainer:
             package=source if isinstance(source, (str, Path)) else None,
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
-            data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
-            num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights)
+            data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
+            batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
+            init_weights=init_weights)
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
         if world > 1:

@@ -70,7 +70,7 @@ def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]
         first = changed_fields(stored, current)[0][0]
         raise ConfigError(f"--resume from {where}: the run was trained with a different {first}: {'; '.join(changes)} "
                           f"(checkpoint -> this run); resume with the checkpoint's settings (e.g. --{first} "
-                          f"{stored[first]}), or pass --allow_config_change to accept the change")
+                          f"{stored[first]}), or pass --allow_config_change (RunOptions.allow_config_change) to accept the change")
     for change in changes:
         logger.warning("--allow_config_change: resuming from %s with %s (checkpoint -> this run)", where, change)
     return changes
