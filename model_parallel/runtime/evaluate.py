@@ -64,21 +64,33 @@ def evaluate_pipeline(engine: Any, dataset: Any, steps: int, metric: Optional[Me
     return EvalResult(float(total[0]) / steps, float(total[1]) / steps if metric is not None else None, steps)
 
 
-def single_process_evaluate(model: nn.Module, criterion: Callable[[Any, torch.Tensor], torch.Tensor], dataset: Any,
-                            num_microbatches: int, steps: int, metric: Optional[Metric] = None) -> EvalResult:
-    """The oracle: the original model in eval mode, per microbatch criterion / m, the same microbatching."""
+def evaluate_in_process(modules: list[nn.Module], forward: Callable[[Any, Any], Any], criterion: Callable, dataset: Any,
+                        num_microbatches: int, steps: int, metric: Optional[Metric] = None) -> EvalResult:
+    """Forward-only in this process: `forward(inputs, microbatch_inputs) -> output` per microbatch, `modules` in
+    eval mode meanwhile (and back to train mode after); the loss and metric / m summed per step, then averaged."""
     _check_steps(steps)
     loss_sum = metric_sum = 0.0
-    was_training = model.training
-    model.eval()
+    for module in modules:
+        module.eval()
     try:
         with torch.no_grad():
             for step in range(steps):
                 inputs, target = dataset.batch(step)
                 for mb_inputs, mb_target in minibatch_parts(inputs, target, num_microbatches):
-                    output = model(**mb_inputs[0]) if isinstance(inputs, Mapping) else model(*mb_inputs)
+                    output = forward(inputs, mb_inputs)
                     loss_sum += float(criterion(output, mb_target)) / num_microbatches
                     metric_sum += float(metric(output, mb_target)) / num_microbatches if metric is not None else 0.0
     finally:
-        model.train(was_training)
+        for module in modules:
+            module.train()
     return EvalResult(loss_sum / steps, metric_sum / steps if metric is not None else None, steps)
+
+
+def single_process_evaluate(model: nn.Module, criterion: Callable[[Any, torch.Tensor], torch.Tensor], dataset: Any,
+                            num_microbatches: int, steps: int, metric: Optional[Metric] = None) -> EvalResult:
+    """The oracle: the original model in eval mode, per microbatch criterion / m, the same microbatching."""
+
+    def forward(inputs: Any, mb_inputs: Any) -> Any:
+        return model(**mb_inputs[0]) if isinstance(inputs, Mapping) else model(*mb_inputs)
+
+    return evaluate_in_process([model], forward, criterion, dataset, num_microbatches, steps, metric)

@@ -182,25 +182,10 @@ class SingleProcessRunner:
 
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset`, stages in eval mode: `evaluate.EvalResult`."""
-        from model_parallel.runtime.evaluate import EvalResult, _check_steps
+        from model_parallel.runtime.evaluate import evaluate_in_process
 
-        _check_steps(steps)
-        m = self.config.num_microbatches
-        loss_sum = metric_sum = 0.0
-        for stage in self.stages:
-            stage.eval()
-        try:
-            with torch.no_grad():
-                for step in range(steps):
-                    inputs, target = dataset.batch(step)
-                    for mb_inputs, mb_target in _microbatches(inputs, target, m):
-                        output = self._forward(inputs, mb_inputs, recompute=False)
-                        loss_sum += float(self.criterion(output, mb_target)) / m
-                        metric_sum += float(metric(output, mb_target)) / m if metric is not None else 0.0
-        finally:
-            for stage in self.stages:
-                stage.train()
-        return EvalResult(loss_sum / steps, metric_sum / steps if metric is not None else None, steps)
+        return evaluate_in_process(list(self.stages), lambda inputs, mb: self._forward(inputs, mb, recompute=False),
+                                   self.criterion, dataset, self.config.num_microbatches, steps, metric)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's state by stage-module name (`layer1_0_conv1.weight`)."""
