@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from model_parallel import PipelineTrainer, TrainConfig
 from model_parallel.codegen.naming import state_key
@@ -17,22 +17,9 @@ from model_parallel.models.mlp import StackedMLP
 from model_parallel.runtime.data import make_dataset
 from model_parallel.runtime.sources import IterableData, MapData, as_source, token_data
 from model_parallel.runtime.trainer import single_process_reference
+from support.sources_cases import BATCH, CLASSES, FEATURES, N, sources, tensors
 
-N, FEATURES, CLASSES, BATCH = 40, 16, 4, 8  # 5 steps per epoch
 CONFIG = TrainConfig(batch_size=BATCH, num_microbatches=2, seed=3)
-
-
-def _tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(N, FEATURES, generator=gen), torch.randint(0, CLASSES, (N,), generator=gen)
-
-
-class Stream(IterableDataset):
-    """An iterable dataset that yields the same samples on every pass."""
-
-    def __iter__(self):
-        x, y = _tensors()
-        return iter(zip(x, y))
 
 
 def _dict_collate(samples):
@@ -48,25 +35,13 @@ class DictModel(torch.nn.Module):
         return self.net(x)
 
 
-def _sources():
-    x, y = _tensors()
-    dataset = TensorDataset(x, y)
-    return {
-        "dataset": dataset,
-        "iterable": Stream(),
-        "loader_shuffled": DataLoader(dataset, batch_size=BATCH, shuffle=True),
-        "loader_sequential": DataLoader(dataset, batch_size=BATCH),
-        "loader_iterable": DataLoader(Stream(), batch_size=BATCH),
-    }
-
-
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-@pytest.mark.parametrize("name", sorted(_sources()))
+@pytest.mark.parametrize("name", sorted(sources()))
 def test_each_adapter_trains_as_single_process(name):
-    data = _sources()[name]
+    data = sources()[name]
     torch.manual_seed(1)
     model = StackedMLP(FEATURES, 32, 2, CLASSES)
     reference = copy.deepcopy(model)
@@ -80,7 +55,7 @@ def test_each_adapter_trains_as_single_process(name):
 
 
 def test_dict_batches_from_a_collate_function():
-    x, y = _tensors()
+    x, y = tensors()
     torch.manual_seed(1)
     model = DictModel()
     reference = copy.deepcopy(model)
@@ -94,20 +69,20 @@ def test_dict_batches_from_a_collate_function():
     assert losses == pytest.approx(want, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(_sources()))
+@pytest.mark.parametrize("name", sorted(sources()))
 def test_a_fresh_source_reads_mid_epoch_steps_as_an_uninterrupted_one(name):
     # What a resume does: a new process asks its new source for the checkpoint's next step directly.
-    running = as_source(_sources()[name], BATCH, 7)
+    running = as_source(sources()[name], BATCH, 7)
     seen = [running.batch(step) for step in range(13)]
     for step in (7, 3, 12):  # mid-epoch 1, backwards, mid-epoch 2
-        inputs, target = as_source(_sources()[name], BATCH, 7).batch(step)
+        inputs, target = as_source(sources()[name], BATCH, 7).batch(step)
         assert torch.equal(inputs[0], seen[step][0][0]) and torch.equal(target, seen[step][1])
     again_inputs, _ = running.batch(2)  # the same object jumping back replays
     assert torch.equal(again_inputs[0], seen[2][0][0])
 
 
 def test_epochs_are_permutations_keyed_by_seed_and_epoch():
-    x, y = _tensors()
+    x, y = tensors()
     data = MapData(TensorDataset(torch.arange(N), y), BATCH, seed=5)
     epoch0 = torch.cat([data.batch(s)[0][0] for s in range(5)])
     epoch1 = torch.cat([data.batch(s)[0][0] for s in range(5, 10)])
