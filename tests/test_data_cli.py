@@ -10,11 +10,28 @@ import numpy as np
 import pytest
 import torch
 
+from model_parallel.cli.worker import build_parser, check_inputs
+from model_parallel.errors import ConfigError, PlanError
 from model_parallel.runtime.checkpoint import load_checkpoint
+from model_parallel.runtime.config import RunOptions
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.metrics import read_metrics
 
-pytestmark = [pytest.mark.slow]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval_every", "5"], r"--eval_every 5: needs --eval_data"),
+    (["--data", "tokens:/nonexistent/train.bin"], r"--data tokens:/nonexistent/train.bin: no such file"),
+    (["--eval_data", "/nonexistent"], r"--eval_data /nonexistent: not a directory; give 'synthetic', tokens:PATH"),
+])
+def test_bad_data_flags_are_one_line_errors(argv, message):
+    with pytest.raises(PlanError, match=message):
+        check_inputs(build_parser().parse_args(["--model", "mlp", *argv]))
+
+
+def test_bad_eval_options_are_refused():
+    with pytest.raises(ConfigError, match=r"eval_every must be >= 0.*and eval_steps >= 1, got 1 and 0"):
+        RunOptions(eval_every=1, eval_steps=0)
 
 
 def _common(tokens, directory, steps):
@@ -22,6 +39,7 @@ def _common(tokens, directory, steps):
             "--steps", str(steps), "--checkpoint_dir", str(directory), "--lr", "0.05"]
 
 
+@pytest.mark.slow
 def test_token_file_resume_mid_epoch_equals_uninterrupted_and_a_changed_batch_size_is_refused(tmp_path):
     # TinyGPT reads 16 ids of a vocabulary of 128: 40 windows = 5 steps per epoch of 8.
     tokens = tmp_path / "train.bin"
