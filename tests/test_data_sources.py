@@ -103,6 +103,8 @@ def test_token_file_gives_windows_and_shifted_targets(tmp_path):
     assert all(int(row[0]) % 16 == 0 for row in x)  # windows start on multiples of seq_len
     made = make_dataset(f"tokens:{tmp_path / 'train.bin'}", 4, 0, shape=(16,), num_classes=1000, kind="tokens", prefetch=0)
     assert torch.equal(made.batch(3)[0][0], x)
+    with pytest.raises(DataError, match=r"--seq_len 8 differs from the model's input length 16 \(as traced\)"):
+        make_dataset(f"tokens:{tmp_path / 'train.bin'}", 4, 0, shape=(16,), num_classes=1000, kind="tokens", seq_len=8)
 
 
 def test_token_file_errors(tmp_path):

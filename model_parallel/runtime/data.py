@@ -154,6 +154,10 @@ def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...
         length = seq_len or (shape[-1] if shape else 0)
         if not length:
             raise DataError(f"--data {spec}: the model records no sequence length; give --seq_len N")
+        if shape and kind == "tokens" and length != shape[-1]:
+            # The graph was traced at its input length: other lengths would fail deep inside a stage.
+            raise DataError(f"--data {spec}: --seq_len {length} differs from the model's input length {shape[-1]} "
+                            f"(as traced); give --seq_len {shape[-1]}, or profile the model at length {length}")
         dataset = token_data(spec[len("tokens:"):], length, batch_size, seed, token_dtype)
         depth = 2 if prefetch is None else prefetch
     else:
