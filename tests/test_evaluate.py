@@ -77,3 +77,15 @@ def test_report_and_plot_show_the_validation_loss(tmp_path):
     rows = [{"step": s, "samples_per_s": 10.0 + s, "plan_version": 0} for s in range(8)]
     path = plot_throughput(rows, 2, tmp_path / "throughput.png", validation)
     assert path.stat().st_size > 0
+
+
+def test_eval_every_validates_in_single_process_mode_too():
+    from model_parallel import RunOptions
+
+    case = make_case("mlp")
+    trainer = PipelineTrainer(case.model, case.sgd, case.train_data, case.config, criterion=case.loss, num_stages=2,
+                              example_inputs=case.example, single_process=True, eval_data=case.eval_data,
+                              options=RunOptions(eval_every=2, eval_steps=1))
+    results = trainer.train(5)
+    assert [r.step for r in results if "val_loss" in r.extra] == [1, 3, 4]
+    assert results[-1].extra["val_loss"] == pytest.approx(trainer.evaluate(case.eval_data, 1).loss, abs=1e-7)

@@ -91,7 +91,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
-        self.config, self.collate_fn = config, collate_fn
+        self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
         self.health: Any = None
         from model_parallel.runtime.tied import check_schedule
 
@@ -124,7 +124,15 @@ class PipelineTrainer:
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
-        results = self.runner.train(steps)
+        if not self.single_process:
+            return self.runner.train(steps)
+        # Single-process mode validates as the pipeline's loop does: every eval_every steps and after the last.
+        every, results = self.options.eval_every, []
+        for step in range(steps):
+            results += self.runner.train(step + 1, step)
+            if self.eval_dataset is not None and every and ((step + 1) % every == 0 or step + 1 == steps):
+                results[-1].extra["val_loss"] = self.runner.evaluate(self.eval_dataset, self.options.eval_steps).loss
+                logger.info("[single process] step %d val_loss %.6f", step, results[-1].extra["val_loss"])
         return results
 
     def evaluate(self, data: Any, steps: int, metric: Optional[Callable[[Any, torch.Tensor], Any]] = None,

@@ -32,6 +32,7 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
                                              grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms,
                                              **engine.meter.record(), **validation)
             if "val_loss" in validation:
+                result.extra["val_loss"] = validation["val_loss"]
                 last_validation = {"val_loss": f"{validation['val_loss']:.4f}"}
             if progress is not None:
                 progress.update(1)
