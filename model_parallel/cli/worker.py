@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
+from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
@@ -104,16 +105,7 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--momentum", type=float, default=0.9)
     t.add_argument("--weight_decay", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--data", default="synthetic",
-                   help="'synthetic', 'tokens:PATH' (a flat uint16/uint32 token file, nanoGPT's train.bin) or an "
-                        "ImageFolder directory")
-    t.add_argument("--seq_len", type=int, default=None,
-                   help="tokens:PATH: window length (inputs and shifted targets; default: the model's input length)")
-    t.add_argument("--token_dtype", choices=("uint16", "uint32"), default="uint16", help="tokens:PATH: id type")
-    t.add_argument("--eval_data", default=None, help="validation data, as --data (synthetic: another seed)")
-    t.add_argument("--eval_every", type=int, default=0,
-                   help="validate every N steps and after the last (needs --eval_data; 0: never)")
-    t.add_argument("--eval_steps", type=int, default=4, help="minibatches per validation (default 4)")
+    data_flags.add_arguments(t)  # --data, --seq_len, --token_dtype, --eval_data, --eval_every, --eval_steps
     t.add_argument("--recompute", default=None, help="activation recomputation: 'all' or stage ids, e.g. 0,1")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for forward passes")
     t.add_argument("--clip_grad", type=float, default=None, help="clip gradients to this global norm")
@@ -177,7 +169,7 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
     if served is not None:
         return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
                        data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                       weights=args.weights, **_data_flags(args))
+                       weights=args.weights, **data_flags.spec_fields(args))
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
@@ -186,12 +178,7 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
                    plan=args.plan or None, num_stages=args.num_stages, stage_to_num_ranks=replicas, loss=args.loss,
                    input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                   weights=args.weights, **_data_flags(args))
-
-
-def _data_flags(args: Any) -> dict[str, Any]:
-    """The JobSpec fields of the token-file and validation flags."""
-    return {"seq_len": args.seq_len, "token_dtype": args.token_dtype, "eval_data": args.eval_data}
+                   weights=args.weights, **data_flags.spec_fields(args))
 
 
 def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:
@@ -271,27 +258,11 @@ def check_inputs(args: Any, where: str = "") -> None:
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise PlanError(f"{where}--checkpoint_dir {args.checkpoint_dir}: is a file, not a directory; give a directory "
                         "(it is created if missing)")
-    for flag, spec in (("--data", args.data), ("--eval_data", args.eval_data)):
-        check_data(flag, spec, where)
-    if args.eval_every and args.eval_data is None:
-        raise PlanError(f"{where}--eval_every {args.eval_every}: needs --eval_data (the data to validate on)")
+    data_flags.check(args, where)
     if args.weights:
         check_weights(args.weights, where)
     if args.token_file and not os.path.isfile(args.token_file):
         raise PlanError(f"{where}--token-file {args.token_file}: no such file; write the shared token on its first line")
-
-
-def check_data(flag: str, spec: Optional[str], where: str = "") -> None:
-    """`--data`/`--eval_data`: 'synthetic', tokens:FILE with a file there, or an ImageFolder directory."""
-    if spec is None or spec == "synthetic":
-        return
-    if spec.startswith("tokens:"):
-        if not os.path.isfile(spec[len("tokens:"):]):
-            raise PlanError(f"{where}{flag} {spec}: no such file; give a flat uint16/uint32 token file (nanoGPT's train.bin)")
-        return
-    if not os.path.isdir(spec):
-        raise PlanError(f"{where}{flag} {spec}: not a directory; give 'synthetic', tokens:PATH or an ImageFolder "
-                        "directory (root/<class>/<image files>)")
 
 
 def check_weights(path: str, where: str = "") -> None:
