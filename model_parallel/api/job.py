@@ -52,7 +52,13 @@ class JobSpec:
     loss: Optional[str] = None  # "cross_entropy" | "lm"; default: "lm" for token inputs, else "cross_entropy"
     input_shape: Optional[tuple[int, ...]] = None  # per sample, for a PipeDream package (it records none)
     num_classes: Optional[int] = None  # classes of synthetic data (default: the model's output width)
-    data: Any = "synthetic"  # "synthetic", an ImageFolder directory, or a dataset (`batch(step) -> (inputs, target)`)
+    # "synthetic", "tokens:PATH", an ImageFolder directory, a map-style Dataset, an iterable, a DataLoader, or
+    # anything with `batch(step) -> (inputs, target)` (runtime.sources turns the others into that)
+    data: Any = "synthetic"
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None  # a map-style Dataset's or an iterable's (default: torch's)
+    seq_len: Optional[int] = None  # "tokens:PATH" windows (default: the model's input length)
+    token_dtype: str = "uint16"  # "tokens:PATH" ids: uint16 (nanoGPT's GPT-2 vocabulary) or uint32
+    eval_data: Any = None  # validation data, any form `data` takes (synthetic: another seed than training's)
     example_inputs: Union[Sequence[Any], Mapping[str, Any], None] = None  # a microbatch to trace a module with (default: from `data`)
     seed: int = 0  # the per-layer init rule's seed (runtime.materialize.layer_seed)
     weights: Union[str, Path, None] = None  # initial values: a .safetensors file, an HF sharded directory, our checkpoint
@@ -80,6 +86,13 @@ class JobSpec:
 def build_job(spec: JobSpec, world_size: int) -> Job:
     """Graph, plan, seed-built model, criterion and dataset of `spec` for a world of `world_size` ranks."""
     plan: Optional[Plan] = None
+    adapted = False
+    if not isinstance(spec.data, str):
+        from model_parallel.runtime.sources import as_source
+
+        source = as_source(spec.data, spec.batch_size, spec.seed, spec.collate_fn)
+        adapted = source is not spec.data
+        spec = replace(spec, data=source)
     static = False  # a PipeDream-generated package: its plan is static (no graph.json to re-cut)
     if isinstance(spec.model, str):
         graph, model, criterion, shape, classes, kind = _zoo_model(spec)
@@ -91,7 +104,8 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         else:
             graph, model = _graph_model(spec)
         criterion, shape, classes, kind = spec.criterion, (), 0, "dense"
-        if criterion is None or isinstance(spec.data, str):  # the graph's inputs say which loss and data fit
+        # The graph's inputs say which loss and data fit.
+        if criterion is None or isinstance(spec.data, str) or isinstance(spec.eval_data, str):
             inputs = graph.metadata.get("inputs") or []
             if not inputs:
                 raise PlanError(f"{_source(spec)}: graph metadata lacks the model inputs' shapes; re-profile the model")
@@ -113,9 +127,15 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     if isinstance(spec.data, str):
         from model_parallel.runtime.data import make_dataset
 
-        dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind)
+        dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind,
+                               seq_len=spec.seq_len, token_dtype=spec.token_dtype)
+    elif adapted:  # reading a user's data (collating, decoding) stays off stage 0's critical path
+        from model_parallel.runtime.prefetch import Prefetcher
+
+        dataset = Prefetcher(spec.data, depth=2)
     else:
         dataset = spec.data
+    eval_dataset = _eval_dataset(spec, shape, classes, kind)
     from model_parallel.runtime.materialize import Initializer
 
     source = None
@@ -124,9 +144,25 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
 
         source = weight_source(spec.weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
-               static_plan=static, initializer=Initializer(spec.seed, spec.init_weights, source,
+               static_plan=static, eval_dataset=eval_dataset, initializer=Initializer(spec.seed, spec.init_weights, source,
                                                           bare_tensor_defaults=spec.model is None,
                                                           model=spec.model if isinstance(spec.model, nn.Module) else None))
+
+
+def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str) -> Any:
+    """The validation data of `spec` (None without): read on demand, no prefetching (each validation
+    rereads steps 0..n-1, which a prefetcher would only read ahead past)."""
+    if spec.eval_data is None:
+        return None
+    if not isinstance(spec.eval_data, str):
+        from model_parallel.runtime.sources import as_source
+
+        return as_source(spec.eval_data, spec.batch_size, spec.seed, spec.collate_fn)
+    from model_parallel.runtime.data import make_dataset
+
+    # Synthetic validation data from another seed: training's own minibatches would not be held out.
+    return make_dataset(spec.eval_data, spec.batch_size, spec.seed + 1, shape=shape, num_classes=classes, kind=kind,
+                        prefetch=0, seq_len=spec.seq_len, token_dtype=spec.token_dtype)
 
 
 def _source(spec: JobSpec) -> str:

@@ -10,8 +10,9 @@
     trainer.close()                                        # or `with PipelineTrainer(...) as trainer:`
 
 Run it under `torchrun --nproc_per_node=2 my_script.py` (one stage per rank), or without a process
-group for single-process mode (all stages in this process, for debugging). `dataset` is anything
-with `batch(step) -> (inputs_tuple, target)` (see `runtime.data`). The model, graph or package is
+group for single-process mode (all stages in this process, for debugging). `dataset` is a map-style
+`torch.utils.data.Dataset` (batched by `collate_fn`, default torch's), an iterable of samples, a `DataLoader`,
+or anything with `batch(step) -> (inputs_tuple, target)` (`runtime.sources`, `runtime.data`). The model, graph or package is
 turned into a job by `api.job.build_job`, the same builder the worker command line uses.
 """
 from __future__ import annotations
@@ -60,6 +61,8 @@ class PipelineTrainer:
         single_process: Optional[bool] = None,
         weights: Union[str, Path, None] = None,
         init_weights: Optional[Callable[[Any, str], None]] = None,
+        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+        eval_data: Any = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -75,8 +78,9 @@ class PipelineTrainer:
             package=source if isinstance(source, (str, Path)) else None,
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
-            data=dataset, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
-            num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights)
+            data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
+            batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
+            init_weights=init_weights)
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
         if world > 1:
@@ -87,6 +91,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
         self.health: Any = None
         from model_parallel.runtime.tied import check_schedule
 
@@ -115,12 +120,30 @@ class PipelineTrainer:
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
                                          optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
                                          options=options, channel=channel, health=self.health, device=device,
-                                         initializer=job.initializer)
+                                         initializer=job.initializer, eval_dataset=job.eval_dataset)
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
-        results = self.runner.train(steps)
+        if not self.single_process:
+            return self.runner.train(steps)
+        # Single-process mode validates as the pipeline's loop does: every eval_every steps and after the last.
+        every, results = self.options.eval_every, []
+        for step in range(steps):
+            results += self.runner.train(step + 1, step)
+            if self.eval_dataset is not None and every and ((step + 1) % every == 0 or step + 1 == steps):
+                results[-1].extra["val_loss"] = self.runner.evaluate(self.eval_dataset, self.options.eval_steps).loss
+                logger.info("[single process] step %d val_loss %.6f", step, results[-1].extra["val_loss"])
         return results
+
+    def evaluate(self, data: Any, steps: int, metric: Optional[Callable[[Any, torch.Tensor], Any]] = None,
+                 collate_fn: Optional[Callable[[list[Any]], Any]] = None) -> Any:
+        """Validate on `steps` minibatches of `data` (any form `dataset` takes; all ranks call this together):
+        a forward-only pipeline, no backward or update. Returns `EvalResult(loss, metric, steps)`, the means over
+        steps of each minibatch's mean over microbatches of `criterion` (and `metric(output, target)`)."""
+        from model_parallel.runtime.sources import as_source
+
+        source = as_source(data, self.config.batch_size, self.config.seed, collate_fn or self.collate_fn)
+        return self.runner.evaluate(source, steps, metric)
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (idempotent; also runs at exit). Call it before

@@ -31,7 +31,13 @@ def throughput_phases(rows: Sequence[Mapping[str, Any]], slow_at: int, settle: i
             "switch_step": switch_step, "steps_to_detect": (switch_step - slow_at) if switch_step is not None else None}
 
 
-def plot_throughput(rows: Sequence[Mapping[str, Any]], slow_at: int, path: Path) -> Path:
+def validation_losses(records: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """(step, val_loss) of every validation in the metrics (each rank records the same all-reduced value)."""
+    return sorted({int(r["step"]): float(r["val_loss"]) for r in records if r.get("val_loss") is not None}.items())
+
+
+def plot_throughput(rows: Sequence[Mapping[str, Any]], slow_at: int, path: Path,
+                    validation: Sequence[tuple[int, float]] = ()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,6 +55,12 @@ def plot_throughput(rows: Sequence[Mapping[str, Any]], slow_at: int, path: Path)
     ax.set_ylabel("samples / s")
     ax.set_title("pipeline throughput")
     ax.legend(loc="best")
+    if validation:  # the validation loss on its own axis (--eval_data, --eval_every)
+        loss_ax = ax.twinx()
+        loss_ax.plot([s for s, _ in validation], [v for _, v in validation], color="tab:purple", marker="o",
+                     label="validation loss")
+        loss_ax.set_ylabel("validation loss")
+        loss_ax.legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -107,7 +119,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     rows = summarize(records)
     plan = read_plan(run_dir / "package" / "plan.json")
     phases = throughput_phases(rows, args.slow_at)
-    plot = plot_throughput(rows, args.slow_at, run_dir / "throughput.png")
+    validation = validation_losses(records)
+    plot = plot_throughput(rows, args.slow_at, run_dir / "throughput.png", validation)
 
     predicted_ms, measured_stage_ms, clock = stage_fidelity(run_dir, plan, records, args)
     stage_lines = format_fidelity(predicted_ms, measured_stage_ms).splitlines()
@@ -145,6 +158,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "predicted_stage_activation_bytes": [p["activations"] + p["weight_stash"] for p in memory_parts],
         "measured_stage_activation_bytes": [m.stash_peak for m in memory_rows],
         "cores": cores, "load_average_1min": load_1, "load_average_5min": load_5,
+        "validation_loss": [{"step": s, "val_loss": v} for s, v in validation],
     }
     atomic_write_json(run_dir / "report.json", report)
     text = [
@@ -166,6 +180,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         f"after the rebalance: {fmt(phases['after'])}",
         f"rebalanced at step {phases['switch_step']} ({phases['steps_to_detect']} steps after the slowdown)"
         if phases["switch_step"] is not None else "no rebalance happened",
+        (f"validation loss: {validation[0][1]:.4f} (step {validation[0][0]}) -> {validation[-1][1]:.4f} "
+         f"(step {validation[-1][0]})" if validation else "validation loss: none (no --eval_data)"),
         f"machine: {cores} core(s), load average {load_1:.1f} (1 min) / {load_5:.1f} (5 min) while it ran, "
         f"{args.workers} worker process(es)",
         "How to read this: 'before' is the balanced plan; 'slowed' the same plan with rank "

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
+from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
@@ -106,7 +107,7 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--momentum", type=float, default=0.9)
     t.add_argument("--weight_decay", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--data", default="synthetic", help="'synthetic' or an ImageFolder directory")
+    data_flags.add_arguments(t)  # --data, --seq_len, --token_dtype, --eval_data, --eval_every, --eval_steps
     t.add_argument("--recompute", default=None, help="activation recomputation: 'all' or stage ids, e.g. 0,1")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for forward passes")
     t.add_argument("--clip_grad", type=float, default=None, help="clip gradients to this global norm")
@@ -115,6 +116,9 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--checkpoint_dir", default=None)
     o.add_argument("--checkpoint_every", type=int, default=0)
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint_dir")
+    o.add_argument("--allow_config_change", action="store_true",
+                   help="with --resume: accept a batch size, schedule, seed, lr schedule, precision or data that "
+                        "differs from what the checkpoint recorded (each change is logged)")
     o.add_argument("--keep_checkpoints", type=int, default=3,
                    help="committed checkpoints kept in --checkpoint_dir; older ones are deleted (default 3)")
     o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
@@ -167,7 +171,7 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
     if served is not None:
         return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
                        data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                       weights=args.weights)
+                       weights=args.weights, **data_flags.spec_fields(args))
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
@@ -176,7 +180,7 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
                    plan=args.plan or None, num_stages=args.num_stages, stage_to_num_ranks=replicas, loss=args.loss,
                    input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                   weights=args.weights)
+                   weights=args.weights, **data_flags.spec_fields(args))
 
 
 def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:
@@ -256,9 +260,7 @@ def check_inputs(args: Any, where: str = "") -> None:
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise PlanError(f"{where}--checkpoint_dir {args.checkpoint_dir}: is a file, not a directory; give a directory "
                         "(it is created if missing)")
-    if args.data != "synthetic" and not os.path.isdir(args.data):
-        raise PlanError(f"{where}--data {args.data}: not a directory; give 'synthetic' or an ImageFolder directory "
-                        "(root/<class>/<image files>)")
+    data_flags.check(args, where)
     if args.weights:
         check_weights(args.weights, where)
     if args.token_file and not os.path.isfile(args.token_file):
@@ -299,7 +301,8 @@ def make_config(args: Any) -> Any:
     options = RunOptions(
         timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics,
-        straggler=straggler, measure_memory=args.measure_memory,
+        straggler=straggler, measure_memory=args.measure_memory, allow_config_change=args.allow_config_change,
+        eval_every=args.eval_every, eval_steps=args.eval_steps,
     )
     return config, options
 
@@ -350,6 +353,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      make_optimizer_factory(args), job.dataset, config)
         for result in runner.train(args.steps):
             print(f"step {result.step} loss {result.loss:.6f}", flush=True)
+        if job.eval_dataset is not None:
+            print(f"validation loss {runner.evaluate(job.eval_dataset, args.eval_steps).loss:.6f}", flush=True)
         return 0
 
     import torch.distributed as dist

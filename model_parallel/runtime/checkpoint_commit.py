@@ -78,7 +78,8 @@ def save_and_commit(engine: Any, step: int) -> None:
         writers = [s.ranks[0] for s in engine.plan.stages]
         try:
             finalize(directory, step, {"world_size": engine.world_size, "plan": engine.plan.to_dict()},
-                     engine.fingerprint(), expected_ranks=writers, extra={"next_step": step + 1})
+                     engine.fingerprint(), expected_ranks=writers,
+                     extra={"next_step": step + 1, "training": engine.training_record(step + 1)})
         except Exception as exc:  # noqa: BLE001 - as above
             error = _describe(exc)
         else:

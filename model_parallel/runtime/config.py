@@ -85,6 +85,7 @@ class RunOptions:
     checkpoint_every: int = 0  # steps; 0: only at the end when checkpoint_dir is set
     keep_checkpoints: int = 3  # committed checkpoints kept; older ones are deleted after each commit
     resume: bool = False
+    allow_config_change: bool = False  # resume even when the checkpoint was trained otherwise (logged; training_record.py)
     trace_dir: Optional[str] = None
     metrics: Optional[str] = None  # JSONL path; "{rank}" is replaced
     progress: bool = True  # a tqdm bar on rank 0
@@ -92,11 +93,16 @@ class RunOptions:
     # Count the bytes each microbatch keeps for backward (runtime/memory_probe.StashMeter): a hook per
     # saved tensor, off by default (docs/runtime.md "Where every byte lives" gives its cost).
     measure_memory: bool = False
+    eval_every: int = 0  # steps between validations on the engine's eval data (0: none; also after the last step)
+    eval_steps: int = 4  # minibatches per validation
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0 steps (0: only at the end), got {self.checkpoint_every}")
+        if self.eval_every < 0 or self.eval_steps < 1:
+            raise ConfigError(f"eval_every must be >= 0 (0: no validation) and eval_steps >= 1, got {self.eval_every} "
+                              f"and {self.eval_steps}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1 (the one to resume from), got {self.keep_checkpoints}")

@@ -1,4 +1,5 @@
-"""Minibatches keyed by (seed, step): deterministic synthetic data, or a real ImageFolder.
+"""Minibatches keyed by (seed, step): deterministic synthetic data, or a real ImageFolder (a user's
+Dataset, iterable, DataLoader or token file: `runtime.sources`).
 
 Only stage 0 reads data (targets travel down the pipeline with the activations). A dataset here
 is anything with `batch(step) -> (inputs: tuple[Tensor, ...], target: Tensor)`; the same step
@@ -15,17 +16,13 @@ from typing import Any, Optional, Protocol, Union
 import torch
 
 from model_parallel.errors import DataError, ModelParallelError
+from model_parallel.runtime.sources import seeded_generator as _generator, token_data
 
 
 class Dataset(Protocol):
     batch_size: int
 
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]: ...
-
-
-def _generator(seed: int, step: int) -> torch.Generator:
-    # Distinct streams per (seed, step) without correlations between neighbouring steps.
-    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1))
 
 
 @dataclass(frozen=True)
@@ -144,13 +141,25 @@ def _split(value: Any, parts: int) -> list[Any]:
 
 
 def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...], num_classes: int, kind: str = "dense",
-                 image_size: int = 32, prefetch: Optional[int] = None) -> Any:
-    """`spec` is "synthetic" or an ImageFolder directory. `prefetch` batches are prepared ahead on a
-    background thread (`runtime.prefetch.Prefetcher`; 0: none); default 2 for an ImageFolder (decoding
+                 image_size: int = 32, prefetch: Optional[int] = None, seq_len: Optional[int] = None,
+                 token_dtype: str = "uint16") -> Any:
+    """`spec` is "synthetic", "tokens:PATH" (a flat token file, windows of `seq_len`, default the model's
+    input length; `runtime.sources.token_data`) or an ImageFolder directory. `prefetch` batches are prepared
+    ahead on a background thread (`runtime.prefetch.Prefetcher`; 0: none); default 2 for files (decoding
     images costs as much as a stage's compute) and 0 for synthetic data (a few random numbers)."""
     if spec == "synthetic":
         dataset: Any = SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
         depth = 0 if prefetch is None else prefetch
+    elif spec.startswith("tokens:"):
+        length = seq_len or (shape[-1] if shape else 0)
+        if not length:
+            raise DataError(f"--data {spec}: the model records no sequence length; give --seq_len N")
+        if shape and kind == "tokens" and length != shape[-1]:
+            # The graph was traced at its input length: other lengths would fail deep inside a stage.
+            raise DataError(f"--data {spec}: --seq_len {length} differs from the model's input length {shape[-1]} "
+                            f"(as traced); give --seq_len {shape[-1]}, or profile the model at length {length}")
+        dataset = token_data(spec[len("tokens:"):], length, batch_size, seed, token_dtype)
+        depth = 2 if prefetch is None else prefetch
     else:
         dataset = ImageFolderData(spec, batch_size, image_size, seed)
         depth = 2 if prefetch is None else prefetch

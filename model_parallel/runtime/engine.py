@@ -90,6 +90,7 @@ class PipelineEngine:
         device: Optional[torch.device] = None,
         control_group: Any = None,
         initializer: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         from model_parallel.allocator import keep_freed_memory
         from model_parallel.runtime.metrics import MetricsRecorder
@@ -98,6 +99,7 @@ class PipelineEngine:
         keep_freed_memory()  # steady per-step allocation cost (see model_parallel/allocator.py)
         self.graph, self.model, self.criterion = graph, model, criterion
         self.optimizer_factory, self.dataset, self.config, self.options = optimizer_factory, dataset, config, options
+        self.eval_dataset = eval_dataset  # validated on every `options.eval_every` steps (loop.py)
         self.channel = channel or NullChannel()
         self.health = health
         self.device = device or torch.device("cpu")
@@ -122,6 +124,7 @@ class PipelineEngine:
         self.updates = 0  # optimizer updates after a flush applied by this rank (PipeDream: see WeightStash)
         self.history: deque[StepResult] = deque(maxlen=HISTORY_WINDOW)  # the latest steps' results
         self.next_step = 0  # the first step not yet run (after `train`: how far it got)
+        self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self.stage: Any = None
@@ -224,11 +227,12 @@ class PipelineEngine:
         return dict(self.stage.state_dict()) if self.stage is not None else {}
 
     # ---- one step --------------------------------------------------------------------------------------
-    def _microbatches(self, step: int) -> Optional[Microbatches]:
+    def _microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
         if self.stage_id != 0:
             return None  # later stages receive theirs
         # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
-        inputs, target = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, self.dataset.batch(step))
+        batch = (dataset or self.dataset).batch(step)
+        inputs, target = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, batch)
         graph_inputs = self.graph.metadata.get("inputs") or ()
         return [(stage_zero_inputs(graph_inputs, inputs, mb), t)
                 for mb, t in minibatch_parts(inputs, target, self.config.num_microbatches)]
@@ -299,6 +303,12 @@ class PipelineEngine:
         return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
 
 
+    def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
+        """Forward-only over `steps` minibatches of `dataset` (all ranks together): `evaluate.EvalResult`."""
+        from model_parallel.runtime.evaluate import evaluate_pipeline
+
+        return evaluate_pipeline(self, dataset, steps, metric)
+
     # ---- control --------------------------------------------------------------------------------
     def control(self, step: int, report: StepReport) -> Optional[Command]:
         """Report the step; rank 0 polls its channel; the decision is broadcast to every rank."""
@@ -351,6 +361,12 @@ class PipelineEngine:
         self._check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
         save_and_commit(self, step)
         self._checkpointed_step = step
+
+    def training_record(self, next_step: int) -> dict[str, Any]:
+        """This run's training configuration and data position at `next_step` (what a checkpoint records)."""
+        from model_parallel.runtime.training_record import training_record
+
+        return training_record(self.config, self.dataset, next_step)
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""

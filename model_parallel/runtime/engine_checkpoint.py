@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from model_parallel.graph.core import Graph
+from model_parallel.runtime.training_record import check_resume
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ def restore(engine: Any) -> int:
     from model_parallel.runtime.tied import stored_keys
 
     checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
+    next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
+    # Every rank reads the same manifest: all refuse together, before any state changes.
+    check_resume(checkpoint.extra.get("training"), engine.training_record(next_step),
+                 engine.options.allow_config_change, f"{engine.options.checkpoint_dir} (step {checkpoint.step})")
     if engine.stage is not None:
         stored = stored_keys(engine.graph)  # a tied copy is restored from the one stored tensor
         checkpoint.load_into(engine.stage, stored)
@@ -42,7 +47,7 @@ def restore(engine: Any) -> int:
             state = {name: state[stored.get(name, name)] for name in named if stored.get(name, name) in state}
             ckpt.load_optimizer_state_by_name(engine.optimizer, named, state)
     engine._check_tied(f"after restoring checkpoint step {checkpoint.step}")
-    return int(checkpoint.extra.get("next_step", checkpoint.step + 1))
+    return next_step
 
 
 def prepare(engine: Any, start_step: int) -> int:

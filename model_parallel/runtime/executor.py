@@ -158,15 +158,10 @@ class StepExecutor:
                     loss_sum += float(loss.detach()) * loss_scale / m
                     stash[j] = _Stash(inputs, loss, weights=weights)
                 else:
-                    outputs = list(compute("forward", j, lambda: self.forward(values, weights))) + [target]
-                    names = self.output_names or tuple(f"output {i}" for i in range(len(outputs)))
-                    leaves, tree = structure.flatten_values(outputs, names)
-                    # bf16: the stage's outputs may travel narrowed, the target (last) exactly as the data has it.
-                    num_wire = len(leaves) - (1 if isinstance(target, torch.Tensor) else len(structure.flatten(target)[0]))
+                    outputs = compute("forward", j, lambda: self.forward(values, weights))
                     with self.metrics.measure("send", microbatch=j):
-                        sends.append(comm.send_values(leaves, self.route(k + 1, j), comm.TAG_ACTIVATION, device=self.device,
-                                                      cache=self.header_cache, stream=j, structure=tree,
-                                                      wire_dtype=self.wire_dtype, num_wire=num_wire))
+                        leaves, handle = self._send_forward(j, outputs, target, stream=j)
+                    sends.append(handle)
                     stash[j] = _Stash(inputs, leaves, weights=weights)
                 self.meter.kept(j, stash[j])
             else:
@@ -195,6 +190,51 @@ class StepExecutor:
             for handle in sends:
                 handle.wait(self.timeout)
         return loss_sum
+
+    def _send_forward(self, j: int, outputs: Any, target: Any, stream: Any) -> tuple[list[Any], comm.SendHandle]:
+        """Send microbatch j's outputs and target to the next stage, flat; returns the leaves sent and the handle."""
+        values = list(outputs) + [target]
+        names = self.output_names or tuple(f"output {i}" for i in range(len(values)))
+        leaves, tree = structure.flatten_values(values, names)
+        # bf16: the stage's outputs may travel narrowed, the target (last) exactly as the data has it.
+        num_wire = len(leaves) - (1 if isinstance(target, torch.Tensor) else len(structure.flatten(target)[0]))
+        handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), comm.TAG_ACTIVATION, device=self.device,
+                                  cache=self.header_cache, stream=stream, structure=tree,
+                                  wire_dtype=self.wire_dtype, num_wire=num_wire)
+        return leaves, handle
+
+    def run_forward(self, microbatches: Optional[Microbatches],
+                    metric: Optional[Callable[[Any, torch.Tensor], Any]] = None) -> tuple[float, float]:
+        """Forward-only (validation): this rank's microbatches in order, under no_grad; no stash, no
+        backward, no update. Returns this rank's share of (mean loss, mean metric): nonzero on the last stage."""
+        k, m = self.stage_id, self.config.num_microbatches
+        last = k == self.num_stages - 1
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else nullcontext()
+        sends: list[comm.SendHandle] = []
+        loss_sum = metric_sum = 0.0
+        # Streams of their own: the training steps' cached headers stay as they are.
+        for j in sorted({a.microbatch for a in self.actions if a.is_forward}):
+            if k == 0:
+                assert microbatches is not None
+                values, target = list(microbatches[j][0]), microbatches[j][1]
+            else:
+                pending = comm.PendingRecv(self.route(k - 1, j), comm.TAG_ACTIVATION, device=self.device,
+                                           cache=self.header_cache, stream=("eval", j))
+                received = self._unflatten(pending.wait(self.timeout), pending.structure)
+                values, target = received[:-1], received[-1]
+            with torch.no_grad(), autocast:
+                outputs = self.stage(*values)
+            if last:
+                output = self.decode(outputs)
+                output = float_output(output) if self.config.bf16 else output
+                with torch.no_grad():
+                    loss_sum += float(self.criterion(output, target)) / m
+                    metric_sum += float(metric(output, target)) / m if metric is not None else 0.0
+            else:
+                sends.append(self._send_forward(j, outputs, target, stream=("eval", j))[1])
+        for handle in sends:
+            handle.wait(self.timeout)
+        return loss_sum, metric_sum
 
 
 def _is_flat(tree: Any, count: int) -> bool:

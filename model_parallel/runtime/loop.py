@@ -1,8 +1,11 @@
-"""The training loop of a `PipelineEngine`: steps, checkpoints, the control path after every step, a
-progress bar on rank 0, and the trace and metrics files closed at the end whatever happens."""
+"""The training loop of a `PipelineEngine`: steps, validation every `eval_every` steps, checkpoints, the
+control path after every step, a progress bar on rank 0, and the trace and metrics files closed at the
+end whatever happens. (A validation runs inside its step's metrics window: that step's `step_ms` includes
+`eval_ms`, and its JSONL line carries `val_loss`.)"""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +21,24 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
     opts = engine.options
     start_step = engine_checkpoint.prepare(engine, start_step)
     progress = _progress_bar(steps, start_step) if engine.rank == 0 and opts.progress else None
-    step = engine.next_step = start_step
+    step = engine.next_step = engine.start_step = start_step
     engine.stop_reason = None
+    last_validation: dict[str, str] = {}
     try:
         while step < steps:
             result = engine.train_step(step)
+            validation = _validate(engine, step, steps)  # before end_step: the step's JSONL line carries it
             record = engine.metrics.end_step(samples=engine.config.batch_size, loss=result.loss, lr=result.lr,
                                              grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms,
-                                             **engine.meter.record())
+                                             **engine.meter.record(), **validation)
+            if "val_loss" in validation:
+                result.extra["val_loss"] = validation["val_loss"]
+                last_validation = {"val_loss": f"{validation['val_loss']:.4f}"}
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{result.loss:.4f}", plan=engine.plan.version)
-            logger.info("%s step %d loss %.6f", engine.prefix, step, result.loss)
+                progress.set_postfix(loss=f"{result.loss:.4f}", **last_validation, plan=engine.plan.version)
+            logger.info("%s step %d loss %.6f%s", engine.prefix, step, result.loss,
+                        f" val_loss {validation['val_loss']:.6f}" if validation else "")
             if opts.checkpoint_dir and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
                                         or step + 1 == steps):
                 engine.save_checkpoint(step)
@@ -48,6 +57,17 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
         if opts.trace_dir:
             engine.tracer.save(Path(opts.trace_dir) / f"rank{engine.rank}.json")
         engine.metrics.close()
+
+
+def _validate(engine: Any, step: int, steps: int) -> dict[str, float]:
+    """Every `eval_every` steps and after the last one (with eval data): the validation loss and how long it took."""
+    opts = engine.options
+    data = getattr(engine, "eval_dataset", None)
+    if data is None or not opts.eval_every or not ((step + 1) % opts.eval_every == 0 or step + 1 == steps):
+        return {}
+    start = time.perf_counter()
+    result = engine.evaluate(data, opts.eval_steps)
+    return {"val_loss": result.loss, "eval_ms": (time.perf_counter() - start) * 1e3}
 
 
 def _progress_bar(total: int, initial: int) -> Any:

@@ -47,6 +47,7 @@ class Job:
     dataset: Any  # anything with `batch(step) -> (inputs_tuple, target)`
     static_plan: bool = False  # a PipeDream-generated package: no graph.json, so no plan switches
     initializer: Any = None  # runtime.materialize.Initializer: seed, init hook, stored weights (None: the config's seed)
+    eval_dataset: Any = None  # validation data (`batch(step)`), for RunOptions.eval_every
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
         engine = PipelineEngine(graph=job.graph, plan=job.plan, model=move_real(job.model, world.device),
                                 criterion=job.criterion, optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
                                 options=options, channel=channel, health=health, device=world.device,
-                                initializer=job.initializer)
+                                initializer=job.initializer, eval_dataset=job.eval_dataset)
         if on_engine is not None:
             on_engine(engine)
         if world.rank == 0:
@@ -233,7 +234,12 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
         raise
     finally:
         channel.close(outcome)
-    if history:
-        print(f"{engine.prefix} done: {engine.next_step} step(s), last loss {history[-1].loss:.6f}, "
-              f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}", flush=True)
+    ran = engine.next_step - engine.start_step  # a resume starts at the checkpoint's next step
+    if history and ran:
+        print(f"{engine.prefix} done: {ran} step(s), last loss {history[-1].loss:.6f}, "
+              f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}; this run executed steps "
+              f"{engine.start_step}..{engine.next_step - 1} and reached step {engine.next_step} of {steps}", flush=True)
+    else:
+        print(f"{engine.prefix} done: 0 step(s); nothing to run, the checkpoint had reached step {engine.next_step} "
+              f"of {steps}", flush=True)
     return engine

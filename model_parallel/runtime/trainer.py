@@ -154,26 +154,38 @@ class SingleProcessRunner:
         inputs, target = self.dataset.batch(step)
         total = 0.0
         for mb_inputs, mb_target in _microbatches(inputs, target, cfg.num_microbatches):
-            values: list[Any] = _stage_inputs(self.graph, inputs, mb_inputs)
-            for index, stage in enumerate(self.stages):
-                if index > 0:
-                    values = cross(values, self._names(self.stages[index - 1]), cfg.wire_dtype)
-                with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
-                    if cfg.recompute_stage(index):
-                        from torch.utils.checkpoint import checkpoint
-
-                        values = list(checkpoint(stage, *values, use_reentrant=False))
-                    else:
-                        values = list(stage(*values))
-            loss = self.criterion(float_output(self._model_output(values)), mb_target) / cfg.num_microbatches
+            loss = self.criterion(self._forward(inputs, mb_inputs, recompute=True), mb_target) / cfg.num_microbatches
             loss.backward()
             total += float(loss.detach())
         norm = squared_grad_norm(self.params) ** 0.5
         lr = apply_update(self.optimizer, step, lr_schedule=cfg.lr_schedule, clip_grad=cfg.clip_grad, total_norm=norm)
         return StepResult(step, total, norm, lr)
 
+    def _forward(self, inputs: Any, mb_inputs: Sequence[Any], recompute: bool) -> Any:
+        """One microbatch through every stage, values crossing each cut as on the wire; the float model output."""
+        cfg = self.config
+        values: list[Any] = _stage_inputs(self.graph, inputs, mb_inputs)
+        for index, stage in enumerate(self.stages):
+            if index > 0:
+                values = cross(values, self._names(self.stages[index - 1]), cfg.wire_dtype)
+            with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
+                if recompute and cfg.recompute_stage(index):
+                    from torch.utils.checkpoint import checkpoint
+
+                    values = list(checkpoint(stage, *values, use_reentrant=False))
+                else:
+                    values = list(stage(*values))
+        return float_output(self._model_output(values))
+
     def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
         return [self.train_step(step) for step in range(start_step, steps)]
+
+    def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
+        """Forward-only over `steps` minibatches of `dataset`, stages in eval mode: `evaluate.EvalResult`."""
+        from model_parallel.runtime.evaluate import evaluate_in_process
+
+        return evaluate_in_process(list(self.stages), lambda inputs, mb: self._forward(inputs, mb, recompute=False),
+                                   self.criterion, dataset, self.config.num_microbatches, steps, metric)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's state by stage-module name (`layer1_0_conv1.weight`)."""

@@ -1,0 +1,43 @@
+"""One rank of tests/test_evaluate.py's world: for each case, train a few steps with `PipelineTrainer`, then
+`evaluate` (with a metric) on held-out minibatches; rank 0 writes the results.
+
+    python tests/support/eval_worker.py RANK WORLD PORT DIR
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
+
+from model_parallel import PipelineTrainer, RunOptions  # noqa: E402
+from support.eval_cases import EVAL_STEPS, STEPS, case_names, make_case  # noqa: E402
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    for name in case_names():
+        case = make_case(name)
+        trainer = PipelineTrainer(case.model, case.sgd, case.train_data, case.config, options=RunOptions(timeout=120, progress=False),
+                                  criterion=case.loss, num_stages=world, example_inputs=case.example)
+        trainer.train(STEPS)
+        result = trainer.evaluate(case.eval_data, EVAL_STEPS, metric=case.metric)
+        results[name] = {"loss": result.loss, "metric": result.metric}
+        trainer.close()
+    if rank == 0:
+        (out / f"world{world}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""A user's data (runtime/sources.py): each adapter trains exactly as single-process training, and reads any
+step afresh as an uninterrupted run reads it (a resume mid-epoch continues exactly)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from model_parallel import PipelineTrainer, TrainConfig
+from model_parallel.codegen.naming import state_key
+from model_parallel.errors import DataError
+from model_parallel.models.mlp import StackedMLP
+from model_parallel.runtime.data import make_dataset
+from model_parallel.runtime.sources import IterableData, MapData, as_source, token_data
+from model_parallel.runtime.trainer import single_process_reference
+from support.sources_cases import BATCH, CLASSES, FEATURES, N, sources, tensors
+
+CONFIG = TrainConfig(batch_size=BATCH, num_microbatches=2, seed=3)
+
+
+def _dict_collate(samples):
+    return {"x": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples])}
+
+
+class DictModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = StackedMLP(FEATURES, 32, 2, CLASSES)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("name", sorted(sources()))
+def test_each_adapter_trains_as_single_process(name):
+    data = sources()[name]
+    torch.manual_seed(1)
+    model = StackedMLP(FEATURES, 32, 2, CLASSES)
+    reference = copy.deepcopy(model)
+    trainer = PipelineTrainer(model, _sgd, data, CONFIG, num_stages=2, single_process=True)
+    losses = [r.loss for r in trainer.train(12)]  # past two epoch ends
+    want = single_process_reference(reference, F.cross_entropy, _sgd, as_source(data, BATCH, CONFIG.seed), CONFIG, 12)
+    assert losses == pytest.approx(want, abs=1e-6)
+    got = trainer.state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(got[state_key(key)], value, atol=1e-5), f"{name}: {key} differs"
+
+
+def test_dict_batches_from_a_collate_function():
+    x, y = tensors()
+    torch.manual_seed(1)
+    model = DictModel()
+    reference = copy.deepcopy(model)
+    trainer = PipelineTrainer(model, _sgd, TensorDataset(x, y), CONFIG, num_stages=2, single_process=True,
+                              collate_fn=_dict_collate)
+    source = as_source(TensorDataset(x, y), BATCH, CONFIG.seed, _dict_collate)
+    inputs, target = source.batch(0)
+    assert sorted(inputs) == ["x"] and target.shape == (BATCH,)
+    losses = [r.loss for r in trainer.train(3)]
+    want = single_process_reference(reference, F.cross_entropy, _sgd, source, CONFIG, 3)
+    assert losses == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(sources()))
+def test_a_fresh_source_reads_mid_epoch_steps_as_an_uninterrupted_one(name):
+    # What a resume does: a new process asks its new source for the checkpoint's next step directly.
+    running = as_source(sources()[name], BATCH, 7)
+    seen = [running.batch(step) for step in range(13)]
+    for step in (7, 3, 12):  # mid-epoch 1, backwards, mid-epoch 2
+        inputs, target = as_source(sources()[name], BATCH, 7).batch(step)
+        assert torch.equal(inputs[0], seen[step][0][0]) and torch.equal(target, seen[step][1])
+    again_inputs, _ = running.batch(2)  # the same object jumping back replays
+    assert torch.equal(again_inputs[0], seen[2][0][0])
+
+
+def test_epochs_are_permutations_keyed_by_seed_and_epoch():
+    x, y = tensors()
+    data = MapData(TensorDataset(torch.arange(N), y), BATCH, seed=5)
+    epoch0 = torch.cat([data.batch(s)[0][0] for s in range(5)])
+    epoch1 = torch.cat([data.batch(s)[0][0] for s in range(5, 10)])
+    assert sorted(epoch0.tolist()) == list(range(N)) == sorted(epoch1.tolist())
+    assert not torch.equal(epoch0, epoch1)
+    assert data.position(7) == {"epoch": 1, "batch": 2}
+    other = MapData(TensorDataset(torch.arange(N), y), BATCH, seed=6)
+    assert not torch.equal(other.batch(0)[0][0], data.batch(0)[0][0])
+
+
+def test_token_file_gives_windows_and_shifted_targets(tmp_path):
+    ids = np.arange(1000, dtype=np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    data = token_data(str(tmp_path / "train.bin"), seq_len=16, batch_size=4, seed=0)
+    (x,), y = data.batch(3)
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    assert all(int(row[0]) % 16 == 0 for row in x)  # windows start on multiples of seq_len
+    made = make_dataset(f"tokens:{tmp_path / 'train.bin'}", 4, 0, shape=(16,), num_classes=1000, kind="tokens", prefetch=0)
+    assert torch.equal(made.batch(3)[0][0], x)
+    with pytest.raises(DataError, match=r"--seq_len 8 differs from the model's input length 16 \(as traced\)"):
+        make_dataset(f"tokens:{tmp_path / 'train.bin'}", 4, 0, shape=(16,), num_classes=1000, kind="tokens", seq_len=8)
+
+
+def test_token_file_errors(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(DataError, match=r"3 bytes is not a whole number of uint16 ids"):
+        token_data(str(tmp_path / "odd.bin"), 4, 2)
+    with pytest.raises(DataError, match=r"no such file"):
+        token_data(str(tmp_path / "missing.bin"), 4, 2)
+    np.arange(10, dtype=np.uint32).tofile(tmp_path / "short.bin")
+    with pytest.raises(DataError, match=r"10 token\(s\) cannot make one window of --seq_len 16"):
+        token_data(str(tmp_path / "short.bin"), 16, 2, dtype="uint32")
+
+
+def test_bad_data_is_refused_with_the_fix():
+    with pytest.raises(DataError, match=r"one-shot iterator.*re-iterable"):
+        as_source(iter([1, 2]), BATCH, 0)
+    with pytest.raises(DataError, match=r"3 sample\(s\) cannot fill one minibatch of 8"):
+        as_source(TensorDataset(torch.zeros(3, 2), torch.zeros(3)), BATCH, 0)
+    with pytest.raises(DataError, match=r"a batch must be \(inputs, target\) or a dict with 'labels'"):
+        as_source(TensorDataset(torch.zeros(8, 2)), BATCH, 0).batch(0)
+    with pytest.raises(DataError, match=r"needs a 'labels' entry"):
+        as_source(TensorDataset(torch.zeros(8, 2)), BATCH, 0, lambda s: {"x": torch.stack([t[0] for t in s])}).batch(0)
+    with pytest.raises(DataError, match=r"yielded nothing"):
+        IterableData([], 2).batch(0)
