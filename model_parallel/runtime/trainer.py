@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
@@ -65,7 +66,11 @@ class SingleProcessRunner:
         from model_parallel.runtime.stages import layer_modules
 
         init = initializer or Initializer(seed=config.seed)  # a model on meta gets the pipeline's values
-        materialize_model(model, init.seed, graph, init_weights=init.init_weights, source=init.source)
+        # Stages run where the model is (a model on a GPU trains there; one on meta is made on the CPU).
+        self.device = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta),
+                           torch.device("cpu"))
+        materialize_model(model, init.seed, graph, init_weights=init.init_weights, source=init.source,
+                          device=self.device)
 
         self.graph, self.plan, self.criterion, self.dataset, self.config = graph, plan, criterion, dataset, config
         from model_parallel.runtime.tied import check_schedule
@@ -79,6 +84,13 @@ class SingleProcessRunner:
             # Every stage updates on its own after each microbatch: one optimizer per stage.
             self.stage_optimizers = [optimizer_factory(list(s.parameters())) if list(s.parameters()) else None
                                      for s in self.stages]
+
+    def _batch(self, step: int) -> tuple[Any, Any]:
+        """Minibatch `step`, on the stages' device."""
+        batch = self.dataset.batch(step)
+        if self.device.type == "cpu":
+            return batch
+        return tree_map(lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v, batch)
 
     def _model_output(self, outputs: Sequence[Any]) -> Any:
         return model_output(self.graph, self.stages[-1].output_names, outputs)
@@ -100,7 +112,7 @@ class SingleProcessRunner:
         def rounded(value: Any) -> Any:  # what arrives over the wire: narrowed and widened back
             return value.to(wire).to(value.dtype) if isinstance(value, torch.Tensor) and narrowed(value, wire) else value
 
-        inputs, target = self.dataset.batch(step)
+        inputs, target = self._batch(step)
         microbatches = _microbatches(inputs, target, cfg.num_microbatches)
         schedule = pipedream_async(p, cfg.num_microbatches)
         state: dict[tuple[int, int], dict[str, Any]] = {}
@@ -151,7 +163,7 @@ class SingleProcessRunner:
         cfg = self.config
         if cfg.schedule == "pipedream":
             return self._pipedream_step(step)
-        inputs, target = self.dataset.batch(step)
+        inputs, target = self._batch(step)
         total = 0.0
         for mb_inputs, mb_target in _microbatches(inputs, target, cfg.num_microbatches):
             loss = self.criterion(self._forward(inputs, mb_inputs, recompute=True), mb_target) / cfg.num_microbatches
