@@ -69,7 +69,7 @@ def save_and_commit(engine: Any, step: int) -> None:
             error = _describe(exc)
             logger.error("%s checkpoint step %d: writing the shard failed: %s", engine.prefix, step, error)
     _stall_if_asked(engine, step)
-    failure = _agree(engine, error)
+    failure = agree(engine, error)
     if failure is not None:
         raise CheckpointError(f"checkpoint write failed on {failure}; no checkpoint of step {step} was committed, "
                               f"'latest' still names the previous one")
@@ -83,7 +83,7 @@ def save_and_commit(engine: Any, step: int) -> None:
             error = _describe(exc)
         else:
             prune(directory, engine.options.keep_checkpoints)
-    failure = _agree(engine, error)
+    failure = agree(engine, error)
     if failure is not None:
         raise CheckpointError(f"checkpoint commit failed on {failure}; --resume continues from the checkpoint "
                               f"'latest' names")
@@ -120,7 +120,7 @@ def _stall_if_asked(engine: Any, step: int) -> None:
     raise CheckpointError(f"test hook {STALL_ENV}: the stalled worker was not killed within {_STALL_LIMIT_S:.0f} s")
 
 
-def _agree(engine: Any, error: Optional[str]) -> Optional[str]:
+def agree(engine: Any, error: Optional[str]) -> Optional[str]:
     """Every rank learns whether some rank failed: None, or "rank R: <its message>" (the lowest failed rank)."""
     try:
         return share_failure(error, engine.rank, engine.world_size, engine.control_group, engine.timeout)
