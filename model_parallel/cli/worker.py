@@ -244,8 +244,30 @@ def read_jobs(path: str) -> list[list[str]]:
     return argvs
 
 
+# (flag, lowest allowed, highest allowed, what it is): a value outside, NaN or infinite is refused.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # torch's timedelta and TCPStore (ms) overflow far above this; a week is no wait
+NUMBERS = (("threads", 1, 4096, "torch threads per worker"), ("steps", 1, 1 << 53, "steps to train"),
+           ("timeout", 1e-3, MAX_TIMEOUT_S, "seconds"), ("lr", 0.0, 1e6, "learning rate"),
+           ("momentum", 0.0, 1e6, "SGD momentum"), ("weight_decay", 0.0, 1e6, "weight decay"),
+           ("slowdown", 1.0, 1e6, "slowdown factor"))
+
+
+def check_numbers(args: Any, where: str = "") -> None:
+    """Numeric flags: finite and in range, one line each (NaN would train to NaN and exit 0; `--threads 0`
+    or `--timeout inf` would be a traceback deep in torch)."""
+    import math
+
+    from model_parallel.errors import ConfigError
+
+    for flag, low, high, what in NUMBERS:
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ConfigError(f"{where}--{flag} {value}: the {what} must be a finite number in {low:g}..{high:g}")
+
+
 def check_inputs(args: Any, where: str = "") -> None:
-    """Fail fast, before joining a world, on input files that cannot work (one line each, exit 2)."""
+    """Fail fast, before joining a world, on input files and values that cannot work (one line each, exit 2)."""
+    check_numbers(args, where)
     if args.control_script:
         if not os.path.isfile(args.control_script):
             raise PlanError(f"{where}--control_script {args.control_script}: no such file; give the JSON file "

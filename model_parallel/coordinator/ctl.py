@@ -113,7 +113,7 @@ class CtlHandler:
 
     def _scaled_plan(self, count: Any) -> Plan:
         alive = sorted(self.roster.running())
-        if not isinstance(count, int) or not 1 <= count <= len(alive):
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= len(alive):  # True is no count
             raise PlanError(f"scale --workers {count!r}: must be between 1 and the {len(alive)} running worker(s)")
         speeds = self.rebalancer.speeds(self.roster.workers)
         # Keep the fastest `count` workers (ties: lower rank), in rank order.
