@@ -29,21 +29,13 @@ from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
+from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-# Exit codes (docs/reliability.md): 0 only when every requested step ran; 2 a usage or configuration
-# error (cli.common.run_cli); 3 a peer died, stalled or became unreachable (the message names it);
-# 4 the run was stopped before its requested steps (the message says by whom and why).
-EXIT_PEER = 3
-EXIT_STOPPED = 4
-# How long the store host keeps the store up after a failure, in --timeouts, unless every other live rank
-# has published its verdict sooner: a peer may sit in a receive for up to one timeout before its own
-# diagnosis (at most 0.4 timeouts) reads the store to name the culprit.
-LINGER_TIMEOUTS = 1.4
 
 
 class RankPrefix(logging.Filter):
@@ -398,33 +390,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os._exit(0)
     except TrainingStopped as error:
         # Every rank got the same stop at the same step boundary: nobody waits for anybody.
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
-        if health is not None:
-            health.stop("done", None, str(error))
-        logging.shutdown()
-        os._exit(EXIT_STOPPED)
+        leave(EXIT_STOPPED, f"[rank {rank}] error: {error}", rank, health, state="done", cause=str(error),
+              linger=False, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except PeerError as error:
         # A dead peer can leave gloo threads blocked; exit without waiting for them.
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
-        if health is not None:
-            health.stop("failed", None, str(error))
-            match = re.search(r"rank (\d+) stopped responding", str(error))
-            blamed = int(match.group(1)) if match else None
-            # The store host keeps the store up so the others can read who is to blame; not when it is
-            # the culprit itself (it stood still): they gave up on it already.
-            if rank == health.store_host and blamed != rank:
-                health.linger(LINGER_TIMEOUTS * health.store_timeout, blamed)
-        logging.shutdown()
-        os._exit(EXIT_PEER)
+        match = re.search(r"rank (\d+) stopped responding", str(error))
+        leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
+              blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except ModelParallelError as error:
         if health is None:
             raise  # before joining a world: no threads yet, cli.common prints it and exits 2
-        health.stop("failed", None, f"{type(error).__name__}: {error}")
-        if rank == health.store_host:
-            health.linger(LINGER_TIMEOUTS * health.store_timeout)  # let the others read why before the store goes
-        # As after a success: no interpreter teardown, which a store call blocked in a daemon thread aborts
-        # (exit -6 instead of 2).
-        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(EXIT_USAGE)
+        leave(EXIT_USAGE, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
+              cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank))
+    except Exception as error:  # noqa: BLE001 - a layer failing at run time: one line here, and for every peer
+        if health is None:
+            raise
+        line = runtime_failure(error, prefix.engine.prefix if prefix.engine is not None else f"[rank {rank}]")
+        logger.debug("%s", line, exc_info=True)  # the traceback, for -vv
+        leave(EXIT_FAILED, f"{os.path.basename(sys.argv[0])}: error: {line}", rank, health, cause=line,
+              hint=resume_hint(args.checkpoint_dir, argv, rank))
+    return 0  # not reached: every path above leaves the process
