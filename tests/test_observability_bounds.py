@@ -125,3 +125,11 @@ def test_workers_on_a_full_disk_for_metrics_and_traces_train_on_and_exit_0(tmp_p
         assert "Traceback" not in output and "done: 3 step(s)" in output, output[-3000:]
         assert f"metrics file {tmp_path / f'rank{rank}.jsonl'}: No space left on device" in output, output[-3000:]
         assert f"trace file {tmp_path / 'trace' / f'rank{rank}.json'}: No space left on device" in output, output[-3000:]
+
+
+def test_the_per_step_log_line_is_bounded_after_the_first_steps() -> None:
+    from model_parallel.runtime.metrics import StepLog
+
+    log = StepLog(start_step=5, last_step=20_004, first=100, interval_s=3600.0)
+    due = [step for step in range(5, 20_005) if log.due(step)]
+    assert due == list(range(5, 105)) + [20_004]  # the first 100, then (within the hour) only the last

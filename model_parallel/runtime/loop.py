@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from model_parallel.runtime import engine_checkpoint
+from model_parallel.runtime.metrics import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +20,7 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
     start_step = engine_checkpoint.prepare(engine, start_step)
     progress = _progress_bar(steps, start_step) if engine.rank == 0 and opts.progress else None
     step = engine.next_step = start_step
+    step_log = StepLog(start_step, steps - 1)
     engine.stop_reason = None
     try:
         while step < steps:
@@ -29,7 +31,8 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{result.loss:.4f}", plan=engine.plan.version)
-            logger.info("%s step %d loss %.6f", engine.prefix, step, result.loss)
+            if step_log.due(step):  # bounded: every step at first, then one line per 10 s
+                logger.info("%s step %d loss %.6f", engine.prefix, step, result.loss)
             if opts.checkpoint_dir and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
                                         or step + 1 == steps):
                 engine.save_checkpoint(step)

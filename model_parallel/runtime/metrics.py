@@ -262,6 +262,23 @@ class MetricsRecorder:
         self.close()
 
 
+class StepLog:
+    """Which steps get the per-step INFO line (`step N loss L`): every one of the first `first` steps of a
+    run, then at most one per `interval_s` seconds and the last, so a long run's log stays bounded (about
+    8,600 lines a day) while a short one, and any test waiting for step 5, still sees every step."""
+
+    def __init__(self, start_step: int, last_step: int, first: int = 100, interval_s: float = 10.0) -> None:
+        self.start, self.last, self.first, self.interval_s = start_step, last_step, first, interval_s
+        self._next_s = 0.0
+
+    def due(self, step: int) -> bool:
+        now = time.monotonic()
+        if step - self.start < self.first or step == self.last or now >= self._next_s:
+            self._next_s = now + self.interval_s
+            return True
+        return False
+
+
 # ----------------------------------------------------------------------------- reading
 
 
