@@ -134,3 +134,12 @@ def test_garbage_shard_bytes_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"shard_0\.pt: cannot be read \(") as caught:
         read_all(tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_cleaning_up_leaves_the_files_of_a_malformed_manifest_alone(tmp_path: Path) -> None:
+    from model_parallel.runtime.checkpoint_commit import prune
+
+    folder = committed(tmp_path)
+    edit_manifest(folder, lambda m: shard()(m).update(file=".."))
+    assert prune(str(tmp_path)) == []  # it once deleted shard_0.pt, which the edited manifest no longer listed
+    assert (folder / "shard_0.pt").is_file()

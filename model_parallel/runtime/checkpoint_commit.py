@@ -48,6 +48,7 @@ from model_parallel.runtime.checkpoint import (
     split_state,
     step_dirs,
 )
+from model_parallel.runtime.checkpoint_check import check_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -171,9 +172,11 @@ def prune(directory: str, keep: Optional[int] = None) -> list[Path]:
             _remove(path, removed)
             continue
         try:
-            listed = {s["file"] for s in _read_json(path / MANIFEST, "manifest")["shards"]}
-        except (CheckpointError, KeyError, TypeError):
-            continue  # an unreadable manifest: loading it says what is wrong; do not guess here
+            manifest = _read_json(path / MANIFEST, "manifest")
+            check_manifest(manifest, path / MANIFEST, step)
+            listed = {s["file"] for s in manifest["shards"]}
+        except (CheckpointError, KeyError, TypeError, AttributeError):
+            continue  # a malformed manifest: loading it says what is wrong; delete nothing it may have meant
         listed |= {Path(name).with_suffix(".json").name for name in listed}
         for child in path.iterdir():
             if child.name.endswith(".tmp") or (_SHARD_FILE.match(child.name) and child.name not in listed):
