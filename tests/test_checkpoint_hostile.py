@@ -143,3 +143,16 @@ def test_cleaning_up_leaves_the_files_of_a_malformed_manifest_alone(tmp_path: Pa
     edit_manifest(folder, lambda m: shard()(m).update(file=".."))
     assert prune(str(tmp_path)) == []  # it once deleted shard_0.pt, which the edited manifest no longer listed
     assert (folder / "shard_0.pt").is_file()
+
+
+def test_a_full_disk_while_writing_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import model_parallel.fileio as fileio
+
+    def full(fd: int) -> None:  # as a full disk fails a flush: errno and reason, but no file name
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fileio.os, "fsync", full)
+    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device: '.*step_3/shard_0\.pt'"):
+        save_shard(tmp_path, 3, 0, PARAMS)

@@ -48,7 +48,8 @@ import hashlib
 import io
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -130,7 +131,8 @@ def save_shard(
     torch.save(payload, buffer)
     data = buffer.getvalue()
     path = shard_path(directory, step, rank)
-    atomic_write(path, lambda f: f.write(data), binary=True)
+    with _naming(path):
+        atomic_write(path, lambda f: f.write(data), binary=True)
     index = {
         "rank": rank,
         "step": step,
@@ -141,10 +143,23 @@ def save_shard(
         "buffers": sorted(buffers_t),
     }
     # The index is written after the shard: an index on disk means its shard is complete.
-    atomic_write_json(path.with_suffix(".json"), index)
-    fsync_dir(path.parent)
+    with _naming(path.with_suffix(".json")):
+        atomic_write_json(path.with_suffix(".json"), index)
+        fsync_dir(path.parent)
     logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, len(data))
     return path
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError from a write names the file it was for: a full disk's `write()`/`fsync()` error does not
+    (`[Errno 28] No space left on device`, no file), and the message must say where to free space."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from None
+        raise
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -219,12 +234,14 @@ def finalize(
         "extra": dict(extra or {}),
         "shards": shards,
     }
-    manifest_path = atomic_write_json(folder / MANIFEST, manifest)
-    fsync_dir(folder)
+    with _naming(folder / MANIFEST):
+        manifest_path = atomic_write_json(folder / MANIFEST, manifest)
+        fsync_dir(folder)
     # The commit point: until this rename a reader still sees the previous checkpoint. The directory's
     # fsync makes it durable: a power loss must not bring back a pointer older than what was reported.
-    atomic_write_text(Path(directory) / LATEST, f"step_{step}\n")
-    fsync_dir(directory)
+    with _naming(Path(directory) / LATEST):
+        atomic_write_text(Path(directory) / LATEST, f"step_{step}\n")
+        fsync_dir(directory)
     logger.info("checkpoint step %d committed in %s (%d shards)", step, folder, len(shards))
     return manifest_path
 
