@@ -29,13 +29,12 @@ from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
-from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
+from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
 
 
 class RankPrefix(logging.Filter):
@@ -409,4 +408,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.debug("%s", line, exc_info=True)  # the traceback, for -vv
         leave(EXIT_FAILED, f"{os.path.basename(sys.argv[0])}: error: {line}", rank, health, cause=line,
               hint=resume_hint(args.checkpoint_dir, argv, rank))
-    return 0  # not reached: every path above leaves the process

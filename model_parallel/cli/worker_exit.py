@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from model_parallel.cli.common import EXIT_USAGE
 
@@ -57,7 +57,7 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int) -
 
 
 def leave(code: int, line: str, rank: int, health: Any, *, state: str = "failed", cause: str = "",
-          blamed: Optional[int] = None, linger: bool = True, hint: Optional[str] = None) -> None:
+          blamed: Optional[int] = None, linger: bool = True, hint: Optional[str] = None) -> NoReturn:
     """Print the error line (and the resume hint), publish this rank's status, keep the store up for the
     others if this rank hosts it, and exit without interpreter teardown (a store call blocked in a daemon
     thread would abort it: exit -6 instead of `code`)."""
