@@ -348,6 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if wants_served_job(args):
         configure_logging(args.verbose)
         args, served = ask_coordinator(argv, args)
+        check_numbers(args, "the job from the coordinator: ")
     jobs = read_jobs(args.jobs) if args.jobs else [None]
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # steady allocation cost, the same the profile was taken with

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -45,6 +46,7 @@ class TraceStream:
         self._file: Any = None
         self._written_meta: Optional[str] = None
         self._size = 0
+        self._opened = 0  # chunk files opened so far
 
     def write(self, events: list[dict[str, Any]]) -> None:
         """Append `events` (and the metadata when it changed: a plan switch gives a new stage or lane)."""
@@ -80,6 +82,12 @@ class TraceStream:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._opened == 0:  # chunks of an earlier run into this directory would merge into this one's
+            stale = re.compile(rf"{re.escape(self.path.stem)}\.\d+{re.escape(self.path.suffix)}$")
+            for old in self.path.parent.iterdir():
+                if stale.match(old.name):
+                    old.unlink(missing_ok=True)
+        self._opened += 1
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - kept open across writes
         # The process name first, so every later event (and the full metadata) follows a "," separator.
         head = "[" + json.dumps(self.metadata()[0])
