@@ -80,7 +80,7 @@ class CtlHandler:
                 return {"switched": True, "version": plan.version, "plan": plan.to_dict()}
             if op == "slow":
                 rank, factor = args.get("rank"), args.get("factor")
-                if not isinstance(rank, int) or rank not in roster.workers:
+                if not isinstance(rank, int) or isinstance(rank, bool) or rank not in roster.workers:
                     raise PlanError(f"slow: no worker with rank {rank!r}; running ranks are {sorted(roster.workers)}")
                 if not isinstance(factor, (int, float)) or not 1.0 <= factor <= MAX_SLOWDOWN:
                     raise PlanError(f"slow --factor must be a number from 1 (back to normal) to {MAX_SLOWDOWN:g}, got {factor!r}")
