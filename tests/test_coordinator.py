@@ -186,6 +186,10 @@ def test_ctl_scale_slow_and_set_plan(coordinator, tmp_path, capsys):
         wait_for(lambda: coordinator.plan.version == 1, what="confirmation")
         with pytest.raises(PlanError, match="between 1 and the 2 running"):
             coordinator.handle_ctl("scale", {"workers": 5})
+        with pytest.raises(PlanError, match="scale --workers True: must be between"):  # not read as 1
+            coordinator.handle_ctl("scale", {"workers": True})
+        with pytest.raises(PlanError, match="slow: no worker with rank True"):
+            coordinator.handle_ctl("slow", {"rank": True, "factor": 2})
         bad = Plan((StagePlan(0, ("input0", "n0"), ranks=(0,)),))
         write_plan(bad, tmp_path / "bad.json")
         with pytest.raises(PlanError, match="cover the graph's 9 nodes exactly"):

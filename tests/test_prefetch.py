@@ -2,7 +2,6 @@
 clean shutdown, and, in a real 2-rank run on an ImageFolder, preparation overlapping stage 0's compute."""
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from model_parallel.errors import DataError
 from model_parallel.runtime.data import SyntheticData, make_dataset
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.prefetch import Prefetcher
-from model_parallel.runtime.tracing import Tracer
+from model_parallel.runtime.tracing import Tracer, read_trace
 
 
 class _Recording:
@@ -107,7 +106,7 @@ def test_data_preparation_overlaps_stage0_compute_in_a_pipeline_run(tmp_path: Pa
                              "--batch_size", "4", "--num_microbatches", str(micro), "--trace_dir", str(tmp_path / "trace"),
                              "--timeout", "60"], 2, timeout=300)
     assert result.ok, result.summary()
-    events = json.loads((tmp_path / "trace" / "rank0.json").read_text())["traceEvents"]
+    events = read_trace(tmp_path / "trace" / "rank0.json")["traceEvents"]  # streamed: a JSON array
     prepare = {e["args"]["step"]: e for e in events if e.get("name") == "prepare"}
     compute = sorted((e for e in events if e.get("cat") == "compute"), key=lambda e: e["ts"])
     assert set(range(steps)) <= set(prepare)  # (steps after the last may be prepared too, then dropped)

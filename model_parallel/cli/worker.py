@@ -32,21 +32,12 @@ from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
+from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.schedule import SCHEDULE_NAMES  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-# Exit codes (docs/reliability.md): 0 only when every requested step ran; 2 a usage or configuration
-# error (cli.common.run_cli); 3 a peer died, stalled or became unreachable (the message names it);
-# 4 the run was stopped before its requested steps (the message says by whom and why).
-EXIT_PEER = 3
-EXIT_STOPPED = 4
-# How long the store host keeps the store up after a failure, in --timeouts, unless every other live rank
-# has published its verdict sooner: a peer may sit in a receive for up to one timeout before its own
-# diagnosis (at most 0.4 timeouts) reads the store to name the culprit.
-LINGER_TIMEOUTS = 1.4
 
 
 class RankPrefix(logging.Filter):
@@ -250,8 +241,30 @@ def read_jobs(path: str) -> list[list[str]]:
     return argvs
 
 
+# (flag, lowest allowed, highest allowed, what it is): a value outside, NaN or infinite is refused.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # torch's timedelta and TCPStore (ms) overflow far above this; a week is no wait
+NUMBERS = (("threads", 1, 4096, "torch threads per worker"), ("steps", 1, 1 << 53, "steps to train"),
+           ("timeout", 1e-3, MAX_TIMEOUT_S, "seconds"), ("lr", 0.0, 1e6, "learning rate"),
+           ("momentum", 0.0, 1e6, "SGD momentum"), ("weight_decay", 0.0, 1e6, "weight decay"),
+           ("slowdown", 1.0, 1e6, "slowdown factor"))
+
+
+def check_numbers(args: Any, where: str = "") -> None:
+    """Numeric flags: finite and in range, one line each (NaN would train to NaN and exit 0; `--threads 0`
+    or `--timeout inf` would be a traceback deep in torch)."""
+    import math
+
+    from model_parallel.errors import ConfigError
+
+    for flag, low, high, what in NUMBERS:
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ConfigError(f"{where}--{flag} {value}: the {what} must be a finite number in {low:g}..{high:g}")
+
+
 def check_inputs(args: Any, where: str = "") -> None:
-    """Fail fast, before joining a world, on input files that cannot work (one line each, exit 2)."""
+    """Fail fast, before joining a world, on input files and values that cannot work (one line each, exit 2)."""
+    check_numbers(args, where)
     if args.control_script:
         if not os.path.isfile(args.control_script):
             raise PlanError(f"{where}--control_script {args.control_script}: no such file; give the JSON file "
@@ -340,6 +353,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if wants_served_job(args):
         configure_logging(args.verbose)
         args, served = ask_coordinator(argv, args)
+        check_numbers(args, "the job from the coordinator: ")
     jobs = read_jobs(args.jobs) if args.jobs else [None]
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # steady allocation cost, the same the profile was taken with
@@ -383,36 +397,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os._exit(0)
     except TrainingStopped as error:
         # Every rank got the same stop at the same step boundary: nobody waits for anybody.
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
-        if health is not None:
-            health.stop("done", None, str(error))
-        logging.shutdown()
-        os._exit(EXIT_STOPPED)
+        leave(EXIT_STOPPED, f"[rank {rank}] error: {error}", rank, health, state="done", cause=str(error),
+              linger=False, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except PeerError as error:
         # A dead peer can leave gloo threads blocked; exit without waiting for them.
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
-        if health is not None:
-            health.stop("failed", None, str(error))
-            match = re.search(r"rank (\d+) stopped responding", str(error))
-            blamed = int(match.group(1)) if match else None
-            # The store host keeps the store up so the others can read who is to blame; not when it is
-            # the culprit itself (it stood still): they gave up on it already.
-            if rank == health.store_host and blamed != rank:
-                health.linger(LINGER_TIMEOUTS * health.store_timeout, blamed)
-        logging.shutdown()
-        os._exit(EXIT_PEER)
+        match = re.search(r"rank (\d+) stopped responding", str(error))
+        leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
+              blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except ModelParallelError as error:
         if health is None:
             raise  # before joining a world: no threads yet, cli.common prints it and exits 2
-        health.stop("failed", None, f"{type(error).__name__}: {error}")
-        if rank == health.store_host:
-            health.linger(LINGER_TIMEOUTS * health.store_timeout)  # let the others read why before the store goes
-        # As after a success: no interpreter teardown, which a store call blocked in a daemon thread aborts
-        # (exit -6 instead of 2).
-        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(EXIT_USAGE)
+        leave(EXIT_USAGE, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
+              cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank))
+    except Exception as error:  # noqa: BLE001 - a layer failing at run time: one line here, and for every peer
+        if health is None:
+            raise
+        line = runtime_failure(error, prefix.engine.prefix if prefix.engine is not None else f"[rank {rank}]")
+        logger.debug("%s", line, exc_info=True)  # the traceback, for -vv
+        leave(EXIT_FAILED, f"{os.path.basename(sys.argv[0])}: error: {line}", rank, health, cause=line,
+              hint=resume_hint(args.checkpoint_dir, argv, rank))
 
 
 if __name__ == "__main__":  # `python -m model_parallel.cli.worker`: what the launchers start

@@ -80,7 +80,7 @@ class CtlHandler:
                 return {"switched": True, "version": plan.version, "plan": plan.to_dict()}
             if op == "slow":
                 rank, factor = args.get("rank"), args.get("factor")
-                if not isinstance(rank, int) or rank not in roster.workers:
+                if not isinstance(rank, int) or isinstance(rank, bool) or rank not in roster.workers:
                     raise PlanError(f"slow: no worker with rank {rank!r}; running ranks are {sorted(roster.workers)}")
                 if not isinstance(factor, (int, float)) or not 1.0 <= factor <= MAX_SLOWDOWN:
                     raise PlanError(f"slow --factor must be a number from 1 (back to normal) to {MAX_SLOWDOWN:g}, got {factor!r}")
@@ -113,7 +113,7 @@ class CtlHandler:
 
     def _scaled_plan(self, count: Any) -> Plan:
         alive = sorted(self.roster.running())
-        if not isinstance(count, int) or not 1 <= count <= len(alive):
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= len(alive):  # True is no count
             raise PlanError(f"scale --workers {count!r}: must be between 1 and the {len(alive)} running worker(s)")
         speeds = self.rebalancer.speeds(self.roster.workers)
         # Keep the fastest `count` workers (ties: lower rank), in rank order.

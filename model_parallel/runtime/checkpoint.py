@@ -46,10 +46,10 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -60,6 +60,7 @@ from torch import nn
 from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
+from model_parallel.runtime.checkpoint_check import check_manifest, check_payload, read_shard_bytes
 from model_parallel.runtime.checkpoint_layout import (  # noqa: F401 - part of this module's API
     LATEST,
     MANIFEST,
@@ -130,7 +131,8 @@ def save_shard(
     torch.save(payload, buffer)
     data = buffer.getvalue()
     path = shard_path(directory, step, rank)
-    atomic_write(path, lambda f: f.write(data), binary=True)
+    with _naming(path):
+        atomic_write(path, lambda f: f.write(data), binary=True)
     index = {
         "rank": rank,
         "step": step,
@@ -141,10 +143,23 @@ def save_shard(
         "buffers": sorted(buffers_t),
     }
     # The index is written after the shard: an index on disk means its shard is complete.
-    atomic_write_json(path.with_suffix(".json"), index)
-    fsync_dir(path.parent)
+    with _naming(path.with_suffix(".json")):
+        atomic_write_json(path.with_suffix(".json"), index)
+        fsync_dir(path.parent)
     logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, len(data))
     return path
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError from a write names the file it was for: a full disk's `write()`/`fsync()` error does not
+    (`[Errno 28] No space left on device`, no file), and the message must say where to free space."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror or str(error), str(path)) from None
+        raise
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -219,12 +234,14 @@ def finalize(
         "extra": dict(extra or {}),
         "shards": shards,
     }
-    manifest_path = atomic_write_json(folder / MANIFEST, manifest)
-    fsync_dir(folder)
+    with _naming(folder / MANIFEST):
+        manifest_path = atomic_write_json(folder / MANIFEST, manifest)
+        fsync_dir(folder)
     # The commit point: until this rename a reader still sees the previous checkpoint. The directory's
     # fsync makes it durable: a power loss must not bring back a pointer older than what was reported.
-    atomic_write_text(Path(directory) / LATEST, f"step_{step}\n")
-    fsync_dir(directory)
+    with _naming(Path(directory) / LATEST):
+        atomic_write_text(Path(directory) / LATEST, f"step_{step}\n")
+        fsync_dir(directory)
     logger.info("checkpoint step %d committed in %s (%d shards)", step, folder, len(shards))
     return manifest_path
 
@@ -267,19 +284,18 @@ class Checkpoint:
         if index not in self._loaded:
             meta = self._shards[index]
             file = self.path / meta["file"]
-            try:
-                data = file.read_bytes()
-            except FileNotFoundError:
-                raise CheckpointError(f"{file}: shard of rank {meta['rank']} is missing; the checkpoint is incomplete, resume from an earlier step") from None
+            data = read_shard_bytes(file, meta.get("bytes"), meta["rank"])
             if hashlib.sha256(data).hexdigest() != meta["sha256"]:
                 raise CheckpointError(
                     f"{file}: shard of rank {meta['rank']} is corrupt (checksum differs from {MANIFEST}); "
                     f"resume from an earlier step (load_checkpoint(directory, step=...))"
                 )
             try:
-                self._loaded[index] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as error:  # torch raises several types for unreadable data
-                raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {error}); resume from an earlier step") from None
+                reason = str(error).splitlines()[0][:200] if str(error) else ""
+                raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); resume from an earlier step") from None
+            self._loaded[index] = check_payload(payload, meta, file)
         return self._loaded[index]
 
     def _lookup(self, keys: Optional[Iterable[str]], section: str) -> dict[str, Any]:
@@ -358,7 +374,7 @@ def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fi
         raise CheckpointError(f"{manifest_path}: not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{manifest_path}: format version {manifest.get('version')}, this code reads version {VERSION}")
-    _check_manifest(manifest, manifest_path)
+    check_manifest(manifest, manifest_path, step)
     fingerprint = manifest["model_fingerprint"]
     if expected_fingerprint is not None and fingerprint != expected_fingerprint:
         raise CheckpointError(
@@ -373,33 +389,3 @@ def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fi
         extra=manifest.get("extra", {}),
         _shards=manifest["shards"],
     )
-
-
-def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
-    """Raise CheckpointError unless `manifest` has every key the reader uses, with the right types
-    (a hand-edited or foreign manifest must not surface as KeyError/TypeError deep in Checkpoint)."""
-    fix = "delete this step directory (and fix or delete 'latest') and resume from an earlier step"
-
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{path}: malformed manifest: {what}; {fix}")
-
-    for key, kind in (("step", int), ("model_fingerprint", str), ("shards", list)):
-        value = manifest.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise bad(f"{key!r} must be a {kind.__name__}, found {str(value)[:40]!r}")
-    for key in ("world", "extra"):
-        if not isinstance(manifest.get(key, {}), dict):
-            raise bad(f"{key!r} must be an object, found {str(manifest.get(key))[:40]!r}")
-    for number, shard in enumerate(manifest["shards"]):
-        where = f"shards[{number}]"
-        if not isinstance(shard, dict):
-            raise bad(f"{where} must be an object, found {str(shard)[:40]!r}")
-        for key, kind in (("rank", int), ("file", str), ("sha256", str), ("params", dict), ("buffers", list)):
-            value = shard.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise bad(f"{where}.{key} must be a {kind.__name__}, found {str(value)[:40]!r}")
-        if not all(isinstance(name, str) for name in shard["buffers"]):
-            raise bad(f"{where}.buffers must list names (strings)")
-        # The shard file must stay inside the step directory: a manifest is data, not a path to follow.
-        if Path(shard["file"]).name != shard["file"]:
-            raise bad(f"{where}.file must be a file name in the step directory, found {shard['file'][:40]!r}")

@@ -48,6 +48,7 @@ from model_parallel.runtime.checkpoint import (
     split_state,
     step_dirs,
 )
+from model_parallel.runtime.checkpoint_check import check_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def save_and_commit(engine: Any, step: int) -> None:
             error = _describe(exc)
             logger.error("%s checkpoint step %d: writing the shard failed: %s", engine.prefix, step, error)
     _stall_if_asked(engine, step)
-    failure = _agree(engine, error)
+    failure = agree(engine, error)
     if failure is not None:
         raise CheckpointError(f"checkpoint write failed on {failure}; no checkpoint of step {step} was committed, "
                               f"'latest' still names the previous one")
@@ -84,7 +85,7 @@ def save_and_commit(engine: Any, step: int) -> None:
             error = _describe(exc)
         else:
             prune(directory, engine.options.keep_checkpoints)
-    failure = _agree(engine, error)
+    failure = agree(engine, error)
     if failure is not None:
         raise CheckpointError(f"checkpoint commit failed on {failure}; --resume continues from the checkpoint "
                               f"'latest' names")
@@ -121,7 +122,7 @@ def _stall_if_asked(engine: Any, step: int) -> None:
     raise CheckpointError(f"test hook {STALL_ENV}: the stalled worker was not killed within {_STALL_LIMIT_S:.0f} s")
 
 
-def _agree(engine: Any, error: Optional[str]) -> Optional[str]:
+def agree(engine: Any, error: Optional[str]) -> Optional[str]:
     """Every rank learns whether some rank failed: None, or "rank R: <its message>" (the lowest failed rank)."""
     try:
         return share_failure(error, engine.rank, engine.world_size, engine.control_group, engine.timeout)
@@ -172,9 +173,11 @@ def prune(directory: str, keep: Optional[int] = None) -> list[Path]:
             _remove(path, removed)
             continue
         try:
-            listed = {s["file"] for s in _read_json(path / MANIFEST, "manifest")["shards"]}
-        except (CheckpointError, KeyError, TypeError):
-            continue  # an unreadable manifest: loading it says what is wrong; do not guess here
+            manifest = _read_json(path / MANIFEST, "manifest")
+            check_manifest(manifest, path / MANIFEST, step)
+            listed = {s["file"] for s in manifest["shards"]}
+        except (CheckpointError, KeyError, TypeError, AttributeError):
+            continue  # a malformed manifest: loading it says what is wrong; delete nothing it may have meant
         listed |= {Path(name).with_suffix(".json").name for name in listed}
         for child in path.iterdir():
             if child.name.endswith(".tmp") or (_SHARD_FILE.match(child.name) and child.name not in listed):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 
 import logging
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,7 +111,8 @@ class PipelineEngine:
         # A model built on meta: this rank allocates its stage's layers only (runtime/materialize.py).
         self.initializer = initializer or Initializer(seed=config.seed, model=model)
         self.lazy_layers = {name for name, obj in self.modules.items() if is_meta(obj)}  # freed when they leave
-        self.tracer = Tracer(self.rank, enabled=bool(options.trace_dir))
+        trace_file = os.path.join(options.trace_dir, f"rank{self.rank}.json") if options.trace_dir else None
+        self.tracer = Tracer(self.rank, enabled=bool(options.trace_dir), stream=trace_file)  # loop.py closes it
         self.metrics = MetricsRecorder(self.rank, path=options.metrics, tracer=self.tracer)
         if self.tracer.enabled and hasattr(dataset, "attach_tracer"):
             dataset.attach_tracer(self.tracer)  # a Prefetcher: its data spans join this rank's trace

@@ -29,7 +29,32 @@ def fingerprint(graph: Graph, model: nn.Module) -> str:
 
 def restore(engine: Any) -> int:
     """Load this rank's stage and optimizer state from the latest checkpoint; returns the next step.
-    Collective (every rank together): the copies of a tie split across stages are checked to agree."""
+    Collective (every rank together): a rank that cannot read its part tells every rank why (one line,
+    the same on all), instead of leaving its peers to time out and blame the wrong rank; then the copies
+    of a tie split across stages are checked to agree."""
+    from model_parallel.errors import CheckpointError, ConfigError
+    from model_parallel.runtime.checkpoint_commit import agree
+
+    error, next_step, step, changed = None, 0, None, None
+    try:
+        step, next_step = _restore_stage(engine)
+    except ConfigError as exc:  # a changed training configuration: every rank read the same manifest
+        error, changed = str(exc), exc
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it (not time out)
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    failure = agree(engine, error)
+    if failure is not None and changed is not None:
+        raise changed  # the user's change, named as such (exit 2 on the command line)
+    if failure is not None:
+        raise CheckpointError(f"restoring the checkpoint failed on {failure}")
+    engine._check_tied(f"after restoring checkpoint step {step}")
+    return next_step
+
+
+def _restore_stage(engine: Any) -> tuple[int, int]:
+    """This rank's part of restore: (the checkpoint's step, the step to continue from)."""
     from model_parallel.runtime import checkpoint as ckpt
     from model_parallel.runtime.tied import stored_keys
 
@@ -46,8 +71,8 @@ def restore(engine: Any) -> int:
             state = checkpoint.optimizer_state(sorted({stored.get(name, name) for name in named}))
             state = {name: state[stored.get(name, name)] for name in named if stored.get(name, name) in state}
             ckpt.load_optimizer_state_by_name(engine.optimizer, named, state)
-    engine._check_tied(f"after restoring checkpoint step {checkpoint.step}")
-    return next_step
+    # load_checkpoint checked it: an int in 0..step + 1.
+    return checkpoint.step, next_step
 
 
 def prepare(engine: Any, start_step: int) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from model_parallel.runtime import engine_checkpoint
+from model_parallel.runtime.metrics import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
     start_step = engine_checkpoint.prepare(engine, start_step)
     progress = _progress_bar(steps, start_step) if engine.rank == 0 and opts.progress else None
     step = engine.next_step = engine.start_step = start_step
+    step_log = StepLog(start_step, steps - 1)
     engine.stop_reason = None
     last_validation: dict[str, str] = {}
     try:
@@ -37,8 +39,9 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{result.loss:.4f}", **last_validation, plan=engine.plan.version)
-            logger.info("%s step %d loss %.6f%s", engine.prefix, step, result.loss,
-                        f" val_loss {validation['val_loss']:.6f}" if validation else "")
+            if step_log.due(step) or validation:  # bounded: every step at first, then one line per 10 s
+                logger.info("%s step %d loss %.6f%s", engine.prefix, step, result.loss,
+                            f" val_loss {validation['val_loss']:.6f}" if validation else "")
             if opts.checkpoint_dir and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
                                         or step + 1 == steps):
                 engine.save_checkpoint(step)

@@ -28,7 +28,9 @@ of number on every rank and the slowest rank's value is the pipeline's throughpu
 
 A JSONL line is written with one `os.write` on a file opened for appending and is flushed at once:
 a killed process leaves whole lines (the reader skips a cut-off last line), and several ranks may
-share one file. `{rank}` in the path is replaced by the rank.
+share one file. `{rank}` in the path is replaced by the rank. Past 64 MB a file is rotated
+(`rank0.jsonl` -> `rank0.1.jsonl`, ..., 4 kept; a directory read takes them all); a write error (a
+full disk) logs one warning naming the file and stops the file, never the run.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from model_parallel.messages import StepReport
+from model_parallel.runtime.rotation import AppendFile
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +66,11 @@ LANE_OF_KIND = {
     "migration": "migration",
 }
 PathLike = Union[str, "os.PathLike[str]"]
-# Records kept in memory: the latest steps (about 1.5 KB each; the JSONL file keeps every step).
+# Records kept in memory: the latest steps (about 1.5 KB each; the JSONL files keep every step up to
+# about (KEEP_FILES + 1) * MAX_FILE_BYTES: some 600,000 steps of one rank).
 RECORD_WINDOW = 1000
+MAX_FILE_BYTES = 64 << 20  # a metrics file this large is rotated
+KEEP_FILES = 4  # rotated files kept besides the current one
 
 
 @dataclass(frozen=True)
@@ -145,16 +151,16 @@ class MetricsRecorder:
         plan_version: int = 0,
         tracer: Any = None,
         window: Optional[int] = None,
+        max_bytes: int = MAX_FILE_BYTES,
+        keep: int = KEEP_FILES,
     ) -> None:
         self.rank = rank
         self.stage = stage
         self.plan_version = plan_version
         self.tracer = tracer
         self.path = Path(str(path).replace("{rank}", str(rank))) if path is not None else None
-        self._fd: Optional[int] = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # None without a path; its `failed` says why it stopped (a write error), None while it works.
+        self.file = AppendFile(self.path, max_bytes, keep, f"rank {rank}: metrics file") if self.path is not None else None
         self._step: Optional[int] = None
         self._start = 0.0
         self._cpu_start = 0.0
@@ -241,21 +247,36 @@ class MetricsRecorder:
         )
         self._step = None
         self.records.append(record)
-        if self._fd is not None:
-            # One write per line: a killed process leaves whole lines, ranks sharing a file do not interleave.
-            os.write(self._fd, (json.dumps(record.to_dict()) + "\n").encode())
+        if self.file is not None:
+            self.file.write((json.dumps(record.to_dict()) + "\n").encode())
         return record
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self.file is not None:
+            self.file.close()
 
     def __enter__(self) -> "MetricsRecorder":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class StepLog:
+    """Which steps get the per-step INFO line (`step N loss L`): every one of the first `first` steps of a
+    run, then at most one per `interval_s` seconds and the last, so a long run's log stays bounded (about
+    8,600 lines a day) while a short one, and any test waiting for step 5, still sees every step."""
+
+    def __init__(self, start_step: int, last_step: int, first: int = 100, interval_s: float = 10.0) -> None:
+        self.start, self.last, self.first, self.interval_s = start_step, last_step, first, interval_s
+        self._next_s = 0.0
+
+    def due(self, step: int) -> bool:
+        now = time.monotonic()
+        if step - self.start < self.first or step == self.last or now >= self._next_s:
+            self._next_s = now + self.interval_s
+            return True
+        return False
 
 
 # ----------------------------------------------------------------------------- reading

@@ -9,6 +9,8 @@ API (stable; the worker loop calls these):
     tracer.instant("switch to plan 2")                               # a marker on the timeline
     tracer.set_context(stage=1, plan_version=2)                      # after a plan switch
     tracer.save("traces/rank0.json")                                 # atomic write
+    Tracer(rank, stream="traces/rank0.json")                         # written as it runs, in rotated
+                                                                     # chunks (runtime/trace_stream.py)
     merge_traces(["traces/rank0.json", "traces/rank1.json"], "traces/all.json")
 
 Open the files in https://ui.perfetto.dev or chrome://tracing. One process per rank ("rank r (stage s)"),
@@ -24,8 +26,8 @@ JSON trace when running under torch.profiler or Nsight Systems.
 """
 from __future__ import annotations
 
-import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
@@ -35,6 +37,7 @@ from typing import Any, Optional, Union
 import torch
 
 from model_parallel.fileio import atomic_write_json
+from model_parallel.runtime.trace_stream import CHUNK_BYTES, FLUSH_EVENTS, KEEP_CHUNKS, TraceStream, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,10 @@ class Tracer:
         annotate: Optional[bool] = None,
         nvtx: Optional[bool] = None,
         max_events: int = DEFAULT_MAX_EVENTS,
+        stream: Optional[PathLike] = None,
+        flush_events: int = FLUSH_EVENTS,
+        chunk_bytes: int = CHUNK_BYTES,
+        keep_chunks: int = KEEP_CHUNKS,
     ) -> None:
         self.rank = rank
         self.stage = stage
@@ -117,6 +124,12 @@ class Tracer:
         self._events: list[dict[str, Any]] = []
         self._lanes: dict[str, int] = {lane: tid for tid, lane in enumerate(LANES)}
         self._stages_seen: list[Optional[int]] = [stage]
+        # Streaming (the worker's --trace_dir): events go to bounded, rotated chunk files as the run goes
+        # (runtime/trace_stream.py), so a long run neither grows memory nor loses its trace when killed.
+        self.flush_events = flush_events
+        # The prefetch thread records too: appending and flushing (swapping the buffer) must not interleave.
+        self._lock = threading.Lock()
+        self._stream = TraceStream(stream, self._metadata, chunk_bytes, keep_chunks) if stream and enabled else None
 
     # ------------------------------------------------------------------ recording
 
@@ -152,18 +165,17 @@ class Tracer:
             return
         event_args = {"stage": self.stage, "plan_version": self.plan_version}
         event_args.update(args)
-        self._events.append(
-            {
-                "name": name,
-                "cat": lane,
-                "ph": "X",
-                "ts": self._clock.us(start_ns),
-                "dur": max(end_ns - start_ns, 0) / 1000.0,
-                "pid": self.rank,
-                "tid": self._tid(lane),
-                "args": event_args,
-            }
-        )
+        self._record({"name": name, "cat": lane, "ph": "X", "ts": self._clock.us(start_ns),
+                      "dur": max(end_ns - start_ns, 0) / 1000.0, "pid": self.rank, "tid": self._tid(lane), "args": event_args})
+
+    def _record(self, event: dict[str, Any]) -> None:
+        if self._stream is None:
+            self._events.append(event)  # one list append: safe across threads without a lock
+            return
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) >= self.flush_events:
+                self._flush_locked()
 
     def instant(self, name: str, **args: Any) -> None:
         """A process-wide marker (e.g. a plan switch or a checkpoint)."""
@@ -171,9 +183,8 @@ class Tracer:
             return
         event_args = {"stage": self.stage, "plan_version": self.plan_version}
         event_args.update(args)
-        self._events.append(
-            {"name": name, "ph": "i", "s": "p", "ts": self._clock.us(time.perf_counter_ns()), "pid": self.rank, "tid": 0, "args": event_args}
-        )
+        self._record({"name": name, "ph": "i", "s": "p", "ts": self._clock.us(time.perf_counter_ns()), "pid": self.rank,
+                      "tid": 0, "args": event_args})
 
     def _tid(self, lane: str) -> int:
         tid = self._lanes.get(lane)
@@ -200,8 +211,8 @@ class Tracer:
             return f"rank {self.rank} (no stage)"
         return f"rank {self.rank} (stage {'->'.join(str(s) for s in stages)})"
 
-    def to_json(self) -> dict[str, Any]:
-        """The Chrome trace object: metadata naming the process and lanes, then the events."""
+    def _metadata(self) -> list[dict[str, Any]]:
+        """The events naming the process (rank and stages) and its lanes, for the viewers."""
         meta: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": self.process_name()}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0, "args": {"sort_index": self.rank}},
@@ -209,21 +220,48 @@ class Tracer:
         for lane, tid in self._lanes.items():
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": lane}})
             meta.append({"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": tid, "args": {"sort_index": tid}})
+        return meta
+
+    def to_json(self) -> dict[str, Any]:
+        """The Chrome trace object: metadata naming the process and lanes, then the events."""
         other = {"rank": self.rank, "dropped_events": self.dropped}
-        return {"traceEvents": meta + self._events, "displayTimeUnit": "ms", "otherData": other}
+        return {"traceEvents": self._metadata() + self._events, "displayTimeUnit": "ms", "otherData": other}
+
+    def flush(self) -> None:
+        """Streaming: append the events held in memory to the current chunk file (a write error stops
+        the trace with one warning, never the run)."""
+        if self._stream is None:
+            return
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        assert self._stream is not None
+        self._stream.write(self._events)
+        self._events = []
+        if self._stream.failed is not None:
+            self.enabled = False  # nothing more to record: the trace file cannot take it
 
     def save(self, path: PathLike) -> Path:
-        """Write the trace atomically (a reader never sees half a file)."""
+        """Write the trace atomically (a reader never sees half a file). Streaming to `path`: write what
+        is left and close the chunk (never raises: a trace is not worth failing a run for)."""
         if self.dropped:
             logger.warning("rank %d: trace kept %d events and dropped %d (max_events)", self.rank, len(self._events), self.dropped)
+        if self._stream is not None and Path(path) == self._stream.path:
+            self.flush()
+            self._stream.close()
+            return Path(path)
         return atomic_write_json(path, self.to_json())
 
 
 def read_trace(path: PathLike) -> dict[str, Any]:
-    """Load a trace file written by `Tracer.save` or `merge_traces` (ValueError if it is not one)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    """Load a trace file written by `Tracer.save`, a streamed chunk (closed or not) or `merge_traces`, as
+    `{"traceEvents": [...], ...}` (ValueError if it is not a trace)."""
+    data = read_events(path)
+    if isinstance(data, list) and data and all(isinstance(e, dict) and "ph" in e for e in data):
+        data = {"traceEvents": data}  # a streamed chunk (JSON Array Format)
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{path}: not a Chrome trace (expected an object with a 'traceEvents' list)")
+        raise ValueError(f"{path}: not a Chrome trace (expected an object with a 'traceEvents' list or a JSON array of events)")
     return data
 
 

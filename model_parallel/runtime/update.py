@@ -21,18 +21,20 @@ def lr_factor(schedule: str, step: int) -> float:
     try:
         if kind == "constant":
             return 1.0
-        if kind == "cosine":
+        # Every count must be >= 1 and gamma finite and >= 0: warmup:-1 would be a negative learning rate.
+        if kind == "cosine" and int(rest) >= 1:
             total = int(rest)
             return 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-        if kind == "warmup":
+        if kind == "warmup" and int(rest) >= 1:
             return min(1.0, (step + 1) / int(rest))
         if kind == "step":
             every, gamma = rest.split(":")
-            return float(gamma) ** (step // int(every))
+            if int(every) >= 1 and math.isfinite(float(gamma)) and float(gamma) >= 0:
+                return float(gamma) ** (step // int(every))
     except (ValueError, ZeroDivisionError):
         pass
     raise ConfigError(f"bad --lr_schedule {schedule!r}; use constant, cosine:<total_steps>, warmup:<steps> "
-                      "or step:<every>:<gamma>")
+                      "or step:<every>:<gamma> (counts >= 1, gamma >= 0)")
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -14,6 +14,8 @@ naming the tensor and the file(s).
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -60,6 +62,33 @@ def _names(graph: Optional[Graph]) -> dict[str, list[str]]:
     return out
 
 
+def _where(file: Path, named_by: Path) -> str:
+    return str(file) if file == named_by else f"{file} (named by {named_by})"
+
+
+def _check_regular(file: Path, named_by: Path) -> None:
+    """A FIFO or device is refused before it is opened (opening a FIFO blocks; a device never ends)."""
+    try:
+        mode = os.stat(file).st_mode
+    except OSError as error:
+        raise InitError(f"{_where(file, named_by)}: cannot be read ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode):
+        raise InitError(f"{_where(file, named_by)}: not a regular file (a FIFO, device or directory, possibly "
+                        "behind a symlink); give the .safetensors files themselves")
+
+
+def _open(file: Path, named_by: Path) -> Any:
+    """safe_open of a regular file (followed symlinks included); a file that is not safetensors is an
+    InitError, not the library's own untyped error."""
+    _check_regular(file, named_by)
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own untyped errors for a bad header
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        raise InitError(f"{_where(file, named_by)}: not a readable safetensors file ({reason}); give the model's "
+                        ".safetensors files") from None
+
+
 class SafetensorsValues:
     """Values from one .safetensors file or a directory of them (HF sharded: its index names each
     tensor's file; without an index, every *.safetensors file's header is read)."""
@@ -68,8 +97,8 @@ class SafetensorsValues:
         self.path = Path(path)
         self.names = _names(graph)
         self.file_of: dict[str, Path] = {}
-        if self.path.is_file():
-            files = [self.path]
+        if self.path.exists() and not self.path.is_dir():
+            files = [self.path]  # a FIFO or device too: _open refuses it by name
         elif (self.path / INDEX).is_file():
             index = jsonbound.load_file(self.path / INDEX, error=InitError, what=INDEX)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -79,6 +108,8 @@ class SafetensorsValues:
                 if Path(file).name != file:  # the index is data: it names files in this directory, no paths
                     raise InitError(f"{self.path / INDEX}: tensor {name!r} names file {file!r}; expected a file name in {self.path}")
                 self.file_of[name] = self.path / file
+            for file in sorted(set(self.file_of.values())):  # before any rank joins: a stat each, nothing read
+                _check_regular(file, self.path / INDEX)
             files = []
         elif self.path.is_dir():
             files = sorted(self.path.glob("*.safetensors"))
@@ -87,7 +118,7 @@ class SafetensorsValues:
         else:
             raise InitError(f"{self.path}: no such safetensors file or directory")
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:  # reads the header only
+            with _open(file, self.path) as handle:  # reads the header only
                 for name in handle.keys():
                     self.file_of.setdefault(name, file)
         self._handles: dict[Path, Any] = {}
@@ -95,9 +126,9 @@ class SafetensorsValues:
 
     def _handle(self, file: Path) -> Any:
         if file not in self._handles:
-            if not file.is_file():
+            if not file.exists():
                 raise InitError(f"{file}: listed in {self.path / INDEX} but missing")
-            self._handles[file] = safe_open(str(file), framework="pt")
+            self._handles[file] = _open(file, self.path / INDEX)
         return self._handles[file]
 
     def read(self, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,76 @@
+"""How a worker process ends after a failure: the one error line, the exit code, the status its peers read,
+and a last line naming the latest committed checkpoint and the command that resumes from it.
+
+Exit codes (docs/reliability.md): 0 only when every requested step ran; 2 a usage or configuration
+error (cli.common.run_cli); 3 a peer died, stalled or became unreachable (the message names it);
+4 the run was stopped before its requested steps (the message says by whom and why); 5 this rank's
+own code failed while training (a layer raised: wrong device, shapes, out of memory).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn, Optional
+
+from model_parallel.cli.common import EXIT_USAGE
+
+EXIT_PEER = 3
+EXIT_STOPPED = 4
+EXIT_FAILED = 5
+# How long the store host keeps the store up after a failure, in --timeouts, unless every other live rank
+# has published its verdict sooner: a peer may sit in a receive for up to one timeout before its own
+# diagnosis (at most 0.4 timeouts) reads the store to name the culprit.
+LINGER_TIMEOUTS = 1.4
+
+__all__ = ["EXIT_USAGE", "EXIT_PEER", "EXIT_STOPPED", "EXIT_FAILED", "LINGER_TIMEOUTS", "resume_hint", "leave",
+           "runtime_failure"]
+
+
+def runtime_failure(error: BaseException, prefix: str) -> str:
+    """One line for an exception our code did not raise on purpose (a layer failing at run time)."""
+    text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return f"{prefix} failed while training: {type(error).__name__}: {text}".rstrip(": ")
+
+
+def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int) -> Optional[str]:
+    """The last line after a failure: the latest committed checkpoint and the command that resumes from it
+    (None without --checkpoint_dir: nothing was saved to resume from)."""
+    if not checkpoint_dir:
+        return None
+    from model_parallel.errors import CheckpointError
+    from model_parallel.runtime.checkpoint_layout import latest_step, step_dir
+
+    try:
+        step = latest_step(checkpoint_dir)
+    except CheckpointError as error:
+        return f"[rank {rank}] cannot tell which checkpoint to resume from: {error}"
+    except OSError as error:
+        return f"[rank {rank}] cannot read --checkpoint_dir {checkpoint_dir}: {error}"
+    args = list(argv) if "--resume" in argv else [*argv, "--resume"]
+    command = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_parallel_0.py", *args])
+    if step is None:
+        return f"[rank {rank}] no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"
+    return f"[rank {rank}] latest committed checkpoint: {step_dir(checkpoint_dir, step)}; resume every rank with: {command}"
+
+
+def leave(code: int, line: str, rank: int, health: Any, *, state: str = "failed", cause: str = "",
+          blamed: Optional[int] = None, linger: bool = True, hint: Optional[str] = None) -> NoReturn:
+    """Print the error line (and the resume hint), publish this rank's status, keep the store up for the
+    others if this rank hosts it, and exit without interpreter teardown (a store call blocked in a daemon
+    thread would abort it: exit -6 instead of `code`)."""
+    print(line, file=sys.stderr, flush=True)
+    if hint:
+        print(hint, file=sys.stderr, flush=True)
+    if health is not None:
+        health.stop(state, None, cause or line)
+        # The store host keeps the store up so the others can read who is to blame; not when it is the
+        # culprit itself (it stood still): they gave up on it already.
+        if linger and rank == health.store_host and blamed != rank:
+            health.linger(LINGER_TIMEOUTS * health.store_timeout, blamed)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
