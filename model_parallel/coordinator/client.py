@@ -74,6 +74,9 @@ class CoordinatorChannel:
         self.gave_up: Optional[str] = None  # set when reconnecting failed for `reconnect_for` seconds
         self.reconnects = 0
         self.stop_reason: Optional[str] = None
+        # The newest plan version this rank runs (from its reports) or has accepted a switch to: a switch
+        # to a version at or below it is stale or replayed, and refused.
+        self.plan_floor = 0
         self.session: Optional[Session] = self._register(timeout)  # the first connection must work
         self._connected.set()
         self._threads = [
@@ -109,6 +112,7 @@ class CoordinatorChannel:
             return
         message = report.to_dict()  # the protocol's `report` is the StepReport itself
         self._step = max(self._step, report.step)
+        self.plan_floor = max(self.plan_floor, report.plan_version)
         try:
             self._reports.put_nowait(message)
         except queue.Full:
@@ -243,10 +247,23 @@ class CoordinatorChannel:
             except ProtocolError as error:
                 logger.error("rank %d: ignoring a malformed command from the coordinator: %s", self.rank, error)
                 continue
-            if command.kind == "stop":
-                self.stop_reason = command.reason
-            logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
-            self._commands.put(command)
+            if self.admit(command):
+                self._commands.put(command)
+
+    def admit(self, command: Command) -> bool:
+        """Whether to act on an authenticated command: a switch must move to a newer plan than this rank runs."""
+        if command.kind == "switch":
+            assert command.plan is not None  # Command refuses a switch without a plan
+            if command.plan.version <= self.plan_floor:
+                logger.error("rank %d: refusing a switch to plan v%d: this rank runs (or was told to switch to) plan v%d "
+                             "already; a stale or replayed command (%s)", self.rank, command.plan.version,
+                             self.plan_floor, command.reason or "no reason given")
+                return False
+            self.plan_floor = command.plan.version
+        if command.kind == "stop":
+            self.stop_reason = command.reason
+        logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
+        return True
 
 
 def fetch_job(address: str, read_token: Callable[[], bytes], rank: int, timeout: float) -> tuple[dict[str, Any], bytes]:

@@ -55,6 +55,9 @@ class Rebalancer:
         self.last_decision = "no decision yet"
         self.last_eval_step = -1
         self._mismatch_warned = False
+        # The newest plan version any worker reported: a fresh coordinator facing workers that already
+        # switched numbers its plans above it (workers refuse a switch to a version they run or passed).
+        self.highest_reported = 0
 
     @property
     def plan(self) -> Plan:
@@ -74,6 +77,7 @@ class Rebalancer:
     def on_report(self, worker: WorkerState, report: StepReport, workers: Mapping[int, WorkerState], send: Send,
                   stopping: bool) -> None:
         """A checked report was recorded: confirm or forget the pending switch, maybe run the policy."""
+        self.highest_reported = max(self.highest_reported, report.plan_version)
         expected = self.plan.stage_of_rank(worker.rank)
         if report.plan_version == self.plan.version and report.stage != expected and not self._mismatch_warned:
             self._mismatch_warned = True
@@ -130,7 +134,7 @@ class Rebalancer:
 
     def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
         """Send `plan` as v+1 to rank 0; returns it, or None when rank 0 is away (nothing will apply it)."""
-        plan = replace(plan, version=self.plan.version + 1)
+        plan = replace(plan, version=max(self.plan.version, self.highest_reported) + 1)
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
         logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
         if not send(0, Command.switch(plan, reason=reason)):

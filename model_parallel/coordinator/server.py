@@ -229,6 +229,7 @@ class Coordinator:
             conn.sendall(encode_frame(make_message("hello", 0, nonce=nonce, server="model_parallel.coordinator"), None, S2C, nonce))
             session = Session(conn, self.token, nonce, S2C, timeout=HANDSHAKE_TIMEOUT_S)
             first = session.recv(HANDSHAKE_TIMEOUT_S)
+            session.bind_client(first)  # from here every frame, both ways, is bound to both nonces
             # The MAC checked out: the peer holds the token, so it takes a reserved authenticated slot.
             if not self._admission.authenticate(ticket):
                 if ticket.closed_by_us:
