@@ -136,6 +136,7 @@ def test_bad_clients_are_dropped_and_do_not_disturb(coordinator, caplog):
 @pytest.mark.slow
 def test_silent_and_vanished_workers_are_marked_unreachable_and_nothing_stops(coordinator):
     """The coordinator's view may be stale: it only marks such ranks unreachable (their peers name a dead one)."""
+    coordinator.roster.world_size = 3  # rank 2 is a spare beside the 2-stage plan (Coordinator(world_size=3))
     ch0 = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=3)
     host, port = coordinator.address.split(":")
     silent = socket.create_connection((host, int(port)), timeout=5)

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, parse_address
+from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, new_nonce, parse_address
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.messages import Command, StepReport
 
@@ -66,7 +66,8 @@ class CoordinatorChannel:
         self._lock = threading.Lock()  # guards `session` changes
         self._send_lock = threading.Lock()
         self._commands: "queue.Queue[Command]" = queue.Queue()
-        self._reports: "queue.Queue[dict[str, Any]]" = queue.Queue(maxsize=REPORT_QUEUE)
+        # (message type, fields): step reports, and the rare switch-refused
+        self._reports: "queue.Queue[tuple[str, dict[str, Any]]]" = queue.Queue(maxsize=REPORT_QUEUE)
         self._closed = threading.Event()
         self._connected = threading.Event()
         self._step = -1
@@ -77,6 +78,7 @@ class CoordinatorChannel:
         # The newest plan version this rank runs (from its reports) or has accepted a switch to: a switch
         # to a version at or below it is stale or replayed, and refused.
         self.plan_floor = 0
+        self.instance = new_nonce()  # this process's claim on its rank (never shown): see Roster.register
         self.session: Optional[Session] = self._register(timeout)  # the first connection must work
         self._connected.set()
         self._threads = [
@@ -93,12 +95,16 @@ class CoordinatorChannel:
         try:
             with self._send_lock:
                 session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),
-                             world_size=int(self.world_size))
+                             world_size=int(self.world_size), instance=self.instance)
             welcome = session.recv(timeout)
         except (OSError, ProtocolError) as error:
             session.sock.close()
             raise ProtocolError(f"coordinator at {self.address} refused rank {self.rank}: {error} "
                                 "(wrong token? the coordinator log says why)") from None
+        if welcome["type"] == "reply" and not welcome["ok"]:  # refused, and the coordinator says why
+            session.sock.close()
+            raise ProtocolError(f"coordinator at {self.address} refused rank {self.rank}: "
+                                f"{welcome.get('error', 'no reason given')}")
         if welcome["type"] != "welcome":
             session.sock.close()
             raise ProtocolError(f"coordinator at {self.address}: expected welcome, got {welcome['type']!r}")
@@ -113,15 +119,23 @@ class CoordinatorChannel:
         message = report.to_dict()  # the protocol's `report` is the StepReport itself
         self._step = max(self._step, report.step)
         self.plan_floor = max(self.plan_floor, report.plan_version)
+        self._queue("report", message)
+
+    def switch_refused(self, version: int, reason: str) -> None:
+        """The runtime refused the switch to plan `version` on every rank (the job goes on): tell the coordinator."""
+        if self.gave_up is None and not self._closed.is_set():
+            self._queue("switch-refused", {"version": int(version), "reason": str(reason)[:4000]})
+
+    def _queue(self, kind: str, fields: dict[str, Any]) -> None:
         try:
-            self._reports.put_nowait(message)
+            self._reports.put_nowait((kind, fields))
         except queue.Full:
             # The coordinator is slow to read (or away): drop the oldest report rather than stall training.
             try:
                 self._reports.get_nowait()
             except queue.Empty:
                 pass
-            self._reports.put_nowait(message)
+            self._reports.put_nowait((kind, fields))
 
     def poll(self) -> Optional[Command]:
         try:
@@ -199,7 +213,7 @@ class CoordinatorChannel:
 
     def _send_loop(self) -> None:
         last = 0.0
-        message: Optional[dict[str, Any]] = None
+        message: Optional[tuple[str, dict[str, Any]]] = None
         while not self._closed.is_set() and self.gave_up is None:
             if message is None:
                 try:
@@ -212,7 +226,7 @@ class CoordinatorChannel:
                 continue
             try:
                 if message is not None:
-                    self._send(session, "report", **message)
+                    self._send(session, message[0], **message[1])
                     message, last = None, time.monotonic()
                 if time.monotonic() - last >= self.heartbeat_interval:
                     self._send(session, "heartbeat", rank=self.rank, step=max(self._step, 0))

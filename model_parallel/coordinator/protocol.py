@@ -66,7 +66,8 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"nonce": (str,), "server": (str,)},
     # client -> server: who am I. role "worker" needs rank/world_size; role "ctl" needs nothing else.
     # `nonce` (also in job-request): the client's half of the session nonce (see the module docstring).
-    "register": {"role": (str,), "rank": (int,), "host": (str,), "pid": (int,), "world_size": (int,), "nonce": (str,)},
+    "register": {"role": (str,), "rank": (int,), "host": (str,), "pid": (int,), "world_size": (int,), "nonce": (str,),
+                 "instance": (str,)},
     # server -> client: registration accepted; the live plan (dict) and its version.
     "welcome": {"plan_version": (int,), "plan": (dict,)},
     "heartbeat": {"rank": (int,), "step": (int,)},
@@ -83,6 +84,9 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "ctl": {"op": (str,), "args": (dict,)},
     # server -> ctl client
     "reply": {"ok": (bool,), "result": (dict,), "error": (str,)},
+    # rank 0 -> server: every rank refused the switch to plan `version` before moving anything (why: `reason`);
+    # the job goes on with the plan it ran
+    "switch-refused": {"version": (int,), "reason": (str,)},
     # client -> server: the worker finished (or is stopping) on purpose
     "bye": {"rank": (int,), "reason": (str,)},
     # client -> server, instead of register: a worker started without a model asks what to train
@@ -93,7 +97,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 # Fields a message may omit (e.g. a ctl client's register has no rank).
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"rank", "host", "pid", "world_size", "nonce"}),
+    "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance"}),
     "reply": frozenset({"result", "error"}),
     "report": frozenset({"loss"}),
     "job-request": frozenset({"rank", "host", "pid", "nonce"}),

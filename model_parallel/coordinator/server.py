@@ -76,6 +76,7 @@ class Coordinator:
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
         solver: Optional[policy_mod.Solver] = None,
         job: Optional[Mapping[str, Any]] = None,
+        world_size: Optional[int] = None,
     ) -> None:
         if policy not in ("auto", "manual"):
             raise PlanError(f"--policy must be auto or manual, got {policy!r}")
@@ -94,8 +95,15 @@ class Coordinator:
         self.status_file = Path(status_file) if status_file else None
         self.heartbeat_timeout = heartbeat_timeout
         self.lock = threading.RLock()
-        self.roster = Roster()
-        self.rebalancer = Rebalancer(policy_mod.with_cost_proxy(graph), plan, config, solver, auto=policy == "auto")
+        # The job's world: every worker must be started with this --world_size (default: the ranks plan v0 places).
+        ranks = [r for stage in plan.with_default_ranks().stages for r in stage.ranks]
+        if world_size is not None and world_size <= max(ranks):
+            raise PlanError(f"world size {world_size} is too small for plan v{plan.version}, which places rank {max(ranks)}")
+        self.roster = Roster(world_size if world_size is not None else max(ranks) + 1)
+        # The schedule the workers run, where the job says (their own flag may differ: then they check what this cannot).
+        schedule = (job or {}).get("train", {}).get("schedule")
+        self.rebalancer = Rebalancer(policy_mod.with_cost_proxy(graph), plan, config, solver, auto=policy == "auto",
+                                     world_size=self.roster.world_size, schedule=schedule if isinstance(schedule, str) else None)
         self.ctl = CtlHandler(self.lock, self.roster, self.rebalancer, self._send_to, self.status)
         self.shutdown = threading.Event()
         self.done = threading.Event()
@@ -284,7 +292,11 @@ class Coordinator:
     # ---- workers -------------------------------------------------------------------------------
     def _register_worker(self, session: Session, message: Mapping[str, Any], where: str) -> WorkerState:
         with self.lock:
-            worker, reconnection = self.roster.register(message, session, where, self.plan)
+            try:
+                worker, reconnection = self.roster.register(message, session, where, self.plan)
+            except ProtocolError as error:  # say why to the worker too: it exits with the cause, not "wrong token?"
+                session.send("reply", ok=False, error=str(error))
+                raise
             self.done.clear()
             plan = self.plan
         with worker.send_lock:
@@ -328,6 +340,9 @@ class Coordinator:
                 if message["rank"] != worker.rank:
                     raise ProtocolError(f"rank {worker.rank} sent a report for rank {message['rank']}")
                 self._on_report(worker, message)
+            elif kind == "switch-refused":
+                with self.lock:
+                    self.rebalancer.refused(worker.rank, message["version"], message["reason"])
             elif kind == "bye":
                 reason = message["reason"]
                 with self.lock:
