@@ -42,9 +42,9 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     split tie is a buffer. Neither can pass there what fails here: the workers run this same check.
     """
     if plan.num_ranks > world_size:  # before with_default_ranks allocates a rank per replica
-        raise PlanError(f"plan v{plan.version} places {plan.num_ranks} replica(s) in all "
-                        f"({', '.join(str(s.num_replicas) for s in plan.stages[:8])}{', ...' if plan.num_stages > 8 else ''} "
-                        f"per stage) but the world has {world_size} rank(s); replicas are bounded by the world size")
+        per_stage = ", ".join(str(s.num_replicas) for s in plan.stages[:8]) + (", ..." if plan.num_stages > 8 else "")
+        raise PlanError(f"plan v{plan.version} places {plan.num_ranks} replica(s) (per stage: {per_stage}) but the world "
+                        f"has {world_size} rank(s); replicas are bounded by the world size")
     plan = plan.with_default_ranks()
     check_plan_fits(plan, world_size)
     if schedule is not None:
