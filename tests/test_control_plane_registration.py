@@ -118,3 +118,18 @@ def test_refusals_from_many_addresses_are_limited_in_all(caplog: pytest.LogCaptu
     # Nothing is lost: every refusal is a line or in a count.
     counted = sum(int(re.search(r"(\d+) more", line).group(1)) if " more " in line else 1 for line in lines)
     assert counted == 6 * 20 * 150
+
+
+def test_a_worker_that_left_before_its_first_report_leaves_nothing_behind(coordinator, caplog) -> None:
+    host, port = coordinator.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # a stray start of rank 0, gone in a second
+        session = client_handshake(sock, TOKEN, 5)
+        session.send("register", role="worker", rank=0, world_size=2, host="elsewhere", pid=4242, instance="ab" * 16)
+        assert session.recv(5)["type"] == "welcome"
+    wait_for(lambda: 0 not in coordinator.workers, what="the stray forgotten")
+    assert "rank 0 (pid 4242 on elsewhere) left before its first report" in caplog.text
+    ch0 = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=2)  # the real rank 0 is welcome
+    try:
+        assert coordinator.workers[0].instance == ch0.instance and coordinator.workers[0].pid != 4242
+    finally:
+        ch0.close()

@@ -396,12 +396,18 @@ class Coordinator:
         with self.lock:
             if not self.roster.is_current(worker):
                 return
-            session = self.roster.unreachable(worker, why)
+            forgotten = not worker.reports  # it never trained: nothing to wait for, nothing to keep
+            session = self.roster.forget(worker) if forgotten else self.roster.unreachable(worker, why)
         if session is not None:
             try:
                 session.sock.shutdown(socket.SHUT_RDWR)  # a silent connection: its thread ends, the worker reconnects
             except OSError:
                 pass
+        if forgotten:
+            logger.warning("rank %d (pid %d on %s) left before its first report (%s); forgotten", worker.rank,
+                           worker.pid, worker.host, why)
+            self._check_done()
+            return
         logger.warning("rank %d (pid %d on %s) is unreachable: %s; the run goes on (a live worker reconnects, "
                        "a dead one is named by its peers)", worker.rank, worker.pid, worker.host, why)
         self._check_done()

@@ -72,12 +72,18 @@ class Roster:
         old = self.workers.get(rank)
         host, pid = str(message.get("host", where)), int(message.get("pid", 0))
         instance = str(message.get("instance", ""))
-        # Only the process that holds the rank may replace its live registration (reconnecting: its old
-        # connection may not look closed from here yet). Its instance id is a secret of that process: the
-        # pid and host that `ctl status` shows are not enough to displace it.
-        if old is not None and old.status == "running" and old.session is not None and not (old.instance and old.instance == instance):
-            raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host}); "
-                                "a second worker cannot take its place while it runs")
+        # A rank belongs to the process that registered it first (reconnecting: its old connection may not
+        # look closed from here yet). Its instance id is a secret of that process: the pid and host that
+        # `ctl status` shows are not enough to displace it. (A worker that left before its first report was
+        # forgotten, `forget`: it holds nothing.)
+        if old is not None and old.status in ("running", "unreachable") and not (old.instance and old.instance == instance):
+            if old.status == "running" and old.session is not None:
+                raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host}); "
+                                    "a second worker cannot take its place while it runs")
+            if old.instance:
+                raise ProtocolError(f"rank {rank} belongs to pid {old.pid} on {old.host}, which trained as rank {rank} and is "
+                                    "unreachable now; only that process may register it again (to replace a worker, "
+                                    "resume the job from its checkpoint with a fresh coordinator)")
         worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session, instance=instance)
         reconnection = old is not None and old.status in ("running", "unreachable")
         if reconnection:  # keep what was learned about this rank
@@ -88,6 +94,14 @@ class Roster:
         self.workers[rank] = worker
         self.dirty = True
         return worker, reconnection
+
+    def forget(self, worker: WorkerState) -> Optional[Session]:
+        """Drop a current worker that never reported a step (a stray start, a worker that failed before
+        training): it leaves nothing behind. Returns its session, for the caller to shut down."""
+        del self.workers[worker.rank]
+        session, worker.session = worker.session, None
+        self.dirty = True
+        return session
 
     def seen(self, worker: WorkerState, now: float) -> bool:
         """A message from `worker` arrived at `now` (monotonic); True when it was unreachable until now."""
