@@ -119,6 +119,7 @@ class RefusalRecorder(ScriptedChannel):
         self.refused.append((version, reason))
 
 
+@pytest.mark.slow
 def test_the_runtime_refuses_a_bad_switch_before_moving_anything_and_trains_on(tmp_path) -> None:
     from model_parallel.profiler.trace import trace_model
     from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -184,3 +185,25 @@ def test_set_plan_replicas_are_bounded_by_the_world_size(running, tmp_path) -> N
             ctl.request("set-plan", plan=data)
     assert coord.handle_ctl("status", {})["plan_version"] == 0  # the lock is free, nothing changed
     assert ch0.poll() is None
+
+
+def test_plans_are_checked_under_the_schedule_the_workers_run(tmp_path) -> None:
+    graph = chain_graph()
+    coord = Coordinator(graph, split(graph), TOKEN, policy="manual", heartbeat_timeout=30, solver=default_solver,
+                        world_size=3)
+    address = f"127.0.0.1:{coord.start('127.0.0.1', 0)}"
+    channels = [CoordinatorChannel(address, TOKEN, rank=r, world_size=3, schedule="pipedream") for r in range(3)]
+    try:
+        for rank, channel in enumerate(channels):
+            channel.report(report(rank, 0))
+        wait_for(lambda: all(w.reports for w in coord.workers.values()) and len(coord.workers) == 3, what="reports")
+        ids = list(graph.topological_order)
+        replicated = Plan((StagePlan(0, tuple(ids[:3]), num_replicas=2, ranks=(0, 1)), StagePlan(1, tuple(ids[3:]), ranks=(2,))))
+        with CtlClient(address, TOKEN) as ctl, pytest.raises(PlanError, match="pipedream schedule does not support "
+                                                                                 "replicated stages"):
+            ctl.request("set-plan", plan=replicated.to_dict())
+        assert channels[0].poll() is None and coord.plan.version == 0
+    finally:
+        for channel in channels:
+            channel.close()
+        coord.stop()

@@ -49,6 +49,7 @@ from model_parallel.graph.loader import check_graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 from model_parallel.ratelog import RateLimitedLog
+from model_parallel.runtime.schedule import SCHEDULES
 
 logger = logging.getLogger(__name__)
 
@@ -293,10 +294,15 @@ class Coordinator:
     def _register_worker(self, session: Session, message: Mapping[str, Any], where: str) -> WorkerState:
         with self.lock:
             try:
+                if message.get("schedule", "1f1b") not in SCHEDULES:
+                    raise ProtocolError(f"rank {message.get('rank')} runs an unknown schedule {str(message['schedule'])[:40]!r}; "
+                                        f"expected one of {sorted(SCHEDULES)}")
                 worker, reconnection = self.roster.register(message, session, where, self.plan)
             except ProtocolError as error:  # say why to the worker too: it exits with the cause, not "wrong token?"
                 session.send("reply", ok=False, error=str(error))
                 raise
+            if "schedule" in message:  # the workers' schedule: plans are checked under its rules too
+                self.rebalancer.schedule = message["schedule"]
             self.done.clear()
             plan = self.plan
         with worker.send_lock:
