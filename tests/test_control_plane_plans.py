@@ -207,3 +207,29 @@ def test_plans_are_checked_under_the_schedule_the_workers_run(tmp_path) -> None:
         for channel in channels:
             channel.close()
         coord.stop()
+
+
+@pytest.mark.slow
+def test_two_workers_refuse_a_swapped_plan_together_and_finish_exactly(tmp_path) -> None:
+    """Issue 33 item 3 on real processes: before, both workers exited 2 and the work was lost."""
+    from model_parallel.graph.plan import read_plan
+    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.launch import launch_workers
+    from support.mlp import assert_params_close, mlp_job, reference_params
+
+    graph_path, plan_path = mlp_job(tmp_path, 2)
+    plan = read_plan(plan_path)
+    swapped = Plan((StagePlan(0, plan.stages[1].node_ids, ranks=(0,)), StagePlan(1, plan.stages[0].node_ids, ranks=(1,))),
+                   version=1)
+    script = tmp_path / "control.json"
+    script.write_text(json.dumps({"2": Command.switch(swapped, "test: stages swapped").to_dict()}), encoding="utf-8")
+    steps = 4
+    result = launch_workers(["--graph", str(graph_path), "--plan", str(plan_path), "--steps", str(steps),
+                             "--control_script", str(script), "--checkpoint_dir", str(tmp_path / "ck"),
+                             "--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01", "--timeout", "30"],
+                            2, timeout=150)
+    assert result.ok, result.summary()  # both exit 0: the switch was refused, not fatal
+    for rank in (0, 1):
+        assert "refusing the switch to plan v1 (test: stages swapped)" in result.output(rank), result.output(rank)[-2000:]
+        assert "goes from stage 1 back to stage 0" in result.output(rank)
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "run after a refused switch")
