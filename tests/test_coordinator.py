@@ -136,6 +136,7 @@ def test_bad_clients_are_dropped_and_do_not_disturb(coordinator, caplog):
 @pytest.mark.slow
 def test_silent_and_vanished_workers_are_marked_unreachable_and_nothing_stops(coordinator):
     """The coordinator's view may be stale: it only marks such ranks unreachable (their peers name a dead one)."""
+    coordinator.roster.world_size = 3  # rank 2 is a spare beside the 2-stage plan (Coordinator(world_size=3))
     ch0 = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=3)
     host, port = coordinator.address.split(":")
     silent = socket.create_connection((host, int(port)), timeout=5)
@@ -145,6 +146,8 @@ def test_silent_and_vanished_workers_are_marked_unreachable_and_nothing_stops(co
             session = client_handshake(sock, TOKEN, 5)
             session.send("register", role="worker", rank=rank, world_size=3, host="h", pid=1)
             assert session.recv(5)["type"] == "welcome"
+            session.send("report", **metrics(rank, 0, 0, 0.004).to_dict())  # it trained (one that never did is forgotten)
+        wait_for(lambda: all(coordinator.workers[r].reports for r in (1, 2)), what="the first reports")
         start = time.monotonic()
         vanished.close()  # like kill -9: the connection closes without a bye
         wait_for(lambda: coordinator.workers[2].status == "unreachable", timeout=5, what="vanished worker unreachable")

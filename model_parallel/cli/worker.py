@@ -192,14 +192,15 @@ def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
     return shape
 
 
-def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None) -> Any:
+def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None, schedule: Optional[str] = None) -> Any:
     from model_parallel.messages import NullChannel
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel
         from model_parallel.coordinator.protocol import read_token
 
-        return CoordinatorChannel(args.coordinator, token or read_token(args.token, args.token_file), rank, world_size)
+        return CoordinatorChannel(args.coordinator, token or read_token(args.token, args.token_file), rank, world_size,
+                                  schedule=schedule)
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
@@ -329,7 +330,7 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
             served: Optional[ServedJob] = None) -> Any:
     """Build one job from its flags (or the coordinator's) and train it on the already-joined world."""
     job = load_job(args, world.world_size, served)
-    channel = make_channel(args, world.rank, world.world_size, served.token if served else None)
+    channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule)
     on_engine = None if prefix is None else lambda engine: setattr(prefix, "engine", engine)
     from model_parallel.cli import memory_summary
     from model_parallel.runtime.memory_probe import PeakProbe

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, parse_address
+from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, new_nonce, parse_address
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.messages import Command, StepReport
 
@@ -57,8 +57,9 @@ class CoordinatorChannel:
 
     def __init__(self, address: str, token: bytes, rank: int, world_size: int,
                  timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
-                 reconnect_for: float = RECONNECT_FOR_S) -> None:
+                 reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None) -> None:
         self.address, self.token = address, token
+        self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
@@ -66,7 +67,8 @@ class CoordinatorChannel:
         self._lock = threading.Lock()  # guards `session` changes
         self._send_lock = threading.Lock()
         self._commands: "queue.Queue[Command]" = queue.Queue()
-        self._reports: "queue.Queue[dict[str, Any]]" = queue.Queue(maxsize=REPORT_QUEUE)
+        # (message type, fields): step reports, and the rare switch-refused
+        self._reports: "queue.Queue[tuple[str, dict[str, Any]]]" = queue.Queue(maxsize=REPORT_QUEUE)
         self._closed = threading.Event()
         self._connected = threading.Event()
         self._step = -1
@@ -74,6 +76,10 @@ class CoordinatorChannel:
         self.gave_up: Optional[str] = None  # set when reconnecting failed for `reconnect_for` seconds
         self.reconnects = 0
         self.stop_reason: Optional[str] = None
+        # The newest plan version this rank runs (from its reports) or has accepted a switch to: a switch
+        # to a version at or below it is stale or replayed, and refused.
+        self.plan_floor = 0
+        self.instance = new_nonce()  # this process's claim on its rank (never shown): see Roster.register
         self.session: Optional[Session] = self._register(timeout)  # the first connection must work
         self._connected.set()
         self._threads = [
@@ -90,12 +96,17 @@ class CoordinatorChannel:
         try:
             with self._send_lock:
                 session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),
-                             world_size=int(self.world_size))
+                             world_size=int(self.world_size), instance=self.instance,
+                             **({"schedule": self.schedule} if self.schedule is not None else {}))
             welcome = session.recv(timeout)
         except (OSError, ProtocolError) as error:
             session.sock.close()
             raise ProtocolError(f"coordinator at {self.address} refused rank {self.rank}: {error} "
                                 "(wrong token? the coordinator log says why)") from None
+        if welcome["type"] == "reply" and not welcome["ok"]:  # refused, and the coordinator says why
+            session.sock.close()
+            raise ProtocolError(f"coordinator at {self.address} refused rank {self.rank}: "
+                                f"{welcome.get('error', 'no reason given')}")
         if welcome["type"] != "welcome":
             session.sock.close()
             raise ProtocolError(f"coordinator at {self.address}: expected welcome, got {welcome['type']!r}")
@@ -109,15 +120,24 @@ class CoordinatorChannel:
             return
         message = report.to_dict()  # the protocol's `report` is the StepReport itself
         self._step = max(self._step, report.step)
+        self.plan_floor = max(self.plan_floor, report.plan_version)
+        self._queue("report", message)
+
+    def switch_refused(self, version: int, reason: str) -> None:
+        """The runtime refused the switch to plan `version` on every rank (the job goes on): tell the coordinator."""
+        if self.gave_up is None and not self._closed.is_set():
+            self._queue("switch-refused", {"version": int(version), "reason": str(reason)[:4000]})
+
+    def _queue(self, kind: str, fields: dict[str, Any]) -> None:
         try:
-            self._reports.put_nowait(message)
+            self._reports.put_nowait((kind, fields))
         except queue.Full:
             # The coordinator is slow to read (or away): drop the oldest report rather than stall training.
             try:
                 self._reports.get_nowait()
             except queue.Empty:
                 pass
-            self._reports.put_nowait(message)
+            self._reports.put_nowait((kind, fields))
 
     def poll(self) -> Optional[Command]:
         try:
@@ -195,7 +215,7 @@ class CoordinatorChannel:
 
     def _send_loop(self) -> None:
         last = 0.0
-        message: Optional[dict[str, Any]] = None
+        message: Optional[tuple[str, dict[str, Any]]] = None
         while not self._closed.is_set() and self.gave_up is None:
             if message is None:
                 try:
@@ -208,7 +228,7 @@ class CoordinatorChannel:
                 continue
             try:
                 if message is not None:
-                    self._send(session, "report", **message)
+                    self._send(session, message[0], **message[1])
                     message, last = None, time.monotonic()
                 if time.monotonic() - last >= self.heartbeat_interval:
                     self._send(session, "heartbeat", rank=self.rank, step=max(self._step, 0))
@@ -243,10 +263,23 @@ class CoordinatorChannel:
             except ProtocolError as error:
                 logger.error("rank %d: ignoring a malformed command from the coordinator: %s", self.rank, error)
                 continue
-            if command.kind == "stop":
-                self.stop_reason = command.reason
-            logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
-            self._commands.put(command)
+            if self.admit(command):
+                self._commands.put(command)
+
+    def admit(self, command: Command) -> bool:
+        """Whether to act on an authenticated command: a switch must move to a newer plan than this rank runs."""
+        if command.kind == "switch":
+            assert command.plan is not None  # Command refuses a switch without a plan
+            if command.plan.version <= self.plan_floor:
+                logger.error("rank %d: refusing a switch to plan v%d: this rank runs (or was told to switch to) plan v%d "
+                             "already; a stale or replayed command (%s)", self.rank, command.plan.version,
+                             self.plan_floor, command.reason or "no reason given")
+                return False
+            self.plan_floor = command.plan.version
+        if command.kind == "stop":
+            self.stop_reason = command.reason
+        logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
+        return True
 
 
 def fetch_job(address: str, read_token: Callable[[], bytes], rank: int, timeout: float) -> tuple[dict[str, Any], bytes]:

@@ -71,7 +71,7 @@ class CtlHandler:
                 plan = self._issue(decision.plan, f"ctl rebalance: {decision.reason}", step, predicted=True)
                 return {"switched": True, "version": plan.version, "reason": decision.reason, "plan": plan.to_dict()}
             if op == "set-plan":
-                plan = self._check_plan(Plan.from_dict(args.get("plan"), "set-plan").with_default_ranks())
+                plan = self._check_plan(Plan.from_dict(args.get("plan"), "set-plan"))
                 plan = self._issue(plan, "ctl set-plan", step)
                 return {"switched": True, "version": plan.version, "plan": plan.to_dict()}
             if op == "scale":
@@ -98,6 +98,11 @@ class CtlHandler:
         return sent
 
     def _check_plan(self, plan: Plan) -> Plan:
+        """What set-plan adds to the workers' own rules (checked in `Rebalancer.issue`): all nodes, live ranks only."""
+        if plan.num_ranks > self.rebalancer.world_size:  # before with_default_ranks allocates a rank per replica
+            raise PlanError(f"set-plan: the plan places {plan.num_ranks} replica(s) but the job's world has "
+                            f"{self.rebalancer.world_size} rank(s); replicas are bounded by the world size")
+        plan = plan.with_default_ranks()
         graph = self.rebalancer.graph
         nodes = [n for s in plan.stages for n in s.node_ids]
         missing = sorted(set(graph.by_id) - set(nodes))

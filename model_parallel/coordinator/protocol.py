@@ -18,8 +18,12 @@ Frame layout (all integers big-endian)::
   `mac = HMAC-SHA256(token, direction || nonce || seq (8 B) || body)` where `direction` is
   `b"c2s"` or `b"s2c"` (so a frame cannot be reflected back to its sender), and checked with
   `hmac.compare_digest` *before* the body is parsed (unauthenticated bytes never reach the JSON
-  parser). Because the nonce is fresh per connection, frames recorded from one connection fail on
-  another. The body's `seq` field must equal the header's.
+  parser). The body's `seq` field must equal the header's.
+- Both sides contribute a nonce. The client's first frame (`register` or `job-request`, MAC'd
+  under the server's nonce) carries the client's own fresh `nonce`; from then on, both ways, the
+  MAC's nonce is `server nonce || client nonce`. So frames recorded on one connection fail on any
+  other: a server frame replayed to a client by a proxy without the token (an old `switch`, `job`,
+  `stop`) fails the client's MAC check, as a client frame replayed to the server fails the server's.
 - `seq` starts at 1 and must strictly increase on each direction of a connection: a replayed or
   reordered frame is rejected.
 - Anything else — truncated frame, oversized length, bad UTF-8/JSON, JSON nested deeper than 64
@@ -61,7 +65,9 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     # server -> client, unauthenticated, first frame of every connection
     "hello": {"nonce": (str,), "server": (str,)},
     # client -> server: who am I. role "worker" needs rank/world_size; role "ctl" needs nothing else.
-    "register": {"role": (str,), "rank": (int,), "host": (str,), "pid": (int,), "world_size": (int,)},
+    # `nonce` (also in job-request): the client's half of the session nonce (see the module docstring).
+    "register": {"role": (str,), "rank": (int,), "host": (str,), "pid": (int,), "world_size": (int,), "nonce": (str,),
+                 "instance": (str,), "schedule": (str,)},
     # server -> client: registration accepted; the live plan (dict) and its version.
     "welcome": {"plan_version": (int,), "plan": (dict,)},
     "heartbeat": {"rank": (int,), "step": (int,)},
@@ -78,20 +84,23 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "ctl": {"op": (str,), "args": (dict,)},
     # server -> ctl client
     "reply": {"ok": (bool,), "result": (dict,), "error": (str,)},
+    # rank 0 -> server: every rank refused the switch to plan `version` before moving anything (why: `reason`);
+    # the job goes on with the plan it ran
+    "switch-refused": {"version": (int,), "reason": (str,)},
     # client -> server: the worker finished (or is stopping) on purpose
     "bye": {"rank": (int,), "reason": (str,)},
     # client -> server, instead of register: a worker started without a model asks what to train
-    "job-request": {"rank": (int,), "host": (str,), "pid": (int,)},
+    "job-request": {"rank": (int,), "host": (str,), "pid": (int,), "nonce": (str,)},
     # server -> client: graph.json and plan.json as objects, the plan's version, and worker flags
     # (`train`: {flag: value}, e.g. {"batch_size": 8}) that the worker's own command line overrides
     "job": {"graph": (dict,), "plan": (dict,), "plan_version": (int,), "train": (dict,)},
 }
 # Fields a message may omit (e.g. a ctl client's register has no rank).
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"rank", "host", "pid", "world_size"}),
+    "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule"}),
     "reply": frozenset({"result", "error"}),
     "report": frozenset({"loss"}),
-    "job-request": frozenset({"rank", "host", "pid"}),
+    "job-request": frozenset({"rank", "host", "pid", "nonce"}),
 }
 COMMAND_KINDS = ("switch", "stop", "slowdown")
 CTL_OPS = ("status", "rebalance", "set-plan", "scale", "slow")
@@ -100,6 +109,11 @@ ROLES = ("worker", "ctl")
 
 def new_nonce() -> str:
     return os.urandom(16).hex()
+
+
+def is_nonce(text: Any) -> bool:
+    """32 lowercase hex digits, as `new_nonce` makes."""
+    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 def compute_mac(token: bytes, direction: bytes, nonce: str, seq: int, body: bytes) -> bytes:
@@ -274,16 +288,29 @@ class Session:
     send_seq: int = 0
     recv_seq: int = 0
     timeout: float = 5.0
+    client_nonce: str = ""  # a client's half of the session nonce: its first frame carries it
 
     @property
     def recv_direction(self) -> bytes:
         return C2S if self.send_direction == S2C else S2C
 
     def send(self, kind: str, **fields: Any) -> None:
+        first = self.send_seq == 0 and bool(self.client_nonce)
+        if first:
+            fields = {**fields, "nonce": self.client_nonce}
         self.send_seq += 1
         frame = encode_frame(make_message(kind, self.send_seq, **fields), self.token, self.send_direction, self.nonce)
         self.sock.settimeout(self.timeout)
         self.sock.sendall(frame)
+        if first:  # every later frame, both ways, is bound to both nonces
+            self.nonce += self.client_nonce
+
+    def bind_client(self, first: dict[str, Any]) -> None:
+        """Server side: take the client's nonce from its first (authenticated) frame; ProtocolError if it has none."""
+        if not is_nonce(first.get("nonce")):
+            raise ProtocolError(f"{first.get('type')}: the client's first frame must carry its own nonce (32 hex digits), "
+                                f"got {str(first.get('nonce'))[:40]!r}; run the same model_parallel version everywhere")
+        self.nonce += first["nonce"]
 
     def recv(self, timeout: Optional[float] = None, max_bytes: int = MAX_FRAME_BYTES) -> dict[str, Any]:
         """The next authenticated message; `max_bytes` above 1 MiB only where a `job` reply is awaited."""
@@ -298,9 +325,9 @@ def client_handshake(sock: socket.socket, token: bytes, timeout: float) -> Sessi
     hello = decode_payload(recv_payload(sock, timeout), None, S2C, "", 0)
     if hello["type"] != "hello":
         raise ProtocolError(f"expected hello from the coordinator, got {hello['type']!r}")
-    if not (len(hello["nonce"]) == 32 and all(c in "0123456789abcdef" for c in hello["nonce"])):
+    if not is_nonce(hello["nonce"]):
         raise ProtocolError(f"the coordinator's hello carries a malformed nonce {hello['nonce'][:40]!r} (expected 32 hex digits)")
-    return Session(sock, token, hello["nonce"], C2S, timeout=timeout)
+    return Session(sock, token, hello["nonce"], C2S, timeout=timeout, client_nonce=new_nonce())
 
 
 # ---- addresses and tokens ------------------------------------------------------------------------

@@ -45,16 +45,21 @@ class Rebalancer:
     """The live plan, the policy's memory and the switch in flight; see the module docstring."""
 
     def __init__(self, graph: Graph, plan: Plan, config: policy.PolicyConfig, solver: Optional[policy.Solver],
-                 auto: bool) -> None:
+                 auto: bool, world_size: int, schedule: Optional[str] = None) -> None:
         self.state = policy.PolicyState(graph, plan.with_default_ranks(), solver)
         self.config = config
         self.auto = auto
+        self.world_size, self.schedule = world_size, schedule  # what a plan is checked against before it is issued
         self.pending: Optional[PendingSwitch] = None
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
         self.last_decision = "no decision yet"
         self.last_eval_step = -1
         self._mismatch_warned = False
+        # The newest plan version any worker reported: a fresh coordinator facing workers that already
+        # switched numbers its plans above it (workers refuse a switch to a version they run or passed).
+        self.highest_reported = 0
+        self.highest_issued = 0  # a refused plan's version is spent too: the workers' channels saw it
 
     @property
     def plan(self) -> Plan:
@@ -74,6 +79,7 @@ class Rebalancer:
     def on_report(self, worker: WorkerState, report: StepReport, workers: Mapping[int, WorkerState], send: Send,
                   stopping: bool) -> None:
         """A checked report was recorded: confirm or forget the pending switch, maybe run the policy."""
+        self.highest_reported = max(self.highest_reported, report.plan_version)
         expected = self.plan.stage_of_rank(worker.rank)
         if report.plan_version == self.plan.version and report.stage != expected and not self._mismatch_warned:
             self._mismatch_warned = True
@@ -103,7 +109,11 @@ class Rebalancer:
         solved = decision.plan is None and decision.current_ms > 0
         self.last_eval_step = step + self.config.window - 1 if solved else step
         if decision.plan is not None:
-            self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True)
+            try:
+                self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True)
+            except PlanError as error:  # a solver plan the workers would refuse: a bug, not a reason to stop
+                logger.error("the policy's plan at step %d fails the workers' checks, not issued: %s", step, error)
+                self.last_eval_step = step + self.config.window - 1
 
     def decide(self, workers: Mapping[int, WorkerState], step: int, force: bool) -> policy.Decision:
         """Run the policy on the live plan's samples and keep the state it returns."""
@@ -129,12 +139,17 @@ class Rebalancer:
             f"cooldown {self.config.cooldown_after(misses)} steps)")
 
     def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
-        """Send `plan` as v+1 to rank 0; returns it, or None when rank 0 is away (nothing will apply it)."""
-        plan = replace(plan, version=self.plan.version + 1)
+        """Check `plan` as the workers will (PlanError: not issued), send it as v+1 to rank 0; returns it, or
+        None when rank 0 is away (nothing will apply it)."""
+        from model_parallel.runtime.plancheck import check_plan  # the workers' own rules (torch: not at import)
+
+        version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
+        plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
         logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
         if not send(0, Command.switch(plan, reason=reason)):
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
+        self.highest_issued = plan.version
         self.pending = PendingSwitch(plan, step, predicted)
         return plan
 
@@ -147,6 +162,15 @@ class Rebalancer:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step
         logger.warning("plan v%d is live from step %d", self.plan.version, step)
+
+    def refused(self, rank: int, version: int, reason: str) -> None:
+        """Rank `rank` says every rank refused the switch to plan `version` before moving anything: forget it."""
+        for entry in self.history:
+            if entry["version"] == version:
+                entry["refused"] = reason
+        if self.pending is not None and self.pending.plan.version == version:
+            self.pending = None
+        logger.error("rank %d refused plan v%d: %s; the job goes on with plan v%d", rank, version, reason, self.plan.version)
 
     def speeds(self, workers: Mapping[int, WorkerState]) -> dict[int, float]:
         """Latest speed estimate per rank (ranks without samples are absent)."""

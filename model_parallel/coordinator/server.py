@@ -49,6 +49,7 @@ from model_parallel.graph.loader import check_graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 from model_parallel.ratelog import RateLimitedLog
+from model_parallel.runtime.schedule import SCHEDULES
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Coordinator:
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
         solver: Optional[policy_mod.Solver] = None,
         job: Optional[Mapping[str, Any]] = None,
+        world_size: Optional[int] = None,
     ) -> None:
         if policy not in ("auto", "manual"):
             raise PlanError(f"--policy must be auto or manual, got {policy!r}")
@@ -94,8 +96,15 @@ class Coordinator:
         self.status_file = Path(status_file) if status_file else None
         self.heartbeat_timeout = heartbeat_timeout
         self.lock = threading.RLock()
-        self.roster = Roster()
-        self.rebalancer = Rebalancer(policy_mod.with_cost_proxy(graph), plan, config, solver, auto=policy == "auto")
+        # The job's world: every worker must be started with this --world_size (default: the ranks plan v0 places).
+        ranks = [r for stage in plan.with_default_ranks().stages for r in stage.ranks]
+        if world_size is not None and world_size <= max(ranks):
+            raise PlanError(f"world size {world_size} is too small for plan v{plan.version}, which places rank {max(ranks)}")
+        self.roster = Roster(world_size if world_size is not None else max(ranks) + 1)
+        # The schedule the workers run, where the job says (their own flag may differ: then they check what this cannot).
+        schedule = (job or {}).get("train", {}).get("schedule")
+        self.rebalancer = Rebalancer(policy_mod.with_cost_proxy(graph), plan, config, solver, auto=policy == "auto",
+                                     world_size=self.roster.world_size, schedule=schedule if isinstance(schedule, str) else None)
         self.ctl = CtlHandler(self.lock, self.roster, self.rebalancer, self._send_to, self.status)
         self.shutdown = threading.Event()
         self.done = threading.Event()
@@ -229,6 +238,7 @@ class Coordinator:
             conn.sendall(encode_frame(make_message("hello", 0, nonce=nonce, server="model_parallel.coordinator"), None, S2C, nonce))
             session = Session(conn, self.token, nonce, S2C, timeout=HANDSHAKE_TIMEOUT_S)
             first = session.recv(HANDSHAKE_TIMEOUT_S)
+            session.bind_client(first)  # from here every frame, both ways, is bound to both nonces
             # The MAC checked out: the peer holds the token, so it takes a reserved authenticated slot.
             if not self._admission.authenticate(ticket):
                 if ticket.closed_by_us:
@@ -283,7 +293,16 @@ class Coordinator:
     # ---- workers -------------------------------------------------------------------------------
     def _register_worker(self, session: Session, message: Mapping[str, Any], where: str) -> WorkerState:
         with self.lock:
-            worker, reconnection = self.roster.register(message, session, where, self.plan)
+            try:
+                if message.get("schedule", "1f1b") not in SCHEDULES:
+                    raise ProtocolError(f"rank {message.get('rank')} runs an unknown schedule {str(message['schedule'])[:40]!r}; "
+                                        f"expected one of {sorted(SCHEDULES)}")
+                worker, reconnection = self.roster.register(message, session, where, self.plan)
+            except ProtocolError as error:  # say why to the worker too: it exits with the cause, not "wrong token?"
+                session.send("reply", ok=False, error=str(error))
+                raise
+            if "schedule" in message:  # the workers' schedule: plans are checked under its rules too
+                self.rebalancer.schedule = message["schedule"]
             self.done.clear()
             plan = self.plan
         with worker.send_lock:
@@ -327,6 +346,9 @@ class Coordinator:
                 if message["rank"] != worker.rank:
                     raise ProtocolError(f"rank {worker.rank} sent a report for rank {message['rank']}")
                 self._on_report(worker, message)
+            elif kind == "switch-refused":
+                with self.lock:
+                    self.rebalancer.refused(worker.rank, message["version"], message["reason"])
             elif kind == "bye":
                 reason = message["reason"]
                 with self.lock:
@@ -380,12 +402,18 @@ class Coordinator:
         with self.lock:
             if not self.roster.is_current(worker):
                 return
-            session = self.roster.unreachable(worker, why)
+            forgotten = not worker.reports  # it never trained: nothing to wait for, nothing to keep
+            session = self.roster.forget(worker) if forgotten else self.roster.unreachable(worker, why)
         if session is not None:
             try:
                 session.sock.shutdown(socket.SHUT_RDWR)  # a silent connection: its thread ends, the worker reconnects
             except OSError:
                 pass
+        if forgotten:
+            logger.warning("rank %d (pid %d on %s) left before its first report (%s); forgotten", worker.rank,
+                           worker.pid, worker.host, why)
+            self._check_done()
+            return
         logger.warning("rank %d (pid %d on %s) is unreachable: %s; the run goes on (a live worker reconnects, "
                        "a dead one is named by its peers)", worker.rank, worker.pid, worker.host, why)
         self._check_done()

@@ -34,6 +34,7 @@ class WorkerState:
     pid: int
     world_size: int
     session: Optional[Session] = None
+    instance: str = ""  # the worker process's secret registration id: only it may replace this rank while it runs
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     last_seen: float = field(default_factory=time.monotonic)
     step: int = -1
@@ -49,9 +50,11 @@ class WorkerState:
 class Roster:
     """Who registered, what each rank last said, and whether the run is over (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int) -> None:
         self.workers: dict[int, WorkerState] = {}
-        self.world_size: Optional[int] = None
+        # From the served plan, never from a registration: a worker started once with a wrong --world_size
+        # is refused and leaves nothing behind that could turn away the right ones.
+        self.world_size = world_size
         self.stop_reason: Optional[str] = None  # a rank ended early: no more plan changes
         self.dirty = True  # something the status file shows changed since it was last written
 
@@ -60,19 +63,28 @@ class Roster:
         rank, world = message.get("rank"), message.get("world_size")
         if rank is None or world is None:
             raise ProtocolError("worker register needs rank and world_size")
-        if world < 1 or not 0 <= rank < world:
-            raise ProtocolError(f"worker register: rank {rank} is not in a world of {world}")
-        if self.world_size is not None and world != self.world_size:
-            raise ProtocolError(f"rank {rank} says world size {world}, others said {self.world_size}")
-        if plan.num_ranks > world:
-            raise ProtocolError(f"plan v{plan.version} needs {plan.num_ranks} ranks, rank {rank} is in a world of {world}")
+        if world != self.world_size:
+            raise ProtocolError(f"rank {rank} was started with world size {world}, but this coordinator's job runs on "
+                                f"{self.world_size} rank(s) (plan v{plan.version}); start every worker with "
+                                f"--world_size {self.world_size}")
+        if not 0 <= rank < world:
+            raise ProtocolError(f"rank {rank} is not in the job's world of {world} rank(s) (0..{world - 1})")
         old = self.workers.get(rank)
         host, pid = str(message.get("host", where)), int(message.get("pid", 0))
-        # The same process reconnecting (its old connection may not look closed from here yet) replaces it.
-        if old is not None and old.status == "running" and old.session is not None and (old.host, old.pid) != (host, pid):
-            raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host})")
-        self.world_size = world
-        worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session)
+        instance = str(message.get("instance", ""))
+        # A rank belongs to the process that registered it first (reconnecting: its old connection may not
+        # look closed from here yet). Its instance id is a secret of that process: the pid and host that
+        # `ctl status` shows are not enough to displace it. (A worker that left before its first report was
+        # forgotten, `forget`: it holds nothing.)
+        if old is not None and old.status in ("running", "unreachable") and not (old.instance and old.instance == instance):
+            if old.status == "running" and old.session is not None:
+                raise ProtocolError(f"rank {rank} is already registered and alive (pid {old.pid} on {old.host}); "
+                                    "a second worker cannot take its place while it runs")
+            if old.instance:
+                raise ProtocolError(f"rank {rank} belongs to pid {old.pid} on {old.host}, which trained as rank {rank} and is "
+                                    "unreachable now; only that process may register it again (to replace a worker, "
+                                    "resume the job from its checkpoint with a fresh coordinator)")
+        worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session, instance=instance)
         reconnection = old is not None and old.status in ("running", "unreachable")
         if reconnection:  # keep what was learned about this rank
             worker.step, worker.stage, worker.plan_version = old.step, old.stage, old.plan_version
@@ -82,6 +94,14 @@ class Roster:
         self.workers[rank] = worker
         self.dirty = True
         return worker, reconnection
+
+    def forget(self, worker: WorkerState) -> Optional[Session]:
+        """Drop a current worker that never reported a step (a stray start, a worker that failed before
+        training): it leaves nothing behind. Returns its session, for the caller to shut down."""
+        del self.workers[worker.rank]
+        session, worker.session = worker.session, None
+        self.dirty = True
+        return session
 
     def seen(self, worker: WorkerState, now: float) -> bool:
         """A message from `worker` arrived at `now` (monotonic); True when it was unreachable until now."""
@@ -132,7 +152,7 @@ class Roster:
         """No worker runs any more, and one said bye (or all stayed unreachable for UNREACHABLE_GRACE_S)."""
         if not self.workers or any(w.status == "running" for w in self.workers.values()):
             return False
-        registered_all = self.world_size is not None and len(self.workers) >= self.world_size
+        registered_all = len(self.workers) >= self.world_size
         said_bye = any(w.status in ("finished", "stopped") for w in self.workers.values())
         # An unreachable worker is only given up on after the grace period (it may be reconnecting).
         gone = all(w.status != "unreachable" or now - w.last_seen > UNREACHABLE_GRACE_S for w in self.workers.values())

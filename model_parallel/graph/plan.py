@@ -18,6 +18,11 @@ from model_parallel.fileio import atomic_write_json, read_json_file
 
 PLAN_SCHEMA = "model_parallel.plan"
 PLAN_VERSION = 1
+# The most ranks one plan may place (replicas of all stages together, and the largest rank + 1). Far above
+# any world we run, far below what would exhaust memory: `with_default_ranks` and every per-rank table are
+# sized by it, so a plan asking for 10**15 replicas is refused here, before anything is allocated. The
+# world size (what the workers were started with) bounds a plan further where it is known.
+MAX_RANKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,14 @@ class StagePlan:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         if self.num_replicas < 1:
             raise PlanError(f"stage {self.stage_id}: needs at least one replica, got {self.num_replicas}")
+        if self.num_replicas > MAX_RANKS:
+            raise PlanError(f"stage {self.stage_id}: {_shorten(self.num_replicas)} replicas exceed {MAX_RANKS}, the most ranks a "
+                            "plan may place; a stage's replicas are bounded by the world size (the workers started)")
         if any(r < 0 for r in self.ranks):
             raise PlanError(f"stage {self.stage_id}: ranks must be >= 0, got {list(self.ranks)}")
+        if any(r >= MAX_RANKS for r in self.ranks):
+            raise PlanError(f"stage {self.stage_id}: rank {_shorten(max(self.ranks))} is beyond {MAX_RANKS - 1}, the largest "
+                            "rank a plan may place; ranks are bounded by the world size (the workers started)")
         if self.ranks and len(self.ranks) != self.num_replicas:
             raise PlanError(
                 f"stage {self.stage_id}: {self.num_replicas} replica(s) but {len(self.ranks)} rank(s) {list(self.ranks)}"
@@ -135,6 +146,10 @@ class Plan:
                 if node_id in seen:
                     raise PlanError(f"node {node_id!r} is in stages {seen[node_id]} and {stage.stage_id}")
                 seen[node_id] = stage.stage_id
+        total = sum(s.num_replicas for s in self.stages)
+        if total > MAX_RANKS:
+            raise PlanError(f"the plan's stages have {total} replicas in all, more than {MAX_RANKS}, the most ranks a plan "
+                            "may place; replicas are bounded by the world size (the workers started)")
         ranks = [r for s in self.stages for r in s.ranks]
         if len(ranks) != len(set(ranks)):
             raise PlanError(f"a rank runs two stages: {sorted(ranks)}")
@@ -265,6 +280,12 @@ def plan_from_graph(graph: "Graph", stage_to_num_ranks: Optional[Mapping[int, in
         StagePlan(stage_id=s, node_ids=graph.stage_node_ids(s), num_replicas=int(replicas.get(s, 1))) for s in stage_ids
     )
     return Plan(stages=stages).with_default_ranks()
+
+
+def _shorten(number: int) -> str:
+    """A huge number in an error message as its first digits and length (a 3000-digit one stays one line)."""
+    text = str(number)
+    return text if len(text) <= 20 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def _is_ascii_int(text: str) -> bool:

@@ -32,9 +32,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from model_parallel.allocator import return_freed_memory
-from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage
-from model_parallel.errors import PeerError, PlanError
+from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
@@ -50,7 +49,8 @@ from model_parallel.runtime.replicas import ReplicaGroups, all_reduce_grads
 from model_parallel.runtime.schedule import make_schedule
 from model_parallel.runtime.stages import check_plan_fits, layer_modules, stage_layers
 from model_parallel.runtime.straggler import Slowdown
-from model_parallel.runtime.tied import TiedCopies, check_schedule, check_trainable, plan_ties
+from model_parallel.runtime.plancheck import check_plan
+from model_parallel.runtime.tied import TiedCopies
 from model_parallel.runtime.update import apply_update, squared_grad_norm
 
 logger = logging.getLogger(__name__)
@@ -159,18 +159,15 @@ class PipelineEngine:
         plan = plan.with_default_ranks()
         check_plan_fits(plan, self.world_size)
         check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout)
-        check_schedule(self.graph, plan, self.config.schedule)  # on every rank alike, before anything changes
-        ties = plan_ties(self.graph, plan)
-        check_trainable(ties, self.modules)
+        # On every rank alike, before anything changes; the coordinator runs the same check (runtime.plancheck).
+        checked = check_plan(self.graph, plan, self.world_size, self.config.schedule, self.modules)
+        ties = checked.ties
         self.plan = plan
         self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
-        self.boundaries = stage_boundaries(self.graph, plan.stage_of)
+        self.boundaries = checked.boundaries
         self.replica_groups.create_for(plan)
         self.stage_id = plan.stage_of_rank(self.rank)
         self.schedule = make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches)
-        if not self.schedule.flush and any(st.num_replicas > 1 for st in plan.stages):
-            raise PlanError("the pipedream schedule does not support replicated stages (each microbatch is an update, "
-                            "which would need an all-reduce per microbatch); use 1f1b or gpipe, or a straight plan")
         self.optimizer, self.stage, self.executor = None, None, None
         keep = set(stage_layers(self.graph, plan, self.stage_id)) if self.stage_id is not None else set()
         left = sorted(self.lazy_layers - keep)
@@ -336,6 +333,15 @@ class PipelineEngine:
 
             new_plan = command.plan
             assert new_plan is not None  # Command refuses a switch without a plan
+            try:  # before anything moves; every rank reaches the same verdict (same graph, plan, world, schedule)
+                check_plan(self.graph, new_plan, self.world_size, self.config.schedule, self.modules)
+            except ModelParallelError as error:
+                logger.error("%s refusing the switch to plan v%d (%s): %s; training goes on with plan v%d", self.prefix,
+                             new_plan.version, command.reason or "no reason given", error, self.plan.version)
+                refused = getattr(self.channel, "switch_refused", None)  # tell the coordinator (rank 0's channel)
+                if self.rank == 0 and refused is not None:
+                    refused(new_plan.version, str(error))
+                return True
             try:
                 pause = switch_plan(self, new_plan)
             except PeerError as error:

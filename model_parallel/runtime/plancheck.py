@@ -1,0 +1,59 @@
+"""The rules a plan must pass before any rank runs it: one function for the workers and for the coordinator.
+
+A rank checks a plan when it activates it (the start, a live switch); the coordinator checks a plan
+the same way before it issues it (ctl set-plan, scale, rebalance), so a plan the workers would refuse
+is refused to the operator instead of ending the job. A rank also checks a switch *before* moving
+anything (engine.apply): every rank holds the same graph, plan, world and schedule, so every rank
+reaches the same verdict at the same step, and a refused switch leaves the job on its old plan.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from model_parallel.codegen.boundary import StageBoundary, stage_boundaries
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime.schedule import make_schedule
+from model_parallel.runtime.stages import check_plan_fits
+from model_parallel.runtime.tied import SplitTie, check_schedule, check_trainable, plan_ties
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    """A plan that passed `check_plan` (ranks assigned), with what the checks computed on the way."""
+
+    plan: Plan
+    boundaries: tuple[StageBoundary, ...]
+    ties: tuple[SplitTie, ...]
+
+
+def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str],
+               modules: Optional[Mapping[str, Any]] = None) -> CheckedPlan:
+    """Raise a ModelParallelError naming the first rule `plan` breaks for this graph, world and schedule.
+
+    Rules: replicas and ranks within the world; every node in a stage, no edge going back to an
+    earlier stage, no uncrossable value sent across a boundary (codegen.boundary); under a schedule
+    without a flush (pipedream) no replicated stage and no tie split across stages (runtime.tied).
+    `schedule` None (a coordinator that does not know the workers' schedule) leaves the schedule's
+    rules to the workers; `modules` None (the coordinator holds no layers) leaves to them whether a
+    split tie is a buffer. Neither can pass there what fails here: the workers run this same check.
+    """
+    if plan.num_ranks > world_size:  # before with_default_ranks allocates a rank per replica
+        per_stage = ", ".join(str(s.num_replicas) for s in plan.stages[:8]) + (", ..." if plan.num_stages > 8 else "")
+        raise PlanError(f"plan v{plan.version} places {plan.num_ranks} replica(s) (per stage: {per_stage}) but the world "
+                        f"has {world_size} rank(s); replicas are bounded by the world size")
+    plan = plan.with_default_ranks()
+    check_plan_fits(plan, world_size)
+    if schedule is not None:
+        check_schedule(graph, plan, schedule)
+        if not make_schedule(schedule, plan.num_stages, 1).flush and any(s.num_replicas > 1 for s in plan.stages):
+            raise PlanError(f"the {schedule} schedule does not support replicated stages (each microbatch is an update, "
+                            "which would need an all-reduce per microbatch); use 1f1b or gpipe, or a straight plan")
+    ties = plan_ties(graph, plan)
+    if modules is not None:
+        check_trainable(ties, modules)
+    boundaries = stage_boundaries(graph, plan.stage_of)
+    return CheckedPlan(plan, boundaries, ties)
