@@ -18,6 +18,7 @@ from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import choose_states, partition
+from model_parallel.optimizer.search import searched_partition
 from model_parallel.optimizer.solve import solve
 from model_parallel.optimizer.states import preprocess
 from model_parallel.optimizer.tuning import Tuning
@@ -41,12 +42,12 @@ VECTORS = [
 ]
 
 
-def _solve(reference_profiles, name, machines, bandwidths, flags, cuts="antichain", **options):
+def _solve(reference_profiles, name, machines, bandwidths, flags, cuts="antichain", solver=partition, **options):
     flags = dict(flags)
     memory = flags.pop("memory", 16e9)
     graph = load_graph(reference_profiles / f"{name}.graph.txt")
     hierarchy = Hierarchy.from_lists(machines, bandwidths, memory)
-    return graph, partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts=cuts, **flags, **options))
+    return graph, solver(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts=cuts, **flags, **options))
 
 
 @pytest.mark.parametrize("name,machines,bandwidths,flags,expected", VECTORS)
@@ -64,7 +65,8 @@ def test_reproduces_pipedream_vectors(reference_profiles, name, machines, bandwi
 @pytest.mark.parametrize("name,machines,bandwidths,flags,expected", [v for v in VECTORS if len(v[1]) > 1])
 def test_bounded_pipedream_dp_reproduces_the_hierarchical_vectors(reference_profiles, name, machines, bandwidths, flags, expected):
     """auto bounds PipeDream's DP on hierarchies above a work threshold; forced on, the vectors still match."""
-    _, auto = _solve(reference_profiles, name, machines, bandwidths, flags, cuts="auto", tuning=Tuning(prune_min_work=0.0))
+    _, auto = _solve(reference_profiles, name, machines, bandwidths, flags, cuts="auto", solver=searched_partition,
+                     tuning=Tuning(prune_min_work=0.0))
     assert auto.time_per_minibatch_s == pytest.approx(expected, rel=1e-12)
     _, reference = _solve(reference_profiles, name, machines, bandwidths, flags)
     assert [s.node_ids for s in auto.stages] == [s.node_ids for s in reference.stages]
@@ -179,7 +181,7 @@ def test_antichains_start_from_every_source():
 def test_auto_beyond_pipedreams_dp_solves_exactly_with_bounds():
     graph = synthetic.branches(6, width=4, depth=3, seed=2)
     options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=50)
-    plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
+    plan = searched_partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
     assert plan.extra["cuts"] == "bounded" and plan.extra["exact"] is True
     assert plan.extra["num_states"] < plan.extra["states_considered"]
     assert set(plan.stage_of) == {n.node_id for n in graph.nodes}
@@ -196,7 +198,7 @@ def test_auto_beyond_pipedreams_dp_solves_exactly_with_bounds():
 def test_auto_says_when_it_cannot_prove_optimality(caplog):
     graph = synthetic.branches(6, width=4, depth=3, seed=2)
     options = PartitionOptions(activation_compression_ratio=1.0, max_antichain_states=10, tuning=Tuning(enumeration_limit=20))
-    plan = partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
+    plan = searched_partition(graph, Hierarchy.from_lists([4, 2], [40e9, 1e9]), options)
     assert plan.extra["cuts"].startswith("topological") or plan.extra["cuts"] == "flattened"
     assert plan.extra["exact"] is False
     assert 0 < plan.extra["lower_bound_s"] <= plan.time_per_minibatch_s
@@ -293,7 +295,7 @@ def test_forcing_pipedreams_states_on_a_huge_graph_is_a_clear_error(monkeypatch)
     graph = synthetic.branches(6, width=4, depth=3, seed=2)
     with pytest.raises(InfeasibleError, match=r"antichain states: its DP would need .* use cuts='auto'"):
         partition(graph, Hierarchy.from_lists([4]), PartitionOptions(cuts="antichain"))
-    assert partition(graph, Hierarchy.from_lists([4]), PartitionOptions()).extra["exact"] is True
+    assert searched_partition(graph, Hierarchy.from_lists([4]), PartitionOptions()).extra["exact"] is True
 
 
 @pytest.mark.slow

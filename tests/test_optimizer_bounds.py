@@ -10,6 +10,7 @@ import pytest
 from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer import partition as partition_module
+from model_parallel.optimizer.search import searched_partition
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search import bounded as bounded_module
 from model_parallel.optimizer.search.bounded import bounded_solve, cut_union, solve_bounded
@@ -121,7 +122,7 @@ def test_auto_prunes_pipedreams_dp_without_changing_the_plan(monkeypatch):
     graph = synthetic.branches(8, width=4, depth=3, seed=3)
     hierarchy = Hierarchy.from_lists([4, 2], [40e9, 1.25e9])
     options = PartitionOptions(activation_compression_ratio=1.0, tuning=Tuning(prune_min_work=0.0))
-    auto = partition_module.partition(graph, hierarchy, options)
+    auto = searched_partition(graph, hierarchy, options)
     assert any(bounded_calls) and auto.extra["cuts"] == "antichain" and auto.extra["exact"]
     reference = partition_module.partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, cuts="antichain"))
     assert auto.time_per_minibatch_s == reference.time_per_minibatch_s

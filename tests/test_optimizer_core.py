@@ -38,6 +38,7 @@ from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
+from model_parallel.optimizer.search import searched_partition
 from test_optimizer import VECTORS
 
 got = []
@@ -45,8 +46,8 @@ for name, machines, bandwidths, flags, expected in VECTORS:
     flags = dict(flags)
     hierarchy = Hierarchy.from_lists(machines, bandwidths, flags.pop("memory", 16e9))
     graph = load_graph(f"{sys.argv[3]}/{name}.graph.txt")
-    for search in (True, False):
-        plan = partition(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, search=search, **flags))
+    for solver in (searched_partition, partition):
+        plan = solver(graph, hierarchy, PartitionOptions(activation_compression_ratio=1.0, **flags))
         got.append([plan.time_per_minibatch_s, expected])
 
 from model_parallel.optimizer import synthetic

@@ -12,7 +12,7 @@ from model_parallel.graph.core import Node
 from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import partition
+from model_parallel.optimizer.search import searched_partition as partition  # the search layers' entry
 from model_parallel.optimizer.search.bounded import cut_union, relaxed_bound
 from model_parallel.optimizer.search.relaxation import covers, node_share_bound, relaxed_lower_bound
 from model_parallel.optimizer.solve import solve

@@ -15,7 +15,8 @@ from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.partition import partition
+from model_parallel.optimizer.partition import partition as core_partition
+from model_parallel.optimizer.search import searched_partition as partition  # the search layers' entry
 from model_parallel.optimizer.search import bounded
 from model_parallel.optimizer.states import preprocess
 from model_parallel.optimizer.tuning import Tuning
@@ -51,7 +52,7 @@ def test_one_level_antichain_dp_is_bounded_with_the_same_plan(monkeypatch: pytes
         graph = synthetic.branches(3 + seed, width=3, depth=3, seed=seed)
         for machines in (2, 4):
             pruned = partition(graph, Hierarchy.from_lists([machines]), PartitionOptions(tuning=Tuning(prune_min_work=0)))
-            full = partition(graph, Hierarchy.from_lists([machines]), PartitionOptions(search=False))
+            full = core_partition(graph, Hierarchy.from_lists([machines]), PartitionOptions())
             assert pruned.extra["cuts"] == full.extra["cuts"] == "antichain"
             assert pruned.stages == full.stages and pruned.time_per_minibatch_s == full.time_per_minibatch_s
     assert calls, "one level never took the bounded DP"
@@ -63,7 +64,7 @@ def test_one_level_does_not_load_numba() -> None:
         import sys
         from model_parallel.graph.io import load_graph
         from model_parallel.graph.plan import Hierarchy
-        from model_parallel.optimizer.partition import partition
+        from model_parallel.optimizer.search import searched_partition as partition
         # GPT-2's one-level plan is not proven: the search goes as far as the flattened search's place.
         plan = partition(load_graph({str(FIXTURES / "gpt2_insitu.graph.txt")!r}, use_sidecar=False), Hierarchy.from_lists([4]))
         print(plan.extra["exact"], "numba" in sys.modules)
