@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 import torch
 from safetensors.torch import save_file
 
@@ -21,7 +22,7 @@ from model_parallel.runtime.zoo import recipe
 from support.mlp import assert_params_close, reference_params
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 TRAIN = ["--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01", "--timeout", "30"]
 
 

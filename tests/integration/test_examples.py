@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from support import REPO
 from support.process import run_to_completion
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = REPO / "examples"
 PYTHON = sys.executable
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import REPO
 import torch
 from torch import nn
 
@@ -30,7 +31,7 @@ from model_parallel.graph.json_format import graph_from_dict
 from model_parallel.graph.plan import Plan, StagePlan
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 BUILT: list[str] = []  # Tripwire constructions
 
 

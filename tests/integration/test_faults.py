@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.checkpoint import latest_step, load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers, worker_commands
 from support.mlp import assert_params_close, mlp_job, reference_params
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "test_parallel_0.py"
 PYTHON = sys.executable
 TOKEN = "faults-test-token"

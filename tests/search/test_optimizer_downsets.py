@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import TESTS
 
 from model_parallel.errors import InfeasibleError
 from model_parallel.graph.io import load_graph
@@ -18,9 +19,9 @@ from model_parallel.optimizer.downsets import Downsets, enumerate_downsets
 from model_parallel.optimizer.search.bounded import enumerate_or_none
 from model_parallel.optimizer.states import preprocess
 
-from test_optimizer_real_graphs import traced_graph
+from support.traced import traced_graph
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = TESTS / "fixtures"
 
 
 @pytest.mark.parametrize("seed", range(12))

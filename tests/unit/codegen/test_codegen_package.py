@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 import torch
 import torch.fx as fx
 
@@ -25,7 +26,6 @@ from model_parallel.profiler.trace import trace_model
 from support.codegen import contiguous_split, split_before
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "model_parallel" / "optimizer" / "convert_graph_to_model.py"
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import TESTS
 import torch
 
 from model_parallel import Hierarchy, PartitionOptions, partition, profile
@@ -41,7 +42,7 @@ WORLDS = (2, 4)
 REBALANCE = "gpt2+rebalance"
 TIED_REBALANCE = "gpt2+rebalance" + worker.TIED
 PARAM_FREE = "gpt2+paramfree" + worker.TIED
-WORKER = Path(__file__).parent / "support" / "hf_worker.py"
+WORKER = TESTS / "support" / "hf_worker.py"
 
 
 def _profile(case: Case, tie: bool = False) -> Graph:

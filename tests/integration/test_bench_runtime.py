@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = REPO / "bench"
 
 
 def _load_bench_runtime():

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.messages import StepReport
@@ -27,7 +28,6 @@ from model_parallel.runtime.launch import LocalWorld, worker_commands
 from support import wait_for
 from support.mlp import mlp_job
 
-REPO = Path(__file__).resolve().parents[1]
 TOKEN = "liveness-test-token"
 TIMEOUT = 6  # --timeout of every worker here
 BOUND = 1.5 * TIMEOUT  # every process ends this long after a rank stalls or dies

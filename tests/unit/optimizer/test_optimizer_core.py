@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO, TESTS
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.io import load_graph
@@ -17,7 +18,6 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.runtime.stages import even_plan
 
-REPO = Path(__file__).resolve().parents[1]
 
 # Runs in a fresh interpreter where `import numba` fails, as after `pip install -e .` without the
 # [search] extra: the package imports, PipeDream's 11 vectors reproduce with and without the search
@@ -32,7 +32,7 @@ class Blocker(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Blocker())
-sys.path[:0] = [sys.argv[1], sys.argv[2]]
+sys.path[:0] = [sys.argv[1], sys.argv[2], sys.argv[4]]  # the package, test_optimizer's folder, tests/ (support)
 import model_parallel
 from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import Hierarchy
@@ -67,7 +67,7 @@ print(json.dumps({"vectors": got, "numba_loaded": "numba" in sys.modules, "jit":
 @pytest.mark.slow
 def test_everything_but_the_search_extra_works_without_numba(reference_profiles):
     done = subprocess.run(
-        [sys.executable, "-c", NO_NUMBA, str(REPO), str(REPO / "tests"), str(reference_profiles)],
+        [sys.executable, "-c", NO_NUMBA, str(REPO), str(Path(__file__).parent), str(reference_profiles), str(TESTS)],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import TESTS
 import torch
 
 import model_parallel  # noqa: F401  (the torchvision repair transformers needs)
@@ -25,7 +26,7 @@ from support.tied import TiedJob, cut, reference_state, write_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TOL = 1e-5
-RANK_SCRIPT = Path(__file__).parent / "support" / "tied_rank.py"
+RANK_SCRIPT = TESTS / "support" / "tied_rank.py"
 BLOCK0, BLOCK1, HEAD = "blocks_0_ln1", "blocks_1_ln1", "ln_f"  # where the TinyGPT's stages start
 
 

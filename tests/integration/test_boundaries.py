@@ -23,6 +23,7 @@ from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.output import float_output
 from model_parallel.runtime.structure import cross, flatten, flatten_values, unflatten
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
+from support import TESTS
 from support import boundary_models as bm
 
 STEPS = 3
@@ -201,7 +202,7 @@ def test_a_tuple_and_a_dict_cross_between_ranks_and_training_matches_single_proc
     assert plan.stages[0].node_ids[-2:] == ("attn", "pair")  # the cut falls between the modules and their getitems
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    port, tests = free_port(), str(Path(__file__).parent)
+    port, tests = free_port(), str(TESTS)  # the worker imports `support`
     result = launch([[sys.executable, str(script), str(rank), str(port), str(tmp_path), tests, str(STEPS)]
                      for rank in range(2)], timeout=240)
     assert result.ok, result.summary()

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from support import REPO
 
 from model_parallel.cli.common import run_cli
 from support import REFERENCE_PROFILES
 
-REPO = Path(__file__).resolve().parents[1]
 PARTITIONED = REFERENCE_PROFILES / "vgg16_partitioned_3stages.graph.txt"
 
 

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import REPO, TESTS
 
 from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import Hierarchy
@@ -21,8 +22,7 @@ from model_parallel.optimizer.search import bounded
 from model_parallel.optimizer.states import preprocess
 from model_parallel.optimizer.tuning import Tuning
 
-FIXTURES = Path(__file__).parent / "fixtures"
-REPO = Path(__file__).resolve().parents[1]
+FIXTURES = TESTS / "fixtures"
 
 
 # bert_insitu_unproven: another in-situ profile of the same BERT (bench/optimizer.py --zoo, one step) whose

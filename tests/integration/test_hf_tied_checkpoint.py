@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import TESTS
 import torch
 
 from model_parallel.codegen.naming import find_ties, layer_name  # noqa: E402
@@ -29,7 +30,7 @@ from support.tied import TiedJob, reference_state, write_jobs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TOL = 1e-5
-RANK_SCRIPT = Path(__file__).parent / "support" / "tied_rank.py"
+RANK_SCRIPT = TESTS / "support" / "tied_rank.py"
 FIRST, TOTAL = 5, 10  # steps before the checkpoint, steps in all
 
 

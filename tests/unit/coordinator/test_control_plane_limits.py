@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from model_parallel.coordinator import admission as adm
 from model_parallel.coordinator import policy as pol
@@ -24,7 +25,6 @@ from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.ratelog import RateLimitedLog
 
 TOKEN = b"limits-token"
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Clock:

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from support import REFERENCE_PROFILES, netns
 from support.mlp import assert_params_close, mlp_job, reference_params
@@ -16,7 +17,6 @@ from support.mlp import assert_params_close, mlp_job, reference_params
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"multi-host tests need network namespaces: {REASON}"),
               pytest.mark.timeout(120), pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 ALL_REDUCE = textwrap.dedent("""
