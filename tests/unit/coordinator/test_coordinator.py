@@ -145,11 +145,9 @@ def test_silent_and_vanished_workers_are_marked_unreachable_and_nothing_stops(co
             session = client_handshake(sock, TOKEN, 5)
             session.send("register", role="worker", rank=rank, world_size=3, host="h", pid=1)
             assert session.recv(5)["type"] == "welcome"
-        start = time.monotonic()
         vanished.close()  # like kill -9: the connection closes without a bye
         wait_for(lambda: coordinator.workers[2].status == "unreachable", timeout=5, what="vanished worker unreachable")
         wait_for(lambda: coordinator.workers[1].status == "unreachable", timeout=5, what="silent worker unreachable")
-        assert time.monotonic() - start < 10
         assert "without a goodbye" in coordinator.workers[2].note and "no heartbeat for" in coordinator.workers[1].note
         assert coordinator.stop_reason is None and ch0.poll() is None  # nobody was told to stop
         assert coordinator.workers[0].status == "running"
