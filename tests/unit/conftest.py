@@ -1,4 +1,4 @@
-"""The unit tier starts no process: a unit test (not marked slow) that tries fails with what it started."""
+"""The unit tier starts no process: a unit test that tries fails with what it started."""
 from __future__ import annotations
 
 import multiprocessing.process
@@ -8,8 +8,17 @@ import subprocess
 import pytest
 
 
-def _refuse(what: str):
+# The standard library's own probes (platform.processor() runs `uname -p`, ctypes.util.find_library runs
+# `ldconfig -p`) are not the tests' processes: they are let through.
+PROBES = ("uname", "ldconfig")
+
+
+def _refuse(what: str, original=None):
     def refuse(*args, **kwargs):
+        command = args[1] if len(args) > 1 else kwargs.get("args")
+        if original is not None and isinstance(command, (list, tuple)) and command \
+                and os.path.basename(str(command[0])) in PROBES:
+            return original(*args, **kwargs)
         raise AssertionError(
             f"a unit test started a process ({what} {args[1:2] or ''}); tests under tests/unit start none: "
             "move the test to tests/integration/ (and mark it slow)"
@@ -18,10 +27,8 @@ def _refuse(what: str):
 
 
 @pytest.fixture(autouse=True)
-def _no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Slow tests still waiting in a unit file for their move to tests/integration are left alone.
-    if request.node.get_closest_marker("slow") is not None:
-        return
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse("subprocess"))
+def _no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every test here, slow ones too (a long in-process fuzz run is still a unit test; a process is not).
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse("subprocess", subprocess.Popen._execute_child))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("multiprocessing"))
     monkeypatch.setattr(os, "fork", _refuse("os.fork"))

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import REPO
 import torch
 import torch.fx as fx
 
@@ -26,7 +24,6 @@ from model_parallel.profiler.trace import trace_model
 from support.codegen import contiguous_split, split_before
 
 torch.set_num_threads(1)
-SCRIPT = REPO / "model_parallel" / "optimizer" / "convert_graph_to_model.py"
 
 
 @pytest.fixture(scope="module")
@@ -145,17 +142,6 @@ def test_command_line_with_stage_ranks_and_with_plan(resnet18, run_dir: Path, ca
     assert convert_main(["-f", str(run_dir / "gpus=3.txt"), "-n", "R", "-a", "resnet18", "-o", str(run_dir / "out2"),
                          "--plan", str(run_dir / "plan.json")]) == 0
     assert len(load_package(run_dir / "out2").stages) == 3  # 2 stages + criterion
-
-
-@pytest.mark.slow
-def test_command_line_error_is_one_line_and_exit_2(run_dir: Path, reference_profiles: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "-f", str(reference_profiles / "gnmt.graph.txt"), "-n", "G", "-a", "gnmt",
-         "-o", str(run_dir / "gnmt"), "--stage_to_num_ranks", "0:1"],
-        capture_output=True, text=True, timeout=120, cwd=run_dir,
-    )
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "error:" in result.stderr and "Traceback" not in result.stderr
 
 
 # ---- PipeDream reference profiles ----------------------------------------------------------------

@@ -7,13 +7,9 @@ import logging
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from support import REPO
 
 from model_parallel.coordinator import admission as adm
 from model_parallel.coordinator import policy as pol
@@ -196,37 +192,6 @@ def test_trickling_client_is_closed_at_the_handshake_deadline(coordinator) -> No
                     break
             except ConnectionResetError:
                 break
-
-
-# ---- the token stays off the command line --------------------------------------------------------------
-@pytest.mark.slow
-def test_worker_with_token_file_joins_and_ps_does_not_show_the_token(coordinator, tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN.decode() + "\n")
-    token_file.chmod(0o600)
-    code = ("import sys, time\n"
-            "from model_parallel.cli.worker import build_parser, make_channel\n"
-            "args = build_parser().parse_args(sys.argv[1:])\n"
-            "channel = make_channel(args, 1, 2)\n"
-            "print('joined', channel.plan_version, flush=True)\n"
-            "sys.stdin.readline()\n"
-            "channel.close()\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("MODEL_PARALLEL_TOKEN", None)
-    proc = subprocess.Popen([sys.executable, "-c", code, "--coordinator", coordinator.address, "--token-file", str(token_file)],
-                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "joined 0", proc.stderr.read() if proc.poll() is not None else ""
-        assert coordinator.workers[1].status == "running" and coordinator.workers[1].pid == proc.pid
-        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
-        assert TOKEN not in argv and str(token_file).encode() in argv
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_worker_takes_the_token_from_the_environment(coordinator) -> None:

@@ -31,24 +31,6 @@ def test_partitioned_graph_is_clustered_by_stage():
     assert source.count(" -> ") == len(graph.edges)
 
 
-@needs_dot
-def test_render_graph_writes_svg(tmp_path: Path):
-    graph = read_graph_txt(REFERENCE / "toy_dag.graph.txt")
-    out = render_graph(graph, tmp_path / "pictures" / "toy.svg", title="toy")
-    text = out.read_text()
-    assert out == tmp_path / "pictures" / "toy.svg"
-    assert text.lstrip().startswith("<?xml") and "<svg" in text
-    assert "test3" in text  # node descriptions are drawn
-    assert (tmp_path / "pictures" / "toy.dot").exists()
-
-
-@needs_dot
-def test_render_graph_png(tmp_path: Path):
-    graph = read_graph_txt(REFERENCE / "toy_dag.graph.txt")
-    out = render_graph(graph, tmp_path / "toy.png")
-    assert out.read_bytes().startswith(b"\x89PNG")
-
-
 def test_missing_dot_raises_render_error_and_keeps_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(render.shutil, "which", lambda name: None)
     graph = read_graph_txt(REFERENCE / "toy_dag.graph.txt")

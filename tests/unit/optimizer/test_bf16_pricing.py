@@ -172,19 +172,3 @@ def test_the_pipedream_oracle_trains_under_the_same_autocast() -> None:
             optimizer.zero_grad()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
-
-
-@pytest.mark.slow
-def test_the_profiler_command_line_profiles_at_bf16(tmp_path, capsys: pytest.CaptureFixture) -> None:
-    from model_parallel.cli.common import run_cli
-    from model_parallel.graph.io import load_graph
-    from model_parallel.profiler.image_classification import main as cli
-
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(cli.main, ["-a", "resnet18", "-b", "2", "--image-size", "32", "--warmup", "0", "--iterations", "1",
-                           "--step-iterations", "1", "--num-classes", "10", "--bf16", "--profile_directory", str(tmp_path)])
-    assert exit_info.value.code == 0, capsys.readouterr().err
-    graph = load_graph(tmp_path / "resnet18" / "graph.txt")
-    assert graph.metadata["profile"]["precision"] == "bf16" and precision_of(graph) == "bf16"
-    assert graph["conv1"].layer.outputs[0].dtype == "bfloat16"  # a convolution under autocast
-    assert graph["conv1"].activation_bytes == 2 * 64 * 16 * 16 * 2

@@ -18,7 +18,7 @@ from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime import message_header
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.health import Health
-from model_parallel.runtime.launch import LocalWorld, launch
+from model_parallel.runtime.launch import launch
 from model_parallel.runtime.migration import plan_transfers
 from model_parallel.runtime.stages import even_plan, layer_owners
 from model_parallel.api.trainer import PipelineTrainer
@@ -202,24 +202,6 @@ def test_health_gives_up_on_a_store_that_never_answers():
     assert str(error).startswith("rank 0 stopped responding (it hosts the rendezvous store at 10.200.0.1:29500, "
                                  "which is unreachable: store check of 'mp/status/0' got no answer within 0.5 s)")
     assert str(error).endswith("; barrier timed out after 5 s")  # no "rank -1": a collective is not a rank
-
-
-@pytest.mark.slow
-# ---- launcher --------------------------------------------------------------------------------------
-def test_launcher_collects_output_and_kills_at_the_deadline():
-    ok = [sys.executable, "-c", "print('hello')"]
-    stuck = [sys.executable, "-c", "import time; print('waiting', flush=True); time.sleep(60)"]
-    result = launch([ok, stuck], timeout=5)
-    assert result.timed_out and not result.ok
-    assert result.workers[0].returncode == 0 and result.output(0) == "hello"
-    assert result.workers[1].killed and result.output(1) == "waiting"
-    assert "TIMED OUT" in result.summary()
-
-
-def test_launcher_wait_for_line_reports_an_early_exit():
-    with LocalWorld([[sys.executable, "-c", "print('bye')"]]) as world:
-        with pytest.raises(PeerError, match=r"worker 0 exited \(0\) before printing /never/"):
-            world.wait_for_line(0, "never", timeout=30)
 
 
 # ---- plans and transfers ----------------------------------------------------------------------------
