@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
+
+from model_parallel.graph import render
 
 
 # The standard library's own probes (platform.processor() runs `uname -p`, ctypes.util.find_library runs
@@ -32,3 +36,6 @@ def _no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse("subprocess", subprocess.Popen._execute_child))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("multiprocessing"))
     monkeypatch.setattr(os, "fork", _refuse("os.fork"))
+    # Pictures stay .dot sources here (graphviz's `dot` is a process; rendering is
+    # tests/integration/test_graph_render.py's): the graph module alone sees no `dot` on the PATH.
+    monkeypatch.setattr(render, "shutil", SimpleNamespace(**{**vars(shutil), "which": lambda name, *a, **k: None}))

@@ -1,7 +1,7 @@
 """Tied parameters: found by identity, recorded in the graph, kept one tensor within a stage on every
 build path and one Parameter across the stages one process builds; refused loudly (naming both
 parameters) on the paths that cannot keep split copies one parameter (a generated package, the
-pipedream schedule). Split ties across processes: tests/test_ties_distributed.py."""
+pipedream schedule). Split ties across processes: tests/integration/test_ties_distributed.py."""
 from __future__ import annotations
 
 import copy

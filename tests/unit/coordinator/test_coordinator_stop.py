@@ -1,5 +1,5 @@
 """`Coordinator.stop` ends every connection thread before it returns: none outlives the coordinator (one that
-logged after its test's streams closed printed a traceback to stderr during tests/test_seed_cli.py)."""
+logged after its test's streams closed printed a traceback to stderr during tests/unit/cli/test_seed_cli.py)."""
 import socket
 import threading
 import time

@@ -110,10 +110,7 @@ def test_footprint_solvers_match_brute_force(footprint):
             assert got == oracle == math.inf or math.isclose(got, oracle, rel_tol=1e-9), (seed, cuts, got, oracle)
 
 
-def test_cli_footprint_flags(tmp_path, capsys, reference_profiles, monkeypatch):
-    # No `dot` process in the unit tier: the picture falls back to its .dot source (rendering is
-    # tests/integration/test_graph_render.py's).
-    monkeypatch.setattr("shutil.which", lambda name: None)
+def test_cli_footprint_flags(tmp_path, capsys, reference_profiles):
     profile = str(reference_profiles / "vgg16.graph.txt")
     assert optimizer_main(["-f", profile, "-n", "4", "--optimizer", "adamw", "--schedule", "gpipe",
                            "--microbatches", "8", "-o", str(tmp_path)]) == 0

@@ -221,10 +221,7 @@ def test_three_level_hierarchy_uses_every_worker():
     assert plan.time_per_minibatch_s <= plan.single_machine_time_s
 
 
-def test_cli_writes_partitioned_graph_plan_and_picture(reference_profiles, tmp_path, capsys, monkeypatch):
-    # No `dot` process in the unit tier: the picture falls back to its .dot source (rendering is
-    # tests/integration/test_graph_render.py's).
-    monkeypatch.setattr("shutil.which", lambda name: None)
+def test_cli_writes_partitioned_graph_plan_and_picture(reference_profiles, tmp_path, capsys):
     from model_parallel.optimizer.optimizer_graph_hierarchical import main
 
     out = tmp_path / "out"
