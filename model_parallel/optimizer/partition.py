@@ -80,7 +80,7 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions, 
     logger.warning(
         "more than %d antichain states on %d workers: PipeDream's DP is out of reach; this plan is the best over %s "
         "prefixes of one topological order (not proven optimal; plan.extra['exact'] is false); "
-        "model_parallel.optimizer.search.searched_partition runs the exact bounded solves (opt-in)",
+        "the opt-in search (--search; model_parallel.optimizer.search.searched_partition) runs exact bounded solves",
         options.max_antichain_states, hierarchy.num_workers, plan.states.num_states,
     )
     return plan

@@ -10,7 +10,7 @@ from torch import nn
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import write_graph_json
-from model_parallel.profiler.trace import trace_model
+from model_parallel.profiler.trace import tied_tensor_names, trace_model
 from model_parallel.runtime.launch import launch_workers
 
 VOCAB, DIM, SEQ = 24, 8, 6
@@ -54,3 +54,17 @@ def test_workers_refuse_a_split_tie_under_pipedream_with_one_line_and_exit_2(tmp
         assert len([line for line in worker.output.splitlines() if "error: tied parameters" in line]) == 1, worker.output
         assert "'wte.weight' and 'lm_head.weight'" in worker.output and "node lm_head on stage 1" in worker.output
         assert "pipedream schedule" in worker.output
+
+
+@pytest.mark.slow  # a Hugging Face model
+def test_hugging_face_gpt2_ties_are_found_by_identity() -> None:
+    from model_parallel.compat import import_torchvision
+
+    import_torchvision()  # transformers imports torchvision (see /work/shared/ENV.md)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def config(**kwargs: object) -> GPT2Config:
+        return GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, **kwargs)
+
+    assert tied_tensor_names(GPT2LMHeadModel(config())) == [["transformer.wte.weight", "lm_head.weight"]]
+    assert tied_tensor_names(GPT2LMHeadModel(config(tie_word_embeddings=False))) == []

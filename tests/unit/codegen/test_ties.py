@@ -24,7 +24,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import graph_to_dict, read_graph_json, write_graph_json
 from model_parallel.graph.plan import Plan, StagePlan, plan_from_graph
 from model_parallel.models.gpt import lm_loss
-from model_parallel.profiler.trace import trace_model, tied_tensor_names
+from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.data import SyntheticData
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.stages import layer_modules
@@ -92,19 +92,6 @@ def test_a_get_attr_of_a_module_weight_is_a_tie() -> None:
     assert graph.tie_groups() == ()  # one name only: nothing to record, but two nodes use it
     (tie,) = find_ties(graph)
     assert tie.names == ("wte.weight",) and tie.users == (("wte", "wte.weight"), ("wte_weight", "wte_weight"))
-
-
-def test_hugging_face_gpt2_ties_are_found_by_identity() -> None:
-    from model_parallel.compat import import_torchvision
-
-    import_torchvision()  # transformers imports torchvision (see /work/shared/ENV.md)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def config(**kwargs: object) -> GPT2Config:
-        return GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, **kwargs)
-
-    assert tied_tensor_names(GPT2LMHeadModel(config())) == [["transformer.wte.weight", "lm_head.weight"]]
-    assert tied_tensor_names(GPT2LMHeadModel(config(tie_word_embeddings=False))) == []
 
 
 def test_graph_json_round_trips_the_ties(tmp_path) -> None:

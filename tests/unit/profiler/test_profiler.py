@@ -19,36 +19,13 @@ from model_parallel.profiler.image_classification.main import build_model
 from model_parallel.profiler.insitu import Instrumentation, run_steps
 from model_parallel.profiler.timing import HarnessOverhead, Replay, time_training_step
 from model_parallel.profiler.trace import trace_model
+from support.profiling import assert_unchanged, snapshot
 
 FAST = {"warmup": 0, "iterations": 1}
 
 
 def parameter_bytes(model: nn.Module) -> float:
     return float(sum(p.numel() * p.element_size() for p in model.parameters()))
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    """Everything profiling must leave alone."""
-    return {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
-        "training": [m.training for m in model.modules()],
-        "rng": torch.get_rng_state(),
-    }
-
-
-def assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
-    after = snapshot(model)
-    assert after["state"].keys() == before["state"].keys()
-    for key, value in before["state"].items():
-        assert torch.equal(after["state"][key], value), f"profiling changed {key}"
-    for key, grad in before["grads"].items():
-        if grad is None:
-            assert after["grads"][key] is None, f"profiling left a gradient on {key}"
-        else:
-            assert torch.equal(after["grads"][key], grad), f"profiling changed the gradient of {key}"
-    assert after["training"] == before["training"]
-    assert torch.equal(after["rng"], before["rng"])
 
 
 def assert_sane_graph(graph: Graph, model: nn.Module, input_bytes: float) -> None:
@@ -428,22 +405,3 @@ def test_insitu_node_times_add_up_to_a_training_step_of_large_operators():
     assert 0.7 < ratio < 1.4, (total, steps)
     # most of a step is the three matmuls: each owns its weight gradient's work
     assert all(graph[n].backward_ms > 0.5 * graph[n].forward_ms for n in ("_0", "_2"))
-
-
-def test_insitu_times_an_exported_transformer_operator_by_operator():
-    from support.hf_zoo import CASES  # transformers: imported only by the test that needs it
-
-    case = CASES["gpt2"]
-    model, example = case.build(), case.example(2)
-    target = case.data.batch(0)[1][:2]
-    before = snapshot(model)
-    graph = model_parallel.profile(model, example, lambda out: case.loss(out, target), warmup=1, iterations=1)
-    assert graph.metadata["route"] == "export" and graph.metadata["profile"]["timing"] == "insitu"
-    # every ATen operator that reads a weight (addmm, embedding, layer_norm) computes its gradient in backward
-    weights = [n.node_id for n in graph.nodes if n.layer.op == "get_attr" and n.parameter_size > 0]
-    readers = {user for w in weights for user in graph.successors[w]}
-    assert len(weights) >= 10 and len(readers) >= 10
-    for node_id in readers:
-        assert graph[node_id].forward_ms > 0 and graph[node_id].backward_ms > 0, node_id
-    assert all(n.compute_ms == 0 for n in graph.nodes if n.layer.op in ("placeholder", "get_attr"))
-    assert_unchanged(model, before)
