@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 # The tests also install the optional `search` extra (numba): the three-level proof's tests then run
 # compiled. Without it they pass too, as plain Python (about 10 more minutes on 2 cores); the package
-# itself never needs it (tests/unit/optimizer/test_optimizer_core.py checks the PipeDream vectors with numba blocked).
+# itself never needs it (tests/integration/test_optimizer_core.py checks the PipeDream vectors with numba blocked).
 $(SEARCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q "numba==0.68.0"
 	touch $(SEARCH_STAMP)
