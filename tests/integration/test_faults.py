@@ -53,10 +53,8 @@ def test_kill9_worker_mid_step_stops_the_other_and_resumes_exactly(tmp_path: Pat
     with LocalWorld(worker_commands(args(plan, 100_000, checkpoints, "--checkpoint_every", 3), 2)) as world:
         world.wait_for_line(0, r"checkpoint step 2 committed", timeout=120)
         world.kill(1)  # training never pauses between steps: rank 1 dies mid-step
-        killed_at = time.monotonic()
-        result = world.wait(timeout=PEER_TIMEOUT + 40)
-    elapsed = time.monotonic() - killed_at
-    assert not result.timed_out and elapsed < PEER_TIMEOUT + 40, result.summary()
+        result = world.wait(timeout=PEER_TIMEOUT + 40)  # timed out: the survivor did not end in time
+    assert not result.timed_out, result.summary()
     survivor = result.workers[0]
     assert survivor.returncode == EXIT_PEER, result.summary()
     error_lines = [line for line in survivor.output.splitlines() if "error" in line.lower()]
@@ -71,11 +69,9 @@ def test_worker_that_never_joins_times_out_with_a_message(tmp_path: Path) -> Non
     _, plan = mlp_job(tmp_path, 2)
     join_timeout = 3
     only_rank0 = worker_commands(args(plan, 5, tmp_path / "ck", "--timeout", join_timeout), 2)[:1]  # last --timeout wins
-    started = time.monotonic()
     with LocalWorld(only_rank0) as world:
         result = world.wait(timeout=join_timeout + 40)
     assert not result.timed_out, result.summary()
-    assert time.monotonic() - started < join_timeout + 40
     output = result.output(0)
     assert result.workers[0].returncode == EXIT_PEER, result.summary()
     assert f"not every one of the 2 ranks joined within {join_timeout} s" in output and "Traceback" not in output, output

