@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 # The tests also install the optional `search` extra (numba): the three-level proof's tests then run
 # compiled. Without it they pass too, as plain Python (about 10 more minutes on 2 cores); the package
-# itself never needs it (tests/test_optimizer_core.py checks the PipeDream vectors with numba blocked).
+# itself never needs it (tests/integration/test_optimizer_core.py checks the PipeDream vectors with numba blocked).
 $(SEARCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q "numba==0.68.0"
 	touch $(SEARCH_STAMP)
@@ -33,9 +33,11 @@ $(SEARCH_STAMP): $(STAMP)
 test: $(SEARCH_STAMP)
 	$(PY) -m pytest $(TEST_ARGS)
 
-# The unit tests only (no worker processes, no multi-second searches): under a minute on 2 busy cores.
+# The unit tier only (tests/unit, plus the layer check): no worker processes (tests/unit/conftest.py
+# fails a unit test that starts one), no multi-second searches; under a minute on 2 busy cores.
+# tests/integration (worlds, HF/timm models) and tests/search (the opt-in search's proofs) run in `make test`.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(TEST_ARGS)
+	$(PY) -m pytest tests/unit tests/test_layers.py -m "not slow" $(TEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/profiler.py --quick

@@ -19,7 +19,7 @@ hierarchies from one pass over the cuts for plans with unreplicated outermost st
 `optimizer/search/flattened.py`), or the bounded solve's below the best time ("bounded"). PipeDream's own
 optimizer needs 33-100 s (resnet50) and 136-462 s (resnet101) on the two-level cases.
 
-Each row also solves the core alone (`PartitionOptions(search=False)`: PipeDream's DP when affordable,
+Each row solves with the opt-in search (`search.searched_partition`) and with the core alone (`partition`: PipeDream's DP when affordable,
 else the best prefix plan): `search_gain` is how much slower that plan is than the search's.
 
 Optimality gap: on seeded small DAGs the DP ("antichain" and "all" cuts) is compared with exhaustive
@@ -74,6 +74,7 @@ from model_parallel.optimizer import synthetic  # noqa: E402
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
 from model_parallel.optimizer.partition import partition  # noqa: E402
+from model_parallel.optimizer.search import searched_partition  # noqa: E402
 from model_parallel.optimizer.search.bounded import bounded_solve, cut_union  # noqa: E402
 from model_parallel.optimizer.solve import solve  # noqa: E402
 from model_parallel.optimizer.tuning import Tuning  # noqa: E402
@@ -180,11 +181,11 @@ def solve_rows(graphs: list[tuple[str, Graph]], hierarchies: Sequence[str]) -> l
         for key in hierarchies:
             machines, bandwidths = HIERARCHIES[key]
             started, cpu = time.perf_counter(), time.process_time()
-            plan = partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(activation_compression_ratio=1.0))
+            plan = searched_partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(activation_compression_ratio=1.0))
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
             # The core alone (no optimizer/search): PipeDream's DP when affordable, else the best prefix plan.
             started_core = time.perf_counter()
-            core = partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(activation_compression_ratio=1.0, search=False))
+            core = partition(graph, Hierarchy.from_lists(machines, bandwidths), PartitionOptions(activation_compression_ratio=1.0))
             core_seconds = time.perf_counter() - started_core
             rows.append({
                 "profile": profile, "num_machines": machines, "seconds": round(seconds, 4), "cpu_seconds": round(cpu, 4),

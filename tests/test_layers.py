@@ -2,11 +2,13 @@
 and the checker finds an upward import, a hidden (function-level) one, a peer import and a circle."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import subprocess
+import io
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,8 +20,19 @@ check_layers = sys.modules["check_layers"] = importlib.util.module_from_spec(_sp
 _spec.loader.exec_module(check_layers)
 
 
+def _main(argv: list[str]) -> SimpleNamespace:
+    """The checker's command line, run in this process (`make test-fast` starts no process)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = check_layers.main(argv)
+        except SystemExit as exit_:  # argparse's own errors
+            code = exit_.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def test_the_package_keeps_the_layer_rule_up_to_the_listed_exceptions() -> None:
-    result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = _main([])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "layer rule holds" in result.stdout
 
@@ -149,10 +162,9 @@ def test_a_module_outside_every_layer_is_reported(tmp_path: Path) -> None:
     assert found(tmp_path) == {("model_parallel.newthing", "model_parallel.newthing"): "unlayered"}
 
 
-def run_tool(root: Path, exceptions: str) -> subprocess.CompletedProcess:
+def run_tool(root: Path, exceptions: str) -> SimpleNamespace:
     (root / "exceptions.txt").write_text(exceptions)
-    return subprocess.run([sys.executable, str(TOOL), "--root", str(root), "--exceptions", str(root / "exceptions.txt")],
-                          capture_output=True, text=True, timeout=60)
+    return _main(["--root", str(root), "--exceptions", str(root / "exceptions.txt")])
 
 
 def test_exceptions_are_enforced_both_ways(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ three middle peers may not import each other):
     base         graph/, errors.py, fileio.py, compat.py, allocator.py, messages.py
     models       models/ (the zoo: small torch models; imports base at most)
     profiler | optimizer | codegen     (peers)
-    runtime      (never the profiler either: FORBIDDEN below)
+    runtime | search   (peers; search = optimizer/search/, the opt-in search layers: above the optimizer's
+                 core, which never imports them; only the command line opts in: FORBIDDEN below)
+                 (the runtime never imports the profiler either: FORBIDDEN below)
     coordinator
     api          api/: the one job builder and the `PipelineTrainer` facade, which wire the layers together
     cli          cli/, the package facade (model_parallel/__init__.py) and the seed's entry-point scripts
@@ -50,6 +52,7 @@ LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
     ("optimizer", 2, ("optimizer",)),
     ("codegen", 2, ("codegen",)),
     ("runtime", 3, ("runtime",)),
+    ("search", 3, ("optimizer.search",)),
     ("coordinator", 4, ("coordinator",)),
     ("api", 5, ("api",)),
     ("cli", 6, ("cli", "")),  # "" is the package facade, model_parallel/__init__.py
@@ -58,6 +61,8 @@ CLI = next((name, rank) for name, rank, _ in LAYERS if name == "cli")
 # (importer layer, imported layer) pairs that are forbidden although the import points down.
 FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("runtime", "profiler"),
+    ("coordinator", "search"),
+    ("api", "search"),
 )
 # Thin command-line entry points that live beside the code they start; they count as the cli layer.
 ENTRY_POINTS = (

@@ -53,6 +53,9 @@ def build_parser(prog: Optional[str] = "model-parallel partition") -> ArgumentPa
                              "one per worker of the whole hierarchy")
     parser.add_argument("--cuts", choices=("auto", "antichain", "topological", "all"), default="auto",
                         help="state space: PipeDream's antichains (exact reproduction), topological prefixes, all valid cuts (small graphs), or auto")
+    parser.add_argument("--search", action="store_true",
+                        help="with --cuts auto: where PipeDream's DP is out of reach, run the opt-in search layers "
+                             "(bounded exact solves, the three-level proof) instead of settling for the best prefix plan")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for info logs, -vv for debug")
     return parser
 
@@ -84,7 +87,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     for level in hierarchy.levels:
         print(f"Solving optimization problem with {level.num_machines} machines with "
               f"inter-machine bandwidth of {level.bandwidth / 1e9:.2f} GB/s")
-    plan = partition(graph, hierarchy, options)
+    if args.search:
+        from model_parallel.optimizer.search import searched_partition
+
+        plan = searched_partition(graph, hierarchy, options)
+    else:
+        plan = partition(graph, hierarchy, options)
 
     total = plan.single_machine_time_s
     pipeline = plan.time_per_minibatch_s

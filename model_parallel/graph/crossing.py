@@ -3,7 +3,7 @@
 The wire format is `runtime/structure.py` (tensors, tuples/lists/dicts/namedtuples of them, ModelOutputs,
 `torch.return_types`, small Python values); this module answers the same question below the runtime, so
 the profiler can record on each node whether its value may cross (`Node.uncrossable`) and the optimizer
-never cuts after one that cannot. `tests/test_uncrossable.py` checks both answer alike on every kind.
+never cuts after one that cannot. `tests/unit/optimizer/test_uncrossable.py` checks both answer alike on every kind.
 """
 from __future__ import annotations
 

@@ -214,7 +214,7 @@ class Plan:
             "version": self.version,
             "time_per_minibatch_s": self.time_per_minibatch_s,
             "single_machine_time_s": self.single_machine_time_s,
-            "optimizer_seconds": self.optimizer_seconds,
+            # (Not `optimizer_seconds`: the same solve writes the same bytes on any machine at any load.)
             "num_machines": list(self.num_machines),
             "stages": [
                 {**asdict(s), "node_ids": list(s.node_ids), "ranks": list(s.ranks)} for s in self.stages

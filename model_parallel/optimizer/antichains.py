@@ -102,7 +102,7 @@ def enumeration_view(work: Workload) -> EnumerationView:
       places just before its single reader) is in a cut exactly when its reader is. A cut between them
       would send the weight forward as an activation and its gradient back on every microbatch,
       between two stages that both own it; the weight belongs to the stage that reads it.
-    `tests/test_optimizer_real_graphs.py` checks plans over these cuts against brute force over all cuts.
+    `tests/search/test_optimizer_real_graphs.py` checks plans over these cuts against brute force over all cuts.
     Glued nodes (`workload.glued_groups`) start as one group and are not folded elsewhere.
     """
     n = work.num_nodes

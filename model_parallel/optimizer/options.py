@@ -32,18 +32,15 @@ class PartitionOptions:
     - `cuts`: "antichain" = PipeDream's states (reproduces its numbers), "topological" = prefixes of
       one topological order (fast, any graph size), "auto" = antichain unless worker speeds are given
       (then topological), the graph has more than `max_antichain_states` antichain states, or the DP
-      over them would be too slow; then the exact bounded solve over antichains and prefixes
-      (`bounds.py`), and when even that is too big, as many topological cut points as the time budget
-      allows (plan.extra["exact"] false); "all" = every valid
+      over them would take more than the work budget; then as many topological cut points as the work
+      budget (array elements, never seconds) allows (plan.extra["exact"] false); "all" = every valid
       cut (downward-closed node set) with the bytes that really cross it: never worse than
       PipeDream on one level, exponential in graph width (small graphs only).
     - `max_cut_points`: keep at most this many topological cut points (the cheapest cut of each of
       that many equal-compute pieces: a heuristic for huge graphs). None = every prefix (or, under
-      "auto", what the time budget allows).
-    - `search`: under "auto", where PipeDream's antichain DP is out of reach, use the search layers
-      (`optimizer/search`: bounded exact solves, and with numba installed the three-level proof) before
-      settling for the best prefix plan; False = PipeDream's DP and the prefix plans only.
-    - `tuning`: the budgets of "auto" and of the search (`tuning.Tuning`).
+      "auto", what the work budget allows).
+    - `tuning`: the budgets of "auto" and of the search (`tuning.Tuning`); the search layers themselves
+      are opt-in (`optimizer/search.searched_partition`), not an option of the core.
     """
 
     straight_pipeline: bool = False
@@ -56,7 +53,6 @@ class PartitionOptions:
     cuts: str = "auto"
     max_antichain_states: int = 5000
     max_cut_points: Optional[int] = None
-    search: bool = True
     tuning: Tuning = field(default=Tuning(), repr=False)
 
     def __post_init__(self) -> None:

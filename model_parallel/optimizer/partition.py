@@ -6,10 +6,11 @@ first (solve.py, dp.py), follow the recorded splits outermost first down to the 
 nodes and price the stages (assemble.py, costs.py).
 
 `cuts="auto"`: PipeDream's antichain DP when the graph has few enough antichain states; on a bigger
-graph the search layers (`optimizer/search`, `options.search`), which prove the optimum on graphs such
-as inception_v3; without them (or when even they cannot) the best plan over prefixes of one
-topological order, marked `exact: false` with a lower bound. A one-level straight pipeline over
-prefixes takes the fast path (`straight.py`).
+graph the best plan over prefixes of one topological order, marked `exact: false` with a lower bound.
+A one-level straight pipeline over prefixes takes the fast path (`straight.py`). Every budget counts
+states or array elements, never seconds: the same input gives the same plan on any machine at any load.
+The search layers (`optimizer/search`, opt-in: `search.searched_partition`) plug in through `search`;
+this module never imports them.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import logging
 import math
 import time
 from dataclasses import replace
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -26,14 +28,16 @@ from model_parallel.graph.plan import Hierarchy, Plan
 from model_parallel.optimizer import antichains as antichains_module
 from model_parallel.optimizer.assemble import assign_nodes, build_plan, infeasible_message
 from model_parallel.optimizer.options import PartitionOptions
-from model_parallel.optimizer.search.auto import search_auto
-from model_parallel.optimizer.search.bounded import solve_antichains
-from model_parallel.optimizer.search.relaxation import node_share_bound
+from model_parallel.optimizer.share_bound import node_share_bound
 from model_parallel.optimizer.solve import Solution, affordable_cut_points, check_speed_count, profile_counts, solve
-from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains, finish_antichains
+from model_parallel.optimizer.antichains import Antichains, antichain_states, enumerate_antichains, finish_antichains
 from model_parallel.optimizer.states import States, Workload, ideal_states, preprocess, prefix_states
 
 logger = logging.getLogger(__name__)
+
+# What `cuts="auto"` runs instead of the core's solves when the search layers are opted in:
+# (work, hierarchy, options, affordable cut points, PipeDream's antichains or None when too many).
+SearchSolver = Callable[[Workload, Hierarchy, PartitionOptions, int, Optional[Antichains]], Solution]
 
 
 def choose_states(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) -> States:
@@ -47,9 +51,9 @@ def choose_states(work: Workload, hierarchy: Hierarchy, options: PartitionOption
     raise PlanError(f"choose_states does not pick cuts={options.cuts!r}; use solve_auto")
 
 
-def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) -> Solution:
-    """PipeDream's antichain DP when affordable; else the search (`options.search`) or the best prefix
-    plan, marked inexact."""
+def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions, search: Optional[SearchSolver] = None) -> Solution:
+    """PipeDream's antichain DP when affordable; else the search (when given) or the best prefix plan,
+    marked inexact."""
     if options.worker_speeds is not None:
         check_speed_count(options, hierarchy)
         limit = options.max_cut_points
@@ -66,26 +70,27 @@ def solve_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions) 
         small = enumerate_antichains(work, max_states=min(options.max_antichain_states, affordable, antichains_module.MAX_DP_STATES))
     except InfeasibleError:
         small = None  # more states than PipeDream's DP can take here
+    if search is not None:
+        return search(work, hierarchy, options, affordable, small)
     if small is not None:
-        states = finish_antichains(work, small)
-        # The search only bounds this DP by a quick plan's time first: the same optimum and plan, faster.
-        return solve_antichains(work, states, hierarchy, options) if options.search else solve(states, hierarchy, options)
-    if options.search:
-        return search_auto(work, hierarchy, options, affordable)
+        return solve(finish_antichains(work, small), hierarchy, options)
     fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
     limit = options.max_cut_points or (None if fast_path else affordable)
     plan = replace(solve(prefix_states(work, limit), hierarchy, options), exact=False)
     logger.warning(
         "more than %d antichain states on %d workers: PipeDream's DP is out of reach; this plan is the best over %s "
         "prefixes of one topological order (not proven optimal; plan.extra['exact'] is false); "
-        "PartitionOptions(search=True) runs the exact bounded solves of optimizer/search",
+        "the opt-in search (--search; model_parallel.optimizer.search.searched_partition) runs exact bounded solves",
         options.max_antichain_states, hierarchy.num_workers, plan.states.num_states,
     )
     return plan
 
 
-def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = PartitionOptions()) -> Plan:
+def partition(
+    graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = PartitionOptions(), search: Optional[SearchSolver] = None,
+) -> Plan:
     """Partition `graph` into pipeline stages on `hierarchy`; the plan covers every node of the graph.
+    `search`: the search layers' solver for `cuts="auto"` (`search.searched_partition` passes it).
 
     Raises `InfeasibleError` when nothing fits (memory, or more stages than nodes) and `PlanError`
     for inconsistent arguments.
@@ -93,7 +98,7 @@ def partition(graph: Graph, hierarchy: Hierarchy, options: PartitionOptions = Pa
     started = time.perf_counter()
     work = preprocess(graph, options.memory_model)
     if options.cuts == "auto":
-        solution = solve_auto(work, hierarchy, options)
+        solution = solve_auto(work, hierarchy, options, search)
     else:
         solution = solve(choose_states(work, hierarchy, options), hierarchy, options)
     if not math.isfinite(solution.time_s):

@@ -7,7 +7,6 @@ docs/optimizer.md ("Tuning") and bench/optimizer.py; here only what each one is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from model_parallel.errors import PlanError
 
@@ -17,7 +16,8 @@ WORK_BUDGET = 2.0e9
 
 @dataclass(frozen=True)
 class Tuning:
-    """Budgets of `cuts="auto"` (core) and of the search layers (`optimizer/search`)."""
+    """Budgets of `cuts="auto"` (core) and of the search layers (`optimizer/search`): states, array
+    elements and passes, never seconds (a wall-clock budget made plans depend on the machine's load)."""
 
     # --- core -------------------------------------------------------------------------------------
     # Most array elements one DP may touch: decides how many cut points an inexact plan gets.
@@ -39,18 +39,11 @@ class Tuning:
     prune_min_work: float = 5e7
     quick_antichain_cut_points: int = 100
     # Work of the bounded solves below the best known time, tried in turn (`solve_below`): the work grows
-    # steeply with the time bound, and the optimum is often just above the lower bound.
-    below_budgets: tuple[float, ...] = (WORK_BUDGET / 64, WORK_BUDGET / 8, WORK_BUDGET)
-    # Seconds after the search starts by which a budget below the best time must end (at the predicted pace
-    # below) to be tried; the first always is. Else the plan found so far is returned with its lower bound
-    # (`exact` false unless proven). A wall-clock cap, so past it the plan may depend on the machine's
-    # load; None: every budget, whatever it takes.
-    search_seconds: Optional[float] = 2.0
-    # Seconds per element of a bounded solve below the best time (its cell DP; measured 10-27 ns on 2 shared
-    # cores), to tell whether the next budget ends before `search_seconds`.
-    below_seconds_per_element: float = 1e-8
-    # The plain DP's pace (dense numpy), for the same question about the unbounded DP over every prefix.
-    dp_seconds_per_element: float = 1.5e-9
+    # steeply with the time bound, and the optimum is often just above the lower bound. One budget by
+    # default (about 0.3 s at the cell DP's 10-27 ns an element); more, e.g. (WORK_BUDGET / 64,
+    # WORK_BUDGET / 8, WORK_BUDGET), prove more plans in tens of seconds. Counted in elements, never in
+    # seconds: the same input gives the same plan at any load.
+    below_budgets: tuple[float, ...] = (WORK_BUDGET / 64,)
     # The cell DP (search/cells.py) runs a level when its work is at most 1/cell_gain of the dense
     # bounded DP's and at least cell_min_work (below that the dense DP is as fast as the bookkeeping).
     cell_gain: float = 4.0

@@ -1,5 +1,5 @@
 """A model whose stage boundary carries a module's tuple output and a module's dict, its data, and the
-two-stage plan that cuts between those modules and their `getitem`s (tests/test_boundaries.py)."""
+two-stage plan that cuts between those modules and their `getitem`s (tests/integration/test_boundaries.py)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_distributed.py's world: trains every listed case on its plan and saves this rank's
+"""One rank of tests/integration/test_hf_distributed.py's world: trains every listed case on its plan and saves this rank's
 stage state, one world for all cases (a process start with transformers and timm costs seconds).
 
     python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics] [size=test|bench]

@@ -1,5 +1,5 @@
 """Tiny Hugging Face and timm models, their data and losses: the cases of the distributed exactness tests
-(tests/test_hf_distributed.py) and of the models benchmark (bench/models.py).
+(tests/integration/test_hf_distributed.py) and of the models benchmark (bench/models.py).
 
 Every case builds its model from a seed (`case.build(seed)`: every rank gets the same weights), yields
 minibatches keyed by step (`case.data.batch(step)`: the same on every rank) and names its loss. Dropout is

@@ -11,7 +11,8 @@ from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.tuning import Tuning
-from model_parallel.optimizer.partition import partition, solve
+from model_parallel.optimizer.partition import solve
+from model_parallel.optimizer.search import searched_partition as partition  # the search layers' entry
 from model_parallel.optimizer.antichains import enumerate_antichains
 from model_parallel.optimizer.states import cut_costs, cut_states, preprocess, prefix_states
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import replace
 
 from model_parallel.graph.plan import Hierarchy
@@ -14,7 +13,7 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.bounded import (
     bounded_solve, cut_union, enumerate_or_none, estimated_bounded_work, relaxed_bound, solve_below,
 )
-from model_parallel.optimizer.solve import Solution, better, dp_work, solve
+from model_parallel.optimizer.solve import Solution, better, solve
 from model_parallel.optimizer.states import Workload, prefix_states
 
 logger = logging.getLogger(__name__)
@@ -25,7 +24,6 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     `options.tuning` allow (`affordable`: cut points a plain DP may take); `exact` when proven optimal,
     else with `lower_bound_s`."""
     tuning = options.tuning
-    deadline = None if tuning.search_seconds is None else time.perf_counter() + tuning.search_seconds
     # An upper bound first: a plan over a few topological cut points (all of them on the straight
     # one-level fast path), then the optimum over every prefix, bounded by it.
     fast_path = options.straight_pipeline and len(hierarchy.levels) == 1
@@ -78,12 +76,9 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     if flat is None and len(hierarchy.levels) > 1 and not jit.AVAILABLE:
         logger.info("numba is not installed: the search for plans with unreplicated outermost stages ran only on small "
                     "problems; pip install 'model_parallel[search]' for the rest")
-    # Every prefix, unbounded (seconds on a few hundred nodes), when nothing better was found: if it ends
-    # within the cap at the DP's pace.
-    in_time = deadline is None or (
-        time.perf_counter() + dp_work(limit or work.num_nodes, hierarchy, options) * tuning.dp_seconds_per_element < deadline
-    )
-    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit and in_time:
+    # Every prefix, unbounded (seconds on a few hundred nodes), when nothing better was found: `affordable`
+    # already holds its work to `tuning.work_budget` elements (or the caller's `max_cut_points`).
+    if (flat is None or flat[0].time_s >= upper.time_s) and upper.states.kind != "topological-bounded" and quick != limit:
         upper = better(upper, replace(solve(prefix_states(work, limit), hierarchy, options), exact=False))
     if flat is not None:
         upper = better(upper, flat[0])
@@ -97,7 +92,7 @@ def search_auto(work: Workload, hierarchy: Hierarchy, options: PartitionOptions,
     if union is not None:
         lower = flat[1] if flat is not None and flat[1] is not None else relaxed_bound(work, hierarchy, options, union, upper.time_s) or 0.0
         lower = max(lower, float(union.compute.max()) / hierarchy.num_workers)
-        below = solve_below(work, hierarchy, options, union, upper, lower, deadline)
+        below = solve_below(work, hierarchy, options, union, upper, lower)
         if below.exact:
             return below
         if below.states.kind == "bounded":

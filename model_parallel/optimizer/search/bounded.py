@@ -10,7 +10,6 @@ time (`solve_below`) the same solve either finds the optimum or proves a lower b
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
@@ -147,24 +146,18 @@ def largest_affordable_bound(
 
 def solve_below(
     work: Workload, hierarchy: Hierarchy, options: PartitionOptions, union: CutUnion, upper: Solution, lower: float,
-    deadline: Optional[float] = None,
 ) -> Solution:
     """Bounded solves at the largest times `T` above `lower` (up to the best plan's time) that growing
     budgets allow (`Tuning.below_budgets`: the work grows steeply with `T`, and the optimum is often close above
     the lower bound). Each keeps every plan taking at most `T`: if it finds one, that is the optimum
     over `union` (exact); if not, every plan takes more than `T`, the next lower bound, and what it
     found (a real plan) replaces `upper` when faster. Returns the plan with `lower_bound_s` set unless
-    exact; `upper` must be a plan (finite time). A budget that would end past `deadline` (a
-    `time.perf_counter()` value) is not tried: the plan so far, with its lower bound (exact only when proven)."""
+    exact; `upper` must be a plan (finite time). Budgets count array elements, never seconds: the result
+    does not depend on the machine's load."""
     if not math.isfinite(upper.time_s):
         raise PlanError("solve_below needs a plan to improve on (a finite upper time)")
     best, proven = upper, lower
-    for number, budget in enumerate(options.tuning.below_budgets):
-        # The first (smallest) budget always runs: it often proves the optimum. A later one only when it
-        # would end by the deadline at its work's pace (the cell DP's elements cost ~10 ns, not ~1.5).
-        pace = options.tuning.below_seconds_per_element
-        if number and deadline is not None and time.perf_counter() + budget * pace > deadline:
-            break
+    for budget in options.tuning.below_budgets:
         bound = largest_affordable_bound(union, hierarchy, options, proven, best.time_s, budget)
         found = None if bound is None or bound <= proven else bounded_solve(work, hierarchy, options, union, bound)
         if found is None:

@@ -27,9 +27,7 @@ from typing import Optional
 import numpy as np
 
 from model_parallel.graph.plan import Hierarchy
-
-# Relative slack on `T`: the DP sums and divides in another order than this test.
-ROUNDING = 1e-9
+from model_parallel.optimizer.share_bound import ROUNDING  # noqa: F401 - one slack for every bound
 
 
 @dataclass(frozen=True)
