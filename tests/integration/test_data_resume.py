@@ -15,7 +15,7 @@ from model_parallel.runtime.trainer import single_process_reference
 from support.resume_cases import STEPS, case_names, make_case
 
 pytestmark = [pytest.mark.slow]
-WORKER = Path(__file__).parent / "support" / "resume_worker.py"
+WORKER = Path(__file__).parents[1] / "support" / "resume_worker.py"
 WORLD = 2
 
 

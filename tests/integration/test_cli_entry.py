@@ -11,7 +11,7 @@ from model_parallel.coordinator.server import Coordinator
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = ("profile", "partition", "generate", "worker", "coordinator", "ctl", "demo", "export", "calibrate")
 TORCH_MODULES = "sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))"
 

@@ -11,7 +11,7 @@ import pytest
 from model_parallel.cli.worker import build_parser, check_inputs, make_config
 from model_parallel.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def checked(*flags: str) -> None:
