@@ -2,8 +2,10 @@
 
 The straight solver (`straight.py`, through `partition`'s one-level fast path) with the given worker
 speeds, or unit speeds for an "even" split. Nodes are priced by their profiled time (`compute_ms`)
-and nothing else; a graph without any timings (traced, not profiled) counts every node alike, so the
-split is even by node count rather than by a mix of bytes and milliseconds.
+and nothing else. A graph without any timings (traced, not profiled) is priced by what each stage must
+hold: its parameter bytes (gradients and optimizer state are the same multiple of them for every stage),
+so a Llama's embedding and LM head, one node each, weigh what they hold; node counts never decide.
+Only a graph with neither timings nor parameters counts every node alike.
 """
 from __future__ import annotations
 
@@ -18,12 +20,24 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 
 
-def _timed(graph: Graph) -> Graph:
-    """`graph`, or with 1 ms on every node when no node carries a time (nothing to balance otherwise)."""
-    if any(node.compute_ms > 0 for node in graph.nodes):
-        return graph
+# Parameter-free nodes of an untimed graph weigh this share of the mean parameter node: enough to split
+# a parameter-free stretch evenly among ties, too little to move a cut off the parameter balance.
+TIE_SHARE = 1e-3
+
+
+def _priced(graph: Graph) -> Graph:
+    """`graph` as the split sees it: a weight read as a bare tensor (get_attr) stays with its reader, and
+    with no node timed, each node priced by its parameter bytes in `forward_ms` (1 ms a node when no node
+    holds parameters either)."""
+    # A cut between a weight and its reader would send the weight (and its gradient back) every microbatch.
+    nodes = [replace(node, uncrossable=node.uncrossable or "a weight is read on the stage that holds it")
+             if node.reads_state else node for node in graph.nodes]
+    if not any(node.compute_ms > 0 for node in nodes):
+        holding = [node.parameter_size for node in nodes if node.parameter_size > 0]
+        tie = TIE_SHARE * sum(holding) / len(holding) if holding else 0.0
+        nodes = [replace(node, forward_ms=(node.parameter_size + tie) / 1e6 if holding else 1.0) for node in nodes]
     # (The metadata stays: its model outputs tell side effects apart, see optimizer/workload.py.)
-    return graph.replace_nodes(replace(node, forward_ms=1.0) for node in graph.nodes)
+    return graph.replace_nodes(nodes)
 
 
 def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[float]] = None) -> Plan:
@@ -38,7 +52,7 @@ def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[
     if len(speeds) != len(ranks):
         raise PlanError(f"got {len(speeds)} speed(s) for {len(ranks)} worker(s); give one speed per worker")
     options = PartitionOptions(straight_pipeline=True, cuts="topological", worker_speeds=speeds)
-    plan = partition(_timed(graph), Hierarchy.from_lists([len(ranks)]), options)
+    plan = partition(_priced(graph), Hierarchy.from_lists([len(ranks)]), options)
     stages = tuple(replace(s, ranks=(int(ranks[i]),)) for i, s in enumerate(plan.stages))
     return replace(plan, stages=stages)
 

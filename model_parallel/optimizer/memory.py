@@ -18,7 +18,8 @@ holds at its peak (schedule.py): GPipe all m; 1F1B and PipeDream min(m, p - k) f
 
 In the footprint, A is what one microbatch of the stage keeps for backward (`stash_bytes`), counted as
 the runtime's StashMeter measures it: each node's `saved_bytes` (what autograd saves from its values,
-profiled; its output bytes where not profiled), a value sent on kept whole until its backward, every
+profiled; its output bytes where not profiled, except a get_attr's: a weight the export route reads as a
+bare tensor is W, counted once, never a stash), a value sent on kept whole until its backward, every
 value received (and passed through) kept too, and on the last stage what the loss saves. The legacy
 models take A = the sum of the nodes' output bytes, as PipeDream does.
 
@@ -145,8 +146,9 @@ def stash_bytes(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list
         stage = stage_of[node.node_id]
         data = node.is_input and not graph.predecessors[node.node_id]
         last = max((stage_of[s] for s in graph.successors[node.node_id]), default=stage)
-        if not data:
-            stash[stage] += max(node.stash_bytes, node.activation_bytes) if last > stage else node.stash_bytes
+        if not data:  # a value sent on is kept whole, unless it is a weight the stage holds anyway
+            whole = last > stage and not node.reads_state
+            stash[stage] += max(node.stash_bytes, node.activation_bytes) if whole else node.stash_bytes
         for receiver in range(stage + 1, last + 1):
             stash[receiver] += node.activation_bytes
     profile = graph.metadata.get("profile")
