@@ -60,6 +60,7 @@ class PipelineTrainer:
         single_process: Optional[bool] = None,
         weights: Union[str, Path, None] = None,
         init_weights: Optional[Callable[[Any, str], None]] = None,
+        memory_per_worker: Optional[float] = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -76,7 +77,9 @@ class PipelineTrainer:
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
             data=dataset, example_inputs=example_inputs, seed=config.seed, batch_size=config.batch_size,
-            num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights)
+            num_microbatches=config.num_microbatches, weights=weights, init_weights=init_weights,
+            memory_per_worker=memory_per_worker, schedule=config.schedule,
+            optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum")
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
         if world > 1:
@@ -139,3 +142,11 @@ class PipelineTrainer:
         if self.single_process:
             return self.runner.state_dict()
         return self.runner.named_state()
+
+
+def _optimizer_kind(factory: OptimizerFactory) -> str:
+    """Which optimizer state the memory model prices: the factory's optimizer, built on one probe tensor."""
+    from model_parallel.optimizer.memory import optimizer_kind
+
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    return optimizer_kind(type(probe).__name__.lower(), float(probe.defaults.get("momentum", 0.0) or 0.0))

@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
 
 LEGACY_MODELS = ("pipedream", "1f1b")
 MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
@@ -165,3 +166,26 @@ def optimizer_kind(name: str, momentum: float = 0.0) -> str:
     if name in OPTIMIZER_STATE:
         return name
     raise PlanError(f"no memory model for optimizer {name!r}; known: sgd, adam, adamw")
+
+
+def activation_scale(graph: Graph, microbatch_size: int) -> float:
+    """One microbatch's activations / the profiled ones: microbatch size / the graph's metadata
+    `batch_size` (1.0 when it records none: a graph traced or profiled at the microbatch size)."""
+    profiled = graph.metadata.get("batch_size")
+    if isinstance(profiled, int) and not isinstance(profiled, bool) and profiled > 0:
+        return microbatch_size / profiled
+    return 1.0
+
+
+def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str, float]]:
+    """Per stage of `plan`, its predicted bytes by kind (`footprint_parts`): what one worker holds."""
+    parameters = [0.0] * plan.num_stages
+    stage_of = plan.stage_of
+    for node in graph.nodes:
+        parameters[stage_of[node.node_id]] += node.parameter_size
+    stash = stash_bytes(graph, stage_of, plan.num_stages)
+    out, before = [], 0
+    for stage, kept, held in zip(plan.stages, stash, parameters):
+        out.append(footprint_parts(model, kept, held, plan.num_ranks, before, stage.num_replicas))
+        before += stage.num_replicas
+    return out

@@ -21,7 +21,7 @@ import numpy as np
 
 from model_parallel.optimizer.costs import transfer_seconds
 from model_parallel.optimizer.dp import Part
-from model_parallel.optimizer.memory import MemoryModel, multipliers
+from model_parallel.optimizer.memory import MemoryModel, multipliers, stage_bytes
 from model_parallel.optimizer.states import States
 
 INF = np.inf
@@ -122,3 +122,23 @@ def _balanced_choice(first: np.ndarray, stage_times, stages: int, bottleneck: fl
         choice[t] = np.argmin(cand, axis=1)
         squares = cand[rows, choice[t]]
     return choice
+
+
+def smallest_memory(states: States, stages: int, memory_model: MemoryModel) -> float:
+    """The least bytes per worker that some `stages`-stage straight split over `states` needs, by the
+    memory checks' own sums (the values a stage sends and receives are not in them)."""
+    s = states.num_states
+    if not 1 <= stages <= s:
+        return INF
+    lower = np.tri(s, s, -1, dtype=bool)
+
+    def held(t: int, activation: np.ndarray, parameters: np.ndarray) -> np.ndarray:
+        return stage_bytes(multipliers(memory_model, stages, t, 1), activation, parameters)
+
+    best = held(0, states.activation, states.parameters)
+    act = states.activation[:, None] - states.activation[None, :]
+    par = states.parameters[:, None] - states.parameters[None, :]
+    for t in range(1, stages):
+        cand = np.where(lower, np.maximum(held(t, act, par), best[None, :]), INF)
+        best = cand.min(axis=1)
+    return float(best[-1])
