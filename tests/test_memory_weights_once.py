@@ -62,3 +62,33 @@ def test_the_memory_constraint_fits_where_the_weights_fit():
     # Counting each weight again as a stash of 2 microbatches would need 16 MB more: refused below `need`.
     with pytest.raises(InfeasibleError, match=r"the smallest that fits is 0\.032 GB \(32004000 bytes\)"):
         even_stages(graph, 2, memory_per_worker=need - 1, footprint=footprint)
+
+
+def test_the_rebalancers_memory_solver_never_plans_past_the_cap():
+    from model_parallel.coordinator.solver import default_solver, memory_solver
+    from model_parallel.errors import PlanError
+
+    graph = layer_by_layer_chain()
+    footprint = Footprint("adamw", "1f1b", 4)
+    cap = 4 * 2 * W + 2 * 2 * A  # two weights a worker
+    # A worker 3x faster would take three layers: 12 W of AdamW state, over the cap.
+    free = default_solver(graph, [0, 1], [3.0, 1.0])
+    assert max(p["parameters"] for p in plan_footprint(graph, free, footprint)) == 3 * W
+    guarded = memory_solver(cap, footprint)(graph, [0, 1], [3.0, 1.0])
+    assert all(p["total"] <= cap for p in plan_footprint(graph, guarded, footprint))
+    with pytest.raises(PlanError, match="no re-plan on 2 worker\\(s\\) fits their memory"):
+        memory_solver(cap / 2, footprint)(graph, [0, 1], [1.0, 1.0])
+
+
+def test_the_optimizer_command_line_takes_memory_per_worker(tmp_path, capsys):
+    from model_parallel.graph.io import save_graph
+    from model_parallel.optimizer.optimizer_graph_hierarchical import main
+
+    path = save_graph(layer_by_layer_chain(), tmp_path / "graph.json")
+    cap = 4 * 2 * W + 2 * 2 * A
+    flags = ["-f", str(path), "-n", "2", "--straight_pipeline", "--cuts", "topological", "--optimizer", "adamw",
+             "--microbatches", "4"]
+    assert main([*flags, "--memory_per_worker", str(cap)]) == 0
+    assert "Total number of stages: 2" in capsys.readouterr().out
+    with pytest.raises(InfeasibleError, match="no partition fits"):
+        main([*flags, "--memory_per_worker", str(cap - 1)])

@@ -123,8 +123,10 @@ class Node:
 
     @property
     def crossable(self) -> bool:
-        """Whether this node's value may be sent to another stage (see `uncrossable`)."""
-        return self.uncrossable is None
+        """Whether this node's value may be sent to another stage (see `uncrossable`). A weight read as a
+        bare tensor (get_attr) stays with its readers: sent, it would cross (and its gradient back) every
+        microbatch, and the receiver would hold a copy of it."""
+        return self.uncrossable is None and not self.reads_state
 
     @property
     def activation_sizes(self) -> tuple[float, ...]:

@@ -30,18 +30,16 @@ TIE_SHARE = 1e-3
 
 
 def _priced(graph: Graph) -> Graph:
-    """`graph` as the split sees it: a weight read as a bare tensor (get_attr) stays with its reader, and
-    with no node timed, each node priced by its parameter bytes in `forward_ms` (1 ms a node when no node
-    holds parameters either)."""
-    # A cut between a weight and its reader would send the weight (and its gradient back) every microbatch.
-    nodes = [replace(node, uncrossable=node.uncrossable or "a weight is read on the stage that holds it")
-             if node.reads_state else node for node in graph.nodes]
-    if not any(node.compute_ms > 0 for node in nodes):
-        holding = [node.parameter_size for node in nodes if node.parameter_size > 0]
-        tie = TIE_SHARE * sum(holding) / len(holding) if holding else 0.0
-        nodes = [replace(node, forward_ms=(node.parameter_size + tie) / 1e6 if holding else 1.0) for node in nodes]
+    """`graph` as the split sees it: with no node timed, each node priced by its parameter bytes in
+    `forward_ms` (1 ms a node when no node holds parameters either). (A weight read as a bare tensor stays
+    with its readers anyway: `Node.crossable`.)"""
+    if any(node.compute_ms > 0 for node in graph.nodes):
+        return graph
+    holding = [node.parameter_size for node in graph.nodes if node.parameter_size > 0]
+    tie = TIE_SHARE * sum(holding) / len(holding) if holding else 0.0
     # (The metadata stays: its model outputs tell side effects apart, see optimizer/workload.py.)
-    return graph.replace_nodes(nodes)
+    return graph.replace_nodes(replace(node, forward_ms=(node.parameter_size + tie) / 1e6 if holding else 1.0)
+                               for node in graph.nodes)
 
 
 def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[float]] = None,
