@@ -89,9 +89,9 @@ def adamw(params):
 def prepare(args: argparse.Namespace, tmp: Path) -> dict:
     """The sharded weights and the layer-by-layer profile, in `tmp`; the whole model's sizes."""
     import torch
-    import transformers
 
-    import model_parallel
+    import model_parallel  # (before transformers: the torchvision repair)
+    import transformers
     from model_parallel.graph.io import save_graph
 
     config = llama_config(args)

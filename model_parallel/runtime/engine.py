@@ -369,6 +369,15 @@ class PipelineEngine:
         last HISTORY_WINDOW of them). A stop command ends it early: then `stop_reason` says why and
         `next_step` how far it got."""
         from model_parallel.runtime.loop import train
+        from model_parallel.runtime.memory_probe import out_of_memory
 
-        train(self, steps, start_step)
+        try:
+            train(self, steps, start_step)
+        except (MemoryError, RuntimeError) as error:
+            oom = out_of_memory(error, self.rank, self.stage_id, self.stage, self.optimizer, self.device)
+            if oom is None:
+                raise
+            if self.health is not None:  # published first: peers name this rank and why, not a flag mismatch
+                self.health.stop("failed", None, str(oom))
+            raise oom from None
         return list(self.history)
