@@ -1,6 +1,6 @@
 """A model bigger than its workers, with no hand-written plan: a Hugging Face Llama on 4 capped ranks.
 
-    python bench/big_model.py                    # ~106M-parameter Llama (fp32 params+grads+AdamW 1.7 GB), 4 ranks
+    python bench/big_model.py                    # ~126M-parameter Llama (fp32 params+grads+AdamW 2.0 GB), 4 ranks
     python bench/big_model.py --layers 2 --hidden 256 --intermediate 512 --vocab 4096   # a smoke run
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
@@ -137,9 +137,6 @@ def worker(args: argparse.Namespace) -> None:
     profiled = load_graph(tmp / "graph.json")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(llama_config(args))
-    # The plan: the most even split of the layer-by-layer profile whose predicted footprint fits.
-    plan = even_stages(profiled, args.world, memory_per_worker=args.memory_per_worker * GB,
-                       footprint=Footprint("adamw", "1f1b", args.micro))
     baseline = _status("VmData")
     cap = baseline + int((args.memory_per_worker + args.slack) * GB)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
@@ -147,6 +144,10 @@ def worker(args: argparse.Namespace) -> None:
                     "baseline_rss_bytes": _status("VmRSS")}
     config = TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0)
     try:
+        # The plan: the most even split of the layer-by-layer profile whose predicted footprint fits (or a
+        # refusal naming the smallest memory per worker that would).
+        plan = even_stages(profiled, args.world, memory_per_worker=args.memory_per_worker * GB,
+                           footprint=Footprint("adamw", "1f1b", args.micro))
         # The model traced again on meta names its nodes as the profile did; the plan given is checked to fit.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
         trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
@@ -229,18 +230,18 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", default="", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--micro", type=int, default=4, help="microbatches per minibatch")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--memory_per_worker", type=float, default=0.5,
+    parser.add_argument("--memory_per_worker", type=float, default=0.57,
                         help="GB per worker: the plan's budget (PipelineTrainer memory_per_worker) and the cap's core")
-    parser.add_argument("--slack", type=float, default=0.35, help="GB on top of --memory_per_worker in the cap")
+    parser.add_argument("--slack", type=float, default=0.5, help="GB on top of --memory_per_worker in the cap")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(ROOT / "bench" / "snapshot" / "big_model.json"))

@@ -63,3 +63,13 @@ def test_memory_per_worker_finds_a_plan_that_fits_or_names_the_smallest():
         llama_job(memory_per_worker=0.5 * balanced, optimizer="adamw", plan=job.plan)
     with pytest.raises(PlanError, match="memory_per_worker is bytes per worker"):
         JobSpec(model="mlp", memory_per_worker=-1.0)
+
+
+def test_the_worker_command_line_passes_memory_per_worker_and_what_it_prices():
+    from model_parallel.cli.worker import build_parser, job_spec
+
+    args = build_parser().parse_args(["--model", "mlp", "--memory_per_worker", "2.5e9", "--optimizer", "adamw",
+                                      "--schedule", "gpipe"])
+    spec = job_spec(args)
+    assert (spec.memory_per_worker, spec.optimizer, spec.schedule) == (2.5e9, "adamw", "gpipe")
+    assert job_spec(build_parser().parse_args(["--model", "mlp"])).optimizer == "sgd_momentum"  # momentum 0.9
