@@ -8,7 +8,7 @@ import sys
 import torch
 from torch import nn
 
-from model_parallel.errors import OutOfMemoryError
+from model_parallel.errors import OutOfMemoryError, PeerError
 from model_parallel.runtime.memory_probe import out_of_memory
 
 CPU = torch.device("cpu")
@@ -35,6 +35,8 @@ def test_an_allocation_refused_names_the_stage_the_bytes_held_and_the_limit():
     assert "limit: " in text and "memory_per_worker" in text and "DefaultCPUAllocator" in text
     assert out_of_memory(MemoryError(), 0, 0, stage, optimizer, CPU) is not None
     assert out_of_memory(RuntimeError("shape mismatch"), 0, 0, stage, optimizer, CPU) is None
+    quoted = PeerError("rank 1 failed: rank 1 (stage 1) ran out of memory: ...")  # the peer's, not ours
+    assert out_of_memory(quoted, 0, 0, stage, optimizer, CPU) is None
 
 
 def test_a_real_refusal_under_rlimit_data_is_recognised_with_its_limit():

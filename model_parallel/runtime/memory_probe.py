@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from model_parallel.errors import OutOfMemoryError
+from model_parallel.errors import ModelParallelError, OutOfMemoryError
 from model_parallel.graph.saved import covered, span
 
 
@@ -251,6 +251,8 @@ def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stag
                   device: torch.device) -> Optional[OutOfMemoryError]:
     """`error` as one line naming the rank, its stage, the bytes it held and the limit; None when `error`
     is not an allocation the allocator refused."""
+    if isinstance(error, ModelParallelError):
+        return None  # ours already (a peer's failure quoted in a PeerError may say "out of memory" too)
     text = str(error).lower()
     if not isinstance(error, MemoryError) and not any(phrase in text for phrase in _REFUSED):
         return None
