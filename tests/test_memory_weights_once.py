@@ -92,3 +92,18 @@ def test_the_optimizer_command_line_takes_memory_per_worker(tmp_path, capsys):
     assert "Total number of stages: 2" in capsys.readouterr().out
     with pytest.raises(InfeasibleError, match="no partition fits"):
         main([*flags, "--memory_per_worker", str(cap - 1)])
+
+
+def test_the_coordinators_memory_per_worker_checks_the_starting_plan():
+    from model_parallel.cli.main import _memory_solver
+    from model_parallel.errors import ConfigError
+
+    graph = layer_by_layer_chain()
+    plan = even_stages(graph, 2)
+    served = {"optimizer": "adamw", "num_microbatches": 4, "batch_size": 4}
+    cap = 4 * 2 * W + 2 * 2 * A
+    solver = _memory_solver(cap, served, graph, plan)
+    assert all(p["total"] <= cap for p in plan_footprint(graph, solver(graph, [0, 1], [3.0, 1.0]),
+                                                         Footprint("adamw", "1f1b", 4)))
+    with pytest.raises(ConfigError, match="the starting plan puts a predicted .* on stage 0, over --memory_per_worker"):
+        _memory_solver(cap - 1, served, graph, plan)
