@@ -242,7 +242,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--memory_per_worker", type=float, default=0.57,
                         help="GB per worker: the plan's budget (PipelineTrainer memory_per_worker) and the cap's core")
-    parser.add_argument("--slack", type=float, default=0.5, help="GB on top of --memory_per_worker in the cap")
+    parser.add_argument("--slack", type=float, default=0.25, help="GB on top of --memory_per_worker in the cap")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "big_model.json"))
