@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.api.job import JobSpec, build_job
-from model_parallel.errors import ModelParallelError
+from model_parallel.errors import ModelParallelError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -122,8 +122,17 @@ class PipelineTrainer:
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
-        results = self.runner.train(steps)
-        return results
+        try:
+            return self.runner.train(steps)
+        except TrainingStopped:
+            raise
+        except Exception as error:
+            # Published as this rank's failure before the exit hook says "done": peers then name this rank
+            # and its error, not "already finished (same --steps?)". A diagnosis published first stays.
+            if self.health is not None:
+                first = str(error).splitlines()[0][:300] if str(error) else ""
+                self.health.stop("failed", None, f"{type(error).__name__}: {first}")
+            raise
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (idempotent; also runs at exit). Call it before
