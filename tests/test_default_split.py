@@ -73,3 +73,30 @@ def test_the_worker_command_line_passes_memory_per_worker_and_what_it_prices():
     spec = job_spec(args)
     assert (spec.memory_per_worker, spec.optimizer, spec.schedule) == (2.5e9, "adamw", "gpipe")
     assert job_spec(build_parser().parse_args(["--model", "mlp"])).optimizer == "sgd_momentum"  # momentum 0.9
+
+
+def test_pipeline_trainer_prices_its_own_optimizer_under_memory_per_worker():
+    from model_parallel import PipelineTrainer, TrainConfig
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=256, max_position_embeddings=16,
+                                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    example = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+
+    def trainer(factory, memory):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return PipelineTrainer(model, factory, None, TrainConfig(batch_size=4, num_microbatches=2), num_stages=2,
+                               example_inputs=example, single_process=True, memory_per_worker=memory)
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    parameters = 2 * 256 * 32 + 2 * (4 * 32 * 32 + 3 * 32 * 64 + 64) + 32
+    # AdamW holds 16 bytes a parameter, plain SGD 8 (a stage holds at least half: 8 P or 4 P), plus the same
+    # activations (here ~4.6 P: a traced graph prices every output): SGD fits 0.6 x 16 P, AdamW does not.
+    cap = 0.6 * 16 * parameters
+    assert trainer(sgd, cap).plan.num_stages == 2
+    with pytest.raises(InfeasibleError, match="adamw, 1f1b, 2 microbatches"):
+        trainer(adamw, cap)
+    with pytest.raises(PlanError, match="no memory model for optimizer 'rmsprop'"):
+        trainer(lambda params: torch.optim.RMSprop(params), cap)
