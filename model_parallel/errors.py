@@ -56,6 +56,10 @@ class ProtocolError(ModelParallelError, ValueError):
     """A control-plane message is malformed, oversized, or fails authentication."""
 
 
+class OutOfMemoryError(ModelParallelError, MemoryError):
+    """A rank ran out of memory: the message names its stage, the bytes it held and the limit."""
+
+
 class PeerError(ModelParallelError, RuntimeError):
     """A distributed peer died, timed out, or never joined; the message names the rank."""
 

@@ -65,6 +65,11 @@ class JobSpec:
     init_weights: Optional[Callable[[Any, str], None]] = None  # init_weights(layer, layer_name): replaces reset_parameters()
     batch_size: int = 8
     num_microbatches: int = 4
+    # Bytes one worker may hold: the default split becomes the most even one whose predicted footprint
+    # (optimizer/memory.py) fits on every stage, else an InfeasibleError names the smallest that would.
+    memory_per_worker: Optional[float] = None
+    optimizer: str = "sgd_momentum"  # what the footprint prices: sgd | sgd_momentum | adam | adamw
+    schedule: str = "1f1b"  # the run's schedule (how many microbatches' activations a stage holds)
 
     def __post_init__(self) -> None:
         given = [name for name in ("model", "package", "graph") if getattr(self, name) is not None]
@@ -77,6 +82,9 @@ class JobSpec:
             raise PlanError(f"JobSpec: loss {self.loss!r} is unknown; use one of {', '.join(LOSSES)}")
         if self.num_stages is not None and self.num_stages < 1:
             raise PlanError(f"JobSpec: num_stages must be >= 1, got {self.num_stages}")
+        mem = self.memory_per_worker
+        if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or not 0 < mem < float("inf")):
+            raise PlanError(f"JobSpec: memory_per_worker is bytes per worker (a number > 0), got {mem!r}")
 
     @property
     def micro_batch(self) -> int:
@@ -87,7 +95,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     """Graph, plan, seed-built model, criterion and dataset of `spec` for a world of `world_size` ranks."""
     plan: Optional[Plan] = None
     adapted = False
-    if not isinstance(spec.data, str):
+    if spec.data is not None and not isinstance(spec.data, str):  # None: no data (plan or evaluate only)
         from model_parallel.runtime.sources import as_source
 
         source = as_source(spec.data, spec.batch_size, spec.seed, spec.collate_fn)
@@ -118,12 +126,15 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         from model_parallel.graph.plan import read_plan
 
         plan = spec.plan if isinstance(spec.plan, Plan) else read_plan(spec.plan)
+    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None else None
     if plan is None:
         from model_parallel.runtime.stages import even_plan
 
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
         stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
-        plan = even_plan(graph, stages, replicas)
+        plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
+    elif footprint is not None:
+        _check_fits(graph, plan.with_default_ranks(), footprint, float(spec.memory_per_worker))  # type: ignore[arg-type]
     if isinstance(spec.data, str):
         from model_parallel.runtime.data import make_dataset
 
@@ -163,6 +174,27 @@ def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str
     # Synthetic validation data from another seed: training's own minibatches would not be held out.
     return make_dataset(spec.eval_data, spec.batch_size, spec.seed + 1, shape=shape, num_classes=classes, kind=kind,
                         prefetch=0, seq_len=spec.seq_len, token_dtype=spec.token_dtype)
+
+
+def _footprint(spec: JobSpec, graph: Graph) -> Any:
+    """The footprint model of the run `spec` describes (its optimizer, schedule, microbatches)."""
+    from model_parallel.optimizer.memory import Footprint, activation_scale
+
+    return Footprint(spec.optimizer, spec.schedule, spec.num_microbatches, activation_scale(graph, spec.micro_batch))
+
+
+def _check_fits(graph: Graph, plan: Plan, footprint: Any, limit: float) -> None:
+    """A plan given with memory_per_worker must fit it: refuse the stage that does not, with its bytes."""
+    from model_parallel.errors import InfeasibleError
+    from model_parallel.optimizer.memory import plan_footprint
+
+    for stage, parts in zip(plan.stages, plan_footprint(graph, plan, footprint)):
+        if parts["total"] > limit:
+            raise InfeasibleError(
+                f"the plan given puts {parts['total'] / 1e9:.3g} GB on stage {stage.stage_id} (parameters "
+                f"{parts['parameters'] / 1e9:.3g} GB, optimizer state {parts['optimizer_state'] / 1e9:.3g} GB, "
+                f"activations {parts['activations'] / 1e9:.3g} GB), over memory_per_worker {limit / 1e9:.3g} GB; "
+                "leave the plan out to have one found that fits, or raise memory_per_worker")
 
 
 def _source(spec: JobSpec) -> str:

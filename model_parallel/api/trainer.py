@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.api.job import JobSpec, build_job
-from model_parallel.errors import ModelParallelError
+from model_parallel.errors import ModelParallelError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -63,6 +63,7 @@ class PipelineTrainer:
         init_weights: Optional[Callable[[Any, str], None]] = None,
         collate_fn: Optional[Callable[[list[Any]], Any]] = None,
         eval_data: Any = None,
+        memory_per_worker: Optional[float] = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -80,7 +81,8 @@ class PipelineTrainer:
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
             data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
             batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
-            init_weights=init_weights)
+            init_weights=init_weights, memory_per_worker=memory_per_worker, schedule=config.schedule,
+            optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum")
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
         if world > 1:
@@ -125,7 +127,17 @@ class PipelineTrainer:
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
         if not self.single_process:
-            return self.runner.train(steps)
+            try:
+                return self.runner.train(steps)
+            except TrainingStopped:
+                raise
+            except Exception as error:
+                # Published as this rank's failure before the exit hook says "done": peers then name this rank
+                # and its error, not "already finished (same --steps?)". A diagnosis published first stays.
+                if self.health is not None:
+                    first = str(error).splitlines()[0][:300] if str(error) else ""
+                    self.health.stop("failed", None, f"{type(error).__name__}: {first}")
+                raise
         # Single-process mode validates as the pipeline's loop does: every eval_every steps and after the last.
         every, results = self.options.eval_every, []
         for step in range(steps):
@@ -162,3 +174,11 @@ class PipelineTrainer:
         if self.single_process:
             return self.runner.state_dict()
         return self.runner.named_state()
+
+
+def _optimizer_kind(factory: OptimizerFactory) -> str:
+    """Which optimizer state the memory model prices: the factory's optimizer, built on one probe tensor."""
+    from model_parallel.optimizer.memory import optimizer_kind
+
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    return optimizer_kind(type(probe).__name__.lower(), float(probe.defaults.get("momentum", 0.0) or 0.0))

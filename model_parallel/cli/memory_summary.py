@@ -12,8 +12,7 @@ import torch
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.optimizer.costs import stage_costs
-from model_parallel.optimizer.memory import Footprint, footprint_parts, optimizer_kind, stash_bytes
+from model_parallel.optimizer.memory import Footprint, activation_scale, optimizer_kind, plan_footprint
 from model_parallel.runtime.memory_probe import PeakProbe, StashMeter, state_bytes
 
 logger = logging.getLogger(__name__)
@@ -23,17 +22,8 @@ def predicted(graph: Graph, plan: Plan, optimizer: str, momentum: float, schedul
               microbatch_size: int) -> list[dict[str, float]]:
     """Per stage, the footprint's bytes by kind for this run's optimizer, schedule and microbatches.
     Activations scale by microbatch size / the graph's profiled `batch_size` (1.0 when it records none)."""
-    profiled = graph.metadata.get("batch_size")
-    scale = microbatch_size / profiled if isinstance(profiled, int) and not isinstance(profiled, bool) and profiled > 0 else 1.0
-    model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, scale)
-    costs = stage_costs(graph, plan.stage_of, plan.num_stages)
-    stash = stash_bytes(graph, plan.stage_of, plan.num_stages)
-    out, before = [], 0
-    for stage, cost, kept in zip(plan.stages, costs, stash):
-        out.append(footprint_parts(model, kept, cost.parameter_bytes, plan.num_ranks, before,
-                                   stage.num_replicas))
-        before += stage.num_replicas
-    return out
+    model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, activation_scale(graph, microbatch_size))
+    return plan_footprint(graph, plan, model)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ def build_parser(prog: Optional[str] = "model-parallel partition") -> ArgumentPa
     parser.add_argument("-b", "--network_bandwidths", nargs="+", type=float, default=None,
                         help="bytes/s of each level's links, one per level (default 1e9 each)")
     parser.add_argument("-s", "--memory_size", type=float, default=16e9, help="bytes of memory per worker (default 16e9)")
+    parser.add_argument("--memory_per_worker", type=float, default=None,
+                        help="bytes one worker may hold, by the footprint model: -s BYTES --use_memory_constraint "
+                             "--memory_model footprint in one flag (refuses with the smallest that fits)")
     parser.add_argument("--straight_pipeline", action="store_true", help="no replication of stages")
     parser.add_argument("--use_memory_constraint", action="store_true", help="discard plans whose stashed bytes exceed -s")
     parser.add_argument("--use_fewer_machines", action="store_true", help="a level may leave machines unused when faster")
@@ -71,6 +74,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     from model_parallel.optimizer.options import PartitionOptions
     from model_parallel.optimizer.partition import partition
 
+    if args.memory_per_worker is not None:  # the one flag for "plans that fit", by the real footprint
+        args.memory_size, args.use_memory_constraint = args.memory_per_worker, True
     graph = load_graph(args.profile_filename)
     hierarchy = Hierarchy.from_lists(args.all_num_machines, args.network_bandwidths, args.memory_size)
     memory_model, footprint = _memory_model(args, graph.metadata)
@@ -150,7 +155,10 @@ def _memory_model(args: Any, metadata: Any) -> tuple[str, Any]:
     flags = {"--optimizer": args.optimizer, "--schedule": args.schedule, "--microbatches": args.microbatches,
              "--microbatch_size": args.microbatch_size}
     given = [flag for flag, value in flags.items() if value is not None]
-    model = args.memory_model or ("footprint" if given else "pipedream")
+    if args.memory_per_worker is not None and args.memory_model not in (None, "footprint"):
+        raise ConfigError(f"--memory_per_worker prices the footprint; drop --memory_model {args.memory_model} "
+                          "(or use -s with --use_memory_constraint for the legacy estimates)")
+    model = args.memory_model or ("footprint" if given or args.memory_per_worker is not None else "pipedream")
     if model != "footprint":
         if given:
             raise ConfigError(f"{', '.join(given)} describe the footprint memory model; drop --memory_model {model} "

@@ -34,6 +34,7 @@ from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logg
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
+from model_parallel.optimizer.memory import optimizer_kind  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.schedule import SCHEDULE_NAMES  # noqa: E402
 
@@ -80,6 +81,8 @@ def build_parser() -> ArgumentParser:
     m.add_argument("--plan", default=None, help="plan.json: stages and their ranks (default: even split)")
     m.add_argument("--num_stages", type=int, default=None, help="stages for the even split (default: world size)")
     m.add_argument("--stage_to_num_ranks", default=None, help="replicas per stage for the even split, e.g. 0:2,1:1")
+    m.add_argument("--memory_per_worker", type=float, default=None,
+                   help="bytes one worker may hold: the split becomes the most even whose predicted peak fits (or refuses)")
     m.add_argument("--loss", choices=("cross_entropy", "lm"), default=None, help="loss for --graph/--package models")
     m.add_argument("--input_shape", default=None,
                    help="per-sample input shape for a PipeDream-generated --package, e.g. 3,224,224 (it records none)")
@@ -171,7 +174,8 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
                    plan=args.plan or None, num_stages=args.num_stages, stage_to_num_ranks=replicas, loss=args.loss,
                    input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                   weights=args.weights, **data_flags.spec_fields(args))
+                   weights=args.weights, memory_per_worker=args.memory_per_worker, schedule=args.schedule,
+                   optimizer=optimizer_kind(args.optimizer, args.momentum), **data_flags.spec_fields(args))
 
 
 def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:

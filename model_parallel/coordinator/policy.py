@@ -306,7 +306,10 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
                                   "times in a row", estimate=estimate, extra=changed)
     current = max(estimate.measured_ms.values())
     speeds = [estimate.speeds[r] for r in ranks]
-    candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, speeds)
+    try:
+        candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, speeds)
+    except PlanError as error:  # e.g. nothing fits the workers' memory (solver.memory_solver): keep this plan
+        return Decision(None, str(error), current, estimate=estimate, extra=changed)
     new = predicted_bottleneck_ms(graph, candidate, estimate.speeds, estimate.calibration)
     gain = (current - new) / current if current > 0 else 0.0
     same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks

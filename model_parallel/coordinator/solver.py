@@ -1,5 +1,6 @@
 """Plan solvers for the policy: `default_solver` (the optimizer's contiguous partitioner with worker
-speeds) and `plan_for_workers` for ctl scale.
+speeds), `memory_solver` (the same under a memory cap: no re-plan moves a rank past its memory) and
+`plan_for_workers` for ctl scale.
 
 A solver maps (graph, ranks in stage order, speeds in the same order) to a Plan whose stage k runs on
 ranks[k]; the policy calls it with the graph's times already calibrated to this machine.
@@ -10,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Callable, Optional
 
-from model_parallel.errors import PlanError
+from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.contiguous import straight_plan
+from model_parallel.optimizer.memory import Footprint
 
 # solver(graph, ranks in stage order, speeds in the same order) -> Plan (ranks filled in)
 Solver = Callable[[Graph, Sequence[int], Sequence[float]], Plan]
@@ -30,3 +32,14 @@ def plan_for_workers(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]
 def default_solver(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
     """The optimizer's one contiguous partitioner (straight fast path) with these speeds: stage k on ranks[k]."""
     return straight_plan(graph, ranks, speeds)
+
+
+def memory_solver(memory_per_worker: float, footprint: Footprint) -> Solver:
+    """`default_solver` that only returns plans whose every stage's predicted footprint fits
+    `memory_per_worker`; when none does on these workers, a PlanError (the policy keeps the live plan)."""
+    def solve(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
+        try:
+            return straight_plan(graph, ranks, speeds, memory_per_worker, footprint)
+        except InfeasibleError as error:
+            raise PlanError(f"no re-plan on {len(ranks)} worker(s) fits their memory: {error}") from None
+    return solve

@@ -125,8 +125,10 @@ class Node:
 
     @property
     def crossable(self) -> bool:
-        """Whether this node's value may be sent to another stage (see `uncrossable`)."""
-        return self.uncrossable is None
+        """Whether this node's value may be sent to another stage (see `uncrossable`). A weight read as a
+        bare tensor (get_attr) stays with its readers: sent, it would cross (and its gradient back) every
+        microbatch, and the receiver would hold a copy of it."""
+        return self.uncrossable is None and not self.reads_state
 
     @property
     def activation_sizes(self) -> tuple[float, ...]:
@@ -142,8 +144,17 @@ class Node:
 
     @property
     def stash_bytes(self) -> float:
-        """Bytes kept for backward from this node: `saved_bytes` where profiled, else its outputs."""
-        return float(self.saved_bytes) if self.saved_bytes is not None else self.activation_bytes
+        """Bytes kept for backward from this node: `saved_bytes` where profiled, else its outputs; a get_attr
+        keeps nothing new (its value is a parameter or buffer the stage holds anyway, priced once as a weight:
+        the profiler never charges those either)."""
+        if self.saved_bytes is not None:
+            return float(self.saved_bytes)
+        return 0.0 if self.reads_state else self.activation_bytes
+
+    @property
+    def reads_state(self) -> bool:
+        """Whether this node's value is a tensor the model holds (a get_attr of a parameter or buffer)."""
+        return self.layer is not None and self.layer.op == "get_attr"
 
     @property
     def compute_ms(self) -> float:

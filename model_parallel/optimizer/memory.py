@@ -19,7 +19,8 @@ dealt microbatches round-robin.
 
 In the footprint, A is what one microbatch of the stage keeps for backward (`stash_bytes`), counted as
 the runtime's StashMeter measures it: each node's `saved_bytes` (what autograd saves from its values,
-profiled; its output bytes where not profiled), a value sent on kept whole until its backward, every
+profiled; its output bytes where not profiled, except a get_attr's: a weight the export route reads as a
+bare tensor is W, counted once, never a stash), a value sent on kept whole until its backward, every
 value received (and passed through) kept too, and on the last stage what the loss saves. The legacy
 models take A = the sum of the nodes' output bytes, as PipeDream does.
 
@@ -38,6 +39,7 @@ from typing import Any, Optional, Union
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import SCHEDULE_NAMES, microbatches_in_flight
+from model_parallel.graph.plan import Plan
 
 LEGACY_MODELS = ("pipedream", "1f1b")
 MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
@@ -141,8 +143,9 @@ def stash_bytes(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list
         stage = stage_of[node.node_id]
         data = node.is_input and not graph.predecessors[node.node_id]
         last = max((stage_of[s] for s in graph.successors[node.node_id]), default=stage)
-        if not data:
-            stash[stage] += max(node.stash_bytes, node.activation_bytes) if last > stage else node.stash_bytes
+        if not data:  # a value sent on is kept whole, unless it is a weight the stage holds anyway
+            whole = last > stage and not node.reads_state
+            stash[stage] += max(node.stash_bytes, node.activation_bytes) if whole else node.stash_bytes
         for receiver in range(stage + 1, last + 1):
             stash[receiver] += node.activation_bytes
     profile = graph.metadata.get("profile")
@@ -159,3 +162,26 @@ def optimizer_kind(name: str, momentum: float = 0.0) -> str:
     if name in OPTIMIZER_STATE:
         return name
     raise PlanError(f"no memory model for optimizer {name!r}; known: sgd, adam, adamw")
+
+
+def activation_scale(graph: Graph, microbatch_size: int) -> float:
+    """One microbatch's activations / the profiled ones: microbatch size / the graph's metadata
+    `batch_size` (1.0 when it records none: a graph traced or profiled at the microbatch size)."""
+    profiled = graph.metadata.get("batch_size")
+    if isinstance(profiled, int) and not isinstance(profiled, bool) and profiled > 0:
+        return microbatch_size / profiled
+    return 1.0
+
+
+def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str, float]]:
+    """Per stage of `plan`, its predicted bytes by kind (`footprint_parts`): what one worker holds."""
+    parameters = [0.0] * plan.num_stages
+    stage_of = plan.stage_of
+    for node in graph.nodes:
+        parameters[stage_of[node.node_id]] += node.parameter_size
+    stash = stash_bytes(graph, stage_of, plan.num_stages)
+    out, before = [], 0
+    for stage, kept, held in zip(plan.stages, stash, parameters):
+        out.append(footprint_parts(model, kept, held, plan.num_ranks, before, stage.num_replicas))
+        before += stage.num_replicas
+    return out

@@ -133,7 +133,11 @@ class PipelineEngine:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.executor: Optional[StepExecutor] = None
         self.meter = StashMeter(self.device) if options.measure_memory else NO_METER
-        self.activate(plan)
+        try:
+            self.activate(plan)
+        except (MemoryError, RuntimeError) as error:  # materializing the stage: its weights did not fit
+            self._raise_if_out_of_memory(error, plan.with_default_ranks().stage_of_rank(self.rank))
+            raise
 
     @property
     def prefix(self) -> str:
@@ -394,5 +398,21 @@ class PipelineEngine:
         `next_step` how far it got."""
         from model_parallel.runtime.loop import train
 
-        train(self, steps, start_step)
+        try:
+            train(self, steps, start_step)
+        except (MemoryError, RuntimeError) as error:
+            self._raise_if_out_of_memory(error, self.stage_id)
+            raise
         return list(self.history)
+
+    def _raise_if_out_of_memory(self, error: BaseException, stage_id: Optional[int]) -> None:
+        """An allocation refused becomes one line (`memory_probe.out_of_memory`), published as this rank's
+        failure first: its peers then name it and why, not a flag mismatch. Other errors pass."""
+        from model_parallel.runtime.memory_probe import out_of_memory
+
+        oom = out_of_memory(error, self.rank, stage_id, self.stage, self.optimizer, self.device)
+        if oom is None:
+            return
+        if self.health is not None:
+            self.health.stop("failed", None, str(oom))
+        raise oom from None

@@ -5,6 +5,8 @@ state + stashed activations per stage; `state_bytes` counts the first three exac
 storages (RSS would also count the allocator's caches and the interpreter), and `PeakProbe` measures
 the peak: on CUDA `torch.cuda.max_memory_allocated` since `start`, on CPU the growth of the process's
 peak RSS since `start` (an upper estimate: it includes allocator slack and the stage's code).
+`out_of_memory` turns an allocation the allocator refused into one line: the rank, its stage, the bytes
+it held and the limit.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from model_parallel.errors import ModelParallelError, OutOfMemoryError
 from model_parallel.graph.saved import covered, span
 
 
@@ -225,3 +228,53 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+# What an allocator says when it is refused memory (CPU: c10's DefaultCPUAllocator; CUDA: its OutOfMemoryError).
+_REFUSED = ("can't allocate memory", "not enough memory", "out of memory", "cannot allocate memory")
+
+
+def memory_limit(device: torch.device) -> tuple[Optional[int], str]:
+    """(bytes, what) this process may hold: the device's memory on a GPU, else its RLIMIT_AS/RLIMIT_DATA."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory), "the GPU's memory"
+    limits = [(resource.getrlimit(kind)[0], name) for kind, name in
+              ((resource.RLIMIT_AS, "RLIMIT_AS"), (resource.RLIMIT_DATA, "RLIMIT_DATA"))]
+    limits = [(value, name) for value, name in limits if value != resource.RLIM_INFINITY]
+    if not limits:
+        return None, "no RLIMIT_AS/RLIMIT_DATA: the machine's memory"
+    value, name = min(limits)
+    return int(value), name
+
+
+def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stage: Any, optimizer: Any,
+                  device: torch.device) -> Optional[OutOfMemoryError]:
+    """`error` as one line naming the rank, its stage, the bytes it held and the limit; None when `error`
+    is not an allocation the allocator refused."""
+    if isinstance(error, ModelParallelError):
+        return None  # ours already (a peer's failure quoted in a PeerError may say "out of memory" too)
+    text = str(error).lower()
+    if not isinstance(error, MemoryError) and not any(phrase in text for phrase in _REFUSED):
+        return None
+    held = state_bytes(stage, optimizer) if stage is not None else {}
+    limit, what = memory_limit(device)
+    gb = lambda value: f"{value / 1e9:.3g} GB"  # noqa: E731
+    try:
+        process = f"; the process held {gb(_status_bytes('VmData'))} of data, {gb(_status_bytes('VmRSS'))} resident"
+    except (OSError, KeyError, ValueError):
+        process = ""
+    return OutOfMemoryError(
+        f"rank {rank} (stage {stage_id}) ran out of memory: its stage held {gb(sum(held.values()))} (parameters "
+        f"{gb(held.get('parameters', 0))}, gradients {gb(held.get('gradients', 0))}, optimizer state "
+        f"{gb(held.get('optimizer_state', 0))}){process}; limit: {gb(limit) if limit else 'none'} ({what}); give "
+        f"the job memory_per_worker (--memory_per_worker) at the limit to get a plan that fits, or raise the limit "
+        f"[{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}]")
+
+
+def _status_bytes(field: str) -> int:
+    """A /proc/self/status field in bytes (VmData, VmRSS); KeyError where the kernel has none."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)

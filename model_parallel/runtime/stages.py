@@ -18,13 +18,16 @@ from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.contiguous import even_stages
+from model_parallel.optimizer.memory import Footprint
 
 
-def even_plan(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int]] = None) -> Plan:
-    """`num_stages` contiguous stages of about equal profiled time: the optimizer's straight solver with
-    unit speeds (`optimizer.contiguous.even_stages`). Model inputs stay in stage 0; ranks in stage order
-    (`replicas` per stage, default 1)."""
-    return even_stages(graph, num_stages, replicas)
+def even_plan(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int]] = None,
+              memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
+    """`num_stages` contiguous stages of about equal profiled time (parameter bytes where the graph has no
+    times): the optimizer's straight solver with unit speeds (`optimizer.contiguous.even_stages`), under
+    `memory_per_worker` when given. Model inputs stay in stage 0; ranks in stage order (`replicas` per
+    stage, default 1)."""
+    return even_stages(graph, num_stages, replicas, memory_per_worker, footprint)
 
 
 def layer_targets(graph: Graph) -> dict[str, str]:

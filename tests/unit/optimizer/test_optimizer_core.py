@@ -38,9 +38,11 @@ def test_straight_plan_puts_stage_k_on_rank_k_and_checks_its_arguments():
         straight_plan(graph, range(9))
 
 
-def test_a_graph_without_timings_splits_evenly_by_node_count():
+def test_a_graph_without_timings_or_parameters_splits_evenly_by_node_count():
+    # (With parameters, an untimed graph splits by their bytes: tests/integration/test_default_split.py.)
     graph = synthetic.chain(8)
-    untimed = type(graph)(tuple(node.__class__(**{**node.__dict__, "forward_ms": 0.0, "backward_ms": 0.0}) for node in graph.nodes), graph.edges)
+    untimed = type(graph)(tuple(node.__class__(**{**node.__dict__, "forward_ms": 0.0, "backward_ms": 0.0,
+                                                   "parameter_size": 0.0}) for node in graph.nodes), graph.edges)
     plan = even_stages(untimed, 4, {1: 2})
     assert [len([n for n in s.node_ids if not untimed[n].is_input]) for s in plan.stages] == [2, 2, 2, 2]
     assert [s.ranks for s in plan.stages] == [(0,), (1, 2), (3,), (4,)]

@@ -1,0 +1,64 @@
+"""A rank that runs out of memory says so in one line: its stage, the bytes it held and the limit
+(runtime/memory_probe.out_of_memory); anything else is not mistaken for it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from model_parallel.errors import OutOfMemoryError, PeerError
+from model_parallel.runtime.memory_probe import out_of_memory
+
+CPU = torch.device("cpu")
+
+
+def stage_after_one_step():
+    stage = nn.Linear(100, 100)  # 40400 bytes of parameters
+    optimizer = torch.optim.Adam(stage.parameters())
+    stage(torch.ones(2, 100)).sum().backward()
+    optimizer.step()
+    return stage, optimizer
+
+
+def test_an_allocation_refused_names_the_stage_the_bytes_held_and_the_limit():
+    stage, optimizer = stage_after_one_step()
+    refused = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 4000000 bytes. Error code 12 (Cannot allocate memory)")
+    error = out_of_memory(refused, 3, 1, stage, optimizer, CPU)
+    assert isinstance(error, OutOfMemoryError) and isinstance(error, MemoryError)
+    text = str(error)
+    assert "\n" not in text
+    assert text.startswith("rank 3 (stage 1) ran out of memory: its stage held 0.000162 GB (parameters 4.04e-05 GB, "
+                           "gradients 4.04e-05 GB, optimizer state 8.08e-05 GB)")
+    assert "limit: " in text and "memory_per_worker" in text and "DefaultCPUAllocator" in text
+    assert out_of_memory(MemoryError(), 0, 0, stage, optimizer, CPU) is not None
+    assert out_of_memory(RuntimeError("shape mismatch"), 0, 0, stage, optimizer, CPU) is None
+    quoted = PeerError("rank 1 failed: rank 1 (stage 1) ran out of memory: ...")  # the peer's, not ours
+    assert out_of_memory(quoted, 0, 0, stage, optimizer, CPU) is None
+
+
+def test_a_real_refusal_under_rlimit_data_is_recognised_with_its_limit():
+    code = (
+        "import resource, torch\n"
+        "from model_parallel.runtime.memory_probe import out_of_memory\n"
+        "cap = 2 * 1024 ** 3\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))\n"
+        "try:\n"
+        "    torch.empty(4 * 1024 ** 3, dtype=torch.uint8)\n"
+        "except (MemoryError, RuntimeError) as error:\n"
+        "    print(out_of_memory(error, 0, None, None, None, torch.device('cpu')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rank 0 (stage None) ran out of memory: its stage held 0 GB" in done.stdout
+    assert "limit: 2.15 GB (RLIMIT_DATA)" in done.stdout
+
+
+def test_no_limit_says_so(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    error = out_of_memory(MemoryError("x"), 1, 0, None, None, CPU)
+    assert "limit: none (no RLIMIT_AS/RLIMIT_DATA: the machine's memory)" in str(error)
