@@ -87,6 +87,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        self._timeout = options.timeout
         self.health: Any = None
         from model_parallel.runtime.tied import check_schedule
 
@@ -134,8 +135,30 @@ class PipelineTrainer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This process's stage state (all stages in single-process mode) by stage-module name."""
-        if self.single_process:
-            return self.runner.state_dict()
-        return self.runner.named_state()
+    def state_dict(self, original_names: bool = False) -> dict[str, torch.Tensor]:
+        """This process's stage state (all stages in single-process mode) by stage-module name; with
+        `original_names`, the whole model's in the original model's names (collective on several ranks),
+        ready for `model.load_state_dict(state, strict=True)` (api/export.py)."""
+        local = self.runner.state_dict() if self.single_process else self.runner.named_state()
+        if not original_names:
+            return local
+        from model_parallel.api.export import gather_state, original_state_dict
+
+        whole = local if self.single_process else gather_state(local, self._timeout)
+        return original_state_dict(self.graph, whole, self.model if isinstance(self.model, nn.Module) else None)
+
+    def save_pretrained(self, directory: Union[str, Path], max_shard_size: Union[int, str] = "5GB") -> Optional[Path]:
+        """Write the trained Hugging Face model as `from_pretrained` reads it (collective on several ranks;
+        rank 0 writes and returns the directory, the others None)."""
+        from model_parallel.api.export import save_pretrained
+
+        state = self.state_dict(original_names=True)
+        if not self.single_process and dist_rank() != 0:
+            return None
+        return save_pretrained(self.model, state, directory, max_shard_size=max_shard_size)
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
