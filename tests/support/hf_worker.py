@@ -1,7 +1,7 @@
 """One rank of tests/test_hf_distributed.py's world: trains every listed case on its plan and saves this rank's
 stage state, one world for all cases (a process start with transformers and timm costs seconds).
 
-    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics] [size=test|bench]
+    python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics] [size=test|bench] [zoo=families]
 
 Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
 rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, and
@@ -43,6 +43,10 @@ def main() -> None:
     flags = sys.argv[6:]
     metrics = "metrics" in flags
     sized = cases(SIZES[next((f.split("=", 1)[1] for f in flags if f.startswith("size=")), "test")])
+    if "zoo=families" in flags:  # tests/support/hf_families.py: constants in forward, MoE, Swin
+        from support import hf_families
+
+        sized = hf_families.cases(SIZES["test"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
