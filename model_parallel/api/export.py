@@ -55,7 +55,7 @@ def original_state_dict(graph: Graph, stage_state: Mapping[str, torch.Tensor],
 
 
 # ---- Hugging Face directories -------------------------------------------------------------------------
-def _config_and_class(model_or_config: Any, model_class: Optional[str] = None) -> tuple[Any, type]:
+def hf_config_and_class(model_or_config: Any, model_class: Optional[str] = None) -> tuple[Any, type]:
     """(config, model class) from a PreTrainedModel, a PretrainedConfig, a config.json or an HF directory;
     `model_class` (a transformers class name, e.g. "GPT2LMHeadModel") overrides config.architectures."""
     import transformers
@@ -92,7 +92,7 @@ def _config_and_class(model_or_config: Any, model_class: Optional[str] = None) -
 def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], directory: Union[str, Path],
                     *, max_shard_size: Union[int, str] = "5GB", model_class: Optional[str] = None) -> Path:
     """Write `state` (original keys) as a Hugging Face model directory, loadable by `from_pretrained`."""
-    config, cls = _config_and_class(model_or_config, model_class)
+    config, cls = hf_config_and_class(model_or_config, model_class)
     with torch.device("meta"):  # no memory: the tensors are `state`'s own
         target = cls(config)
     keys = set(target.state_dict())
