@@ -110,7 +110,12 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
         stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
         plan = even_plan(graph, stages, replicas)
-    if isinstance(spec.data, str):
+    records = graph.metadata.get("inputs") or []
+    if spec.data == "synthetic" and len(records) > 1:  # named inputs (input_ids + attention_mask): one value each
+        from model_parallel.runtime.named_data import NamedSyntheticData
+
+        dataset: Any = NamedSyntheticData.from_graph_inputs(records, spec.batch_size, classes, kind, spec.seed)
+    elif isinstance(spec.data, str):
         from model_parallel.runtime.data import make_dataset
 
         dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind)

@@ -52,7 +52,7 @@ class PipelineTrainer:
         config: TrainConfig = TrainConfig(),
         *,
         options: RunOptions = RunOptions(),
-        criterion: Callable[[Any, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        criterion: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
         plan: Optional[Plan] = None,
         num_stages: Optional[int] = None,
         example_inputs: Optional[Sequence[Any]] = None,
@@ -67,6 +67,8 @@ class PipelineTrainer:
         if not isinstance(source, (nn.Module, Graph, str, Path)):
             raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
                                      f"got {type(source).__name__}")
+        if criterion is None:  # a Hugging Face model's by its head (api/hf_loss.py), refused before profiling
+            criterion = _default_criterion(source)
         distributed = dist.is_available() and dist.is_initialized()
         self.single_process = (not distributed) if single_process is None else single_process
         world = dist.get_world_size() if distributed and not self.single_process else 1
@@ -156,6 +158,16 @@ class PipelineTrainer:
         if not self.single_process and dist_rank() != 0:
             return None
         return save_pretrained(self.model, state, directory, max_shard_size=max_shard_size)
+
+
+def _default_criterion(source: Any) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    from model_parallel.graph.init_rule import is_hugging_face_model
+
+    if isinstance(source, nn.Module) and is_hugging_face_model(source):
+        from model_parallel.api.hf_loss import hf_loss
+
+        return hf_loss(type(source))[1]
+    return F.cross_entropy
 
 
 def dist_rank() -> int:

@@ -25,8 +25,6 @@ from model_parallel.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")
-CLASS_HEADS = ("ForSequenceClassification", "ForImageClassification")
 _ID_INPUTS = ("input_ids", "decoder_input_ids")
 _MASK_INPUTS = ("attention_mask", "decoder_attention_mask")
 
@@ -73,24 +71,18 @@ def example_inputs(config: Any, names: Sequence[str], batch: int, seq: int, gene
 def default_loss(cls: type, config: Any, inputs: dict[str, torch.Tensor],
                  generator: torch.Generator) -> tuple[str, Callable[[Any], torch.Tensor]]:
     """(the worker's --loss, the profile's loss_fn) for the model's head; refused before profiling otherwise."""
-    import torch.nn.functional as F
+    from model_parallel.api.hf_loss import hf_loss
 
-    from model_parallel.models.gpt import lm_loss
-
-    name = cls.__name__
-    if name.endswith(TOKEN_HEADS):
+    name, criterion = hf_loss(cls)
+    if name == "lm":
         ids = inputs.get("decoder_input_ids", inputs.get("input_ids"))
         if ids is None:
-            raise ConfigError(f"{name} predicts tokens: give --inputs input_ids")
+            raise ConfigError(f"{cls.__name__} predicts tokens: give --inputs input_ids")
         target = torch.randint(0, config.vocab_size, tuple(ids.shape), generator=generator)
-        return "lm", lambda out: lm_loss(out, target)
-    if name.endswith(CLASS_HEADS):
+    else:
         first = next(iter(inputs.values()))
         target = torch.randint(0, int(getattr(config, "num_labels", 2)), (first.shape[0],), generator=generator)
-        return "cross_entropy", lambda out: F.cross_entropy(out["logits"], target)
-    raise ConfigError(f"{name} has no default loss (its head is not a causal-LM, masked-LM or classification head); "
-                      "give --model_class with such a head (e.g. LlamaForCausalLM), or profile with "
-                      "model_parallel.profile(model, inputs, loss_fn) in Python")
+    return name, lambda out: criterion(out, target)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
