@@ -154,3 +154,36 @@ def test_export_writes_a_checkpoint_out_without_workers(tmp_path: Path, capsys) 
     write_graph_json(llama.graph, tmp_path / "llama.json")
     with pytest.raises(CheckpointError, match="not the graph's.*pass the graph the run trained"):
         export_main([str(tmp_path / "ckpt"), "--graph", str(tmp_path / "llama.json"), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.timeout(600)
+def test_save_pretrained_on_two_processes_gathers_every_stage(tmp_path: Path) -> None:
+    """Each rank holds one stage; `save_pretrained` is a collective: rank 0 writes the whole tied GPT-2."""
+    import sys
+
+    from model_parallel.codegen.naming import original_state_from_stage
+    from model_parallel.graph.plan import write_plan
+    from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.launch import free_port, launch
+    from model_parallel.runtime.stages import even_plan
+    from support import hf_worker as worker
+
+    case = CASES["gpt2"]
+    model = case.build(tie=True)
+    graph, _ = trace_model(model, case.example(worker.BATCH // worker.MICROBATCHES))
+    write_plan(even_plan(graph, 2), tmp_path / "gpt2+tied.plan.json")
+    script = Path(__file__).parent / "support" / "hf_worker.py"
+    port = free_port()
+    result = launch([[sys.executable, str(script), str(rank), "2", str(port), str(tmp_path), "gpt2+tied",
+                      "save_pretrained"] for rank in range(2)], timeout=400)
+    assert result.ok, result.summary()
+    stages = [torch.load(tmp_path / f"gpt2+tied-rank{rank}.pt", weights_only=True)["state"] for rank in range(2)]
+    assert all(stages)  # both ranks held part of the model
+    trained = original_state_from_stage(graph, {k: v for s in stages for k, v in s.items()})
+    back, info = type(model).from_pretrained(tmp_path / "gpt2+tied-hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    loaded, initial = back.state_dict(), _initial(model)
+    assert set(loaded) == set(trained) == set(initial)
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)  # bitwise: what the stages hold
+    assert not torch.equal(loaded["transformer.wte.weight"], initial["transformer.wte.weight"])  # trained
+    assert back.lm_head.weight is back.transformer.wte.weight
