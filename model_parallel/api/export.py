@@ -26,7 +26,8 @@ from model_parallel.graph.core import Graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["original_state_dict", "save_pretrained", "export_checkpoint", "checkpoint_stage_state", "gather_state"]
+__all__ = ["original_state_dict", "save_pretrained", "export_checkpoint", "checkpoint_stage_state", "gather_state",
+           "write_safetensors"]
 
 
 def original_state_dict(graph: Graph, stage_state: Mapping[str, torch.Tensor],
@@ -156,17 +157,23 @@ def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str,
     state = original_state_dict(graph, checkpoint_stage_state(checkpoint_dir, graph, step))
     if config is not None:
         return save_pretrained(config, state, out, max_shard_size=max_shard_size, model_class=model_class)
+    return write_safetensors(state, Path(out) / "model.safetensors")
+
+
+def write_safetensors(state: Mapping[str, torch.Tensor], path: Union[str, Path]) -> Path:
+    """`state` as one safetensors file, atomically; a tensor shared by several keys (a tie) is written under
+    each of them (safetensors refuses shared storage), so `load_state_dict(strict=True)` finds every key."""
     from safetensors.torch import save
 
     from model_parallel.fileio import atomic_write
 
-    seen: dict[int, str] = {}
+    seen: set[int] = set()
     tensors = {}
-    for key, value in state.items():  # safetensors refuses shared storage: a tie is written under each name
+    for key, value in state.items():
         value = value.detach().contiguous()
         tensors[key] = value.clone() if value.data_ptr() in seen else value
-        seen.setdefault(value.data_ptr(), key)
-    path = Path(out) / "model.safetensors"
+        seen.add(value.data_ptr())
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda f: f.write(save(tensors)), binary=True)
     return path

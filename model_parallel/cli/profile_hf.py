@@ -88,7 +88,7 @@ def default_loss(cls: type, config: Any, inputs: dict[str, torch.Tensor],
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     configure_logging(args.verbose)
-    from model_parallel.api.export import hf_config_and_class
+    from model_parallel.api.export import hf_config_and_class, write_safetensors
     from model_parallel.graph.io import save_graph
     from model_parallel.profiler.api import profile
 
@@ -107,25 +107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     save_graph(graph, out)
     print(f"wrote {out} ({len(graph.nodes)} nodes; train it with --loss {loss_name})")
     if not args.no_weights:
-        weights = _save_initial(model, out.parent / "init.safetensors")
+        weights = write_safetensors(model.state_dict(), out.parent / "init.safetensors")
         print(f"wrote {weights}: {cls.__name__}'s own initial values; pass --weights {weights}")
     return 0
-
-
-def _save_initial(model: torch.nn.Module, path: Path) -> Path:
-    """The model's state dict as one safetensors file (a tied tensor under each of its names)."""
-    from safetensors.torch import save
-
-    from model_parallel.fileio import atomic_write
-
-    seen: set[int] = set()
-    tensors = {}
-    for key, value in model.state_dict().items():
-        value = value.detach().contiguous()
-        tensors[key] = value.clone() if value.data_ptr() in seen else value  # safetensors refuses shared storage
-        seen.add(value.data_ptr())
-    atomic_write(path, lambda f: f.write(save(tensors)), binary=True)
-    return path
 
 
 if __name__ == "__main__":
