@@ -128,22 +128,21 @@ def _materialize_rest(target: nn.Module, config: Any, cls: type) -> None:
 # ---- from a checkpoint directory ----------------------------------------------------------------------
 def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph, step: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every stage key of a committed checkpoint (a tie stored once restored under each of its keys)."""
+    from model_parallel.codegen.naming import state_key_map
     from model_parallel.runtime.checkpoint import load_checkpoint
-    from model_parallel.runtime.engine_checkpoint import fingerprint
     from model_parallel.runtime.tied import stored_keys
 
     checkpoint = load_checkpoint(checkpoint_dir, step)
     state = {**checkpoint.params(), **checkpoint.buffers()}
-    with torch.device("meta"):
-        from model_parallel.codegen.build import full_model_from_graph
-
-        expected = fingerprint(graph, full_model_from_graph(graph))
-    if expected != checkpoint.fingerprint:
-        raise CheckpointError(f"{checkpoint.path}: the checkpoint's parameters (fingerprint {checkpoint.fingerprint}) "
-                              f"are not the graph's ({expected}); pass the graph the run trained")
     for alias, stored in stored_keys(graph).items():
         if stored in state:
             state.setdefault(alias, state[stored])
+    owned = set(state_key_map(graph).values())
+    foreign, missing = sorted(set(state) - owned - set(stored_keys(graph))), sorted(owned - set(state))
+    if foreign or missing:
+        raise CheckpointError(f"{checkpoint.path}: the checkpoint does not hold the graph's parameters ({len(missing)} "
+                              f"missing, e.g. {missing[:2]}; {len(foreign)} not in the graph, e.g. {foreign[:2]}); "
+                              "pass the graph the run trained")
     return state
 
 
