@@ -109,3 +109,17 @@ def test_a_model_of_each_family_trains_exactly_on_several_processes(run: Run, na
         torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, key=key: f"{name} on {world} ranks: {key}: {m}")
     assert saved[-1]["losses"] == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_a_custom_operator_is_refused_at_profile_time_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An experts kernel left on transformers' custom op (the automatic switch bypassed) is named when
+    profiling, with the fix that works, not later on a worker as a loader refusal."""
+    from model_parallel.errors import ProfileError
+    from model_parallel.profiler import export_trace
+    from model_parallel.profiler.trace import trace_model
+
+    case = CASES["mixtral"]
+    monkeypatch.setattr(export_trace, "_TRACEABLE", ("eager", "batched_mm", "grouped_mm"))  # no switch
+    with pytest.raises(ProfileError, match=r"custom operator torch\.ops\.transformers\.grouped_mm_fallback in "
+                                           r"module .*experts.*set_experts_implementation\('batched_mm'\)"):
+        trace_model(case.build(0), _example(case))

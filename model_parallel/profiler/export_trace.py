@@ -168,10 +168,27 @@ def _drop_checks(graph: fx.Graph, name: str) -> None:
                 "forward, which a stage cannot rebuild operator by operator. Remove that region from forward "
                 f"(profile in the mode you train in), or profile with route='fx' and leaf_modules=[{cls}]"
             )
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace != "aten":
+            raise ProfileError(_custom_op_refusal(node, name))
         if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
                 and node.target.__module__ not in ("_operator", "operator"):
             raise ProfileError(f"torch.export traced {name} to node {node.name} calling {node.target!r}, "
                                "which is not an ATen operator; profile with route='fx' instead")
+
+
+def _custom_op_refusal(node: fx.Node, name: str) -> str:
+    """Why a custom operator (not ATen) cannot be in a graph, and the fix for where it comes from."""
+    op = f"torch.ops.{node.target.namespace}.{node.target._schema.name.split('::')[-1]}"
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    where = f" in module {stack[-1][0]} ({str(stack[-1][1]).rpartition('.')[2]})" if stack else ""
+    if node.target.namespace == "transformers":  # an experts kernel batched_mm did not replace
+        fix = ("call model.set_experts_implementation('batched_mm') before profiling: ATen operators, the same "
+               "results, data-dependent routing included")
+    else:
+        fix = ("write that computation with torch operators in forward (a stage rebuilt from a graph file may only "
+               "call ATen operators; register_functions takes Python functions, not operators)")
+    return (f"torch.export traced {name} to node {node.name} calling the custom operator {op}{where}, which a graph "
+            f"file cannot name, so no stage could run it; {fix}")
 
 
 def _structure(spec: pytree.TreeSpec, leaves: Iterator[Any], name: str) -> Any:
