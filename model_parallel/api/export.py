@@ -104,25 +104,12 @@ def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], dir
     target.load_state_dict(dict(state), strict=True, assign=True)
     if hasattr(target, "tie_weights"):
         target.tie_weights()  # tied keys one tensor again, so transformers stores them once
-    _materialize_rest(target, config, cls)
+    # Non-persistent buffers (rotary frequencies) stay on meta: no state dict, so saving never reads them.
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     target.save_pretrained(str(out), max_shard_size=max_shard_size)
     logger.info("wrote %s (%s, %d tensors) to %s", cls.__name__, type(config).__name__, len(keys), out)
     return out
-
-
-def _materialize_rest(target: nn.Module, config: Any, cls: type) -> None:
-    """Non-persistent buffers (rotary frequencies, masks) are still on meta: take them from a CPU build
-    of the buffers' owners only, so nothing that saving touches stays on meta."""
-    meta = [(name, b) for name, b in target.named_buffers() if b.is_meta]
-    if not meta:
-        return
-    reference = dict(cls(config).named_buffers())  # small models only reach here in practice
-    for name, _ in meta:
-        owner_name, _, leaf = name.rpartition(".")
-        owner = target.get_submodule(owner_name) if owner_name else target
-        owner._buffers[leaf] = reference[name]
 
 
 # ---- from a checkpoint directory ----------------------------------------------------------------------
@@ -186,6 +173,7 @@ def gather_state(local: Mapping[str, torch.Tensor], timeout: float) -> dict[str,
 
     import torch.distributed as dist
 
+    from model_parallel import jsonbound
     from model_parallel.runtime.comm import broadcast_json, wait_work
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -193,11 +181,12 @@ def gather_state(local: Mapping[str, torch.Tensor], timeout: float) -> dict[str,
     for src in range(dist.get_world_size()):
         mine = src == dist.get_rank()
         header = json.dumps([[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in local.items()]) if mine else None
-        entries = json.loads(broadcast_json(header, src, None, timeout))
+        entries = jsonbound.loads(broadcast_json(header, src, None, timeout), where=f"state names from rank {src}",
+                                  error=CheckpointError)
         for key, shape, dtype in entries:
-            dtype_obj = getattr(torch, dtype, None)
-            if not isinstance(dtype_obj, torch.dtype):
-                raise CheckpointError(f"rank {src} sent tensor {key!r} of unknown dtype {dtype!r}")
+            dtype_obj = getattr(torch, str(dtype), None)
+            if not isinstance(dtype_obj, torch.dtype) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise CheckpointError(f"rank {src} sent tensor {key!r} as {shape} {dtype!r}, not a shape and a dtype")
             tensor = (local[key].detach().to(device).contiguous() if mine
                       else torch.empty(shape, dtype=dtype_obj, device=device))
             wait_work(dist.broadcast(tensor, src, async_op=True), timeout, src, "state gather")
