@@ -1,6 +1,6 @@
 """The three model families of issue 35 part 7 (tiny configs, random init) train exactly and are profiled
-without being changed: Falcon (multi-query attention indexes with a list made in `forward`: a lifted
-constant the graph carries), Mixtral (Mixture-of-Experts, whose default experts kernel is a custom op:
+without being changed: Falcon and DeBERTa-v2 (multi-query attention indexes with a list made in `forward`,
+relative attention scales by a `torch.tensor`: lifted constants the graph carries), Mixtral (Mixture-of-Experts, whose default experts kernel is a custom op:
 traced with batched_mm, routing included) and timm Swin (fx stores the masks forward builds on the root
 module: they must not stay on the user's model). Each trains 10 steps on 2 and on 4 processes and equals
 single-process training of the unmodified model (tests/support/hf_families.py, tests/support/hf_worker.py)."""
@@ -54,7 +54,7 @@ def test_profiling_leaves_the_model_unchanged_and_traces_alike_twice(name: str) 
     first = _profile(case, model)
     assert _shape(model) == before
     assert [n.node_id for n in _profile(case, model).nodes] == [n.node_id for n in first.nodes]
-    if name == "falcon":  # the index list forward makes is carried by the graph, with its values
+    if name in ("falcon", "deberta"):  # what forward makes (an index list, a scale) is carried with its values
         assert any("lifted_tensor" in key and "values" in record for key, record in first.metadata["constants"].items())
     if name == "mixtral":  # the custom op is not in the graph; the experts run as gathers and bmm
         targets = {n.layer.target for n in first.nodes if n.layer is not None}

@@ -1,6 +1,7 @@
-"""Tiny models of the three families issue 35 names (constants made in `forward`, Mixture-of-Experts layers,
-timm Swin's window masks), as `support.hf_zoo.Case`s: tests/test_model_families.py trains them on 2 and 4
-processes through tests/support/hf_worker.py (`zoo=families`)."""
+"""Tiny models of the three families issue 35 names: constants made in `forward` (Falcon, DeBERTa-v2),
+Mixture-of-Experts layers (Mixtral) and timm Swin's window masks, as `support.hf_zoo.Case`s:
+tests/test_model_families.py trains them on 2 and 4 processes through tests/support/hf_worker.py
+(`zoo=families`)."""
 from __future__ import annotations
 
 from torch import nn
@@ -15,6 +16,16 @@ def _falcon(tie: bool, s: Size) -> nn.Module:
     return transformers.FalconForCausalLM(transformers.FalconConfig(
         vocab_size=s.vocab, hidden_size=s.width, num_hidden_layers=s.layers, num_attention_heads=2 * s.heads,
         hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=tie))
+
+
+def _deberta(tie: bool, s: Size) -> nn.Module:
+    import transformers
+
+    # relative attention scales by torch.tensor(...) made in forward: another lifted constant
+    return transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        vocab_size=s.vocab, hidden_size=s.width, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        intermediate_size=2 * s.width, max_position_embeddings=2 * s.seq, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, tie_word_embeddings=tie))
 
 
 def _mixtral(tie: bool, s: Size) -> nn.Module:
@@ -38,6 +49,7 @@ def _swin(tie: bool, s: Size) -> nn.Module:
 def cases(size: Size = TEST) -> dict[str, Case]:
     return {case.name: case for case in (
         Case("falcon", _falcon, Tokens(size=size), lm_loss, size=size),
+        Case("deberta", _deberta, Tokens("attention_mask", size), lm_loss, size=size),
         Case("mixtral", _mixtral, Tokens(size=size), lm_loss, size=size),
         Case("swin", _swin, Images(size), class_loss, size=size),
     )}
