@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model_parallel.cli.profile_hf import main as profile_main
 from model_parallel.errors import ConfigError
@@ -84,6 +85,6 @@ def test_a_hugging_face_model_without_a_criterion_gets_its_heads_loss_or_a_refus
     with pytest.raises(ConfigError, match="GPT2Model has no default loss"):
         PipelineTrainer(transformers.GPT2Model(config), sgd, case.data, TrainConfig(batch_size=8, num_microbatches=2),
                         example_inputs=case.example(4), single_process=True)
-    from model_parallel.api.trainer import _default_criterion
+    from model_parallel.api.hf_loss import default_criterion
 
-    assert _default_criterion(case.build(0)) is lm_loss
+    assert default_criterion(case.build(0)) is lm_loss and default_criterion(torch.nn.Linear(2, 2)) is F.cross_entropy

@@ -32,3 +32,15 @@ def hf_loss(cls: type) -> tuple[str, Callable[[Any, torch.Tensor], torch.Tensor]
     raise ConfigError(f"{name} has no default loss (its head is not a causal-LM, masked-LM or classification head); "
                       "pass criterion=fn(output, target) (on the command line: profile a class with such a head, "
                       "e.g. --model_class LlamaForCausalLM)")
+
+
+def default_criterion(source: Any) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """What `PipelineTrainer` trains with when given no criterion: a Hugging Face model's head's loss,
+    else cross entropy (a graph or package: the job builder's choice by its inputs applies)."""
+    from torch import nn
+
+    from model_parallel.graph.init_rule import is_hugging_face_model
+
+    if isinstance(source, nn.Module) and is_hugging_face_model(source):
+        return hf_loss(type(source))[1]
+    return F.cross_entropy

@@ -67,8 +67,10 @@ class PipelineTrainer:
         if not isinstance(source, (nn.Module, Graph, str, Path)):
             raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
                                      f"got {type(source).__name__}")
-        if criterion is None:  # a Hugging Face model's by its head (api/hf_loss.py), refused before profiling
-            criterion = _default_criterion(source)
+        if criterion is None:  # a Hugging Face model's by its head, refused before profiling; else cross entropy
+            from model_parallel.api.hf_loss import default_criterion
+
+            criterion = default_criterion(source)
         distributed = dist.is_available() and dist.is_initialized()
         self.single_process = (not distributed) if single_process is None else single_process
         world = dist.get_world_size() if distributed and not self.single_process else 1
@@ -89,7 +91,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
-        self._timeout = options.timeout
+        self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None
         from model_parallel.runtime.tied import check_schedule
 
@@ -147,30 +149,20 @@ class PipelineTrainer:
         from model_parallel.api.export import gather_state, original_state_dict
 
         whole = local if self.single_process else gather_state(local, self._timeout)
-        return original_state_dict(self.graph, whole, self.model if isinstance(self.model, nn.Module) else None)
+        return original_state_dict(self.graph, whole, self._original)
 
     def save_pretrained(self, directory: Union[str, Path], max_shard_size: Union[int, str] = "5GB") -> Optional[Path]:
         """Write the trained Hugging Face model as `from_pretrained` reads it (collective on several ranks;
         rank 0 writes and returns the directory, the others None)."""
+        import torch.distributed as dist
+
         from model_parallel.api.export import save_pretrained
 
+        if self._original is None:
+            raise ModelParallelError("save_pretrained needs the Hugging Face model itself; for a graph or package call "
+                                     "api.export.save_pretrained(config, trainer.state_dict(original_names=True), dir)")
         state = self.state_dict(original_names=True)
-        if not self.single_process and dist_rank() != 0:
+        if not self.single_process and dist.get_rank() != 0:
             return None
-        return save_pretrained(self.model, state, directory, max_shard_size=max_shard_size)
+        return save_pretrained(self._original, state, directory, max_shard_size=max_shard_size)
 
-
-def _default_criterion(source: Any) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    from model_parallel.graph.init_rule import is_hugging_face_model
-
-    if isinstance(source, nn.Module) and is_hugging_face_model(source):
-        from model_parallel.api.hf_loss import hf_loss
-
-        return hf_loss(type(source))[1]
-    return F.cross_entropy
-
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
