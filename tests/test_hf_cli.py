@@ -88,3 +88,24 @@ def test_a_hugging_face_model_without_a_criterion_gets_its_heads_loss_or_a_refus
     from model_parallel.api.hf_loss import default_criterion
 
     assert default_criterion(case.build(0)) is lm_loss and default_criterion(torch.nn.Linear(2, 2)) is F.cross_entropy
+
+
+def test_named_synthetic_data_gives_every_graph_input_a_value_of_its_kind() -> None:
+    from model_parallel.errors import DataError
+    from model_parallel.runtime.named_data import NamedSyntheticData
+
+    records = [{"name": "input_ids", "shape": [2, 5], "dtype": "int64"},
+               {"name": "attention_mask", "shape": [2, 5], "dtype": "int64"},
+               {"name": "token_type_ids", "shape": [2, 5], "dtype": "int64"}]
+    data = NamedSyntheticData.from_graph_inputs(records, batch_size=4, num_classes=7, kind="tokens", seed=1)
+    inputs, target = data.batch(3)
+    assert list(inputs) == ["input_ids", "attention_mask", "token_type_ids"]
+    assert inputs["input_ids"].shape == target.shape == (4, 5) and int(inputs["input_ids"].max()) < 7
+    assert bool((inputs["attention_mask"] == 1).all()) and bool((inputs["token_type_ids"] == 0).all())
+    again, _ = data.batch(3)
+    assert torch.equal(again["input_ids"], inputs["input_ids"])  # the same on every rank and after a resume
+    assert not torch.equal(data.batch(4)[0]["input_ids"], inputs["input_ids"])
+    classes = NamedSyntheticData.from_graph_inputs(records[:1], 4, 3, "dense", 0).batch(0)[1]
+    assert classes.shape == (4,)
+    with pytest.raises(DataError, match="lack a name, shape or dtype"):
+        NamedSyntheticData.from_graph_inputs([{"shape": [2]}], 4, 3, "tokens", 0)
