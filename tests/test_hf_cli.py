@@ -60,6 +60,17 @@ def test_profile_hf_then_single_process_training_from_its_initial_values(tmp_pat
     want = single_process_reference(model, lm_loss, sgd, dataset, TrainConfig(batch_size=4, num_microbatches=2), 2)
     assert printed == pytest.approx(want, abs=2e-6)
 
+    # Another weights source: the same values as a sharded Hugging Face directory (the export's own output).
+    from model_parallel.api.export import save_pretrained
+
+    torch.manual_seed(3)
+    fresh = transformers.GPT2LMHeadModel(transformers.AutoConfig.from_pretrained(config_dir))
+    sharded = save_pretrained(fresh, fresh.state_dict(), tmp_path / "sharded", max_shard_size=10_000)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    args[args.index("--weights") + 1] = str(sharded)
+    assert worker_main(args) == 0
+    assert [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", capsys.readouterr().out)] == printed
+
 
 def test_profile_hf_refuses_before_profiling(tmp_path: Path) -> None:
     bare = _gpt2_dir(tmp_path / "bare", "GPT2Model")
