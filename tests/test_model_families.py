@@ -123,3 +123,30 @@ def test_a_custom_operator_is_refused_at_profile_time_with_the_fix(monkeypatch: 
     with pytest.raises(ProfileError, match=r"custom operator torch\.ops\.transformers\.grouped_mm_fallback in "
                                            r"module .*experts.*set_experts_implementation\('batched_mm'\)"):
         trace_model(case.build(0), _example(case))
+
+
+def test_qwen3_moe_trains_exactly_in_one_process_on_three_stages() -> None:
+    """The other MoE family of the issue: Qwen3-MoE, on its default experts kernel (a custom op), is traced
+    with batched_mm and three stages train as the unmodified model does, routing included."""
+    import transformers
+
+    from model_parallel.api.trainer import PipelineTrainer
+    from support.hf_zoo import TEST, Tokens, lm_loss
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=TEST.vocab, hidden_size=TEST.width, intermediate_size=2 * TEST.width, moe_intermediate_size=TEST.width,
+            num_hidden_layers=TEST.layers, num_attention_heads=TEST.heads, num_key_value_heads=TEST.heads, num_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=2 * TEST.seq, head_dim=TEST.width // TEST.heads))
+
+    data, steps = Tokens(), 4
+    reference = build()
+    assert reference.get_experts_implementation() == {"": "grouped_mm"}
+    losses = single_process_reference(reference, lm_loss, worker.sgd, data, worker.config(), steps)
+    trainer = PipelineTrainer(build(), worker.sgd, data, worker.config(), criterion=lm_loss, num_stages=3,
+                              example_inputs={k: v[:2] for k, v in data.batch(0)[0].items()}, single_process=True)
+    assert [r.loss for r in trainer.train(steps)] == pytest.approx(losses, rel=1e-5)
+    got, want = trainer.state_dict(original_names=True), reference.state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
