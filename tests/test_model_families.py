@@ -1,8 +1,9 @@
 """The three model families of issue 35 part 7 (tiny configs, random init) train exactly and are profiled
 without being changed: Falcon and DeBERTa-v2 (multi-query attention indexes with a list made in `forward`,
-relative attention scales by a `torch.tensor`: lifted constants the graph carries), Mixtral (Mixture-of-Experts, whose default experts kernel is a custom op:
-traced with batched_mm, routing included) and timm Swin (fx stores the masks forward builds on the root
-module: they must not stay on the user's model). Each trains 10 steps on 2 and on 4 processes and equals
+relative attention scales by a `torch.tensor`: lifted constants the graph carries), Mixtral
+(Mixture-of-Experts, whose default experts kernel is a custom op: traced with batched_mm, routing
+included) and timm Swin (fx stores the masks forward builds on the root module: they must not stay on
+the user's model). Each trains 10 steps on 2 and on 4 processes and equals
 single-process training of the unmodified model (tests/support/hf_families.py, tests/support/hf_worker.py)."""
 from __future__ import annotations
 

@@ -113,7 +113,8 @@ def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], dir
 
 
 # ---- from a checkpoint directory ----------------------------------------------------------------------
-def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph, step: Optional[int] = None) -> dict[str, torch.Tensor]:
+def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
+                           step: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every stage key of a committed checkpoint (a tie stored once restored under each of its keys)."""
     from model_parallel.codegen.naming import state_key_map
     from model_parallel.runtime.checkpoint import load_checkpoint
@@ -180,7 +181,8 @@ def gather_state(local: Mapping[str, torch.Tensor], timeout: float) -> dict[str,
     result: dict[str, torch.Tensor] = {}
     for src in range(dist.get_world_size()):
         mine = src == dist.get_rank()
-        header = json.dumps([[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in local.items()]) if mine else None
+        names = [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in local.items()]
+        header = json.dumps(names) if mine else None
         entries = jsonbound.loads(broadcast_json(header, src, None, timeout), where=f"state names from rank {src}",
                                   error=CheckpointError)
         for key, shape, dtype in entries:
