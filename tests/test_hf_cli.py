@@ -60,6 +60,12 @@ def test_profile_hf_then_single_process_training_from_its_initial_values(tmp_pat
     want = single_process_reference(model, lm_loss, sgd, dataset, TrainConfig(batch_size=4, num_microbatches=2), 2)
     assert printed == pytest.approx(want, abs=2e-6)
 
+    # No --weights: the graph names its initial values beside it, the model's own initialisation.
+    assert json.loads(graph.read_text())["metadata"]["initial_weights"] == "init.safetensors"
+    without = args[:args.index("--weights")] + args[args.index("--weights") + 2:]
+    assert worker_main(without) == 0
+    assert [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", capsys.readouterr().out)] == printed
+
     # Another weights source: the same values as a sharded Hugging Face directory (the export's own output).
     from model_parallel.api.export import save_pretrained
 

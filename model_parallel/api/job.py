@@ -124,14 +124,29 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     from model_parallel.runtime.materialize import Initializer
 
     source = None
-    if spec.weights is not None:
+    weights = spec.weights if spec.weights is not None else _initial_weights(spec, graph)
+    if weights is not None:
         from model_parallel.runtime.weights import weight_source
 
-        source = weight_source(spec.weights, graph)
+        source = weight_source(weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
                static_plan=static, initializer=Initializer(spec.seed, spec.init_weights, source,
                                                           bare_tensor_defaults=spec.model is None,
                                                           model=spec.model if isinstance(spec.model, nn.Module) else None))
+
+
+def _initial_weights(spec: JobSpec, graph: Graph) -> Optional[Path]:
+    """The initial values a graph file names beside itself (`model-parallel profile-hf` writes the model's own
+    initialisation there): a bare file name in the graph's directory, nothing else is followed."""
+    name = graph.metadata.get("initial_weights")
+    if not isinstance(spec.graph, (str, Path)) or not isinstance(name, str) or Path(name).name != name:
+        return None
+    path = Path(spec.graph).parent / name
+    if not path.is_file():
+        raise PlanError(f"{spec.graph}: the graph names its initial values {name!r} beside it, but {path} is missing; "
+                        "copy it there or pass --weights")
+    logger.info("initial values from %s (named by the graph)", path)
+    return path
 
 
 def _source(spec: JobSpec) -> str:

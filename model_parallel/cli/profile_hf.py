@@ -2,12 +2,13 @@
 
     model-parallel profile-hf path/to/config.json --inputs input_ids,attention_mask --batch_size 4 \
         --seq_len 128 --out run/graph.json
-    test_parallel_0.py --graph run/graph.json --weights run/init.safetensors ...   # train it
+    test_parallel_0.py --graph run/graph.json ...   # train it, from run/init.safetensors
 
 CONFIG is a config.json or a Hugging Face model directory; the class is the config's `architectures[0]`
 or `--model_class`. The model is built with transformers' own initialisation (`_init_weights`, under
 `--seed`) and profiled on random named inputs; its initial values go to `init.safetensors` beside the
-graph (`--weights` for the workers, so a run starts from what `from_config` gives, not a generic init).
+graph, which names it: workers given no `--weights` start from them (what `from_config` gives, not a
+generic init).
 The loss is picked from the output: token cross entropy for causal- and masked-LM heads, class cross
 entropy for classification heads; any other head is refused before profiling.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -25,6 +27,7 @@ from model_parallel.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+INITIAL_WEIGHTS = "init.safetensors"  # beside the graph, named in its metadata["initial_weights"]
 _ID_INPUTS = ("input_ids", "decoder_input_ids")
 _MASK_INPUTS = ("attention_mask", "decoder_attention_mask")
 
@@ -104,11 +107,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     graph = profile(model, inputs, loss_fn, iterations=args.iterations)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.no_weights:  # first: the graph names the file, so a reader never finds a name without its file
+        weights = write_safetensors(model.state_dict(), out.parent / INITIAL_WEIGHTS)
+        graph = replace(graph, metadata={**graph.metadata, "initial_weights": INITIAL_WEIGHTS})
+        print(f"wrote {weights}: {cls.__name__}'s own initial values (used when no --weights is given)")
     save_graph(graph, out)
     print(f"wrote {out} ({len(graph.nodes)} nodes; train it with --loss {loss_name})")
-    if not args.no_weights:
-        weights = write_safetensors(model.state_dict(), out.parent / "init.safetensors")
-        print(f"wrote {weights}: {cls.__name__}'s own initial values; pass --weights {weights}")
     return 0
 
 
