@@ -135,7 +135,12 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
     elif footprint is not None:
         _check_fits(graph, plan.with_default_ranks(), footprint, float(spec.memory_per_worker))  # type: ignore[arg-type]
-    if isinstance(spec.data, str):
+    records = graph.metadata.get("inputs") or []
+    if spec.data == "synthetic" and len(records) > 1:  # named inputs (input_ids + attention_mask): one value each
+        from model_parallel.runtime.named_data import NamedSyntheticData
+
+        dataset: Any = NamedSyntheticData.from_graph_inputs(records, spec.batch_size, classes, kind, spec.seed)
+    elif isinstance(spec.data, str):
         from model_parallel.runtime.data import make_dataset
 
         dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind,
@@ -150,10 +155,11 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     from model_parallel.runtime.materialize import Initializer
 
     source = None
-    if spec.weights is not None:
+    weights = spec.weights if spec.weights is not None else _initial_weights(spec, graph)
+    if weights is not None:
         from model_parallel.runtime.weights import weight_source
 
-        source = weight_source(spec.weights, graph)
+        source = weight_source(weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
                static_plan=static, eval_dataset=eval_dataset, initializer=Initializer(spec.seed, spec.init_weights, source,
                                                           bare_tensor_defaults=spec.model is None,
@@ -195,6 +201,20 @@ def _check_fits(graph: Graph, plan: Plan, footprint: Any, limit: float) -> None:
                 f"{parts['parameters'] / 1e9:.3g} GB, optimizer state {parts['optimizer_state'] / 1e9:.3g} GB, "
                 f"activations {parts['activations'] / 1e9:.3g} GB), over memory_per_worker {limit / 1e9:.3g} GB; "
                 "leave the plan out to have one found that fits, or raise memory_per_worker")
+
+
+def _initial_weights(spec: JobSpec, graph: Graph) -> Optional[Path]:
+    """The initial values a graph file names beside itself (`model-parallel profile-hf` writes the model's own
+    initialisation there): a bare file name in the graph's directory, nothing else is followed."""
+    name = graph.metadata.get("initial_weights")
+    if not isinstance(spec.graph, (str, Path)) or not isinstance(name, str) or Path(name).name != name:
+        return None
+    path = Path(spec.graph).parent / name
+    if not path.is_file():
+        raise PlanError(f"{spec.graph}: the graph names its initial values {name!r} beside it, but {path} is missing; "
+                        "copy it there or pass --weights")
+    logger.info("initial values from %s (named by the graph)", path)
+    return path
 
 
 def _source(spec: JobSpec) -> str:

@@ -53,7 +53,7 @@ class PipelineTrainer:
         config: TrainConfig = TrainConfig(),
         *,
         options: RunOptions = RunOptions(),
-        criterion: Callable[[Any, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        criterion: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
         plan: Optional[Plan] = None,
         num_stages: Optional[int] = None,
         example_inputs: Optional[Sequence[Any]] = None,
@@ -71,6 +71,10 @@ class PipelineTrainer:
         if not isinstance(source, (nn.Module, Graph, str, Path)):
             raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
                                      f"got {type(source).__name__}")
+        if criterion is None:  # a Hugging Face model's by its head, refused before profiling; else cross entropy
+            from model_parallel.api.hf_loss import default_criterion
+
+            criterion = default_criterion(source)
         distributed = dist.is_available() and dist.is_initialized()
         self.single_process = (not distributed) if single_process is None else single_process
         world = dist.get_world_size() if distributed and not self.single_process else 1
@@ -94,6 +98,7 @@ class PipelineTrainer:
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
         self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
+        self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None
         from model_parallel.runtime.tied import check_schedule
 
@@ -169,11 +174,32 @@ class PipelineTrainer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This process's stage state (all stages in single-process mode) by stage-module name."""
-        if self.single_process:
-            return self.runner.state_dict()
-        return self.runner.named_state()
+    def state_dict(self, original_names: bool = False) -> dict[str, torch.Tensor]:
+        """This process's stage state (all stages in single-process mode) by stage-module name; with
+        `original_names`, the whole model's in the original model's names (collective on several ranks),
+        ready for `model.load_state_dict(state, strict=True)` (api/export.py)."""
+        local = self.runner.state_dict() if self.single_process else self.runner.named_state()
+        if not original_names:
+            return local
+        from model_parallel.api.export import gather_state, original_state_dict
+
+        whole = local if self.single_process else gather_state(local, self._timeout)
+        return original_state_dict(self.graph, whole, self._original)
+
+    def save_pretrained(self, directory: Union[str, Path], max_shard_size: Union[int, str] = "5GB") -> Optional[Path]:
+        """Write the trained Hugging Face model as `from_pretrained` reads it (collective on several ranks;
+        rank 0 writes and returns the directory, the others None)."""
+        import torch.distributed as dist
+
+        from model_parallel.api.export import save_pretrained
+
+        if self._original is None:
+            raise ModelParallelError("save_pretrained needs the Hugging Face model itself; for a graph or package call "
+                                     "api.export.save_pretrained(config, trainer.state_dict(original_names=True), dir)")
+        state = self.state_dict(original_names=True)
+        if not self.single_process and dist.get_rank() != 0:
+            return None
+        return save_pretrained(self._original, state, directory, max_shard_size=max_shard_size)
 
 
 def _optimizer_kind(factory: OptimizerFactory) -> str:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging, run_cli
+from model_parallel.cli.common import ArgumentParser, configure_logging, run_cli
 
 
 @dataclass(frozen=True)
@@ -30,16 +28,15 @@ class Subcommand:
             rest = ["-v"] * args.verbose + rest
         elif args.verbose:
             configure_logging(args.verbose)
-        if importlib.util.find_spec(self.module) is None:
-            # A build without the module (export lands from another branch): one line, not a traceback.
-            print(f"{args.command}: not available in this build", file=sys.stderr)
-            return EXIT_USAGE
         return importlib.import_module(self.module).main(rest)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "profile": Subcommand("model_parallel.cli.profile",
                           "step 1: profile a torchvision classifier into graph.txt/graph.json (= profiler/image_classification/main.py)"),
+    "profile-hf": Subcommand("model_parallel.cli.profile_hf",
+                             "step 1 for a Hugging Face model built from a config (config.json or model directory), "
+                             "with named inputs and the model's own initialisation", verbose_flag=False),
     "partition": Subcommand("model_parallel.cli.partition",
                             "step 2: partition a profiled graph into pipeline stages (= optimizer/optimizer_graph_hierarchical.py)"),
     "generate": Subcommand("model_parallel.cli.generate",
@@ -49,7 +46,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "ctl": Subcommand("model_parallel.cli.ctl",
                       "talk to a running coordinator: status | rebalance | set-plan FILE | scale --workers K | slow"),
     "demo": Subcommand("model_parallel.cli.demo", "the whole workflow on this machine, with a straggler and a live rebalance"),
-    "export": Subcommand("model_parallel.cli.export", "export a trained pipeline", verbose_flag=False),
+    "export": Subcommand("model_parallel.cli.export",
+                         "a checkpoint out as the original model's state dict or a Hugging Face directory (no workers)",
+                         verbose_flag=False),
     "calibrate": Subcommand("model_parallel.cli.calibrate", "measure this machine's speeds for the cost model",
                             verbose_flag=False),
     "metrics": Subcommand("model_parallel.cli.metrics", "per-step summary of the workers' metrics JSONL files",

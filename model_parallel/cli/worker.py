@@ -368,8 +368,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from model_parallel.runtime.trainer import SingleProcessRunner
 
         job = load_job(args, world_size=args.world_size or 1)
-        runner = SingleProcessRunner(job.graph, job.plan, job.model, job.criterion,
-                                     make_optimizer_factory(args), job.dataset, config)
+        runner = SingleProcessRunner(job.graph, job.plan, job.model, job.criterion,  # --weights too, as the workers
+                                     make_optimizer_factory(args), job.dataset, config, initializer=job.initializer)
         for result in runner.train(args.steps):
             print(f"step {result.step} loss {result.loss:.6f}", flush=True)
         if job.eval_dataset is not None:

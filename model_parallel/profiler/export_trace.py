@@ -79,12 +79,47 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = True
 
 
+# Mixture-of-Experts kernels transformers may pick by default, that run a custom op (grouped_mm calls
+# torch.ops.transformers.grouped_mm_fallback on the CPU): a graph file cannot name it. batched_mm computes
+# the same products with ATen operators (gather the routed experts' weights, then bmm), routing included.
+TRACEABLE_EXPERTS = "batched_mm"
+_TRACEABLE = ("eager", TRACEABLE_EXPERTS)
+
+
+@contextmanager
+def _traceable_experts(model: nn.Module) -> Iterator[None]:
+    """Trace a Hugging Face MoE model with the `batched_mm` experts implementation, restored afterwards."""
+    getter = getattr(model, "get_experts_implementation", None)
+    setter = getattr(model, "set_experts_implementation", None)
+    try:
+        current = getter() if callable(getter) and callable(setter) else None
+    except Exception:  # noqa: BLE001 - a model without experts has no implementation to change
+        current = None
+    if not current or not any(_uses_experts(m) for m in model.modules()) \
+            or all(value in _TRACEABLE for value in current.values()):
+        yield
+        return
+    logger.warning("profiling %s with experts_implementation=%r instead of %s: %s runs a custom op a graph cannot "
+                   "rebuild; batched_mm computes the same experts (data-dependent routing included) with ATen operators",
+                   type(model).__name__, TRACEABLE_EXPERTS, current, current.get(""))
+    setter(TRACEABLE_EXPERTS)
+    try:
+        yield
+    finally:
+        setter(current)
+
+
+def _uses_experts(module: nn.Module) -> bool:
+    # What transformers' `@use_experts_implementation` sets on an experts module: it dispatches by the config.
+    return all(hasattr(module, a) for a in ("_is_expert_parallel", "is_concatenated", "has_gate"))
+
+
 def export_model(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[fx.GraphModule, tuple[Any, ...]]:
     """`model` traced by torch.export on `args` / `kwargs`, as a plain fx GraphModule whose forward takes
     the flattened inputs (positional first, then keyword in the given order); also returns those inputs."""
     name = type(model).__name__
     try:
-        with _without_cache(model):
+        with _without_cache(model), _traceable_experts(model):
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as error:  # export raises many types (UserError, GuardOnDataDependentSymNode, ...)
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -133,10 +168,27 @@ def _drop_checks(graph: fx.Graph, name: str) -> None:
                 "forward, which a stage cannot rebuild operator by operator. Remove that region from forward "
                 f"(profile in the mode you train in), or profile with route='fx' and leaf_modules=[{cls}]"
             )
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace != "aten":
+            raise ProfileError(_custom_op_refusal(node, name))
         if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
                 and node.target.__module__ not in ("_operator", "operator"):
             raise ProfileError(f"torch.export traced {name} to node {node.name} calling {node.target!r}, "
                                "which is not an ATen operator; profile with route='fx' instead")
+
+
+def _custom_op_refusal(node: fx.Node, name: str) -> str:
+    """Why a custom operator (not ATen) cannot be in a graph, and the fix for where it comes from."""
+    op = f"torch.ops.{node.target.namespace}.{node.target._schema.name.split('::')[-1]}"
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    where = f" in module {stack[-1][0]} ({str(stack[-1][1]).rpartition('.')[2]})" if stack else ""
+    if node.target.namespace == "transformers":  # an experts kernel batched_mm did not replace
+        fix = ("call model.set_experts_implementation('batched_mm') before profiling: ATen operators, the same "
+               "results, data-dependent routing included")
+    else:
+        fix = ("write that computation with torch operators in forward (a stage rebuilt from a graph file may only "
+               "call ATen operators; register_functions takes Python functions, not operators)")
+    return (f"torch.export traced {name} to node {node.name} calling the custom operator {op}{where}, which a graph "
+            f"file cannot name, so no stage could run it; {fix}")
 
 
 def _structure(spec: pytree.TreeSpec, leaves: Iterator[Any], name: str) -> Any:

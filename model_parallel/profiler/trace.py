@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -49,14 +50,36 @@ class LeafTracer(fx.Tracer):
 
 def symbolic_trace(model: nn.Module, leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
     tracer = LeafTracer(leaf_modules)
+    with attributes_unchanged(model):  # the GraphModule keeps the constants fx hung on the model
+        try:
+            graph = tracer.trace(model)
+        except Exception as error:  # fx raises many types (TraceError, TypeError, ...); report them all the same way
+            raise ProfileError(
+                f"torch.fx could not trace {type(model).__name__}: {type(error).__name__}: {error}. "
+                "Pass the offending submodule classes as leaf_modules=[...] so they are profiled whole."
+            ) from error
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _attribute_names(model: nn.Module) -> dict[int, tuple[nn.Module, set[str]]]:
+    return {id(m): (m, set(vars(m)) | set(m._parameters) | set(m._buffers) | set(m._modules)) for m in model.modules()}
+
+
+@contextmanager
+def attributes_unchanged(model: nn.Module) -> Iterator[None]:
+    """Remove, on the way out, every attribute tracing added to `model` or its submodules: fx's tracer
+    stores each tensor `forward` creates (timm Swin's masks) as `root._tensor_constantN`, so the user's
+    model would grow attributes and a second trace would number its nodes differently."""
+    before = _attribute_names(model)
     try:
-        graph = tracer.trace(model)
-    except Exception as error:  # fx raises many types (TraceError, TypeError, ...); report them all the same way
-        raise ProfileError(
-            f"torch.fx could not trace {type(model).__name__}: {type(error).__name__}: {error}. "
-            "Pass the offending submodule classes as leaf_modules=[...] so they are profiled whole."
-        ) from error
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+        yield
+    finally:
+        for key, (module, names) in _attribute_names(model).items():
+            for name in names - before.get(key, (module, names))[1]:
+                for table in (module._parameters, module._buffers, module._modules):
+                    table.pop(name, None)
+                module._non_persistent_buffers_set.discard(name)
+                vars(module).pop(name, None)
 
 
 # ---- descriptions --------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ def layer_targets(graph: Graph) -> dict[str, str]:
 
 def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, torch.Tensor]]:
     """Layer name -> the object in `model` (modules for call_module nodes, tensors for get_attr)."""
+    from model_parallel.graph.arguments import CONSTANTS
+
     out: dict[str, Union[nn.Module, torch.Tensor]] = {}
+    constants = graph.metadata.get(CONSTANTS) or {}
     for node in graph.nodes:
         if node.layer is None or node.layer.op not in ("call_module", "get_attr"):
             continue
@@ -51,10 +54,30 @@ def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, 
             if table.get(name) is not None:
                 value = table[name]
                 break
+        if value is None and node.layer.op == "get_attr" and node.layer.target in constants:
+            value = _constant(model, node.layer.target, constants[node.layer.target])
         if value is None:
             value = _by_path(model, node.layer.target, node.node_id)
         out[name] = value  # type: ignore[assignment]
     return out
+
+
+def _constant(model: nn.Module, target: str, record: object) -> Optional[torch.Tensor]:
+    """A tensor the graph carries as a constant and `model` does not hold: one `forward` creates
+    (`torch.tensor(...)`, an index list; torch.export lifts it), so the graph's value is the value.
+    None when the model holds it (a non-persistent buffer: its own object, materialized from the record)."""
+    from model_parallel.graph.arguments import decode_constant
+
+    try:
+        _by_path(model, target, target)
+        return None
+    except PlanError:
+        pass
+    value = decode_constant(record, f"graph constant {target!r}")
+    if value is None:  # too large to record: a meta tensor the materializer refuses, naming the constant
+        shape, dtype = record["shape"], getattr(torch, str(record["dtype"]))  # type: ignore[index]
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return value
 
 
 def _by_path(model: nn.Module, target: str, node_id: str) -> Union[nn.Module, torch.Tensor]:

@@ -30,11 +30,9 @@ def test_help_lists_every_step(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_every_subcommand_module_has_a_main() -> None:
-    """Each entry names a module (present, except export, which another branch brings) with `main(argv)`."""
+    """Each entry names a module with `main(argv)`."""
     for name, sub in entry.SUBCOMMANDS.items():
         path = REPO / Path(*sub.module.split(".")).with_suffix(".py")
-        if name == "export" and not path.exists():
-            continue
         tree = ast.parse(path.read_text())
         assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), f"{path} has no main()"
 
@@ -46,14 +44,6 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture) -> None:
         assert info.value.code == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "error:" in err[0] and "Traceback" not in err[0], (argv, err)
-
-
-def test_export_without_its_module_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setitem(entry.SUBCOMMANDS, "export", entry.Subcommand("model_parallel.cli.no_such_export", "x", False))
-    with pytest.raises(SystemExit) as info:
-        entry.main(["export", "--anything"])
-    assert info.value.code == 2
-    assert capsys.readouterr().err.strip() == "export: not available in this build"
 
 
 def test_verbose_is_passed_on_to_the_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:

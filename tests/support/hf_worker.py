@@ -2,10 +2,12 @@
 stage state, one world for all cases (a process start with transformers and timm costs seconds).
 
     python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics] [size=test|bench]
+                                      [zoo=families] [save_pretrained]
 
 Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
-rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, and
-with `metrics` each rank's per-step records to `DIR/<case>.metrics.<R>.jsonl` (bench/models.py reads them).
+rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, with
+`save_pretrained` also the trained model as `DIR/<case>-hf/` (a collective: rank 0 writes), and with
+`metrics` each rank's per-step records to `DIR/<case>.metrics.<R>.jsonl` (bench/models.py reads them).
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ def main() -> None:
     flags = sys.argv[6:]
     metrics = "metrics" in flags
     sized = cases(SIZES[next((f.split("=", 1)[1] for f in flags if f.startswith("size=")), "test")])
+    if "zoo=families" in flags:  # tests/support/hf_families.py: constants in forward, MoE, Swin
+        from support import hf_families
+
+        sized = hf_families.cases(SIZES["test"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -60,6 +66,8 @@ def main() -> None:
         results = trainer.train(STEPS)
         torch.save({"state": trainer.state_dict(), "losses": [r.loss for r in results],
                     "plan_version": trainer.runner.plan.version}, out / f"{name}-rank{rank}.pt")
+        if "save_pretrained" in flags:
+            trainer.save_pretrained(out / f"{name}-hf", max_shard_size=20_000)
         trainer.close()
         print(f"[rank {rank}] {name}: trained {len(results)} steps", flush=True)
     dist.barrier()

@@ -1,0 +1,196 @@
+"""The trained model out: stage state -> the original model's state-dict names, a Hugging Face directory.
+
+    state = original_state_dict(graph, trainer_state, model)    # load_state_dict(strict=True) into the model
+    save_pretrained(model_or_config, state, "out/")             # config + sharded safetensors (+ index)
+    export_checkpoint("ckpt/", "graph.json", "out/", config=...) # the same from a checkpoint, without workers
+
+Stage modules name a parameter `layer1_0_conv1.weight` (codegen.naming); the original model calls it
+`layer1.0.conv1.weight`. The graph records which original names each node owns, so the renaming is
+exact; a key the unmodified model has and the graph does not own (a buffer forward never reads) is
+taken from the model when it holds real values, and otherwise refused by name: a silently missing key
+would load as garbage. Writing the Hugging Face format is left to transformers' own `save_pretrained`
+(ties stored once, shards, the index), on a copy of the model built on meta from the same config.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from model_parallel.errors import CheckpointError, ConfigError
+from model_parallel.graph.core import Graph
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["original_state_dict", "save_pretrained", "export_checkpoint", "checkpoint_stage_state", "gather_state",
+           "write_safetensors"]
+
+
+def original_state_dict(graph: Graph, stage_state: Mapping[str, torch.Tensor],
+                        model: Optional[nn.Module] = None) -> dict[str, torch.Tensor]:
+    """Stage-keyed state (every stage's) -> the original model's keys; with `model`, exactly its keys."""
+    from model_parallel.codegen.naming import original_state_from_stage
+
+    state = original_state_from_stage(graph, stage_state)
+    if model is None:
+        return state
+    reference = model.state_dict(keep_vars=True)
+    unexpected = sorted(set(state) - set(reference))
+    if unexpected:
+        raise ConfigError(f"the trained state has {len(unexpected)} key(s) the {type(model).__name__} lacks, e.g. "
+                          f"{unexpected[:3]}; was the graph profiled from another model? Profile this model again")
+    missing = [key for key in reference if key not in state]
+    unfilled = [key for key in missing if reference[key].is_meta]
+    if unfilled:
+        raise ConfigError(
+            f"{len(unfilled)} key(s) of the {type(model).__name__} are owned by no graph node and the model holds no "
+            f"values for them (it is on meta), e.g. {unfilled[:3]}; build the model with real values (they are not "
+            "trained: forward never reads them) or load with strict=False")
+    for key in missing:  # not read by forward, so never trained: the model's own value is the value
+        state[key] = reference[key].detach()
+    return {key: state[key] for key in reference}  # the model's order
+
+
+# ---- Hugging Face directories -------------------------------------------------------------------------
+def hf_config_and_class(model_or_config: Any, model_class: Optional[str] = None) -> tuple[Any, type]:
+    """(config, model class) from a PreTrainedModel, a PretrainedConfig, a config.json or an HF directory;
+    `model_class` (a transformers class name, e.g. "GPT2LMHeadModel") overrides config.architectures."""
+    import transformers
+
+    if isinstance(model_or_config, nn.Module):
+        config = getattr(model_or_config, "config", None)
+        if not isinstance(config, transformers.PretrainedConfig):
+            raise ConfigError(f"save_pretrained needs a Hugging Face model (one with a .config), got "
+                              f"{type(model_or_config).__name__}; use original_state_dict() and torch.save or "
+                              "safetensors for other models")
+        return config, type(model_or_config)
+    if isinstance(model_or_config, (str, Path)):
+        path = Path(model_or_config)
+        folder = path.parent if path.is_file() else path
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"{path}: no config.json; pass a Hugging Face config.json or model directory")
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+    elif isinstance(model_or_config, transformers.PretrainedConfig):
+        config = model_or_config
+    else:
+        raise ConfigError(f"save_pretrained takes a Hugging Face model, config, config.json or directory, got "
+                          f"{type(model_or_config).__name__}")
+    names = [model_class] if model_class else list(getattr(config, "architectures", None) or [])
+    # Only a class transformers itself exports, and only a model class: the config names it, we do not import it.
+    found = [getattr(transformers, name, None) for name in names]
+    classes = [c for c in found if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)]
+    if not classes:
+        raise ConfigError(f"the config ({type(config).__name__}) names no model class transformers has "
+                          f"(asked for {names}); name one, e.g. model_class='GPT2LMHeadModel' (--model_class), "
+                          "or set config.architectures")
+    return config, classes[0]
+
+
+def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], directory: Union[str, Path],
+                    *, max_shard_size: Union[int, str] = "5GB", model_class: Optional[str] = None) -> Path:
+    """Write `state` (original keys) as a Hugging Face model directory, loadable by `from_pretrained`."""
+    config, cls = hf_config_and_class(model_or_config, model_class)
+    with torch.device("meta"):  # no memory: the tensors are `state`'s own
+        target = cls(config)
+    keys = set(target.state_dict())
+    missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
+    if missing or unexpected:
+        raise ConfigError(f"the state does not fit {cls.__name__}: missing {missing[:3]} ({len(missing)}), unexpected "
+                          f"{unexpected[:3]} ({len(unexpected)}); is the config the one the model was built from?")
+    target.load_state_dict(dict(state), strict=True, assign=True)
+    if hasattr(target, "tie_weights"):
+        target.tie_weights()  # tied keys one tensor again, so transformers stores them once
+    # Non-persistent buffers (rotary frequencies) stay on meta: no state dict, so saving never reads them.
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    target.save_pretrained(str(out), max_shard_size=max_shard_size)
+    logger.info("wrote %s (%s, %d tensors) to %s", cls.__name__, type(config).__name__, len(keys), out)
+    return out
+
+
+# ---- from a checkpoint directory ----------------------------------------------------------------------
+def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
+                           step: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Every stage key of a committed checkpoint (a tie stored once restored under each of its keys)."""
+    from model_parallel.codegen.naming import state_key_map
+    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.tied import stored_keys
+
+    checkpoint = load_checkpoint(checkpoint_dir, step)
+    state = {**checkpoint.params(), **checkpoint.buffers()}
+    for alias, stored in stored_keys(graph).items():
+        if stored in state:
+            state.setdefault(alias, state[stored])
+    owned = set(state_key_map(graph).values())
+    foreign, missing = sorted(set(state) - owned - set(stored_keys(graph))), sorted(owned - set(state))
+    if foreign or missing:
+        raise CheckpointError(f"{checkpoint.path}: the checkpoint does not hold the graph's parameters ({len(missing)} "
+                              f"missing, e.g. {missing[:2]}; {len(foreign)} not in the graph, e.g. {foreign[:2]}); "
+                              "pass the graph the run trained")
+    return state
+
+
+def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str, Path], out: Union[str, Path], *,
+                      config: Any = None, step: Optional[int] = None, max_shard_size: Union[int, str] = "5GB",
+                      model_class: Optional[str] = None) -> Path:
+    """A checkpoint -> an HF directory (with `config`) or `out/model.safetensors` in the original names."""
+    from model_parallel.graph.io import load_graph
+
+    graph = graph if isinstance(graph, Graph) else load_graph(graph)
+    state = original_state_dict(graph, checkpoint_stage_state(checkpoint_dir, graph, step))
+    if config is not None:
+        return save_pretrained(config, state, out, max_shard_size=max_shard_size, model_class=model_class)
+    return write_safetensors(state, Path(out) / "model.safetensors")
+
+
+def write_safetensors(state: Mapping[str, torch.Tensor], path: Union[str, Path]) -> Path:
+    """`state` as one safetensors file, atomically; a tensor shared by several keys (a tie) is written under
+    each of them (safetensors refuses shared storage), so `load_state_dict(strict=True)` finds every key."""
+    from safetensors.torch import save
+
+    from model_parallel.fileio import atomic_write
+
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in state.items():
+        value = value.detach().contiguous()
+        tensors[key] = value.clone() if value.data_ptr() in seen else value
+        seen.add(value.data_ptr())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: f.write(save(tensors)), binary=True)
+    return path
+
+
+# ---- every rank's stage into one state ----------------------------------------------------------------
+def gather_state(local: Mapping[str, torch.Tensor], timeout: float) -> dict[str, torch.Tensor]:
+    """Every rank's stage state on every rank (collective): names and shapes as JSON, then the tensors.
+    Replicas hold the same values, so the first rank to name a key provides it."""
+    import json
+
+    import torch.distributed as dist
+
+    from model_parallel import jsonbound
+    from model_parallel.runtime.comm import broadcast_json, wait_work
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    result: dict[str, torch.Tensor] = {}
+    for src in range(dist.get_world_size()):
+        mine = src == dist.get_rank()
+        names = [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in local.items()]
+        header = json.dumps(names) if mine else None
+        entries = jsonbound.loads(broadcast_json(header, src, None, timeout), where=f"state names from rank {src}",
+                                  error=CheckpointError)
+        for key, shape, dtype in entries:
+            dtype_obj = getattr(torch, str(dtype), None)
+            if not isinstance(dtype_obj, torch.dtype) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise CheckpointError(f"rank {src} sent tensor {key!r} as {shape} {dtype!r}, not a shape and a dtype")
+            tensor = (local[key].detach().to(device).contiguous() if mine
+                      else torch.empty(shape, dtype=dtype_obj, device=device))
+            wait_work(dist.broadcast(tensor, src, async_op=True), timeout, src, "state gather")
+            result.setdefault(key, tensor.cpu() if not mine else local[key].detach())
+    return result

@@ -1,0 +1,189 @@
+"""The trained model out (issue 35 part 4): `trainer.state_dict(original_names=True)` loads strictly into
+the unmodified torchvision / timm / Hugging Face model, `trainer.save_pretrained(dir)` writes a directory
+`from_pretrained` reads with no missing or unexpected key and bitwise-equal values (ties stored once), and
+`model-parallel export` does both from a checkpoint directory without any worker."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_parallel.api.export import original_state_dict
+from model_parallel.api.trainer import PipelineTrainer, TrainConfig
+from model_parallel.cli.export import main as export_main
+from model_parallel.errors import CheckpointError, ConfigError
+from support.hf_zoo import CASES, Images, Tokens, class_loss, lm_loss
+
+pytestmark = pytest.mark.slow  # each test profiles and trains a model in this process
+
+
+def _train(model: torch.nn.Module, data, loss, example, num_stages: int = 2) -> PipelineTrainer:
+    trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.5), data,
+                              TrainConfig(batch_size=8, num_microbatches=2), criterion=loss, example_inputs=example,
+                              single_process=True, num_stages=num_stages)
+    trainer.train(2)
+    return trainer
+
+
+def _initial(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check_trained(state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], rebuilt: torch.nn.Module) -> None:
+    """`state` has exactly the model's keys, training moved it, and `rebuilt` holds it bitwise."""
+    assert list(state) == list(initial)
+    assert any(not torch.equal(state[k], initial[k]) for k in state if state[k].is_floating_point())
+    loaded = rebuilt.state_dict()
+    different = [k for k in state if not torch.equal(loaded[k], state[k])]
+    assert not different, different[:5]
+
+
+def _bart() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bart"])
+def test_save_pretrained_round_trips_through_from_pretrained(name: str, tmp_path: Path) -> None:
+    if name == "bart":
+        model, data = _bart(), Tokens("decoder_input_ids")
+        example = {k: v[:4] for k, v in data.batch(0)[0].items()}
+    else:
+        case = CASES[name]
+        model, data, example = case.build(0, tie=name == "gpt2"), case.data, case.example(4)
+    initial = _initial(model)
+    trainer = _train(model, data, lm_loss, example)
+    state = trainer.state_dict(original_names=True)
+    out = trainer.save_pretrained(tmp_path / "hf", max_shard_size=20_000)  # several shards and the index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and (out / "config.json").is_file()
+    back, info = type(model).from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    _check_trained(state, initial, back)
+    if name == "gpt2":  # tied: one tensor, stored once, one tensor again after loading
+        assert "lm_head.weight" not in index["weight_map"] and "transformer.wte.weight" in index["weight_map"]
+        assert back.lm_head.weight is back.transformer.wte.weight
+
+
+def test_state_dict_loads_strictly_into_an_unmodified_torchvision_model() -> None:
+    from model_parallel.compat import import_torchvision
+
+    torchvision = import_torchvision()
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    initial = _initial(model)
+    data = Images()
+    trainer = _train(model, data, class_loss, (data.batch(0)[0][0][:4],))
+    state = trainer.state_dict(original_names=True)
+    fresh = torchvision.models.resnet18(num_classes=10)
+    fresh.load_state_dict(state, strict=True)
+    _check_trained(state, initial, fresh)  # running statistics (buffers) included
+
+
+def test_state_dict_loads_strictly_into_an_unmodified_timm_model() -> None:
+    case = CASES["vit"]
+    model = case.build(0)
+    initial = _initial(model)
+    trainer = _train(model, case.data, case.loss, case.example(4))
+    state = trainer.state_dict(original_names=True)
+    fresh = case.build(7)
+    fresh.load_state_dict(state, strict=True)
+    _check_trained(state, initial, fresh)
+
+
+def test_original_state_dict_refuses_a_model_it_does_not_fit() -> None:
+    case = CASES["llama"]
+    trainer = _train(case.build(0), case.data, case.loss, case.example(4))
+    stage_state = trainer.state_dict()
+    with pytest.raises(ConfigError, match="lacks.*profiled from another model"):
+        original_state_dict(trainer.graph, stage_state, CASES["gpt2"].build(0))
+
+
+def _checkpoint(trainer: PipelineTrainer, directory: Path, step: int) -> None:
+    """What the workers write at a checkpoint (runtime/checkpoint_commit.py), one shard per stage."""
+    from model_parallel.runtime.checkpoint import finalize, save_shard, split_state
+    from model_parallel.runtime.engine_checkpoint import fingerprint
+    from model_parallel.runtime.tied import without_aliases
+
+    stages = trainer.runner.stages
+    for rank, stage in enumerate(stages):
+        params, buffers = (without_aliases(part, trainer.graph) for part in split_state(stage))
+        save_shard(directory, step, rank, params, buffers)
+    finalize(directory, step, {"world_size": len(stages)}, fingerprint(trainer.graph, trainer.model),
+             expected_ranks=range(len(stages)))
+
+
+def test_export_writes_a_checkpoint_out_without_workers(tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file
+
+    from model_parallel.graph.json_format import write_graph_json
+
+    case = CASES["gpt2"]
+    model = case.build(0, tie=True)
+    initial = _initial(model)
+    trainer = _train(model, case.data, case.loss, case.example(4), num_stages=3)  # the tie across stages 0 and 2
+    state = trainer.state_dict(original_names=True)
+    _checkpoint(trainer, tmp_path / "ckpt", 2)
+    write_graph_json(trainer.graph, tmp_path / "graph.json")
+    model.config.save_pretrained(tmp_path / "config")  # a config without `architectures`: --model_class names it
+    args = [str(tmp_path / "ckpt"), "--graph", str(tmp_path / "graph.json")]
+    assert export_main(args + ["--out", str(tmp_path / "hf"), "--config", str(tmp_path / "config"),
+                               "--model_class", "GPT2LMHeadModel", "--max_shard_size", "20KB"]) == 0
+    back, info = type(model).from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    _check_trained(state, initial, back)
+
+    assert export_main(args + ["--out", str(tmp_path / "plain")]) == 0  # no config: the state dict as safetensors
+    fresh = case.build(3, tie=True)
+    fresh.load_state_dict(load_file(tmp_path / "plain" / "model.safetensors"), strict=True)
+    _check_trained(state, initial, fresh)
+    assert "wrote" in capsys.readouterr().out
+
+    with pytest.raises(ConfigError, match="names no model class.*--model_class"):
+        export_main(args + ["--out", str(tmp_path / "x"), "--config", str(tmp_path / "config")])
+    with pytest.raises(ConfigError, match="--max_shard_size '5 parsecs'"):
+        export_main(args + ["--out", str(tmp_path / "x"), "--max_shard_size", "5 parsecs"])
+    llama = _train(CASES["llama"].build(0), CASES["llama"].data, lm_loss, CASES["llama"].example(4))
+    write_graph_json(llama.graph, tmp_path / "llama.json")
+    with pytest.raises(CheckpointError, match="does not hold the graph's parameters.*pass the graph the run trained"):
+        export_main([str(tmp_path / "ckpt"), "--graph", str(tmp_path / "llama.json"), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.timeout(600)
+def test_save_pretrained_on_two_processes_gathers_every_stage(tmp_path: Path) -> None:
+    """Each rank holds one stage; `save_pretrained` is a collective: rank 0 writes the whole tied GPT-2."""
+    import sys
+
+    from model_parallel.codegen.naming import original_state_from_stage
+    from model_parallel.graph.plan import write_plan
+    from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.launch import free_port, launch
+    from model_parallel.runtime.stages import even_plan
+    from support import hf_worker as worker
+
+    case = CASES["gpt2"]
+    model = case.build(tie=True)
+    graph, _ = trace_model(model, case.example(worker.BATCH // worker.MICROBATCHES))
+    write_plan(even_plan(graph, 2), tmp_path / "gpt2+tied.plan.json")
+    script = Path(__file__).parents[1] / "support" / "hf_worker.py"
+    port = free_port()
+    result = launch([[sys.executable, str(script), str(rank), "2", str(port), str(tmp_path), "gpt2+tied",
+                      "save_pretrained"] for rank in range(2)], timeout=400)
+    assert result.ok, result.summary()
+    stages = [torch.load(tmp_path / f"gpt2+tied-rank{rank}.pt", weights_only=True)["state"] for rank in range(2)]
+    assert all(stages)  # both ranks held part of the model
+    trained = original_state_from_stage(graph, {k: v for s in stages for k, v in s.items()})
+    back, info = type(model).from_pretrained(tmp_path / "gpt2+tied-hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    loaded, initial = back.state_dict(), _initial(model)
+    assert set(loaded) == set(trained) == set(initial)
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)  # bitwise: what the stages hold
+    assert not torch.equal(loaded["transformer.wte.weight"], initial["transformer.wte.weight"])  # trained
+    assert back.lm_head.weight is back.transformer.wte.weight
