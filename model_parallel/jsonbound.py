@@ -115,3 +115,13 @@ def load_file(path: Union[str, "os.PathLike[str]"], *, error: type[Exception], w
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}{suffix}") from None
     return loads(data, where=str(path), error=error, fix=fix, max_bytes=max_bytes, **limits)
+
+
+def json_number(value: Any, what: str, integer: bool = False) -> Any:
+    """A JSON number as a finite float (or an int): a string such as "nan", "inf" or "1e3" and a bool are
+    refused, and so is a fraction where a count is meant (int(2.7) would silently read 2)."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or (isinstance(value, float) and not math.isfinite(value)):
+        expected = "an integer" if integer else "a finite number"
+        raise ValueError(f"{what} must be {expected} (a JSON number), got {str(value)[:40]!r}")
+    return value if integer else float(value)

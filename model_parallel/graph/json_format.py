@@ -16,13 +16,13 @@ checked on reading: an unknown name is a GraphFormatError naming the file and th
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Union
 
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_json, read_json_file
+from model_parallel.jsonbound import json_number as _number
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
 
 SCHEMA = "model_parallel.graph"
@@ -39,16 +39,6 @@ def layer_to_dict(layer: LayerSpec) -> dict[str, Any]:
         "outputs": [{"shape": list(t.shape), "dtype": t.dtype} for t in layer.outputs],
         "parameters": list(layer.parameters),
     }
-
-
-def _number(value: Any, what: str, integer: bool = False) -> Any:
-    """A JSON number as a finite float (or an int): a string such as "nan", "inf" or "1e3" and a bool are
-    refused, and so is a fraction where a count is meant (int(2.7) would silently read 2)."""
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or (isinstance(value, float) and not math.isfinite(value)):
-        expected = "an integer" if integer else "a finite number"
-        raise ValueError(f"{what} must be {expected} (a JSON number), got {str(value)[:40]!r}")
-    return value if integer else float(value)
 
 
 def layer_from_dict(data: dict[str, Any]) -> LayerSpec:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import PlanError
 from model_parallel.fileio import atomic_write_json, read_json_file
+from model_parallel.jsonbound import json_number as _number
 
 PLAN_SCHEMA = "model_parallel.plan"
 PLAN_VERSION = 1
@@ -231,23 +232,23 @@ class Plan:
         try:
             stages = tuple(
                 StagePlan(
-                    stage_id=int(s["stage_id"]),
+                    stage_id=_number(s["stage_id"], "stage_id", integer=True),
                     node_ids=tuple(str(n) for n in s["node_ids"]),
-                    num_replicas=int(s.get("num_replicas", 1)),
-                    ranks=tuple(int(r) for r in s.get("ranks", ())),
-                    compute_s=float(s.get("compute_s", 0.0)),
-                    communication_s=float(s.get("communication_s", 0.0)),
-                    memory_bytes=float(s.get("memory_bytes", 0.0)),
+                    num_replicas=_number(s.get("num_replicas", 1), "num_replicas", integer=True),
+                    ranks=tuple(_number(r, "a rank", integer=True) for r in s.get("ranks", ())),
+                    compute_s=_number(s.get("compute_s", 0.0), "compute_s"),
+                    communication_s=_number(s.get("communication_s", 0.0), "communication_s"),
+                    memory_bytes=_number(s.get("memory_bytes", 0.0), "memory_bytes"),
                 )
                 for s in data["stages"]
             )
             return cls(
                 stages=stages,
-                time_per_minibatch_s=float(data.get("time_per_minibatch_s", 0.0)),
-                single_machine_time_s=float(data.get("single_machine_time_s", 0.0)),
-                optimizer_seconds=float(data.get("optimizer_seconds", 0.0)),
-                num_machines=tuple(int(n) for n in data.get("num_machines", ())),
-                version=int(data.get("version", 0)),
+                time_per_minibatch_s=_number(data.get("time_per_minibatch_s", 0.0), "time_per_minibatch_s"),
+                single_machine_time_s=_number(data.get("single_machine_time_s", 0.0), "single_machine_time_s"),
+                optimizer_seconds=_number(data.get("optimizer_seconds", 0.0), "optimizer_seconds"),
+                num_machines=tuple(_number(n, "num_machines", integer=True) for n in data.get("num_machines", ())),
+                version=_number(data.get("version", 0), "version", integer=True),
                 extra=dict(data.get("extra", {})),
             )
         except PlanError as error:
