@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.api.job import JobSpec, build_job
-from model_parallel.errors import ModelParallelError, TrainingStopped
+from model_parallel.errors import DataError, ModelParallelError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -131,6 +131,9 @@ class PipelineTrainer:
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
+        if self.runner.dataset is None:
+            raise DataError("PipelineTrainer was built without data (dataset=None), so it has nothing to train on: "
+                            "pass a dataset (evaluate(data, steps) takes its own)")
         if not self.single_process:
             try:
                 return self.runner.train(steps)

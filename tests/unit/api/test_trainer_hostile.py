@@ -106,3 +106,16 @@ def test_trainer_weights_from_a_corrupt_checkpoint_or_a_fifo_are_typed_errors(tm
     os.mkfifo(fifo / "model.safetensors")
     with pytest.raises(InitError, match=r"model\.safetensors \(named by .*\): not a regular file"):
         trainer(meta=True, num_stages=2, single_process=True, weights=fifo)
+
+
+def test_a_trainer_without_data_refuses_to_train_with_the_reason() -> None:
+    from model_parallel import PipelineTrainer, TrainConfig
+    from model_parallel.errors import DataError
+    from model_parallel.models import StackedMLP
+
+    trainer = PipelineTrainer(StackedMLP(depth=2), lambda p: torch.optim.SGD(p, lr=0.1), None,
+                              TrainConfig(batch_size=8, num_microbatches=2), num_stages=2,
+                              example_inputs=[torch.zeros(4, 64)], single_process=True)
+    assert trainer.plan.num_stages == 2  # built for its plan (or to evaluate) without data
+    with pytest.raises(DataError, match=r"built without data \(dataset=None\)"):
+        trainer.train(1)
