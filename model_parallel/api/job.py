@@ -134,7 +134,9 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
         plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
     elif footprint is not None:
-        _check_fits(graph, plan.with_default_ranks(), footprint, float(spec.memory_per_worker))  # type: ignore[arg-type]
+        from model_parallel.optimizer.memory import MemoryLimit
+
+        MemoryLimit(float(spec.memory_per_worker), footprint).check(graph, plan, "the plan given")  # type: ignore[arg-type]
     records = graph.metadata.get("inputs") or []
     if spec.data == "synthetic" and len(records) > 1:  # named inputs (input_ids + attention_mask): one value each
         from model_parallel.runtime.named_data import NamedSyntheticData
@@ -187,20 +189,6 @@ def _footprint(spec: JobSpec, graph: Graph) -> Any:
     from model_parallel.optimizer.memory import Footprint, activation_scale
 
     return Footprint(spec.optimizer, spec.schedule, spec.num_microbatches, activation_scale(graph, spec.micro_batch))
-
-
-def _check_fits(graph: Graph, plan: Plan, footprint: Any, limit: float) -> None:
-    """A plan given with memory_per_worker must fit it: refuse the stage that does not, with its bytes."""
-    from model_parallel.errors import InfeasibleError
-    from model_parallel.optimizer.memory import plan_footprint
-
-    for stage, parts in zip(plan.stages, plan_footprint(graph, plan, footprint)):
-        if parts["total"] > limit:
-            raise InfeasibleError(
-                f"the plan given puts {parts['total'] / 1e9:.3g} GB on stage {stage.stage_id} (parameters "
-                f"{parts['parameters'] / 1e9:.3g} GB, optimizer state {parts['optimizer_state'] / 1e9:.3g} GB, "
-                f"activations {parts['activations'] / 1e9:.3g} GB), over memory_per_worker {limit / 1e9:.3g} GB; "
-                "leave the plan out to have one found that fits, or raise memory_per_worker")
 
 
 def _initial_weights(spec: JobSpec, graph: Graph) -> Optional[Path]:

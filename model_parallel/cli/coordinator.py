@@ -121,9 +121,9 @@ def run(args: Any) -> int:
                           speed_change=args.speed_change, persist=args.persist)
     served = {flag: getattr(args, flag) for flag in SERVED_FLAGS if getattr(args, flag) is not None}
     job = {"graph": graph_to_dict(graph), "plan": plan.to_dict(), "plan_version": plan.version, "train": served}
-    solver = _memory_solver(args.memory_per_worker, served, graph, plan) if args.memory_per_worker else None
+    memory = _memory_limit(args.memory_per_worker, served, graph) if args.memory_per_worker else None
     coordinator = Coordinator(graph, plan, token, policy=args.policy, config=config, status_file=args.status_file,
-                              heartbeat_timeout=args.heartbeat_timeout, job=job, solver=solver)
+                              heartbeat_timeout=args.heartbeat_timeout, job=job, memory=memory)
     port = coordinator.start(args.host, args.port)
     print(f"coordinator listening on {args.host}:{port}, serving {source} "
           f"({plan.num_stages} stage(s) on {plan.num_ranks} rank(s))", flush=True)
@@ -158,23 +158,14 @@ def run(args: Any) -> int:
     return 1 if status["stop_reason"] else 0
 
 
-def _memory_solver(limit: float, served: dict, graph: Any, plan: Any) -> Any:
-    """The rebalancer's solver under `--memory_per_worker`, priced for the served training flags (else the
-    worker's defaults); the starting plan must fit too."""
-    from model_parallel.coordinator.solver import memory_solver
-    from model_parallel.errors import ConfigError
-    from model_parallel.optimizer.memory import Footprint, activation_scale, optimizer_kind, plan_footprint
+def _memory_limit(limit: float, served: dict, graph: Any) -> Any:
+    """`--memory_per_worker` priced for the served training flags (else the worker's defaults)."""
+    from model_parallel.optimizer.memory import Footprint, MemoryLimit, activation_scale, optimizer_kind
 
     microbatches = served.get("num_microbatches", 4)
-    footprint = Footprint(optimizer_kind(served.get("optimizer", "sgd"), served.get("momentum", 0.9)),
-                          served.get("schedule", "1f1b"), microbatches,
-                          activation_scale(graph, max(1, served.get("batch_size", 8) // microbatches)))
-    for stage, parts in zip(plan.stages, plan_footprint(graph, plan.with_default_ranks(), footprint)):
-        if parts["total"] > limit:
-            raise ConfigError(f"the starting plan puts a predicted {parts['total']:.4g} bytes on stage {stage.stage_id}, "
-                              f"over --memory_per_worker {limit:.4g}; give a plan that fits (the optimizer's "
-                              "--memory_per_worker finds one) or raise --memory_per_worker")
-    return memory_solver(limit, footprint)
+    return MemoryLimit(limit, Footprint(optimizer_kind(served.get("optimizer", "sgd"), served.get("momentum", 0.9)),
+                                        served.get("schedule", "1f1b"), microbatches,
+                                        activation_scale(graph, max(1, served.get("batch_size", 8) // microbatches))))
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "model-parallel coordinator") -> int:

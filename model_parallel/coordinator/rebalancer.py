@@ -45,11 +45,12 @@ class Rebalancer:
     """The live plan, the policy's memory and the switch in flight; see the module docstring."""
 
     def __init__(self, graph: Graph, plan: Plan, config: policy.PolicyConfig, solver: Optional[policy.Solver],
-                 auto: bool, world_size: int, schedule: Optional[str] = None) -> None:
+                 auto: bool, world_size: int, schedule: Optional[str] = None, memory: Any = None) -> None:
         self.state = policy.PolicyState(graph, plan.with_default_ranks(), solver)
         self.config = config
         self.auto = auto
         self.world_size, self.schedule = world_size, schedule  # what a plan is checked against before it is issued
+        self.memory = memory  # optimizer.memory.MemoryLimit under --memory_per_worker: no plan issued past it
         self.pending: Optional[PendingSwitch] = None
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
@@ -145,6 +146,8 @@ class Rebalancer:
 
         version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
         plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
+        if self.memory is not None:
+            self.memory.check(self.graph, plan, f"plan v{version}")
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
         logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
         if not send(0, Command.switch(plan, reason=reason)):

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from model_parallel.coordinator import policy as policy_mod
 from model_parallel.coordinator.admission import HANDSHAKE_DEADLINE_S, MAX_AUTHENTICATED, MAX_UNAUTHENTICATED, Admission, Ticket
@@ -50,6 +50,9 @@ from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 from model_parallel.ratelog import RateLimitedLog
 from model_parallel.runtime.schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from model_parallel.optimizer.memory import MemoryLimit
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class Coordinator:
         solver: Optional[policy_mod.Solver] = None,
         job: Optional[Mapping[str, Any]] = None,
         world_size: Optional[int] = None,
+        memory: Optional[MemoryLimit] = None,
     ) -> None:
         if policy not in ("auto", "manual"):
             raise PlanError(f"--policy must be auto or manual, got {policy!r}")
@@ -87,6 +91,11 @@ class Coordinator:
         # The coordinator builds no layers, but a graph asking for code is refused here too, not
         # only on the workers (constructors are checked for form: their classes live in the workers).
         check_graph(graph, build_constructors=False)
+        if memory is not None:  # `--memory_per_worker`: the starting plan fits, and so does every plan issued
+            from model_parallel.coordinator.solver import memory_solver
+
+            memory.check(graph, plan, "the starting plan")
+            solver = solver or memory_solver(memory.memory_per_worker, memory.footprint)
         if solver is None:
             import model_parallel.optimizer.partition  # noqa: F401 - now, not in the middle of the first decision
         self.token = token
@@ -104,7 +113,8 @@ class Coordinator:
         # The schedule the workers run, where the job says (their own flag may differ: then they check what this cannot).
         schedule = (job or {}).get("train", {}).get("schedule")
         self.rebalancer = Rebalancer(policy_mod.with_cost_proxy(graph), plan, config, solver, auto=policy == "auto",
-                                     world_size=self.roster.world_size, schedule=schedule if isinstance(schedule, str) else None)
+                                     world_size=self.roster.world_size, schedule=schedule if isinstance(schedule, str) else None,
+                                     memory=memory)
         self.ctl = CtlHandler(self.lock, self.roster, self.rebalancer, self._send_to, self.status)
         self.shutdown = threading.Event()
         self.done = threading.Event()

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from model_parallel.errors import PlanError
+from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import SCHEDULE_NAMES, microbatches_in_flight
 from model_parallel.graph.plan import Plan
@@ -185,3 +185,23 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
         out.append(footprint_parts(model, kept, held, plan.num_ranks, before, stage.num_replicas))
         before += stage.num_replicas
     return out
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """What one worker may hold: `memory_per_worker` bytes, priced by the run's footprint model."""
+
+    memory_per_worker: float
+    footprint: Footprint
+
+    def check(self, graph: Graph, plan: Plan, what: str = "the plan") -> None:
+        """InfeasibleError naming the first stage of `plan` whose predicted footprint is over the limit."""
+        for stage, parts in zip(plan.stages, plan_footprint(graph, plan.with_default_ranks(), self.footprint)):
+            if parts["total"] > self.memory_per_worker:
+                raise InfeasibleError(
+                    f"{what} puts a predicted {parts['total'] / 1e9:.3g} GB on stage {stage.stage_id} (parameters "
+                    f"{parts['parameters'] / 1e9:.3g} GB, optimizer state {parts['optimizer_state'] / 1e9:.3g} GB, "
+                    f"activations {parts['activations'] / 1e9:.3g} GB), over memory_per_worker "
+                    f"{self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, {self.footprint.schedule}, "
+                    f"{self.footprint.microbatches} microbatches); give a plan that fits (leave it out, or the "
+                    "optimizer's --memory_per_worker finds one) or raise memory_per_worker")

@@ -94,16 +94,26 @@ def test_the_optimizer_command_line_takes_memory_per_worker(tmp_path, capsys):
         main([*flags, "--memory_per_worker", str(cap - 1)])
 
 
-def test_the_coordinators_memory_per_worker_checks_the_starting_plan():
-    from model_parallel.cli.coordinator import _memory_solver
-    from model_parallel.errors import ConfigError
+def test_the_coordinators_memory_per_worker_checks_the_starting_plan_and_every_plan_it_issues():
+    from model_parallel.cli.coordinator import _memory_limit
+    from model_parallel.coordinator.server import Coordinator
+    from model_parallel.errors import InfeasibleError
+    from model_parallel.graph.plan import Plan, StagePlan
 
     graph = layer_by_layer_chain()
     plan = even_stages(graph, 2)
     served = {"optimizer": "adamw", "num_microbatches": 4, "batch_size": 4}
     cap = 4 * 2 * W + 2 * 2 * A
-    solver = _memory_solver(cap, served, graph, plan)
-    assert all(p["total"] <= cap for p in plan_footprint(graph, solver(graph, [0, 1], [3.0, 1.0]),
-                                                         Footprint("adamw", "1f1b", 4)))
-    with pytest.raises(ConfigError, match="the starting plan puts a predicted .* on stage 0, over --memory_per_worker"):
-        _memory_solver(cap - 1, served, graph, plan)
+    with pytest.raises(InfeasibleError, match=r"the starting plan puts a predicted .* GB on stage 0 .*over memory_per_worker"):
+        Coordinator(graph, plan, b"t" * 32, memory=_memory_limit(cap - 1, served, graph))
+    coordinator = Coordinator(graph, plan, b"t" * 32, memory=_memory_limit(cap, served, graph))
+    # Its own re-plans fit (the memory solver) ...
+    replan = coordinator.rebalancer.state.solver(graph, [0, 1], [3.0, 1.0])
+    assert all(p["total"] <= cap for p in plan_footprint(graph, replan, Footprint("adamw", "1f1b", 4)))
+    # ... and a plan from elsewhere (ctl set-plan, scale) that does not is never issued.
+    order = list(graph.topological_order)
+    lopsided = Plan((StagePlan(0, tuple(order[:-2]), ranks=(0,)), StagePlan(1, tuple(order[-2:]), ranks=(1,))))
+    sent = []
+    with pytest.raises(InfeasibleError, match=r"plan v1 puts a predicted .* GB on stage 0"):
+        coordinator.rebalancer.issue(lopsided, "test", 0, lambda rank, command: sent.append(command) or True, False)
+    assert sent == [] and coordinator.rebalancer.pending is None
