@@ -144,10 +144,15 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
     p, m = spec["p"], spec["m"]
     rows = []
     # Every rank times between the same barriers: per chunk, the slowest rank's wall time.
-    chunk_s = {key: [max(c) for c in zip(*(r[key]["chunk_step_s"] for r in ranks))] for key in ranks[0]}
+    chunk_s = {key: [max(c) for c in zip(*(r[key]["chunk_step_s"] for r in ranks))] for key in ranks[0]
+               if "refused" not in ranks[0][key]}
     base = chunk_s.get("torch Schedule1F1B")
     for side in spec["sides"]:
         key, name = side["key"], side["schedule"]
+        if key not in chunk_s:  # the schedule's constructor refused this (p, m): say why, time nothing
+            rows.append({"p": p, "m": m, "runtime": side["runtime"], "schedule": name, "side": key,
+                         "refused": ranks[0][key]["refused"]})
+            continue
         wall = chunk_s[key]
         bubbles = [statistics.median(1.0 - busy / (s * 1000.0) for busy, s in zip(r[key]["chunk_busy_ms"], wall))
                    for r in ranks]
@@ -170,6 +175,7 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A world's verdict: our best schedule against torch's 1F1B (goal >= 1.15) and torch's best (goal >= 1.0)."""
+    rows = [r for r in rows if "refused" not in r]
     ours = max((r for r in rows if r["runtime"] == "ours"), key=lambda r: r["steps_per_s"])
     theirs = max((r for r in rows if r["runtime"] == "torch"), key=lambda r: r["steps_per_s"])
     return {"p": rows[0]["p"], "m": rows[0]["m"], "ours_best": ours["schedule"], "torch_best": theirs["schedule"],
@@ -197,6 +203,9 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
     lines = [f"{'p':>2} {'m':>3} {'side':<36} {'steps/s':>8} {'step ms':>8} {'ratio':>6} {'bubble %':>9} "
              f"{'analytic %':>10}  bubble % by rank"]
     for r in rows:
+        if "refused" in r:
+            lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} refused: {r['refused']}")
+            continue
         analytic = 100.0 * r["analytic_bubble"] if r["analytic_bubble"] is not None else None
         lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} {r['steps_per_s']:>8.2f} {r['step_ms']:>8.1f} "
                      f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')}  "

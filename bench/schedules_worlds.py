@@ -138,7 +138,10 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
         runners: dict[str, tuple[SideRunner, BusyRun]] = {}
         for side in spec["sides"]:  # {"key", "runtime", "schedule", "plan"}
             if side["runtime"] == "torch":
-                runners[side["key"]] = torch_side(side["schedule"], rank, spec)
+                try:
+                    runners[side["key"]] = torch_side(side["schedule"], rank, spec)
+                except ValueError as refused:  # e.g. DualPipeV with fewer microbatches than stages: every rank alike
+                    results[side["key"]] = {"refused": str(refused)}
             else:
                 runners[side["key"]] = ours_side(side["schedule"], rank, spec, control_group, side["plan"])
         for runner, _ in runners.values():
