@@ -154,3 +154,15 @@ def test_summary_compares_our_best_with_torch_1f1b_and_torch_best() -> None:
     assert verdict["best_vs_torch_best"] == pytest.approx(1.1 / 1.25)
     assert verdict["bubble_error_points"]["ours 1f1b"] == pytest.approx(5.0)
     assert "torch ScheduleZBVZeroBubble" not in verdict["bubble_error_points"]
+
+
+def test_straggler_summary_against_the_ceiling_and_what_whole_layers_allow() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "rebalanced_layers": [7, 3, 7, 7]}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 0.97},
+            {"side": "ours 1f1b rebalanced", "ratio": 1.4}]
+    verdict = schedules.straggler_summary(rows, spec)
+    assert verdict["ceiling_ratio"] == pytest.approx(1.75)
+    assert verdict["ratio_vs_ceiling"] == pytest.approx(1.4 / 1.75)
+    # static: the slow rank's 6 layers x 2 = 12; rebalanced: max(7, 3 x 2) = 7.
+    assert verdict["plan_ceiling_ratio"] == pytest.approx(12 / 7)
+    assert verdict["ours_static_ratio"] == pytest.approx(0.97)
