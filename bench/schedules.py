@@ -51,7 +51,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from emulated import BubbleCase, EmulatedLayer, analytic_bubble, straggler_ceiling  # bench/ is first on sys.path
-from schedules_worlds import TORCH_SCHEDULES, build_model, worker
+from schedules_worlds import TORCH_SCHEDULES, build_model, layer_counts, worker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "schedules.json"  # bench/snapshot/ holds the copy the docs quote
@@ -75,15 +75,19 @@ def equal_plan(graph: Any, num_stages: int) -> Any:
     return Plan(stages=tuple(StagePlan(k, tuple(ids), ranks=(k,)) for k, ids in enumerate(members)))
 
 
+def timed_graph(graph: Any, args: argparse.Namespace) -> Any:
+    """The traced graph with its profile: every layer f ms forward, i + w ms backward (what the waits are)."""
+    return graph.replace_nodes([dataclasses.replace(n, forward_ms=args.forward_ms, backward_ms=args.input_ms + args.weight_ms)
+                                if n.layer is not None and n.layer.op == "call_module" else n for n in graph.nodes])
+
+
 def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int) -> Any:
-    """The rebalancer's solver on the emulated times (every layer f ms forward, i + w ms backward) with
-    rank `--slow_rank` at speed 1/s: the plan our live rebalancer would move to."""
+    """The rebalancer's solver on the timed graph with rank `--slow_rank` at speed 1/s: the plan our
+    live rebalancer should move to."""
     from model_parallel.coordinator.solver import default_solver
 
-    timed = graph.replace_nodes([dataclasses.replace(n, forward_ms=args.forward_ms, backward_ms=args.input_ms + args.weight_ms)
-                                 if n.layer is not None and n.layer.op == "call_module" else n for n in graph.nodes])
     speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in range(p)]
-    return default_solver(timed, list(range(p)), speeds)
+    return default_solver(graph, list(range(p)), speeds)
 
 
 def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: bool) -> dict[str, Any]:
@@ -100,7 +104,7 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
         "emulation": {"width": 16, "forward_ms": args.forward_ms, "input_ms": args.input_ms, "weight_ms": args.weight_ms},
     }
     model = build_model(spec)
-    graph, _ = trace_model(model, (torch.zeros(args.micro_batch, 16),), (EmulatedLayer,), route="fx")
+    graph = timed_graph(trace_model(model, (torch.zeros(args.micro_batch, 16),), (EmulatedLayer,), route="fx")[0], args)
     name = f"p{p}_m{m}{'_straggler' if straggler else ''}"
     spec["graph"] = str(save_graph(graph, workdir / f"{name}.graph.json"))
     spec["plans"] = {}
@@ -108,8 +112,7 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
     if straggler:
         plans["rebalanced"] = rebalanced_plan(graph, args, p)
         spec |= {"slow_rank": args.slow_rank, "slowdown": args.slowdown}
-        spec["rebalanced_layers"] = [sum(1 for n in s.node_ids if graph[n].layer is not None
-                                         and graph[n].layer.op == "call_module") for s in plans["rebalanced"].stages]
+        spec["rebalanced_layers"] = layer_counts(graph, plans["rebalanced"])
         spec["sides"] = [{"key": "torch Schedule1F1B", "runtime": "torch", "schedule": "Schedule1F1B"},
                          {"key": "ours 1f1b static", "runtime": "ours", "schedule": "1f1b", "plan": str(p)},
                          {"key": "ours 1f1b rebalanced", "runtime": "ours", "schedule": "1f1b", "plan": "rebalanced"}]
@@ -125,6 +128,27 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
     spec_path.write_text(json.dumps(spec))
     spec["path"] = str(spec_path)
     return spec
+
+
+def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
+    """Our coordinator (auto policy), in this process, on the world's equal plan, and a live side that reports
+    to it: the straggler is in effect from step 0, so its first plan switch is the detection."""
+    import secrets
+
+    from model_parallel.coordinator.server import Coordinator
+    from model_parallel.graph.io import load_graph
+    from model_parallel.graph.loader import register_layer_classes
+    from model_parallel.graph.plan import read_plan
+
+    register_layer_classes(EmulatedLayer)  # the graph was traced from this process's model
+    token = secrets.token_hex(16)
+    p = spec["p"]
+    coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][str(p)]), token.encode(), policy="auto")
+    port = coordinator.start("127.0.0.1", 0)
+    spec["sides"].append({"key": "ours 1f1b live", "runtime": "ours", "schedule": "1f1b", "plan": str(p),
+                          "coordinator": f"127.0.0.1:{port}", "token": token, "settle_steps": settle_steps})
+    Path(spec["path"]).write_text(json.dumps(spec))
+    return coordinator
 
 
 def run_world(spec: dict[str, Any], workdir: Path, timeout: float, echo: bool) -> list[dict[str, Any]]:
@@ -172,6 +196,10 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "analytic_bubble": None if spec.get("slow_rank") is not None else analytic_bubble(case),
             "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
         })
+        live = ranks[0][key]
+        if "switch_steps" in live:  # the live side: when the coordinator switched, and to what
+            rows[-1] |= {"switch_steps": live["switch_steps"], "switch_pauses_ms": live["switch_pauses_ms"],
+                         "final_layers": live["layers"]}
     return rows
 
 
@@ -194,10 +222,16 @@ def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> d
     # What whole layers allow: the static slowest stage (s x its layers) over the rebalanced plan's slowest.
     layers, scale = spec["rebalanced_layers"], [spec["slowdown"] if r == spec["slow_rank"] else 1.0 for r in range(spec["p"])]
     plan_ceiling = spec["slowdown"] * spec["num_layers"] / spec["p"] / max(n * f for n, f in zip(layers, scale))
-    return {"p": spec["p"], "m": spec["m"], "slow_rank": spec["slow_rank"], "slowdown": spec["slowdown"],
+    out = {"p": spec["p"], "m": spec["m"], "slow_rank": spec["slow_rank"], "slowdown": spec["slowdown"],
             "rebalanced_layers": layers, "plan_ceiling_ratio": plan_ceiling, "ratio": ratio, "ceiling_ratio": ceiling,
             "ratio_vs_ceiling": ratio / ceiling, "ours_static_ratio": by_side["ours 1f1b static"]["ratio"],
-            "plan_source": "the rebalancer's solver on the emulated times, given from step 0 (no live detection)"}
+            "plan_source": "the rebalancer's solver on the emulated times with the slow rank's speed, from step 0"}
+    live = by_side.get("ours 1f1b live")
+    if live is not None:
+        out |= {"live_ratio": live["ratio"], "live_ratio_vs_ceiling": live["ratio"] / ceiling,
+                "live_steps_to_detect": live["switch_steps"][0] if live["switch_steps"] else None,
+                "live_switch_steps": live["switch_steps"], "live_final_layers": live["final_layers"]}
+    return out
 
 
 def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]], uptime: str) -> str:
@@ -223,6 +257,10 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
                          f"{s['rebalanced_layers']} layers / torch static = {s['ratio']:.2f} (ceiling {s['ceiling_ratio']:.2f}, "
                          f"{s['ratio_vs_ceiling']:.2f} of it; goal >= 0.95; whole layers allow {s['plan_ceiling_ratio']:.2f}); "
                          f"ours static {s['ours_static_ratio']:.2f}")
+            if "live_ratio" in s:
+                lines.append(f"  live (coordinator, auto policy, slow from step 0): switches at steps {s['live_switch_steps']} "
+                             f"to {s['live_final_layers']} layers; ratio {s['live_ratio']:.2f} after warm-up + settle "
+                             f"({s['live_ratio_vs_ceiling']:.2f} of the ceiling)")
         else:
             lines.append(f"p={s['p']} m={s['m']}: our best ({s['ours_best']}) / torch 1F1B = {s['best_vs_torch_1f1b']:.2f} "
                          f"(goal >= 1.15), / torch best ({s['torch_best']}) = {s['best_vs_torch_best']:.2f} (goal >= 1.0)")
@@ -247,6 +285,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=None, help="timed chunks per side (default 6, quick 2)")
     parser.add_argument("--chunk_steps", type=int, default=None, help="steps per chunk (default 4, quick 3)")
     parser.add_argument("--no_straggler", action="store_true", help="leave out the straggler row")
+    parser.add_argument("--straggler_only", action="store_true", help="only the straggler world")
+    parser.add_argument("--no_live", action="store_true", help="straggler row without the live coordinator side")
+    parser.add_argument("--settle_steps", type=int, default=None,
+                        help="untimed steps the live side trains first, for the coordinator to detect and switch (default 15, quick 10)")
     parser.add_argument("--slowdown", type=float, default=2.0, help="the straggler's factor s")
     parser.add_argument("--slow_rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds for each world")
@@ -260,6 +302,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     args.chunks = args.chunks if args.chunks is not None else (2 if args.quick else 6)
     args.chunk_steps = args.chunk_steps or (3 if args.quick else 4)
+    args.settle_steps = args.settle_steps if args.settle_steps is not None else (10 if args.quick else 15)
     if args.layers_per_rank < 2 or args.layers_per_rank % 2:
         parser.error(f"--layers_per_rank must be even and >= 2 (2 stages per rank), got {args.layers_per_rank}")
     return args
@@ -276,14 +319,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ps = [int(x) for x in (args.p or ("4" if args.quick else "4,8")).split(",")]
     started, rows, summaries, loads = time.perf_counter(), [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_schedules_") as tmp:
-        worlds = [(p, m, False) for p in ps for m in ([int(x) for x in args.m.split(",")] if args.m else [p, 2 * p])]
+        worlds = [] if args.straggler_only else [
+            (p, m, False) for p in ps for m in ([int(x) for x in args.m.split(",")] if args.m else [p, 2 * p])]
         if not args.no_straggler:
             worlds.append((4, 8, True))
         for p, m, straggler in worlds:
             spec = prepare(args, p, m, Path(tmp), straggler)
             logger.info("world p=%d m=%d%s: %d sides ...", p, m, " (straggler)" if straggler else "", len(spec["sides"]))
+            coordinator = start_coordinator(spec, args.settle_steps) if straggler and not args.no_live else None
             load = os.getloadavg()[0]
-            world_rows = side_rows(spec, run_world(spec, Path(tmp), args.timeout, args.echo), args)
+            try:
+                world_rows = side_rows(spec, run_world(spec, Path(tmp), args.timeout, args.echo), args)
+            finally:
+                if coordinator is not None:
+                    coordinator.stop()
             loads.append([load, os.getloadavg()[0]])
             for row in world_rows:
                 row["load_1min"] = loads[-1]

@@ -34,6 +34,12 @@ def stage_indices(rank: int, p: int, v: int, placement: str) -> list[int]:
     return [rank + k * p for k in range(v)]
 
 
+def layer_counts(graph: Any, plan: Any) -> list[int]:
+    """Emulated layers per stage of `plan` (the model input, not a layer, rides with stage 0)."""
+    return [sum(1 for n in st.node_ids if graph[n].layer is not None and graph[n].layer.op == "call_module")
+            for st in plan.stages]
+
+
 def build_model(spec: dict[str, Any]) -> EmulatedModel:
     e = spec["emulation"]
     return EmulatedModel(spec["num_layers"], e["width"], e["forward_ms"], e["input_ms"], e["weight_ms"])
@@ -97,8 +103,10 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
     return SideRunner(busy), busy
 
 
-def ours_side(name: str, rank: int, spec: dict[str, Any], control_group: Any, plan_key: str) -> tuple[SideRunner, BusyRun]:
-    """Our `PipelineEngine` with schedule `name` on the plan `spec["plans"][plan_key]`."""
+def ours_side(name: str, rank: int, spec: dict[str, Any], control_group: Any, plan_key: str,
+              channel: Any = None) -> tuple[SideRunner, BusyRun, Any]:
+    """Our `PipelineEngine` with schedule `name` on the plan `spec["plans"][plan_key]`; with `channel`
+    (a coordinator's), the live rebalancer may switch its plan while it trains."""
     from model_parallel.graph.io import load_graph
     from model_parallel.graph.plan import read_plan
     from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -109,10 +117,10 @@ def ours_side(name: str, rank: int, spec: dict[str, Any], control_group: Any, pl
         graph=load_graph(spec["graph"]), plan=read_plan(spec["plans"][plan_key]), model=build_model(spec),
         criterion=_loss, optimizer_factory=lambda params: torch.optim.SGD(params, lr=spec["lr"], momentum=0.9),
         dataset=_data(spec), config=config, control_group=control_group,
-        options=RunOptions(timeout=spec["op_timeout"], progress=False),
+        options=RunOptions(timeout=spec["op_timeout"], progress=False), channel=channel,
     )
     busy = BusyRun(lambda first, end: engine.train(end, start_step=first))
-    return SideRunner(busy), busy
+    return SideRunner(busy), busy, engine
 
 
 def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
@@ -135,7 +143,9 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
     results: dict[str, Any] = {}
     try:
         control_group = dist.new_group(backend="gloo")
-        runners: dict[str, tuple[SideRunner, BusyRun]] = {}
+        runners: dict[str, Any] = {}  # key -> [SideRunner, BusyRun]
+        engines: dict[str, Any] = {}
+        channels: dict[str, Any] = {}
         for side in spec["sides"]:  # {"key", "runtime", "schedule", "plan"}
             if side["runtime"] == "torch":
                 try:
@@ -143,9 +153,15 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 except ValueError as refused:  # e.g. DualPipeV with fewer microbatches than stages: every rank alike
                     results[side["key"]] = {"refused": str(refused)}
             else:
-                runners[side["key"]] = ours_side(side["schedule"], rank, spec, control_group, side["plan"])
-        for runner, _ in runners.values():
-            runner.warm_up(spec["warmup"])
+                if "coordinator" in side:
+                    from model_parallel.coordinator.client import CoordinatorChannel
+
+                    channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"])
+                *runners[side["key"]], engines[side["key"]] = ours_side(
+                    side["schedule"], rank, spec, control_group, side["plan"], channels.get(side["key"]))
+        for key, (runner, _) in runners.items():
+            # A live side first trains `settle_steps` more: the coordinator sees the straggler and switches there.
+            runner.warm_up(spec["warmup"] + next((s.get("settle_steps", 0) for s in spec["sides"] if s["key"] == key), 0))
         keys = list(runners)
         for chunk in range(spec["chunks"]):
             for key in (keys if chunk % 2 == 0 else keys[::-1]):
@@ -153,6 +169,13 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
         for key, (runner, busy) in runners.items():
             results[key] = {"chunk_step_s": runner.seconds, "chunk_busy_ms": busy.busy_ms[1:],
                             "step_s": statistics.median(runner.seconds)}
+        for key, engine in engines.items():
+            versions = [(r.step, r.plan_version) for r in engine.metrics.records]
+            switches = [step for (step, v), (_, before) in zip(versions[1:], versions) if v != before]
+            results[key] |= {"switch_steps": switches, "switch_pauses_ms": engine.switch_pauses_ms,
+                             "layers": layer_counts(engine.graph, engine.plan)}
+        for channel in channels.values():
+            channel.close("benchmark finished")
     finally:
         dist.destroy_process_group()
     atomic_write_json(result_path, results)

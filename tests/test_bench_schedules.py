@@ -135,7 +135,7 @@ def test_plans_cut_equal_layer_counts_and_rebalance_away_from_the_straggler(cloc
     plan = schedules.equal_plan(graph, 8)
     assert [len(s.node_ids) for s in plan.stages] == [3] + [2] * 7  # the input rides with stage 0
     args = SimpleNamespace(forward_ms=1.0, input_ms=1.0, weight_ms=1.0, slowdown=2.0, slow_rank=1)
-    layers = [sum(1 for n in s.node_ids if n.startswith("layer")) for s in schedules.rebalanced_plan(graph, args, 4).stages]
+    layers = worlds.layer_counts(graph, schedules.rebalanced_plan(schedules.timed_graph(graph, args), args, 4))
     assert sum(layers) == 16 and layers[1] < min(layers[0], layers[2], layers[3])
     with pytest.raises(SystemExit, match="16 layers do not split into 3 equal stages"):
         schedules.equal_plan(graph, 3)
