@@ -166,3 +166,15 @@ def test_straggler_summary_against_the_ceiling_and_what_whole_layers_allow() -> 
     # static: the slow rank's 6 layers x 2 = 12; rebalanced: max(7, 3 x 2) = 7.
     assert verdict["plan_ceiling_ratio"] == pytest.approx(12 / 7)
     assert verdict["ours_static_ratio"] == pytest.approx(0.97)
+
+
+def test_straggler_summary_reads_the_live_side_detection() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "rebalanced_layers": [7, 3, 7, 7]}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 1.0},
+            {"side": "ours 1f1b rebalanced", "ratio": 1.3},
+            {"side": "ours 1f1b live", "ratio": 1.4, "switch_steps": [8, 30], "final_layers": [7, 3, 7, 7]}]
+    verdict = schedules.straggler_summary(rows, spec)
+    assert verdict["live_steps_to_detect"] == 8 and verdict["live_switch_steps"] == [8, 30]
+    assert verdict["live_ratio_vs_ceiling"] == pytest.approx(0.8)
+    rows[-1]["switch_steps"] = []
+    assert schedules.straggler_summary(rows, spec)["live_steps_to_detect"] is None
