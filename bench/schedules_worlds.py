@@ -78,13 +78,15 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
     from model_parallel.graph.plan import read_plan
     from model_parallel.runtime.stages import layer_modules
 
+    cls = getattr(pipelining, name, None)
+    if cls is None:  # an older torch (a lent GPU machine brings its own): a row that says so, not a failed world
+        raise ValueError(f"torch {torch.__version__} has no torch.distributed.pipelining.{name}")
     p = spec["p"]
     v, placement = TORCH_SCHEDULES[name]
     graph, model = load_graph(spec["graph"]), build_model(spec)
     modules = build_stages(graph, read_plan(spec["plans"][str(p * v)]), modules=layer_modules(graph, model))
     mine = stage_indices(rank, p, v, placement)
     stages = [pipelining.PipelineStage(modules[k], k, p * v, torch.device("cpu")) for k in mine]
-    cls = getattr(pipelining, name)
     schedule = cls(stages if v > 1 else stages[0], spec["m"], loss_fn=_loss)
     params = [q for k in mine for q in modules[k].parameters()]
     optimizer = torch.optim.SGD(params, lr=spec["lr"], momentum=0.9)
