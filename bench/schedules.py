@@ -25,13 +25,16 @@ the median over chunks of the same round (back to back: the same machine load); 
 `analytic_bubble` (emulated.analytic_bubble; None where no formula is given). Per world a summary:
 our best schedule over torch's 1F1B (goal >= 1.15) and over torch's best (goal >= 1.0).
 
-The straggler row (p = 4, m = 2p, rank 1's waits x `--slowdown`): torch's 1F1B keeps its static
-equal split; ours runs 1F1B on the plan the rebalancer's solver (`coordinator.solver.default_solver`)
-gives for the measured speeds — the plan the live rebalancer would switch to, given directly here
-(the live detection is not driven by this benchmark). ratio_vs_ceiling = ratio / (s x (p - 1 + 1/s) / p),
-goal >= 0.95 (1.66x at p = 4, s = 2).
+The straggler world (p = 4, m = 2p, `--straggler_layers_per_rank` 6, rank 1's waits x `--slowdown` from
+step 0 on both sides): torch's 1F1B keeps its static equal split; ours runs 1F1B on that static plan, on
+the plan the rebalancer's solver (`coordinator.solver.default_solver`) gives for the slow rank's speed,
+and live: a coordinator (auto policy) in this process, the side's workers reporting to it, which must
+detect the straggler and switch plans while training (`--settle_steps` untimed steps first; its switch
+steps are in the row). ratio_vs_ceiling = ratio / (s x (p - 1 + 1/s) / p), goal >= 0.95 (1.66x at p = 4,
+s = 2); plan_ceiling_ratio: what whole layers allow.
 
-Writes bench/results/schedules.json (atomically; `--out`; the docs quote bench/snapshot/schedules.json) and prints the table with the machine load.
+Writes bench/results/schedules.json (atomically; `--out`; the docs quote bench/snapshot/schedules.json)
+and prints the table with the machine load.
 """
 from __future__ import annotations
 
