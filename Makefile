@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/runtime.py --quick
 	$(PY) bench/machine_drift.py --seconds 20
 	$(PY) bench/rebalance.py --quick
+	$(PY) bench/schedules.py --quick
 	$(PY) bench/memory.py
 
 clean:

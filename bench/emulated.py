@@ -1,0 +1,164 @@
+"""Emulated devices: layers whose compute is a calibrated wait, and the analytic bubble of each schedule.
+
+An `EmulatedLayer` computes `x * w` (a tiny elementwise product: real autograd, real messages,
+almost no CPU) and waits a set time in each of its three parts, through autograd:
+
+    forward            waits forward_ms   (on the input's path)
+    input gradient     waits input_ms     (backward of the input's path: dL/dx)
+    weight gradient    waits weight_ms    (backward of the weight's path: dL/dw)
+
+The input and weight gradients sit on separate autograd nodes, so a schedule that splits them
+(torch's zero-bubble stages call `autograd.grad` for the inputs first and the weights later) really
+splits the wait. Waits sleep, which frees the core: with 4-8 ranks on 2 cores every rank then behaves
+like a device of its own, and a bubble or a straggler costs what it costs on dedicated accelerators.
+Each wait adds the time it actually took (perf_counter) to `BUSY`, this process's emulated busy time,
+so the busy time per rank is known for both runtimes alike. `SCALE` stretches every wait (a straggler).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Clock:
+    """This process's emulated device: `busy_ms` waited so far, each wait stretched by `scale`."""
+
+    busy_ms: float = 0.0
+    scale: float = 1.0
+
+
+BUSY = Clock()
+
+
+def wait(ms: float, clock: Clock = BUSY) -> float:
+    """Sleep `ms` x clock.scale and add the time actually waited to clock.busy_ms; returns it (ms).
+    A sleep can overshoot under load, never undershoot: counting the real wait keeps busy honest."""
+    target = ms * clock.scale
+    if target <= 0.0:
+        return 0.0
+    start = time.perf_counter()
+    time.sleep(target / 1000.0)
+    waited = (time.perf_counter() - start) * 1000.0
+    clock.busy_ms += waited
+    return waited
+
+
+class _InputPath(torch.autograd.Function):
+    """Identity on the activation: forward waits forward_ms, its backward (dL/dx) waits input_ms."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_ms: float, input_ms: float) -> torch.Tensor:
+        ctx.input_ms = input_ms
+        wait(forward_ms)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        wait(ctx.input_ms)
+        return grad, None, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """Identity on the weight: its backward (dL/dw) waits weight_ms."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, weight_ms: float) -> torch.Tensor:
+        ctx.weight_ms = weight_ms
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        wait(ctx.weight_ms)
+        return grad, None
+
+
+class EmulatedLayer(nn.Module):
+    """`x * w` (w: `width` ones) that waits forward_ms / input_ms / weight_ms in forward / dL/dx / dL/dw."""
+
+    def __init__(self, width: int, forward_ms: float, input_ms: float, weight_ms: float) -> None:
+        super().__init__()
+        if min(forward_ms, input_ms, weight_ms) < 0:
+            raise ValueError(f"waits must be >= 0 ms, got forward {forward_ms}, input {input_ms}, weight {weight_ms}")
+        self.width, self.forward_ms, self.input_ms, self.weight_ms = width, forward_ms, input_ms, weight_ms
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InputPath.apply(x, self.forward_ms, self.input_ms) * _WeightPath.apply(self.weight, self.weight_ms)
+
+    def extra_repr(self) -> str:
+        return f"{self.width}, forward_ms={self.forward_ms}, input_ms={self.input_ms}, weight_ms={self.weight_ms}"
+
+
+class EmulatedModel(nn.Module):
+    """`num_layers` EmulatedLayers under flat names `layer0..` (uniform cost: any split is a count of layers)."""
+
+    def __init__(self, num_layers: int, width: int, forward_ms: float, input_ms: float, weight_ms: float) -> None:
+        super().__init__()
+        self.num_layers = num_layers
+        for index in range(num_layers):
+            setattr(self, f"layer{index}", EmulatedLayer(width, forward_ms, input_ms, weight_ms))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index in range(self.num_layers):
+            x = getattr(self, f"layer{index}")(x)
+        return x
+
+
+# ----------------------------------------------------------------------------- analytic bubbles
+# Times per rank and microbatch (all of a rank's stages together): f forward, b input gradient, w weight
+# gradient. Bubble = idle share of one step on a rank, in steady pipelines with equal stages:
+#   GPipe, 1F1B (Huang et al. 2019; Narayanan et al. 2021):   (p-1) / (m + p-1)
+#   interleaved 1F1B, looped BFS, v stages per rank (Narayanan et al. 2021, "Efficient large-scale
+#     language model training", section 2.2; Lamy-Poirier 2023 for BFS):   (p-1) / (v m + p-1)
+#   ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", table 1): idle (p-1)(f+b-w)
+#   ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): idle (p-1)(f+b-2w)/v, v = 2
+#     chunks per rank, whose per-chunk times are f/v, b/v, w/v
+#   torch's interleaved zero bubble: ZB-H1's idle over v chunks (an approximation; no published closed form)
+#   DualPipeV and pipedream (no flush): none given (None).
+
+@dataclass(frozen=True)
+class BubbleCase:
+    """A schedule's shape for the analytic bubble: p ranks, m microbatches, v stages per rank, f/b/w ms."""
+
+    kind: str  # "flush" | "interleaved" | "zb_h1" | "zb_interleaved" | "zb_v" | "none"
+    p: int
+    m: int
+    v: int = 1
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+
+
+def analytic_bubble(case: BubbleCase) -> Optional[float]:
+    """The idle share of a step per rank (0..1) for `case`, or None where no formula is given."""
+    p, m, v, f, b, w = case.p, case.m, case.v, case.f, case.b, case.w
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
+    work = m * (f + b + w)
+    if case.kind == "flush":
+        idle = (p - 1) * (f + b + w)
+    elif case.kind == "interleaved":
+        idle = (p - 1) * (f + b + w) / v
+    elif case.kind == "zb_h1":
+        idle = (p - 1) * max(f + b - w, 0.0)
+    elif case.kind == "zb_interleaved":
+        idle = (p - 1) * max(f + b - w, 0.0) / v
+    elif case.kind == "zb_v":
+        idle = (p - 1) * max(f + b - 2 * w, 0.0) / v
+    elif case.kind == "none":
+        return None
+    else:
+        raise ValueError(f"unknown bubble kind {case.kind!r}")
+    return idle / (work + idle)
+
+
+def straggler_ceiling(p: int, slowdown: float) -> float:
+    """The share of its speed a p-rank pipeline can keep when one rank runs `slowdown` x slower: (p - 1 + 1/s) / p."""
+    if p < 1 or slowdown < 1.0:
+        raise ValueError(f"need p >= 1 and slowdown >= 1, got p={p}, slowdown={slowdown}")
+    return (p - 1 + 1.0 / slowdown) / p

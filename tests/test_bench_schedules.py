@@ -1,0 +1,181 @@
+"""bench/schedules.py's arithmetic: the analytic bubbles, the emulated layer's waits, stage placement, plans."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    """A bench/ module by name; bench/ is on the path only while it loads (it also holds profiler.py, models.py ...)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+emulated = _load("emulated")
+schedules = _load("schedules")
+worlds = _load("schedules_worlds")
+
+
+class FakeTime:
+    """perf_counter and sleep on a clock that moves only when slept on: each sleep overshoots by `overshoot` s."""
+
+    def __init__(self, overshoot: float = 0.0) -> None:
+        self.now, self.overshoot, self.sleeps = 0.0, overshoot, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds + self.overshoot
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(emulated, "time", fake)
+    monkeypatch.setattr(emulated.BUSY, "busy_ms", 0.0)
+    monkeypatch.setattr(emulated.BUSY, "scale", 1.0)
+    return fake
+
+
+def test_flush_schedules_idle_p_minus_1_of_m_plus_p_minus_1() -> None:
+    case = emulated.BubbleCase
+    assert emulated.analytic_bubble(case("flush", p=4, m=4)) == pytest.approx(3 / 7)
+    assert emulated.analytic_bubble(case("flush", p=4, m=8)) == pytest.approx(3 / 11)
+    assert emulated.analytic_bubble(case("flush", p=8, m=16, f=1, b=2, w=5)) == pytest.approx(7 / 23)
+    assert emulated.analytic_bubble(case("flush", p=1, m=3)) == 0.0
+
+
+def test_interleaving_divides_the_idle_by_the_stages_per_rank() -> None:
+    assert emulated.analytic_bubble(emulated.BubbleCase("interleaved", p=4, m=4, v=2)) == pytest.approx(3 / 11)
+
+
+def test_zero_bubble_formulas_on_literal_times() -> None:
+    case = emulated.BubbleCase
+    # ZB-H1: idle (p-1)(f+b-w) = 3 x 1; work m(f+b+w) = 4 x 3.
+    assert emulated.analytic_bubble(case("zb_h1", p=4, m=4, f=1, b=1, w=1)) == pytest.approx(3 / 15)
+    assert emulated.analytic_bubble(case("zb_interleaved", p=4, m=4, v=2, f=1, b=1, w=1)) == pytest.approx(1.5 / 13.5)
+    # ZB-V: (p-1)(f+b-2w)/v: zero when w = (f+b)/2, and never negative.
+    assert emulated.analytic_bubble(case("zb_v", p=4, m=4, v=2, f=1, b=1, w=1)) == 0.0
+    assert emulated.analytic_bubble(case("zb_v", p=4, m=4, v=2, f=2, b=2, w=1)) == pytest.approx(3.0 / 23.0)
+    assert emulated.analytic_bubble(case("none", p=4, m=4)) is None
+
+
+def test_bad_bubble_cases_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown bubble kind 'zb_h3'"):
+        emulated.analytic_bubble(emulated.BubbleCase("zb_h3", p=4, m=4))
+    with pytest.raises(ValueError, match="p, m and v must be >= 1, got p=4, m=0, v=1"):
+        emulated.analytic_bubble(emulated.BubbleCase("flush", p=4, m=0))
+
+
+def test_straggler_ceiling() -> None:
+    assert emulated.straggler_ceiling(4, 2.0) == pytest.approx(0.875)
+    assert 2.0 * emulated.straggler_ceiling(4, 2.0) * 0.95 == pytest.approx(1.6625)  # the issue's 1.6x at p=4, s=2
+    with pytest.raises(ValueError, match="slowdown >= 1"):
+        emulated.straggler_ceiling(4, 0.5)
+
+
+def test_wait_counts_what_it_actually_waited_and_scales(clock) -> None:
+    timer = emulated.Clock(scale=2.0)
+    clock.overshoot = 0.0005  # a sleep overshoots by 0.5 ms: busy counts it
+    assert emulated.wait(3.0, timer) == pytest.approx(6.5)
+    assert clock.sleeps == [pytest.approx(0.006)]
+    assert timer.busy_ms == pytest.approx(6.5)
+    assert emulated.wait(0.0, timer) == 0.0 and len(clock.sleeps) == 1  # no wait, no sleep
+
+
+def test_layer_waits_forward_input_and_weight_gradients_on_separate_nodes(clock) -> None:
+    layer = emulated.EmulatedLayer(4, forward_ms=1.0, input_ms=2.0, weight_ms=5.0)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = layer(x)
+    assert emulated.BUSY.busy_ms == pytest.approx(1.0)
+    assert torch.equal(y, x)  # weight of ones: the activation passes unchanged
+    # torch's zero-bubble stages: dL/dx first (stage_backward_input), dL/dw later (stage_backward_weight).
+    (grad_x,) = torch.autograd.grad(y.sum(), [x], retain_graph=True)
+    assert emulated.BUSY.busy_ms == pytest.approx(3.0)
+    (grad_w,) = torch.autograd.grad(y.sum(), [layer.weight])
+    assert emulated.BUSY.busy_ms == pytest.approx(8.0)
+    assert torch.equal(grad_x, torch.ones(3, 4)) and torch.allclose(grad_w, x.detach().sum(0))
+
+
+def test_plain_backward_waits_both_gradients(clock) -> None:
+    model = emulated.EmulatedModel(3, 4, forward_ms=1.0, input_ms=2.0, weight_ms=3.0)
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert emulated.BUSY.busy_ms == pytest.approx(3 * (1.0 + 2.0 + 3.0))
+
+
+def test_negative_waits_are_refused() -> None:
+    with pytest.raises(ValueError, match="waits must be >= 0 ms, got forward -1"):
+        emulated.EmulatedLayer(4, -1.0, 0.0, 0.0)
+
+
+def test_stage_placement_looped_and_v() -> None:
+    assert worlds.stage_indices(1, 4, 1, "loop") == [1]
+    assert worlds.stage_indices(1, 4, 2, "loop") == [1, 5]
+    assert worlds.stage_indices(0, 4, 2, "v") == [0, 7]
+    assert worlds.stage_indices(3, 4, 2, "v") == [3, 4]
+
+
+def test_plans_cut_equal_layer_counts_and_rebalance_away_from_the_straggler(clock) -> None:
+    from model_parallel.profiler.trace import trace_model
+
+    model = emulated.EmulatedModel(16, 4, 1.0, 1.0, 1.0)
+    graph, _ = trace_model(model, (torch.zeros(2, 4),), (emulated.EmulatedLayer,), route="fx")
+    plan = schedules.equal_plan(graph, 8)
+    assert [len(s.node_ids) for s in plan.stages] == [3] + [2] * 7  # the input rides with stage 0
+    args = SimpleNamespace(forward_ms=1.0, input_ms=1.0, weight_ms=1.0, slowdown=2.0, slow_rank=1)
+    layers = worlds.layer_counts(graph, schedules.rebalanced_plan(schedules.timed_graph(graph, args), args, 4))
+    assert sum(layers) == 16 and layers[1] < min(layers[0], layers[2], layers[3])
+    with pytest.raises(SystemExit, match="16 layers do not split into 3 equal stages"):
+        schedules.equal_plan(graph, 3)
+
+
+def test_summary_compares_our_best_with_torch_1f1b_and_torch_best() -> None:
+    def row(runtime, schedule, steps, ratio, bubble=0.3, analytic=0.25):
+        return {"p": 4, "m": 8, "runtime": runtime, "schedule": schedule, "side": f"{runtime} {schedule}",
+                "steps_per_s": steps, "ratio": ratio, "bubble": bubble, "analytic_bubble": analytic}
+
+    # Best by ratio (chunk pairs), not by steps/s: ours gpipe has the higher median steps/s but the lower ratio.
+    rows = [row("torch", "Schedule1F1B", 2.0, 1.0), row("torch", "ScheduleZBVZeroBubble", 2.5, 1.25, analytic=None),
+            row("ours", "1f1b", 2.2, 1.1), row("ours", "gpipe", 2.3, 0.9)]
+    verdict = schedules.summary(rows)
+    assert verdict["ours_best"] == "1f1b" and verdict["torch_best"] == "ScheduleZBVZeroBubble"
+    assert verdict["best_vs_torch_1f1b"] == pytest.approx(1.1)
+    assert verdict["best_vs_torch_best"] == pytest.approx(1.1 / 1.25)
+    assert verdict["bubble_error_points"]["ours 1f1b"] == pytest.approx(5.0)
+    assert "torch ScheduleZBVZeroBubble" not in verdict["bubble_error_points"]
+
+
+def test_straggler_summary_against_the_ceiling_and_what_whole_layers_allow() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "rebalanced_layers": [7, 3, 7, 7]}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 0.97},
+            {"side": "ours 1f1b rebalanced", "ratio": 1.4}]
+    verdict = schedules.straggler_summary(rows, spec)
+    assert verdict["ceiling_ratio"] == pytest.approx(1.75)
+    assert verdict["ratio_vs_ceiling"] == pytest.approx(1.4 / 1.75)
+    # static: the slow rank's 6 layers x 2 = 12; rebalanced: max(7, 3 x 2) = 7.
+    assert verdict["plan_ceiling_ratio"] == pytest.approx(12 / 7)
+    assert verdict["ours_static_ratio"] == pytest.approx(0.97)
+
+
+def test_straggler_summary_reads_the_live_side_detection() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "rebalanced_layers": [7, 3, 7, 7]}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 1.0},
+            {"side": "ours 1f1b rebalanced", "ratio": 1.3},
+            {"side": "ours 1f1b live", "ratio": 1.4, "switch_steps": [8, 30], "final_layers": [7, 3, 7, 7]}]
+    verdict = schedules.straggler_summary(rows, spec)
+    assert verdict["live_steps_to_detect"] == 8 and verdict["live_switch_steps"] == [8, 30]
+    assert verdict["live_ratio_vs_ceiling"] == pytest.approx(0.8)
+    rows[-1]["switch_steps"] = []
+    assert schedules.straggler_summary(rows, spec)["live_steps_to_detect"] is None
