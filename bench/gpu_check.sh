@@ -76,7 +76,7 @@ run_section multi 120 "$PY" -m torch.distributed.run --standalone --nproc_per_no
     --model gpt2 --steps 5 --check
 run_section runtime 180 "$PY" bench/runtime.py --quick --models mlp,resnet50 --schedules 1f1b --out "$OUTDIR/runtime.json"
 if [ -f bench/schedules.py ]; then
-    run_section emulated 120 "$PY" bench/schedules.py --quick --out "$OUTDIR/schedules.json"
+    run_section emulated 240 "$PY" bench/schedules.py --quick --out "$OUTDIR/schedules.json"
 else
     printf 'emulated\tnot-in-tree\t0\n' >>"$ROWS"
 fi

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from support import REPO
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = REPO / "bench"
 
 
 def _load(name: str):
