@@ -26,6 +26,7 @@ LOGS="$SCRATCH/logs"
 mkdir -p "$LOGS"
 ROWS="$LOGS/sections.tsv"
 : >"$ROWS"
+: >"$OUTDIR/gpu_check.log"
 
 run_section() {  # name limit_s command...
     local name=$1 limit=$2
@@ -38,6 +39,8 @@ run_section() {  # name limit_s command...
     end=$(date +%s%N)
     printf '%s\t%s\t%s\n' "$name" "$rc" "$(( (end - start) / 1000000000 ))" >>"$ROWS"
     tail -n 4 "$LOGS/$name.log" | sed "s/^/   [$name] /"
+    # Appended as each section ends: a run cut off by its time limit still returns what it did.
+    { printf '\n===== %s (exit %s) =====\n' "$name" "$rc"; cat "$LOGS/$name.log"; } >>"$OUTDIR/gpu_check.log"
 }
 
 run_section env 60 "$PY" -c '
@@ -76,12 +79,11 @@ run_section multi 120 "$PY" -m torch.distributed.run --standalone --nproc_per_no
     --model gpt2 --steps 5 --check
 run_section runtime 180 "$PY" bench/runtime.py --quick --models mlp,resnet50 --schedules 1f1b --out "$OUTDIR/runtime.json"
 if [ -f bench/schedules.py ]; then
-    run_section emulated 240 "$PY" bench/schedules.py --quick --out "$OUTDIR/schedules.json"
+    run_section emulated 150 "$PY" bench/schedules.py --quick --out "$OUTDIR/schedules.json"
 else
     printf 'emulated\tnot-in-tree\t0\n' >>"$ROWS"
 fi
 
-for f in "$LOGS"/*.log; do printf '\n===== %s =====\n' "$(basename "$f" .log)"; cat "$f"; done >"$OUTDIR/gpu_check.log"
 "$PY" - "$OUTDIR" "$LOGS" "$SCRATCH" <<'PYEOF'
 import json, sys
 from pathlib import Path
