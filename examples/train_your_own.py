@@ -7,6 +7,7 @@ Run it from a scratch directory: it writes train.bin, val.bin and my-gpt/ there.
 `argparse.py` as bytes (vocabulary 256: nothing is downloaded). Without torchrun every stage runs in this
 process. The code below is the README's snippet, line for line (tests/integration/test_demo_lm.py checks).
 """
+
 import argparse, inspect, os
 import numpy as np, torch, torch.distributed as dist, transformers
 from torch.utils.data import TensorDataset
@@ -18,24 +19,20 @@ if "RANK" in os.environ:  # under torchrun: one pipeline stage per process (else
 text = np.frombuffer(inspect.getsource(argparse).encode(), np.uint8).astype(np.uint16)  # real text, byte tokens
 atomic_write("train.bin", text[:-8192].tofile, binary=True); atomic_write("val.bin", text[-8192:].tofile, binary=True)
 
-def windows(path, seq_len=64):  # a nanoGPT-style token file -> (input ids, next-token targets) pairs
-    ids = torch.from_numpy(np.fromfile(path, np.uint16).astype(np.int64))
-    n = (len(ids) - 1) // seq_len
-    return TensorDataset(ids[:n * seq_len].view(n, seq_len), ids[1:n * seq_len + 1].view(n, seq_len))
+def windows(path, T=64):  # a nanoGPT-style token file -> T-token inputs and their next-token targets
+    ids = torch.from_numpy(np.fromfile(path, np.uint16).astype(np.int64)).unfold(0, T + 1, T)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
 
 torch.manual_seed(0)  # every rank builds the same initial weights
-config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
-                                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=10, eos_token_id=10)  # b"\n" ends a line
-model = transformers.AutoModelForCausalLM.from_config(config)
-validation = windows("val.bin")
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+    n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=10, eos_token_id=10))  # b"\n" ends a line
+val_data = windows("val.bin")
 trainer = PipelineTrainer(model, lambda p: torch.optim.AdamW(p, lr=3e-3), windows("train.bin"),
-                          TrainConfig(batch_size=16, num_microbatches=4), eval_data=validation,
+                          TrainConfig(batch_size=16, num_microbatches=4), eval_data=val_data,
                           memory_per_worker=100e6, options=RunOptions(eval_every=50, eval_steps=4))
-val = [trainer.evaluate(validation, 4).loss] + [r.extra["val_loss"] for r in trainer.train(200) if "val_loss" in r.extra]
-out = trainer.save_pretrained("my-gpt")  # rank 0 writes the directory; the other ranks get None
-if out is not None:
-    print(f"validation loss {val[0]:.3f} -> {val[-1]:.3f}; wrote {out}")
+val = [trainer.evaluate(val_data, 4).loss] + [r.extra["val_loss"] for r in trainer.train(200) if "val_loss" in r.extra]
+if (out := trainer.save_pretrained("my-gpt")) is not None:  # rank 0 writes the directory, the others get None
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
-    prompt = torch.tensor([list(b"def parse_args(")])
-    print(bytes(model.generate(prompt, max_new_tokens=40, do_sample=False)[0].tolist()).decode(errors="replace"))
+    ids = model.generate(torch.tensor([list(b"def parse_args(")]), max_new_tokens=40, do_sample=False)
+    print(f"validation loss {val[0]:.3f} -> {val[-1]:.3f}:", bytes(ids[0].tolist()).decode(errors="replace"))
 trainer.close()
