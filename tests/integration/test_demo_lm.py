@@ -47,6 +47,7 @@ def test_write_tokens_is_deterministic_bytes_of_python_sources(tmp_path: Path) -
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_lm_learns_exports_and_generates(tmp_path: Path) -> None:
+    import model_parallel  # noqa: F401  (before transformers: repairs its torchvision import on CPU-only torch)
     import transformers
 
     out = tmp_path / "run"
