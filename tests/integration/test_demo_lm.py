@@ -61,3 +61,31 @@ def test_demo_lm_learns_exports_and_generates(tmp_path: Path) -> None:
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert summary["generated"].startswith(summary["prompt"]) and len(summary["generated"]) > len(summary["prompt"])
     assert f"{summary['generated']!r}" in output
+
+
+def _readme_commands() -> str:
+    readme = (REPO / "README.md").read_text()
+    found = re.search(r"```bash\n(.*?)```", readme[readme.index(SECTION):], re.S)
+    assert found, f"no ```bash block under {SECTION!r}"
+    return found.group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_readme_python_and_command_lines_run_as_written(tmp_path: Path) -> None:
+    """The example (= the README's Python) under torchrun, then the README's command lines on the token files it wrote."""
+    import os
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    output = run_to_completion([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                str(REPO / "examples" / "train_your_own.py")], tmp_path, env, timeout=400)
+    first, last = (float(x) for x in re.search(r"validation loss ([0-9.]+) -> ([0-9.]+): def parse_args\(", output).groups())
+    assert last < first, output[-3000:]
+    run_to_completion(["bash", "-ec", _readme_commands()], tmp_path, env, timeout=400, what="the README's command lines")
+    import model_parallel  # noqa: F401  (before transformers: repairs its torchvision import on CPU-only torch)
+    import transformers
+
+    for directory in ("my-gpt", "my-gpt-cli"):
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / directory, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (directory, info)
