@@ -130,6 +130,15 @@ def validation_losses(metrics: Path) -> list[tuple[int, float]]:
     return found
 
 
+def judge(losses: Sequence[tuple[int, float]]) -> tuple[bool, str]:
+    """(whether the validation loss fell from the first validation to the last, the line that says so)."""
+    if len(losses) < 2:
+        return False, f"{len(losses)} validation(s): need two to see the loss fall (raise --steps or lower --eval-every)"
+    (first_step, first), (last_step, last) = losses[0], losses[-1]
+    change = f"{first:.4f} at step {first_step} -> {last:.4f} at step {last_step}"
+    return (True, f"validation loss fell: {change}") if last < first else (False, f"validation loss did not fall: {change}")
+
+
 def generate_line(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
     """Reload the export with `from_pretrained` (refusing missing or unexpected keys) and continue `prompt` greedily."""
     import torch
@@ -192,17 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                  "model": str(model_dir), "prompt": args.prompt, "generated": line,
                                                  "args": vars(args)})
     print(f"  generated (from_pretrained({_relative(model_dir)}), greedy): {line!r}")
-    if len(losses) < 2:
-        print(f"demo-lm: {len(losses)} validation(s) in {metrics / 'rank0.jsonl'}; need two to see the loss fall "
-              "(raise --steps or lower --eval-every)", file=sys.stderr)
-        return 1
-    (first_step, first), (last_step, last) = losses[0], losses[-1]
-    print(f"validation loss fell: {first:.4f} at step {first_step} -> {last:.4f} at step {last_step}")
-    if not last < first:
-        print(f"demo-lm: the validation loss did not fall ({first:.4f} -> {last:.4f}); see {logs / 'train.log'}",
-              file=sys.stderr)
-        return 1
-    return 0
+    fell, verdict = judge(losses)
+    print(verdict if fell else f"demo-lm: {verdict}; see {logs / 'train.log'}", file=sys.stdout if fell else sys.stderr)
+    return 0 if fell else 1
 
 
 def _relative(path: Path) -> str:

@@ -44,6 +44,14 @@ def test_write_tokens_is_deterministic_bytes_of_python_sources(tmp_path: Path) -
     assert b"class ArgumentParser" in ids.astype(np.uint8).tobytes()  # real text: argparse.py's source
 
 
+def test_judge_passes_only_a_falling_validation_loss() -> None:
+    from model_parallel.cli.demo_lm import judge
+
+    assert judge([(9, 3.0), (19, 3.5), (29, 2.5)]) == (True, "validation loss fell: 3.0000 at step 9 -> 2.5000 at step 29")
+    assert judge([(9, 3.0), (19, 3.0)]) == (False, "validation loss did not fall: 3.0000 at step 9 -> 3.0000 at step 19")
+    assert judge([(9, 3.0)])[0] is False and "need two" in judge([(9, 3.0)])[1]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_lm_learns_exports_and_generates(tmp_path: Path) -> None:
