@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser, configure_logging
-from model_parallel.cli.demo import MODEL_PARALLEL, run_step
+from model_parallel.cli.demo import MODEL_PARALLEL, REPO_ROOT, run_step
 from model_parallel.errors import ConfigError, DataError, ModelParallelError, PeerError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # where `runs/` goes, as for `make demo`
 # Real text shipped with Python: these standard-library modules' sources, in this order (deterministic for
 # one Python version). About 120 kB: two passes of the default run.
 TEXT_MODULES = ("argparse", "textwrap")
