@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SEARCH_STAMP := $(VENV)/.search-extra
 
-.PHONY: demo test test-fast bench clean setup
+.PHONY: demo demo-lm test test-fast bench clean setup
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): requirements.txt pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m model_parallel.cli.main demo $(DEMO_ARGS)
+
+# A demo that learns: a tiny GPT-2 on Python's own sources, validation loss falling, exported and reloaded.
+demo-lm: $(STAMP)
+	$(PY) -m model_parallel.cli.main demo-lm $(DEMO_ARGS)
 
 # The tests also install the optional `search` extra (numba): the three-level proof's tests then run
 # compiled. Without it they pass too, as plain Python (about 10 more minutes on 2 cores); the package

@@ -46,6 +46,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "ctl": Subcommand("model_parallel.cli.ctl",
                       "talk to a running coordinator: status | rebalance | set-plan FILE | scale --workers K | slow"),
     "demo": Subcommand("model_parallel.cli.demo", "the whole workflow on this machine, with a straggler and a live rebalance"),
+    "demo-lm": Subcommand("model_parallel.cli.demo_lm",
+                          "a small GPT-2 learns Python's own sources: validation loss falls, export, from_pretrained, a line"),
     "export": Subcommand("model_parallel.cli.export",
                          "a checkpoint out as the original model's state dict or a Hugging Face directory (no workers)",
                          verbose_flag=False),
