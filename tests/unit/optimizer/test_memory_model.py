@@ -19,7 +19,7 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.optimizer_graph_hierarchical import main as optimizer_main
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
-from model_parallel.runtime.memory_probe import state_bytes
+from model_parallel.runtime.observe.memory_probe import state_bytes
 
 
 def test_multipliers_by_optimizer_and_schedule():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import CheckpointError
-from model_parallel.runtime import checkpoint as ckpt
+from model_parallel.runtime.checkpoint import store as ckpt
 
 torch.set_num_threads(1)
 
@@ -289,7 +289,7 @@ def test_commit_fsyncs_the_directory_after_moving_latest(tmp_path, monkeypatch):
 
 
 def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
-    from model_parallel.runtime.checkpoint_commit import prune
+    from model_parallel.runtime.checkpoint.commit import prune
 
     fingerprint = ckpt.model_fingerprint(_model())
     stages = _split(_model(), [2, 3])

@@ -15,16 +15,16 @@ from model_parallel.errors import ModelParallelError, PeerError, ProtocolError
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, ScriptedChannel, StepReport
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime import message_header
+from model_parallel.runtime.wire import message_header
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.health import Health
+from model_parallel.runtime.wire.health import Health
 from model_parallel.runtime.launch import launch
-from model_parallel.runtime.migration import plan_transfers
-from model_parallel.runtime.stages import even_plan, layer_owners
+from model_parallel.runtime.wire.migration import plan_transfers
+from model_parallel.runtime.build.stages import even_plan, layer_owners
 from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
-from model_parallel.runtime.update import clip_coefficient, lr_factor
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.step.update import clip_coefficient, lr_factor
+from model_parallel.runtime.build.zoo import recipe
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,7 @@ def test_graph_file_and_imagefolder_in_single_process_mode(tmp_path, capsys):
     from PIL import Image
 
     from model_parallel.graph.io import save_graph
-    from model_parallel.runtime.data import ImageFolderData
+    from model_parallel.runtime.data.batches import ImageFolderData
     from model_parallel.cli.worker import main
 
     for label in ("cat", "dog"):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.comm import wait_work
+from model_parallel.runtime.wire.comm import wait_work
 from model_parallel.runtime.config import TrainConfig
 
 PARTS = ("graph", "plan", "config")

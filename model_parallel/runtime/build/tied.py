@@ -31,7 +31,7 @@ from model_parallel.codegen.ties import check_ties, split_ties
 from model_parallel.errors import TiedParameterError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime import comm
+from model_parallel.runtime.wire import comm
 
 PIPEDREAM_REASON = ("the pipedream schedule updates each stage after every microbatch, at different times, so copies on "
                     "different stages cannot stay one parameter; use the 1f1b or gpipe schedule")
@@ -63,7 +63,7 @@ def plan_ties(graph: Graph, plan: Plan) -> tuple[SplitTie, ...]:
 
 def check_trainable(ties: tuple[SplitTie, ...], modules: Mapping[str, Any]) -> None:
     """Refuse a split tie of a buffer (a module may update it in forward, on one stage only), on every
-    rank alike: `modules` is the whole model's layer objects (runtime.stages.layer_modules)."""
+    rank alike: `modules` is the whole model's layer objects (runtime.build.stages.layer_modules)."""
     for tie in ties:
         stage, path = tie.paths[0]
         layer, _, rest = path.partition(".")

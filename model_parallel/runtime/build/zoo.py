@@ -1,6 +1,6 @@
 """Built-in models the worker command line can train by name (`--model mlp|resnet18|gpt`).
 
-Each recipe builds the model (on meta for a job, see runtime/materialize.py; with values by the
+Each recipe builds the model (on meta for a job, see runtime/build/materialize.py; with values by the
 per-layer init rule for a reference), the loss, an example input for tracing and a synthetic
 dataset of matching shape.
 """
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.errors import ModelParallelError
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.data.batches import SyntheticData
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Recipe:
 
     def model(self, seed: int) -> nn.Module:
         """The model with the values every pipeline run of this seed gives it (the per-layer init rule)."""
-        from model_parallel.runtime.materialize import materialize_model
+        from model_parallel.runtime.build.materialize import materialize_model
 
         return materialize_model(self.meta_model(), seed)
 

@@ -7,7 +7,7 @@
 A layer (a call_module target or a get_attr tensor, named by `codegen.naming.layer_name`) gets its
 values from, in this order:
 
-1. a `ValueSource` (our layer-keyed checkpoint, safetensors files: `runtime/weights.py`), by stage
+1. a `ValueSource` (our layer-keyed checkpoint, safetensors files: `runtime/build/weights.py`), by stage
    state-dict key (`blocks_0_fc.weight`), reading only the keys of the layers being built;
 2. otherwise the init rule: under a CPU generator seeded with `layer_seed(seed, layer_name)`, the
    user's `init_weights(layer, layer_name)` hook if given; else, for a Hugging Face `PreTrainedModel`,
@@ -333,7 +333,7 @@ def materialize_model(
     """Give every meta tensor of `model` the values the pipeline gives it (same rule, same seeds, the
     same default hook for a Hugging Face model), in place; layers from `graph` when given, else
     `default_layers(model)`. Returns the model."""
-    from model_parallel.runtime.stages import layer_modules
+    from model_parallel.runtime.build.stages import layer_modules
 
     layers = dict(layer_modules(graph, model) if graph is not None else default_layers(model))
     paths = {layer_name(t): t for t in _tensor_paths(model)}

@@ -52,7 +52,7 @@ class Prefetcher:
         return getattr(self.dataset, name)
 
     def attach_tracer(self, tracer: Any) -> None:
-        """Record "prepare" / "data wait" spans into `tracer` (a `runtime.tracing.Tracer`)."""
+        """Record "prepare" / "data wait" spans into `tracer` (a `runtime.observe.tracing.Tracer`)."""
         self.tracer = tracer
         # Register the lanes here, on the caller's thread, before the background thread records.
         for lane in ("data", "data wait"):

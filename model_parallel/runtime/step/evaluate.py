@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from model_parallel.errors import ConfigError, PeerError
-from model_parallel.runtime import comm
-from model_parallel.runtime.data import minibatch_parts
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.data.batches import minibatch_parts
 
 Metric = Callable[[Any, torch.Tensor], Any]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from model_parallel.runtime.rotation import rotate
+from model_parallel.runtime.observe.rotation import rotate
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A running engine's checkpoint glue: the model fingerprint, restoring a rank's stage from the latest
 checkpoint (whatever partition wrote it), and what a run does with its checkpoint directory at start.
-Writing and committing is `checkpoint_commit.save_and_commit`; the format is `checkpoint.py`."""
+Writing and committing is `commit.save_and_commit`; the format is `store.py`."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from model_parallel.graph.core import Graph
-from model_parallel.runtime.training_record import check_resume
+from model_parallel.runtime.checkpoint.training_record import check_resume
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 def fingerprint(graph: Graph, model: nn.Module) -> str:
     """The model's parameter names (as stage modules name them), shapes and dtypes, hashed."""
     from model_parallel.codegen.naming import state_key_map
-    from model_parallel.runtime.checkpoint import model_fingerprint
-    from model_parallel.runtime.tied import without_aliases
+    from model_parallel.runtime.checkpoint.store import model_fingerprint
+    from model_parallel.runtime.build.tied import without_aliases
 
     # A traced model has original names (`0.weight`); one rebuilt from a graph already has stage names.
     # A tied tensor counts once, under the key checkpoints store it by (tied.stored_keys).
@@ -33,7 +33,7 @@ def restore(engine: Any) -> int:
     the same on all), instead of leaving its peers to time out and blame the wrong rank; then the copies
     of a tie split across stages are checked to agree."""
     from model_parallel.errors import CheckpointError, ConfigError
-    from model_parallel.runtime.checkpoint_commit import agree
+    from model_parallel.runtime.checkpoint.commit import agree
 
     error, next_step, step, changed = None, 0, None, None
     try:
@@ -55,8 +55,8 @@ def restore(engine: Any) -> int:
 
 def _restore_stage(engine: Any) -> tuple[int, int]:
     """This rank's part of restore: (the checkpoint's step, the step to continue from)."""
-    from model_parallel.runtime import checkpoint as ckpt
-    from model_parallel.runtime.tied import stored_keys
+    from model_parallel.runtime.checkpoint import store as ckpt
+    from model_parallel.runtime.build.tied import stored_keys
 
     checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
     next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
@@ -82,11 +82,11 @@ def prepare(engine: Any, start_step: int) -> int:
     if not directory:
         return start_step
     if engine.rank == 0:
-        from model_parallel.runtime.checkpoint_commit import prune
+        from model_parallel.runtime.checkpoint.commit import prune
 
         prune(directory)  # leftovers of a run killed mid-checkpoint
     if engine.options.resume:
-        from model_parallel.runtime.checkpoint import latest_step
+        from model_parallel.runtime.checkpoint.store import latest_step
 
         if latest_step(directory) is not None:
             start_step = engine.load_checkpoint()

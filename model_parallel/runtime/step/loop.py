@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model_parallel.runtime import engine_checkpoint
-from model_parallel.runtime.metrics import StepLog
+from model_parallel.runtime.checkpoint import resume
+from model_parallel.runtime.observe.metrics import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
     `steps`. A stop command ends it early: then `engine.stop_reason` says why; `engine.next_step`
     is how far it got."""
     opts = engine.options
-    start_step = engine_checkpoint.prepare(engine, start_step)
+    start_step = resume.prepare(engine, start_step)
     progress = _progress_bar(steps, start_step) if engine.rank == 0 and opts.progress else None
     step = engine.next_step = engine.start_step = start_step
     step_log = StepLog(start_step, steps - 1)

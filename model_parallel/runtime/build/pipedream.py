@@ -148,9 +148,9 @@ def load_pipedream_package(directory: Path, seed: int = 0, input_shape: Optional
                             f"(nn.Module, [input names], [output names]): {str(entry)[:80]}")
     if not entries:
         raise PlanError(f"{directory / '__init__.py'}: model(criterion) returned no stage modules")
-    # The init rule of every other path (runtime/materialize.py): each layer under a seed of (seed, its
+    # The init rule of every other path (runtime/build/materialize.py): each layer under a seed of (seed, its
     # name), so a package generated here starts exactly where its graph.json would.
-    from model_parallel.runtime.materialize import init_layer
+    from model_parallel.runtime.build.materialize import init_layer
 
     for module, _, _ in entries:
         for name, child in module.named_children():

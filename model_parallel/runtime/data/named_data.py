@@ -1,5 +1,5 @@
 """Synthetic minibatches for a model of several named inputs (`input_ids` + `attention_mask`, ...), keyed
-by (seed, step) like `runtime.data.SyntheticData`, so a graph profiled with keyword inputs trains from the
+by (seed, step) like `runtime.data.batches.SyntheticData`, so a graph profiled with keyword inputs trains from the
 command line: every input the graph records gets a value of its dtype and per-sample shape."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from model_parallel.errors import DataError
-from model_parallel.runtime.data import _generator
+from model_parallel.runtime.data.batches import _generator
 
 _ONES = ("attention_mask", "decoder_attention_mask", "pixel_mask")  # a mask of ones: no padding
 _ZEROS = ("token_type_ids",)

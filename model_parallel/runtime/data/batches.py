@@ -1,5 +1,5 @@
 """Minibatches keyed by (seed, step): deterministic synthetic data, or a real ImageFolder (a user's
-Dataset, iterable, DataLoader or token file: `runtime.sources`).
+Dataset, iterable, DataLoader or token file: `runtime.data.sources`).
 
 Only stage 0 reads data (targets travel down the pipeline with the activations). A dataset here
 is anything with `batch(step) -> (inputs: tuple[Tensor, ...], target: Tensor)`; the same step
@@ -16,7 +16,7 @@ from typing import Any, Optional, Protocol, Union
 import torch
 
 from model_parallel.errors import DataError, ModelParallelError
-from model_parallel.runtime.sources import seeded_generator as _generator, token_data
+from model_parallel.runtime.data.sources import seeded_generator as _generator, token_data
 
 
 class Dataset(Protocol):
@@ -144,8 +144,8 @@ def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...
                  image_size: int = 32, prefetch: Optional[int] = None, seq_len: Optional[int] = None,
                  token_dtype: str = "uint16") -> Any:
     """`spec` is "synthetic", "tokens:PATH" (a flat token file, windows of `seq_len`, default the model's
-    input length; `runtime.sources.token_data`) or an ImageFolder directory. `prefetch` batches are prepared
-    ahead on a background thread (`runtime.prefetch.Prefetcher`; 0: none); default 2 for files (decoding
+    input length; `runtime.data.sources.token_data`) or an ImageFolder directory. `prefetch` batches are prepared
+    ahead on a background thread (`runtime.data.prefetch.Prefetcher`; 0: none); default 2 for files (decoding
     images costs as much as a stage's compute) and 0 for synthetic data (a few random numbers)."""
     if spec == "synthetic":
         dataset: Any = SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
@@ -164,7 +164,7 @@ def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...
         dataset = ImageFolderData(spec, batch_size, image_size, seed)
         depth = 2 if prefetch is None else prefetch
     if depth:
-        from model_parallel.runtime.prefetch import Prefetcher
+        from model_parallel.runtime.data.prefetch import Prefetcher
 
         return Prefetcher(dataset, depth=depth)
     return dataset

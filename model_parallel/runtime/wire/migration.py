@@ -33,10 +33,10 @@ from torch import nn
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime import comm
-from model_parallel.runtime.materialize import allocate_layers
-from model_parallel.runtime.stages import layer_owners
-from model_parallel.runtime.tied import expand_state
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.build.materialize import allocate_layers
+from model_parallel.runtime.build.stages import layer_owners
+from model_parallel.runtime.build.tied import expand_state
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _get_state(engine: MigratingEngine, key: str) -> torch.Tensor:
 
 def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
     """Move this rank's share of layers to `new_plan` and rebuild its stage; returns the pause in seconds."""
-    from model_parallel.runtime.checkpoint import optimizer_state_by_name
+    from model_parallel.runtime.checkpoint.store import optimizer_state_by_name
 
     start = time.perf_counter()
     new_plan = new_plan.with_default_ranks()

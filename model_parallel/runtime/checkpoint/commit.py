@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import CheckpointError, PeerError
-from model_parallel.runtime import comm
-from model_parallel.runtime.checkpoint import (
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.checkpoint.store import (
     MANIFEST,
     _read_json,
     finalize,
@@ -48,7 +48,7 @@ from model_parallel.runtime.checkpoint import (
     split_state,
     step_dirs,
 )
-from model_parallel.runtime.checkpoint_check import check_manifest
+from model_parallel.runtime.checkpoint.check import check_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def save_and_commit(engine: Any, step: int) -> None:
 
 
 def _write_shard(engine: Any, directory: str, step: int) -> None:
-    from model_parallel.runtime.tied import stored_keys, without_aliases
+    from model_parallel.runtime.build.tied import stored_keys, without_aliases
 
     # A tied tensor is stored once, under its first user's key, by the stage holding that user (its
     # optimizer state too, whichever name the stage gave the Parameter).

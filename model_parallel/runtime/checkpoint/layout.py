@@ -4,7 +4,7 @@
     <directory>/step_<N>/shard_<rank>.pt   one rank's tensors; shard_<rank>.json its index
     <directory>/step_<N>/manifest.json     the shards that make the checkpoint
 
-A step counts once it has a manifest and `latest` names it or a later step; see runtime/checkpoint.py.
+A step counts once it has a manifest and `latest` names it or a later step; see runtime/checkpoint/store.py.
 """
 from __future__ import annotations
 

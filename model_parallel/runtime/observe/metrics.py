@@ -46,14 +46,14 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from model_parallel.messages import StepReport
-from model_parallel.runtime.rotation import AppendFile
+from model_parallel.runtime.observe.rotation import AppendFile
 
 logger = logging.getLogger(__name__)
 
 COMPUTE_KINDS = ("forward", "backward", "recompute", "optimizer")
 COMM_KINDS = ("send", "recv", "allreduce", "control", "migration")
 KINDS = COMPUTE_KINDS + COMM_KINDS
-# Trace lane of each kind (see model_parallel.runtime.tracing.LANES).
+# Trace lane of each kind (see model_parallel.runtime.observe.tracing.LANES).
 LANE_OF_KIND = {
     "forward": "compute",
     "backward": "compute",

@@ -1,8 +1,8 @@
 """What goes into a checkpoint besides the tensors themselves: the model's fingerprint, optimizer state
 keyed by parameter name, and a stage module's state split into parameters and buffers.
 
-These helpers are independent of the file layout (runtime/checkpoint.py) and of the commit
-protocol (runtime/checkpoint_commit.py); runtime/checkpoint.py re-exports them.
+These helpers are independent of the file layout (runtime/checkpoint/store.py) and of the commit
+protocol (runtime/checkpoint/commit.py); runtime/checkpoint/store.py re-exports them.
 """
 from __future__ import annotations
 

@@ -35,13 +35,14 @@ import torch
 from torch import nn
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime import comm, structure
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import structure
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.memory_probe import NO_METER
-from model_parallel.runtime.output import float_output
-from model_parallel.runtime.schedule import Action
-from model_parallel.runtime.straggler import Compute
-from model_parallel.runtime.update import apply_update
+from model_parallel.runtime.observe.memory_probe import NO_METER
+from model_parallel.runtime.step.output import float_output
+from model_parallel.runtime.step.schedule import Action
+from model_parallel.runtime.observe.straggler import Compute
+from model_parallel.runtime.step.update import apply_update
 
 Microbatches = Sequence[tuple[Sequence[Any], torch.Tensor]]
 

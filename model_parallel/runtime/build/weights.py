@@ -26,7 +26,7 @@ from safetensors import safe_open
 from model_parallel import jsonbound
 from model_parallel.codegen.naming import state_key_map, tie_aliases
 from model_parallel.graph.core import STATE_ALIASES, Graph
-from model_parallel.runtime.materialize import InitError, ValueSource
+from model_parallel.runtime.build.materialize import InitError, ValueSource
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class SafetensorsValues:
 
 
 class CheckpointValues:
-    """Values from a committed checkpoint of ours (`runtime.checkpoint`); only the shards holding the
+    """Values from a committed checkpoint of ours (`runtime.checkpoint.store`); only the shards holding the
     asked keys are read."""
 
     def __init__(self, directory: Union[str, Path], step: Optional[int] = None, graph: Optional[Graph] = None) -> None:
@@ -157,7 +157,7 @@ class CheckpointValues:
 
     def read(self, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from model_parallel.errors import CheckpointError
-        from model_parallel.runtime.checkpoint import load_checkpoint
+        from model_parallel.runtime.checkpoint.store import load_checkpoint
 
         checkpoint = load_checkpoint(self.directory, self.step)
         params = set(checkpoint.param_names)
@@ -173,7 +173,7 @@ class CheckpointValues:
 
 def weight_source(path: Union[str, Path], graph: Optional[Graph] = None) -> ValueSource:
     """The source a path names: our checkpoint directory (it has `latest` or step_<N>/), else safetensors."""
-    from model_parallel.runtime.checkpoint_layout import LATEST
+    from model_parallel.runtime.checkpoint.layout import LATEST
 
     root = Path(path)
     if root.is_dir() and ((root / LATEST).exists() or any(root.glob("step_*/manifest.json"))):

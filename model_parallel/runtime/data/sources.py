@@ -3,7 +3,7 @@
     data = as_source(my_dataset, batch_size=32, seed=0, collate_fn=my_collate)   # -> .batch(step)
     inputs, target = data.batch(step)
 
-Every source here answers `batch(step) -> (inputs, target)` (the protocol of `runtime.data`) with the
+Every source here answers `batch(step) -> (inputs, target)` (the protocol of `runtime.data.batches`) with the
 same minibatch for the same (seed, step) on every process and after a resume, so a pipeline run equals
 single-process training and a resume mid-epoch continues exactly where the run stopped:
 

@@ -35,12 +35,12 @@ Crash safety: every file is written atomically (temporary file + rename, fsync o
 its directory). A checkpoint counts once `latest` names it: until then a reader sees the previous
 one, whole, and reads only the shard files its manifest lists (checked by sha256), so whatever an
 interrupted write left (a step directory without a manifest or past `latest`, shards of ranks the
-manifest does not list, `.tmp` files) is ignored; `checkpoint_commit.prune` removes it. If the
+manifest does not list, `.tmp` files) is ignored; `commit.prune` removes it. If the
 pointer itself is lost, the newest step directory with a manifest is used.
 
-Independent of torch.distributed: `checkpoint_commit.py` is the runtime's protocol around these
+Independent of torch.distributed: `commit.py` is the runtime's protocol around these
 (who writes, agreeing on the outcome across ranks, cleaning up, keeping the last K);
-`checkpoint_state.py` holds the fingerprint and optimizer-state helpers re-exported here.
+`state.py` holds the fingerprint and optimizer-state helpers re-exported here.
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ from torch import nn
 from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
-from model_parallel.runtime.checkpoint_check import check_manifest, check_payload, read_shard_bytes
-from model_parallel.runtime.checkpoint_layout import (  # noqa: F401 - part of this module's API
+from model_parallel.runtime.checkpoint.check import check_manifest, check_payload, read_shard_bytes
+from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of this module's API
     LATEST,
     MANIFEST,
     PathLike,
@@ -72,7 +72,7 @@ from model_parallel.runtime.checkpoint_layout import (  # noqa: F401 - part of t
     step_dir,
     step_dirs,
 )
-from model_parallel.runtime.checkpoint_state import (  # noqa: F401 - part of this module's API
+from model_parallel.runtime.checkpoint.state import (  # noqa: F401 - part of this module's API
     OptimizerState,
     _dtype_name,
     _fingerprint,
@@ -340,7 +340,7 @@ class Checkpoint:
 
     def load_into(self, module: nn.Module, stored: Optional[Mapping[str, str]] = None) -> None:
         """Copy this checkpoint's values into every parameter and persistent buffer of a stage module.
-        `stored` maps a module key to the parameter it is stored as (a tied copy: runtime/tied.py)."""
+        `stored` maps a module key to the parameter it is stored as (a tied copy: runtime/build/tied.py)."""
         stored = stored or {}
         param_part, buffer_part = split_state(module)
         tied = [k for k in list(param_part) + list(buffer_part) if k in stored]

@@ -1,11 +1,11 @@
-"""The header of a point-to-point message (`runtime.comm`): a JSON list, one entry per value.
+"""The header of a point-to-point message (`runtime.wire.comm`): a JSON list, one entry per value.
 
     {"t": "tensor", "shape": [...], "dtype": "float32", "grad": true}
                                      (+ "cast": "float32" when it travels narrowed to a wire dtype,
                                      bf16 training: the receiver restores the dtype it had)
     {"t": "json", "v": <encoded>}    ints, floats, bools, None, tuples/lists, torch.Size,
                                      torch.dtype, torch.device
-    {"t": "structure", "v": ...}     optional, last: how the flat values nest (`runtime.structure`)
+    {"t": "structure", "v": ...}     optional, last: how the flat values nest (`runtime.wire.structure`)
 
 Small Python values travel inside the header as JSON - never pickle.
 """
@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.structure import narrowed
+from model_parallel.runtime.wire.structure import narrowed
 
 
 def encode_value(value: Any) -> Any:
@@ -36,7 +36,7 @@ def encode_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         # A message is flat: callers with nested values flatten them first and send the structure along.
         raise PeerError(f"cannot send a tensor (shape {list(value.shape)}) nested inside a tuple or list as one "
-                        "message value: flatten nested values with runtime.structure.flatten_values and pass "
+                        "message value: flatten nested values with runtime.wire.structure.flatten_values and pass "
                         "structure= to send_values (StepExecutor does this for stage boundaries)")
     raise PeerError(f"cannot send a value of type {type(value).__name__} between stages "
                     "(allowed: tensors, int, float, bool, str, None, tuple/list of them, torch.Size, dtype, device)")

@@ -24,9 +24,9 @@ COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule",
 
 def describe_data(dataset: Any) -> str:
     """A short, stable name of a data source: "synthetic dense", "tokens:PATH (N samples)", a directory, a type."""
-    from model_parallel.runtime.data import ImageFolderData, SyntheticData
-    from model_parallel.runtime.prefetch import Prefetcher
-    from model_parallel.runtime.sources import IterableData, MapData
+    from model_parallel.runtime.data.batches import ImageFolderData, SyntheticData
+    from model_parallel.runtime.data.prefetch import Prefetcher
+    from model_parallel.runtime.data.sources import IterableData, MapData
 
     if isinstance(dataset, Prefetcher):
         dataset = dataset.dataset
@@ -43,7 +43,7 @@ def describe_data(dataset: Any) -> str:
 
 def training_record(config: Any, dataset: Any, next_step: int) -> dict[str, Any]:
     """The training configuration of a run (a `TrainConfig`) and where its data stands at `next_step` (JSON)."""
-    from model_parallel.runtime.sources import position
+    from model_parallel.runtime.data.sources import position
 
     return {
         "batch_size": config.batch_size, "num_microbatches": config.num_microbatches, "schedule": config.schedule,

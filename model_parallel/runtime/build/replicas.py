@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime import comm
+from model_parallel.runtime.wire import comm
 
 
 class ReplicaGroups:
@@ -37,7 +37,7 @@ class ReplicaGroups:
 def all_reduce_grads(stage: nn.Module, group: Any, timeout: float, skip: Collection[int] = ()) -> None:
     """Sum the gradients of `stage` over its replicas (one flat all-reduce; the loss is already / m,
     so the sum is the gradient of the minibatch mean). A parameter without a gradient counts as zeros.
-    `skip`: ids of parameters summed already (tied copies, runtime/tied.py: over every replica too)."""
+    `skip`: ids of parameters summed already (tied copies, runtime/build/tied.py: over every replica too)."""
     params = [p for p in stage.parameters() if id(p) not in skip]
     if not params:
         return

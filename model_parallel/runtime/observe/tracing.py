@@ -10,7 +10,7 @@ API (stable; the worker loop calls these):
     tracer.set_context(stage=1, plan_version=2)                      # after a plan switch
     tracer.save("traces/rank0.json")                                 # atomic write
     Tracer(rank, stream="traces/rank0.json")                         # written as it runs, in rotated
-                                                                     # chunks (runtime/trace_stream.py)
+                                                                     # chunks (runtime/observe/trace_stream.py)
     merge_traces(["traces/rank0.json", "traces/rank1.json"], "traces/all.json")
 
 Open the files in https://ui.perfetto.dev or chrome://tracing. One process per rank ("rank r (stage s)"),
@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 import torch
 
 from model_parallel.fileio import atomic_write_json
-from model_parallel.runtime.trace_stream import CHUNK_BYTES, FLUSH_EVENTS, KEEP_CHUNKS, TraceStream, read_events
+from model_parallel.runtime.observe.trace_stream import CHUNK_BYTES, FLUSH_EVENTS, KEEP_CHUNKS, TraceStream, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Tracer:
         self._lanes: dict[str, int] = {lane: tid for tid, lane in enumerate(LANES)}
         self._stages_seen: list[Optional[int]] = [stage]
         # Streaming (the worker's --trace_dir): events go to bounded, rotated chunk files as the run goes
-        # (runtime/trace_stream.py), so a long run neither grows memory nor loses its trace when killed.
+        # (runtime/observe/trace_stream.py), so a long run neither grows memory nor loses its trace when killed.
         self.flush_events = flush_events
         # The prefetch thread records too: appending and flushing (swapping the buffer) must not interleave.
         self._lock = threading.Lock()
