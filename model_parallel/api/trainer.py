@@ -33,7 +33,8 @@ from model_parallel.errors import ModelParallelError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.engine import OptimizerFactory, StepResult
+from model_parallel.runtime.engine import OptimizerFactory
+from model_parallel.runtime.step.loop import StepResult
 from model_parallel.runtime.trainer import SingleProcessRunner
 
 logger = logging.getLogger(__name__)

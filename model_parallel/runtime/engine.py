@@ -23,7 +23,6 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -44,6 +43,7 @@ from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.data.batches import minibatch_parts, stage_zero_inputs
 from model_parallel.runtime.step.executor import Microbatches, StepExecutor, WeightStash
+from model_parallel.runtime.step.loop import StepResult, train as train_loop
 from model_parallel.runtime.build.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
@@ -60,15 +60,6 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 # Per-step results kept in memory (a long run would otherwise grow by every step; the metrics JSONL
 # on disk keeps them all).
 HISTORY_WINDOW = 1000
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    grad_norm: float  # global gradient norm before clipping; 0.0 when not clipping (not computed)
-    lr: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -185,7 +176,7 @@ class PipelineEngine:
             return_freed_memory()
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
         self.tied = TiedCopies(ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
-        self._check_tied(f"when plan v{plan.version} was activated")
+        self.check_tied(f"when plan v{plan.version} was activated")
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 
@@ -216,7 +207,8 @@ class PipelineEngine:
             flush=self.schedule.flush, weight_stash=stash)
         self.executor.meter = self.meter
 
-    def _check_tied(self, when: str) -> None:
+    def check_tied(self, when: str) -> None:
+        """Collective: the copies of every tie split across stages are identical (a dead peer is named)."""
         try:
             self.tied.check_identical(self.timeout, when)
         except PeerError as error:
@@ -231,7 +223,8 @@ class PipelineEngine:
         return dict(self.stage.state_dict()) if self.stage is not None else {}
 
     # ---- one step --------------------------------------------------------------------------------------
-    def _microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
+    def microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
+        """Stage 0's microbatches of `step` of `dataset` (default: the training data); None on other stages."""
         if self.stage_id != 0:
             return None  # later stages receive theirs
         # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
@@ -253,7 +246,7 @@ class PipelineEngine:
         loss_sum, sq = 0.0, 0.0
         try:
             if self.executor is not None:
-                microbatches = self._microbatches(step)
+                microbatches = self.microbatches(step)
                 with self.meter.step(self.stage, microbatches):
                     loss_sum = self.executor.run(step, microbatches, self.straggler.compute)
                 self.meter.held(self.stage, self.optimizer)  # gradients present, optimizer state of earlier steps
@@ -371,7 +364,7 @@ class PipelineEngine:
 
         if step == self._checkpointed_step:
             return  # a stop right after a checkpoint: rewriting the committed one in place could corrupt it
-        self._check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
+        self.check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
         save_and_commit(self, step)
         self._checkpointed_step = step
 
@@ -397,10 +390,8 @@ class PipelineEngine:
         """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results (the
         last HISTORY_WINDOW of them). A stop command ends it early: then `stop_reason` says why and
         `next_step` how far it got."""
-        from model_parallel.runtime.step.loop import train
-
         try:
-            train(self, steps, start_step)
+            train_loop(self, steps, start_step)
         except (MemoryError, RuntimeError) as error:
             self._raise_if_out_of_memory(error, self.stage_id)
             raise

@@ -29,12 +29,16 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from model_parallel.errors import CheckpointError, PeerError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime.config import RunOptions
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.checkpoint.store import (
     MANIFEST,
@@ -58,7 +62,38 @@ _STALL_LIMIT_S = 600.0  # a stalled test worker gives up on its own if nobody ki
 _SHARD_FILE = re.compile(r"^shard_\d+\.(pt|json)$")
 
 
-def save_and_commit(engine: Any, step: int) -> None:
+class AgreeingEngine(Protocol):
+    """What `agree` needs of a rank's engine: who it is, the group of every rank, how to name a dead peer."""
+
+    rank: int
+    world_size: int
+    control_group: Any  # a torch.distributed process group of every rank
+
+    @property
+    def timeout(self) -> float: ...
+
+    def diagnose(self, error: PeerError) -> PeerError: ...
+
+
+class CheckpointingEngine(AgreeingEngine, Protocol):
+    """What writing and committing a checkpoint needs of a rank's engine (`PipelineEngine` is one)."""
+
+    graph: Graph
+    plan: Plan
+    options: RunOptions
+    stage: Optional[nn.Module]  # None on a spare
+    optimizer: Optional[torch.optim.Optimizer]
+    replica: int  # this rank's index among its stage's replicas: replica 0 writes the stage's shard
+
+    @property
+    def prefix(self) -> str: ...
+
+    def fingerprint(self) -> str: ...
+
+    def training_record(self, next_step: int) -> dict[str, Any]: ...
+
+
+def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
     """Checkpoint `step` of a running PipelineEngine; every rank calls it at the same step."""
     directory = engine.options.checkpoint_dir
     assert directory is not None
@@ -91,7 +126,7 @@ def save_and_commit(engine: Any, step: int) -> None:
                               f"'latest' names")
 
 
-def _write_shard(engine: Any, directory: str, step: int) -> None:
+def _write_shard(engine: CheckpointingEngine, directory: str, step: int) -> None:
     from model_parallel.runtime.build.tied import stored_keys, without_aliases
 
     # A tied tensor is stored once, under its first user's key, by the stage holding that user (its
@@ -111,7 +146,7 @@ def _describe(exc: Exception) -> str:
     return str(exc) if isinstance(exc, (OSError, CheckpointError)) else f"{type(exc).__name__}: {exc}"
 
 
-def _stall_if_asked(engine: Any, step: int) -> None:
+def _stall_if_asked(engine: CheckpointingEngine, step: int) -> None:
     if os.environ.get(STALL_ENV, "") != str(step):
         return
     logger.warning("%s test hook %s: stalled in checkpoint step %d after the shard write, before the commit",
@@ -122,7 +157,7 @@ def _stall_if_asked(engine: Any, step: int) -> None:
     raise CheckpointError(f"test hook {STALL_ENV}: the stalled worker was not killed within {_STALL_LIMIT_S:.0f} s")
 
 
-def agree(engine: Any, error: Optional[str]) -> Optional[str]:
+def agree(engine: AgreeingEngine, error: Optional[str]) -> Optional[str]:
     """Every rank learns whether some rank failed: None, or "rank R: <its message>" (the lowest failed rank)."""
     try:
         return share_failure(error, engine.rank, engine.world_size, engine.control_group, engine.timeout)

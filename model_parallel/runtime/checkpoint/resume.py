@@ -4,14 +4,34 @@ Writing and committing is `commit.save_and_commit`; the format is `store.py`."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Protocol
 
 from torch import nn
 
 from model_parallel.graph.core import Graph
+from model_parallel.runtime.checkpoint.commit import CheckpointingEngine, agree, prune
 from model_parallel.runtime.checkpoint.training_record import check_resume
+from model_parallel.runtime.config import RunOptions
 
 logger = logging.getLogger(__name__)
+
+
+class RestoringEngine(CheckpointingEngine, Protocol):
+    """What restoring a checkpoint needs: what writing one does, and the check that split ties agree."""
+
+    def check_tied(self, when: str) -> None: ...
+
+
+class StartingEngine(Protocol):
+    """What `prepare` needs of a rank's engine at the start of a run."""
+
+    options: RunOptions
+    rank: int
+
+    @property
+    def prefix(self) -> str: ...
+
+    def load_checkpoint(self) -> int: ...
 
 
 def fingerprint(graph: Graph, model: nn.Module) -> str:
@@ -27,14 +47,12 @@ def fingerprint(graph: Graph, model: nn.Module) -> str:
     return model_fingerprint(without_aliases(named, graph))
 
 
-def restore(engine: Any) -> int:
+def restore(engine: RestoringEngine) -> int:
     """Load this rank's stage and optimizer state from the latest checkpoint; returns the next step.
     Collective (every rank together): a rank that cannot read its part tells every rank why (one line,
     the same on all), instead of leaving its peers to time out and blame the wrong rank; then the copies
     of a tie split across stages are checked to agree."""
     from model_parallel.errors import CheckpointError, ConfigError
-    from model_parallel.runtime.checkpoint.commit import agree
-
     error, next_step, step, changed = None, 0, None, None
     try:
         step, next_step = _restore_stage(engine)
@@ -49,11 +67,11 @@ def restore(engine: Any) -> int:
         raise changed  # the user's change, named as such (exit 2 on the command line)
     if failure is not None:
         raise CheckpointError(f"restoring the checkpoint failed on {failure}")
-    engine._check_tied(f"after restoring checkpoint step {step}")
+    engine.check_tied(f"after restoring checkpoint step {step}")
     return next_step
 
 
-def _restore_stage(engine: Any) -> tuple[int, int]:
+def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
     """This rank's part of restore: (the checkpoint's step, the step to continue from)."""
     from model_parallel.runtime.checkpoint import store as ckpt
     from model_parallel.runtime.build.tied import stored_keys
@@ -75,15 +93,13 @@ def _restore_stage(engine: Any) -> tuple[int, int]:
     return checkpoint.step, next_step
 
 
-def prepare(engine: Any, start_step: int) -> int:
+def prepare(engine: StartingEngine, start_step: int) -> int:
     """At the start of a run: clear what a run killed mid-checkpoint left (rank 0), and with `resume`
     restore the latest checkpoint. Returns the step to start from."""
     directory = engine.options.checkpoint_dir
     if not directory:
         return start_step
     if engine.rank == 0:
-        from model_parallel.runtime.checkpoint.commit import prune
-
         prune(directory)  # leftovers of a run killed mid-checkpoint
     if engine.options.resume:
         from model_parallel.runtime.checkpoint.store import latest_step

@@ -13,17 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from model_parallel.errors import ConfigError, PeerError
-from model_parallel.runtime.wire import comm
 from model_parallel.runtime.data.batches import minibatch_parts
+from model_parallel.runtime.step.executor import Microbatches, StepExecutor
+from model_parallel.runtime.wire import comm
 
 Metric = Callable[[Any, torch.Tensor], Any]
+
+
+class EvaluatingEngine(Protocol):
+    """What a pipeline validation needs of a rank's engine (`PipelineEngine` is one)."""
+
+    stage: Optional[nn.Module]  # None on a spare
+    executor: Optional[StepExecutor]  # None on a spare
+    control_group: Any  # a torch.distributed process group of every rank
+
+    @property
+    def timeout(self) -> float: ...
+
+    def microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]: ...
+
+    def diagnose(self, error: PeerError) -> PeerError: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +56,7 @@ def _check_steps(steps: int) -> None:
         raise ConfigError(f"evaluation steps must be >= 1 (minibatches to validate on), got {steps}")
 
 
-def evaluate_pipeline(engine: Any, dataset: Any, steps: int, metric: Optional[Metric] = None) -> EvalResult:
+def evaluate_pipeline(engine: EvaluatingEngine, dataset: Any, steps: int, metric: Optional[Metric] = None) -> EvalResult:
     """`PipelineEngine.evaluate`: every rank calls it at the same point with the same arguments."""
     _check_steps(steps)
     total = torch.zeros(2, dtype=torch.float64)
@@ -51,7 +67,7 @@ def evaluate_pipeline(engine: Any, dataset: Any, steps: int, metric: Optional[Me
         for step in range(steps):
             part = (0.0, 0.0)
             if engine.executor is not None:
-                part = engine.executor.run_forward(engine._microbatches(step, dataset), metric)
+                part = engine.executor.run_forward(engine.microbatches(step, dataset), metric)
             sums = torch.tensor(part, dtype=torch.float64)
             comm.wait_work(dist.all_reduce(sums, group=engine.control_group, async_op=True), engine.timeout, -1,
                            "evaluation all-reduce")

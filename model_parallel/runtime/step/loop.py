@@ -6,16 +6,59 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Protocol, Union
 
+from model_parallel.graph.plan import Plan
+from model_parallel.messages import Command, StepReport
 from model_parallel.runtime.checkpoint import resume
-from model_parallel.runtime.observe.metrics import StepLog
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.observe.memory_probe import NullMeter, StashMeter
+from model_parallel.runtime.observe.metrics import MetricsRecorder, StepLog
+from model_parallel.runtime.observe.tracing import Tracer
+from model_parallel.runtime.step.evaluate import EvalResult
 
 logger = logging.getLogger(__name__)
 
 
-def train(engine: Any, steps: int, start_step: int = 0) -> None:
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float  # global gradient norm before clipping; 0.0 when not clipping (not computed)
+    lr: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LoopingEngine(resume.StartingEngine, Protocol):
+    """What the loop needs of a rank's engine (`PipelineEngine` is one); it writes the three step fields."""
+
+    config: TrainConfig
+    plan: Plan
+    next_step: int  # the first step not yet run
+    start_step: int
+    stop_reason: Optional[str]  # why the loop ended before `steps` (a stop command); None otherwise
+    step_pause_ms: float  # time this step spent paused for a plan switch
+    metrics: MetricsRecorder
+    meter: Union[StashMeter, NullMeter]
+    tracer: Tracer
+    eval_dataset: Any  # anything with `batch(step)`, or None: no validation
+
+    def train_step(self, step: int) -> StepResult: ...
+
+    def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> EvalResult: ...
+
+    def save_checkpoint(self, step: int) -> None: ...
+
+    def control(self, step: int, report: StepReport) -> Optional[Command]: ...
+
+    def apply(self, command: Command) -> bool: ...
+
+    def barrier(self) -> None: ...
+
+
+def train(engine: LoopingEngine, steps: int, start_step: int = 0) -> None:
     """Run `engine` (every rank together) from `start_step` (or the checkpoint it resumes from) up to
     `steps`. A stop command ends it early: then `engine.stop_reason` says why; `engine.next_step`
     is how far it got."""
@@ -62,10 +105,10 @@ def train(engine: Any, steps: int, start_step: int = 0) -> None:
         engine.metrics.close()
 
 
-def _validate(engine: Any, step: int, steps: int) -> dict[str, float]:
+def _validate(engine: LoopingEngine, step: int, steps: int) -> dict[str, float]:
     """Every `eval_every` steps and after the last one (with eval data): the validation loss and how long it took."""
     opts = engine.options
-    data = getattr(engine, "eval_dataset", None)
+    data = engine.eval_dataset
     if data is None or not opts.eval_every or not ((step + 1) % opts.eval_every == 0 or step + 1 == steps):
         return {}
     start = time.perf_counter()
