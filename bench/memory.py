@@ -93,12 +93,12 @@ def worker(args: argparse.Namespace) -> None:
     from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.models import StackedMLP
     from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.build.materialize import materialize_model
+    from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.data.batches import SyntheticData
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.build.materialize import materialize_model
     from model_parallel.runtime.wire.migration import switch_plan
-    from model_parallel.runtime.build.stages import even_plan
 
     rank, world = args.rank, args.world
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,

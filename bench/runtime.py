@@ -315,8 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if batch % micro:
             raise SystemExit(f"{model_name}: batch size {batch} must be a multiple of microbatches {micro}")
     started = time.perf_counter()
-    from model_parallel.optimizer.fidelity import Calibration
     from model_parallel.cli.calibrate import calibrate
+    from model_parallel.optimizer.fidelity import Calibration
 
     if args.calibration:
         calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)

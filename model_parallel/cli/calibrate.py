@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model_parallel.runtime.observe.metrics import measured_ms
 from model_parallel.optimizer.fidelity import CLOCKS, Calibration, predict_stage_ms
+from model_parallel.runtime.observe.metrics import measured_ms
 
 logger = logging.getLogger(__name__)
 
@@ -284,10 +284,10 @@ def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) 
 def runtime_overhead_ms(partial: Calibration, optimizer_kind: str = "sgd", steps: int = 30, microbatches: int = 8) -> float:
     """The engine's fixed cost per microbatch and stage: on a model whose compute is next to nothing,
     what a step measures beyond the prediction of `partial` (every term but the overhead) per microbatch."""
+    from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.profiler.api import profile
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.data.batches import SyntheticData
-    from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.runtime.engine import PipelineEngine
 
     torch.manual_seed(0)

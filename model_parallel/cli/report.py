@@ -10,8 +10,8 @@ from typing import Any, Optional
 from model_parallel.cli.memory_summary import Measured, format_memory, predicted
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
-from model_parallel.runtime.observe.metrics import measured_ms
 from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
+from model_parallel.runtime.observe.metrics import measured_ms
 from model_parallel.runtime.observe.metrics import read_metrics, summarize
 
 

@@ -36,23 +36,23 @@ from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
-from model_parallel.runtime.wire import comm
-from model_parallel.runtime.checkpoint import resume
-from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
-from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
-from model_parallel.runtime.data.batches import minibatch_parts, stage_zero_inputs
-from model_parallel.runtime.step.executor import Microbatches, StepExecutor, WeightStash
-from model_parallel.runtime.step.loop import StepResult, train as train_loop
 from model_parallel.runtime.build.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
-from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
-from model_parallel.runtime.step.schedule import make_schedule
 from model_parallel.runtime.build.stages import check_plan_fits, layer_modules, stage_layers
+from model_parallel.runtime.build.tied import TiedCopies
+from model_parallel.runtime.checkpoint import resume
+from model_parallel.runtime.config import RunOptions, TrainConfig
+from model_parallel.runtime.data.batches import minibatch_parts, stage_zero_inputs
+from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
-from model_parallel.runtime.build.tied import TiedCopies
+from model_parallel.runtime.step.executor import Microbatches, StepExecutor, WeightStash
+from model_parallel.runtime.step.loop import StepResult, train as train_loop
+from model_parallel.runtime.step.output import model_output
+from model_parallel.runtime.step.schedule import make_schedule
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
 
 logger = logging.getLogger(__name__)
 

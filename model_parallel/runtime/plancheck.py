@@ -16,9 +16,9 @@ from model_parallel.codegen.boundary import StageBoundary, stage_boundaries
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.step.schedule import make_schedule
 from model_parallel.runtime.build.stages import check_plan_fits
 from model_parallel.runtime.build.tied import SplitTie, check_schedule, check_trainable, plan_ties
+from model_parallel.runtime.step.schedule import make_schedule
 
 
 @dataclass(frozen=True)

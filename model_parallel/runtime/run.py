@@ -204,8 +204,8 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
     The channel is closed at the end with the outcome (the coordinator's status shows it). Raises
     TrainingStopped when the run stopped before its requested steps. `on_engine` sees the engine
     before training starts (the command line's log prefix follows its stage from then on)."""
-    from model_parallel.runtime.engine import PipelineEngine
     from model_parallel.runtime.build.materialize import move_real
+    from model_parallel.runtime.engine import PipelineEngine
 
     if job.static_plan:
         from model_parallel.runtime.build.pipedream import StaticPlanChannel

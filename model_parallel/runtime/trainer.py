@@ -15,13 +15,13 @@ from torch.utils._pytree import tree_map
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.data.batches import minibatch_parts as _microbatches, stage_zero_inputs
 from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.data.batches import minibatch_parts as _microbatches, stage_zero_inputs
 from model_parallel.runtime.engine import OptimizerFactory
 from model_parallel.runtime.step.loop import StepResult
 from model_parallel.runtime.step.output import float_output, model_output
-from model_parallel.runtime.wire.structure import cross, flatten_values, narrowed, unflatten
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
+from model_parallel.runtime.wire.structure import cross, flatten_values, narrowed, unflatten
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.wire.agreement import config_digest, graph_digest, plan_digest
-from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.launch import free_port, launch
+from model_parallel.runtime.wire.agreement import config_digest, graph_digest, plan_digest
 
 RANK = """
 import os, sys, datetime, torch, torch.distributed as dist

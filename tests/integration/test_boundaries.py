@@ -17,13 +17,13 @@ import model_parallel  # noqa: F401  (installs the torchvision repair: transform
 from model_parallel.codegen.naming import original_state_from_stage
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.arguments import OutputDict
-from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire import message_header
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.step.output import float_output
-from model_parallel.runtime.wire.structure import cross, flatten, flatten_values, unflatten
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import message_header
+from model_parallel.runtime.wire.structure import cross, flatten, flatten_values, unflatten
 from support import TESTS
 from support import boundary_models as bm
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_parallel.runtime.wire import comm
 from model_parallel.runtime.launch import free_port, launch
+from model_parallel.runtime.wire import comm
 
 
 def test_signature_tells_apart_what_the_header_tells_apart() -> None:

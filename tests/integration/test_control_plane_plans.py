@@ -122,10 +122,10 @@ class RefusalRecorder(ScriptedChannel):
 @pytest.mark.slow
 def test_the_runtime_refuses_a_bad_switch_before_moving_anything_and_trains_on(tmp_path) -> None:
     from model_parallel.profiler.trace import trace_model
-    from model_parallel.runtime.config import RunOptions, TrainConfig
-    from model_parallel.runtime.engine import PipelineEngine
     from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.build.zoo import recipe
+    from model_parallel.runtime.config import RunOptions, TrainConfig
+    from model_parallel.runtime.engine import PipelineEngine
     from model_parallel.runtime.launch import free_port
 
     torch.set_num_threads(1)

@@ -12,8 +12,8 @@ import torch
 
 from model_parallel import PipelineTrainer
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.step.evaluate import single_process_evaluate
 from model_parallel.runtime.launch import free_port, launch
+from model_parallel.runtime.step.evaluate import single_process_evaluate
 from model_parallel.runtime.trainer import single_process_reference
 from support.eval_cases import EVAL_STEPS, STEPS, case_names, make_case
 

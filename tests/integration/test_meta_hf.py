@@ -29,8 +29,8 @@ from model_parallel.errors import GraphError, InitError  # noqa: E402
 from model_parallel.graph.arguments import decode_argument  # noqa: E402
 from model_parallel.graph.io import load_graph, save_graph  # noqa: E402
 from model_parallel.graph.json_format import graph_to_dict  # noqa: E402
-from model_parallel.runtime.launch import free_port, launch  # noqa: E402
 from model_parallel.runtime.build.materialize import materialize_model  # noqa: E402
+from model_parallel.runtime.launch import free_port, launch  # noqa: E402
 from model_parallel.runtime.trainer import single_process_reference  # noqa: E402
 
 VOCAB, SEQ, SEED, STEPS = 64, 8, 3, 4

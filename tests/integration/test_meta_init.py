@@ -16,8 +16,6 @@ from model_parallel.codegen.naming import state_key_map
 from model_parallel.models import TinyGPT
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.build import weights
-from model_parallel.runtime.checkpoint.store import finalize, save_shard
-from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.build.materialize import (
     InitError,
     Initializer,
@@ -30,6 +28,8 @@ from model_parallel.runtime.build.materialize import (
 from model_parallel.runtime.build.stages import even_plan, layer_modules, stage_layers
 from model_parallel.runtime.build.weights import CheckpointValues, SafetensorsValues
 from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import finalize, save_shard
+from model_parallel.runtime.launch import free_port, launch
 
 GPT = dict(vocab_size=64, seq_len=8, dim=16, num_heads=2, num_layers=4)
 

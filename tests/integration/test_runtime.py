@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_parallel.cli.worker import main as worker_main
 from model_parallel.codegen.naming import state_key
 from model_parallel.graph.plan import Plan, write_plan
 from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.checkpoint.store import load_checkpoint
-from model_parallel.runtime.data.batches import split_microbatches
-from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
 from model_parallel.runtime.build.stages import even_plan
-from model_parallel.runtime.trainer import single_process_reference
-from model_parallel.cli.worker import main as worker_main
 from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import load_checkpoint
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.data.batches import split_microbatches
+from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
+from model_parallel.runtime.trainer import single_process_reference
 
 WORLD = 4
 TOL = 1e-5

@@ -38,8 +38,8 @@ from model_parallel.codegen.naming import find_ties, layer_name
 from model_parallel.errors import InitError
 from model_parallel.graph import init_rule as rule
 from model_parallel.graph.core import Graph
-from model_parallel.graph.sizes import check_fits
 from model_parallel.graph.init_rule import InitWeights, Layer, TensorOwners, layer_seed, owner_reset, tensor_owners
+from model_parallel.graph.sizes import check_fits
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,7 @@ from torch import nn
 from model_parallel.errors import CheckpointError, PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.config import RunOptions
-from model_parallel.runtime.wire import comm
+from model_parallel.runtime.checkpoint.check import check_manifest
 from model_parallel.runtime.checkpoint.store import (
     MANIFEST,
     _read_json,
@@ -52,7 +51,8 @@ from model_parallel.runtime.checkpoint.store import (
     split_state,
     step_dirs,
 )
-from model_parallel.runtime.checkpoint.check import check_manifest
+from model_parallel.runtime.config import RunOptions
+from model_parallel.runtime.wire import comm
 
 logger = logging.getLogger(__name__)
 

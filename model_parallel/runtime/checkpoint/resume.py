@@ -37,8 +37,8 @@ class StartingEngine(Protocol):
 def fingerprint(graph: Graph, model: nn.Module) -> str:
     """The model's parameter names (as stage modules name them), shapes and dtypes, hashed."""
     from model_parallel.codegen.naming import state_key_map
-    from model_parallel.runtime.checkpoint.store import model_fingerprint
     from model_parallel.runtime.build.tied import without_aliases
+    from model_parallel.runtime.checkpoint.store import model_fingerprint
 
     # A traced model has original names (`0.weight`); one rebuilt from a graph already has stage names.
     # A tied tensor counts once, under the key checkpoints store it by (tied.stored_keys).
@@ -73,8 +73,8 @@ def restore(engine: RestoringEngine) -> int:
 
 def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
     """This rank's part of restore: (the checkpoint's step, the step to continue from)."""
-    from model_parallel.runtime.checkpoint import store as ckpt
     from model_parallel.runtime.build.tied import stored_keys
+    from model_parallel.runtime.checkpoint import store as ckpt
 
     checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
     next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))

@@ -35,14 +35,14 @@ import torch
 from torch import nn
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire import structure
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.memory_probe import NO_METER
+from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.output import float_output
 from model_parallel.runtime.step.schedule import Action
-from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.update import apply_update
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import structure
 
 Microbatches = Sequence[tuple[Sequence[Any], torch.Tensor]]
 

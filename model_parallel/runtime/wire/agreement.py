@@ -27,8 +27,8 @@ import torch.distributed as dist
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.wire.comm import wait_work
 from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.wire.comm import wait_work
 
 PARTS = ("graph", "plan", "config")
 _DEVICE_INDEX = re.compile(r"cuda:\d+")

@@ -33,10 +33,10 @@ from torch import nn
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.wire import comm
 from model_parallel.runtime.build.materialize import allocate_layers
 from model_parallel.runtime.build.stages import layer_owners
 from model_parallel.runtime.build.tied import expand_state
+from model_parallel.runtime.wire import comm
 
 logger = logging.getLogger(__name__)
 

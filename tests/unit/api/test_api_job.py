@@ -11,9 +11,9 @@ from model_parallel.cli.worker import build_parser, load_job
 from model_parallel.codegen.naming import state_key
 from model_parallel.errors import PlanError
 from model_parallel.graph.io import save_graph
-from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.build.materialize import materialize_model
 from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.config import TrainConfig
 
 
 def _sgd(params: list) -> torch.optim.Optimizer:

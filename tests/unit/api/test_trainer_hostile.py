@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.errors import CheckpointError, InitError
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.launch import free_port
-from model_parallel.runtime.build.zoo import recipe
 
 CONFIG = TrainConfig(batch_size=8, num_microbatches=4)
 

@@ -320,9 +320,9 @@ def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
 
 
 def test_keep_checkpoints_must_keep_one():
+    from model_parallel.cli.worker import build_parser, make_config
     from model_parallel.errors import ModelParallelError
     from model_parallel.runtime.config import RunOptions
-    from model_parallel.cli.worker import build_parser, make_config
 
     assert make_config(build_parser().parse_args(["--keep_checkpoints", "5"]))[1].keep_checkpoints == 5
     assert RunOptions().keep_checkpoints == 3
