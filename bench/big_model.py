@@ -125,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     from model_parallel.cli.memory_summary import predicted
     from model_parallel.graph.io import load_graph
     from model_parallel.runtime.config import RunOptions, TrainConfig
-    from model_parallel.runtime.memory_probe import state_bytes
+    from model_parallel.runtime.observe.memory_probe import state_bytes
 
     tmp = Path(args.tmp)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world,

@@ -66,7 +66,7 @@ run_section single_cuda 90 "$PY" -c '
 import torch
 from model_parallel import PipelineTrainer, TrainConfig
 from model_parallel.models import StackedMLP
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.data.batches import SyntheticData
 torch.manual_seed(0)
 model = StackedMLP(depth=4).cuda()
 trainer = PipelineTrainer(model, lambda p: torch.optim.SGD(p, lr=0.05), SyntheticData(32, (64,)),

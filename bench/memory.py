@@ -13,8 +13,8 @@ below the whole model's footprint, and below what a rank needs that holds the wh
 parameters plus its stage's gradients and optimizer state (how every rank worked before issue 25).
 
 1. stage-only run: the model is built on meta; each rank materializes its stage's layers
-   (runtime/materialize.py), trains `--steps` steps with Adam, then a scripted live switch moves one
-   layer from stage 1 to stage 0 (runtime/migration.py) and it trains `--steps` more.
+   (runtime/build/materialize.py), trains `--steps` steps with Adam, then a scripted live switch moves one
+   layer from stage 1 to stage 0 (runtime/wire/migration.py) and it trains `--steps` more.
 2. control: the same world and cap, but the model is materialized whole on every rank before the
    engine starts (what a rank that builds the whole model does): every rank is expected to fail with
    an allocation error.
@@ -58,8 +58,8 @@ def _reset_peak() -> None:
 
 
 def _stage_bytes(engine) -> dict[str, int]:
-    """The stage's parameters, gradients and optimizer state as held (runtime.memory_probe.state_bytes)."""
-    from model_parallel.runtime.memory_probe import state_bytes
+    """The stage's parameters, gradients and optimizer state as held (runtime.observe.memory_probe.state_bytes)."""
+    from model_parallel.runtime.observe.memory_probe import state_bytes
 
     if engine.stage is None:
         return {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
@@ -70,7 +70,7 @@ def _stage_bytes(engine) -> dict[str, int]:
 def _footprint(engine, args: argparse.Namespace) -> dict[str, float]:
     """The stage's predicted footprint (optimizer/memory.py, Adam, 1F1B) and its measured counterpart: the
     largest parameters + gradients + Adam state held after a step's backwards + the peak bytes microbatches in
-    flight kept for backward (runtime/memory_probe.StashMeter), over the steps of the current plan."""
+    flight kept for backward (runtime/observe/memory_probe.StashMeter), over the steps of the current plan."""
     from model_parallel.cli.memory_summary import predicted
 
     if engine.stage is None:
@@ -93,12 +93,12 @@ def worker(args: argparse.Namespace) -> None:
     from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.models import StackedMLP
     from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.build.materialize import materialize_model
+    from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.config import RunOptions, TrainConfig
-    from model_parallel.runtime.data import SyntheticData
+    from model_parallel.runtime.data.batches import SyntheticData
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.materialize import materialize_model
-    from model_parallel.runtime.migration import switch_plan
-    from model_parallel.runtime.stages import even_plan
+    from model_parallel.runtime.wire.migration import switch_plan
 
     rank, world = args.rank, args.world
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,

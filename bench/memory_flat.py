@@ -56,12 +56,12 @@ def run(steps: int, sample_every: int, window: int, warmup: float, workdir: Path
     import torch
     import torch.distributed as dist
 
+    from model_parallel.api.trainer import PipelineTrainer
     from model_parallel.runtime import engine as engine_mod
-    from model_parallel.runtime import metrics as metrics_mod
+    from model_parallel.runtime.build.zoo import recipe
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.launch import free_port
-    from model_parallel.api.trainer import PipelineTrainer
-    from model_parallel.runtime.zoo import recipe
+    from model_parallel.runtime.observe import metrics as metrics_mod
 
     if window:
         engine_mod.HISTORY_WINDOW = metrics_mod.RECORD_WINDOW = window

@@ -24,7 +24,7 @@ models people pipeline. Both at one microbatch of 2 samples (batch 8, 4 microbat
   and on two levels (2 machines x 2 workers, default options);
 - predicted_stage_ms / measured_stage_ms: each stage rank's busy time per step of the 2-stage run
   (`optimizer.fidelity.predict_stage_ms` with the machine's calibration on `--clock`; measured: the median
-  `runtime.metrics.measured_ms` on that clock (the rank's CPU ms, or wall busy ms) of its step records after 2 warm-up steps, 10 steps of PipelineTrainer on
+  `runtime.observe.metrics.measured_ms` on that clock (the rank's CPU ms, or wall busy ms) of its step records after 2 warm-up steps, 10 steps of PipelineTrainer on
   a 2-rank gloo world, one world for every model: tests/support/hf_worker.py).
 
 Writes `bench/results/models.json` (`models_bench.json` with `--size bench`; atomically) with the 1-minute load average before and after.
@@ -174,7 +174,7 @@ class _Keywords(torch.nn.Module):
 def measure(names: list[str], workdir: Path, timeout: float, size: str = "test", clock: str = "wall") -> dict[str, list[float]]:
     """One 2-rank world trains every model on its plan; each stage rank's median busy ms per step."""
     from model_parallel.runtime.launch import free_port, launch
-    from model_parallel.runtime.metrics import measured_ms
+    from model_parallel.runtime.observe.metrics import measured_ms
 
     port = free_port()
     result = launch([[sys.executable, str(REPO / "tests" / "support" / "hf_worker.py"), str(rank), "2", str(port),

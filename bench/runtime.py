@@ -11,7 +11,7 @@ microbatches), Hugging Face GPT-2 from a config (`GPT2LMHeadModel`, random init:
 pipelining has no tie across stages) on 4 stages (batch 32, 4 microbatches), the StackedMLP 256 -> 8 x 1024 -> 10 on 2 stages (batch 64, 4 microbatches);
 1F1B and GPipe. The main process first calibrates the machine (`cli.calibrate`: link, optimizer
 step per MB, the runtime's fixed cost per microbatch), then profiles each model at microbatch size
-(its loss too), cuts it into stages of about equal measured compute (`runtime.stages.even_plan`)
+(its loss too), cuts it into stages of about equal measured compute (`runtime.build.stages.even_plan`)
 and writes the graph and plan; both runtimes build their stage modules from that same graph and
 plan (`codegen.build_stages`), so only the runtime differs. Every worker is its own process with
 one thread (`torch.set_num_threads(1)`, OMP_NUM_THREADS=1), gloo on localhost; every world runs
@@ -27,7 +27,7 @@ per model (each number the median over every chunk of every round).
 - torch: `PipelineStage` (manual stage construction) + `Schedule1F1B` / `ScheduleGPipe`.
 - ours: the worker API, `runtime.engine.PipelineEngine` (what test_parallel_0.py runs) with the
   same graph, plan, schedule, batch size, microbatches and data; its own per-step metrics
-  (compute / comm / idle split per rank, `runtime.metrics`) are stored in the row as well.
+  (compute / comm / idle split per rank, `runtime.observe.metrics`) are stored in the row as well.
 - both: SGD with momentum 0.9; steps/s = timed steps / wall time between two barriers, after
   warm-up steps (slowest rank), median over the chunks (every round's median is in the row too).
 - ratio = ours / torch steps per second, the median over chunk pairs (goal >= 1.10); `chunk_ratios`.
@@ -43,7 +43,7 @@ per model (each number the median over every chunk of every round).
   stage rank does in one step of m microbatches. On the CPU clock (default, `--clock`): the rank
   process's CPU time per step (`StepRecord.cpu_ms`, median over the timed steps), which neither
   waiting on a peer nor being descheduled (4 ranks on 2 cores, other processes) inflates; on the
-  wall clock `runtime.metrics.busy_ms`. Predicted: `optimizer.fidelity.predict_stage_ms` from a
+  wall clock `runtime.observe.metrics.busy_ms`. Predicted: `optimizer.fidelity.predict_stage_ms` from a
   profile on the same clock and the calibration (terms in `predicted_terms_ms`; the printed table
   puts them next to the rank's measured forward / backward / optimizer / send / recv, wall ms).
   `stage_error_pct` = (predicted - measured) / measured. Goal: within +-10 %.
@@ -97,7 +97,7 @@ def prepare(model_name: str, spec: dict[str, Any], workdir: Path, calibration: A
     from model_parallel.graph.io import save_graph
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.api import profile
-    from model_parallel.runtime.stages import even_plan
+    from model_parallel.runtime.build.stages import even_plan
 
     from model_parallel.optimizer.fidelity import predict_stage_ms
 
@@ -315,8 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if batch % micro:
             raise SystemExit(f"{model_name}: batch size {batch} must be a multiple of microbatches {micro}")
     started = time.perf_counter()
-    from model_parallel.optimizer.fidelity import Calibration
     from model_parallel.cli.calibrate import calibrate
+    from model_parallel.optimizer.fidelity import Calibration
 
     if args.calibration:
         calibration = Calibration.from_json(json.loads(Path(args.calibration).read_text()), args.calibration)

@@ -56,7 +56,7 @@ def recipes() -> dict[str, Any]:
     """The benchmark's models, as worker-zoo recipes (seeded builder, loss, input shape)."""
     import torch.nn.functional as F
 
-    from model_parallel.runtime.zoo import Recipe, recipe
+    from model_parallel.runtime.build.zoo import Recipe, recipe
 
     return {"mlp": Recipe("mlp", _bench_mlp, F.cross_entropy, (256,), 10), "resnet18": recipe("resnet18"),
             "resnet50": Recipe("resnet50", _bench_resnet50, F.cross_entropy, (3, 32, 32), 10),
@@ -77,7 +77,7 @@ class AutocastStage(torch.nn.Module):
 
 
 def _float(output: Any) -> Any:
-    """The model output in float32 for the criterion (runtime/output.py `float_output`)."""
+    """The model output in float32 for the criterion (runtime/step/output.py `float_output`)."""
     return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
 
 
@@ -86,7 +86,7 @@ def _build(model_name: str, spec: dict[str, Any]):
     from model_parallel.codegen.build import build_stages
     from model_parallel.graph.io import load_graph
     from model_parallel.graph.plan import read_plan
-    from model_parallel.runtime.stages import layer_modules
+    from model_parallel.runtime.build.stages import layer_modules
 
     entry = spec["models"][model_name]
     rec = recipes()[model_name]
@@ -245,7 +245,7 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     """Our runtime's worker API (`PipelineEngine`) with the same graph, plan, model, data and optimizer."""
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.metrics import busy_ms, measured_ms
+    from model_parallel.runtime.observe.metrics import busy_ms, measured_ms
 
     rec, model, graph, plan, _ = _build(model_name, spec)
     entry = spec["models"][model_name]
@@ -259,7 +259,7 @@ def ours_side(model_name: str, schedule_name: str, rank: int, world_size: int, s
     )
 
     def report() -> dict[str, Any]:
-        # The engine's own per-step split (runtime.metrics), for the report: where did the time go?
+        # The engine's own per-step split (runtime.observe.metrics), for the report: where did the time go?
         timed = [r for r in engine.metrics.records if r.step >= spec["warmup"]]
         split = {key: statistics.mean(getattr(r, key) for r in timed) for key in ("step_ms", "compute_ms", "comm_ms", "idle_ms")}
         split["busy_ms"] = statistics.median(busy_ms(r) for r in timed)

@@ -14,7 +14,7 @@ from _common import finish, init_distributed
 from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, RunOptions, TrainConfig, partition, profile
 from model_parallel.models import TinyGPT
 from model_parallel.models.gpt import lm_loss
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.data.batches import SyntheticData
 
 
 def main() -> None:

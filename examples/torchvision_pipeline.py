@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from _common import finish, init_distributed
 from model_parallel import Hierarchy, PartitionOptions, PipelineTrainer, RunOptions, TrainConfig, import_torchvision, partition, profile
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.data.batches import SyntheticData
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ Contract (stable; the runtime calls it, the coordinator client in `model_paralle
   JSON in a uint8 tensor), so every rank acts on it at the same step boundary:
     continue   -> nothing happens
     switch     -> every rank switches to `plan` (a `Plan`) before the next step,
-                  moving layers, buffers and optimizer state (see `runtime.migration`)
+                  moving layers, buffers and optimizer state (see `runtime.wire.migration`)
     stop       -> every rank stops cleanly after this step (checkpoint written if configured)
     slowdown   -> rank `rank` multiplies its compute time by `factor` from now on (1.0 = off);
                   straggler injection for tests, benchmarks and the demo

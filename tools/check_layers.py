@@ -12,6 +12,8 @@ three middle peers may not import each other):
     runtime | search   (peers; search = optimizer/search/, the opt-in search layers: above the optimizer's
                  core, which never imports them; only the command line opts in: FORBIDDEN below)
                  (the runtime never imports the profiler either: FORBIDDEN below)
+                 runtime/ and its subpackages (step/, wire/, checkpoint/, build/, observe/, data/) are one
+                 layer: they may import each other, and their circles are reported like any other
     coordinator
     api          api/: the one job builder and the `PipelineTrainer` facade, which wire the layers together
     cli          cli/, the package facade (model_parallel/__init__.py) and the seed's entry-point scripts

@@ -117,8 +117,8 @@ def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
                            step: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every stage key of a committed checkpoint (a tie stored once restored under each of its keys)."""
     from model_parallel.codegen.naming import state_key_map
-    from model_parallel.runtime.checkpoint import load_checkpoint
-    from model_parallel.runtime.tied import stored_keys
+    from model_parallel.runtime.build.tied import stored_keys
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
 
     checkpoint = load_checkpoint(checkpoint_dir, step)
     state = {**checkpoint.params(), **checkpoint.buffers()}
@@ -175,7 +175,7 @@ def gather_state(local: Mapping[str, torch.Tensor], timeout: float) -> dict[str,
     import torch.distributed as dist
 
     from model_parallel import jsonbound
-    from model_parallel.runtime.comm import broadcast_json, wait_work
+    from model_parallel.runtime.wire.comm import broadcast_json, wait_work
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     result: dict[str, torch.Tensor] = {}

@@ -11,8 +11,8 @@ graph, the runtime loads a PipeDream-generated package, and the even split is th
 
 Models are built on the meta device (zoo names, graphs and our packages; a module the caller built on
 meta is traced there too): no rank holds the whole model's memory. Each rank's engine materializes
-the layers of its own stage (`runtime.materialize`), with values from `weights` (safetensors or our
-checkpoint, `runtime.weights`) or else the per-layer init rule under `seed`.
+the layers of its own stage (`runtime.build.materialize`), with values from `weights` (safetensors or our
+checkpoint, `runtime.build.weights`) or else the per-layer init rule under `seed`.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ LOSSES = ("cross_entropy", "lm")
 class JobSpec:
     """What to train and how to cut it. Exactly one of `model`, `package`, `graph` names the model."""
 
-    model: Union[str, nn.Module, None] = None  # a built-in model name (runtime.zoo) or a module this process holds
+    model: Union[str, nn.Module, None] = None  # a built-in model name (runtime.build.zoo) or a module this process holds
     package: Union[str, Path, None] = None  # a generated package directory (ours, or PipeDream's converter's)
     graph: Union[Graph, str, Path, None] = None  # a Graph, or its graph.json / graph.txt file
     plan: Union[Plan, str, Path, None] = None  # a Plan or plan.json; default: the package's, else an even split
@@ -53,14 +53,14 @@ class JobSpec:
     input_shape: Optional[tuple[int, ...]] = None  # per sample, for a PipeDream package (it records none)
     num_classes: Optional[int] = None  # classes of synthetic data (default: the model's output width)
     # "synthetic", "tokens:PATH", an ImageFolder directory, a map-style Dataset, an iterable, a DataLoader, or
-    # anything with `batch(step) -> (inputs, target)` (runtime.sources turns the others into that)
+    # anything with `batch(step) -> (inputs, target)` (runtime.data.sources turns the others into that)
     data: Any = "synthetic"
     collate_fn: Optional[Callable[[list[Any]], Any]] = None  # a map-style Dataset's or an iterable's (default: torch's)
     seq_len: Optional[int] = None  # "tokens:PATH" windows (default: the model's input length)
     token_dtype: str = "uint16"  # "tokens:PATH" ids: uint16 (nanoGPT's GPT-2 vocabulary) or uint32
     eval_data: Any = None  # validation data, any form `data` takes (synthetic: another seed than training's)
     example_inputs: Union[Sequence[Any], Mapping[str, Any], None] = None  # a microbatch to trace a module with (default: from `data`)
-    seed: int = 0  # the per-layer init rule's seed (runtime.materialize.layer_seed)
+    seed: int = 0  # the per-layer init rule's seed (runtime.build.materialize.layer_seed)
     weights: Union[str, Path, None] = None  # initial values: a .safetensors file, an HF sharded directory, our checkpoint
     init_weights: Optional[Callable[[Any, str], None]] = None  # init_weights(layer, layer_name): replaces reset_parameters()
     batch_size: int = 8
@@ -96,7 +96,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     plan: Optional[Plan] = None
     adapted = False
     if spec.data is not None and not isinstance(spec.data, str):  # None: no data (plan or evaluate only)
-        from model_parallel.runtime.sources import as_source
+        from model_parallel.runtime.data.sources import as_source
 
         source = as_source(spec.data, spec.batch_size, spec.seed, spec.collate_fn)
         adapted = source is not spec.data
@@ -128,7 +128,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         plan = spec.plan if isinstance(spec.plan, Plan) else read_plan(spec.plan)
     footprint = _footprint(spec, graph) if spec.memory_per_worker is not None else None
     if plan is None:
-        from model_parallel.runtime.stages import even_plan
+        from model_parallel.runtime.build.stages import even_plan
 
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
         stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
@@ -139,27 +139,27 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         MemoryLimit(float(spec.memory_per_worker), footprint).check(graph, plan, "the plan given")  # type: ignore[arg-type]
     records = graph.metadata.get("inputs") or []
     if spec.data == "synthetic" and len(records) > 1:  # named inputs (input_ids + attention_mask): one value each
-        from model_parallel.runtime.named_data import NamedSyntheticData
+        from model_parallel.runtime.data.named_data import NamedSyntheticData
 
         dataset: Any = NamedSyntheticData.from_graph_inputs(records, spec.batch_size, classes, kind, spec.seed)
     elif isinstance(spec.data, str):
-        from model_parallel.runtime.data import make_dataset
+        from model_parallel.runtime.data.batches import make_dataset
 
         dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind,
                                seq_len=spec.seq_len, token_dtype=spec.token_dtype)
     elif adapted:  # reading a user's data (collating, decoding) stays off stage 0's critical path
-        from model_parallel.runtime.prefetch import Prefetcher
+        from model_parallel.runtime.data.prefetch import Prefetcher
 
         dataset = Prefetcher(spec.data, depth=2)
     else:
         dataset = spec.data
     eval_dataset = _eval_dataset(spec, shape, classes, kind)
-    from model_parallel.runtime.materialize import Initializer
+    from model_parallel.runtime.build.materialize import Initializer
 
     source = None
     weights = spec.weights if spec.weights is not None else _initial_weights(spec, graph)
     if weights is not None:
-        from model_parallel.runtime.weights import weight_source
+        from model_parallel.runtime.build.weights import weight_source
 
         source = weight_source(weights, graph)
     return Job(graph=graph, plan=plan.with_default_ranks(), model=model, criterion=criterion, dataset=dataset,
@@ -174,10 +174,10 @@ def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str
     if spec.eval_data is None:
         return None
     if not isinstance(spec.eval_data, str):
-        from model_parallel.runtime.sources import as_source
+        from model_parallel.runtime.data.sources import as_source
 
         return as_source(spec.eval_data, spec.batch_size, spec.seed, spec.collate_fn)
-    from model_parallel.runtime.data import make_dataset
+    from model_parallel.runtime.data.batches import make_dataset
 
     # Synthetic validation data from another seed: training's own minibatches would not be held out.
     return make_dataset(spec.eval_data, spec.batch_size, spec.seed + 1, shape=shape, num_classes=classes, kind=kind,
@@ -227,7 +227,7 @@ def _criterion(loss: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
 def _zoo_model(spec: JobSpec) -> tuple[Graph, nn.Module, Callable, tuple[int, ...], int, str]:
     """A built-in model, built on meta and traced there on one microbatch of its example input."""
     from model_parallel.profiler.trace import trace_model
-    from model_parallel.runtime.zoo import recipe
+    from model_parallel.runtime.build.zoo import recipe
 
     r = recipe(str(spec.model))
     model = r.meta_model()
@@ -274,7 +274,7 @@ def _graph_model(spec: JobSpec) -> tuple[Graph, nn.Module]:
 
 def _package(spec: JobSpec) -> tuple[Graph, Plan, nn.Module, bool]:
     """A generated package: ours (graph.json + plan.json, ranks from hybrid_conf.json) or PipeDream's."""
-    from model_parallel.runtime.pipedream import is_pipedream_package, load_pipedream_package
+    from model_parallel.runtime.build.pipedream import is_pipedream_package, load_pipedream_package
 
     package = Path(spec.package)  # type: ignore[arg-type]
     if is_pipedream_package(package):

@@ -12,7 +12,7 @@
 Run it under `torchrun --nproc_per_node=2 my_script.py` (one stage per rank), or without a process
 group for single-process mode (all stages in this process, for debugging). `dataset` is a map-style
 `torch.utils.data.Dataset` (batched by `collate_fn`, default torch's), an iterable of samples, a `DataLoader`,
-or anything with `batch(step) -> (inputs_tuple, target)` (`runtime.sources`, `runtime.data`). The model, graph or package is
+or anything with `batch(step) -> (inputs_tuple, target)` (`runtime.data.sources`, `runtime.data.batches`). The model, graph or package is
 turned into a job by `api.job.build_job`, the same builder the worker command line uses.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from model_parallel.errors import DataError, ModelParallelError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.engine import OptimizerFactory, StepResult
+from model_parallel.runtime.engine import OptimizerFactory
+from model_parallel.runtime.step.loop import StepResult
 from model_parallel.runtime.trainer import SingleProcessRunner
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class PipelineTrainer:
         if world > 1:
             # Ranks may have profiled and partitioned on their own (timings differ per process):
             # everyone trains rank 0's plan, or stages would not line up.
-            from model_parallel.runtime.comm import broadcast_json
+            from model_parallel.runtime.wire.comm import broadcast_json
 
             text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
@@ -100,7 +101,7 @@ class PipelineTrainer:
         self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
         self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None
-        from model_parallel.runtime.tied import check_schedule
+        from model_parallel.runtime.build.tied import check_schedule
 
         check_schedule(graph, self.plan, config.schedule)  # before any runner or heartbeat starts
         if self.single_process:
@@ -108,13 +109,13 @@ class PipelineTrainer:
                                                    config, initializer=job.initializer)
         else:
             from model_parallel.runtime.engine import PipelineEngine
-            from model_parallel.runtime.health import Health
+            from model_parallel.runtime.wire.health import Health
 
             # Heartbeats in the process group's own store, so a dead peer is named (see health.py).
             store = dist.distributed_c10d._get_default_store()
             device = torch.device("cpu")
             if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
-                from model_parallel.runtime.materialize import move_real
+                from model_parallel.runtime.build.materialize import move_real
 
                 device = torch.device("cuda", torch.cuda.current_device())
                 move_real(model, device)
@@ -160,7 +161,7 @@ class PipelineTrainer:
         """Validate on `steps` minibatches of `data` (any form `dataset` takes; all ranks call this together):
         a forward-only pipeline, no backward or update. Returns `EvalResult(loss, metric, steps)`, the means over
         steps of each minibatch's mean over microbatches of `criterion` (and `metric(output, target)`)."""
-        from model_parallel.runtime.sources import as_source
+        from model_parallel.runtime.data.sources import as_source
 
         source = as_source(data, self.config.batch_size, self.config.seed, collate_fn or self.collate_fn)
         return self.runner.evaluate(source, steps, metric)

@@ -6,7 +6,7 @@ Every number is on one clock (`--clock`, stored as `Calibration.clock`): "cpu" (
 process's CPU time, the clock that holds on a shared machine (see optimizer/fidelity.py); "wall" =
 perf_counter. Measurements, each in the conditions of a real run (one thread per rank, gloo on localhost):
 
-- link: ping-pong between rank 0 and 1 through the runtime's message layer (`runtime.comm`, as the
+- link: ping-pong between rank 0 and 1 through the runtime's message layer (`runtime.wire.comm`, as the
   engine sends a boundary), 4-byte and 1 MB messages alternating; latency = the median half round
   trip of 4 bytes, bandwidth = 1 MB / the median of each pair's difference (at least one copy of
   1 MB). On the CPU clock a round trip is one send and one receive of this rank: half of its CPU
@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model_parallel.runtime.metrics import measured_ms
 from model_parallel.optimizer.fidelity import CLOCKS, Calibration, predict_stage_ms
+from model_parallel.runtime.observe.metrics import measured_ms
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +247,9 @@ def corun_factor(rank: int, world_size: int, phases: int = 5, pairs: int = 30) -
 
 def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) -> tuple[float, float]:
     """(latency ms, bandwidth bytes/s) of one boundary message between ranks 0 and 1, by ping-pong through
-    the runtime's own message layer (`runtime.comm` with a header cache, as the engine sends them), so
+    the runtime's own message layer (`runtime.wire.comm` with a header cache, as the engine sends them), so
     its per-message Python and packing are priced with the link; both ranks call it."""
-    from model_parallel.runtime import comm
+    from model_parallel.runtime.wire import comm
 
     cache = comm.HeaderCache()
 
@@ -284,10 +284,10 @@ def link(rank: int, reps: int = 30, clock: str = "wall", timeout: float = 60.0) 
 def runtime_overhead_ms(partial: Calibration, optimizer_kind: str = "sgd", steps: int = 30, microbatches: int = 8) -> float:
     """The engine's fixed cost per microbatch and stage: on a model whose compute is next to nothing,
     what a step measures beyond the prediction of `partial` (every term but the overhead) per microbatch."""
+    from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.profiler.api import profile
     from model_parallel.runtime.config import RunOptions, TrainConfig
-    from model_parallel.runtime.data import SyntheticData
-    from model_parallel.graph.plan import Plan, StagePlan
+    from model_parallel.runtime.data.batches import SyntheticData
     from model_parallel.runtime.engine import PipelineEngine
 
     torch.manual_seed(0)

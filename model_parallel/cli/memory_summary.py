@@ -1,5 +1,5 @@
 """The worker's end-of-run memory table: each stage's predicted footprint (`optimizer/memory.py`) next to
-what its ranks measured (`runtime/memory_probe.py`), gathered to rank 0 as plain float tensors."""
+what its ranks measured (`runtime/observe/memory_probe.py`), gathered to rank 0 as plain float tensors."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,7 @@ import torch
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.memory import Footprint, activation_scale, optimizer_kind, plan_footprint
-from model_parallel.runtime.memory_probe import PeakProbe, StashMeter, state_bytes
+from model_parallel.runtime.observe.memory_probe import PeakProbe, StashMeter, state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,6 @@ def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, M
                      f"{_mb(activations, 14)} {_mb(m.stash_peak, 8)}  {_mb(m.process_peak, 8)}")
     lines.append("predicted = parameters + gradients + optimizer state + stashed weights + activations in flight "
                  "(optimizer/memory.py); measured = parameters + gradients + optimizer state held after the "
-                 "backwards + the peak of what microbatches in flight keep for backward (runtime/memory_probe."
+                 "backwards + the peak of what microbatches in flight keep for backward (runtime/observe/memory_probe."
                  "StashMeter; n/a without --measure_memory); weights+opt: predicted and counted from tensor storages")
     return "\n".join(lines)

@@ -1,11 +1,11 @@
-"""`model-parallel metrics PATH...`: the per-step summary of metrics JSONL files (runtime.metrics)."""
+"""`model-parallel metrics PATH...`: the per-step summary of metrics JSONL files (runtime.observe.metrics)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
-from model_parallel.runtime.metrics import format_summary, read_metrics, summarize, throughput
+from model_parallel.runtime.observe.metrics import format_summary, read_metrics, summarize, throughput
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser, configure_logging
-from model_parallel.runtime.schedule import SCHEDULE_NAMES
+from model_parallel.runtime.step.schedule import SCHEDULE_NAMES
 
 log = logging.getLogger(__name__)
 

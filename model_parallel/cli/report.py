@@ -10,9 +10,9 @@ from typing import Any, Optional
 from model_parallel.cli.memory_summary import Measured, format_memory, predicted
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
-from model_parallel.runtime.metrics import measured_ms
 from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
-from model_parallel.runtime.metrics import read_metrics, summarize
+from model_parallel.runtime.observe.metrics import measured_ms
+from model_parallel.runtime.observe.metrics import read_metrics, summarize
 
 
 def throughput_phases(rows: Sequence[Mapping[str, Any]], slow_at: int, settle: int = 2) -> dict[str, Optional[float]]:
@@ -136,7 +136,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     trace_path = None
     trace_files = sorted((run_dir / "trace").glob("*.json")) if (run_dir / "trace").exists() else []
     if trace_files:
-        from model_parallel.runtime.tracing import merge_traces
+        from model_parallel.runtime.observe.tracing import merge_traces
 
         trace_path = merge_traces([p for p in trace_files if p.name != "pipeline_trace.json"], run_dir / "pipeline_trace.json")
 

@@ -1,4 +1,4 @@
-"""`model-parallel trace OUT.json rank0.json rank1.json ...`: merge per-rank traces (runtime.tracing)."""
+"""`model-parallel trace OUT.json rank0.json rank1.json ...`: merge per-rank traces (runtime.observe.tracing)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
-from model_parallel.runtime.tracing import merge_traces
+from model_parallel.runtime.observe.tracing import merge_traces
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

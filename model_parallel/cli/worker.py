@@ -36,7 +36,7 @@ from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED,
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
 from model_parallel.optimizer.memory import optimizer_kind  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
-from model_parallel.runtime.schedule import SCHEDULE_NAMES  # noqa: E402
+from model_parallel.runtime.step.schedule import SCHEDULE_NAMES  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def check_weights(path: str, where: str = "") -> None:
     fix = "give a .safetensors file, an HF sharded directory or our checkpoint directory"
     if not os.path.exists(path):
         raise InitError(f"{where}--weights {path}: no such file or directory; {fix}")
-    from model_parallel.runtime.weights import weight_source
+    from model_parallel.runtime.build.weights import weight_source
 
     try:
         weight_source(path)  # reads the safetensors headers (or the index) only; a checkpoint is read later
@@ -337,7 +337,7 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule)
     on_engine = None if prefix is None else lambda engine: setattr(prefix, "engine", engine)
     from model_parallel.cli import memory_summary
-    from model_parallel.runtime.memory_probe import PeakProbe
+    from model_parallel.runtime.observe.memory_probe import PeakProbe
 
     probe = PeakProbe(world.device)
     probe.start()  # before the stage is materialized: the peak counts everything the run adds

@@ -41,7 +41,7 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int) -
     if not checkpoint_dir:
         return None
     from model_parallel.errors import CheckpointError
-    from model_parallel.runtime.checkpoint_layout import latest_step, step_dir
+    from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
 
     try:
         step = latest_step(checkpoint_dir)

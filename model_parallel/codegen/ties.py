@@ -9,7 +9,7 @@ that a module also holds (`F.linear(x, self.wte.weight)`) is a tie as well, with
 Rebuilding a stage creates each layer separately, so a tie must be restored explicitly: in memory
 (`tie_stage` within a stage, `tie_stages` across the stages one process builds, both called by
 `codegen.build`) and in generated code (`tie_lines`). The users of one tie on stages in different
-processes are copies: the runtime keeps them one logical parameter (runtime/tied.py sums their
+processes are copies: the runtime keeps them one logical parameter (runtime/build/tied.py sums their
 gradients). A path that cannot do that (a generated package run by PipeDream's runtime, the
 asynchronous pipedream schedule) calls `check_ties`, which refuses such a plan naming the tie,
 instead of letting the copies train silently apart.

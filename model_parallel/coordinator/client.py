@@ -10,7 +10,7 @@ reason, the worker keeps training with its current plan, and the channel reconne
 backoff from 0.25 s to 5 s with jitter, for up to `reconnect_for` seconds, then it gives up and
 the run goes on without rebalancing). Reports made meanwhile wait in the bounded queue. The
 coordinator is an optimisation, not needed for correctness; it never stops a run. A dead *worker*
-is found by its peers (their timeouts and `runtime.health` name it), not by the coordinator.
+is found by its peers (their timeouts and `runtime.wire.health` name it), not by the coordinator.
 """
 from __future__ import annotations
 

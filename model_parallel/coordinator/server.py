@@ -49,7 +49,7 @@ from model_parallel.graph.loader import check_graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 from model_parallel.ratelog import RateLimitedLog
-from model_parallel.runtime.schedule import SCHEDULES
+from model_parallel.runtime.step.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from model_parallel.optimizer.memory import MemoryLimit

@@ -1,6 +1,6 @@
 """Which values can be sent from one stage to the next, decided on a value the profiler saw.
 
-The wire format is `runtime/structure.py` (tensors, tuples/lists/dicts/namedtuples of them, ModelOutputs,
+The wire format is `runtime/wire/structure.py` (tensors, tuples/lists/dicts/namedtuples of them, ModelOutputs,
 `torch.return_types`, small Python values); this module answers the same question below the runtime, so
 the profiler can record on each node whether its value may cross (`Node.uncrossable`) and the optimizer
 never cuts after one that cannot. `tests/unit/optimizer/test_uncrossable.py` checks both answer alike on every kind.
@@ -14,7 +14,7 @@ import torch
 
 from model_parallel.graph.arguments import OutputDict
 
-MAX_DEPTH = 64  # nesting deeper than this is garbage from the wire (runtime/structure.py), not a model's value
+MAX_DEPTH = 64  # nesting deeper than this is garbage from the wire (runtime/wire/structure.py), not a model's value
 
 
 def is_record(value: Any) -> bool:

@@ -1,6 +1,6 @@
 """The schedules' names and how many microbatches a stage holds in flight: one rule, shared below everyone.
 
-The runtime's schedules (runtime/schedule.py: their grids and the bound `check` enforces), the
+The runtime's schedules (runtime/step/schedule.py: their grids and the bound `check` enforces), the
 optimizer's memory model (optimizer/memory.py: activations and stashed weights a stage holds) and the
 command lines' `--schedule` choices all read them here, so a prediction and a run never disagree on it.
 

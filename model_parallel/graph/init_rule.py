@@ -1,6 +1,6 @@
 """The per-layer init rule: a layer built on meta gets its first values under its own seed.
 
-One owner for the rule the runtime uses to build stages (`runtime/materialize.py`) and the profiler
+One owner for the rule the runtime uses to build stages (`runtime/build/materialize.py`) and the profiler
 uses to time a model layer by layer (`profiler/layer_by_layer.py`): under a CPU generator seeded
 with `layer_seed(seed, layer_name)`, the user's `init_weights(layer, layer_name)` hook if given,
 else `reset_parameters()` of every module of the layer that holds tensors directly. A bare tensor
@@ -11,7 +11,7 @@ seed, so its values depend neither on the partition nor on the order.
 Hugging Face modules often have no `reset_parameters()` (GPT-2's Conv1D, Llama's RMSNorm and rotary
 table): `hf_init_weights(model)` is the hook that applies the model's own `_init_weights` (what
 `from_config` uses) to each tensor; the runtime uses it by default for a `PreTrainedModel`
-(`runtime.materialize.Initializer.hook`).
+(`runtime.build.materialize.Initializer.hook`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Two precisions: "fp32" (everything float32) and "bf16" (forwards under bf16 auto
 weights; the runtime's `TrainConfig.bf16`). Under bf16 a boundary value travels narrowed: a float32
 output (a residual stream, a LayerNorm or softmax output, which autocast keeps in float32) crosses
 as bf16, half its bytes, while one autocast already made bf16 (a Linear's output) crosses as it is
-(runtime/structure.py `narrowed`). What a stage *holds* (stash, memory) is the dtype the node
+(runtime/wire/structure.py `narrowed`). What a stage *holds* (stash, memory) is the dtype the node
 produced: `Node.activation_size`, recorded by the profiler at the profiled precision. What *crosses*
 is `wire_bytes`.
 

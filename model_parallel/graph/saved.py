@@ -4,7 +4,7 @@ A saved tensor is charged the bytes of its storage that it views (`span`): a mic
 of the minibatch counts its slice, not the whole storage. Several saved tensors viewing one storage
 (ReLU's result, saved by ReLU and again as the next Linear's input) count the union of their byte
 ranges once (`covered`). The profiler (`profiler/saved.py`) records per node what a training forward
-saves; the runtime's `StashMeter` (`runtime/memory_probe.py`) measures what a stage keeps per microbatch
+saves; the runtime's `StashMeter` (`runtime/observe/memory_probe.py`) measures what a stage keeps per microbatch
 in flight; both count with these two functions, so a prediction and a measurement differ only by what
 was saved, never by how it was counted.
 """

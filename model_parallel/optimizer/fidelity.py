@@ -48,7 +48,7 @@ Two clocks; the profile, the calibration and the measurement must use the same o
   runnable but descheduled (more ranks than cores, a loaded machine) is not charged, so this is the
   one comparison that holds on a shared machine. Receiving costs CPU (gloo's thread reads the
   socket), so receives are priced like sends.
-- "wall": `runtime.metrics.busy_ms` (step time minus time blocked in receives and the step-end
+- "wall": `runtime.observe.metrics.busy_ms` (step time minus time blocked in receives and the step-end
   all-reduce). Only meaningful with a free core per rank; receives are waits, not priced, and the
   executor's final wait for its sends (gloo completes a send when the peer has received it) counts
   as busy although it is a wait: expect wall predictions to read low on the first stages.

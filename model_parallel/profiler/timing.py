@@ -1,7 +1,7 @@
 """Timers for the profiler: replay one operator in isolation (forward and backward), a plain training step,
 and the fixed per-call cost of the replay harness that is subtracted from every node.
 
-At precision "bf16" forwards run under `precision_autocast` (the runtime's autocast: runtime/executor.py)
+At precision "bf16" forwards run under `precision_autocast` (the runtime's autocast: runtime/step/executor.py)
 and the loss gets the output in float32 (`float32_output`), as the runtime's last stage gives it.
 
 Every timed region is bracketed by a device synchronisation (`torch.cuda.synchronize` on CUDA, nothing
@@ -85,7 +85,7 @@ def precision_autocast(precision: str, device: torch.device) -> AbstractContextM
 
 
 def float32_output(value: Any) -> Any:
-    """`value` with its floating-point tensors in float32 (runtime/output.py `float_output`: what the
+    """`value` with its floating-point tensors in float32 (runtime/step/output.py `float_output`: what the
     criterion gets after a bf16 forward). Tensors already float32 are returned as they are."""
     return tree_map(lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
 

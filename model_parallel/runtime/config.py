@@ -13,8 +13,8 @@ from typing import Optional, Union
 import torch
 
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
-from model_parallel.runtime.update import lr_factor
+from model_parallel.runtime.step.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
+from model_parallel.runtime.step.update import lr_factor
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class RunOptions:
     metrics: Optional[str] = None  # JSONL path; "{rank}" is replaced
     progress: bool = True  # a tqdm bar on rank 0
     straggler: Optional[StragglerInjection] = None
-    # Count the bytes each microbatch keeps for backward (runtime/memory_probe.StashMeter): a hook per
+    # Count the bytes each microbatch keeps for backward (runtime/observe/memory_probe.StashMeter): a hook per
     # saved tensor, off by default (docs/runtime.md "Where every byte lives" gives its cost).
     measure_memory: bool = False
     eval_every: int = 0  # steps between validations on the engine's eval data (0: none; also after the last step)

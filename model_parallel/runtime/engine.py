@@ -23,7 +23,6 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -37,21 +36,23 @@ from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
-from model_parallel.runtime import comm, engine_checkpoint
-from model_parallel.runtime.agreement import check_same_job, graph_digest
+from model_parallel.runtime.build.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
+from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
+from model_parallel.runtime.build.stages import check_plan_fits, layer_modules, stage_layers
+from model_parallel.runtime.build.tied import TiedCopies
+from model_parallel.runtime.checkpoint import resume
 from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.memory_probe import NO_METER, StashMeter
-from model_parallel.runtime.data import minibatch_parts, stage_zero_inputs
-from model_parallel.runtime.executor import Microbatches, StepExecutor, WeightStash
-from model_parallel.runtime.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
-from model_parallel.runtime.output import model_output
-from model_parallel.runtime.replicas import ReplicaGroups, all_reduce_grads
-from model_parallel.runtime.schedule import make_schedule
-from model_parallel.runtime.stages import check_plan_fits, layer_modules, stage_layers
-from model_parallel.runtime.straggler import Slowdown
+from model_parallel.runtime.data.batches import minibatch_parts, stage_zero_inputs
+from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
+from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
-from model_parallel.runtime.tied import TiedCopies
-from model_parallel.runtime.update import apply_update, squared_grad_norm
+from model_parallel.runtime.step.executor import Microbatches, StepExecutor, WeightStash
+from model_parallel.runtime.step.loop import StepResult, train as train_loop
+from model_parallel.runtime.step.output import model_output
+from model_parallel.runtime.step.schedule import make_schedule
+from model_parallel.runtime.step.update import apply_update, squared_grad_norm
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +60,6 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 # Per-step results kept in memory (a long run would otherwise grow by every step; the metrics JSONL
 # on disk keeps them all).
 HISTORY_WINDOW = 1000
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    grad_norm: float  # global gradient norm before clipping; 0.0 when not clipping (not computed)
-    lr: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -94,8 +86,8 @@ class PipelineEngine:
         eval_dataset: Any = None,
     ) -> None:
         from model_parallel.allocator import keep_freed_memory
-        from model_parallel.runtime.metrics import MetricsRecorder
-        from model_parallel.runtime.tracing import Tracer
+        from model_parallel.runtime.observe.metrics import MetricsRecorder
+        from model_parallel.runtime.observe.tracing import Tracer
 
         keep_freed_memory()  # steady per-step allocation cost (see model_parallel/allocator.py)
         self.graph, self.model, self.criterion = graph, model, criterion
@@ -108,7 +100,7 @@ class PipelineEngine:
         self.control_group = control_group if control_group is not None else dist.new_group(backend="gloo")
         self.modules = layer_modules(graph, model)
         self.graph_hash = graph_digest(graph)  # checked against every other rank's at each activation
-        # A model built on meta: this rank allocates its stage's layers only (runtime/materialize.py).
+        # A model built on meta: this rank allocates its stage's layers only (runtime/build/materialize.py).
         self.initializer = initializer or Initializer(seed=config.seed, model=model)
         self.lazy_layers = {name for name, obj in self.modules.items() if is_meta(obj)}  # freed when they leave
         trace_file = os.path.join(options.trace_dir, f"rank{self.rank}.json") if options.trace_dir else None
@@ -184,7 +176,7 @@ class PipelineEngine:
             return_freed_memory()
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
         self.tied = TiedCopies(ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
-        self._check_tied(f"when plan v{plan.version} was activated")
+        self.check_tied(f"when plan v{plan.version} was activated")
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 
@@ -200,7 +192,7 @@ class PipelineEngine:
         if params:
             self.optimizer = self.optimizer_factory(params)
             if optimizer_state:
-                from model_parallel.runtime.checkpoint import load_optimizer_state_by_name
+                from model_parallel.runtime.checkpoint.store import load_optimizer_state_by_name
 
                 load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state, copy=False)
         stash = None
@@ -215,7 +207,8 @@ class PipelineEngine:
             flush=self.schedule.flush, weight_stash=stash)
         self.executor.meter = self.meter
 
-    def _check_tied(self, when: str) -> None:
+    def check_tied(self, when: str) -> None:
+        """Collective: the copies of every tie split across stages are identical (a dead peer is named)."""
         try:
             self.tied.check_identical(self.timeout, when)
         except PeerError as error:
@@ -230,7 +223,8 @@ class PipelineEngine:
         return dict(self.stage.state_dict()) if self.stage is not None else {}
 
     # ---- one step --------------------------------------------------------------------------------------
-    def _microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
+    def microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
+        """Stage 0's microbatches of `step` of `dataset` (default: the training data); None on other stages."""
         if self.stage_id != 0:
             return None  # later stages receive theirs
         # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
@@ -252,7 +246,7 @@ class PipelineEngine:
         loss_sum, sq = 0.0, 0.0
         try:
             if self.executor is not None:
-                microbatches = self._microbatches(step)
+                microbatches = self.microbatches(step)
                 with self.meter.step(self.stage, microbatches):
                     loss_sum = self.executor.run(step, microbatches, self.straggler.compute)
                 self.meter.held(self.stage, self.optimizer)  # gradients present, optimizer state of earlier steps
@@ -308,7 +302,7 @@ class PipelineEngine:
 
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset` (all ranks together): `evaluate.EvalResult`."""
-        from model_parallel.runtime.evaluate import evaluate_pipeline
+        from model_parallel.runtime.step.evaluate import evaluate_pipeline
 
         return evaluate_pipeline(self, dataset, steps, metric)
 
@@ -333,7 +327,7 @@ class PipelineEngine:
                 logger.warning("%s compute slowed down %.2fx (%s)", self.prefix, command.factor, command.reason)
                 self.slowdown = float(command.factor)
         elif command.kind == "switch":
-            from model_parallel.runtime.migration import switch_plan
+            from model_parallel.runtime.wire.migration import switch_plan
 
             new_plan = command.plan
             assert new_plan is not None  # Command refuses a switch without a plan
@@ -362,27 +356,27 @@ class PipelineEngine:
     # ---- checkpoints ------------------------------------------------------------------------------
     def fingerprint(self) -> str:
         """The model's parameter names (as stage modules name them), shapes and dtypes, hashed."""
-        return engine_checkpoint.fingerprint(self.graph, self.model)
+        return resume.fingerprint(self.graph, self.model)
 
     def save_checkpoint(self, step: int) -> None:
         """All ranks: first replicas write their stage's shard, rank 0 commits once all agree they did."""
-        from model_parallel.runtime.checkpoint_commit import save_and_commit
+        from model_parallel.runtime.checkpoint.commit import save_and_commit
 
         if step == self._checkpointed_step:
             return  # a stop right after a checkpoint: rewriting the committed one in place could corrupt it
-        self._check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
+        self.check_tied(f"at the checkpoint of step {step}")  # a tie is stored once: its copies must agree
         save_and_commit(self, step)
         self._checkpointed_step = step
 
     def training_record(self, next_step: int) -> dict[str, Any]:
         """This run's training configuration and data position at `next_step` (what a checkpoint records)."""
-        from model_parallel.runtime.training_record import training_record
+        from model_parallel.runtime.checkpoint.training_record import training_record
 
         return training_record(self.config, self.dataset, next_step)
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""
-        return engine_checkpoint.restore(self)
+        return resume.restore(self)
 
     def barrier(self) -> None:
         try:
@@ -396,10 +390,8 @@ class PipelineEngine:
         """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results (the
         last HISTORY_WINDOW of them). A stop command ends it early: then `stop_reason` says why and
         `next_step` how far it got."""
-        from model_parallel.runtime.loop import train
-
         try:
-            train(self, steps, start_step)
+            train_loop(self, steps, start_step)
         except (MemoryError, RuntimeError) as error:
             self._raise_if_out_of_memory(error, self.stage_id)
             raise
@@ -408,7 +400,7 @@ class PipelineEngine:
     def _raise_if_out_of_memory(self, error: BaseException, stage_id: Optional[int]) -> None:
         """An allocation refused becomes one line (`memory_probe.out_of_memory`), published as this rank's
         failure first: its peers then name it and why, not a flag mismatch. Other errors pass."""
-        from model_parallel.runtime.memory_probe import out_of_memory
+        from model_parallel.runtime.observe.memory_probe import out_of_memory
 
         oom = out_of_memory(error, self.rank, stage_id, self.stage, self.optimizer, self.device)
         if oom is None:

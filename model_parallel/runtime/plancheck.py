@@ -16,9 +16,9 @@ from model_parallel.codegen.boundary import StageBoundary, stage_boundaries
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.schedule import make_schedule
-from model_parallel.runtime.stages import check_plan_fits
-from model_parallel.runtime.tied import SplitTie, check_schedule, check_trainable, plan_ties
+from model_parallel.runtime.build.stages import check_plan_fits
+from model_parallel.runtime.build.tied import SplitTie, check_schedule, check_trainable, plan_ties
+from model_parallel.runtime.step.schedule import make_schedule
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
 
     Rules: replicas and ranks within the world; every node in a stage, no edge going back to an
     earlier stage, no uncrossable value sent across a boundary (codegen.boundary); under a schedule
-    without a flush (pipedream) no replicated stage and no tie split across stages (runtime.tied).
+    without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied).
     `schedule` None (a coordinator that does not know the workers' schedule) leaves the schedule's
     rules to the workers; `modules` None (the coordinator holds no layers) leaves to them whether a
     split tie is a buffer. Neither can pass there what fails here: the workers run this same check.

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from model_parallel.messages import ControlChannel
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.health import Health
+    from model_parallel.runtime.wire.health import Health
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Job:
     criterion: Callable[[Any, torch.Tensor], torch.Tensor]
     dataset: Any  # anything with `batch(step) -> (inputs_tuple, target)`
     static_plan: bool = False  # a PipeDream-generated package: no graph.json, so no plan switches
-    initializer: Any = None  # runtime.materialize.Initializer: seed, init hook, stored weights (None: the config's seed)
+    initializer: Any = None  # runtime.build.materialize.Initializer: seed, init hook, stored weights (None: the config's seed)
     eval_dataset: Any = None  # validation data (`batch(step)`), for RunOptions.eval_every
 
 
@@ -182,7 +182,7 @@ def join_world(rdv: Rendezvous) -> World:
 
 def start_health(world: World, timeout: float) -> "Health":
     """Heartbeats in the world's store, so a dead or stalled peer is named (see health.py)."""
-    from model_parallel.runtime.health import Health
+    from model_parallel.runtime.wire.health import Health
 
     return Health(world.store, world.rank, world.world_size, interval=min(1.0, timeout / 10), store_host=world.store_host,
                   store_timeout=timeout, store_address=world.store_address).start()
@@ -204,11 +204,11 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
     The channel is closed at the end with the outcome (the coordinator's status shows it). Raises
     TrainingStopped when the run stopped before its requested steps. `on_engine` sees the engine
     before training starts (the command line's log prefix follows its stage from then on)."""
+    from model_parallel.runtime.build.materialize import move_real
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.materialize import move_real
 
     if job.static_plan:
-        from model_parallel.runtime.pipedream import StaticPlanChannel
+        from model_parallel.runtime.build.pipedream import StaticPlanChannel
 
         channel = StaticPlanChannel(channel, "a PipeDream-generated package has no graph.json, and switching plans "
                                              "needs graph.json (regenerate the package with our converter)")

@@ -15,12 +15,13 @@ from torch.utils._pytree import tree_map
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.runtime.data import minibatch_parts as _microbatches, stage_zero_inputs
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.engine import OptimizerFactory, StepResult
-from model_parallel.runtime.output import float_output, model_output
-from model_parallel.runtime.structure import cross, flatten_values, narrowed, unflatten
-from model_parallel.runtime.update import apply_update, squared_grad_norm
+from model_parallel.runtime.data.batches import minibatch_parts as _microbatches, stage_zero_inputs
+from model_parallel.runtime.engine import OptimizerFactory
+from model_parallel.runtime.step.loop import StepResult
+from model_parallel.runtime.step.output import float_output, model_output
+from model_parallel.runtime.step.update import apply_update, squared_grad_norm
+from model_parallel.runtime.wire.structure import cross, flatten_values, narrowed, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class SingleProcessRunner:
     def __init__(self, graph: Graph, plan: Plan, model: nn.Module, criterion: Callable, optimizer_factory: OptimizerFactory,
                  dataset: Any, config: TrainConfig, initializer: Any = None) -> None:
         from model_parallel.codegen.build import build_stages
-        from model_parallel.runtime.materialize import Initializer, materialize_model
-        from model_parallel.runtime.stages import layer_modules
+        from model_parallel.runtime.build.materialize import Initializer, materialize_model
+        from model_parallel.runtime.build.stages import layer_modules
 
         init = initializer or Initializer(seed=config.seed)  # a model on meta gets the pipeline's values
         # Stages run where the model is (a model on a GPU trains there; one on meta is made on the CPU).
@@ -73,7 +74,7 @@ class SingleProcessRunner:
                           device=self.device)
 
         self.graph, self.plan, self.criterion, self.dataset, self.config = graph, plan, criterion, dataset, config
-        from model_parallel.runtime.tied import check_schedule
+        from model_parallel.runtime.build.tied import check_schedule
 
         check_schedule(graph, plan, config.schedule)  # one optimizer per stage would step a split tie twice
         self.stages = build_stages(graph, plan, modules=layer_modules(graph, model))
@@ -104,7 +105,7 @@ class SingleProcessRunner:
         gradients rounded to bf16 at the cuts (`wire`), the loss on the float32 output."""
         from torch.func import functional_call
 
-        from model_parallel.runtime.schedule import pipedream_async
+        from model_parallel.runtime.step.schedule import pipedream_async
 
         cfg, p = self.config, len(self.stages)
         wire = cfg.wire_dtype
@@ -194,7 +195,7 @@ class SingleProcessRunner:
 
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset`, stages in eval mode: `evaluate.EvalResult`."""
-        from model_parallel.runtime.evaluate import evaluate_in_process
+        from model_parallel.runtime.step.evaluate import evaluate_in_process
 
         return evaluate_in_process(list(self.stages), lambda inputs, mb: self._forward(inputs, mb, recompute=False),
                                    self.criterion, dataset, self.config.num_microbatches, steps, metric)

@@ -1,5 +1,5 @@
 """Ranks holding different jobs are refused at activation, naming the ranks and what differs
-(runtime/agreement.py): before, a rank with another plan or batch size could train silently."""
+(runtime/wire/agreement.py): before, a rank with another plan or batch size could train silently."""
 from __future__ import annotations
 
 import sys
@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.agreement import config_digest, graph_digest, plan_digest
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import free_port, launch
-from model_parallel.runtime.stages import even_plan
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.wire.agreement import config_digest, graph_digest, plan_digest
 
 RANK = """
 import os, sys, datetime, torch, torch.distributed as dist
@@ -20,8 +20,8 @@ from model_parallel.errors import PlanError
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.engine import PipelineEngine
-from model_parallel.runtime.stages import even_plan
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
 rank, port, differ = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))

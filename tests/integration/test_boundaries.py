@@ -17,12 +17,13 @@ import model_parallel  # noqa: F401  (installs the torchvision repair: transform
 from model_parallel.codegen.naming import original_state_from_stage
 from model_parallel.errors import PlanError, ProtocolError
 from model_parallel.graph.arguments import OutputDict
-from model_parallel.runtime import comm, message_header
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import free_port, launch
-from model_parallel.runtime.output import float_output
-from model_parallel.runtime.structure import cross, flatten, flatten_values, unflatten
+from model_parallel.runtime.step.output import float_output
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import message_header
+from model_parallel.runtime.wire.structure import cross, flatten, flatten_values, unflatten
 from support import TESTS
 from support import boundary_models as bm
 
@@ -72,7 +73,7 @@ def test_the_receiver_shortcuts_only_a_flat_list_of_leaves_in_order() -> None:
     a bool index included, goes through `unflatten` (and its checks) every time."""
     from types import SimpleNamespace
 
-    from model_parallel.runtime.executor import StepExecutor, _is_flat
+    from model_parallel.runtime.step.executor import StepExecutor, _is_flat
 
     leaves = [torch.zeros(1), torch.ones(2)]
     flat = {"list": [{"leaf": 0}, {"leaf": 1}]}

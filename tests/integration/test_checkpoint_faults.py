@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from support.mlp import assert_params_close, mlp_job, reference_params
-from model_parallel.runtime.checkpoint import latest_step, list_checkpoints, load_checkpoint
-from model_parallel.runtime.checkpoint_commit import ENOSPC_ENV, STALL_ENV
+from model_parallel.runtime.checkpoint.commit import ENOSPC_ENV, STALL_ENV
+from model_parallel.runtime.checkpoint.store import latest_step, list_checkpoints, load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
 
 PEER_TIMEOUT = 30  # --timeout of every worker

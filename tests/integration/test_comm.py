@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_parallel.runtime import comm
 from model_parallel.runtime.launch import free_port, launch
+from model_parallel.runtime.wire import comm
 
 
 def test_signature_tells_apart_what_the_header_tells_apart() -> None:
@@ -31,7 +31,7 @@ import sys
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from model_parallel.runtime import comm
+from model_parallel.runtime.wire import comm
 
 torch.set_num_threads(1)
 rank, port = int(sys.argv[1]), int(sys.argv[2])
@@ -97,7 +97,7 @@ import sys
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from model_parallel.runtime import comm
+from model_parallel.runtime.wire import comm
 
 torch.set_num_threads(1)
 rank, port = int(sys.argv[1]), int(sys.argv[2])

@@ -122,10 +122,10 @@ class RefusalRecorder(ScriptedChannel):
 @pytest.mark.slow
 def test_the_runtime_refuses_a_bad_switch_before_moving_anything_and_trains_on(tmp_path) -> None:
     from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.build.stages import even_plan
+    from model_parallel.runtime.build.zoo import recipe
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.stages import even_plan
-    from model_parallel.runtime.zoo import recipe
     from model_parallel.runtime.launch import free_port
 
     torch.set_num_threads(1)
@@ -213,7 +213,7 @@ def test_plans_are_checked_under_the_schedule_the_workers_run(tmp_path) -> None:
 def test_two_workers_refuse_a_swapped_plan_together_and_finish_exactly(tmp_path) -> None:
     """Issue 33 item 3 on real processes: before, both workers exited 2 and the work was lost."""
     from model_parallel.graph.plan import read_plan
-    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
     from model_parallel.runtime.launch import launch_workers
     from support.mlp import assert_params_close, mlp_job, reference_params
 

@@ -12,10 +12,10 @@ import torch
 
 from model_parallel.cli.worker import build_parser, check_inputs
 from model_parallel.errors import ConfigError, PlanError
-from model_parallel.runtime.checkpoint import load_checkpoint
+from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import RunOptions
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.metrics import read_metrics
+from model_parallel.runtime.observe.metrics import read_metrics
 
 
 

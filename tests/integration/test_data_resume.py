@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_parallel.runtime.data.sources import as_source
 from model_parallel.runtime.launch import free_port, launch
-from model_parallel.runtime.sources import as_source
 from model_parallel.runtime.trainer import single_process_reference
 from support.resume_cases import STEPS, case_names, make_case
 

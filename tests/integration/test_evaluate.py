@@ -12,12 +12,12 @@ import torch
 
 from model_parallel import PipelineTrainer
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.evaluate import single_process_evaluate
 from model_parallel.runtime.launch import free_port, launch
+from model_parallel.runtime.step.evaluate import single_process_evaluate
 from model_parallel.runtime.trainer import single_process_reference
 from support.eval_cases import EVAL_STEPS, STEPS, case_names, make_case
 
-WORKER = Path(__file__).parent / "support" / "eval_worker.py"
+WORKER = Path(__file__).parents[1] / "support" / "eval_worker.py"
 
 
 def _reference(name: str) -> dict:

@@ -107,10 +107,10 @@ def test_original_state_dict_refuses_a_model_it_does_not_fit() -> None:
 
 
 def _checkpoint(trainer: PipelineTrainer, directory: Path, step: int) -> None:
-    """What the workers write at a checkpoint (runtime/checkpoint_commit.py), one shard per stage."""
-    from model_parallel.runtime.checkpoint import finalize, save_shard, split_state
-    from model_parallel.runtime.engine_checkpoint import fingerprint
-    from model_parallel.runtime.tied import without_aliases
+    """What the workers write at a checkpoint (runtime/checkpoint/commit.py), one shard per stage."""
+    from model_parallel.runtime.build.tied import without_aliases
+    from model_parallel.runtime.checkpoint.resume import fingerprint
+    from model_parallel.runtime.checkpoint.store import finalize, save_shard, split_state
 
     stages = trainer.runner.stages
     for rank, stage in enumerate(stages):
@@ -164,8 +164,8 @@ def test_save_pretrained_on_two_processes_gathers_every_stage(tmp_path: Path) ->
     from model_parallel.codegen.naming import original_state_from_stage
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.launch import free_port, launch
-    from model_parallel.runtime.stages import even_plan
     from support import hf_worker as worker
 
     case = CASES["gpt2"]

@@ -17,7 +17,7 @@ import pytest
 from support import REPO
 
 from model_parallel.coordinator.local import CoordinatorProcess
-from model_parallel.runtime.checkpoint import latest_step, load_checkpoint
+from model_parallel.runtime.checkpoint.store import latest_step, load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers, worker_commands
 from support.mlp import assert_params_close, mlp_job, reference_params
 

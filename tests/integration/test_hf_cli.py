@@ -109,7 +109,7 @@ def test_a_hugging_face_model_without_a_criterion_gets_its_heads_loss_or_a_refus
 
 def test_named_synthetic_data_gives_every_graph_input_a_value_of_its_kind() -> None:
     from model_parallel.errors import DataError
-    from model_parallel.runtime.named_data import NamedSyntheticData
+    from model_parallel.runtime.data.named_data import NamedSyntheticData
 
     records = [{"name": "input_ids", "shape": [2, 5], "dtype": "int64"},
                {"name": "attention_mask", "shape": [2, 5], "dtype": "int64"},

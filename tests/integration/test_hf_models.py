@@ -21,7 +21,7 @@ from model_parallel.graph.loader import function_target
 from model_parallel.graph.plan import plan_from_graph
 from model_parallel.profiler.api import profile
 from model_parallel.profiler.trace import flat_inputs, trace_model
-from model_parallel.runtime.data import split_microbatches
+from model_parallel.runtime.data.batches import split_microbatches
 
 import timm  # noqa: E402  (after model_parallel, which makes their torchvision import work)
 import transformers  # noqa: E402

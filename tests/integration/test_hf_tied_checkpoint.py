@@ -21,10 +21,10 @@ from model_parallel.graph.core import Graph  # noqa: E402
 from model_parallel.graph.json_format import read_graph_json, write_graph_json  # noqa: E402
 from model_parallel.graph.plan import Plan, write_plan  # noqa: E402
 from model_parallel.profiler.trace import trace_model  # noqa: E402
-from model_parallel.runtime.checkpoint import load_checkpoint  # noqa: E402
-from model_parallel.runtime.checkpoint_layout import list_checkpoints  # noqa: E402
+from model_parallel.runtime.build.stages import even_plan  # noqa: E402
+from model_parallel.runtime.checkpoint.layout import list_checkpoints  # noqa: E402
+from model_parallel.runtime.checkpoint.store import load_checkpoint  # noqa: E402
 from model_parallel.runtime.launch import LocalWorld, free_port  # noqa: E402
-from model_parallel.runtime.stages import even_plan  # noqa: E402
 from support import assert_relatively_close  # noqa: E402
 from support.tied import TiedJob, reference_state, write_jobs  # noqa: E402
 

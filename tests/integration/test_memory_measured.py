@@ -14,11 +14,11 @@ from model_parallel.graph.io import load_graph, save_graph
 from model_parallel.graph.plan import read_plan, write_plan
 from model_parallel.optimizer.memory import Footprint, in_flight
 from model_parallel.profiler.api import profile
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.memory_probe import StashMeter
-from model_parallel.runtime.metrics import read_metrics
-from model_parallel.runtime.stages import even_plan
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.observe.memory_probe import StashMeter
+from model_parallel.runtime.observe.metrics import read_metrics
 
 BATCH, MICRO = 16, 4
 

@@ -29,8 +29,8 @@ from model_parallel.errors import GraphError, InitError  # noqa: E402
 from model_parallel.graph.arguments import decode_argument  # noqa: E402
 from model_parallel.graph.io import load_graph, save_graph  # noqa: E402
 from model_parallel.graph.json_format import graph_to_dict  # noqa: E402
+from model_parallel.runtime.build.materialize import materialize_model  # noqa: E402
 from model_parallel.runtime.launch import free_port, launch  # noqa: E402
-from model_parallel.runtime.materialize import materialize_model  # noqa: E402
 from model_parallel.runtime.trainer import single_process_reference  # noqa: E402
 
 VOCAB, SEQ, SEED, STEPS = 64, 8, 3, 4
@@ -193,7 +193,7 @@ import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[4])
 import test_meta_hf as t
 from model_parallel import PipelineTrainer, RunOptions
-from model_parallel.runtime.stages import stage_layers
+from model_parallel.runtime.build.stages import stage_layers
 
 torch.set_num_threads(1)
 rank, world, port, tmp, name, weights = int(sys.argv[1]), 2, int(sys.argv[3]), sys.argv[5], sys.argv[6], sys.argv[7]

@@ -1,5 +1,5 @@
 """Models built on meta: the per-layer init rule, stored weights (safetensors, checkpoints), and ranks
-that allocate only their own stage's layers (runtime/materialize.py, runtime/weights.py)."""
+that allocate only their own stage's layers (runtime/build/materialize.py, runtime/build/weights.py)."""
 from __future__ import annotations
 
 import copy
@@ -15,10 +15,8 @@ from torch import nn
 from model_parallel.codegen.naming import state_key_map
 from model_parallel.models import TinyGPT
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime import weights
-from model_parallel.runtime.checkpoint import finalize, save_shard
-from model_parallel.runtime.launch import free_port, launch
-from model_parallel.runtime.materialize import (
+from model_parallel.runtime.build import weights
+from model_parallel.runtime.build.materialize import (
     InitError,
     Initializer,
     allocate_layers,
@@ -27,9 +25,11 @@ from model_parallel.runtime.materialize import (
     materialize_model,
     release_layers,
 )
-from model_parallel.runtime.stages import even_plan, layer_modules, stage_layers
-from model_parallel.runtime.weights import CheckpointValues, SafetensorsValues
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.build.stages import even_plan, layer_modules, stage_layers
+from model_parallel.runtime.build.weights import CheckpointValues, SafetensorsValues
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import finalize, save_shard
+from model_parallel.runtime.launch import free_port, launch
 
 GPT = dict(vocab_size=64, seq_len=8, dim=16, num_heads=2, num_layers=4)
 
@@ -215,13 +215,13 @@ from safetensors.torch import load_file
 sys.path.insert(0, sys.argv[4])
 from test_meta_init import meta_gpt, real_gpt
 from model_parallel.codegen.naming import state_key_map
-from model_parallel.runtime import weights
+from model_parallel.runtime.build import weights
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.engine import PipelineEngine
-from model_parallel.runtime.materialize import Initializer, materialize_model
-from model_parallel.runtime.migration import switch_plan
-from model_parallel.runtime.stages import even_plan, stage_layers
+from model_parallel.runtime.build.materialize import Initializer, materialize_model
+from model_parallel.runtime.wire.migration import switch_plan
+from model_parallel.runtime.build.stages import even_plan, stage_layers
 
 torch.set_num_threads(1)
 rank, world, port, tmp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]

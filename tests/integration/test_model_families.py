@@ -17,8 +17,8 @@ import torch
 from model_parallel import profile
 from model_parallel.codegen.naming import original_state_from_stage
 from model_parallel.graph.plan import write_plan
+from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.launch import free_port, launch
-from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import single_process_reference
 from support import hf_worker as worker
 from support.hf_families import CASES

@@ -143,7 +143,7 @@ def test_coordinator_on_one_host_ctl_and_hostile_client_on_others(tmp_path: Path
 
 def test_coordinator_and_workers_on_separate_hosts_train_exactly(tmp_path: Path) -> None:
     """The seed's command lines across three hosts: coordinator on 10.200.0.1, rank 0 on .2, rank 1 on .3."""
-    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
 
     steps, batch, micro, lr = 4, 8, 4, 0.01
     graph, plan = mlp_job(tmp_path, 2, batch, micro)
@@ -174,7 +174,7 @@ def test_coordinator_and_workers_on_separate_hosts_train_exactly(tmp_path: Path)
 
 def test_torchrun_across_two_hosts(tmp_path: Path) -> None:
     """`torchrun --nnodes=2` with one worker per host (static rendezvous at host 0's address)."""
-    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
 
     steps = 3
     _, plan = mlp_job(tmp_path, 2)
@@ -199,7 +199,7 @@ def test_network_partition_ends_both_sides_with_a_message(tmp_path: Path) -> Non
     """Unlike kill -9 (the kernel resets the connections), a cut link sends nothing: only timeouts notice."""
     import subprocess
 
-    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
 
     peer_timeout = 5
     _, plan = mlp_job(tmp_path, 2)
@@ -222,7 +222,7 @@ def test_network_partition_ends_both_sides_with_a_message(tmp_path: Path) -> Non
         assert any("rank 1" in line for line in rank0.splitlines() if "error" in line.lower()), rank0[-2000:]
         load_checkpoint(checkpoints)  # the last committed checkpoint is intact
         try:
-            # Its store calls are bounded by --timeout (runtime/health.py), so it cannot hang on the lost store host.
+            # Its store calls are bounded by --timeout (runtime/wire/health.py), so it cannot hang on the lost store host.
             processes[1].wait(timeout=peer_timeout * 2)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the cut-off rank 1 still running {peer_timeout * 2} s after rank 0 exited:\n{logs[1].read_text()[-2000:]}")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from model_parallel.runtime.metrics import MetricsRecorder, read_metrics
-from model_parallel.runtime.tracing import Tracer, merge_traces, read_trace
+from model_parallel.runtime.observe.metrics import MetricsRecorder, read_metrics
+from model_parallel.runtime.observe.tracing import Tracer, merge_traces, read_trace
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC, as on a full disk
 needs_dev_full = pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
@@ -130,7 +130,7 @@ def test_workers_on_a_full_disk_for_metrics_and_traces_train_on_and_exit_0(tmp_p
 
 
 def test_the_per_step_log_line_is_bounded_after_the_first_steps() -> None:
-    from model_parallel.runtime.metrics import StepLog
+    from model_parallel.runtime.observe.metrics import StepLog
 
     log = StepLog(start_step=5, last_step=20_004, first=100, interval_s=3600.0)
     due = [step for step in range(5, 20_005) if log.due(step)]

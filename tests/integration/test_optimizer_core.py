@@ -79,7 +79,7 @@ def test_everything_but_the_search_extra_works_without_numba(reference_profiles)
 @pytest.mark.slow
 def test_importing_the_package_does_not_load_numba():
     done = subprocess.run(
-        [sys.executable, "-c", "import sys, model_parallel.optimizer.partition, model_parallel.runtime.stages; print('numba' in sys.modules)"],
+        [sys.executable, "-c", "import sys, model_parallel.optimizer.partition, model_parallel.runtime.build.stages; print('numba' in sys.modules)"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,5 @@
 """A rank that runs out of memory says so in one line: its stage, the bytes it held and the limit
-(runtime/memory_probe.out_of_memory); anything else is not mistaken for it."""
+(runtime/observe/memory_probe.out_of_memory); anything else is not mistaken for it."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import OutOfMemoryError, PeerError
-from model_parallel.runtime.memory_probe import out_of_memory
+from model_parallel.runtime.observe.memory_probe import out_of_memory
 
 CPU = torch.device("cpu")
 
@@ -42,7 +42,7 @@ def test_an_allocation_refused_names_the_stage_the_bytes_held_and_the_limit():
 def test_a_real_refusal_under_rlimit_data_is_recognised_with_its_limit():
     code = (
         "import resource, torch\n"
-        "from model_parallel.runtime.memory_probe import out_of_memory\n"
+        "from model_parallel.runtime.observe.memory_probe import out_of_memory\n"
         "cap = 2 * 1024 ** 3\n"
         "resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))\n"
         "try:\n"

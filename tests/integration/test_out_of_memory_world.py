@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from model_parallel import PipelineTrainer, TrainConfig
     from model_parallel.models import StackedMLP
     from model_parallel.runtime.config import RunOptions
-    from model_parallel.runtime.data import SyntheticData
+    from model_parallel.runtime.data.batches import SyntheticData
 
     def vmdata():
         for line in open("/proc/self/status"):

@@ -15,9 +15,9 @@ from model_parallel.codegen.package import generate_package
 from model_parallel.errors import PeerError
 from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import read_plan
-from model_parallel.runtime import message_header
+from model_parallel.runtime.build.pipedream import load_pipedream_package
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.pipedream import load_pipedream_package
+from model_parallel.runtime.wire import message_header
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 STEPS = 3

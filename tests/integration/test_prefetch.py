@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.tracing import read_trace
+from model_parallel.runtime.observe.tracing import read_trace
 
 
 def _image_folder(root: Path) -> Path:

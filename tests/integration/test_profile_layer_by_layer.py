@@ -12,7 +12,7 @@ import model_parallel
 from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph
 from model_parallel.models import TinyGPT
-from model_parallel.runtime.materialize import materialize_model
+from model_parallel.runtime.build.materialize import materialize_model
 
 FAST = {"warmup": 0, "iterations": 1}
 

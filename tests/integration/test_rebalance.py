@@ -13,10 +13,10 @@ from model_parallel.coordinator.protocol import C2S, client_handshake, encode_fr
 from model_parallel.graph.io import save_graph
 from model_parallel.graph.plan import write_plan
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.checkpoint import latest_step, load_checkpoint
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import latest_step, load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, worker_commands
-from model_parallel.runtime.stages import even_plan
-from model_parallel.runtime.zoo import recipe
 
 pytestmark = pytest.mark.slow  # every test runs workers and a coordinator
 torch.set_num_threads(1)

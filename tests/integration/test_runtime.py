@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_parallel.cli.worker import main as worker_main
 from model_parallel.codegen.naming import state_key
 from model_parallel.graph.plan import Plan, write_plan
 from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.checkpoint import load_checkpoint
-from model_parallel.runtime.data import split_microbatches
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.data.batches import split_microbatches
 from model_parallel.runtime.launch import LocalWorld, launch_workers, worker_commands
-from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import single_process_reference
-from model_parallel.cli.worker import main as worker_main
-from model_parallel.runtime.zoo import recipe
 
 WORLD = 4
 TOL = 1e-5
@@ -190,7 +190,7 @@ def test_switches_report_pauses_and_end_on_the_last_plan(jobs_world):
     pauses = [line for line in result.output(0).splitlines() if "switched to plan" in line]
     assert len(pauses) == 3 and all(re.search(r"in \d+\.\d ms", p) for p in pauses)
     # the resumed run wrote metrics only for the steps it ran, with pause_ms and plan versions
-    from model_parallel.runtime.metrics import read_metrics
+    from model_parallel.runtime.observe.metrics import read_metrics
 
     records = read_metrics(root / "metrics")
     assert sorted({r["step"] for r in records}) == [3, 4, 5]

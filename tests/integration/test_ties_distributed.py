@@ -89,7 +89,7 @@ def _gpt_jobs(root: Path, graph: Graph) -> tuple[list[TiedJob], list[TiedJob]]:
 
 def _hf_job(root: Path) -> tuple[TiedJob, Graph]:
     from model_parallel.profiler.api import profile
-    from model_parallel.runtime.stages import even_plan
+    from model_parallel.runtime.build.stages import even_plan
 
     job = TiedJob("hf_gpt2_sgd", "gpt2", str(root / "gpt2.json"), str(root / "gpt2_plan.json"), 10, str(root / "hf_gpt2_sgd"))
     model = job.build()
@@ -161,7 +161,7 @@ def test_live_switches_moved_the_tied_layers(worlds) -> None:
 
 
 def test_a_checkpoint_stores_a_tie_once_and_resumes_on_another_worker_count(worlds, gpt_graph) -> None:
-    from model_parallel.runtime.checkpoint import load_checkpoint
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
 
     root, _ = gpt_graph
     job, _, _ = worlds["gpt_resume"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from model_parallel.runtime.checkpoint import latest_step
+from model_parallel.runtime.checkpoint.store import latest_step
 from model_parallel.runtime.launch import launch_workers
 from support.mlp import mlp_job
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.runtime.checkpoint import load_checkpoint
+from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import launch_workers
 from support.mlp import assert_params_close, mlp_job, reference_params
 
@@ -96,9 +96,9 @@ def write_pipedream_package(directory: Path) -> Path:
 
 
 def single_process_params(package: Path, steps: int, shape: tuple[int, ...], classes: int) -> dict[str, torch.Tensor]:
-    from model_parallel.runtime.data import make_dataset
+    from model_parallel.runtime.build.pipedream import load_pipedream_package
     from model_parallel.runtime.config import TrainConfig
-    from model_parallel.runtime.pipedream import load_pipedream_package
+    from model_parallel.runtime.data.batches import make_dataset
     from model_parallel.runtime.trainer import single_process_reference
 
     job = load_pipedream_package(package, seed=0, input_shape=shape)

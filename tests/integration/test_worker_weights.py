@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 from model_parallel.cli.worker import build_parser, check_inputs
 from model_parallel.codegen.naming import state_key
 from model_parallel.errors import InitError
-from model_parallel.runtime.checkpoint import load_checkpoint
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.trainer import single_process_reference
-from model_parallel.runtime.zoo import recipe
 from support.mlp import assert_params_close, reference_params
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

@@ -55,7 +55,7 @@ def make_case(name: str) -> Case:
 
         hf = CASES["gpt2"]
         return Case(hf.build(), hf.data, HeldOut(hf.data), hf.loss, hf.example(2))
-    from model_parallel.runtime.zoo import recipe
+    from model_parallel.runtime.build.zoo import recipe
 
     r = recipe("gpt" if name == "tinygpt" else "mlp")
     data = r.data(8, 0)

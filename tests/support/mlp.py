@@ -10,10 +10,10 @@ from model_parallel.codegen.naming import state_key
 from model_parallel.graph.io import save_graph
 from model_parallel.graph.plan import write_plan
 from model_parallel.profiler.trace import trace_model
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import single_process_reference
-from model_parallel.runtime.zoo import recipe
 
 
 def mlp_job(directory: Path, num_stages: int, batch: int = 8, micro: int = 4, name: str = "plan.json") -> tuple[Path, Path]:

@@ -16,7 +16,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.models.gpt import lm_loss
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.trainer import single_process_reference
 
 VOCAB, SEQ = 32, 8

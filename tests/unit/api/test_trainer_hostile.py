@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.errors import CheckpointError, InitError
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.launch import free_port
-from model_parallel.runtime.zoo import recipe
 
 CONFIG = TrainConfig(batch_size=8, num_microbatches=4)
 
@@ -91,7 +91,7 @@ def test_a_trainer_resuming_from_a_fifo_shard_is_refused_without_blocking(tmp_pa
 @pytest.mark.slow
 def test_trainer_weights_from_a_corrupt_checkpoint_or_a_fifo_are_typed_errors(tmp_path: Path) -> None:
     checkpoints = tmp_path / "ck"
-    from model_parallel.runtime.checkpoint import finalize, save_shard
+    from model_parallel.runtime.checkpoint.store import finalize, save_shard
 
     r = recipe("mlp")
     from model_parallel.codegen.naming import state_key

@@ -182,7 +182,7 @@ def _corrupt_image_folder(root: Path) -> Path:
 
 def test_corrupt_image_is_a_data_error_naming_it(tmp_path: Path) -> None:
     from model_parallel.errors import DataError
-    from model_parallel.runtime.data import ImageFolderData
+    from model_parallel.runtime.data.batches import ImageFolderData
 
     broken = _corrupt_image_folder(tmp_path / "images")
     data = ImageFolderData(tmp_path / "images", batch_size=3)  # one batch holds all three samples

@@ -16,8 +16,8 @@ from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.codegen.boundary import stage_boundaries
 from model_parallel.codegen.build import build_stage, build_stages, full_model_from_graph
 from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original
-from model_parallel.codegen.package import generate_package, import_package
 from model_parallel.codegen.naming import find_ties
+from model_parallel.codegen.package import generate_package, import_package
 from model_parallel.codegen.ties import tie_lines
 from model_parallel.errors import GraphError, GraphFormatError, TiedParameterError
 from model_parallel.graph.core import Graph
@@ -25,9 +25,9 @@ from model_parallel.graph.json_format import graph_to_dict, read_graph_json, wri
 from model_parallel.graph.plan import Plan, StagePlan, plan_from_graph
 from model_parallel.models.gpt import lm_loss
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.data import SyntheticData
+from model_parallel.runtime.build.stages import layer_modules
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.stages import layer_modules
+from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
 
 VOCAB, DIM, SEQ = 24, 8, 6
@@ -296,8 +296,8 @@ def test_the_pipedream_schedule_refuses_a_split_tie() -> None:
 
 # ---- the runtime's bookkeeping for split ties (pure parts; the collectives: test_ties_distributed.py) ---
 def test_a_tie_is_stored_once_and_restored_into_a_stage_holding_only_the_other_name(tmp_path) -> None:
-    from model_parallel.runtime import checkpoint as ckpt
-    from model_parallel.runtime.tied import expand_state, plan_ties, stored_keys, without_aliases
+    from model_parallel.runtime.build.tied import expand_state, plan_ties, stored_keys, without_aliases
+    from model_parallel.runtime.checkpoint import store as ckpt
 
     torch.manual_seed(0)
     graph = _traced(TiedLM())
@@ -321,8 +321,8 @@ def test_a_tie_is_stored_once_and_restored_into_a_stage_holding_only_the_other_n
 
 
 def test_a_same_stage_get_attr_tie_is_a_parameter_under_both_names_in_a_shard() -> None:
-    from model_parallel.runtime.checkpoint import split_state
-    from model_parallel.runtime.tied import without_aliases
+    from model_parallel.runtime.build.tied import without_aliases
+    from model_parallel.runtime.checkpoint.store import split_state
 
     graph = _traced(FunctionalTie())
     (stage,) = build_stages(graph, {n: 0 for n in graph.topological_order})

@@ -15,7 +15,7 @@ from model_parallel.errors import CodegenError, GraphFormatError, InitError
 from model_parallel.graph import loader, sizes
 from model_parallel.graph.json_format import graph_from_dict
 from model_parallel.graph.plan import Plan, StagePlan
-from model_parallel.runtime.materialize import Initializer, materialize_layers
+from model_parallel.runtime.build.materialize import Initializer, materialize_layers
 
 torch.set_num_threads(1)
 HUGE = 1 << 40  # elements: 4 TiB of float32, more than any test host has

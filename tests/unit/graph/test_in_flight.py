@@ -4,7 +4,7 @@ import pytest
 from model_parallel.graph.in_flight import SCHEDULE_NAMES, microbatches_in_flight
 from model_parallel.optimizer.memory import Footprint, in_flight
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.schedule import SCHEDULES, make_schedule
+from model_parallel.runtime.step.schedule import SCHEDULES, make_schedule
 
 
 def peak_in_flight(schedule, stage):

@@ -108,8 +108,8 @@ def test_package_generation_refuses(attempt: Attempt, registry: None, tmp_path: 
 
 @pytest.mark.parametrize("attempt", ATTEMPTS, ids=lambda a: a.name)
 def test_pipeline_trainer_refuses(attempt: Attempt, registry: None, tmp_path: Path) -> None:
-    from model_parallel.runtime.data import SyntheticData
     from model_parallel.api.trainer import PipelineTrainer
+    from model_parallel.runtime.data.batches import SyntheticData
 
     with pytest.raises(GraphFormatError) as error:
         PipelineTrainer(_hostile(attempt, tmp_path), lambda params: torch.optim.SGD(params, lr=0.1),
@@ -182,9 +182,9 @@ def test_real_models_pass_the_loader(registry: None) -> None:
 def test_trainer_allows_the_functions_of_the_model_it_traced(registry: None) -> None:
     # PipelineTrainer(model) traced the model itself, so its wrapped helper is allowed; the same graph
     # loaded without the model (a file, in a fresh process) is refused, naming the helper.
-    from model_parallel.runtime.data import SyntheticData
-    from model_parallel.runtime.config import TrainConfig
     from model_parallel.api.trainer import PipelineTrainer
+    from model_parallel.runtime.config import TrainConfig
+    from model_parallel.runtime.data.batches import SyntheticData
 
     torch.manual_seed(0)
     trainer = PipelineTrainer(Halving(), lambda params: torch.optim.SGD(params, lr=0.1), SyntheticData(4, (4,), 4),

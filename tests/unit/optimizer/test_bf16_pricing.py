@@ -18,11 +18,11 @@ from model_parallel.graph.precision import plan_precision, precision_of, wire_by
 from model_parallel.optimizer.costs import stage_costs
 from model_parallel.optimizer.fidelity import Calibration, predict_stage_ms
 from model_parallel.optimizer.partition import partition
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.run import Job, warn_precision_mismatch
-from model_parallel.runtime.stages import even_plan
 from model_parallel.runtime.trainer import SingleProcessRunner
-from model_parallel.runtime.zoo import recipe
 
 
 class _Probe(nn.Module):

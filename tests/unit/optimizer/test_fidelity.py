@@ -11,8 +11,8 @@ from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
-from model_parallel.runtime.metrics import measured_ms
-from model_parallel.runtime.metrics import MetricsRecorder, busy_ms
+from model_parallel.runtime.observe.metrics import measured_ms
+from model_parallel.runtime.observe.metrics import MetricsRecorder, busy_ms
 
 
 def _chain() -> Graph:

@@ -15,11 +15,11 @@ from model_parallel.graph.plan import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of
 from model_parallel.optimizer.memory import Footprint, footprint_parts, multipliers, optimizer_kind, stage_bytes
-from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.optimizer_graph_hierarchical import main as optimizer_main
+from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
-from model_parallel.runtime.memory_probe import state_bytes
+from model_parallel.runtime.observe.memory_probe import state_bytes
 
 
 def test_multipliers_by_optimizer_and_schedule():

@@ -11,7 +11,7 @@ from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.contiguous import even_stages, straight_plan
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
-from model_parallel.runtime.stages import even_plan
+from model_parallel.runtime.build.stages import even_plan
 
 
 def test_default_plan_of_vgg16_is_balanced(reference_profiles):

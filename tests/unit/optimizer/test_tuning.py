@@ -57,7 +57,7 @@ def _imports(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize("entry", ["model_parallel.optimizer.contiguous", "model_parallel.optimizer.partition",
-                                   "model_parallel.coordinator.solver", "model_parallel.runtime.stages"])
+                                   "model_parallel.coordinator.solver", "model_parallel.runtime.build.stages"])
 def test_the_core_imports_no_search_layer(entry):
     # The runtime's even split and the live rebalancer use the small contiguous partitioner; `partition`
     # is the core. None of them reaches optimizer/search, even through an import inside a function.

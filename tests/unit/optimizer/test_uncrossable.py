@@ -31,7 +31,7 @@ from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.workload import glued_groups, preprocess
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.structure import flatten
+from model_parallel.runtime.wire.structure import flatten
 
 REASON = "the value is a Box, which the wire format cannot carry"
 

@@ -1,4 +1,4 @@
-"""Measured stashed activations (runtime/memory_probe.StashMeter) against the footprint model
+"""Measured stashed activations (runtime/observe/memory_probe.StashMeter) against the footprint model
 (optimizer/memory.py, from the profiler's `Node.saved_bytes`): 2-stage MLP and TinyGPT runs under 1F1B
 and GPipe, and the tables that show both."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from model_parallel.graph.saved import covered, span
 from model_parallel.profiler.api import profile
 from model_parallel.profiler.saved import record_saved_bytes
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.memory_probe import StashMeter
+from model_parallel.runtime.observe.memory_probe import StashMeter
 
 
 def test_the_meter_counts_saved_tensors_until_release_and_skips_parameters_and_data() -> None:

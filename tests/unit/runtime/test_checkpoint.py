@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import CheckpointError
-from model_parallel.runtime import checkpoint as ckpt
+from model_parallel.runtime.checkpoint import store as ckpt
 
 torch.set_num_threads(1)
 
@@ -289,7 +289,7 @@ def test_commit_fsyncs_the_directory_after_moving_latest(tmp_path, monkeypatch):
 
 
 def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
-    from model_parallel.runtime.checkpoint_commit import prune
+    from model_parallel.runtime.checkpoint.commit import prune
 
     fingerprint = ckpt.model_fingerprint(_model())
     stages = _split(_model(), [2, 3])
@@ -320,9 +320,9 @@ def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
 
 
 def test_keep_checkpoints_must_keep_one():
+    from model_parallel.cli.worker import build_parser, make_config
     from model_parallel.errors import ModelParallelError
     from model_parallel.runtime.config import RunOptions
-    from model_parallel.cli.worker import build_parser, make_config
 
     assert make_config(build_parser().parse_args(["--keep_checkpoints", "5"]))[1].keep_checkpoints == 5
     assert RunOptions().keep_checkpoints == 3

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model_parallel.errors import CheckpointError
-from model_parallel.runtime.checkpoint import finalize, load_checkpoint, save_shard
+from model_parallel.runtime.checkpoint.store import finalize, load_checkpoint, save_shard
 
 PARAMS = {"fc.weight": torch.ones(2, 3), "fc.bias": torch.zeros(2)}
 
@@ -137,7 +137,7 @@ def test_garbage_shard_bytes_are_one_line(tmp_path: Path) -> None:
 
 
 def test_cleaning_up_leaves_the_files_of_a_malformed_manifest_alone(tmp_path: Path) -> None:
-    from model_parallel.runtime.checkpoint_commit import prune
+    from model_parallel.runtime.checkpoint.commit import prune
 
     folder = committed(tmp_path)
     edit_manifest(folder, lambda m: shard()(m).update(file=".."))

@@ -1,4 +1,4 @@
-"""A user's data (runtime/sources.py): each adapter trains exactly as single-process training, and reads any
+"""A user's data (runtime/data/sources.py): each adapter trains exactly as single-process training, and reads any
 step afresh as an uninterrupted run reads it (a resume mid-epoch continues exactly)."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from model_parallel import PipelineTrainer, TrainConfig
 from model_parallel.codegen.naming import state_key
 from model_parallel.errors import DataError
 from model_parallel.models.mlp import StackedMLP
-from model_parallel.runtime.data import make_dataset
-from model_parallel.runtime.sources import IterableData, MapData, as_source, token_data
+from model_parallel.runtime.data.batches import make_dataset
+from model_parallel.runtime.data.sources import IterableData, MapData, as_source, token_data
 from model_parallel.runtime.trainer import single_process_reference
 from support.sources_cases import BATCH, CLASSES, FEATURES, N, sources, tensors
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from model_parallel.errors import CheckpointError, ModelParallelError, ProtocolError
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ScriptedChannel
-from model_parallel.runtime.checkpoint import finalize, load_checkpoint, save_shard
+from model_parallel.runtime.checkpoint.store import finalize, load_checkpoint, save_shard
 
 DEEP = int(os.environ.get("MP_FUZZ_EXAMPLES", "0"))  # see test_fuzz.py
 FUZZ = settings(max_examples=DEEP or 150, deadline=None, derandomize=not DEEP, database=None,

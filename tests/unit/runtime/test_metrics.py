@@ -7,8 +7,8 @@ import time
 import pytest
 
 from model_parallel.messages import StepReport
-from model_parallel.runtime.metrics import MetricsRecorder, format_summary, read_metrics, summarize, throughput
-from model_parallel.runtime.tracing import Tracer
+from model_parallel.runtime.observe.metrics import MetricsRecorder, format_summary, read_metrics, summarize, throughput
+from model_parallel.runtime.observe.tracing import Tracer
 
 
 def _busy(seconds: float) -> None:

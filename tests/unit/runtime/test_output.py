@@ -1,9 +1,9 @@
-"""The one model-output decode (runtime/output.py), shared by the engine and single-process mode."""
+"""The one model-output decode (runtime/step/output.py), shared by the engine and single-process mode."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from model_parallel.runtime.output import model_output
+from model_parallel.runtime.step.output import model_output
 
 
 def test_the_recorded_output_structure_is_rebuilt_by_node_id():

@@ -1,4 +1,4 @@
-"""Batches prepared ahead (runtime/prefetch.py): same batches as the dataset, errors naming the step,
+"""Batches prepared ahead (runtime/data/prefetch.py): same batches as the dataset, errors naming the step,
 clean shutdown, and, in a real 2-rank run on an ImageFolder, preparation overlapping stage 0's compute."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from model_parallel.errors import DataError
-from model_parallel.runtime.data import SyntheticData, make_dataset
-from model_parallel.runtime.prefetch import Prefetcher
-from model_parallel.runtime.tracing import Tracer
+from model_parallel.runtime.data.batches import SyntheticData, make_dataset
+from model_parallel.runtime.data.prefetch import Prefetcher
+from model_parallel.runtime.observe.tracing import Tracer
 
 
 class _Recording:

@@ -11,20 +11,20 @@ import pytest
 import torch
 
 from model_parallel.api.trainer import PipelineTrainer
+from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.errors import ModelParallelError, PeerError, ProtocolError
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, ScriptedChannel, StepReport
 from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime import message_header
+from model_parallel.runtime.build.stages import even_plan, layer_owners
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.health import Health
 from model_parallel.runtime.launch import launch
-from model_parallel.runtime.migration import plan_transfers
-from model_parallel.runtime.stages import even_plan, layer_owners
-from model_parallel.api.trainer import PipelineTrainer
+from model_parallel.runtime.step.update import clip_coefficient, lr_factor
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
-from model_parallel.runtime.update import clip_coefficient, lr_factor
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.wire import message_header
+from model_parallel.runtime.wire.health import Health
+from model_parallel.runtime.wire.migration import plan_transfers
 
 
 @pytest.fixture(scope="module")
@@ -284,9 +284,9 @@ def test_python_api_single_process_matches_reference():
 def test_graph_file_and_imagefolder_in_single_process_mode(tmp_path, capsys):
     from PIL import Image
 
-    from model_parallel.graph.io import save_graph
-    from model_parallel.runtime.data import ImageFolderData
     from model_parallel.cli.worker import main
+    from model_parallel.graph.io import save_graph
+    from model_parallel.runtime.data.batches import ImageFolderData
 
     for label in ("cat", "dog"):
         (tmp_path / "images" / label).mkdir(parents=True)
@@ -308,8 +308,8 @@ def test_graph_file_and_imagefolder_in_single_process_mode(tmp_path, capsys):
 
 
 def test_generated_package_runs_in_single_process_mode(tmp_path, mlp_graph, capsys):
-    from model_parallel.codegen.package import generate_package
     from model_parallel.cli.worker import main
+    from model_parallel.codegen.package import generate_package
 
     generate_package(mlp_graph, even_plan(mlp_graph, 3), tmp_path / "pkg", "StackedMLPPipe", "mlp")
     assert main(["--single_process", "--package", str(tmp_path / "pkg"), "--steps", "2"]) == 0
@@ -317,8 +317,8 @@ def test_generated_package_runs_in_single_process_mode(tmp_path, mlp_graph, caps
 
 
 def test_hybrid_conf_places_package_stages(tmp_path, mlp_graph):
-    from model_parallel.errors import PlanError
     from model_parallel.api.job import ranks_from_hybrid_conf
+    from model_parallel.errors import PlanError
 
     plan = even_plan(mlp_graph, 2)
     conf = tmp_path / "hybrid_conf.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from model_parallel.errors import ScheduleError
-from model_parallel.runtime.schedule import (
+from model_parallel.runtime.step.schedule import (
     Action,
     Schedule,
     check,

@@ -7,11 +7,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.config import RunOptions, StragglerInjection, TrainConfig
 from model_parallel.runtime.launch import free_port
-from model_parallel.runtime.metrics import MetricsRecorder
-from model_parallel.runtime.straggler import measured, slowed
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.observe.metrics import MetricsRecorder
+from model_parallel.runtime.observe.straggler import measured, slowed
 
 
 def _work(spent: list[float]) -> float:
@@ -37,8 +37,8 @@ def test_slowed_compute_sleeps_inside_the_measurement():
 
 def test_the_engine_installs_the_wrapper_from_the_injection_step_and_a_command_removes_it():
     from model_parallel.profiler.trace import trace_model
+    from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.engine import PipelineEngine
-    from model_parallel.runtime.stages import even_plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from model_parallel.runtime.tracing import LANES, Tracer, merge_traces, read_trace
+from model_parallel.runtime.observe.tracing import LANES, Tracer, merge_traces, read_trace
 
 torch.set_num_threads(1)
 

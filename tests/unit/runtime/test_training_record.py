@@ -11,11 +11,11 @@ from torch.utils.data import TensorDataset
 
 from model_parallel import PipelineTrainer, RunOptions, TrainConfig
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.data import SyntheticData
-from model_parallel.runtime.prefetch import Prefetcher
-from model_parallel.runtime.sources import MapData
-from model_parallel.runtime.training_record import check_resume, describe_data, training_record
-from model_parallel.runtime.zoo import recipe
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.training_record import check_resume, describe_data, training_record
+from model_parallel.runtime.data.batches import SyntheticData
+from model_parallel.runtime.data.prefetch import Prefetcher
+from model_parallel.runtime.data.sources import MapData
 
 CONFIG = TrainConfig(batch_size=8, num_microbatches=2, lr_schedule="cosine:100")
 

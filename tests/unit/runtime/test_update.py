@@ -1,4 +1,4 @@
-"""The one update step (runtime/update.py): lr schedule, clipping by global norm, step, zero_grad."""
+"""The one update step (runtime/step/update.py): lr schedule, clipping by global norm, step, zero_grad."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.update import apply_update, clip_coefficient, lr_factor, set_lr, squared_grad_norm
+from model_parallel.runtime.step.update import apply_update, clip_coefficient, lr_factor, set_lr, squared_grad_norm
 
 
 def _model_with_grads(seed: int = 0) -> torch.nn.Module:

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from model_parallel.cli.worker import build_parser, check_inputs
 from model_parallel.errors import CheckpointError, InitError
-from model_parallel.runtime.checkpoint import finalize, save_shard
-from model_parallel.runtime.weights import INDEX, weight_source
+from model_parallel.runtime.build.weights import INDEX, weight_source
+from model_parallel.runtime.checkpoint.store import finalize, save_shard
 
 
 def check(path: Path) -> None:

@@ -1,0 +1,1 @@
+"""Checkpoints: the layer-keyed format, its checks, the commit protocol across ranks, resuming an engine."""

@@ -1,0 +1,110 @@
+"""A running engine's checkpoint glue: the model fingerprint, restoring a rank's stage from the latest
+checkpoint (whatever partition wrote it), and what a run does with its checkpoint directory at start.
+Writing and committing is `commit.save_and_commit`; the format is `store.py`."""
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from torch import nn
+
+from model_parallel.graph.core import Graph
+from model_parallel.runtime.checkpoint.commit import CheckpointingEngine, agree, prune
+from model_parallel.runtime.checkpoint.training_record import check_resume
+from model_parallel.runtime.config import RunOptions
+
+logger = logging.getLogger(__name__)
+
+
+class RestoringEngine(CheckpointingEngine, Protocol):
+    """What restoring a checkpoint needs: what writing one does, and the check that split ties agree."""
+
+    def check_tied(self, when: str) -> None: ...
+
+
+class StartingEngine(Protocol):
+    """What `prepare` needs of a rank's engine at the start of a run."""
+
+    options: RunOptions
+    rank: int
+
+    @property
+    def prefix(self) -> str: ...
+
+    def load_checkpoint(self) -> int: ...
+
+
+def fingerprint(graph: Graph, model: nn.Module) -> str:
+    """The model's parameter names (as stage modules name them), shapes and dtypes, hashed."""
+    from model_parallel.codegen.naming import state_key_map
+    from model_parallel.runtime.build.tied import without_aliases
+    from model_parallel.runtime.checkpoint.store import model_fingerprint
+
+    # A traced model has original names (`0.weight`); one rebuilt from a graph already has stage names.
+    # A tied tensor counts once, under the key checkpoints store it by (tied.stored_keys).
+    mapping = state_key_map(graph)
+    named = {mapping.get(name, name): p for name, p in model.named_parameters(remove_duplicate=False)}
+    return model_fingerprint(without_aliases(named, graph))
+
+
+def restore(engine: RestoringEngine) -> int:
+    """Load this rank's stage and optimizer state from the latest checkpoint; returns the next step.
+    Collective (every rank together): a rank that cannot read its part tells every rank why (one line,
+    the same on all), instead of leaving its peers to time out and blame the wrong rank; then the copies
+    of a tie split across stages are checked to agree."""
+    from model_parallel.errors import CheckpointError, ConfigError
+    error, next_step, step, changed = None, 0, None, None
+    try:
+        step, next_step = _restore_stage(engine)
+    except ConfigError as exc:  # a changed training configuration: every rank read the same manifest
+        error, changed = str(exc), exc
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it (not time out)
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    failure = agree(engine, error)
+    if failure is not None and changed is not None:
+        raise changed  # the user's change, named as such (exit 2 on the command line)
+    if failure is not None:
+        raise CheckpointError(f"restoring the checkpoint failed on {failure}")
+    engine.check_tied(f"after restoring checkpoint step {step}")
+    return next_step
+
+
+def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
+    """This rank's part of restore: (the checkpoint's step, the step to continue from)."""
+    from model_parallel.runtime.build.tied import stored_keys
+    from model_parallel.runtime.checkpoint import store as ckpt
+
+    checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
+    next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
+    # Every rank reads the same manifest: all refuse together, before any state changes.
+    check_resume(checkpoint.extra.get("training"), engine.training_record(next_step),
+                 engine.options.allow_config_change, f"{engine.options.checkpoint_dir} (step {checkpoint.step})")
+    if engine.stage is not None:
+        stored = stored_keys(engine.graph)  # a tied copy is restored from the one stored tensor
+        checkpoint.load_into(engine.stage, stored)
+        if engine.optimizer is not None:
+            named = dict(engine.stage.named_parameters())
+            state = checkpoint.optimizer_state(sorted({stored.get(name, name) for name in named}))
+            state = {name: state[stored.get(name, name)] for name in named if stored.get(name, name) in state}
+            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state)
+    # load_checkpoint checked it: an int in 0..step + 1.
+    return checkpoint.step, next_step
+
+
+def prepare(engine: StartingEngine, start_step: int) -> int:
+    """At the start of a run: clear what a run killed mid-checkpoint left (rank 0), and with `resume`
+    restore the latest checkpoint. Returns the step to start from."""
+    directory = engine.options.checkpoint_dir
+    if not directory:
+        return start_step
+    if engine.rank == 0:
+        prune(directory)  # leftovers of a run killed mid-checkpoint
+    if engine.options.resume:
+        from model_parallel.runtime.checkpoint.store import latest_step
+
+        if latest_step(directory) is not None:
+            start_step = engine.load_checkpoint()
+            logger.warning("%s resumed from %s at step %d", engine.prefix, directory, start_step)
+    return start_step

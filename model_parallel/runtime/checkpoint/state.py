@@ -1,0 +1,106 @@
+"""What goes into a checkpoint besides the tensors themselves: the model's fingerprint, optimizer state
+keyed by parameter name, and a stage module's state split into parameters and buffers.
+
+These helpers are independent of the file layout (runtime/checkpoint/store.py) and of the commit
+protocol (runtime/checkpoint/commit.py); runtime/checkpoint/store.py re-exports them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+OptimizerState = Mapping[str, Mapping[str, Union[torch.Tensor, float, int]]]
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+def _dtype_name(dtype: Union[str, torch.dtype]) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shape_dtype_map(named: Union[nn.Module, Mapping[str, Any]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    items = named.named_parameters() if isinstance(named, nn.Module) else named.items()
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, value in items:
+        if isinstance(value, torch.Tensor):
+            out[name] = (tuple(value.shape), _dtype_name(value.dtype))
+        else:
+            shape, dtype = value
+            out[name] = (tuple(int(d) for d in shape), _dtype_name(dtype))
+    return out
+
+
+def model_fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
+    """Hash of sorted parameter names, shapes and dtypes (16 hex digits).
+
+    Names are normalised with "." -> "_", so the original model's `layer1.0.conv1.weight` and the
+    stage-module name `layer1_0_conv1.weight` agree: any partition of a model has its fingerprint.
+    """
+    return _fingerprint(named)
+
+
+def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
+    entries = sorted(
+        (name.replace(".", "_"), list(shape), dtype) for name, (shape, dtype) in _shape_dtype_map(named).items()
+    )
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- optimizer state
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
+    by_id = {id(p): name for name, p in named_params.items()}
+    out: dict[str, dict[str, Any]] = {}
+    for param, state in optimizer.state.items():
+        name = by_id.get(id(param))
+        if name is None:
+            continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
+        out[name] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    return out
+
+
+def load_optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor], state: OptimizerState,
+    copy: bool = True,
+) -> None:
+    """Install name-keyed state into `optimizer` for the parameters it holds (moved to their device).
+
+    Names absent from `state` keep no state (e.g. a checkpoint taken before the first step). With
+    `copy=False` tensors already on the right device are taken over, not cloned: a plan switch hands
+    over the state it owns, and a clone would hold the whole optimizer state twice at that moment.
+    """
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    for name, param in named_params.items():
+        entry = state.get(name)
+        if entry is None:
+            continue
+        group = group_of.get(id(param), {})
+        # As torch's own load_state_dict does: Adam's `step` stays on the CPU unless capturable/fused.
+        step_on_param_device = bool(group.get("capturable") or group.get("fused"))
+        restored: dict[str, Any] = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                on_cpu = key == "step" and not step_on_param_device
+                value = value.detach().clone() if copy else value.detach()
+                restored[key] = value.to("cpu" if on_cpu else param.device)
+            else:
+                restored[key] = value
+        optimizer.state[param] = restored
+
+
+def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameters, persistent buffers) of a stage module by state-dict name, ready for save_shard."""
+    state = module.state_dict()
+    # Every name of a Parameter: a tied one is in the state dict under each of its names.
+    param_names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    params = {k: v for k, v in state.items() if k in param_names}
+    buffers = {k: v for k, v in state.items() if k not in param_names}
+    return params, buffers

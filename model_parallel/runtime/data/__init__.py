@@ -1,0 +1,1 @@
+"""Minibatches keyed by step: synthetic data, a user's dataset, named inputs, prefetching."""

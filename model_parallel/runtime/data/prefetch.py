@@ -1,0 +1,117 @@
+"""Batches prepared ahead on a background thread, so reading data stays off stage 0's critical path.
+
+    data = Prefetcher(ImageFolderData(root, batch_size=64), depth=2)
+    inputs, target = data.batch(step)   # the batch of `step`; steps step+1 .. step+depth start now
+    data.close()                        # or `with Prefetcher(...) as data:`
+
+`batch(step)` returns exactly what the wrapped dataset's `batch(step)` returns (it is the wrapped
+dataset's call, only made earlier), so runs stay deterministic per (seed, step), and a resume or
+any jump to another step just asks for that step (a batch prepared for a step nobody asks for
+is dropped). One thread prepares batches in step order; the queue is bounded by `depth`.
+
+With a tracer attached (`attach_tracer`, the engine does it), each preparation is a span "prepare"
+on the lane "data" (args: step), and the time the training thread waited for a batch is a span
+"data wait" on the lane "data wait": when the loader keeps up, "prepare" of step s+1 runs while
+stage 0 computes step s and "data wait" stays near zero.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any, Optional
+
+import torch
+
+from model_parallel.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0  # one batch's preparation; a stuck network filesystem should not hang a run
+
+
+class Prefetcher:
+    """Wraps anything with `batch(step)`; prepares the next `depth` steps' batches on one thread."""
+
+    def __init__(self, dataset: Any, depth: int = 2, timeout: float = DEFAULT_TIMEOUT_S, tracer: Any = None) -> None:
+        if depth < 1:
+            raise DataError(f"prefetch depth must be >= 1 (batches prepared ahead), got {depth}")
+        if not timeout > 0:
+            raise DataError(f"prefetch timeout must be > 0 seconds, got {timeout}")
+        self.dataset, self.depth, self.timeout = dataset, depth, timeout
+        self.batch_size = dataset.batch_size
+        self.tracer: Any = None
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        if tracer is not None:
+            self.attach_tracer(tracer)
+
+    def __getattr__(self, name: str) -> Any:
+        # num_classes, root, ...: the wrapped dataset's attributes (not called for our own).
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def attach_tracer(self, tracer: Any) -> None:
+        """Record "prepare" / "data wait" spans into `tracer` (a `runtime.observe.tracing.Tracer`)."""
+        self.tracer = tracer
+        # Register the lanes here, on the caller's thread, before the background thread records.
+        for lane in ("data", "data wait"):
+            tracer.add_lane(lane)
+
+    def _prepare(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        tracer = self.tracer
+        if tracer is None:
+            return self.dataset.batch(step)
+        start = tracer.now_ns()
+        try:
+            return self.dataset.batch(step)
+        finally:
+            tracer.add("prepare", "data", start, tracer.now_ns(), step=step)
+
+    def _submit(self, step: int) -> None:
+        if step not in self._pending:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+            self._pending[step] = self._pool.submit(self._prepare, step)
+
+    def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The batch of `step` (prepared ahead when it was the next one); starts steps step+1 .. step+depth."""
+        self._submit(step)
+        future = self._pending.pop(step)
+        # Anything queued for other steps is stale after a jump; a running preparation just finishes.
+        for other in [s for s in self._pending if not step < s <= step + self.depth]:
+            self._pending.pop(other).cancel()
+        for ahead in range(step + 1, step + self.depth + 1):
+            self._submit(ahead)
+        start = self.tracer.now_ns() if self.tracer is not None else 0
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise DataError(f"preparing the batch of step {step} took more than {self.timeout:.0f} s "
+                            f"({type(self.dataset).__name__}); check the data source or raise the timeout") from None
+        except DataError as error:
+            raise DataError(f"step {step}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - re-raised, typed, naming the step
+            raise DataError(f"step {step}: preparing its batch failed in {type(self.dataset).__name__}: "
+                            f"{type(error).__name__}: {error}") from error
+        finally:
+            if self.tracer is not None:
+                self.tracer.add("data wait", "data wait", start, self.tracer.now_ns(), step=step)
+
+    def close(self) -> None:
+        """Drop queued batches and stop the thread (waits for a preparation already running)."""
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        pool = self.__dict__.get("_pool")
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

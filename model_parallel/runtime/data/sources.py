@@ -1,0 +1,222 @@
+"""A user's data as minibatches keyed by step: a map-style Dataset, an iterable, a DataLoader, a token file.
+
+    data = as_source(my_dataset, batch_size=32, seed=0, collate_fn=my_collate)   # -> .batch(step)
+    inputs, target = data.batch(step)
+
+Every source here answers `batch(step) -> (inputs, target)` (the protocol of `runtime.data.batches`) with the
+same minibatch for the same (seed, step) on every process and after a resume, so a pipeline run equals
+single-process training and a resume mid-epoch continues exactly where the run stopped:
+
+    map-style Dataset   epoch e = steps [e*S, (e+1)*S), S = len // batch_size; its order is
+                        torch's RandomSampler under a generator seeded by (seed, e); BatchSampler groups it
+    token file          (nanoGPT's train.bin: a flat uint16/uint32 array) -> a map-style Dataset of
+                        windows (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), then as above
+    iterable            read in order, batch_size samples per step, epochs concatenated; any step is
+                        reached by iterating afresh and skipping (so it must iterate the same way twice)
+    DataLoader          shuffled or sequential over a map-style dataset: its dataset, batch size, collate
+                        function and drop_last, in the order above; otherwise its batches, in order, as an iterable
+
+A collated batch is `(inputs, target)` (inputs a tensor, a tuple of tensors or a dict of keyword
+inputs) or a dict holding "labels" (the target; the other keys are the inputs).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import default_collate
+
+from model_parallel.errors import DataError
+
+Batch = tuple[Any, torch.Tensor]
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def seeded_generator(seed: int, key: int) -> torch.Generator:
+    """A generator for (seed, key): a step's synthetic batch, or (key = -1 - epoch) an epoch's shuffle."""
+    # Distinct streams per (seed, key) without correlations between neighbouring keys.
+    return torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + 17) % (2**63 - 1))
+
+
+def as_pair(batch: Any, where: str) -> Batch:
+    """A collated batch as (inputs, target): inputs a tuple of positional inputs or one dict of keyword inputs."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise DataError(f"{where}: a dict batch needs a 'labels' entry (the target), found keys {sorted(batch)}; "
+                            "add it in the collate function")
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+    if isinstance(batch, Sequence) and len(batch) == 2:
+        inputs, target = batch
+        if isinstance(inputs, Mapping):
+            return dict(inputs), target
+        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+    raise DataError(f"{where}: a batch must be (inputs, target) or a dict with 'labels', got {type(batch).__name__}"
+                    f"{f' of {len(batch)} items' if isinstance(batch, Sequence) else ''}; give a collate_fn that returns one")
+
+
+@dataclass
+class MapData:
+    """A map-style dataset (`len`, `[i]`): shuffled per epoch by RandomSampler under the seed (seed, epoch)."""
+
+    dataset: Any
+    batch_size: int
+    collate_fn: Callable[[list[Any]], Any] = default_collate
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = True  # every step a full minibatch (a short last one would change the microbatching)
+    name: str = "dataset"  # how error messages and the training record name the source
+    _epoch: tuple[int, list[list[int]]] = field(default=(-1, []), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise DataError(f"{self.name}: batch size must be >= 1, got {self.batch_size}")
+        size = len(self.dataset)
+        if size < self.batch_size:
+            raise DataError(f"{self.name}: {size} sample(s) cannot fill one minibatch of {self.batch_size}; "
+                            "lower the batch size or give more data")
+        self.steps_per_epoch = size // self.batch_size if self.drop_last else -(-size // self.batch_size)
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        if self._epoch[0] != epoch:  # one epoch's order kept (a resume or an evaluation asks for another)
+            sampler = (RandomSampler(self.dataset, generator=seeded_generator(self.seed, -1 - epoch)) if self.shuffle
+                       else SequentialSampler(self.dataset))
+            self._epoch = (epoch, list(BatchSampler(sampler, self.batch_size, self.drop_last)))
+        return self._epoch[1]
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where `step` reads: its epoch and the minibatch within that epoch."""
+        return {"epoch": step // self.steps_per_epoch, "batch": step % self.steps_per_epoch}
+
+    def batch(self, step: int) -> Batch:
+        where = self.position(step)
+        indices = self._batches(where["epoch"])[where["batch"]]
+        try:
+            samples = [self.dataset[i] for i in indices]
+        except (IndexError, KeyError) as error:
+            raise DataError(f"{self.name}: reading sample of step {step} failed ({type(error).__name__}: {error}); "
+                            "a map-style dataset must answer every index in range(len(dataset))") from None
+        return as_pair(self.collate_fn(samples), f"{self.name} step {step}")
+
+
+class IterableData:
+    """An iterable read in order (`batched`: each item is already a minibatch, e.g. a DataLoader's);
+    any step is reached by iterating afresh and skipping, so a resume continues exactly."""
+
+    def __init__(self, iterable: Iterable[Any], batch_size: int, collate_fn: Callable[[list[Any]], Any] = default_collate,
+                 batched: bool = False, name: str = "iterable") -> None:
+        if iter(iterable) is iterable:
+            raise DataError(f"{name}: {type(iterable).__name__} is a one-shot iterator, which cannot be replayed for a "
+                            "resume or read again next epoch; give a re-iterable (a list, an IterableDataset, a DataLoader)")
+        self.iterable, self.batch_size, self.collate_fn, self.batched, self.name = iterable, batch_size, collate_fn, batched, name
+        self.per_step = 1 if batched else batch_size  # items consumed per step
+        self.epoch_items: Optional[int] = None  # items per pass, known after the first pass
+        self._iter: Any = None
+        self._next = 0  # the index, over concatenated passes, of the item `_iter` yields next
+
+    def _restart(self, item: int) -> None:
+        # Only whole passes can be skipped without reading them.
+        passes = item // self.epoch_items if self.epoch_items else 0
+        self._iter, self._next = iter(self.iterable), passes * (self.epoch_items or 0)
+
+    def _item(self) -> Any:
+        try:
+            value = next(self._iter)
+        except StopIteration:
+            if self._next == 0 or (self.epoch_items is not None and self._next % self.epoch_items):
+                raise DataError(f"{self.name}: it yielded {'nothing' if self._next == 0 else 'a different count this pass'}; "
+                                "an iterable must yield the same items on every pass") from None
+            self.epoch_items = self.epoch_items or self._next
+            self._iter = iter(self.iterable)
+            value = next(self._iter, None)
+        self._next += 1
+        return value
+
+    def position(self, step: int) -> dict[str, int]:
+        item = step * self.per_step
+        if not self.epoch_items:
+            return {"item": item}
+        return {"item": item, "epoch": item // self.epoch_items, "in_epoch": item % self.epoch_items}
+
+    def batch(self, step: int) -> Batch:
+        first = step * self.per_step
+        if self._iter is None or first < self._next:
+            self._restart(first)
+        while self._next < first:
+            self._item()
+        items = [self._item() for _ in range(self.per_step)]
+        return as_pair(items[0] if self.batched else self.collate_fn(items), f"{self.name} step {step}")
+
+
+class TokenWindows(TorchDataset):
+    """A flat token file (nanoGPT's train.bin) as samples (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), int64."""
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16") -> None:
+        import numpy as np
+
+        if dtype not in TOKEN_DTYPES:
+            raise DataError(f"tokens:{path}: token dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+        if seq_len < 1:
+            raise DataError(f"tokens:{path}: --seq_len must be >= 1, got {seq_len}")
+        if not os.path.isfile(path):
+            raise DataError(f"tokens:{path}: no such file; give a flat {dtype} array of token ids (nanoGPT's train.bin)")
+        itemsize = np.dtype(dtype).itemsize
+        size = os.path.getsize(path)
+        if size % itemsize:
+            raise DataError(f"tokens:{path}: {size} bytes is not a whole number of {dtype} ids ({itemsize} bytes each); "
+                            "is the dtype right (--token_dtype)?")
+        if size // itemsize < seq_len + 1:
+            raise DataError(f"tokens:{path}: {size // itemsize} token(s) cannot make one window of --seq_len {seq_len} "
+                            "plus its shifted target; give more tokens or a shorter --seq_len")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")  # read-only, paged in on demand
+        self.seq_len, self.path = seq_len, path
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.seq_len
+        window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype("int64"))
+        return window[:-1], window[1:]
+
+
+def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: str = "uint16") -> MapData:
+    """`--data tokens:PATH --seq_len N`: inputs (B, N) and next-token targets (B, N), shuffled windows per epoch."""
+    return MapData(TokenWindows(path, seq_len, dtype), batch_size, seed=seed, name=f"tokens:{path}")
+
+
+def from_loader(loader: DataLoader, seed: int) -> Any:
+    """A DataLoader as a step-keyed source (see the module docstring for which order it keeps)."""
+    sampler = loader.sampler
+    map_style = not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
+    if map_style and isinstance(sampler, (RandomSampler, SequentialSampler)):
+        # Its own shuffle draws a fresh seed per pass: ours is keyed by (seed, epoch), so a resume replays it.
+        return MapData(loader.dataset, loader.batch_size, loader.collate_fn, seed, shuffle=isinstance(sampler, RandomSampler),
+                       drop_last=loader.drop_last, name="DataLoader")
+    batch_size = loader.batch_size or 0
+    return IterableData(loader, batch_size, batched=True, name="DataLoader")
+
+
+def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callable[[list[Any]], Any]] = None) -> Any:
+    """`data` as a step-keyed source: anything with `batch(step)` as it is, else the matching adapter."""
+    if hasattr(data, "batch") and callable(data.batch):
+        return data
+    collate = collate_fn or default_collate
+    if isinstance(data, DataLoader):
+        return from_loader(data, seed)
+    if isinstance(data, IterableDataset) or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        if not isinstance(data, Iterable):
+            raise DataError(f"data of type {type(data).__name__} is none of: a map-style Dataset, an iterable, a "
+                            "DataLoader, or an object with batch(step) -> (inputs, target)")
+        return IterableData(data, batch_size, collate, name=type(data).__name__)
+    return MapData(data, batch_size, collate, seed, name=type(data).__name__)
+
+
+def position(data: Any, step: int) -> dict[str, int]:
+    """Where in its data a source reads `step` (a Prefetcher forwards the question to the source it wraps)."""
+    where = getattr(data, "position", None)
+    return where(step) if callable(where) else {"step": step}

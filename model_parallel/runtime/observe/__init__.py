@@ -1,0 +1,1 @@
+"""Watching a run: traces, per-step metrics, measured memory, bounded output files, straggler injection."""

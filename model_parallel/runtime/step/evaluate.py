@@ -1,0 +1,112 @@
+"""Validation: a forward-only pass over a dataset (no backward, no stash, no optimizer), the mean loss and
+an optional user metric, on a running pipeline and in one process (its oracle).
+
+    result = engine.evaluate(eval_data, steps=4, metric=accuracy)   # every rank together
+    result.loss, result.metric                                      # means over steps x microbatches
+
+Per step, stage 0 reads the minibatch and splits it as training does; every stage runs its forwards in
+microbatch order under no_grad (executor.run_forward); the last stage sums criterion(output, target) / m
+(and metric / m); one all-reduce of [loss, metric] over all ranks ends the step. Stages run in eval mode
+(dropout off) and go back to train mode after.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model_parallel.errors import ConfigError, PeerError
+from model_parallel.runtime.data.batches import minibatch_parts
+from model_parallel.runtime.step.executor import Microbatches, StepExecutor
+from model_parallel.runtime.wire import comm
+
+Metric = Callable[[Any, torch.Tensor], Any]
+
+
+class EvaluatingEngine(Protocol):
+    """What a pipeline validation needs of a rank's engine (`PipelineEngine` is one)."""
+
+    stage: Optional[nn.Module]  # None on a spare
+    executor: Optional[StepExecutor]  # None on a spare
+    control_group: Any  # a torch.distributed process group of every rank
+
+    @property
+    def timeout(self) -> float: ...
+
+    def microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]: ...
+
+    def diagnose(self, error: PeerError) -> PeerError: ...
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean loss (and metric, None without one) over `steps` minibatches, each the mean of its microbatches."""
+
+    loss: float
+    metric: Optional[float]
+    steps: int
+
+
+def _check_steps(steps: int) -> None:
+    if steps < 1:
+        raise ConfigError(f"evaluation steps must be >= 1 (minibatches to validate on), got {steps}")
+
+
+def evaluate_pipeline(engine: EvaluatingEngine, dataset: Any, steps: int, metric: Optional[Metric] = None) -> EvalResult:
+    """`PipelineEngine.evaluate`: every rank calls it at the same point with the same arguments."""
+    _check_steps(steps)
+    total = torch.zeros(2, dtype=torch.float64)
+    stage = engine.stage
+    if stage is not None:
+        stage.eval()
+    try:
+        for step in range(steps):
+            part = (0.0, 0.0)
+            if engine.executor is not None:
+                part = engine.executor.run_forward(engine.microbatches(step, dataset), metric)
+            sums = torch.tensor(part, dtype=torch.float64)
+            comm.wait_work(dist.all_reduce(sums, group=engine.control_group, async_op=True), engine.timeout, -1,
+                           "evaluation all-reduce")
+            total += sums
+    except PeerError as error:
+        raise engine.diagnose(error) from None
+    finally:
+        if stage is not None:
+            stage.train()
+    return EvalResult(float(total[0]) / steps, float(total[1]) / steps if metric is not None else None, steps)
+
+
+def evaluate_in_process(modules: list[nn.Module], forward: Callable[[Any, Any], Any], criterion: Callable, dataset: Any,
+                        num_microbatches: int, steps: int, metric: Optional[Metric] = None) -> EvalResult:
+    """Forward-only in this process: `forward(inputs, microbatch_inputs) -> output` per microbatch, `modules` in
+    eval mode meanwhile (and back to train mode after); the loss and metric / m summed per step, then averaged."""
+    _check_steps(steps)
+    loss_sum = metric_sum = 0.0
+    for module in modules:
+        module.eval()
+    try:
+        with torch.no_grad():
+            for step in range(steps):
+                inputs, target = dataset.batch(step)
+                for mb_inputs, mb_target in minibatch_parts(inputs, target, num_microbatches):
+                    output = forward(inputs, mb_inputs)
+                    loss_sum += float(criterion(output, mb_target)) / num_microbatches
+                    metric_sum += float(metric(output, mb_target)) / num_microbatches if metric is not None else 0.0
+    finally:
+        for module in modules:
+            module.train()
+    return EvalResult(loss_sum / steps, metric_sum / steps if metric is not None else None, steps)
+
+
+def single_process_evaluate(model: nn.Module, criterion: Callable[[Any, torch.Tensor], torch.Tensor], dataset: Any,
+                            num_microbatches: int, steps: int, metric: Optional[Metric] = None) -> EvalResult:
+    """The oracle: the original model in eval mode, per microbatch criterion / m, the same microbatching."""
+
+    def forward(inputs: Any, mb_inputs: Any) -> Any:
+        return model(**mb_inputs[0]) if isinstance(inputs, Mapping) else model(*mb_inputs)
+
+    return evaluate_in_process([model], forward, criterion, dataset, num_microbatches, steps, metric)

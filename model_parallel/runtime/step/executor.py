@@ -1,0 +1,282 @@
+"""One rank's share of one step: its schedule actions run on its stage.
+
+For each action of the rank (microbatch j lives on replica j % r_k of stage k):
+
+    kF j: inputs <- the data (k = 0) or a pre-posted irecv from stage k-1
+          outputs = stage(*inputs)   [recompute: torch.utils.checkpoint; bf16: autocast]
+          k < p-1: isend(outputs + [target]) to stage k+1     k = p-1: loss = criterion(out, target) / m
+    kB j: k < p-1: output grads <- pre-posted irecv from stage k+1; autograd.backward(outputs, grads)
+          k = p-1: loss.backward()
+          k > 0:   isend(input grads) to stage k-1
+    wait for every send
+
+Under bf16 (`TrainConfig.wire_dtype`) float32 boundary activations and their gradients travel as
+bf16 and are widened back on arrival: the receiver computes on the rounded value (comm.py); the
+single-process oracle rounds at the same cuts (`structure.cross`). The target is never rounded.
+
+Boundary values travel flat (structure.py): a stage's outputs and the target are flattened into
+their tensors (a module's tuple output, a dict, a ModelOutput: whatever a node produced), the
+structure rides in the message header, and the receiver rebuilds the values around the received
+tensors. Gradients are per tensor: the receiver's inputs ARE the flat tensors, and the sender pairs
+its flat output tensors with the gradients it gets back, so none is lost inside a container.
+
+With the `pipedream` schedule (no flush) each forward runs on a stashed copy of the weights and each
+backward's gradient is applied at once (`WeightStash`; the loss is not divided by m).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from model_parallel.errors import PeerError
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.observe.memory_probe import NO_METER
+from model_parallel.runtime.observe.straggler import Compute
+from model_parallel.runtime.step.output import float_output
+from model_parallel.runtime.step.schedule import Action
+from model_parallel.runtime.step.update import apply_update
+from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import structure
+
+Microbatches = Sequence[tuple[Sequence[Any], torch.Tensor]]
+
+
+@dataclass
+class _Stash:
+    inputs: list[Any]  # the stage's flat input tensors (k > 0: as received), which collect the input grads
+    outputs: Any  # the flat output tensors sent (target last), or the loss on the last stage
+    weights: Optional[dict[str, torch.Tensor]] = None  # PipeDream: the stashed weight version
+
+
+class WeightStash:
+    """PipeDream weight stashing: each forward runs on a copy of the weights of that moment, and its
+    backward's gradient (computed on that copy) updates the live weights at once."""
+
+    def __init__(self, stage: nn.Module, optimizer: torch.optim.Optimizer, lr_schedule: str, metrics: Any,
+                 history: int) -> None:
+        self.stage, self.optimizer, self.lr_schedule, self.metrics = stage, optimizer, lr_schedule, metrics
+        self.updates = 0  # one per microbatch
+        self.versions: deque[int] = deque(maxlen=history)  # `updates` at each forward: its stashed version
+
+    def stash(self) -> dict[str, torch.Tensor]:
+        self.versions.append(self.updates)
+        return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self.stage.named_parameters()}
+
+    def update(self, step: int, weights: dict[str, torch.Tensor]) -> None:
+        with self.metrics.measure("optimizer"):
+            for name, p in self.stage.named_parameters():
+                p.grad = weights[name].grad
+            apply_update(self.optimizer, step, lr_schedule=self.lr_schedule)
+        self.updates += 1
+
+
+class StepExecutor:
+    """Runs the actions of stage `stage_id` (one of `num_stages`) for one step. `route(stage, j)` is the
+    rank holding microbatch j of a stage; `decode(outputs)` rebuilds the model output on the last stage."""
+
+    meter: Any = NO_METER  # memory_probe.StashMeter when the run measures what each microbatch keeps
+
+    def __init__(self, *, stage: nn.Module, stage_id: int, num_stages: int, actions: Sequence[Action],
+                 route: Callable[[int, int], int], config: TrainConfig, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
+                 decode: Callable[[Sequence[Any]], Any], device: torch.device, header_cache: comm.HeaderCache,
+                 metrics: Any, timeout: float, flush: bool = True, weight_stash: Optional[WeightStash] = None) -> None:
+        self.stage, self.stage_id, self.num_stages, self.actions = stage, stage_id, num_stages, tuple(actions)
+        self.route, self.config, self.criterion, self.decode = route, config, criterion, decode
+        self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
+        self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
+        self.recompute = config.recompute_stage(stage_id)
+        self.wire_dtype = config.wire_dtype  # bf16: float32 boundary values and gradients travel rounded to bf16
+        # Boundary values are named by node id in errors (a PipeDream package's stage may have no names).
+        names = getattr(stage, "output_names", None)
+        self.output_names = (*names, "target") if names is not None else None
+        # Received structures found to be a plain list of the leaves in order (the usual boundary of
+        # tensors): by identity, since a cached header hands out the same object every message.
+        self._flat_trees: dict[int, Any] = {}
+
+    def _unflatten(self, leaves: list[Any], tree: Any) -> list[Any]:
+        """`structure.unflatten`, with a shortcut for a flat list of leaves (no walk per microbatch)."""
+        if tree is None:
+            return leaves
+        if self._flat_trees.get(id(tree)) is tree:  # verified for this many leaves (a header fixes the count)
+            return list(leaves)
+        value = structure.unflatten(leaves, tree, self.device)
+        if _is_flat(tree, len(leaves)):
+            self._flat_trees[id(tree)] = tree  # held here, so its id stays its own
+        return value
+
+    def forward(self, values: Sequence[Any], weights: Optional[dict[str, torch.Tensor]] = None) -> Any:
+        """Run the stage; with `weights` (PipeDream weight stashing) on those parameter tensors instead."""
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else nullcontext()
+        module: Any = self.stage
+        if weights is not None:
+            from torch.func import functional_call
+
+            module = lambda *args: functional_call(self.stage, weights, args)  # noqa: E731
+        with autocast:
+            if self.recompute:
+                from torch.utils.checkpoint import checkpoint
+
+                return checkpoint(module, *values, use_reentrant=False)
+            return module(*values)
+
+    def run(self, step: int, microbatches: Optional[Microbatches], compute: Compute) -> float:
+        """The step's actions; `microbatches` on stage 0 only. Returns this rank's share of the loss."""
+        k, m = self.stage_id, self.config.num_microbatches
+        last = k == self.num_stages - 1
+        # Flush schedules: loss / m, one update per step. PipeDream: each microbatch is an update.
+        loss_scale = m if self.flush else 1
+        receives = _Receives(self, last)
+        stash: dict[int, _Stash] = {}
+        sends: list[comm.SendHandle] = []
+        loss_sum = 0.0
+        for action in self.actions:
+            j = action.microbatch
+            if action.is_forward:
+                if k == 0:
+                    assert microbatches is not None
+                    values, target = list(microbatches[j][0]), microbatches[j][1]
+                    receives.skip("F")
+                    inputs = values
+                else:
+                    inputs, tree = receives.take("F", j)
+                    received = self._unflatten(inputs, tree)
+                    values, target = received[:-1], received[-1]
+                self.meter.begin(j)
+                weights = self.weight_stash.stash() if self.weight_stash is not None else None
+                if last:
+                    def forward_loss() -> torch.Tensor:
+                        output = self.decode(self.forward(values, weights))
+                        if self.config.bf16:
+                            output = float_output(output)
+                        return self.criterion(output, target) / loss_scale
+                    loss = compute("forward", j, forward_loss)
+                    loss_sum += float(loss.detach()) * loss_scale / m
+                    stash[j] = _Stash(inputs, loss, weights=weights)
+                else:
+                    outputs = compute("forward", j, lambda: self.forward(values, weights))
+                    with self.metrics.measure("send", microbatch=j):
+                        leaves, handle = self._send_forward(j, outputs, target, stream=j)
+                    sends.append(handle)
+                    stash[j] = _Stash(inputs, leaves, weights=weights)
+                self.meter.kept(j, stash[j])
+            else:
+                entry = stash.pop(j)
+                if last:
+                    compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
+                else:
+                    output_grads, _ = receives.take("B", j)
+                    if len(output_grads) != len(entry.outputs):
+                        raise PeerError(f"stage {k + 1} sent {len(output_grads)} gradients for microbatch {j}, expected "
+                                        f"{len(entry.outputs)} (one per tensor sent); are both ranks running the same plan?")
+                    pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
+                             if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
+                    if pairs:
+                        compute("backward", j, lambda: torch.autograd.backward(
+                            [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]))
+                if k > 0:
+                    grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
+                    with self.metrics.measure("send", microbatch=j):
+                        sends.append(comm.send_values(grads, self.route(k - 1, j), comm.TAG_GRADIENT, device=self.device,
+                                                      cache=self.header_cache, stream=j, wire_dtype=self.wire_dtype))
+                if self.weight_stash is not None and entry.weights is not None:
+                    self.weight_stash.update(step, entry.weights)
+                self.meter.release(j)
+        with self.metrics.measure("send"):
+            for handle in sends:
+                handle.wait(self.timeout)
+        return loss_sum
+
+    def _send_forward(self, j: int, outputs: Any, target: Any, stream: Any) -> tuple[list[Any], comm.SendHandle]:
+        """Send microbatch j's outputs and target to the next stage, flat; returns the leaves sent and the handle."""
+        values = list(outputs) + [target]
+        names = self.output_names or tuple(f"output {i}" for i in range(len(values)))
+        leaves, tree = structure.flatten_values(values, names)
+        # bf16: the stage's outputs may travel narrowed, the target (last) exactly as the data has it.
+        num_wire = len(leaves) - (1 if isinstance(target, torch.Tensor) else len(structure.flatten(target)[0]))
+        handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), comm.TAG_ACTIVATION, device=self.device,
+                                  cache=self.header_cache, stream=stream, structure=tree,
+                                  wire_dtype=self.wire_dtype, num_wire=num_wire)
+        return leaves, handle
+
+    def run_forward(self, microbatches: Optional[Microbatches],
+                    metric: Optional[Callable[[Any, torch.Tensor], Any]] = None) -> tuple[float, float]:
+        """Forward-only (validation): this rank's microbatches in order, under no_grad; no stash, no
+        backward, no update. Returns this rank's share of (mean loss, mean metric): nonzero on the last stage."""
+        k, m = self.stage_id, self.config.num_microbatches
+        last = k == self.num_stages - 1
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else nullcontext()
+        sends: list[comm.SendHandle] = []
+        loss_sum = metric_sum = 0.0
+        # Streams of their own: the training steps' cached headers stay as they are.
+        for j in sorted({a.microbatch for a in self.actions if a.is_forward}):
+            if k == 0:
+                assert microbatches is not None
+                values, target = list(microbatches[j][0]), microbatches[j][1]
+            else:
+                pending = comm.PendingRecv(self.route(k - 1, j), comm.TAG_ACTIVATION, device=self.device,
+                                           cache=self.header_cache, stream=("eval", j))
+                received = self._unflatten(pending.wait(self.timeout), pending.structure)
+                values, target = received[:-1], received[-1]
+            with torch.no_grad(), autocast:
+                outputs = self.stage(*values)
+            if last:
+                output = self.decode(outputs)
+                output = float_output(output) if self.config.bf16 else output
+                with torch.no_grad():
+                    loss_sum += float(self.criterion(output, target)) / m
+                    metric_sum += float(metric(output, target)) / m if metric is not None else 0.0
+            else:
+                sends.append(self._send_forward(j, outputs, target, stream=("eval", j))[1])
+        for handle in sends:
+            handle.wait(self.timeout)
+        return loss_sum, metric_sum
+
+
+def _is_flat(tree: Any, count: int) -> bool:
+    """Whether `tree` is {"list": [{"leaf": 0}, ..., {"leaf": count - 1}]} (ints, not bools)."""
+    items = tree.get("list") if isinstance(tree, dict) and len(tree) == 1 else None
+    return isinstance(items, list) and len(items) == count and all(
+        type(item) is dict and len(item) == 1 and type(item.get("leaf")) is int and item["leaf"] == i
+        for i, item in enumerate(items))
+
+
+class _Receives:
+    """The next activation and gradient receive of a step, each posted ahead so it lands during compute."""
+
+    def __init__(self, executor: StepExecutor, last: bool) -> None:
+        self.executor, self.last = executor, last
+        self.queues = {"F": [a for a in executor.actions if a.is_forward],
+                       "B": [a for a in executor.actions if not a.is_forward]}
+        self.position = {"F": 0, "B": 0}
+        self.pending = {"F": self._post("F"), "B": self._post("B")}
+
+    def _post(self, kind: str) -> Optional[comm.PendingRecv]:
+        queue, x = self.queues[kind], self.executor
+        if self.position[kind] >= len(queue):
+            return None
+        j, k = queue[self.position[kind]].microbatch, x.stage_id
+        if kind == "F" and k > 0:
+            return comm.PendingRecv(x.route(k - 1, j), comm.TAG_ACTIVATION, device=x.device, cache=x.header_cache, stream=j)
+        if kind == "B" and not self.last:
+            return comm.PendingRecv(x.route(k + 1, j), comm.TAG_GRADIENT, device=x.device, cache=x.header_cache, stream=j)
+        return None
+
+    def skip(self, kind: str) -> None:
+        """An action that needs no receive (stage 0's forwards read the data)."""
+        self.position[kind] += 1
+
+    def take(self, kind: str, j: int) -> tuple[list[Any], Any]:
+        """The flat values of microbatch j's message and the structure the sender attached (or None)."""
+        pending = self.pending[kind]
+        assert pending is not None
+        with self.executor.metrics.measure("recv", microbatch=j):
+            values = pending.wait(self.executor.timeout)
+        self.position[kind] += 1
+        self.pending[kind] = self._post(kind)
+        return values, pending.structure

@@ -1,0 +1,74 @@
+"""Every rank of a world runs the same job: one check when a plan is activated.
+
+Each rank builds its stage from its own copy of the graph, the plan and the training config. If two
+ranks hold different ones (each profiled and partitioned on its own, a stale plan file on one
+machine, another `--batch_size`), the messages between them may still match in shape and the run
+would train some other model without a word. So `check_same_job` all-gathers three short digests over
+the control group and refuses any difference, naming the ranks and what differs.
+
+- graph: the structure only (node ids, edges, each node's layer). Timings may differ between ranks'
+  copies (a profile per machine) without changing what runs.
+- plan: each stage's node ids and ranks, and the plan version.
+- config: every `TrainConfig` field (batch size, microbatches, schedule, seed, precision, ...).
+
+The digests travel as int64 tensors (nothing is pickled).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from model_parallel.errors import PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Plan
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.wire.comm import wait_work
+
+PARTS = ("graph", "plan", "config")
+_DEVICE_INDEX = re.compile(r"cuda:\d+")
+
+
+def _digest(value: Any) -> int:
+    # A device index is per rank (each GPU rank traces on its own cuda:N), not part of the job.
+    text = _DEVICE_INDEX.sub("cuda", json.dumps(value, sort_keys=True, default=repr, separators=(",", ":")))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def graph_digest(graph: Graph) -> int:
+    """The graph's structure: node ids, edges and layers (not its timings or sizes)."""
+    return _digest([[n.node_id, dataclasses.asdict(n.layer) if n.layer is not None else None] for n in graph.nodes]
+                   + [list(edge) for edge in graph.edges])
+
+
+def plan_digest(plan: Plan) -> int:
+    return _digest([plan.version] + [[list(s.node_ids), list(s.ranks)] for s in plan.stages])
+
+
+def config_digest(config: TrainConfig) -> int:
+    return _digest(dataclasses.asdict(config))
+
+
+def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any, timeout: float) -> None:
+    """Collective over `group` (every rank calls it together): raise PlanError unless all ranks hold
+    the same graph structure, plan and config."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, -1,
+              "the check that every rank runs the same job")
+    differing = [(part, [rank for rank, row in enumerate(gathered) if int(row[index]) != int(gathered[0][index])])
+                 for index, part in enumerate(PARTS)]
+    differing = [(part, ranks) for part, ranks in differing if ranks]
+    if differing:
+        what = "; ".join(f"rank(s) {ranks} hold another {part} than rank 0" for part, ranks in differing)
+        raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan "
+                        "and training options (partition once and copy the files to every machine; do not "
+                        "profile or partition on each rank separately)")

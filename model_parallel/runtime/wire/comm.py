@@ -1,0 +1,406 @@
+"""Point-to-point messages between ranks: a list of values (tensors or small Python values) with a header.
+
+A message is two or three transfers on one tag, in order:
+
+    uint8[1024]     a fixed-size slot: 8 bytes little-endian header length n, then the first
+                    bytes of the header (the receiver pre-posts it, so one round trip usually
+                    carries the whole description)
+    uint8[n - 1016] only when the header does not fit the slot: the rest of it
+                    header JSON: one entry per value (`runtime.wire.message_header`)
+    tensors         the tensor values, in order, with the shapes/dtypes the header announced
+
+So nothing about shapes is hard-coded and a boundary may carry any number of values. Small
+Python values travel inside the header as JSON - never pickle. A message is flat: nested values
+(a module's tuple output, a dict, a ModelOutput) are flattened by the caller (`structure.flatten`)
+and their structure rides in the header, so it too costs nothing once the header is cached.
+
+The engine's hot path passes a `HeaderCache` (both ends, with the same `stream`: the microbatch
+index, so uneven microbatches of one step each keep their own shapes). Then the header is sent
+only when it differs from the last one on that (peer, tag, stream), and the tensors travel packed
+in one buffer, so a steady-state message is ONE transfer that the receiver pre-posts with the
+known size (the data lands while it computes; no header round trip):
+
+    uint8[size]     16-byte prefix (8 bytes little-endian: 0 = "same header as last time"),
+                    then every tensor's bytes at 16-byte aligned offsets; the receiver's
+                    tensors are views into this buffer (no copy)
+
+When the header changed (or on the first message, where the receiver knows no size and posts
+just the 16-byte prefix) the first transfer, still of the size the receiver pre-posted, is a
+placeholder whose prefix holds the new header's length n, followed by
+
+    uint8[n]        the header JSON
+    uint8[size']    the packed tensors in the new layout
+
+A sender may narrow its floating-point tensors to a `wire_dtype` (bf16 training: half the bytes).
+Such a tensor is announced with its wire dtype and `"cast"`: the dtype it had, which the receiver
+restores, so the receiving stage computes on the value rounded to the wire dtype, in its own dtype
+(a single-process run does the same rounding at the cut: `structure.cross`).
+
+Both ends update their cache after each message, so they agree as long as every message sent is
+received (true at every step boundary: the engine drains all its sends and receives per step,
+and every rank clears its cache on `activate`). Every wait has a timeout; a
+failure is turned into a `PeerError` by the caller (see `health.py`), which names the dead rank.
+Messages between one pair of ranks on one tag are matched in order, which is why schedules keep
+microbatches in increasing order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from model_parallel.errors import PeerError
+from model_parallel.runtime.wire.message_header import decode_value, encode_value, make_header, structure_of
+
+TAG_ACTIVATION = 1
+TAG_GRADIENT = 2
+TAG_MIGRATION = 3
+
+_MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
+SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
+_SLOT_ROOM = SLOT_BYTES - 8
+
+
+# ---- the header cache (engine hot path) -------------------------------------------------------------
+_ALIGN = 16  # prefix size and tensor alignment in a packed buffer (any dtype can be viewed there)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A header as sent on the wire, parsed, with the packed layout of its tensors."""
+
+    data: bytes
+    entries: tuple[dict[str, Any], ...]  # the parsed header (not mutated)
+    tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
+    size: int  # bytes of the packed buffer, prefix included
+    structure: Any = None  # the header's structure entry, parsed once (not per message)
+    # Sender: `_signature` of the values this header describes, so a steady-state send compares a
+    # tuple instead of building and encoding the header again (None: compare the header bytes).
+    signature: Any = None
+    # Receiver: per value, how to rebuild it from the packed buffer (computed once, not per message):
+    # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad) or ("json", encoded).
+    layout: tuple[tuple[Any, ...], ...] = ()
+
+
+def _wire(name: Any) -> torch.dtype:
+    """A dtype named in a header; anything else is a protocol error, never an arbitrary torch attribute."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise PeerError(f"a message header names dtype {str(name)[:40]!r}, which is not a torch dtype "
+                        "(are both ranks running the same version of model_parallel?)")
+    return dtype
+
+
+def _known(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> _Known:
+    offset, tensors, layout = _ALIGN, [], []
+    for entry in header:
+        if entry["t"] == "tensor":
+            dtype = _wire(entry["dtype"])
+            shape = tuple(entry["shape"])
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensors.append((offset, shape, dtype, nbytes))
+            cast = _wire(entry["cast"]) if "cast" in entry else None
+            layout.append(("tensor", offset, offset + nbytes, dtype, shape, cast, bool(entry["grad"])))
+            offset = _aligned(offset + nbytes)
+        elif entry["t"] != "structure":
+            layout.append(("json", entry["v"]))
+    return _Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
+
+
+def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> Any:
+    """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
+    signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
+    fields; narrowing follows from dtype, wire_dtype and position); other values and the structure by
+    their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
+    parts: list[Any] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            parts.append((value.shape, value.dtype, value.requires_grad))
+        else:
+            parts.append(json.dumps(encode_value(value)))
+    text = None if structure is None else json.dumps(structure, separators=(",", ":"))
+    return wire_dtype, num_wire, text, tuple(parts)
+
+
+class HeaderCache:
+    """The last header sent to / received from each (peer, tag, stream); see the module docstring.
+
+    One per process; both ends of a (peer, tag) use one or neither, with the same stream for each
+    message, and start from empty together (the engine clears it on every `activate`, a collective).
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int, Any], _Known] = {}
+        self.received: dict[tuple[int, int, Any], _Known] = {}
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+
+def _prefix(buffer: torch.Tensor, value: int) -> None:
+    buffer[:8] = torch.frombuffer(bytearray(value.to_bytes(8, "little")), dtype=torch.uint8)
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _read_prefix(buffer: torch.Tensor) -> int:
+    # One int64 view and item() (a few microseconds; the prefix is read once per message).
+    value = int(buffer[:8].view(torch.int64).item())
+    return value if _LITTLE else int.from_bytes(value.to_bytes(8, sys.byteorder, signed=True), "little")
+
+
+def _pack(tensors: list[torch.Tensor], known: _Known, device: torch.device) -> torch.Tensor:
+    """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
+    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
+    buffer[:_ALIGN].zero_()
+    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
+        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
+            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
+    return buffer
+
+
+def _received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> torch.Tensor:
+    """A received tensor as the receiver uses it: widened back to its announced dtype (a copy, so a
+    fresh leaf), floating-point ones with the sender's requires_grad."""
+    if cast is not None:
+        tensor = tensor.to(cast)
+    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
+
+
+def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[Any]:
+    """The message's values: tensors are views into `buffer` (leaves; float ones get the sender's requires_grad)."""
+    out: list[Any] = []
+    for item in known.layout:
+        if item[0] == "tensor":
+            _, start, end, dtype, shape, cast, grad = item
+            out.append(_received(buffer[start:end].view(dtype).view(shape), cast, grad))
+        else:
+            out.append(decode_value(item[1], device))
+    return out
+
+
+def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
+                 stream: Any, structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> "SendHandle":
+    signature = _signature(values, structure, wire_dtype, num_wire)
+    tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
+    key = (dst, tag, stream)
+    previous = cache.sent.get(key)
+    if previous is not None and previous.signature == signature:
+        buffers = [_pack(tensors, previous, device)]  # steady state: one transfer, no header built
+    else:
+        header_list = make_header(values, structure, wire_dtype, num_wire)
+        header = json.dumps(header_list, separators=(",", ":")).encode()
+        if previous is not None and previous.data == header:  # same header from a different signature
+            cache.sent[key] = _known(header, header_list, signature)
+            buffers = [_pack(tensors, previous, device)]
+        else:
+            # The receiver pre-posted `previous.size` bytes (just the prefix if it knows nothing yet).
+            first = torch.zeros(previous.size if previous is not None else _ALIGN, dtype=torch.uint8, device=device)
+            _prefix(first, len(header))
+            known = cache.sent[key] = _known(header, header_list, signature)
+            buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
+                       _pack(tensors, known, device)]
+    works = [start_work(lambda b=b: _isend(b, dst, group, tag), dst, "send") for b in buffers]
+    return SendHandle(works, buffers, dst)
+
+
+def _isend(buffer: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
+    """`dist.isend`; on the default group straight on the process group (the wrapper's checks cost
+    about as much as gloo posting the send, once per message on the hot path)."""
+    if group is None:
+        return dist.group.WORLD.send([buffer], dst, tag)
+    return dist.isend(buffer, dst, group=group, tag=tag)
+
+
+def _irecv(buffer: torch.Tensor, src: int, group: Any, tag: int) -> Any:
+    """`dist.irecv`; on the default group straight on the process group (see `_isend`)."""
+    if group is None:
+        return dist.group.WORLD.recv([buffer], src, tag)
+    return dist.irecv(buffer, src, group=group, tag=tag)
+
+
+# ---- sending / receiving -------------------------------------------------------------------------
+@dataclass
+class SendHandle:
+    """Outstanding isends of one message; keep the buffers alive until `wait`."""
+
+    works: list[Any]
+    buffers: list[torch.Tensor]
+    peer: int
+    nbytes: int = 0  # bytes put on the wire (every transfer of the message)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def wait(self, timeout: float) -> None:
+        for work in self.works:
+            wait_work(work, timeout, self.peer, "send")
+        self.works.clear()
+        self.buffers.clear()
+
+
+def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
+    """Wait for a torch.distributed work handle; failure or timeout becomes a PeerError (peer -1: a collective)."""
+    try:
+        ok = work.wait(timedelta(seconds=timeout))
+    except RuntimeError as error:
+        where = what if peer < 0 else f"{what} with rank {peer}"
+        raise PeerError(f"{where} failed: {str(error).splitlines()[0][:200]}") from error
+    if ok is False:
+        where = what if peer < 0 else f"{what} with rank {peer}"
+        raise PeerError(f"{where} timed out after {timeout:.0f} s")
+
+
+def start_work(start: Callable[[], Any], peer: int, what: str) -> Any:
+    """Post a send/receive. Gloo raises at once when the connection to `peer` already broke (it died, or
+    this rank stood still and the peer gave up on it): the same PeerError as a failed wait."""
+    try:
+        return start()
+    except RuntimeError as error:
+        raise PeerError(f"{what} with rank {peer} failed: {str(error).splitlines()[0][:200]}") from error
+
+
+def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
+                cache: Optional[HeaderCache] = None, stream: Any = None, structure: Any = None,
+                wire_dtype: Optional[torch.dtype] = None, num_wire: Optional[int] = None) -> SendHandle:
+    """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on. `structure`
+    (JSON, see structure.py) travels in the header; the receiver reads it as `PendingRecv.structure`.
+    With `wire_dtype`, the first `num_wire` values (None: all) travel narrowed to it where they are
+    wider floating-point tensors, and arrive rounded, in their own dtype (see the module docstring).
+
+    With `cache` the receiver must pass a cache and the same `stream` too (see the module docstring)."""
+    device = device or torch.device("cpu")
+    if cache is not None:
+        return _send_cached(values, dst, tag, group, device, cache, stream, structure, wire_dtype, num_wire)
+    header_list = make_header(values, structure, wire_dtype, num_wire)
+    header = json.dumps(header_list, separators=(",", ":")).encode()
+    slot = bytearray(SLOT_BYTES)
+    slot[:8] = len(header).to_bytes(8, "little")
+    head = header[:_SLOT_ROOM]
+    slot[8:8 + len(head)] = head
+    buffers = [torch.frombuffer(slot, dtype=torch.uint8).to(device)]
+    if len(header) > _SLOT_ROOM:
+        buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
+    buffers += [v.detach().to(_wire(e["dtype"])).contiguous() for v, e in zip(values, header_list)
+                if isinstance(v, torch.Tensor)]
+    works = [start_work(lambda b=b: dist.isend(b, dst, group=group, tag=tag), dst, "send") for b in buffers]
+    return SendHandle(works, buffers, dst)
+
+
+class PendingRecv:
+    """A message being received from `src`: the header slot is posted at construction (so it can
+    land while we compute) - with a `cache` that knows this (src, tag, stream), the whole packed
+    message; `wait()` completes the header and receives the tensors (then `structure` holds the
+    structure the sender passed, or None)."""
+
+    def __init__(self, src: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
+                 cache: Optional[HeaderCache] = None, stream: Any = None) -> None:
+        self.src, self.tag, self.group, self.cache, self.stream = src, tag, group, cache, stream
+        self.device = device or torch.device("cpu")
+        self.known: Optional[_Known] = None
+        self.structure: Any = None
+        if cache is not None:
+            self.known = cache.received.get((src, tag, stream))
+            size = self.known.size if self.known is not None else _ALIGN
+        else:
+            size = SLOT_BYTES
+        self.slot = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.work = start_work(lambda: _irecv(self.slot, src, group, tag), src, "receive")
+
+    def _recv(self, nbytes: int, timeout: float) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        work = start_work(lambda: _irecv(buffer, self.src, self.group, self.tag), self.src, "receive")
+        wait_work(work, timeout, self.src, "receive")
+        return buffer
+
+    def _wait_cached(self, timeout: float) -> list[Any]:
+        assert self.cache is not None
+        size = _read_prefix(self.slot)
+        if size == 0 and self.known is not None:
+            self.structure = self.known.structure
+            return _unpack(self.slot, self.known, self.device)
+        if not 0 < size <= _MAX_HEADER:
+            raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
+                            "(are both ranks running the same plan and schedule?)")
+        data = self._recv(size, timeout).cpu().numpy().tobytes()
+        try:
+            header = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
+                            "are both ranks running the same version of model_parallel?") from None
+        known = self.cache.received[(self.src, self.tag, self.stream)] = _known(data, header)
+        self.structure = known.structure
+        return _unpack(self._recv(known.size, timeout), known, self.device)
+
+    def wait(self, timeout: float) -> list[Any]:
+        wait_work(self.work, timeout, self.src, "receive")
+        if self.cache is not None:
+            return self._wait_cached(timeout)
+        slot = self.slot.cpu().numpy().tobytes()
+        size = int.from_bytes(slot[:8], "little")
+        if not 0 < size <= _MAX_HEADER:
+            raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
+                            "(are both ranks running the same plan and schedule?)")
+        data = slot[8:8 + min(size, _SLOT_ROOM)]
+        if size > _SLOT_ROOM:
+            rest = torch.empty(size - _SLOT_ROOM, dtype=torch.uint8, device=self.device)
+            work = start_work(lambda: dist.irecv(rest, self.src, group=self.group, tag=self.tag), self.src, "receive")
+            wait_work(work, timeout, self.src, "receive")
+            data += rest.cpu().numpy().tobytes()
+        try:
+            header = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
+                            "are both ranks running the same version of model_parallel?") from None
+        self.structure = structure_of(header)
+        header = [entry for entry in header if entry["t"] != "structure"]
+        values: list[Any] = []
+        works = []
+        for entry in header:
+            if entry["t"] == "tensor":
+                tensor = torch.empty(entry["shape"], dtype=_wire(entry["dtype"]), device=self.device)
+                works.append(start_work(lambda t=tensor: dist.irecv(t, self.src, group=self.group, tag=self.tag),
+                                        self.src, "receive"))
+                values.append((tensor, entry["grad"]))
+            else:
+                values.append((None, decode_value(entry["v"], self.device)))
+        for work in works:
+            wait_work(work, timeout, self.src, "receive")
+        out = []
+        for entry, (tensor, extra) in zip(header, values):
+            if entry["t"] == "tensor":
+                out.append(_received(tensor, _wire(entry["cast"]) if "cast" in entry else None, bool(entry["grad"])))
+            else:
+                out.append(extra)
+        return out
+
+
+def recv_values(src: int, tag: int, timeout: float, group: Any = None, device: Optional[torch.device] = None) -> list[Any]:
+    return PendingRecv(src, tag, group, device).wait(timeout)
+
+
+def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) -> str:
+    """Broadcast a JSON string from `src` to every rank of `group` (length, then bytes)."""
+    is_src = dist.get_rank() == src
+    payload = (data or "").encode() if is_src else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    wait_work(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
+    if is_src and payload:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+    if buffer.numel():
+        wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
+    return payload.decode() if is_src else buffer.numpy().tobytes().decode()
