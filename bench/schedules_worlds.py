@@ -46,7 +46,7 @@ def build_model(spec: dict[str, Any]) -> EmulatedModel:
 
 
 def _data(spec: dict[str, Any]) -> Any:
-    from model_parallel.runtime.data import SyntheticData
+    from model_parallel.runtime.data.batches import SyntheticData
 
     width = spec["emulation"]["width"]
     return SyntheticData(spec["batch_size"], (width,), width, "dense", spec["seed"])
@@ -76,7 +76,7 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
     from model_parallel.codegen.build import build_stages
     from model_parallel.graph.io import load_graph
     from model_parallel.graph.plan import read_plan
-    from model_parallel.runtime.stages import layer_modules
+    from model_parallel.runtime.build.stages import layer_modules
 
     cls = getattr(pipelining, name, None)
     if cls is None:  # an older torch (a lent GPU machine brings its own): a row that says so, not a failed world
