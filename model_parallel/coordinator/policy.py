@@ -117,6 +117,9 @@ class Review:
     predicted_ms: float
     after_ms: float
     delivered: bool
+    # False when a worker's speed changed beyond `speed_change` since the plan was solved: the prediction was
+    # for other speeds, so a shortfall says nothing about noise (no miss is counted, nothing is learned).
+    judged: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,14 @@ class PolicyState:
     change_streak: int = 0  # evaluations in a row that saw a speed change beyond `speed_change`
     prediction: Optional[tuple[float, float]] = None  # (current, predicted) ms of the last proposed plan
     review: Optional[tuple[float, float]] = None  # the live plan's switch: (measured before, predicted) ms
+    # The speeds the last proposed plan was solved for: once it is live, they are its baseline until its first
+    # window agrees with them (a slowdown inside that window must not become the new normal).
+    solved_for: Optional[Mapping[int, float]] = None
+    # Every rank's last measured speed, spares included (a spare keeps the speed it had when it last ran a stage).
+    known_speeds: Mapping[int, float] = field(default_factory=dict)
+    # The gain switches failed to deliver (relative to the bottleneck before them): what noise alone can
+    # make a re-solve predict. A predicted gain must beat it; a delivered switch halves it.
+    noise: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -240,34 +251,62 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
     ranks = active_ranks(state.plan)
     full = all(len(samples.compute_ms.get(r, ())) >= config.window for r in ranks)
     review = None
+    now = window_speeds(state, samples, config) if full else None
+    if now is not None:
+        state = replace(state, known_speeds={**state.known_speeds, **now})
     if state.review is not None and full:
         before, predicted = state.review
         windows = [list(samples.compute_ms[r])[-config.window:] for r in ranks]
         after = max(sorted(w)[len(w) // 2] for w in windows)
         ok = delivered(before, predicted, after)
-        review = Review(state.plan.version, before, predicted, after, ok)
-        state = replace(state, review=None, misses=max(0, state.misses - 1) if ok else state.misses + 1)
-    if state.learn_baseline and not force and full:
-        window = {r: list(samples.compute_ms[r])[-config.window:] for r in ranks}
-        baseline = dict(estimate_speeds(state.graph, state.plan, window).speeds)
-        reason = f"learned the speeds under plan v{state.plan.version}: " + ", ".join(
-            f"rank {r} {v:.2f}" for r, v in sorted(baseline.items()))
-        return Decision(None, reason, review=review), replace(state, baseline=baseline, learn_baseline=False)
+        judged = now is None or state.baseline is None or speed_change(state.baseline, now) <= config.speed_change
+        review = Review(state.plan.version, before, predicted, after, ok, judged)
+        # The gain it failed to deliver is what noise alone made a re-solve predict: later gains must beat it.
+        shortfall = max(0.0, (after - predicted) / before) if before > 0 else 0.0
+        if not judged:
+            state = replace(state, review=None)
+        else:
+            state = replace(state, review=None, misses=max(0, state.misses - 1) if ok else state.misses + 1,
+                            noise=state.noise / 2 if ok else max(state.noise, min(shortfall, 1.0)))
+    if state.learn_baseline and not force and now is not None:
+        # Right after a switch the baseline is what the plan was solved for; its first window replaces it only
+        # when it agrees, else a worker that slowed down inside that window would become the new normal.
+        if state.baseline is None or speed_change(state.baseline, now) <= config.speed_change:
+            reason = f"learned the speeds under plan v{state.plan.version}: " + ", ".join(
+                f"rank {r} {v:.2f}" for r, v in sorted(now.items()))
+            return Decision(None, reason, review=review), replace(state, baseline=now, learn_baseline=False)
+        state = replace(state, learn_baseline=False)  # keep the solved-for speeds: `evaluate` sees the change
     decision = evaluate(state, samples, config, force)
     if not force:
         state = replace(state, change_streak=state.change_streak + 1 if decision.extra.get("changed") else 0)
         if decision.plan is None and state.baseline is None and decision.estimate is not None:
             state = replace(state, baseline=dict(decision.estimate.speeds))  # v0: its first full window
+        elif decision.extra.get("settled") and decision.estimate is not None:
+            # A change no plan can exploit (no better plan, or a gain under the threshold) is the new normal.
+            state = replace(state, baseline=dict(decision.estimate.speeds), change_streak=0)
     if decision.plan is not None:
-        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms))
+        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms),
+                        solved_for=dict(decision.estimate.speeds) if decision.estimate else None)
     return replace(decision, review=review), state
+
+
+def window_speeds(state: PolicyState, samples: Samples, config: PolicyConfig) -> Optional[dict[int, float]]:
+    """The live plan's active ranks' speeds over their last full window (None when a rank has no usable sample)."""
+    window = {r: list(samples.compute_ms[r])[-config.window:] for r in active_ranks(state.plan)}
+    try:
+        return dict(estimate_speeds(state.graph, state.plan, window).speeds)
+    except PlanError:
+        return None
 
 
 def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> PolicyState:
     """The state once `plan` went live at `step`. A switch the policy proposed (`predicted`: auto or ctl
-    rebalance, not set-plan/scale) is judged against its prediction once the new plan's window is full."""
-    return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=None, learn_baseline=True,
-                   change_streak=0, prediction=None, review=state.prediction if predicted else None)
+    rebalance, not set-plan/scale) is judged against its prediction once the new plan's window is full, and until
+    then its baseline is the speeds it was solved for (see `decide`)."""
+    baseline = dict(state.solved_for) if predicted and state.solved_for else None
+    return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=baseline,
+                   learn_baseline=True, change_streak=0, prediction=None, solved_for=None,
+                   review=state.prediction if predicted else None)
 
 
 def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: bool = False) -> Decision:
@@ -276,7 +315,8 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     A decision that saw a speed change beyond `speed_change` has `extra["changed"] == 1` (it must persist
     for `persist` evaluations in a row: a burst of contention on a shared machine is not a straggler).
     """
-    threshold, cooldown = config.threshold_after(state.misses), config.cooldown_after(state.misses)
+    # A switch that did not deliver taught the noise level: a predicted gain must beat it too.
+    threshold, cooldown = max(config.threshold_after(state.misses), state.noise), config.cooldown_after(state.misses)
     graph, solver = state.graph, state.solver or default_solver
     plan = state.plan.with_default_ranks()
     ranks = active_ranks(plan)
@@ -285,8 +325,6 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         short = [r for r in ranks if len(samples.compute_ms.get(r, ())) < config.window]
         if short:
             return Decision(None, f"waiting for {config.window} samples from rank(s) {short}")
-        if steps_since_switch < cooldown and plan.version > 0:
-            return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the last switch")
     # Before the first switch the cooldown counts from the start, which a short run (10 steps) never
     # leaves: a plain imbalance (twice the threshold) may switch at once; a marginal one waits.
     early = not force and plan.version == 0 and steps_since_switch < cooldown
@@ -304,6 +342,13 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         if state.change_streak + 1 < config.persist:
             return Decision(None, f"speed change of {change:.0%} seen {state.change_streak + 1} of {config.persist} "
                                   "times in a row", estimate=estimate, extra=changed)
+    if not force and plan.version > 0:
+        # A worker whose speed changed is acted on at once (whenever it changed); without such a change (no
+        # baseline yet) the cooldown holds. Only the back-off (misses) delays a change.
+        wait = config.cooldown_steps * min(state.misses, 3) if changed else cooldown
+        if steps_since_switch < wait:
+            return Decision(None, f"cooldown: {steps_since_switch} of {wait} steps since the last switch",
+                            estimate=estimate, extra=changed)
     current = max(estimate.measured_ms.values())
     speeds = [estimate.speeds[r] for r in ranks]
     try:
@@ -314,27 +359,31 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     gain = (current - new) / current if current > 0 else 0.0
     same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks
     if same:
-        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain, changed)
+        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain,
+                        {**changed, "settled": 1})
     if early and gain <= 2 * threshold:
         return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the start (a first switch "
                               f"before then needs a predicted gain above {2 * threshold:.0%}, got {gain:.1%})",
                         current, new, estimate, gain, changed)
     if not force and gain <= threshold:
-        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}",
-                        current, new, estimate, gain, changed)
+        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}"
+                              + (f" (the noise level learned from a switch that did not deliver)"
+                                 if threshold == state.noise > 0 else ""),
+                        current, new, estimate, gain, {**changed, "settled": 1})
     proposed = replace(candidate, version=plan.version + 1)
     return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new,
                     estimate, gain, changed)
 
 
 def speed_change(baseline: Mapping[int, float], speeds: Mapping[int, float]) -> float:
-    """Largest relative change of a worker's speed (each normalised by the median worker) since `baseline`.
+    """Largest relative change of a worker's speed (each normalised by the fastest worker) since `baseline`.
 
-    A rank missing from the baseline counts as a full change (1.0).
+    A rank missing from the baseline counts as a full change (1.0). (Not by the median worker: when half the
+    workers slow down the median moves with them and hides half of their change.)
     """
     def normalised(values: Mapping[int, float]) -> dict[int, float]:
-        middle = statistics.median(values.values()) if values else 1.0
-        return {r: v / middle for r, v in values.items()} if middle > 0 else dict(values)
+        top = max(values.values()) if values else 1.0
+        return {r: v / top for r, v in values.items()} if top > 0 else dict(values)
 
     before, now = normalised(baseline), normalised(speeds)
     worst = 0.0

@@ -130,13 +130,19 @@ class Rebalancer:
         entry = next((h for h in self.history if h["version"] == review.version), None)
         if entry is not None:
             entry.update(measured_before_ms=round(review.before_ms, 3), predicted_ms=round(review.predicted_ms, 3),
-                         measured_after_ms=round(review.after_ms, 3), delivered=review.delivered)
+                         measured_after_ms=round(review.after_ms, 3),
+                         delivered=review.delivered if review.judged else "not judged (a worker's speed changed)")
+        if not review.judged:
+            logger.warning("plan v%d: bottleneck %.2f -> %.2f ms (predicted %.2f) not judged: a worker's speed changed "
+                           "since the plan was solved (re-planning for the new speeds)", review.version,
+                           review.before_ms, review.after_ms, review.predicted_ms)
+            return
         misses = self.state.misses
         log = logger.info if review.delivered else logger.warning
         log("plan v%d: bottleneck %.2f -> %.2f ms (predicted %.2f)%s", review.version, review.before_ms, review.after_ms,
             review.predicted_ms, "" if review.delivered else
             f"; gain not delivered, backing off (threshold now {self.config.threshold_after(misses):.0%}, "
-            f"cooldown {self.config.cooldown_after(misses)} steps)")
+            f"cooldown {self.config.cooldown_after(misses)} steps, noise level {self.state.noise:.0%})")
 
     def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
         """Check `plan` as the workers will (PlanError: not issued), send it as v+1 to rank 0; returns it, or
