@@ -87,6 +87,7 @@ class Rebalancer:
                          "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, report.stage,
                          self.plan.version, expected)
         if self.pending is not None and report.plan_version >= self.pending.plan.version:
+            self.remember_speeds(workers)  # the old plan's last window: a rank it leaves as a spare keeps its speed
             self.confirm(report.step)
         elif self.pending is not None and worker.rank == 0 and report.step > self.pending.sent_after_step + PENDING_STEPS:
             # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
@@ -179,13 +180,20 @@ class Rebalancer:
         logger.error("rank %d refused plan v%d: %s; the job goes on with plan v%d", rank, version, reason, self.plan.version)
 
     def speeds(self, workers: Mapping[int, WorkerState]) -> dict[int, float]:
-        """Latest speed estimate per rank (ranks without samples are absent)."""
+        """Latest speed estimate per rank: measured under the live plan, else the last one measured (a spare
+        keeps the speed it had when it last held a stage); ranks never measured are absent."""
         window = self.config.window
         samples = {r: list(v)[-window:] for r, v in self.samples(workers, 0).compute_ms.items() if v}
         try:
-            return dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
+            live = dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
         except PlanError:
-            return {}
+            live = {}
+        return {**self.state.known_speeds, **live}
+
+    def remember_speeds(self, workers: Mapping[int, WorkerState]) -> None:
+        """Keep the live plan's speeds in the policy's memory (the auto policy does it itself; ctl scale and
+        set-plan under --policy manual need it too)."""
+        self.state = replace(self.state, known_speeds=self.speeds(workers))
 
     def summary(self, workers: Mapping[int, WorkerState]) -> dict[str, Any]:
         """The plan part of the status: live and pending plan, per-stage times, policy outcomes, history."""

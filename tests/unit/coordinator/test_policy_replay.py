@@ -62,3 +62,101 @@ def test_a_slowdown_right_after_a_switch_is_acted_on_within_10_steps():
     assert len(switches) == 2 and switches[1] <= 8 + 10, [(s, decisions[s].reason) for s in switches]
     sizes = stage_sizes(state.plan)
     assert sizes[1] < sizes[0] and sizes[2] < sizes[3], sizes  # work moved off both slow ranks
+
+
+def test_a_slowdown_in_the_steady_state_is_acted_on_within_10_steps_even_in_the_cooldown():
+    graph = chain_graph(24)
+    config = pol.PolicyConfig()
+
+    def speed(rank, step):
+        return {1: 0.5, 3: 0.5 if step >= 15 else 1.0}.get(rank, 1.0)
+
+    switches, state, decisions = replay(graph, even_plan(graph, 4), speed, config, 80)
+    assert switches[0] == 5 and len(switches) == 2 and 15 < switches[1] <= 25, [(s, decisions[s].reason) for s in switches]
+
+
+def test_noisy_but_balanced_speeds_never_switch():
+    """Equal workers, every sample +-30 % off (a busy shared machine): 320 steps, not one switch."""
+    graph = chain_graph(24)
+    for seed in range(3):
+        switches, state, decisions = replay(graph, even_plan(graph, 4), lambda r, s: 1.0, pol.PolicyConfig(), 320,
+                                            noise=0.3, seed=seed)
+        assert switches == [], [(s, decisions[s].reason) for s in switches]
+        assert state.plan.version == 0
+
+
+def test_a_speed_change_since_the_solve_is_not_taken_for_noise():
+    """Plan v1 was solved for a 2x slow rank 1 that runs at full speed under it: the prediction was for other
+    speeds, so the switch is not judged (no miss, no noise learned); the change itself is re-planned for."""
+    graph = chain_graph(24)
+    config = pol.PolicyConfig(cooldown_steps=0)
+    state = pol.PolicyState(graph, even_plan(graph, 4), solver=default_solver)
+    solved_for = {0: 1.0, 1: 0.5, 2: 1.0, 3: 1.0}
+    v1 = default_solver(graph, [0, 1, 2, 3], [solved_for[r] for r in range(4)])
+    state = pol.switched(pol.PolicyState(graph, even_plan(graph, 4), solver=default_solver, prediction=(36.0, 21.0),
+                                         solved_for=solved_for), pol.Plan(v1.stages, version=1), 10, predicted=True)
+    equal = {s.ranks[0]: [pol.stage_profiled_ms(graph, s) * CALIBRATION] * 5 for s in state.plan.stages}
+    decision, state = pol.decide(state, pol.Samples(16, equal), config)
+    # Under v1 rank 1 looks 2x faster than solved for: that is a change, not a verdict on the prediction.
+    assert decision.review is not None and not decision.review.judged and state.misses == 0 and state.noise == 0
+
+
+def test_a_miss_with_unchanged_speeds_raises_the_bar_by_the_shortfall():
+    graph = chain_graph(24)
+    config = pol.PolicyConfig(cooldown_steps=0)
+    plan = even_plan(graph, 4)
+    speeds = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    # Plan v1 = the even plan again (the solve saw noise); it predicted 20 -> 10 ms but measures 18 ms.
+    state = pol.switched(pol.PolicyState(graph, plan, solver=default_solver, prediction=(20.0, 10.0),
+                                         solved_for=speeds), Plan(plan.stages, version=1), 10, predicted=True)
+    samples = {s.ranks[0]: [pol.stage_profiled_ms(graph, s) * CALIBRATION] * 5 for s in state.plan.stages}
+    decision, state = pol.decide(state, pol.Samples(16, samples), config)
+    review = decision.review
+    assert (review.judged, review.delivered, review.after_ms) == (True, False, 18.0)
+    assert state.misses == 1 and state.noise == 0.4  # (18 - 10) / 20: what the noise made the solve promise
+    # Rank 1 then looks 1.6x slower (a 33 % gain to take), for longer than `persist`: below the noise level, kept.
+    slow = {r: [v[0] * (1.6 if r == 1 else 1.0)] * 5 for r, v in samples.items()}
+    for step in range(17, 60):
+        decision, state = pol.decide(state, pol.Samples(step, slow), config)
+        assert decision.plan is None, decision.reason
+    assert "the noise level" in decision.reason or "steady" in decision.reason, decision.reason
+
+
+def test_a_spare_keeps_its_last_measured_speed():
+    """Rank 2 ran 2x slow, then became a spare (ctl scale --workers 3 took the fastest three... which excluded it);
+    brought back, it gets the share its speed allows, not an equal one."""
+    graph = chain_graph(24)
+    config = pol.PolicyConfig()
+    state = pol.PolicyState(graph, even_plan(graph, 4), solver=default_solver)
+    speeds = {0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0}
+    samples = {s.ranks[0]: [pol.stage_profiled_ms(graph, s) * CALIBRATION / speeds[s.ranks[0]]] * 5
+               for s in state.plan.stages}
+    _, state = pol.decide(state, pol.Samples(6, samples), config)
+    assert state.known_speeds == {0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0}
+    three = plan_for_workers(graph, [0, 1, 3], [1.0, 1.0, 1.0], 1, default_solver)
+    state = pol.switched(state, three, 7, predicted=False)
+    samples = {s.ranks[0]: [pol.stage_profiled_ms(graph, s) * CALIBRATION] * 5 for s in state.plan.stages}
+    _, state = pol.decide(state, pol.Samples(13, samples), config)
+    assert state.known_speeds[2] == 0.5  # a spare's speed is kept while it holds no stage
+    back = plan_for_workers(graph, [0, 1, 2, 3], [state.known_speeds.get(r, 1.0) for r in range(4)], 2, default_solver)
+    assert stage_sizes(back) == [7, 7, 3, 7]
+
+
+def test_the_rebalancer_keeps_a_spares_speed_for_ctl_scale():
+    """Under --policy manual too: the speeds measured under the old plan survive the switch that makes a spare."""
+    from model_parallel.coordinator.rebalancer import Rebalancer
+    from model_parallel.coordinator.status import WorkerState
+    from model_parallel.messages import StepReport
+
+    graph = chain_graph(24)
+    plan = even_plan(graph, 4)
+    rebalancer = Rebalancer(graph, plan, pol.PolicyConfig(), default_solver, auto=False, world_size=4)
+    workers = {r: WorkerState(rank=r, host="h", pid=r, world_size=4) for r in range(4)}
+    for stage in plan.stages:
+        rank = stage.ranks[0]
+        ms = pol.stage_profiled_ms(graph, stage) * CALIBRATION / (0.5 if rank == 2 else 1.0)
+        for step in range(1, 7):
+            workers[rank].reports.append(StepReport(rank, step, 0, stage.stage_id, ms, ms, 0.0, 0.0, 1.0))
+    rebalancer.remember_speeds(workers)
+    rebalancer.state = pol.switched(rebalancer.state, plan_for_workers(graph, [0, 1, 3], [1.0] * 3, 1), 7, False)
+    assert rebalancer.speeds(workers) == {0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0}  # rank 2 holds no stage under v1
