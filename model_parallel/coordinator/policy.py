@@ -21,8 +21,9 @@ threshold (a plain imbalance) switches at once, and only a marginal one waits fo
 
 Change detection. Per-stage measurements cannot tell a slow worker from layers that cost more
 than profiled, so every plan changes what the speeds *look* like. Hence speeds are compared with a
-`baseline` taken from the first full window under the live plan: a switch is considered only when
-some worker's relative speed (normalised by the median worker) moved by more than `speed_change`
+`baseline`: the speeds the live plan was solved for, replaced by its first full window when that agrees
+(else a worker slowed right after a switch would become the new normal). A switch is considered only when
+some worker's relative speed (normalised by the fastest worker) moved by more than `speed_change`
 since then — a worker really slowed down or sped up — and stayed so for `persist` evaluations in a
 row (a burst of contention on a shared machine passes). The first plan (v0) is the exception: its first
 window may re-plan at once, which is how a wrong profile gets corrected (calibration).
@@ -32,7 +33,9 @@ layers, so a predicted gain may not materialise. After each switch the coordinat
 measured bottleneck under the new plan with the prediction (`delivered`); every switch that did not
 deliver at least half its predicted gain counts as a miss, and each miss doubles the effective
 threshold (capped at `max_threshold`) and adds one cooldown period; a delivered switch forgives one
-miss. So a pipeline that cannot be improved settles instead of oscillating, while a real 2x
+miss. A miss also teaches the noise level (the gain it failed to deliver): later predicted gains must
+beat it. A miss is not counted when a worker's speed changed since the solve (the prediction was for other
+speeds). A detected change skips the cooldown (only misses delay it). So a pipeline that cannot be improved settles instead of oscillating, while a real 2x
 straggler (a 30-50% gain) still gets through.
 
 Memory. Everything the policy remembers between evaluations (the live plan and when it went live,
