@@ -186,11 +186,11 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     atomic_write_json(run_dir / "report.json", report)
     text = [
         "",
-        f"== plan (initial, v{plan.version}) ==  {PLAN_TIMES}",
+        f"== plan (initial) ==  v{plan.version} {PLAN_TIMES}",
         plan.table(),
         "",
-        *([f"== plan (final, v{live.version}: live from step "
-           f"{switches[-1]['applied_at_step'] if switches else '?'}) ==", live.table(), *[
+        *([f"== plan (final) ==  v{live.version}, live from step "
+           f"{switches[-1]['applied_at_step'] if switches else '?'}", live.table(), *[
                f"switch to v{h['version']} at step {h['applied_at_step']}: {h.get('reason', '')}" for h in switches], ""]
           if live.version != plan.version else ["== plan (final) == the initial plan (no switch)", ""]),
         f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "

@@ -190,6 +190,13 @@ class Rebalancer:
             live = {}
         return {**self.state.known_speeds, **live}
 
+    def slowed(self, rank: int, old_factor: float, new_factor: float) -> None:
+        """`ctl slow` changed rank's slowdown: its remembered speed (used while it is a spare) changes by the same
+        factor; the live estimate will measure it anyway once it holds a stage."""
+        known = self.state.known_speeds
+        if rank in known and new_factor > 0:
+            self.state = replace(self.state, known_speeds={**known, rank: known[rank] * old_factor / new_factor})
+
     def remember_speeds(self, workers: Mapping[int, WorkerState]) -> None:
         """Keep the live plan's speeds in the policy's memory (the auto policy does it itself; ctl scale and
         set-plan under --policy manual need it too)."""

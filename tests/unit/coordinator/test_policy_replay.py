@@ -160,3 +160,5 @@ def test_the_rebalancer_keeps_a_spares_speed_for_ctl_scale():
     rebalancer.remember_speeds(workers)
     rebalancer.state = pol.switched(rebalancer.state, plan_for_workers(graph, [0, 1, 3], [1.0] * 3, 1), 7, False)
     assert rebalancer.speeds(workers) == {0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0}  # rank 2 holds no stage under v1
+    rebalancer.slowed(2, 2.0, 1.0)  # ctl slow --rank 2 --factor 1 undoes a 2x slowdown: the spare is fast again
+    assert rebalancer.speeds(workers)[2] == 1.0
