@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from model_parallel.coordinator.review import Review, delivered, judge, speed_change  # noqa: F401 - delivered: API
 from model_parallel.coordinator.solver import Solver, default_solver
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
@@ -93,14 +94,6 @@ class PolicyConfig:
         return self.cooldown_steps * (1 + min(misses, 3))
 
 
-def delivered(before_ms: float, predicted_ms: float, after_ms: float) -> bool:
-    """Did a switch deliver at least half of the gain it predicted? (measured bottleneck before/after)"""
-    if before_ms <= 0:
-        return True
-    predicted_gain = (before_ms - predicted_ms) / before_ms
-    return (before_ms - after_ms) / before_ms >= 0.5 * predicted_gain
-
-
 @dataclass(frozen=True)
 class Estimate:
     """What the measurements say: per-rank speed, the profile calibration, per-stage times (ms)."""
@@ -109,20 +102,6 @@ class Estimate:
     calibration: float
     measured_ms: Mapping[int, float]  # rank -> median measured compute ms
     predicted_ms: Mapping[int, float]  # rank -> profiled compute ms of its stage
-
-
-@dataclass(frozen=True)
-class Review:
-    """How the switch to plan `version` did: measured bottleneck before it, its prediction, measured after (ms)."""
-
-    version: int
-    before_ms: float
-    predicted_ms: float
-    after_ms: float
-    delivered: bool
-    # False when a worker's speed changed beyond `speed_change` since the plan was solved: the prediction was
-    # for other speeds, so a shortfall says nothing about noise (no miss is counted, nothing is learned).
-    judged: bool = True
 
 
 @dataclass(frozen=True)
@@ -166,6 +145,7 @@ class PolicyState:
     # The gain switches failed to deliver (relative to the bottleneck before them): what noise alone can
     # make a re-solve predict. A predicted gain must beat it; a delivered switch halves it.
     noise: float = 0.0
+    previous: Optional[Mapping[int, float]] = None  # the baseline before the live plan's switch (review.judge)
 
 
 @dataclass(frozen=True)
@@ -258,19 +238,12 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
     if now is not None:
         state = replace(state, known_speeds={**state.known_speeds, **now})
     if state.review is not None and full:
-        before, predicted = state.review
         windows = [list(samples.compute_ms[r])[-config.window:] for r in ranks]
         after = max(sorted(w)[len(w) // 2] for w in windows)
-        ok = delivered(before, predicted, after)
-        judged = now is None or state.baseline is None or speed_change(state.baseline, now) <= config.speed_change
-        review = Review(state.plan.version, before, predicted, after, ok, judged)
-        # The gain it failed to deliver is what noise alone made a re-solve predict: later gains must beat it.
-        shortfall = max(0.0, (after - predicted) / before) if before > 0 else 0.0
-        if not judged:
-            state = replace(state, review=None)
-        else:
-            state = replace(state, review=None, misses=max(0, state.misses - 1) if ok else state.misses + 1,
-                            noise=state.noise / 2 if ok else max(state.noise, min(shortfall, 1.0)))
+        solved_for = state.baseline if state.learn_baseline else None  # `switched` made it the baseline
+        review, misses, noise = judge(state.plan.version, state.review, after, now, solved_for, state.previous,
+                                      config.speed_change, state.misses, state.noise)
+        state = replace(state, review=None, misses=misses, noise=noise)
     if state.learn_baseline and not force and now is not None:
         # Right after a switch the baseline is what the plan was solved for; its first window replaces it only
         # when it agrees, else a worker that slowed down inside that window would become the new normal.
@@ -308,7 +281,7 @@ def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> Poli
     then its baseline is the speeds it was solved for (see `decide`)."""
     baseline = dict(state.solved_for) if predicted and state.solved_for else None
     return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=baseline,
-                   learn_baseline=True, change_streak=0, prediction=None, solved_for=None,
+                   previous=state.baseline if predicted else None, learn_baseline=True, change_streak=0, prediction=None, solved_for=None,
                    review=state.prediction if predicted else None)
 
 
@@ -376,22 +349,3 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     proposed = replace(candidate, version=plan.version + 1)
     return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new,
                     estimate, gain, changed)
-
-
-def speed_change(baseline: Mapping[int, float], speeds: Mapping[int, float]) -> float:
-    """Largest relative change of a worker's speed (each normalised by the fastest worker) since `baseline`.
-
-    A rank missing from the baseline counts as a full change (1.0). (Not by the median worker: when half the
-    workers slow down the median moves with them and hides half of their change.)
-    """
-    def normalised(values: Mapping[int, float]) -> dict[int, float]:
-        top = max(values.values()) if values else 1.0
-        return {r: v / top for r, v in values.items()} if top > 0 else dict(values)
-
-    before, now = normalised(baseline), normalised(speeds)
-    worst = 0.0
-    for rank, value in now.items():
-        if rank not in before or before[rank] <= 0 or value <= 0:
-            return 1.0
-        worst = max(worst, max(value / before[rank], before[rank] / value) - 1.0)
-    return worst
