@@ -146,6 +146,11 @@ class PolicyState:
     # make a re-solve predict. A predicted gain must beat it; a delivered switch halves it.
     noise: float = 0.0
     previous: Optional[Mapping[int, float]] = None  # the baseline before the live plan's switch (review.judge)
+    previous_plan: Optional[Plan] = None  # the plan before the live plan's switch
+    # After a switch made for a change that did not last: the plan before it, which a re-solve may go back to
+    # without beating the noise level (undoing a switch made for noise is not a bet on noise).
+    undo: Optional[Plan] = None
+    undone: bool = False  # the live plan (or the proposed one, before it is live) is such an undo: it forgives nothing
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,11 @@ def with_cost_proxy(graph: Graph) -> Graph:
 def stage_profiled_ms(graph: Graph, stage: StagePlan) -> float:
     """Profiled forward+backward ms of a stage's nodes; model inputs count nothing (data loading)."""
     return sum(graph[n].compute_ms for n in stage.node_ids if n in graph and not graph[n].is_input)
+
+
+def stage_nodes(plan: Plan) -> list[tuple[str, ...]]:
+    """Each stage's node ids, in stage order: what two plans must share to place the same work."""
+    return [s.node_ids for s in plan.stages]
 
 
 def active_ranks(plan: Plan) -> tuple[int, ...]:
@@ -243,7 +253,10 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
         solved_for = state.baseline if state.learn_baseline else None  # `switched` made it the baseline
         review, misses, noise = judge(state.plan.version, state.review, after, now, solved_for, state.previous,
                                       config.speed_change, state.misses, state.noise)
-        state = replace(state, review=None, misses=misses, noise=noise)
+        if state.undone:  # undoing a switch made for noise delivers by construction: no lesson is forgotten
+            misses, noise = state.misses, state.noise
+        state = replace(state, review=None, misses=misses, noise=noise,
+                        undo=state.previous_plan if review.reverted else None)
     if state.learn_baseline and not force and now is not None:
         # Right after a switch the baseline is what the plan was solved for; its first window replaces it only
         # when it agrees, else a worker that slowed down inside that window would become the new normal.
@@ -261,7 +274,7 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
             # A change no plan can exploit (no better plan, or a gain under the threshold) is the new normal.
             state = replace(state, baseline=dict(decision.estimate.speeds), change_streak=0)
     if decision.plan is not None:
-        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms),
+        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms), undone=bool(decision.extra.get("undo")),
                         solved_for=dict(decision.estimate.speeds) if decision.estimate else None)
     return replace(decision, review=review), state
 
@@ -281,7 +294,8 @@ def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> Poli
     then its baseline is the speeds it was solved for (see `decide`)."""
     baseline = dict(state.solved_for) if predicted and state.solved_for else None
     return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=baseline,
-                   previous=state.baseline if predicted else None, learn_baseline=True, change_streak=0, prediction=None, solved_for=None,
+                   previous=state.baseline if predicted else None, previous_plan=state.plan if predicted else None,
+                   undo=None, undone=predicted and state.undone, learn_baseline=True, change_streak=0, prediction=None, solved_for=None,
                    review=state.prediction if predicted else None)
 
 
@@ -333,7 +347,7 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         return Decision(None, str(error), current, estimate=estimate, extra=changed)
     new = predicted_bottleneck_ms(graph, candidate, estimate.speeds, estimate.calibration)
     gain = (current - new) / current if current > 0 else 0.0
-    same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks
+    same = stage_nodes(candidate) == stage_nodes(plan) and active_ranks(candidate) == ranks
     if same:
         return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain,
                         {**changed, "settled": 1})
@@ -341,11 +355,15 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the start (a first switch "
                               f"before then needs a predicted gain above {2 * threshold:.0%}, got {gain:.1%})",
                         current, new, estimate, gain, changed)
+    if state.undo is not None and stage_nodes(candidate) == stage_nodes(state.undo):
+        threshold = config.threshold  # back to the plan the switch for noise left: no back-off, no noise bar
+        changed = {**changed, "undo": 1}
     if not force and gain <= threshold:
         return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}"
                               + (f" (the noise level learned from a switch that did not deliver)"
                                  if threshold == state.noise > 0 else ""),
                         current, new, estimate, gain, {**changed, "settled": 1})
     proposed = replace(candidate, version=plan.version + 1)
-    return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new,
-                    estimate, gain, changed)
+    why = f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)" + (
+        "; back to the plan before the last switch, which was made for a change that did not last" if "undo" in changed else "")
+    return Decision(proposed, why, current, new, estimate, gain, changed)

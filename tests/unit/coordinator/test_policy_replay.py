@@ -1,6 +1,8 @@
 """The policy replayed step by step on scripted speeds, as the coordinator runs it (rolling samples per plan)."""
 import random
 
+import pytest
+
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.solver import default_solver, plan_for_workers
 from model_parallel.graph.core import Graph, Node
@@ -162,3 +164,22 @@ def test_the_rebalancer_keeps_a_spares_speed_for_ctl_scale():
     assert rebalancer.speeds(workers) == {0: 1.0, 1: 1.0, 2: 0.5, 3: 1.0}  # rank 2 holds no stage under v1
     rebalancer.slowed(2, 2.0, 1.0)  # ctl slow --rank 2 --factor 1 undoes a 2x slowdown: the spare is fast again
     assert rebalancer.speeds(workers)[2] == 1.0
+
+
+def test_a_change_that_does_not_last_is_learned_as_noise():
+    """Contention: rank 1 runs at half speed for 8 steps, three times. The first burst is indistinguishable from a
+    straggler and is switched for; it is over before the new plan's first window, so that switch is a miss whose
+    predicted gain becomes the noise level, the plan goes back, and the next two bursts switch nothing."""
+    graph = chain_graph(24)
+    bursts = (30, 100, 170)
+
+    def speed(rank, step):
+        return 0.5 if rank == 1 and any(b <= step < b + 8 for b in bursts) else 1.0
+
+    switches, state, decisions = replay(graph, even_plan(graph, 4), speed, pol.PolicyConfig(), 240)
+    reviews = [decisions[s].review for s in decisions if decisions[s].review is not None]
+    assert reviews[0].reverted and not reviews[0].delivered, reviews
+    assert len(switches) == 2 and 30 < switches[0] < 40 and switches[1] < 100, [(s, decisions[s].reason) for s in switches]
+    assert state.noise == pytest.approx(decisions[switches[0]].gain)
+    assert stage_sizes(state.plan) == [6, 6, 6, 6]  # back on the balanced plan
+    assert "noise level" in decisions[106].reason or "steady" in decisions[106].reason, decisions[106].reason
