@@ -38,15 +38,21 @@ def build_parser(prog: str = "model-parallel ctl") -> ArgumentParser:
     return parser
 
 
-PLAN_TABLE_UNITS = ("plan table times are the PROFILE's ms (the optimizer's prediction on the profiling machine's "
-                    "clock), not this run's; the measured ms are below")
+def plan_times_label(extra: Any) -> str:
+    """What the times in a plan's table are: the profile's ms, or this machine's (a plan the policy solved on the
+    calibrated profile records `time_scale` and `calibration` in its `extra`)."""
+    if isinstance(extra, dict) and extra.get("time_scale") == "measured" and isinstance(extra.get("calibration"), (int, float)):
+        return (f"plan table times are THIS MACHINE's ms (the profile's ms x {extra['calibration']:.3g}, calibrated on "
+                "measured compute when the policy solved it)")
+    return "plan table times are the PROFILE's ms (the optimizer's prediction on the profiling machine's clock), not this run's"
 
 
 def format_status(status: dict[str, Any]) -> str:
     """`ctl status` as text; every table says its clock and scale (profile ms vs ms measured in this run)."""
     lines = [f"plan v{status['plan_version']}"
              + (f" (v{status['pending_version']} being applied)" if status.get("pending_version") is not None else "")
-             + f", policy {status['policy']}: {status['last_decision']}", PLAN_TABLE_UNITS, status["table"], "",
+             + f", policy {status['policy']}: {status['last_decision']}",
+             plan_times_label((status.get("plan") or {}).get("extra")), status["table"], "",
              "per stage: profile ms (the profile's scale) vs measured compute ms (this run, median of the last "
              "window; speed 1.00 = the fastest worker)",
              f"{'stage':>5} {'rank':>4} {'nodes':>5} {'profile ms':>11} {'measured ms':>11} {'speed':>6}"]

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from model_parallel.cli.ctl import plan_times_label
 from model_parallel.cli.memory_summary import Measured, format_memory, predicted
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
@@ -113,9 +114,6 @@ def stage_memory(graph: Any, plan: Plan, records: Sequence[Mapping[str, Any]], *
     return parts, rows
 
 
-PLAN_TIMES = "(times in the plan tables are the profile's ms, as the optimizer predicted them; not measured in this run)"
-
-
 def final_plan(run_dir: Path, initial: Plan) -> tuple[Plan, list[Mapping[str, Any]]]:
     """The plan live when the run ended and the switch history, from the coordinator's status file; the initial
     plan and no history when there is none (no coordinator, or it never wrote one)."""
@@ -186,11 +184,11 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     atomic_write_json(run_dir / "report.json", report)
     text = [
         "",
-        f"== plan (initial) ==  v{plan.version} {PLAN_TIMES}",
+        f"== plan (initial) ==  v{plan.version}; {plan_times_label(dict(plan.extra))}",
         plan.table(),
         "",
         *([f"== plan (final) ==  v{live.version}, live from step "
-           f"{switches[-1]['applied_at_step'] if switches else '?'}", live.table(), *[
+           f"{switches[-1]['applied_at_step'] if switches else '?'}; {plan_times_label(dict(live.extra))}", live.table(), *[
                f"switch to v{h['version']} at step {h['applied_at_step']}: {h.get('reason', '')}" for h in switches], ""]
           if live.version != plan.version else ["== plan (final) == the initial plan (no switch)", ""]),
         f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "

@@ -363,7 +363,9 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
                               + (f" (the noise level learned from a switch that did not deliver)"
                                  if threshold == state.noise > 0 else ""),
                         current, new, estimate, gain, {**changed, "settled": 1})
-    proposed = replace(candidate, version=plan.version + 1)
+    # Its times are this machine's (the solver ran on the calibrated graph), not the profile's: say so (ctl status).
+    proposed = replace(candidate, version=plan.version + 1,
+                       extra={**candidate.extra, "time_scale": "measured", "calibration": round(estimate.calibration, 6)})
     why = f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)" + (
         "; back to the plan before the last switch, which was made for a change that did not last" if "undo" in changed else "")
     return Decision(proposed, why, current, new, estimate, gain, changed)

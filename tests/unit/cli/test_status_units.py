@@ -27,6 +27,9 @@ def test_ctl_status_labels_profile_and_measured_ms():
     assert "profile ms" in text and "measured compute ms (this run" in text
     assert "30.60" in text and "740.80" in text
     assert "a switch now needs a predicted gain above 40% (noise level 40%)" in text
+    # A plan the policy solved carries this machine's ms: the label says so, with the factor.
+    solved = {**status, "plan": {"extra": {"time_scale": "measured", "calibration": 24.2}}}
+    assert "plan table times are THIS MACHINE's ms (the profile's ms x 24.2" in format_status(solved)
 
 
 def test_report_final_plan_comes_from_the_status_file(tmp_path):

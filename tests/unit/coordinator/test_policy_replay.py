@@ -183,3 +183,11 @@ def test_a_change_that_does_not_last_is_learned_as_noise():
     assert state.noise == pytest.approx(decisions[switches[0]].gain)
     assert stage_sizes(state.plan) == [6, 6, 6, 6]  # back on the balanced plan
     assert "noise level" in decisions[106].reason or "steady" in decisions[106].reason, decisions[106].reason
+
+
+def test_a_solved_plan_says_its_times_are_this_machines():
+    graph = chain_graph(24)
+    switches, state, decisions = replay(graph, even_plan(graph, 4), lambda r, s: 0.5 if r == 1 else 1.0,
+                                        pol.PolicyConfig(), 8)
+    extra = decisions[switches[0]].plan.extra
+    assert (extra["time_scale"], extra["calibration"]) == ("measured", CALIBRATION)
