@@ -38,17 +38,10 @@ def build_parser(prog: str = "model-parallel ctl") -> ArgumentParser:
     return parser
 
 
-def plan_times_label(extra: Any) -> str:
-    """What the times in a plan's table are: the profile's ms, or this machine's (a plan the policy solved on the
-    calibrated profile records `time_scale` and `calibration` in its `extra`)."""
-    if isinstance(extra, dict) and extra.get("time_scale") == "measured" and isinstance(extra.get("calibration"), (int, float)):
-        return (f"plan table times are THIS MACHINE's ms (the profile's ms x {extra['calibration']:.3g}, calibrated on "
-                "measured compute when the policy solved it)")
-    return "plan table times are the PROFILE's ms (the optimizer's prediction on the profiling machine's clock), not this run's"
-
-
 def format_status(status: dict[str, Any]) -> str:
     """`ctl status` as text; every table says its clock and scale (profile ms vs ms measured in this run)."""
+    from model_parallel.coordinator.status import plan_times_label
+
     lines = [f"plan v{status['plan_version']}"
              + (f" (v{status['pending_version']} being applied)" if status.get("pending_version") is not None else "")
              + f", policy {status['policy']}: {status['last_decision']}",

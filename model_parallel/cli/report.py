@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from model_parallel.cli.ctl import plan_times_label
 from model_parallel.cli.memory_summary import Measured, format_memory, predicted
+from model_parallel.coordinator.status import plan_times_label
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
 from model_parallel.runtime.metrics import measured_ms

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from model_parallel.coordinator import policy
-from model_parallel.coordinator.status import WorkerState
+from model_parallel.coordinator.status import WorkerState, plan_times_label
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
@@ -153,7 +153,8 @@ class Rebalancer:
         version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
         plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
-        logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
+        logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
+                       plan_times_label(dict(plan.extra)), plan.table())
         if not send(0, Command.switch(plan, reason=reason)):
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
