@@ -33,10 +33,12 @@ layers, so a predicted gain may not materialise. After each switch the coordinat
 measured bottleneck under the new plan with the prediction (`delivered`); every switch that did not
 deliver at least half its predicted gain counts as a miss, and each miss doubles the effective
 threshold (capped at `max_threshold`) and adds one cooldown period; a delivered switch forgives one
-miss. A miss also teaches the noise level (the gain it failed to deliver): later predicted gains must
-beat it. A miss is not counted when a worker's speed changed since the solve (the prediction was for other
-speeds). A detected change skips the cooldown (only misses delay it). So a pipeline that cannot be improved settles instead of oscillating, while a real 2x
-straggler (a 30-50% gain) still gets through.
+miss. A miss also teaches the noise level (what the switch failed to deliver, see coordinator/review.py):
+later predicted gains must beat it; a switch made for a change that did not last may be undone at the plain
+threshold. No miss is counted when a worker's speed changed since the solve (the prediction was for other
+speeds). A detected change skips the cooldown (only misses delay it). So a pipeline that cannot be improved
+settles instead of oscillating, while a real 2x straggler (a 30-50% gain) still gets through, within
+`window / 2 + persist` steps of when it began, right after a switch included.
 
 Memory. Everything the policy remembers between evaluations (the live plan and when it went live,
 misses, baseline, change streak, the pending prediction) is one frozen `PolicyState`:
@@ -274,8 +276,9 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
             # A change no plan can exploit (no better plan, or a gain under the threshold) is the new normal.
             state = replace(state, baseline=dict(decision.estimate.speeds), change_streak=0)
     if decision.plan is not None:
-        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms), undone=bool(decision.extra.get("undo")),
-                        solved_for=dict(decision.estimate.speeds) if decision.estimate else None)
+        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms),
+                        solved_for=dict(decision.estimate.speeds) if decision.estimate else None,
+                        undone=bool(decision.extra.get("undo")))
     return replace(decision, review=review), state
 
 
@@ -295,8 +298,8 @@ def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> Poli
     baseline = dict(state.solved_for) if predicted and state.solved_for else None
     return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=baseline,
                    previous=state.baseline if predicted else None, previous_plan=state.plan if predicted else None,
-                   undo=None, undone=predicted and state.undone, learn_baseline=True, change_streak=0, prediction=None, solved_for=None,
-                   review=state.prediction if predicted else None)
+                   undo=None, undone=predicted and state.undone, learn_baseline=True, change_streak=0,
+                   prediction=None, solved_for=None, review=state.prediction if predicted else None)
 
 
 def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: bool = False) -> Decision:
