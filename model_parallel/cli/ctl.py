@@ -39,10 +39,16 @@ def build_parser(prog: str = "model-parallel ctl") -> ArgumentParser:
 
 
 def format_status(status: dict[str, Any]) -> str:
+    """`ctl status` as text; every table says its clock and scale (profile ms vs ms measured in this run)."""
+    from model_parallel.coordinator.status import plan_times_label
+
     lines = [f"plan v{status['plan_version']}"
              + (f" (v{status['pending_version']} being applied)" if status.get("pending_version") is not None else "")
-             + f", policy {status['policy']}: {status['last_decision']}", status["table"], "",
-             f"{'stage':>5} {'rank':>4} {'nodes':>5} {'profiled ms':>11} {'measured ms':>11} {'speed':>6}"]
+             + f", policy {status['policy']}: {status['last_decision']}",
+             plan_times_label((status.get("plan") or {}).get("extra")), status["table"], "",
+             "per stage: profile ms (the profile's scale) vs measured compute ms (this run, median of the last "
+             "window; speed 1.00 = the fastest worker)",
+             f"{'stage':>5} {'rank':>4} {'nodes':>5} {'profile ms':>11} {'measured ms':>11} {'speed':>6}"]
     for row in status["stages"]:
         measured = "-" if row["measured_ms"] is None else f"{row['measured_ms']:.2f}"
         speed = "-" if row["speed"] is None else f"{row['speed']:.2f}"
@@ -53,6 +59,9 @@ def format_status(status: dict[str, Any]) -> str:
         stage = "spare" if w["stage"] is None else str(w["stage"])
         lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
                      f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
+    if status.get("misses") or status.get("noise_level"):
+        lines.append(f"back-off: {status.get('misses', 0)} switch(es) did not deliver; a switch now needs a predicted "
+                     f"gain above {status.get('effective_threshold', 0):.0%} (noise level {status.get('noise_level', 0):.0%})")
     for entry in status.get("history", []):
         lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
                      f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}")

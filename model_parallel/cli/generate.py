@@ -119,9 +119,12 @@ def straight_recut(graph: Graph, plan: Plan, replicas: Optional[dict[int, int]],
                       PartitionOptions(straight_pipeline=True, activation_compression_ratio=1.0))
     if recut.num_stages != len(replicas):
         return plan
-    log.warning("%s has %d stage(s) but --stage_to_num_ranks asks for %d stage(s) of one rank each: re-cut the "
-                "profile as a straight %d-stage pipeline (the optimizer with --straight_pipeline)",
-                source, plan.num_stages, len(replicas), len(replicas))
+    # Say what was done, not what to do: the optimizer's plan is being replaced, and the user should know why.
+    log.warning("NOT using the %d-stage plan in %s: --stage_to_num_ranks asks for %d stage(s) of one rank each, so "
+                "this converter re-cut the profile itself into a straight %d-stage pipeline (the optimizer with "
+                "--straight_pipeline) and generates that. To keep the partitioner's plan, leave out "
+                "--stage_to_num_ranks or give one entry per stage of it; to make steps 2 and 3 agree, partition with "
+                "--straight_pipeline -n %d", plan.num_stages, source, len(replicas), len(replicas), len(replicas))
     return recut.with_default_ranks()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_parallel.cli.memory_summary import Measured, format_memory, predicted
+from model_parallel.coordinator.status import plan_times_label
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
 from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
@@ -113,6 +114,22 @@ def stage_memory(graph: Any, plan: Plan, records: Sequence[Mapping[str, Any]], *
     return parts, rows
 
 
+def final_plan(run_dir: Path, initial: Plan) -> tuple[Plan, list[Mapping[str, Any]]]:
+    """The plan live when the run ended and the switch history, from the coordinator's status file; the initial
+    plan and no history when there is none (no coordinator, or it never wrote one)."""
+    from model_parallel.errors import PlanError
+    from model_parallel.jsonbound import load_file
+
+    path = run_dir / "coordinator_status.json"
+    if not path.exists():
+        return initial, []
+    status = load_file(path, error=PlanError, what="coordinator status file")
+    if not isinstance(status, dict):
+        raise PlanError(f"{path}: not a coordinator status file (expected a JSON object)")
+    history = [h for h in status.get("history", []) if isinstance(h, dict) and h.get("applied_at_step") is not None]
+    return Plan.from_dict(status.get("plan"), str(path)), history
+
+
 def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
     """Summarise a finished demo run; writes report.json and throughput.png and returns the text report."""
     records = read_metrics(run_dir / "metrics")
@@ -160,12 +177,20 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "cores": cores, "load_average_1min": load_1, "load_average_5min": load_5,
         "validation_loss": [{"step": s, "val_loss": v} for s, v in validation],
     }
+    live, switches = final_plan(run_dir, plan)
+    report["final_plan_version"] = live.version
+    report["final_plan"] = live.to_dict()
+    report["switches"] = switches
     atomic_write_json(run_dir / "report.json", report)
     text = [
         "",
-        "== plan (initial) ==",
+        f"== plan (initial) ==  v{plan.version}; {plan_times_label(dict(plan.extra))}",
         plan.table(),
         "",
+        *([f"== plan (final) ==  v{live.version}, live from step "
+           f"{switches[-1]['applied_at_step'] if switches else '?'}; {plan_times_label(dict(live.extra))}", live.table(), *[
+               f"switch to v{h['version']} at step {h['applied_at_step']}: {h.get('reason', '')}" for h in switches], ""]
+          if live.version != plan.version else ["== plan (final) == the initial plan (no switch)", ""]),
         f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "
         "(before the slowdown) ==",
         *stage_lines,

@@ -86,6 +86,7 @@ class CtlHandler:
                     raise PlanError(f"slow --factor must be a number from 1 (back to normal) to {MAX_SLOWDOWN:g}, got {factor!r}")
                 if not self.send(0, Command.slowdown(rank, float(factor), reason="ctl slow")):
                     raise PlanError("slow: rank 0 is not connected, so the slowdown cannot be broadcast")
+                rebalancer.slowed(rank, roster.workers[rank].slowdown, float(factor))
                 roster.workers[rank].slowdown = float(factor)
                 return {"rank": rank, "factor": float(factor)}
         raise PlanError(f"unknown ctl op {op!r}")

@@ -21,8 +21,9 @@ threshold (a plain imbalance) switches at once, and only a marginal one waits fo
 
 Change detection. Per-stage measurements cannot tell a slow worker from layers that cost more
 than profiled, so every plan changes what the speeds *look* like. Hence speeds are compared with a
-`baseline` taken from the first full window under the live plan: a switch is considered only when
-some worker's relative speed (normalised by the median worker) moved by more than `speed_change`
+`baseline`: the speeds the live plan was solved for, replaced by its first full window when that agrees
+(else a worker slowed right after a switch would become the new normal). A switch is considered only when
+some worker's relative speed (normalised by the fastest worker) moved by more than `speed_change`
 since then — a worker really slowed down or sped up — and stayed so for `persist` evaluations in a
 row (a burst of contention on a shared machine passes). The first plan (v0) is the exception: its first
 window may re-plan at once, which is how a wrong profile gets corrected (calibration).
@@ -32,8 +33,12 @@ layers, so a predicted gain may not materialise. After each switch the coordinat
 measured bottleneck under the new plan with the prediction (`delivered`); every switch that did not
 deliver at least half its predicted gain counts as a miss, and each miss doubles the effective
 threshold (capped at `max_threshold`) and adds one cooldown period; a delivered switch forgives one
-miss. So a pipeline that cannot be improved settles instead of oscillating, while a real 2x
-straggler (a 30-50% gain) still gets through.
+miss. A miss also teaches the noise level (what the switch failed to deliver, see coordinator/review.py):
+later predicted gains must beat it; a switch made for a change that did not last may be undone at the plain
+threshold. No miss is counted when a worker's speed changed since the solve (the prediction was for other
+speeds). A detected change skips the cooldown (only misses delay it). So a pipeline that cannot be improved
+settles instead of oscillating, while a real 2x straggler (a 30-50% gain) still gets through, within
+`window / 2 + persist` steps of when it began, right after a switch included.
 
 Memory. Everything the policy remembers between evaluations (the live plan and when it went live,
 misses, baseline, change streak, the pending prediction) is one frozen `PolicyState`:
@@ -48,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from model_parallel.coordinator.review import Review, delivered, judge, speed_change  # noqa: F401 - delivered: API
 from model_parallel.coordinator.solver import Solver, default_solver
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
@@ -90,14 +96,6 @@ class PolicyConfig:
         return self.cooldown_steps * (1 + min(misses, 3))
 
 
-def delivered(before_ms: float, predicted_ms: float, after_ms: float) -> bool:
-    """Did a switch deliver at least half of the gain it predicted? (measured bottleneck before/after)"""
-    if before_ms <= 0:
-        return True
-    predicted_gain = (before_ms - predicted_ms) / before_ms
-    return (before_ms - after_ms) / before_ms >= 0.5 * predicted_gain
-
-
 @dataclass(frozen=True)
 class Estimate:
     """What the measurements say: per-rank speed, the profile calibration, per-stage times (ms)."""
@@ -106,17 +104,6 @@ class Estimate:
     calibration: float
     measured_ms: Mapping[int, float]  # rank -> median measured compute ms
     predicted_ms: Mapping[int, float]  # rank -> profiled compute ms of its stage
-
-
-@dataclass(frozen=True)
-class Review:
-    """How the switch to plan `version` did: measured bottleneck before it, its prediction, measured after (ms)."""
-
-    version: int
-    before_ms: float
-    predicted_ms: float
-    after_ms: float
-    delivered: bool
 
 
 @dataclass(frozen=True)
@@ -152,6 +139,20 @@ class PolicyState:
     change_streak: int = 0  # evaluations in a row that saw a speed change beyond `speed_change`
     prediction: Optional[tuple[float, float]] = None  # (current, predicted) ms of the last proposed plan
     review: Optional[tuple[float, float]] = None  # the live plan's switch: (measured before, predicted) ms
+    # The speeds the last proposed plan was solved for: once it is live, they are its baseline until its first
+    # window agrees with them (a slowdown inside that window must not become the new normal).
+    solved_for: Optional[Mapping[int, float]] = None
+    # Every rank's last measured speed, spares included (a spare keeps the speed it had when it last ran a stage).
+    known_speeds: Mapping[int, float] = field(default_factory=dict)
+    # The gain switches failed to deliver (relative to the bottleneck before them): what noise alone can
+    # make a re-solve predict. A predicted gain must beat it; a delivered switch halves it.
+    noise: float = 0.0
+    previous: Optional[Mapping[int, float]] = None  # the baseline before the live plan's switch (review.judge)
+    previous_plan: Optional[Plan] = None  # the plan before the live plan's switch
+    # After a switch made for a change that did not last: the plan before it, which a re-solve may go back to
+    # without beating the noise level (undoing a switch made for noise is not a bet on noise).
+    undo: Optional[Plan] = None
+    undone: bool = False  # the live plan (or the proposed one, before it is live) is such an undo: it forgives nothing
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,11 @@ def with_cost_proxy(graph: Graph) -> Graph:
 def stage_profiled_ms(graph: Graph, stage: StagePlan) -> float:
     """Profiled forward+backward ms of a stage's nodes; model inputs count nothing (data loading)."""
     return sum(graph[n].compute_ms for n in stage.node_ids if n in graph and not graph[n].is_input)
+
+
+def stage_nodes(plan: Plan) -> list[tuple[str, ...]]:
+    """Each stage's node ids, in stage order: what two plans must share to place the same work."""
+    return [s.node_ids for s in plan.stages]
 
 
 def active_ranks(plan: Plan) -> tuple[int, ...]:
@@ -240,34 +246,60 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
     ranks = active_ranks(state.plan)
     full = all(len(samples.compute_ms.get(r, ())) >= config.window for r in ranks)
     review = None
+    now = window_speeds(state, samples, config) if full else None
+    if now is not None:
+        state = replace(state, known_speeds={**state.known_speeds, **now})
     if state.review is not None and full:
-        before, predicted = state.review
         windows = [list(samples.compute_ms[r])[-config.window:] for r in ranks]
         after = max(sorted(w)[len(w) // 2] for w in windows)
-        ok = delivered(before, predicted, after)
-        review = Review(state.plan.version, before, predicted, after, ok)
-        state = replace(state, review=None, misses=max(0, state.misses - 1) if ok else state.misses + 1)
-    if state.learn_baseline and not force and full:
-        window = {r: list(samples.compute_ms[r])[-config.window:] for r in ranks}
-        baseline = dict(estimate_speeds(state.graph, state.plan, window).speeds)
-        reason = f"learned the speeds under plan v{state.plan.version}: " + ", ".join(
-            f"rank {r} {v:.2f}" for r, v in sorted(baseline.items()))
-        return Decision(None, reason, review=review), replace(state, baseline=baseline, learn_baseline=False)
+        solved_for = state.baseline if state.learn_baseline else None  # `switched` made it the baseline
+        review, misses, noise = judge(state.plan.version, state.review, after, now, solved_for, state.previous,
+                                      config.speed_change, state.misses, state.noise)
+        if state.undone:  # undoing a switch made for noise delivers by construction: no lesson is forgotten
+            misses, noise = state.misses, state.noise
+        state = replace(state, review=None, misses=misses, noise=noise,
+                        undo=state.previous_plan if review.reverted else None)
+    if state.learn_baseline and not force and now is not None:
+        # Right after a switch the baseline is what the plan was solved for; its first window replaces it only
+        # when it agrees, else a worker that slowed down inside that window would become the new normal.
+        if state.baseline is None or speed_change(state.baseline, now) <= config.speed_change:
+            reason = f"learned the speeds under plan v{state.plan.version}: " + ", ".join(
+                f"rank {r} {v:.2f}" for r, v in sorted(now.items()))
+            return Decision(None, reason, review=review), replace(state, baseline=now, learn_baseline=False)
+        state = replace(state, learn_baseline=False)  # keep the solved-for speeds: `evaluate` sees the change
     decision = evaluate(state, samples, config, force)
     if not force:
         state = replace(state, change_streak=state.change_streak + 1 if decision.extra.get("changed") else 0)
         if decision.plan is None and state.baseline is None and decision.estimate is not None:
             state = replace(state, baseline=dict(decision.estimate.speeds))  # v0: its first full window
+        elif decision.extra.get("settled") and decision.estimate is not None:
+            # A change no plan can exploit (no better plan, or a gain under the threshold) is the new normal.
+            state = replace(state, baseline=dict(decision.estimate.speeds), change_streak=0)
     if decision.plan is not None:
-        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms))
+        state = replace(state, prediction=(decision.current_ms, decision.predicted_ms),
+                        solved_for=dict(decision.estimate.speeds) if decision.estimate else None,
+                        undone=bool(decision.extra.get("undo")))
     return replace(decision, review=review), state
+
+
+def window_speeds(state: PolicyState, samples: Samples, config: PolicyConfig) -> Optional[dict[int, float]]:
+    """The live plan's active ranks' speeds over their last full window (None when a rank has no usable sample)."""
+    window = {r: list(samples.compute_ms[r])[-config.window:] for r in active_ranks(state.plan)}
+    try:
+        return dict(estimate_speeds(state.graph, state.plan, window).speeds)
+    except PlanError:
+        return None
 
 
 def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> PolicyState:
     """The state once `plan` went live at `step`. A switch the policy proposed (`predicted`: auto or ctl
-    rebalance, not set-plan/scale) is judged against its prediction once the new plan's window is full."""
-    return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=None, learn_baseline=True,
-                   change_streak=0, prediction=None, review=state.prediction if predicted else None)
+    rebalance, not set-plan/scale) is judged against its prediction once the new plan's window is full, and until
+    then its baseline is the speeds it was solved for (see `decide`)."""
+    baseline = dict(state.solved_for) if predicted and state.solved_for else None
+    return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=baseline,
+                   previous=state.baseline if predicted else None, previous_plan=state.plan if predicted else None,
+                   undo=None, undone=predicted and state.undone, learn_baseline=True, change_streak=0,
+                   prediction=None, solved_for=None, review=state.prediction if predicted else None)
 
 
 def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: bool = False) -> Decision:
@@ -276,7 +308,8 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     A decision that saw a speed change beyond `speed_change` has `extra["changed"] == 1` (it must persist
     for `persist` evaluations in a row: a burst of contention on a shared machine is not a straggler).
     """
-    threshold, cooldown = config.threshold_after(state.misses), config.cooldown_after(state.misses)
+    # A switch that did not deliver taught the noise level: a predicted gain must beat it too.
+    threshold, cooldown = max(config.threshold_after(state.misses), state.noise), config.cooldown_after(state.misses)
     graph, solver = state.graph, state.solver or default_solver
     plan = state.plan.with_default_ranks()
     ranks = active_ranks(plan)
@@ -285,8 +318,6 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         short = [r for r in ranks if len(samples.compute_ms.get(r, ())) < config.window]
         if short:
             return Decision(None, f"waiting for {config.window} samples from rank(s) {short}")
-        if steps_since_switch < cooldown and plan.version > 0:
-            return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the last switch")
     # Before the first switch the cooldown counts from the start, which a short run (10 steps) never
     # leaves: a plain imbalance (twice the threshold) may switch at once; a marginal one waits.
     early = not force and plan.version == 0 and steps_since_switch < cooldown
@@ -304,6 +335,13 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         if state.change_streak + 1 < config.persist:
             return Decision(None, f"speed change of {change:.0%} seen {state.change_streak + 1} of {config.persist} "
                                   "times in a row", estimate=estimate, extra=changed)
+    if not force and plan.version > 0:
+        # A worker whose speed changed is acted on at once (whenever it changed); without such a change (no
+        # baseline yet) the cooldown holds. Only the back-off (misses) delays a change.
+        wait = config.cooldown_steps * min(state.misses, 3) if changed else cooldown
+        if steps_since_switch < wait:
+            return Decision(None, f"cooldown: {steps_since_switch} of {wait} steps since the last switch",
+                            estimate=estimate, extra=changed)
     current = max(estimate.measured_ms.values())
     speeds = [estimate.speeds[r] for r in ranks]
     try:
@@ -312,34 +350,25 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         return Decision(None, str(error), current, estimate=estimate, extra=changed)
     new = predicted_bottleneck_ms(graph, candidate, estimate.speeds, estimate.calibration)
     gain = (current - new) / current if current > 0 else 0.0
-    same = [s.node_ids for s in candidate.stages] == [s.node_ids for s in plan.stages] and active_ranks(candidate) == ranks
+    same = stage_nodes(candidate) == stage_nodes(plan) and active_ranks(candidate) == ranks
     if same:
-        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain, changed)
+        return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain,
+                        {**changed, "settled": 1})
     if early and gain <= 2 * threshold:
         return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the start (a first switch "
                               f"before then needs a predicted gain above {2 * threshold:.0%}, got {gain:.1%})",
                         current, new, estimate, gain, changed)
+    if state.undo is not None and stage_nodes(candidate) == stage_nodes(state.undo):
+        threshold = config.threshold  # back to the plan the switch for noise left: no back-off, no noise bar
+        changed = {**changed, "undo": 1}
     if not force and gain <= threshold:
-        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}",
-                        current, new, estimate, gain, changed)
-    proposed = replace(candidate, version=plan.version + 1)
-    return Decision(proposed, f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)", current, new,
-                    estimate, gain, changed)
-
-
-def speed_change(baseline: Mapping[int, float], speeds: Mapping[int, float]) -> float:
-    """Largest relative change of a worker's speed (each normalised by the median worker) since `baseline`.
-
-    A rank missing from the baseline counts as a full change (1.0).
-    """
-    def normalised(values: Mapping[int, float]) -> dict[int, float]:
-        middle = statistics.median(values.values()) if values else 1.0
-        return {r: v / middle for r, v in values.items()} if middle > 0 else dict(values)
-
-    before, now = normalised(baseline), normalised(speeds)
-    worst = 0.0
-    for rank, value in now.items():
-        if rank not in before or before[rank] <= 0 or value <= 0:
-            return 1.0
-        worst = max(worst, max(value / before[rank], before[rank] / value) - 1.0)
-    return worst
+        return Decision(None, f"predicted gain {gain:.1%} does not beat the threshold {threshold:.0%}"
+                              + (f" (the noise level learned from a switch that did not deliver)"
+                                 if threshold == state.noise > 0 else ""),
+                        current, new, estimate, gain, {**changed, "settled": 1})
+    # Its times are this machine's (the solver ran on the calibrated graph), not the profile's: say so (ctl status).
+    proposed = replace(candidate, version=plan.version + 1,
+                       extra={**candidate.extra, "time_scale": "measured", "calibration": round(estimate.calibration, 6)})
+    why = f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)" + (
+        "; back to the plan before the last switch, which was made for a change that did not last" if "undo" in changed else "")
+    return Decision(proposed, why, current, new, estimate, gain, changed)

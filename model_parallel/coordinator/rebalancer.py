@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from model_parallel.coordinator import policy
-from model_parallel.coordinator.status import WorkerState
+from model_parallel.coordinator.status import WorkerState, plan_times_label
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
@@ -88,6 +88,7 @@ class Rebalancer:
                          "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, report.stage,
                          self.plan.version, expected)
         if self.pending is not None and report.plan_version >= self.pending.plan.version:
+            self.remember_speeds(workers)  # the old plan's last window: a rank it leaves as a spare keeps its speed
             self.confirm(report.step)
         elif self.pending is not None and worker.rank == 0 and report.step > self.pending.sent_after_step + PENDING_STEPS:
             # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
@@ -131,13 +132,19 @@ class Rebalancer:
         entry = next((h for h in self.history if h["version"] == review.version), None)
         if entry is not None:
             entry.update(measured_before_ms=round(review.before_ms, 3), predicted_ms=round(review.predicted_ms, 3),
-                         measured_after_ms=round(review.after_ms, 3), delivered=review.delivered)
+                         measured_after_ms=round(review.after_ms, 3),
+                         delivered=review.delivered if review.judged else "not judged (a worker's speed changed)")
+        if not review.judged:
+            logger.warning("plan v%d: bottleneck %.2f -> %.2f ms (predicted %.2f) not judged: a worker's speed changed "
+                           "since the plan was solved (re-planning for the new speeds)", review.version,
+                           review.before_ms, review.after_ms, review.predicted_ms)
+            return
         misses = self.state.misses
         log = logger.info if review.delivered else logger.warning
         log("plan v%d: bottleneck %.2f -> %.2f ms (predicted %.2f)%s", review.version, review.before_ms, review.after_ms,
             review.predicted_ms, "" if review.delivered else
             f"; gain not delivered, backing off (threshold now {self.config.threshold_after(misses):.0%}, "
-            f"cooldown {self.config.cooldown_after(misses)} steps)")
+            f"cooldown {self.config.cooldown_after(misses)} steps, noise level {self.state.noise:.0%})")
 
     def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
         """Check `plan` as the workers will (PlanError: not issued), send it as v+1 to rank 0; returns it, or
@@ -149,7 +156,8 @@ class Rebalancer:
         if self.memory is not None:
             self.memory.check(self.graph, plan, f"plan v{version}")
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
-        logger.warning("requesting plan v%d after step %d: %s\n%s", plan.version, step, reason, plan.table())
+        logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
+                       plan_times_label(dict(plan.extra)), plan.table())
         if not send(0, Command.switch(plan, reason=reason)):
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
@@ -176,13 +184,27 @@ class Rebalancer:
         logger.error("rank %d refused plan v%d: %s; the job goes on with plan v%d", rank, version, reason, self.plan.version)
 
     def speeds(self, workers: Mapping[int, WorkerState]) -> dict[int, float]:
-        """Latest speed estimate per rank (ranks without samples are absent)."""
+        """Latest speed estimate per rank: measured under the live plan, else the last one measured (a spare
+        keeps the speed it had when it last held a stage); ranks never measured are absent."""
         window = self.config.window
         samples = {r: list(v)[-window:] for r, v in self.samples(workers, 0).compute_ms.items() if v}
         try:
-            return dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
+            live = dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
         except PlanError:
-            return {}
+            live = {}
+        return {**self.state.known_speeds, **live}
+
+    def slowed(self, rank: int, old_factor: float, new_factor: float) -> None:
+        """`ctl slow` changed rank's slowdown: its remembered speed (used while it is a spare) changes by the same
+        factor; the live estimate will measure it anyway once it holds a stage."""
+        known = self.state.known_speeds
+        if rank in known and new_factor > 0:
+            self.state = replace(self.state, known_speeds={**known, rank: known[rank] * old_factor / new_factor})
+
+    def remember_speeds(self, workers: Mapping[int, WorkerState]) -> None:
+        """Keep the live plan's speeds in the policy's memory (the auto policy does it itself; ctl scale and
+        set-plan under --policy manual need it too)."""
+        self.state = replace(self.state, known_speeds=self.speeds(workers))
 
     def summary(self, workers: Mapping[int, WorkerState]) -> dict[str, Any]:
         """The plan part of the status: live and pending plan, per-stage times, policy outcomes, history."""
@@ -205,7 +227,8 @@ class Rebalancer:
             "pending_version": self.pending.plan.version if self.pending else None,
             "last_decision": self.last_decision,
             "misses": self.state.misses,
-            "effective_threshold": self.config.threshold_after(self.state.misses),
+            "effective_threshold": max(self.config.threshold_after(self.state.misses), self.state.noise),
+            "noise_level": self.state.noise,
             "stages": stages,
             "history": list(self.history),
             "decisions": list(self.decisions),

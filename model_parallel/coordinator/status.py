@@ -177,6 +177,15 @@ class Roster:
         } for w in sorted(self.workers.values(), key=lambda w: w.rank)]
 
 
+def plan_times_label(extra: Any) -> str:
+    """What the times in a plan's table are: the profile's ms, or this machine's (a plan the policy solved on the
+    calibrated profile records `time_scale` and `calibration` in its `extra`)."""
+    if isinstance(extra, dict) and extra.get("time_scale") == "measured" and isinstance(extra.get("calibration"), (int, float)):
+        return (f"plan table times are THIS MACHINE's ms (the profile's ms x {extra['calibration']:.3g}, calibrated on "
+                "measured compute when the policy solved it)")
+    return "plan table times are the PROFILE's ms (the optimizer's prediction on the profiling machine's clock), not this run's"
+
+
 def write_status(path: Path, data: Mapping[str, Any]) -> None:
     """Write the status file atomically; a failure is logged, never raised (the run does not need the file)."""
     try:

@@ -246,6 +246,9 @@ def profile_arch(
         "torch_version": torch.__version__,
         "torchvision_version": tv.__version__,
     }
+    summary["warnings"] = profile_disagreement(sum_layer_ms, step_times, clock, threads)
+    for warning in summary["warnings"]:
+        logger.warning("%s", warning)
     if memory is not None:
         summary["estimated_peak_bytes"] = memory.peak_bytes
     if timing is not None:
@@ -253,6 +256,30 @@ def profile_arch(
     metadata = dict(graph.metadata)
     metadata.update({"arch": arch, "batch_size": batch_size, "image_size": image_size})
     return replace(graph, metadata=metadata), summary
+
+
+RATIO_BAND = (0.9, 1.1)  # sum of layers / measured step: outside it the per-layer times do not add up to a step
+STEP_SPREAD = 1.5  # slowest / fastest plain training step: more means the machine's load moved while profiling
+
+
+def profile_disagreement(sum_layer_ms: float, step_ms: list[float], clock: str, threads: Optional[int]) -> list[str]:
+    """Why this profile's own samples disagree (each with the fix), or nothing: the per-layer sum against the
+    measured step, and the spread of the plain steps timed between the profiling rounds."""
+    fixes = []
+    if clock == "wall":
+        fixes.append("--clock cpu (a busy machine stretches wall-clock times)")
+    fixes.append(f"--threads N below the free cores (now {threads if threads else 'torch default'}), on a quiet machine")
+    fix = "; try " + " and ".join(fixes)
+    found = []
+    step = statistics.median(step_ms) if step_ms else 0.0
+    if step > 0 and not RATIO_BAND[0] <= sum_layer_ms / step <= RATIO_BAND[1]:
+        found.append(f"the profile disagrees with itself: sum of layers {sum_layer_ms:.0f} ms, measured step {step:.0f} ms "
+                     f"(ratio {sum_layer_ms / step:.3f}, outside {RATIO_BAND[0]}-{RATIO_BAND[1]}), so plans cut from it "
+                     f"are off{fix}")
+    if step_ms and min(step_ms) > 0 and max(step_ms) / min(step_ms) > STEP_SPREAD:
+        found.append(f"the profile's training steps spread {min(step_ms):.0f}-{max(step_ms):.0f} ms (more than "
+                     f"{STEP_SPREAD}x): the machine's load changed while it was measured{fix}")
+    return found
 
 
 def _status(message: str) -> None:

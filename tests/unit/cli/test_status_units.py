@@ -1,0 +1,46 @@
+"""ctl status and the demo report: every table states its clock and scale; the report shows the final plan."""
+import json
+
+import pytest
+
+from model_parallel.cli.ctl import format_status
+from model_parallel.cli.report import final_plan
+from model_parallel.errors import PlanError
+from model_parallel.graph.plan import Plan, StagePlan
+
+
+def two_stage(version):
+    return Plan((StagePlan(0, ("a", "b"), ranks=(0,), compute_s=0.0306), StagePlan(1, ("c",), ranks=(1,))),
+                version=version)
+
+
+def test_ctl_status_labels_profile_and_measured_ms():
+    plan = two_stage(1)
+    status = {"plan_version": 1, "pending_version": None, "policy": "auto", "last_decision": "speeds steady",
+              "table": plan.table(), "misses": 1, "effective_threshold": 0.4, "noise_level": 0.4,
+              "stages": [{"stage": 0, "rank": 0, "num_nodes": 2, "profiled_ms": 30.6, "measured_ms": 740.8,
+                          "speed": 1.0}],
+              "workers": [], "history": []}
+    text = format_status(status)
+    table_at = text.index("time per minibatch")
+    assert text.index("plan table times are the PROFILE's ms") < table_at  # the plan's times are labelled as profile ms
+    assert "profile ms" in text and "measured compute ms (this run" in text
+    assert "30.60" in text and "740.80" in text
+    assert "a switch now needs a predicted gain above 40% (noise level 40%)" in text
+    # A plan the policy solved carries this machine's ms: the label says so, with the factor.
+    solved = {**status, "plan": {"extra": {"time_scale": "measured", "calibration": 24.2}}}
+    assert "plan table times are THIS MACHINE's ms (the profile's ms x 24.2" in format_status(solved)
+
+
+def test_report_final_plan_comes_from_the_status_file(tmp_path):
+    initial = two_stage(0)
+    assert final_plan(tmp_path, initial) == (initial, [])  # no coordinator status: the initial plan
+    live = two_stage(2)
+    history = [{"version": 1, "requested_at_step": 5, "reason": "auto: x"},  # refused/never applied: not listed
+               {"version": 2, "requested_at_step": 9, "applied_at_step": 10, "reason": "auto: y"}]
+    (tmp_path / "coordinator_status.json").write_text(json.dumps({"plan": live.to_dict(), "history": history}))
+    plan, switches = final_plan(tmp_path, initial)
+    assert plan.version == 2 and [s["version"] for s in switches] == [2]
+    (tmp_path / "coordinator_status.json").write_text("[1, 2]")
+    with pytest.raises(PlanError, match="coordinator_status.json: not a coordinator status file"):
+        final_plan(tmp_path, initial)
