@@ -341,7 +341,10 @@ class PipelineEngine:
                     refused(new_plan.version, str(error))
                 return True
             try:
-                pause = switch_plan(self, new_plan)
+                # A span for the pause (the docs' `migration` lane): without it the trace showed only a gap.
+                with self.tracer.span(f"migration to plan v{new_plan.version}", lane="migration",
+                                      plan_version=new_plan.version):
+                    pause = switch_plan(self, new_plan)
             except PeerError as error:
                 raise self.diagnose(error) from None
             self.switch_pauses_ms.append(pause * 1e3)

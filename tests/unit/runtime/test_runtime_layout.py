@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 RUNTIME = REPO / "model_parallel" / "runtime"
 sys.path.insert(0, str(REPO / "tools"))
 
