@@ -58,7 +58,8 @@ for name in ("transformers", "timm", "torchvision", "safetensors"):
     except Exception as error:
         print(name, "missing:", error)
 '
-run_section tests 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_profiler.py tests/test_memory_measured.py
+run_section tests 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/unit/profiler/test_profiler.py \
+    tests/unit/profiler/test_memory_measured.py tests/integration/test_memory_measured.py
 run_section profile 120 "$PY" -m model_parallel.profiler.image_classification.main -a resnet50 -b 64 --image-size 224 \
     --device cuda --profile_directory "$SCRATCH/profiles"
 run_section single 90 "$PY" examples/hf_causal_lm.py --model gpt2 --steps 5 --check

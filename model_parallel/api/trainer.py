@@ -90,12 +90,15 @@ class PipelineTrainer:
             optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum")
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
+        control_group = None
         if world > 1:
             # Ranks may have profiled and partitioned on their own (timings differ per process):
-            # everyone trains rank 0's plan, or stages would not line up.
+            # everyone trains rank 0's plan, or stages would not line up. Sent on the engine's gloo control
+            # group: an NCCL default group carries no CPU tensors ("No backend type associated with device type cpu").
             from model_parallel.runtime.wire.comm import broadcast_json
 
-            text = broadcast_json(json.dumps(plan.to_dict()), 0, None, options.timeout)
+            control_group = dist.new_group(backend="gloo")
+            text = broadcast_json(json.dumps(plan.to_dict()), 0, control_group, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
         self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
@@ -128,7 +131,8 @@ class PipelineTrainer:
             self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
                                          optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
                                          options=options, channel=channel, health=self.health, device=device,
-                                         initializer=job.initializer, eval_dataset=job.eval_dataset)
+                                         initializer=job.initializer, eval_dataset=job.eval_dataset,
+                                         control_group=control_group)
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
