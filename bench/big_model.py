@@ -39,16 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from model_parallel.runtime.observe.memory_probe import status_bytes  # noqa: E402
+
 GB = 1e9
 RESULT = "BIG_MODEL_RESULT "
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmHWM, VmRSS, VmData)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def llama_config(args: argparse.Namespace):
@@ -138,11 +132,11 @@ def worker(args: argparse.Namespace) -> None:
     profiled = load_graph(tmp / "graph.json")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(llama_config(args))
-    baseline = _status("VmData")
+    baseline = status_bytes("VmData")
     cap = baseline + int((args.memory_per_worker + args.slack) * GB)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     report: dict = {"rank": args.rank, "cap_bytes": cap - baseline, "baseline_vmdata_bytes": baseline,
-                    "baseline_rss_bytes": _status("VmRSS")}
+                    "baseline_rss_bytes": status_bytes("VmRSS")}
     config = TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0)
     try:
         # The plan: the most even split of the layer-by-layer profile whose predicted footprint fits (or a
@@ -167,14 +161,14 @@ def worker(args: argparse.Namespace) -> None:
             "stage_share_bytes": 2 * held["parameters"] + held["optimizer_state"],
             "predicted_peak_bytes": parts[stage]["total"], "measured_peak_bytes": measured,
             "predicted_activation_bytes": parts[stage]["activations"],
-            "peak_rss_bytes": _status("VmHWM") - report["baseline_rss_bytes"],
+            "peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"],
             "plan_stage_parameters": [int(sum(engine.graph[n].parameter_size for n in s.node_ids) // 4)
                                       for s in engine.plan.stages],
         })
         trainer.close()
     except (MemoryError, RuntimeError, ValueError) as error:  # our errors are ValueErrors/RuntimeErrors too
         report.update({"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
-                       "peak_rss_bytes": _status("VmHWM") - report["baseline_rss_bytes"]})
+                       "peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"]})
     print(RESULT + json.dumps(report), flush=True)
     if report["ok"]:
         dist.barrier()
@@ -192,7 +186,7 @@ def control(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     tmp = Path(args.tmp)
-    baseline = _status("VmData")
+    baseline = status_bytes("VmData")
     cap = baseline + int((args.memory_per_worker + args.slack) * GB)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     report: dict = {"cap_bytes": cap - baseline}

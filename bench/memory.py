@@ -41,16 +41,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from model_parallel.runtime.observe.memory_probe import status_bytes  # noqa: E402
+
 GB = 1e9
 RESULT = "MEMORY_RESULT "
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmHWM, VmRSS, VmData)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _reset_peak() -> None:
@@ -117,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
     # This rank's share under either plan (4 x its parameter bytes): the cap follows the larger one, so a rank
     # that receives layers may hold them, and stays far below the whole model.
     share = max(4 * sum(graph[n].parameter_size for n in p.stages[p.stage_of_rank(rank)].node_ids) for p in (plan, new))
-    baseline = _status("VmData")
+    baseline = status_bytes("VmData")
     cap = baseline + int(args.budget * share + args.slack * GB)  # slack: thread stacks, allocator, messages
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     report: dict = {"rank": rank, "mode": args.mode, "whole_model_bytes": whole, "parameters": total,
@@ -131,15 +125,15 @@ def worker(args: argparse.Namespace) -> None:
                                 config=TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0),
                                 options=RunOptions(measure_memory=True))
         engine.train(args.steps)
-        report["before"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": _status("VmHWM")}
+        report["before"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": status_bytes("VmHWM")}
         _reset_peak()
         pause = switch_plan(engine, new)
         # The switch itself holds the leaving layers until the arriving ones are in: its own peak, then the
         # steady state after it (the engine returns the memory of layers that left to the OS).
-        switch_peak, rss_after_switch = _status("VmHWM"), _status("VmRSS")
+        switch_peak, rss_after_switch = status_bytes("VmHWM"), status_bytes("VmRSS")
         _reset_peak()
         engine.train(2 * args.steps, start_step=args.steps)
-        report["after"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": _status("VmHWM"),
+        report["after"] = {**_stage_bytes(engine), **_footprint(engine, args), "peak_rss_bytes": status_bytes("VmHWM"),
                            "switch_pause_s": pause, "switch_peak_rss_bytes": switch_peak,
                            "rss_after_switch_bytes": rss_after_switch}
         report["final_loss"] = engine.history[-1].loss if engine.history else None
@@ -147,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
     except (MemoryError, RuntimeError) as error:
         report["ok"] = False
         report["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        report["peak_rss_bytes_at_failure"] = _status("VmHWM")
+        report["peak_rss_bytes_at_failure"] = status_bytes("VmHWM")
     print(RESULT + json.dumps(report), flush=True)
     if report["ok"]:
         dist.barrier()

@@ -260,7 +260,7 @@ def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stag
     limit, what = memory_limit(device)
     gb = lambda value: f"{value / 1e9:.3g} GB"  # noqa: E731
     try:
-        process = f"; the process held {gb(_status_bytes('VmData'))} of data, {gb(_status_bytes('VmRSS'))} resident"
+        process = f"; the process held {gb(status_bytes('VmData'))} of data, {gb(status_bytes('VmRSS'))} resident"
     except (OSError, KeyError, ValueError):
         process = ""
     return OutOfMemoryError(
@@ -271,7 +271,7 @@ def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stag
         f"[{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}]")
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
     """A /proc/self/status field in bytes (VmData, VmRSS); KeyError where the kernel has none."""
     with open("/proc/self/status") as status:
         for line in status:
