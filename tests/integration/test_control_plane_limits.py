@@ -2,45 +2,25 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from model_parallel.coordinator import admission as adm
 from model_parallel.coordinator import policy as pol
-from model_parallel.coordinator.solver import default_solver
-from model_parallel.coordinator.server import Coordinator
-from model_parallel.graph.core import Graph, Node
-from model_parallel.graph.plan import Plan, StagePlan
 from support import REPO
+from support.coordinators import live_coordinator
 
 
 TOKEN = b"limits-token"
 
 
 # ---- a live coordinator under a flood of idle connections --------------------------------------------------
-def chain_graph(n: int = 4) -> Graph:
-    nodes = [Node("input0", "Input0")] + [Node(f"n{i}", f"Linear({i})", forward_ms=0.5, backward_ms=0.5) for i in range(n)]
-    return Graph(tuple(nodes), tuple((a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])))
-
-
 @pytest.fixture
 def coordinator():
-    graph = chain_graph()
-    ids = list(graph.topological_order)
-    plan = Plan((StagePlan(0, tuple(ids[:3]), ranks=(0,)), StagePlan(1, tuple(ids[3:]), ranks=(1,))))
-    coord = Coordinator(graph, plan, TOKEN, policy="manual", config=pol.PolicyConfig(window=3), heartbeat_timeout=30,
-                        solver=default_solver)
-    port = coord.start("127.0.0.1", 0)
-    coord.address = f"127.0.0.1:{port}"
-    try:
+    with live_coordinator(TOKEN, policy="manual", config=pol.PolicyConfig(window=3), heartbeat_timeout=30) as coord:
         yield coord
-    finally:
-        coord.stop()
 
 
 # ---- the token stays off the command line --------------------------------------------------------------

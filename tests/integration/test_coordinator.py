@@ -1,22 +1,9 @@
 """The coordinator and ctl command lines as processes, and SIGTERM."""
-import socket
-import time
 import pytest
-from model_parallel.coordinator import policy as pol
-from model_parallel.coordinator.server import Coordinator
-from model_parallel.graph.core import Graph, Node
-from model_parallel.graph.plan import Plan, StagePlan, write_plan
+from model_parallel.graph.plan import write_plan
+from support.coordinators import chain_graph, two_stage_plan
 
 
-def chain_graph(n=8):
-    nodes = [Node("input0", "Input0")] + [Node(f"n{i}", f"Linear({i})", forward_ms=0.5, backward_ms=0.5) for i in range(n)]
-    return Graph(tuple(nodes), tuple((a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])))
-
-
-def two_stage_plan(graph):
-    ids = list(graph.topological_order)
-    half = 1 + (len(ids) - 1) // 2
-    return Plan((StagePlan(0, tuple(ids[:half]), ranks=(0,)), StagePlan(1, tuple(ids[half:]), ranks=(1,))))
 
 
 @pytest.mark.slow
@@ -29,7 +16,7 @@ def test_command_lines_coordinator_ctl_and_sigterm(tmp_path):
 
     from model_parallel.coordinator.local import CoordinatorProcess
 
-    graph = chain_graph()
+    graph = chain_graph(8)
     from model_parallel.graph.io import save_graph
 
     save_graph(graph, tmp_path / "graph.json")

@@ -10,34 +10,20 @@ from model_parallel.cli.common import run_cli
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel
 from model_parallel.coordinator.protocol import client_handshake
-from model_parallel.coordinator.server import Coordinator
-from model_parallel.coordinator.solver import default_solver
 from model_parallel.errors import ProtocolError
-from model_parallel.graph.core import Graph, Node
-from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.ratelog import RateLimitedLog
 from support import wait_for
+from support.coordinators import chain_graph, live_coordinator, two_stage_plan
 
 TOKEN = b"registration-token"
 
 
-def chain_graph(n=6):
-    nodes = [Node("input0", "Input0")] + [Node(f"n{i}", f"Linear({i})", forward_ms=0.5, backward_ms=0.5) for i in range(n)]
-    return Graph(tuple(nodes), tuple((a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])))
-
-
 @pytest.fixture
 def coordinator():
-    graph = chain_graph()
-    ids = list(graph.topological_order)
-    plan = Plan((StagePlan(0, tuple(ids[:3]), ranks=(0,)), StagePlan(1, tuple(ids[3:]), ranks=(1,))))
-    coord = Coordinator(graph, plan, TOKEN, policy="manual", config=pol.PolicyConfig(window=3), heartbeat_timeout=30,
-                        solver=default_solver)
-    coord.address = f"127.0.0.1:{coord.start('127.0.0.1', 0)}"
-    try:
+    graph = chain_graph(6)
+    with live_coordinator(TOKEN, graph, two_stage_plan(graph, 3), policy="manual", config=pol.PolicyConfig(window=3),
+                          heartbeat_timeout=30) as coord:
         yield coord
-    finally:
-        coord.stop()
 
 
 def test_a_stray_worker_with_the_wrong_world_size_leaves_nothing_behind(coordinator, capsys) -> None:

@@ -6,25 +6,13 @@ import pytest
 
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient, fetch_job
-from model_parallel.coordinator.server import Coordinator
-from model_parallel.coordinator.solver import default_solver
 from model_parallel.errors import ProtocolError
-from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.messages import Command, StepReport
 from support import wait_for
+from support.coordinators import chain_graph, live_coordinator, two_stage_plan
 
 TOKEN = b"replay-token"
-
-
-def chain_graph(n=6):
-    nodes = [Node("input0", "Input0")] + [Node(f"n{i}", f"Linear({i})", forward_ms=0.5, backward_ms=0.5) for i in range(n)]
-    return Graph(tuple(nodes), tuple((a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])))
-
-
-def two_stage_plan(graph):
-    ids = list(graph.topological_order)
-    return Plan((StagePlan(0, tuple(ids[:3]), ranks=(0,)), StagePlan(1, tuple(ids[3:]), ranks=(1,))))
 
 
 def report(rank, step, version=0):
@@ -129,19 +117,16 @@ def _shut(sock: socket.socket) -> None:
 
 @pytest.fixture
 def coordinator():
-    graph = chain_graph()
-    plan = two_stage_plan(graph)
+    graph = chain_graph(6)
+    plan = two_stage_plan(graph, 3)
     job = {"graph": {"nodes": []}, "plan": plan.to_dict(), "plan_version": 0, "train": {"lr": 0.5}}
-    coord = Coordinator(graph, plan, TOKEN, policy="manual", config=pol.PolicyConfig(window=3), heartbeat_timeout=30,
-                        solver=default_solver, job=job)
-    port = coord.start("127.0.0.1", 0)
-    coord.address = f"127.0.0.1:{port}"
-    proxy = RecordingProxy(("127.0.0.1", port))
-    try:
-        yield coord, proxy
-    finally:
-        proxy.close()
-        coord.stop()
+    with live_coordinator(TOKEN, graph, plan, policy="manual", config=pol.PolicyConfig(window=3), heartbeat_timeout=30,
+                          job=job) as coord:
+        proxy = RecordingProxy(("127.0.0.1", int(coord.address.rsplit(":", 1)[1])))
+        try:
+            yield coord, proxy
+        finally:
+            proxy.close()
 
 
 def test_replayed_switch_slowdown_and_welcome_are_refused_by_a_worker(coordinator) -> None:

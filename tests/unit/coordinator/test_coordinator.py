@@ -11,41 +11,22 @@ from model_parallel.cli.main import SUBCOMMANDS, build_parser
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient
 from model_parallel.coordinator.protocol import C2S, client_handshake, encode_frame, make_message
-from model_parallel.coordinator.server import Coordinator
-from model_parallel.coordinator.solver import default_solver
 from model_parallel.errors import PlanError, ProtocolError
-from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan, write_plan
 from model_parallel.messages import StepReport
 from support import wait_for
+from support.coordinators import chain_graph, live_coordinator, two_stage_plan
 
 torch.set_num_threads(1)
 TOKEN = b"test-token"
 
 
-def chain_graph(n=8):
-    nodes = [Node("input0", "Input0")] + [Node(f"n{i}", f"Linear({i})", forward_ms=0.5, backward_ms=0.5) for i in range(n)]
-    return Graph(tuple(nodes), tuple((a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])))
-
-
-def two_stage_plan(graph):
-    ids = list(graph.topological_order)
-    half = 1 + (len(ids) - 1) // 2
-    return Plan((StagePlan(0, tuple(ids[:half]), ranks=(0,)), StagePlan(1, tuple(ids[half:]), ranks=(1,))))
-
-
 @pytest.fixture
 def coordinator(tmp_path):
-    graph = chain_graph()
-    coord = Coordinator(graph, two_stage_plan(graph), TOKEN, policy="auto",
-                        config=pol.PolicyConfig(threshold=0.1, cooldown_steps=2, window=3),
-                        status_file=tmp_path / "status.json", heartbeat_timeout=1.5, solver=default_solver)
-    port = coord.start("127.0.0.1", 0)
-    coord.address = f"127.0.0.1:{port}"
-    try:
+    with live_coordinator(TOKEN, chain_graph(8), policy="auto",
+                          config=pol.PolicyConfig(threshold=0.1, cooldown_steps=2, window=3),
+                          status_file=tmp_path / "status.json", heartbeat_timeout=1.5) as coord:
         yield coord
-    finally:
-        coord.stop()
 
 
 def cli_main(argv):
