@@ -51,7 +51,10 @@ def seed_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("XDG_CACHE_HOME", "MODEL_PARALLEL_TOKEN", "MODEL_PARALLEL_COORDINATOR", "MASTER_ADDR",
                         "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    return {**env, "HOME": str(home), "PYTHONPATH": str(home.parent), "OMP_NUM_THREADS": "1", **extra}
+    # XDG_CACHE_HOME at its default under that HOME: a launcher that merges os.environ (LocalWorld) would
+    # otherwise bring back the test session's own cache folder, and step 4 would look elsewhere than step 3 wrote.
+    return {**env, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONPATH": str(home.parent),
+            "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_step(cwd: Path, command: str, env: dict[str, str], timeout: float = 300) -> str:
