@@ -64,15 +64,18 @@ def _parse_node(line: str, where: str) -> Node:
         if not match:
             raise GraphFormatError(f"{where}: expected 'stage_id=<non-negative integer>', found {parts[3]!r}")
         stage_id = int(match.group(1))
-    return Node(
-        node_id=node_id,
-        description=description,
-        forward_ms=_number(values[0], where, _FIELDS[0]),
-        backward_ms=_number(values[1], where, _FIELDS[1]),
-        activation_size=_parse_activation(values[2], where),
-        parameter_size=_number(values[3], where, _FIELDS[3]),
-        stage_id=stage_id,
-    )
+    try:
+        return Node(
+            node_id=node_id,
+            description=description,
+            forward_ms=_number(values[0], where, _FIELDS[0]),
+            backward_ms=_number(values[1], where, _FIELDS[1]),
+            activation_size=_parse_activation(values[2], where),
+            parameter_size=_number(values[3], where, _FIELDS[3]),
+            stage_id=stage_id,
+        )
+    except GraphError as error:  # the node's own rules (a printable id, ...): said with the file and line
+        raise GraphFormatError(f"{where}: {error}") from None
 
 
 def parse_graph_txt(text: str, filename: str = "<string>") -> Graph:
