@@ -72,6 +72,9 @@ def test_demo_runs_the_whole_workflow(tmp_path, capsys):
     assert all(b > 0 for b in report["measured_stage_activation_bytes"])
     trace = json.loads((out / "pipeline_trace.json").read_text())
     assert any(e.get("name", "").startswith("forward") for e in trace["traceEvents"])
+    # Each plan switch the report lists is a span in the trace (the pause was a bare gap before, issue 37).
+    migrations = {e["args"]["plan_version"] for e in trace["traceEvents"] if e.get("name", "").startswith("migration to plan v")}
+    assert {s["version"] for s in report.get("switches", [])} <= migrations
     assert list((out / "checkpoint").glob("step_*"))
 
 
