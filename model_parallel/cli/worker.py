@@ -15,7 +15,6 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Optional
 
 # Before torch loads (c10 reads it once): when a peer or the store host dies, c10d logs a warning
@@ -33,7 +32,8 @@ from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
-from model_parallel.errors import ModelParallelError, PeerError, PlanError, ProtocolError, TrainingStopped  # noqa: E402
+from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_control_script  # noqa: E402
+from model_parallel.errors import ModelParallelError, PeerError, PlanError, TrainingStopped  # noqa: E402
 from model_parallel.optimizer.memory import optimizer_kind  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.step.schedule import SCHEDULE_NAMES  # noqa: E402
@@ -210,20 +210,6 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
     return NullChannel()
 
 
-def read_control_script(path: str) -> Any:
-    """--control_script FILE as a ScriptedChannel; any defect is a ProtocolError naming the file."""
-    from model_parallel.messages import ScriptedChannel
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ProtocolError(f"--control_script {path}: cannot read it ({error}); give the JSON file {{step: command}}") from None
-    try:
-        return ScriptedChannel.from_json(text)
-    except ProtocolError as error:
-        raise ProtocolError(f"--control_script {path}: {error}") from None
-
-
 def read_jobs(path: str) -> list[list[str]]:
     """--jobs FILE: a JSON list of argument lists, each checked now (before any rank joins a world)."""
     fix = 'expected a JSON list of argument lists, e.g. [["--model", "mlp", "--steps", "2"], [...]]'
@@ -244,62 +230,6 @@ def read_jobs(path: str) -> list[list[str]]:
         check_inputs(parser.parse_args(argv), f"{path}: job [{number}]: ")
         argvs.append(argv)
     return argvs
-
-
-# (flag, lowest allowed, highest allowed, what it is): a value outside, NaN or infinite is refused.
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # torch's timedelta and TCPStore (ms) overflow far above this; a week is no wait
-NUMBERS = (("threads", 1, 4096, "torch threads per worker"), ("steps", 1, 1 << 53, "steps to train"),
-           ("timeout", 1e-3, MAX_TIMEOUT_S, "seconds"), ("lr", 0.0, 1e6, "learning rate"),
-           ("momentum", 0.0, 1e6, "SGD momentum"), ("weight_decay", 0.0, 1e6, "weight decay"),
-           ("slowdown", 1.0, 1e6, "slowdown factor"))
-
-
-def check_numbers(args: Any, where: str = "") -> None:
-    """Numeric flags: finite and in range, one line each (NaN would train to NaN and exit 0; `--threads 0`
-    or `--timeout inf` would be a traceback deep in torch)."""
-    import math
-
-    from model_parallel.errors import ConfigError
-
-    for flag, low, high, what in NUMBERS:
-        value = getattr(args, flag)
-        if not (math.isfinite(value) and low <= value <= high):
-            raise ConfigError(f"{where}--{flag} {value}: the {what} must be a finite number in {low:g}..{high:g}")
-
-
-def check_inputs(args: Any, where: str = "") -> None:
-    """Fail fast, before joining a world, on input files and values that cannot work (one line each, exit 2)."""
-    check_numbers(args, where)
-    if args.control_script:
-        if not os.path.isfile(args.control_script):
-            raise PlanError(f"{where}--control_script {args.control_script}: no such file; give the JSON file "
-                            "{step: command} that rank 0 plays")
-        read_control_script(args.control_script)
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        raise PlanError(f"{where}--checkpoint_dir {args.checkpoint_dir}: is a file, not a directory; give a directory "
-                        "(it is created if missing)")
-    data_flags.check(args, where)
-    if args.weights:
-        check_weights(args.weights, where)
-    if args.token_file and not os.path.isfile(args.token_file):
-        raise PlanError(f"{where}--token-file {args.token_file}: no such file; write the shared token on its first line")
-
-
-def check_weights(path: str, where: str = "") -> None:
-    """`--weights`: a path that exists, and a file there a safetensors header (the rest is read per stage)."""
-    from model_parallel.errors import InitError
-
-    fix = "give a .safetensors file, an HF sharded directory or our checkpoint directory"
-    if not os.path.exists(path):
-        raise InitError(f"{where}--weights {path}: no such file or directory; {fix}")
-    from model_parallel.runtime.build.weights import weight_source
-
-    try:
-        weight_source(path)  # reads the safetensors headers (or the index) only; a checkpoint is read later
-    except ModelParallelError as error:
-        raise InitError(f"{where}--weights {path}: {error}") from None
-    except Exception as error:  # safetensors raises its own (untyped) errors for a bad header
-        raise InitError(f"{where}--weights {path}: not a readable safetensors file ({str(error)[:120]}); {fix}") from None
 
 
 def make_config(args: Any) -> Any:
