@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -155,7 +156,38 @@ def run(args: Any) -> int:
     status = coordinator.status()
     print(f"coordinator done: plan v{status['plan_version']}, {len(status['history'])} switch(es)"
           + (f"; {status['stop_reason']}" if status["stop_reason"] else ""), flush=True)
+    if status["stop_reason"]:
+        print(resume_line(status.get("checkpoint_dirs", [])), flush=True)
     return 1 if status["stop_reason"] else 0
+
+
+def resume_line(checkpoint_dirs: Sequence[str]) -> str:
+    """After a failed run: the latest committed checkpoint the workers named, and how to resume from it."""
+    import shlex
+    import sys
+
+    from model_parallel.errors import CheckpointError
+    from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
+
+    again = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_socket.py", *sys.argv[1:]])
+    if not checkpoint_dirs:
+        return (f"the workers keep no checkpoints (no --checkpoint_dir): nothing to resume from; start over with {again} "
+                "and the workers")
+    parts = []
+    for directory in checkpoint_dirs:
+        try:
+            step = latest_step(directory) if os.path.isdir(directory) else None
+        except (CheckpointError, OSError) as error:
+            parts.append(f"{directory!r}: unreadable here ({error})")
+            continue
+        if step is not None:
+            parts.append(f"latest committed checkpoint {str(step_dir(directory, step))!r}")
+        elif os.path.isdir(directory):
+            parts.append(f"no checkpoint committed in {directory!r}")
+        else:
+            parts.append(f"{directory!r} (on the workers' machines: their last lines name its latest step)")
+    return (f"{'; '.join(parts)}; resume: {again}, then every worker with its own command line plus --resume "
+            "(each worker's last line prints its exact command)")
 
 
 def _memory_limit(limit: float, served: dict, graph: Any) -> Any:

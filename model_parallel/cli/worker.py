@@ -204,7 +204,8 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
         from model_parallel.coordinator.protocol import read_token
 
         return CoordinatorChannel(args.coordinator, token or read_token(args.token, args.token_file), rank, world_size,
-                                  schedule=schedule)
+                                  schedule=schedule,
+                                  checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None)
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()

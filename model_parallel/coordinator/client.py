@@ -57,8 +57,10 @@ class CoordinatorChannel:
 
     def __init__(self, address: str, token: bytes, rank: int, world_size: int,
                  timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
-                 reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None) -> None:
+                 reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None,
+                 checkpoint_dir: Optional[str] = None) -> None:
         self.address, self.token = address, token
+        self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
@@ -97,7 +99,8 @@ class CoordinatorChannel:
             with self._send_lock:
                 session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),
                              world_size=int(self.world_size), instance=self.instance,
-                             **({"schedule": self.schedule} if self.schedule is not None else {}))
+                             **({"schedule": self.schedule} if self.schedule is not None else {}),
+                             **({"checkpoint_dir": self.checkpoint_dir} if self.checkpoint_dir else {}))
             welcome = session.recv(timeout)
         except (OSError, ProtocolError) as error:
             session.sock.close()

@@ -67,7 +67,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     # client -> server: who am I. role "worker" needs rank/world_size; role "ctl" needs nothing else.
     # `nonce` (also in job-request): the client's half of the session nonce (see the module docstring).
     "register": {"role": (str,), "rank": (int,), "host": (str,), "pid": (int,), "world_size": (int,), "nonce": (str,),
-                 "instance": (str,), "schedule": (str,)},
+                 "instance": (str,), "schedule": (str,), "checkpoint_dir": (str,)},
     # server -> client: registration accepted; the live plan (dict) and its version.
     "welcome": {"plan_version": (int,), "plan": (dict,)},
     "heartbeat": {"rank": (int,), "step": (int,)},
@@ -97,7 +97,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 # Fields a message may omit (e.g. a ctl client's register has no rank).
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule"}),
+    "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule", "checkpoint_dir"}),
     "reply": frozenset({"result", "error"}),
     "report": frozenset({"loss"}),
     "job-request": frozenset({"rank", "host", "pid", "nonce"}),

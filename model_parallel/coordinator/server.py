@@ -118,6 +118,7 @@ class Coordinator:
         self.ctl = CtlHandler(self.lock, self.roster, self.rebalancer, self._send_to, self.status)
         self.shutdown = threading.Event()
         self.done = threading.Event()
+        self.checkpoint_dirs: set[str] = set()  # where the workers commit checkpoints (for the resume line)
         self._listener: Optional[socket.socket] = None
         self._admission = Admission()
         # Unauthenticated clients cost at most one log line per address per interval (a flood of them
@@ -313,6 +314,8 @@ class Coordinator:
                 raise
             if "schedule" in message:  # the workers' schedule: plans are checked under its rules too
                 self.rebalancer.schedule = message["schedule"]
+            if "checkpoint_dir" in message and len(self.checkpoint_dirs) < self.roster.world_size:
+                self.checkpoint_dirs.add(message["checkpoint_dir"])
             self.done.clear()
             plan = self.plan
         with worker.send_lock:
@@ -465,7 +468,8 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         with self.lock:
             return {**self.rebalancer.summary(self.roster.workers), "policy": self.policy,
-                    "workers": self.roster.rows(time.monotonic()), "stop_reason": self.roster.stop_reason}
+                    "workers": self.roster.rows(time.monotonic()), "stop_reason": self.roster.stop_reason,
+                    "checkpoint_dirs": sorted(self.checkpoint_dirs)}
 
     def _write_status(self, force: bool = False) -> None:
         if self.status_file is None:

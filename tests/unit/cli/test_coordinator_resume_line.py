@@ -1,0 +1,39 @@
+"""After a failed run the coordinator's last line names the workers' latest committed checkpoint and how to
+resume (issue 33 item 10); the directories come from the workers' registrations."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from model_parallel.cli.coordinator import resume_line
+from model_parallel.coordinator.client import CoordinatorChannel
+from support.coordinators import live_coordinator
+
+TOKEN = b"resume-line-token"
+
+
+def _committed(root: Path, step: int) -> None:
+    (root / f"step_{step}").mkdir(parents=True)
+    (root / "latest").write_text(f"step_{step}")
+
+
+def test_it_names_the_latest_committed_step(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _committed(root, 3)
+    line = resume_line([str(root)])
+    assert f"latest committed checkpoint '{root / 'step_3'}'" in line and "--resume" in line
+
+
+def test_without_checkpoints_it_says_there_is_nothing_to_resume(tmp_path: Path) -> None:
+    assert "no --checkpoint_dir" in resume_line([]) and "nothing to resume from" in resume_line([])
+    (tmp_path / "empty").mkdir()
+    assert f"no checkpoint committed in '{tmp_path / 'empty'}'" in resume_line([str(tmp_path / "empty")])
+    assert "on the workers' machines" in resume_line([str(tmp_path / "elsewhere")])
+
+
+def test_the_coordinator_learns_the_directory_from_the_workers_registration(tmp_path: Path) -> None:
+    with live_coordinator(TOKEN, policy="manual", heartbeat_timeout=30) as coordinator:
+        channel = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=2, checkpoint_dir=str(tmp_path))
+        try:
+            assert coordinator.status()["checkpoint_dirs"] == [str(tmp_path)]
+        finally:
+            channel.close()
