@@ -1,0 +1,68 @@
+"""torchrun elastic restarts resume by themselves: a worker that crashes on the first attempt makes torchrun
+restart the world, which continues from the latest committed checkpoint with no flag changed and ends with
+the parameters of uninterrupted single-process training."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+from model_parallel.runtime.checkpoint.store import latest_step, load_checkpoint
+from support.mlp import assert_params_close, mlp_job, reference_params
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+STEPS = 6  # --checkpoint_every 2: checkpoints of steps 1, 3, 5
+
+
+def torchrun(tmp_path: Path, *worker_args: str, env: dict[str, str], timeout: float = 150) -> tuple[int, str]:
+    """`torchrun --standalone --nproc_per_node=2 --max-restarts=1` of the worker: (exit code, all output)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+               "--monitor-interval=0.2", "-m", "model_parallel.cli.worker", *worker_args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "TORCH_CPP_LOG_LEVEL": "ERROR", **env}
+    full_env.pop("TORCHELASTIC_RESTART_COUNT", None)  # torchrun's agent sets it for its workers
+    process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and the workers it started
+        output, _ = process.communicate(timeout=30)
+        pytest.fail(f"torchrun did not end within {timeout:.0f} s:\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def test_restart_after_a_crash_resumes_from_the_latest_checkpoint_exactly(tmp_path: Path) -> None:
+    _, plan = mlp_job(tmp_path, 2)
+    checkpoints = tmp_path / "ck"
+    # Rank 1 dies when checkpoint 3 begins on the first attempt: steps 2 and 3 are lost, the restart redoes them.
+    code, output = torchrun(tmp_path, "--model", "mlp", "--plan", str(plan), "--steps", str(STEPS), "--batch_size", "8",
+                            "--num_microbatches", "4", "--lr", "0.01", "--checkpoint_dir", str(checkpoints),
+                            "--checkpoint_every", "2", "--timeout", "10",
+                            env={"MP_TEST_CRASH_AT_CHECKPOINT": "1:3"})
+    assert code == 0, output[-6000:]
+    assert "test hook MP_TEST_CRASH_AT_CHECKPOINT: exiting at checkpoint step 3" in output, output[-6000:]
+    resumed = [line for line in output.splitlines() if "torchelastic restart 1: resumed from the latest committed" in line]
+    assert len(resumed) == 2, f"each rank names the restart it resumed on:\n{output[-6000:]}"
+    assert all(f"in {checkpoints}, continuing at step 2" in line for line in resumed), resumed
+    assert latest_step(checkpoints) == STEPS - 1
+    assert_params_close(load_checkpoint(checkpoints).params(), reference_params(STEPS), "restarted run")
+
+
+def test_restart_without_a_committed_checkpoint_says_it_starts_over(tmp_path: Path) -> None:
+    _, plan = mlp_job(tmp_path, 2)
+    checkpoints = tmp_path / "ck"
+    # Rank 1 dies at the first checkpoint (step 1), before anything was committed.
+    code, output = torchrun(tmp_path, "--model", "mlp", "--plan", str(plan), "--steps", "4", "--batch_size", "8",
+                            "--num_microbatches", "4", "--lr", "0.01", "--checkpoint_dir", str(checkpoints),
+                            "--checkpoint_every", "2", "--timeout", "10",
+                            env={"MP_TEST_CRASH_AT_CHECKPOINT": "1:1"})
+    assert code == 0, output[-6000:]
+    assert f"torchelastic restart 1: no committed checkpoint in {checkpoints}, so training starts again from step 0" \
+        in output, output[-6000:]
+    assert_params_close(load_checkpoint(checkpoints).params(), reference_params(4), "restarted-from-scratch run")
