@@ -13,6 +13,7 @@ import pytest
 from support import REPO
 
 from model_parallel.runtime.checkpoint.store import latest_step, load_checkpoint
+from model_parallel.runtime.launch import launch_workers
 from support.mlp import assert_params_close, mlp_job, reference_params
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -66,3 +67,22 @@ def test_restart_without_a_committed_checkpoint_says_it_starts_over(tmp_path: Pa
     assert f"torchelastic restart 1: no committed checkpoint in {checkpoints}, so training starts again from step 0" \
         in output, output[-6000:]
     assert_params_close(load_checkpoint(checkpoints).params(), reference_params(4), "restarted-from-scratch run")
+
+
+def test_a_restart_on_a_new_world_size_plans_for_it_and_resumes_exactly(tmp_path: Path) -> None:
+    # torchrun --nnodes=MIN:MAX restarts with the same flags on however many workers came back: without --plan
+    # each attempt plans for its own world. (The restart is what TORCHELASTIC_RESTART_COUNT says; the workers
+    # join with their own store here, as torchrun's agent store is covered above.)
+    checkpoints = tmp_path / "ck"
+    flags = ["--model", "mlp", "--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01", "--checkpoint_dir",
+             str(checkpoints), "--checkpoint_every", "2", "--timeout", "10"]
+    first = launch_workers([*flags, "--steps", "4"], 2, timeout=120)  # as if the job died after step 3 committed
+    assert first.ok, first.summary()
+    again = launch_workers([*flags, "--steps", str(STEPS)], 3, timeout=120, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert again.ok, again.summary()
+    output = again.output(0)
+    assert f"torchelastic restart 1: resumed from the latest committed checkpoint in {checkpoints}, continuing at " \
+           f"step 4" in output, again.summary()
+    final = load_checkpoint(checkpoints)
+    assert (final.step, final.world["world_size"], len(final.world["plan"]["stages"])) == (STEPS - 1, 3, 3)
+    assert_params_close(final.params(), reference_params(STEPS), "restart on 3 workers")
