@@ -20,10 +20,41 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 STEPS = 6  # --checkpoint_every 2: checkpoints of steps 1, 3, 5
 
 
-def torchrun(tmp_path: Path, *worker_args: str, env: dict[str, str], timeout: float = 150) -> tuple[int, str]:
+API_SCRIPT = '''\
+"""PipelineTrainer under torchrun with a checkpoint directory (written by test_elastic_restart.py)."""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from model_parallel import PipelineTrainer, RunOptions, TrainConfig
+from model_parallel.models import StackedMLP
+from model_parallel.runtime.run import Rendezvous, join_world
+
+torch.set_num_threads(1)
+# join_world, not dist.init_process_group: a restart gets a store key space of its own (docs/reliability.md).
+join_world(Rendezvous(backend="gloo", timeout=10))
+torch.manual_seed(0)
+model = StackedMLP(in_features=16, width=32, depth=4, num_classes=4)
+x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+data = TensorDataset(x, (x.sum(dim=1) > 0).long() + 2 * (x[:, 0] > 0).long())
+trainer = PipelineTrainer(model, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), data,
+                          TrainConfig(batch_size=8, num_microbatches=4), criterion=F.cross_entropy,
+                          options=RunOptions(checkpoint_dir=sys.argv[1], checkpoint_every=2, progress=False, timeout=10))
+results = trainer.train(6)
+print(f"rank {dist.get_rank()} trained steps {[r.step for r in results]}", flush=True)
+trainer.close()
+dist.destroy_process_group()
+'''
+
+
+def torchrun(tmp_path: Path, *worker_args: str, env: dict[str, str], timeout: float = 150,
+             program: tuple[str, ...] = ("-m", "model_parallel.cli.worker")) -> tuple[int, str]:
     """`torchrun --standalone --nproc_per_node=2 --max-restarts=1` of the worker: (exit code, all output)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-               "--monitor-interval=0.2", "-m", "model_parallel.cli.worker", *worker_args]
+               "--monitor-interval=0.2", *program, *worker_args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "TORCH_CPP_LOG_LEVEL": "ERROR", **env}
     full_env.pop("TORCHELASTIC_RESTART_COUNT", None)  # torchrun's agent sets it for its workers
@@ -86,3 +117,20 @@ def test_a_restart_on_a_new_world_size_plans_for_it_and_resumes_exactly(tmp_path
     final = load_checkpoint(checkpoints)
     assert (final.step, final.world["world_size"], len(final.world["plan"]["stages"])) == (STEPS - 1, 3, 3)
     assert_params_close(final.params(), reference_params(STEPS), "restart on 3 workers")
+
+
+def test_pipeline_trainer_restarted_by_torchrun_resumes_exactly(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(API_SCRIPT)
+    code, output = torchrun(tmp_path, str(tmp_path / "uninterrupted"), env={}, program=(str(script),))
+    assert code == 0 and "torchelastic" not in output, output[-6000:]
+    code, output = torchrun(tmp_path, str(tmp_path / "ck"), env={"MP_TEST_CRASH_AT_CHECKPOINT": "1:3"},
+                            program=(str(script),))
+    assert code == 0, output[-6000:]
+    assert output.count(f"torchelastic restart 1: resumed from the latest committed checkpoint in {tmp_path / 'ck'}, "
+                        f"continuing at step 2") == 2, output[-6000:]
+    assert "rank 0 trained steps [2, 3, 4, 5]" in output, output[-6000:]
+    want = load_checkpoint(tmp_path / "uninterrupted")
+    got = load_checkpoint(tmp_path / "ck")
+    assert got.step == want.step == 5
+    assert_params_close(got.params(), want.params(), "PipelineTrainer restarted by torchrun")
