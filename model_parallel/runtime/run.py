@@ -136,6 +136,26 @@ def _use_gpu(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _attempt_store(world_size: int, timeout: timedelta) -> Any:
+    """Under torchrun's shared agent store, a key space of this restart's own (None: not shared, use env://).
+
+    The agent keeps one TCPStore for every restart, and torch's env:// adds no per-attempt prefix: a restarted
+    world then read the dead attempt's gloo addresses and failed to connect ("Gloo connectFullMesh failed")."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from model_parallel.runtime.checkpoint.resume import elastic_restart
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 29500))
+    try:
+        client = TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as error:
+        raise PeerError(f"cannot reach torchrun's store at {addr}:{port} within {timeout.total_seconds():.0f} s "
+                        f"(is torchrun's agent running?): {str(error).splitlines()[0]}") from None
+    return PrefixStore(f"model_parallel/attempt_{elastic_restart()}", client)
+
+
 def join_world(rdv: Rendezvous) -> World:
     """Join the process group (TCPStore on rank 0, or torchrun's env://)."""
     import torch.distributed as dist
@@ -153,7 +173,11 @@ def join_world(rdv: Rendezvous) -> World:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         backend = resolve_backend(rdv.backend, [(local_ranks, gpus)])
         device = _use_gpu(backend, int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        store = _attempt_store(world_size, timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return World(rank, world_size, dist.distributed_c10d._get_default_store(), device, None, rdv.address())
     from torch.distributed import TCPStore
 

@@ -18,7 +18,9 @@ removes what the interrupted write left behind.
 Test hooks (environment, read at each checkpoint): `MP_TEST_CHECKPOINT_STALL=<step>` makes every rank
 block after writing its shard of checkpoint <step>, before the commit, until it is killed (so a
 test can kill -9 a run mid-checkpoint at a known point); `MP_TEST_CHECKPOINT_ENOSPC=<rank>` makes that
-rank's shard writes fail as a full disk would.
+rank's shard writes fail as a full disk would; `MP_TEST_CRASH_AT_CHECKPOINT=<rank>:<step>` makes that rank
+exit (code 1, as a crash) when checkpoint <step> begins, on torchrun's first attempt only (so a test sees a
+restart lose the steps since the last commit and resume).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 STALL_ENV = "MP_TEST_CHECKPOINT_STALL"
 ENOSPC_ENV = "MP_TEST_CHECKPOINT_ENOSPC"
+CRASH_ENV = "MP_TEST_CRASH_AT_CHECKPOINT"
 _STALL_LIMIT_S = 600.0  # a stalled test worker gives up on its own if nobody kills it
 _SHARD_FILE = re.compile(r"^shard_\d+\.(pt|json)$")
 
@@ -97,6 +100,7 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
     """Checkpoint `step` of a running PipelineEngine; every rank calls it at the same step."""
     directory = engine.options.checkpoint_dir
     assert directory is not None
+    _crash_if_asked(engine, step)
     error = None
     if engine.stage is not None and engine.replica == 0:
         try:
@@ -155,6 +159,14 @@ def _stall_if_asked(engine: CheckpointingEngine, step: int) -> None:
     while time.monotonic() < deadline:
         time.sleep(0.2)  # waiting to be killed; nothing is timed against this
     raise CheckpointError(f"test hook {STALL_ENV}: the stalled worker was not killed within {_STALL_LIMIT_S:.0f} s")
+
+
+def _crash_if_asked(engine: CheckpointingEngine, step: int) -> None:
+    if os.environ.get(CRASH_ENV, "") != f"{engine.rank}:{step}" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    logger.error("%s test hook %s: exiting at checkpoint step %d", engine.prefix, CRASH_ENV, step)
+    logging.shutdown()
+    os._exit(1)
 
 
 def agree(engine: AgreeingEngine, error: Optional[str]) -> Optional[str]:

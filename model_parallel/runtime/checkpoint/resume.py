@@ -1,9 +1,11 @@
 """A running engine's checkpoint glue: the model fingerprint, restoring a rank's stage from the latest
 checkpoint (whatever partition wrote it), and what a run does with its checkpoint directory at start.
-Writing and committing is `commit.save_and_commit`; the format is `store.py`."""
+Writing and committing is `commit.save_and_commit`; the format is `store.py`.
+Under torchrun, a restart of the workers after a failure (TORCHELASTIC_RESTART_COUNT > 0) resumes as `resume` does."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Protocol
 
 from torch import nn
@@ -93,18 +95,48 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
     return checkpoint.step, next_step
 
 
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun's agent: 0 on the first attempt, N on the Nth restart
+
+
+def elastic_restart() -> int:
+    """Which torchrun restart this process is (0: the first attempt, or not under torchrun)."""
+    from model_parallel.errors import ConfigError
+
+    text = os.environ.get(RESTART_ENV, "0").strip() or "0"
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ConfigError(f"{RESTART_ENV}={text!r} is not a restart count (torchrun sets it to 0, 1, ...); "
+                          f"unset it or start the workers with torchrun")
+    return count
+
+
 def prepare(engine: StartingEngine, start_step: int) -> int:
     """At the start of a run: clear what a run killed mid-checkpoint left (rank 0), and with `resume`
-    restore the latest checkpoint. Returns the step to start from."""
+    or on a torchrun restart restore the latest checkpoint. Returns the step to start from."""
     directory = engine.options.checkpoint_dir
+    restart = elastic_restart()
     if not directory:
+        if restart:
+            logger.warning("%s torchelastic restart %d: no checkpoint directory, so training starts again from step %d "
+                           "(give --checkpoint_dir / RunOptions.checkpoint_dir so a restart resumes)",
+                           engine.prefix, restart, start_step)
         return start_step
     if engine.rank == 0:
         prune(directory)  # leftovers of a run killed mid-checkpoint
-    if engine.options.resume:
+    if engine.options.resume or restart:
         from model_parallel.runtime.checkpoint.store import latest_step
 
         if latest_step(directory) is not None:
             start_step = engine.load_checkpoint()
-            logger.warning("%s resumed from %s at step %d", engine.prefix, directory, start_step)
+            if restart:  # torchrun restarted the workers after a failure: as if --resume had been given
+                logger.warning("%s torchelastic restart %d: resumed from the latest committed checkpoint in %s, "
+                               "continuing at step %d", engine.prefix, restart, directory, start_step)
+            else:
+                logger.warning("%s resumed from %s at step %d", engine.prefix, directory, start_step)
+        elif restart:
+            logger.warning("%s torchelastic restart %d: no committed checkpoint in %s, so training starts again "
+                           "from step %d", engine.prefix, restart, directory, start_step)
     return start_step
