@@ -49,8 +49,8 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from functools import partial
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
