@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable, Mapping
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 from torch import nn
@@ -29,6 +29,19 @@ Layer = Union[nn.Module, torch.Tensor]
 InitWeights = Callable[[Layer, str], None]  # fills one layer's tensors in place, drawing from the global RNG
 BareTensorInit = Callable[[str, torch.Tensor], None]  # fills one bare tensor in place
 TensorOwners = Mapping[str, tuple[str, nn.Module, str]]  # layer name -> (state path, owning module, key)
+TensorTable = dict[str, Optional[torch.Tensor]]
+
+
+def tensor_tables(module: nn.Module) -> tuple[TensorTable, TensorTable]:
+    """The module's own `_parameters` and `_buffers`, typed as the tensor swaps here use them: torch's stubs
+    say a parameter slot holds a Parameter, but a swap may put a plain tensor there for a call (as torch.func does)."""
+    return cast(TensorTable, module._parameters), module._buffers
+
+
+def tensor_table(module: nn.Module, key: str) -> TensorTable:
+    """The one of `tensor_tables(module)` that holds `key` (parameters first)."""
+    parameters, buffers = tensor_tables(module)
+    return parameters if key in parameters else buffers
 
 
 def is_hugging_face_model(model: nn.Module) -> bool:
@@ -121,8 +134,13 @@ def owner_reset(owners: TensorOwners) -> BareTensorInit:
                             f"reset_parameters(), pass init_weights=fn(layer, layer_name) (it fills tensors in place), "
                             f"or load its values (safetensors or a checkpoint)")
         clone = meta_copy(module).to_empty(device="cpu", recurse=False)
-        clone.reset_parameters()
-        tensor.copy_(clone._parameters[key] if key in clone._parameters else clone._buffers[key])
+        reset: Callable[[], object] = getattr(clone, "reset_parameters")  # checked callable just above
+        reset()
+        value = tensor_table(clone, key)[key]
+        if value is None:
+            raise InitError(f"layer {name!r}: {type(module).__name__}.reset_parameters() set {key!r} to None; give it "
+                            f"a tensor there, or pass init_weights=fn(layer, layer_name) (it fills tensors in place)")
+        tensor.copy_(value)
 
     return fill
 
@@ -147,14 +165,18 @@ def hf_init_weights(model: nn.Module) -> InitWeights:
 
     def init_one(path: str, tensor: torch.Tensor) -> None:
         parts = path.split(".")
-        chain, init = [], None  # (module, the _init_weights of its nearest PreTrainedModel) from the root down
+        # (module, the _init_weights of its nearest PreTrainedModel) from the root down; the root's is
+        # checked callable above.
+        chain: list[tuple[nn.Module, Callable[[nn.Module], object]]] = []
+        init: Callable[[nn.Module], object] = getattr(shadow, "_init_weights")
         module = shadow
         for depth in range(len(parts)):
-            init = module._init_weights if callable(getattr(module, "_init_weights", None)) else init
+            own = getattr(module, "_init_weights", None)
+            init = own if callable(own) else init
             chain.append((module, init))
             if depth < len(parts) - 1:
                 module = module.get_submodule(parts[depth])
-        table = module._parameters if parts[-1] in module._parameters else module._buffers
+        table = tensor_table(module, parts[-1])
         meta = table[parts[-1]]
         table[parts[-1]] = tensor  # the real tensor, filled in place by the calls below
         try:

@@ -89,8 +89,10 @@ def torch_namespaces() -> Mapping[str, types.ModuleType]:
 
     return {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.functional": torch.functional,
             "torch.fft": torch.fft, "torch.linalg": torch.linalg, "torch.special": torch.special,
-            "torch._C._nn": torch._C._nn, "torch._C._fft": torch._C._fft, "torch._C._linalg": torch._C._linalg,
-            "torch._C._special": torch._C._special}
+            # torch's _C stubs omit _fft, _linalg and _special (they exist at run time).
+            "torch._C._nn": torch._C._nn, "torch._C._fft": torch._C._fft,  # type: ignore[attr-defined]
+            "torch._C._linalg": torch._C._linalg,  # type: ignore[attr-defined]
+            "torch._C._special": torch._C._special}  # type: ignore[attr-defined]
 
 
 def _namespace_function(namespace: str, name: str) -> Optional[Callable[..., Any]]:

@@ -11,11 +11,14 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from model_parallel.errors import PlanError
 from model_parallel.fileio import atomic_write_json, read_json_file
 from model_parallel.jsonbound import json_number as _number
+
+if TYPE_CHECKING:  # only the annotation: graph/core.py is not needed to read or write a plan
+    from model_parallel.graph.core import Graph
 
 PLAN_SCHEMA = "model_parallel.plan"
 PLAN_VERSION = 1
@@ -265,12 +268,12 @@ def write_plan(plan: Plan, path: Union[str, "os.PathLike[str]"]) -> Path:
     return atomic_write_json(path, plan.to_dict())
 
 
-def plan_from_graph(graph: "Graph", stage_to_num_ranks: Optional[Mapping[int, int]] = None) -> Plan:  # noqa: F821
+def plan_from_graph(graph: Graph, stage_to_num_ranks: Optional[Mapping[int, int]] = None) -> Plan:
     """A plan read off a partitioned graph's stage ids (e.g. PipeDream's gpus=N.txt), ranks in stage order."""
     if not graph.is_partitioned:
         unassigned = [n.node_id for n in graph.nodes if n.stage_id is None]
         raise PlanError(f"graph is not partitioned: {len(unassigned)} node(s) have no stage_id, e.g. {unassigned[:3]}")
-    stage_ids = sorted({n.stage_id for n in graph.nodes})
+    stage_ids = sorted({n.stage_id for n in graph.nodes if n.stage_id is not None})  # all of them (checked above)
     if stage_ids != list(range(len(stage_ids))):
         raise PlanError(f"stage ids must be 0..{len(stage_ids) - 1} without gaps, found {stage_ids}")
     replicas = dict(stage_to_num_ranks or {})

@@ -4,10 +4,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from model_parallel.errors import RenderError
 from model_parallel.graph.core import Graph, Node
+
+if TYPE_CHECKING:  # optional at run time: to_dot imports it when called and says how to install it
+    import graphviz
 
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c",
             "#e31a1c", "#ff7f00", "#6a3d9a", "#b15928")
@@ -34,7 +37,7 @@ def node_label(node: Node) -> str:
     )
 
 
-def to_dot(graph: Graph, title: Optional[str] = None) -> "graphviz.Digraph":  # noqa: F821
+def to_dot(graph: Graph, title: Optional[str] = None) -> graphviz.Digraph:
     """A graphviz.Digraph of the graph; nodes of a partitioned graph are clustered and coloured by stage."""
     try:
         import graphviz
@@ -44,7 +47,7 @@ def to_dot(graph: Graph, title: Optional[str] = None) -> "graphviz.Digraph":  # 
 
     dot = graphviz.Digraph(name=title or "graph", graph_attr={"rankdir": "TB", "label": title or ""},
                            node_attr={"shape": "box", "style": "rounded,filled", "fontsize": "10", "fillcolor": "white"})
-    stages = sorted({n.stage_id for n in graph.nodes if n.stage_id is not None})
+    stages: list[Optional[int]] = [*sorted({n.stage_id for n in graph.nodes if n.stage_id is not None})]
     for stage in stages or [None]:
         members = [n for n in graph.nodes if n.stage_id == stage]
         color = _PALETTE[stage % len(_PALETTE)] if stage is not None else "white"

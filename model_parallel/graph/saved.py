@@ -19,10 +19,11 @@ def span(tensor: torch.Tensor) -> tuple[int, int, int]:
     """(storage pointer, first byte, end byte) of the storage bytes `tensor` views."""
     pointer = tensor.untyped_storage().data_ptr()
     size = tensor.element_size()
-    start = tensor.storage_offset() * size
+    # int(): the stubs allow a SymInt (symbolic shapes); a tensor with a real storage pointer has plain ints.
+    start = int(tensor.storage_offset()) * size
     if tensor.numel() == 0:
         return pointer, start, start
-    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+    extent = 1 + sum((int(n) - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
     return pointer, start, start + extent * size
 
 

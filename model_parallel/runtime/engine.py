@@ -255,6 +255,7 @@ class PipelineEngine:
                     with self.metrics.measure("allreduce"):
                         self.tied.all_reduce_grads(self.timeout)
                 if self.num_replicas > 1:
+                    assert self.stage_id is not None  # an executor runs only on a rank with a stage
                     with self.metrics.measure("allreduce"):
                         all_reduce_grads(self.stage, self.replica_groups.group(self.plan.stages[self.stage_id].ranks),
                                          self.timeout, skip=tied)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -21,11 +21,22 @@ from model_parallel.runtime.engine import OptimizerFactory
 from model_parallel.runtime.step.loop import StepResult
 from model_parallel.runtime.step.output import float_output, model_output
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
-from model_parallel.runtime.wire.structure import cross, flatten_values, narrowed, unflatten
+from model_parallel.runtime.wire.structure import Structure, cross, flatten_values, narrowed, unflatten
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SingleProcessRunner", "single_process_reference"]
+
+
+class _Pass(TypedDict, total=False):
+    """One (stage, microbatch) forward of the PipeDream-async reference, kept for its backward."""
+
+    inputs: list[Any]  # the stage's leaf inputs (their .grad is what flows upstream)
+    outputs: list[Any]
+    weights: dict[str, torch.Tensor]  # the weight version this forward used
+    leaves: list[torch.Tensor]  # not on the last stage: the flat outputs sent downstream
+    tree: Structure
+    loss: torch.Tensor  # the last stage only
 
 
 def single_process_reference(
@@ -116,7 +127,7 @@ class SingleProcessRunner:
         inputs, target = self._batch(step)
         microbatches = _microbatches(inputs, target, cfg.num_microbatches)
         schedule = pipedream_async(p, cfg.num_microbatches)
-        state: dict[tuple[int, int], dict[str, Any]] = {}
+        state: dict[tuple[int, int], _Pass] = {}
         total = 0.0
         for t in range(schedule.num_steps):
             for s in range(p):
@@ -136,7 +147,7 @@ class SingleProcessRunner:
                     weights = {n: q.detach().clone().requires_grad_(True) for n, q in stage.named_parameters()}
                     with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
                         outputs = list(functional_call(stage, weights, tuple(values)))
-                    entry = {"inputs": leaves, "outputs": outputs, "weights": weights}
+                    entry: _Pass = {"inputs": leaves, "outputs": outputs, "weights": weights}
                     if s < p - 1:
                         entry["leaves"], entry["tree"] = flatten_values(outputs, self._names(stage))
                     else:

@@ -123,7 +123,7 @@ def _replace(obj: Layer, convert: Callable[[torch.Tensor], Optional[torch.Tensor
     if isinstance(obj, torch.Tensor):
         return swap(obj)
     for module in obj.modules():
-        for table in (module._parameters, module._buffers):
+        for table in rule.tensor_tables(module):
             for key, tensor in table.items():
                 if tensor is not None:
                     table[key] = swap(tensor)
@@ -145,7 +145,8 @@ def check_layer_sizes(modules: Mapping[str, Layer], names: Sequence[str]) -> Non
 def allocate_layers(modules: MutableMapping[str, Layer], names: Iterable[str], device: torch.device) -> list[str]:
     """Give the meta tensors of these layers uninitialised storage on `device` (values still to come:
     received, loaded or initialised). Returns the layers that had meta tensors."""
-    done, memo = [], {}
+    done: list[str] = []
+    memo: dict[int, torch.Tensor] = {}
     for name in names:
         if is_meta(modules[name]):
             modules[name] = _replace(modules[name], lambda t: _empty_like(t, device) if t.is_meta else None, memo)
@@ -165,7 +166,7 @@ def release_layers(modules: MutableMapping[str, Layer], names: Iterable[str]) ->
 def move_real(model: nn.Module, device: torch.device) -> nn.Module:
     """`model.to(device)` for the tensors that have storage; meta ones stay on meta."""
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        for table in rule.tensor_tables(module):
             for key, tensor in table.items():
                 if tensor is not None and not tensor.is_meta and tensor.device != device:
                     moved = tensor.detach().to(device)
@@ -196,7 +197,7 @@ def _tie_owners(graph: Optional[Graph], modules: Mapping[str, Layer]) -> dict[in
         for tie in find_ties(graph):
             first = graph[tie.users[0][0]].layer
             owner = layer_name(first.target) if first is not None else None
-            if owner in modules:
+            if owner is not None and owner in modules:
                 for node_id, _ in tie.users:
                     layer = graph[node_id].layer
                     other = modules.get(layer_name(layer.target)) if layer is not None else None
@@ -250,9 +251,13 @@ def materialize_layers(
     for name in order:
         obj = modules[name]
         keys = layer_state(name, obj)
-        if constants is not None and constants.get(name) is not None:
+        constant = constants.get(name) if constants is not None else None
+        if constant is not None:
+            if not isinstance(obj, torch.Tensor):
+                raise InitError(f"constant {name!r} (a non-persistent buffer in the graph) is a {type(obj).__name__} "
+                                f"in the model, not a tensor; is the graph from this model?")
             with torch.no_grad():
-                obj.copy_(constants[name])  # type: ignore[union-attr,arg-type]
+                obj.copy_(constant)
             continue
         if constants is not None and name in constants and init.hook is None and init.owners is None:
             raise InitError(f"constant {name!r} (a non-persistent buffer) was built on meta and the graph holds no "
@@ -363,5 +368,4 @@ def _tensor_paths(model: nn.Module) -> list[str]:
 def _set_tensor(model: nn.Module, path: str, tensor: torch.Tensor) -> None:
     owner_path, _, key = path.rpartition(".")
     owner = model.get_submodule(owner_path) if owner_path else model
-    table = owner._parameters if key in owner._parameters else owner._buffers
-    table[key] = tensor
+    rule.tensor_table(owner, key)[key] = tensor

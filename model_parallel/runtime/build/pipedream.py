@@ -166,7 +166,7 @@ def load_pipedream_package(directory: Path, seed: int = 0, input_shape: Optional
     nodes: list[Node] = []
     edges: list[tuple[str, str]] = []
     members: dict[int, list[str]] = {}
-    inputs_meta = []
+    inputs_meta: list[dict[str, object]] = []  # the graph's `inputs` metadata, one entry per placeholder
     for index, (module, in_names, out_names) in enumerate(entries):
         for name in in_names:
             if name in produced:

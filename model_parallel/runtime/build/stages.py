@@ -49,16 +49,16 @@ def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, 
         if name in out:
             continue
         # A model rebuilt from a graph (codegen.full_model_from_graph) holds layers flat, by layer name.
-        value: object = None
-        for table in (model._modules, model._parameters, model._buffers):
-            if table.get(name) is not None:
-                value = table[name]
-                break
+        value: Optional[Union[nn.Module, torch.Tensor]] = model._modules.get(name)
+        if value is None:
+            value = model._parameters.get(name)
+        if value is None:
+            value = model._buffers.get(name)
         if value is None and node.layer.op == "get_attr" and node.layer.target in constants:
             value = _constant(model, node.layer.target, constants[node.layer.target])
         if value is None:
             value = _by_path(model, node.layer.target, node.node_id)
-        out[name] = value  # type: ignore[assignment]
+        out[name] = value
     return out
 
 
@@ -75,14 +75,15 @@ def _constant(model: nn.Module, target: str, record: object) -> Optional[torch.T
         pass
     value = decode_constant(record, f"graph constant {target!r}")
     if value is None:  # too large to record: a meta tensor the materializer refuses, naming the constant
-        shape, dtype = record["shape"], getattr(torch, str(record["dtype"]))  # type: ignore[index]
+        assert isinstance(record, Mapping)  # decode_constant refused anything else
+        shape, dtype = record["shape"], getattr(torch, str(record["dtype"]))
         return torch.empty(shape, dtype=dtype, device="meta")
     return value
 
 
 def _by_path(model: nn.Module, target: str, node_id: str) -> Union[nn.Module, torch.Tensor]:
     """The original model's submodule/parameter/buffer at dotted `target` ("layer1.0.conv1", "0")."""
-    value: object = model
+    value: Union[nn.Module, torch.Tensor] = model
     for depth, part in enumerate(target.split(".")):
         children = getattr(value, "_modules", {}), getattr(value, "_parameters", {}), getattr(value, "_buffers", {})
         found = next((table[part] for table in children if table.get(part) is not None), None)
@@ -94,7 +95,7 @@ def _by_path(model: nn.Module, target: str, node_id: str) -> Union[nn.Module, to
                             f"(nor does the model hold it flat as {layer_name(target)!r}); was the graph profiled from "
                             f"this model ({type(model).__name__})?")
         value = found
-    return value  # type: ignore[return-value]
+    return value
 
 
 def stage_layers(graph: Graph, plan: Plan, stage_id: int) -> tuple[str, ...]:

@@ -104,7 +104,7 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
     error = None
     if engine.stage is not None and engine.replica == 0:
         try:
-            _write_shard(engine, directory, step)
+            _write_shard(engine, engine.stage, directory, step)
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it (not time out)
             error = _describe(exc)
             logger.error("%s checkpoint step %d: writing the shard failed: %s", engine.prefix, step, error)
@@ -130,13 +130,13 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
                               f"'latest' names")
 
 
-def _write_shard(engine: CheckpointingEngine, directory: str, step: int) -> None:
+def _write_shard(engine: CheckpointingEngine, stage: nn.Module, directory: str, step: int) -> None:
     from model_parallel.runtime.build.tied import stored_keys, without_aliases
 
     # A tied tensor is stored once, under its first user's key, by the stage holding that user (its
     # optimizer state too, whichever name the stage gave the Parameter).
-    params, buffers = (without_aliases(part, engine.graph) for part in split_state(engine.stage))
-    opt = optimizer_state_by_name(engine.optimizer, dict(engine.stage.named_parameters())) if engine.optimizer else {}
+    params, buffers = (without_aliases(part, engine.graph) for part in split_state(stage))
+    opt = optimizer_state_by_name(engine.optimizer, dict(stage.named_parameters())) if engine.optimizer else {}
     stored = stored_keys(engine.graph)
     opt = {stored.get(name, name): entry for name, entry in opt.items() if stored.get(name, name) in params}
     if os.environ.get(ENOSPC_ENV, "") == str(engine.rank):

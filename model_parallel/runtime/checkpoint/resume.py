@@ -76,8 +76,11 @@ def restore(engine: RestoringEngine) -> int:
 def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
     """This rank's part of restore: (the checkpoint's step, the step to continue from)."""
     from model_parallel.runtime.build.tied import stored_keys
+    from model_parallel.errors import CheckpointError
     from model_parallel.runtime.checkpoint import store as ckpt
 
+    if engine.options.checkpoint_dir is None:
+        raise CheckpointError("resuming needs the checkpoint directory to read from; pass --checkpoint_dir")
     checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
     next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
     # Every rank reads the same manifest: all refuse together, before any state changes.

@@ -192,8 +192,8 @@ def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: s
 def from_loader(loader: DataLoader, seed: int) -> Any:
     """A DataLoader as a step-keyed source (see the module docstring for which order it keeps)."""
     sampler = loader.sampler
-    map_style = not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
-    if map_style and isinstance(sampler, (RandomSampler, SequentialSampler)):
+    map_style = not isinstance(loader.dataset, IterableDataset)
+    if map_style and loader.batch_size is not None and isinstance(sampler, (RandomSampler, SequentialSampler)):
         # Its own shuffle draws a fresh seed per pass: ours is keyed by (seed, epoch), so a resume replays it.
         return MapData(loader.dataset, loader.batch_size, loader.collate_fn, seed, shuffle=isinstance(sampler, RandomSampler),
                        drop_last=loader.drop_last, name="DataLoader")

@@ -48,10 +48,10 @@ def state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     for p in parameters:
         add("gradients", p.grad)
     if optimizer is not None:
-        for p, state in optimizer.state.items():
+        for param, state in optimizer.state.items():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    add("optimizer_state" if value.shape == p.shape else "optimizer_scalars", value)
+                    add("optimizer_state" if value.shape == param.shape else "optimizer_scalars", value)
     return out
 
 

@@ -40,7 +40,7 @@ import math
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -114,10 +114,12 @@ class StepRecord:
         """What a `ControlChannel.report` takes (model_parallel/messages.py): the same milliseconds, and the loss
         from `extra` (None unless finite: the wire carries finite numbers only, this record keeps the NaN)."""
         loss = self.extra.get("loss")
-        finite = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
+        wire_loss = None
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+            wire_loss = float(loss)
         return StepReport(rank=self.rank, step=self.step, plan_version=self.plan_version, stage=self.stage,
                           step_ms=self.step_ms, compute_ms=self.compute_ms, comm_ms=self.comm_ms, idle_ms=self.idle_ms,
-                          samples_per_s=self.samples_per_s, loss=float(loss) if finite else None)
+                          samples_per_s=self.samples_per_s, loss=wire_loss)
 
 
 class _Measure:
@@ -373,7 +375,7 @@ def format_summary(rows: Iterable[Mapping[str, Any]]) -> str:
 def busy_ms(record: Any) -> float:
     """A rank's milliseconds in a step not spent blocked on a peer: compute (forward, backward, loss,
     optimizer) + sends + idle (Python, data wait); receives and the step-end all-reduce are waits."""
-    get = record.get if isinstance(record, Mapping) else lambda key: getattr(record, key)
+    get: Callable[[str], Any] = record.get if isinstance(record, Mapping) else lambda key: getattr(record, key)
     return float(get("compute_ms")) + float(get("send_ms")) + float(get("idle_ms"))
 
 

@@ -153,7 +153,7 @@ def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
             stuck = [str(orders[s][positions[s]]) for s in range(p) if positions[s] < len(orders[s])]
             raise ScheduleError(f"per-stage orders deadlock: waiting actions {stuck}")
     steps = max(time_of.values()) + 1 if time_of else 0
-    grid = [[None] * steps for _ in range(p)]
+    grid: list[list[Optional[Action]]] = [[None] * steps for _ in range(p)]
     for action, t in time_of.items():
         grid[action.stage][t] = action
     return tuple(tuple(row) for row in grid)

@@ -50,6 +50,7 @@ import math
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -102,7 +103,9 @@ def _wire(name: Any) -> torch.dtype:
 
 
 def _known(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> _Known:
-    offset, tensors, layout = _ALIGN, [], []
+    offset = _ALIGN
+    tensors: list[tuple[int, tuple[int, ...], torch.dtype, int]] = []
+    layout: list[tuple[Any, ...]] = []  # one `_Known.layout` entry per value
     for entry in header:
         if entry["t"] == "tensor":
             dtype = _wire(entry["dtype"])
@@ -212,22 +215,24 @@ def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torc
             known = cache.sent[key] = _known(header, header_list, signature)
             buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
                        _pack(tensors, known, device)]
-    works = [start_work(lambda b=b: _isend(b, dst, group, tag), dst, "send") for b in buffers]
+    works = [start_work(partial(_isend, b, dst, group, tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
 
 
 def _isend(buffer: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
     """`dist.isend`; on the default group straight on the process group (the wrapper's checks cost
     about as much as gloo posting the send, once per message on the hot path)."""
-    if group is None:
-        return dist.group.WORLD.send([buffer], dst, tag)
+    world = dist.group.WORLD  # None before init_process_group: then dist.isend raises torch's own error
+    if group is None and world is not None:
+        return world.send([buffer], dst, tag)
     return dist.isend(buffer, dst, group=group, tag=tag)
 
 
 def _irecv(buffer: torch.Tensor, src: int, group: Any, tag: int) -> Any:
     """`dist.irecv`; on the default group straight on the process group (see `_isend`)."""
-    if group is None:
-        return dist.group.WORLD.recv([buffer], src, tag)
+    world = dist.group.WORLD  # see `_isend`
+    if group is None and world is not None:
+        return world.recv([buffer], src, tag)
     return dist.irecv(buffer, src, group=group, tag=tag)
 
 
@@ -295,7 +300,7 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
         buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
     buffers += [v.detach().to(_wire(e["dtype"])).contiguous() for v, e in zip(values, header_list)
                 if isinstance(v, torch.Tensor)]
-    works = [start_work(lambda b=b: dist.isend(b, dst, group=group, tag=tag), dst, "send") for b in buffers]
+    works = [start_work(partial(dist.isend, b, dst, group=group, tag=tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
 
 
@@ -371,7 +376,7 @@ class PendingRecv:
         for entry in header:
             if entry["t"] == "tensor":
                 tensor = torch.empty(entry["shape"], dtype=_wire(entry["dtype"]), device=self.device)
-                works.append(start_work(lambda t=tensor: dist.irecv(t, self.src, group=self.group, tag=self.tag),
+                works.append(start_work(partial(dist.irecv, tensor, self.src, group=self.group, tag=self.tag),
                                         self.src, "receive"))
                 values.append((tensor, entry["grad"]))
             else:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Any, Optional, Protocol, Union
 
 import torch
@@ -50,10 +50,14 @@ class MigratingEngine(Protocol):
     plan: Plan  # the plan running now
     rank: int
     device: torch.device
-    # Every layer object by layer name, owned or not (a module, or a bare parameter/buffer tensor).
-    modules: Mapping[str, Union[nn.Module, torch.Tensor]]
     stage: Optional[nn.Module]  # this rank's stage under `plan`; None on a spare
     optimizer: Optional[torch.optim.Optimizer]
+
+    @property
+    def modules(self) -> MutableMapping[str, Union[nn.Module, torch.Tensor]]:
+        """Every layer object by layer name, owned or not (a module, or a bare parameter/buffer tensor);
+        a switch gives arriving meta layers storage in place."""
+        ...
 
     @property
     def timeout(self) -> float:
@@ -89,7 +93,7 @@ def _layer_keys(engine: MigratingEngine, layer: str) -> list[str]:
 def _get_state(engine: MigratingEngine, key: str) -> torch.Tensor:
     layer, _, rest = key.partition(".")
     obj = engine.modules[layer]
-    if not rest:
+    if isinstance(obj, torch.Tensor):  # a tensor layer's key is its name alone (see the listing above)
         return obj
     return obj.state_dict(keep_vars=True)[rest]
 
@@ -136,7 +140,7 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
 
     received_opt: dict[str, dict[str, Any]] = {}
     # Layers arriving on meta (a model built without memory) get storage here, their values below.
-    allocate_layers(engine.modules, [layer for layers in incoming.values() for layer in layers], engine.device)  # type: ignore[arg-type]
+    allocate_layers(engine.modules, [layer for layers in incoming.values() for layer in layers], engine.device)
     for src in sorted(incoming):
         message = comm.recv_values(src, comm.TAG_MIGRATION, timeout, device=engine.device)
         manifest, values = message[0], message[1:]

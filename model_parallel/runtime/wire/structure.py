@@ -109,7 +109,7 @@ def _bad(structure: Any, why: str) -> ProtocolError:
 
 @functools.lru_cache(maxsize=256)
 def _namedtuple(fields: tuple[str, ...]) -> type:
-    return collections.namedtuple("BoundaryTuple", fields)  # type: ignore[misc]
+    return collections.namedtuple("BoundaryTuple", fields)
 
 
 def unflatten(leaves: Sequence[Any], structure: Structure, device: Optional[torch.device] = None) -> Any:
