@@ -1,35 +1,16 @@
 """Workers (processes) refuse a plan that splits tied parameters under PipeDream's schedule."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import write_graph_json
 from model_parallel.profiler.trace import tied_tensor_names, trace_model
 from model_parallel.runtime.launch import launch_workers
-
-VOCAB, DIM, SEQ = 24, 8, 6
-
-
-class TiedLM(nn.Module):
-    """GPT-2's tie in small: the output layer's weight *is* the token embedding (then a norm over the logits)."""
-
-    def __init__(self, tie: bool = True) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.mid = nn.Linear(DIM, DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-        self.out_norm = nn.LayerNorm(VOCAB)
-        if tie:
-            self.lm_head.weight = self.wte.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.out_norm(self.lm_head(torch.relu(self.mid(self.wte(tokens)))))
+from support.tied_lm import SEQ, VOCAB, TiedLM
 
 
 def _tokens(batch: int = 2) -> torch.Tensor:

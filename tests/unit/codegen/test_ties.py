@@ -29,25 +29,9 @@ from model_parallel.runtime.build.stages import layer_modules
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
+from support.tied_lm import DIM, SEQ, VOCAB, TiedLM
 
-VOCAB, DIM, SEQ = 24, 8, 6
 SPLIT = r"tied parameters 'wte.weight' and 'lm_head.weight' are one tensor.*node wte on stage 0.*node lm_head on stage 1"
-
-
-class TiedLM(nn.Module):
-    """GPT-2's tie in small: the output layer's weight *is* the token embedding (then a norm over the logits)."""
-
-    def __init__(self, tie: bool = True) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.mid = nn.Linear(DIM, DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-        self.out_norm = nn.LayerNorm(VOCAB)
-        if tie:
-            self.lm_head.weight = self.wte.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.out_norm(self.lm_head(torch.relu(self.mid(self.wte(tokens)))))
 
 
 class FunctionalTie(nn.Module):
