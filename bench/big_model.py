@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model_parallel.runtime.observe.memory_probe import status_bytes  # noqa: E402
+from memory import result_rows  # noqa: E402  (bench/memory.py: the same worker-result lines)
 
 GB = 1e9
 RESULT = "BIG_MODEL_RESULT "
@@ -208,16 +209,6 @@ def _flags(args: argparse.Namespace) -> list[str]:
     return [x for k in keep for x in (f"--{k}", str(getattr(args, k)))]
 
 
-def _rows(result) -> list[dict]:
-    rows = []
-    for w in result.workers:
-        line = next((x for x in w.output.splitlines() if x.startswith(RESULT)), None)
-        rows.append(json.loads(line[len(RESULT):]) if line else {"rank": w.rank, "ok": False,
-                                                                   "error": f"no result (exit {w.returncode})",
-                                                                   "tail": w.output[-600:]})
-    return rows
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default="main", choices=("main", "worker", "control"), help=argparse.SUPPRESS)
@@ -261,8 +252,9 @@ def main() -> int:
         port = free_port()
         commands = [[sys.executable, __file__, "--role", "worker", "--rank", str(r), "--port", str(port), *_flags(args)]
                     for r in range(args.world)]
-        ranks = _rows(launch(commands, timeout=args.timeout, env=env))
-        whole = _rows(launch([[sys.executable, __file__, "--role", "control", *_flags(args)]], timeout=300, env=env))[0]
+        ranks = result_rows(launch(commands, timeout=args.timeout, env=env), RESULT)
+        whole = result_rows(launch([[sys.executable, __file__, "--role", "control", *_flags(args)]], timeout=300, env=env),
+                            RESULT)[0]
     load_after = os.getloadavg()
     for row in ranks:
         if row.get("ok"):

@@ -160,12 +160,17 @@ def run_world(args: argparse.Namespace, mode: str) -> list[dict]:
                 for r in range(args.world)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = launch(commands, timeout=args.timeout if mode == "stage" else 120, env=env)
+    return result_rows(result, RESULT)
+
+
+def result_rows(result, marker: str) -> list[dict]:
+    """Each worker's JSON result line (after `marker`), or a row saying it gave none, with its output's tail."""
     rows = []
     for w in result.workers:
-        line = next((x for x in w.output.splitlines() if x.startswith(RESULT)), None)
-        rows.append(json.loads(line[len(RESULT):]) if line else {"rank": w.rank, "ok": False,
+        line = next((x for x in w.output.splitlines() if x.startswith(marker)), None)
+        rows.append(json.loads(line[len(marker):]) if line else {"rank": w.rank, "ok": False,
                                                                    "error": f"no result (exit {w.returncode})",
-                                                                   "tail": w.output[-400:]})
+                                                                   "tail": w.output[-600:]})
     return rows
 
 

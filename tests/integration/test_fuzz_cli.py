@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from typing import Callable
 import pytest
 
 from support import REPO
+from support.images import corrupt_image_folder
 
 
 CONVERT = "model_parallel.optimizer.convert_graph_to_model"
@@ -22,16 +22,6 @@ OPTIMIZE = "model_parallel.optimizer.optimizer_graph_hierarchical"
 
 def _tool(module: str) -> Callable:
     return importlib.import_module(module).main
-
-
-def _corrupt_image_folder(root: Path) -> Path:
-    from PIL import Image
-
-    for name in ("cat", "dog"):
-        (root / name).mkdir(parents=True)
-        Image.new("RGB", (40, 40), (10, 200, 30)).save(root / name / "ok.png")
-    (root / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00garbage" * 8)
-    return root / "dog" / "broken.png"
 
 
 @pytest.mark.slow
@@ -58,7 +48,7 @@ def test_real_entry_points_print_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_real_worker_entry_point_on_bad_inputs(tmp_path: Path) -> None:
     """The worker script as users run it: a missing control script and a corrupt image, exit 2, one line."""
-    broken = _corrupt_image_folder(tmp_path / "images")
+    broken = corrupt_image_folder(tmp_path / "images")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     worker = [sys.executable, str(REPO / "test_parallel_0.py"), "--single_process", "--steps", "1"]
     commands = {

@@ -7,23 +7,14 @@ import pytest
 
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.observe.tracing import read_trace
-
-
-def _image_folder(root: Path) -> Path:
-    from PIL import Image
-
-    for label in ("cat", "dog"):
-        (root / label).mkdir(parents=True)
-        for i in range(4):
-            Image.new("RGB", (40, 36), (30 * i, 100 if label == "cat" else 200, 7)).save(root / label / f"{i}.png")
-    return root
+from support.images import image_folder
 
 
 @pytest.mark.slow
 def test_data_preparation_overlaps_stage0_compute_in_a_pipeline_run(tmp_path: Path):
     """By the order of trace events, not by timing: stage 0's batch of step s+1 starts being prepared
     (on the prefetch thread) before stage 0's last compute of step s has ended."""
-    _image_folder(tmp_path / "images")
+    image_folder(tmp_path / "images")
     steps, micro = 4, 2
     result = launch_workers(["--model", "resnet18", "--data", str(tmp_path / "images"), "--steps", str(steps),
                              "--batch_size", "4", "--num_microbatches", str(micro), "--trace_dir", str(tmp_path / "trace"),

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +14,7 @@ import pytest
 
 from model_parallel.cli.common import run_cli
 from support import REFERENCE_PROFILES
+from support.images import corrupt_image_folder
 
 PARTITIONED = REFERENCE_PROFILES / "vgg16_partitioned_3stages.graph.txt"
 
@@ -170,21 +168,11 @@ def test_worker_cli_bad_input_file_is_one_line_naming_it(tmp_path: Path, capsys:
     assert expected in err, f"{case}: expected {expected!r} in the error line, got:\n{err}"
 
 
-def _corrupt_image_folder(root: Path) -> Path:
-    from PIL import Image
-
-    for name in ("cat", "dog"):
-        (root / name).mkdir(parents=True)
-        Image.new("RGB", (40, 40), (10, 200, 30)).save(root / name / "ok.png")
-    (root / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00garbage" * 8)
-    return root / "dog" / "broken.png"
-
-
 def test_corrupt_image_is_a_data_error_naming_it(tmp_path: Path) -> None:
     from model_parallel.errors import DataError
     from model_parallel.runtime.data.batches import ImageFolderData
 
-    broken = _corrupt_image_folder(tmp_path / "images")
+    broken = corrupt_image_folder(tmp_path / "images")
     data = ImageFolderData(tmp_path / "images", batch_size=3)  # one batch holds all three samples
     with pytest.raises(DataError, match=rf"{broken}: cannot decode this image .*replace or delete it"):
         data.batch(0)

@@ -12,6 +12,7 @@ from model_parallel.errors import DataError
 from model_parallel.runtime.data.batches import SyntheticData, make_dataset
 from model_parallel.runtime.data.prefetch import Prefetcher
 from model_parallel.runtime.observe.tracing import Tracer
+from support.images import image_folder
 
 
 class _Recording:
@@ -79,17 +80,9 @@ def test_prefetcher_records_prepare_and_wait_spans():
 
 
 def test_make_dataset_prefetches_image_folders_only(tmp_path: Path):
-    _image_folder(tmp_path / "images")
+    image_folder(tmp_path / "images")
     assert isinstance(make_dataset(str(tmp_path / "images"), 4, 0, shape=(3, 32, 32), num_classes=2), Prefetcher)
     assert isinstance(make_dataset("synthetic", 4, 0, shape=(3,), num_classes=2), SyntheticData)
     assert isinstance(make_dataset("synthetic", 4, 0, shape=(3,), num_classes=2, prefetch=1), Prefetcher)
 
 
-def _image_folder(root: Path) -> Path:
-    from PIL import Image
-
-    for label in ("cat", "dog"):
-        (root / label).mkdir(parents=True)
-        for i in range(4):
-            Image.new("RGB", (40, 36), (30 * i, 100 if label == "cat" else 200, 7)).save(root / label / f"{i}.png")
-    return root
