@@ -1,7 +1,6 @@
 """What the examples share: start (or skip) the torchrun process group, and leave it."""
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
@@ -16,12 +15,11 @@ def init_distributed(timeout_s: float = 60.0) -> tuple[int, int]:
     torch.set_num_threads(1)  # one intra-op thread per worker: several workers share the cores
     if "RANK" not in os.environ:
         return 0, 1
-    # NCCL needs a GPU of its own for each rank on this node; otherwise (2 ranks on a 1-GPU machine) gloo on the CPUs.
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = "nccl" if 0 < int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= gpus else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    from model_parallel.runtime.run import Rendezvous, join_world
+
+    # The project's own join: NCCL only where each rank of a node has a GPU of its own (else gloo on the CPUs),
+    # and a store key space per torchrun restart.
+    join_world(Rendezvous(timeout=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
