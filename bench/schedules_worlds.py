@@ -86,7 +86,14 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
     graph, model = load_graph(spec["graph"]), build_model(spec)
     modules = build_stages(graph, read_plan(spec["plans"][str(p * v)]), modules=layer_modules(graph, model))
     mine = stage_indices(rank, p, v, placement)
-    stages = [pipelining.PipelineStage(modules[k], k, p * v, torch.device("cpu")) for k in mine]
+    # Static shapes (every boundary is one [microbatch, width] tensor): no shape inference over the wire, which
+    # an older torch on a lent GPU machine failed in (`recv_object_list` in torch 2.11).
+    # requires_grad as in training: torch decides from these which gradients travel back.
+    stages = []
+    for k in mine:
+        example = torch.zeros(spec["batch_size"] // spec["m"], spec["emulation"]["width"], requires_grad=k > 0)
+        stages.append(pipelining.PipelineStage(modules[k], k, p * v, torch.device("cpu"), input_args=(example,),
+                                               output_args=modules[k](example)))
     schedule = cls(stages if v > 1 else stages[0], spec["m"], loss_fn=_loss)
     params = [q for k in mine for q in modules[k].parameters()]
     optimizer = torch.optim.SGD(params, lr=spec["lr"], momentum=0.9)
