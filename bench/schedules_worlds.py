@@ -83,6 +83,11 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
         raise ValueError(f"torch {torch.__version__} has no torch.distributed.pipelining.{name}")
     p = spec["p"]
     v, placement = TORCH_SCHEDULES[name]
+    if placement == "v" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
+        # Seen on a lent GPU machine's torch 2.11: stage p-1 sends to stage p on its own rank through gloo, which
+        # has no pair to itself ("Pair is not connected"), and the whole world dies. A row that says so instead.
+        raise ValueError(f"torch {torch.__version__}'s V-placement schedules send to their own rank over gloo "
+                         "(failed on 2.11); this project's torch 2.13 runs them")
     graph, model = load_graph(spec["graph"]), build_model(spec)
     modules = build_stages(graph, read_plan(spec["plans"][str(p * v)]), modules=layer_modules(graph, model))
     mine = stage_indices(rank, p, v, placement)
