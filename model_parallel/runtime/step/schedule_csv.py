@@ -1,0 +1,124 @@
+"""torch.distributed.pipelining's schedule CSV ("compute_only" format), read and written, checked by our rules.
+
+torch writes one row per rank, each cell an action such as `0F0` (stage 0, forward, microbatch 0) or
+`1B3` (full backward), `""` where a rank idles, and `0REDUCE_GRAD` after a stage's last backward
+(`PipelineScheduleMulti._dump_csv` / `_load_csv`). A row is an order, not a clock: torch itself
+drops the idle cells before running it. We read the per-rank orders, place them on unit time steps
+as early as their dependencies allow (`schedule.grid_from_orders`) and check the result with
+`schedule.check`, so a file that would deadlock or skip a microbatch is refused at the step where it
+goes wrong. What this runtime cannot run yet is refused by name: the split backward (`I`/`W`),
+several stages on one rank, and the "compute_comms" format (explicit SEND/RECV actions).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+from model_parallel.errors import ScheduleError
+from model_parallel.fileio import atomic_write_text
+from model_parallel.runtime.step.schedule import Action, Schedule, check, grid_from_orders
+
+MAX_CSV_BYTES = 16 * 2**20  # a schedule of 1000 ranks x 10,000 actions fits; a bigger file is not a schedule
+# At most 9 digits: a stage or microbatch number, never a 5000-digit integer to convert.
+_CELL = re.compile(r"^(\d{1,9})(F|B|I|W|REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B)(\d{0,9})$")
+_IGNORED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")  # bookkeeping torch schedules around compute; ours does it after the flush
+
+
+def read_torch_csv(path: Union[str, Path], name: Optional[str] = None) -> Schedule:
+    """A torch compute-only schedule CSV as our `Schedule` (flush after every minibatch), checked by our rules."""
+    source = Path(path)
+    try:
+        size = source.stat().st_size
+        if not source.is_file():
+            raise ScheduleError(f"{source}: not a regular file; give torch's schedule CSV")
+        if size > MAX_CSV_BYTES:
+            raise ScheduleError(f"{source}: {size} bytes, over the {MAX_CSV_BYTES} a schedule CSV may have")
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ScheduleError(f"{source}: cannot read the schedule CSV: {error}") from None
+    return parse_torch_csv(text, name or source.stem, where=str(source))
+
+
+def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Schedule:
+    """`read_torch_csv` on text; errors name `where`, the line (= rank + 1) and the cell."""
+    orders: list[list[Action]] = []
+    for line, row in enumerate(csv.reader(io.StringIO(text)), 1):
+        rank = line - 1
+        order: list[Action] = []
+        for column, raw in enumerate(row, 1):
+            cell = raw.strip()
+            if not cell:
+                continue
+            order.extend(_action(cell, rank, f"{where}:{line}: cell {column} ({cell!r})"))
+        orders.append(order)
+    while orders and not orders[-1]:
+        orders.pop()  # trailing blank lines
+    if not orders or not any(orders):
+        raise ScheduleError(f"{where}: no actions found (expected rows like '0F0,0F1,,0B0', one row per rank)")
+    p = len(orders)
+    m = 1 + max(a.microbatch for order in orders for a in order)
+    _check_orders(orders, m, where)
+    try:
+        schedule = Schedule(name, p, m, grid_from_orders(orders, p))
+    except ScheduleError as error:
+        raise ScheduleError(f"{where}: {error}") from None
+    check(schedule)
+    return schedule
+
+
+def _check_orders(orders: list[list[Action]], m: int, where: str) -> None:
+    """Each rank runs F and B of microbatches 0..m-1 once each, in increasing order (how this runtime matches
+    messages between two ranks): the first cell that breaks it is named, before any placing on time steps."""
+    counted = [(rank, kind, what, [a.microbatch for a in order if a.kind == kind])
+               for rank, order in enumerate(orders) for kind, what in (("F", "forward"), ("B", "backward"))]
+    for rank, kind, what, numbers in counted:
+        for k, number in enumerate(numbers):
+            if number != k:
+                raise ScheduleError(f"{where}:{rank + 1}: {rank}{kind}{number} is rank {rank}'s {what} number {k}; "
+                                    f"expected {rank}{kind}{k} (microbatches run in increasing order, each once)")
+    for rank, kind, what, numbers in counted:
+        if len(numbers) < m:
+            raise ScheduleError(f"{where}:{rank + 1}: {rank}{kind}{len(numbers)} never runs (every rank runs the "
+                                f"{what} of each of the {m} microbatches)")
+
+
+def _action(cell: str, rank: int, at: str) -> list[Action]:
+    """The action a cell holds ([] for bookkeeping cells), or a refusal naming what is not supported."""
+    match = _CELL.match(cell)
+    if match is None:
+        if cell.startswith("("):
+            raise ScheduleError(f"{at}: overlapped sub-actions are not supported; write one action per cell")
+        raise ScheduleError(f"{at}: not an action; expected <stage><F|B><microbatch>, e.g. 0F0 or 1B3")
+    stage, kind, microbatch = int(match.group(1)), match.group(2), match.group(3)
+    if kind in _IGNORED:
+        return []
+    if kind.startswith(("SEND", "RECV")):
+        raise ScheduleError(f"{at}: an explicit communication action: this is torch's 'compute_comms' format; "
+                            "give the compute-only schedule (F and B actions, as PipelineScheduleMulti._dump_csv writes)")
+    if kind in ("I", "W"):
+        raise ScheduleError(f"{at}: the backward split into input- and weight-gradient actions (I/W) is not supported "
+                            "by this runtime yet; use full backwards (B)")
+    if stage != rank:
+        raise ScheduleError(f"{at}: rank {rank} runs stage {stage}: this runtime runs one stage per rank, stage k on "
+                            f"row k (several stages per rank, interleaved or V placement, are not supported yet)")
+    if not microbatch:
+        raise ScheduleError(f"{at}: the action names no microbatch")
+    return [Action(stage, kind, int(microbatch))]
+
+
+def torch_csv_text(schedule: Schedule) -> str:
+    """Our schedule in torch's compute-only format: row k = stage k's actions on their time steps, "" for bubbles."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for row in schedule.grid:
+        cells = [str(a) if a is not None else "" for a in row]
+        writer.writerow(cells + [""] * (schedule.num_steps - len(cells)))
+    return out.getvalue()
+
+
+def write_torch_csv(schedule: Schedule, path: Union[str, Path]) -> Path:
+    """Write `torch_csv_text(schedule)` atomically (torch's `_load_csv` reads it)."""
+    return atomic_write_text(path, torch_csv_text(schedule))

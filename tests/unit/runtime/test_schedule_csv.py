@@ -1,0 +1,95 @@
+"""torch's schedule CSV: ours written and read back, torch's own orders read and checked by our rules, refusals."""
+from __future__ import annotations
+
+import csv
+import io
+import re
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from model_parallel.cli import schedule as schedule_cli
+from model_parallel.errors import ScheduleError
+from model_parallel.runtime.step.schedule import gpipe, make_schedule, one_f_one_b
+from model_parallel.runtime.step.schedule_csv import parse_torch_csv, read_torch_csv, torch_csv_text, write_torch_csv
+
+
+def _torch_csv(order: dict) -> str:
+    """What torch's `_dump_csv` writes for a pipeline order (one row per rank, `str(action)` per cell)."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for rank in sorted(order):
+        writer.writerow(["" if a is None else str(a) for a in order[rank]])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 3), (4, 8)])
+def test_ours_round_trip(name, p, m, tmp_path):
+    ours = make_schedule(name, p, m)
+    path = write_torch_csv(ours, tmp_path / "s.csv")
+    back = read_torch_csv(path)
+    assert back.grid == ours.grid and back.num_microbatches == m and back.flush
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
+def test_torch_gpipe_order_reads_as_ours(p, m):
+    # torch's own schedule IR for its single-stage GPipe (REDUCE_GRAD cells included), read through our rules.
+    order = torch_schedules.ScheduleGPipe._get_pipeline_order(SimpleNamespace(_num_stages=p, _n_microbatches=m))
+    text = _torch_csv(order)
+    assert "REDUCE_GRAD" in text
+    read, expected = parse_torch_csv(text), gpipe(p, m)
+    assert [read.stage_actions(s) for s in range(p)] == [expected.stage_actions(s) for s in range(p)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_torch_1f1b_order_is_checked(p, m):
+    # torch 2.13's IR of Schedule1F1B (what its CSV dump shows; execution takes another path) numbers the last
+    # rank's forwards from 1 (1F1..1F4 for m=4): our rules refuse it at that cell; every other rank equals ours.
+    order = torch_schedules.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=p, _n_microbatches=m))
+    with pytest.raises(ScheduleError, match=f":{p}: {p - 1}F1 is rank {p - 1}'s forward number 0; expected {p - 1}F0"):
+        parse_torch_csv(_torch_csv(order))
+    expected = one_f_one_b(p, m)
+    for rank in range(p - 1):
+        assert [a for a in map(str, filter(None, order[rank])) if "REDUCE" not in a] == list(map(str, expected.stage_actions(rank)))
+
+
+def test_torch_parses_what_we_write():
+    for row in csv.reader(io.StringIO(torch_csv_text(one_f_one_b(4, 8)))):
+        for cell in row:
+            action = torch_schedules._Action.from_str(cell)
+            assert cell == "" and action is None or str(action) == cell
+
+
+@pytest.mark.parametrize("text,words", [
+    ("0F0,0I0,0W0\n", "input- and weight-gradient"),
+    ("0F0,0B0\n0F1\n", "rank 1 runs stage 0"),
+    ("0F0,0SEND_F0,0B0\n", "compute_comms"),
+    ("0F0,hello,0B0\n", "not an action"),
+    ("0F0,0F" + "9" * 5000 + "\n", "not an action"),
+    ("0B0,0F0\n", "deadlock: waiting actions ['0B0']"),
+    ("0F0,0F2,0B0,0B2\n", "t.csv:1: 0F2 is rank 0's forward number 1; expected 0F1"),
+    ("0F0,0B0\n1B0,1F0\n", "deadlock: waiting actions ['0B0', '1B0']"),
+    ("\n\n", "no actions"),
+])
+def test_refusals_name_the_cause(text, words):
+    with pytest.raises(ScheduleError, match=re.escape(words)):
+        parse_torch_csv(text, where="t.csv")
+
+
+def test_a_missing_backward_is_named():
+    with pytest.raises(ScheduleError, match=":1: 0B1 never runs"):
+        parse_torch_csv("0F0,0F1,0B0\n")
+
+
+def test_command_line(tmp_path, capsys):
+    out = tmp_path / "1f1b.csv"
+    assert schedule_cli.main(["1f1b", "-p", "2", "-m", "3", "--csv", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "bubble 25.0 %" in printed and "in flight per stage: [2, 1]" in printed
+    assert schedule_cli.main([str(out)]) == 0
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0B0\n1F0\n")
+    with pytest.raises(ScheduleError, match="bad.csv"):
+        schedule_cli.main([str(bad)])
