@@ -15,7 +15,7 @@ def test_signature_tells_apart_what_the_header_tells_apart() -> None:
     """The sender's cached header is reused when the signature matches: equal signatures must mean equal
     headers, including values Python calls equal (1, True, 1.0) and structures holding them."""
     x = torch.zeros(2, 3)
-    sig = lambda values, structure=None, wire=None: comm._signature(values, structure, wire, None)  # noqa: E731
+    sig = lambda values, structure=None, wire=None: comm._signature(values, structure, wire)  # noqa: E731
     assert sig([x, 1]) == sig([torch.ones(2, 3), 1])  # values of tensors are not in the header
     different = [sig([x, 1]), sig([x, True]), sig([x, 1.0]), sig([x.requires_grad_(), 1]),
                  sig([torch.zeros(3, 2), 1]), sig([torch.zeros(2, 3, dtype=torch.float64), 1]),
