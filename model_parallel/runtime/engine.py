@@ -43,6 +43,7 @@ from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.data.batches import minibatch_parts, split_targets, stage_zero_inputs
+from model_parallel.runtime.data.prefetch import Prefetcher
 from model_parallel.runtime.data.sources import read_targets
 from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
@@ -122,6 +123,7 @@ class PipelineEngine:
         self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
+        self._targets_verified: set[int] = set()  # ids of the sources whose targets(step) the last stage checked
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.executor: Optional[StepExecutor] = None
@@ -240,7 +242,10 @@ class PipelineEngine:
             return StepData([stage_zero_inputs(graph_inputs, inputs, mb) for mb, _ in parts],
                             [t for _, t in parts] if last else None)
         if last:
-            return StepData(targets=split_targets(tree_map(move, read_targets(data, step)), m))
+            # A source's own targets(step) is checked against batch(step) on its first read (a Prefetcher checks its own).
+            verify = id(data) not in self._targets_verified and not isinstance(data, Prefetcher)
+            self._targets_verified.add(id(data))
+            return StepData(targets=split_targets(tree_map(move, read_targets(data, step, verify)), m))
         return NO_DATA
 
     def train_step(self, step: int) -> StepResult:

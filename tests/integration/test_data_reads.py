@@ -43,8 +43,10 @@ def test_only_stage_0_reads_inputs_and_only_the_last_stage_reads_targets(world_d
     for calls, steps in (("train_calls", STEPS), ("eval_calls", EVAL_STEPS)):
         assert ranks[0][calls] == [["batch", s] for s in range(steps)], calls
         assert ranks[1][calls] == [], f"the intermediate stage read data ({calls})"
-        for replica in ranks[2:]:  # each replica of the last stage reads the step's targets, nothing else
-            assert replica[calls] == [["targets", s] for s in range(steps)], calls
+        # Each replica of the last stage reads the step's targets; once per source, batch(0) checks targets(0).
+        want = [["targets", 0], ["batch", 0]] + [["targets", s] for s in range(1, steps)]
+        for replica in ranks[2:]:
+            assert replica[calls] == want, calls
 
 
 def test_activation_messages_carry_the_stage_outputs_and_no_target(world_dir: Path) -> None:

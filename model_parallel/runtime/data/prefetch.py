@@ -47,6 +47,7 @@ class Prefetcher:
         self.tracer: Any = None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}  # (part, step)
+        self._verified = False  # whether the wrapped source's targets(step) was checked against batch(step)
         if tracer is not None:
             self.attach_tracer(tracer)
 
@@ -64,7 +65,10 @@ class Prefetcher:
             tracer.add_lane(lane)
 
     def _read(self, part: str, step: int) -> Any:
-        return self.dataset.batch(step) if part == "batch" else read_targets(self.dataset, step)
+        if part == "batch":
+            return self.dataset.batch(step)
+        verify, self._verified = not self._verified, True  # the source's own targets(), once (sources.read_targets)
+        return read_targets(self.dataset, step, verify=verify)
 
     def _prepare(self, part: str, step: int) -> Any:
         tracer = self.tracer

@@ -232,10 +232,24 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
     return MapData(data, batch_size, collate, seed, name=type(data).__name__)
 
 
-def read_targets(data: Any, step: int) -> Any:
-    """`data.batch(step)[1]`, through `data.targets(step)` where the source offers that cheaper read."""
+def read_targets(data: Any, step: int, verify: bool = False) -> Any:
+    """`data.batch(step)[1]`, through `data.targets(step)` where the source offers that cheaper read. With
+    `verify` (the first read of a source), its own `targets(step)` is compared with `batch(step)[1]` (one
+    whole read): a difference would pair inputs with the wrong targets, so it is refused."""
     targets = getattr(data, "targets", None)
-    return targets(step) if callable(targets) else data.batch(step)[1]
+    if not callable(targets):
+        return data.batch(step)[1]
+    got = targets(step)
+    if verify:
+        want = data.batch(step)[1]
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+                and torch.equal(got, want)):
+            found = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            expected = f"{tuple(want.shape)} {want.dtype}"
+            what = "other values" if found == expected else f"{found} where the batch has {expected}"
+            raise DataError(f"{type(data).__name__}.targets({step}) differs from batch({step})'s target ({what}); the "
+                            "last stage would pair inputs with the wrong targets: fix targets(step) or remove it")
+    return got
 
 
 def position(data: Any, step: int) -> dict[str, int]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_parallel.errors import ModelParallelError
+from model_parallel.errors import DataError, ModelParallelError
 from model_parallel.runtime.data.batches import ImageFolderData, SyntheticData, minibatch_parts, split_targets
 from model_parallel.runtime.data.named_data import NamedSyntheticData
 from model_parallel.runtime.data.prefetch import Prefetcher
@@ -77,13 +77,15 @@ class _Recording:
         return self.inner.batch(step)[1]
 
 
-def test_prefetcher_prepares_targets_ahead_and_reads_only_them():
+def test_prefetcher_prepares_targets_ahead_and_checks_the_sources_own_once():
     data, tracer = _Recording(), Tracer(0)
     with Prefetcher(data, depth=1, tracer=tracer) as ahead:
         assert torch.equal(ahead.targets(0), data.inner.batch(0)[1])
         assert data.asked_for_step_1.wait(timeout=30), f"step 1's targets were never prepared ahead ({data.calls})"
         assert torch.equal(read_targets(ahead, 1), data.inner.batch(1)[1])  # the prefetcher's own read
-    assert data.calls[:2] == [("targets", 0), ("targets", 1)] and {c for c, _ in data.calls} == {"targets"}
+    # Only targets are read ahead; the source's own targets() is checked once against batch(0).
+    assert data.calls[:3] == [("targets", 0), ("batch", 0), ("targets", 1)]
+    assert [c for c in data.calls if c[0] == "batch"] == [("batch", 0)]
     prepared = [(e["args"]["step"], e["args"].get("part")) for e in tracer.events if e["name"] == "prepare"]
     assert (0, "targets") in prepared
 
@@ -93,3 +95,29 @@ def test_prefetcher_targets_fall_back_to_the_batch_of_a_source_without_them():
     with Prefetcher(data, depth=2) as ahead:
         for step in (0, 1, 4, 2):
             assert torch.equal(ahead.targets(step), data.batch(step)[1]), step
+
+
+class _WrongTargets(_Recording):
+    """targets(step) of the next step: a source whose cheap read is wrong."""
+
+    def targets(self, step: int) -> torch.Tensor:
+        return self.inner.batch(step + 1)[1]
+
+
+def test_a_source_whose_targets_differ_from_its_batch_is_refused_on_the_first_read():
+    data = _WrongTargets()
+    with pytest.raises(DataError, match=r"_WrongTargets.targets\(0\) differs from batch\(0\)'s target \(other values\); "
+                                        r"the last stage would pair inputs with the wrong targets"):
+        read_targets(data, 0, verify=True)
+    assert torch.equal(read_targets(data, 0), data.inner.batch(1)[1])  # unchecked after the first read
+    with Prefetcher(_WrongTargets(), depth=1) as ahead, pytest.raises(DataError, match="step 0: .*differs from batch"):
+        ahead.targets(0)
+
+
+def test_a_source_whose_targets_has_another_shape_is_named_with_both_shapes():
+    class Short(_Recording):
+        def targets(self, step: int) -> torch.Tensor:
+            return self.inner.batch(step)[1][:1]
+
+    with pytest.raises(DataError, match=r"target \(\(1,\) torch.int64 where the batch has \(2,\) torch.int64\)"):
+        read_targets(Short(), 3, verify=True)
