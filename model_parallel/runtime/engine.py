@@ -42,11 +42,13 @@ from model_parallel.runtime.build.stages import check_plan_fits, layer_modules, 
 from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
 from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.data.batches import minibatch_parts, stage_zero_inputs
+from model_parallel.runtime.data.batches import minibatch_parts, split_targets, stage_zero_inputs
+from model_parallel.runtime.data.prefetch import Prefetcher
+from model_parallel.runtime.data.sources import read_targets
 from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
-from model_parallel.runtime.step.executor import Microbatches, StepExecutor, WeightStash
+from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
 from model_parallel.runtime.step.loop import StepResult, train as train_loop
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.step.schedule import make_schedule
@@ -121,6 +123,7 @@ class PipelineEngine:
         self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
+        self._targets_verified: set[int] = set()  # ids of the sources whose targets(step) the last stage checked
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.executor: Optional[StepExecutor] = None
@@ -223,16 +226,27 @@ class PipelineEngine:
         return dict(self.stage.state_dict()) if self.stage is not None else {}
 
     # ---- one step --------------------------------------------------------------------------------------
-    def microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]:
-        """Stage 0's microbatches of `step` of `dataset` (default: the training data); None on other stages."""
-        if self.stage_id != 0:
-            return None  # later stages receive theirs
-        # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
-        batch = (dataset or self.dataset).batch(step)
-        inputs, target = tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, batch)
-        graph_inputs = self.graph.metadata.get("inputs") or ()
-        return [(stage_zero_inputs(graph_inputs, inputs, mb), t)
-                for mb, t in minibatch_parts(inputs, target, self.config.num_microbatches)]
+    def step_data(self, step: int, dataset: Any = None) -> StepData:
+        """What this rank reads of minibatch `step` of `dataset` (default: the training data): stage 0 its
+        microbatches' inputs, the last stage their targets (the same step, split by the same rule: target j
+        is microbatch j's, on whichever replica runs j), an intermediate stage or a spare nothing."""
+        k, m = self.stage_id, self.config.num_microbatches
+        last = k == self.plan.num_stages - 1
+        data = dataset or self.dataset
+        move = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        if k == 0:
+            # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
+            inputs, target = tree_map(move, data.batch(step))
+            graph_inputs = self.graph.metadata.get("inputs") or ()
+            parts = minibatch_parts(inputs, target, m)
+            return StepData([stage_zero_inputs(graph_inputs, inputs, mb) for mb, _ in parts],
+                            [t for _, t in parts] if last else None)
+        if last:
+            # A source's own targets(step) is checked against batch(step) on its first read (a Prefetcher checks its own).
+            verify = id(data) not in self._targets_verified and not isinstance(data, Prefetcher)
+            self._targets_verified.add(id(data))
+            return StepData(targets=split_targets(tree_map(move, read_targets(data, step, verify)), m))
+        return NO_DATA
 
     def train_step(self, step: int) -> StepResult:
         self.straggler.at_step(step)
@@ -246,9 +260,9 @@ class PipelineEngine:
         loss_sum, sq = 0.0, 0.0
         try:
             if self.executor is not None:
-                microbatches = self.microbatches(step)
-                with self.meter.step(self.stage, microbatches):
-                    loss_sum = self.executor.run(step, microbatches, self.straggler.compute)
+                data = self.step_data(step)
+                with self.meter.step(self.stage, (data.inputs, data.targets)):
+                    loss_sum = self.executor.run(step, data, self.straggler.compute)
                 self.meter.held(self.stage, self.optimizer)  # gradients present, optimizer state of earlier steps
                 tied = self.tied.param_ids
                 if tied:  # first, on each replica's own gradient: the sum covers every replica's microbatches

@@ -15,7 +15,7 @@ def test_signature_tells_apart_what_the_header_tells_apart() -> None:
     """The sender's cached header is reused when the signature matches: equal signatures must mean equal
     headers, including values Python calls equal (1, True, 1.0) and structures holding them."""
     x = torch.zeros(2, 3)
-    sig = lambda values, structure=None, wire=None: comm._signature(values, structure, wire, None)  # noqa: E731
+    sig = lambda values, structure=None, wire=None: comm._signature(values, structure, wire)  # noqa: E731
     assert sig([x, 1]) == sig([torch.ones(2, 3), 1])  # values of tensors are not in the header
     different = [sig([x, 1]), sig([x, True]), sig([x, 1.0]), sig([x.requires_grad_(), 1]),
                  sig([torch.zeros(3, 2), 1]), sig([torch.zeros(2, 3, dtype=torch.float64), 1]),
@@ -90,7 +90,7 @@ def test_cached_headers_survive_shape_and_value_changes(tmp_path: Path) -> None:
 
 
 # bf16 training: float32 values travel as bf16 (half the bytes) and arrive rounded, widened back to
-# float32 with their requires_grad; integer tensors and values past `num_wire` (a target) travel
+# float32 with their requires_grad; integer tensors and bf16 ones (no wider than the wire) travel
 # exactly. Both paths: with the header cache (the engine's) and without.
 _WIRE_WORKER = r'''
 import sys
@@ -105,13 +105,13 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
                         timeout=timedelta(seconds=30))
 g = torch.Generator().manual_seed(0)
 x = torch.randn(64, 256, generator=g).requires_grad_()  # float32: 65536 bytes, 32768 as bf16
-exempt = torch.randn(8, generator=g)                      # past num_wire: exact (a float target)
+exempt = torch.randn(8, generator=g).to(torch.bfloat16)   # already bf16: exact, 16 bytes
 values = [x, torch.arange(5), exempt]
 nbytes = {}
 for cache in (None, comm.HeaderCache()):
     for wire in (None, None, torch.bfloat16, torch.bfloat16, None):  # header changes both ways
         if rank == 0:
-            handle = comm.send_values(values, 1, comm.TAG_ACTIVATION, cache=cache, stream=0, wire_dtype=wire, num_wire=2)
+            handle = comm.send_values(values, 1, comm.TAG_ACTIVATION, cache=cache, stream=0, wire_dtype=wire)
             handle.wait(30)
             nbytes.setdefault((cache is not None, wire), []).append(handle.nbytes)
         else:
@@ -124,7 +124,7 @@ for cache in (None, comm.HeaderCache()):
 if rank == 0:
     # steady state with the cache: one packed transfer, 16-byte prefix + each tensor 16-byte aligned
     full, half = min(nbytes[(True, None)]), min(nbytes[(True, torch.bfloat16)])
-    assert full == 16 + 65536 + 48 + 32 and half == 16 + 32768 + 48 + 32, (full, half)
+    assert full == 16 + 65536 + 48 + 16 and half == 16 + 32768 + 48 + 16, (full, half)
     uncached_full, uncached_half = min(nbytes[(False, None)]), min(nbytes[(False, torch.bfloat16)])
     assert uncached_full - uncached_half == 32768, (uncached_full, uncached_half)
     print("bytes", full, half, uncached_full, uncached_half, flush=True)

@@ -1,10 +1,11 @@
 """Minibatches keyed by (seed, step): deterministic synthetic data, or a real ImageFolder (a user's
 Dataset, iterable, DataLoader or token file: `runtime.data.sources`).
 
-Only stage 0 reads data (targets travel down the pipeline with the activations). A dataset here
-is anything with `batch(step) -> (inputs: tuple[Tensor, ...], target: Tensor)`; the same step
-gives the same minibatch on every process and after a resume, which is what makes pipeline runs
-comparable with single-process runs.
+A dataset here is anything with `batch(step) -> (inputs: tuple[Tensor, ...], target: Tensor)`; the
+same step gives the same minibatch on every process and after a resume, which is what makes pipeline
+runs comparable with single-process runs, and what lets two stages read the same step on their own:
+stage 0 reads the inputs, the last stage the targets (`sources.read_targets`: an optional, cheaper
+`targets(step)`, else `batch(step)`'s target), and no target travels between stages.
 """
 from __future__ import annotations
 
@@ -101,17 +102,29 @@ class ImageFolderData:
             labels.append(label)
         return (torch.stack(images),), torch.tensor(labels, dtype=torch.int64)
 
+    def targets(self, step: int) -> torch.Tensor:
+        """`batch(step)`'s labels without decoding an image (the last stage's read): ImageFolder lists them."""
+        n, labels = len(self.dataset), self.dataset.targets
+        return torch.tensor([labels[int(self._order(i // n)[i % n])]
+                             for i in range(step * self.batch_size, (step + 1) * self.batch_size)], dtype=torch.int64)
+
 
 def split_microbatches(inputs: Sequence[Any], target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """Split a minibatch along dim 0 into `num_microbatches` parts (sizes differ by at most one); a dict
     input (`{"input_ids": ..., "attention_mask": ...}`) splits into dicts of the same keys."""
+    parts_t = split_targets(target, num_microbatches)
+    parts_in = [_split(x, num_microbatches) for x in inputs]
+    return [(tuple(p[j] for p in parts_in), parts_t[j]) for j in range(num_microbatches)]
+
+
+def split_targets(target: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """A minibatch's target split along dim 0 as `split_microbatches` splits it: the last stage's share of the
+    data (part j is the target of the microbatch j that stage 0 sends)."""
     batch = target.shape[0]
     if batch < num_microbatches:
         raise ModelParallelError(f"a minibatch of {batch} samples cannot be split into {num_microbatches} microbatches; "
                                  "raise --batch_size or lower --num_microbatches")
-    parts_in = [_split(x, num_microbatches) for x in inputs]
-    parts_t = torch.tensor_split(target, num_microbatches)
-    return [(tuple(p[j] for p in parts_in), parts_t[j]) for j in range(num_microbatches)]
+    return list(torch.tensor_split(target, num_microbatches))
 
 
 def minibatch_parts(inputs: Any, target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:

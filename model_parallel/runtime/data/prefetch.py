@@ -9,6 +9,10 @@ dataset's call, only made earlier), so runs stay deterministic per (seed, step),
 any jump to another step just asks for that step (a batch prepared for a step nobody asks for
 is dropped). One thread prepares batches in step order; the queue is bounded by `depth`.
 
+The last stage of a pipeline reads only targets: `data.targets(step)` is `batch(step)[1]` (through the
+wrapped source's cheaper `targets(step)` where it has one, `sources.read_targets`), prefetched the same
+way. A rank asks for one of the two; only what it asks for is read ahead.
+
 With a tracer attached (`attach_tracer`, the engine does it), each preparation is a span "prepare"
 on the lane "data" (args: step), and the time the training thread waited for a batch is a span
 "data wait" on the lane "data wait": when the loader keeps up, "prepare" of step s+1 runs while
@@ -23,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from model_parallel.errors import DataError
+from model_parallel.runtime.data.sources import read_targets
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +46,8 @@ class Prefetcher:
         self.batch_size = dataset.batch_size
         self.tracer: Any = None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}  # (part, step)
+        self._verified = False  # whether the wrapped source's targets(step) was checked against batch(step)
         if tracer is not None:
             self.attach_tracer(tracer)
 
@@ -58,41 +64,54 @@ class Prefetcher:
         for lane in ("data", "data wait"):
             tracer.add_lane(lane)
 
-    def _prepare(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def _read(self, part: str, step: int) -> Any:
+        if part == "batch":
+            return self.dataset.batch(step)
+        verify, self._verified = not self._verified, True  # the source's own targets(), once (sources.read_targets)
+        return read_targets(self.dataset, step, verify=verify)
+
+    def _prepare(self, part: str, step: int) -> Any:
         tracer = self.tracer
         if tracer is None:
-            return self.dataset.batch(step)
+            return self._read(part, step)
         start = tracer.now_ns()
         try:
-            return self.dataset.batch(step)
+            return self._read(part, step)
         finally:
-            tracer.add("prepare", "data", start, tracer.now_ns(), step=step)
+            tracer.add("prepare", "data", start, tracer.now_ns(), step=step, **({} if part == "batch" else {"part": part}))
 
-    def _submit(self, step: int) -> None:
-        if step not in self._pending:
+    def _submit(self, part: str, step: int) -> None:
+        if (part, step) not in self._pending:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-            self._pending[step] = self._pool.submit(self._prepare, step)
+            self._pending[(part, step)] = self._pool.submit(self._prepare, part, step)
 
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The batch of `step` (prepared ahead when it was the next one); starts steps step+1 .. step+depth."""
-        self._submit(step)
-        future = self._pending.pop(step)
+        return self._get("batch", step)
+
+    def targets(self, step: int) -> Any:
+        """`batch(step)[1]`, read and prepared ahead as `batch` is (the last stage's read)."""
+        return self._get("targets", step)
+
+    def _get(self, part: str, step: int) -> Any:
+        self._submit(part, step)
+        future = self._pending.pop((part, step))
         # Anything queued for other steps is stale after a jump; a running preparation just finishes.
-        for other in [s for s in self._pending if not step < s <= step + self.depth]:
-            self._pending.pop(other).cancel()
+        for key in [key for key in self._pending if key[0] != part or not step < key[1] <= step + self.depth]:
+            self._pending.pop(key).cancel()
         for ahead in range(step + 1, step + self.depth + 1):
-            self._submit(ahead)
+            self._submit(part, ahead)
         start = self.tracer.now_ns() if self.tracer is not None else 0
         try:
             return future.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
-            raise DataError(f"preparing the batch of step {step} took more than {self.timeout:.0f} s "
+            raise DataError(f"preparing the {part} of step {step} took more than {self.timeout:.0f} s "
                             f"({type(self.dataset).__name__}); check the data source or raise the timeout") from None
         except DataError as error:
             raise DataError(f"step {step}: {error}") from None
         except Exception as error:  # noqa: BLE001 - re-raised, typed, naming the step
-            raise DataError(f"step {step}: preparing its batch failed in {type(self.dataset).__name__}: "
+            raise DataError(f"step {step}: preparing its {part} failed in {type(self.dataset).__name__}: "
                             f"{type(error).__name__}: {error}") from error
         finally:
             if self.tracer is not None:

@@ -18,6 +18,10 @@ single-process training and a resume mid-epoch continues exactly where the run s
 
 A collated batch is `(inputs, target)` (inputs a tensor, a tuple of tensors or a dict of keyword
 inputs) or a dict holding "labels" (the target; the other keys are the inputs).
+
+The last stage reads only targets (`read_targets`): a source may answer `targets(step)`, which must equal
+`batch(step)[1]` (the token file slices the shifted windows only); other sources are read whole
+(a map-style dataset's items hold the target beside the inputs).
 """
 from __future__ import annotations
 
@@ -102,6 +106,13 @@ class MapData:
                             "a map-style dataset must answer every index in range(len(dataset))") from None
         return as_pair(self.collate_fn(samples), f"{self.name} step {step}")
 
+    def targets(self, step: int) -> torch.Tensor:
+        """`batch(step)[1]`; for a token file (default collate) the shifted windows only, no input read."""
+        if not (isinstance(self.dataset, TokenWindows) and self.collate_fn is default_collate):
+            return self.batch(step)[1]
+        where = self.position(step)
+        return torch.stack([self.dataset.target(i) for i in self._batches(where["epoch"])[where["batch"]]])
+
 
 class IterableData:
     """An iterable read in order (`batched`: each item is already a minibatch, e.g. a DataLoader's);
@@ -183,6 +194,11 @@ class TokenWindows(TorchDataset):
         window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype("int64"))
         return window[:-1], window[1:]
 
+    def target(self, index: int) -> torch.Tensor:
+        """`self[index][1]` alone: the window shifted by one token."""
+        start = index * self.seq_len + 1
+        return torch.from_numpy(self.tokens[start:start + self.seq_len].astype("int64"))
+
 
 def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: str = "uint16") -> MapData:
     """`--data tokens:PATH --seq_len N`: inputs (B, N) and next-token targets (B, N), shuffled windows per epoch."""
@@ -214,6 +230,26 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
                             "DataLoader, or an object with batch(step) -> (inputs, target)")
         return IterableData(data, batch_size, collate, name=type(data).__name__)
     return MapData(data, batch_size, collate, seed, name=type(data).__name__)
+
+
+def read_targets(data: Any, step: int, verify: bool = False) -> Any:
+    """`data.batch(step)[1]`, through `data.targets(step)` where the source offers that cheaper read. With
+    `verify` (the first read of a source), its own `targets(step)` is compared with `batch(step)[1]` (one
+    whole read): a difference would pair inputs with the wrong targets, so it is refused."""
+    targets = getattr(data, "targets", None)
+    if not callable(targets):
+        return data.batch(step)[1]
+    got = targets(step)
+    if verify:
+        want = data.batch(step)[1]
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+                and torch.equal(got, want)):
+            found = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            expected = f"{tuple(want.shape)} {want.dtype}"
+            what = "other values" if found == expected else f"{found} where the batch has {expected}"
+            raise DataError(f"{type(data).__name__}.targets({step}) differs from batch({step})'s target ({what}); the "
+                            "last stage would pair inputs with the wrong targets: fix targets(step) or remove it")
+    return got
 
 
 def position(data: Any, step: int) -> dict[str, int]:

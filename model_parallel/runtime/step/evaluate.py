@@ -4,8 +4,9 @@ an optional user metric, on a running pipeline and in one process (its oracle).
     result = engine.evaluate(eval_data, steps=4, metric=accuracy)   # every rank together
     result.loss, result.metric                                      # means over steps x microbatches
 
-Per step, stage 0 reads the minibatch and splits it as training does; every stage runs its forwards in
-microbatch order under no_grad (executor.run_forward); the last stage sums criterion(output, target) / m
+Per step, stage 0 reads the minibatch's inputs and the last stage its targets, each split as training
+splits them (`engine.step_data`); every stage runs its forwards in microbatch order under no_grad
+(executor.run_forward); the last stage sums criterion(output, target) / m
 (and metric / m); one all-reduce of [loss, metric] over all ranks ends the step. Stages run in eval mode
 (dropout off) and go back to train mode after.
 """
@@ -21,7 +22,7 @@ from torch import nn
 
 from model_parallel.errors import ConfigError, PeerError
 from model_parallel.runtime.data.batches import minibatch_parts
-from model_parallel.runtime.step.executor import Microbatches, StepExecutor
+from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.wire import comm
 
 Metric = Callable[[Any, torch.Tensor], Any]
@@ -37,7 +38,7 @@ class EvaluatingEngine(Protocol):
     @property
     def timeout(self) -> float: ...
 
-    def microbatches(self, step: int, dataset: Any = None) -> Optional[Microbatches]: ...
+    def step_data(self, step: int, dataset: Any = None) -> StepData: ...
 
     def diagnose(self, error: PeerError) -> PeerError: ...
 
@@ -67,7 +68,7 @@ def evaluate_pipeline(engine: EvaluatingEngine, dataset: Any, steps: int, metric
         for step in range(steps):
             part = (0.0, 0.0)
             if engine.executor is not None:
-                part = engine.executor.run_forward(engine.microbatches(step, dataset), metric)
+                part = engine.executor.run_forward(engine.step_data(step, dataset), metric)
             sums = torch.tensor(part, dtype=torch.float64)
             comm.wait_work(dist.all_reduce(sums, group=engine.control_group, async_op=True), engine.timeout, -1,
                            "evaluation all-reduce")

@@ -4,7 +4,7 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
 
     kF j: inputs <- the data (k = 0) or a pre-posted irecv from stage k-1
           outputs = stage(*inputs)   [recompute: torch.utils.checkpoint; bf16: autocast]
-          k < p-1: isend(outputs + [target]) to stage k+1     k = p-1: loss = criterion(out, target) / m
+          k < p-1: isend(outputs) to stage k+1     k = p-1: loss = criterion(out, target j) / m
     kB j: k < p-1: output grads <- pre-posted irecv from stage k+1; autograd.backward(outputs, grads)
           k = p-1: loss.backward()
           k > 0:   isend(input grads) to stage k-1
@@ -12,9 +12,13 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
 
 Under bf16 (`TrainConfig.wire_dtype`) float32 boundary activations and their gradients travel as
 bf16 and are widened back on arrival: the receiver computes on the rounded value (comm.py); the
-single-process oracle rounds at the same cuts (`structure.cross`). The target is never rounded.
+single-process oracle rounds at the same cuts (`structure.cross`).
 
-Boundary values travel flat (structure.py): a stage's outputs and the target are flattened into
+Only stage 0 and the last stage read data (`StepData`): stage 0 its microbatches' inputs, the last
+stage their targets (read from the same minibatch of the same step and split by the same rule, so
+target j belongs to the inputs stage 0 sent as microbatch j); no target travels between stages.
+
+Boundary values travel flat (structure.py): a stage's outputs are flattened into
 their tensors (a module's tuple output, a dict, a ModelOutput: whatever a node produced), the
 structure rides in the message header, and the receiver rebuilds the values around the received
 tensors. Gradients are per tensor: the receiver's inputs ARE the flat tensors, and the sender pairs
@@ -44,13 +48,24 @@ from model_parallel.runtime.step.update import apply_update
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire import structure
 
-Microbatches = Sequence[tuple[Sequence[Any], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepData:
+    """What a rank read of one minibatch, per microbatch j: stage 0 its stage inputs, the last stage its target
+    (a single stage: both); None where the stage reads nothing (intermediate stages read no data)."""
+
+    inputs: Optional[Sequence[Sequence[Any]]] = None
+    targets: Optional[Sequence[Any]] = None
+
+
+NO_DATA = StepData()
 
 
 @dataclass
 class _Stash:
     inputs: list[Any]  # the stage's flat input tensors (k > 0: as received), which collect the input grads
-    outputs: Any  # the flat output tensors sent (target last), or the loss on the last stage
+    outputs: Any  # the flat output tensors sent, or the loss on the last stage
     weights: Optional[dict[str, torch.Tensor]] = None  # PipeDream: the stashed weight version
 
 
@@ -94,7 +109,7 @@ class StepExecutor:
         self.wire_dtype = config.wire_dtype  # bf16: float32 boundary values and gradients travel rounded to bf16
         # Boundary values are named by node id in errors (a PipeDream package's stage may have no names).
         names = getattr(stage, "output_names", None)
-        self.output_names = (*names, "target") if names is not None else None
+        self.output_names = tuple(names) if names is not None else None
         # Received structures found to be a plain list of the leaves in order (the usual boundary of
         # tensors): by identity, since a cached header hands out the same object every message.
         self._flat_trees: dict[int, Any] = {}
@@ -125,8 +140,8 @@ class StepExecutor:
                 return checkpoint(module, *values, use_reentrant=False)
             return module(*values)
 
-    def run(self, step: int, microbatches: Optional[Microbatches], compute: Compute) -> float:
-        """The step's actions; `microbatches` on stage 0 only. Returns this rank's share of the loss."""
+    def run(self, step: int, data: StepData, compute: Compute) -> float:
+        """The step's actions on what this rank read (`data`). Returns this rank's share of the loss."""
         k, m = self.stage_id, self.config.num_microbatches
         last = k == self.num_stages - 1
         # Flush schedules: loss / m, one update per step. PipeDream: each microbatch is an update.
@@ -139,17 +154,18 @@ class StepExecutor:
             j = action.microbatch
             if action.is_forward:
                 if k == 0:
-                    assert microbatches is not None
-                    values, target = list(microbatches[j][0]), microbatches[j][1]
+                    assert data.inputs is not None, "stage 0 reads its inputs"
+                    inputs = values = list(data.inputs[j])
                     receives.skip("F")
-                    inputs = values
                 else:
                     inputs, tree = receives.take("F", j)
-                    received = self._unflatten(inputs, tree)
-                    values, target = received[:-1], received[-1]
+                    values = self._unflatten(inputs, tree)
                 self.meter.begin(j)
                 weights = self.weight_stash.stash() if self.weight_stash is not None else None
                 if last:
+                    assert data.targets is not None, "the last stage reads its targets"
+                    target = data.targets[j]
+
                     def forward_loss() -> torch.Tensor:
                         output = self.decode(self.forward(values, weights))
                         if self.config.bf16:
@@ -161,7 +177,7 @@ class StepExecutor:
                 else:
                     outputs = compute("forward", j, lambda: self.forward(values, weights))
                     with self.metrics.measure("send", microbatch=j):
-                        leaves, handle = self._send_forward(j, outputs, target, stream=j)
+                        leaves, handle = self._send_forward(j, outputs, stream=j)
                     sends.append(handle)
                     stash[j] = _Stash(inputs, leaves, weights=weights)
                 self.meter.kept(j, stash[j])
@@ -192,19 +208,16 @@ class StepExecutor:
                 handle.wait(self.timeout)
         return loss_sum
 
-    def _send_forward(self, j: int, outputs: Any, target: Any, stream: Any) -> tuple[list[Any], comm.SendHandle]:
-        """Send microbatch j's outputs and target to the next stage, flat; returns the leaves sent and the handle."""
-        values = list(outputs) + [target]
+    def _send_forward(self, j: int, outputs: Any, stream: Any) -> tuple[list[Any], comm.SendHandle]:
+        """Send microbatch j's outputs to the next stage, flat; returns the leaves sent and the handle."""
+        values = list(outputs)
         names = self.output_names or tuple(f"output {i}" for i in range(len(values)))
         leaves, tree = structure.flatten_values(values, names)
-        # bf16: the stage's outputs may travel narrowed, the target (last) exactly as the data has it.
-        num_wire = len(leaves) - (1 if isinstance(target, torch.Tensor) else len(structure.flatten(target)[0]))
         handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), comm.TAG_ACTIVATION, device=self.device,
-                                  cache=self.header_cache, stream=stream, structure=tree,
-                                  wire_dtype=self.wire_dtype, num_wire=num_wire)
+                                  cache=self.header_cache, stream=stream, structure=tree, wire_dtype=self.wire_dtype)
         return leaves, handle
 
-    def run_forward(self, microbatches: Optional[Microbatches],
+    def run_forward(self, data: StepData,
                     metric: Optional[Callable[[Any, torch.Tensor], Any]] = None) -> tuple[float, float]:
         """Forward-only (validation): this rank's microbatches in order, under no_grad; no stash, no
         backward, no update. Returns this rank's share of (mean loss, mean metric): nonzero on the last stage."""
@@ -216,23 +229,24 @@ class StepExecutor:
         # Streams of their own: the training steps' cached headers stay as they are.
         for j in sorted({a.microbatch for a in self.actions if a.is_forward}):
             if k == 0:
-                assert microbatches is not None
-                values, target = list(microbatches[j][0]), microbatches[j][1]
+                assert data.inputs is not None, "stage 0 reads its inputs"
+                values = list(data.inputs[j])
             else:
                 pending = comm.PendingRecv(self.route(k - 1, j), comm.TAG_ACTIVATION, device=self.device,
                                            cache=self.header_cache, stream=("eval", j))
-                received = self._unflatten(pending.wait(self.timeout), pending.structure)
-                values, target = received[:-1], received[-1]
+                values = self._unflatten(pending.wait(self.timeout), pending.structure)
             with torch.no_grad(), autocast:
                 outputs = self.stage(*values)
             if last:
+                assert data.targets is not None, "the last stage reads its targets"
+                target = data.targets[j]
                 output = self.decode(outputs)
                 output = float_output(output) if self.config.bf16 else output
                 with torch.no_grad():
                     loss_sum += float(self.criterion(output, target)) / m
                     metric_sum += float(metric(output, target)) / m if metric is not None else 0.0
             else:
-                sends.append(self._send_forward(j, outputs, target, stream=("eval", j))[1])
+                sends.append(self._send_forward(j, outputs, stream=("eval", j))[1])
         for handle in sends:
             handle.wait(self.timeout)
         return loss_sum, metric_sum

@@ -120,10 +120,10 @@ def _known(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> 
     return _Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
 
 
-def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> Any:
+def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype]) -> Any:
     """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
     signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
-    fields; narrowing follows from dtype, wire_dtype and position); other values and the structure by
+    fields; narrowing follows from dtype and wire_dtype); other values and the structure by
     their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
     parts: list[Any] = []
     for value in values:
@@ -132,7 +132,7 @@ def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dty
         else:
             parts.append(json.dumps(encode_value(value)))
     text = None if structure is None else json.dumps(structure, separators=(",", ":"))
-    return wire_dtype, num_wire, text, tuple(parts)
+    return wire_dtype, text, tuple(parts)
 
 
 class HeaderCache:
@@ -195,15 +195,15 @@ def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[A
 
 
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
-                 stream: Any, structure: Any, wire_dtype: Optional[torch.dtype], num_wire: Optional[int]) -> "SendHandle":
-    signature = _signature(values, structure, wire_dtype, num_wire)
+                 stream: Any, structure: Any, wire_dtype: Optional[torch.dtype]) -> "SendHandle":
+    signature = _signature(values, structure, wire_dtype)
     tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
     key = (dst, tag, stream)
     previous = cache.sent.get(key)
     if previous is not None and previous.signature == signature:
         buffers = [_pack(tensors, previous, device)]  # steady state: one transfer, no header built
     else:
-        header_list = make_header(values, structure, wire_dtype, num_wire)
+        header_list = make_header(values, structure, wire_dtype)
         header = json.dumps(header_list, separators=(",", ":")).encode()
         if previous is not None and previous.data == header:  # same header from a different signature
             cache.sent[key] = _known(header, header_list, signature)
@@ -279,17 +279,16 @@ def start_work(start: Callable[[], Any], peer: int, what: str) -> Any:
 
 def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device: Optional[torch.device] = None,
                 cache: Optional[HeaderCache] = None, stream: Any = None, structure: Any = None,
-                wire_dtype: Optional[torch.dtype] = None, num_wire: Optional[int] = None) -> SendHandle:
+                wire_dtype: Optional[torch.dtype] = None) -> SendHandle:
     """Start sending `values` to rank `dst` (non-blocking); returns a handle to wait on. `structure`
     (JSON, see structure.py) travels in the header; the receiver reads it as `PendingRecv.structure`.
-    With `wire_dtype`, the first `num_wire` values (None: all) travel narrowed to it where they are
-    wider floating-point tensors, and arrive rounded, in their own dtype (see the module docstring).
+    With `wire_dtype`, values that are wider floating-point tensors travel narrowed to it, and arrive rounded, in their own dtype (see the module docstring).
 
     With `cache` the receiver must pass a cache and the same `stream` too (see the module docstring)."""
     device = device or torch.device("cpu")
     if cache is not None:
-        return _send_cached(values, dst, tag, group, device, cache, stream, structure, wire_dtype, num_wire)
-    header_list = make_header(values, structure, wire_dtype, num_wire)
+        return _send_cached(values, dst, tag, group, device, cache, stream, structure, wire_dtype)
+    header_list = make_header(values, structure, wire_dtype)
     header = json.dumps(header_list, separators=(",", ":")).encode()
     slot = bytearray(SLOT_BYTES)
     slot[:8] = len(header).to_bytes(8, "little")

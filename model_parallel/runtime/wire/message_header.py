@@ -62,16 +62,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def make_header(values: list[Any], structure: Any = None, wire_dtype: Optional[torch.dtype] = None,
-                num_wire: Optional[int] = None) -> list[dict[str, Any]]:
+def make_header(values: list[Any], structure: Any = None, wire_dtype: Optional[torch.dtype] = None) -> list[dict[str, Any]]:
     """One entry per value, then the structure's entry when there is one (see the module docstring).
-    The first `num_wire` values (None: all) may be narrowed to `wire_dtype`."""
+    Wider floating-point tensors may be narrowed to `wire_dtype`."""
     header = []
-    for index, value in enumerate(values):
+    for value in values:
         if isinstance(value, torch.Tensor):
             entry = {"t": "tensor", "shape": list(value.shape), "dtype": _dtype_name(value.dtype),
                      "grad": bool(value.requires_grad)}
-            if (num_wire is None or index < num_wire) and narrowed(value, wire_dtype):
+            if narrowed(value, wire_dtype):
                 assert wire_dtype is not None
                 entry["dtype"], entry["cast"] = _dtype_name(wire_dtype), entry["dtype"]
             header.append(entry)
