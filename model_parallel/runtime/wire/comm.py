@@ -6,7 +6,7 @@ A message is two or three transfers on one tag, in order:
                     bytes of the header (the receiver pre-posts it, so one round trip usually
                     carries the whole description)
     uint8[n - 1016] only when the header does not fit the slot: the rest of it
-                    header JSON: one entry per value (`runtime.wire.message_header`)
+                    header JSON: one entry per value (`runtime.wire.structure.make_header`)
     tensors         the tensor values, in order, with the shapes/dtypes the header announced
 
 So nothing about shapes is hard-coded and a boundary may carry any number of values. Small
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.message_header import decode_value, encode_value, make_header, structure_of
+from model_parallel.runtime.wire.structure import decode_value, encode_value, make_header, structure_of
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
