@@ -51,7 +51,7 @@ from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.step.schedule import make_schedule
 from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
+from model_parallel.runtime.wire.agreement import broadcast_json, check_same_job, graph_digest
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class PipelineEngine(TrainingLoop):
         self.channel.report(report)
         command = self.channel.poll() if self.rank == 0 else None
         try:
-            text = comm.broadcast_json(command.to_json() if command else "", 0, self.control_group, self.timeout)
+            text = broadcast_json(command.to_json() if command else "", 0, self.control_group, self.timeout)
         except PeerError as error:
             raise self.diagnose(error) from None
         return Command.from_json(text) if text else None

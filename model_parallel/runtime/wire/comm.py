@@ -390,22 +390,3 @@ class PendingRecv:
             else:
                 out.append(extra)
         return out
-
-
-def recv_values(src: int, tag: int, timeout: float, group: Any = None, device: Optional[torch.device] = None) -> list[Any]:
-    return PendingRecv(src, tag, group, device).wait(timeout)
-
-
-def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) -> str:
-    """Broadcast a JSON string from `src` to every rank of `group` (length, then bytes)."""
-    is_src = dist.get_rank() == src
-    payload = (data or "").encode() if is_src else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    wait_work(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
-    if is_src and payload:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
-    if buffer.numel():
-        wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
-    return payload.decode() if is_src else buffer.numpy().tobytes().decode()
