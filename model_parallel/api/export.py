@@ -175,7 +175,8 @@ def gather_state(local: Mapping[str, torch.Tensor], timeout: float) -> dict[str,
     import torch.distributed as dist
 
     from model_parallel import jsonbound
-    from model_parallel.runtime.wire.comm import broadcast_json, wait_work
+    from model_parallel.runtime.wire.agreement import broadcast_json
+    from model_parallel.runtime.wire.comm import wait_work
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     result: dict[str, torch.Tensor] = {}

@@ -95,7 +95,7 @@ class PipelineTrainer:
             # Ranks may have profiled and partitioned on their own (timings differ per process):
             # everyone trains rank 0's plan, or stages would not line up. Sent on the engine's gloo control
             # group: an NCCL default group carries no CPU tensors ("No backend type associated with device type cpu").
-            from model_parallel.runtime.wire.comm import broadcast_json
+            from model_parallel.runtime.wire.agreement import broadcast_json
 
             control_group = dist.new_group(backend="gloo")
             text = broadcast_json(json.dumps(plan.to_dict()), 0, control_group, options.timeout)

@@ -3,7 +3,7 @@
 PipeDream's walk (`antichains._walk`) meets every non-empty downset of the enumeration view once, and
 each state's cut is that downset's workload nodes (plus the `always` ones). The search reads only these
 cuts (`search/bounded.py` recomputes what crosses each), not the walk's order, augmented antichains or
-edges, so here they come from the recursion that `antichains.count_downsets` counts with: the downsets
+edges, so here they come from the recursion that `downset_count.count_downsets` counts with: the downsets
 of a set split on a node x into those without x and those holding x's ancestors, x and a downset of
 the rest; parts with no edge between them combine every way. Each cut is one integer OR of smaller
 lists' members (tens of nanoseconds), where the walk spends ~15 us a state in Python (BERT's 68,880:
@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from model_parallel.errors import InfeasibleError
-from model_parallel.optimizer.antichains import (
-    connected_part, count_downsets, enumerate_antichains, enumeration_view, undirected_neighbours,
-)
+from model_parallel.optimizer.antichains import enumerate_antichains, enumeration_view
+from model_parallel.optimizer.downset_count import connected_part, count_downsets, undirected_neighbours
 from model_parallel.optimizer.workload import Workload, bit_positions, closures, topological_order
 
 

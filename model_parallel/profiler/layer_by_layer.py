@@ -36,7 +36,8 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph import init_rule
 from model_parallel.graph.init_rule import init_layer, layer_name
 from model_parallel.profiler.export_trace import retarget_devices
-from model_parallel.profiler.trace import describe, trace_model
+from model_parallel.profiler.describe import describe
+from model_parallel.profiler.trace import trace_model
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One rank of a running pipeline: its stage under the current plan, the step loop and the control path.
+"""One rank of a running pipeline: its stage under the current plan, the control path, and (step/loop.py) the step loop.
 
 Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m microbatches):
 
@@ -37,7 +37,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
 from model_parallel.runtime.build.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
-from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
+from model_parallel.runtime.build.replicas import ReplicaGroups
 from model_parallel.runtime.build.stages import check_plan_fits, layer_modules, stage_layers
 from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
@@ -49,12 +49,11 @@ from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
 from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
-from model_parallel.runtime.step.loop import StepResult, train as train_loop
+from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.step.schedule import make_schedule
-from model_parallel.runtime.step.update import apply_update, squared_grad_norm
 from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
+from model_parallel.runtime.wire.agreement import broadcast_json, check_same_job, graph_digest
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +63,10 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 HISTORY_WINDOW = 1000
 
 
-class PipelineEngine:
+class PipelineEngine(TrainingLoop):
     """A rank's view of the pipeline. Build it after `init_process_group`, on every rank, with the same
     graph, plan, seed-built model and config; then call `train(steps)` on all ranks. It satisfies
-    `migration.MigratingEngine`."""
+    `migration.MigratingEngine`; `train` and `train_step` are the loop's (`step/loop.TrainingLoop`)."""
 
     def __init__(
         self,
@@ -114,7 +113,7 @@ class PipelineEngine:
         self.replica_groups = ReplicaGroups(self.device)
         # Boundary headers (shapes/dtypes) are sent once per (peer, tag) and then only on change.
         self.header_cache = comm.HeaderCache()
-        self._pending_migration_s = 0.0
+        self.pending_migration_s = 0.0
         self.step_pause_ms = 0.0
         self.switch_pauses_ms: list[float] = []
         self.updates = 0  # optimizer updates after a flush applied by this rank (PipeDream: see WeightStash)
@@ -131,7 +130,7 @@ class PipelineEngine:
         try:
             self.activate(plan)
         except (MemoryError, RuntimeError) as error:  # materializing the stage: its weights did not fit
-            self._raise_if_out_of_memory(error, plan.with_default_ranks().stage_of_rank(self.rank))
+            self.raise_if_out_of_memory(error, plan.with_default_ranks().stage_of_rank(self.rank))
             raise
 
     @property
@@ -248,66 +247,6 @@ class PipelineEngine:
             return StepData(targets=split_targets(tree_map(move, read_targets(data, step, verify)), m))
         return NO_DATA
 
-    def train_step(self, step: int) -> StepResult:
-        self.straggler.at_step(step)
-        self.metrics.begin_step(step)
-        # A plan switch happened after the previous step: its pause counts in this step's metrics.
-        self.step_pause_ms = self._pending_migration_s * 1e3
-        if self._pending_migration_s:
-            self.metrics.add_before_step("migration", self._pending_migration_s)
-            self._pending_migration_s = 0.0
-        clip = self.config.clip_grad
-        loss_sum, sq = 0.0, 0.0
-        try:
-            if self.executor is not None:
-                data = self.step_data(step)
-                with self.meter.step(self.stage, (data.inputs, data.targets)):
-                    loss_sum = self.executor.run(step, data, self.straggler.compute)
-                self.meter.held(self.stage, self.optimizer)  # gradients present, optimizer state of earlier steps
-                tied = self.tied.param_ids
-                if tied:  # first, on each replica's own gradient: the sum covers every replica's microbatches
-                    with self.metrics.measure("allreduce"):
-                        self.tied.all_reduce_grads(self.timeout)
-                if self.num_replicas > 1:
-                    assert self.stage_id is not None  # an executor runs only on a rank with a stage
-                    with self.metrics.measure("allreduce"):
-                        all_reduce_grads(self.stage, self.replica_groups.group(self.plan.stages[self.stage_id].ranks),
-                                         self.timeout, skip=tied)
-                if clip is not None:
-                    # Only when clipping: a pass over every gradient costs a few % of a step. Each
-                    # replica holds the whole stage gradient: count it once (a tied copy: once over its holders).
-                    untied = [p for p in self.stage.parameters() if id(p) not in tied]
-                    sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
-            totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
-            reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
-            if clip is not None:  # the update needs the global norm first
-                self._wait_totals(reduce_work)
-                reduce_work = None
-        except PeerError as error:
-            raise self.diagnose(error) from None
-        lr = 0.0
-        if self.optimizer is not None and not self.schedule.flush:
-            lr = self.optimizer.param_groups[0]["lr"]  # updated after every microbatch already
-        elif self.optimizer is not None:
-            with self.metrics.measure("optimizer"):
-                lr = apply_update(self.optimizer, step, lr_schedule=self.config.lr_schedule, clip_grad=clip,
-                                  total_norm=float(totals[1]) ** 0.5 if clip is not None else None)
-            self.updates += 1
-        if reduce_work is not None:
-            # Without clipping the loss all-reduce only feeds the report: it ran during the update.
-            try:
-                self._wait_totals(reduce_work)
-            except PeerError as error:
-                raise self.diagnose(error) from None
-        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
-        result = StepResult(step, loss, norm, lr)
-        self.history.append(result)
-        return result
-
-    def _wait_totals(self, work: Any) -> None:
-        with self.metrics.measure("allreduce"):
-            comm.wait_work(work, self.timeout, -1, "loss all-reduce")
-
     def diagnose(self, error: PeerError) -> PeerError:
         """`error` with this rank's prefix and, when heartbeats run, the peer that died."""
         if self.health is None:
@@ -327,7 +266,7 @@ class PipelineEngine:
         self.channel.report(report)
         command = self.channel.poll() if self.rank == 0 else None
         try:
-            text = comm.broadcast_json(command.to_json() if command else "", 0, self.control_group, self.timeout)
+            text = broadcast_json(command.to_json() if command else "", 0, self.control_group, self.timeout)
         except PeerError as error:
             raise self.diagnose(error) from None
         return Command.from_json(text) if text else None
@@ -363,7 +302,7 @@ class PipelineEngine:
             except PeerError as error:
                 raise self.diagnose(error) from None
             self.switch_pauses_ms.append(pause * 1e3)
-            self._pending_migration_s += pause
+            self.pending_migration_s += pause
             self.tracer.instant(f"switch to plan v{new_plan.version}")
             if self.rank == 0:
                 logger.warning("%s switched to plan v%d in %.1f ms%s", self.prefix, new_plan.version, pause * 1e3,
@@ -403,19 +342,7 @@ class PipelineEngine:
         except PeerError as error:
             raise self.diagnose(error) from None
 
-    # ---- the loop -----------------------------------------------------------------------------------
-    def train(self, steps: int, start_step: int = 0) -> list[StepResult]:
-        """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results (the
-        last HISTORY_WINDOW of them). A stop command ends it early: then `stop_reason` says why and
-        `next_step` how far it got."""
-        try:
-            train_loop(self, steps, start_step)
-        except (MemoryError, RuntimeError) as error:
-            self._raise_if_out_of_memory(error, self.stage_id)
-            raise
-        return list(self.history)
-
-    def _raise_if_out_of_memory(self, error: BaseException, stage_id: Optional[int]) -> None:
+    def raise_if_out_of_memory(self, error: BaseException, stage_id: Optional[int]) -> None:
         """An allocation refused becomes one line (`memory_probe.out_of_memory`), published as this rank's
         failure first: its peers then name it and why, not a flag mismatch. Other errors pass."""
         from model_parallel.runtime.observe.memory_probe import out_of_memory

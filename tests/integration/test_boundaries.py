@@ -22,8 +22,7 @@ from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.step.output import float_output
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
 from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire import message_header
-from model_parallel.runtime.wire.structure import cross, flatten, flatten_values, unflatten
+from model_parallel.runtime.wire.structure import cross, flatten, flatten_values, make_header, unflatten
 from support import TESTS
 from support import boundary_models as bm
 
@@ -139,10 +138,10 @@ def test_an_unsupported_value_names_its_type_its_node_and_the_remedy() -> None:
 
 
 def test_comm_headers_carry_the_structure_after_the_flat_values() -> None:
-    header = message_header.make_header([torch.zeros(2, requires_grad=True)], {"tuple": [{"leaf": 0}]})
+    header = make_header([torch.zeros(2, requires_grad=True)], {"tuple": [{"leaf": 0}]})
     assert header[-1] == {"t": "structure", "v": {"tuple": [{"leaf": 0}]}}
     with pytest.raises(comm.PeerError, match=r"nested inside a tuple or list as one message value: flatten"):
-        message_header.make_header([(torch.zeros(2, 3),)])
+        make_header([(torch.zeros(2, 3),)])
 
 
 # ---- (b) a 2-rank gloo world: the tuple and the dict cross between ranks ---------------------------------

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from model_parallel.cli.calibrate import CURVE_WIDTHS, accumulate_curve, combine, timeshare_factor
+from model_parallel.cli.calibrate import CURVE_WIDTHS, accumulate_curve, combine
+from model_parallel.cli.timeshare import timeshare_factor
 from model_parallel.optimizer.fidelity import Calibration
 
 

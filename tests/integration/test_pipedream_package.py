@@ -17,7 +17,7 @@ from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import read_plan
 from model_parallel.runtime.build.pipedream import load_pipedream_package
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.wire import message_header
+from model_parallel.runtime.wire import structure
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 STEPS = 3
@@ -64,6 +64,6 @@ def test_generated_package_runs_on_the_pipedream_path_with_the_graph_paths_losse
 def test_a_tensor_inside_a_tuple_is_named_as_such() -> None:
     # It said "cannot send a value of type Tensor ... (allowed: tensors, ...)": true only of nested ones.
     with pytest.raises(PeerError, match=r"cannot send a tensor \(shape \[2, 3\]\) nested inside a tuple or list"):
-        message_header.make_header([(torch.zeros(2, 3),)])
+        structure.make_header([(torch.zeros(2, 3),)])
     with pytest.raises(PeerError, match="cannot send a value of type object"):
-        message_header.encode_value(object())
+        structure.encode_value(object())

@@ -13,8 +13,9 @@ import pytest
 
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Hierarchy
-from model_parallel.optimizer.antichains import antichain_states, count_downsets, enumerate_antichains, enumeration_view
+from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains, enumeration_view
 from model_parallel.optimizer.brute_force import Cut, all_cuts, brute_force, chains_of
+from model_parallel.optimizer.downset_count import count_downsets
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search import searched_partition as partition  # the search layers' entry
 from model_parallel.optimizer.states import preprocess

@@ -64,7 +64,7 @@ class Initializer:
     source: Optional[ValueSource] = None
     # A model rebuilt from a graph file: a bare tensor there is a weight an ATen graph reads directly
     # (torch.export route), which no module initialises; it gets the generator's defaults by name
-    # (codegen.build.fresh_tensor) under its own seed. A user's own module's bare tensor is refused instead.
+    # (codegen.layers.fresh_tensor) under its own seed. A user's own module's bare tensor is refused instead.
     bare_tensor_defaults: bool = False
     # The model the layers come from: a bare tensor's owning module is looked up there (owner_reset).
     model: Optional[nn.Module] = None
@@ -185,7 +185,7 @@ def init_layer(name: str, obj: Layer, seed: int, init_weights: Optional[InitWeig
 
 
 def _fresh_defaults(name: str, tensor: torch.Tensor) -> None:
-    from model_parallel.codegen.build import fresh_tensor
+    from model_parallel.codegen.layers import fresh_tensor
 
     tensor.copy_(fresh_tensor(name, tuple(tensor.shape), tensor.dtype))
 

@@ -55,6 +55,7 @@ from model_parallel.runtime.checkpoint.store import (
 )
 from model_parallel.runtime.config import RunOptions
 from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire.agreement import broadcast_json
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def share_failure(error: Optional[str], rank: int, world_size: int, group: Any, 
     failed = flags.nonzero().flatten().tolist()
     if not failed:
         return None
-    message = comm.broadcast_json(error if rank == failed[0] else None, failed[0], group, timeout)
+    message = broadcast_json(error if rank == failed[0] else None, failed[0], group, timeout)
     others = f" (and on rank(s) {failed[1:]})" if len(failed) > 1 else ""
     return f"rank {failed[0]}: {message}{others}"
 

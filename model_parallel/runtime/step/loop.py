@@ -1,23 +1,37 @@
-"""The training loop of a `PipelineEngine`: steps, validation every `eval_every` steps, checkpoints, the
-control path after every step, a progress bar on rank 0, and the trace and metrics files closed at the
-end whatever happens. (A validation runs inside its step's metrics window: that step's `step_ms` includes
-`eval_ms`, and its JSONL line carries `val_loss`.)"""
+"""The training loop of a `PipelineEngine` and one step of it (`TrainingLoop`, the engine's `train` and
+`train_step`): per step the rank's schedule actions (executor.py), the gradient all-reduces, the loss
+all-reduce and the update; validation every `eval_every` steps, checkpoints, the control path after every
+step, a progress bar on rank 0, and the trace and metrics files closed at the end whatever happens. (A
+validation runs inside its step's metrics window: that step's `step_ms` includes `eval_ms`, and its JSONL
+line carries `val_loss`.)"""
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
+import torch
+import torch.distributed as dist
+
+from model_parallel.errors import PeerError
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
+from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
+from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.memory_probe import NullMeter, StashMeter
 from model_parallel.runtime.observe.metrics import MetricsRecorder, StepLog
+from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.observe.tracing import Tracer
 from model_parallel.runtime.step.evaluate import EvalResult
+from model_parallel.runtime.step.executor import StepData, StepExecutor
+from model_parallel.runtime.step.schedule import Schedule
+from model_parallel.runtime.step.update import apply_update, squared_grad_norm
+from model_parallel.runtime.wire import comm
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +72,7 @@ class LoopingEngine(resume.StartingEngine, Protocol):
     def barrier(self) -> None: ...
 
 
-def train(engine: LoopingEngine, steps: int, start_step: int = 0) -> None:
+def run_loop(engine: LoopingEngine, steps: int, start_step: int = 0) -> None:
     """Run `engine` (every rank together) from `start_step` (or the checkpoint it resumes from) up to
     `steps`. A stop command ends it early: then `engine.stop_reason` says why; `engine.next_step`
     is how far it got."""
@@ -120,3 +134,108 @@ def _progress_bar(total: int, initial: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+class SteppingEngine(LoopingEngine, Protocol):
+    """What `TrainingLoop` needs of the engine it is part of, beyond the loop's members."""
+
+    straggler: Slowdown
+    pending_migration_s: float  # a plan switch's pause, counted in the next step's metrics
+    executor: Optional[StepExecutor]
+    stage: Any
+    optimizer: Optional[torch.optim.Optimizer]
+    tied: TiedCopies
+    num_replicas: int
+    stage_id: Optional[int]
+    replica_groups: ReplicaGroups
+    control_group: Any
+    schedule: Schedule
+    updates: int
+    history: deque[StepResult]
+
+    @property
+    def timeout(self) -> float: ...
+
+    def step_data(self, step: int, dataset: Any = None) -> StepData: ...
+
+    def diagnose(self, error: PeerError) -> PeerError: ...
+
+    def raise_if_out_of_memory(self, error: BaseException, stage_id: Optional[int]) -> None: ...
+
+
+class TrainingLoop:
+    """`PipelineEngine.train` and `train_step`: the loop and one step live here, beside each other, so a
+    step reads top to bottom from `PipelineTrainer.train` through this module to the executor and the wire."""
+
+    def train(self: SteppingEngine, steps: int, start_step: int = 0) -> list[StepResult]:
+        """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results (the
+        last `engine.HISTORY_WINDOW` of them). A stop command ends it early: then `stop_reason` says why and
+        `next_step` how far it got."""
+        try:
+            run_loop(self, steps, start_step)
+        except (MemoryError, RuntimeError) as error:
+            self.raise_if_out_of_memory(error, self.stage_id)
+            raise
+        return list(self.history)
+
+    def train_step(self: SteppingEngine, step: int) -> StepResult:
+        """One step on this rank: its schedule actions, the gradient all-reduces, the loss all-reduce and the update."""
+        self.straggler.at_step(step)
+        self.metrics.begin_step(step)
+        # A plan switch happened after the previous step: its pause counts in this step's metrics.
+        self.step_pause_ms = self.pending_migration_s * 1e3
+        if self.pending_migration_s:
+            self.metrics.add_before_step("migration", self.pending_migration_s)
+            self.pending_migration_s = 0.0
+        clip = self.config.clip_grad
+        loss_sum, sq = 0.0, 0.0
+        try:
+            if self.executor is not None:
+                data = self.step_data(step)
+                with self.meter.step(self.stage, (data.inputs, data.targets)):
+                    loss_sum = self.executor.run(step, data, self.straggler.compute)
+                self.meter.held(self.stage, self.optimizer)  # gradients present, optimizer state of earlier steps
+                tied = self.tied.param_ids
+                if tied:  # first, on each replica's own gradient: the sum covers every replica's microbatches
+                    with self.metrics.measure("allreduce"):
+                        self.tied.all_reduce_grads(self.timeout)
+                if self.num_replicas > 1:
+                    assert self.stage_id is not None  # an executor runs only on a rank with a stage
+                    with self.metrics.measure("allreduce"):
+                        all_reduce_grads(self.stage, self.replica_groups.group(self.plan.stages[self.stage_id].ranks),
+                                         self.timeout, skip=tied)
+                if clip is not None:
+                    # Only when clipping: a pass over every gradient costs a few % of a step. Each
+                    # replica holds the whole stage gradient: count it once (a tied copy: once over its holders).
+                    untied = [p for p in self.stage.parameters() if id(p) not in tied]
+                    sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
+            totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
+            reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
+            if clip is not None:  # the update needs the global norm first
+                _wait_totals(self, reduce_work)
+                reduce_work = None
+        except PeerError as error:
+            raise self.diagnose(error) from None
+        lr = 0.0
+        if self.optimizer is not None and not self.schedule.flush:
+            lr = self.optimizer.param_groups[0]["lr"]  # updated after every microbatch already
+        elif self.optimizer is not None:
+            with self.metrics.measure("optimizer"):
+                lr = apply_update(self.optimizer, step, lr_schedule=self.config.lr_schedule, clip_grad=clip,
+                                  total_norm=float(totals[1]) ** 0.5 if clip is not None else None)
+            self.updates += 1
+        if reduce_work is not None:
+            # Without clipping the loss all-reduce only feeds the report: it ran during the update.
+            try:
+                _wait_totals(self, reduce_work)
+            except PeerError as error:
+                raise self.diagnose(error) from None
+        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
+        result = StepResult(step, loss, norm, lr)
+        self.history.append(result)
+        return result
+
+
+def _wait_totals(engine: SteppingEngine, work: Any) -> None:
+    with engine.metrics.measure("allreduce"):
+        comm.wait_work(work, engine.timeout, -1, "loss all-reduce")

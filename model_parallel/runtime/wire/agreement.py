@@ -1,4 +1,4 @@
-"""Every rank of a world runs the same job: one check when a plan is activated.
+"""Every rank runs the same job (checked when a plan is activated) and hears rank 0's word (`broadcast_json`).
 
 Each rank builds its stage from its own copy of the graph, the plan and the training config. If two
 ranks hold different ones (each profiled and partitioned on its own, a stale plan file on one
@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,3 +72,18 @@ def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any,
         raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan "
                         "and training options (partition once and copy the files to every machine; do not "
                         "profile or partition on each rank separately)")
+
+
+def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) -> str:
+    """Broadcast a JSON string from `src` to every rank of `group` (length, then bytes)."""
+    is_src = dist.get_rank() == src
+    payload = (data or "").encode() if is_src else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    wait_work(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
+    if is_src and payload:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+    if buffer.numel():
+        wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
+    return payload.decode() if is_src else buffer.numpy().tobytes().decode()

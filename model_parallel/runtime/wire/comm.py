@@ -6,7 +6,7 @@ A message is two or three transfers on one tag, in order:
                     bytes of the header (the receiver pre-posts it, so one round trip usually
                     carries the whole description)
     uint8[n - 1016] only when the header does not fit the slot: the rest of it
-                    header JSON: one entry per value (`runtime.wire.message_header`)
+                    header JSON: one entry per value (`runtime.wire.structure.make_header`)
     tensors         the tensor values, in order, with the shapes/dtypes the header announced
 
 So nothing about shapes is hard-coded and a boundary may carry any number of values. Small
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.message_header import decode_value, encode_value, make_header, structure_of
+from model_parallel.runtime.wire.structure import decode_value, encode_value, make_header, structure_of
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -389,22 +389,3 @@ class PendingRecv:
             else:
                 out.append(extra)
         return out
-
-
-def recv_values(src: int, tag: int, timeout: float, group: Any = None, device: Optional[torch.device] = None) -> list[Any]:
-    return PendingRecv(src, tag, group, device).wait(timeout)
-
-
-def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) -> str:
-    """Broadcast a JSON string from `src` to every rank of `group` (length, then bytes)."""
-    is_src = dist.get_rank() == src
-    payload = (data or "").encode() if is_src else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    wait_work(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
-    if is_src and payload:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
-    if buffer.numel():
-        wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
-    return payload.decode() if is_src else buffer.numpy().tobytes().decode()

@@ -142,7 +142,7 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
     # Layers arriving on meta (a model built without memory) get storage here, their values below.
     allocate_layers(engine.modules, [layer for layers in incoming.values() for layer in layers], engine.device)
     for src in sorted(incoming):
-        message = comm.recv_values(src, comm.TAG_MIGRATION, timeout, device=engine.device)
+        message = comm.PendingRecv(src, comm.TAG_MIGRATION, device=engine.device).wait(timeout)
         manifest, values = message[0], message[1:]
         with torch.no_grad():
             for entry, value in zip(manifest, values):

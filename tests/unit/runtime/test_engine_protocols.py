@@ -12,11 +12,11 @@ from model_parallel.runtime.checkpoint.commit import AgreeingEngine, Checkpointi
 from model_parallel.runtime.checkpoint.resume import RestoringEngine, StartingEngine
 from model_parallel.runtime.engine import PipelineEngine
 from model_parallel.runtime.step.evaluate import EvaluatingEngine
-from model_parallel.runtime.step.loop import LoopingEngine
+from model_parallel.runtime.step.loop import LoopingEngine, SteppingEngine
 from model_parallel.runtime.wire.migration import MigratingEngine
 
 PROTOCOLS = [AgreeingEngine, CheckpointingEngine, RestoringEngine, StartingEngine, EvaluatingEngine, LoopingEngine,
-             MigratingEngine]
+             SteppingEngine, MigratingEngine]
 _PROTOCOL_NOISE = {"_is_protocol", "_is_runtime_protocol", "_abc_impl"}
 
 

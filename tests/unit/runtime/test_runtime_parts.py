@@ -22,7 +22,7 @@ from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import launch
 from model_parallel.runtime.step.update import clip_coefficient, lr_factor
 from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
-from model_parallel.runtime.wire import message_header
+from model_parallel.runtime.wire import structure
 from model_parallel.runtime.wire.health import Health
 from model_parallel.runtime.wire.migration import plan_transfers
 
@@ -117,13 +117,13 @@ def test_scripted_channel_plays_commands_before_their_step():
 # ---- values on the wire --------------------------------------------------------------------------
 def test_boundary_values_encode_as_json():
     values = [3, 2.5, True, None, (1, 2), torch.Size([4, 5]), torch.float16, torch.device("cpu"), [1, (2,)]]
-    encoded = json.loads(json.dumps([message_header.encode_value(v) for v in values]))
-    assert [message_header.decode_value(e) for e in encoded] == values
-    header = message_header.make_header([torch.zeros(2, 3, requires_grad=True), torch.Size([2])])
+    encoded = json.loads(json.dumps([structure.encode_value(v) for v in values]))
+    assert [structure.decode_value(e) for e in encoded] == values
+    header = structure.make_header([torch.zeros(2, 3, requires_grad=True), torch.Size([2])])
     assert header == [{"t": "tensor", "shape": [2, 3], "dtype": "float32", "grad": True},
                       {"t": "json", "v": {"size": [2]}}]
     with pytest.raises(PeerError, match="cannot send a value of type object"):
-        message_header.encode_value(object())
+        structure.encode_value(object())
 
 
 # ---- health --------------------------------------------------------------------------------------
