@@ -1,4 +1,4 @@
-"""Every rank of a world runs the same job: one check when a plan is activated.
+"""Every rank of a world runs the same job (one check when a plan is activated), and agrees on what each tried alone.
 
 Each rank builds its stage from its own copy of the graph, the plan and the training config. If two
 ranks hold different ones (each profiled and partitioned on its own, a stale plan file on one
@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,3 +72,24 @@ def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any,
         raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan "
                         "and training options (partition once and copy the files to every machine; do not "
                         "profile or partition on each rank separately)")
+
+
+CAUSE_BYTES = 240  # a failure's one-line cause, as it travels (longer ones are cut)
+
+
+def agree(failure: Optional[str], group: Any, timeout: float, what: str) -> dict[int, str]:
+    """Collective over `group`: every rank's failure (None where it succeeded), so that all ranks reach one
+    verdict on a step they each tried alone (a plan switch: migration.py). Returns {rank: cause} of the
+    ranks that failed; a dead peer is a PeerError after `timeout`. Causes travel as bytes (nothing pickled)."""
+    row = torch.zeros(1 + CAUSE_BYTES, dtype=torch.uint8)
+    if failure is not None:
+        data = failure.encode("utf-8", "replace")[:CAUSE_BYTES]
+        row[0] = 1
+        if data:
+            row[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [row]
+    if dist.get_world_size(group) > 1:
+        gathered = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
+        wait_work(dist.all_gather(gathered, row, group=group, async_op=True), timeout, -1, what)
+    return {rank: bytes(r[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace") or "no cause given"
+            for rank, r in enumerate(gathered) if int(r[0])}
