@@ -155,6 +155,7 @@ class Rebalancer:
         plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
         if self.memory is not None:
             self.memory.check(self.graph, plan, f"plan v{version}")
+            self.memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
@@ -173,6 +174,17 @@ class Rebalancer:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step
         logger.warning("plan v%d is live from step %d", self.plan.version, step)
+
+    def failed(self, rank: int, version: int, reason: str) -> None:
+        """Rank 0 says the switch to plan `version` failed on `rank` after it started and every rank rolled back
+        to the live plan (`reason`: each failed rank and its one-line cause): forget it, the job goes on."""
+        for entry in self.history:
+            if entry["version"] == version:
+                entry["rolled_back"] = reason
+        if self.pending is not None and self.pending.plan.version == version:
+            self.pending = None
+        logger.error("plan v%d failed on rank %d after the switch started (%s); every rank rolled back, the job goes "
+                     "on with plan v%d", version, rank, reason, self.plan.version)
 
     def refused(self, rank: int, version: int, reason: str) -> None:
         """Rank `rank` says every rank refused the switch to plan `version` before moving anything: forget it."""
