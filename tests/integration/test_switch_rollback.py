@@ -65,6 +65,8 @@ SCRIPT = textwrap.dedent("""
         builds.append(len(params))
         if mode == "optimizer" and rank == 1 and len(builds) > 1:
             raise ValueError(f"no parameter-group rule for a stage of {len(params)} parameters")
+        if mode == "die" and rank == 1 and len(builds) > 1:
+            os._exit(9)  # the process dies in the middle of the switch, its layers received
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
     with torch.device("meta"):
@@ -139,3 +141,12 @@ def test_a_switch_that_fails_on_one_rank_is_rolled_back_and_training_is_exact(tm
     if mode == "memory":
         assert "CAPPED" in outputs[1]
     assert_bitwise_equal(params, never_switched)
+
+
+def test_a_rank_that_dies_in_the_middle_of_a_switch_is_named_by_its_peer_not_rolled_back(tmp_path):
+    """A dead peer is not a failed switch (issue 36's recovery): the run ends, naming it, as before."""
+    outputs, codes, _ = run_world(tmp_path, "die")
+    assert codes == {0: 1, 1: 9}, {r: o[-3000:] for r, o in outputs.items()}
+    last = outputs[0].strip().splitlines()[-1]
+    assert last.startswith("ERROR PeerError: [rank 0 stage 0] ") and "rank 1" in last, outputs[0][-3000:]
+    assert "rolled back" not in outputs[0]
