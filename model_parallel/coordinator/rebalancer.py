@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from model_parallel.coordinator import policy
 from model_parallel.coordinator.status import WorkerState, plan_times_label
-from model_parallel.errors import PlanError
+from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
@@ -115,6 +115,9 @@ class Rebalancer:
                 self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True)
             except PlanError as error:  # a solver plan the workers would refuse: a bug, not a reason to stop
                 logger.error("the policy's plan at step %d fails the workers' checks, not issued: %s", step, error)
+                self.last_eval_step = step + self.config.window - 1
+            except InfeasibleError as error:  # over --memory_per_worker, e.g. only while switching: keep the live plan
+                logger.warning("the policy's plan at step %d is not issued: %s", step, error)
                 self.last_eval_step = step + self.config.window - 1
 
     def decide(self, workers: Mapping[int, WorkerState], step: int, force: bool) -> policy.Decision:
