@@ -12,6 +12,10 @@ the control group and refuses any difference, naming the ranks and what differs.
 - config: every `TrainConfig` field (batch size, microbatches, schedule, seed, precision, ...).
 
 The digests travel as int64 tensors (nothing is pickled).
+
+`agree` is the other agreement: after a step every rank tried alone (each rank's part of a live plan
+switch, migration.py), one all-gather of a flag and a short cause per rank, so every rank reaches the
+same verdict - go on, or undo - and knows which rank failed and why.
 """
 from __future__ import annotations
 
