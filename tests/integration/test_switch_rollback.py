@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from model_parallel import PipelineTrainer, TrainConfig
+    from model_parallel.allocator import return_freed_memory
     from model_parallel.graph.plan import Plan, StagePlan
     from model_parallel.messages import Command, ScriptedChannel
     from model_parallel.models import StackedMLP
@@ -53,7 +54,9 @@ SCRIPT = textwrap.dedent("""
         def report(self, report):
             super().report(report)
             if rank == 1 and mode == "memory" and report.step == 2:
-                # Its stage, gradients and momentum are allocated: room for 2 MB more, not for two 4 MB layers.
+                # Its stage, gradients and momentum are allocated: room for 2 MB more, not for two 4 MB layers
+                # (freed heap memory goes back to the OS first, so none of it is counted as room).
+                return_freed_memory()
                 resource.setrlimit(resource.RLIMIT_DATA, (vmdata() + 2 * 1024 * 1024, HARD))
                 print("CAPPED", flush=True)
             if rank == 1 and mode == "memory" and report.step == 3:  # a step trained under the cap; the checkpoint needs more
