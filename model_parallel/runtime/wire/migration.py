@@ -299,7 +299,8 @@ def apply_switch(engine: SwitchingEngine, command: Command) -> float:
         with engine.tracer.span(f"migration to plan v{new_plan.version}", lane="migration", plan_version=new_plan.version):
             pause = switch_plan(engine, new_plan)
     except SwitchRolledBack as failed:  # every rank raised it together: all run the old plan again
-        logger.error("%s %s (%s); training goes on with plan v%d", engine.prefix, failed, why, engine.plan.version)
+        logger.error("%s %s (%s) after %.1f ms; training goes on with plan v%d", engine.prefix, failed, why,
+                     failed.pause_s * 1e3, engine.plan.version)
         report = getattr(engine.channel, "switch_failed", None)
         if engine.rank == 0 and report is not None:
             report(new_plan.version, failed.failures)
