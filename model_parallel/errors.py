@@ -74,3 +74,12 @@ class RenderError(ModelParallelError, RuntimeError):
 
 class ScheduleError(ModelParallelError, ValueError):
     """A pipeline schedule breaks a rule (missing/duplicate action, dependency order); names the step."""
+
+
+class SwitchRolledBack(ModelParallelError, RuntimeError):
+    """A live plan switch failed on some rank(s) after it started; every rank went back to the old plan.
+    `failures`: {rank: one-line cause}; `pause_s`: how long the attempt held training."""
+
+    def __init__(self, message: str, failures: dict[int, str], pause_s: float) -> None:
+        super().__init__(message)
+        self.failures, self.pause_s = failures, pause_s

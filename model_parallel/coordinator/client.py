@@ -21,6 +21,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, new_nonce, parse_address
@@ -69,7 +70,7 @@ class CoordinatorChannel:
         self._lock = threading.Lock()  # guards `session` changes
         self._send_lock = threading.Lock()
         self._commands: "queue.Queue[Command]" = queue.Queue()
-        # (message type, fields): step reports, and the rare switch-refused
+        # (message type, fields): step reports, and the rare switch-refused or switch-failed
         self._reports: "queue.Queue[tuple[str, dict[str, Any]]]" = queue.Queue(maxsize=REPORT_QUEUE)
         self._closed = threading.Event()
         self._connected = threading.Event()
@@ -130,6 +131,13 @@ class CoordinatorChannel:
         """The runtime refused the switch to plan `version` on every rank (the job goes on): tell the coordinator."""
         if self.gave_up is None and not self._closed.is_set():
             self._queue("switch-refused", {"version": int(version), "reason": str(reason)[:4000]})
+
+    def switch_failed(self, version: int, failures: Mapping[int, str]) -> None:
+        """The switch to plan `version` failed on the ranks of `failures` ({rank: one-line cause}) after it started;
+        every rank rolled back and the job goes on: tell the coordinator."""
+        if failures and self.gave_up is None and not self._closed.is_set():
+            reason = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failures.items()))
+            self._queue("switch-failed", {"version": int(version), "rank": int(min(failures)), "reason": reason[:4000]})
 
     def _queue(self, kind: str, fields: dict[str, Any]) -> None:
         try:

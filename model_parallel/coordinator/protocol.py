@@ -87,6 +87,9 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     # rank 0 -> server: every rank refused the switch to plan `version` before moving anything (why: `reason`);
     # the job goes on with the plan it ran
     "switch-refused": {"version": (int,), "reason": (str,)},
+    # rank 0 -> server: the switch to plan `version` failed on rank `rank` (the lowest that failed) after it
+    # started; every rank rolled back to the plan it ran and the job goes on (`reason`: "rank r: cause; ...")
+    "switch-failed": {"version": (int,), "rank": (int,), "reason": (str,)},
     # client -> server: the worker finished (or is stopping) on purpose
     "bye": {"rank": (int,), "reason": (str,)},
     # client -> server, instead of register: a worker started without a model asks what to train

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from model_parallel.coordinator import policy
 from model_parallel.coordinator.status import WorkerState, plan_times_label
-from model_parallel.errors import PlanError
+from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
@@ -116,6 +116,9 @@ class Rebalancer:
             except PlanError as error:  # a solver plan the workers would refuse: a bug, not a reason to stop
                 logger.error("the policy's plan at step %d fails the workers' checks, not issued: %s", step, error)
                 self.last_eval_step = step + self.config.window - 1
+            except InfeasibleError as error:  # over --memory_per_worker, e.g. only while switching: keep the live plan
+                logger.warning("the policy's plan at step %d is not issued: %s", step, error)
+                self.last_eval_step = step + self.config.window - 1
 
     def decide(self, workers: Mapping[int, WorkerState], step: int, force: bool) -> policy.Decision:
         """Run the policy on the live plan's samples and keep the state it returns."""
@@ -155,6 +158,7 @@ class Rebalancer:
         plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
         if self.memory is not None:
             self.memory.check(self.graph, plan, f"plan v{version}")
+            self.memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
@@ -173,6 +177,17 @@ class Rebalancer:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step
         logger.warning("plan v%d is live from step %d", self.plan.version, step)
+
+    def failed(self, rank: int, version: int, reason: str) -> None:
+        """Rank 0 says the switch to plan `version` failed on `rank` after it started and every rank rolled back
+        to the live plan (`reason`: each failed rank and its one-line cause): forget it, the job goes on."""
+        for entry in self.history:
+            if entry["version"] == version:
+                entry["rolled_back"] = reason
+        if self.pending is not None and self.pending.plan.version == version:
+            self.pending = None
+        logger.error("plan v%d failed on rank %d after the switch started (%s); every rank rolled back, the job goes "
+                     "on with plan v%d", version, rank, reason, self.plan.version)
 
     def refused(self, rank: int, version: int, reason: str) -> None:
         """Rank `rank` says every rank refused the switch to plan `version` before moving anything: forget it."""

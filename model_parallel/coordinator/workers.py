@@ -94,6 +94,9 @@ class WorkerLink:
             elif kind == "switch-refused":
                 with self.lock:
                     self.rebalancer.refused(worker.rank, message["version"], message["reason"])
+            elif kind == "switch-failed":
+                with self.lock:
+                    self.rebalancer.failed(message["rank"], message["version"], message["reason"])
             elif kind == "bye":
                 reason = message["reason"]
                 with self.lock:

@@ -205,3 +205,36 @@ class MemoryLimit:
                     f"{self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, {self.footprint.schedule}, "
                     f"{self.footprint.microbatches} microbatches); give a plan that fits (leave it out, or the "
                     "optimizer's --memory_per_worker finds one) or raise memory_per_worker")
+
+    def check_switch(self, graph: Graph, old: Plan, new: Plan, what: str = "the switch") -> None:
+        """InfeasibleError naming the first rank that cannot hold a live switch from `old` to `new`.
+
+        Until a switch commits, a rank keeps its old stage (so a failed switch can be rolled back,
+        runtime/wire/migration.py) while it holds the arriving layers and builds the new one: the
+        parameters and optimizer state of both stages' layers at once, plus each arriving layer's values
+        once more in the message buffer they arrive in. Gradients and activations are not held (the switch
+        runs at a step boundary, after the update freed them) - which is why both plans' own footprints,
+        checked by `check`, can fit while the switch between them does not."""
+        old, new = old.with_default_ranks(), new.with_default_ranks()
+        state = 1 + OPTIMIZER_STATE[self.footprint.optimizer]  # a parameter and its optimizer state
+        size = {node.node_id: float(node.parameter_size) for node in graph.nodes}
+
+        def held(plan: Plan) -> dict[int, set[str]]:
+            out: dict[int, set[str]] = {}
+            for stage in plan.stages:
+                for rank in stage.ranks:
+                    out.setdefault(rank, set()).update(stage.node_ids)
+            return out
+
+        before, after = held(old), held(new)
+        for rank in sorted(after):
+            kept_or_left, arriving = before.get(rank, set()), after[rank] - before.get(rank, set())
+            both = sum(size[n] for n in kept_or_left | arriving) * state
+            buffers = sum(size[n] for n in arriving) * state
+            if both + buffers > self.memory_per_worker:
+                raise InfeasibleError(
+                    f"{what} from plan v{old.version} to v{new.version} puts a predicted {(both + buffers) / 1e9:.3g} GB on "
+                    f"rank {rank} while it runs (parameters and {self.footprint.optimizer} state of its old and new "
+                    f"layers {both / 1e9:.3g} GB, arriving values in flight {buffers / 1e9:.3g} GB), over "
+                    f"memory_per_worker {self.memory_per_worker / 1e9:.3g} GB; switch in smaller moves (an "
+                    "intermediate plan first) or raise memory_per_worker")

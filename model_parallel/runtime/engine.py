@@ -23,6 +23,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,15 +32,16 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from model_parallel.allocator import return_freed_memory
+from model_parallel.codegen.boundary import StageBoundary
 from model_parallel.codegen.build import build_stage
-from model_parallel.errors import ModelParallelError, PeerError
+from model_parallel.errors import PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
 from model_parallel.runtime.build.materialize import Initializer, graph_constants, is_meta, materialize_layers, release_layers
 from model_parallel.runtime.build.replicas import ReplicaGroups
 from model_parallel.runtime.build.stages import check_plan_fits, layer_modules, stage_layers
-from model_parallel.runtime.build.tied import TiedCopies
+from model_parallel.runtime.build.tied import SplitTie, TiedCopies
 from model_parallel.runtime.checkpoint import resume
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.data.batches import minibatch_parts, split_targets, stage_zero_inputs
@@ -51,7 +53,7 @@ from model_parallel.runtime.plancheck import check_plan
 from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.output import model_output
-from model_parallel.runtime.step.schedule import make_schedule
+from model_parallel.runtime.step.schedule import Schedule, make_schedule
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import broadcast_json, check_same_job, graph_digest
 
@@ -61,6 +63,22 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 # Per-step results kept in memory (a long run would otherwise grow by every step; the metrics JSONL
 # on disk keeps them all).
 HISTORY_WINDOW = 1000
+
+
+@dataclass
+class Prepared:
+    """A rank's stage under one plan, built but not yet live (`PipelineEngine.prepare` -> `install`)."""
+
+    plan: Plan
+    boundaries: tuple[StageBoundary, ...]
+    ties: tuple[SplitTie, ...]
+    stage_id: Optional[int]  # None: a spare under this plan
+    schedule: Schedule
+    stage: Any = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+    executor: Optional[StepExecutor] = None
+    replica: int = 0
+    num_replicas: int = 1
 
 
 class PipelineEngine(TrainingLoop):
@@ -155,59 +173,74 @@ class PipelineEngine(TrainingLoop):
     def activate(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> None:
         """Build this rank's stage and optimizer for `plan` (collective: every rank calls it together)."""
         plan = plan.with_default_ranks()
+        self.check_job(plan)
+        self.install(self.prepare(plan, optimizer_state))
+
+    def check_job(self, plan: Plan) -> None:
+        """Collective: `plan` fits the world and every rank holds the same graph, plan and config."""
         check_plan_fits(plan, self.world_size)
         check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout)
+
+    def prepare(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> Prepared:
+        """This rank's stage, optimizer and executor for `plan` (ranks assigned), built beside the running ones:
+        local, and nothing live changes (the layers it shares with the running stage are the same objects,
+        unmodified); `install` makes it live. A switch that fails here is rolled back (wire/migration.py)."""
         # On every rank alike, before anything changes; the coordinator runs the same check (runtime.plancheck).
         checked = check_plan(self.graph, plan, self.world_size, self.config.schedule, self.modules)
-        ties = checked.ties
-        self.plan = plan
+        prepared = Prepared(plan, checked.boundaries, checked.ties, plan.stage_of_rank(self.rank),
+                            make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches))
+        if prepared.stage_id is not None:
+            self._build_stage(prepared, optimizer_state)
+        return prepared
+
+    def install(self, prepared: Prepared) -> None:
+        """Make a prepared stage live and drop the old one (collective: replica and tie groups, the tie check)."""
+        plan = prepared.plan
+        self.plan, self.boundaries, self.schedule, self.stage_id = plan, prepared.boundaries, prepared.schedule, prepared.stage_id
         self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
-        self.boundaries = checked.boundaries
         self.replica_groups.create_for(plan)
-        self.stage_id = plan.stage_of_rank(self.rank)
-        self.schedule = make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches)
-        self.optimizer, self.stage, self.executor = None, None, None
+        self.stage, self.optimizer, self.executor = prepared.stage, prepared.optimizer, prepared.executor
+        self.replica, self.num_replicas = prepared.replica, prepared.num_replicas
         keep = set(stage_layers(self.graph, plan, self.stage_id)) if self.stage_id is not None else set()
         left = sorted(self.lazy_layers - keep)
-        release_layers(self.modules, left)  # layers that left this rank
-        self.replica, self.num_replicas = 0, 1
-        if self.stage_id is not None:
-            self._build_stage(self.stage_id, optimizer_state)
+        release_layers(self.modules, left)  # layers that left this rank (the old stage is dropped: no one reads them)
         if left:  # their values, gradients and optimizer state are gone: give the memory back to the OS
             gc.collect()
             return_freed_memory()
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
-        self.tied = TiedCopies(ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
+        self.tied = TiedCopies(prepared.ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
         self.check_tied(f"when plan v{plan.version} was activated")
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 
-    def _build_stage(self, stage_id: int, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
-        sp = self.plan.stages[stage_id]
-        self.replica, self.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
-        materialize_layers(self.modules, stage_layers(self.graph, self.plan, stage_id), self.initializer, self.device,
+    def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+        assert prepared.stage_id is not None
+        stage_id, schedule = prepared.stage_id, prepared.schedule
+        sp = prepared.plan.stages[stage_id]
+        prepared.replica, prepared.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
+        materialize_layers(self.modules, stage_layers(self.graph, prepared.plan, stage_id), self.initializer, self.device,
                            self.graph, graph_constants(self.graph, self.modules))
-        self.stage = build_stage(self.graph, sp.node_ids, self.boundaries[stage_id], modules=self.modules,
-                                 class_name=f"Stage{stage_id}").to(self.device)
-        self.stage.train()
-        params = list(self.stage.parameters())
+        stage = prepared.stage = build_stage(self.graph, sp.node_ids, prepared.boundaries[stage_id], modules=self.modules,
+                                             class_name=f"Stage{stage_id}").to(self.device)
+        stage.train()
+        params = list(stage.parameters())
         if params:
-            self.optimizer = self.optimizer_factory(params)
+            prepared.optimizer = self.optimizer_factory(params)
             if optimizer_state:
                 from model_parallel.runtime.checkpoint.store import load_optimizer_state_by_name
 
-                load_optimizer_state_by_name(self.optimizer, dict(self.stage.named_parameters()), optimizer_state, copy=False)
+                load_optimizer_state_by_name(prepared.optimizer, dict(stage.named_parameters()), optimizer_state, copy=False)
         stash = None
-        if not self.schedule.flush and self.optimizer is not None:
-            stash = WeightStash(self.stage, self.optimizer, self.config.lr_schedule, self.metrics, HISTORY_WINDOW)
-        names = self.stage.output_names
-        self.executor = StepExecutor(
-            stage=self.stage, stage_id=stage_id, num_stages=self.plan.num_stages,
-            actions=self.schedule.rank_actions(stage_id, self.replica, self.num_replicas), route=self.rank_of,
+        if not schedule.flush and prepared.optimizer is not None:
+            stash = WeightStash(stage, prepared.optimizer, self.config.lr_schedule, self.metrics, HISTORY_WINDOW)
+        names = stage.output_names
+        prepared.executor = StepExecutor(
+            stage=stage, stage_id=stage_id, num_stages=prepared.plan.num_stages,
+            actions=schedule.rank_actions(stage_id, prepared.replica, prepared.num_replicas), route=self.rank_of,
             config=self.config, criterion=self.criterion, decode=lambda outputs: model_output(self.graph, names, outputs),
             device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
-            flush=self.schedule.flush, weight_stash=stash)
-        self.executor.meter = self.meter
+            flush=schedule.flush, weight_stash=stash)
+        prepared.executor.meter = self.meter
 
     def check_tied(self, when: str) -> None:
         """Collective: the copies of every tie split across stages are identical (a dead peer is named)."""
@@ -281,32 +314,12 @@ class PipelineEngine(TrainingLoop):
                 logger.warning("%s compute slowed down %.2fx (%s)", self.prefix, command.factor, command.reason)
                 self.slowdown = float(command.factor)
         elif command.kind == "switch":
-            from model_parallel.runtime.wire.migration import switch_plan
+            from model_parallel.runtime.wire.migration import apply_switch
 
-            new_plan = command.plan
-            assert new_plan is not None  # Command refuses a switch without a plan
-            try:  # before anything moves; every rank reaches the same verdict (same graph, plan, world, schedule)
-                check_plan(self.graph, new_plan, self.world_size, self.config.schedule, self.modules)
-            except ModelParallelError as error:
-                logger.error("%s refusing the switch to plan v%d (%s): %s; training goes on with plan v%d", self.prefix,
-                             new_plan.version, command.reason or "no reason given", error, self.plan.version)
-                refused = getattr(self.channel, "switch_refused", None)  # tell the coordinator (rank 0's channel)
-                if self.rank == 0 and refused is not None:
-                    refused(new_plan.version, str(error))
-                return True
-            try:
-                # A span for the pause (the docs' `migration` lane): without it the trace showed only a gap.
-                with self.tracer.span(f"migration to plan v{new_plan.version}", lane="migration",
-                                      plan_version=new_plan.version):
-                    pause = switch_plan(self, new_plan)
+            try:  # a refused or rolled-back switch leaves every rank on its plan; only a dead peer ends the run
+                self.pending_migration_s += apply_switch(self, command)
             except PeerError as error:
                 raise self.diagnose(error) from None
-            self.switch_pauses_ms.append(pause * 1e3)
-            self.pending_migration_s += pause
-            self.tracer.instant(f"switch to plan v{new_plan.version}")
-            if self.rank == 0:
-                logger.warning("%s switched to plan v%d in %.1f ms%s", self.prefix, new_plan.version, pause * 1e3,
-                               f" ({command.reason})" if command.reason else "")
         return True
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from model_parallel.codegen.boundary import StageBoundary, stage_boundaries
+from model_parallel.codegen.build import check_shared_modules
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
@@ -35,7 +36,8 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     """Raise a ModelParallelError naming the first rule `plan` breaks for this graph, world and schedule.
 
     Rules: replicas and ranks within the world; every node in a stage, no edge going back to an
-    earlier stage, no uncrossable value sent across a boundary (codegen.boundary); under a schedule
+    earlier stage, no uncrossable value sent across a boundary (codegen.boundary), no module with
+    parameters called from two stages (codegen.build.check_shared_modules); under a schedule
     without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied).
     `schedule` None (a coordinator that does not know the workers' schedule) leaves the schedule's
     rules to the workers; `modules` None (the coordinator holds no layers) leaves to them whether a
@@ -55,5 +57,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     ties = plan_ties(graph, plan)
     if modules is not None:
         check_trainable(ties, modules)
+    # A module with parameters called from two stages: the worker's build_stage refuses it, after the move.
+    check_shared_modules(graph, plan.stage_of)
     boundaries = stage_boundaries(graph, plan.stage_of)
     return CheckedPlan(plan, boundaries, ties)

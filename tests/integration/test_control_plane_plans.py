@@ -108,6 +108,21 @@ def test_a_switch_the_workers_refuse_is_rolled_back_and_the_coordinator_told(run
         assert ctl.request("scale", workers=1)["version"] == 2
 
 
+def test_a_switch_rolled_back_after_it_started_is_forgotten_and_logged(running, caplog) -> None:
+    coord, address, ch0 = running
+    with CtlClient(address, TOKEN) as ctl:
+        ctl.request("scale", workers=1)
+    assert wait_for(ch0.poll, what="switch").plan.version == 1
+    ch0.switch_failed(1, {1: "RuntimeError: DefaultCPUAllocator: can't allocate memory"})  # what apply_switch sends
+    wait_for(lambda: coord.rebalancer.pending is None, what="the rolled-back switch forgotten")
+    assert coord.plan.version == 0 and coord.stop_reason is None
+    assert coord.rebalancer.history[-1]["rolled_back"] == "rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory"
+    assert "plan v1 failed on rank 1 after the switch started (rank 1: RuntimeError" in caplog.text
+    assert "every rank rolled back, the job goes on with plan v0" in caplog.text
+    with CtlClient(address, TOKEN) as ctl:  # v1 is spent: the next plan is v2
+        assert ctl.request("scale", workers=1)["version"] == 2
+
+
 class RefusalRecorder(ScriptedChannel):
     """A scripted controller that also records what the runtime says about refused switches."""
 

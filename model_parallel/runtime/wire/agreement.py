@@ -1,4 +1,5 @@
-"""Every rank runs the same job (checked when a plan is activated) and hears rank 0's word (`broadcast_json`).
+"""Every rank runs the same job (checked when a plan is activated), hears rank 0's word (`broadcast_json`) and
+agrees on what each tried alone (`agree`).
 
 Each rank builds its stage from its own copy of the graph, the plan and the training config. If two
 ranks hold different ones (each profiled and partitioned on its own, a stale plan file on one
@@ -12,6 +13,10 @@ the control group and refuses any difference, naming the ranks and what differs.
 - config: every `TrainConfig` field (batch size, microbatches, schedule, seed, precision, ...).
 
 The digests travel as int64 tensors (nothing is pickled).
+
+`agree` is the other agreement: after a step every rank tried alone (each rank's part of a live plan
+switch, migration.py), one all-gather of a flag and a short cause per rank, so every rank reaches the
+same verdict - go on, or undo - and knows which rank failed and why.
 """
 from __future__ import annotations
 
@@ -87,3 +92,24 @@ def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) ->
     if buffer.numel():
         wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
     return payload.decode() if is_src else buffer.numpy().tobytes().decode()
+
+
+CAUSE_BYTES = 240  # a failure's one-line cause, as it travels (longer ones are cut)
+
+
+def agree(failure: Optional[str], group: Any, timeout: float, what: str) -> dict[int, str]:
+    """Collective over `group`: every rank's failure (None where it succeeded), so that all ranks reach one
+    verdict on a step they each tried alone (a plan switch: migration.py). Returns {rank: cause} of the
+    ranks that failed; a dead peer is a PeerError after `timeout`. Causes travel as bytes (nothing pickled)."""
+    row = torch.zeros(1 + CAUSE_BYTES, dtype=torch.uint8)
+    if failure is not None:
+        data = failure.encode("utf-8", "replace")[:CAUSE_BYTES]
+        row[0] = 1
+        if data:
+            row[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [row]
+    if dist.get_world_size(group) > 1:
+        gathered = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
+        wait_work(dist.all_gather(gathered, row, group=group, async_op=True), timeout, -1, what)
+    return {rank: bytes(r[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace") or "no cause given"
+            for rank, r in enumerate(gathered) if int(r[0])}

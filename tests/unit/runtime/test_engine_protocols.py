@@ -13,10 +13,10 @@ from model_parallel.runtime.checkpoint.resume import RestoringEngine, StartingEn
 from model_parallel.runtime.engine import PipelineEngine
 from model_parallel.runtime.step.evaluate import EvaluatingEngine
 from model_parallel.runtime.step.loop import LoopingEngine, SteppingEngine
-from model_parallel.runtime.wire.migration import MigratingEngine
+from model_parallel.runtime.wire.migration import MigratingEngine, SwitchingEngine
 
 PROTOCOLS = [AgreeingEngine, CheckpointingEngine, RestoringEngine, StartingEngine, EvaluatingEngine, LoopingEngine,
-             SteppingEngine, MigratingEngine]
+             SteppingEngine, MigratingEngine, SwitchingEngine]
 _PROTOCOL_NOISE = {"_is_protocol", "_is_runtime_protocol", "_abc_impl"}
 
 
