@@ -134,6 +134,7 @@ class NodeByNodeSaving(fx.Interpreter):
         self.autocast = autocast
         self.owner: dict[int, Optional[str]] = {}  # live storage pointer -> the node charged (None: never charged)
         self.views: dict[int, int] = {}  # live storage pointer -> live values viewing it
+        self.alias: dict[int, tuple[int, int, int]] = {}  # a live clone's storage -> the span of what it copies
         self.ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -143,25 +144,46 @@ class NodeByNodeSaving(fx.Interpreter):
             return result
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         held = {t.untyped_storage().data_ptr() for t in _module_tensors(self.module, n) if countable(t)}
-        result = self.saving(n.name, held, lambda: getattr(self, n.op)(n.target, *_detached((args, kwargs))))
+        call = lambda inputs: getattr(self, n.op)(n.target, *inputs)  # noqa: E731
+        try:
+            result = self.saving(n.name, held, lambda: call(_detached((args, kwargs))))
+        except RuntimeError as error:
+            if "in-place" not in str(error):
+                raise
+            # An in-place operator on an input that requires grad fails on a leaf, mid-step it does not: it
+            # runs on a clone then (as the in-situ segments do), whose storage is charged as the input's.
+            alias: dict[int, tuple[int, int, int]] = {}
+            cloned = _detached((args, kwargs), alias)
+            result = self.saving(n.name, held, lambda: call(cloned), alias)
+            # An output in a clone's storage (the in-place result) is the input's value, charged as the input.
+            for clone in {t.untyped_storage().data_ptr() for t in tensors_in(result)} & set(alias):
+                self.alias[clone], self.owner[clone] = alias[clone], self.owner.get(alias[clone][0])
         result = _detached(result)
         self.keep(result, n.name, held)
         return result
 
-    def saving(self, name: str, held: set[int], run: Callable[[], Any]) -> Any:
+    def saving(self, name: str, held: set[int], run: Callable[[], Any],
+               alias: Optional[dict[int, tuple[int, int, int]]] = None) -> Any:
         """`run()` under the pack hook, charging what it saves to the producer of the storage (a live value's),
-        else to `name`; `held` (the node's own weights) is never charged."""
+        else to `name`; `held` (the node's own weights) is never charged; `alias`: a clone's storage -> the
+        span of the input it copies. Counted only when `run()` returns (a failed attempt counts nothing)."""
+        mine: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        aliases = {**self.alias, **(alias or {})}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             if countable(tensor):
-                pointer, start, end = span(tensor)
-                charged = None if pointer in held else self.owner.get(pointer, name)
+                raw, start, end = span(tensor)
+                pointer, start, end = aliases.get(raw, (raw, start, end))
+                charged = None if pointer in held else self.owner[raw] if raw in self.owner else self.owner.get(pointer, name)
                 if charged is not None and end > start:
-                    self.ranges.setdefault((charged, pointer), []).append((start, end))
+                    mine.setdefault((charged, pointer), []).append((start, end))
             return tensor
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), self.autocast():
-            return run()
+            result = run()
+        for key, ranges in mine.items():
+            self.ranges.setdefault(key, []).extend(ranges)
+        return result
 
     def keep(self, value: Any, name: Optional[str], held: Optional[set[int]] = None) -> None:
         """The storages of a live value: a new one is `name`'s (None: never charged), a view keeps its producer."""
@@ -178,6 +200,7 @@ class NodeByNodeSaving(fx.Interpreter):
         self.views[pointer] -= 1
         if not self.views[pointer]:
             del self.views[pointer], self.owner[pointer]
+            self.alias.pop(pointer, None)
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -211,13 +234,22 @@ def _module_tensors(gm: torch.nn.Module, n: fx.Node) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
 
 
-def _detached(value: Any) -> Any:
-    """`value` with every tensor detached, keeping whether it requires grad (what autograd's saving depends on)."""
+def _detached(value: Any, alias: Optional[dict[int, tuple[int, int, int]]] = None) -> Any:
+    """`value` with every tensor detached, keeping whether it requires grad (what autograd's saving depends on);
+    with `alias`, one that requires grad is a clone of such a leaf instead (not a leaf: in-place operators work
+    on it), its storage recorded in `alias` as the span of the tensor it copies."""
 
     def one(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         out = v.detach()
-        return out.requires_grad_(True) if v.requires_grad and (v.is_floating_point() or v.is_complex()) else out
+        if not (v.requires_grad and (v.is_floating_point() or v.is_complex())):
+            return out
+        out = out.requires_grad_(True)
+        if alias is None or not countable(v):
+            return out
+        clone = out.clone()
+        alias[clone.untyped_storage().data_ptr()] = span(v)
+        return clone
 
     return tree_map(one, value)

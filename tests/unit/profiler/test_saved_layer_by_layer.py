@@ -63,3 +63,27 @@ def test_counting_keeps_one_nodes_parameters_at_a_time() -> None:
     one_layer = (64 * 64 + 64) * 4
     assert graph.metadata["profile"]["layer_by_layer"]["peak_parameter_bytes"] <= 2 * one_layer  # not all 6
     assert all(n.saved_bytes is not None for n in graph.nodes)
+
+
+class InPlaceScale(nn.Module):
+    """Scales its input in place: on a leaf that requires grad that fails, so the walk runs it on a clone."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(self.weight)
+
+
+@pytest.mark.slow
+def test_an_in_place_operator_is_charged_as_in_the_regular_profile() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), InPlaceScale(8), nn.Linear(8, 8), InPlaceScale(8))
+    x = torch.randn(4, 8)
+    common = dict(leaf_modules=[InPlaceScale], iterations=1, warmup=0, subtract_overhead=False)
+    regular = profile(model, (x,), lambda out: out.sum(), **common)
+    walked = profile(model, (x,), lambda out: out.sum(), layer_by_layer=True, layer_by_layer_bytes=1, **common)
+    # The first Linear's output, scaled in place, is saved by the second Linear: the Linear's bytes (its
+    # storage), not the in-place node's; mul_ saves its original input (a copy): the in-place node's.
+    assert _saved(walked) == _saved(regular) == {"input_1": 0.0, "_0": 128.0, "_1": 128.0, "_2": 0.0, "_3": 128.0}
