@@ -51,12 +51,12 @@ class Measured:
 def measured(engine: Any, probe: PeakProbe) -> Measured:
     """This rank's measurement at the end of a run."""
     meter = getattr(engine, "meter", None)
-    metered = isinstance(meter, StashMeter)
     if engine.stage is None:  # a spare rank holds no stage
         return Measured(None, process_peak=float(probe.peak()))
     held = state_bytes(engine.stage, engine.optimizer)
+    stash = meter if isinstance(meter, StashMeter) else None  # held and stashed bytes: with --measure_memory only
     return Measured(engine.stage_id, float(held["parameters"] + held["optimizer_state"]),
-                    float(meter.held_peak) if metered else None, float(meter.peak) if metered else None,
+                    float(stash.held_peak) if stash else None, float(stash.peak) if stash else None,
                     float(probe.peak()))
 
 
