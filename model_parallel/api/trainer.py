@@ -245,8 +245,9 @@ def _report_kind(factory: OptimizerFactory) -> Optional[str]:
     """The optimizer kind the memory report prices, None (no report, said once) for one the model does not know."""
     try:
         return _optimizer_kind(factory)
-    except PlanError as error:
-        logger.info("no memory report at the end of train: %s", error)
+    except (PlanError, TypeError, ValueError, AttributeError) as error:  # the report is not worth failing a run for
+        logger.warning("no memory report at the end of train: the optimizer's state cannot be priced (%s: %s)",
+                       type(error).__name__, error)
         return None
 
 
