@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     from model_parallel import PipelineTrainer
-    from model_parallel.cli.memory_summary import predicted
+    from model_parallel.runtime.observe.memory_table import predicted
     from model_parallel.graph.io import load_graph
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.observe.memory_probe import state_bytes

@@ -65,7 +65,7 @@ def _footprint(engine, args: argparse.Namespace) -> dict[str, float]:
     """The stage's predicted footprint (optimizer/memory.py, Adam, 1F1B) and its measured counterpart: the
     largest parameters + gradients + Adam state held after a step's backwards + the peak bytes microbatches in
     flight kept for backward (runtime/observe/memory_probe.StashMeter), over the steps of the current plan."""
-    from model_parallel.cli.memory_summary import predicted
+    from model_parallel.runtime.observe.memory_table import predicted
 
     if engine.stage is None:
         return {}

@@ -2,7 +2,8 @@
 
     state = original_state_dict(graph, trainer_state, model)    # load_state_dict(strict=True) into the model
     save_pretrained(model_or_config, state, "out/")             # config + sharded safetensors (+ index)
-    export_checkpoint("ckpt/", "graph.json", "out/", config=...) # the same from a checkpoint, without workers
+    export_checkpoint("ckpt/", None, "out/")                     # the same from a checkpoint, without workers
+                                                                 # (its recorded graph and HF config; or given)
 
 Stage modules name a parameter `layer1_0_conv1.weight` (codegen.naming); the original model calls it
 `layer1.0.conv1.weight`. The graph records which original names each node owns, so the renaming is
@@ -134,12 +135,21 @@ def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
     return state
 
 
-def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str, Path], out: Union[str, Path], *,
+def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str, Path, None], out: Union[str, Path], *,
                       config: Any = None, step: Optional[int] = None, max_shard_size: Union[int, str] = "5GB",
                       model_class: Optional[str] = None) -> Path:
-    """A checkpoint -> an HF directory (with `config`) or `out/model.safetensors` in the original names."""
+    """A checkpoint -> an HF directory (with a config) or `out/model.safetensors` in the original names.
+    `graph` None: the graph the checkpoint recorded, and then its Hugging Face config.json too when `config` is None
+    (runtime/checkpoint/model_files.py); a given graph or config overrides what it recorded."""
     from model_parallel.graph.io import load_graph
+    from model_parallel.runtime.checkpoint.model_files import checkpoint_graph, checkpoint_hf_config
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
 
+    if graph is None:
+        folder = load_checkpoint(checkpoint_dir, step).path
+        graph = checkpoint_graph(folder)
+        if config is None:
+            config = checkpoint_hf_config(folder, graph)
     graph = graph if isinstance(graph, Graph) else load_graph(graph)
     state = original_state_dict(graph, checkpoint_stage_state(checkpoint_dir, graph, step))
     if config is not None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.api.job import JobSpec, build_job
-from model_parallel.errors import DataError, ModelParallelError, TrainingStopped
+from model_parallel.errors import DataError, ModelParallelError, PlanError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -104,6 +104,10 @@ class PipelineTrainer:
         self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
         self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None
+        # The end-of-train memory table (`memory_report`): predicted for this optimizer, measured from here on.
+        self.memory_report: Any = None
+        self._memory_kind = _report_kind(optimizer_factory)
+        self._probe: Any = None
         from model_parallel.runtime.build.tied import check_schedule
 
         check_schedule(graph, self.plan, config.schedule)  # before any runner or heartbeat starts
@@ -122,6 +126,10 @@ class PipelineTrainer:
 
                 device = torch.device("cuda", torch.cuda.current_device())
                 move_real(model, device)
+            from model_parallel.runtime.observe.memory_probe import PeakProbe
+
+            self._probe = PeakProbe(device)
+            self._probe.start()  # before the stage is materialized: the peak counts everything the run adds
             self.health = Health(store, dist.get_rank(), dist.get_world_size(), interval=min(1.0, options.timeout / 10),
                                  store_host=None).start()
             # The heartbeat thread must be stopped before interpreter teardown: a store call still
@@ -141,7 +149,7 @@ class PipelineTrainer:
                             "pass a dataset (evaluate(data, steps) takes its own)")
         if not self.single_process:
             try:
-                return self.runner.train(steps)
+                results = self.runner.train(steps)
             except TrainingStopped:
                 raise
             except Exception as error:
@@ -151,6 +159,8 @@ class PipelineTrainer:
                     first = str(error).splitlines()[0][:300] if str(error) else ""
                     self.health.stop("failed", None, f"{type(error).__name__}: {first}")
                 raise
+            self._report_memory()
+            return results
         # Single-process mode validates as the pipeline's loop does: every eval_every steps and after the last.
         every, results = self.options.eval_every, []
         for step in range(steps):
@@ -158,7 +168,28 @@ class PipelineTrainer:
             if self.eval_dataset is not None and every and ((step + 1) % every == 0 or step + 1 == steps):
                 results[-1].extra["val_loss"] = self.runner.evaluate(self.eval_dataset, self.options.eval_steps).loss
                 logger.info("[single process] step %d val_loss %.6f", step, results[-1].extra["val_loss"])
+        self._report_memory()
         return results
+
+    def _report_memory(self) -> None:
+        """Predicted vs measured peak per stage (`runtime/observe/memory_table.py`, the worker command line's table)
+        into `self.memory_report`, logged on rank 0. Collective on several ranks. One process holds every stage
+        in single-process mode, so there the table is the prediction alone (measured: n/a)."""
+        from model_parallel.runtime.observe import memory_table
+
+        if self._memory_kind is None:
+            return
+        config = self.config
+        parts = memory_table.predicted(self.graph, self.plan, self._memory_kind, 0.0, config.schedule,
+                                       config.num_microbatches, config.batch_size // config.num_microbatches)
+        if self.single_process:
+            rows = [(str(stage), memory_table.Measured(stage)) for stage in range(self.plan.num_stages)]
+            self.memory_report = memory_table.MemoryReport(
+                parts, rows, memory_table.format_memory(parts, rows, "stage", "not measured: one process"))
+        else:
+            self.memory_report = memory_table.gather_report(self.runner, self._probe, parts, self.runner.device)
+        if self.single_process or self.runner.rank == 0:
+            logger.info("memory per stage, predicted vs measured:\n%s", self.memory_report.text)
 
     def evaluate(self, data: Any, steps: int, metric: Optional[Callable[[Any, torch.Tensor], Any]] = None,
                  collate_fn: Optional[Callable[[list[Any]], Any]] = None) -> Any:
@@ -208,6 +239,16 @@ class PipelineTrainer:
         if not self.single_process and dist.get_rank() != 0:
             return None
         return save_pretrained(self._original, state, directory, max_shard_size=max_shard_size)
+
+
+def _report_kind(factory: OptimizerFactory) -> Optional[str]:
+    """The optimizer kind the memory report prices, None (no report, said once) for one the model does not know."""
+    try:
+        return _optimizer_kind(factory)
+    except (PlanError, TypeError, ValueError, AttributeError) as error:  # the report is not worth failing a run for
+        logger.warning("no memory report at the end of train: the optimizer's state cannot be priced (%s: %s)",
+                       type(error).__name__, error)
+        return None
 
 
 def _optimizer_kind(factory: OptimizerFactory) -> str:

@@ -193,8 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("  validation loss: " + ", ".join(f"{v:.3f} (step {s})" for s, v in losses), flush=True)
     # 4. export the checkpoint as a Hugging Face directory, reload it, generate
     model_dir = run_dir / "model"
-    run_step("export", [py, *MODEL_PARALLEL, "export", str(checkpoints), "--graph", str(graph), "--config", str(config),
-                        "--out", str(model_dir)], logs / "export.log")
+    # The checkpoint records the graph and the model's config.json: no --graph/--config (checkpoint/model_files.py).
+    run_step("export", [py, *MODEL_PARALLEL, "export", str(checkpoints), "--out", str(model_dir)], logs / "export.log")
     line = generate_line(model_dir, args.prompt, args.max_new_tokens)
     atomic_write_json(run_dir / "demo_lm.json", {"validation_loss": [{"step": s, "val_loss": v} for s, v in losses],
                                                  "model": str(model_dir), "prompt": args.prompt, "generated": line,

@@ -1,9 +1,11 @@
-"""`model-parallel export CHECKPOINT_DIR --graph GRAPH --out DIR [--config CONFIG]`: a checkpoint out, no workers.
+"""`model-parallel export CHECKPOINT_DIR --out DIR [--graph GRAPH] [--config CONFIG]`: a checkpoint out, no workers.
 
-With `--config` (a Hugging Face config.json or model directory) DIR becomes a Hugging Face model directory
-(`AutoModel*.from_pretrained(DIR)`); without it DIR/model.safetensors holds the original model's state dict
-(`model.load_state_dict(safetensors.torch.load_file(...), strict=True)`). The graph is the one the run
-trained (its graph.json, or the generated package directory holding it): it maps stage names back.
+A checkpoint records the graph the run trained (it maps stage names back to the model's) and, for a Hugging
+Face model, its config.json (runtime/checkpoint/model_files.py). With a config DIR becomes a Hugging Face model
+directory (`AutoModel*.from_pretrained(DIR)`); without one DIR/model.safetensors holds the original model's state
+dict (`model.load_state_dict(safetensors.torch.load_file(...), strict=True)`). `--graph` (a graph.json or the
+generated package directory holding it) and `--config` (a config.json or model directory) override what the
+checkpoint recorded, and are needed for checkpoints of older versions, which recorded neither.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ from model_parallel.errors import ConfigError
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog="model-parallel export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint_dir", help="the run's --checkpoint_dir (its 'latest' step unless --step)")
-    p.add_argument("--graph", required=True, help="graph.json the run trained, or its generated package directory")
+    p.add_argument("--graph", default=None, help="graph.json the run trained, or its generated package directory "
+                                                 "(default: the graph the checkpoint recorded)")
     p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--config", default=None, help="Hugging Face config.json or model directory: write an HF directory")
+    p.add_argument("--config", default=None, help="Hugging Face config.json or model directory: write an HF directory "
+                                                  "(default: the config the checkpoint recorded, for an HF model)")
     p.add_argument("--model_class", default=None,
                    help="transformers class to write, e.g. GPT2LMHeadModel (default: the config's architectures)")
     p.add_argument("--step", type=int, default=None, help="a committed step other than the latest")
@@ -35,10 +39,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from model_parallel.api.export import export_checkpoint
 
     shard = _shard_size(args.max_shard_size)
-    graph = Path(args.graph)
-    if graph.is_dir():
+    graph = None if args.graph is None else Path(args.graph)
+    if graph is not None and graph.is_dir():
         graph = graph / "graph.json"
-    if not graph.is_file():
+    if graph is not None and not graph.is_file():
         raise ConfigError(f"--graph {args.graph}: no such graph file; pass the graph.json the run trained")
     written = export_checkpoint(args.checkpoint_dir, graph, args.out, config=args.config, step=args.step,
                                 max_shard_size=shard, model_class=args.model_class)

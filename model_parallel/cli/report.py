@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from model_parallel.cli.memory_summary import Measured, format_memory, predicted
+from model_parallel.runtime.observe.memory_table import Measured, format_memory, predicted
 from model_parallel.coordinator.status import plan_times_label
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
@@ -98,7 +98,7 @@ def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any
 
 def stage_memory(graph: Any, plan: Plan, records: Sequence[Mapping[str, Any]], *, optimizer: str, momentum: float,
                  schedule: str, microbatches: int, microbatch_size: int) -> tuple[list[dict[str, float]], list[Measured]]:
-    """Predicted (`cli.memory_summary.predicted`: the footprint of the run's optimizer, schedule and microbatches)
+    """Predicted (`runtime.observe.memory_table.predicted`: the footprint of the run's optimizer, schedule and microbatches)
     and measured bytes per stage under the initial plan: the largest over its steps of each rank's metrics fields
     `held_bytes`, `weights_opt_bytes`, `stash_peak_bytes` and `cuda_peak_bytes` (written with `--measure_memory`)."""
     parts = predicted(graph, plan, optimizer, momentum, schedule, microbatches, microbatch_size)

@@ -267,17 +267,17 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     job = load_job(args, world.world_size, served)
     channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule)
     on_engine = None if prefix is None else lambda engine: setattr(prefix, "engine", engine)
-    from model_parallel.cli import memory_summary
+    from model_parallel.runtime.observe import memory_table
     from model_parallel.runtime.observe.memory_probe import PeakProbe
 
     probe = PeakProbe(world.device)
     probe.start()  # before the stage is materialized: the peak counts everything the run adds
     engine = run_job(job, config, options, args.steps, make_optimizer_factory(args), channel, world, health, on_engine)
-    parts = memory_summary.predicted(engine.graph, engine.plan, args.optimizer, args.momentum, config.schedule,
+    parts = memory_table.predicted(engine.graph, engine.plan, args.optimizer, args.momentum, config.schedule,
                                      config.num_microbatches, config.batch_size // config.num_microbatches)
-    text = memory_summary.gather_table(engine, probe, parts, world.device)
+    report = memory_table.gather_report(engine, probe, parts, world.device)
     if world.rank == 0:
-        print(f"memory per stage, predicted vs measured:\n{text}", flush=True)
+        print(f"memory per stage, predicted vs measured:\n{report.text}", flush=True)
     return engine
 
 

@@ -20,7 +20,7 @@ from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph, TensorMeta
 from model_parallel.profiler.insitu import Instrumentation, calibrate_instrumentation, run_steps
 from model_parallel.profiler.layer_by_layer import LayerWalk, refuse_meta
-from model_parallel.profiler.saved import record_saved_bytes
+from model_parallel.profiler.saved import NodeByNodeSaving, record_saved_bytes, record_saved_bytes_by_node
 from model_parallel.profiler.timing import (HarnessOverhead, NodeTiming, Replay, ReplayInterpreter, calibrate_overhead,
                                             check_clock, float32_output, precision_autocast)
 from model_parallel.profiler.segments import run_segments
@@ -312,9 +312,13 @@ def profile(
                     loss_timing = replay.time(lambda p: loss_fn(float32_output(p["output"]) if precision != "fp32" else p["output"]),
                                               {"output": (output, True)})
             timings = interpreter.timings
-        saved = None if walk is not None else record_saved_bytes(
-            gm, flat_inputs(args, kwargs), loss_fn, output_dicts if precision == "fp32" else
-            lambda out: float32_output(output_dicts(out)), lambda: precision_autocast(precision, target))
+        wrap = output_dicts if precision == "fp32" else lambda out: float32_output(output_dicts(out))
+        autocast = lambda: precision_autocast(precision, target)  # noqa: E731
+        if walk is None:
+            saved = record_saved_bytes(gm, flat_inputs(args, kwargs), loss_fn, wrap, autocast)
+        else:  # the same rule, one node's tensors materialized at a time
+            saving = walk.interpreter(NodeByNodeSaving)(gm, autocast)
+            saved = record_saved_bytes_by_node(saving, flat_inputs(args, kwargs), loss_fn, wrap)
         if precision != "fp32":
             graph = _dtypes_at(graph, gm, flat_inputs(args, kwargs), precision, target, walk)
     nodes = tuple(
@@ -322,8 +326,8 @@ def profile(
         if node.node_id in timings else node
         for node in graph.nodes
     )
-    if saved is not None:  # what autograd keeps for backward, per node (profiler/saved.py)
-        nodes = tuple(replace(n, saved_bytes=float(saved.nodes[n.node_id])) if n.node_id in saved.nodes else n for n in nodes)
+    # what autograd keeps for backward, per node (profiler/saved.py)
+    nodes = tuple(replace(n, saved_bytes=float(saved.nodes[n.node_id])) if n.node_id in saved.nodes else n for n in nodes)
     seconds = time.perf_counter() - started
     metadata = dict(graph.metadata)
     metadata["profile"] = {
@@ -338,7 +342,7 @@ def profile(
         "overhead_subtracted_ms": {"forward": overhead.forward_ms, "backward": overhead.backward_ms},
         "loss_forward_ms": loss_timing.forward_ms,
         "loss_backward_ms": loss_timing.backward_ms,
-        "loss_saved_bytes": saved.loss if saved is not None else None,
+        "loss_saved_bytes": saved.loss,
         "profiling_seconds": seconds,
     }
     if walk is not None:

@@ -26,6 +26,7 @@ from model_parallel.errors import ModelParallelError, ProfileError
 from model_parallel.graph.arguments import CONSTANTS, encode_argument, encode_constant
 from model_parallel.graph.crossing import value_refusal
 from model_parallel.graph.core import STATE_ALIASES, TIED_PARAMETERS, Graph, LayerSpec, Node, TensorMeta
+from model_parallel.graph.hf_config import HF_CONFIG, hf_config_dict
 from model_parallel.graph.init_rule import is_hugging_face_model
 from model_parallel.profiler.describe import describe, module_constructor
 from model_parallel.profiler.export_trace import export_model, portable_devices
@@ -308,6 +309,9 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[t
     }
     if route == "export":
         metadata["route_reason"] = why
+    config = hf_config_dict(model)
+    if config is not None:  # what export writes as config.json, from the graph a checkpoint records
+        metadata[HF_CONFIG] = config
     state_names = set(model.state_dict().keys())
     graph = graph_from_fx(gm, recorder.metas, metadata, state_names, recorder.refusals)
     if route == "export":  # export wrote the traced-on device into operators: "wherever it runs" instead

@@ -55,7 +55,7 @@ def test_kill9_mid_checkpoint_then_resume_on_fewer_workers_is_exact(tmp_path: Pa
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
     # --keep_checkpoints 2: exactly the newest two step directories, and no leftover anywhere.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_3", "step_5"]
-    assert sorted(p.name for p in step3.iterdir()) == ["manifest.json", "shard_0.json", "shard_0.pt", "shard_1.json", "shard_1.pt"]
+    assert sorted(p.name for p in step3.iterdir()) == ["graph.json", "manifest.json", "shard_0.json", "shard_0.pt", "shard_1.json", "shard_1.pt"]
     assert not list(checkpoints.rglob("*.tmp"))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from model_parallel.cli.memory_summary import Measured, format_memory
+from model_parallel.runtime.observe.memory_table import Measured, format_memory
 from model_parallel.cli.report import stage_memory
 from model_parallel.graph.io import load_graph, save_graph
 from model_parallel.graph.plan import read_plan, write_plan

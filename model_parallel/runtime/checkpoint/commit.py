@@ -6,7 +6,8 @@ At a checkpoint of step N, on every rank together:
     every rank                    share_failure: one all-reduce of "who failed", then the first
                                   failed rank broadcasts its message
                                   -> any failure: every rank raises "checkpoint write failed on rank R: ..."
-    rank 0                        finalize (manifest of the writers' shards, fsync, move `latest`,
+    rank 0                        step_N/graph.json (+ config.json of an HF model: model_files.py),
+                                  finalize (manifest of the writers' shards, fsync, move `latest`,
                                   fsync), then prune (older than the last K, leftovers)
     every rank                    share_failure again -> "checkpoint commit failed on rank 0: ..."
 
@@ -41,6 +42,7 @@ from model_parallel.errors import CheckpointError, PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.checkpoint.check import check_manifest
+from model_parallel.runtime.checkpoint.model_files import write_model_files
 from model_parallel.runtime.checkpoint.store import (
     MANIFEST,
     _read_json,
@@ -51,6 +53,7 @@ from model_parallel.runtime.checkpoint.store import (
     save_shard,
     shard_path,
     split_state,
+    step_dir,
     step_dirs,
 )
 from model_parallel.runtime.config import RunOptions
@@ -84,6 +87,7 @@ class CheckpointingEngine(AgreeingEngine, Protocol):
 
     graph: Graph
     plan: Plan
+    model: nn.Module  # the whole model (on meta where stages were built from it): its Hugging Face config
     options: RunOptions
     stage: Optional[nn.Module]  # None on a spare
     optimizer: Optional[torch.optim.Optimizer]
@@ -118,6 +122,8 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
     if engine.rank == 0:
         writers = [s.ranks[0] for s in engine.plan.stages]
         try:
+            # Before the manifest: a committed checkpoint holds what `model-parallel export` needs (model_files.py).
+            write_model_files(step_dir(directory, step), engine.graph, engine.model)
             finalize(directory, step, {"world_size": engine.world_size, "plan": engine.plan.to_dict()},
                      engine.fingerprint(), expected_ranks=writers,
                      extra={"next_step": step + 1, "training": engine.training_record(step + 1)})

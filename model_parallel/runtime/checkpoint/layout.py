@@ -3,6 +3,7 @@
     <directory>/latest                     text "step_<N>": the commit point
     <directory>/step_<N>/shard_<rank>.pt   one rank's tensors; shard_<rank>.json its index
     <directory>/step_<N>/manifest.json     the shards that make the checkpoint
+    <directory>/step_<N>/graph.json        the graph trained (+ config.json of an HF model: model_files.py)
 
 A step counts once it has a manifest and `latest` names it or a later step; see runtime/checkpoint/store.py.
 """

@@ -30,6 +30,8 @@ Layout of a checkpoint directory:
     <directory>/step_<N>/shard_<rank>.pt  torch.save({"params", "buffers", "optimizer", "extra"})
     <directory>/step_<N>/shard_<rank>.json  index of the shard: keys, shapes, sha256 (written after it)
     <directory>/step_<N>/manifest.json    written by finalize after all shards: shards, world, fingerprint
+    <directory>/step_<N>/graph.json       the graph the run trained, and config.json for a Hugging Face
+                                          model (written before the manifest by commit.py: model_files.py)
 
 Crash safety: every file is written atomically (temporary file + rename, fsync of the file and of
 its directory). A checkpoint counts once `latest` names it: until then a reader sees the previous

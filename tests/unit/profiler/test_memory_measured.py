@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from model_parallel.cli.memory_summary import Measured, format_memory
+from model_parallel.runtime.observe.memory_table import Measured, format_memory
 from model_parallel.graph.io import load_graph, save_graph
 from model_parallel.graph.saved import covered, span
 from model_parallel.profiler.api import profile

@@ -1,5 +1,5 @@
-"""The worker's end-of-run memory table: each stage's predicted footprint (`optimizer/memory.py`) next to
-what its ranks measured (`runtime/observe/memory_probe.py`), gathered to rank 0 as plain float tensors."""
+"""The end-of-run memory table (the worker command line's and `PipelineTrainer.train`'s): each stage's predicted
+footprint (`optimizer/memory.py`) next to what its ranks measured (`memory_probe.py`), gathered as float tensors."""
 from __future__ import annotations
 
 import logging
@@ -51,31 +51,50 @@ class Measured:
 def measured(engine: Any, probe: PeakProbe) -> Measured:
     """This rank's measurement at the end of a run."""
     meter = getattr(engine, "meter", None)
-    metered = isinstance(meter, StashMeter)
     if engine.stage is None:  # a spare rank holds no stage
         return Measured(None, process_peak=float(probe.peak()))
     held = state_bytes(engine.stage, engine.optimizer)
+    stash = meter if isinstance(meter, StashMeter) else None  # held and stashed bytes: with --measure_memory only
     return Measured(engine.stage_id, float(held["parameters"] + held["optimizer_state"]),
-                    float(meter.held_peak) if metered else None, float(meter.peak) if metered else None,
+                    float(stash.held_peak) if stash else None, float(stash.peak) if stash else None,
                     float(probe.peak()))
 
 
-def gather_table(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], device: torch.device) -> str:
-    """Every rank's measurement to every rank (one all_gather of 5 floats; NaN = not measured); rank 0 prints it."""
+@dataclass(frozen=True)
+class MemoryReport:
+    """Predicted vs measured bytes at the end of a run: `parts` per stage (`predicted`), `rows` per rank
+    (label, `Measured`; a spare's stage is None) and `text`, the table `format_memory` prints."""
+
+    parts: list[dict[str, float]]
+    rows: list[tuple[str, Measured]]
+    text: str
+
+    def stage_rows(self) -> list[dict[str, Any]]:
+        """One dict per rank holding a stage: its label, stage, predicted total bytes, measured peak bytes (None
+        where not measured: the run had no `measure_memory`) and the process's peak bytes."""
+        return [{"rank": label, "stage": m.stage, "predicted_bytes": self.parts[m.stage]["total"],
+                 "measured_bytes": m.peak, "process_peak_bytes": m.process_peak}
+                for label, m in self.rows if m.stage is not None]
+
+
+def gather_report(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], device: torch.device,
+                  group: Any = None) -> MemoryReport:
+    """Every rank's measurement to every rank (one all_gather of 5 floats on `group`, default the world's;
+    NaN = not measured): the same report on every rank, rank 0 prints it."""
     import torch.distributed as dist
 
     mine = measured(engine, probe)
     values = [-1.0 if mine.stage is None else float(mine.stage), mine.weights_opt, mine.held, mine.stash_peak,
               mine.process_peak]
     row = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64, device=device)
-    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, row, group=group)
     table = []
     for rank, gathered in enumerate(rows):
         stage, *rest = [float(v) for v in gathered.cpu()]
         table.append((str(rank), Measured(None if stage < 0 else int(stage),
                                           *[None if math.isnan(v) else v for v in rest])))
-    return format_memory(parts, table, "rank", probe.source)
+    return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source))
 
 
 def _mb(value: Optional[float], width: int) -> str:
