@@ -106,7 +106,7 @@ class PipelineTrainer:
         self.health: Any = None
         # The end-of-train memory table (`memory_report`): predicted for this optimizer, measured from here on.
         self.memory_report: Any = None
-        self._memory_kind = _report_kind(optimizer_factory)
+        self._optimizer_factory = optimizer_factory  # probed for the report only where no optimizer was built here
         self._probe: Any = None
         from model_parallel.runtime.build.tied import check_schedule
 
@@ -177,10 +177,11 @@ class PipelineTrainer:
         in single-process mode, so there the table is the prediction alone (measured: n/a)."""
         from model_parallel.runtime.observe import memory_table
 
-        if self._memory_kind is None:
+        kind = _report_kind(getattr(self.runner, "optimizer", None), self._optimizer_factory)
+        if kind is None:
             return
         config = self.config
-        parts = memory_table.predicted(self.graph, self.plan, self._memory_kind, 0.0, config.schedule,
+        parts = memory_table.predicted(self.graph, self.plan, kind, 0.0, config.schedule,
                                        config.num_microbatches, config.batch_size // config.num_microbatches)
         if self.single_process:
             rows = [(str(stage), memory_table.Measured(stage)) for stage in range(self.plan.num_stages)]
@@ -241,10 +242,16 @@ class PipelineTrainer:
         return save_pretrained(self._original, state, directory, max_shard_size=max_shard_size)
 
 
-def _report_kind(factory: OptimizerFactory) -> Optional[str]:
-    """The optimizer kind the memory report prices, None (no report, said once) for one the model does not know."""
+def _report_kind(built: Optional[torch.optim.Optimizer], factory: OptimizerFactory) -> Optional[str]:
+    """The optimizer kind the memory report prices: that of the optimizer this process built (the factory is called
+    once more, on a probe, only on a spare rank that built none); None (no report, said once) for one the model
+    does not know."""
+    from model_parallel.optimizer.memory import optimizer_kind
+
     try:
-        return _optimizer_kind(factory)
+        if built is None:
+            return _optimizer_kind(factory)
+        return optimizer_kind(type(built).__name__.lower(), float(built.defaults.get("momentum", 0.0) or 0.0))
     except (PlanError, TypeError, ValueError, AttributeError) as error:  # the report is not worth failing a run for
         logger.warning("no memory report at the end of train: the optimizer's state cannot be priced (%s: %s)",
                        type(error).__name__, error)
