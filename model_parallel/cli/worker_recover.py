@@ -52,9 +52,11 @@ def check_recover_flags(args: Any) -> None:
 class RecoveryRecord:
     """One survived failure: who was lost, the world after it, what was restored from where, how long it took."""
 
+    me: int  # the original rank of the process that recorded it
     generation: int
     lost: tuple[int, ...]  # original ranks that left the world
     world: tuple[int, ...]  # original ranks of the new world (new rank = index)
+    store: str  # host:port of the store the new world met at
     checkpoint_dir: str
     checkpoint_step: int  # the committed checkpoint restored
     done_before: int  # steps this rank had completed before the failure
@@ -66,13 +68,22 @@ class RecoveryRecord:
         return max(0, self.done_before - self.continued_at)
 
     def line(self) -> str:
-        return (f"recovery {self.generation}: lost original rank(s) {list(self.lost)}; new world of {len(self.world)} "
-                f"(original ranks {list(self.world)}); restored checkpoint step {self.checkpoint_step} from "
+        return (f"[original rank {self.me}] recovery {self.generation}: lost original rank(s) {list(self.lost)}; new world of {len(self.world)} "
+                f"(original ranks {list(self.world)}, met at {self.store}); restored checkpoint step {self.checkpoint_step} from "
                 f"{self.checkpoint_dir}; recomputed {self.recomputed} step(s) (continued at step {self.continued_at}); "
                 f"{self.seconds:.2f} s from detection to the first completed step")
 
     def to_json(self) -> dict[str, Any]:
         return {"event": "recovery", **dataclasses.asdict(self), "recomputed": self.recomputed}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RecoveryRecord":
+        """A record `to_json` wrote (a metrics file line); extra keys are ignored, missing ones a ValueError."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"a recovery record lacks {missing}: {str(data)[:120]}")
+        return cls(**{n: tuple(data[n]) if isinstance(data[n], list) else data[n] for n in names})
 
 
 class Survivor:
@@ -151,7 +162,7 @@ class Survivor:
         self.world, self.lineage = reformed.world, reformed.lineage
         self.prefix.rank, self.prefix.engine = self.world.rank, None
         self.health = start_health(self.world, timeout)
-        record = RecoveryRecord(reformed.lineage.generation, reformed.dropped, reformed.lineage.members,
+        record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
                                 str(self.args.checkpoint_dir), step, done_before, step + 1, 0.0)
         self._pending = (detected, record)
 
