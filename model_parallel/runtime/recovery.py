@@ -191,8 +191,8 @@ def _close_membership(store: Any, lineage: Lineage, expected: list[int], wait_s:
     deadline = time.monotonic() + wait_s
     registered: list[int] = []
     while True:
-        registered = [m for m in lineage.members
-                      if _bounded(lambda m=m: store.check([f"member/{m}"]), call, "reading the registrations")]
+        registered = _bounded(lambda: [m for m in lineage.members if store.check([f"member/{m}"])], call,
+                              "reading the registrations")
         if set(expected) <= set(registered) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -218,11 +218,11 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str, devic
     if lineage.me not in members:
         raise ReplacedError(f"original rank {lineage.me} was replaced: the survivors re-formed the world as generation "
                             f"{generation} with original ranks {members} before it registered")
-    for m in dropped:  # what a dropped process reads if it comes back (SIGCONT): it must not rejoin silently
-        try:
-            _bounded(lambda m=m: lineage.world_store.set(_REPLACED.format(m), str(generation)), 1.0, "recording the replaced")
-        except PeerError:
-            break  # the old world's store host is gone: so is anyone who could read it there
+    try:  # what a dropped process reads if it comes back (SIGCONT): it must not rejoin silently
+        _bounded(lambda: [lineage.world_store.set(_REPLACED.format(m), str(generation)) for m in dropped], 1.0,
+                 "recording the replaced")
+    except PeerError:
+        pass  # the old world's store host is gone: so is anyone who could read it there
     rank, size = members.index(lineage.me), len(members)
     try:
         dist.init_process_group(backend, store=PrefixStore("pg", store), rank=rank, world_size=size,
