@@ -114,6 +114,9 @@ class Survivor:
             except PeerError as error:
                 detected = time.monotonic()
                 done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
+                # Nothing may keep the broken world's groups alive: their last reference closes their connections,
+                # so a survivor still waiting on this one fails at once instead of after its timeout.
+                error.__traceback__, self.prefix.engine = None, None
                 self._recover(error, done_before, detected)
                 # Every later world: the even split for its size, the latest committed checkpoint, each process's own files.
                 args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None})
@@ -148,9 +151,12 @@ class Survivor:
                                    f"{sorted(lost) or 'unknown'} from", hint)
         logger.warning("[rank %d] %s; recovering (--recover): lost original rank(s) %s, latest committed checkpoint "
                        "step %d", rank, error, sorted(lost) or "unknown", step)
+        import gc
+
         if not abandon(0.5 * timeout):
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: the broken process group did not "
                                    f"shut down within {0.5 * timeout:g} s", hint)
+        gc.collect()  # the old engine and its groups (see train)
         try:
             reformed = reform(lineage, lost, timeout, self.backend, self.world.device)
         except ReplacedError as replaced:
