@@ -290,6 +290,13 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     return engine
 
 
+def test_hook(rank: int) -> Any:
+    """`MP_TEST_SIGNAL_AT_STEP` (tests, bench/recovery.py): a rank signals itself at a step (cli/worker_recover.py)."""
+    from model_parallel.cli.worker_recover import SIGNAL_ENV, arm_signal_hook
+
+    return (lambda engine: arm_signal_hook(engine, rank, rank)) if os.environ.get(SIGNAL_ENV) else None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -338,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
             job_config, job_options = (config, options) if job_argv is None else make_config(job_args)
-            run_one(job_args, job_config, job_options, world, health, prefix, served)
+            run_one(job_args, job_config, job_options, world, health, prefix, served, watch=test_hook(rank))
         health.stop("done")
         dist.destroy_process_group()
         # Leave without interpreter teardown: the store host may already be gone, and a store call
@@ -349,28 +356,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.flush()
         os._exit(0)
     except TrainingStopped as error:
-        if survivor is not None:  # after a recovery: the world it is in now
-            rank, health = survivor.rank, survivor.health
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         # Every rank got the same stop at the same step boundary: nobody waits for anybody.
         leave(EXIT_STOPPED, f"[rank {rank}] error: {error}", rank, health, state="done", cause=str(error),
               linger=False, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except PeerError as error:
-        if survivor is not None:  # after a recovery: the world it is in now
-            rank, health = survivor.rank, survivor.health
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         # A dead peer can leave gloo threads blocked; exit without waiting for them.
         match = re.search(r"rank (\d+) stopped responding", str(error))
         leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
               blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except ModelParallelError as error:
-        if survivor is not None:  # after a recovery: the world it is in now
-            rank, health = survivor.rank, survivor.health
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise  # before joining a world: no threads yet, cli.common prints it and exits 2
         leave(EXIT_USAGE, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
               cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank))
     except Exception as error:  # noqa: BLE001 - a layer failing at run time: one line here, and for every peer
-        if survivor is not None:  # after a recovery: the world it is in now
-            rank, health = survivor.rank, survivor.health
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise
         line = runtime_failure(error, prefix.engine.prefix if prefix.engine is not None else f"[rank {rank}]")

@@ -173,16 +173,13 @@ class Survivor:
         self._pending = (detected, record)
 
     def _watch(self, engine: Any) -> None:
-        """Time the first completed step of a recovered run (the engine's step, wrapped once); the test hook."""
-        signals = signal_hook(self.lineage.me)
-        if self._pending is None and not signals:
+        """Time the first completed step of a recovered run (the engine's step, wrapped once)."""
+        arm_signal_hook(engine, self.lineage.me, self.rank)
+        if self._pending is None:
             return
         original = engine.train_step
 
         def timed(step: int) -> Any:
-            if step in signals:  # the test hook: this process dies (or stops) as its step begins
-                logger.error("[rank %d] test hook %s: signal %s at step %d", self.rank, SIGNAL_ENV, signals[step], step)
-                os.kill(os.getpid(), signals.pop(step))
             result = original(step)
             if self._pending is not None:
                 self._pending = (self._pending[0], dataclasses.replace(self._pending[1], continued_at=engine.start_step))
@@ -217,6 +214,22 @@ def signal_hook(original_rank: int) -> dict[int, int]:
         if int(who) == original_rank:
             out[int(step)] = int(getattr(signal, f"SIG{name}"))
     return out
+
+
+def arm_signal_hook(engine: Any, original_rank: int, rank: int) -> None:
+    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin."""
+    signals = signal_hook(original_rank)
+    if not signals:
+        return
+    original = engine.train_step
+
+    def hooked(step: int) -> Any:
+        if step in signals:
+            logger.error("[rank %d] test hook %s: signal %s at step %d", rank, SIGNAL_ENV, signals[step], step)
+            os.kill(os.getpid(), signals.pop(step))
+        return original(step)
+
+    engine.train_step = hooked
 
 
 def append_metrics(path: str, record: RecoveryRecord) -> None:
