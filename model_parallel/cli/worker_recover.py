@@ -140,7 +140,7 @@ class Survivor:
         self.health.stop("failed", culprit, str(error))
         if culprit == rank:  # this process is the one its peers gave up on (it stood still)
             record = was_replaced(lineage, max(1.0, timeout / 4))
-            where = f"in generation {record}" if record else "(the world it belonged to is unreachable)"
+            where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
                                        f"replaced {where}: it does not rejoin", None)
         lost = {lineage.original(culprit)} if culprit is not None and 0 <= culprit < len(lineage.members) else set()

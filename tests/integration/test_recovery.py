@@ -116,3 +116,18 @@ def test_sigstop_then_sigcont_the_others_recover_the_stopped_one_is_told_it_was_
     assert "Traceback" not in stopped, stopped[-3000:]
     assert "new world of 2 (original ranks [0, 2]" in result.output(2), result.output(2)[-3000:]
     assert_exact(tmp_path, [0, 2])
+
+
+def test_sigstop_of_rank0_the_store_host_then_sigcont(tmp_path: Path) -> None:
+    commands = worker_commands(args(tmp_path / "ck", tmp_path), 3)
+    with LocalWorld(commands, env={"MP_TEST_SIGNAL_AT_STEP": "0:5:STOP"}) as world:
+        world.wait_for_line(1, r"survived 1 failure", timeout=120)
+        world.kill(0, signal.SIGCONT)
+        result = world.wait(timeout=60)
+    assert not result.timed_out, result.summary()
+    assert [w.returncode for w in result.workers] == [6, 0, 0], result.summary()
+    # The survivors met at a store of their own (its host stood still): rank 0 finds no record there, and still
+    # never rejoins.
+    assert "original rank 0 was declared lost and replaced" in result.output(0), result.output(0)[-3000:]
+    assert "new world of 2 (original ranks [1, 2]" in result.output(2), result.output(2)[-3000:]
+    assert_exact(tmp_path, [1, 2])
