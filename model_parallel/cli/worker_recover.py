@@ -43,6 +43,10 @@ def check_recover_flags(args: Any) -> None:
         raise ConfigError("--recover with --jobs: recovery continues one run; give the job's flags directly")
     if args.single_process:
         raise ConfigError("--recover with --single_process: one process has no peer to lose")
+    if args.rank is None or os.environ.get("TORCHELASTIC_RUN_ID"):
+        raise ConfigError("--recover needs a world joined with --rank/--world_size/--dist_addr: under torchrun its agent "
+                          "restarts every worker after a failure, and the restart resumes from the checkpoint by itself; "
+                          "drop --recover there")
     if not args.checkpoint_dir:
         raise ConfigError("--recover needs --checkpoint_dir (and --checkpoint_every K): survivors continue from the "
                           "latest committed checkpoint")

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 _ADDR = "mp/addr/{}"
 _REPLACED = "mp/replaced/{}"
-JOIN_TIMEOUTS = 2.0  # of --timeout: a survivor diagnoses within 1.4 T (health.py), so all expected ones are in
+JOIN_TIMEOUTS = 3.0  # of --timeout: a survivor diagnoses within 1.4 T (health.py) and abandons within 0.5 T more
 ABANDON_SHARE = 0.5  # of --timeout: how long destroying the broken process group may take
 _T = TypeVar("_T")
 _CAUSE = re.compile(r"^(?:\[[^\]]*\]\s*)*rank (\d+) (?:stopped responding|failed)")

@@ -9,19 +9,22 @@ from model_parallel.cli import worker
 from model_parallel.cli.worker_recover import SIGNAL_ENV, RecoveryRecord, signal_hook
 from model_parallel.errors import ConfigError
 
-BASE = ["--model", "mlp", "--rank", "0", "--world_size", "2", "--recover"]
+RECOVER = ["--model", "mlp", "--recover"]
+WORLD = ["--rank", "0", "--world_size", "2"]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--checkpoint_dir", "ck", "--coordinator", "127.0.0.1:1"],
+@pytest.mark.parametrize("argv, message", [
+    ([*WORLD, "--checkpoint_dir", "ck", "--coordinator", "127.0.0.1:1"],
      "--recover with --coordinator: re-registering the survivors with the coordinator under the new world is not "
      "implemented"),
-    ([], "--recover needs --checkpoint_dir"),
-    (["--checkpoint_dir", "ck", "--single_process"], "--recover with --single_process"),
+    (WORLD, "--recover needs --checkpoint_dir"),
+    ([*WORLD, "--checkpoint_dir", "ck", "--single_process"], "--recover with --single_process"),
+    (["--checkpoint_dir", "ck"], "--recover needs a world joined with --rank/--world_size/--dist_addr: under torchrun its "
+                                 "agent restarts every worker"),  # no --rank: torchrun's $RANK
 ])
-def test_recover_refuses_what_it_cannot_do_before_joining(extra: list[str], message: str) -> None:
+def test_recover_refuses_what_it_cannot_do_before_joining(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        worker.main([*BASE, *extra])  # raised before any world is joined: cli.common makes it exit 2
+        worker.main([*RECOVER, *argv])  # raised before any world is joined: cli.common makes it exit 2
 
 
 def test_the_record_round_trips_through_its_metrics_line() -> None:
