@@ -118,9 +118,9 @@ class Survivor:
             except PeerError as error:
                 detected = time.monotonic()
                 done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
-                # Nothing may keep the broken world's groups alive: their last reference closes their connections,
-                # so a survivor still waiting on this one fails at once instead of after its timeout.
-                error.__traceback__, self.prefix.engine = None, None
+                # The failed engine (its stage, optimizer state, group handles) goes before the next one is built:
+                # the exception's frames would keep it alive.
+                error.__traceback__, error.__context__, error.__cause__, self.prefix.engine = None, None, None, None
                 self._recover(error, done_before, detected)
                 # Every later world: the even split for its size, the latest committed checkpoint, each process's own files.
                 args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None})
@@ -160,7 +160,7 @@ class Survivor:
         if not abandon(0.5 * timeout):
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: the broken process group did not "
                                    f"shut down within {0.5 * timeout:g} s", hint)
-        gc.collect()  # the old engine and its groups (see train)
+        gc.collect()  # the failed engine (see train)
         try:
             reformed = reform(lineage, lost, timeout, self.backend, self.world.device)
         except ReplacedError as replaced:
