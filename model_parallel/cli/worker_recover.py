@@ -2,7 +2,7 @@
 latest committed checkpoint, in the same process (docs/reliability.md, "Recovery inside the job").
 
 Per failure (a PeerError naming the lost rank): stop this world's heartbeats, abandon the broken process group,
-meet the survivors in a new generation (`runtime/recovery.py`), build the job for the new world size with the
+meet the survivors in a new generation (`runtime/wire/recovery.py`), build the job for the new world size with the
 even split (the rule a `--resume` on another worker count applies: `--plan`, `--num_stages` and
 `--stage_to_num_ranks` describe the first world only), restore the latest committed checkpoint exactly as
 `--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
@@ -95,12 +95,12 @@ class Survivor:
 
     def __init__(self, args: Any, argv: list[str], config: Any, options: Any, world: Any, health: Any, prefix: Any,
                  run_one: Callable[..., Any]) -> None:
-        from model_parallel.runtime.recovery import first_lineage
+        from model_parallel.runtime.wire.recovery import first_lineage
 
         self.args, self.argv, self.config, self.options = args, argv, config, options
         self.world, self.health, self.prefix, self.run_one = world, health, prefix, run_one
         self.backend = "nccl" if world.device.type == "cuda" else "gloo"  # the first world's choice, kept
-        self.lineage = first_lineage(world, options.timeout)
+        self.lineage = first_lineage(world.rank, world.world_size, world.store, world.store_address, options.timeout)
         self.records: list[RecoveryRecord] = []
         self._pending: Optional[tuple[float, RecoveryRecord]] = None  # (detected at, record without its seconds)
 
@@ -136,7 +136,7 @@ class Survivor:
     # ---- one failure ------------------------------------------------------------------------------
     def _recover(self, error: PeerError, done_before: int, detected: float) -> None:
         from model_parallel.runtime.checkpoint.layout import latest_step
-        from model_parallel.runtime.recovery import abandon, lost_ranks, reform, was_replaced
+        from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
 
         lineage, timeout, rank = self.lineage, self.options.timeout, self.rank
         culprit = lost_ranks(str(error))
@@ -162,14 +162,16 @@ class Survivor:
                                    f"shut down within {0.5 * timeout:g} s", hint)
         gc.collect()  # the failed engine (see train)
         try:
-            reformed = reform(lineage, lost, timeout, self.backend, self.world.device)
+            reformed = reform(lineage, lost, timeout, self.backend)
         except ReplacedError as replaced:
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
         except PeerError as meet:
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
-        from model_parallel.runtime.run import start_health
+        from model_parallel.runtime.run import World, start_health
 
-        self.world, self.lineage = reformed.world, reformed.lineage
+        self.world = World(reformed.rank, reformed.world_size, reformed.store, self.world.device, reformed.store_host,
+                           reformed.store_address)
+        self.lineage = reformed.lineage
         self.prefix.rank, self.prefix.engine = self.world.rank, None
         self.health = start_health(self.world, timeout)
         record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,

@@ -1,9 +1,9 @@
-"""runtime/recovery.py without a world: which rank a PeerError blames, and original ranks across generations."""
+"""runtime/wire/recovery.py without a world: which rank a PeerError blames, and original ranks across generations."""
 from __future__ import annotations
 
 import pytest
 
-from model_parallel.runtime.recovery import Lineage, lost_ranks
+from model_parallel.runtime.wire.recovery import Lineage, lost_ranks
 
 
 @pytest.mark.parametrize("message, want", [

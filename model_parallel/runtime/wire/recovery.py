@@ -31,7 +31,6 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
 
 from model_parallel.errors import PeerError, ReplacedError
-from model_parallel.runtime.run import World
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +91,21 @@ def own_address(store_addr: str) -> str:
             return store_addr
 
 
-def first_lineage(world: World, timeout: float) -> Lineage:
-    """At the first join: publish this rank's address and read everyone's (collective over the store)."""
-    host, port = world.store_address.rsplit(":", 1)
-    mine = host if world.rank == 0 else own_address(host)
-    world.store.set(_ADDR.format(world.rank), mine)
-    keys = [_ADDR.format(r) for r in range(world.world_size)]
+def first_lineage(rank: int, world_size: int, store: Any, store_address: str, timeout: float) -> Lineage:
+    """At the first join (rank 0 hosts `store` at `store_address`): publish this rank's address and read
+    everyone's (collective over the store)."""
+    host, port = store_address.rsplit(":", 1)
+    mine = host if rank == 0 else own_address(host)
+    store.set(_ADDR.format(rank), mine)
+    keys = [_ADDR.format(r) for r in range(world_size)]
     try:
-        world.store.wait(keys, timedelta(seconds=timeout))
+        store.wait(keys, timedelta(seconds=timeout))
     except Exception as error:  # noqa: BLE001 - the store's own timeout or its host gone
-        raise PeerError(f"rank {world.rank}: not every rank published its address for --recover within {timeout:g} s: "
+        raise PeerError(f"rank {rank}: not every rank published its address for --recover within {timeout:g} s: "
                         f"{str(error).splitlines()[0][:200]}") from None
-    addresses = tuple(world.store.get(k).decode() for k in keys)
-    return Lineage(me=world.rank, generation=0, members=tuple(range(world.world_size)), addresses=addresses,
-                   base_port=int(port), store_host=0, store_port=int(port), base_store=world.store, world_store=world.store)
+    addresses = tuple(store.get(k).decode() for k in keys)
+    return Lineage(me=rank, generation=0, members=tuple(range(world_size)), addresses=addresses, base_port=int(port),
+                   store_host=0, store_port=int(port), base_store=store, world_store=store)
 
 
 def lost_ranks(message: str) -> Optional[int]:
@@ -149,9 +149,13 @@ def abandon(seconds: float) -> bool:
 
 @dataclass(frozen=True)
 class Reformed:
-    """The outcome of one re-forming: the new world and lineage, and who left it."""
+    """The outcome of one re-forming: the new world (its process group is joined) and lineage, and who left it."""
 
-    world: World
+    rank: int
+    world_size: int
+    store: Any  # the new world's store (heartbeats, statuses)
+    store_host: Optional[int]  # the current rank hosting it (None: not a member)
+    store_address: str  # host:port, for messages
     lineage: Lineage
     dropped: tuple[int, ...]  # original ranks of the previous world that are not in the new one
 
@@ -201,7 +205,7 @@ def _close_membership(store: Any, lineage: Lineage, expected: list[int], wait_s:
     return [int(m) for m in json.loads(closed.decode())]
 
 
-def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str, device: Any) -> Reformed:
+def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str) -> Reformed:
     """Meet the survivors in the next generation and join its process group (see the module docstring).
 
     `lost`: original ranks this process knows are gone. Raises ReplacedError when the membership closed
@@ -231,8 +235,7 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str, devic
         raise PeerError(f"rank {lineage.me}: the process group of generation {generation} (original ranks {members}) "
                         f"did not form within {timeout:g} s: {str(error).splitlines()[0][:200]}") from None
     port = lineage.store_port if base is lineage.base_store else lineage.base_port + generation
-    world = World(rank, size, store, device, members.index(host) if host in members else None,
-                  f"{lineage.addresses[host]}:{port}")
     new_lineage = replace(lineage, generation=generation, members=tuple(members), store_host=host, store_port=port,
                           base_store=base, world_store=store)
-    return Reformed(world, new_lineage, dropped)
+    return Reformed(rank, size, store, members.index(host) if host in members else None,
+                    f"{lineage.addresses[host]}:{port}", new_lineage, dropped)
