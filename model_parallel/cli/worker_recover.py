@@ -147,6 +147,10 @@ class Survivor:
             where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
                                        f"replaced {where}: it does not rejoin", None)
+        hook = signal_hook(lineage.me).get(AT_RECOVERY)
+        if hook is not None:  # the test hook: a second failure, during this recovery
+            logger.error("[rank %d] test hook %s: signal %s as the recovery begins", rank, SIGNAL_ENV, hook)
+            os.kill(os.getpid(), hook)
         lost = {lineage.original(culprit)} if culprit is not None and 0 <= culprit < len(lineage.members) else set()
         step = latest_step(self.args.checkpoint_dir)
         if step is None:
@@ -210,6 +214,7 @@ class Survivor:
 
 
 SIGNAL_ENV = "MP_TEST_SIGNAL_AT_STEP"  # "<original rank>:<step>:<KILL|STOP>[,...]": tests kill a rank at a known step
+AT_RECOVERY = -1  # the step `recovery` of SIGNAL_ENV: as the rank begins re-forming the world (a failure during recovery)
 
 
 def signal_hook(original_rank: int) -> dict[int, int]:
@@ -218,7 +223,7 @@ def signal_hook(original_rank: int) -> dict[int, int]:
     for item in filter(None, os.environ.get(SIGNAL_ENV, "").split(",")):
         who, step, name = item.split(":")
         if int(who) == original_rank:
-            out[int(step)] = int(getattr(signal, f"SIG{name}"))
+            out[AT_RECOVERY if step == "recovery" else int(step)] = int(getattr(signal, f"SIG{name}"))
     return out
 
 

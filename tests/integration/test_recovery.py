@@ -90,6 +90,14 @@ def test_two_failures_in_a_row(tmp_path: Path) -> None:
     assert_exact(tmp_path, [0])
 
 
+def test_a_second_failure_during_the_recovery_shrinks_the_new_world(tmp_path: Path) -> None:
+    result = run(tmp_path, "1:5:KILL,2:recovery:KILL")  # original rank 2 dies before it registers
+    assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, -signal.SIGKILL], result.summary()
+    output = result.output(0)
+    assert "recovery 1: lost original rank(s) [1, 2]; new world of 1 (original ranks [0]" in output, output[-3000:]
+    assert_exact(tmp_path, [0])
+
+
 def test_no_committed_checkpoint_ends_with_exit_3_and_the_command_that_starts_over(tmp_path: Path) -> None:
     result = run(tmp_path, "1:2:KILL", every=5)  # the first checkpoint would be step 4
     assert [w.returncode for w in result.workers] == [3, -signal.SIGKILL, 3], result.summary()
