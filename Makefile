@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) bench/rebalance.py --quick
 	$(PY) bench/schedules.py --quick
 	$(PY) bench/memory.py
+	$(PY) bench/recovery.py --quick
 
 clean:
 	rm -rf $(VENV) profiles runs .pytest_cache

@@ -64,6 +64,10 @@ class PeerError(ModelParallelError, RuntimeError):
     """A distributed peer died, timed out, or never joined; the message names the rank."""
 
 
+class ReplacedError(PeerError):
+    """This process was declared lost and its peers re-formed the world without it (`--recover`)."""
+
+
 class TrainingStopped(ModelParallelError, RuntimeError):
     """A run was stopped (a stop command) before all its requested steps ran; the message says why."""
 

@@ -5,7 +5,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
-from model_parallel.runtime.observe.metrics import format_summary, read_metrics, summarize, throughput
+from model_parallel.cli.worker_recover import RecoveryRecord
+from model_parallel.runtime.observe.metrics import format_summary, read_events, read_metrics, summarize, throughput
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -16,9 +17,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         records = read_metrics(args.paths)
+        recoveries = [RecoveryRecord.from_json(event) for event in read_events(args.paths, "recovery")]
     except (OSError, ValueError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(format_summary(summarize(records)))
     print(f"throughput after {args.warmup} warm-up step(s): {throughput(records, args.warmup):.1f} samples/s")
+    for event in recoveries:  # --recover: each survived failure, as each survivor recorded it
+        print(event.line())
     return 0
 

@@ -113,6 +113,9 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--allow_config_change", action="store_true",
                    help="with --resume: accept a batch size, schedule, seed, lr schedule, precision or data that "
                         "differs from what the checkpoint recorded (each change is logged)")
+    o.add_argument("--recover", action="store_true",
+                   help="when a peer is lost, re-form the world with the survivors and continue from the latest "
+                        "committed checkpoint in this process (needs --checkpoint_dir; not with --coordinator)")
     o.add_argument("--keep_checkpoints", type=int, default=3,
                    help="committed checkpoints kept in --checkpoint_dir; older ones are deleted (default 3)")
     o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
@@ -262,11 +265,17 @@ def rendezvous(args: Any) -> Rendezvous:
 
 
 def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefix: Optional[RankPrefix] = None,
-            served: Optional[ServedJob] = None) -> Any:
-    """Build one job from its flags (or the coordinator's) and train it on the already-joined world."""
+            served: Optional[ServedJob] = None, watch: Optional[Any] = None) -> Any:
+    """Build one job from its flags (or the coordinator's) and train it on the already-joined world
+    (`watch` sees the engine before it trains: --recover times the first step after a recovery)."""
     job = load_job(args, world.world_size, served)
     channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule)
-    on_engine = None if prefix is None else lambda engine: setattr(prefix, "engine", engine)
+
+    def on_engine(engine: Any) -> None:
+        if prefix is not None:
+            prefix.engine = engine
+        if watch is not None:
+            watch(engine)
     from model_parallel.runtime.observe import memory_table
     from model_parallel.runtime.observe.memory_probe import PeakProbe
 
@@ -281,10 +290,20 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     return engine
 
 
+def test_hook(rank: int) -> Any:
+    """`MP_TEST_SIGNAL_AT_STEP` (tests, bench/recovery.py): a rank signals itself at a step (cli/worker_recover.py)."""
+    from model_parallel.cli.worker_recover import SIGNAL_ENV, arm_signal_hook
+
+    return (lambda engine: arm_signal_hook(engine, rank, rank)) if os.environ.get(SIGNAL_ENV) else None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     check_inputs(args)
+    from model_parallel.cli.worker_recover import check_recover_flags
+
+    check_recover_flags(args)
     served = None
     if wants_served_job(args):
         configure_logging(args.verbose)
@@ -312,16 +331,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
     configure_logging(max(args.verbose, 1) if rank == 0 else args.verbose)
     prefix = install_rank_prefix(rank)
-    health = None
+    health, survivor = None, None
     try:
         world = join_world(rendezvous(args))
         rank = world.rank
         health = start_health(world, options.timeout)
+        if args.recover:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
+            from model_parallel.cli.worker_recover import Survivor
+
+            survivor = Survivor(args, argv, config, options, world, health, prefix, run_one)
+            jobs, health = [], survivor.train()
         for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
             job_config, job_options = (config, options) if job_argv is None else make_config(job_args)
-            run_one(job_args, job_config, job_options, world, health, prefix, served)
+            run_one(job_args, job_config, job_options, world, health, prefix, served, watch=test_hook(rank))
         health.stop("done")
         dist.destroy_process_group()
         # Leave without interpreter teardown: the store host may already be gone, and a store call
@@ -332,20 +356,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.flush()
         os._exit(0)
     except TrainingStopped as error:
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         # Every rank got the same stop at the same step boundary: nobody waits for anybody.
         leave(EXIT_STOPPED, f"[rank {rank}] error: {error}", rank, health, state="done", cause=str(error),
               linger=False, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except PeerError as error:
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         # A dead peer can leave gloo threads blocked; exit without waiting for them.
         match = re.search(r"rank (\d+) stopped responding", str(error))
         leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
               blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except ModelParallelError as error:
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise  # before joining a world: no threads yet, cli.common prints it and exits 2
         leave(EXIT_USAGE, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
               cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank))
     except Exception as error:  # noqa: BLE001 - a layer failing at run time: one line here, and for every peer
+        rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise
         line = runtime_failure(error, prefix.engine.prefix if prefix.engine is not None else f"[rank {rank}]")

@@ -4,7 +4,8 @@ and a last line naming the latest committed checkpoint and the command that resu
 Exit codes (docs/reliability.md): 0 only when every requested step ran; 2 a usage or configuration
 error (cli.common.run_cli); 3 a peer died, stalled or became unreachable (the message names it);
 4 the run was stopped before its requested steps (the message says by whom and why); 5 this rank's
-own code failed while training (a layer raised: wrong device, shapes, out of memory).
+own code failed while training (a layer raised: wrong device, shapes, out of memory); 6 (`--recover`) this
+process was declared lost and its peers re-formed the world without it (it came back too late: it never rejoins).
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from model_parallel.cli.common import EXIT_USAGE
 EXIT_PEER = 3
 EXIT_STOPPED = 4
 EXIT_FAILED = 5
+EXIT_REPLACED = 6
 # How long the store host keeps the store up after a failure, in --timeouts, unless every other live rank
 # has published its verdict sooner: a peer may sit in a receive for up to one timeout before its own
 # diagnosis (at most 0.4 timeouts) reads the store to name the culprit.
 LINGER_TIMEOUTS = 1.4
 
-__all__ = ["EXIT_USAGE", "EXIT_PEER", "EXIT_STOPPED", "EXIT_FAILED", "LINGER_TIMEOUTS", "resume_hint", "leave",
+__all__ = ["EXIT_USAGE", "EXIT_PEER", "EXIT_STOPPED", "EXIT_FAILED", "EXIT_REPLACED", "LINGER_TIMEOUTS", "resume_hint", "leave",
            "runtime_failure"]
 
 

@@ -27,11 +27,21 @@ def mlp_job(directory: Path, num_stages: int, batch: int = 8, micro: int = 4, na
 
 def reference_params(steps: int, batch: int = 8, micro: int = 4, lr: float = 0.01) -> dict:
     """Parameters after single-process training of `--model mlp` (SGD, momentum 0.9): the oracle."""
+    return reference_run(steps, batch, micro, lr)[0]
+
+
+def reference_losses(steps: int, batch: int = 8, micro: int = 4, lr: float = 0.01) -> list[float]:
+    """The loss of each step of the same single-process training."""
+    return reference_run(steps, batch, micro, lr)[1]
+
+
+def reference_run(steps: int, batch: int = 8, micro: int = 4, lr: float = 0.01) -> tuple[dict, list[float]]:
     r = recipe("mlp")
     model = r.model(0)
     config = TrainConfig(batch_size=batch, num_microbatches=micro)
-    single_process_reference(model, r.criterion, lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9), r.data(batch, 0), config, steps)
-    return {state_key(k): v.detach() for k, v in model.named_parameters()}
+    losses = single_process_reference(model, r.criterion, lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+                                      r.data(batch, 0), config, steps)
+    return {state_key(k): v.detach() for k, v in model.named_parameters()}, losses
 
 
 def assert_params_close(got: dict, want: dict, what: str = "pipeline run") -> None:

@@ -40,7 +40,7 @@ import math
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -291,29 +291,39 @@ def _metrics_files(path: Union[PathLike, Iterable[PathLike]]) -> list[Path]:
     return [f for item in path for f in _metrics_files(item)]
 
 
-def read_metrics(path: Union[PathLike, Iterable[PathLike]]) -> list[dict[str, Any]]:
-    """All records of a JSONL file, of every *.jsonl in a directory, or of a list of either.
-
-    A cut-off last line (a process killed mid-write) is skipped with a warning; a bad line
-    elsewhere is a ValueError naming file:line.
-    """
-    records: list[dict[str, Any]] = []
+def _json_lines(path: Union[PathLike, Iterable[PathLike]]) -> Iterator[tuple[Path, int, str, Any]]:
+    """(file, line number, line, decoded JSON) of every line; a cut-off last line (a process killed
+    mid-write) is skipped with a warning; a bad line elsewhere is a ValueError naming file:line."""
     for file in _metrics_files(path):
         lines = file.read_text(encoding="utf-8").split("\n")
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield file, number, line, json.loads(line)
             except json.JSONDecodeError as error:
                 if number == len(lines):  # no newline after it: the writer was killed mid-line
                     logger.warning("%s:%d: skipping a cut-off last line", file, number)
                     continue
                 raise ValueError(f"{file}:{number}: not a JSON object ({error}); was the file edited?") from None
-            if not isinstance(record, dict) or "step" not in record or "rank" not in record:
-                raise ValueError(f"{file}:{number}: expected a metrics record with 'step' and 'rank', found {line[:80]!r}")
-            records.append(record)
+
+
+def read_metrics(path: Union[PathLike, Iterable[PathLike]]) -> list[dict[str, Any]]:
+    """All step records of a JSONL file, of every *.jsonl in a directory, or of a list of either (events,
+    such as the `{"event": "recovery", ...}` lines of `--recover`, are `read_events`')."""
+    records: list[dict[str, Any]] = []
+    for file, number, line, record in _json_lines(path):
+        if isinstance(record, dict) and "event" in record:
+            continue
+        if not isinstance(record, dict) or "step" not in record or "rank" not in record:
+            raise ValueError(f"{file}:{number}: expected a metrics record with 'step' and 'rank', found {line[:80]!r}")
+        records.append(record)
     return records
+
+
+def read_events(path: Union[PathLike, Iterable[PathLike]], kind: str) -> list[dict[str, Any]]:
+    """The `{"event": kind, ...}` lines of the same files, in file order."""
+    return [r for _, _, _, r in _json_lines(path) if isinstance(r, dict) and r.get("event") == kind]
 
 
 def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

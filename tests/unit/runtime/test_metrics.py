@@ -7,7 +7,8 @@ import time
 import pytest
 
 from model_parallel.messages import StepReport
-from model_parallel.runtime.observe.metrics import MetricsRecorder, format_summary, read_metrics, summarize, throughput
+from model_parallel.runtime.observe.metrics import (MetricsRecorder, format_summary, read_events, read_metrics, summarize,
+                                                    throughput)
 from model_parallel.runtime.observe.tracing import Tracer
 
 
@@ -87,6 +88,14 @@ def test_reader_skips_cut_off_last_line_and_rejects_garbage(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"step": 0, "rank": 0}\nnot json\n{"step": 1, "rank": 0}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
         read_metrics(tmp_path / "bad.jsonl")
+
+
+def test_event_lines_are_read_apart_from_the_step_records(tmp_path):
+    (tmp_path / "m.jsonl").write_text('{"step": 0, "rank": 0}\n{"event": "recovery", "generation": 1}\n'
+                                      '{"step": 1, "rank": 0}\n')
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [0, 1]
+    assert read_events(tmp_path / "m.jsonl", "recovery") == [{"event": "recovery", "generation": 1}]
+    assert read_events(tmp_path / "m.jsonl", "join") == []
 
 
 def _record(step, rank, stage, step_ms, compute_ms, comm_ms, samples=64):

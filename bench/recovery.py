@@ -1,0 +1,184 @@
+"""Recovery benchmark: kill -9 of one of 4 workers at step S, survived inside the job (`--recover`) vs a full restart.
+
+    python bench/recovery.py                 # resnet18 at 32x32 and the zoo's GPT (--model gpt), 4 workers
+    python bench/recovery.py --quick         # the GPT only, fewer steps
+
+Per model, four worlds of workers (`python -m model_parallel.cli.worker`, one thread each, gloo on localhost,
+`--checkpoint_every K`, each with its own metrics JSONL):
+
+1. **reference**: 4 workers, uninterrupted: the loss curve every other run must match.
+2. **recover**: 4 workers with `--recover`; original rank `--victim` is killed (SIGKILL, the test hook
+   `MP_TEST_SIGNAL_AT_STEP`, so the kill lands as step S begins whatever the machine's speed); the 3 survivors
+   re-form the world and continue from the latest committed checkpoint in the same processes.
+3. **restart**: the same kill without `--recover`: the survivors exit 3, and this script (the person) relaunches
+   4 workers with `--resume` at once (the relaunch on a replaced host).
+4. **static 3**: 3 workers, uninterrupted (the even split the recovery uses): the throughput a 3-worker job gets.
+
+Clock: this script's monotonic clock at the arrival of each worker's output line. The kill is the arrival of
+the hook's line (printed just before the signal); "first step" is the arrival of the line that reports the
+first completed step after it (the recovery line, or rank 0's first step line after the relaunch).
+Reported per model: seconds from the kill to the first completed step, steps recomputed, throughput after
+the failure (samples/s, slowest rank, steps after the first one following the failure) against static 3,
+and the largest |loss - reference loss| over all steps. Writes `bench/results/recovery.json` (atomically)
+and prints a table. 4 workers share this machine's cores: compare numbers from one run only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from model_parallel.fileio import atomic_write_json  # noqa: E402
+from model_parallel.runtime.launch import LocalWorld, worker_commands  # noqa: E402
+from model_parallel.runtime.observe.metrics import read_events, read_metrics, throughput  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+HOOK = "MP_TEST_SIGNAL_AT_STEP"
+STEP_LINE = re.compile(r"\] step (\d+) loss")
+
+
+class Timed(LocalWorld):
+    """A LocalWorld that remembers when (this script's monotonic clock) each worker line arrived."""
+
+    def __init__(self, commands: list[list[str]], env: dict[str, str]) -> None:
+        self.arrivals: list[tuple[float, int, str]] = []
+        super().__init__(commands, env=env, echo=lambda rank, line: self.arrivals.append((time.monotonic(), rank, line)))
+
+    def first(self, pattern: str, after: float = 0.0) -> Optional[float]:
+        regex = re.compile(pattern)
+        return next((t for t, _, line in list(self.arrivals) if t >= after and regex.search(line)), None)
+
+
+TIMEOUT = 5.0  # --timeout of every worker (main() sets it): a peer stopped this long is lost
+
+
+def worker_args(model: str, steps: int, every: int, batch: int, ck: Path, metrics: Path, *extra: str) -> list[str]:
+    return ["--model", model, "--steps", str(steps), "--batch_size", str(batch), "--num_microbatches", "4",
+            "--lr", "0.01", "--checkpoint_dir", str(ck), "--checkpoint_every", str(every), "--timeout", str(TIMEOUT),
+            "--metrics", str(metrics / "rank{rank}.jsonl"), *extra]
+
+
+def run_world(args: list[str], world_size: int, env: dict[str, str], deadline: float) -> tuple[Timed, Any]:
+    world = Timed(worker_commands(args, world_size), {"TORCH_CPP_LOG_LEVEL": "ERROR", **env})
+    with world:
+        result = world.wait(timeout=deadline)
+    if result.timed_out:
+        raise SystemExit(f"a world did not finish within {deadline:.0f} s:\n{result.summary()}")
+    return world, result
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    """The loss of each step (its last record: a recomputed step counts as rerun)."""
+    out: dict[int, float] = {}
+    for record in read_metrics(metrics):
+        out[int(record["step"])] = float(record["loss"])
+    return out
+
+
+def after(metrics: Path, first_step: int) -> float:
+    """Samples/s over the steps after `first_step` (each step's last record per rank: the run that counted)."""
+    last: dict[tuple[int, int], dict] = {}
+    for record in read_metrics(metrics):
+        last[(int(record["rank"]), int(record["step"]))] = record
+    return throughput([r for (_, step), r in last.items() if step > first_step], warmup=0)
+
+
+def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, batch: int, root: Path) -> dict:
+    common = dict(steps=steps, every=every, batch=batch)
+    out: dict[str, Any] = {"model": model, **common, "kill_at_step": kill_at, "victim": victim, "workers": 4}
+
+    def paths(name: str) -> tuple[Path, Path]:
+        return root / model / name / "ck", root / model / name / "metrics"
+
+    ck, m = paths("reference")
+    run_world(worker_args(model, steps, every, batch, ck, m), 4, {}, 1800)
+    reference = losses(m)
+
+    ck, m = paths("static3")
+    run_world(worker_args(model, steps, every, batch, ck, m), 3, {}, 1800)
+    out["static3_samples_per_s"] = after(m, kill_at)
+
+    ck, m = paths("recover")
+    world, result = run_world(worker_args(model, steps, every, batch, ck, m, "--recover"), 4,
+                              {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
+    codes = [w.returncode for w in result.workers]
+    killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
+    first = world.first(r"recovery 1: lost", killed or 0.0)
+    [event] = read_events(m / f"rank{min(r for r in range(4) if r != victim)}.jsonl", "recovery")
+    got = losses(m)
+    out["recover"] = {"exit_codes": codes, "kill_to_first_step_s": (first - killed) if first and killed else None,
+                      "detect_to_first_step_s": event["seconds"], "checkpoint_step": event["checkpoint_step"],
+                      "steps_recomputed": event["recomputed"], "samples_per_s_after": after(m, kill_at),
+                      "max_abs_loss_diff": max(abs(got[s] - reference[s]) for s in reference),
+                      "steps_run": sorted(got) == sorted(reference)}
+
+    ck, m = paths("restart")
+    world, result = run_world(worker_args(model, steps, every, batch, ck, m), 4, {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
+    killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
+    codes = [w.returncode for w in result.workers]
+    done_before = max(s for s in losses(m)) + 1
+    relaunched = time.monotonic()
+    world2, result2 = run_world(worker_args(model, steps, every, batch, ck, m, "--resume"), 4, {}, 1800)
+    first = world2.first(r"\] step \d+ loss")
+    if first is None:
+        raise SystemExit(f"the relaunched world printed no step:\n{result2.summary()}")
+    restart_from = min(int(STEP_LINE.search(line).group(1)) for _, rank, line in world2.arrivals  # type: ignore[union-attr]
+                       if rank == 0 and STEP_LINE.search(line))
+    got = losses(m)
+    out["restart"] = {"exit_codes": codes, "relaunch_exit_codes": [w.returncode for w in result2.workers],
+                      "kill_to_first_step_s": (first - killed) if first and killed else None,
+                      "survivors_exit_s": relaunched - killed if killed else None,
+                      "steps_recomputed": max(0, done_before - restart_from), "samples_per_s_after": after(m, kill_at),
+                      "max_abs_loss_diff": max(abs(got[s] - reference[s]) for s in reference)}
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'model':<9} {'path':<8} {'kill->first step s':>18} {'recomputed':>10} {'samples/s after':>15} "
+             f"{'static 3 samples/s':>18} {'max |dloss|':>11} exits"]
+    for row in rows:
+        for path in ("recover", "restart"):
+            r = row[path]
+            first = f"{r['kill_to_first_step_s']:.2f}" if r["kill_to_first_step_s"] is not None else "n/a"
+            lines.append(f"{row['model']:<9} {path:<8} {first:>18} {r['steps_recomputed']:>10} "
+                         f"{r['samples_per_s_after']:>15.1f} {row['static3_samples_per_s']:>18.1f} "
+                         f"{r['max_abs_loss_diff']:>11.2e} {r['exit_codes']}"
+                         + (f" then {r['relaunch_exit_codes']}" if "relaunch_exit_codes" in r else ""))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the GPT only, 12 steps")
+    parser.add_argument("--victim", type=int, default=2, help="original rank killed (0 hosts the store)")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT, help="--timeout of the workers (default 5 s)")
+    parser.add_argument("--out", default=str(RESULTS / "recovery.json"))
+    args = parser.parse_args()
+    globals()["TIMEOUT"] = args.timeout
+    plans = [("gpt", 12, 4, 7, 8)] if args.quick else [("resnet18", 16, 4, 9, 8), ("gpt", 24, 4, 13, 8)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        for model, steps, every, kill_at, batch in plans:
+            rows.append(bench_model(model, steps, every, kill_at, args.victim, batch, Path(tmp)))
+            print(f"{model}: done", flush=True)
+    result = {"timeout_s": args.timeout, "clock": "this script's monotonic clock at the arrival of worker lines (wall seconds)",
+              "units": {"kill_to_first_step_s": "s", "samples_per_s": "samples/s of the slowest rank",
+                        "max_abs_loss_diff": "absolute, per step, vs the uninterrupted 4-worker run"},
+              "machine": {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}, "models": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(args.out), result)
+    print(table(rows))
+    print(f"wrote {args.out}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()

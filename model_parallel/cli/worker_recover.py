@@ -1,0 +1,252 @@
+"""`--recover`: a worker that loses a peer re-forms the world with the other survivors and trains on from the
+latest committed checkpoint, in the same process (docs/reliability.md, "Recovery inside the job").
+
+Per failure (a PeerError naming the lost rank): stop this world's heartbeats, abandon the broken process group,
+meet the survivors in a new generation (`runtime/wire/recovery.py`), build the job for the new world size with the
+even split (the rule a `--resume` on another worker count applies: `--plan`, `--num_stages` and
+`--stage_to_num_ranks` describe the first world only), restore the latest committed checkpoint exactly as
+`--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
+who was lost, the new world, what was restored from where, the steps recomputed and the seconds from the
+detection to the first completed step; the last line lists them all, and `--metrics` gets one
+`{"event": "recovery", ...}` record per recovery.
+
+What cannot be survived ends the process: no committed checkpoint (exit 3, naming the lost rank and the
+command that starts over), a survivor the others declared lost (it stood still, or registered after the
+new world closed: exit 6, "replaced"), survivors that cannot meet (exit 3).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, leave, resume_hint
+from model_parallel.errors import ConfigError, PeerError, ReplacedError
+
+logger = logging.getLogger(__name__)
+
+
+def check_recover_flags(args: Any) -> None:
+    """What `--recover` cannot work with, refused before joining (one line, exit 2)."""
+    if not args.recover:
+        return
+    if args.coordinator:
+        raise ConfigError("--recover with --coordinator: re-registering the survivors with the coordinator under the "
+                          "new world is not implemented; drop --coordinator, or drop --recover and relaunch with --resume")
+    if args.jobs:
+        raise ConfigError("--recover with --jobs: recovery continues one run; give the job's flags directly")
+    if args.single_process:
+        raise ConfigError("--recover with --single_process: one process has no peer to lose")
+    if args.rank is None or os.environ.get("TORCHELASTIC_RUN_ID"):
+        raise ConfigError("--recover needs a world joined with --rank/--world_size/--dist_addr: under torchrun its agent "
+                          "restarts every worker after a failure, and the restart resumes from the checkpoint by itself; "
+                          "drop --recover there")
+    if not args.checkpoint_dir:
+        raise ConfigError("--recover needs --checkpoint_dir (and --checkpoint_every K): survivors continue from the "
+                          "latest committed checkpoint")
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """One survived failure: who was lost, the world after it, what was restored from where, how long it took."""
+
+    me: int  # the original rank of the process that recorded it
+    generation: int
+    lost: tuple[int, ...]  # original ranks that left the world
+    world: tuple[int, ...]  # original ranks of the new world (new rank = index)
+    store: str  # host:port of the store the new world met at
+    checkpoint_dir: str
+    checkpoint_step: int  # the committed checkpoint restored
+    done_before: int  # steps this rank had completed before the failure
+    continued_at: int  # the first step run after it
+    seconds: float  # detection -> first completed step (inf: the run had no step left)
+
+    @property
+    def recomputed(self) -> int:
+        return max(0, self.done_before - self.continued_at)
+
+    def line(self) -> str:
+        return (f"[original rank {self.me}] recovery {self.generation}: lost original rank(s) {list(self.lost)}; new world of {len(self.world)} "
+                f"(original ranks {list(self.world)}, met at {self.store}); restored checkpoint step {self.checkpoint_step} from "
+                f"{self.checkpoint_dir}; recomputed {self.recomputed} step(s) (continued at step {self.continued_at}); "
+                f"{self.seconds:.2f} s from detection to the first completed step")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "recovery", **dataclasses.asdict(self), "recomputed": self.recomputed}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RecoveryRecord":
+        """A record `to_json` wrote (a metrics file line); extra keys are ignored, missing ones a ValueError."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"a recovery record lacks {missing}: {str(data)[:120]}")
+        return cls(**{n: tuple(data[n]) if isinstance(data[n], list) else data[n] for n in names})
+
+
+class Survivor:
+    """One worker process under `--recover`: its current world, heartbeats and the failures it survived."""
+
+    def __init__(self, args: Any, argv: list[str], config: Any, options: Any, world: Any, health: Any, prefix: Any,
+                 run_one: Callable[..., Any]) -> None:
+        from model_parallel.runtime.wire.recovery import first_lineage
+
+        self.args, self.argv, self.config, self.options = args, argv, config, options
+        self.world, self.health, self.prefix, self.run_one = world, health, prefix, run_one
+        self.backend = "nccl" if world.device.type == "cuda" else "gloo"  # the first world's choice, kept
+        self.lineage = first_lineage(world.rank, world.world_size, world.store, world.store_address, options.timeout)
+        self.records: list[RecoveryRecord] = []
+        self._pending: Optional[tuple[float, RecoveryRecord]] = None  # (detected at, record without its seconds)
+
+    @property
+    def rank(self) -> int:
+        return int(self.world.rank)
+
+    def train(self) -> Any:
+        """Train to --steps, recovering from each lost peer; returns the heartbeats of the world that finished."""
+        args, options = self.args, self.options
+        while True:
+            try:
+                self.run_one(args, self.config, options, self.world, self.health, self.prefix, None, self._watch)
+                break
+            except PeerError as error:
+                detected = time.monotonic()
+                done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
+                # The failed engine (its stage, optimizer state, group handles) goes before the next one is built:
+                # the exception's frames would keep it alive.
+                error.__traceback__, error.__context__, error.__cause__, self.prefix.engine = None, None, None, None
+                self._recover(error, done_before, detected)
+                # Every later world: the even split for its size, the latest committed checkpoint, each process's own files.
+                args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None})
+                metrics = options.metrics.replace("{rank}", str(self.lineage.me)) if options.metrics else None
+                options = dataclasses.replace(self.options, resume=True, metrics=metrics)
+        if self._pending is not None:  # the checkpoint held every requested step: nothing left to run
+            self._finish_pending(float("inf"))
+        if self.records:
+            print(f"[rank {self.rank}] survived {len(self.records)} failure(s): "
+                  + "; ".join(r.line() for r in self.records), flush=True)
+        return self.health
+
+    # ---- one failure ------------------------------------------------------------------------------
+    def _recover(self, error: PeerError, done_before: int, detected: float) -> None:
+        from model_parallel.runtime.checkpoint.layout import latest_step
+        from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
+
+        lineage, timeout, rank = self.lineage, self.options.timeout, self.rank
+        culprit = lost_ranks(str(error))
+        hint = resume_hint(self.args.checkpoint_dir, self.argv, rank)
+        self.health.stop("failed", culprit, str(error))
+        if culprit == rank:  # this process is the one its peers gave up on (it stood still)
+            record = was_replaced(lineage, max(1.0, timeout / 4))
+            where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
+            self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
+                                       f"replaced {where}: it does not rejoin", None)
+        hook = signal_hook(lineage.me).get(AT_RECOVERY)
+        if hook is not None:  # the test hook: a second failure, during this recovery
+            logger.error("[rank %d] test hook %s: signal %s as the recovery begins", rank, SIGNAL_ENV, hook)
+            os.kill(os.getpid(), hook)
+        lost = {lineage.original(culprit)} if culprit is not None and 0 <= culprit < len(lineage.members) else set()
+        step = latest_step(self.args.checkpoint_dir)
+        if step is None:
+            self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: no committed checkpoint in "
+                                   f"{self.args.checkpoint_dir} to restore the stage of original rank(s) "
+                                   f"{sorted(lost) or 'unknown'} from", hint)
+        logger.warning("[rank %d] %s; recovering (--recover): lost original rank(s) %s, latest committed checkpoint "
+                       "step %d", rank, error, sorted(lost) or "unknown", step)
+        import gc
+
+        if not abandon(0.5 * timeout):
+            self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: the broken process group did not "
+                                   f"shut down within {0.5 * timeout:g} s", hint)
+        gc.collect()  # the failed engine (see train)
+        try:
+            reformed = reform(lineage, lost, timeout, self.backend)
+        except ReplacedError as replaced:
+            self._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
+        except PeerError as meet:
+            self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
+        from model_parallel.runtime.run import World, start_health
+
+        self.world = World(reformed.rank, reformed.world_size, reformed.store, self.world.device, reformed.store_host,
+                           reformed.store_address)
+        self.lineage = reformed.lineage
+        self.prefix.rank, self.prefix.engine = self.world.rank, None
+        self.health = start_health(self.world, timeout)
+        record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
+                                str(self.args.checkpoint_dir), step, done_before, step + 1, 0.0)
+        self._pending = (detected, record)
+
+    def _watch(self, engine: Any) -> None:
+        """Time the first completed step of a recovered run (the engine's step, wrapped once)."""
+        arm_signal_hook(engine, self.lineage.me, self.rank)
+        if self._pending is None:
+            return
+        original = engine.train_step
+
+        def timed(step: int) -> Any:
+            result = original(step)
+            if self._pending is not None:
+                self._pending = (self._pending[0], dataclasses.replace(self._pending[1], continued_at=engine.start_step))
+                self._finish_pending(time.monotonic() - self._pending[0])
+            return result
+
+        engine.train_step = timed
+
+    def _finish_pending(self, seconds: float) -> None:
+        assert self._pending is not None
+        record = dataclasses.replace(self._pending[1], seconds=seconds)
+        self._pending = None
+        self.records.append(record)
+        print(f"[rank {self.rank}] {record.line()}", flush=True)
+        if self.options.metrics:
+            append_metrics(self.options.metrics.replace("{rank}", str(self.lineage.me)), record)
+
+    def _leave(self, code: int, line: str, hint: Optional[str]) -> Any:
+        if self.records:
+            line += f" (after surviving {len(self.records)} failure(s): " + "; ".join(r.line() for r in self.records) + ")"
+        leave(code, line, self.rank, self.health, hint=hint, linger=code != EXIT_REPLACED)
+
+
+SIGNAL_ENV = "MP_TEST_SIGNAL_AT_STEP"  # "<original rank>:<step>:<KILL|STOP>[,...]": tests kill a rank at a known step
+AT_RECOVERY = -1  # the step `recovery` of SIGNAL_ENV: as the rank begins re-forming the world (a failure during recovery)
+
+
+def signal_hook(original_rank: int) -> dict[int, int]:
+    """The steps at which the test hook signals this process ({step: signal number})."""
+    out = {}
+    for item in filter(None, os.environ.get(SIGNAL_ENV, "").split(",")):
+        who, step, name = item.split(":")
+        if int(who) == original_rank:
+            out[AT_RECOVERY if step == "recovery" else int(step)] = int(getattr(signal, f"SIG{name}"))
+    return out
+
+
+def arm_signal_hook(engine: Any, original_rank: int, rank: int) -> None:
+    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin."""
+    signals = signal_hook(original_rank)
+    if not signals:
+        return
+    original = engine.train_step
+
+    def hooked(step: int) -> Any:
+        if step in signals:
+            logger.error("[rank %d] test hook %s: signal %s at step %d", rank, SIGNAL_ENV, signals[step], step)
+            os.kill(os.getpid(), signals.pop(step))
+        return original(step)
+
+    engine.train_step = hooked
+
+
+def append_metrics(path: str, record: RecoveryRecord) -> None:
+    """One JSON line per recovery in the metrics file (a failure to write it is a warning, never fatal)."""
+    try:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(record.to_json()) + "\n")
+    except OSError as error:
+        logger.warning("metrics file %s: %s; the recovery record is only in the log", path, error)

@@ -1,0 +1,241 @@
+"""Re-forming the world inside the job after a rank is lost (`--recover`): who survived, where they meet again.
+
+Generation 0 is the world every rank joined at start. At that join each rank publishes its address
+(`mp/addr/<rank>`) and reads everyone's, so the meeting point of a later generation is known before
+anything fails. When the engine raises a PeerError naming lost rank(s), each survivor:
+
+1. abandons the broken communicator: `destroy_process_group()` in a daemon thread with a deadline (a
+   gloo operation blocked on a stopped peer may never return; a survivor never hangs on it);
+2. meets the others in generation g = previous + 1. The store: the previous generation's, under the key
+   prefix `mp/recovery/<g>/`, while its host lives; when the host is lost, the lowest surviving original
+   rank hosts a new TCPStore at `--dist_port + g` on the address it published at the first join;
+3. registers (`member/<original rank>`) and waits up to `JOIN_TIMEOUTS` x --timeout for the survivors it
+   expects; the first to finish waiting closes the membership with an atomic compare-and-set, so every
+   survivor reads the same list. The new world is exactly who registered in time (a second failure just
+   shrinks it); a rank that registers after the close, or whose peers declared it lost, was replaced;
+4. joins a process group of the new world: new rank = index of its original rank among the members.
+
+Original ranks never change: logs, `mp/replaced/<original rank>` (written in the store of the world a rank
+was dropped from) and the recovery records name processes by them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Callable, Optional, TypeVar
+
+from model_parallel.errors import PeerError, ReplacedError
+
+logger = logging.getLogger(__name__)
+
+_ADDR = "mp/addr/{}"
+_REPLACED = "mp/replaced/{}"
+JOIN_TIMEOUTS = 3.0  # of --timeout: a survivor diagnoses within 1.4 T (health.py) and abandons within 0.5 T more
+ABANDON_SHARE = 0.5  # of --timeout: how long destroying the broken process group may take
+_T = TypeVar("_T")
+_CAUSE = re.compile(r"^(?:\[[^\]]*\]\s*)*rank (\d+) (?:stopped responding|failed)")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The world's history as one process knows it (original ranks throughout)."""
+
+    me: int  # this process's original rank
+    generation: int  # 0: the world joined at start
+    members: tuple[int, ...]  # original ranks of the current world, sorted: current rank r is members[r]
+    addresses: tuple[str, ...]  # every original rank's address, published at the first join
+    base_port: int  # --dist_port: generation g's own store, when one is needed, listens at base_port + g
+    store_host: int  # original rank whose process hosts the current base store
+    store_port: int  # the port it listens at (base_port + the generation that created it)
+    base_store: Any  # the TCPStore of the current store host (generation prefixes go on top of it)
+    world_store: Any  # the store the current world's heartbeats and statuses live in
+
+    def original(self, rank: int) -> int:
+        """The original rank of current rank `rank`."""
+        return self.members[rank]
+
+
+def _bounded(call: Callable[[], _T], seconds: float, what: str) -> _T:
+    """A store call in a daemon thread, given up after `seconds` (an unreachable host never answers)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - re-raised below in the caller's thread
+            box["error"] = error
+
+    thread = threading.Thread(target=target, name="recovery-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise PeerError(f"{what}: no answer within {seconds:.1f} s")
+    if "error" in box:
+        raise PeerError(f"{what}: {str(box['error']).splitlines()[0][:200] if str(box['error']) else type(box['error']).__name__}")
+    return box["value"]
+
+
+def own_address(store_addr: str) -> str:
+    """The address the others reach this host at: the local end of the route to the store's host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((store_addr, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return store_addr
+
+
+def first_lineage(rank: int, world_size: int, store: Any, store_address: str, timeout: float) -> Lineage:
+    """At the first join (rank 0 hosts `store` at `store_address`): publish this rank's address and read
+    everyone's (collective over the store)."""
+    host, port = store_address.rsplit(":", 1)
+    mine = host if rank == 0 else own_address(host)
+    store.set(_ADDR.format(rank), mine)
+    keys = [_ADDR.format(r) for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as error:  # noqa: BLE001 - the store's own timeout or its host gone
+        raise PeerError(f"rank {rank}: not every rank published its address for --recover within {timeout:g} s: "
+                        f"{str(error).splitlines()[0][:200]}") from None
+    addresses = tuple(store.get(k).decode() for k in keys)
+    return Lineage(me=rank, generation=0, members=tuple(range(world_size)), addresses=addresses, base_port=int(port),
+                   store_host=0, store_port=int(port), base_store=store, world_store=store)
+
+
+def lost_ranks(message: str) -> Optional[int]:
+    """The current rank a PeerError's message names as the culprit (health.py's wording), or None."""
+    match = _CAUSE.match(message.strip())
+    return int(match.group(1)) if match else None
+
+
+def was_replaced(lineage: Lineage, seconds: float) -> Optional[str]:
+    """What the world this process belonged to recorded about it: the generation that dropped it, or None
+    (the record is unreadable: the store host is gone, or nobody has written it yet)."""
+    key = _REPLACED.format(lineage.me)
+    try:
+        if _bounded(lambda: lineage.world_store.check([key]), seconds, "reading the replaced record"):
+            return _bounded(lambda: lineage.world_store.get(key), seconds, "reading the replaced record").decode()
+    except PeerError:
+        return None
+    return None
+
+
+def abandon(seconds: float) -> bool:
+    """Destroy the broken process group in a daemon thread; False when it did not finish within `seconds`."""
+    import torch.distributed as dist
+
+    def destroy() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            destroy()
+        except Exception as error:  # noqa: BLE001 - a broken group may complain while it goes
+            logger.debug("destroying the broken process group: %s", error)
+        done.set()
+
+    threading.Thread(target=target, name="abandon-process-group", daemon=True).start()
+    return done.wait(seconds) and not dist.is_initialized()
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """The outcome of one re-forming: the new world (its process group is joined) and lineage, and who left it."""
+
+    rank: int
+    world_size: int
+    store: Any  # the new world's store (heartbeats, statuses)
+    store_host: Optional[int]  # the current rank hosting it (None: not a member)
+    store_address: str  # host:port, for messages
+    lineage: Lineage
+    dropped: tuple[int, ...]  # original ranks of the previous world that are not in the new one
+
+
+def _meeting_store(lineage: Lineage, lost: set[int], generation: int, timeout: float) -> tuple[Any, int]:
+    """(base store, its host's original rank) of `generation`: the old one while its host lives, else a new one."""
+    from torch.distributed import TCPStore
+
+    if lineage.store_host not in lost:
+        try:
+            _bounded(lambda: lineage.base_store.set(f"mp/recovery/{generation}/alive/{lineage.me}", "1"),
+                     max(1.0, timeout / 4), f"the store hosted by rank {lineage.store_host}")
+            return lineage.base_store, lineage.store_host
+        except PeerError as error:
+            logger.warning("rank %d: the store of generation %d is unreachable (%s): its host, original rank %d, "
+                           "counts as lost", lineage.me, lineage.generation, error, lineage.store_host)
+            lost = lost | {lineage.store_host}
+    survivors = [m for m in lineage.members if m not in lost]
+    if not survivors:
+        raise PeerError(f"rank {lineage.me}: every rank of generation {lineage.generation} is lost")
+    host = survivors[0]  # the rule every survivor applies alike: the lowest surviving original rank hosts
+    addr, port = lineage.addresses[host], lineage.base_port + generation
+    try:
+        store = TCPStore(addr, port, None, is_master=lineage.me == host, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False)
+    except (RuntimeError, OSError) as error:
+        raise PeerError(f"rank {lineage.me}: cannot reach the recovery store of generation {generation} at {addr}:{port} "
+                        f"(hosted by original rank {host}, the lowest survivor) within {timeout:g} s: "
+                        f"{str(error).splitlines()[0][:200]}") from None
+    return store, host
+
+
+def _close_membership(store: Any, lineage: Lineage, expected: list[int], wait_s: float) -> list[int]:
+    """Register, wait for `expected` (or the deadline), and read the membership the first closer wrote."""
+    call = max(1.0, wait_s / 4)
+    _bounded(lambda: store.set(f"member/{lineage.me}", "1"), call, "registering for recovery")
+    deadline = time.monotonic() + wait_s
+    registered: list[int] = []
+    while True:
+        registered = _bounded(lambda: [m for m in lineage.members if store.check([f"member/{m}"])], call,
+                              "reading the registrations")
+        if set(expected) <= set(registered) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    view = json.dumps(sorted(registered))
+    closed = _bounded(lambda: store.compare_set("members", "", view), call, "closing the membership")
+    return [int(m) for m in json.loads(closed.decode())]
+
+
+def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str) -> Reformed:
+    """Meet the survivors in the next generation and join its process group (see the module docstring).
+
+    `lost`: original ranks this process knows are gone. Raises ReplacedError when the membership closed
+    without this process, PeerError when the survivors cannot meet."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore
+
+    generation = lineage.generation + 1
+    base, host = _meeting_store(lineage, lost, generation, timeout)
+    store = PrefixStore(f"mp/recovery/{generation}", base)
+    expected = [m for m in lineage.members if m not in lost and (m != lineage.store_host or host == lineage.store_host)]
+    members = _close_membership(store, lineage, expected, JOIN_TIMEOUTS * timeout)
+    dropped = tuple(m for m in lineage.members if m not in members)
+    if lineage.me not in members:
+        raise ReplacedError(f"original rank {lineage.me} was replaced: the survivors re-formed the world as generation "
+                            f"{generation} with original ranks {members} before it registered")
+    try:  # what a dropped process reads if it comes back (SIGCONT): it must not rejoin silently
+        _bounded(lambda: [lineage.world_store.set(_REPLACED.format(m), str(generation)) for m in dropped], 1.0,
+                 "recording the replaced")
+    except PeerError:
+        pass  # the old world's store host is gone: so is anyone who could read it there
+    rank, size = members.index(lineage.me), len(members)
+    try:
+        dist.init_process_group(backend, store=PrefixStore("pg", store), rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout))
+    except RuntimeError as error:
+        raise PeerError(f"rank {lineage.me}: the process group of generation {generation} (original ranks {members}) "
+                        f"did not form within {timeout:g} s: {str(error).splitlines()[0][:200]}") from None
+    port = lineage.store_port if base is lineage.base_store else lineage.base_port + generation
+    new_lineage = replace(lineage, generation=generation, members=tuple(members), store_host=host, store_port=port,
+                          base_store=base, world_store=store)
+    return Reformed(rank, size, store, members.index(host) if host in members else None,
+                    f"{lineage.addresses[host]}:{port}", new_lineage, dropped)

@@ -1,0 +1,47 @@
+"""cli/worker_recover.py without processes: what --recover refuses up front, and the recovery record's forms."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from model_parallel.cli import worker
+from model_parallel.cli.worker_recover import AT_RECOVERY, SIGNAL_ENV, RecoveryRecord, signal_hook
+from model_parallel.errors import ConfigError
+
+RECOVER = ["--model", "mlp", "--recover"]
+WORLD = ["--rank", "0", "--world_size", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*WORLD, "--checkpoint_dir", "ck", "--coordinator", "127.0.0.1:1"],
+     "--recover with --coordinator: re-registering the survivors with the coordinator under the new world is not "
+     "implemented"),
+    (WORLD, "--recover needs --checkpoint_dir"),
+    ([*WORLD, "--checkpoint_dir", "ck", "--single_process"], "--recover with --single_process"),
+    (["--checkpoint_dir", "ck"], "--recover needs a world joined with --rank/--world_size/--dist_addr: under torchrun its "
+                                 "agent restarts every worker"),  # no --rank: torchrun's $RANK
+])
+def test_recover_refuses_what_it_cannot_do_before_joining(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        worker.main([*RECOVER, *argv])  # raised before any world is joined: cli.common makes it exit 2
+
+
+def test_the_record_round_trips_through_its_metrics_line() -> None:
+    record = RecoveryRecord(me=2, generation=1, lost=(1,), world=(0, 2), store="127.0.0.1:29501", checkpoint_dir="ck",
+                            checkpoint_step=3, done_before=5, continued_at=4, seconds=0.75)
+    data = record.to_json()
+    assert data["event"] == "recovery" and data["recomputed"] == 1
+    assert RecoveryRecord.from_json(data) == record
+    assert record.line() == ("[original rank 2] recovery 1: lost original rank(s) [1]; new world of 2 (original ranks "
+                             "[0, 2], met at 127.0.0.1:29501); restored checkpoint step 3 from ck; recomputed 1 step(s) "
+                             "(continued at step 4); 0.75 s from detection to the first completed step")
+    with pytest.raises(ValueError, match=r"a recovery record lacks \['seconds'\]"):
+        RecoveryRecord.from_json({k: v for k, v in data.items() if k != "seconds"})
+
+
+def test_the_signal_hook_names_original_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SIGNAL_ENV, "1:3:KILL,2:7:STOP,1:9:STOP,2:recovery:KILL")
+    assert signal_hook(1) == {3: signal.SIGKILL, 9: signal.SIGSTOP}
+    assert signal_hook(2) == {7: signal.SIGSTOP, AT_RECOVERY: signal.SIGKILL}
+    assert signal_hook(0) == {}
