@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_parallel.api.job import JobSpec, build_job

@@ -13,6 +13,7 @@ from model_parallel.errors import ProfileError
 from model_parallel.graph.core import Graph
 from model_parallel.models import TinyGPT
 from model_parallel.runtime.build.materialize import materialize_model
+from support.in_place import InPlaceScale
 
 FAST = {"warmup": 0, "iterations": 1}
 
@@ -166,16 +167,6 @@ def test_in_situ_segments_keep_the_materialized_bytes_within_the_budget(
     assert all(p.is_meta for p in model.parameters()), "the model is left on meta"
     assert all(graph[i].forward_ms > 0 and graph[i].backward_ms > 0 for i in ("_0", "_1", "_3", "_4"))
 
-
-class InPlaceScale(nn.Module):
-    """Scales its input in place: on a leaf that requires grad that fails, mid-step it does not."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mul_(self.weight)
 
 
 def test_an_in_place_operator_on_a_segment_boundary_runs_as_in_a_whole_step() -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from model_parallel.profiler.api import profile
 from model_parallel.runtime.build.zoo import recipe
+from support.in_place import InPlaceScale
 
 BATCH = 5
 
@@ -64,16 +65,6 @@ def test_counting_keeps_one_nodes_parameters_at_a_time() -> None:
     assert graph.metadata["profile"]["layer_by_layer"]["peak_parameter_bytes"] <= 2 * one_layer  # not all 6
     assert all(n.saved_bytes is not None for n in graph.nodes)
 
-
-class InPlaceScale(nn.Module):
-    """Scales its input in place: on a leaf that requires grad that fails, so the walk runs it on a clone."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mul_(self.weight)
 
 
 @pytest.mark.slow
