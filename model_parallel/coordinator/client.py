@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, new_nonce, parse_address
 from model_parallel.errors import PlanError, ProtocolError
+from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class CoordinatorChannel:
     def __init__(self, address: str, token: bytes, rank: int, world_size: int,
                  timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None,
-                 checkpoint_dir: Optional[str] = None) -> None:
+                 checkpoint_dir: Optional[str] = None, live_plan: Optional[Plan] = None, recover: bool = False,
+                 generation: int = 0, membership: Optional[Mapping[str, Any]] = None) -> None:
         self.address, self.token = address, token
         self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
@@ -81,7 +83,16 @@ class CoordinatorChannel:
         self.stop_reason: Optional[str] = None
         # The newest plan version this rank runs (from its reports) or has accepted a switch to: a switch
         # to a version at or below it is stale or replayed, and refused.
-        self.plan_floor = 0
+        self.plan_floor = live_plan.version if live_plan is not None else 0
+        # What this worker runs, told at every (re)registration: a coordinator started again on the same address
+        # learns the live job from it (docs/coordinator.md, "A lost coordinator"). Rank 0 learns each newer plan
+        # from the switch it admits; the others only its version (from their reports).
+        self.running_version = self.plan_floor
+        self._plans: dict[int, dict[str, Any]] = {live_plan.version: live_plan.to_dict()} if live_plan is not None else {}
+        self.issued = 0  # the newest plan version the coordinator said it spent (welcome)
+        # --recover: a lost peer is not the end of this process (its bye says "recovering"), and the membership
+        # generation this channel registers in (docs/reliability.md, "Recovery under a coordinator")
+        self.recover, self.generation, self.membership = recover, int(generation), dict(membership or {})
         self.instance = new_nonce()  # this process's claim on its rank (never shown): see Roster.register
         self.session: Optional[Session] = self._register(timeout)  # the first connection must work
         self._connected.set()
@@ -101,7 +112,8 @@ class CoordinatorChannel:
                 session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),
                              world_size=int(self.world_size), instance=self.instance,
                              **({"schedule": self.schedule} if self.schedule is not None else {}),
-                             **({"checkpoint_dir": self.checkpoint_dir} if self.checkpoint_dir else {}))
+                             **({"checkpoint_dir": self.checkpoint_dir} if self.checkpoint_dir else {}),
+                             **self._live_fields())
             welcome = session.recv(timeout)
         except (OSError, ProtocolError) as error:
             session.sock.close()
@@ -116,7 +128,18 @@ class CoordinatorChannel:
             raise ProtocolError(f"coordinator at {self.address}: expected welcome, got {welcome['type']!r}")
         self.plan_version = welcome["plan_version"]
         self.plan = welcome["plan"]
+        self.issued = max(self.issued, int(welcome.get("issued", welcome["plan_version"])))
         return session
+
+    def _live_fields(self) -> dict[str, Any]:
+        """The live job as this worker knows it, for the register message."""
+        fields: dict[str, Any] = {"live_version": int(self.running_version), "step": max(self._step, 0),
+                                  "generation": self.generation}
+        if self.running_version in self._plans:
+            fields["live_plan"] = self._plans[self.running_version]
+        if self.membership:
+            fields["membership"] = self.membership
+        return fields
 
     # ---- ControlChannel --------------------------------------------------------------------------
     def report(self, report: StepReport) -> None:
@@ -125,6 +148,9 @@ class CoordinatorChannel:
         message = report.to_dict()  # the protocol's `report` is the StepReport itself
         self._step = max(self._step, report.step)
         self.plan_floor = max(self.plan_floor, report.plan_version)
+        if report.plan_version != self.running_version and report.plan_version in self._plans:
+            self._plans = {v: p for v, p in self._plans.items() if v >= report.plan_version}  # older: history
+        self.running_version = report.plan_version
         self._queue("report", message)
 
     def switch_refused(self, version: int, reason: str) -> None:
@@ -159,6 +185,10 @@ class CoordinatorChannel:
     def close(self, reason: str = "training finished") -> None:
         if self._closed.is_set():
             return
+        if self.recover and reason.startswith("failed:"):
+            # --recover: this process re-forms the world and registers again in the next generation (a process
+            # that cannot recover exits; the coordinator gives a "recovering" rank up like an unreachable one)
+            reason = "recovering:" + reason[len("failed:"):]
         # Let queued reports go out first (bounded wait), then say goodbye.
         deadline = time.monotonic() + 2.0
         while not self._reports.empty() and self.session is not None and time.monotonic() < deadline:
@@ -287,6 +317,7 @@ class CoordinatorChannel:
                              self.plan_floor, command.reason or "no reason given")
                 return False
             self.plan_floor = command.plan.version
+            self._plans[command.plan.version] = command.plan.to_dict()
         if command.kind == "stop":
             self.stop_reason = command.reason
         logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
