@@ -94,15 +94,28 @@ class CoordinatorChannel:
         # generation this channel registers in (docs/reliability.md, "Recovery under a coordinator")
         self.recover, self.generation, self.membership = recover, int(generation), dict(membership or {})
         self.instance = new_nonce()  # this process's claim on its rank (never shown): see Roster.register
-        self.session: Optional[Session] = self._register(timeout)  # the first connection must work
-        self._connected.set()
+        self.plan_version, self.plan = self.running_version, self._plans.get(self.running_version)
+        self.session: Optional[Session] = None
+        try:
+            self.session = self._register(timeout)  # the first connection must work (a typo'd address fails fast)
+            self._connected.set()
+        except ProtocolError as error:
+            if self.generation == 0:
+                raise
+            # A re-formed world (--recover) trains on whether or not the coordinator is there (it may have been lost
+            # with the worker): register in the background, as after a lost connection.
+            self.lost = str(error)
+            logger.error("rank %d cannot register with the coordinator at %s in generation %d: %s; training continues "
+                         "with the survivors' plan (retrying with backoff for up to %.0f s)", rank, address,
+                         self.generation, error, reconnect_for)
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"coordinator-send-{rank}", daemon=True),
             threading.Thread(target=self._read_loop, name=f"coordinator-read-{rank}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
-        logger.info("rank %d connected to the coordinator at %s (plan v%d)", rank, address, self.plan_version)
+        if self.session is not None:
+            logger.info("rank %d connected to the coordinator at %s (plan v%d)", rank, address, self.plan_version)
 
     def _register(self, timeout: float) -> Session:
         """Connect, register and read the welcome (the live plan); ProtocolError says why not."""

@@ -54,7 +54,9 @@ def poll(coord: CoordinatorProcess, world: LocalWorld, until, timeout: float = 1
         if status and until(status):
             return status
         time.sleep(0.25)
-    raise AssertionError(f"the coordinator's status never got there: {json.dumps(status)[:2000]}\n{coord.output()[-3000:]}")
+    workers = "\n".join("\n".join(world.lines(r)[-15:]) for r in range(len(world.procs)))
+    raise AssertionError(f"the coordinator's status never got there: {json.dumps(status)[:1500]}\n{coord.output()[-2000:]}"
+                         f"\nworkers:\n{workers}")
 
 
 def test_recover_under_a_coordinator_the_survivors_are_the_next_generation_and_a_rebalance_works(tmp_path: Path) -> None:
@@ -88,8 +90,11 @@ def test_recover_under_a_coordinator_the_survivors_are_the_next_generation_and_a
 
 
 def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalances(tmp_path: Path) -> None:
-    steps = 60
+    steps = 120
     graph, plan = write_job(tmp_path, 2)
+    even = json.loads(plan.read_text())
+    moved = json.loads(plan.read_text())  # the same two ranks, one layer moved from stage 1 to stage 0
+    moved["stages"][0]["node_ids"].append(moved["stages"][1]["node_ids"].pop(0))
     port = free_port()
     extra = ["--policy", "manual", "--port", str(port)]
     first = CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord1", extra=extra).start()
@@ -97,7 +102,7 @@ def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalanc
         args = worker_args(plan, steps, tmp_path / "ck", first.address)
         with LocalWorld(worker_commands(args, 2)) as world:
             poll(first, world, lambda s: len(s["workers"]) == 2 and min(w["step"] for w in s["workers"]) >= 2)
-            first.ctl("scale", workers=1)  # plan v1: the live plan a new coordinator must learn
+            first.ctl("set-plan", plan=moved)  # plan v1: the live plan a new coordinator must learn
             live = poll(first, world, lambda s: s["plan_version"] == 1 and s["pending_version"] is None)
             first.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
             first.wait(timeout=10)
@@ -106,7 +111,7 @@ def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalanc
                     w["rank"] for w in s["workers"] if w["status"] == "running") == [0, 1], timeout=60)
                 assert learned["plan"]["stages"] == live["plan"]["stages"], (learned["plan"], live["plan"])
                 assert learned["learned"]["plan_version"] == 1, learned
-                second.ctl("scale", workers=2)  # through the new coordinator: plan v2, above the live one
+                second.ctl("set-plan", plan=even)  # through the new coordinator: plan v2, above the live one
                 poll(second, world, lambda s: s["plan_version"] == 2 and s["pending_version"] is None)
                 result = world.wait(timeout=180)
                 assert second.wait(timeout=30) == 0, second.output()[-3000:]

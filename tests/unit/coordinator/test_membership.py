@@ -97,5 +97,22 @@ def test_a_restarted_coordinator_learns_the_live_plan_from_the_workers(coordinat
 def test_a_plan_the_coordinator_cannot_serve_is_refused_naming_it(coordinator) -> None:
     bad = Plan((StagePlan(0, ("input0", "nowhere"), ranks=(0,)),), version=3)
     with pytest.raises(ProtocolError, match="runs a plan this coordinator cannot serve"):
-        CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=1, live_plan=bad, generation=1, timeout=5)
-    assert coordinator.handle_ctl("status", {})["generation"] == 0
+        CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=3, live_plan=bad, timeout=5)
+    status = coordinator.handle_ctl("status", {})
+    assert status["plan_version"] == 0 and status["workers"] == []
+
+
+def test_a_reformed_world_trains_on_when_the_coordinator_is_gone_too(caplog) -> None:
+    from model_parallel.runtime.launch import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there: the coordinator was lost with the worker
+    with pytest.raises(ProtocolError, match="cannot reach the coordinator"):  # the first world still fails fast
+        CoordinatorChannel(address, TOKEN, rank=0, world_size=2, timeout=2)
+    channel = CoordinatorChannel(address, TOKEN, rank=0, world_size=2, generation=1, timeout=2,
+                                 live_plan=replace(two_stage_plan(GRAPH, 4), version=3))
+    try:
+        assert channel.session is None and "cannot reach the coordinator" in channel.lost
+        assert "cannot register with the coordinator at" in caplog.text and "training continues" in caplog.text
+        assert channel.poll() is None and channel.plan_floor == 3
+    finally:
+        channel.close()
