@@ -37,6 +37,11 @@ def check_recover_flags(args: Any) -> None:
     """What `--recover` cannot work with, refused before joining (one line, exit 2)."""
     if not args.recover:
         return
+    from model_parallel.cli.served_job import wants_served_job
+
+    if wants_served_job(args):
+        raise ConfigError("--recover with a job the coordinator serves (no --model/--package/--graph): a re-formed world "
+                          "rebuilds its job from the command line; give the model on it (e.g. --package DIR)")
     if args.jobs:
         raise ConfigError("--recover with --jobs: recovery continues one run; give the job's flags directly")
     if args.single_process:
