@@ -125,3 +125,34 @@ def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalanc
         output = result.output(rank)
         assert "lost the coordinator" in output and "reconnected to the coordinator" in output, output[-3000:]
     assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "run across a coordinator restart")
+
+
+def test_the_coordinator_and_a_worker_killed_together_a_new_coordinator_serves_the_reformed_world(tmp_path: Path) -> None:
+    steps = 60
+    graph, plan = write_job(tmp_path, 3)
+    port = free_port()
+    extra = ["--policy", "manual", "--port", str(port)]
+    first = CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord1", extra=extra).start()
+    try:
+        args = worker_args(plan, steps, tmp_path / "ck", first.address, "--recover")
+        with LocalWorld(worker_commands(args, 3), env={"MP_TEST_SIGNAL_AT_STEP": "1:8:KILL"}) as world:
+            poll(first, world, lambda s: len(s["workers"]) == 3 and min(w["step"] for w in s["workers"]) >= 2)
+            first.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+            first.wait(timeout=10)
+            # Original rank 1 dies at step 8, before or after this: either way the survivors re-form the world and
+            # register with whichever coordinator listens (in the background while none does).
+            with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord2", extra=extra) as second:
+                status = poll(second, world, lambda s: s["generation"] == 1 and sorted(
+                    w["rank"] for w in s["workers"] if w["status"] == "running") == [0, 1], timeout=90)
+                assert status["world_size"] == 2 and status["recoveries"][0]["lost"] == [1], status
+                version = status["plan_version"]
+                second.ctl("scale", workers=1)
+                poll(second, world, lambda s: s["plan_version"] == version + 1 and s["pending_version"] is None)
+                result = world.wait(timeout=180)
+                assert second.wait(timeout=30) == 0, second.output()[-3000:]
+        assert not result.timed_out, result.summary()
+        assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0], result.summary()
+    finally:
+        first.close()
+    assert f"plan v{version + 1} is live" in second.output(), second.output()[-3000:]
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "recovered run")
