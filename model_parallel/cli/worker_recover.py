@@ -106,6 +106,7 @@ class Survivor:
         self.lineage = first_lineage(world.rank, world.world_size, world.store, world.store_address, options.timeout)
         self.records: list[RecoveryRecord] = []
         self._pending: Optional[tuple[float, RecoveryRecord]] = None  # (detected at, record without its seconds)
+        self._known = 0  # the newest plan version this process knew of (cli/recover_coordinator.py)
 
     @property
     def rank(self) -> int:
@@ -121,7 +122,9 @@ class Survivor:
             except PeerError as error:
                 detected = time.monotonic()
                 done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
-                known = known_version(self.prefix.engine)  # the plan versions spent so far (--coordinator)
+                # The plan versions spent so far (--coordinator), kept across failures: one before the engine exists
+                # (a second failure during a recovery) must not number the next plan lower.
+                self._known = known = max(self._known, known_version(self.prefix.engine))
                 # The failed engine (its stage, optimizer state, group handles) goes before the next one is built:
                 # the exception's frames would keep it alive.
                 error.__traceback__, error.__context__, error.__cause__, self.prefix.engine = None, None, None, None
@@ -199,6 +202,7 @@ class Survivor:
         except PeerError as error:
             self._leave(EXIT_PEER, f"[rank {self.rank}] error: cannot recover: {error}",
                         resume_hint(self.args.checkpoint_dir, self.argv, self.rank))
+        self._known = version
         return Recovered(record.generation, record.world, record.lost, record.continued_at, version)
 
     def _watch(self, engine: Any) -> None:
