@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from model_parallel.cli.ctl import format_status
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel
 from model_parallel.errors import ProtocolError
@@ -52,6 +53,8 @@ def test_a_reformed_world_is_the_next_generation_with_the_survivors_plan(coordin
         [recovery] = status["recoveries"]
         assert (recovery["lost"], recovery["members"], recovery["from_step"], recovery["plan_version"]) == ([1], [0, 2], 4, 1)
         assert status["history"][-1]["reason"].startswith("recovery: generation 1, original rank(s) [1] lost")
+        assert ("membership generation 1: original rank(s) [1] lost; a world of 2 (original ranks [0, 2]) from step 4 "
+                "on plan v1") in format_status(status)  # what `ctl status` prints
         # The policy works on the new world: a scale onto one worker is plan v2, sent to the new rank 0.
         coordinator.handle_ctl("scale", {"workers": 1})
         command = wait_for(new[0].poll)
@@ -86,6 +89,7 @@ def test_a_restarted_coordinator_learns_the_live_plan_from_the_workers(coordinat
             channels.append(CoordinatorChannel(coordinator.address, TOKEN, rank=rank, world_size=3, live_plan=live))
         status = coordinator.handle_ctl("status", {})
         assert status["plan_version"] == 4 and status["learned"] == {"plan_version": 4, "from_rank": 1, "at_step": 0}
+        assert "learned from the workers (this coordinator started while the job ran): plan v4 from rank 1" in format_status(status)
         assert [w["rank"] for w in status["workers"]] == [0, 1, 2]
         coordinator.handle_ctl("scale", {"workers": 2})
         assert wait_for(channels[1].poll).plan.version == 5  # above the live plan, which the workers would refuse
