@@ -1,7 +1,12 @@
 """Recovery benchmark: kill -9 of one of 4 workers at step S, survived inside the job (`--recover`) vs a full restart.
 
-    python bench/recovery.py                 # resnet18 at 32x32 and the zoo's GPT (--model gpt), 4 workers
-    python bench/recovery.py --quick         # the GPT only, fewer steps
+    python bench/recovery.py                 # resnet18 at 32x32 and a Hugging Face GPT-2 from a config, 4 workers
+    python bench/recovery.py --quick         # the GPT-2 only, fewer steps
+
+The GPT-2 (issue 36: "a GPT-2 from a config") is `transformers.GPT2LMHeadModel` built from a tiny `GPT2Config`
+(4 layers, 32 wide, dropout off, random init under seed 0), profiled by `model-parallel profile-hf` into a
+graph.json with its initial values beside it; the workers train it with `--graph ... --loss lm` on synthetic
+tokens.
 
 Per model, four worlds of workers (`python -m model_parallel.cli.worker`, one thread each, gloo on localhost,
 `--checkpoint_every K`, each with its own metrics JSONL):
@@ -61,8 +66,30 @@ class Timed(LocalWorld):
 TIMEOUT = 5.0  # --timeout of every worker (main() sets it): a peer stopped this long is lost
 
 
-def worker_args(model: str, steps: int, every: int, batch: int, ck: Path, metrics: Path, *extra: str) -> list[str]:
-    return ["--model", model, "--steps", str(steps), "--batch_size", str(batch), "--num_microbatches", "4",
+def gpt2_graph(root: Path) -> Path:
+    """A tiny GPT-2 built from a config (random init), profiled into graph.json + init.safetensors under `root`."""
+    import transformers
+
+    from model_parallel.cli.profile_hf import main as profile_hf
+
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(root / "gpt2-config")
+    graph = root / "gpt2" / "graph.json"
+    if profile_hf([str(root / "gpt2-config" / "config.json"), "--inputs", "input_ids", "--batch_size", "2",
+                   "--seq_len", "16", "--iterations", "1", "--seed", "0", "--out", str(graph)]) != 0:
+        raise SystemExit("profile-hf failed on the GPT-2 config")
+    return graph
+
+
+def model_flags(model: str, root: Path) -> list[str]:
+    """The workers' flags naming the model: a zoo model by name, or the GPT-2 from a config (`gpt2`)."""
+    return ["--graph", str(gpt2_graph(root)), "--loss", "lm"] if model == "gpt2" else ["--model", model]
+
+
+def worker_args(model: list[str], steps: int, every: int, batch: int, ck: Path, metrics: Path, *extra: str) -> list[str]:
+    return [*model, "--steps", str(steps), "--batch_size", str(batch), "--num_microbatches", "4",
             "--lr", "0.01", "--checkpoint_dir", str(ck), "--checkpoint_every", str(every), "--timeout", str(TIMEOUT),
             "--metrics", str(metrics / "rank{rank}.jsonl"), *extra]
 
@@ -99,16 +126,18 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
     def paths(name: str) -> tuple[Path, Path]:
         return root / model / name / "ck", root / model / name / "metrics"
 
+    flags = model_flags(model, root)
+
     ck, m = paths("reference")
-    run_world(worker_args(model, steps, every, batch, ck, m), 4, {}, 1800)
+    run_world(worker_args(flags, steps, every, batch, ck, m), 4, {}, 1800)
     reference = losses(m)
 
     ck, m = paths("static3")
-    run_world(worker_args(model, steps, every, batch, ck, m), 3, {}, 1800)
+    run_world(worker_args(flags, steps, every, batch, ck, m), 3, {}, 1800)
     out["static3_samples_per_s"] = after(m, kill_at)
 
     ck, m = paths("recover")
-    world, result = run_world(worker_args(model, steps, every, batch, ck, m, "--recover"), 4,
+    world, result = run_world(worker_args(flags, steps, every, batch, ck, m, "--recover"), 4,
                               {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
     codes = [w.returncode for w in result.workers]
     killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
@@ -122,12 +151,12 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
                       "steps_run": sorted(got) == sorted(reference)}
 
     ck, m = paths("restart")
-    world, result = run_world(worker_args(model, steps, every, batch, ck, m), 4, {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
+    world, result = run_world(worker_args(flags, steps, every, batch, ck, m), 4, {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
     killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
     codes = [w.returncode for w in result.workers]
     done_before = max(s for s in losses(m)) + 1
     relaunched = time.monotonic()
-    world2, result2 = run_world(worker_args(model, steps, every, batch, ck, m, "--resume"), 4, {}, 1800)
+    world2, result2 = run_world(worker_args(flags, steps, every, batch, ck, m, "--resume"), 4, {}, 1800)
     first = world2.first(r"\] step \d+ loss")
     if first is None:
         raise SystemExit(f"the relaunched world printed no step:\n{result2.summary()}")
@@ -158,13 +187,13 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the GPT only, 12 steps")
+    parser.add_argument("--quick", action="store_true", help="the GPT-2 only, 12 steps")
     parser.add_argument("--victim", type=int, default=2, help="original rank killed (0 hosts the store)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="--timeout of the workers (default 5 s)")
     parser.add_argument("--out", default=str(RESULTS / "recovery.json"))
     args = parser.parse_args()
     globals()["TIMEOUT"] = args.timeout
-    plans = [("gpt", 12, 4, 7, 8)] if args.quick else [("resnet18", 16, 4, 9, 8), ("gpt", 24, 4, 13, 8)]
+    plans = [("gpt2", 12, 4, 7, 8)] if args.quick else [("resnet18", 16, 4, 9, 8), ("gpt2", 24, 4, 13, 8)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         for model, steps, every, kill_at, batch in plans:

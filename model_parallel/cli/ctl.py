@@ -59,6 +59,12 @@ def format_status(status: dict[str, Any]) -> str:
         stage = "spare" if w["stage"] is None else str(w["stage"])
         lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
                      f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
+    for r in status.get("recoveries", []):  # --recover: each world the survivors re-formed (coordinator/membership.py)
+        lines.append(f"membership generation {r['generation']}: original rank(s) {r['lost']} lost; a world of "
+                     f"{r['world_size']} (original ranks {r['members']}) from step {r['from_step']} on plan v{r['plan_version']}")
+    if status.get("learned"):
+        lines.append(f"learned from the workers (this coordinator started while the job ran): plan "
+                     f"v{status['learned']['plan_version']} from rank {status['learned']['from_rank']}")
     if status.get("misses") or status.get("noise_level"):
         lines.append(f"back-off: {status.get('misses', 0)} switch(es) did not deliver; a switch now needs a predicted "
                      f"gain above {status.get('effective_threshold', 0):.0%} (noise level {status.get('noise_level', 0):.0%})")

@@ -10,6 +10,7 @@ This layer turns the flags into typed inputs (a `JobSpec` for `api.job.build_job
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -199,16 +200,21 @@ def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
     return shape
 
 
-def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None, schedule: Optional[str] = None) -> Any:
+def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None, schedule: Optional[str] = None,
+                 plan: Any = None) -> Any:
     from model_parallel.messages import NullChannel
 
     if args.coordinator:
         from model_parallel.coordinator.client import CoordinatorChannel
         from model_parallel.coordinator.protocol import read_token
 
+        recovered = getattr(args, "recovered", None)  # --recover, a re-formed world: its generation (worker_recover.py)
         return CoordinatorChannel(args.coordinator, token or read_token(args.token, args.token_file), rank, world_size,
                                   schedule=schedule,
-                                  checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None)
+                                  checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
+                                  live_plan=plan, recover=bool(args.recover),
+                                  generation=recovered.generation if recovered else 0,
+                                  membership=recovered.membership() if recovered else None)
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
@@ -269,7 +275,11 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     """Build one job from its flags (or the coordinator's) and train it on the already-joined world
     (`watch` sees the engine before it trains: --recover times the first step after a recovery)."""
     job = load_job(args, world.world_size, served)
-    channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule)
+    recovered = getattr(args, "recovered", None)
+    if recovered is not None:  # a re-formed world runs its even split under the version the survivors agreed on
+        job = dataclasses.replace(job, plan=dataclasses.replace(job.plan, version=recovered.plan_version))
+    channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule,
+                           job.plan)
 
     def on_engine(engine: Any) -> None:
         if prefix is not None:

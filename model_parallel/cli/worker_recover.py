@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from model_parallel.cli.recover_coordinator import known_version
 from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, leave, resume_hint
 from model_parallel.errors import ConfigError, PeerError, ReplacedError
 
@@ -36,9 +37,11 @@ def check_recover_flags(args: Any) -> None:
     """What `--recover` cannot work with, refused before joining (one line, exit 2)."""
     if not args.recover:
         return
-    if args.coordinator:
-        raise ConfigError("--recover with --coordinator: re-registering the survivors with the coordinator under the "
-                          "new world is not implemented; drop --coordinator, or drop --recover and relaunch with --resume")
+    from model_parallel.cli.served_job import wants_served_job
+
+    if wants_served_job(args):
+        raise ConfigError("--recover with a job the coordinator serves (no --model/--package/--graph): a re-formed world "
+                          "rebuilds its job from the command line; give the model on it (e.g. --package DIR)")
     if args.jobs:
         raise ConfigError("--recover with --jobs: recovery continues one run; give the job's flags directly")
     if args.single_process:
@@ -103,6 +106,7 @@ class Survivor:
         self.lineage = first_lineage(world.rank, world.world_size, world.store, world.store_address, options.timeout)
         self.records: list[RecoveryRecord] = []
         self._pending: Optional[tuple[float, RecoveryRecord]] = None  # (detected at, record without its seconds)
+        self._known = 0  # the newest plan version this process knew of (cli/recover_coordinator.py)
 
     @property
     def rank(self) -> int:
@@ -118,12 +122,17 @@ class Survivor:
             except PeerError as error:
                 detected = time.monotonic()
                 done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
+                # The plan versions spent so far (--coordinator), kept across failures: one before the engine exists
+                # (a second failure during a recovery) must not number the next plan lower.
+                self._known = known = max(self._known, known_version(self.prefix.engine))
                 # The failed engine (its stage, optimizer state, group handles) goes before the next one is built:
                 # the exception's frames would keep it alive.
                 error.__traceback__, error.__context__, error.__cause__, self.prefix.engine = None, None, None, None
                 self._recover(error, done_before, detected)
-                # Every later world: the even split for its size, the latest committed checkpoint, each process's own files.
-                args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None})
+                # Every later world: the even split for its size, the latest committed checkpoint, each process's own files
+                # (and, under a coordinator, the generation it registers in: cli/recover_coordinator.py).
+                args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
+                                             "recovered": self._recovered(known) if self.args.coordinator else None})
                 metrics = options.metrics.replace("{rank}", str(self.lineage.me)) if options.metrics else None
                 options = dataclasses.replace(self.options, resume=True, metrics=metrics)
         if self._pending is not None:  # the checkpoint held every requested step: nothing left to run
@@ -181,6 +190,20 @@ class Survivor:
         record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
                                 str(self.args.checkpoint_dir), step, done_before, step + 1, 0.0)
         self._pending = (detected, record)
+
+    def _recovered(self, known: int) -> Any:
+        """The new world as the coordinator hears of it, its plan version agreed by every member."""
+        from model_parallel.cli.recover_coordinator import Recovered, agree_plan_version
+
+        assert self._pending is not None
+        record = self._pending[1]
+        try:
+            version = agree_plan_version(self.world.store, self.lineage.me, self.lineage.members, known, self.options.timeout)
+        except PeerError as error:
+            self._leave(EXIT_PEER, f"[rank {self.rank}] error: cannot recover: {error}",
+                        resume_hint(self.args.checkpoint_dir, self.argv, self.rank))
+        self._known = version
+        return Recovered(record.generation, record.world, record.lost, record.continued_at, version)
 
     def _watch(self, engine: Any) -> None:
         """Time the first completed step of a recovered run (the engine's step, wrapped once)."""

@@ -22,35 +22,21 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, new_nonce, parse_address
+from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, RECONNECT_FIRST_S, _connect, _hang_up
+from model_parallel.coordinator.connect import fetch_job  # noqa: F401 - where callers (cli/served_job.py) import it from
+from model_parallel.coordinator.protocol import Session, new_nonce
 from model_parallel.errors import PlanError, ProtocolError
+from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0
 HEARTBEAT_INTERVAL_S = 1.0
 REPORT_QUEUE = 256
-RECONNECT_FIRST_S = 0.25  # first wait before reconnecting; doubles per attempt (times a jitter in [0.5, 1])
 RECONNECT_MAX_S = 5.0  # the longest wait between attempts
 RECONNECT_FOR_S = 300.0  # give up after this long (training goes on without rebalancing)
-
-
-def _connect(address: str, token: bytes, timeout: float) -> Session:
-    host, port = parse_address(address)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as error:
-        raise ProtocolError(f"cannot reach the coordinator at {address}: {error.strerror or error}; "
-                            "is test_socket.py running there?") from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return client_handshake(sock, token, timeout)
-    except (OSError, ProtocolError) as error:
-        sock.close()
-        raise ProtocolError(f"coordinator at {address}: handshake failed: {error}") from None
 
 
 class CoordinatorChannel:
@@ -59,7 +45,8 @@ class CoordinatorChannel:
     def __init__(self, address: str, token: bytes, rank: int, world_size: int,
                  timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None,
-                 checkpoint_dir: Optional[str] = None) -> None:
+                 checkpoint_dir: Optional[str] = None, live_plan: Optional[Plan] = None, recover: bool = False,
+                 generation: int = 0, membership: Optional[Mapping[str, Any]] = None) -> None:
         self.address, self.token = address, token
         self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
@@ -81,17 +68,39 @@ class CoordinatorChannel:
         self.stop_reason: Optional[str] = None
         # The newest plan version this rank runs (from its reports) or has accepted a switch to: a switch
         # to a version at or below it is stale or replayed, and refused.
-        self.plan_floor = 0
+        self.plan_floor = live_plan.version if live_plan is not None else 0
+        # What this worker runs, told at every (re)registration: a coordinator started again on the same address
+        # learns the live job from it (docs/coordinator.md, "A lost coordinator"). Rank 0 learns each newer plan
+        # from the switch it admits; the others only its version (from their reports).
+        self.running_version = self.plan_floor
+        self._plans: dict[int, dict[str, Any]] = {live_plan.version: live_plan.to_dict()} if live_plan is not None else {}
+        self.issued = 0  # the newest plan version the coordinator said it spent (welcome)
+        # --recover: a lost peer is not the end of this process (its bye says "recovering"), and the membership
+        # generation this channel registers in (docs/reliability.md, "Recovery under a coordinator")
+        self.recover, self.generation, self.membership = recover, int(generation), dict(membership or {})
         self.instance = new_nonce()  # this process's claim on its rank (never shown): see Roster.register
-        self.session: Optional[Session] = self._register(timeout)  # the first connection must work
-        self._connected.set()
+        self.plan_version, self.plan = self.running_version, self._plans.get(self.running_version)
+        self.session: Optional[Session] = None
+        try:
+            self.session = self._register(timeout)  # the first connection must work (a typo'd address fails fast)
+            self._connected.set()
+        except ProtocolError as error:
+            if self.generation == 0:
+                raise
+            # A re-formed world (--recover) trains on whether or not the coordinator is there (it may have been lost
+            # with the worker): register in the background, as after a lost connection.
+            self.lost = str(error)
+            logger.error("rank %d cannot register with the coordinator at %s in generation %d: %s; training continues "
+                         "with the survivors' plan (retrying with backoff for up to %.0f s)", rank, address,
+                         self.generation, error, reconnect_for)
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"coordinator-send-{rank}", daemon=True),
             threading.Thread(target=self._read_loop, name=f"coordinator-read-{rank}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
-        logger.info("rank %d connected to the coordinator at %s (plan v%d)", rank, address, self.plan_version)
+        if self.session is not None:
+            logger.info("rank %d connected to the coordinator at %s (plan v%d)", rank, address, self.plan_version)
 
     def _register(self, timeout: float) -> Session:
         """Connect, register and read the welcome (the live plan); ProtocolError says why not."""
@@ -101,7 +110,8 @@ class CoordinatorChannel:
                 session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),
                              world_size=int(self.world_size), instance=self.instance,
                              **({"schedule": self.schedule} if self.schedule is not None else {}),
-                             **({"checkpoint_dir": self.checkpoint_dir} if self.checkpoint_dir else {}))
+                             **({"checkpoint_dir": self.checkpoint_dir} if self.checkpoint_dir else {}),
+                             **self._live_fields())
             welcome = session.recv(timeout)
         except (OSError, ProtocolError) as error:
             session.sock.close()
@@ -116,7 +126,18 @@ class CoordinatorChannel:
             raise ProtocolError(f"coordinator at {self.address}: expected welcome, got {welcome['type']!r}")
         self.plan_version = welcome["plan_version"]
         self.plan = welcome["plan"]
+        self.issued = max(self.issued, int(welcome.get("issued", welcome["plan_version"])))
         return session
+
+    def _live_fields(self) -> dict[str, Any]:
+        """The live job as this worker knows it, for the register message."""
+        fields: dict[str, Any] = {"live_version": int(self.running_version), "step": max(self._step, 0),
+                                  "generation": self.generation}
+        if self.running_version in self._plans:
+            fields["live_plan"] = self._plans[self.running_version]
+        if self.membership:
+            fields["membership"] = self.membership
+        return fields
 
     # ---- ControlChannel --------------------------------------------------------------------------
     def report(self, report: StepReport) -> None:
@@ -125,6 +146,9 @@ class CoordinatorChannel:
         message = report.to_dict()  # the protocol's `report` is the StepReport itself
         self._step = max(self._step, report.step)
         self.plan_floor = max(self.plan_floor, report.plan_version)
+        if report.plan_version != self.running_version and report.plan_version in self._plans:
+            self._plans = {v: p for v, p in self._plans.items() if v >= report.plan_version}  # older: history
+        self.running_version = report.plan_version
         self._queue("report", message)
 
     def switch_refused(self, version: int, reason: str) -> None:
@@ -159,6 +183,10 @@ class CoordinatorChannel:
     def close(self, reason: str = "training finished") -> None:
         if self._closed.is_set():
             return
+        if self.recover and reason.startswith("failed:"):
+            # --recover: this process re-forms the world and registers again in the next generation (a process
+            # that cannot recover exits; the coordinator gives a "recovering" rank up like an unreachable one)
+            reason = "recovering:" + reason[len("failed:"):]
         # Let queued reports go out first (bounded wait), then say goodbye.
         deadline = time.monotonic() + 2.0
         while not self._reports.empty() and self.session is not None and time.monotonic() < deadline:
@@ -287,53 +315,11 @@ class CoordinatorChannel:
                              self.plan_floor, command.reason or "no reason given")
                 return False
             self.plan_floor = command.plan.version
+            self._plans[command.plan.version] = command.plan.to_dict()
         if command.kind == "stop":
             self.stop_reason = command.reason
         logger.info("rank %d: coordinator command %s %s", self.rank, command.kind, command.reason)
         return True
-
-
-def fetch_job(address: str, read_token: Callable[[], bytes], rank: int, timeout: float) -> tuple[dict[str, Any], bytes]:
-    """Ask the coordinator for the job (a worker started without a model): its `job` message and the token that worked.
-
-    Workers are often started before the coordinator (or read a token file it is about to replace), so a
-    refused connection or a failed handshake is retried, re-reading the token, until `timeout` seconds
-    have passed; then ProtocolError says what the last attempt saw.
-    """
-    deadline = time.monotonic() + timeout
-    delay, last = RECONNECT_FIRST_S, "no attempt"
-    while True:
-        try:
-            token = read_token()  # again each time: the coordinator may be about to write a fresh token file
-            session = _connect(address, token, min(CONNECT_TIMEOUT_S, max(deadline - time.monotonic(), 0.5)))
-            try:
-                session.send("job-request", rank=int(rank), host=socket.gethostname(), pid=os.getpid())
-                reply = session.recv(CONNECT_TIMEOUT_S, max_bytes=MAX_JOB_FRAME_BYTES)
-            finally:
-                _hang_up(session)
-        except (OSError, ProtocolError) as error:
-            last = str(error) or type(error).__name__
-        else:
-            if reply["type"] == "job":
-                return reply, token
-            if reply["type"] == "reply" and not reply["ok"]:
-                raise ProtocolError(f"coordinator at {address}: {reply.get('error', 'refused to send the job')}")
-            raise ProtocolError(f"coordinator at {address}: expected the job, got {reply['type']!r}")
-        if time.monotonic() + delay > deadline:
-            raise ProtocolError(f"rank {rank}: could not get the job from the coordinator at {address} within "
-                                f"{timeout:.0f} s: {last} (is test_socket.py running there, with the same token? "
-                                "set $MODEL_PARALLEL_COORDINATOR=HOST:PORT if it runs elsewhere)")
-        logger.debug("rank %d: the coordinator at %s is not ready (%s); retrying", rank, address, last)
-        time.sleep(delay)
-        delay = min(2 * delay, 2.0)
-
-
-def _hang_up(session: Session) -> None:
-    try:
-        session.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    session.sock.close()
 
 
 class CtlClient:

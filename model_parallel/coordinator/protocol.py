@@ -67,9 +67,16 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     # client -> server: who am I. role "worker" needs rank/world_size; role "ctl" needs nothing else.
     # `nonce` (also in job-request): the client's half of the session nonce (see the module docstring).
     "register": {"role": (str,), "rank": (int,), "host": (str,), "pid": (int,), "world_size": (int,), "nonce": (str,),
-                 "instance": (str,), "schedule": (str,), "checkpoint_dir": (str,)},
-    # server -> client: registration accepted; the live plan (dict) and its version.
-    "welcome": {"plan_version": (int,), "plan": (dict,)},
+                 "instance": (str,), "schedule": (str,), "checkpoint_dir": (str,),
+                 # what the worker runs (a fresh coordinator learns the live job from them): the plan version of
+                 # its last report (or its start), that plan when the worker knows it, its furthest step
+                 "live_version": (int,), "live_plan": (dict,), "step": (int,),
+                 # --recover: the membership generation (0: the world joined at start) and, from 1 on, how it
+                 # came about: {"members": [original ranks], "lost": [...], "from_step": first step run}
+                 "generation": (int,), "membership": (dict,)},
+    # server -> client: registration accepted; the live plan (dict) and its version; `issued`: the newest plan
+    # version this coordinator has spent (a re-formed world numbers its plan above it)
+    "welcome": {"plan_version": (int,), "plan": (dict,), "issued": (int,)},
     "heartbeat": {"rank": (int,), "step": (int,)},
     # per-rank per-step report: a `model_parallel.messages.StepReport` as its `to_dict()` (ms; stage null on a
     # spare rank). Only the types are checked here; `StepReport.from_dict` refuses absurd values on the server.
@@ -100,7 +107,9 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 # Fields a message may omit (e.g. a ctl client's register has no rank).
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule", "checkpoint_dir"}),
+    "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule", "checkpoint_dir",
+                           "live_version", "live_plan", "step", "generation", "membership"}),
+    "welcome": frozenset({"issued"}),
     "reply": frozenset({"result", "error"}),
     "report": frozenset({"loss"}),
     "job-request": frozenset({"rank", "host", "pid", "nonce"}),

@@ -168,6 +168,16 @@ class Rebalancer:
         self.pending = PendingSwitch(plan, step, predicted)
         return plan
 
+    def adopt(self, plan: Plan, step: int, world_size: int, reason: str) -> None:
+        """Make `plan`, which the workers already run from `step`, the live plan (membership.py: a re-formed world, or
+        the live plan learned by a coordinator started again): a new policy memory, speeds measured afresh."""
+        self.state = policy.PolicyState(self.state.graph, plan.with_default_ranks(), self.state.solver,
+                                        version_start_step=step)
+        self.world_size, self.pending, self.last_eval_step = world_size, None, step
+        self.highest_reported = max(self.highest_reported, plan.version)
+        self._mismatch_warned = False
+        self.history.append({"version": plan.version, "requested_at_step": step, "applied_at_step": step, "reason": reason})
+
     def confirm(self, step: int) -> None:
         assert self.pending is not None
         pending, self.pending = self.pending, None

@@ -335,6 +335,8 @@ class Coordinator(WorkerLink):
         with self.lock:
             return {**self.rebalancer.summary(self.roster.workers), "policy": self.policy,
                     "workers": self.roster.rows(time.monotonic()), "stop_reason": self.roster.stop_reason,
+                    "generation": self.roster.generation, "world_size": self.roster.world_size,
+                    "recoveries": list(self.roster.recoveries), "learned": self.roster.learned,
                     "checkpoint_dirs": sorted(self.checkpoint_dirs)}
 
     def _write_status(self, force: bool = False) -> None:

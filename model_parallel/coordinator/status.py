@@ -1,8 +1,9 @@
 """The coordinator's bookkeeping of ranks (`Roster`, one `WorkerState` per rank) and its status file.
 
 A rank's status: `running` (connected, heard from within the heartbeat timeout), `unreachable` (may
-come back: its view can be stale, see server.py), `finished` (said bye after the last step) or
-`stopped` (said bye early; the run is stopping). The roster only records; the server decides when
+come back: its view can be stale, see server.py), `recovering` (`--recover`: it lost a peer and re-forms
+the world; it registers again in the next membership generation, or is given up on like an unreachable
+one), `finished` (said bye after the last step) or `stopped` (said bye early; the run is stopping). The roster only records; the server decides when
 to look (heartbeats, the monitor loop). Every `Roster` method runs with the coordinator's lock held.
 """
 from __future__ import annotations
@@ -57,6 +58,16 @@ class Roster:
         self.world_size = world_size
         self.stop_reason: Optional[str] = None  # a rank ended early: no more plan changes
         self.dirty = True  # something the status file shows changed since it was last written
+        self.generation = 0  # the membership generation served (--recover: each re-formed world is the next)
+        self.recoveries: list[dict[str, Any]] = []  # each re-formed world: who was lost, the new world, its plan
+        self.learned: Optional[dict[str, Any]] = None  # the live plan learned from the workers (a restarted coordinator)
+
+    def new_generation(self, generation: int, world_size: int, recovery: dict[str, Any]) -> None:
+        """The survivors re-formed the world (membership.py): the old registrations and the lost ranks' state go."""
+        self.workers.clear()
+        self.generation, self.world_size, self.stop_reason = generation, world_size, None
+        self.recoveries.append(recovery)
+        self.dirty = True
 
     def register(self, message: Mapping[str, Any], session: Session, where: str, plan: Plan) -> tuple[WorkerState, bool]:
         """Admit a worker's `register` (ProtocolError says why not); returns it and whether it is a reconnection."""
@@ -123,6 +134,10 @@ class Roster:
         finished = reason == "training finished"
         worker.status, worker.note = ("finished", "") if finished else ("stopped", reason)
         worker.session = None
+        if reason.startswith("recovering:"):  # --recover: back in the next generation (or given up on after a grace)
+            worker.status = "recovering"
+            self.dirty = True
+            return False
         if not finished and self.stop_reason is None:
             self.stop_reason = f"rank {worker.rank}: {reason}"
         self.dirty = True
@@ -155,7 +170,8 @@ class Roster:
         registered_all = len(self.workers) >= self.world_size
         said_bye = any(w.status in ("finished", "stopped") for w in self.workers.values())
         # An unreachable worker is only given up on after the grace period (it may be reconnecting).
-        gone = all(w.status != "unreachable" or now - w.last_seen > UNREACHABLE_GRACE_S for w in self.workers.values())
+        gone = all(w.status not in ("unreachable", "recovering") or now - w.last_seen > UNREACHABLE_GRACE_S
+                   for w in self.workers.values())
         return (registered_all or said_bye) and (said_bye or gone)
 
     def step(self) -> int:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from model_parallel.coordinator import membership
 from model_parallel.coordinator.protocol import ProtocolError, Session
 from model_parallel.coordinator.rebalancer import Rebalancer
 from model_parallel.coordinator.status import Roster, WorkerState
@@ -40,6 +41,8 @@ class WorkerLink:
                 if message.get("schedule", "1f1b") not in SCHEDULES:
                     raise ProtocolError(f"rank {message.get('rank')} runs an unknown schedule {str(message['schedule'])[:40]!r}; "
                                         f"expected one of {sorted(SCHEDULES)}")
+                if message.get("role") == "worker":  # a re-formed world, or the live plan (membership.py)
+                    membership.admit(self.roster, self.rebalancer, message)
                 worker, reconnection = self.roster.register(message, session, where, self.plan)
             except ProtocolError as error:  # say why to the worker too: it exits with the cause, not "wrong token?"
                 session.send("reply", ok=False, error=str(error))
@@ -51,7 +54,8 @@ class WorkerLink:
             self.done.clear()
             plan = self.plan
         with worker.send_lock:
-            session.send("welcome", plan_version=plan.version, plan=plan.to_dict())
+            session.send("welcome", plan_version=plan.version, plan=plan.to_dict(),
+                         issued=max(plan.version, self.rebalancer.highest_issued))
         (logger.warning if reconnection else logger.info)("rank %d %s from %s (pid %d, world size %d)", worker.rank,
                                                           "reconnected" if reconnection else "registered",
                                                           worker.host, worker.pid, worker.world_size)
@@ -101,8 +105,8 @@ class WorkerLink:
                 reason = message["reason"]
                 with self.lock:
                     finished = self.roster.bye(worker, reason)
-                (logger.info if finished else logger.warning)("rank %d %s: %s", worker.rank,
-                                                              "finished" if finished else "ended early", reason)
+                (logger.info if finished else logger.warning)("rank %d %s: %s", worker.rank, "finished" if finished else
+                                                              "is" if worker.status == "recovering" else "ended early", reason)
                 self._check_done()
                 return True
             else:

@@ -14,9 +14,9 @@ WORLD = ["--rank", "0", "--world_size", "2"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([*WORLD, "--checkpoint_dir", "ck", "--coordinator", "127.0.0.1:1"],
-     "--recover with --coordinator: re-registering the survivors with the coordinator under the new world is not "
-     "implemented"),
+    (["--rank", "0", "--checkpoint_dir", "ck", "--recover"],
+     "--recover with a job the coordinator serves (no --model/--package/--graph): a re-formed world rebuilds its job "
+     "from the command line"),
     (WORLD, "--recover needs --checkpoint_dir"),
     ([*WORLD, "--checkpoint_dir", "ck", "--single_process"], "--recover with --single_process"),
     (["--checkpoint_dir", "ck"], "--recover needs a world joined with --rank/--world_size/--dist_addr: under torchrun its "
@@ -24,7 +24,7 @@ WORLD = ["--rank", "0", "--world_size", "2"]
 ])
 def test_recover_refuses_what_it_cannot_do_before_joining(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        worker.main([*RECOVER, *argv])  # raised before any world is joined: cli.common makes it exit 2
+        worker.main([*RECOVER, *argv] if "--recover" not in argv else argv)  # raised before any world is joined: cli.common makes it exit 2
 
 
 def test_the_record_round_trips_through_its_metrics_line() -> None:

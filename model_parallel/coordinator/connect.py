@@ -1,0 +1,75 @@
+"""Connecting to the coordinator: the authenticated handshake, hanging up, and `fetch_job` (a worker without a
+model asks for the job). `client.py` builds the worker's channel and the ctl client on these."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, parse_address
+from model_parallel.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+RECONNECT_FIRST_S = 0.25  # first wait before reconnecting; doubles per attempt (times a jitter in [0.5, 1])
+
+
+def _connect(address: str, token: bytes, timeout: float) -> Session:
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as error:
+        raise ProtocolError(f"cannot reach the coordinator at {address}: {error.strerror or error}; "
+                            "is test_socket.py running there?") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return client_handshake(sock, token, timeout)
+    except (OSError, ProtocolError) as error:
+        sock.close()
+        raise ProtocolError(f"coordinator at {address}: handshake failed: {error}") from None
+
+
+def _hang_up(session: Session) -> None:
+    try:
+        session.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    session.sock.close()
+
+
+def fetch_job(address: str, read_token: Callable[[], bytes], rank: int, timeout: float) -> tuple[dict[str, Any], bytes]:
+    """Ask the coordinator for the job (a worker started without a model): its `job` message and the token that worked.
+
+    Workers are often started before the coordinator (or read a token file it is about to replace), so a
+    refused connection or a failed handshake is retried, re-reading the token, until `timeout` seconds
+    have passed; then ProtocolError says what the last attempt saw.
+    """
+    deadline = time.monotonic() + timeout
+    delay, last = RECONNECT_FIRST_S, "no attempt"
+    while True:
+        try:
+            token = read_token()  # again each time: the coordinator may be about to write a fresh token file
+            session = _connect(address, token, min(CONNECT_TIMEOUT_S, max(deadline - time.monotonic(), 0.5)))
+            try:
+                session.send("job-request", rank=int(rank), host=socket.gethostname(), pid=os.getpid())
+                reply = session.recv(CONNECT_TIMEOUT_S, max_bytes=MAX_JOB_FRAME_BYTES)
+            finally:
+                _hang_up(session)
+        except (OSError, ProtocolError) as error:
+            last = str(error) or type(error).__name__
+        else:
+            if reply["type"] == "job":
+                return reply, token
+            if reply["type"] == "reply" and not reply["ok"]:
+                raise ProtocolError(f"coordinator at {address}: {reply.get('error', 'refused to send the job')}")
+            raise ProtocolError(f"coordinator at {address}: expected the job, got {reply['type']!r}")
+        if time.monotonic() + delay > deadline:
+            raise ProtocolError(f"rank {rank}: could not get the job from the coordinator at {address} within "
+                                f"{timeout:.0f} s: {last} (is test_socket.py running there, with the same token? "
+                                "set $MODEL_PARALLEL_COORDINATOR=HOST:PORT if it runs elsewhere)")
+        logger.debug("rank %d: the coordinator at %s is not ready (%s); retrying", rank, address, last)
+        time.sleep(delay)
+        delay = min(2 * delay, 2.0)
