@@ -116,6 +116,9 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--recover", action="store_true",
                    help="when a peer is lost, re-form the world with the survivors and continue from the latest "
                         "committed checkpoint in this process (needs --checkpoint_dir; not with --coordinator)")
+    o.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="join a running --recover job (its rank 0's --dist_addr:--dist_port) at a step boundary, with "
+                        "the job's flags; the job re-plans for one more worker (needs --checkpoint_dir)")
     o.add_argument("--keep_checkpoints", type=int, default=3,
                    help="committed checkpoints kept in --checkpoint_dir; older ones are deleted (default 3)")
     o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
@@ -301,9 +304,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     check_inputs(args)
+    from model_parallel.cli.worker_join import check_join_flags
     from model_parallel.cli.worker_recover import check_recover_flags
 
-    check_recover_flags(args)
+    check_join_flags(args)
+    if not args.join:
+        check_recover_flags(args)
     served = None
     if wants_served_job(args):
         configure_logging(args.verbose)
@@ -333,14 +339,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = install_rank_prefix(rank)
     health, survivor = None, None
     try:
-        world = join_world(rendezvous(args))
-        rank = world.rank
-        health = start_health(world, options.timeout)
-        if args.recover:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
+        if args.join:  # admitted into a running job (cli/worker_join.py); trains in it until done
+            from model_parallel.cli.worker_join import join_running_job
+
+            survivor = join_running_job(args, argv, config, options, prefix, run_one)
+            world, rank = survivor.world, survivor.rank
+            jobs, health = [], survivor.train()
+        else:
+            world = join_world(rendezvous(args))
+            rank = world.rank
+            health = start_health(world, options.timeout)
+        if args.recover and not args.join:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
             from model_parallel.cli.worker_recover import Survivor
 
             survivor = Survivor(args, argv, config, options, world, health, prefix, run_one)
             jobs, health = [], survivor.train()
+        elif not args.join and world.rank == 0 and world.store_host == 0:  # a joiner learns it cannot join here
+            from model_parallel.cli.worker_join import job_flags
+            from model_parallel.runtime.wire.join import publish_flags
+
+            publish_flags(world.store, job_flags(args), recover=False, backend="")
         for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
