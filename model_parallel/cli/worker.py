@@ -341,8 +341,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.join:  # admitted into a running job (cli/worker_join.py); trains in it until done
             from model_parallel.cli.worker_join import join_running_job
+            from model_parallel.cli.worker_recover import Survivor
 
-            survivor = join_running_job(args, argv, config, options, prefix, run_one)
+            survivor = join_running_job(args, argv, config, options, prefix, run_one, Survivor)
             world, rank = survivor.world, survivor.rank
             jobs, health = [], survivor.train()
         else:

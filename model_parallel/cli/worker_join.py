@@ -77,6 +77,25 @@ def compare_flags(published: dict[str, Any], mine: dict[str, Any], where: str) -
                           "give the job's flags")
 
 
+def join_hint(argv: list[str], store: str, rank: int) -> str:
+    """For a process that was replaced (exit 6): the command that would admit it back as a new worker."""
+    import shlex
+    import sys
+
+    drop_value, drop = {"--rank", "--world_size", "--dist_addr", "--dist_port", "--join"}, {"--recover", "--resume"}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in drop_value:
+            skip = True
+        elif arg not in drop and arg.split("=", 1)[0] not in drop_value:
+            out.append(arg)
+    command = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_parallel_0.py",
+                          "--join", store, *out])
+    return f"[rank {rank}] to come back as a new worker (admitted at a step boundary): {command}"
+
+
 @dataclass(frozen=True)
 class JoinRecord:
     """One admission: who joined, the world after it, the checkpoint every rank resumed from, the pause."""
@@ -201,13 +220,14 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     survivor._pending = (detected, record)
 
 
-def join_running_job(args: Any, argv: list[str], config: Any, options: Any, prefix: Any, run_one: Callable[..., Any]) -> Any:
-    """The joiner: checks, request, admission, the new world; returns the Survivor that trains in it."""
+def join_running_job(args: Any, argv: list[str], config: Any, options: Any, prefix: Any, run_one: Callable[..., Any],
+                     survivor_class: Any) -> Any:
+    """The joiner: checks, request, admission, the new world; returns the `survivor_class` (worker_recover.Survivor,
+    passed in: that module imports this one) that trains in it."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    from model_parallel.cli.worker_recover import Survivor
     from model_parallel.runtime.wire import join as wire
     from model_parallel.runtime.wire.recovery import Lineage, own_address, reform
 
@@ -247,7 +267,7 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     health = start_health(world, timeout)
     metrics = options.metrics.replace("{rank}", str(admission.original)) if options.metrics else None
     job_args = argparse.Namespace(**{**vars(args), "plan": None, "num_stages": None, "stage_to_num_ranks": None})
-    survivor = Survivor(job_args, argv, config, dataclasses.replace(options, resume=True, metrics=metrics), world,
+    survivor = survivor_class(job_args, argv, config, dataclasses.replace(options, resume=True, metrics=metrics), world,
                         health, prefix, run_one, lineage=reformed.lineage)
     from model_parallel.runtime.checkpoint.layout import latest_step
 

@@ -159,8 +159,11 @@ class Survivor:
         if culprit == rank:  # this process is the one its peers gave up on (it stood still)
             record = was_replaced(lineage, max(1.0, timeout / 4))
             where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
+            from model_parallel.cli.worker_join import join_hint
+
+            store = f"{lineage.addresses[lineage.store_host]}:{lineage.store_port}"  # where the survivors met: its host lives
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
-                                       f"replaced {where}: it does not rejoin", None)
+                                       f"replaced {where}: it does not rejoin", join_hint(self.argv, store, rank) if record else None)
         hook = signal_hook(lineage.me).get(AT_RECOVERY)
         if hook is not None:  # the test hook: a second failure, during this recovery
             logger.error("[rank %d] test hook %s: signal %s as the recovery begins", rank, SIGNAL_ENV, hook)

@@ -97,17 +97,27 @@ def post_request(store: Any, address: str, deadline: float) -> str:
 def wait_admission(store: Any, nonce: str, deadline: float) -> Optional[Admission]:
     """The admission rank 0 wrote for `nonce`, or None at `deadline` (then the request is withdrawn, unless rank 0
     took it in the meantime: then the admission is waited for a little longer, it is being written)."""
-    key = ADMIT.format(nonce)
+    key, extended = ADMIT.format(nonce), False
     while True:
         if store.check([key]):
             return Admission.from_json(store.get(key).decode())
         if time.monotonic() > deadline:
-            mine = store.get(REQUEST).decode() if store.check([REQUEST]) else ""
-            if mine and mine != TAKEN and json.loads(mine).get("nonce") == nonce:
-                if store.compare_set(REQUEST, mine, "").decode() == "":
-                    return None  # withdrawn: never admitted later
-            deadline = time.monotonic() + 5.0  # taken: rank 0 writes the admission right after taking it
+            current = store.get(REQUEST).decode() if store.check([REQUEST]) else ""
+            if _nonce(current) == nonce:  # ours, still pending: withdrawn, so never admitted later
+                if store.compare_set(REQUEST, current, "").decode() == "":
+                    return None
+                continue  # rank 0 took it just now: its admission follows
+            if current != TAKEN or extended:
+                return None  # taken, and no admission written since (rank 0 died in between): none is coming
+            deadline, extended = time.monotonic() + 5.0, True  # taken: rank 0 writes the admission right after
         time.sleep(0.2)
+
+
+def _nonce(text: str) -> str:
+    try:
+        return str(json.loads(text).get("nonce", ""))
+    except (ValueError, AttributeError):
+        return ""
 
 
 def take_request(store: Any) -> Optional[dict[str, str]]:
