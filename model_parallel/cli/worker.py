@@ -307,9 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from model_parallel.cli.worker_join import check_join_flags
     from model_parallel.cli.worker_recover import check_recover_flags
 
-    check_join_flags(args)
-    if not args.join:
-        check_recover_flags(args)
+    (check_join_flags if args.join else check_recover_flags)(args)
     served = None
     if wants_served_job(args):
         configure_logging(args.verbose)
@@ -339,27 +337,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = install_rank_prefix(rank)
     health, survivor = None, None
     try:
-        if args.join:  # admitted into a running job (cli/worker_join.py); trains in it until done
-            from model_parallel.cli.worker_join import join_running_job
-            from model_parallel.cli.worker_recover import Survivor
+        from model_parallel.cli.worker_join import join_running_job, publish_no_recover
+        from model_parallel.cli.worker_recover import Survivor
 
+        if args.join:  # admitted into a running job at a step boundary (cli/worker_join.py), in a new world
             survivor = join_running_job(args, argv, config, options, prefix, run_one, Survivor)
-            world, rank = survivor.world, survivor.rank
-            jobs, health = [], survivor.train()
         else:
             world = join_world(rendezvous(args))
             rank = world.rank
             health = start_health(world, options.timeout)
-        if args.recover and not args.join:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
-            from model_parallel.cli.worker_recover import Survivor
-
-            survivor = Survivor(args, argv, config, options, world, health, prefix, run_one)
+            if args.recover:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
+                survivor = Survivor(args, argv, config, options, world, health, prefix, run_one)
+            else:
+                publish_no_recover(world, args)  # rank 0: a joiner learns it cannot join here
+        if survivor is not None:
             jobs, health = [], survivor.train()
-        elif not args.join and world.rank == 0 and world.store_host == 0:  # a joiner learns it cannot join here
-            from model_parallel.cli.worker_join import job_flags
-            from model_parallel.runtime.wire.join import publish_flags
-
-            publish_flags(world.store, job_flags(args), recover=False, backend="")
+            world = survivor.world
         for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)

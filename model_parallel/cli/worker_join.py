@@ -181,6 +181,14 @@ def publish(survivor: Any) -> None:
         publish_flags(survivor.lineage.base_store, job_flags(survivor.args), recover=True, backend=survivor.backend)
 
 
+def publish_no_recover(world: Any, args: Any) -> None:
+    """Rank 0 of a job without --recover (its own store, not torchrun's): a joiner is told it cannot join here."""
+    from model_parallel.runtime.wire.join import publish_flags
+
+    if world.rank == 0 and world.store_host == 0:
+        publish_flags(world.store, job_flags(args), recover=False, backend="")
+
+
 def admit(survivor: Any, detected: float, done_before: int) -> None:
     """Every running rank, after the admission stop: meet the joiner in the next generation (see the module doc)."""
     from dataclasses import replace

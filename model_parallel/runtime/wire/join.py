@@ -66,7 +66,8 @@ class Admission:
 
 def publish_flags(store: Any, flags: dict[str, Any], recover: bool, backend: str) -> None:
     """Rank 0 of every world: what a joiner compares its flags with."""
-    store.set(FLAGS, json.dumps({"recover": recover, "backend": backend, "flags": flags}, sort_keys=True))
+    # default=str: a flag value JSON cannot hold is compared as its text (never a failure of the job)
+    store.set(FLAGS, json.dumps({"recover": recover, "backend": backend, "flags": flags}, sort_keys=True, default=str))
 
 
 def read_flags(store: Any, seconds: float) -> Optional[dict[str, Any]]:
