@@ -237,15 +237,18 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     from torch.distributed import TCPStore
 
     from model_parallel.runtime.wire import join as wire
-    from model_parallel.runtime.wire.recovery import Lineage, own_address, reform
+    from model_parallel.runtime.wire.recovery import JOIN_TIMEOUTS, Lineage, own_address, reform
 
     host, port = args.join.rsplit(":", 1)
     timeout = options.timeout
+    # The store may not be up yet (the job starting, or survivors re-forming after losing its host): 3 T to connect.
+    connect = JOIN_TIMEOUTS * timeout
     try:
-        store = TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        store = TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=connect), wait_for_workers=False)
     except (RuntimeError, OSError) as error:
-        raise PeerError(f"--join {args.join}: no job's store answers there within {timeout:g} s (is rank 0 running, "
-                        f"and is this its --dist_addr:--dist_port?): {str(error).splitlines()[0][:200]}") from None
+        raise PeerError(f"--join {args.join}: no job's store answers there within {connect:g} s (is rank 0 running, "
+                        f"and is this its --dist_addr:--dist_port, or after a recovery that lost the store's host the "
+                        f"lowest survivor's at --dist_port + generation?): {str(error).splitlines()[0][:200]}") from None
     published = wire.read_flags(store, timeout)
     if published is None:
         raise ConfigError(f"--join {args.join}: the store there published no job's flags within {timeout:g} s: it is "

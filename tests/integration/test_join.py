@@ -113,3 +113,24 @@ def test_a_join_then_a_kill9_membership_changes_twice(tmp_path: Path) -> None:
     got = losses(tmp_path, 0)
     assert sorted(got) == list(range(STEPS))
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
+
+
+def test_after_the_store_host_is_lost_a_worker_joins_at_the_new_store(tmp_path: Path) -> None:
+    """kill -9 of rank 0 (the store host): original rank 1 hosts generation 1's store at --dist_port + 1 (the
+    recovery rule), publishes the job's flags there, and admits a worker that joins at that address."""
+    port = free_port()
+    args = job_args(tmp_path)
+    commands = worker_commands(args, 3, port=port) + [joiner(port + 1, args)]
+    env = {"MP_TEST_JOIN_AT_STEP": "6", "MP_TEST_SIGNAL_AT_STEP": "0:3:KILL"}
+    with LocalWorld(commands, env=env) as world:
+        result = world.wait(timeout=240)
+    assert not result.timed_out, result.summary()
+    assert [w.returncode for w in result.workers] == [-signal.SIGKILL, 0, 0, 0], result.summary()
+    for rank in (1, 2, 3):
+        output = result.output(rank)
+        assert (f"admission 2: original rank 3 joined from 127.0.0.1; new world of 3 (original ranks [1, 2, 3], "
+                f"met at 127.0.0.1:{port + 1})" in output), output[-3000:]
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "kill then join")
+    want = reference_losses(STEPS)
+    got = losses(tmp_path, 3)
+    assert got and all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
