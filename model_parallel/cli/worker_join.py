@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUTS = 20.0  # of --timeout: how long a joiner waits for rank 0 to take its request (a step + a checkpoint)
 JOIN_AT_STEP_ENV = "MP_TEST_JOIN_AT_STEP"  # tests: rank 0 admits nobody before this step, and waits for a request at it
+DIE_ENV = "MP_TEST_JOINER_DIES"  # tests: the joiner kills itself once rank 0 took its request
 # Flags that describe one process, or only the first world (the re-planned worlds use the even split): a joiner
 # may give them differently. Every other flag must match the running job's.
 PER_PROCESS = frozenset({"rank", "world_size", "dist_addr", "dist_port", "backend", "threads", "metrics", "trace_dir",
@@ -197,7 +199,7 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     from model_parallel.errors import ReplacedError
     from model_parallel.runtime.checkpoint.layout import latest_step
     from model_parallel.runtime.wire.join import free_slot
-    from model_parallel.runtime.wire.recovery import abandon, reform
+    from model_parallel.runtime.wire.recovery import JOIN_TIMEOUTS, abandon, reform
 
     admission, survivor.admitting = survivor.admitting, None
     lineage, timeout, rank = survivor.lineage, survivor.options.timeout, survivor.rank
@@ -217,10 +219,12 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
         survivor._leave(EXIT_PEER, f"[rank {rank}] error: cannot admit original rank {admission.original}: {meet}", None)
     if reformed.rank == 0:
         free_slot(reformed.lineage.base_store)
-    if admission.original in reformed.dropped:
-        logger.warning("[rank %d] original rank %d did not come to generation %d: training on without it",
-                       rank, admission.original, reformed.lineage.generation)
     survivor._adopt(reformed)
+    if admission.original in reformed.dropped:  # it posted, then never came (it died, or gave up): no admission
+        logger.warning("[rank %d] original rank %d did not come to generation %d within %g s: training on without it "
+                       "from the checkpoint of step %d", rank, admission.original, reformed.lineage.generation,
+                       JOIN_TIMEOUTS * timeout, done_before - 1)
+        return
     step = latest_step(survivor.args.checkpoint_dir)
     record = JoinRecord(lineage.me, reformed.lineage.generation, admission.original, admission.address,
                         reformed.lineage.members, survivor.world.store_address, -1 if step is None else step,
@@ -263,6 +267,9 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     if admission is None:
         raise PeerError(f"--join {args.join}: the job did not admit this worker within {ADMIT_TIMEOUTS * timeout:g} s "
                         f"({ADMIT_TIMEOUTS:g} x --timeout); the request was withdrawn")
+    if os.environ.get(DIE_ENV):  # the test hook: a joiner lost between its admission and the meeting
+        logger.error("[joiner] test hook %s: SIGKILL after being taken", DIE_ENV)
+        os.kill(os.getpid(), signal.SIGKILL)
     prefix.rank = admission.original
     lineage = Lineage(me=admission.original, generation=admission.generation - 1,
                       members=admission.members + (admission.original,), addresses=admission.addresses + (address,),

@@ -134,3 +134,23 @@ def test_after_the_store_host_is_lost_a_worker_joins_at_the_new_store(tmp_path: 
     want = reference_losses(STEPS)
     got = losses(tmp_path, 3)
     assert got and all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
+
+
+def test_a_joiner_lost_after_being_taken_the_job_trains_on_without_it(tmp_path: Path) -> None:
+    """The joiner dies between rank 0 taking its request and the meeting: the members close the new world without
+    it after 3 T and train on, from the checkpoint of the admission step, exactly."""
+    port = free_port()
+    args = job_args(tmp_path)
+    commands = worker_commands(args, 2, port=port) + [joiner(port, args)]
+    env = {"MP_TEST_JOIN_AT_STEP": str(JOIN_AT), "MP_TEST_JOINER_DIES": "1"}
+    with LocalWorld(commands, env=env) as world:
+        result = world.wait(timeout=240)
+    assert not result.timed_out, result.summary()
+    assert [w.returncode for w in result.workers] == [0, 0, -signal.SIGKILL], result.summary()
+    for rank in (0, 1):
+        output = result.output(rank)
+        assert "original rank 2 did not come to generation 1 within 30 s: training on without it" in output, output[-3000:]
+        assert "admission 1" not in output, output[-3000:]
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "a lost joiner")
+    want, got = reference_losses(STEPS), losses(tmp_path, 0)
+    assert sorted(got) == list(range(STEPS)) and all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
