@@ -161,7 +161,7 @@ class Survivor:
             where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
             from model_parallel.cli.worker_join import join_hint
 
-            store = f"{lineage.addresses[lineage.store_host]}:{lineage.store_port}"  # where the survivors met: its host lives
+            store = f"{lineage.addresses[lineage.store_host]}:{lineage.store_port}"  # the record was there: its host lives
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
                                        f"replaced {where}: it does not rejoin", join_hint(self.argv, store, rank) if record else None)
         hook = signal_hook(lineage.me).get(AT_RECOVERY)
