@@ -26,7 +26,7 @@ from model_parallel.errors import ConfigError, PeerError
 logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUTS = 20.0  # of --timeout: how long a joiner waits for rank 0 to take its request (a step + a checkpoint)
-JOIN_AT_STEP_ENV = "MP_TEST_JOIN_AT_STEP"  # tests: rank 0 admits nobody before this step, and waits for a request at it
+JOIN_AT_STEP_ENV = "MP_TEST_JOIN_AT_STEP"  # tests: "S[,S2...]": rank 0 admits nobody before S, waits for a request at each
 DIE_ENV = "MP_TEST_JOINER_DIES"  # tests: the joiner kills itself once rank 0 took its request
 # Flags that describe one process, or only the first world (the re-planned worlds use the even split): a joiner
 # may give them differently. Every other flag must match the running job's.
@@ -128,8 +128,8 @@ class JoinWatch:
 
     def __init__(self, inner: Any, survivor: Any) -> None:
         self.inner, self.survivor, self.step = inner, survivor, -1
-        at = os.environ.get(JOIN_AT_STEP_ENV)
-        self.not_before = int(at) if at else 0
+        self.waits = {int(s) for s in os.environ.get(JOIN_AT_STEP_ENV, "").split(",") if s.strip()}
+        self.not_before = min(self.waits, default=0)
 
     def report(self, report: Any) -> None:
         self.step = report.step
@@ -146,7 +146,7 @@ class JoinWatch:
         from model_parallel.runtime.wire.join import ADMIT, Admission, take_request
 
         lineage, store = self.survivor.lineage, self.survivor.lineage.base_store
-        deadline = time.monotonic() + (0.5 * self.survivor.options.timeout if self.step == self.not_before > 0 else 0)
+        deadline = time.monotonic() + (0.5 * self.survivor.options.timeout if self.step in self.waits else 0)
         try:  # a store that fails here fails the heartbeats too (health.py names it); training is not stopped here
             while (request := take_request(store)) is None and time.monotonic() < deadline:
                 time.sleep(0.05)  # the test hook only: a joiner started with the job is expected at this step

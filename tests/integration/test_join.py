@@ -154,3 +154,20 @@ def test_a_joiner_lost_after_being_taken_the_job_trains_on_without_it(tmp_path: 
     assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "a lost joiner")
     want, got = reference_losses(STEPS), losses(tmp_path, 0)
     assert sorted(got) == list(range(STEPS)) and all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
+
+
+def test_two_joiners_are_admitted_one_after_the_other(tmp_path: Path) -> None:
+    """The request slot holds one joiner: the second waits for it and is admitted at a later boundary (2 -> 3 -> 4)."""
+    port = free_port()
+    args = job_args(tmp_path)
+    commands = worker_commands(args, 2, port=port) + [joiner(port, args), joiner(port, args)]
+    with LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": "3,6"}) as world:
+        result = world.wait(timeout=240)
+    assert not result.timed_out, result.summary()
+    assert [w.returncode for w in result.workers] == [0, 0, 0, 0], result.summary()
+    events = read_events(tmp_path / "metrics" / "rank0.jsonl", "join")
+    assert [(e["joined"], e["world"]) for e in events] == [(2, [0, 1, 2]), (3, [0, 1, 2, 3])], events
+    assert "admitted 2 joining worker(s)" in result.output(0), result.output(0)[-3000:]
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "two joins")
+    want, got = reference_losses(STEPS), losses(tmp_path, 0)
+    assert sorted(got) == list(range(STEPS)) and all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
