@@ -117,6 +117,9 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--recover", action="store_true",
                    help="when a peer is lost, re-form the world with the survivors and continue from the latest "
                         "committed checkpoint in this process (needs --checkpoint_dir; not with --coordinator)")
+    o.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="join a running --recover job (its rank 0's --dist_addr:--dist_port) at a step boundary, with "
+                        "the job's flags; the job re-plans for one more worker (needs --checkpoint_dir)")
     o.add_argument("--keep_checkpoints", type=int, default=3,
                    help="committed checkpoints kept in --checkpoint_dir; older ones are deleted (default 3)")
     o.add_argument("--trace_dir", default=None, help="write a Chrome/Perfetto trace per rank here")
@@ -311,9 +314,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     check_inputs(args)
+    from model_parallel.cli.worker_join import check_join_flags
     from model_parallel.cli.worker_recover import check_recover_flags
 
-    check_recover_flags(args)
+    (check_join_flags if args.join else check_recover_flags)(args)
     served = None
     if wants_served_job(args):
         configure_logging(args.verbose)
@@ -343,14 +347,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = install_rank_prefix(rank)
     health, survivor = None, None
     try:
-        world = join_world(rendezvous(args))
-        rank = world.rank
-        health = start_health(world, options.timeout)
-        if args.recover:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
-            from model_parallel.cli.worker_recover import Survivor
+        from model_parallel.cli.worker_join import join_running_job, publish_no_recover
+        from model_parallel.cli.worker_recover import Survivor
 
-            survivor = Survivor(args, argv, config, options, world, health, prefix, run_one)
+        if args.join:  # admitted into a running job at a step boundary (cli/worker_join.py), in a new world
+            survivor = join_running_job(args, argv, config, options, prefix, run_one, Survivor)
+        else:
+            world = join_world(rendezvous(args))
+            rank = world.rank
+            health = start_health(world, options.timeout)
+            if args.recover:  # a lost peer: re-form the world and go on (cli/worker_recover.py); returns when done
+                survivor = Survivor(args, argv, config, options, world, health, prefix, run_one)
+            else:
+                publish_no_recover(world, args)  # rank 0: a joiner learns it cannot join here
+        if survivor is not None:
             jobs, health = [], survivor.train()
+            world = survivor.world
         for job_argv in jobs:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)

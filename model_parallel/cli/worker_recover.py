@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from model_parallel.cli.recover_coordinator import known_version
 from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, leave, resume_hint
-from model_parallel.errors import ConfigError, PeerError, ReplacedError
+from model_parallel.errors import ConfigError, PeerError, ReplacedError, TrainingStopped
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +97,20 @@ class Survivor:
     """One worker process under `--recover`: its current world, heartbeats and the failures it survived."""
 
     def __init__(self, args: Any, argv: list[str], config: Any, options: Any, world: Any, health: Any, prefix: Any,
-                 run_one: Callable[..., Any]) -> None:
+                 run_one: Callable[..., Any], lineage: Any = None) -> None:
+        from model_parallel.cli.worker_join import publish
         from model_parallel.runtime.wire.recovery import first_lineage
 
         self.args, self.argv, self.config, self.options = args, argv, config, options
         self.world, self.health, self.prefix, self.run_one = world, health, prefix, run_one
         self.backend = "nccl" if world.device.type == "cuda" else "gloo"  # the first world's choice, kept
-        self.lineage = first_lineage(world.rank, world.world_size, world.store, world.store_address, options.timeout)
-        self.records: list[RecoveryRecord] = []
-        self._pending: Optional[tuple[float, RecoveryRecord]] = None  # (detected at, record without its seconds)
+        # A joiner (cli/worker_join.py) arrives with the lineage of the world that admitted it.
+        self.lineage = lineage or first_lineage(world.rank, world.world_size, world.store, world.store_address, options.timeout)
+        self.records: list[Any] = []  # RecoveryRecord, and worker_join.JoinRecord per admission
+        self._pending: Optional[tuple[float, Any]] = None  # (detected at, record without its seconds)
         self._known = 0  # the newest plan version this process knew of (cli/recover_coordinator.py)
+        self.admitting: Any = None  # the Admission an admission stop carries (worker_join.watch_joins)
+        publish(self)
 
     @property
     def rank(self) -> int:
@@ -119,7 +123,9 @@ class Survivor:
             try:
                 self.run_one(args, self.config, options, self.world, self.health, self.prefix, None, self._watch)
                 break
-            except PeerError as error:
+            except (PeerError, TrainingStopped) as error:
+                if isinstance(error, TrainingStopped) and self.admitting is None:
+                    raise  # a stop command, not an admission: the run ends here
                 detected = time.monotonic()
                 done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
                 # The plan versions spent so far (--coordinator), kept across failures: one before the engine exists
@@ -128,7 +134,12 @@ class Survivor:
                 # The failed engine (its stage, optimizer state, group handles) goes before the next one is built:
                 # the exception's frames would keep it alive.
                 error.__traceback__, error.__context__, error.__cause__, self.prefix.engine = None, None, None, None
-                self._recover(error, done_before, detected)
+                if isinstance(error, TrainingStopped):  # a worker joins at this step boundary (cli/worker_join.py)
+                    from model_parallel.cli.worker_join import admit
+
+                    admit(self, detected, done_before)
+                else:
+                    self._recover(error, done_before, detected)
                 # Every later world: the even split for its size, the latest committed checkpoint, each process's own files
                 # (and, under a coordinator, the generation it registers in: cli/recover_coordinator.py).
                 args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
@@ -137,9 +148,12 @@ class Survivor:
                 options = dataclasses.replace(self.options, resume=True, metrics=metrics)
         if self._pending is not None:  # the checkpoint held every requested step: nothing left to run
             self._finish_pending(float("inf"))
-        if self.records:
-            print(f"[rank {self.rank}] survived {len(self.records)} failure(s): "
-                  + "; ".join(r.line() for r in self.records), flush=True)
+        failures = [r for r in self.records if isinstance(r, RecoveryRecord)]
+        if len(failures) < len(self.records):
+            print(f"[rank {self.rank}] admitted {len(self.records) - len(failures)} joining worker(s)", flush=True)
+        if failures:
+            print(f"[rank {self.rank}] survived {len(failures)} failure(s): "
+                  + "; ".join(r.line() for r in failures), flush=True)
         return self.health
 
     # ---- one failure ------------------------------------------------------------------------------
@@ -154,8 +168,11 @@ class Survivor:
         if culprit == rank:  # this process is the one its peers gave up on (it stood still)
             record = was_replaced(lineage, max(1.0, timeout / 4))
             where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
+            from model_parallel.cli.worker_join import join_hint
+
+            store = f"{lineage.addresses[lineage.store_host]}:{lineage.store_port}"  # the record was there: its host lives
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
-                                       f"replaced {where}: it does not rejoin", None)
+                                       f"replaced {where}: it does not rejoin", join_hint(self.argv, store, rank) if record else None)
         hook = signal_hook(lineage.me).get(AT_RECOVERY)
         if hook is not None:  # the test hook: a second failure, during this recovery
             logger.error("[rank %d] test hook %s: signal %s as the recovery begins", rank, SIGNAL_ENV, hook)
@@ -180,16 +197,22 @@ class Survivor:
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
         except PeerError as meet:
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
+        self._adopt(reformed)
+        record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
+                                str(self.args.checkpoint_dir), step, done_before, step + 1, 0.0)
+        self._pending = (detected, record)
+
+    def _adopt(self, reformed: Any) -> None:
+        """Make the re-formed world this process's: its world, lineage, heartbeats; rank 0 publishes the flags."""
+        from model_parallel.cli.worker_join import publish
         from model_parallel.runtime.run import World, start_health
 
         self.world = World(reformed.rank, reformed.world_size, reformed.store, self.world.device, reformed.store_host,
                            reformed.store_address)
         self.lineage = reformed.lineage
         self.prefix.rank, self.prefix.engine = self.world.rank, None
-        self.health = start_health(self.world, timeout)
-        record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
-                                str(self.args.checkpoint_dir), step, done_before, step + 1, 0.0)
-        self._pending = (detected, record)
+        self.health = start_health(self.world, self.options.timeout)
+        publish(self)
 
     def _recovered(self, known: int) -> Any:
         """The new world as the coordinator hears of it, its plan version agreed by every member."""
@@ -207,7 +230,10 @@ class Survivor:
 
     def _watch(self, engine: Any) -> None:
         """Time the first completed step of a recovered run (the engine's step, wrapped once)."""
+        from model_parallel.cli.worker_join import watch_joins
+
         arm_signal_hook(engine, self.lineage.me, self.rank)
+        watch_joins(self, engine)
         if self._pending is None:
             return
         original = engine.train_step

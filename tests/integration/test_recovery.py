@@ -122,6 +122,7 @@ def test_sigstop_then_sigcont_the_others_recover_the_stopped_one_is_told_it_was_
     stopped = result.output(1)
     assert "original rank 1 was declared lost and replaced in generation 1: it does not rejoin" in stopped, stopped[-3000:]
     assert "Traceback" not in stopped, stopped[-3000:]
+    assert "to come back as a new worker (admitted at a step boundary): " in stopped and " --join 127.0.0.1:" in stopped, stopped[-3000:]
     assert "new world of 2 (original ranks [0, 2]" in result.output(2), result.output(2)[-3000:]
     assert_exact(tmp_path, [0, 2])
 

@@ -1,0 +1,144 @@
+"""A worker joining a running job (`--join HOST:PORT`): the keys it and the job's rank 0 exchange in the store.
+
+The store is the base store of the job's current generation (recovery.py: rank 0's --dist_addr:--dist_port, or
+the lowest survivor's at --dist_port + g once the first host was lost). Its keys, none of them prefixed:
+
+- `mp/job/flags`: the job's flags as JSON, written by the current rank 0 at every world it forms, with whether it
+  runs under `--recover` (only such a job can admit anyone). A joiner compares its own flags with them first.
+- `mp/join/request`: the one request slot. "" or absent: free; a JSON request {"address", "nonce"}: pending;
+  "taken": rank 0 is admitting someone. A joiner claims it with compare-and-set from "", so two joiners never
+  overwrite each other; rank 0 takes it with compare-and-set from the request it read, so a joiner that gave
+  up (withdrawn by compare-and-set back to "") is never admitted.
+- `mp/join/admit/<nonce>`: what rank 0 tells the joiner it took: the generation to meet in, the members, every
+  original rank's address and the original rank the joiner gets (always the next unused one: it is the last).
+Nothing read here is executed: JSON only, every field checked.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+from model_parallel.errors import PeerError, ProtocolError
+
+FLAGS = "mp/job/flags"
+REQUEST = "mp/join/request"
+ADMIT = "mp/join/admit/{}"
+TAKEN = "taken"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where and as whom a joiner meets the running ranks (rank 0 decides it, every rank and the joiner read it)."""
+
+    nonce: str
+    address: str  # the joiner's address, for later generations' store-host rule
+    original: int  # the original rank the joiner gets (the next unused one)
+    generation: int  # the generation the N+1 members meet in
+    members: tuple[int, ...]  # the original ranks of the world that admits (the joiner not included)
+    addresses: tuple[str, ...]  # every original rank's address before the joiner's
+    base_port: int
+    store_host: int
+    store_port: int
+
+    def to_json(self) -> str:
+        return json.dumps({"nonce": self.nonce, "address": self.address, "original": self.original,
+                           "generation": self.generation, "members": list(self.members),
+                           "addresses": list(self.addresses), "base_port": self.base_port,
+                           "store_host": self.store_host, "store_port": self.store_port})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Admission":
+        try:
+            d = json.loads(text)
+            out = cls(str(d["nonce"]), str(d["address"]), int(d["original"]), int(d["generation"]),
+                      tuple(int(m) for m in d["members"]), tuple(str(a) for a in d["addresses"]),
+                      int(d["base_port"]), int(d["store_host"]), int(d["store_port"]))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ProtocolError(f"malformed join admission {text[:120]!r}: {error}") from None
+        if out.original != len(out.addresses) or out.original in out.members:
+            raise ProtocolError(f"join admission {text[:120]!r}: the joiner's original rank must be the next unused one")
+        return out
+
+
+def publish_flags(store: Any, flags: dict[str, Any], recover: bool, backend: str) -> None:
+    """Rank 0 of every world: what a joiner compares its flags with."""
+    # default=str: a flag value JSON cannot hold is compared as its text (never a failure of the job)
+    store.set(FLAGS, json.dumps({"recover": recover, "backend": backend, "flags": flags}, sort_keys=True, default=str))
+
+
+def read_flags(store: Any, seconds: float) -> Optional[dict[str, Any]]:
+    """The running job's published flags ({"recover", "flags"}), None when none appear within `seconds`."""
+    try:
+        store.wait([FLAGS], timedelta(seconds=seconds))
+    except Exception:  # noqa: BLE001 - the store's own timeout: nobody published
+        return None
+    try:
+        data = json.loads(store.get(FLAGS).decode())
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("flags"), dict) else None
+
+
+def post_request(store: Any, address: str, deadline: float) -> str:
+    """Claim the request slot (waiting while another joiner holds it, until `deadline`); returns the nonce."""
+    nonce = uuid.uuid4().hex
+    mine = json.dumps({"address": address, "nonce": nonce})
+    while True:
+        if store.compare_set(REQUEST, "", mine).decode() == mine:
+            return nonce
+        if time.monotonic() > deadline:
+            raise PeerError("another worker's join request held the request slot until the deadline; retry later")
+        time.sleep(0.2)
+
+
+def wait_admission(store: Any, nonce: str, deadline: float) -> Optional[Admission]:
+    """The admission rank 0 wrote for `nonce`, or None at `deadline` (then the request is withdrawn, unless rank 0
+    took it in the meantime: then the admission is waited for a little longer, it is being written)."""
+    key, extended = ADMIT.format(nonce), False
+    while True:
+        if store.check([key]):
+            return Admission.from_json(store.get(key).decode())
+        if time.monotonic() > deadline:
+            current = store.get(REQUEST).decode() if store.check([REQUEST]) else ""
+            if _nonce(current) == nonce:  # ours, still pending: withdrawn, so never admitted later
+                if store.compare_set(REQUEST, current, "").decode() == "":
+                    return None
+                continue  # rank 0 took it just now: its admission follows
+            if current != TAKEN or extended:
+                return None  # taken, and no admission written since (rank 0 died in between): none is coming
+            deadline, extended = time.monotonic() + 5.0, True  # taken: rank 0 writes the admission right after
+        time.sleep(0.2)
+
+
+def _nonce(text: str) -> str:
+    try:
+        return str(json.loads(text).get("nonce", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
+def take_request(store: Any) -> Optional[dict[str, str]]:
+    """Rank 0 after a step: a pending request, taken (so it is admitted once), or None. One `check` when idle."""
+    if not store.check([REQUEST]):
+        return None
+    text = store.get(REQUEST).decode()
+    if not text or text == TAKEN:
+        return None
+    try:
+        request = json.loads(text)
+        address, nonce = str(request["address"]), str(request["nonce"])
+    except (ValueError, KeyError, TypeError):
+        store.compare_set(REQUEST, text, "")  # garbage in the slot: free it for a real joiner
+        return None
+    if store.compare_set(REQUEST, text, TAKEN).decode() != TAKEN:
+        return None  # withdrawn meanwhile
+    return {"address": address, "nonce": nonce}
+
+
+def free_slot(store: Any) -> None:
+    """After an admission (the new world formed, or it failed): the next joiner may post."""
+    store.compare_set(REQUEST, TAKEN, "")

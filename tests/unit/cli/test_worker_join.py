@@ -1,0 +1,103 @@
+"""cli/worker_join.py and runtime/wire/join.py without processes: what --join refuses up front, the flag comparison,
+the request slot (one joiner at a time, a withdrawn request never admitted), and the replaced process's hint."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from model_parallel.cli import worker
+from model_parallel.cli.worker_join import compare_flags, job_flags, join_hint
+from model_parallel.errors import ConfigError, ProtocolError
+from model_parallel.runtime.wire import join as wire
+
+
+class DictStore:
+    """The TCPStore calls the join protocol uses, on a dict (compare_set with TCPStore's semantics)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        current = self.data.get(key)
+        if (current is None and expected == "") or current == expected.encode():
+            self.data[key] = desired.encode()
+            return desired.encode()
+        return current if current is not None else expected.encode()
+
+
+JOIN = ["--model", "mlp", "--join", "127.0.0.1:29500"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--join needs --checkpoint_dir"),
+    (["--checkpoint_dir", "ck", "--coordinator", "127.0.0.1:1"], "--join with --coordinator: admitting a worker"),
+    (["--checkpoint_dir", "ck", "--rank", "2"], "a joining worker gets its rank from the job"),
+    (["--checkpoint_dir", "ck", "--single_process"], "--join with --jobs or --single_process"),
+])
+def test_join_refuses_what_it_cannot_do_before_contacting_the_job(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        worker.main([*JOIN, *argv])
+
+
+def test_a_bad_address_is_refused() -> None:
+    with pytest.raises(ConfigError, match="expected HOST:PORT"):
+        worker.main(["--model", "mlp", "--join", "somehost", "--checkpoint_dir", "ck"])
+
+
+def flags(*argv: str) -> dict[str, Any]:
+    return job_flags(worker.build_parser().parse_args(["--model", "mlp", "--checkpoint_dir", "ck", *argv]))
+
+
+def test_flags_that_describe_one_process_may_differ_the_job_defining_ones_may_not() -> None:
+    job = {"recover": True, "backend": "gloo", "flags": flags("--rank", "0", "--metrics", "a.jsonl", "--num_stages", "2")}
+    compare_flags(job, flags("--join", "h:1", "--metrics", "b.jsonl"), "h:1")  # no error
+    with pytest.raises(ConfigError, match=r"--batch_size 8 \(job\) vs 16 \(this worker\)"):
+        compare_flags(job, flags("--batch_size", "16"), "h:1")
+    with pytest.raises(ConfigError, match="runs without --recover"):
+        compare_flags({**job, "recover": False}, flags(), "h:1")
+    with pytest.raises(ConfigError, match="gloo"):
+        compare_flags({**job, "backend": "nccl"}, flags(), "h:1")
+
+
+def test_the_request_slot_admits_one_joiner_and_never_a_withdrawn_one() -> None:
+    store = DictStore()
+    assert wire.take_request(store) is None  # idle: one check
+    nonce = wire.post_request(store, "10.0.0.5", time.monotonic() + 1)
+    with pytest.raises(Exception, match="another worker's join request"):
+        wire.post_request(store, "10.0.0.6", time.monotonic() + 0.3)  # the slot is held
+    assert wire.wait_admission(store, nonce, time.monotonic()) is None  # gave up: withdrawn
+    assert wire.take_request(store) is None  # ... so never admitted
+    nonce = wire.post_request(store, "10.0.0.6", time.monotonic() + 1)
+    assert wire.take_request(store) == {"address": "10.0.0.6", "nonce": nonce}
+    assert wire.take_request(store) is None  # taken once
+    admission = wire.Admission(nonce, "10.0.0.6", 3, 2, (0, 2), ("a", "b", "c"), 29500, 0, 29500)
+    store.set(wire.ADMIT.format(nonce), admission.to_json())
+    assert wire.wait_admission(store, nonce, time.monotonic() + 1) == admission
+    wire.free_slot(store)
+    wire.post_request(store, "10.0.0.7", time.monotonic() + 1)  # the next one may post
+
+
+def test_an_admission_must_give_the_joiner_the_next_unused_original_rank() -> None:
+    bad = wire.Admission("n", "h", 1, 2, (0, 2), ("a", "b", "c"), 29500, 0, 29500).to_json()
+    with pytest.raises(ProtocolError, match="next unused one"):
+        wire.Admission.from_json(bad)
+    with pytest.raises(ProtocolError, match="malformed"):
+        wire.Admission.from_json('{"nonce": 1}')
+
+
+def test_the_replaced_hint_is_the_job_command_with_join_instead_of_the_world_flags() -> None:
+    argv = ["--rank", "1", "--world_size", "3", "--dist_addr", "10.0.0.1", "--dist_port", "29500", "--model", "mlp",
+            "--checkpoint_dir", "ck", "--recover", "--resume"]
+    hint = join_hint(argv, "10.0.0.1:29500", 1)
+    assert hint.endswith("--join 10.0.0.1:29500 --model mlp --checkpoint_dir ck"), hint
