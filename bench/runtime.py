@@ -86,7 +86,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "runtime.json"
 RESULTS_BF16 = REPO / "bench" / "results" / "runtime_bf16.json"
 # model -> (stages, batch size, microbatches): the rows (resnet50 and the GPT at 4 stages, the MLP at 2).
-SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt2": (4, 32, 4), "resnet18": (2, 64, 4)}
+SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt2": (4, 32, 4), "resnet18": (2, 64, 4), "tiny": (2, 8, 4)}
 
 logger = logging.getLogger("bench.runtime")
 
@@ -238,7 +238,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about two minutes)")
     parser.add_argument("--models", default="mlp,resnet50,gpt2",
-                        help="comma-separated: mlp, resnet50, gpt2, resnet18 (default mlp,resnet50,gpt2)")
+                        help="comma-separated: mlp, resnet50, gpt2, resnet18, tiny (default mlp,resnet50,gpt2)")
     parser.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
     parser.add_argument("--batch_size", type=int, default=None, help="override every model's batch size (SHAPES)")
     parser.add_argument("--microbatches", type=int, default=None, help="override every model's microbatches")

@@ -5,14 +5,15 @@ Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m m
     run the rank's schedule actions (executor.py: forwards, backwards, sends, receives)
     all-reduce the grads of tied copies over every rank holding one (tied.py: a tie split across stages)
     all-reduce the other grads among the stage's replicas (replicas.py; sum: the loss is already / m)
-    one all-reduce over all ranks of [loss, squared grad norm]  (clipping by global norm)
+    one all-reduce over all ranks of [loss, squared grad norm, command length]  (wire/step_totals.py:
+             clipping by global norm; rank 0 polls its ControlChannel just before and announces its
+             decision - continue / switch plan / stop / slowdown - whose JSON follows only if any)
     the update (update.py: clip, this step's learning rate, optimizer step); metrics; checkpoint
-    control: every rank reports metrics to its ControlChannel; rank 0 polls it and broadcasts the
-             decision (continue / switch plan / stop / slowdown) over a gloo group
+    control: every rank reports metrics to its ControlChannel and applies the command of this step
 
 So the sum of microbatch gradients is the gradient of the minibatch-mean loss, and after every
 flush the parameters equal single-process training with the same microbatching. Spare ranks
-(no stage) only take part in the all-reduce and the control broadcast. With the `pipedream`
+(no stage) only take part in the all-reduce (and a command's broadcast). With the `pipedream`
 schedule (no flush) each microbatch is its own update (see executor.WeightStash).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ from model_parallel.runtime.step.loop import StepResult, train as train_loop
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.step.schedule import make_schedule
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
-from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import comm, step_totals
 from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class PipelineEngine:
         self.next_step = 0  # the first step not yet run (after `train`: how far it got)
         self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
+        self.command: Optional[Command] = None  # the command of the last step's reduction, until `control` hands it out
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self.stage: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -264,7 +266,9 @@ class PipelineEngine:
                     # replica holds the whole stage gradient: count it once (a tied copy: once over its holders).
                     untied = [p for p in self.stage.parameters() if id(p) not in tied]
                     sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
-            totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
+            # The control decision rides in the step's one reduction (wire/step_totals.py).
+            command = self.channel.poll(before_step=step + 1) if self.rank == 0 else None
+            totals, payload = step_totals.pack(loss_sum, sq, command)
             reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
             if clip is not None:  # the update needs the global norm first
                 self._wait_totals(reduce_work)
@@ -279,14 +283,14 @@ class PipelineEngine:
                 lr = apply_update(self.optimizer, step, lr_schedule=self.config.lr_schedule, clip_grad=clip,
                                   total_norm=float(totals[1]) ** 0.5 if clip is not None else None)
             self.updates += 1
-        if reduce_work is not None:
-            # Without clipping the loss all-reduce only feeds the report: it ran during the update.
-            try:
+        try:
+            if reduce_work is not None:  # without clipping the reduction only feeds the report: it ran during the update
                 self._wait_totals(reduce_work)
-            except PeerError as error:
-                raise self.diagnose(error) from None
-        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
-        result = StepResult(step, loss, norm, lr)
+            sums = step_totals.unpack(totals)
+            self.command = step_totals.receive_command(sums, payload, self.control_group, self.timeout)
+        except PeerError as error:
+            raise self.diagnose(error) from None
+        result = StepResult(step, sums.loss, sums.squared_norm ** 0.5, lr)
         self.history.append(result)
         return result
 
@@ -309,14 +313,11 @@ class PipelineEngine:
 
     # ---- control --------------------------------------------------------------------------------
     def control(self, step: int, report: StepReport) -> Optional[Command]:
-        """Report the step; rank 0 polls its channel; the decision is broadcast to every rank."""
+        """Report the step to this rank's channel; return the command every rank received in the step's
+        reduction (rank 0 polled for it in `train_step`), to be applied before the next step."""
         self.channel.report(report)
-        command = self.channel.poll() if self.rank == 0 else None
-        try:
-            text = comm.broadcast_json(command.to_json() if command else "", 0, self.control_group, self.timeout)
-        except PeerError as error:
-            raise self.diagnose(error) from None
-        return Command.from_json(text) if text else None
+        command, self.command = self.command, None
+        return command
 
     def apply(self, command: Command) -> bool:
         """Act on a broadcast command; False means stop."""

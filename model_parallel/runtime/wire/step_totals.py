@@ -1,0 +1,63 @@
+"""The one collective of every training step: [loss, squared gradient norm, command length] summed over all ranks.
+
+A step used to end with two collectives on the control group: the all-reduce of [loss, squared norm]
+and a broadcast of rank 0's decision (its length, then its bytes), even when there was nothing to say;
+with tiny stages that broadcast was a fixed ~1 ms a step on the critical path (docs/runtime.md). Now
+the decision rides in the reduction: rank 0 writes the byte length of its command's JSON into the
+third slot and every other rank writes 0, so the sum is that length on every rank. 0: carry on, and
+nothing else travels; n > 0: one broadcast of exactly n bytes follows (`receive_command`). A float64
+holds every integer up to 2**53 exactly, so the length survives the sum.
+
+Rank 0 polls its channel in step k, just before the reduction, so a command is applied by every rank
+at the boundary after step k (before step k + 1): one step after the report it may answer, which was
+step k - 1's. The poll passes `before_step=k + 1`, which a scripted channel plays exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from model_parallel.errors import ProtocolError
+from model_parallel.messages import Command
+from model_parallel.runtime.wire.comm import broadcast_bytes
+
+# Larger is no command: a plan of a million-node graph is a few MB of JSON.
+MAX_COMMAND_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """One step's sums over every rank."""
+
+    loss: float  # the minibatch loss (the last stage's sum over microbatches; other ranks add 0)
+    squared_norm: float  # the global squared gradient norm (0.0 when not clipping)
+    command_bytes: int  # the length of rank 0's command JSON; 0: no command this step
+
+
+def pack(loss_sum: float, squared_norm: float, command: Optional[Command]) -> tuple[torch.Tensor, bytes]:
+    """This rank's contribution to the reduction, and the command body it will broadcast (rank 0 only
+    passes a command; empty bytes for none)."""
+    payload = command.to_json().encode() if command is not None else b""
+    return torch.tensor([loss_sum, squared_norm, float(len(payload))], dtype=torch.float64), payload
+
+
+def unpack(totals: torch.Tensor) -> StepTotals:
+    """The reduced vector as `StepTotals`; a command length that is no whole number of bytes in
+    0..MAX_COMMAND_BYTES (a rank that wrote into the slot) is refused, never guessed."""
+    loss, squared_norm, length = (float(x) for x in totals.tolist())
+    if not (math.isfinite(length) and length == int(length) and 0 <= length <= MAX_COMMAND_BYTES):
+        raise ProtocolError(f"the step reduction announced a command of {length!r} bytes; expected a whole number "
+                            f"in 0..{MAX_COMMAND_BYTES} (only rank 0 may write the command slot: a rank of another "
+                            "version of model_parallel?)")
+    return StepTotals(loss, squared_norm, int(length))
+
+
+def receive_command(totals: StepTotals, payload: bytes, group: Any, timeout: float) -> Optional[Command]:
+    """Collective when `totals.command_bytes` > 0 (every rank knows it, from the reduction): rank 0's
+    command on every rank. Nothing travels when there is none."""
+    if not totals.command_bytes:
+        return None
+    return Command.from_json(broadcast_bytes(payload, totals.command_bytes, 0, group, timeout).decode())
