@@ -246,7 +246,11 @@ class PipelineEngine:
             self._pending_migration_s = 0.0
         clip = self.config.clip_grad
         loss_sum, sq = 0.0, 0.0
+        # A rank whose share of the reduction the step does not compute (no loss: not the last stage; no
+        # norm: no clipping) posts it first: it then runs during the step, not on the critical path after it.
+        early = clip is None and self.stage_id != self.plan.num_stages - 1
         try:
+            posted = self._post_totals(step, 0.0, 0.0) if early else None
             if self.executor is not None:
                 microbatches = self.microbatches(step)
                 with self.meter.step(self.stage, microbatches):
@@ -266,13 +270,11 @@ class PipelineEngine:
                     # replica holds the whole stage gradient: count it once (a tied copy: once over its holders).
                     untied = [p for p in self.stage.parameters() if id(p) not in tied]
                     sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
-            # The control decision rides in the step's one reduction (wire/step_totals.py).
-            command = self.channel.poll(before_step=step + 1) if self.rank == 0 else None
-            totals, payload = step_totals.pack(loss_sum, sq, command)
-            reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
+            if posted is None:
+                posted = self._post_totals(step, loss_sum, sq)
+            assert not early or loss_sum == 0.0, "a stage other than the last reported a loss"
             if clip is not None:  # the update needs the global norm first
-                self._wait_totals(reduce_work)
-                reduce_work = None
+                self._wait_totals(posted)
         except PeerError as error:
             raise self.diagnose(error) from None
         lr = 0.0
@@ -281,22 +283,28 @@ class PipelineEngine:
         elif self.optimizer is not None:
             with self.metrics.measure("optimizer"):
                 lr = apply_update(self.optimizer, step, lr_schedule=self.config.lr_schedule, clip_grad=clip,
-                                  total_norm=float(totals[1]) ** 0.5 if clip is not None else None)
+                                  total_norm=float(posted.totals[1]) ** 0.5 if clip is not None else None)
             self.updates += 1
         try:
-            if reduce_work is not None:  # without clipping the reduction only feeds the report: it ran during the update
-                self._wait_totals(reduce_work)
-            sums = step_totals.unpack(totals)
-            self.command = step_totals.receive_command(sums, payload, self.control_group, self.timeout)
+            if clip is None:  # without clipping the reduction only feeds the report: it ran during the step and update
+                self._wait_totals(posted)
+            sums = step_totals.unpack(posted.totals)
+            self.command = step_totals.receive_command(sums, posted.payload, self.control_group, self.timeout)
         except PeerError as error:
             raise self.diagnose(error) from None
         result = StepResult(step, sums.loss, sums.squared_norm ** 0.5, lr)
         self.history.append(result)
         return result
 
-    def _wait_totals(self, work: Any) -> None:
+    def _post_totals(self, step: int, loss_sum: float, squared_norm: float) -> step_totals.Posted:
+        """Start the step's one reduction; rank 0 first polls its channel: the decision rides in it
+        (wire/step_totals.py) and every rank applies it after this step."""
+        command = self.channel.poll(before_step=step + 1) if self.rank == 0 else None
+        return step_totals.post(loss_sum, squared_norm, command, self.control_group)
+
+    def _wait_totals(self, posted: step_totals.Posted) -> None:
         with self.metrics.measure("allreduce"):
-            comm.wait_work(work, self.timeout, -1, "loss all-reduce")
+            comm.wait_work(posted.work, self.timeout, -1, "loss all-reduce")
 
     def diagnose(self, error: PeerError) -> PeerError:
         """`error` with this rank's prefix and, when heartbeats run, the peer that died."""

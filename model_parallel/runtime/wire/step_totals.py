@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from model_parallel.errors import ProtocolError
 from model_parallel.messages import Command
@@ -42,6 +43,22 @@ def pack(loss_sum: float, squared_norm: float, command: Optional[Command]) -> tu
     passes a command; empty bytes for none)."""
     payload = command.to_json().encode() if command is not None else b""
     return torch.tensor([loss_sum, squared_norm, float(len(payload))], dtype=torch.float64), payload
+
+
+@dataclass(frozen=True)
+class Posted:
+    """A reduction in flight: wait on `work`, then `totals` holds the sums; `payload` is the command
+    body this rank will broadcast (rank 0's; empty elsewhere)."""
+
+    work: Any
+    totals: torch.Tensor
+    payload: bytes
+
+
+def post(loss_sum: float, squared_norm: float, command: Optional[Command], group: Any) -> Posted:
+    """Start this rank's part of the step's reduction over `group` (every rank, once per step, in step order)."""
+    totals, payload = pack(loss_sum, squared_norm, command)
+    return Posted(dist.all_reduce(totals, group=group, async_op=True), totals, payload)
 
 
 def unpack(totals: torch.Tensor) -> StepTotals:
