@@ -5,7 +5,7 @@ Contract (stable; the runtime calls it, the coordinator client in `model_paralle
 - Every rank owns one channel. After every training step each rank calls `channel.report(report)`
   with one `StepReport` (milliseconds, the same shape from the metrics recorder to the
   coordinator's policy). It must not block for long (it is on the step path).
-- In every step k, just before the step's one reduction, rank 0 alone calls
+- In every step k, just before its part of the step's one reduction, rank 0 alone calls
   `channel.poll(before_step=k + 1)`; it returns `None` (carry on) or one `Command`. The decision
   travels in that reduction (the byte length of the command's JSON, 0 for none; the JSON itself
   follows in one broadcast only when there is one: `runtime.wire.step_totals`), so every rank acts

@@ -5,15 +5,16 @@ Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m m
     run the rank's schedule actions (executor.py: forwards, backwards, sends, receives)
     all-reduce the grads of tied copies over every rank holding one (tied.py: a tie split across stages)
     all-reduce the other grads among the stage's replicas (replicas.py; sum: the loss is already / m)
-    one all-reduce over all ranks of [loss, squared grad norm, command length]  (wire/step_totals.py:
-             clipping by global norm; rank 0 polls its ControlChannel just before and announces its
-             decision - continue / switch plan / stop / slowdown - whose JSON follows only if any)
+    one reduction over all ranks of [loss, squared grad norm, command length], through rank 0
+             (wire/step_totals.py: clipping by global norm; rank 0 polls its ControlChannel just
+             before and announces its decision - continue / switch plan / stop / slowdown - whose
+             JSON follows only if any)
     the update (update.py: clip, this step's learning rate, optimizer step); metrics; checkpoint
     control: every rank reports metrics to its ControlChannel and applies the command of this step
 
 So the sum of microbatch gradients is the gradient of the minibatch-mean loss, and after every
 flush the parameters equal single-process training with the same microbatching. Spare ranks
-(no stage) only take part in the all-reduce (and a command's broadcast). With the `pipedream`
+(no stage) only take part in the reduction (and a command's broadcast). With the `pipedream`
 schedule (no flush) each microbatch is its own update (see executor.WeightStash).
 """
 from __future__ import annotations
@@ -304,7 +305,7 @@ class PipelineEngine:
 
     def _wait_totals(self, posted: step_totals.Posted) -> None:
         with self.metrics.measure("allreduce"):
-            comm.wait_work(posted.work, self.timeout, -1, "loss all-reduce")
+            posted.wait(self.timeout)
 
     def diagnose(self, error: PeerError) -> PeerError:
         """`error` with this rank's prefix and, when heartbeats run, the peer that died."""

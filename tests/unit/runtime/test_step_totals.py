@@ -57,8 +57,11 @@ def test_an_announced_command_is_received_whole():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=30))
     try:
-        totals, payload = step_totals.pack(0.0, 0.0, STOP)
-        assert step_totals.receive_command(step_totals.unpack(totals), payload, None, 10.0) == STOP
+        posted = step_totals.post(2.5, 0.0, STOP, dist.group.WORLD)  # a world of one: rank 0 alone sums
+        posted.wait(10.0)
+        sums = step_totals.unpack(posted.totals)
+        assert sums == StepTotals(2.5, 0.0, len(STOP.to_json().encode()))
+        assert step_totals.receive_command(sums, posted.payload, None, 10.0) == STOP
     finally:
         dist.destroy_process_group()
 
