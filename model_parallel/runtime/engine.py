@@ -290,7 +290,9 @@ class PipelineEngine:
             if clip is None:  # without clipping the reduction only feeds the report: it ran during the step and update
                 self._wait_totals(posted)
             sums = step_totals.unpack(posted.totals)
-            self.command = step_totals.receive_command(sums, posted.payload, self.control_group, self.timeout)
+            if sums.command_bytes:  # rare: rank 0 announced a command; its JSON follows (metrics: control_ms)
+                with self.metrics.measure("control"):
+                    self.command = step_totals.receive_command(sums, posted.payload, self.control_group, self.timeout)
         except PeerError as error:
             raise self.diagnose(error) from None
         result = StepResult(step, sums.loss, sums.squared_norm ** 0.5, lr)

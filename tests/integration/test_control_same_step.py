@@ -39,6 +39,8 @@ def test_a_scripted_switch_and_stop_land_on_every_rank_at_the_scripted_step(tmp_
         records = read_metrics(tmp_path / "metrics" / f"rank{rank}.jsonl")
         # Every rank ran steps 0-3, switched before step 2 and stopped before step 4: the scripted boundaries.
         assert [(r["step"], r["plan_version"]) for r in records] == [(0, 0), (1, 0), (2, 1), (3, 1)], (rank, records)
+        # Each command's JSON followed the reduction of the step before its boundary, and only then.
+        assert [r["control_ms"] > 0 for r in records] == [False, True, False, True], (rank, records)
         assert "stopped after 4 of the 7 requested step(s): test: stop at 4" in result.output(rank), result.output(rank)
     checkpoint = load_checkpoint(tmp_path / "ck")  # the stop wrote one, after step 3
     assert checkpoint.extra["next_step"] == 4
