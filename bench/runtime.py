@@ -31,6 +31,9 @@ per model (each number the median over every chunk of every round).
 - both: SGD with momentum 0.9; steps/s = timed steps / wall time between two barriers, after
   warm-up steps (slowest rank), median over the chunks (every round's median is in the row too).
 - ratio = ours / torch steps per second, the median over chunk pairs (goal >= 1.10); `chunk_ratios`.
+- extra_ms = ours - torch ms per step, the median over the same chunk pairs (`chunk_extra_ms`). On the
+  `tiny` row (a 16 -> 2 x 32 -> 10 MLP on 2 stages, batch 8, 4 microbatches: microseconds of compute)
+  a step is little but the runtime's own fixed cost: issue #37 asks for extra_ms <= 0.5.
 - CPU ms per step of each rank's process for both sides (`ours_cpu_ms_by_rank`, `torch_cpu_ms_by_rank`)
   and its split by thread (`*_threads_cpu_ms_by_rank`: "main", the training thread; "gloo", gloo's
   receive threads; "other"): whether one runtime does more work than the other.
@@ -86,7 +89,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "runtime.json"
 RESULTS_BF16 = REPO / "bench" / "results" / "runtime_bf16.json"
 # model -> (stages, batch size, microbatches): the issue's rows (resnet50 and the GPT at 4 stages, the MLP at 2).
-SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt2": (4, 32, 4), "resnet18": (2, 64, 4)}
+SHAPES = {"mlp": (2, 64, 4), "resnet50": (4, 32, 4), "gpt2": (4, 32, 4), "resnet18": (2, 64, 4), "tiny": (2, 8, 4)}
 
 logger = logging.getLogger("bench.runtime")
 
@@ -227,6 +230,10 @@ def combine_rounds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             pairs = [t / o for run in runs for t, o in zip(run["schedules"][schedule_name]["torch"]["chunk_step_s"],
                                                            run["schedules"][schedule_name]["ours"]["chunk_step_s"])]
             combined["ratio"], combined["chunk_ratios"] = statistics.median(pairs), pairs
+            # What ours adds per step (ms), pair by pair: with tiny stages, the runtime's fixed cost per step.
+            extra = [1e3 * (o - t) for run in runs for t, o in zip(run["schedules"][schedule_name]["torch"]["chunk_step_s"],
+                                                                    run["schedules"][schedule_name]["ours"]["chunk_step_s"])]
+            combined["extra_ms"], combined["chunk_extra_ms"] = statistics.median(extra), extra
         out["schedules"][schedule_name] = combined
     return out
 
@@ -238,7 +245,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about two minutes)")
     parser.add_argument("--models", default="mlp,resnet50,gpt2",
-                        help="comma-separated: mlp, resnet50, gpt2, resnet18 (default mlp,resnet50,gpt2)")
+                        help="comma-separated: mlp, resnet50, gpt2, resnet18, tiny (default mlp,resnet50,gpt2)")
     parser.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
     parser.add_argument("--batch_size", type=int, default=None, help="override every model's batch size (SHAPES)")
     parser.add_argument("--microbatches", type=int, default=None, help="override every model's microbatches")
@@ -375,6 +382,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 # The median over chunks timed back to back in one world (not the ratio of the two medians).
                 "ratio": sides.get("ratio"),
                 "chunk_ratios": sides.get("chunk_ratios"),
+                # ours - torch ms per step, the median over the same chunk pairs (the `tiny` row: the fixed cost).
+                "extra_ms": sides.get("extra_ms"),
+                "chunk_extra_ms": sides.get("chunk_extra_ms"),
                 "efficiency": ideal_s(world) / ours if ours else None,
                 "torch_efficiency": ideal_s(world) / theirs if theirs else None,
                 # Against what this machine's cores allow: every stage's work must also fit on `cores`.
@@ -435,16 +445,17 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Optional[float], fmt: str) -> str:
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
-    lines = [f"{'model':<9} {'sched':<6} {'prec':<4} {'p':>2} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>6} {'eff ours':>9} "
+    lines = [f"{'model':<9} {'sched':<6} {'prec':<4} {'p':>2} {'ours st/s':>10} {'torch st/s':>11} {'ratio':>6} {'+ms':>6} {'eff ours':>9} "
              f"{'eff torch':>10} {'on cores':>9} {'torch':>6}  load"]
     for r in rows:
         load = r["machine"]["load_1min"]
         lines.append(
             f"{r['model']:<9} {r['schedule']:<6} {r.get('precision', 'fp32'):<4} {r['num_stages']:>2} {num(r['ours_steps_per_s'], '10.2f')} "
-            f"{num(r['torch_steps_per_s'], '11.2f')} {num(r['ratio'], '6.2f')} {num(r['efficiency'], '9.2f')} "
+            f"{num(r['torch_steps_per_s'], '11.2f')} {num(r['ratio'], '6.2f')} {num(r.get('extra_ms'), '6.2f')} "
+            f"{num(r['efficiency'], '9.2f')} "
             f"{num(r['torch_efficiency'], '10.2f')} {num(r.get('efficiency_on_cores'), '9.2f')} "
             f"{num(r.get('torch_efficiency_on_cores'), '6.2f')}  " + (f"{load[0]:.1f}-{load[1]:.1f}" if load else ""))
-    lines.append("eff: ideal (m + p - 1) x slowest isolated stage / step; on cores: the ideal also no shorter than every "
+    lines.append("+ms: ours - torch ms per step (median over chunk pairs); eff: ideal (m + p - 1) x slowest isolated stage / step; on cores: the ideal also no shorter than every "
                  "stage's work spread over the cores (ours, then torch)")
     lines += ["", "CPU ms per step by rank, main thread + gloo threads (ours | torch):"]
     for r in rows:

@@ -31,6 +31,13 @@ def _bench_mlp() -> torch.nn.Module:
     return StackedMLP(in_features=256, width=1024, depth=8, num_classes=10)
 
 
+def _bench_tiny() -> torch.nn.Module:
+    from model_parallel.models import StackedMLP
+
+    # Stages of a few microseconds of compute: a step is the runtime's fixed cost (issue #37 item 4).
+    return StackedMLP(in_features=16, width=32, depth=2, num_classes=10)
+
+
 def _bench_resnet50() -> torch.nn.Module:
     from model_parallel.compat import import_torchvision
 
@@ -59,6 +66,7 @@ def recipes() -> dict[str, Any]:
     from model_parallel.runtime.build.zoo import Recipe, recipe
 
     return {"mlp": Recipe("mlp", _bench_mlp, F.cross_entropy, (256,), 10), "resnet18": recipe("resnet18"),
+            "tiny": Recipe("tiny", _bench_tiny, F.cross_entropy, (16,), 10),
             "resnet50": Recipe("resnet50", _bench_resnet50, F.cross_entropy, (3, 32, 32), 10),
             "gpt2": Recipe("gpt2", _bench_gpt2, _lm_loss, (64,), 512, kind="tokens")}
 

@@ -5,9 +5,14 @@ Contract (stable; the runtime calls it, the coordinator client in `model_paralle
 - Every rank owns one channel. After every training step each rank calls `channel.report(report)`
   with one `StepReport` (milliseconds, the same shape from the metrics recorder to the
   coordinator's policy). It must not block for long (it is on the step path).
-- Then rank 0 alone calls `channel.poll()`; it returns `None` (carry on) or one `Command`.
-  The runtime broadcasts that decision from rank 0 to all ranks over a gloo group (the command's
-  JSON in a uint8 tensor), so every rank acts on it at the same step boundary:
+- In every step k, just before its part of the step's one reduction, rank 0 alone calls
+  `channel.poll(before_step=k + 1)`; it returns `None` (carry on) or one `Command`. The decision
+  travels in that reduction (the byte length of the command's JSON, 0 for none; the JSON itself
+  follows in one broadcast only when there is one: `runtime.wire.step_totals`), so every rank acts
+  on it at the same step boundary, after step k (before step k + 1). A command that answers the
+  report of step k - 1 so lands one step after it (before, it landed right after it, at the price
+  of a second collective every step). A channel may ignore `before_step` (a scripted one plays it
+  exactly: `ScriptedChannel`). The commands:
     continue   -> nothing happens
     switch     -> every rank switches to `plan` (a `Plan`) before the next step,
                   moving layers, buffers and optimizer state (see `runtime.wire.migration`)
@@ -201,7 +206,7 @@ class ControlChannel(Protocol):
 
     def report(self, report: StepReport) -> None: ...
 
-    def poll(self) -> Optional[Command]: ...
+    def poll(self, before_step: Optional[int] = None) -> Optional[Command]: ...
 
     def close(self, reason: str = "") -> None: ...
 
@@ -212,7 +217,7 @@ class NullChannel:
     def report(self, report: StepReport) -> None:
         pass
 
-    def poll(self) -> Optional[Command]:
+    def poll(self, before_step: Optional[int] = None) -> Optional[Command]:
         return None
 
     def close(self, reason: str = "") -> None:
@@ -222,9 +227,10 @@ class NullChannel:
 class ScriptedChannel:
     """A controller that plays a fixed script: `{step: Command}` is applied before step `step` runs.
 
-    Steps count from 0; the command for step k is returned by the `poll()` that follows the report
-    of step k-1 (so step 0 cannot be scripted: the initial plan is the one the run starts with).
-    Reports are kept in `self.reports` for tests.
+    Steps count from 0; the command for step k is returned by `poll(before_step=k)` (what the runtime
+    asks in step k - 1) or, without `before_step`, by the `poll()` that follows the report of step
+    k - 1. So step 0 cannot be scripted: the initial plan is the one the run starts with. Reports are
+    kept in `self.reports` for tests.
     """
 
     def __init__(self, script: Mapping[int, Command]) -> None:
@@ -239,8 +245,8 @@ class ScriptedChannel:
         self.reports.append(report)
         self._last_step = max(self._last_step, int(report.step))
 
-    def poll(self) -> Optional[Command]:
-        return self.script.get(self._last_step + 1)
+    def poll(self, before_step: Optional[int] = None) -> Optional[Command]:
+        return self.script.get(self._last_step + 1 if before_step is None else before_step)
 
     def close(self, reason: str = "") -> None:
         pass

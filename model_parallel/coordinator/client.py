@@ -174,7 +174,7 @@ class CoordinatorChannel:
                 pass
             self._reports.put_nowait((kind, fields))
 
-    def poll(self) -> Optional[Command]:
+    def poll(self, before_step: Optional[int] = None) -> Optional[Command]:
         try:
             return self._commands.get_nowait()
         except queue.Empty:

@@ -5,14 +5,16 @@ Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m m
     run the rank's schedule actions (executor.py: forwards, backwards, sends, receives)
     all-reduce the grads of tied copies over every rank holding one (tied.py: a tie split across stages)
     all-reduce the other grads among the stage's replicas (replicas.py; sum: the loss is already / m)
-    one all-reduce over all ranks of [loss, squared grad norm]  (clipping by global norm)
+    one reduction over all ranks of [loss, squared grad norm, command length], through rank 0
+             (wire/step_totals.py: clipping by global norm; rank 0 polls its ControlChannel just
+             before and announces its decision - continue / switch plan / stop / slowdown - whose
+             JSON follows only if any)
     the update (update.py: clip, this step's learning rate, optimizer step); metrics; checkpoint
-    control: every rank reports metrics to its ControlChannel; rank 0 polls it and broadcasts the
-             decision (continue / switch plan / stop / slowdown) over a gloo group
+    control: every rank reports metrics to its ControlChannel and applies the command of this step
 
 So the sum of microbatch gradients is the gradient of the minibatch-mean loss, and after every
 flush the parameters equal single-process training with the same microbatching. Spare ranks
-(no stage) only take part in the all-reduce and the control broadcast. With the `pipedream`
+(no stage) only take part in the reduction (and a command's broadcast). With the `pipedream`
 schedule (no flush) each microbatch is its own update (see executor.WeightStash).
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.step.schedule import Schedule, make_schedule
 from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire.agreement import broadcast_json, check_same_job, graph_digest
+from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class PipelineEngine(TrainingLoop):
         self.next_step = 0  # the first step not yet run (after `train`: how far it got)
         self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
+        self.command: Optional[Command] = None  # the command of the last step's reduction, until `control` hands it out
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self._targets_verified: set[int] = set()  # ids of the sources whose targets(step) the last stage checked
         self.stage: Any = None
@@ -295,14 +298,11 @@ class PipelineEngine(TrainingLoop):
 
     # ---- control --------------------------------------------------------------------------------
     def control(self, step: int, report: StepReport) -> Optional[Command]:
-        """Report the step; rank 0 polls its channel; the decision is broadcast to every rank."""
+        """Report the step to this rank's channel; return the command every rank received in the step's
+        reduction (rank 0 polled for it in `train_step`), to be applied before the next step."""
         self.channel.report(report)
-        command = self.channel.poll() if self.rank == 0 else None
-        try:
-            text = broadcast_json(command.to_json() if command else "", 0, self.control_group, self.timeout)
-        except PeerError as error:
-            raise self.diagnose(error) from None
-        return Command.from_json(text) if text else None
+        command, self.command = self.command, None
+        return command
 
     def apply(self, command: Command) -> bool:
         """Act on a broadcast command; False means stop."""

@@ -233,8 +233,8 @@ class StaticPlanChannel:
     def report(self, report: StepReport) -> None:
         self.inner.report(report)
 
-    def poll(self) -> Optional[Command]:
-        command = self.inner.poll()
+    def poll(self, before_step: Optional[int] = None) -> Optional[Command]:
+        command = self.inner.poll(before_step)
         if command is not None and command.kind == "switch":
             logger.error("refusing the live plan switch (%s): %s; training goes on with the static plan",
                          command.reason or "no reason given", self.why)

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
 import torch
-import torch.distributed as dist
 
 from model_parallel.errors import PeerError
 from model_parallel.graph.plan import Plan
-from model_parallel.messages import Command, StepReport
+from model_parallel.messages import Command, ControlChannel, StepReport
 from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
 from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
@@ -31,7 +30,7 @@ from model_parallel.runtime.step.evaluate import EvalResult
 from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
-from model_parallel.runtime.wire import comm
+from model_parallel.runtime.wire import step_totals
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +148,8 @@ class SteppingEngine(LoopingEngine, Protocol):
     stage_id: Optional[int]
     replica_groups: ReplicaGroups
     control_group: Any
+    channel: ControlChannel  # rank 0 polls it for the command that rides in the step's reduction
+    command: Optional[Command]  # the command the last reduction carried, until `control` hands it out
     schedule: Schedule
     updates: int
     history: deque[StepResult]
@@ -179,7 +180,8 @@ class TrainingLoop:
         return list(self.history)
 
     def train_step(self: SteppingEngine, step: int) -> StepResult:
-        """One step on this rank: its schedule actions, the gradient all-reduces, the loss all-reduce and the update."""
+        """One step on this rank: its schedule actions, the gradient all-reduces, the step's one reduction
+        ([loss, norm, command length]: wire/step_totals.py) and the update."""
         self.straggler.at_step(step)
         self.metrics.begin_step(step)
         # A plan switch happened after the previous step: its pause counts in this step's metrics.
@@ -189,7 +191,11 @@ class TrainingLoop:
             self.pending_migration_s = 0.0
         clip = self.config.clip_grad
         loss_sum, sq = 0.0, 0.0
+        # A rank whose share of the reduction the step does not compute (no loss: not the last stage; no
+        # norm: no clipping) posts it first: it then runs during the step, not on the critical path after it.
+        early = clip is None and self.stage_id != self.plan.num_stages - 1
         try:
+            posted = _post_totals(self, step, 0.0, 0.0) if early else None
             if self.executor is not None:
                 data = self.step_data(step)
                 with self.meter.step(self.stage, (data.inputs, data.targets)):
@@ -209,11 +215,11 @@ class TrainingLoop:
                     # replica holds the whole stage gradient: count it once (a tied copy: once over its holders).
                     untied = [p for p in self.stage.parameters() if id(p) not in tied]
                     sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
-            totals = torch.tensor([loss_sum, sq], dtype=torch.float64)
-            reduce_work = dist.all_reduce(totals, group=self.control_group, async_op=True)
+            if posted is None:
+                posted = _post_totals(self, step, loss_sum, sq)
+            assert not early or loss_sum == 0.0, "a stage other than the last reported a loss"
             if clip is not None:  # the update needs the global norm first
-                _wait_totals(self, reduce_work)
-                reduce_work = None
+                _wait_totals(self, posted)
         except PeerError as error:
             raise self.diagnose(error) from None
         lr = 0.0
@@ -222,20 +228,29 @@ class TrainingLoop:
         elif self.optimizer is not None:
             with self.metrics.measure("optimizer"):
                 lr = apply_update(self.optimizer, step, lr_schedule=self.config.lr_schedule, clip_grad=clip,
-                                  total_norm=float(totals[1]) ** 0.5 if clip is not None else None)
+                                  total_norm=float(posted.totals[1]) ** 0.5 if clip is not None else None)
             self.updates += 1
-        if reduce_work is not None:
-            # Without clipping the loss all-reduce only feeds the report: it ran during the update.
-            try:
-                _wait_totals(self, reduce_work)
-            except PeerError as error:
-                raise self.diagnose(error) from None
-        loss, norm = float(totals[0]), float(totals[1]) ** 0.5
-        result = StepResult(step, loss, norm, lr)
+        try:
+            if clip is None:  # without clipping the reduction only feeds the report: it ran during the step and update
+                _wait_totals(self, posted)
+            sums = step_totals.unpack(posted.totals)
+            if sums.command_bytes:  # rare: rank 0 announced a command; its JSON follows (metrics: control_ms)
+                with self.metrics.measure("control"):
+                    self.command = step_totals.receive_command(sums, posted.payload, self.control_group, self.timeout)
+        except PeerError as error:
+            raise self.diagnose(error) from None
+        result = StepResult(step, sums.loss, sums.squared_norm ** 0.5, lr)
         self.history.append(result)
         return result
 
 
-def _wait_totals(engine: SteppingEngine, work: Any) -> None:
+def _post_totals(engine: SteppingEngine, step: int, loss_sum: float, squared_norm: float) -> step_totals.Posted:
+    """Start the step's one reduction; rank 0 first polls its channel: the decision rides in it
+    (wire/step_totals.py) and every rank applies it after this step."""
+    command = engine.channel.poll(before_step=step + 1) if engine.rank == 0 else None
+    return step_totals.post(loss_sum, squared_norm, command, engine.control_group)
+
+
+def _wait_totals(engine: SteppingEngine, posted: step_totals.Posted) -> None:
     with engine.metrics.measure("allreduce"):
-        comm.wait_work(work, engine.timeout, -1, "loss all-reduce")
+        posted.wait(engine.timeout)

@@ -85,13 +85,18 @@ def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) ->
     payload = (data or "").encode() if is_src else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
     wait_work(dist.broadcast(length, src, group=group, async_op=True), timeout, src, "control broadcast")
-    if is_src and payload:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
-    if buffer.numel():
-        wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
-    return payload.decode() if is_src else buffer.numpy().tobytes().decode()
+    return broadcast_bytes(payload, int(length.item()), src, group, timeout).decode()
+
+
+def broadcast_bytes(payload: bytes, length: int, src: int, group: Any, timeout: float) -> bytes:
+    """`src`'s `payload` of `length` bytes (a length every rank already knows) on every rank of `group`."""
+    if not length:
+        return b""
+    is_src = dist.get_rank() == src
+    assert not is_src or len(payload) == length, (len(payload), length)  # the length was agreed first
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src else torch.empty(length, dtype=torch.uint8)
+    wait_work(dist.broadcast(buffer, src, group=group, async_op=True), timeout, src, "control broadcast")
+    return payload if is_src else buffer.numpy().tobytes()
 
 
 CAUSE_BYTES = 240  # a failure's one-line cause, as it travels (longer ones are cut)

@@ -62,6 +62,7 @@ from model_parallel.runtime.wire.structure import decode_value, encode_value, ma
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
 TAG_MIGRATION = 3
+TAG_TOTALS = 4  # the step's reduction through rank 0 (wire/step_totals.py), on the control group
 
 _MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
 SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header

@@ -1,7 +1,7 @@
 """Switch a live pipeline to a new plan: move layers (parameters, buffers, optimizer state) between ranks.
 
-Called by every rank at the same step boundary (the control broadcast guarantees it) with the
-same new plan; with a flush schedule nothing is in flight, so the switch is exact.
+Called by every rank at the same step boundary (the command rides in the step's one reduction,
+wire/step_totals.py) with the same new plan; with a flush schedule nothing is in flight, so the switch is exact.
 
 1. Who moves what: for every layer, its owners under the old plan (all replicas of its stage) and
    under the new one. Each new owner that did not hold the layer gets it from one old owner

@@ -1,0 +1,115 @@
+"""The one reduction of every training step: [loss, squared gradient norm, command length] summed over all ranks.
+
+A step used to end with two collectives on the control group: an all-reduce of [loss, squared norm]
+and a broadcast of rank 0's decision (its length, then its bytes), even when there was nothing to say:
+with tiny stages 1-2 ms a step more than torch.distributed.pipelining, which has neither
+(docs/runtime.md, "Fixed cost per step"). Now the decision rides in the reduction: rank 0 writes the
+byte length of its command's JSON into the third slot and every other rank writes 0, so the sum is
+that length on every rank. 0: carry on, and nothing else travels; n > 0: one broadcast of exactly n
+bytes follows (`receive_command`). A float64 holds every integer up to 2**53 exactly.
+
+The reduction is no gloo collective but point-to-point through rank 0 on the control group (`Posted`):
+every other rank sends its three numbers and receives the sums. Measured on the tiny row, an
+all-reduce cost ~1 ms a step more (a process-group worker thread woken twice a step per rank, on a
+machine where every wake-up waits for a core); p2p messages are posted by the training thread itself,
+and a wait names the peer it waits for. Rank 0 adds the contributions in rank order, so every rank
+gets the same sums, whatever order they arrived in.
+
+Rank 0 polls its channel in step k, just before its part of the reduction, so a command is applied by
+every rank at the boundary after step k (before step k + 1): one step after the report it may answer,
+which was step k - 1's. The poll passes `before_step=k + 1`, which a scripted channel plays exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from model_parallel.errors import ProtocolError
+from model_parallel.messages import Command
+from model_parallel.runtime.wire.agreement import broadcast_bytes
+from model_parallel.runtime.wire.comm import TAG_TOTALS, start_work, wait_work
+
+# Larger is no command: a plan of a million-node graph is a few MB of JSON.
+MAX_COMMAND_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """One step's sums over every rank."""
+
+    loss: float  # the minibatch loss (the last stage's sum over microbatches; other ranks add 0)
+    squared_norm: float  # the global squared gradient norm (0.0 when not clipping)
+    command_bytes: int  # the length of rank 0's command JSON; 0: no command this step
+
+
+def pack(loss_sum: float, squared_norm: float, command: Optional[Command]) -> tuple[torch.Tensor, bytes]:
+    """This rank's contribution to the reduction, and the command body it will broadcast (rank 0 only
+    passes a command; empty bytes for none)."""
+    payload = command.to_json().encode() if command is not None else b""
+    return torch.tensor([loss_sum, squared_norm, float(len(payload))], dtype=torch.float64), payload
+
+
+class Posted:
+    """The step's reduction in flight, through rank 0: every other rank sends it its contribution and
+    receives the sums back (point-to-point on `group`, which spans every rank: no collective, so no
+    process-group worker thread, and a wait that names its peer). `wait` leaves the sums in `totals`;
+    `payload` is the command body this rank will broadcast (rank 0's; empty elsewhere)."""
+
+    def __init__(self, totals: torch.Tensor, payload: bytes, group: Any) -> None:
+        self.totals, self.payload, self.group = totals, payload, group
+        self.rank = dist.get_rank()
+        if self.rank == 0:  # every receive posted now: the contributions land while this rank computes
+            self.parts = [(peer, torch.empty_like(totals)) for peer in range(1, dist.get_world_size(group))]
+            self.works = [(peer, _start(dist.irecv, part, peer, group)) for peer, part in self.parts]
+        else:
+            self.mine = totals.clone()  # in flight while `totals` receives the sums
+            self.works = [(0, _start(dist.isend, self.mine, 0, group)), (0, _start(dist.irecv, totals, 0, group))]
+
+    def wait(self, timeout: float) -> None:
+        """Block until this rank holds the sums (rank 0: until every rank was sent them); PeerError naming a peer."""
+        for peer, work in self.works:
+            wait_work(work, timeout, peer, WHAT)
+        if self.rank != 0:
+            return
+        for _, part in self.parts:  # in rank order: the same sums whatever order they arrived in
+            self.totals += part
+        sends = [(peer, _start(dist.isend, self.totals, peer, self.group)) for peer, _ in self.parts]
+        for peer, work in sends:
+            wait_work(work, timeout, peer, WHAT)
+
+
+WHAT = "the step's loss reduction"
+
+
+def _start(op: Any, tensor: torch.Tensor, peer: int, group: Any) -> Any:
+    return start_work(partial(op, tensor, peer, group=group, tag=TAG_TOTALS), peer, WHAT)
+
+
+def post(loss_sum: float, squared_norm: float, command: Optional[Command], group: Any) -> Posted:
+    """Start this rank's part of the step's reduction over `group` (every rank, once per step, in step order)."""
+    totals, payload = pack(loss_sum, squared_norm, command)
+    return Posted(totals, payload, group)
+
+
+def unpack(totals: torch.Tensor) -> StepTotals:
+    """The reduced vector as `StepTotals`; a command length that is no whole number of bytes in
+    0..MAX_COMMAND_BYTES (a rank that wrote into the slot) is refused, never guessed."""
+    loss, squared_norm, length = (float(x) for x in totals.tolist())
+    if not (math.isfinite(length) and length == int(length) and 0 <= length <= MAX_COMMAND_BYTES):
+        raise ProtocolError(f"the step reduction announced a command of {length!r} bytes; expected a whole number "
+                            f"in 0..{MAX_COMMAND_BYTES} (only rank 0 may write the command slot: a rank of another "
+                            "version of model_parallel?)")
+    return StepTotals(loss, squared_norm, int(length))
+
+
+def receive_command(totals: StepTotals, payload: bytes, group: Any, timeout: float) -> Optional[Command]:
+    """Collective when `totals.command_bytes` > 0 (every rank knows it, from the reduction): rank 0's
+    command on every rank. Nothing travels when there is none."""
+    if not totals.command_bytes:
+        return None
+    return Command.from_json(broadcast_bytes(payload, totals.command_bytes, 0, group, timeout).decode())
