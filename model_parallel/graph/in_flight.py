@@ -12,6 +12,11 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
 
 With one rank per stage, stage s of p holds p - s (1F1B capped by m) — the grids' bound.
+
+Interleaved 1F1B (v stages per rank in a loop: rank r holds stages r, r + p, ...; runtime/step/interleaved.py)
+counts (stage, microbatch) pairs on a rank, as Megatron's warm-up does:
+
+    interleaved  min(2 (p - 1 - r) + (v - 1) p + 1, v m)   pairs held by rank r of p (each pair ~ 1/v of its layers)
 """
 from __future__ import annotations
 
@@ -32,3 +37,14 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
     if schedule == "pipedream":
         return downstream
     return min(downstream, math.ceil(num_microbatches / replicas))
+
+
+def interleaved_warmup(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:
+    """Forwards rank `rank` runs before its first backward under Interleaved 1F1B (Megatron's count)."""
+    return min(2 * (num_ranks - 1 - rank) + (stages_per_rank - 1) * num_ranks, stages_per_rank * num_microbatches)
+
+
+def interleaved_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:
+    """(stage, microbatch) pairs whose activations rank `rank` holds at its peak under Interleaved 1F1B."""
+    return min(interleaved_warmup(num_microbatches, num_ranks, stages_per_rank, rank) + 1,
+               stages_per_rank * num_microbatches)
