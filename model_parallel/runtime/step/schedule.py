@@ -245,6 +245,9 @@ def make_schedule(name: str, p: int, m: int) -> Schedule:
     try:
         factory = SCHEDULES[name]
     except KeyError:
+        if name == "interleaved":  # runtime/step/interleaved.py builds it as data; no rank runs two stages yet
+            raise ScheduleError("the interleaved schedule (several stages per rank) is not run by this runtime yet: a rank "
+                                "builds one stage; use 1f1b (`model-parallel schedule interleaved` prints its grid)") from None
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
     return factory(p, m)
 

@@ -7,6 +7,7 @@ from model_parallel.errors import ScheduleError
 from model_parallel.graph.in_flight import interleaved_in_flight, interleaved_warmup
 from model_parallel.runtime.step.interleaved import analytic_bubble, interleaved_1f1b, interleaved_orders, loop_placement
 from model_parallel.runtime.step.schedule import Action, Schedule, check, format_grid, one_f_one_b
+from model_parallel.runtime.step.schedule_csv import parse_torch_csv, torch_csv_text
 
 # (ranks, stages per rank, microbatches): m a multiple of p
 SIZES = [(p, v, m) for p in range(1, 6) for v in range(1, 4) for m in range(p, 3 * p + 1, p)]
@@ -100,3 +101,41 @@ def test_placement_must_hold_each_stage_once():
     grid = interleaved_1f1b(2, 2, 2).grid
     with pytest.raises(ScheduleError, match=r"must hold each of stages 0..3 on exactly one row, found \[0, 1, 2, 2\]"):
         Schedule("x", 4, 2, grid, placement=((0, 2), (1, 2)))
+
+
+def _torch_interleaved_order(p: int, v: int, m: int) -> dict:
+    """torch's ScheduleInterleaved1F1B pipeline order for every rank (its IR; stand-in stages, no process group)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    stages = [SimpleNamespace(group_size=p, group_rank=0, num_stages=p * v, stage_index=c * p, is_first=False,
+                              is_last=False) for c in range(v)]
+    return ScheduleInterleaved1F1B(stages, m, loss_fn=None).pipeline_order
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 2, 6), (4, 3, 8)])
+def test_order_equals_torchs_and_its_csv_reads_as_ours(p, v, m):
+    order = _torch_interleaved_order(p, v, m)
+    ours = interleaved_orders(p, v, m)
+    for rank in range(p):
+        assert [str(a) for a in order[rank] if a is not None] == [str(a) for a in ours[rank]]
+    # torch's CSV of it (one row per rank, its idle cells) reads, places and checks as our grid
+    text = "\n".join(",".join("" if a is None else str(a) for a in order[rank]) for rank in range(p)) + "\n"
+    read = parse_torch_csv(text)
+    assert read.placement == loop_placement(p, v) and read.grid == interleaved_1f1b(p, v, m).grid
+    assert parse_torch_csv(torch_csv_text(read)).grid == read.grid
+
+
+def test_runtime_refuses_it_by_name_and_the_command_line_prints_it(tmp_path, capsys):
+    from model_parallel.cli import schedule as schedule_cli
+    from model_parallel.runtime.step.schedule import make_schedule
+
+    with pytest.raises(ScheduleError, match="interleaved schedule .* is not run by this runtime yet.*use 1f1b"):
+        make_schedule("interleaved", 4, 8)
+    out = tmp_path / "interleaved.csv"
+    assert schedule_cli.main(["interleaved", "-p", "4", "-v", "2", "-m", "4", "--csv", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "r3 " in printed and "bubble 27.3 % of 4 x 22 unit steps" in printed
+    assert "in flight per rank: [8, 8, 7, 5]" in printed
+    assert schedule_cli.main([str(out)]) == 0 and "bubble 27.3 %" in capsys.readouterr().out
