@@ -34,7 +34,7 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print a schedule (one of ours, or torch's CSV checked by our rules); --csv writes it in torch's format."""
     parser = ArgumentParser(prog="model-parallel schedule", description=main.__doc__)
-    parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES + (INTERLEAVED,))}, or a torch schedule CSV "
+    parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, or a torch schedule CSV "
                         "(compute-only format)")
     parser.add_argument("-p", "--stages", type=int, default=4, help="stages = ranks, for a named schedule (default 4; "
                         "interleaved: ranks)")
@@ -42,10 +42,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
     args = parser.parse_args(argv)
-    if args.schedule in SCHEDULE_NAMES:
-        schedule = make_schedule(args.schedule, args.stages, args.microbatches)
-    elif args.schedule == INTERLEAVED:  # as data only: the runtime does not run it yet
+    if args.schedule == INTERLEAVED:  # -p ranks, -v stages each
         schedule = interleaved_1f1b(args.stages, args.stages_per_rank, args.microbatches)
+    elif args.schedule in SCHEDULE_NAMES:
+        schedule = make_schedule(args.schedule, args.stages, args.microbatches)
     else:
         schedule = read_torch_csv(args.schedule)  # a ScheduleError: exit 2 with the file, row and step
     print(format_grid(schedule))

@@ -238,16 +238,22 @@ def _in_flight_bounds(name: str, p: int, m: int) -> tuple[int, ...]:
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
-assert tuple(SCHEDULES) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
+assert tuple(SCHEDULES) + ("interleaved",) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
 
 
-def make_schedule(name: str, p: int, m: int) -> Schedule:
+def make_schedule(name: str, p: int, m: int, num_ranks: Optional[int] = None) -> Schedule:
+    """Schedule `name` over p stages and m microbatches; "interleaved" needs the `num_ranks` holding them
+    (loop placement: p / num_ranks stages per rank, runtime/step/interleaved.py)."""
+    if name == "interleaved":
+        from model_parallel.runtime.step.interleaved import interleaved_1f1b  # it builds on this module
+
+        if num_ranks is None or num_ranks < 1 or p % num_ranks:
+            raise ScheduleError(f"the interleaved schedule places {p} stage(s) on ranks in a loop: it needs the number of "
+                                f"ranks, a divisor of {p} (got {num_ranks})")
+        return interleaved_1f1b(num_ranks, p // num_ranks, m)
     try:
         factory = SCHEDULES[name]
     except KeyError:
-        if name == "interleaved":  # runtime/step/interleaved.py builds it as data; no rank runs two stages yet
-            raise ScheduleError("the interleaved schedule (several stages per rank) is not run by this runtime yet: a rank "
-                                "builds one stage; use 1f1b (`model-parallel schedule interleaved` prints its grid)") from None
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
     return factory(p, m)
 

@@ -127,12 +127,13 @@ def test_order_equals_torchs_and_its_csv_reads_as_ours(p, v, m):
     assert parse_torch_csv(torch_csv_text(read)).grid == read.grid
 
 
-def test_runtime_refuses_it_by_name_and_the_command_line_prints_it(tmp_path, capsys):
+def test_make_schedule_needs_the_ranks_and_the_command_line_prints_it(tmp_path, capsys):
     from model_parallel.cli import schedule as schedule_cli
     from model_parallel.runtime.step.schedule import make_schedule
 
-    with pytest.raises(ScheduleError, match="interleaved schedule .* is not run by this runtime yet.*use 1f1b"):
+    with pytest.raises(ScheduleError, match="needs the number of ranks"):
         make_schedule("interleaved", 4, 8)
+    assert make_schedule("interleaved", 8, 8, num_ranks=4).grid == interleaved_1f1b(4, 2, 8).grid
     out = tmp_path / "interleaved.csv"
     assert schedule_cli.main(["interleaved", "-p", "4", "-v", "2", "-m", "4", "--csv", str(out)]) == 0
     printed = capsys.readouterr().out
