@@ -53,7 +53,8 @@ from model_parallel.runtime.plancheck import check_plan
 from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.output import model_output
-from model_parallel.runtime.step.schedule import Schedule, make_schedule
+from model_parallel.runtime.step.interleaved import run_schedule
+from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import broadcast_json, check_same_job, graph_digest
 
@@ -192,8 +193,8 @@ class PipelineEngine(TrainingLoop):
         checked = check_plan(self.graph, plan, self.world_size, self.config.schedule, self.modules)
         held = plan.stages_of_rank(self.rank)
         prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None,
-                            make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
-                                          num_ranks=plan.num_ranks), stage_ids=held)
+                            run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
+                                         plan.num_ranks), stage_ids=held)
         if prepared.schedule.placement is not None and held:
             self._build_stages(prepared, optimizer_state)
         elif prepared.stage_id is not None:

@@ -1,22 +1,17 @@
 """Interleaved 1F1B run by the runtime: the zoo MLP on 2 and 4 processes (2 stages per rank, loop placement)
-against single-process training with the same data, microbatching and optimizer, within 1e-5; refusals."""
+against single-process training with the same data, microbatching and optimizer, within 1e-5 (the plan's rules:
+tests/unit/runtime/test_interleaved_plan.py)."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
 
 from model_parallel.codegen.naming import state_key
-from model_parallel.errors import ConfigError, PlanError
-from model_parallel.graph.plan import Plan
-from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.plancheck import check_plan, check_switchable
 from model_parallel.runtime.trainer import single_process_reference
 
 TOL = 1e-5
@@ -61,32 +56,9 @@ def test_interleaved_matches_single_process(tmp_path, world, extra):
 
 
 @pytest.mark.slow
-def test_interleaved_refusals_name_the_fix(tmp_path):
-    r = recipe("mlp")
-    graph, _ = trace_model(r.model(0), r.example(2))
-    four = even_plan(graph, 4)
-    loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
-    assert loop.stages_of_rank(0) == (0, 2) and loop.num_ranks == 2
-    with pytest.raises(PlanError, match="use Plan.stages_of_rank"):
-        loop.stage_of_rank(0)
-    check_plan(graph, loop, 2, "interleaved")
-    with pytest.raises(PlanError, match="only the interleaved schedule runs that"):
-        check_plan(graph, loop, 2, "1f1b")
-    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
-        check_plan(graph, four, 4, "interleaved")  # one stage per rank
-    one_rank = replace(four, stages=tuple(replace(s, ranks=(0,)) for s in four.stages))
-    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
-        check_plan(graph, one_rank, 1, "interleaved")  # p = 1: consecutive stages on one rank
-    with pytest.raises(PlanError, match="does not support replicated stages"):
-        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")
-    with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
-        Plan(stages=tuple(replace(s, ranks=((0, 0, 1, 1)[s.stage_id],)) for s in four.stages))
-    with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
-        check_switchable("interleaved")
-    check_switchable("1f1b")
-    with pytest.raises(ConfigError, match="interleaved schedule does not run --bf16 or --recompute"):
-        TrainConfig(schedule="interleaved", bf16=True)
-    # m not a multiple of p, on the command line: exit 2 naming the fix, no hang.
+def test_m_not_a_multiple_of_p_ends_the_world_naming_the_fix():
+    # The command line: every rank exits naming the fix, no hang.
     result = launch_workers(["--model", "mlp", "--schedule", "interleaved", "--steps", "1", "--timeout", "30",
                              "--num_microbatches", "3", "--batch_size", "6"], 2, timeout=120)
-    assert not result.ok and "m=3 is not a multiple of p" in result.output(0), result.summary()
+    assert [w.returncode for w in result.workers] == [2, 2], result.summary()
+    assert "m=3 is not a multiple of p; use m=4" in result.output(1)

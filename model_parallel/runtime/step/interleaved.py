@@ -17,14 +17,14 @@ Needs m a multiple of p (Megatron and torch refuse the same): within a round eve
 on the same p microbatches. Every stage still runs its forwards and backwards in increasing
 microbatch order, the rule the runtime's message matching relies on (schedule.check).
 
-The runtime does not run it yet: a rank builds and runs one stage (engine.py). It is data for the
-rules, the grid printer and the memory model until the executor holds several stages.
+The runtime runs it with `--schedule interleaved` (`run_schedule`): a rank builds all its stages and
+runs its row (engine.py, multi_stage.py), the plan in loop placement (runtime/plancheck.py).
 """
 from __future__ import annotations
 
 from model_parallel.errors import ScheduleError
 from model_parallel.graph.in_flight import interleaved_in_flight, interleaved_warmup
-from model_parallel.runtime.step.schedule import BACKWARD, FORWARD, Action, Schedule, grid_from_orders
+from model_parallel.runtime.step.schedule import BACKWARD, FORWARD, Action, Schedule, grid_from_orders, make_schedule
 
 NAME = "interleaved"
 
@@ -85,3 +85,14 @@ def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:
 def analytic_bubble(p: int, v: int, m: int) -> float:
     """The idle share of a rank with unit-time actions: (p-1) / (v m + p-1) (v = 1: 1F1B's (p-1) / (m+p-1))."""
     return (p - 1) / (v * m + p - 1)
+
+
+def run_schedule(name: str, num_stages: int, m: int, num_ranks: int) -> Schedule:
+    """The schedule a run uses: `make_schedule`'s, or Interleaved 1F1B over `num_ranks` ranks holding
+    num_stages / num_ranks stages each (loop placement; runtime/plancheck.py checks the plan first)."""
+    if name != NAME:
+        return make_schedule(name, num_stages, m)
+    if num_ranks < 1 or num_stages % num_ranks:
+        raise ScheduleError(f"the interleaved schedule places {num_stages} stage(s) on ranks in a loop: the ranks must "
+                            f"divide them, got {num_ranks}")
+    return interleaved_1f1b(num_ranks, num_stages // num_ranks, m)

@@ -27,21 +27,27 @@ class StageGroup(nn.Module):
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
         for stage in stages:
-            for table, register in ((stage._modules, self.add_module), (stage._parameters, self.register_parameter),
-                                    (stage._buffers, self.register_buffer)):
-                for name, value in table.items():
-                    if name in self._modules or name in self._parameters or name in self._buffers:
-                        if _member(self, name) is not value:  # check_shared_modules refuses this before the build
-                            raise ModelParallelError(f"two stages of this rank hold different members named {name!r}")
-                        continue
-                    register(name, value)  # type: ignore[operator]
+            for name, module in stage._modules.items():
+                if self._new(name, module):
+                    self.add_module(name, module)
+            for name, param in stage._parameters.items():
+                if self._new(name, param):
+                    self.register_parameter(name, param)
+            for name, buffer in stage._buffers.items():
+                if self._new(name, buffer):
+                    self.register_buffer(name, buffer, persistent=name not in stage._non_persistent_buffers_set)
+
+    def _new(self, name: str, value: Any) -> bool:
+        """Whether `name` is not held yet; the same object under it again is fine, another one is refused."""
+        held = self._modules.get(name, self._parameters.get(name, self._buffers.get(name)))
+        if held is None and name not in self._modules and name not in self._parameters and name not in self._buffers:
+            return True
+        if held is not value:  # check_shared_modules refuses this before the build
+            raise ModelParallelError(f"two stages of this rank hold different members named {name!r}")
+        return False
 
     def forward(self, *args: Any) -> Any:
         raise ModelParallelError("a rank's group of stages is not one computation: run its stages (multi_stage.py)")
-
-
-def _member(module: nn.Module, name: str) -> Any:
-    return module._modules.get(name, module._parameters.get(name, module._buffers.get(name)))
 
 
 class MultiStageExecutor:

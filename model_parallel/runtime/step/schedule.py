@@ -241,19 +241,15 @@ SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
 assert tuple(SCHEDULES) + ("interleaved",) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
 
 
-def make_schedule(name: str, p: int, m: int, num_ranks: Optional[int] = None) -> Schedule:
-    """Schedule `name` over p stages and m microbatches; "interleaved" needs the `num_ranks` holding them
-    (loop placement: p / num_ranks stages per rank, runtime/step/interleaved.py)."""
-    if name == "interleaved":
-        from model_parallel.runtime.step.interleaved import interleaved_1f1b  # it builds on this module
-
-        if num_ranks is None or num_ranks < 1 or p % num_ranks:
-            raise ScheduleError(f"the interleaved schedule places {p} stage(s) on ranks in a loop: it needs the number of "
-                                f"ranks, a divisor of {p} (got {num_ranks})")
-        return interleaved_1f1b(num_ranks, p // num_ranks, m)
+def make_schedule(name: str, p: int, m: int) -> Schedule:
+    """Schedule `name` over p stages (one per rank) and m microbatches; "interleaved" (several stages per
+    rank) is built by `interleaved.run_schedule`, which knows the ranks."""
     try:
         factory = SCHEDULES[name]
     except KeyError:
+        if name == "interleaved":
+            raise ScheduleError("the interleaved schedule places stages on ranks in a loop: build it with "
+                                "runtime.step.interleaved.run_schedule(name, stages, m, num_ranks)") from None
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
     return factory(p, m)
 

@@ -131,9 +131,14 @@ def test_make_schedule_needs_the_ranks_and_the_command_line_prints_it(tmp_path, 
     from model_parallel.cli import schedule as schedule_cli
     from model_parallel.runtime.step.schedule import make_schedule
 
-    with pytest.raises(ScheduleError, match="needs the number of ranks"):
+    from model_parallel.runtime.step.interleaved import run_schedule
+
+    with pytest.raises(ScheduleError, match="build it with runtime.step.interleaved.run_schedule"):
         make_schedule("interleaved", 4, 8)
-    assert make_schedule("interleaved", 8, 8, num_ranks=4).grid == interleaved_1f1b(4, 2, 8).grid
+    assert run_schedule("interleaved", 8, 8, 4).grid == interleaved_1f1b(4, 2, 8).grid
+    assert run_schedule("1f1b", 4, 8, 4).grid == make_schedule("1f1b", 4, 8).grid
+    with pytest.raises(ScheduleError, match="the ranks must divide them"):
+        run_schedule("interleaved", 6, 8, 4)
     out = tmp_path / "interleaved.csv"
     assert schedule_cli.main(["interleaved", "-p", "4", "-v", "2", "-m", "4", "--csv", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -1,0 +1,41 @@
+"""Plans with several stages per rank: loop placement only, only under the interleaved schedule; what is refused."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from model_parallel.errors import ConfigError, PlanError
+from model_parallel.graph.plan import Plan
+from model_parallel.profiler.trace import trace_model
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.plancheck import check_plan, check_switchable
+
+
+def test_interleaved_refusals_name_the_fix():
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    four = even_plan(graph, 4)
+    loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
+    assert loop.stages_of_rank(0) == (0, 2) and loop.num_ranks == 2
+    with pytest.raises(PlanError, match="use Plan.stages_of_rank"):
+        loop.stage_of_rank(0)
+    check_plan(graph, loop, 2, "interleaved")
+    with pytest.raises(PlanError, match="only the interleaved schedule runs that"):
+        check_plan(graph, loop, 2, "1f1b")
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        check_plan(graph, four, 4, "interleaved")  # one stage per rank
+    one_rank = replace(four, stages=tuple(replace(s, ranks=(0,)) for s in four.stages))
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        check_plan(graph, one_rank, 1, "interleaved")  # p = 1: consecutive stages on one rank
+    with pytest.raises(PlanError, match="does not support replicated stages"):
+        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")
+    with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
+        Plan(stages=tuple(replace(s, ranks=((0, 0, 1, 1)[s.stage_id],)) for s in four.stages))
+    with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
+        check_switchable("interleaved")
+    check_switchable("1f1b")
+    with pytest.raises(ConfigError, match="interleaved schedule does not run --bf16 or --recompute"):
+        TrainConfig(schedule="interleaved", bf16=True)
