@@ -18,7 +18,6 @@ schedule (no flush) each microbatch is its own update (see executor.WeightStash)
 from __future__ import annotations
 
 import gc
-
 import logging
 import os
 from collections import deque
@@ -205,10 +204,10 @@ class PipelineEngine(TrainingLoop):
         """Make a prepared stage live and drop the old one (collective: replica and tie groups, the tie check)."""
         plan = prepared.plan
         self.plan, self.boundaries, self.schedule, self.stage_id = plan, prepared.boundaries, prepared.schedule, prepared.stage_id
-        self.stage_ids = prepared.stage_ids
         self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
         self.replica_groups.create_for(plan)
-        self.stage, self.optimizer, self.executor = prepared.stage, prepared.optimizer, prepared.executor
+        self.stage, self.optimizer, self.executor, self.stage_ids = (prepared.stage, prepared.optimizer, prepared.executor,
+                                                                    prepared.stage_ids)
         self.replica, self.num_replicas = prepared.replica, prepared.num_replicas
         keep = {name for k in self.stage_ids for name in stage_layers(self.graph, plan, k)}
         left = sorted(self.lazy_layers - keep)
@@ -234,8 +233,7 @@ class PipelineEngine(TrainingLoop):
     def _make_optimizer(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         """One optimizer over the parameters of `prepared.stage` (all of the rank's stages), state restored by name."""
         stage = prepared.stage
-        params = list(stage.parameters())
-        if params:
+        if params := list(stage.parameters()):
             prepared.optimizer = self.optimizer_factory(params)
             if optimizer_state:
                 from model_parallel.runtime.checkpoint.store import load_optimizer_state_by_name
@@ -254,9 +252,8 @@ class PipelineEngine(TrainingLoop):
         """Several stages on this rank (interleaved 1F1B): their modules, ONE optimizer over all their parameters
         (one update per step, as one process would), one executor running the rank's schedule row."""
         from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup
-
-        plan, schedule = prepared.plan, prepared.schedule
-        stages = {k: self._stage_module(plan, prepared.boundaries, k) for k in prepared.stage_ids}
+        schedule = prepared.schedule
+        stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
         prepared.stage = StageGroup(list(stages.values()))
         self._make_optimizer(prepared, optimizer_state)
         lanes = {k: self._executor(prepared, stage, k, schedule.stage_actions(k), tag_per_edge=True)
@@ -322,7 +319,6 @@ class PipelineEngine(TrainingLoop):
             return PeerError(f"{self.prefix} {error}")
         return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
 
-
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset` (all ranks together): `evaluate.EvalResult`."""
         from model_parallel.runtime.step.evaluate import evaluate_pipeline
@@ -357,7 +353,6 @@ class PipelineEngine(TrainingLoop):
             except PeerError as error:
                 raise self.diagnose(error) from None
         return True
-
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def fingerprint(self) -> str:
