@@ -3,11 +3,17 @@ against single-process training with the same data, microbatching and optimizer,
 tests/unit/runtime/test_interleaved_plan.py)."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 
 import pytest
 import torch
 
 from model_parallel.codegen.naming import state_key
+from model_parallel.messages import Command
+from model_parallel.profiler.trace import trace_model
+from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
@@ -29,6 +35,14 @@ def _oracle(steps: int, batch: int, microbatches: int, lr: float, adamw: bool) -
     return {state_key(k): v.detach() for k, v in model.named_parameters()}
 
 
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        diff = torch.linalg.vector_norm(got[key].double() - value.double()).item()
+        scale = max(torch.linalg.vector_norm(value.double()).item(), 1e-12)
+        assert diff <= TOL * scale, f"{key} differs by {diff:.3g} (relative {diff / scale:.3g})"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world, extra", [
     (2, ["--num_microbatches", "4"]),
@@ -47,12 +61,9 @@ def test_interleaved_matches_single_process(tmp_path, world, extra):
     flags = dict(zip(extra[::2], extra[1::2]))
     want = _oracle(steps, int(flags.get("--batch_size", 8)), int(flags["--num_microbatches"]),
                    float(flags.get("--lr", 0.01)), flags.get("--optimizer") == "adamw")
-    got = checkpoint.params()
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        diff = torch.linalg.vector_norm(got[key].double() - value.double()).item()
-        scale = max(torch.linalg.vector_norm(value.double()).item(), 1e-12)
-        assert diff <= TOL * scale, f"{key} differs by {diff:.3g} (relative {diff / scale:.3g})"
+    _assert_close(checkpoint.params(), want)
+    if "--eval_every" in flags:  # validation ran through the rank's stages in order (run_forward)
+        assert "val_loss" in result.output(0)
 
 
 @pytest.mark.slow
@@ -62,3 +73,24 @@ def test_m_not_a_multiple_of_p_ends_the_world_naming_the_fix():
                              "--num_microbatches", "3", "--batch_size", "6"], 2, timeout=120)
     assert [w.returncode for w in result.workers] == [2, 2], result.summary()
     assert "m=3 is not a multiple of p; use m=4" in result.output(1)
+
+
+@pytest.mark.slow
+def test_resume_from_a_1f1b_checkpoint_and_a_switch_is_refused(tmp_path):
+    """Checkpoints stay keyed by layer: 2 steps of 1f1b on 2 stages, then interleaved (4 stages on 2 ranks)
+    resumes to step 4; a switch command before step 3 is refused and training goes on, equal to the oracle."""
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    script = tmp_path / "switch.json"
+    script.write_text(json.dumps({3: Command.switch(replace(even_plan(graph, 2), version=1), "test").to_dict()}))
+    common = ["--model", "mlp", "--timeout", "60", "--checkpoint_dir", str(tmp_path / "ckpt")]
+    first = launch_workers([*common, "--steps", "2", "--num_stages", "2"], 2, timeout=300)
+    assert first.ok, first.summary()
+    result = launch_workers([*common, "--steps", "4", "--schedule", "interleaved", "--resume", "--allow_config_change",
+                             "--control_script", str(script)], 2, timeout=300)
+    assert result.ok, result.summary()
+    assert "refusing the switch to plan v1" in result.output(0)
+    assert "live plan switches are not supported under the interleaved schedule" in result.output(0)
+    checkpoint = load_checkpoint(tmp_path / "ckpt")
+    assert checkpoint.extra["next_step"] == 4 and checkpoint.world["plan"]["version"] == 0
+    _assert_close(checkpoint.params(), _oracle(4, 8, 4, 0.01, False))

@@ -39,3 +39,18 @@ def test_interleaved_refusals_name_the_fix():
     check_switchable("1f1b")
     with pytest.raises(ConfigError, match="interleaved schedule does not run --bf16 or --recompute"):
         TrainConfig(schedule="interleaved", bf16=True)
+
+
+def test_a_tie_split_across_stages_is_refused_under_interleaved():
+    import torch
+
+    from model_parallel.errors import TiedParameterError
+    from model_parallel.graph.plan import StagePlan
+    from support.tied_lm import SEQ, VOCAB, TiedLM
+
+    graph, _ = trace_model(TiedLM(), (torch.randint(0, VOCAB, (2, SEQ)),))
+    ids = list(graph.topological_order)  # tokens, wte, ..., lm_head, ...: wte on stage 0, lm_head on the last
+    cuts = [ids[:2], ids[2:3], ids[3:4], ids[4:]]
+    plan = Plan(stages=tuple(StagePlan(k, tuple(nodes), ranks=(k % 2,)) for k, nodes in enumerate(cuts)))
+    with pytest.raises(TiedParameterError, match="interleaved schedule's engine does not sum the gradients"):
+        check_plan(graph, plan, 2, "interleaved")
