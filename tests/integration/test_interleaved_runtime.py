@@ -55,6 +55,7 @@ def test_interleaved_matches_single_process(tmp_path, world, extra):
                              "--checkpoint_dir", str(tmp_path / "ckpt"), *extra], world, timeout=300)
     assert result.ok, result.summary()
     assert f"[rank 0 stage 0,{world}]" in result.output(0)  # two stages on one rank, loop placement
+    assert "not reported with several stages per rank" in result.output(0)  # not a table of one stage per rank
     checkpoint = load_checkpoint(tmp_path / "ckpt")
     assert checkpoint.extra["next_step"] == steps
     assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [[k % world] for k in range(2 * world)]
