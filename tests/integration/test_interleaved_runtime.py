@@ -68,12 +68,16 @@ def test_interleaved_matches_single_process(tmp_path, world, extra):
 
 
 @pytest.mark.slow
-def test_m_not_a_multiple_of_p_ends_the_world_naming_the_fix():
+def test_command_line_refusals_end_the_world_naming_the_fix():
     # The command line: every rank exits naming the fix, no hang.
     result = launch_workers(["--model", "mlp", "--schedule", "interleaved", "--steps", "1", "--timeout", "30",
                              "--num_microbatches", "3", "--batch_size", "6"], 2, timeout=120)
     assert [w.returncode for w in result.workers] == [2, 2], result.summary()
     assert "m=3 is not a multiple of p; use m=4" in result.output(1)
+    result = launch_workers(["--model", "mlp", "--schedule", "interleaved", "--steps", "1", "--timeout", "30",
+                             "--measure_memory"], 2, timeout=120)
+    assert [w.returncode for w in result.workers] == [2, 2], result.summary()
+    assert "--measure_memory does not measure several stages per rank" in result.output(0)
 
 
 @pytest.mark.slow
