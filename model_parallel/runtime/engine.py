@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from model_parallel.allocator import return_freed_memory
 from model_parallel.codegen.boundary import StageBoundary
 from model_parallel.codegen.build import build_stage
-from model_parallel.errors import ConfigError, PeerError
+from model_parallel.errors import PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
@@ -250,9 +250,8 @@ class PipelineEngine(TrainingLoop):
     def _build_stages(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         """Several stages on this rank (interleaved 1F1B): their modules, ONE optimizer over all their parameters
         (one update per step, as one process would), one executor running the rank's schedule row."""
-        from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup
-        if self.meter is not NO_METER:  # its per-microbatch counts would mix the stages' (same j on each)
-            raise ConfigError("--measure_memory does not measure several stages per rank (interleaved); drop it")
+        from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
+        check_supported(measuring=self.meter is not NO_METER, backend=dist.get_backend())
         schedule = prepared.schedule
         stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
         prepared.stage = StageGroup(list(stages.values()))

@@ -15,10 +15,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from model_parallel.errors import ModelParallelError
+from model_parallel.errors import ConfigError, ModelParallelError
 from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.step.schedule import Action
+
+
+def check_supported(measuring: bool, backend: str) -> None:
+    """Refuse what several stages per rank cannot honour yet (ConfigError naming the fix)."""
+    if backend == "nccl":  # NCCL ignores tags (pytorch/pytorch#125079): two edges between one pair of ranks would mix
+        raise ConfigError("the interleaved schedule needs a message tag per stage edge, which NCCL ignores: two edges "
+                          "between the same ranks would exchange each other's values; run it with --backend gloo")
+    if measuring:  # StashMeter counts per microbatch j, and every stage of the rank runs each j
+        raise ConfigError("--measure_memory does not measure several stages per rank (interleaved); drop it")
 
 
 class StageGroup(nn.Module):

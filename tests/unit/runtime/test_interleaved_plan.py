@@ -54,3 +54,29 @@ def test_a_tie_split_across_stages_is_refused_under_interleaved():
     plan = Plan(stages=tuple(StagePlan(k, tuple(nodes), ranks=(k % 2,)) for k, nodes in enumerate(cuts)))
     with pytest.raises(TiedParameterError, match="interleaved schedule's engine does not sum the gradients"):
         check_plan(graph, plan, 2, "interleaved")
+
+
+def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
+    from torch import nn
+
+    from model_parallel.errors import ModelParallelError
+    from model_parallel.runtime.step.multi_stage import StageGroup, check_supported
+
+    shared = nn.Linear(2, 2)
+    first, second = nn.Module(), nn.Module()
+    first.fc1, first.act = nn.Linear(2, 2), shared
+    second.fc3, second.act = nn.Linear(2, 2), shared  # the same object under one name: held once
+    group = StageGroup([first, second])
+    assert sorted(group.state_dict()) == ["act.bias", "act.weight", "fc1.bias", "fc1.weight", "fc3.bias", "fc3.weight"]
+    assert len(list(group.parameters())) == 6
+    other = nn.Module()
+    other.fc1 = nn.Linear(2, 2)  # another object under a name already held
+    with pytest.raises(ModelParallelError, match="different members named 'fc1'"):
+        StageGroup([first, other])
+    with pytest.raises(ModelParallelError, match="not one computation"):
+        group()
+    check_supported(measuring=False, backend="gloo")
+    with pytest.raises(ConfigError, match="NCCL ignores.*--backend gloo"):
+        check_supported(measuring=False, backend="nccl")
+    with pytest.raises(ConfigError, match="--measure_memory does not measure several stages"):
+        check_supported(measuring=True, backend="gloo")
