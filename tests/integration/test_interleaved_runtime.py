@@ -4,7 +4,9 @@ tests/unit/runtime/test_interleaved_plan.py)."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 
 import pytest
@@ -17,8 +19,10 @@ from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
-from model_parallel.runtime.launch import launch_workers
+from model_parallel.runtime.launch import free_port, launch, launch_workers
+from model_parallel.runtime.step.evaluate import single_process_evaluate
 from model_parallel.runtime.trainer import single_process_reference
+from support.eval_cases import EVAL_STEPS, STEPS, make_case
 
 TOL = 1e-5
 
@@ -99,3 +103,20 @@ def test_resume_from_a_1f1b_checkpoint_and_a_switch_is_refused(tmp_path):
     checkpoint = load_checkpoint(tmp_path / "ckpt")
     assert checkpoint.extra["next_step"] == 4 and checkpoint.world["plan"]["version"] == 0
     _assert_close(checkpoint.params(), _oracle(4, 8, 4, 0.01, False))
+
+
+@pytest.mark.slow
+def test_pipeline_trainer_evaluates_as_the_model(tmp_path):
+    """`PipelineTrainer` with schedule="interleaved" on 2 processes (4 stages): after training, `evaluate` runs
+    the rank's stages in order and equals single-process evaluation of the same trained model."""
+    worker, port = Path(__file__).parents[1] / "support" / "eval_worker.py", free_port()
+    result = launch([[sys.executable, str(worker), str(rank), "2", str(port), str(tmp_path), "interleaved"]
+                     for rank in range(2)], timeout=300)
+    assert result.ok, result.summary()
+    got = json.loads((tmp_path / "world2_interleaved.json").read_text())["mlp"]
+    case = make_case("mlp")
+    single_process_reference(case.model, case.loss, case.sgd, case.train_data, case.config, STEPS)
+    want = single_process_evaluate(case.model, case.loss, case.eval_data, case.config.num_microbatches, EVAL_STEPS,
+                                   case.metric)
+    assert got["loss"] == pytest.approx(want.loss, abs=1e-5)
+    assert got["metric"] == pytest.approx(want.metric, abs=1e-6)
