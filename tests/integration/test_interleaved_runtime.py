@@ -50,20 +50,23 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
 @pytest.mark.slow
 @pytest.mark.parametrize("world, extra", [
     (2, ["--num_microbatches", "4"]),
+    (2, ["--num_microbatches", "2", "--num_stages", "6"]),  # v = 3
     (4, ["--num_microbatches", "8", "--batch_size", "16", "--optimizer", "adamw", "--lr", "0.003",
          "--eval_every", "2", "--eval_data", "synthetic"]),
-], ids=["p2_v2_m4", "p4_v2_m8_adamw_eval"])
+], ids=["p2_v2_m4", "p2_v3_m2", "p4_v2_m8_adamw_eval"])
 def test_interleaved_matches_single_process(tmp_path, world, extra):
     steps = 4
     result = launch_workers(["--model", "mlp", "--schedule", "interleaved", "--steps", str(steps), "--timeout", "60",
                              "--checkpoint_dir", str(tmp_path / "ckpt"), *extra], world, timeout=300)
     assert result.ok, result.summary()
-    assert f"[rank 0 stage 0,{world}]" in result.output(0)  # two stages on one rank, loop placement
+    flags = dict(zip(extra[::2], extra[1::2]))
+    stages = int(flags.get("--num_stages", 2 * world))
+    held = ",".join(str(k) for k in range(0, stages, world))
+    assert f"[rank 0 stage {held}]" in result.output(0)  # several stages on one rank, loop placement
     assert "not reported with several stages per rank" in result.output(0)  # not a table of one stage per rank
     checkpoint = load_checkpoint(tmp_path / "ckpt")
     assert checkpoint.extra["next_step"] == steps
-    assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [[k % world] for k in range(2 * world)]
-    flags = dict(zip(extra[::2], extra[1::2]))
+    assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [[k % world] for k in range(stages)]
     want = _oracle(steps, int(flags.get("--batch_size", 8)), int(flags["--num_microbatches"]),
                    float(flags.get("--lr", 0.01)), flags.get("--optimizer") == "adamw")
     _assert_close(checkpoint.params(), want)
