@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "schedules.json"  # bench/snapshot/ holds the copy the docs quote
 logger = logging.getLogger("bench.schedules")
 # Bubble formula per schedule (emulated.analytic_bubble kinds); ours not listed (new schedules) get none.
-BUBBLE_KIND = {"gpipe": "flush", "1f1b": "flush", "ScheduleGPipe": "flush", "Schedule1F1B": "flush",
+BUBBLE_KIND = {"gpipe": "flush", "1f1b": "flush", "interleaved": "interleaved", "ScheduleGPipe": "flush", "Schedule1F1B": "flush",
                "ScheduleInterleaved1F1B": "interleaved", "ScheduleLoopedBFS": "interleaved",
                "ScheduleInterleavedZeroBubble": "zb_interleaved", "ScheduleZBVZeroBubble": "zb_v"}
 
@@ -122,8 +122,12 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
     else:
         torch_names = [s for s in args.torch_schedules.split(",") if s]
         plans[str(2 * p)] = equal_plan(graph, 2 * p)  # torch's schedules with 2 stages per rank
+        # Ours interleaved: the same 2p stages, stage k on rank k % p (loop placement).
+        plans[f"{2 * p}loop"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
+            dataclasses.replace(st, ranks=(st.stage_id % p,)) for st in plans[str(2 * p)].stages))
         spec["sides"] = [{"key": f"torch {s}", "runtime": "torch", "schedule": s} for s in torch_names] + [
-            {"key": f"ours {s}", "runtime": "ours", "schedule": s, "plan": str(p)} for s in SCHEDULE_NAMES]
+            {"key": f"ours {s}", "runtime": "ours", "schedule": s, "plan": f"{2 * p}loop" if s == "interleaved" else str(p)}
+            for s in SCHEDULE_NAMES]
     for key, plan in plans.items():
         spec["plans"][key] = str(workdir / f"{name}.plan{key}.json")
         write_plan(plan, spec["plans"][key])
@@ -185,7 +189,7 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
         wall = chunk_s[key]
         bubbles = [statistics.median(1.0 - busy / (s * 1000.0) for busy, s in zip(r[key]["chunk_busy_ms"], wall))
                    for r in ranks]
-        v = TORCH_SCHEDULES[name][0] if side["runtime"] == "torch" else 1
+        v = TORCH_SCHEDULES[name][0] if side["runtime"] == "torch" else (2 if name == "interleaved" else 1)
         layers = args.layers_per_rank
         case = BubbleCase(BUBBLE_KIND.get(name, "none"), p, m, v, layers * args.forward_ms, layers * args.input_ms,
                           layers * args.weight_ms)

@@ -91,6 +91,25 @@ class JobSpec:
         return max(1, self.batch_size // self.num_microbatches)
 
 
+INTERLEAVED_STAGES_PER_RANK = 2  # the default split under the interleaved schedule: 2 stages per rank
+
+
+def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
+    """The interleaved schedule's default plan: the even split into `num_stages` (default 2 per rank) stages,
+    stage k on rank k % world_size (loop placement; runtime.plancheck checks the rest)."""
+    from model_parallel.runtime.build.stages import even_plan
+
+    if spec.stage_to_num_ranks or spec.memory_per_worker is not None:
+        raise PlanError("the interleaved schedule places single-replica stages in a loop: drop --stage_to_num_ranks and "
+                        "--memory_per_worker (its memory model prices one stage per worker), or use 1f1b")
+    stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
+    if stages % world_size or stages < 2 * world_size:
+        raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
+                        f"--num_stages a multiple of the world size, at least {2 * world_size}")
+    plan = even_plan(graph, stages)
+    return replace(plan, stages=tuple(replace(s, ranks=(s.stage_id % world_size,)) for s in plan.stages))
+
+
 def build_job(spec: JobSpec, world_size: int) -> Job:
     """Graph, plan, seed-built model, criterion and dataset of `spec` for a world of `world_size` ranks."""
     plan: Optional[Plan] = None
@@ -131,8 +150,11 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         from model_parallel.runtime.build.stages import even_plan
 
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
-        stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
-        plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
+        if spec.schedule == "interleaved":
+            plan = _loop_plan(spec, graph, world_size)
+        else:
+            stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
+            plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
     elif footprint is not None:
         from model_parallel.optimizer.memory import MemoryLimit
 

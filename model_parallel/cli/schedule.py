@@ -2,6 +2,7 @@
 
     model-parallel schedule 1f1b -p 4 -m 8                 # our schedule's grid on unit time steps
     model-parallel schedule 1f1b -p 4 -m 8 --csv 1f1b.csv  # written in torch.distributed.pipelining's CSV format
+    model-parallel schedule interleaved -p 4 -v 2 -m 8     # Interleaved 1F1B: 4 ranks, 2 stages each (rank rows)
     model-parallel schedule torch_order.csv                # a torch CSV checked by our rules (exit 2 naming the step)
 """
 from __future__ import annotations
@@ -11,16 +12,19 @@ from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
 from model_parallel.graph.in_flight import SCHEDULE_NAMES
+from model_parallel.runtime.step.interleaved import NAME as INTERLEAVED
+from model_parallel.runtime.step.interleaved import interleaved_1f1b
 from model_parallel.runtime.step.schedule import Schedule, format_grid, make_schedule
 from model_parallel.runtime.step.schedule_csv import read_torch_csv, write_torch_csv
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most microbatches forwarded and not yet backwarded at once (what their activations cost)."""
+    """Per row (stage, or rank holding several), the most (stage, microbatch) pairs forwarded and not yet
+    backwarded at once (what their activations cost)."""
     peaks = []
-    for s in range(schedule.num_stages):
+    for r in range(schedule.num_rows):
         held = peak = 0
-        for action in schedule.stage_actions(s):
+        for action in schedule.row_actions(r):
             held += 1 if action.is_forward else -1
             peak = max(peak, held)
         peaks.append(peak)
@@ -30,18 +34,24 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print a schedule (one of ours, or torch's CSV checked by our rules); --csv writes it in torch's format."""
     parser = ArgumentParser(prog="model-parallel schedule", description=main.__doc__)
-    parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, or a torch schedule CSV (compute-only format)")
-    parser.add_argument("-p", "--stages", type=int, default=4, help="stages = ranks, for a named schedule (default 4)")
+    parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, or a torch schedule CSV "
+                        "(compute-only format)")
+    parser.add_argument("-p", "--stages", type=int, default=4, help="stages = ranks, for a named schedule (default 4; "
+                        "interleaved: ranks)")
+    parser.add_argument("-v", "--stages_per_rank", type=int, default=2, help="interleaved only: stages per rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
     args = parser.parse_args(argv)
-    if args.schedule in SCHEDULE_NAMES:
+    if args.schedule == INTERLEAVED:  # -p ranks, -v stages each
+        schedule = interleaved_1f1b(args.stages, args.stages_per_rank, args.microbatches)
+    elif args.schedule in SCHEDULE_NAMES:
         schedule = make_schedule(args.schedule, args.stages, args.microbatches)
     else:
         schedule = read_torch_csv(args.schedule)  # a ScheduleError: exit 2 with the file, row and step
     print(format_grid(schedule))
-    print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_stages} x {schedule.num_steps} unit steps "
-          "(every F and B one unit long); peak microbatches in flight per stage: "
+    rows = "stage" if schedule.placement is None else "rank"
+    print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_rows} x {schedule.num_steps} unit steps "
+          f"(every F and B one unit long); peak microbatches in flight per {rows}: "
           f"{peak_in_flight(schedule)}")
     if args.csv:
         print(f"wrote {write_torch_csv(schedule, args.csv)}")

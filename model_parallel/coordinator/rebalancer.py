@@ -81,7 +81,8 @@ class Rebalancer:
                   stopping: bool) -> None:
         """A checked report was recorded: confirm or forget the pending switch, maybe run the policy."""
         self.highest_reported = max(self.highest_reported, report.plan_version)
-        expected = self.plan.stage_of_rank(worker.rank)
+        held = self.plan.stages_of_rank(worker.rank)  # several under interleaved: a report names the first
+        expected = held[0] if held else None
         if report.plan_version == self.plan.version and report.stage != expected and not self._mismatch_warned:
             self._mismatch_warned = True
             logger.error("rank %d runs stage %s but plan v%d puts it on stage %s: start the workers with the "
@@ -95,8 +96,8 @@ class Rebalancer:
             logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
                            report.step)
             self.pending = None
-        if not self.auto or self.pending is not None or stopping:
-            return
+        if not self.auto or self.pending is not None or stopping or self.schedule == "interleaved":
+            return  # interleaved: no live switch (plancheck.check_switchable); `issue` refuses ctl's too
         step = max(w.step for w in workers.values())
         # Evaluate at most once per step; after a solve that found nothing worth it, wait a window
         # (solving can take a while on big graphs; the gates before it are cheap).
@@ -152,8 +153,9 @@ class Rebalancer:
     def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
         """Check `plan` as the workers will (PlanError: not issued), send it as v+1 to rank 0; returns it, or
         None when rank 0 is away (nothing will apply it)."""
-        from model_parallel.runtime.plancheck import check_plan  # the workers' own rules (torch: not at import)
+        from model_parallel.runtime.plancheck import check_plan, check_switchable  # the workers' own rules
 
+        check_switchable(self.schedule)  # a PlanError: refused to the operator (ctl) before anything is sent
         version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
         plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
         if self.memory is not None:

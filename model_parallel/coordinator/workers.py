@@ -14,7 +14,7 @@ from model_parallel.coordinator.rebalancer import Rebalancer
 from model_parallel.coordinator.status import Roster, WorkerState
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
-from model_parallel.runtime.step.schedule import SCHEDULES
+from model_parallel.graph.in_flight import SCHEDULE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ class WorkerLink:
     def _register_worker(self, session: Session, message: Mapping[str, Any], where: str) -> WorkerState:
         with self.lock:
             try:
-                if message.get("schedule", "1f1b") not in SCHEDULES:
+                if message.get("schedule", "1f1b") not in SCHEDULE_NAMES:
                     raise ProtocolError(f"rank {message.get('rank')} runs an unknown schedule {str(message['schedule'])[:40]!r}; "
-                                        f"expected one of {sorted(SCHEDULES)}")
+                                        f"expected one of {sorted(SCHEDULE_NAMES)}")
                 if message.get("role") == "worker":  # a re-formed world, or the live plan (membership.py)
                     membership.admit(self.roster, self.rebalancer, message)
                 worker, reconnection = self.roster.register(message, session, where, self.plan)

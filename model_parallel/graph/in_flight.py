@@ -10,15 +10,23 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     gpipe      ceil(m / r)                                all forwards run before any backward
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
+    interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1)
 
-With one rank per stage, stage s of p holds p - s (1F1B capped by m) — the grids' bound.
+With one rank per stage, stage s of p holds p - s (1F1B capped by m) — the grids' bound. The interleaved
+row bounds a stage of the Interleaved 1F1B grid for every p, v, m (tests/unit/graph/test_in_flight.py
+checks it against the grids); the optimizer prices each of a rank's stages by it.
+
+Interleaved 1F1B (v stages per rank in a loop: rank r holds stages r, r + p, ...; runtime/step/interleaved.py)
+counts (stage, microbatch) pairs on a rank, as Megatron's warm-up does:
+
+    interleaved  min(2 (p - 1 - r) + (v - 1) p + 1, v m)   pairs held by rank r of p (each pair ~ 1/v of its layers)
 """
 from __future__ import annotations
 
 import math
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream")  # the first is the default everywhere
-FLUSH_SCHEDULES = ("1f1b", "gpipe")  # one optimizer step per minibatch, after every backward of it
+SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved")  # the first is the default everywhere
+FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # one optimizer step per minibatch, after every backward of it
 
 
 def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int, ranks_before: int,
@@ -28,7 +36,20 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if schedule == "gpipe":
         return math.ceil(num_microbatches / replicas)
+    if schedule == "interleaved":  # single-replica stages only (plancheck refuses replicas)
+        return min(2 * (num_ranks - ranks_before), num_microbatches)
     downstream = math.ceil((num_ranks - ranks_before) / replicas)
     if schedule == "pipedream":
         return downstream
     return min(downstream, math.ceil(num_microbatches / replicas))
+
+
+def interleaved_warmup(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:
+    """Forwards rank `rank` runs before its first backward under Interleaved 1F1B (Megatron's count)."""
+    return min(2 * (num_ranks - 1 - rank) + (stages_per_rank - 1) * num_ranks, stages_per_rank * num_microbatches)
+
+
+def interleaved_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:
+    """(stage, microbatch) pairs whose activations rank `rank` holds at its peak under Interleaved 1F1B."""
+    return min(interleaved_warmup(num_microbatches, num_ranks, stages_per_rank, rank) + 1,
+               stages_per_rank * num_microbatches)

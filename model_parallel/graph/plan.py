@@ -155,8 +155,9 @@ class Plan:
             raise PlanError(f"the plan's stages have {total} replicas in all, more than {MAX_RANKS}, the most ranks a plan "
                             "may place; replicas are bounded by the world size (the workers started)")
         ranks = [r for s in self.stages for r in s.ranks]
-        if len(ranks) != len(set(ranks)):
-            raise PlanError(f"a rank runs two stages: {sorted(ranks)}")
+        if len(ranks) != len(set(ranks)) and not self.is_loop_placement:
+            raise PlanError(f"a rank runs two stages: {sorted(ranks)}; only single-replica stages in loop placement "
+                            "(stage k on rank k % p, for the interleaved schedule) may share a rank")
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -165,7 +166,18 @@ class Plan:
 
     @property
     def num_ranks(self) -> int:
+        """Ranks the plan occupies: its replicas, or fewer where ranks hold several stages (loop placement)."""
+        if all(s.ranks for s in self.stages):
+            return len({r for s in self.stages for r in s.ranks})
         return sum(s.num_replicas for s in self.stages)
+
+    @property
+    def is_loop_placement(self) -> bool:
+        """Several single-replica stages per rank, stage k on rank k % p (p >= 1 ranks, p*v stages): interleaved 1F1B."""
+        ranks = [s.ranks for s in self.stages]
+        p = len({r for rs in ranks for r in rs})
+        return (p >= 1 and len(self.stages) % p == 0 and len(self.stages) > p
+                and all(rs == (k % p,) for k, rs in enumerate(ranks)))
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -175,12 +187,18 @@ class Plan:
     def stage_to_ranks(self) -> dict[int, tuple[int, ...]]:
         return {s.stage_id: s.ranks for s in self.stages}
 
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages a rank runs (several under loop placement; none for a spare), in stage order."""
+        return tuple(stage.stage_id for stage in self.stages if rank in stage.ranks)
+
     def stage_of_rank(self, rank: int) -> Optional[int]:
-        """The stage a rank runs, or None for a spare rank that holds no stage."""
-        for stage in self.stages:
-            if rank in stage.ranks:
-                return stage.stage_id
-        return None
+        """The stage a rank runs, or None for a spare rank that holds no stage. A rank holding several
+        stages (loop placement) raises: code that knows of them calls `stages_of_rank`."""
+        held = self.stages_of_rank(rank)
+        if len(held) > 1:
+            raise PlanError(f"rank {rank} runs stages {list(held)} (loop placement, interleaved schedule): it has no one "
+                            "stage; use Plan.stages_of_rank")
+        return held[0] if held else None
 
     def with_default_ranks(self) -> "Plan":
         """Assign ranks 0.. in stage order to stages that have none (replicas of a stage are adjacent)."""

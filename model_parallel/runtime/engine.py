@@ -20,7 +20,6 @@ schedule (no flush) each microbatch is its own update (see executor.WeightStash)
 from __future__ import annotations
 
 import gc
-
 import logging
 import os
 from collections import deque
@@ -55,7 +54,8 @@ from model_parallel.runtime.plancheck import check_plan
 from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.output import model_output
-from model_parallel.runtime.step.schedule import Schedule, make_schedule
+from model_parallel.runtime.step.interleaved import run_schedule
+from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
 
@@ -74,11 +74,12 @@ class Prepared:
     plan: Plan
     boundaries: tuple[StageBoundary, ...]
     ties: tuple[SplitTie, ...]
-    stage_id: Optional[int]  # None: a spare under this plan
+    stage_id: Optional[int]  # None: a spare under this plan; the first of `stage_ids`
     schedule: Schedule
-    stage: Any = None
+    stage: Any = None  # the stage module; several stages (interleaved): their multi_stage.StageGroup
     optimizer: Optional[torch.optim.Optimizer] = None
-    executor: Optional[StepExecutor] = None
+    executor: Any = None  # StepExecutor, or MultiStageExecutor for several stages
+    stage_ids: tuple[int, ...] = ()  # every stage this rank holds (several: interleaved 1F1B, loop placement)
     replica: int = 0
     num_replicas: int = 1
 
@@ -145,18 +146,19 @@ class PipelineEngine(TrainingLoop):
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self._targets_verified: set[int] = set()  # ids of the sources whose targets(step) the last stage checked
         self.stage: Any = None
+        self.stage_ids: tuple[int, ...] = ()
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.executor: Optional[StepExecutor] = None
         self.meter = StashMeter(self.device) if options.measure_memory else NO_METER
         try:
             self.activate(plan)
         except (MemoryError, RuntimeError) as error:  # materializing the stage: its weights did not fit
-            self.raise_if_out_of_memory(error, plan.with_default_ranks().stage_of_rank(self.rank))
+            self.raise_if_out_of_memory(error, next(iter(plan.with_default_ranks().stages_of_rank(self.rank)), None))
             raise
 
     @property
     def prefix(self) -> str:
-        return f"[rank {self.rank} stage {self.stage_id if self.stage_id is not None else '-'}]"
+        return f"[rank {self.rank} stage {','.join(map(str, self.stage_ids)) or '-'}]"
 
     @property
     def timeout(self) -> float:
@@ -190,9 +192,13 @@ class PipelineEngine(TrainingLoop):
         unmodified); `install` makes it live. A switch that fails here is rolled back (wire/migration.py)."""
         # On every rank alike, before anything changes; the coordinator runs the same check (runtime.plancheck).
         checked = check_plan(self.graph, plan, self.world_size, self.config.schedule, self.modules)
-        prepared = Prepared(plan, checked.boundaries, checked.ties, plan.stage_of_rank(self.rank),
-                            make_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches))
-        if prepared.stage_id is not None:
+        held = plan.stages_of_rank(self.rank)
+        prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None,
+                            run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
+                                         plan.num_ranks), stage_ids=held)
+        if prepared.schedule.placement is not None and held:
+            self._build_stages(prepared, optimizer_state)
+        elif prepared.stage_id is not None:
             self._build_stage(prepared, optimizer_state)
         return prepared
 
@@ -202,9 +208,10 @@ class PipelineEngine(TrainingLoop):
         self.plan, self.boundaries, self.schedule, self.stage_id = plan, prepared.boundaries, prepared.schedule, prepared.stage_id
         self.header_cache.clear()  # every rank together, with nothing in flight: both ends agree
         self.replica_groups.create_for(plan)
-        self.stage, self.optimizer, self.executor = prepared.stage, prepared.optimizer, prepared.executor
+        self.stage, self.optimizer, self.executor, self.stage_ids = (prepared.stage, prepared.optimizer, prepared.executor,
+                                                                    prepared.stage_ids)
         self.replica, self.num_replicas = prepared.replica, prepared.num_replicas
-        keep = set(stage_layers(self.graph, plan, self.stage_id)) if self.stage_id is not None else set()
+        keep = {name for k in self.stage_ids for name in stage_layers(self.graph, plan, k)}
         left = sorted(self.lazy_layers - keep)
         release_layers(self.modules, left)  # layers that left this rank (the old stage is dropped: no one reads them)
         if left:  # their values, gradients and optimizer state are gone: give the memory back to the OS
@@ -216,33 +223,59 @@ class PipelineEngine(TrainingLoop):
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 
-    def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
-        assert prepared.stage_id is not None
-        stage_id, schedule = prepared.stage_id, prepared.schedule
-        sp = prepared.plan.stages[stage_id]
-        prepared.replica, prepared.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
-        materialize_layers(self.modules, stage_layers(self.graph, prepared.plan, stage_id), self.initializer, self.device,
+    def _stage_module(self, plan: Plan, boundaries: tuple[StageBoundary, ...], stage_id: int) -> Any:
+        """Stage `stage_id`'s module, its layers materialized on this rank."""
+        materialize_layers(self.modules, stage_layers(self.graph, plan, stage_id), self.initializer, self.device,
                            self.graph, graph_constants(self.graph, self.modules))
-        stage = prepared.stage = build_stage(self.graph, sp.node_ids, prepared.boundaries[stage_id], modules=self.modules,
-                                             class_name=f"Stage{stage_id}").to(self.device)
+        stage = build_stage(self.graph, plan.stages[stage_id].node_ids, boundaries[stage_id], modules=self.modules,
+                            class_name=f"Stage{stage_id}").to(self.device)
         stage.train()
-        params = list(stage.parameters())
-        if params:
+        return stage
+
+    def _make_optimizer(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+        """One optimizer over the parameters of `prepared.stage` (all of the rank's stages), state restored by name."""
+        stage = prepared.stage
+        if params := list(stage.parameters()):
             prepared.optimizer = self.optimizer_factory(params)
             if optimizer_state:
                 from model_parallel.runtime.checkpoint.store import load_optimizer_state_by_name
 
                 load_optimizer_state_by_name(prepared.optimizer, dict(stage.named_parameters()), optimizer_state, copy=False)
+
+    def _executor(self, prepared: Prepared, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor:
+        names = stage.output_names
+        return StepExecutor(
+            stage=stage, stage_id=stage_id, num_stages=prepared.plan.num_stages, actions=actions, route=self.rank_of,
+            config=self.config, criterion=self.criterion, decode=lambda outputs: model_output(self.graph, names, outputs),
+            device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
+            flush=prepared.schedule.flush, **extra)
+
+    def _build_stages(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+        """Several stages on this rank (interleaved 1F1B): their modules, ONE optimizer over all their parameters
+        (one update per step, as one process would), one executor running the rank's schedule row."""
+        from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
+        check_supported(measuring=self.meter is not NO_METER, backend=dist.get_backend())
+        schedule = prepared.schedule
+        stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
+        prepared.stage = StageGroup(list(stages.values()))
+        self._make_optimizer(prepared, optimizer_state)
+        lanes = {k: self._executor(prepared, stage, k, schedule.stage_actions(k), tag_per_edge=True)
+                 for k, stage in stages.items()}
+        prepared.executor = MultiStageExecutor(lanes, schedule.row_actions(schedule.row_of(prepared.stage_ids[0])))
+
+    def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+        assert prepared.stage_id is not None
+        stage_id, schedule = prepared.stage_id, prepared.schedule
+        sp = prepared.plan.stages[stage_id]
+        prepared.replica, prepared.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
+        stage = prepared.stage = self._stage_module(prepared.plan, prepared.boundaries, stage_id)
+        self._make_optimizer(prepared, optimizer_state)
         stash = None
         if not schedule.flush and prepared.optimizer is not None:
             stash = WeightStash(stage, prepared.optimizer, self.config.lr_schedule, self.metrics, HISTORY_WINDOW)
-        names = stage.output_names
-        prepared.executor = StepExecutor(
-            stage=stage, stage_id=stage_id, num_stages=prepared.plan.num_stages,
-            actions=schedule.rank_actions(stage_id, prepared.replica, prepared.num_replicas), route=self.rank_of,
-            config=self.config, criterion=self.criterion, decode=lambda outputs: model_output(self.graph, names, outputs),
-            device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
-            flush=schedule.flush, weight_stash=stash)
+        prepared.executor = self._executor(prepared, stage, stage_id,
+                                           schedule.rank_actions(stage_id, prepared.replica, prepared.num_replicas),
+                                           weight_stash=stash)
         prepared.executor.meter = self.meter
 
     def check_tied(self, when: str) -> None:
@@ -265,11 +298,11 @@ class PipelineEngine(TrainingLoop):
         """What this rank reads of minibatch `step` of `dataset` (default: the training data): stage 0 its
         microbatches' inputs, the last stage their targets (the same step, split by the same rule: target j
         is microbatch j's, on whichever replica runs j), an intermediate stage or a spare nothing."""
-        k, m = self.stage_id, self.config.num_microbatches
-        last = k == self.plan.num_stages - 1
+        m = self.config.num_microbatches
+        last = self.plan.num_stages - 1 in self.stage_ids  # several stages per rank: it may hold either
         data = dataset or self.dataset
         move = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        if k == 0:
+        if 0 in self.stage_ids:
             # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
             inputs, target = tree_map(move, data.batch(step))
             graph_inputs = self.graph.metadata.get("inputs") or ()
@@ -288,7 +321,6 @@ class PipelineEngine(TrainingLoop):
         if self.health is None:
             return PeerError(f"{self.prefix} {error}")
         return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
-
 
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset` (all ranks together): `evaluate.EvalResult`."""
@@ -321,7 +353,6 @@ class PipelineEngine(TrainingLoop):
             except PeerError as error:
                 raise self.diagnose(error) from None
         return True
-
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def fingerprint(self) -> str:

@@ -19,7 +19,9 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.build.stages import check_plan_fits
 from model_parallel.runtime.build.tied import SplitTie, check_schedule, check_trainable, plan_ties
-from model_parallel.runtime.step.schedule import make_schedule
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES
+
+INTERLEAVED = "interleaved"
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     Rules: replicas and ranks within the world; every node in a stage, no edge going back to an
     earlier stage, no uncrossable value sent across a boundary (codegen.boundary), no module with
     parameters called from two stages (codegen.build.check_shared_modules); under a schedule
-    without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied).
+    without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied); under
+    interleaved, loop placement on p >= 2 ranks and no tie split across stages (`check_placement`).
     `schedule` None (a coordinator that does not know the workers' schedule) leaves the schedule's
     rules to the workers; `modules` None (the coordinator holds no layers) leaves to them whether a
     split tie is a buffer. Neither can pass there what fails here: the workers run this same check.
@@ -50,8 +53,9 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     plan = plan.with_default_ranks()
     check_plan_fits(plan, world_size)
     if schedule is not None:
+        check_placement(plan, schedule)
         check_schedule(graph, plan, schedule)
-        if not make_schedule(schedule, plan.num_stages, 1).flush and any(s.num_replicas > 1 for s in plan.stages):
+        if schedule not in FLUSH_SCHEDULES and any(s.num_replicas > 1 for s in plan.stages):
             raise PlanError(f"the {schedule} schedule does not support replicated stages (each microbatch is an update, "
                             "which would need an all-reduce per microbatch); use 1f1b or gpipe, or a straight plan")
     ties = plan_ties(graph, plan)
@@ -61,3 +65,29 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     check_shared_modules(graph, plan.stage_of)
     boundaries = stage_boundaries(graph, plan.stage_of)
     return CheckedPlan(plan, boundaries, ties)
+
+
+def check_placement(plan: Plan, schedule: str) -> None:
+    """Several stages per rank only under the interleaved schedule, and it only with them: single-replica
+    stages, stage k on rank k % p, p >= 2 (two consecutive stages never share a rank, so every edge is a message)."""
+    shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
+    if schedule != INTERLEAVED:
+        if shared:
+            raise PlanError(f"plan v{plan.version} places several stages on one rank (loop placement); only the "
+                            f"interleaved schedule runs that: use --schedule interleaved, or one stage per rank")
+        return
+    if any(s.num_replicas > 1 for s in plan.stages):
+        raise PlanError("the interleaved schedule does not support replicated stages; give every stage one rank "
+                        "(stage k on rank k % p)")
+    if not plan.is_loop_placement or plan.num_ranks < 2:
+        ranks = [s.ranks[0] for s in plan.stages[:12]]
+        raise PlanError(f"the interleaved schedule needs loop placement over p >= 2 ranks: stage k on rank k % p with "
+                        f"p*v stages, v >= 2; plan v{plan.version} has {plan.num_stages} stage(s) on ranks {ranks}"
+                        f"{' ...' if plan.num_stages > 12 else ''} (use 1f1b for one stage per rank)")
+
+
+def check_switchable(schedule: Optional[str]) -> None:
+    """Refuse a live plan switch the engine cannot make (several stages per rank: no migration path yet)."""
+    if schedule == INTERLEAVED:
+        raise PlanError("live plan switches are not supported under the interleaved schedule (a rank holds several "
+                        "stages); restart the job with the new plan (--resume from a checkpoint), or use 1f1b")

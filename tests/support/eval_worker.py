@@ -1,13 +1,16 @@
 """One rank of tests/test_evaluate.py's world: for each case, train a few steps with `PipelineTrainer`, then
 `evaluate` (with a metric) on held-out minibatches; rank 0 writes the results.
 
-    python tests/support/eval_worker.py RANK WORLD PORT DIR
+    python tests/support/eval_worker.py RANK WORLD PORT DIR [interleaved]
+
+With `interleaved`: the MLP case only (the GPTs tie weights across stages), 2 stages per rank in a loop.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,17 +27,20 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    interleaved = sys.argv[5:] == ["interleaved"]
     results = {}
-    for name in case_names():
+    for name in ["mlp"] if interleaved else case_names():
         case = make_case(name)
-        trainer = PipelineTrainer(case.model, case.sgd, case.train_data, case.config, options=RunOptions(timeout=120, progress=False),
-                                  criterion=case.loss, num_stages=world, example_inputs=case.example)
+        config = replace(case.config, schedule="interleaved") if interleaved else case.config
+        trainer = PipelineTrainer(case.model, case.sgd, case.train_data, config, options=RunOptions(timeout=120, progress=False),
+                                  criterion=case.loss, num_stages=2 * world if interleaved else world,
+                                  example_inputs=case.example)
         trainer.train(STEPS)
         result = trainer.evaluate(case.eval_data, EVAL_STEPS, metric=case.metric)
         results[name] = {"loss": result.loss, "metric": result.metric}
         trainer.close()
     if rank == 0:
-        (out / f"world{world}.json").write_text(json.dumps(results))
+        (out / f"world{world}{'_interleaved' if interleaved else ''}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 

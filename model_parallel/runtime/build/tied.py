@@ -76,10 +76,14 @@ def check_trainable(ties: tuple[SplitTie, ...], modules: Mapping[str, Any]) -> N
                 "a buffer in forward, on one stage only, so copies cannot be kept identical. Put its users in one stage")
 
 
+INTERLEAVED_REASON = ("the interleaved schedule's engine does not sum the gradients of copies held by several stages "
+                      "yet; use the 1f1b or gpipe schedule")
+
+
 def check_schedule(graph: Graph, plan: Plan, schedule: str) -> None:
-    """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream)."""
-    if schedule == "pipedream":
-        check_ties(graph, plan.stage_of, PIPEDREAM_REASON)
+    """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream, interleaved)."""
+    if schedule in ("pipedream", "interleaved"):
+        check_ties(graph, plan.stage_of, PIPEDREAM_REASON if schedule == "pipedream" else INTERLEAVED_REASON)
 
 
 # ---- checkpoints and migration: a tie is one value under one key --------------------------------------

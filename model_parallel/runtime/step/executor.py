@@ -10,6 +10,9 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
           k > 0:   isend(input grads) to stage k-1
     wait for every send
 
+A rank holding several stages (interleaved 1F1B, multi_stage.py) runs one executor per stage, action by
+action in its row's order (`begin` / `act` / `finish`), with one message tag per stage edge (comm.edge_tag).
+
 Under bf16 (`TrainConfig.wire_dtype`) float32 boundary activations and their gradients travel as
 bf16 and are widened back on arrival: the receiver computes on the rounded value (comm.py); the
 single-process oracle rounds at the same cuts (`structure.cross`).
@@ -63,6 +66,17 @@ NO_DATA = StepData()
 
 
 @dataclass
+class StepState:
+    """One step in progress on one stage: its receives, stashed microbatches, sends and loss so far."""
+
+    data: StepData
+    receives: "_Receives"
+    stash: dict[int, "_Stash"]
+    sends: list[comm.SendHandle]
+    loss_sum: float = 0.0
+
+
+@dataclass
 class _Stash:
     inputs: list[Any]  # the stage's flat input tensors (k > 0: as received), which collect the input grads
     outputs: Any  # the flat output tensors sent, or the loss on the last stage
@@ -100,8 +114,10 @@ class StepExecutor:
     def __init__(self, *, stage: nn.Module, stage_id: int, num_stages: int, actions: Sequence[Action],
                  route: Callable[[int, int], int], config: TrainConfig, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
                  decode: Callable[[Sequence[Any]], Any], device: torch.device, header_cache: comm.HeaderCache,
-                 metrics: Any, timeout: float, flush: bool = True, weight_stash: Optional[WeightStash] = None) -> None:
+                 metrics: Any, timeout: float, flush: bool = True, weight_stash: Optional[WeightStash] = None,
+                 tag_per_edge: bool = False) -> None:
         self.stage, self.stage_id, self.num_stages, self.actions = stage, stage_id, num_stages, tuple(actions)
+        self.tag_per_edge = tag_per_edge  # several stages per rank: one tag per stage edge (comm.edge_tag)
         self.route, self.config, self.criterion, self.decode = route, config, criterion, decode
         self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
         self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
@@ -113,6 +129,10 @@ class StepExecutor:
         # Received structures found to be a plain list of the leaves in order (the usual boundary of
         # tensors): by identity, since a cached header hands out the same object every message.
         self._flat_trees: dict[int, Any] = {}
+
+    def tag(self, base: int, edge: int) -> int:
+        """The tag of kind `base` on the edge between stages `edge` and `edge` + 1."""
+        return comm.edge_tag(base, edge if self.tag_per_edge else None)
 
     def _unflatten(self, leaves: list[Any], tree: Any) -> list[Any]:
         """`structure.unflatten`, with a shortcut for a flat list of leaves (no walk per microbatch)."""
@@ -142,78 +162,90 @@ class StepExecutor:
 
     def run(self, step: int, data: StepData, compute: Compute) -> float:
         """The step's actions on what this rank read (`data`). Returns this rank's share of the loss."""
+        state = self.begin(data)
+        for action in self.actions:
+            self.act(step, state, action, compute)
+        return self.finish(state)
+
+    def begin(self, data: StepData) -> StepState:
+        """A step's state, its first receives posted."""
+        return StepState(data, _Receives(self, self.stage_id == self.num_stages - 1), {}, [])
+
+    def act(self, step: int, state: StepState, action: Action, compute: Compute) -> None:
+        """Run one of this stage's actions of the step."""
         k, m = self.stage_id, self.config.num_microbatches
         last = k == self.num_stages - 1
         # Flush schedules: loss / m, one update per step. PipeDream: each microbatch is an update.
         loss_scale = m if self.flush else 1
-        receives = _Receives(self, last)
-        stash: dict[int, _Stash] = {}
-        sends: list[comm.SendHandle] = []
-        loss_sum = 0.0
-        for action in self.actions:
-            j = action.microbatch
-            if action.is_forward:
-                if k == 0:
-                    assert data.inputs is not None, "stage 0 reads its inputs"
-                    inputs = values = list(data.inputs[j])
-                    receives.skip("F")
-                else:
-                    inputs, tree = receives.take("F", j)
-                    values = self._unflatten(inputs, tree)
-                self.meter.begin(j)
-                weights = self.weight_stash.stash() if self.weight_stash is not None else None
-                if last:
-                    assert data.targets is not None, "the last stage reads its targets"
-                    target = data.targets[j]
-
-                    def forward_loss() -> torch.Tensor:
-                        output = self.decode(self.forward(values, weights))
-                        if self.config.bf16:
-                            output = float_output(output)
-                        return self.criterion(output, target) / loss_scale
-                    loss = compute("forward", j, forward_loss)
-                    loss_sum += float(loss.detach()) * loss_scale / m
-                    stash[j] = _Stash(inputs, loss, weights=weights)
-                else:
-                    outputs = compute("forward", j, lambda: self.forward(values, weights))
-                    with self.metrics.measure("send", microbatch=j):
-                        leaves, handle = self._send_forward(j, outputs, stream=j)
-                    sends.append(handle)
-                    stash[j] = _Stash(inputs, leaves, weights=weights)
-                self.meter.kept(j, stash[j])
+        data, receives, stash, sends = state.data, state.receives, state.stash, state.sends
+        j = action.microbatch
+        if action.is_forward:
+            if k == 0:
+                assert data.inputs is not None, "stage 0 reads its inputs"
+                inputs = values = list(data.inputs[j])
+                receives.skip("F")
             else:
-                entry = stash.pop(j)
-                if last:
-                    compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
-                else:
-                    output_grads, _ = receives.take("B", j)
-                    if len(output_grads) != len(entry.outputs):
-                        raise PeerError(f"stage {k + 1} sent {len(output_grads)} gradients for microbatch {j}, expected "
-                                        f"{len(entry.outputs)} (one per tensor sent); are both ranks running the same plan?")
-                    pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
-                             if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
-                    if pairs:
-                        compute("backward", j, lambda: torch.autograd.backward(
-                            [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]))
-                if k > 0:
-                    grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
-                    with self.metrics.measure("send", microbatch=j):
-                        sends.append(comm.send_values(grads, self.route(k - 1, j), comm.TAG_GRADIENT, device=self.device,
-                                                      cache=self.header_cache, stream=j, wire_dtype=self.wire_dtype))
-                if self.weight_stash is not None and entry.weights is not None:
-                    self.weight_stash.update(step, entry.weights)
-                self.meter.release(j)
+                inputs, tree = receives.take("F", j)
+                values = self._unflatten(inputs, tree)
+            self.meter.begin(j)
+            weights = self.weight_stash.stash() if self.weight_stash is not None else None
+            if last:
+                assert data.targets is not None, "the last stage reads its targets"
+                target = data.targets[j]
+
+                def forward_loss() -> torch.Tensor:
+                    output = self.decode(self.forward(values, weights))
+                    if self.config.bf16:
+                        output = float_output(output)
+                    return self.criterion(output, target) / loss_scale
+                loss = compute("forward", j, forward_loss)
+                state.loss_sum += float(loss.detach()) * loss_scale / m
+                stash[j] = _Stash(inputs, loss, weights=weights)
+            else:
+                outputs = compute("forward", j, lambda: self.forward(values, weights))
+                with self.metrics.measure("send", microbatch=j):
+                    leaves, handle = self._send_forward(j, outputs, stream=j)
+                sends.append(handle)
+                stash[j] = _Stash(inputs, leaves, weights=weights)
+            self.meter.kept(j, stash[j])
+            return
+        entry = stash.pop(j)
+        if last:
+            compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
+        else:
+            output_grads, _ = receives.take("B", j)
+            if len(output_grads) != len(entry.outputs):
+                raise PeerError(f"stage {k + 1} sent {len(output_grads)} gradients for microbatch {j}, expected "
+                                f"{len(entry.outputs)} (one per tensor sent); are both ranks running the same plan?")
+            pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
+                     if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
+            if pairs:
+                compute("backward", j, lambda: torch.autograd.backward(
+                    [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]))
+        if k > 0:
+            grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
+            with self.metrics.measure("send", microbatch=j):
+                sends.append(comm.send_values(grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1),
+                                              device=self.device, cache=self.header_cache, stream=j,
+                                              wire_dtype=self.wire_dtype))
+        if self.weight_stash is not None and entry.weights is not None:
+            self.weight_stash.update(step, entry.weights)
+        self.meter.release(j)
+
+    def finish(self, state: StepState) -> float:
+        """Wait for the step's sends; returns this stage's share of the loss."""
         with self.metrics.measure("send"):
-            for handle in sends:
+            for handle in state.sends:
                 handle.wait(self.timeout)
-        return loss_sum
+        return state.loss_sum
 
     def _send_forward(self, j: int, outputs: Any, stream: Any) -> tuple[list[Any], comm.SendHandle]:
         """Send microbatch j's outputs to the next stage, flat; returns the leaves sent and the handle."""
         values = list(outputs)
         names = self.output_names or tuple(f"output {i}" for i in range(len(values)))
         leaves, tree = structure.flatten_values(values, names)
-        handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), comm.TAG_ACTIVATION, device=self.device,
+        handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), self.tag(comm.TAG_ACTIVATION, self.stage_id),
+                                  device=self.device,
                                   cache=self.header_cache, stream=stream, structure=tree, wire_dtype=self.wire_dtype)
         return leaves, handle
 
@@ -232,7 +264,7 @@ class StepExecutor:
                 assert data.inputs is not None, "stage 0 reads its inputs"
                 values = list(data.inputs[j])
             else:
-                pending = comm.PendingRecv(self.route(k - 1, j), comm.TAG_ACTIVATION, device=self.device,
+                pending = comm.PendingRecv(self.route(k - 1, j), self.tag(comm.TAG_ACTIVATION, k - 1), device=self.device,
                                            cache=self.header_cache, stream=("eval", j))
                 values = self._unflatten(pending.wait(self.timeout), pending.structure)
             with torch.no_grad(), autocast:
@@ -276,9 +308,11 @@ class _Receives:
             return None
         j, k = queue[self.position[kind]].microbatch, x.stage_id
         if kind == "F" and k > 0:
-            return comm.PendingRecv(x.route(k - 1, j), comm.TAG_ACTIVATION, device=x.device, cache=x.header_cache, stream=j)
+            return comm.PendingRecv(x.route(k - 1, j), x.tag(comm.TAG_ACTIVATION, k - 1), device=x.device,
+                                    cache=x.header_cache, stream=j)
         if kind == "B" and not self.last:
-            return comm.PendingRecv(x.route(k + 1, j), comm.TAG_GRADIENT, device=x.device, cache=x.header_cache, stream=j)
+            return comm.PendingRecv(x.route(k + 1, j), x.tag(comm.TAG_GRADIENT, k), device=x.device,
+                                    cache=x.header_cache, stream=j)
         return None
 
     def skip(self, kind: str) -> None:

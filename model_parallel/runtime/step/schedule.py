@@ -1,6 +1,8 @@
 """Pipeline schedules as data: actions like `2F0`, a stage-by-step grid, and rule checks without processes.
 
 A schedule is a grid: row s lists what stage s does at each unit time step (`None` = bubble).
+With several stages per rank (`placement`, interleaved.py) row r lists what rank r does, the actions
+of all the stages it holds.
 With p = 3 stages and m = 4 microbatches, 1F1B with a flush per minibatch reads
 
     step    0    1    2    3    4    5    6    7    8    9
@@ -81,12 +83,45 @@ class Schedule:
     num_microbatches: int
     grid: Grid
     flush: bool = True
-    max_in_flight: Optional[tuple[int, ...]] = None  # per stage bound checked by `check` (graph/in_flight.py; 1F1B: p-s)
+    max_in_flight: Optional[tuple[int, ...]] = None  # per row bound checked by `check` (graph/in_flight.py; 1F1B: p-s)
+    # Row r holds these stages (several stages per rank); None: row s is stage s.
+    placement: Optional[tuple[tuple[int, ...], ...]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(tuple(row) for row in self.grid))
-        if len(self.grid) != self.num_stages:
-            raise ScheduleError(f"{self.name}: grid has {len(self.grid)} row(s) for {self.num_stages} stage(s)")
+        if self.placement is None:
+            if len(self.grid) != self.num_stages:
+                raise ScheduleError(f"{self.name}: grid has {len(self.grid)} row(s) for {self.num_stages} stage(s)")
+            return
+        placement = tuple(tuple(stages) for stages in self.placement)
+        object.__setattr__(self, "placement", placement)
+        if len(self.grid) != len(placement):
+            raise ScheduleError(f"{self.name}: grid has {len(self.grid)} row(s) for a placement of {len(placement)} rank(s)")
+        held = sorted(s for stages in placement for s in stages)
+        if held != list(range(self.num_stages)):
+            raise ScheduleError(f"{self.name}: the placement {placement} must hold each of stages 0..{self.num_stages - 1} "
+                                f"on exactly one row, found {held}")
+
+    @property
+    def num_rows(self) -> int:
+        """Ranks of the grid: one per stage, or fewer with several stages per rank."""
+        return len(self.grid)
+
+    def row_of(self, stage: int) -> int:
+        """The row (rank) that runs `stage`."""
+        if self.placement is None:
+            return stage
+        for row, stages in enumerate(self.placement):
+            if stage in stages:
+                return row
+        raise ScheduleError(f"{self.name}: no row holds stage {stage} (stages 0..{self.num_stages - 1})")
+
+    def stages_of_row(self, row: int) -> tuple[int, ...]:
+        return (row,) if self.placement is None else self.placement[row]
+
+    def row_actions(self, row: int) -> tuple[Action, ...]:
+        """What one row (rank) runs, in order, over all the stages it holds (bubbles dropped)."""
+        return tuple(a for a in self.grid[row] if a is not None)
 
     @property
     def num_steps(self) -> int:
@@ -94,7 +129,7 @@ class Schedule:
 
     def stage_actions(self, stage: int) -> tuple[Action, ...]:
         """What one stage runs, in order (bubbles dropped)."""
-        return tuple(a for a in self.grid[stage] if a is not None)
+        return tuple(a for a in self.grid[self.row_of(stage)] if a is not None and a.stage == stage)
 
     def rank_actions(self, stage: int, replica: int = 0, num_replicas: int = 1) -> tuple[Action, ...]:
         """What one replica of a stage runs: microbatch j goes to replica j % num_replicas.
@@ -107,7 +142,7 @@ class Schedule:
     @property
     def bubble_fraction(self) -> float:
         busy = sum(1 for row in self.grid for a in row if a is not None)
-        total = self.num_stages * self.num_steps
+        total = self.num_rows * self.num_steps
         return 1.0 - busy / total if total else 0.0
 
 
@@ -131,14 +166,17 @@ def _dependencies(action: Action, p: int) -> list[Action]:
 
 
 def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
-    """Place per-stage action orders on unit time steps as early as dependencies allow."""
+    """Place per-row action orders (one row per stage, or per rank holding several of the p stages)
+    on unit time steps as early as dependencies allow."""
+    rows = len(orders)
     time_of: dict[Action, int] = {}
-    cursor = [0] * p
-    positions = [0] * p
+    cursor = [0] * rows
+    positions = [0] * rows
+    row_of: dict[Action, int] = {}
     total = sum(len(o) for o in orders)
     while len(time_of) < total:
         progressed = False
-        for s in range(p):
+        for s in range(rows):
             while positions[s] < len(orders[s]):
                 action = orders[s][positions[s]]
                 deps = _dependencies(action, p)
@@ -146,16 +184,17 @@ def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
                     break
                 t = max([cursor[s]] + [time_of[d] + 1 for d in deps])
                 time_of[action] = t
+                row_of[action] = s
                 cursor[s] = t + 1
                 positions[s] += 1
                 progressed = True
         if not progressed:
-            stuck = [str(orders[s][positions[s]]) for s in range(p) if positions[s] < len(orders[s])]
-            raise ScheduleError(f"per-stage orders deadlock: waiting actions {stuck}")
+            stuck = [str(orders[s][positions[s]]) for s in range(rows) if positions[s] < len(orders[s])]
+            raise ScheduleError(f"per-{'stage' if rows == p else 'rank'} orders deadlock: waiting actions {stuck}")
     steps = max(time_of.values()) + 1 if time_of else 0
-    grid: list[list[Optional[Action]]] = [[None] * steps for _ in range(p)]
+    grid: list[list[Optional[Action]]] = [[None] * steps for _ in range(rows)]
     for action, t in time_of.items():
-        grid[action.stage][t] = action
+        grid[row_of[action]][t] = action
     return tuple(tuple(row) for row in grid)
 
 
@@ -199,13 +238,18 @@ def _in_flight_bounds(name: str, p: int, m: int) -> tuple[int, ...]:
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
-assert tuple(SCHEDULES) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
+assert tuple(SCHEDULES) + ("interleaved",) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
 
 
 def make_schedule(name: str, p: int, m: int) -> Schedule:
+    """Schedule `name` over p stages (one per rank) and m microbatches; "interleaved" (several stages per
+    rank) is built by `interleaved.run_schedule`, which knows the ranks."""
     try:
         factory = SCHEDULES[name]
     except KeyError:
+        if name == "interleaved":
+            raise ScheduleError("the interleaved schedule places stages on ranks in a loop: build it with "
+                                "runtime.step.interleaved.run_schedule(name, stages, m, num_ranks)") from None
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
     return factory(p, m)
 
@@ -229,10 +273,12 @@ def format_grid(schedule: Schedule, mark: Optional[int] = None) -> str:
     """A stage-by-step table; `mark` puts a `^` under one step (used by `check` to show a failure)."""
     width = max([len(str(a)) for row in schedule.grid for a in row if a is not None] + [4]) + 1
     header = "step " + "".join(f"{t:>{width}}" for t in range(schedule.num_steps))
-    lines = [f"{schedule.name} p={schedule.num_stages} m={schedule.num_microbatches}", header]
+    label = "s" if schedule.placement is None else "r"  # rows are stages, or ranks holding several
+    ranks = "" if schedule.placement is None else f" ranks={schedule.num_rows}"
+    lines = [f"{schedule.name} p={schedule.num_stages}{ranks} m={schedule.num_microbatches}", header]
     for s, row in enumerate(schedule.grid):
         cells = "".join(f"{str(a) if a is not None else '.':>{width}}" for a in row)
-        lines.append(f"s{s:<4}" + cells)
+        lines.append(f"{label}{s:<4}" + cells)
     if mark is not None:
         lines.append(" " * (5 + width * mark + width - 1) + "^")
     return "\n".join(lines)
@@ -262,27 +308,31 @@ def _fail(schedule: Schedule, step: int, message: str) -> None:
 def check(schedule: Schedule) -> None:
     """Validate a schedule by rules; raise `ScheduleError` naming the first failing step.
 
-    Rules: actions sit on their own stage's row and name a valid microbatch; each stage runs every
-    microbatch's F and B exactly once, forwards and backwards each in increasing microbatch order;
-    F(s, j) after F(s-1, j); B(s, j) after F(s, j) and after B(s+1, j); and, where the schedule has
-    an in-flight bound (graph/in_flight.py; 1F1B: p - s), stage s never holds more un-backwarded microbatches.
+    Rules: actions sit on the row of their stage (its own row, or the rank holding it) and name a
+    valid microbatch; each stage runs every microbatch's F and B exactly once, forwards and backwards
+    each in increasing microbatch order; F(s, j) after F(s-1, j); B(s, j) after F(s, j) and after
+    B(s+1, j); and, where the schedule has an in-flight bound (graph/in_flight.py; 1F1B: p - s), a
+    row never holds more un-backwarded (stage, microbatch) pairs.
     """
     p, m = schedule.num_stages, schedule.num_microbatches
     time_of: dict[Action, int] = {}
+    done = {(s, kind): 0 for s in range(p) for kind in (FORWARD, BACKWARD)}  # actions run so far per stage and kind
+    in_flight = [0] * schedule.num_rows
     # Walk steps in time order so the first violation reported is the earliest one.
     for t in range(schedule.num_steps):
-        for s, row in enumerate(schedule.grid):
+        for r, row in enumerate(schedule.grid):
             action = row[t] if t < len(row) else None
             if action is None:
                 continue
-            if action.stage != s:
-                _fail(schedule, t, f"{action} is on stage {s}'s row")
+            s = action.stage
+            if s >= p or schedule.row_of(s) != r:
+                where = f"stage {r}'s row" if schedule.placement is None else f"rank {r}'s row (it holds stages {schedule.stages_of_row(r)})"
+                _fail(schedule, t, f"{action} is on {where}")
             if action.microbatch >= m:
                 _fail(schedule, t, f"{action}: microbatch {action.microbatch} out of range 0..{m - 1}")
             if action in time_of:
                 _fail(schedule, t, f"{action} runs twice (first at step {time_of[action]})")
-            kind_done = sorted(a.microbatch for a in time_of if a.stage == s and a.kind == action.kind)
-            expected = len(kind_done)
+            expected = done[(s, action.kind)]
             if action.microbatch != expected:
                 _fail(schedule, t, f"{action}: stage {s} must run {action.kind} of microbatch {expected} next "
                                    "(microbatches run in increasing order)")
@@ -291,13 +341,12 @@ def check(schedule: Schedule) -> None:
                     what = "its own forward" if dep.stage == s else f"{dep} (data from stage {dep.stage})"
                     _fail(schedule, t, f"{action} runs before {what}")
             time_of[action] = t
-            if schedule.max_in_flight is not None:
-                in_flight = sum(1 for a in time_of if a.stage == s and a.is_forward) - sum(
-                    1 for a in time_of if a.stage == s and not a.is_forward)
-                bound = schedule.max_in_flight[s]
-                if in_flight > bound:
-                    _fail(schedule, t, f"stage {s} holds {in_flight} microbatches in flight, above the "
-                                       f"{schedule.name.upper()} bound {bound} (graph/in_flight.py)")
+            done[(s, action.kind)] += 1
+            in_flight[r] += 1 if action.is_forward else -1
+            if schedule.max_in_flight is not None and in_flight[r] > schedule.max_in_flight[r]:
+                holder = f"stage {s}" if schedule.placement is None else f"rank {r}"
+                _fail(schedule, t, f"{holder} holds {in_flight[r]} microbatches in flight, above the "
+                                   f"{schedule.name.upper()} bound {schedule.max_in_flight[r]} (graph/in_flight.py)")
     for s in range(p):
         for j in range(m):
             for kind in (FORWARD, BACKWARD):

@@ -6,8 +6,9 @@ torch writes one row per rank, each cell an action such as `0F0` (stage 0, forwa
 drops the idle cells before running it. We read the per-rank orders, place them on unit time steps
 as early as their dependencies allow (`schedule.grid_from_orders`) and check the result with
 `schedule.check`, so a file that would deadlock or skip a microbatch is refused at the step where it
-goes wrong. What this runtime cannot run yet is refused by name: the split backward (`I`/`W`),
-several stages on one rank, and the "compute_comms" format (explicit SEND/RECV actions).
+goes wrong. A row may hold several stages (torch's Interleaved1F1B: rank r runs stages r and r + p):
+the placement is read off the rows, each stage on exactly one row. What this runtime cannot run is
+refused by name: the split backward (`I`/`W`) and the "compute_comms" format (explicit SEND/RECV actions).
 """
 from __future__ import annotations
 
@@ -46,13 +47,12 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
     """`read_torch_csv` on text; errors name `where`, the line (= rank + 1) and the cell."""
     orders: list[list[Action]] = []
     for line, row in enumerate(csv.reader(io.StringIO(text)), 1):
-        rank = line - 1
         order: list[Action] = []
         for column, raw in enumerate(row, 1):
             cell = raw.strip()
             if not cell:
                 continue
-            order.extend(_action(cell, rank, f"{where}:{line}: cell {column} ({cell!r})"))
+            order.extend(_action(cell, f"{where}:{line}: cell {column} ({cell!r})"))
         orders.append(order)
     while orders and not orders[-1]:
         orders.pop()  # trailing blank lines
@@ -60,32 +60,54 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
         raise ScheduleError(f"{where}: no actions found (expected rows like '0F0,0F1,,0B0', one row per rank)")
     p = len(orders)
     m = 1 + max(a.microbatch for order in orders for a in order)
-    _check_orders(orders, m, where)
+    placement = _placement(orders, where)
+    num_stages = sum(len(stages) for stages in placement)
+    _check_orders(orders, placement, m, where)
+    own_rows = all(stages == (rank,) for rank, stages in enumerate(placement))
     try:
-        schedule = Schedule(name, p, m, grid_from_orders(orders, p))
+        schedule = Schedule(name, num_stages, m, grid_from_orders(orders, num_stages),
+                            placement=None if own_rows else placement)
     except ScheduleError as error:
         raise ScheduleError(f"{where}: {error}") from None
     check(schedule)
     return schedule
 
 
-def _check_orders(orders: list[list[Action]], m: int, where: str) -> None:
-    """Each rank runs F and B of microbatches 0..m-1 once each, in increasing order (how this runtime matches
+def _placement(orders: list[list[Action]], where: str) -> tuple[tuple[int, ...], ...]:
+    """The stages each row runs; a stage on two rows, or stages that are not 0..n-1, is refused by name."""
+    placement = tuple(tuple(sorted({a.stage for a in order})) for order in orders)
+    seen: dict[int, int] = {}
+    for rank, stages in enumerate(placement):
+        for stage in stages:
+            if stage in seen:
+                raise ScheduleError(f"{where}:{rank + 1}: rank {rank} runs stage {stage}, which rank {seen[stage]} runs: "
+                                    "a stage runs on one rank (replicas are not written in a schedule)")
+            seen[stage] = rank
+    missing = sorted(set(range(len(seen))) - set(seen))
+    if missing:
+        raise ScheduleError(f"{where}: no row runs stage(s) {missing}; stages are numbered 0..{len(seen) - 1} "
+                            f"(found {sorted(seen)})")
+    return placement
+
+
+def _check_orders(orders: list[list[Action]], placement: tuple[tuple[int, ...], ...], m: int, where: str) -> None:
+    """Each stage runs F and B of microbatches 0..m-1 once each, in increasing order (how this runtime matches
     messages between two ranks): the first cell that breaks it is named, before any placing on time steps."""
-    counted = [(rank, kind, what, [a.microbatch for a in order if a.kind == kind])
-               for rank, order in enumerate(orders) for kind, what in (("F", "forward"), ("B", "backward"))]
-    for rank, kind, what, numbers in counted:
+    counted = [(rank, stage, kind, what, [a.microbatch for a in order if a.kind == kind and a.stage == stage])
+               for rank, order in enumerate(orders) for stage in placement[rank]
+               for kind, what in (("F", "forward"), ("B", "backward"))]
+    for rank, stage, kind, what, numbers in counted:
         for k, number in enumerate(numbers):
             if number != k:
-                raise ScheduleError(f"{where}:{rank + 1}: {rank}{kind}{number} is rank {rank}'s {what} number {k}; "
-                                    f"expected {rank}{kind}{k} (microbatches run in increasing order, each once)")
-    for rank, kind, what, numbers in counted:
+                raise ScheduleError(f"{where}:{rank + 1}: {stage}{kind}{number} is stage {stage}'s {what} number {k}; "
+                                    f"expected {stage}{kind}{k} (microbatches run in increasing order, each once)")
+    for rank, stage, kind, what, numbers in counted:
         if len(numbers) < m:
-            raise ScheduleError(f"{where}:{rank + 1}: {rank}{kind}{len(numbers)} never runs (every rank runs the "
+            raise ScheduleError(f"{where}:{rank + 1}: {stage}{kind}{len(numbers)} never runs (every stage runs the "
                                 f"{what} of each of the {m} microbatches)")
 
 
-def _action(cell: str, rank: int, at: str) -> list[Action]:
+def _action(cell: str, at: str) -> list[Action]:
     """The action a cell holds ([] for bookkeeping cells), or a refusal naming what is not supported."""
     match = _CELL.match(cell)
     if match is None:
@@ -101,16 +123,13 @@ def _action(cell: str, rank: int, at: str) -> list[Action]:
     if kind in ("I", "W"):
         raise ScheduleError(f"{at}: the backward split into input- and weight-gradient actions (I/W) is not supported "
                             "by this runtime yet; use full backwards (B)")
-    if stage != rank:
-        raise ScheduleError(f"{at}: rank {rank} runs stage {stage}: this runtime runs one stage per rank, stage k on "
-                            f"row k (several stages per rank, interleaved or V placement, are not supported yet)")
     if not microbatch:
         raise ScheduleError(f"{at}: the action names no microbatch")
     return [Action(stage, kind, int(microbatch))]
 
 
 def torch_csv_text(schedule: Schedule) -> str:
-    """Our schedule in torch's compute-only format: row k = stage k's actions on their time steps, "" for bubbles."""
+    """Our schedule in torch's compute-only format: row k = rank k's actions on their time steps, "" for bubbles."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for row in schedule.grid:

@@ -63,6 +63,14 @@ TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
 TAG_MIGRATION = 3
 TAG_TOTALS = 4  # the step's reduction through rank 0 (wire/step_totals.py), on the control group
+EDGE_TAGS = 16  # several stages per rank (interleaved): each stage edge e has tags 16 + 2e (activations), 17 + 2e
+
+
+def edge_tag(base: int, edge: Optional[int]) -> int:
+    """The tag of messages of kind `base` (TAG_ACTIVATION or TAG_GRADIENT) on the edge between stages `edge` and
+    `edge` + 1: `base` itself when `edge` is None (one stage per rank), else one tag per edge, so the
+    messages of two edges between the same two ranks (interleaved 1F1B) are never matched with each other."""
+    return base if edge is None else EDGE_TAGS + 2 * edge + (base - TAG_ACTIVATION)
 
 _MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
 SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header

@@ -57,7 +57,7 @@ from model_parallel.runtime.build.stages import layer_owners
 from model_parallel.runtime.build.tied import expand_state
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.tracing import Tracer
-from model_parallel.runtime.plancheck import check_plan
+from model_parallel.runtime.plancheck import check_plan, check_switchable
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import agree
 
@@ -286,6 +286,7 @@ def apply_switch(engine: SwitchingEngine, command: Command) -> float:
     assert new_plan is not None  # Command refuses a switch without a plan
     why = command.reason or "no reason given"
     try:  # before anything moves; every rank reaches the same verdict (same graph, plan, world, schedule)
+        check_switchable(engine.config.schedule)
         check_plan(engine.graph, new_plan, engine.world_size, engine.config.schedule, engine.modules)
     except ModelParallelError as error:
         logger.error("%s refusing the switch to plan v%d (%s): %s; training goes on with plan v%d", engine.prefix,

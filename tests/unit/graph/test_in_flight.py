@@ -33,7 +33,7 @@ def test_unknown_schedule_is_refused_with_the_choices():
         microbatches_in_flight("zb", 4, 2, 0)
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", tuple(SCHEDULES))  # one stage per rank (interleaved: below)
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 4), (3, 3), (4, 6), (4, 9)])
 def test_the_grids_hold_what_the_rule_says(name, p, m):
     schedule = make_schedule(name, p, m)
@@ -49,8 +49,24 @@ def test_the_memory_model_counts_with_the_same_rule(name):
             microbatches_in_flight(name, 6, 4, ranks_before)
 
 
+def test_interleaved_rule_bounds_every_stage_of_the_grid():
+    from model_parallel.runtime.step.interleaved import interleaved_1f1b
+
+    for p in range(1, 6):
+        for v in range(1, 5):
+            for m in range(p, 3 * p + 1, p):
+                schedule, stages = interleaved_1f1b(p, v, m), p * v
+                for k in range(stages):
+                    held = peak = 0
+                    for action in schedule.stage_actions(k):
+                        held += 1 if action.is_forward else -1
+                        peak = max(peak, held)
+                    assert peak <= microbatches_in_flight("interleaved", m, stages, k), (p, v, m, k)
+    assert [microbatches_in_flight("interleaved", 8, 8, k) for k in range(8)] == [8, 8, 8, 8, 8, 6, 4, 2]
+
+
 def test_every_owner_names_the_same_schedules():
-    assert tuple(SCHEDULES) == SCHEDULE_NAMES
+    assert tuple(SCHEDULES) + ("interleaved",) == SCHEDULE_NAMES
     assert TrainConfig().schedule == SCHEDULE_NAMES[0]
     for name in SCHEDULE_NAMES:
         TrainConfig(schedule=name)

@@ -48,7 +48,7 @@ def test_torch_1f1b_order_is_checked(p, m):
     # torch 2.13's IR of Schedule1F1B (what its CSV dump shows; execution takes another path) numbers the last
     # rank's forwards from 1 (1F1..1F4 for m=4): our rules refuse it at that cell; every other rank equals ours.
     order = torch_schedules.Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=p, _n_microbatches=m))
-    with pytest.raises(ScheduleError, match=f":{p}: {p - 1}F1 is rank {p - 1}'s forward number 0; expected {p - 1}F0"):
+    with pytest.raises(ScheduleError, match=f":{p}: {p - 1}F1 is stage {p - 1}'s forward number 0; expected {p - 1}F0"):
         parse_torch_csv(_torch_csv(order))
     expected = one_f_one_b(p, m)
     for rank in range(p - 1):
@@ -64,12 +64,13 @@ def test_torch_parses_what_we_write():
 
 @pytest.mark.parametrize("text,words", [
     ("0F0,0I0,0W0\n", "input- and weight-gradient"),
-    ("0F0,0B0\n0F1\n", "rank 1 runs stage 0"),
+    ("0F0,0B0\n0F1\n", "rank 1 runs stage 0, which rank 0 runs"),
+    ("0F0,0B0\n2F0,2B0\n", "no row runs stage(s) [1]"),
     ("0F0,0SEND_F0,0B0\n", "compute_comms"),
     ("0F0,hello,0B0\n", "not an action"),
     ("0F0,0F" + "9" * 5000 + "\n", "not an action"),
     ("0B0,0F0\n", "deadlock: waiting actions ['0B0']"),
-    ("0F0,0F2,0B0,0B2\n", "t.csv:1: 0F2 is rank 0's forward number 1; expected 0F1"),
+    ("0F0,0F2,0B0,0B2\n", "t.csv:1: 0F2 is stage 0's forward number 1; expected 0F1"),
     ("0F0,0B0\n1B0,1F0\n", "deadlock: waiting actions ['0B0', '1B0']"),
     ("\n\n", "no actions"),
 ])

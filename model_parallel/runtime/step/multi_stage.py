@@ -1,0 +1,88 @@
+"""A rank holding several stages (interleaved 1F1B, loop placement): one module over them and one executor.
+
+`StageGroup` is the module the engine, the loop and checkpoints see: the stages' layers (and any
+parameters or buffers of their own) under the names the stages give them, so its state dict is keyed
+by layer exactly as one stage's is, and one optimizer covers every stage of the rank.
+`MultiStageExecutor` runs the rank's row of the schedule (`Schedule.row_actions`) action by action on
+one `StepExecutor` per stage; each stage edge has its own message tags (comm.edge_tag), and each
+executor pre-posts its edge's next receive, so two edges between the same two ranks never mix.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from model_parallel.errors import ConfigError, ModelParallelError
+from model_parallel.runtime.observe.straggler import Compute
+from model_parallel.runtime.step.executor import StepData, StepExecutor
+from model_parallel.runtime.step.schedule import Action
+
+
+def check_supported(measuring: bool, backend: str) -> None:
+    """Refuse what several stages per rank cannot honour yet (ConfigError naming the fix)."""
+    if backend == "nccl":  # NCCL ignores tags (pytorch/pytorch#125079): two edges between one pair of ranks would mix
+        raise ConfigError("the interleaved schedule needs a message tag per stage edge, which NCCL ignores: two edges "
+                          "between the same ranks would exchange each other's values; run it with --backend gloo")
+    if measuring:  # StashMeter counts per microbatch j, and every stage of the rank runs each j
+        raise ConfigError("--measure_memory does not measure several stages per rank (interleaved); drop it")
+
+
+class StageGroup(nn.Module):
+    """The union of several stage modules' members under their own names (not callable: run the stages)."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        for stage in stages:
+            for name, module in stage._modules.items():
+                if self._new(name, module):
+                    self.add_module(name, module)
+            for name, param in stage._parameters.items():
+                if self._new(name, param):
+                    self.register_parameter(name, param)
+            for name, buffer in stage._buffers.items():
+                if self._new(name, buffer):
+                    self.register_buffer(name, buffer, persistent=name not in stage._non_persistent_buffers_set)
+
+    def _new(self, name: str, value: Any) -> bool:
+        """Whether `name` is not held yet; the same object under it again is fine, another one is refused."""
+        held = self._modules.get(name, self._parameters.get(name, self._buffers.get(name)))
+        if held is None and name not in self._modules and name not in self._parameters and name not in self._buffers:
+            return True
+        if held is not value:  # check_shared_modules refuses this before the build
+            raise ModelParallelError(f"two stages of this rank hold different members named {name!r}")
+        return False
+
+    def forward(self, *args: Any) -> Any:
+        raise ModelParallelError("a rank's group of stages is not one computation: run its stages (multi_stage.py)")
+
+
+class MultiStageExecutor:
+    """Runs one rank's schedule row over the executors of its stages (`lanes`, by stage id)."""
+
+    def __init__(self, lanes: Mapping[int, StepExecutor], actions: Sequence[Action]) -> None:
+        self.lanes = dict(sorted(lanes.items()))
+        self.actions = tuple(actions)
+        unknown = sorted({a.stage for a in self.actions} - set(self.lanes))
+        if unknown:
+            raise ModelParallelError(f"the schedule row names stage(s) {unknown} this rank does not hold "
+                                     f"({sorted(self.lanes)})")
+
+    def run(self, step: int, data: StepData, compute: Compute) -> float:
+        """The row's actions, in order, each on its stage's executor; returns this rank's share of the loss."""
+        states = {k: lane.begin(data) for k, lane in self.lanes.items()}
+        for action in self.actions:
+            self.lanes[action.stage].act(step, states[action.stage], action, compute)
+        return sum(lane.finish(states[k]) for k, lane in self.lanes.items())
+
+    def run_forward(self, data: StepData,
+                    metric: Optional[Callable[[Any, torch.Tensor], Any]] = None) -> tuple[float, float]:
+        """Forward-only (validation): the stages in increasing order, each over all its microbatches. Sends are
+        non-blocking and a stage needs only the one before it, so every rank reaches each stage's inputs."""
+        loss = metric_sum = 0.0
+        for lane in self.lanes.values():
+            part = lane.run_forward(data, metric)
+            loss, metric_sum = loss + part[0], metric_sum + part[1]
+        return loss, metric_sum

@@ -1,0 +1,31 @@
+"""The coordinator under the interleaved schedule: it accepts the workers' loop-placement plan and issues no switch."""
+from dataclasses import replace
+
+import pytest
+
+from model_parallel.coordinator import policy as pol
+from model_parallel.coordinator.rebalancer import Rebalancer
+from model_parallel.coordinator.solver import default_solver
+from model_parallel.coordinator.status import WorkerState
+from model_parallel.errors import PlanError
+from model_parallel.messages import StepReport
+from tests.unit.coordinator.test_policy_replay import chain_graph, even_plan
+
+
+def test_no_switch_is_issued_and_reports_of_a_rank_with_two_stages_are_read():
+    graph = chain_graph(8)
+    four = even_plan(graph, 4)
+    loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
+    rebalancer = Rebalancer(graph, loop, pol.PolicyConfig(), default_solver, auto=True, world_size=2,
+                            schedule="interleaved")
+    workers = {r: WorkerState(rank=r, host="h", pid=r, world_size=2) for r in range(2)}
+    sent = []
+    for step in range(1, 30):  # auto: the policy never runs, so nothing is sent
+        for rank in range(2):
+            report = StepReport(rank, step, 0, rank, 1.0 + rank, 1.0 + rank, 0.0, 0.0, 1.0)
+            workers[rank].reports.append(report)
+            rebalancer.on_report(workers[rank], report, workers, lambda r, c: sent.append(c) or True, False)
+    assert sent == [] and not rebalancer._mismatch_warned  # the report's stage is the rank's first one
+    with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
+        rebalancer.issue(loop, "ctl set-plan", 30, lambda r, c: sent.append(c) or True, predicted=False)
+    assert sent == []

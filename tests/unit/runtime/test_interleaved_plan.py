@@ -1,0 +1,82 @@
+"""Plans with several stages per rank: loop placement only, only under the interleaved schedule; what is refused."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from model_parallel.errors import ConfigError, PlanError
+from model_parallel.graph.plan import Plan
+from model_parallel.profiler.trace import trace_model
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.plancheck import check_plan, check_switchable
+
+
+def test_interleaved_refusals_name_the_fix():
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    four = even_plan(graph, 4)
+    loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
+    assert loop.stages_of_rank(0) == (0, 2) and loop.num_ranks == 2
+    with pytest.raises(PlanError, match="use Plan.stages_of_rank"):
+        loop.stage_of_rank(0)
+    check_plan(graph, loop, 2, "interleaved")
+    with pytest.raises(PlanError, match="only the interleaved schedule runs that"):
+        check_plan(graph, loop, 2, "1f1b")
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        check_plan(graph, four, 4, "interleaved")  # one stage per rank
+    one_rank = replace(four, stages=tuple(replace(s, ranks=(0,)) for s in four.stages))
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        check_plan(graph, one_rank, 1, "interleaved")  # p = 1: consecutive stages on one rank
+    with pytest.raises(PlanError, match="does not support replicated stages"):
+        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")
+    with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
+        Plan(stages=tuple(replace(s, ranks=((0, 0, 1, 1)[s.stage_id],)) for s in four.stages))
+    with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
+        check_switchable("interleaved")
+    check_switchable("1f1b")
+    with pytest.raises(ConfigError, match="interleaved schedule does not run --bf16 or --recompute"):
+        TrainConfig(schedule="interleaved", bf16=True)
+
+
+def test_a_tie_split_across_stages_is_refused_under_interleaved():
+    import torch
+
+    from model_parallel.errors import TiedParameterError
+    from model_parallel.graph.plan import StagePlan
+    from support.tied_lm import SEQ, VOCAB, TiedLM
+
+    graph, _ = trace_model(TiedLM(), (torch.randint(0, VOCAB, (2, SEQ)),))
+    ids = list(graph.topological_order)  # tokens, wte, ..., lm_head, ...: wte on stage 0, lm_head on the last
+    cuts = [ids[:2], ids[2:3], ids[3:4], ids[4:]]
+    plan = Plan(stages=tuple(StagePlan(k, tuple(nodes), ranks=(k % 2,)) for k, nodes in enumerate(cuts)))
+    with pytest.raises(TiedParameterError, match="interleaved schedule's engine does not sum the gradients"):
+        check_plan(graph, plan, 2, "interleaved")
+
+
+def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
+    from torch import nn
+
+    from model_parallel.errors import ModelParallelError
+    from model_parallel.runtime.step.multi_stage import StageGroup, check_supported
+
+    shared = nn.Linear(2, 2)
+    first, second = nn.Module(), nn.Module()
+    first.fc1, first.act = nn.Linear(2, 2), shared
+    second.fc3, second.act = nn.Linear(2, 2), shared  # the same object under one name: held once
+    group = StageGroup([first, second])
+    assert sorted(group.state_dict()) == ["act.bias", "act.weight", "fc1.bias", "fc1.weight", "fc3.bias", "fc3.weight"]
+    assert len(list(group.parameters())) == 6
+    other = nn.Module()
+    other.fc1 = nn.Linear(2, 2)  # another object under a name already held
+    with pytest.raises(ModelParallelError, match="different members named 'fc1'"):
+        StageGroup([first, other])
+    with pytest.raises(ModelParallelError, match="not one computation"):
+        group()
+    check_supported(measuring=False, backend="gloo")
+    with pytest.raises(ConfigError, match="NCCL ignores.*--backend gloo"):
+        check_supported(measuring=False, backend="nccl")
+    with pytest.raises(ConfigError, match="--measure_memory does not measure several stages"):
+        check_supported(measuring=True, backend="gloo")
