@@ -18,8 +18,9 @@ import logging
 import os
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from model_parallel.errors import ConfigError, PeerError
 
@@ -138,15 +139,18 @@ class JoinWatch:
     def close(self, reason: str) -> None:
         self.inner.close(reason)
 
-    def poll(self) -> Any:
-        command = self.inner.poll()
-        if command is not None or self.step < self.not_before:
+    def poll(self, before_step: Optional[int] = None) -> Any:
+        # The loop polls in step k, before its reduction (runtime/wire/step_totals.py): a command is applied after
+        # step k, so the step an admission lands after is k = before_step - 1, not the last reported one (k - 1).
+        step = self.step + 1 if before_step is None else before_step - 1
+        command = self.inner.poll(before_step=before_step)
+        if command is not None or step < self.not_before:
             return command
         from model_parallel.messages import Command
         from model_parallel.runtime.wire.join import ADMIT, Admission, take_request
 
         lineage, store = self.survivor.lineage, self.survivor.lineage.base_store
-        deadline = time.monotonic() + (0.5 * self.survivor.options.timeout if self.step in self.waits else 0)
+        deadline = time.monotonic() + (0.5 * self.survivor.options.timeout if step in self.waits else 0)
         try:  # a store that fails here fails the heartbeats too (health.py names it); training is not stopped here
             while (request := take_request(store)) is None and time.monotonic() < deadline:
                 time.sleep(0.05)  # the test hook only: a joiner started with the job is expected at this step
@@ -157,7 +161,7 @@ class JoinWatch:
                                   lineage.store_port)
             store.set(ADMIT.format(admission.nonce), admission.to_json())
         except (RuntimeError, OSError, ValueError) as error:
-            logger.warning("[rank 0] reading join requests at step %d: %s; no admission now", self.step,
+            logger.warning("[rank 0] reading join requests at step %d: %s; no admission now", step,
                            str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
             return None
         return Command("stop", reason=f"admitting a joining worker from {admission.address} as original rank "
@@ -237,6 +241,21 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     survivor._pending = (detected, record)
 
 
+@contextmanager
+def store_guard(where: str, doing: str) -> Iterator[None]:
+    """The joiner's store calls: a store that closes the connection or stops answering (its host died, or the job
+    ended) is a PeerError naming it (one line, exit 3), never a torch traceback."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except (RuntimeError, OSError) as error:
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise PeerError(f"--join {where}: the job's store failed while {doing} (its host died, or the job ended or "
+                        f"re-formed at another store: after a lost store host it is the lowest survivor's at "
+                        f"--dist_port + generation): {first}; start this worker again with the job's current store") from None
+
+
 def join_running_job(args: Any, argv: list[str], config: Any, options: Any, prefix: Any, run_one: Callable[..., Any],
                      survivor_class: Any) -> Any:
     """The joiner: checks, request, admission, the new world; returns the `survivor_class` (worker_recover.Survivor,
@@ -258,17 +277,20 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
         raise PeerError(f"--join {args.join}: no job's store answers there within {connect:g} s (is rank 0 running, "
                         f"and is this its --dist_addr:--dist_port, or after a recovery that lost the store's host the "
                         f"lowest survivor's at --dist_port + generation?): {str(error).splitlines()[0][:200]}") from None
-    published = wire.read_flags(store, timeout)
+    with store_guard(args.join, "reading the job's flags"):
+        published = wire.read_flags(store, timeout)
     if published is None:
         raise ConfigError(f"--join {args.join}: the store there published no job's flags within {timeout:g} s: it is "
                           "not a model_parallel job's rendezvous store, or the job has not started training yet")
     compare_flags(published, job_flags(args), args.join)
     address = own_address(host)
     deadline = time.monotonic() + ADMIT_TIMEOUTS * timeout
-    nonce = wire.post_request(store, address, deadline)
+    with store_guard(args.join, "posting the join request"):
+        nonce = wire.post_request(store, address, deadline)
     print(f"[joiner] join request posted at {args.join} from {address}; waiting to be admitted at a step boundary",
           flush=True)
-    admission = wire.wait_admission(store, nonce, deadline)
+    with store_guard(args.join, "waiting to be admitted"):
+        admission = wire.wait_admission(store, nonce, deadline)
     if admission is None:
         raise PeerError(f"--join {args.join}: the job did not admit this worker within {ADMIT_TIMEOUTS * timeout:g} s "
                         f"({ADMIT_TIMEOUTS:g} x --timeout); the request was withdrawn")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from torch.distributed import DistNetworkError
+
 from model_parallel.errors import PeerError, ProtocolError
 
 FLAGS = "mp/job/flags"
@@ -71,9 +73,12 @@ def publish_flags(store: Any, flags: dict[str, Any], recover: bool, backend: str
 
 
 def read_flags(store: Any, seconds: float) -> Optional[dict[str, Any]]:
-    """The running job's published flags ({"recover", "flags"}), None when none appear within `seconds`."""
+    """The running job's published flags ({"recover", "flags"}), None when none appear within `seconds` (a store
+    that closes the connection raises: the caller names it, it is no "nobody published")."""
     try:
         store.wait([FLAGS], timedelta(seconds=seconds))
+    except DistNetworkError:
+        raise
     except Exception:  # noqa: BLE001 - the store's own timeout: nobody published
         return None
     try:
