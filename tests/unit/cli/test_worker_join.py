@@ -11,30 +11,7 @@ from model_parallel.cli import worker
 from model_parallel.cli.worker_join import compare_flags, job_flags, join_hint
 from model_parallel.errors import ConfigError, ProtocolError
 from model_parallel.runtime.wire import join as wire
-
-
-class DictStore:
-    """The TCPStore calls the join protocol uses, on a dict (compare_set with TCPStore's semantics)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        current = self.data.get(key)
-        if (current is None and expected == "") or current == expected.encode():
-            self.data[key] = desired.encode()
-            return desired.encode()
-        return current if current is not None else expected.encode()
-
+from support.stores import DictStore
 
 JOIN = ["--model", "mlp", "--join", "127.0.0.1:29500"]
 
