@@ -26,14 +26,13 @@ if not os.environ.get("TORCH_CPP_LOG_LEVEL"):
 
 import torch  # noqa: E402
 
-from model_parallel import jsonbound  # noqa: E402
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
 from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
-from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_control_script  # noqa: E402
+from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_control_script, read_jobs  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, TrainingStopped  # noqa: E402
 from model_parallel.optimizer.memory import optimizer_kind  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
@@ -223,28 +222,6 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
     return NullChannel()
 
 
-def read_jobs(path: str) -> list[list[str]]:
-    """--jobs FILE: a JSON list of argument lists, each checked now (before any rank joins a world)."""
-    fix = 'expected a JSON list of argument lists, e.g. [["--model", "mlp", "--steps", "2"], [...]]'
-    jobs = jsonbound.load_file(path, error=PlanError, what="jobs file", fix=fix)
-    if not isinstance(jobs, list) or not jobs:
-        raise PlanError(f"{path}: the jobs file holds {type(jobs).__name__ if jobs != [] else 'an empty list'}; {fix}")
-    argvs = []
-    for number, job in enumerate(jobs):
-        if not isinstance(job, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in job):
-            raise PlanError(f"{path}: job [{number}] is {str(job)[:60]!r}, not a list of strings and numbers; {fix}")
-        argv = list(map(str, job))
-        parser = build_parser()
-
-        def refuse(message: str, number: int = number) -> None:
-            raise PlanError(f"{path}: job [{number}]: {message}; fix that job's arguments")
-
-        parser.error = refuse  # type: ignore[method-assign]  # a bad job is our typed error, not SystemExit
-        check_inputs(parser.parse_args(argv), f"{path}: job [{number}]: ")
-        argvs.append(argv)
-    return argvs
-
-
 def make_config(args: Any) -> Any:
     """The training hyperparameters and the run options the arguments give: (TrainConfig, RunOptions)."""
     from model_parallel.errors import ConfigError
@@ -328,7 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         configure_logging(args.verbose)
         args, served = ask_coordinator(argv, args)
         check_numbers(args, "the job from the coordinator: ")
-    jobs = read_jobs(args.jobs) if args.jobs else [None]
+    jobs = read_jobs(args.jobs, build_parser) if args.jobs else [None]
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # steady allocation cost, the same the profile was taken with
     config, options = make_config(args)

@@ -1,10 +1,11 @@
-"""Checks of the worker's flags before it joins a world: numbers in range, input files readable (one line each, exit 2)."""
+"""Checks of the worker's flags before it joins a world (numbers, input files, each job of --jobs): one line, exit 2."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from model_parallel import jsonbound
 from model_parallel.cli import data_flags
 from model_parallel.errors import ModelParallelError, PlanError, ProtocolError
 
@@ -77,3 +78,26 @@ def check_weights(path: str, where: str = "") -> None:
         raise InitError(f"{where}--weights {path}: {error}") from None
     except Exception as error:  # safetensors raises its own (untyped) errors for a bad header
         raise InitError(f"{where}--weights {path}: not a readable safetensors file ({str(error)[:120]}); {fix}") from None
+
+
+def read_jobs(path: str, build_parser: Callable[[], Any]) -> list[list[str]]:
+    """--jobs FILE: a JSON list of argument lists, each parsed with the worker's parser (`build_parser()`) and
+    checked now (before any rank joins a world)."""
+    fix = 'expected a JSON list of argument lists, e.g. [["--model", "mlp", "--steps", "2"], [...]]'
+    jobs = jsonbound.load_file(path, error=PlanError, what="jobs file", fix=fix)
+    if not isinstance(jobs, list) or not jobs:
+        raise PlanError(f"{path}: the jobs file holds {type(jobs).__name__ if jobs != [] else 'an empty list'}; {fix}")
+    argvs = []
+    for number, job in enumerate(jobs):
+        if not isinstance(job, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in job):
+            raise PlanError(f"{path}: job [{number}] is {str(job)[:60]!r}, not a list of strings and numbers; {fix}")
+        argv = list(map(str, job))
+        parser = build_parser()
+
+        def refuse(message: str, number: int = number) -> None:
+            raise PlanError(f"{path}: job [{number}]: {message}; fix that job's arguments")
+
+        parser.error = refuse  # type: ignore[method-assign]  # a bad job is our typed error, not SystemExit
+        check_inputs(parser.parse_args(argv), f"{path}: job [{number}]: ")
+        argvs.append(argv)
+    return argvs
