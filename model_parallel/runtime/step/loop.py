@@ -146,6 +146,7 @@ class SteppingEngine(LoopingEngine, Protocol):
     tied: TiedCopies
     num_replicas: int
     stage_id: Optional[int]
+    stage_ids: tuple[int, ...]  # every stage this rank holds (several: interleaved 1F1B)
     replica_groups: ReplicaGroups
     control_group: Any
     channel: ControlChannel  # rank 0 polls it for the command that rides in the step's reduction
@@ -193,7 +194,7 @@ class TrainingLoop:
         loss_sum, sq = 0.0, 0.0
         # A rank whose share of the reduction the step does not compute (no loss: not the last stage; no
         # norm: no clipping) posts it first: it then runs during the step, not on the critical path after it.
-        early = clip is None and self.stage_id != self.plan.num_stages - 1
+        early = clip is None and self.plan.num_stages - 1 not in self.stage_ids  # interleaved: any of its stages
         try:
             posted = _post_totals(self, step, 0.0, 0.0) if early else None
             if self.executor is not None:
