@@ -25,6 +25,7 @@ from model_parallel.runtime.trainer import SingleProcessRunner, single_process_r
 from model_parallel.runtime.wire import structure
 from model_parallel.runtime.wire.health import Health
 from model_parallel.runtime.wire.migration import plan_transfers
+from support.stores import DictStore
 
 
 @pytest.fixture(scope="module")
@@ -127,20 +128,8 @@ def test_boundary_values_encode_as_json():
 
 
 # ---- health --------------------------------------------------------------------------------------
-class FakeStore:
+class FakeStore(DictStore):
     """A dict with the TCPStore calls Health uses."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
 
     def set_timeout(self, timeout) -> None:
         pass
