@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from model_parallel.api.trainer import PipelineTrainer
-from model_parallel.api.trainer import PipelineTrainer
 from model_parallel.errors import ModelParallelError, PeerError, ProtocolError
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, ScriptedChannel, StepReport
