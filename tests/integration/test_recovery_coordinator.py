@@ -60,7 +60,9 @@ def poll(coord: CoordinatorProcess, world: LocalWorld, until, timeout: float = 1
 
 
 def test_recover_under_a_coordinator_the_survivors_are_the_next_generation_and_a_rebalance_works(tmp_path: Path) -> None:
-    steps = 40
+    # Enough steps that the job outlives the two status polls and the scale request on a quiet machine too
+    # (at 40 steps a run at ~80 steps/s finished before the test saw plan v2 go live).
+    steps = 240
     graph, plan = write_job(tmp_path, 3)
     with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
         args = worker_args(plan, steps, tmp_path / "ck", coord.address, "--recover")
@@ -90,7 +92,7 @@ def test_recover_under_a_coordinator_the_survivors_are_the_next_generation_and_a
 
 
 def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalances(tmp_path: Path) -> None:
-    steps = 120
+    steps = 360  # the job must outlive a coordinator's restart and its polls (see the first test)
     graph, plan = write_job(tmp_path, 2)
     even = json.loads(plan.read_text())
     moved = json.loads(plan.read_text())  # the same two ranks, one layer moved from stage 1 to stage 0
@@ -128,7 +130,7 @@ def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalanc
 
 
 def test_the_coordinator_and_a_worker_killed_together_a_new_coordinator_serves_the_reformed_world(tmp_path: Path) -> None:
-    steps = 60
+    steps = 240  # the job must outlive a coordinator's restart and its polls (see the first test)
     graph, plan = write_job(tmp_path, 3)
     port = free_port()
     extra = ["--policy", "manual", "--port", str(port)]
