@@ -225,7 +225,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--micro", type=int, default=4, help="microbatches per minibatch")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--memory_per_worker", type=float, default=0.57,
+    parser.add_argument("--memory_per_worker", type=float, default=0.62,
                         help="GB per worker: the plan's budget (PipelineTrainer memory_per_worker) and the cap's core")
     parser.add_argument("--slack", type=float, default=0.25, help="GB on top of --memory_per_worker in the cap")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
