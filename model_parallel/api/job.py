@@ -30,6 +30,7 @@ from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.run import Job
+from model_parallel.runtime.step.auto import AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class JobSpec:
     # (optimizer/memory.py) fits on every stage, else an InfeasibleError names the smallest that would.
     memory_per_worker: Optional[float] = None
     optimizer: str = "sgd_momentum"  # what the footprint prices: sgd | sgd_momentum | adam | adamw
-    schedule: str = "1f1b"  # the run's schedule (how many microbatches' activations a stage holds)
+    schedule: str = "1f1b"  # the run's schedule (how many microbatches' activations a stage holds); "auto": chosen here
+    # schedule name -> why the run cannot use it (TrainConfig.schedule_refusals, the command line's): auto skips those
+    schedule_refusals: Optional[Mapping[str, str]] = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("model", "package", "graph") if getattr(self, name) is not None]
@@ -145,8 +148,12 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         from model_parallel.graph.plan import read_plan
 
         plan = spec.plan if isinstance(spec.plan, Plan) else read_plan(spec.plan)
-    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None else None
-    if plan is None:
+    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None and spec.schedule != AUTO else None
+    if spec.schedule == AUTO:  # resolved once, here: everything downstream sees a concrete schedule
+        from model_parallel.api.auto_schedule import resolve_auto
+
+        plan = resolve_auto(spec, graph, plan, world_size)
+    elif plan is None:
         from model_parallel.runtime.build.stages import even_plan
 
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None

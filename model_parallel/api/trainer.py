@@ -86,6 +86,7 @@ class PipelineTrainer:
             data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
             batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
             init_weights=init_weights, memory_per_worker=memory_per_worker, schedule=config.schedule,
+            schedule_refusals=config.schedule_refusals(),
             optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum")
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
@@ -100,6 +101,7 @@ class PipelineTrainer:
             text = broadcast_json(json.dumps(plan.to_dict()), 0, control_group, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model
+        config = config.resolved(plan)  # schedule "auto": the one the builder chose (rank 0's, with its plan)
         self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
         self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None

@@ -36,6 +36,7 @@ from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_c
 from model_parallel.errors import ModelParallelError, PeerError, PlanError, TrainingStopped  # noqa: E402
 from model_parallel.optimizer.memory import optimizer_kind  # noqa: E402
 from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
+from model_parallel.runtime.step.auto import AUTO  # noqa: E402
 from model_parallel.runtime.step.schedule import SCHEDULE_NAMES  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,9 @@ def build_parser() -> ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--batch_size", type=int, default=8)
     t.add_argument("--num_microbatches", type=int, default=4)
-    t.add_argument("--schedule", choices=SCHEDULE_NAMES, default=SCHEDULE_NAMES[0])
+    t.add_argument("--schedule", choices=SCHEDULE_NAMES + (AUTO,), default=SCHEDULE_NAMES[0],
+                   help="auto: the flush schedule (1f1b, gpipe, interleaved) the simulator predicts fastest for this "
+                        "job's profiled stage times that fits --memory_per_worker (one log line says why)")
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     t.add_argument("--lr", type=float, default=0.01)
@@ -168,10 +171,12 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
     """The job the flags describe (`--model/--package/--graph`, the plan and the data), or the coordinator sent."""
     from model_parallel.graph.plan import parse_stage_to_num_ranks
 
+    refusals = schedule_refusals(args)
     if served is not None:
         return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
                        data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                       weights=args.weights, **data_flags.spec_fields(args))
+                       weights=args.weights, schedule=args.schedule, schedule_refusals=refusals,
+                       **data_flags.spec_fields(args))
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
@@ -181,7 +186,17 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
                    input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
                    weights=args.weights, memory_per_worker=args.memory_per_worker, schedule=args.schedule,
-                   optimizer=optimizer_kind(args.optimizer, args.momentum), **data_flags.spec_fields(args))
+                   schedule_refusals=refusals, optimizer=optimizer_kind(args.optimizer, args.momentum),
+                   **data_flags.spec_fields(args))
+
+
+def schedule_refusals(args: Any) -> dict[str, str]:
+    """What `--schedule auto` may not pick with these flags, and why (the config's rules, the coordinator's)."""
+    config, _ = make_config(args)
+    refusals = config.schedule_refusals()
+    if args.coordinator:  # the coordinator rebalances by switching plans live, which interleaved cannot
+        refusals.setdefault("interleaved", "live plan switches (--coordinator) are not supported under interleaved")
+    return refusals
 
 
 def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:
@@ -255,6 +270,7 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     """Build one job from its flags (or the coordinator's) and train it on the already-joined world
     (`watch` sees the engine before it trains: --recover times the first step after a recovery)."""
     job = load_job(args, world.world_size, served)
+    config = config.resolved(job.plan)  # --schedule auto: the schedule the job builder chose
     recovered = getattr(args, "recovered", None)
     if recovered is not None:  # a re-formed world runs its even split under the version the survivors agreed on
         job = dataclasses.replace(job, plan=dataclasses.replace(job.plan, version=recovered.plan_version))
@@ -314,6 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from model_parallel.runtime.trainer import SingleProcessRunner
 
         job = load_job(args, world_size=args.world_size or 1)
+        config = config.resolved(job.plan)
         runner = SingleProcessRunner(job.graph, job.plan, job.model, job.criterion,  # --weights too, as the workers
                                      make_optimizer_factory(args), job.dataset, config, initializer=job.initializer)
         for result in runner.train(args.steps):

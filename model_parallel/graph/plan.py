@@ -227,6 +227,11 @@ class Plan:
             f"time per minibatch (slowest stage): {self.time_per_minibatch_s * 1e3:.3f} ms; "
             f"single machine: {self.single_machine_time_s * 1e3:.3f} ms"
         )
+        schedule = self.extra.get("schedule")  # the schedule `--schedule auto` chose for this plan (runtime/step/auto.py)
+        if isinstance(schedule, Mapping) and isinstance(schedule.get("predicted_bubble"), (int, float)):
+            rows.append(f"schedule {schedule.get('name')} (chosen by {schedule.get('chosen_by')}): predicted "
+                        f"{schedule.get('predicted_step', 0.0):.1f} {schedule.get('unit', 'ms')} per step, bubble "
+                        f"{100 * schedule['predicted_bubble']:.0f} %")
         return "\n".join(rows)
 
     def to_dict(self) -> dict[str, Any]:

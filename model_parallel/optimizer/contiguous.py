@@ -29,7 +29,7 @@ from model_parallel.optimizer.straight import smallest_memory
 TIE_SHARE = 1e-3
 
 
-def _priced(graph: Graph) -> Graph:
+def priced_graph(graph: Graph) -> Graph:
     """`graph` as the split sees it: with no node timed, each node priced by its parameter bytes in
     `forward_ms` (1 ms a node when no node holds parameters either). (A weight read as a bare tensor stays
     with its readers anyway: `Node.crossable`.)"""
@@ -57,7 +57,7 @@ def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[
         raise PlanError(f"got {len(speeds)} speed(s) for {len(ranks)} worker(s); give one speed per worker")
     options = PartitionOptions(straight_pipeline=True, cuts="topological", worker_speeds=speeds)
     hierarchy = Hierarchy.from_lists([len(ranks)])
-    priced = _priced(graph)
+    priced = priced_graph(graph)
     if memory_per_worker is not None:
         options = replace(options, use_memory_constraint=True, memory_model="footprint", footprint=footprint or Footprint())
         hierarchy = replace(hierarchy, memory_bytes=float(memory_per_worker))

@@ -7,12 +7,13 @@ optimizer end with the same parameters whatever their RunOptions. Every check ra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
 
 import torch
 
 from model_parallel.errors import ConfigError
+from model_parallel.runtime.step.auto import AUTO, chosen_schedule
 from model_parallel.runtime.step.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
 from model_parallel.runtime.step.update import lr_factor
 
@@ -23,7 +24,9 @@ class TrainConfig:
 
     batch_size: int = 8
     num_microbatches: int = 4
-    schedule: str = SCHEDULE_NAMES[0]  # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py) | interleaved
+    # 1f1b | gpipe | pipedream (asynchronous, weight stashing; see schedule.py) | interleaved | auto (the fastest
+    # flush schedule the simulator predicts for the job: resolved by the job builder before any engine, step/auto.py)
+    schedule: str = SCHEDULE_NAMES[0]
     seed: int = 0
     recompute: Union[bool, tuple[int, ...]] = False  # True: every stage; a tuple: those stage ids
     # bf16: forwards under bf16 autocast (weights and optimizer state stay float32), and float32
@@ -40,17 +43,28 @@ class TrainConfig:
         if self.batch_size < self.num_microbatches:
             raise ConfigError(f"batch size {self.batch_size} < {self.num_microbatches} microbatches: every microbatch "
                               "needs at least one sample; raise batch_size or lower num_microbatches")
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose {', '.join(SCHEDULE_NAMES[:-1])} or {SCHEDULE_NAMES[-1]}")
+        if self.schedule not in SCHEDULE_NAMES + (AUTO,):
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose {', '.join(SCHEDULE_NAMES)} or {AUTO}")
         if self.schedule not in FLUSH_SCHEDULES and self.clip_grad is not None:
             raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
                               "stage updates on its own after each microbatch, so there is no global norm")
-        if self.schedule == "interleaved" and (self.bf16 or self.recompute):
-            raise ConfigError("the interleaved schedule does not run --bf16 or --recompute yet (untested there); drop "
-                              "them, or use the 1f1b schedule")
+        if self.schedule in self.schedule_refusals():
+            raise ConfigError(self.schedule_refusals()[self.schedule])
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"clip_grad must be > 0, got {self.clip_grad}; leave it unset to not clip")
         lr_factor(self.lr_schedule, 0)  # validates
+
+    def schedule_refusals(self) -> dict[str, str]:
+        """Schedule name -> why this config cannot run it (what `--schedule auto` skips, and refuses when named)."""
+        refusals = {}
+        if self.bf16 or self.recompute:
+            refusals["interleaved"] = ("the interleaved schedule does not run --bf16 or --recompute yet (untested there); "
+                                       "drop them, or use the 1f1b schedule")
+        return refusals
+
+    def resolved(self, plan: Any) -> "TrainConfig":
+        """This config with `schedule="auto"` replaced by the schedule the job builder chose (`plan.extra`)."""
+        return self if self.schedule != AUTO else replace(self, schedule=chosen_schedule(plan))
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:

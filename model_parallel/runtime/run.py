@@ -236,6 +236,11 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
 
         channel = StaticPlanChannel(channel, "a PipeDream-generated package has no graph.json, and switching plans "
                                              "needs graph.json (regenerate the package with our converter)")
+    if config.schedule == "auto":  # the job builder resolves it, before any engine (runtime/step/auto.py)
+        from model_parallel.errors import ConfigError
+
+        raise ConfigError("schedule 'auto' reached run_job unresolved: build the job with schedule='auto' and run "
+                          "config.resolved(job.plan), the schedule the builder chose")
     outcome = "training finished"  # what the coordinator is told at the end (its status shows it)
     try:
         engine = PipelineEngine(graph=job.graph, plan=job.plan, model=move_real(job.model, world.device),

@@ -1,0 +1,122 @@
+"""`--schedule auto`: simulate every flush schedule that can run on its candidate plan and pick the fastest.
+
+Each candidate is a schedule name with the per-stage times of the plan it would run (Interleaved 1F1B
+cuts the model into more stages than ranks, so its plan and times differ) or the reason it cannot run
+(memory, the plan, the config). The grid comes from the runtime's own builders (`run_schedule`), its
+time from the simulator (optimizer/simulate.py); the lowest predicted step wins, ties going to the
+earlier candidate in `FLUSH_SCHEDULES` order (1f1b before gpipe: the same time for less memory). Pure
+and deterministic: every rank that builds the same job reaches the same choice. The one line it logs:
+
+    schedule auto: chose 1f1b (predicted 123.4 ms/step, bubble 31 %; gpipe 140.2 ms, interleaved refused: ...)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from model_parallel.errors import ScheduleError
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES
+from model_parallel.optimizer.simulate import Simulation, StageTimes, simulate
+from model_parallel.runtime.step.interleaved import run_schedule
+from model_parallel.runtime.step.schedule import Schedule
+
+AUTO = "auto"
+EXTRA_KEY = "schedule"  # plan.extra[EXTRA_KEY]: the choice, carried with the plan (its table prints it)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A schedule auto may pick: its plan's per-stage times (per microbatch) and edge transfers, or why it cannot run."""
+
+    name: str
+    times: tuple[StageTimes, ...] = ()
+    transfer_ms: Union[float, tuple[float, ...]] = 0.0
+    refused: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One simulated candidate: the step's makespan and each rank's bubble."""
+
+    name: str
+    step_ms: float
+    bubbles: tuple[float, ...]
+
+    @property
+    def bubble(self) -> float:
+        return sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What auto chose, what it predicted for every candidate it simulated, and why the others were refused."""
+
+    name: str
+    predictions: tuple[Prediction, ...]
+    refused: tuple[tuple[str, str], ...]
+    unit: str = "ms"  # "ms", or "units" where the times are a proxy (an untimed graph: parameter bytes)
+
+    @property
+    def chosen(self) -> Prediction:
+        return next(p for p in self.predictions if p.name == self.name)
+
+    def line(self) -> str:
+        chosen, per = self.chosen, "ms/step" if self.unit == "ms" else f"{self.unit}/step"
+        others = [f"{p.name} {p.step_ms:.1f} {self.unit}" for p in self.predictions if p.name != self.name]
+        others += [f"{name} refused: {why}" for name, why in self.refused]
+        rest = f"; {', '.join(others)}" if others else ""
+        return (f"schedule auto: chose {self.name} (predicted {chosen.step_ms:.1f} {per}, bubble "
+                f"{100 * chosen.bubble:.0f} %{rest})")
+
+    def to_extra(self) -> dict[str, Any]:
+        """What the plan carries (`plan.extra["schedule"]`): plain JSON, the same on every rank."""
+        chosen = self.chosen
+        return {"name": self.name, "chosen_by": AUTO, "predicted_step": round(chosen.step_ms, 6), "unit": self.unit,
+                "predicted_bubble": round(chosen.bubble, 6), "line": self.line()}
+
+
+def simulate_schedule(schedule: Schedule, times: Sequence[StageTimes],
+                      transfer_ms: Union[float, Sequence[float]] = 0.0) -> Simulation:
+    """Simulate one of the runtime's schedule grids (its rows' orders, not its unit-time steps)."""
+    rows = [schedule.row_actions(r) for r in range(schedule.num_rows)]
+    return simulate(rows, [schedule.row_of(s) for s in range(schedule.num_stages)], times, transfer_ms)
+
+
+def predict(candidate: Candidate, num_microbatches: int, num_ranks: int) -> Prediction:
+    """The candidate's schedule over its plan's stages on `num_ranks` ranks, simulated."""
+    schedule = run_schedule(candidate.name, len(candidate.times), num_microbatches, num_ranks)
+    result = simulate_schedule(schedule, candidate.times, candidate.transfer_ms)
+    return Prediction(candidate.name, result.makespan_ms, result.bubbles)
+
+
+def choose_schedule(candidates: Sequence[Candidate], num_microbatches: int, num_ranks: int,
+                    unit: str = "ms") -> Choice:
+    """The fastest candidate that is not refused (ties: the earlier in FLUSH_SCHEDULES order); raises
+    ScheduleError naming every candidate's reason when none can run."""
+    order = {name: index for index, name in enumerate(FLUSH_SCHEDULES)}
+    unknown = [c.name for c in candidates if c.name not in order]
+    if unknown:
+        raise ScheduleError(f"schedule auto chooses among the flush schedules {', '.join(FLUSH_SCHEDULES)}; got {unknown}")
+    ranked = sorted(candidates, key=lambda c: order[c.name])
+    refused = tuple((c.name, c.refused) for c in ranked if c.refused is not None)
+    predictions = tuple(predict(c, num_microbatches, num_ranks) for c in ranked if c.refused is None)
+    if not predictions:
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused) or "no candidates"
+        raise ScheduleError(f"schedule auto: no schedule can run this job ({reasons})")
+    best = predictions[0]
+    for prediction in predictions[1:]:  # strictly faster only: a tie keeps the earlier (less memory)
+        if prediction.step_ms < best.step_ms * (1 - 1e-9):
+            best = prediction
+    return Choice(best.name, predictions, refused, unit)
+
+
+def chosen_schedule(plan: Any) -> str:
+    """The schedule auto chose for `plan` (the job builder put it in `plan.extra`); ScheduleError without one."""
+    choice = dict(getattr(plan, "extra", {}) or {}).get(EXTRA_KEY)
+    name = choice.get("name") if isinstance(choice, dict) else None
+    if name not in FLUSH_SCHEDULES:
+        raise ScheduleError(f"schedule 'auto' is resolved by the job builder (api.job.build_job with schedule='auto'), "
+                            f"which records its choice in plan.extra[{EXTRA_KEY!r}]; this plan has {choice!r}: build the "
+                            "job with schedule='auto', or name a schedule")
+    return str(name)
