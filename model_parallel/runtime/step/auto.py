@@ -3,8 +3,9 @@
 Each candidate is a schedule name with the per-stage times of the plan it would run (Interleaved 1F1B
 cuts the model into more stages than ranks, so its plan and times differ) or the reason it cannot run
 (memory, the plan, the config). The grid comes from the runtime's own builders (`run_schedule`), its
-time from the simulator (optimizer/simulate.py); the lowest predicted step wins, ties going to the
-earlier candidate in `FLUSH_SCHEDULES` order (1f1b before gpipe: the same time for less memory). Pure
+time from the simulator (optimizer/simulate.py); the lowest predicted step wins, unless an earlier
+candidate in `FLUSH_SCHEDULES` order is within `TIE` of it (1f1b before gpipe: about the same time
+for less memory; the model is not exact to a percent). Pure
 and deterministic: every rank that builds the same job reaches the same choice. The one line it logs:
 
     schedule auto: chose 1f1b (predicted 123.4 ms/step, bubble 31 %; gpipe 140.2 ms, interleaved refused: ...)
@@ -22,6 +23,7 @@ from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule
 
 AUTO = "auto"
+TIE = 0.01  # a candidate must predict a step this much shorter than an earlier one to be chosen over it
 EXTRA_KEY = "schedule"  # plan.extra[EXTRA_KEY]: the choice, carried with the plan (its table prints it)
 
 
@@ -92,7 +94,7 @@ def predict(candidate: Candidate, num_microbatches: int, num_ranks: int) -> Pred
 
 def choose_schedule(candidates: Sequence[Candidate], num_microbatches: int, num_ranks: int,
                     unit: str = "ms") -> Choice:
-    """The fastest candidate that is not refused (ties: the earlier in FLUSH_SCHEDULES order); raises
+    """The fastest candidate that is not refused (within `TIE`: the earlier in FLUSH_SCHEDULES order); raises
     ScheduleError naming every candidate's reason when none can run."""
     order = {name: index for index, name in enumerate(FLUSH_SCHEDULES)}
     unknown = [c.name for c in candidates if c.name not in order]
@@ -105,8 +107,8 @@ def choose_schedule(candidates: Sequence[Candidate], num_microbatches: int, num_
         reasons = "; ".join(f"{name}: {why}" for name, why in refused) or "no candidates"
         raise ScheduleError(f"schedule auto: no schedule can run this job ({reasons})")
     best = predictions[0]
-    for prediction in predictions[1:]:  # strictly faster only: a tie keeps the earlier (less memory)
-        if prediction.step_ms < best.step_ms * (1 - 1e-9):
+    for prediction in predictions[1:]:  # clearly faster only: a near tie keeps the earlier (less memory)
+        if prediction.step_ms < best.step_ms * (1 - TIE):
             best = prediction
     return Choice(best.name, predictions, refused, unit)
 

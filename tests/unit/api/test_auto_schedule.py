@@ -1,0 +1,72 @@
+"""`schedule="auto"` in the job builder (api/auto_schedule.py): candidate plans from a timed profile, the memory
+limit per schedule, the refusals, and the choice carried on the plan."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from model_parallel.api.auto_schedule import edge_transfers, resolve_auto, stage_times
+from model_parallel.api.job import JobSpec
+from model_parallel.errors import ScheduleError
+from model_parallel.graph.core import Graph, Node
+from model_parallel.runtime.step.auto import chosen_schedule
+
+MB = 1e6
+
+
+def chain(activation_mb: float, layers: int = 4) -> Graph:
+    """Input -> n0 -> ... : each layer 1 ms forward, 2 ms backward, 1 MB of weights, `activation_mb` out."""
+    nodes = [Node("x", "Input0", activation_size=activation_mb * MB)]
+    nodes += [Node(f"n{i}", f"Linear({i})", forward_ms=1.0, backward_ms=2.0, parameter_size=1 * MB,
+                   activation_size=activation_mb * MB) for i in range(layers)]
+    return Graph(tuple(nodes), tuple((a.node_id, b.node_id) for a, b in zip(nodes, nodes[1:])))
+
+
+def spec(graph: Graph, **fields: object) -> JobSpec:
+    return JobSpec(graph=graph, batch_size=8, num_microbatches=8, schedule="auto", **fields)  # type: ignore[arg-type]
+
+
+def test_gpipe_refused_by_memory_runs_1f1b(caplog: pytest.LogCaptureFixture) -> None:
+    # m = 8: GPipe holds 8 microbatches' 20 MB activations on a stage (160 MB > 100 MB), 1F1B at most 2.
+    graph = chain(20)
+    with caplog.at_level(logging.INFO, logger="model_parallel.api.auto_schedule"):
+        plan = resolve_auto(spec(graph, memory_per_worker=100 * MB), graph, None, 2)
+    assert chosen_schedule(plan) == "1f1b"
+    line = next(r.getMessage() for r in caplog.records if "schedule auto" in r.getMessage())
+    assert line.startswith("schedule auto: chose 1f1b (predicted ")
+    assert "gpipe refused: no split of the model into 2 stages fits 0.1 GB per worker" in line
+    assert "interleaved refused: the interleaved schedule places single-replica stages in a loop" in line
+    assert plan.extra["schedule"]["line"] == line
+    assert "bubble" in plan.table().splitlines()[-1]
+
+
+def test_interleaved_wins_on_a_fast_link_and_gpipe_on_heavy_crossings() -> None:
+    light = chain(0.001)
+    plan = resolve_auto(spec(light), light, None, 2)
+    assert chosen_schedule(plan) == "interleaved"
+    assert plan.is_loop_placement and plan.num_stages == 4
+    # 20 MB per crossing at 1 GB/s: 20 ms a message against 1-2 ms of compute. Interleaved pays 3 crossings a
+    # microbatch; 1F1B's backward waits for a round trip after each forward; GPipe streams them back to back.
+    heavy = chain(20)
+    line = resolve_auto(spec(heavy), heavy, None, 2).extra["schedule"]["line"]
+    assert line == "schedule auto: chose gpipe (predicted 94.0 ms/step, bubble 49 %; 1f1b 214.0 ms, interleaved 359.0 ms)"
+
+
+def test_the_configs_refusal_and_a_given_plan_limit_the_candidates() -> None:
+    light = chain(0)  # free crossings: 1f1b and gpipe tie, and the tie goes to 1f1b (less memory)
+    refused = spec(light, schedule_refusals={"interleaved": "the interleaved schedule does not run --bf16"})
+    assert chosen_schedule(resolve_auto(refused, light, None, 2)) == "1f1b"
+    straight = resolve_auto(refused, light, None, 2)
+    given = resolve_auto(spec(light), light, straight, 2)  # one stage per rank given: interleaved cannot run it
+    assert chosen_schedule(given) == "1f1b" and [s.node_ids for s in given.stages] == [s.node_ids for s in straight.stages]
+    with pytest.raises(ScheduleError, match=r"no schedule can run this job \(1f1b: .*; gpipe: .*; interleaved: "):
+        resolve_auto(spec(chain(20), memory_per_worker=1 * MB), chain(20), None, 2)
+
+
+def test_stage_times_and_transfers_are_one_microbatchs() -> None:
+    graph = chain(10)
+    plan = resolve_auto(spec(graph, schedule_refusals={"interleaved": "no"}), graph, None, 2)
+    times = stage_times(graph, plan, 0.5)
+    assert [(t.forward_ms, t.backward_ms) for t in times] == [(1.0, 2.0), (1.0, 2.0)]  # 2 layers each, half a batch
+    assert edge_transfers(graph, plan, 0.5) == pytest.approx((5.0,))  # 5 MB at 1 GB/s
