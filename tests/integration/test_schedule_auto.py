@@ -1,0 +1,45 @@
+"""`--schedule auto` on 2 processes: the chosen schedule trains exactly as single-process training does (1e-5),
+rank 0 logs the one line of the choice, and the plan table shows the predicted bubble."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from model_parallel.runtime.checkpoint.store import load_checkpoint
+from model_parallel.runtime.launch import launch_workers
+from support.mlp import assert_params_close, reference_params
+
+STEPS = 3
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.timeout(400)
+def test_auto_picks_a_schedule_that_trains_exactly_and_says_why(tmp_path: Path) -> None:
+    common = ["--model", "mlp", "--schedule", "auto", "--steps", str(STEPS), "--batch_size", "8",
+              "--num_microbatches", "4", "--timeout", "60"]
+    jobs = [common + ["--checkpoint_dir", str(tmp_path / "free")],
+            # A memory limit rules out interleaved (its memory model prices one stage per worker).
+            common + ["--checkpoint_dir", str(tmp_path / "limited"), "--memory_per_worker", "1e10"]]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    result = launch_workers(["--jobs", str(tmp_path / "jobs.json"), "--timeout", "60"], 2, timeout=350)
+    assert result.ok, result.summary()
+    out = result.output(0)
+    lines = re.findall(r"schedule auto: chose .*", out)
+    assert len(lines) == 2, out
+    # The MLP is traced, not profiled: it is priced by parameter bytes, as the even split is ("units").
+    assert re.match(r"schedule auto: chose interleaved \(predicted [\d.]+ units/step, bubble \d+ %; 1f1b [\d.]+ units, "
+                    r"gpipe [\d.]+ units\)", lines[0]), lines[0]
+    assert re.match(r"schedule auto: chose (1f1b|gpipe) \(predicted [\d.]+ units/step, bubble \d+ %; .*interleaved "
+                    r"refused: the interleaved schedule places single-replica stages in a loop", lines[1]), lines[1]
+    tables = re.findall(r"schedule (\w+) \(chosen by auto\): predicted [\d.]+ units per step, bubble \d+ %", out)
+    assert tables[0] == "interleaved" and tables[1] in ("1f1b", "gpipe"), out
+    assert "[rank 0 stage 0,2]" in out  # the first job runs the loop plan: 2 stages per rank
+    assert "schedule auto" not in result.output(1)  # one line, on rank 0
+    want = reference_params(STEPS)
+    for name in ("free", "limited"):
+        checkpoint = load_checkpoint(tmp_path / name)
+        assert checkpoint.extra["next_step"] == STEPS
+        assert_params_close(checkpoint.params(), want, f"--schedule auto ({name})")
