@@ -81,7 +81,9 @@ def _candidate_plan(spec: "JobSpec", graph: Graph, name: str, given: Optional[Pl
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
         stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
         plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
-    return check_plan(graph, plan, world_size, name).plan
+    # The schedule's rules (placement, ties); whether the plan fits the world is the engine's check (a single
+    # process runs every stage of a plan for more ranks than it has).
+    return check_plan(graph, plan, max(world_size, plan.num_ranks), name).plan
 
 
 def resolve_auto(spec: "JobSpec", graph: Graph, given: Optional[Plan], world_size: int) -> Plan:

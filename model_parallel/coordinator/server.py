@@ -47,6 +47,7 @@ from model_parallel.coordinator.status import Roster, WorkerState, write_status
 from model_parallel.coordinator.workers import WorkerLink
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import SCHEDULE_NAMES
 from model_parallel.graph.loader import check_graph
 from model_parallel.graph.plan import Plan
 from model_parallel.ratelog import RateLimitedLog
@@ -111,9 +112,11 @@ class Coordinator(WorkerLink):
             raise PlanError(f"world size {world_size} is too small for plan v{plan.version}, which places rank {max(ranks)}")
         self.roster = Roster(world_size if world_size is not None else max(ranks) + 1)
         # The schedule the workers run, where the job says (their own flag may differ: then they check what this cannot).
+        # "auto": each worker resolves it from the job (runtime/step/auto.py) and names the one it chose when it registers.
         schedule = (job or {}).get("train", {}).get("schedule")
+        known = schedule if isinstance(schedule, str) and schedule in SCHEDULE_NAMES else None
         self.rebalancer = Rebalancer(policy_mod.with_cost_proxy(graph), plan, config, solver, auto=policy == "auto",
-                                     world_size=self.roster.world_size, schedule=schedule if isinstance(schedule, str) else None,
+                                     world_size=self.roster.world_size, schedule=known,
                                      memory=memory)
         self.ctl = CtlHandler(self.lock, self.roster, self.rebalancer, self._send_to, self.status)
         self.shutdown = threading.Event()

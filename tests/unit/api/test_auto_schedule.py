@@ -70,3 +70,20 @@ def test_stage_times_and_transfers_are_one_microbatchs() -> None:
     times = stage_times(graph, plan, 0.5)
     assert [(t.forward_ms, t.backward_ms) for t in times] == [(1.0, 2.0), (1.0, 2.0)]  # 2 layers each, half a batch
     assert edge_transfers(graph, plan, 0.5) == pytest.approx((5.0,))  # 5 MB at 1 GB/s
+
+
+def test_the_pipeline_trainer_resolves_auto_before_it_builds_a_runner() -> None:
+    import torch
+
+    from model_parallel.api.trainer import PipelineTrainer
+    from model_parallel.runtime.build.zoo import recipe
+    from model_parallel.runtime.config import TrainConfig
+
+    r = recipe("mlp")
+    trainer = PipelineTrainer(r.model(0), lambda params: torch.optim.SGD(params, lr=0.1), r.data(8, 0),
+                              TrainConfig(batch_size=8, num_microbatches=4, schedule="auto"), criterion=r.criterion,
+                              num_stages=2, single_process=True)
+    # One process: interleaved needs >= 2 ranks; 1f1b and gpipe tie on the unpriced links, and 1f1b holds less.
+    assert trainer.config.schedule == "1f1b"
+    assert trainer.plan.extra["schedule"]["line"].startswith("schedule auto: chose 1f1b (predicted ")
+    assert "interleaved refused: it needs >= 2 ranks" in trainer.plan.extra["schedule"]["line"]
