@@ -1,8 +1,8 @@
 """`schedule="auto"` for a job: each flush schedule's candidate plan, priced from the profile, simulated; the fastest that fits.
 
-1f1b and gpipe run the job's own plan (the one given, the package's, or the even split, under
-`memory_per_worker` the most even that fits that schedule's footprint); interleaved runs the loop plan
-(2 stages per rank) when nothing rules it out. A candidate that cannot run (no split fits the memory,
+Each schedule's plan comes from the job builder (api/job.py `_schedule_plan`): 1f1b and gpipe run the
+job's own plan (the one given, the package's, or the even split, under `memory_per_worker` the most even
+that fits that schedule's footprint); interleaved runs the loop plan (2 stages per rank). A candidate that cannot run (no split fits the memory,
 the plan's rules, the config: `JobSpec.schedule_refusals`) is refused with its reason. Stage times are
 the profile's forward and backward ms of each stage's nodes for one microbatch; a stage edge costs its
 crossing bytes over the optimizer's default 1 GB/s link. A graph without timings (traced, not profiled)
@@ -13,8 +13,8 @@ so every rank, the plan table and a broadcast plan agree on it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
 
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.graph.core import Graph
@@ -22,9 +22,6 @@ from model_parallel.graph.in_flight import FLUSH_SCHEDULES
 from model_parallel.graph.plan import Level, Plan
 from model_parallel.optimizer.simulate import StageTimes
 from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule
-
-if TYPE_CHECKING:
-    from model_parallel.api.job import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -56,50 +53,39 @@ def edge_transfers(graph: Graph, plan: Plan, scale: float) -> tuple[float, ...]:
     return tuple(1e3 * b / LINK_BYTES_PER_S for b in crossing)
 
 
-def _candidate_plan(spec: "JobSpec", graph: Graph, name: str, given: Optional[Plan], world_size: int) -> Plan:
+def _candidate_plan(graph: Graph, name: str, world_size: int, num_microbatches: int, refusals: Mapping[str, str],
+                    plan_for: Callable[[str], Plan]) -> Plan:
     """The plan `name` would run for this job (raises a ModelParallelError saying why it cannot)."""
-    from model_parallel.api.job import _footprint, _loop_plan
-    from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.plancheck import check_plan
 
-    why = (spec.schedule_refusals or {}).get(name)
-    if why:
-        raise PlanError(why)
-    footprint = _footprint(replace(spec, schedule=name), graph) if spec.memory_per_worker is not None else None
-    if given is not None:
-        plan = given
-        if footprint is not None:
-            from model_parallel.optimizer.memory import MemoryLimit
-
-            MemoryLimit(float(spec.memory_per_worker), footprint).check(graph, plan, "the plan given")  # type: ignore[arg-type]
-    elif name == "interleaved":
-        if world_size < 2 or spec.num_microbatches % world_size:
-            raise PlanError(f"it needs >= 2 ranks and microbatches a multiple of them (got {world_size} rank(s), "
-                            f"{spec.num_microbatches} microbatches)")
-        plan = _loop_plan(spec, graph, world_size)
-    else:
-        replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
-        stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
-        plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
+    if refusals.get(name):
+        raise PlanError(refusals[name])
+    if name == "interleaved" and (world_size < 2 or num_microbatches % world_size):
+        raise PlanError(f"it needs >= 2 ranks and microbatches a multiple of them (got {world_size} rank(s), "
+                        f"{num_microbatches} microbatches)")
+    plan = plan_for(name)
     # The schedule's rules (placement, ties); whether the plan fits the world is the engine's check (a single
     # process runs every stage of a plan for more ranks than it has).
     return check_plan(graph, plan, max(world_size, plan.num_ranks), name).plan
 
 
-def resolve_auto(spec: "JobSpec", graph: Graph, given: Optional[Plan], world_size: int) -> Plan:
-    """The plan of the schedule auto chooses for `spec` (see the module docstring), the choice in its extra;
-    logs the choice's line. Raises ScheduleError when no flush schedule can run the job."""
+def resolve_auto(graph: Graph, world_size: int, num_microbatches: int, micro_batch: int, refusals: Mapping[str, str],
+                 plan_for: Callable[[str], Plan]) -> Plan:
+    """The plan of the schedule auto chooses (see the module docstring), the choice in its extra; logs the
+    choice's line. `plan_for(name)`: the plan schedule `name` runs for this job (api.job), or a
+    ModelParallelError saying why it cannot; `refusals`: schedules ruled out before that, with why.
+    Raises ScheduleError when no flush schedule can run the job."""
     from model_parallel.optimizer.contiguous import priced_graph
     from model_parallel.optimizer.memory import activation_scale
 
     timed = any(node.compute_ms > 0 for node in graph.nodes)
     priced = graph if timed else priced_graph(graph)
-    scale = activation_scale(graph, spec.micro_batch) if timed else 1.0
+    scale = activation_scale(graph, micro_batch) if timed else 1.0
     plans: dict[str, Plan] = {}
     candidates = []
     for name in FLUSH_SCHEDULES:
         try:
-            plan = _candidate_plan(spec, graph, name, given, world_size)
+            plan = _candidate_plan(graph, name, world_size, num_microbatches, refusals, plan_for)
         except ModelParallelError as error:
             candidates.append(Candidate(name, refused=str(error).splitlines()[0]))
             continue
@@ -109,7 +95,7 @@ def resolve_auto(spec: "JobSpec", graph: Graph, given: Optional[Plan], world_siz
         if not timed:  # the proxy prices a stage's forward only: a backward costs about twice its forward
             times = tuple(StageTimes(t.forward_ms, 2 * t.forward_ms) for t in times)
         candidates.append(Candidate(name, times, transfers))
-    choice: Choice = choose_schedule(candidates, spec.num_microbatches, world_size, "ms" if timed else "units")
+    choice: Choice = choose_schedule(candidates, num_microbatches, world_size, "ms" if timed else "units")
     logger.info("%s", choice.line())
     plan = plans[choice.name]
     return replace(plan, extra={**dict(plan.extra), EXTRA_KEY: choice.to_extra()})

@@ -148,24 +148,14 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         from model_parallel.graph.plan import read_plan
 
         plan = spec.plan if isinstance(spec.plan, Plan) else read_plan(spec.plan)
-    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None and spec.schedule != AUTO else None
     if spec.schedule == AUTO:  # resolved once, here: everything downstream sees a concrete schedule
         from model_parallel.api.auto_schedule import resolve_auto
 
-        plan = resolve_auto(spec, graph, plan, world_size)
-    elif plan is None:
-        from model_parallel.runtime.build.stages import even_plan
-
-        replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
-        if spec.schedule == "interleaved":
-            plan = _loop_plan(spec, graph, world_size)
-        else:
-            stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
-            plan = even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
-    elif footprint is not None:
-        from model_parallel.optimizer.memory import MemoryLimit
-
-        MemoryLimit(float(spec.memory_per_worker), footprint).check(graph, plan, "the plan given")  # type: ignore[arg-type]
+        given = plan
+        plan = resolve_auto(graph, world_size, spec.num_microbatches, spec.micro_batch, spec.schedule_refusals or {},
+                            lambda name: _schedule_plan(spec, graph, name, given, world_size))
+    else:
+        plan = _schedule_plan(spec, graph, spec.schedule, plan, world_size)
     records = graph.metadata.get("inputs") or []
     if spec.data == "synthetic" and len(records) > 1:  # named inputs (input_ids + attention_mask): one value each
         from model_parallel.runtime.data.named_data import NamedSyntheticData
@@ -195,6 +185,25 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
                static_plan=static, eval_dataset=eval_dataset, initializer=Initializer(spec.seed, spec.init_weights, source,
                                                           bare_tensor_defaults=spec.model is None,
                                                           model=spec.model if isinstance(spec.model, nn.Module) else None))
+
+
+def _schedule_plan(spec: JobSpec, graph: Graph, schedule: str, given: Optional[Plan], world_size: int) -> Plan:
+    """The plan `schedule` runs for this job: the one given (checked against `memory_per_worker`), else the loop
+    plan (interleaved) or the even split (under `memory_per_worker` the most even that fits this schedule)."""
+    footprint = _footprint(replace(spec, schedule=schedule), graph) if spec.memory_per_worker is not None else None
+    if given is not None:
+        if footprint is not None:
+            from model_parallel.optimizer.memory import MemoryLimit
+
+            MemoryLimit(float(spec.memory_per_worker), footprint).check(graph, given, "the plan given")  # type: ignore[arg-type]
+        return given
+    if schedule == "interleaved":
+        return _loop_plan(spec, graph, world_size)
+    from model_parallel.runtime.build.stages import even_plan
+
+    replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
+    stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))
+    return even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
 
 
 def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str) -> Any:

@@ -3,13 +3,16 @@ limit per schedule, the refusals, and the choice carried on the plan."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import pytest
 
-from model_parallel.api.auto_schedule import edge_transfers, resolve_auto, stage_times
-from model_parallel.api.job import JobSpec
+from model_parallel.api import auto_schedule
+from model_parallel.api.auto_schedule import edge_transfers, stage_times
+from model_parallel.api.job import JobSpec, _schedule_plan
 from model_parallel.errors import ScheduleError
 from model_parallel.graph.core import Graph, Node
+from model_parallel.graph.plan import Plan
 from model_parallel.runtime.step.auto import chosen_schedule
 
 MB = 1e6
@@ -25,6 +28,13 @@ def chain(activation_mb: float, layers: int = 4) -> Graph:
 
 def spec(graph: Graph, **fields: object) -> JobSpec:
     return JobSpec(graph=graph, batch_size=8, num_microbatches=8, schedule="auto", **fields)  # type: ignore[arg-type]
+
+
+def resolve_auto(job: JobSpec, graph: Graph, given: Optional[Plan], world_size: int) -> Plan:
+    """What build_job does with schedule="auto" (without building a model from the graph's missing layers)."""
+    return auto_schedule.resolve_auto(graph, world_size, job.num_microbatches, job.micro_batch,
+                                      job.schedule_refusals or {},
+                                      lambda name: _schedule_plan(job, graph, name, given, world_size))
 
 
 def test_gpipe_refused_by_memory_runs_1f1b(caplog: pytest.LogCaptureFixture) -> None:
