@@ -101,8 +101,13 @@ def choose_schedule(candidates: Sequence[Candidate], num_microbatches: int, num_
     if unknown:
         raise ScheduleError(f"schedule auto chooses among the flush schedules {', '.join(FLUSH_SCHEDULES)}; got {unknown}")
     ranked = sorted(candidates, key=lambda c: order[c.name])
-    refused = tuple((c.name, c.refused) for c in ranked if c.refused is not None)
-    predictions = tuple(predict(c, num_microbatches, num_ranks) for c in ranked if c.refused is None)
+    refused = [(c.name, c.refused) for c in ranked if c.refused is not None]
+    predictions = []
+    for candidate in (c for c in ranked if c.refused is None):
+        try:
+            predictions.append(predict(candidate, num_microbatches, num_ranks))
+        except ScheduleError as error:  # e.g. an I/W-split schedule without the split times, m that does not fit it
+            refused.append((candidate.name, f"cannot be simulated: {str(error).splitlines()[0]}"))
     if not predictions:
         reasons = "; ".join(f"{name}: {why}" for name, why in refused) or "no candidates"
         raise ScheduleError(f"schedule auto: no schedule can run this job ({reasons})")
@@ -110,7 +115,7 @@ def choose_schedule(candidates: Sequence[Candidate], num_microbatches: int, num_
     for prediction in predictions[1:]:  # clearly faster only: a near tie keeps the earlier (less memory)
         if prediction.step_ms < best.step_ms * (1 - TIE):
             best = prediction
-    return Choice(best.name, predictions, refused, unit)
+    return Choice(best.name, tuple(predictions), tuple(refused), unit)
 
 
 def chosen_schedule(plan: Any) -> str:

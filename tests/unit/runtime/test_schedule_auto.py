@@ -54,6 +54,14 @@ def test_the_choice_does_not_depend_on_the_order_candidates_come_in() -> None:
     assert [p.name for p in choose_schedule(candidates, 6, 3).predictions] == ["1f1b", "gpipe"]
 
 
+def test_a_candidate_the_simulator_cannot_run_is_refused_not_fatal() -> None:
+    # Interleaved over 4 ranks runs microbatches in rounds of 4: m = 2 cannot be built, so it is refused by name.
+    choice = choose_schedule([Candidate("1f1b", even(4, 1, 2)), Candidate("interleaved", even(8, 0.5, 1))], 2, 4)
+    assert choice.name == "1f1b"
+    assert choice.refused == (("interleaved", "cannot be simulated: interleaved 1F1B runs microbatches in rounds of "
+                                              "p=4: m=2 is not a multiple of p; use m=4"),)
+
+
 def test_nothing_that_can_run_is_an_error_naming_every_reason() -> None:
     with pytest.raises(ScheduleError, match=r"no schedule can run this job \(1f1b: too big; gpipe: too big\)"):
         choose_schedule([Candidate("1f1b", refused="too big"), Candidate("gpipe", refused="too big")], 4, 4)
