@@ -4,13 +4,15 @@
     model-parallel schedule 1f1b -p 4 -m 8 --csv 1f1b.csv  # written in torch.distributed.pipelining's CSV format
     model-parallel schedule interleaved -p 4 -v 2 -m 8     # Interleaved 1F1B: 4 ranks, 2 stages each (rank rows)
     model-parallel schedule torch_order.csv                # a torch CSV checked by our rules (exit 2 naming the step)
+    model-parallel schedule 1f1b -p 4 -m 8 --times 10,20 --transfer_ms 1   # simulated in ms (optimizer/simulate.py)
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser
+from model_parallel.errors import ConfigError
 from model_parallel.graph.in_flight import SCHEDULE_NAMES
 from model_parallel.runtime.step.interleaved import NAME as INTERLEAVED
 from model_parallel.runtime.step.interleaved import interleaved_1f1b
@@ -31,6 +33,24 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
+def parse_times(text: str, num_stages: int) -> list[Any]:
+    """`--times F,B` (every stage) or `F,B/F,B/...` (one per stage): per-microbatch ms, as `StageTimes`."""
+    from model_parallel.optimizer.simulate import StageTimes
+
+    try:
+        pairs = [tuple(float(x) for x in part.split(",")) for part in text.split("/")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(pair) != 2 for pair in pairs) or len(pairs) not in (1, num_stages):
+        raise ConfigError(f"--times {text!r}: give forward,backward ms of one microbatch for every stage (e.g. 10,20) "
+                          f"or one pair per stage separated by '/' ({num_stages} stages)")
+    try:
+        times = [StageTimes(f, b) for f, b in pairs]
+    except ValueError as error:
+        raise ConfigError(f"--times {text!r}: {error}") from None
+    return times * num_stages if len(times) == 1 else times
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print a schedule (one of ours, or torch's CSV checked by our rules); --csv writes it in torch's format."""
     parser = ArgumentParser(prog="model-parallel schedule", description=main.__doc__)
@@ -41,6 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-v", "--stages_per_rank", type=int, default=2, help="interleaved only: stages per rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
+    parser.add_argument("--times", help="also simulate it with these ms per microbatch: forward,backward for every "
+                        "stage (10,20) or one pair per stage separated by '/' (10,20/30,60/...)")
+    parser.add_argument("--transfer_ms", type=float, default=0.0, help="with --times: ms to send one microbatch's "
+                        "values over a stage edge, each way (default 0)")
     args = parser.parse_args(argv)
     if args.schedule == INTERLEAVED:  # -p ranks, -v stages each
         schedule = interleaved_1f1b(args.stages, args.stages_per_rank, args.microbatches)
@@ -53,6 +77,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_rows} x {schedule.num_steps} unit steps "
           f"(every F and B one unit long); peak microbatches in flight per {rows}: "
           f"{peak_in_flight(schedule)}")
+    if args.times is not None:
+        from model_parallel.runtime.step.auto import simulate_schedule
+
+        result = simulate_schedule(schedule, parse_times(args.times, schedule.num_stages), args.transfer_ms)
+        print(f"simulated: {result.makespan_ms:.1f} ms per step, bubble {100 * result.bubble:.1f} % (per {rows}: "
+              f"{', '.join(f'{100 * b:.1f}' for b in result.bubbles)} %)")
     if args.csv:
         print(f"wrote {write_torch_csv(schedule, args.csv)}")
     return 0

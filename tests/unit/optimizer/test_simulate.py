@@ -89,3 +89,15 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
         simulate([[], []], [0, 1], even(1))
     with pytest.raises(ScheduleError, match=r"StageTimes.forward_ms must be a finite number of ms >= 0, got -1"):
         StageTimes(-1, 0)
+
+
+def test_the_schedule_command_simulates_given_times(capsys: pytest.CaptureFixture[str]) -> None:
+    from model_parallel.cli import schedule as schedule_cli
+    from model_parallel.errors import ConfigError
+
+    assert schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--times", "1,1/2,2"]) == 0
+    assert "simulated: 10.0 ms per step, bubble 40.0 % (per stage: 60.0, 20.0 %)" in capsys.readouterr().out
+    assert schedule_cli.main(["interleaved", "-p", "4", "-v", "2", "-m", "4", "--times", "0.5,0.5"]) == 0
+    assert "simulated: 11.0 ms per step, bubble 27.3 %" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"--times '1,2,3': give forward,backward ms of one microbatch"):
+        schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--times", "1,2,3"])
