@@ -45,7 +45,7 @@ class TrainConfig:
                               "needs at least one sample; raise batch_size or lower num_microbatches")
         if self.schedule not in SCHEDULE_NAMES + (AUTO,):
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose {', '.join(SCHEDULE_NAMES)} or {AUTO}")
-        if self.schedule not in FLUSH_SCHEDULES and self.clip_grad is not None:
+        if self.schedule not in FLUSH_SCHEDULES + (AUTO,) and self.clip_grad is not None:  # auto picks a flush one
             raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
                               "stage updates on its own after each microbatch, so there is no global norm")
         if self.schedule in self.schedule_refusals():
