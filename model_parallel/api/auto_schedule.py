@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.graph.core import Graph
@@ -51,6 +52,19 @@ def edge_transfers(graph: Graph, plan: Plan, scale: float) -> tuple[float, ...]:
         for edge in range(first, last):  # passed through every stage in between
             crossing[edge] += node.activation_bytes * scale
     return tuple(1e3 * b / LINK_BYTES_PER_S for b in crossing)
+
+
+def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[str, str]:
+    """Schedules `auto` may not pick for a run of this `TrainConfig`, and why: the config's own rules and what several
+    stages per rank cannot honour yet (`--measure_memory`, NCCL: `runtime.step.multi_stage.check_supported`)."""
+    from model_parallel.runtime.step.multi_stage import check_supported
+
+    refusals: dict[str, str] = config.schedule_refusals()
+    try:
+        check_supported(measure_memory, backend)
+    except ModelParallelError as error:
+        refusals.setdefault("interleaved", str(error))
+    return refusals
 
 
 def _candidate_plan(graph: Graph, name: str, world_size: int, num_microbatches: int, refusals: Mapping[str, str],

@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from model_parallel.api.auto_schedule import schedule_refusals
 from model_parallel.api.job import JobSpec, build_job
 from model_parallel.errors import DataError, ModelParallelError, PlanError, TrainingStopped
 from model_parallel.graph.core import Graph
@@ -86,7 +87,8 @@ class PipelineTrainer:
             data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
             batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
             init_weights=init_weights, memory_per_worker=memory_per_worker, schedule=config.schedule,
-            schedule_refusals=config.schedule_refusals(),
+            schedule_refusals=schedule_refusals(config, options.measure_memory,
+                                                dist.get_backend() if distributed and not self.single_process else "gloo"),
             optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum")
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
@@ -265,3 +267,4 @@ def _optimizer_kind(factory: OptimizerFactory) -> str:
 
     probe = factory([nn.Parameter(torch.zeros(1))])
     return optimizer_kind(type(probe).__name__.lower(), float(probe.defaults.get("momentum", 0.0) or 0.0))
+

@@ -167,11 +167,11 @@ def ask_coordinator(argv: Sequence[str], args: Any) -> tuple[Any, ServedJob]:
     return fetch_served_job(argv, args, build_parser())
 
 
-def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
+def job_spec(args: Any, served: Optional[ServedJob] = None, device: Optional[torch.device] = None) -> JobSpec:
     """The job the flags describe (`--model/--package/--graph`, the plan and the data), or the coordinator sent."""
     from model_parallel.graph.plan import parse_stage_to_num_ranks
 
-    refusals = schedule_refusals(args)
+    refusals = schedule_refusals(args, device)
     if served is not None:
         return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
                        data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
@@ -190,18 +190,22 @@ def job_spec(args: Any, served: Optional[ServedJob] = None) -> JobSpec:
                    **data_flags.spec_fields(args))
 
 
-def schedule_refusals(args: Any) -> dict[str, str]:
-    """What `--schedule auto` may not pick with these flags, and why (the config's rules, the coordinator's)."""
+def schedule_refusals(args: Any, device: Optional[torch.device] = None) -> dict[str, str]:
+    """What `--schedule auto` may not pick with these flags on this `device` (CUDA: NCCL), and why."""
+    from model_parallel.api.auto_schedule import schedule_refusals as config_refusals
+
     config, _ = make_config(args)
-    refusals = config.schedule_refusals()
+    refusals = config_refusals(config, bool(args.measure_memory),
+                               "nccl" if device is not None and device.type == "cuda" else "gloo")
     if args.coordinator:  # the coordinator rebalances by switching plans live, which interleaved cannot
         refusals.setdefault("interleaved", "live plan switches (--coordinator) are not supported under interleaved")
     return refusals
 
 
-def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None) -> Job:
-    """Graph, plan, seed-built model, criterion and dataset from the command line (or the coordinator)."""
-    return build_job(job_spec(args, served), world_size)
+def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None, device: Optional[torch.device] = None) -> Job:
+    """Graph, plan, seed-built model, criterion and dataset from the command line (or the coordinator); `device`:
+    where the world trains (what `--schedule auto` may pick depends on it)."""
+    return build_job(job_spec(args, served, device), world_size)
 
 
 def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -269,7 +273,7 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
             served: Optional[ServedJob] = None, watch: Optional[Any] = None) -> Any:
     """Build one job from its flags (or the coordinator's) and train it on the already-joined world
     (`watch` sees the engine before it trains: --recover times the first step after a recovery)."""
-    job = load_job(args, world.world_size, served)
+    job = load_job(args, world.world_size, served, world.device)
     config = config.resolved(job.plan)  # --schedule auto: the schedule the job builder chose
     recovered = getattr(args, "recovered", None)
     if recovered is not None:  # a re-formed world runs its even split under the version the survivors agreed on

@@ -97,3 +97,13 @@ def test_the_pipeline_trainer_resolves_auto_before_it_builds_a_runner() -> None:
     assert trainer.config.schedule == "1f1b"
     assert trainer.plan.extra["schedule"]["line"].startswith("schedule auto: chose 1f1b (predicted ")
     assert "interleaved refused: it needs >= 2 ranks" in trainer.plan.extra["schedule"]["line"]
+
+
+def test_what_several_stages_per_rank_cannot_honour_rules_interleaved_out() -> None:
+    from model_parallel.api.auto_schedule import schedule_refusals
+    from model_parallel.runtime.config import TrainConfig
+
+    assert schedule_refusals(TrainConfig(schedule="auto"), False, "gloo") == {}
+    assert "--measure_memory does not measure several stages per rank" in schedule_refusals(
+        TrainConfig(schedule="auto"), True, "gloo")["interleaved"]
+    assert "which NCCL ignores" in schedule_refusals(TrainConfig(schedule="auto"), False, "nccl")["interleaved"]
