@@ -35,6 +35,9 @@ class TrainConfig:
     bf16: bool = False
     clip_grad: Optional[float] = None  # max global gradient norm
     lr_schedule: str = "constant"  # constant | cosine:<total_steps> | warmup:<steps> | step:<every>:<gamma>
+    # `schedule` was chosen by "auto" (`resolved`): a checkpoint records "auto", so a resume that chooses again
+    # (another world size, new times) is not refused as a schedule change (flush schedules train the same)
+    schedule_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.num_microbatches < 1:
@@ -48,6 +51,9 @@ class TrainConfig:
         if self.schedule not in FLUSH_SCHEDULES + (AUTO,) and self.clip_grad is not None:  # auto picks a flush one
             raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
                               "stage updates on its own after each microbatch, so there is no global norm")
+        if self.schedule_auto and self.schedule not in FLUSH_SCHEDULES:
+            raise ConfigError(f"schedule_auto marks a schedule auto chose, one of {', '.join(FLUSH_SCHEDULES)}; got "
+                              f"{self.schedule!r}")
         if self.schedule in self.schedule_refusals():
             raise ConfigError(self.schedule_refusals()[self.schedule])
         if self.clip_grad is not None and not self.clip_grad > 0:
@@ -64,7 +70,7 @@ class TrainConfig:
 
     def resolved(self, plan: Any) -> "TrainConfig":
         """This config with `schedule="auto"` replaced by the schedule the job builder chose (`plan.extra`)."""
-        return self if self.schedule != AUTO else replace(self, schedule=chosen_schedule(plan))
+        return self if self.schedule != AUTO else replace(self, schedule=chosen_schedule(plan), schedule_auto=True)
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:

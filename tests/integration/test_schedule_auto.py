@@ -22,13 +22,15 @@ def test_auto_picks_a_schedule_that_trains_exactly_and_says_why(tmp_path: Path) 
               "--num_microbatches", "4", "--timeout", "60"]
     jobs = [common + ["--checkpoint_dir", str(tmp_path / "free")],
             # A memory limit rules out interleaved (its memory model prices one stage per worker).
-            common + ["--checkpoint_dir", str(tmp_path / "limited"), "--memory_per_worker", "1e10"]]
+            common + ["--checkpoint_dir", str(tmp_path / "limited"), "--memory_per_worker", "1e10"],
+            # Resumed with auto, it chooses again: the checkpoint recorded "auto", so that is no schedule change.
+            [*common[:5], str(STEPS + 2), *common[6:], "--checkpoint_dir", str(tmp_path / "limited"), "--resume"]]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     result = launch_workers(["--jobs", str(tmp_path / "jobs.json"), "--timeout", "60"], 2, timeout=350)
     assert result.ok, result.summary()
     out = result.output(0)
     lines = re.findall(r"schedule auto: chose .*", out)
-    assert len(lines) == 2, out
+    assert len(lines) == 3, out
     # The MLP is traced, not profiled: it is priced by parameter bytes, as the even split is ("units").
     assert re.match(r"schedule auto: chose interleaved \(predicted [\d.]+ units/step, bubble \d+ %; 1f1b [\d.]+ units, "
                     r"gpipe [\d.]+ units\)", lines[0]), lines[0]
@@ -38,8 +40,9 @@ def test_auto_picks_a_schedule_that_trains_exactly_and_says_why(tmp_path: Path) 
     assert tables[0] == "interleaved" and tables[1] in ("1f1b", "gpipe"), out
     assert "[rank 0 stage 0,2]" in out  # the first job runs the loop plan: 2 stages per rank
     assert "schedule auto" not in result.output(1)  # one line, on rank 0
-    want = reference_params(STEPS)
-    for name in ("free", "limited"):
+    assert lines[2].startswith("schedule auto: chose interleaved")  # no memory limit on the resume: interleaved
+    for name, steps in (("free", STEPS), ("limited", STEPS + 2)):
         checkpoint = load_checkpoint(tmp_path / name)
-        assert checkpoint.extra["next_step"] == STEPS
-        assert_params_close(checkpoint.params(), want, f"--schedule auto ({name})")
+        assert checkpoint.extra["next_step"] == steps
+        assert checkpoint.extra["training"]["schedule"] == "auto"
+        assert_params_close(checkpoint.params(), reference_params(steps), f"--schedule auto ({name})")

@@ -85,8 +85,14 @@ def test_train_config_takes_auto_and_resolves_it_from_the_plan() -> None:
     assert config.schedule_refusals() == {"interleaved": "the interleaved schedule does not run --bf16 or --recompute "
                                                          "yet (untested there); drop them, or use the 1f1b schedule"}
     plan = Plan((StagePlan(0, ("a",), ranks=(0,)),), extra={"schedule": {"name": "gpipe"}})
-    assert config.resolved(plan).schedule == "gpipe"
+    assert config.resolved(plan).schedule == "gpipe" and config.resolved(plan).schedule_auto
+    from model_parallel.runtime.checkpoint.training_record import training_record
+
+    # The checkpoint records "auto": a resume that chooses again (another world, new times) is no schedule change.
+    assert training_record(config.resolved(plan), None, 0)["schedule"] == "auto"
     assert TrainConfig(schedule="1f1b").resolved(plan).schedule == "1f1b"
+    with pytest.raises(ConfigError, match=r"schedule_auto marks a schedule auto chose, one of 1f1b, gpipe, interleaved"):
+        TrainConfig(schedule="pipedream", schedule_auto=True)
     with pytest.raises(ConfigError, match=r"does not run --bf16 or --recompute"):
         TrainConfig(schedule="interleaved", recompute=True)
     with pytest.raises(ConfigError, match=r"unknown schedule 'fast'; choose 1f1b, gpipe, pipedream, interleaved or auto"):
