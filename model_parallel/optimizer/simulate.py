@@ -12,7 +12,9 @@ that holds each stage. An action is anything with `stage`, `kind` and `microbatc
 
 A row runs one action at a time, in its order: an action starts when its row is free and its
 dependencies have finished (list scheduling). Transfers are per edge (edge s: stage s -> s+1, the same
-time forward and backward) and cost nothing between two stages on one row. p = 4, m = 4, F = B = 1:
+time forward and backward) and cost nothing between two stages on one row. An edge carries one message
+at a time each way (a link's bandwidth is shared: GPipe's stream of forwards queues on a slow link); the
+sending rank is not busy meanwhile (sends are asynchronous). p = 4, m = 4, F = B = 1:
 
     1F1B  makespan 2 (m + p - 1) = 14, each rank busy 8: bubble 6 / 14 = 43 %
 """
@@ -136,6 +138,7 @@ def simulate(rows: Sequence[Sequence[ActionLike]], stage_rows: Sequence[int], ti
     finish: dict[Key, float] = {}
     start: dict[Key, float] = {}
     free = [0.0] * len(orders)
+    link_free: dict[tuple[int, bool], float] = {}  # (edge, forward?) -> when its last message has arrived
     busy = [0.0] * len(orders)
     positions = [0] * len(orders)
     total = sum(len(order) for order in orders)
@@ -149,9 +152,15 @@ def simulate(rows: Sequence[Sequence[ActionLike]], stage_rows: Sequence[int], ti
                     break
                 ready = free[r]
                 for d in deps:
-                    edge = min(d[0], key[0])  # the edge between two neighbouring stages
-                    message = edges[edge] if d[0] != key[0] and stage_rows[d[0]] != r else 0.0
-                    ready = max(ready, finish[d] + message)
+                    if d[0] == key[0] or stage_rows[d[0]] == r:  # the same stage, or a hand-off on this rank
+                        ready = max(ready, finish[d])
+                        continue
+                    # One message at a time per edge and direction, in the order sent (a stage sends its
+                    # forwards, and its backwards, in microbatch order: the order they are received here).
+                    link = (min(d[0], key[0]), d[0] < key[0])
+                    arrival = max(finish[d], link_free.get(link, 0.0)) + edges[link[0]]
+                    link_free[link] = arrival
+                    ready = max(ready, arrival)
                 duration = times[key[0]].of(key[1], key[0])
                 start[key], finish[key] = ready, ready + duration
                 free[r] = ready + duration

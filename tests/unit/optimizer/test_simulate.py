@@ -59,6 +59,15 @@ def test_a_transfer_delays_each_crossing_both_ways() -> None:
     assert per_edge.makespan_ms == 6.0 + 2 * 2.0  # only the second edge costs, forward and backward
 
 
+def test_an_edge_carries_one_message_at_a_time_each_way() -> None:
+    # GPipe p=2, m=3, F = B = 1, 2 ms a message: the forwards leave at 1, 2, 3 and arrive at 3, 5, 7 (queued),
+    # stage 1 runs F 3-4, 5-6, 7-8 and B 8-9, 9-10, 10-11; the gradients arrive at 11, 13, 15; stage 0's B ends at 16.
+    result = simulate_schedule(make_schedule("gpipe", 2, 3), even(2), transfer_ms=2.0)
+    assert [result.times[(1, "F", j)][0] for j in range(3)] == [3.0, 5.0, 7.0]
+    assert [result.times[(0, "B", j)][0] for j in range(3)] == [11.0, 13.0, 15.0]
+    assert result.makespan_ms == 16.0
+
+
 def test_two_stages_on_one_rank_hand_off_without_a_transfer() -> None:
     rows = [[Act(0, "F", 0), Act(1, "F", 0), Act(1, "B", 0), Act(0, "B", 0)]]
     result = simulate(rows, [0, 0], even(2), transfer_ms=5.0)
