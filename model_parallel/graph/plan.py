@@ -228,10 +228,11 @@ class Plan:
             f"single machine: {self.single_machine_time_s * 1e3:.3f} ms"
         )
         schedule = self.extra.get("schedule")  # the schedule `--schedule auto` chose for this plan (runtime/step/auto.py)
-        if isinstance(schedule, Mapping) and isinstance(schedule.get("predicted_bubble"), (int, float)):
-            rows.append(f"schedule {schedule.get('name')} (chosen by {schedule.get('chosen_by')}): predicted "
-                        f"{schedule.get('predicted_step', 0.0):.1f} {schedule.get('unit', 'ms')} per step, bubble "
-                        f"{100 * schedule['predicted_bubble']:.0f} %")
+        numbers = [schedule.get(k) for k in ("predicted_step", "predicted_bubble")] if isinstance(schedule, Mapping) else []
+        if numbers and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+            rows.append(f"schedule {str(schedule.get('name'))[:40]} (chosen by {str(schedule.get('chosen_by'))[:40]}): "
+                        f"predicted {numbers[0]:.1f} {str(schedule.get('unit', 'ms'))[:10]} per step, bubble "
+                        f"{100 * numbers[1]:.0f} %")
         return "\n".join(rows)
 
     def to_dict(self) -> dict[str, Any]:
