@@ -228,11 +228,12 @@ class Plan:
             f"single machine: {self.single_machine_time_s * 1e3:.3f} ms"
         )
         schedule = self.extra.get("schedule")  # the schedule `--schedule auto` chose for this plan (runtime/step/auto.py)
-        numbers = [schedule.get(k) for k in ("predicted_step", "predicted_bubble")] if isinstance(schedule, Mapping) else []
-        if numbers and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
-            rows.append(f"schedule {str(schedule.get('name'))[:40]} (chosen by {str(schedule.get('chosen_by'))[:40]}): "
-                        f"predicted {numbers[0]:.1f} {str(schedule.get('unit', 'ms'))[:10]} per step, bubble "
-                        f"{100 * numbers[1]:.0f} %")
+        if isinstance(schedule, Mapping):
+            step, bubble = schedule.get("predicted_step"), schedule.get("predicted_bubble")
+            if isinstance(step, (int, float)) and isinstance(bubble, (int, float)):  # not from a hand-edited file's text
+                rows.append(f"schedule {str(schedule.get('name'))[:40]} (chosen by {str(schedule.get('chosen_by'))[:40]}): "
+                            f"predicted {float(step):.1f} {str(schedule.get('unit', 'ms'))[:10]} per step, bubble "
+                            f"{100 * float(bubble):.0f} %")
         return "\n".join(rows)
 
     def to_dict(self) -> dict[str, Any]:
