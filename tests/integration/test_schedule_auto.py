@@ -46,3 +46,32 @@ def test_auto_picks_a_schedule_that_trains_exactly_and_says_why(tmp_path: Path) 
         assert checkpoint.extra["next_step"] == steps
         assert checkpoint.extra["training"]["schedule"] == "auto"
         assert_params_close(checkpoint.params(), reference_params(steps), f"--schedule auto ({name})")
+
+
+@pytest.mark.slow  # starts a coordinator and workers
+@pytest.mark.timeout(400)
+def test_auto_under_a_coordinator_switches_plans_live_and_stays_exact(tmp_path: Path) -> None:
+    from model_parallel.coordinator.local import CoordinatorProcess
+    from model_parallel.runtime.launch import LocalWorld, worker_commands
+    from support.mlp import mlp_job
+
+    graph, plan = mlp_job(tmp_path, 2)
+    steps, token = 40, "schedule-auto-token"
+    with CoordinatorProcess(graph, plan, token, workdir=tmp_path,
+                            extra=["--window", "3", "--cooldown-steps", "3", "--threshold", "0.05"]) as coord:
+        # Rank 1 slows down 4x after step 2: the policy moves work off it while the run uses auto's schedule.
+        args = ["--model", "mlp", "--plan", str(plan), "--schedule", "auto", "--steps", str(steps), "--batch_size", "8",
+                "--num_microbatches", "4", "--checkpoint_dir", str(tmp_path / "ck"), "--timeout", "30",
+                "--coordinator", coord.address, "--token", token,
+                "--slowdown", "4", "--slowdown_rank", "1", "--slowdown_after_step", "2"]
+        with LocalWorld(worker_commands(args, 2)) as world:
+            result = world.wait(timeout=300)
+        assert result.ok, result.summary()
+        assert coord.wait(timeout=20) == 0, coord.output()
+    line = re.search(r"schedule auto: chose .*", result.output(0))
+    assert line is not None, result.output(0)
+    # The plan given runs 1f1b or gpipe; interleaved is ruled out by the coordinator's live switches.
+    assert re.match(r"schedule auto: chose (1f1b|gpipe) .*interleaved refused: live plan switches \(--coordinator\)",
+                    line.group(0)), line.group(0)
+    assert "plan v1 is live" in coord.output(), coord.output()
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "auto, rebalanced live")
