@@ -34,7 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 def check_recover_flags(args: Any) -> None:
-    """What `--recover` cannot work with, refused before joining (one line, exit 2)."""
+    """What `--recover` (and `--redundancy`) cannot work with, refused before joining (one line, exit 2)."""
+    if getattr(args, "redundancy", 0):
+        if not args.recover:
+            raise ConfigError("--redundancy 1 needs --recover: the copies it keeps only serve a recovery inside the job; "
+                              "add --recover (with --checkpoint_dir)")
+        if args.schedule == "pipedream":
+            raise ConfigError("--redundancy 1 with --schedule pipedream: that schedule updates after every microbatch, "
+                              "so no snapshot belongs to one step; use a flush schedule (1f1b, gpipe, interleaved)")
+        if args.redundancy_every < 1:
+            raise ConfigError(f"--redundancy_every {args.redundancy_every}: give a number of steps >= 1")
     if not args.recover:
         return
     from model_parallel.cli.served_job import wants_served_job
@@ -69,7 +78,7 @@ class RecoveryRecord:
     done_before: int  # steps this rank had completed before the failure
     continued_at: int  # the first step run after it
     seconds: float  # detection -> first completed step (inf: the run had no step left)
-    source_kind: str = "checkpoint"  # "replica": live copies, committed as checkpoint_step (cli/recover_sources.py)
+    source_kind: str = "checkpoint"  # "replica" or "redundancy": live states, committed as checkpoint_step (cli/recover_sources.py)
     source: str = ""  # what they were: "the replica of stage 0 on original rank 0"
     why: str = ""  # why no live copy was used (a checkpoint restored although the step was not committed)
 
@@ -79,7 +88,7 @@ class RecoveryRecord:
 
     def line(self) -> str:
         restored = (f"restored step {self.checkpoint_step} from {self.source} (committed as checkpoint step "
-                    f"{self.checkpoint_step} in {self.checkpoint_dir})" if self.source_kind == "replica" else
+                    f"{self.checkpoint_step} in {self.checkpoint_dir})" if self.source_kind != "checkpoint" else
                     f"restored checkpoint step {self.checkpoint_step} from {self.checkpoint_dir}")
         return (f"[original rank {self.me}] recovery {self.generation}: lost original rank(s) {list(self.lost)}; new world of {len(self.world)} "
                 f"(original ranks {list(self.world)}, met at {self.store}); {restored}; recomputed {self.recomputed} step(s) "
@@ -118,6 +127,11 @@ class Survivor:
         self._known = 0  # the newest plan version this process knew of (cli/recover_coordinator.py)
         self.admitting: Any = None  # the Admission an admission stop carries (worker_join.watch_joins)
         self._tracker: Any = None  # the running engine's live.StepTracker: which step its state belongs to
+        self.redundancy: Any = None  # --redundancy 1: cli/redundancy.Redundancy
+        if getattr(args, "redundancy", 0):
+            from model_parallel.cli.redundancy import Redundancy
+
+            self.redundancy = Redundancy(args.redundancy_every, self.lineage.me)
         publish(self)
 
     @property
@@ -138,7 +152,7 @@ class Survivor:
                 engine = self.prefix.engine
                 done_before = engine.next_step if engine is not None else 0
                 # The stage state as the failure left it, before the engine goes (a live replica: cli/recover_sources.py).
-                live = _capture(engine, self._tracker) if isinstance(error, PeerError) else (None, "")
+                live = self._holdings(engine) if isinstance(error, PeerError) else ([], "", None)
                 engine, self._tracker = None, None
                 # The plan versions spent so far (--coordinator), kept across failures: one before the engine exists
                 # (a second failure during a recovery) must not number the next plan lower.
@@ -152,7 +166,7 @@ class Survivor:
                     admit(self, detected, done_before)
                 else:
                     self._recover(error, done_before, detected, *live)
-                live = (None, "")
+                live = ([], "", None)
                 # Every later world: the even split for its size, the latest committed checkpoint, each process's own files
                 # (and, under a coordinator, the generation it registers in: cli/recover_coordinator.py).
                 args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
@@ -170,7 +184,18 @@ class Survivor:
         return self.health
 
     # ---- one failure ------------------------------------------------------------------------------
-    def _recover(self, error: PeerError, done_before: int, detected: float, live: Any, why: str) -> None:
+    def _holdings(self, engine: Any) -> tuple[list[tuple[int, Any]], str, Any]:
+        """The stage states this process holds for the recovery ((original rank whose, live.StageState)), why it has
+        no live one (""), and the failed engine's (graph, model) for a checkpoint's model files (None: no engine)."""
+        state, why = _capture(engine, self._tracker)
+        held = [(self.lineage.me, state)] if state is not None else []
+        if self.redundancy is not None:
+            self.redundancy.stop()
+            held += [h for h in self.redundancy.holdings() if state is None or h[1].step != state.step or h[0] != self.lineage.me]
+        return held, why, (engine.graph, engine.model) if engine is not None else None
+
+    def _recover(self, error: PeerError, done_before: int, detected: float, holdings: list[tuple[int, Any]], why: str,
+                 model_files: Any) -> None:
         from model_parallel.runtime.checkpoint.layout import latest_step
         from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
 
@@ -192,13 +217,13 @@ class Survivor:
             os.kill(os.getpid(), hook)
         lost = {lineage.original(culprit)} if culprit is not None and 0 <= culprit < len(lineage.members) else set()
         step = latest_step(self.args.checkpoint_dir)
-        if step is None and live is None:  # nothing here to restore from: no survivor can have every stage's state
+        if step is None and not holdings:  # nothing here to restore from: no survivor can have every stage's state
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: no committed checkpoint in "
                                    f"{self.args.checkpoint_dir} to restore the stage of original rank(s) "
                                    f"{sorted(lost) or 'unknown'} from", hint)
         logger.warning("[rank %d] %s; recovering (--recover): lost original rank(s) %s, latest committed checkpoint "
-                       "step %s, live state of step %s%s", rank, error, sorted(lost) or "unknown", step,
-                       live.step if live is not None else None, f" ({why})" if why else "")
+                       "step %s, states held %s%s", rank, error, sorted(lost) or "unknown", step,
+                       [(of, s.step) for of, s in holdings], f" (no live state: {why})" if why else "")
         import gc
 
         if not abandon(0.5 * timeout):
@@ -212,20 +237,20 @@ class Survivor:
         except PeerError as meet:
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
         self._adopt(reformed)
-        source = self._source(error, lineage.members, reformed.dropped, live, why, hint)
+        source = self._source(error, lineage.members, reformed.dropped, (holdings, why, model_files), hint)
         record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
                                 str(self.args.checkpoint_dir), source.step, done_before, source.step + 1, 0.0,
                                 source.kind, source.text, source.why)
         self._pending = (detected, record)
 
-    def _source(self, error: PeerError, old_members: tuple[int, ...], dropped: tuple[int, ...], live: Any, why: str,
+    def _source(self, error: PeerError, old_members: tuple[int, ...], dropped: tuple[int, ...], held: Any,
                 hint: Optional[str]) -> Any:
         """Agree with the new world where the lost stage comes from (cli/recover_sources.py); leave when nowhere."""
         from model_parallel.cli.recover_sources import agree_source
 
         try:
-            source = agree_source(self.world.store, self.lineage.me, self.lineage.members, old_members, dropped, live,
-                                  why, str(self.args.checkpoint_dir), self.options.timeout)
+            source = agree_source(self.world.store, self.lineage.me, self.lineage.members, old_members, dropped, *held,
+                                  str(self.args.checkpoint_dir), self.options.timeout)
         except PeerError as failed:
             self._leave(EXIT_PEER, f"[rank {self.rank}] error: {error}; cannot recover: {failed}", hint)
         if source.step is None:
@@ -268,7 +293,11 @@ class Survivor:
 
         self._tracker = StepTracker()
         self._tracker.watch(engine)  # first: the wrappers below run around it
-        arm_signal_hook(engine, self.lineage.me, self.rank)
+        flush = None
+        if self.redundancy is not None:  # snapshots after the tracker marked the step done
+            self.redundancy.attach(engine, self.world.store, self.lineage.generation, self.lineage.members)
+            flush = self.redundancy.flush
+        arm_signal_hook(engine, self.lineage.me, self.rank, flush)
         watch_joins(self, engine)
         if self._pending is None:
             return
@@ -325,8 +354,9 @@ def signal_hook(original_rank: int) -> dict[int, int]:
     return out
 
 
-def arm_signal_hook(engine: Any, original_rank: int, rank: int) -> None:
-    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin."""
+def arm_signal_hook(engine: Any, original_rank: int, rank: int, flush: Optional[Callable[[float], bool]] = None) -> None:
+    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin (under
+    --redundancy, once its buddy holds its newest snapshot: `flush`, bounded, so the test knows what was copied)."""
     signals = signal_hook(original_rank)
     if not signals:
         return
@@ -334,6 +364,8 @@ def arm_signal_hook(engine: Any, original_rank: int, rank: int) -> None:
 
     def hooked(step: int) -> Any:
         if step in signals:
+            if flush is not None and not flush(30.0):
+                logger.warning("[rank %d] test hook: the buddy did not acknowledge the newest snapshot in 30 s", rank)
             logger.error("[rank %d] test hook %s: signal %s at step %d", rank, SIGNAL_ENV, signals[step], step)
             os.kill(os.getpid(), signals.pop(step))
         return original(step)

@@ -1,6 +1,6 @@
 """`--recover` restores the lost rank's stage from the best source there is (cli/recover_sources.py): a live
-replica of it on a survivor loses no step (only the one in progress is redone); without one, the latest committed
-checkpoint, and the recovery line says why. Every run ends with the parameters and per-step losses of
+replica of it on a survivor, or under `--redundancy 1` the copy its buddy keeps, loses no step (only the one in
+progress is redone); without either, the latest committed checkpoint, and the recovery line says why. Every run ends with the parameters and per-step losses of
 uninterrupted single-process training (the oracle of every pipeline run of the mlp). Ranks are signalled by the
 test hook `MP_TEST_SIGNAL_AT_STEP` as their step begins, so each failure happens at a known step."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from support.recovery import assert_exact, recoveries, run
+from model_parallel.runtime.launch import launch_workers
+from support.recovery import args, assert_exact, recoveries, run
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 REPLICATED = ("--num_stages", "2", "--stage_to_num_ranks", "0:2,1:1")  # stage 0 on ranks 0 and 1, stage 1 on rank 2
@@ -38,7 +39,36 @@ def test_an_unreplicated_stage_comes_back_from_the_checkpoint_and_the_line_says_
     for rank in (0, 1):
         output = result.output(rank)
         assert (f"restored checkpoint step 3 from {tmp_path / 'ck'}; recomputed 2 step(s) (continued at step 4)" in output
-                and "no live copy: stage(s) [1] had no copy outside the lost original rank(s) [2] (no replica)" in output), output[-3000:]
+                and "no live copy: stage(s) [1] had no state of step 5 outside the lost original rank(s) [2] (no replica, "
+                    "no --redundancy copy)" in output), output[-3000:]
         [event] = recoveries(tmp_path, rank)
         assert (event["source_kind"], event["checkpoint_step"], event["recomputed"]) == ("checkpoint", 3, 2), event
     assert_exact(tmp_path, [0, 1])
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["a_worker", "rank0_the_store_host"])
+def test_a_redundancy_copy_of_the_lost_stage_loses_no_step(tmp_path: Path, killed: int) -> None:
+    # 3 stages, one per rank; each rank's buddy is the next: original rank 1's state lives on rank 2, rank 0's on
+    # rank 1. The hook signals once the buddy acknowledged the snapshot of step 5 (cli/worker_recover.py).
+    result = run(tmp_path, f"{killed}:6:KILL", every=4, extra=("--redundancy", "1"))
+    survivors = [r for r in range(3) if r != killed]
+    assert [w.returncode for w in result.workers] == [-signal.SIGKILL if r == killed else 0 for r in range(3)], result.summary()
+    buddy = killed + 1
+    for rank in survivors:
+        output = result.output(rank)
+        assert (f"restored step 5 from the redundancy copy of original rank {killed}'s stage {killed} on original rank "
+                f"{buddy} (committed as checkpoint step 5 in {tmp_path / 'ck'}); recomputed 0 step(s) (continued at "
+                f"step 6)" in output), output[-3000:]
+        assert f"--redundancy 1 (every 1 step(s)): its own snapshots 2 x " in output, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        [event] = recoveries(tmp_path, rank)
+        assert (event["source_kind"], event["checkpoint_step"], event["recomputed"]) == ("redundancy", 5, 0), event
+    assert f"--redundancy 1: keeps original rank {killed}'s stage state, " in result.output(buddy)
+    assert_exact(tmp_path, survivors)
+
+
+def test_redundancy_without_recover_is_refused(tmp_path: Path) -> None:
+    argv = [a for a in args(tmp_path / "ck", tmp_path) if a != "--recover"] + ["--redundancy", "1"]
+    result = launch_workers(argv, 2, timeout=60)
+    assert [w.returncode for w in result.workers] == [2, 2], result.summary()
+    assert "--redundancy 1 needs --recover" in result.output(0), result.output(0)[-2000:]

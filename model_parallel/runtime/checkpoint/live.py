@@ -7,12 +7,22 @@ fingerprint, the training record at the next step). It is exact only at a step b
 follows the engine: the step in progress and whether its update was applied, the last step done, a plan switch
 under way. A failure inside a step before its update leaves the state of the step before; after the update,
 the state of that step; during a plan switch, no usable state.
+
+`--redundancy 1` also snapshots the state every K steps (`take(..., clone=True)`: training goes on) and sends
+it to another rank: `encode`/`decode` turn a state into bytes and back (a JSON header and raw tensor bytes;
+nothing pickled, dtypes from a closed list, the header's JSON bounded).
 """
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
+import torch
+
+from model_parallel import jsonbound
+from model_parallel.errors import CheckpointError
 from model_parallel.runtime.checkpoint.commit import CheckpointingEngine, commit_step, manifest_fields, shard_state
 from model_parallel.runtime.checkpoint.store import save_shard
 
@@ -79,8 +89,11 @@ class StageState:
     buffers: dict[str, Any] = field(repr=False)
     optimizer: dict[str, Any] = field(repr=False)
     fields: dict[str, Any] = field(repr=False)  # the manifest's world, fingerprint and extra (commit.manifest_fields)
-    graph: Any = field(repr=False)  # for the checkpoint's model files
-    model: Any = field(repr=False)
+
+    def nbytes(self) -> int:
+        tensors = [*self.params.values(), *self.buffers.values(),
+                   *(v for entry in self.optimizer.values() for v in entry.values() if isinstance(v, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def summary(self) -> dict[str, Any]:
         """What the other survivors learn of it (JSON)."""
@@ -95,18 +108,27 @@ def capture(engine: LiveEngine, tracker: StepTracker) -> tuple[Optional[StageSta
         return None, why
     if step < 0:
         return None, "no step had been completed"
+    # `.cpu()` copies a device tensor; a CPU tensor is kept, not cloned: the failed engine is dropped right
+    # after, so nothing changes it, and a clone would hold the stage twice.
+    return take(engine, step, clone=False), ""
+
+
+def take(engine: LiveEngine, step: int, clone: bool) -> StageState:
+    """The engine's stage state after step `step`, on the CPU (`clone`: copied, for an engine that trains on)."""
     if engine.stage is not None:
-        # `.cpu()` copies a device tensor; a CPU tensor is kept, not cloned: the failed engine is dropped
-        # right after, so nothing changes it, and a clone would hold the stage twice.
-        params, buffers, opt = (dict(part) for part in shard_state(engine, engine.stage))
-        params = {k: v.detach().cpu() for k, v in params.items()}
-        buffers = {k: v.detach().cpu() for k, v in buffers.items()}
+        params, buffers, opt = (dict(part) for part in shard_state(engine, engine.stage))  # optimizer state: copied
+        params = {k: _cpu(v, clone) for k, v in params.items()}
+        buffers = {k: _cpu(v, clone) for k, v in buffers.items()}
     else:
         params, buffers, opt = {}, {}, {}
     plan = engine.plan.with_default_ranks()
     return StageState(step, engine.rank, tuple(engine.stage_ids), plan.version,
-                      tuple(tuple(s.ranks) for s in plan.stages), params, buffers, opt,
-                      manifest_fields(engine, step), engine.graph, engine.model), ""
+                      tuple(tuple(s.ranks) for s in plan.stages), params, buffers, opt, manifest_fields(engine, step))
+
+
+def _cpu(tensor: torch.Tensor, clone: bool) -> torch.Tensor:
+    out = tensor.detach().cpu()
+    return out.clone() if clone and out.data_ptr() == tensor.data_ptr() else out
 
 
 def write_shard(directory: str, state: StageState) -> None:
@@ -114,6 +136,70 @@ def write_shard(directory: str, state: StageState) -> None:
     save_shard(directory, state.step, state.rank, state.params, state.buffers, state.optimizer)
 
 
-def commit(directory: str, state: StageState, writers: list[int]) -> None:
+def commit(directory: str, state: StageState, writers: list[int], graph: Any, model: Any) -> None:
     """Commit checkpoint `state.step` once the `writers` (ranks of the world it came from) wrote their shards."""
-    commit_step(directory, state.step, state.graph, state.model, state.fields, writers)
+    commit_step(directory, state.step, graph, model, state.fields, writers)
+
+
+# ----------------------------------------------------------------------------- bytes (--redundancy)
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                                      torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                                                      torch.bool)}
+_HEADER = struct.Struct("<Q")
+
+
+def encode(state: StageState) -> bytes:
+    """A JSON header (what the state is, where each tensor's bytes lie) followed by the raw bytes."""
+    tensors: list[list[Any]] = []
+    chunks: list[bytes] = []
+    offset = 0
+    opt_scalars: dict[str, dict[str, Any]] = {}
+
+    def add(path: list[str], tensor: torch.Tensor) -> None:
+        nonlocal offset
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        tensors.append([path, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, len(data)])
+        chunks.append(data)
+        offset += len(data)
+
+    for section, values in (("params", state.params), ("buffers", state.buffers)):
+        for name, tensor in values.items():
+            add([section, name], tensor)
+    for name, entry in state.optimizer.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                add(["optimizer", name, key], value)
+            else:
+                opt_scalars.setdefault(name, {})[key] = value
+    header = json.dumps({"step": state.step, "rank": state.rank, "stage_ids": list(state.stage_ids),
+                         "version": state.plan_version, "stage_ranks": [list(r) for r in state.stage_ranks],
+                         "fields": state.fields, "tensors": tensors, "scalars": opt_scalars}).encode()
+    return _HEADER.pack(len(header)) + header + b"".join(chunks)
+
+
+def decode(data: bytes, where: str) -> StageState:
+    """The state `encode` wrote; CheckpointError naming `where` for anything malformed."""
+    if len(data) < _HEADER.size:
+        raise CheckpointError(f"{where}: {len(data)} bytes is no stage state")
+    (length,) = _HEADER.unpack_from(data)
+    body = memoryview(data)[_HEADER.size + length:]
+    head = jsonbound.loads(bytes(data[_HEADER.size:_HEADER.size + length]), where=where, error=CheckpointError)
+    try:
+        params: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        optimizer: dict[str, dict[str, Any]] = {name: dict(v) for name, v in head["scalars"].items()}
+        for path, dtype, shape, offset, size in head["tensors"]:
+            if dtype not in _DTYPES or offset < 0 or offset + size > len(body):
+                raise CheckpointError(f"{where}: tensor {path} ({dtype}, bytes {offset}..{offset + size}) is malformed")
+            raw = torch.frombuffer(bytearray(body[offset:offset + size]), dtype=torch.uint8)
+            tensor = raw.view(_DTYPES[dtype]).reshape([int(d) for d in shape])
+            if path[0] == "optimizer":
+                optimizer.setdefault(str(path[1]), {})[str(path[2])] = tensor
+            else:
+                (params if path[0] == "params" else buffers)[str(path[1])] = tensor
+        return StageState(int(head["step"]), int(head["rank"]), tuple(int(k) for k in head["stage_ids"]),
+                          int(head["version"]), tuple(tuple(int(r) for r in ranks) for ranks in head["stage_ranks"]),
+                          params, buffers, optimizer, dict(head["fields"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise CheckpointError(f"{where}: not a stage state ({type(error).__name__}: {error})") from None
