@@ -59,7 +59,11 @@ class Redundancy:
         def train_step(step: int) -> Any:
             result = step_fn(step)
             if (step + 1) % self.every == 0:
-                self.snapshot(engine, step)
+                try:
+                    self.snapshot(engine, step)
+                except Exception as error:  # noqa: BLE001 - a missing snapshot costs the copy, never the run
+                    logger.warning("[original rank %d] --redundancy: the snapshot of step %d failed (%s: %s); a "
+                                   "recovery uses an older one or the checkpoint", self.me, step, type(error).__name__, error)
             return result
 
         engine.train_step = train_step
