@@ -1,11 +1,13 @@
-"""`--recover`: a worker that loses a peer re-forms the world with the other survivors and trains on from the
-latest committed checkpoint, in the same process (docs/reliability.md, "Recovery inside the job").
+"""`--recover`: a worker that loses a peer re-forms the world with the other survivors and trains on, in the same
+process, from a live replica of the lost stage, a `--redundancy` copy of it, or the latest committed checkpoint
+(docs/reliability.md, "Recovery inside the job").
 
-Per failure (a PeerError naming the lost rank): stop this world's heartbeats, abandon the broken process group,
-meet the survivors in a new generation (`runtime/wire/recovery.py`), build the job for the new world size with the
-even split (the rule a `--resume` on another worker count applies: `--plan`, `--num_stages` and
-`--stage_to_num_ranks` describe the first world only), restore the latest committed checkpoint exactly as
-`--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
+Per failure (a PeerError naming the lost rank): take this rank's stage state before the failed engine goes, stop
+this world's heartbeats, abandon the broken process group, meet the survivors in a new generation
+(`runtime/wire/recovery.py`), agree on the source and commit a live one as a checkpoint (`cli/recover_sources.py`),
+build the job for the new world size with the even split (the rule a `--resume` on another worker count applies:
+`--plan`, `--num_stages` and `--stage_to_num_ranks` describe the first world only), restore the latest committed
+checkpoint exactly as `--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
 who was lost, the new world, what was restored from where, the steps recomputed and the seconds from the
 detection to the first completed step; the last line lists them all, and `--metrics` gets one
 `{"event": "recovery", ...}` record per recovery.

@@ -132,3 +132,19 @@ def test_malformed_state_bytes_are_a_checkpoint_error() -> None:
     header = b'{"step": 1, "scalars": {}, "tensors": [[["params", "w"], "object", [1], 0, 4]]}'
     with pytest.raises(CheckpointError, match=r"copy: tensor \['params', 'w'\] \(object, bytes 0..4\) is malformed"):
         decode(len(header).to_bytes(8, "little") + header + b"\0" * 4, "copy")
+
+
+def test_redundancy_refuses_what_it_cannot_serve_before_joining() -> None:
+    import pytest
+
+    from model_parallel.cli import worker
+    from model_parallel.errors import ConfigError
+
+    base = ["--model", "mlp", "--rank", "0", "--world_size", "2", "--checkpoint_dir", "ck", "--redundancy", "1"]
+    with pytest.raises(ConfigError, match="--redundancy 1 needs --recover: the copies it keeps only serve a recovery"):
+        worker.main(base)
+    with pytest.raises(ConfigError, match="--redundancy 1 with --schedule pipedream: that schedule updates after every "
+                                          "microbatch"):
+        worker.main([*base, "--recover", "--schedule", "pipedream"])
+    with pytest.raises(ConfigError, match="--redundancy_every 0: give a number of steps >= 1"):
+        worker.main([*base, "--recover", "--redundancy_every", "0"])
