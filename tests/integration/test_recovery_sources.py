@@ -72,3 +72,18 @@ def test_redundancy_without_recover_is_refused(tmp_path: Path) -> None:
     result = launch_workers(argv, 2, timeout=60)
     assert [w.returncode for w in result.workers] == [2, 2], result.summary()
     assert "--redundancy 1 needs --recover" in result.output(0), result.output(0)[-2000:]
+
+
+def test_redundancy_copies_serve_a_second_failure_in_the_re_formed_world(tmp_path: Path) -> None:
+    # After the first recovery (3 -> 2 workers) the copies run again in the new world: original rank 2's buddy is
+    # now rank 0, so when rank 2 dies as step 7 begins, rank 0 holds its state of step 6.
+    result = run(tmp_path, "1:5:KILL,2:7:KILL", every=4, extra=("--redundancy", "1"))
+    assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, -signal.SIGKILL], result.summary()
+    output = result.output(0)
+    assert "recovery 1: lost original rank(s) [1]; new world of 2" in output, output[-3000:]
+    assert ("restored step 6 from the redundancy copy of original rank 2's stage 1 on original rank 0 (committed as "
+            "checkpoint step 6" in output), output[-3000:]
+    assert "survived 2 failure(s)" in output.strip().splitlines()[-1], output[-3000:]
+    assert [(e["source_kind"], e["checkpoint_step"], e["recomputed"]) for e in recoveries(tmp_path, 0)] == [
+        ("redundancy", 4, 0), ("redundancy", 6, 0)]
+    assert_exact(tmp_path, [0])
