@@ -67,6 +67,13 @@ class Redundancy:
             return result
 
         engine.train_step = train_step
+        try:  # printed with the plan: what the copies will cost (measured again at the first snapshot and copy)
+            own, copy = planned_mb(engine, members.index(self.source))
+            print(f"[original rank {self.me}] --redundancy 1 memory (plan v{engine.plan.version}): its own snapshots "
+                  f"{KEEP} x {own:.2f} MB + a copy of original rank {self.source}'s stage {copy:.2f} MB (parameters and "
+                  f"buffers; the optimizer state adds its slots, e.g. x2 with momentum)", flush=True)
+        except Exception as error:  # noqa: BLE001 - an estimate only
+            logger.warning("[original rank %d] --redundancy: no memory estimate (%s)", self.me, error)
 
     def stop(self) -> None:
         """End this world's threads (they leave at their next poll or bounded store call)."""
@@ -158,3 +165,19 @@ class Redundancy:
                     logger.warning("[original rank %d] --redundancy: %s stopped: %s", self.me, what,
                                    str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
                 return
+
+
+def planned_mb(engine: Any, other_rank: int) -> tuple[float, float]:
+    """MB of parameters and buffers of this rank's stages and of rank `other_rank`'s under the engine's plan (the
+    layers of another rank's stage are on meta here: their shapes give the size)."""
+    import torch
+
+    from model_parallel.runtime.build.stages import stage_layers
+
+    def size(rank: int) -> float:
+        names = {n for k in engine.plan.stages_of_rank(rank) for n in stage_layers(engine.graph, engine.plan, k)}
+        layers = [engine.modules[n] for n in names if isinstance(engine.modules.get(n), torch.nn.Module)]
+        tensors = [t for layer in layers for t in [*layer.parameters(), *layer.buffers()]]
+        return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+    return size(engine.rank), size(other_rank)

@@ -5,6 +5,7 @@ uninterrupted single-process training (the oracle of every pipeline run of the m
 test hook `MP_TEST_SIGNAL_AT_STEP` as their step begins, so each failure happens at a known step."""
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def test_a_redundancy_copy_of_the_lost_stage_loses_no_step(tmp_path: Path, kille
                 f"{buddy} (committed as checkpoint step 5 in {tmp_path / 'ck'}); recomputed 0 step(s) (continued at "
                 f"step 6)" in output), output[-3000:]
         assert f"--redundancy 1 (every 1 step(s)): its own snapshots 2 x " in output, output[-3000:]
+        assert re.search(r"--redundancy 1 memory \(plan v0\): its own snapshots 2 x 0\.\d\d MB \+ a copy of original "
+                         rf"rank {(rank - 1) % 3}'s stage 0\.\d\d MB", output), output[-3000:]
         assert "Traceback" not in output, output[-3000:]
         [event] = recoveries(tmp_path, rank)
         assert (event["source_kind"], event["checkpoint_step"], event["recomputed"]) == ("redundancy", 5, 0), event
