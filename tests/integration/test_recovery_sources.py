@@ -90,3 +90,17 @@ def test_redundancy_copies_serve_a_second_failure_in_the_re_formed_world(tmp_pat
     assert [(e["source_kind"], e["checkpoint_step"], e["recomputed"]) for e in recoveries(tmp_path, 0)] == [
         ("redundancy", 4, 0), ("redundancy", 6, 0)]
     assert_exact(tmp_path, [0])
+
+
+def test_a_rank_and_its_buddy_lost_together_without_a_checkpoint_end_with_exit_3(tmp_path: Path) -> None:
+    # Original rank 1 dies as step 2 begins, rank 2 (which holds rank 1's copy) as its recovery begins; no checkpoint
+    # is committed yet (every 5 steps). Rank 0 still holds rank 2's copy (stage 2), but nothing of stage 1 is left.
+    result = run(tmp_path, "1:2:KILL,2:recovery:KILL", every=5, extra=("--redundancy", "1"))
+    assert [w.returncode for w in result.workers] == [3, -signal.SIGKILL, -signal.SIGKILL], result.summary()
+    output = result.output(0)
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "rank 1 stopped responding" in errors[0], output[-3000:]
+    assert (f"cannot recover: no committed checkpoint in {tmp_path / 'ck'} to restore the stage of original rank(s) "
+            "[1, 2] from, and no live copy (stage(s) [1] had no state of step 1 outside the lost original rank(s) "
+            "[1, 2] (no replica, no --redundancy copy))") in errors[0], output[-3000:]
+    assert f"no checkpoint was committed in {tmp_path / 'ck'}; rerun to start over:" in output.strip().splitlines()[-1]
