@@ -141,9 +141,9 @@ def _agree(store: Any, me: int, members: tuple[int, ...], old_members: tuple[int
     if me in {holder for holder, _, _ in writers}:
         store.set(_WRITTEN.format(me), _attempt(lambda: _write(directory, mine_held, writers, me, step)))
     if me == committer:
-        state = mine_held.get((me, step)) or next(s for (of, k), s in mine_held.items() if k == step)
-        assert model_files is not None, "the committer posted that it holds the model files"
-        store.set(_COMMIT, _commit(store, directory, state, writers, model_files, timeout))
+        state = mine_held.get((me, step)) or next((s for (_, k), s in mine_held.items() if k == step), None)
+        store.set(_COMMIT, _commit(store, directory, state, writers, model_files, timeout) if state and model_files
+                  else f"the committer, original rank {me}, holds no state of step {step} or no model files")
     try:
         store.wait([_COMMIT], timedelta(seconds=(WRITE_TIMEOUTS + 1) * timeout))
         outcome = store.get(_COMMIT).decode()
