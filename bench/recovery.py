@@ -14,7 +14,11 @@ Per model, four worlds of workers (`python -m model_parallel.cli.worker`, one th
 1. **reference**: 4 workers, uninterrupted: the loss curve every other run must match.
 2. **recover**: 4 workers with `--recover`; original rank `--victim` is killed (SIGKILL, the test hook
    `MP_TEST_SIGNAL_AT_STEP`, so the kill lands as step S begins whatever the machine's speed); the 3 survivors
-   re-form the world and continue from the latest committed checkpoint in the same processes.
+   re-form the world and continue from the latest committed checkpoint in the same processes (its stage has no
+   other copy). Two more rows, one per recovery source that loses no step (cli/recover_sources.py):
+   **replica**: 3 stages, the last on ranks 2 and 3 (`--stage_to_num_ranks 2:2`), so the victim (rank 2) has a
+   live replica; **redundancy**: 4 stages with `--redundancy 1` (rank 3 keeps rank 2's copy; the hook signals once
+   it acknowledged the snapshot of the step before).
 3. **restart**: the same kill without `--recover`: the survivors exit 3, and this script (the person) relaunches
    4 workers with `--resume` at once (the relaunch on a replaced host).
 4. **static 3**: 3 workers, uninterrupted (the even split the recovery uses): the throughput a 3-worker job gets.
@@ -136,19 +140,22 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
     run_world(worker_args(flags, steps, every, batch, ck, m), 3, {}, 1800)
     out["static3_samples_per_s"] = after(m, kill_at)
 
-    ck, m = paths("recover")
-    world, result = run_world(worker_args(flags, steps, every, batch, ck, m, "--recover"), 4,
-                              {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
-    codes = [w.returncode for w in result.workers]
-    killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
-    first = world.first(r"recovery 1: lost", killed or 0.0)
-    [event] = read_events(m / f"rank{min(r for r in range(4) if r != victim)}.jsonl", "recovery")
-    got = losses(m)
-    out["recover"] = {"exit_codes": codes, "kill_to_first_step_s": (first - killed) if first and killed else None,
-                      "detect_to_first_step_s": event["seconds"], "checkpoint_step": event["checkpoint_step"],
-                      "steps_recomputed": event["recomputed"], "samples_per_s_after": after(m, kill_at),
-                      "max_abs_loss_diff": max(abs(got[s] - reference[s]) for s in reference),
-                      "steps_run": sorted(got) == sorted(reference)}
+    for name, extra in (("recover", ()), ("replica", ("--num_stages", "3", "--stage_to_num_ranks", "0:1,1:1,2:2")),
+                        ("redundancy", ("--redundancy", "1"))):
+        ck, m = paths(name)
+        world, result = run_world(worker_args(flags, steps, every, batch, ck, m, "--recover", *extra), 4,
+                                  {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
+        codes = [w.returncode for w in result.workers]
+        killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
+        first = world.first(r"recovery 1: lost", killed or 0.0)
+        [event] = read_events(m / f"rank{min(r for r in range(4) if r != victim)}.jsonl", "recovery")
+        got = losses(m)
+        out[name] = {"exit_codes": codes, "kill_to_first_step_s": (first - killed) if first and killed else None,
+                     "detect_to_first_step_s": event["seconds"], "checkpoint_step": event["checkpoint_step"],
+                     "source": event.get("source_kind", "checkpoint"), "steps_recomputed": event["recomputed"],
+                     "samples_per_s_after": after(m, kill_at),
+                     "max_abs_loss_diff": max(abs(got[s] - reference[s]) for s in reference),
+                     "steps_run": sorted(got) == sorted(reference)}
 
     ck, m = paths("restart")
     world, result = run_world(worker_args(flags, steps, every, batch, ck, m), 4, {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
@@ -172,13 +179,13 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'model':<9} {'path':<8} {'kill->first step s':>18} {'recomputed':>10} {'samples/s after':>15} "
+    lines = [f"{'model':<9} {'path':<10} {'kill->first step s':>18} {'recomputed':>10} {'samples/s after':>15} "
              f"{'static 3 samples/s':>18} {'max |dloss|':>11} exits"]
     for row in rows:
-        for path in ("recover", "restart"):
+        for path in ("replica", "redundancy", "recover", "restart"):
             r = row[path]
             first = f"{r['kill_to_first_step_s']:.2f}" if r["kill_to_first_step_s"] is not None else "n/a"
-            lines.append(f"{row['model']:<9} {path:<8} {first:>18} {r['steps_recomputed']:>10} "
+            lines.append(f"{row['model']:<9} {path:<10} {first:>18} {r['steps_recomputed']:>10} "
                          f"{r['samples_per_s_after']:>15.1f} {row['static3_samples_per_s']:>18.1f} "
                          f"{r['max_abs_loss_diff']:>11.2e} {r['exit_codes']}"
                          + (f" then {r['relaunch_exit_codes']}" if "relaunch_exit_codes" in r else ""))

@@ -117,8 +117,12 @@ def build_parser() -> ArgumentParser:
                    help="with --resume: accept a batch size, schedule, seed, lr schedule, precision or data that "
                         "differs from what the checkpoint recorded (each change is logged)")
     o.add_argument("--recover", action="store_true",
-                   help="when a peer is lost, re-form the world with the survivors and continue from the latest "
-                        "committed checkpoint in this process (needs --checkpoint_dir; not with --coordinator)")
+                   help="when a peer is lost, re-form the world with the survivors and continue in this process from a "
+                        "live replica of its stage, a --redundancy copy, or the latest committed checkpoint (needs --checkpoint_dir)")
+    o.add_argument("--redundancy", type=int, choices=(0, 1), default=0,
+                   help="with --recover: 1 keeps each rank's stage state in memory on the next rank too (sent every "
+                        "--redundancy_every steps off the critical path), so a lost rank's stage comes back without recomputing")
+    o.add_argument("--redundancy_every", type=int, default=1, help="steps between --redundancy snapshots (default 1)")
     o.add_argument("--join", default=None, metavar="HOST:PORT",
                    help="join a running --recover job (its rank 0's --dist_addr:--dist_port) at a step boundary, with "
                         "the job's flags; the job re-plans for one more worker (needs --checkpoint_dir)")

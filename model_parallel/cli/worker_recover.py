@@ -1,11 +1,13 @@
-"""`--recover`: a worker that loses a peer re-forms the world with the other survivors and trains on from the
-latest committed checkpoint, in the same process (docs/reliability.md, "Recovery inside the job").
+"""`--recover`: a worker that loses a peer re-forms the world with the other survivors and trains on, in the same
+process, from a live replica of the lost stage, a `--redundancy` copy of it, or the latest committed checkpoint
+(docs/reliability.md, "Recovery inside the job").
 
-Per failure (a PeerError naming the lost rank): stop this world's heartbeats, abandon the broken process group,
-meet the survivors in a new generation (`runtime/wire/recovery.py`), build the job for the new world size with the
-even split (the rule a `--resume` on another worker count applies: `--plan`, `--num_stages` and
-`--stage_to_num_ranks` describe the first world only), restore the latest committed checkpoint exactly as
-`--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
+Per failure (a PeerError naming the lost rank): take this rank's stage state before the failed engine goes, stop
+this world's heartbeats, abandon the broken process group, meet the survivors in a new generation
+(`runtime/wire/recovery.py`), agree on the source and commit a live one as a checkpoint (`cli/recover_sources.py`),
+build the job for the new world size with the even split (the rule a `--resume` on another worker count applies:
+`--plan`, `--num_stages` and `--stage_to_num_ranks` describe the first world only), restore the latest committed
+checkpoint exactly as `--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
 who was lost, the new world, what was restored from where, the steps recomputed and the seconds from the
 detection to the first completed step; the last line lists them all, and `--metrics` gets one
 `{"event": "recovery", ...}` record per recovery.
@@ -34,7 +36,16 @@ logger = logging.getLogger(__name__)
 
 
 def check_recover_flags(args: Any) -> None:
-    """What `--recover` cannot work with, refused before joining (one line, exit 2)."""
+    """What `--recover` (and `--redundancy`) cannot work with, refused before joining (one line, exit 2)."""
+    if getattr(args, "redundancy", 0):
+        if not args.recover:
+            raise ConfigError("--redundancy 1 needs --recover: the copies it keeps only serve a recovery inside the job; "
+                              "add --recover (with --checkpoint_dir)")
+        if args.schedule == "pipedream":
+            raise ConfigError("--redundancy 1 with --schedule pipedream: that schedule updates after every microbatch, "
+                              "so no snapshot belongs to one step; use a flush schedule (1f1b, gpipe, interleaved)")
+        if args.redundancy_every < 1:
+            raise ConfigError(f"--redundancy_every {args.redundancy_every}: give a number of steps >= 1")
     if not args.recover:
         return
     from model_parallel.cli.served_job import wants_served_job
@@ -69,24 +80,31 @@ class RecoveryRecord:
     done_before: int  # steps this rank had completed before the failure
     continued_at: int  # the first step run after it
     seconds: float  # detection -> first completed step (inf: the run had no step left)
+    source_kind: str = "checkpoint"  # "replica" or "redundancy": live states, committed as checkpoint_step (cli/recover_sources.py)
+    source: str = ""  # what they were: "the replica of stage 0 on original rank 0"
+    why: str = ""  # why no live copy was used (a checkpoint restored although the step was not committed)
 
     @property
     def recomputed(self) -> int:
         return max(0, self.done_before - self.continued_at)
 
     def line(self) -> str:
+        restored = (f"restored step {self.checkpoint_step} from {self.source} (committed as checkpoint step "
+                    f"{self.checkpoint_step} in {self.checkpoint_dir})" if self.source_kind != "checkpoint" else
+                    f"restored checkpoint step {self.checkpoint_step} from {self.checkpoint_dir}")
         return (f"[original rank {self.me}] recovery {self.generation}: lost original rank(s) {list(self.lost)}; new world of {len(self.world)} "
-                f"(original ranks {list(self.world)}, met at {self.store}); restored checkpoint step {self.checkpoint_step} from "
-                f"{self.checkpoint_dir}; recomputed {self.recomputed} step(s) (continued at step {self.continued_at}); "
-                f"{self.seconds:.2f} s from detection to the first completed step")
+                f"(original ranks {list(self.world)}, met at {self.store}); {restored}; recomputed {self.recomputed} step(s) "
+                f"(continued at step {self.continued_at}); {self.seconds:.2f} s from detection to the first completed step"
+                + (f"; no live copy: {self.why}" if self.why else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {"event": "recovery", **dataclasses.asdict(self), "recomputed": self.recomputed}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RecoveryRecord":
-        """A record `to_json` wrote (a metrics file line); extra keys are ignored, missing ones a ValueError."""
-        names = [f.name for f in dataclasses.fields(cls)]
+        """A record `to_json` wrote (a metrics file line); extra keys are ignored, missing ones a ValueError
+        (except those with a default: a record written before recovery sources existed)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"a recovery record lacks {missing}: {str(data)[:120]}")
@@ -110,6 +128,12 @@ class Survivor:
         self._pending: Optional[tuple[float, Any]] = None  # (detected at, record without its seconds)
         self._known = 0  # the newest plan version this process knew of (cli/recover_coordinator.py)
         self.admitting: Any = None  # the Admission an admission stop carries (worker_join.watch_joins)
+        self._tracker: Any = None  # the running engine's live.StepTracker: which step its state belongs to
+        self.redundancy: Any = None  # --redundancy 1: cli/redundancy.Redundancy
+        if getattr(args, "redundancy", 0):
+            from model_parallel.cli.redundancy import Redundancy
+
+            self.redundancy = Redundancy(args.redundancy_every, self.lineage.me)
         publish(self)
 
     @property
@@ -127,7 +151,11 @@ class Survivor:
                 if isinstance(error, TrainingStopped) and self.admitting is None:
                     raise  # a stop command, not an admission: the run ends here
                 detected = time.monotonic()
-                done_before = self.prefix.engine.next_step if self.prefix.engine is not None else 0
+                engine = self.prefix.engine
+                done_before = engine.next_step if engine is not None else 0
+                # The stage state as the failure left it, before the engine goes (a live replica: cli/recover_sources.py).
+                live = self._holdings(engine) if isinstance(error, PeerError) else ([], "", None)
+                engine, self._tracker = None, None
                 # The plan versions spent so far (--coordinator), kept across failures: one before the engine exists
                 # (a second failure during a recovery) must not number the next plan lower.
                 self._known = known = max(self._known, known_version(self.prefix.engine))
@@ -139,7 +167,8 @@ class Survivor:
 
                     admit(self, detected, done_before)
                 else:
-                    self._recover(error, done_before, detected)
+                    self._recover(error, done_before, detected, *live)
+                live = ([], "", None)
                 # Every later world: the even split for its size, the latest committed checkpoint, each process's own files
                 # (and, under a coordinator, the generation it registers in: cli/recover_coordinator.py).
                 args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
@@ -157,7 +186,18 @@ class Survivor:
         return self.health
 
     # ---- one failure ------------------------------------------------------------------------------
-    def _recover(self, error: PeerError, done_before: int, detected: float) -> None:
+    def _holdings(self, engine: Any) -> tuple[list[tuple[int, Any]], str, Any]:
+        """The stage states this process holds for the recovery ((original rank whose, live.StageState)), why it has
+        no live one (""), and the failed engine's (graph, model) for a checkpoint's model files (None: no engine)."""
+        state, why = _capture(engine, self._tracker)
+        held = [(self.lineage.me, state)] if state is not None else []
+        if self.redundancy is not None:
+            self.redundancy.stop()
+            held += [h for h in self.redundancy.holdings() if state is None or h[1].step != state.step or h[0] != self.lineage.me]
+        return held, why, (engine.graph, engine.model) if engine is not None else None
+
+    def _recover(self, error: PeerError, done_before: int, detected: float, holdings: list[tuple[int, Any]], why: str,
+                 model_files: Any) -> None:
         from model_parallel.runtime.checkpoint.layout import latest_step
         from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
 
@@ -179,12 +219,13 @@ class Survivor:
             os.kill(os.getpid(), hook)
         lost = {lineage.original(culprit)} if culprit is not None and 0 <= culprit < len(lineage.members) else set()
         step = latest_step(self.args.checkpoint_dir)
-        if step is None:
+        if step is None and not holdings:  # nothing here to restore from: no survivor can have every stage's state
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: no committed checkpoint in "
                                    f"{self.args.checkpoint_dir} to restore the stage of original rank(s) "
                                    f"{sorted(lost) or 'unknown'} from", hint)
         logger.warning("[rank %d] %s; recovering (--recover): lost original rank(s) %s, latest committed checkpoint "
-                       "step %d", rank, error, sorted(lost) or "unknown", step)
+                       "step %s, states held %s%s", rank, error, sorted(lost) or "unknown", step,
+                       [(of, s.step) for of, s in holdings], f" (no live state: {why})" if why else "")
         import gc
 
         if not abandon(0.5 * timeout):
@@ -198,9 +239,27 @@ class Survivor:
         except PeerError as meet:
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
         self._adopt(reformed)
+        source = self._source(error, lineage.members, reformed.dropped, (holdings, why, model_files), hint)
         record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
-                                str(self.args.checkpoint_dir), step, done_before, step + 1, 0.0)
+                                str(self.args.checkpoint_dir), source.step, done_before, source.step + 1, 0.0,
+                                source.kind, source.text, source.why)
         self._pending = (detected, record)
+
+    def _source(self, error: PeerError, old_members: tuple[int, ...], dropped: tuple[int, ...], held: Any,
+                hint: Optional[str]) -> Any:
+        """Agree with the new world where the lost stage comes from (cli/recover_sources.py); leave when nowhere."""
+        from model_parallel.cli.recover_sources import agree_source
+
+        try:
+            source = agree_source(self.world.store, self.lineage.me, self.lineage.members, old_members, dropped, *held,
+                                  str(self.args.checkpoint_dir), self.options.timeout)
+        except PeerError as failed:
+            self._leave(EXIT_PEER, f"[rank {self.rank}] error: {error}; cannot recover: {failed}", hint)
+        if source.step is None:
+            self._leave(EXIT_PEER, f"[rank {self.rank}] error: {error}; cannot recover: no committed checkpoint in "
+                                   f"{self.args.checkpoint_dir} to restore the stage of original rank(s) {list(dropped)} "
+                                   f"from, and no live copy ({source.why})", hint)
+        return source
 
     def _adopt(self, reformed: Any) -> None:
         """Make the re-formed world this process's: its world, lineage, heartbeats; rank 0 publishes the flags."""
@@ -232,7 +291,15 @@ class Survivor:
         """Time the first completed step of a recovered run (the engine's step, wrapped once)."""
         from model_parallel.cli.worker_join import watch_joins
 
-        arm_signal_hook(engine, self.lineage.me, self.rank)
+        from model_parallel.runtime.checkpoint.live import StepTracker
+
+        self._tracker = StepTracker()
+        self._tracker.watch(engine)  # first: the wrappers below run around it
+        flush = None
+        if self.redundancy is not None:  # snapshots after the tracker marked the step done
+            self.redundancy.attach(engine, self.world.store, self.lineage.generation, self.lineage.members)
+            flush = self.redundancy.flush
+        arm_signal_hook(engine, self.lineage.me, self.rank, flush)
         watch_joins(self, engine)
         if self._pending is None:
             return
@@ -262,6 +329,19 @@ class Survivor:
         leave(code, line, self.rank, self.health, hint=hint, linger=code != EXIT_REPLACED)
 
 
+def _capture(engine: Any, tracker: Any) -> tuple[Any, str]:
+    """(the engine's live.StageState, "") or (None, why it has none)."""
+    if engine is None or tracker is None:
+        return None, "it had no engine (a failure while building or restoring)"
+    from model_parallel.runtime.checkpoint.live import capture
+
+    try:
+        return capture(engine, tracker)
+    except Exception as error:  # noqa: BLE001 - a state that cannot be taken only costs the live source
+        logger.warning("taking the live stage state failed: %s: %s", type(error).__name__, error)
+        return None, f"taking its stage state failed ({type(error).__name__})"
+
+
 SIGNAL_ENV = "MP_TEST_SIGNAL_AT_STEP"  # "<original rank>:<step>:<KILL|STOP>[,...]": tests kill a rank at a known step
 AT_RECOVERY = -1  # the step `recovery` of SIGNAL_ENV: as the rank begins re-forming the world (a failure during recovery)
 
@@ -276,8 +356,9 @@ def signal_hook(original_rank: int) -> dict[int, int]:
     return out
 
 
-def arm_signal_hook(engine: Any, original_rank: int, rank: int) -> None:
-    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin."""
+def arm_signal_hook(engine: Any, original_rank: int, rank: int, flush: Optional[Callable[[float], bool]] = None) -> None:
+    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin (under
+    --redundancy, once its buddy holds its newest snapshot: `flush`, bounded, so the test knows what was copied)."""
     signals = signal_hook(original_rank)
     if not signals:
         return
@@ -285,6 +366,8 @@ def arm_signal_hook(engine: Any, original_rank: int, rank: int) -> None:
 
     def hooked(step: int) -> Any:
         if step in signals:
+            if flush is not None and not flush(30.0):
+                logger.warning("[rank %d] test hook: the buddy did not acknowledge the newest snapshot in 30 s", rank)
             logger.error("[rank %d] test hook %s: signal %s at step %d", rank, SIGNAL_ENV, signals[step], step)
             os.kill(os.getpid(), signals.pop(step))
         return original(step)

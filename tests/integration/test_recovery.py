@@ -11,43 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from model_parallel.runtime.checkpoint.store import load_checkpoint
-from model_parallel.runtime.launch import LocalWorld, WorldResult, free_port, launch_workers, worker_commands
-from model_parallel.runtime.observe.metrics import read_events, read_metrics
-from support.mlp import assert_params_close, reference_losses, reference_params
+from model_parallel.runtime.launch import LocalWorld, free_port, worker_commands
+from support.recovery import args, assert_exact, recoveries, run
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-STEPS = 10
-TIMEOUT = 5  # --timeout: how long a blocking call waits for a peer
-
-
-def args(checkpoints: Path, tmp_path: Path, every: int = 2) -> list[str]:
-    return ["--model", "mlp", "--steps", str(STEPS), "--batch_size", "8", "--num_microbatches", "4", "--lr", "0.01",
-            "--checkpoint_dir", str(checkpoints), "--checkpoint_every", str(every), "--timeout", str(TIMEOUT),
-            "--metrics", str(tmp_path / "metrics" / "rank{rank}.jsonl"), "--recover"]
-
-
-def run(tmp_path: Path, hook: str, world_size: int = 3, every: int = 2, port: int = 0) -> WorldResult:
-    result = launch_workers(args(tmp_path / "ck", tmp_path, every), world_size, timeout=150, port=port or None,
-                            env={"MP_TEST_SIGNAL_AT_STEP": hook})
-    assert not result.timed_out, result.summary()
-    return result
-
-
-def assert_exact(tmp_path: Path, survivors: list[int]) -> None:
-    """Final parameters and every step's loss after the recovery equal uninterrupted single-process training."""
-    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "recovered run")
-    want = reference_losses(STEPS)
-    for rank in survivors:
-        records = read_metrics(tmp_path / "metrics" / f"rank{rank}.jsonl")
-        last = {r["step"]: r["loss"] for r in records}  # a recomputed step: its last record
-        assert sorted(last) == list(range(STEPS)), f"original rank {rank} ran steps {sorted(last)}"
-        for step, loss in last.items():
-            assert abs(loss - want[step]) <= 1e-5, f"step {step}: loss {loss} vs {want[step]} single-process"
-
-
-def recoveries(tmp_path: Path, rank: int) -> list[dict]:
-    return read_events(tmp_path / "metrics" / f"rank{rank}.jsonl", "recovery")
 
 
 def test_kill9_of_a_worker_survivors_continue_exactly(tmp_path: Path) -> None:

@@ -122,11 +122,7 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
     if engine.rank == 0:
         writers = [s.ranks[0] for s in engine.plan.stages]
         try:
-            # Before the manifest: a committed checkpoint holds what `model-parallel export` needs (model_files.py).
-            write_model_files(step_dir(directory, step), engine.graph, engine.model)
-            finalize(directory, step, {"world_size": engine.world_size, "plan": engine.plan.to_dict()},
-                     engine.fingerprint(), expected_ranks=writers,
-                     extra={"next_step": step + 1, "training": engine.training_record(step + 1)})
+            commit_step(directory, step, engine.graph, engine.model, manifest_fields(engine, step), writers)
         except Exception as exc:  # noqa: BLE001 - as above
             error = _describe(exc)
         else:
@@ -137,7 +133,9 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
                               f"'latest' names")
 
 
-def _write_shard(engine: CheckpointingEngine, stage: nn.Module, directory: str, step: int) -> None:
+def shard_state(engine: CheckpointingEngine, stage: nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(parameters, buffers, optimizer state) of a rank's shard, keyed as a checkpoint stores them (also what
+    --recover takes from a live replica: runtime/checkpoint/live.py)."""
     from model_parallel.runtime.build.tied import stored_keys, without_aliases
 
     # A tied tensor is stored once, under its first user's key, by the stage holding that user (its
@@ -146,10 +144,28 @@ def _write_shard(engine: CheckpointingEngine, stage: nn.Module, directory: str, 
     opt = optimizer_state_by_name(engine.optimizer, dict(stage.named_parameters())) if engine.optimizer else {}
     stored = stored_keys(engine.graph)
     opt = {stored.get(name, name): entry for name, entry in opt.items() if stored.get(name, name) in params}
+    return params, buffers, opt
+
+
+def _write_shard(engine: CheckpointingEngine, stage: nn.Module, directory: str, step: int) -> None:
+    params, buffers, opt = shard_state(engine, stage)
     if os.environ.get(ENOSPC_ENV, "") == str(engine.rank):
         # As the write of a full disk fails: an OSError carrying errno ENOSPC and the file name.
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard_path(directory, step, engine.rank)))
     save_shard(directory, step, engine.rank, params, buffers, opt)
+
+
+def manifest_fields(engine: CheckpointingEngine, step: int) -> dict[str, Any]:
+    """What the manifest of checkpoint `step` records besides its shards (the world, fingerprint, training)."""
+    return {"world": {"world_size": engine.world_size, "plan": engine.plan.to_dict()}, "fingerprint": engine.fingerprint(),
+            "extra": {"next_step": step + 1, "training": engine.training_record(step + 1)}}
+
+
+def commit_step(directory: str, step: int, graph: Graph, model: Any, fields: dict[str, Any], writers: list[int]) -> None:
+    """Rank 0, once every writer's shard is on disk: the model files, the manifest, then `latest` (the commit)."""
+    # Before the manifest: a committed checkpoint holds what `model-parallel export` needs (model_files.py).
+    write_model_files(step_dir(directory, step), graph, model)
+    finalize(directory, step, fields["world"], fields["fingerprint"], expected_ranks=writers, extra=fields["extra"])
 
 
 def _describe(exc: Exception) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from model_parallel.runtime import engine as engine_module
 from model_parallel.runtime.checkpoint.commit import AgreeingEngine, CheckpointingEngine
+from model_parallel.runtime.checkpoint.live import LiveEngine
 from model_parallel.runtime.checkpoint.resume import RestoringEngine, StartingEngine
 from model_parallel.runtime.engine import PipelineEngine
 from model_parallel.runtime.step.evaluate import EvaluatingEngine
@@ -16,7 +17,7 @@ from model_parallel.runtime.step.loop import LoopingEngine, SteppingEngine
 from model_parallel.runtime.wire.migration import MigratingEngine, SwitchingEngine
 
 PROTOCOLS = [AgreeingEngine, CheckpointingEngine, RestoringEngine, StartingEngine, EvaluatingEngine, LoopingEngine,
-             SteppingEngine, MigratingEngine, SwitchingEngine]
+             SteppingEngine, MigratingEngine, SwitchingEngine, LiveEngine]
 _PROTOCOL_NOISE = {"_is_protocol", "_is_runtime_protocol", "_abc_impl"}
 
 
