@@ -11,6 +11,8 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
     interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1)
+    zbh1       as 1f1b                                    ZB-H1: 1F1B's warm-up; an I ends a microbatch's
+                                                          activations, its deferred W keeps only the weight path's
 
 With one rank per stage, stage s of p holds p - s (1F1B capped by m) — the grids' bound. The interleaved
 row bounds a stage of the Interleaved 1F1B grid for every p, v, m (tests/unit/graph/test_in_flight.py
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import math
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved")  # the first is the default everywhere
-FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # one optimizer step per minibatch, after every backward of it
+SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved", "zbh1")  # the first is the default everywhere
+FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1")  # one optimizer step per minibatch, after every backward of it
 
 
 def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int, ranks_before: int,

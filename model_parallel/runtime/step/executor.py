@@ -8,6 +8,8 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
     kB j: k < p-1: output grads <- pre-posted irecv from stage k+1; autograd.backward(outputs, grads)
           k = p-1: loss.backward()
           k > 0:   isend(input grads) to stage k-1
+    kI j: as kB j, but the input grads only (backward_split.py), sent at once; what the weight grads need is kept
+    kW j: the weight grads of microbatch j from what its kI kept (zero-bubble schedules, zero_bubble.py)
     wait for every send
 
 A rank holding several stages (interleaved 1F1B, multi_stage.py) runs one executor per stage, action by
@@ -35,18 +37,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from model_parallel.errors import PeerError
+from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.memory_probe import NO_METER
 from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.output import float_output
-from model_parallel.runtime.step.schedule import Action
+from model_parallel.runtime.step.backward_split import WeightWork, backward_input, backward_weight
+from model_parallel.runtime.step.schedule import INPUT, WEIGHT, Action
 from model_parallel.runtime.step.update import apply_update
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire import structure
@@ -74,6 +77,7 @@ class StepState:
     stash: dict[int, "_Stash"]
     sends: list[comm.SendHandle]
     loss_sum: float = 0.0
+    weight_work: dict[int, WeightWork] = field(default_factory=dict)  # microbatches through I, waiting for W
 
 
 @dataclass
@@ -122,6 +126,9 @@ class StepExecutor:
         self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
         self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
         self.recompute = config.recompute_stage(stage_id)
+        if weight_stash is not None and any(a.kind in (INPUT, WEIGHT) for a in self.actions):
+            raise ModelParallelError("a split backward (I, W) updates the weights after the flush; PipeDream's weight "
+                                     "stashing updates after each backward: run zero-bubble schedules with a flush")
         self.wire_dtype = config.wire_dtype  # bf16: float32 boundary values and gradients travel rounded to bf16
         # Boundary values are named by node id in errors (a PipeDream package's stage may have no names).
         names = getattr(stage, "output_names", None)
@@ -209,28 +216,39 @@ class StepExecutor:
                 stash[j] = _Stash(inputs, leaves, weights=weights)
             self.meter.kept(j, stash[j])
             return
+        if action.kind == WEIGHT:
+            work = state.weight_work.pop(j)
+            compute("backward", j, lambda: backward_weight(work))
+            self.meter.release(j)
+            return
         entry = stash.pop(j)
         if last:
-            compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
+            outputs, output_grads = [entry.outputs], [None]
         else:
-            output_grads, _ = receives.take("B", j)
-            if len(output_grads) != len(entry.outputs):
-                raise PeerError(f"stage {k + 1} sent {len(output_grads)} gradients for microbatch {j}, expected "
+            received, _ = receives.take("B", j)
+            if len(received) != len(entry.outputs):
+                raise PeerError(f"stage {k + 1} sent {len(received)} gradients for microbatch {j}, expected "
                                 f"{len(entry.outputs)} (one per tensor sent); are both ranks running the same plan?")
-            pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
+            pairs = [(o, g) for o, g in zip(entry.outputs, received)
                      if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
-            if pairs:
-                compute("backward", j, lambda: torch.autograd.backward(
-                    [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]))
+            outputs, output_grads = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+        if action.kind == INPUT:
+            params = list(self.stage.parameters())
+            input_grads, state.weight_work[j] = compute(
+                "backward", j, lambda: backward_input(outputs, output_grads, entry.inputs, params))
+        else:
+            if outputs:
+                compute("backward", j, lambda: torch.autograd.backward(outputs, output_grads))
+            input_grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
         if k > 0:
-            grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
             with self.metrics.measure("send", microbatch=j):
-                sends.append(comm.send_values(grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1),
+                sends.append(comm.send_values(input_grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1),
                                               device=self.device, cache=self.header_cache, stream=j,
                                               wire_dtype=self.wire_dtype))
         if self.weight_stash is not None and entry.weights is not None:
             self.weight_stash.update(step, entry.weights)
-        self.meter.release(j)
+        if action.kind != INPUT:  # after an I the weight path's tensors live on until its W
+            self.meter.release(j)
 
     def finish(self, state: StepState) -> float:
         """Wait for the step's sends; returns this stage's share of the loss."""
@@ -298,7 +316,7 @@ class _Receives:
     def __init__(self, executor: StepExecutor, last: bool) -> None:
         self.executor, self.last = executor, last
         self.queues = {"F": [a for a in executor.actions if a.is_forward],
-                       "B": [a for a in executor.actions if not a.is_forward]}
+                       "B": [a for a in executor.actions if a.sends_gradient]}
         self.position = {"F": 0, "B": 0}
         self.pending = {"F": self._post("F"), "B": self._post("B")}
 

@@ -29,7 +29,7 @@ Schedules:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,21 +37,25 @@ from model_parallel.errors import ScheduleError
 from model_parallel.graph.in_flight import FLUSH_SCHEDULES, SCHEDULE_NAMES, microbatches_in_flight
 
 FORWARD = "F"
-BACKWARD = "B"
-_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
+BACKWARD = "B"  # the whole backward: input and weight gradients
+INPUT = "I"  # zero bubble: the input gradient only (sent upstream at once; backward_split.py)
+WEIGHT = "W"  # zero bubble: the weight gradient, after the I of the same microbatch
+KINDS = (FORWARD, BACKWARD, INPUT, WEIGHT)
+_ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """Stage `stage` runs the forward ("F") or backward ("B") pass of microbatch `microbatch`."""
+    """Stage `stage` runs the forward ("F"), backward ("B"), or the backward's input ("I") or weight ("W")
+    gradient alone, of microbatch `microbatch`."""
 
     stage: int
     kind: str
     microbatch: int
 
     def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD):
-            raise ScheduleError(f"action kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ScheduleError(f"action kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.stage < 0 or self.microbatch < 0:
             raise ScheduleError(f"stage and microbatch must be >= 0, got stage {self.stage}, microbatch {self.microbatch}")
 
@@ -62,12 +66,22 @@ class Action:
     def parse(cls, text: str) -> "Action":
         match = _ACTION_RE.match(text.strip())
         if not match:
-            raise ScheduleError(f"cannot parse action {text!r}: expected <stage><F|B><microbatch>, e.g. 2F0")
+            raise ScheduleError(f"cannot parse action {text!r}: expected <stage><F|B|I|W><microbatch>, e.g. 2F0")
         return cls(int(match.group(1)), match.group(2), int(match.group(3)))
 
     @property
     def is_forward(self) -> bool:
         return self.kind == FORWARD
+
+    @property
+    def sends_gradient(self) -> bool:
+        """B or I: computes the input gradient (sent upstream) and ends the microbatch's activations' use."""
+        return self.kind in (BACKWARD, INPUT)
+
+    def provides(self) -> tuple[tuple[int, str, int], ...]:
+        """What finishing it makes true: (stage, "F" forward | "G" input gradient | "W" weight gradient, j)."""
+        phases = {FORWARD: "F", BACKWARD: "GW", INPUT: "G", WEIGHT: "W"}[self.kind]
+        return tuple((self.stage, phase, self.microbatch) for phase in phases)
 
 
 Grid = tuple[tuple[Optional[Action], ...], ...]
@@ -154,15 +168,27 @@ def _validate_sizes(p: int, m: int) -> None:
         raise ScheduleError(f"a minibatch needs at least 1 microbatch, got {m}")
 
 
-def _dependencies(action: Action, p: int) -> list[Action]:
-    """The actions on other stages (or the forward on the same stage) that must finish first."""
+def _dependencies(action: Action, p: int) -> list[tuple[int, str, int]]:
+    """What must be true first (`Action.provides` keys): the forward of the stage before; for B and I the
+    own forward and the next stage's input gradient (its B or I); for W the own I."""
     s, j = action.stage, action.microbatch
     if action.is_forward:
-        return [Action(s - 1, FORWARD, j)] if s > 0 else []
-    deps = [Action(s, FORWARD, j)]
+        return [(s - 1, "F", j)] if s > 0 else []
+    if action.kind == WEIGHT:
+        return [(s, "G", j)]
+    deps = [(s, "F", j)]
     if s < p - 1:
-        deps.append(Action(s + 1, BACKWARD, j))
+        deps.append((s + 1, "G", j))
     return deps
+
+
+def _describe(key: tuple[int, str, int], stage: int) -> str:
+    s, phase, j = key
+    if phase == "F":
+        return "its own forward" if s == stage else f"{s}F{j} (data from stage {s})"
+    if s == stage:
+        return f"its own input gradient ({s}I{j})"
+    return f"{s}B{j} or {s}I{j} (the gradient from stage {s})"
 
 
 def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
@@ -170,6 +196,7 @@ def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
     on unit time steps as early as dependencies allow."""
     rows = len(orders)
     time_of: dict[Action, int] = {}
+    done_at: dict[tuple[int, str, int], int] = {}  # Action.provides keys -> step
     cursor = [0] * rows
     positions = [0] * rows
     row_of: dict[Action, int] = {}
@@ -180,10 +207,11 @@ def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
             while positions[s] < len(orders[s]):
                 action = orders[s][positions[s]]
                 deps = _dependencies(action, p)
-                if any(d not in time_of for d in deps):
+                if any(d not in done_at for d in deps):
                     break
-                t = max([cursor[s]] + [time_of[d] + 1 for d in deps])
+                t = max([cursor[s]] + [done_at[d] + 1 for d in deps])
                 time_of[action] = t
+                done_at.update((key, t) for key in action.provides())
                 row_of[action] = s
                 cursor[s] = t + 1
                 positions[s] += 1
@@ -238,14 +266,23 @@ def _in_flight_bounds(name: str, p: int, m: int) -> tuple[int, ...]:
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
-assert tuple(SCHEDULES) + ("interleaved",) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
+MULTI_STAGE = ("interleaved",)  # several stages per rank: built by interleaved.run_schedule, which knows the ranks
+
+
+def _factories() -> dict[str, Callable[[int, int], Schedule]]:
+    """Every one-stage-per-rank schedule by name: `(p, m) -> Schedule`, pure. zero_bubble.py builds on this module."""
+    from model_parallel.runtime.step.zero_bubble import NAME_H1, zb_h1
+
+    factories = {**SCHEDULES, NAME_H1: zb_h1}
+    assert set(factories) | set(MULTI_STAGE) == set(SCHEDULE_NAMES), "graph/in_flight.py names the schedules"
+    return factories
 
 
 def make_schedule(name: str, p: int, m: int) -> Schedule:
     """Schedule `name` over p stages (one per rank) and m microbatches; "interleaved" (several stages per
     rank) is built by `interleaved.run_schedule`, which knows the ranks."""
     try:
-        factory = SCHEDULES[name]
+        factory = _factories()[name]
     except KeyError:
         if name == "interleaved":
             raise ScheduleError("the interleaved schedule places stages on ranks in a loop: build it with "
@@ -309,14 +346,16 @@ def check(schedule: Schedule) -> None:
     """Validate a schedule by rules; raise `ScheduleError` naming the first failing step.
 
     Rules: actions sit on the row of their stage (its own row, or the rank holding it) and name a
-    valid microbatch; each stage runs every microbatch's F and B exactly once, forwards and backwards
-    each in increasing microbatch order; F(s, j) after F(s-1, j); B(s, j) after F(s, j) and after
-    B(s+1, j); and, where the schedule has an in-flight bound (graph/in_flight.py; 1F1B: p - s), a
-    row never holds more un-backwarded (stage, microbatch) pairs.
+    valid microbatch; each stage runs every microbatch's F once and its backward once, whole (B) or
+    split (I, then W); forwards, input gradients (B or I) and weight gradients (B or W) each in
+    increasing microbatch order; F(s, j) after F(s-1, j); B or I of (s, j) after F(s, j) and after the
+    B or I of (s+1, j); W(s, j) after I(s, j); and, where the schedule has an in-flight bound
+    (graph/in_flight.py; 1F1B: p - s), a row never holds more (stage, microbatch) pairs forwarded and
+    not yet through B or I (a W holds only what its weight gradient needs).
     """
     p, m = schedule.num_stages, schedule.num_microbatches
-    time_of: dict[Action, int] = {}
-    done = {(s, kind): 0 for s in range(p) for kind in (FORWARD, BACKWARD)}  # actions run so far per stage and kind
+    done_at: dict[tuple[int, str, int], int] = {}  # Action.provides keys -> step
+    done = {(s, phase): 0 for s in range(p) for phase in "FGW"}  # per stage and phase: microbatches done so far
     in_flight = [0] * schedule.num_rows
     # Walk steps in time order so the first violation reported is the earliest one.
     for t in range(schedule.num_steps):
@@ -330,26 +369,29 @@ def check(schedule: Schedule) -> None:
                 _fail(schedule, t, f"{action} is on {where}")
             if action.microbatch >= m:
                 _fail(schedule, t, f"{action}: microbatch {action.microbatch} out of range 0..{m - 1}")
-            if action in time_of:
-                _fail(schedule, t, f"{action} runs twice (first at step {time_of[action]})")
-            expected = done[(s, action.kind)]
-            if action.microbatch != expected:
-                _fail(schedule, t, f"{action}: stage {s} must run {action.kind} of microbatch {expected} next "
-                                   "(microbatches run in increasing order)")
+            for key in action.provides():
+                if key in done_at:
+                    what = {"F": "forward", "G": "input gradient", "W": "weight gradient"}[key[1]]
+                    _fail(schedule, t, f"{action}: the {what} of stage {s}, microbatch {key[2]} runs twice "
+                                       f"(first at step {done_at[key]}; a backward is B, or I then W)")
+                expected = done[(s, key[1])]
+                if action.microbatch != expected:
+                    _fail(schedule, t, f"{action}: stage {s} must run {action.kind} of microbatch {expected} next "
+                                       "(microbatches run in increasing order)")
             for dep in _dependencies(action, p):
-                if dep not in time_of:
-                    what = "its own forward" if dep.stage == s else f"{dep} (data from stage {dep.stage})"
-                    _fail(schedule, t, f"{action} runs before {what}")
-            time_of[action] = t
-            done[(s, action.kind)] += 1
-            in_flight[r] += 1 if action.is_forward else -1
+                if dep not in done_at:
+                    _fail(schedule, t, f"{action} runs before {_describe(dep, s)}")
+            for key in action.provides():
+                done_at[key] = t
+                done[(s, key[1])] += 1
+            in_flight[r] += 1 if action.is_forward else -1 if action.sends_gradient else 0
             if schedule.max_in_flight is not None and in_flight[r] > schedule.max_in_flight[r]:
                 holder = f"stage {s}" if schedule.placement is None else f"rank {r}"
                 _fail(schedule, t, f"{holder} holds {in_flight[r]} microbatches in flight, above the "
                                    f"{schedule.name.upper()} bound {schedule.max_in_flight[r]} (graph/in_flight.py)")
     for s in range(p):
         for j in range(m):
-            for kind in (FORWARD, BACKWARD):
-                if Action(s, kind, j) not in time_of:
-                    raise ScheduleError(f"{schedule.name}: {Action(s, kind, j)} never runs "
-                                        f"(stage {s} must run F and B of every microbatch 0..{m - 1})\n{format_grid(schedule)}")
+            for phase, what in (("F", f"{s}F{j}"), ("G", f"{s}B{j} (or {s}I{j})"), ("W", f"{s}B{j} (or {s}W{j})")):
+                if (s, phase, j) not in done_at:
+                    raise ScheduleError(f"{schedule.name}: {what} never runs (stage {s} must run F and B, or F, I "
+                                        f"and W, of every microbatch 0..{m - 1})\n{format_grid(schedule)}")

@@ -1,0 +1,78 @@
+"""Zero-bubble schedules (Qi et al. 2024): the backward split into I (input gradient) and W (weight gradient).
+
+I is what the stage before waits for; W can wait. ZB-H1 keeps 1F1B's order and memory (p-1-s warm-up
+forwards on stage s, then one forward and one I), and defers W: stage s holds back its first s W's and
+then runs one W after each I, the held-back ones at the end, where 1F1B's drain leaves stage s idle.
+The input gradient reaches stage 0 after (p-1) I's instead of (p-1) full backwards, so with equal F, I
+and W the idle time per rank drops from (p-1)(F+I+W) to (p-1)(F+I-W). p = 3, m = 4 (unit steps):
+
+    step    0    1    2    3    4    5    6    7    8    9   10   11   12   13
+    s0    0F0  0F1    .    .  0F2  0I0  0W0  0F3  0I1  0W1  0I2  0W2  0I3  0W3
+    s1      .  1F0  1F1  1I0  1F2  1I1  1W0  1F3  1I2  1W1  1I3  1W2  1W3
+    s2      .    .  2F0  2I0  2F1  2I1  2W0  2F2  2I2  2W1  2F3  2I3  2W2  2W3
+
+The order is torch's `ScheduleInterleavedZeroBubble` with one stage per rank (`_get_1f1b_rank_ops`
+with `enable_zero_bubble`), written for any v stages per rank in a loop; `zb_h1` is v = 1. The runtime
+runs I and W with runtime/step/backward_split.py (exact: the same gradients as B).
+"""
+from __future__ import annotations
+
+from model_parallel.errors import ScheduleError
+from model_parallel.graph.in_flight import microbatches_in_flight
+from model_parallel.runtime.step.schedule import FORWARD, INPUT, WEIGHT, Action, Schedule, grid_from_orders
+
+NAME_H1 = "zbh1"
+
+
+def zero_bubble_orders(p: int, v: int, m: int) -> list[list[Action]]:
+    """Each rank's order over its v stages (rank r holds stages r, r + p, ...): warm-up forwards, then one
+    forward and one I, with a W after each I once rank r has held back r of them; then the held-back W's."""
+    if p < 1 or v < 1 or m < 1:
+        raise ScheduleError(f"a zero-bubble schedule needs p >= 1 ranks, v >= 1 stages per rank and m >= 1 "
+                            f"microbatches, got p={p}, v={v}, m={m}")
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    if m % rounds:
+        raise ScheduleError(f"zero bubble runs microbatches in {rounds} rounds of {per_round}: m={m} is not a "
+                            f"multiple of {rounds}; use m={m - m % rounds}")
+    total = v * m
+    orders = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + (p - 1 - r), total)
+
+        def forward_stage(op: int, r: int = r) -> int:
+            return ((op // per_round) % v) * p + r
+
+        def backward_stage(op: int, r: int = r, warmup: int = warmup) -> int:
+            return (v - 1 - ((op - warmup) // per_round) % v) * p + r
+
+        count: dict[tuple[int, str], int] = {}
+
+        def next_action(stage: int, kind: str) -> Action:
+            j = count.get((stage, kind), 0)
+            count[(stage, kind)] = j + 1
+            return Action(stage, kind, j)
+
+        order: list[Action] = []
+        backward_ops: list[int] = []  # the op number of each I, in order: the W's follow the same sequence
+        weights = 0
+        for op in range(total + warmup):  # warm-up, steady (F then I), cool-down (I)
+            if op < total:
+                order.append(next_action(forward_stage(op), FORWARD))
+            if op >= warmup:
+                order.append(next_action(backward_stage(op), INPUT))
+                backward_ops.append(op)
+                if op - warmup >= r:  # rank r holds back its first r W's (torch: num_1f1b_microbatches = rank)
+                    order.append(next_action(backward_stage(backward_ops[weights]), WEIGHT))
+                    weights += 1
+        for op in backward_ops[weights:]:  # the held-back W's
+            order.append(next_action(backward_stage(op), WEIGHT))
+        orders.append(order)
+    return orders
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1: one stage per rank, 1F1B's memory (in flight: p - s on stage s), W's deferred into the drain."""
+    grid = grid_from_orders(zero_bubble_orders(p, 1, m), p)
+    bounds = tuple(microbatches_in_flight(NAME_H1, m, p, s) for s in range(p))
+    return Schedule(NAME_H1, p, m, grid, flush=True, max_in_flight=bounds)
