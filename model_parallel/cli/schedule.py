@@ -25,7 +25,7 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     for r in range(schedule.num_rows):
         held = peak = 0
         for action in schedule.row_actions(r):
-            held += 1 if action.is_forward else -1
+            held += 1 if action.is_forward else -1 if action.sends_gradient else 0  # W: activations are gone
             peak = max(peak, held)
         peaks.append(peak)
     return peaks

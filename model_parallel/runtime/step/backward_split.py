@@ -110,7 +110,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
                    inputs: Sequence[Any], params: Iterable[torch.nn.Parameter]) -> tuple[list[Optional[torch.Tensor]], WeightWork]:
     """I: dL/dx of each input (None where it needs none) from `outputs` and their gradients (None: ones, a loss);
     returns them with what `backward_weight` needs. The parameters' .grad is untouched."""
-    grads = [torch.ones_like(o) if g is None else g.to(o.dtype) for o, g in zip(outputs, grads)]
+    seeds = [torch.ones_like(o) if g is None else g.to(o.dtype) for o, g in zip(outputs, grads)]
     out_edges = [get_gradient_edge(o) for o in outputs]
     wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
     param_nodes = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
@@ -127,7 +127,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
 
     handles = [node.register_prehook(keeper(node)) for group in groups for node in group.intermediates]
     try:
-        on_path = [(o, g) for o, e, g in zip(outputs, out_edges, grads) if e.node in input_path]
+        on_path = [(o, g) for o, e, g in zip(outputs, out_edges, seeds) if e.node in input_path]
         result: list[Optional[torch.Tensor]] = [None] * len(inputs)
         if wanted and on_path:
             computed = torch.autograd.grad([o for o, _ in on_path], [inputs[i] for i in wanted],
@@ -138,7 +138,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
         for handle in handles:
             handle.remove()
     root_grads: dict[Node, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-    for edge, g in zip(out_edges, grads):
+    for edge, g in zip(out_edges, seeds):
         if edge.node not in input_path:
             root_grads[edge.node].append((edge.output_nr, g))
     return result, WeightWork(groups, kept, dict(root_grads), param_nodes)
@@ -164,7 +164,7 @@ def backward_weight(work: WeightWork) -> None:
         clamps = [node.register_prehook(lambda _grads, kept=work.kept[node]: kept)
                   for node in group.intermediates if node in work.kept] if len(starts) > 1 else []
         try:
-            dws = torch.autograd.grad(starts, [GradientEdge(node, 0) for node in params], start_grads,
+            dws: Sequence[Optional[torch.Tensor]] = torch.autograd.grad(starts, [GradientEdge(node, 0) for node in params], start_grads,
                                       retain_graph=True, allow_unused=True)
         finally:
             for handle in clamps:

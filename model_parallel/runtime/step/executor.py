@@ -222,6 +222,7 @@ class StepExecutor:
             self.meter.release(j)
             return
         entry = stash.pop(j)
+        output_grads: list[Optional[torch.Tensor]]
         if last:
             outputs, output_grads = [entry.outputs], [None]
         else:

@@ -7,9 +7,9 @@ The input gradient reaches stage 0 after (p-1) I's instead of (p-1) full backwar
 and W the idle time per rank drops from (p-1)(F+I+W) to (p-1)(F+I-W). p = 3, m = 4 (unit steps):
 
     step    0    1    2    3    4    5    6    7    8    9   10   11   12   13
-    s0    0F0  0F1    .    .  0F2  0I0  0W0  0F3  0I1  0W1  0I2  0W2  0I3  0W3
-    s1      .  1F0  1F1  1I0  1F2  1I1  1W0  1F3  1I2  1W1  1I3  1W2  1W3
-    s2      .    .  2F0  2I0  2F1  2I1  2W0  2F2  2I2  2W1  2F3  2I3  2W2  2W3
+    s0    0F0  0F1  0F2    .    .  0I0  0W0  0F3  0I1  0W1  0I2  0W2  0I3  0W3
+    s1      .  1F0  1F1    .  1I0  1F2  1I1  1W0  1F3  1I2  1W1  1I3  1W2  1W3
+    s2      .    .  2F0  2I0  2F1  2I1  2F2  2I2  2W0  2F3  2I3  2W1  2W2  2W3
 
 The order is torch's `ScheduleInterleavedZeroBubble` with one stage per rank (`_get_1f1b_rank_ops`
 with `enable_zero_bubble`), written for any v stages per rank in a loop; `zb_h1` is v = 1. The runtime
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from model_parallel.errors import ScheduleError
 from model_parallel.graph.in_flight import microbatches_in_flight
-from model_parallel.runtime.step.schedule import FORWARD, INPUT, WEIGHT, Action, Schedule, grid_from_orders
+from model_parallel.runtime.step.actions import FORWARD, INPUT, WEIGHT, Action, Schedule, grid_from_orders
 
 NAME_H1 = "zbh1"
 

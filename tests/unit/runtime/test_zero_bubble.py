@@ -1,0 +1,74 @@
+"""ZB-H1's grid (runtime/step/zero_bubble.py) and the rules for split backwards (I, W) in schedule.check."""
+from __future__ import annotations
+
+import pytest
+
+from model_parallel.errors import ScheduleError
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, SCHEDULE_NAMES
+from model_parallel.runtime.step.schedule import Action, check, format_grid, make_schedule, parse_grid
+
+P3_M4 = """\
+s0 0F0 0F1 0F2   .   . 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
+s1   . 1F0 1F1   . 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3
+s2   .   . 2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3"""
+
+
+def test_zbh1_is_registered_with_a_flush() -> None:
+    assert "zbh1" in SCHEDULE_NAMES and "zbh1" in FLUSH_SCHEDULES
+    assert make_schedule("zbh1", 3, 4).flush
+
+
+def test_zbh1_grid_p3_m4() -> None:
+    schedule = make_schedule("zbh1", 3, 4)
+    assert schedule.grid == parse_grid(P3_M4).grid, format_grid(schedule)
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (1, 3), (2, 1), (2, 2), (2, 4), (3, 2), (4, 4), (4, 8), (4, 5), (8, 16), (6, 7)])
+def test_zbh1_passes_the_rules_with_1f1b_memory(p: int, m: int) -> None:
+    schedule = make_schedule("zbh1", p, m)
+    check(schedule)  # includes the in-flight bound: 1F1B's p - s (graph/in_flight.py)
+    assert schedule.max_in_flight == make_schedule("1f1b", p, m).max_in_flight
+    for s in range(p):
+        kinds = [a.kind for a in schedule.stage_actions(s)]
+        assert kinds.count("I") == kinds.count("W") == m and "B" not in kinds
+        weights = [a.microbatch for a in schedule.stage_actions(s) if a.kind == "W"]
+        assert weights == list(range(m))
+
+
+def test_zbh1_defers_weights_into_the_drain() -> None:
+    # On unit steps (F = I = W = 1) the grid is shorter than 1F1B's with B = I + W (2 units): 1F1B needs
+    # (p-1)(F+B) + m(F+B) = 3*3 + 8*3 = 33 units at p = 4, m = 8; ZB-H1 27.
+    schedule = make_schedule("zbh1", 4, 8)
+    assert schedule.num_steps == 27
+    last = schedule.stage_actions(3)
+    assert [str(a) for a in last[-4:]] == ["3W4", "3W5", "3W6", "3W7"]  # the last stage holds back p-1 = 3 W's
+
+
+def test_actions_parse_i_and_w() -> None:
+    assert Action.parse("1I0") == Action(1, "I", 0) and str(Action(2, "W", 3)) == "2W3"
+    with pytest.raises(ScheduleError, match="expected <stage><F|B|I|W><microbatch>"):
+        Action.parse("1X0")
+
+
+@pytest.mark.parametrize("grid, message", [
+    ("s0 0F0 0W0 0I0", r"0W0 runs before its own input gradient \(0I0\)"),
+    ("s0 0F0 . 0I0\ns1 . 1F0 .", r"0I0 runs before 1B0 or 1I0 \(the gradient from stage 1\)"),
+    ("s0 0F0 0B0 0I0 0W0", r"the input gradient of stage 0, microbatch 0 runs twice"),
+    ("s0 0F0 0I0", r"0B0 \(or 0W0\) never runs"),
+    ("s0 0F0 0F1 0I0 0I1 0W1 0W0", r"0W1: stage 0 must run W of microbatch 0 next"),
+])
+def test_rules_for_split_backwards(grid: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        check(parse_grid(grid))
+
+
+def test_a_stage_may_mix_whole_and_split_backwards() -> None:
+    check(parse_grid("s0 0F0 0F1 0B0 0I1 0W1\n"))
+
+
+def test_zbh1_round_trips_through_torch_csv(tmp_path) -> None:
+    from model_parallel.runtime.step.schedule_csv import read_torch_csv, write_torch_csv
+
+    schedule = make_schedule("zbh1", 4, 8)
+    back = read_torch_csv(write_torch_csv(schedule, tmp_path / "zbh1.csv"))
+    assert back.grid == schedule.grid
