@@ -27,6 +27,7 @@ from torch import nn
 
 from model_parallel import jsonbound
 from model_parallel.errors import PlanError
+from model_parallel.graph.in_flight import LOOP_SCHEDULES
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.run import Job
@@ -150,7 +151,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         from model_parallel.runtime.build.stages import even_plan
 
         replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None
-        if spec.schedule == "interleaved":
+        if spec.schedule in LOOP_SCHEDULES:
             plan = _loop_plan(spec, graph, world_size)
         else:
             stages = spec.num_stages or (world_size - (sum(replicas.values()) - len(replicas) if replicas else 0))

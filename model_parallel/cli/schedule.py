@@ -3,6 +3,8 @@
     model-parallel schedule 1f1b -p 4 -m 8                 # our schedule's grid on unit time steps
     model-parallel schedule 1f1b -p 4 -m 8 --csv 1f1b.csv  # written in torch.distributed.pipelining's CSV format
     model-parallel schedule interleaved -p 4 -v 2 -m 8     # Interleaved 1F1B: 4 ranks, 2 stages each (rank rows)
+    model-parallel schedule zbh1 -p 4 -m 8                 # ZB-H1: the backward split into I and W
+    model-parallel schedule zbinterleaved -p 4 -v 2 -m 8   # interleaved zero bubble (torch's InterleavedZeroBubble)
     model-parallel schedule torch_order.csv                # a torch CSV checked by our rules (exit 2 naming the step)
 """
 from __future__ import annotations
@@ -11,9 +13,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
-from model_parallel.graph.in_flight import SCHEDULE_NAMES
-from model_parallel.runtime.step.interleaved import NAME as INTERLEAVED
-from model_parallel.runtime.step.interleaved import interleaved_1f1b
+from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES
+from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule, format_grid, make_schedule
 from model_parallel.runtime.step.schedule_csv import read_torch_csv, write_torch_csv
 
@@ -38,12 +39,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(compute-only format)")
     parser.add_argument("-p", "--stages", type=int, default=4, help="stages = ranks, for a named schedule (default 4; "
                         "interleaved: ranks)")
-    parser.add_argument("-v", "--stages_per_rank", type=int, default=2, help="interleaved only: stages per rank (default 2)")
+    parser.add_argument("-v", "--stages_per_rank", type=int, default=2, help="interleaved schedules only: stages per "
+                        "rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
     args = parser.parse_args(argv)
-    if args.schedule == INTERLEAVED:  # -p ranks, -v stages each
-        schedule = interleaved_1f1b(args.stages, args.stages_per_rank, args.microbatches)
+    if args.schedule in LOOP_SCHEDULES:  # -p ranks, -v stages each
+        schedule = run_schedule(args.schedule, args.stages * args.stages_per_rank, args.microbatches, args.stages)
     elif args.schedule in SCHEDULE_NAMES:
         schedule = make_schedule(args.schedule, args.stages, args.microbatches)
     else:

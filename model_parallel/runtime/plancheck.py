@@ -19,9 +19,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.build.stages import check_plan_fits
 from model_parallel.runtime.build.tied import SplitTie, check_schedule, check_trainable, plan_ties
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES
-
-INTERLEAVED = "interleaved"
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, LOOP_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -71,10 +69,11 @@ def check_placement(plan: Plan, schedule: str) -> None:
     """Several stages per rank only under the interleaved schedule, and it only with them: single-replica
     stages, stage k on rank k % p, p >= 2 (two consecutive stages never share a rank, so every edge is a message)."""
     shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
-    if schedule != INTERLEAVED:
+    if schedule not in LOOP_SCHEDULES:
         if shared:
             raise PlanError(f"plan v{plan.version} places several stages on one rank (loop placement); only the "
-                            f"interleaved schedule runs that: use --schedule interleaved, or one stage per rank")
+                            f"interleaved schedules run that: use --schedule interleaved (or zbinterleaved), or one "
+                            f"stage per rank")
         return
     if any(s.num_replicas > 1 for s in plan.stages):
         raise PlanError("the interleaved schedule does not support replicated stages; give every stage one rank "
@@ -88,6 +87,6 @@ def check_placement(plan: Plan, schedule: str) -> None:
 
 def check_switchable(schedule: Optional[str]) -> None:
     """Refuse a live plan switch the engine cannot make (several stages per rank: no migration path yet)."""
-    if schedule == INTERLEAVED:
+    if schedule in LOOP_SCHEDULES:
         raise PlanError("live plan switches are not supported under the interleaved schedule (a rank holds several "
                         "stages); restart the job with the new plan (--resume from a checkpoint), or use 1f1b")

@@ -1,7 +1,8 @@
-"""ZB-H1 (`--schedule zbh1`: the backward split into I and W) run by the runtime on 2 and 4 processes against
-single-process training, within 1e-5: the zoo MLP (SGD, AdamW, a replicated stage, bf16), the GPT with
-recomputation, and a GPT whose head is tied to its token embedding across stages (the tie's all-reduce
-runs after the last W). The schedule's rules: tests/unit/runtime/test_zero_bubble.py."""
+"""Zero-bubble schedules (the backward split into I and W) run by the runtime on 2 and 4 processes against
+single-process training, within 1e-5. ZB-H1 (`--schedule zbh1`): the zoo MLP (SGD, AdamW, a replicated stage,
+bf16), the GPT with recomputation, and a GPT whose head is tied to its token embedding across stages (the
+tie's all-reduce runs after the last W). Interleaved zero bubble (`--schedule zbinterleaved`, 2 and 3 stages
+per rank in a loop): the MLP. The schedules' rules: tests/unit/runtime/test_zero_bubble.py."""
 from __future__ import annotations
 
 import json
@@ -22,11 +23,10 @@ from support import TESTS, assert_relatively_close
 from support.tied import TiedJob, cut, reference_state, write_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-ZB = ["--schedule", "zbh1"]
 
 
-def _job(name: str, model: str, steps: int, *extra: str) -> dict:
-    return {"name": name, "model": model, "steps": steps, "extra": [*ZB, *extra], "whole_model": False}
+def _job(name: str, model: str, steps: int, *extra: str, schedule: str = "zbh1") -> dict:
+    return {"name": name, "model": model, "steps": steps, "extra": ["--schedule", schedule, *extra], "whole_model": False}
 
 
 JOBS = [
@@ -37,6 +37,8 @@ JOBS = [
     _job("mlp3_zbh1_bf16", "mlp", 3, "--num_stages", "3", "--bf16"),
     _job("gpt4_zbh1_recompute", "gpt", 3, "--num_stages", "4", "--optimizer", "adamw", "--lr", "0.003",
          "--recompute", "all"),
+    _job("mlp8_zbinterleaved_adamw", "mlp", 4, "--num_microbatches", "8", "--batch_size", "16", "--optimizer", "adamw",
+         "--lr", "0.003", schedule="zbinterleaved"),  # 8 stages, 2 per rank
 ]
 
 
@@ -85,3 +87,15 @@ def test_zbh1_with_a_tie_across_stages_trains_like_one_process(tmp_path: Path, w
                 copies += [value] if key in tie_keys else []
     assert covered == set(want)
     assert len(copies) == 2 and torch.equal(copies[0], copies[1]), "the tie's two copies, on the first and last rank"
+
+
+@pytest.mark.parametrize("extra", [["--num_microbatches", "4"], ["--num_microbatches", "2", "--num_stages", "6"]],
+                         ids=["p2_v2_m4", "p2_v3_m2"])
+def test_zbinterleaved_on_2_processes_matches_single_process(tmp_path: Path, extra: list[str]) -> None:
+    job = _job("mlp_zbinterleaved", "mlp", 4, *extra, schedule="zbinterleaved")
+    result = launch_workers(["--model", "mlp", "--steps", "4", "--timeout", "60", "--checkpoint_dir",
+                             str(tmp_path / "ckpt"), *job["extra"]], 2, timeout=300)
+    assert result.ok, result.summary()
+    stages = int(dict(zip(extra[::2], extra[1::2])).get("--num_stages", 4))
+    assert f"[rank 0 stage {','.join(str(k) for k in range(0, stages, 2))}]" in result.output(0)  # loop placement
+    _assert_close(job["name"], load_checkpoint(tmp_path / "ckpt").params(), _reference(job))

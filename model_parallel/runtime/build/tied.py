@@ -30,6 +30,7 @@ from model_parallel.codegen.naming import find_ties
 from model_parallel.codegen.ties import check_ties, split_ties
 from model_parallel.errors import TiedParameterError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import LOOP_SCHEDULES
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.wire import comm
 
@@ -82,7 +83,7 @@ INTERLEAVED_REASON = ("the interleaved schedule's engine does not sum the gradie
 
 def check_schedule(graph: Graph, plan: Plan, schedule: str) -> None:
     """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream, interleaved)."""
-    if schedule in ("pipedream", "interleaved"):
+    if schedule in ("pipedream",) + LOOP_SCHEDULES:
         check_ties(graph, plan.stage_of, PIPEDREAM_REASON if schedule == "pipedream" else INTERLEAVED_REASON)
 
 

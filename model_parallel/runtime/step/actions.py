@@ -202,3 +202,8 @@ def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
     for action, t in time_of.items():
         grid[row_of[action]][t] = action
     return tuple(tuple(row) for row in grid)
+
+
+def loop_placement(p: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Rank r holds stages r, r + p, ..., r + (v-1) p: stage k runs on rank k mod p."""
+    return tuple(tuple(c * p + r for c in range(v)) for r in range(p))

@@ -18,10 +18,11 @@ runs I and W with runtime/step/backward_split.py (exact: the same gradients as B
 from __future__ import annotations
 
 from model_parallel.errors import ScheduleError
-from model_parallel.graph.in_flight import microbatches_in_flight
-from model_parallel.runtime.step.actions import FORWARD, INPUT, WEIGHT, Action, Schedule, grid_from_orders
+from model_parallel.graph.in_flight import microbatches_in_flight, zero_bubble_in_flight, zero_bubble_warmup
+from model_parallel.runtime.step.actions import FORWARD, INPUT, WEIGHT, Action, Schedule, grid_from_orders, loop_placement
 
 NAME_H1 = "zbh1"
+NAME_INTERLEAVED = "zbinterleaved"
 
 
 def zero_bubble_orders(p: int, v: int, m: int) -> list[list[Action]]:
@@ -38,7 +39,7 @@ def zero_bubble_orders(p: int, v: int, m: int) -> list[list[Action]]:
     total = v * m
     orders = []
     for r in range(p):
-        warmup = min((v - 1) * per_round + (p - 1 - r), total)
+        warmup = zero_bubble_warmup(m, p, v, r)
 
         def forward_stage(op: int, r: int = r) -> int:
             return ((op // per_round) % v) * p + r
@@ -76,3 +77,14 @@ def zb_h1(p: int, m: int) -> Schedule:
     grid = grid_from_orders(zero_bubble_orders(p, 1, m), p)
     bounds = tuple(microbatches_in_flight(NAME_H1, m, p, s) for s in range(p))
     return Schedule(NAME_H1, p, m, grid, flush=True, max_in_flight=bounds)
+
+
+def zb_interleaved(p: int, v: int, m: int) -> Schedule:
+    """Interleaved zero bubble: v stages per rank in a loop (stage k on rank k mod p), I and W split, torch's
+    `ScheduleInterleavedZeroBubble` order; W's fill the bubbles interleaving leaves."""
+    if p < 2 or v < 2:
+        raise ScheduleError(f"the interleaved zero-bubble schedule needs p >= 2 ranks with v >= 2 stages each (loop "
+                            f"placement), got p={p}, v={v}; use {NAME_H1} for one stage per rank")
+    grid = grid_from_orders(zero_bubble_orders(p, v, m), p * v)
+    bounds = tuple(zero_bubble_in_flight(m, p, v, r) for r in range(p))
+    return Schedule(NAME_INTERLEAVED, p * v, m, grid, flush=True, max_in_flight=bounds, placement=loop_placement(p, v))

@@ -23,7 +23,7 @@ def test_interleaved_refusals_name_the_fix():
     with pytest.raises(PlanError, match="use Plan.stages_of_rank"):
         loop.stage_of_rank(0)
     check_plan(graph, loop, 2, "interleaved")
-    with pytest.raises(PlanError, match="only the interleaved schedule runs that"):
+    with pytest.raises(PlanError, match="only the interleaved schedules run that"):
         check_plan(graph, loop, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
         check_plan(graph, four, 4, "interleaved")  # one stage per rank

@@ -72,3 +72,29 @@ def test_zbh1_round_trips_through_torch_csv(tmp_path) -> None:
     schedule = make_schedule("zbh1", 4, 8)
     back = read_torch_csv(write_torch_csv(schedule, tmp_path / "zbh1.csv"))
     assert back.grid == schedule.grid
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8), (2, 3, 2), (8, 2, 16),
+                                     (3, 2, 5)])
+def test_zbinterleaved_passes_the_rules_on_loop_placement(p: int, v: int, m: int) -> None:
+    from model_parallel.graph.in_flight import microbatches_in_flight
+    from model_parallel.runtime.step.interleaved import interleaved_1f1b, run_schedule
+
+    schedule = run_schedule("zbinterleaved", p * v, m, p)
+    check(schedule)  # rank rows, each rank's in-flight bound (graph/in_flight.zero_bubble_in_flight)
+    assert schedule.placement == tuple(tuple(c * p + r for c in range(v)) for r in range(p))
+    for k in range(p * v):  # the optimizer's per-stage rule holds on the grid
+        held = peak = 0
+        for action in schedule.stage_actions(k):
+            held += 1 if action.is_forward else -1 if action.sends_gradient else 0
+            peak = max(peak, held)
+        assert peak <= microbatches_in_flight("zbinterleaved", m, p * v, k)
+    if m % p == 0:  # fewer idle unit steps than Interleaved 1F1B's (where B is one unit too)
+        assert schedule.bubble_fraction < interleaved_1f1b(p, v, m).bubble_fraction
+
+
+def test_zbinterleaved_refuses_one_stage_per_rank() -> None:
+    from model_parallel.runtime.step.zero_bubble import zb_interleaved
+
+    with pytest.raises(ScheduleError, match="needs p >= 2 ranks with v >= 2 stages each.*use zbh1"):
+        zb_interleaved(4, 1, 8)
