@@ -5,6 +5,7 @@
     model-parallel schedule interleaved -p 4 -v 2 -m 8     # Interleaved 1F1B: 4 ranks, 2 stages each (rank rows)
     model-parallel schedule zbh1 -p 4 -m 8                 # ZB-H1: the backward split into I and W
     model-parallel schedule zbinterleaved -p 4 -v 2 -m 8   # interleaved zero bubble (torch's InterleavedZeroBubble)
+    model-parallel schedule zbv -p 4 -m 8                  # ZBV: 2 stages per rank in a V (torch's ZBVZeroBubble)
     model-parallel schedule torch_order.csv                # a torch CSV checked by our rules (exit 2 naming the step)
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
-from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule, format_grid, make_schedule
 from model_parallel.runtime.step.schedule_csv import read_torch_csv, write_torch_csv
@@ -44,7 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
     args = parser.parse_args(argv)
-    if args.schedule in LOOP_SCHEDULES:  # -p ranks, -v stages each
+    if args.schedule in MULTI_STAGE_SCHEDULES:  # -p ranks, -v stages each (zbv: 2)
+        if args.schedule in V_SCHEDULES:
+            args.stages_per_rank = 2
         schedule = run_schedule(args.schedule, args.stages * args.stages_per_rank, args.microbatches, args.stages)
     elif args.schedule in SCHEDULE_NAMES:
         schedule = make_schedule(args.schedule, args.stages, args.microbatches)

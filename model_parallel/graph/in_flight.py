@@ -12,6 +12,7 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
     interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1);
                                                           zbinterleaved too (its grids stay under it)
+    zbv        as 1f1b, M = all stages                   per stage, V placement (r = 1)
     zbh1       as 1f1b                                    ZB-H1: 1F1B's warm-up; an I ends a microbatch's
                                                           activations, its deferred W keeps only the weight path's
 
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import math
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved", "zbh1", "zbinterleaved")  # the first is the default
-FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved")
-LOOP_SCHEDULES = ("interleaved", "zbinterleaved")  # several stages per rank, stage k on rank k mod p  # one optimizer step per minibatch, after every backward of it
+SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved", "zbh1", "zbinterleaved", "zbv")  # the first: the default
+FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv")  # one update per minibatch
+LOOP_SCHEDULES = ("interleaved", "zbinterleaved")  # several stages per rank, stage k on rank k mod p
+V_SCHEDULES = ("zbv",)  # two stages per rank in a V: rank r holds stages r and 2p-1-r
+MULTI_STAGE_SCHEDULES = LOOP_SCHEDULES + V_SCHEDULES
 
 
 def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int, ranks_before: int,
@@ -70,3 +73,8 @@ def zero_bubble_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank
     """(stage, microbatch) pairs forwarded and not yet through I on rank `rank` at its peak (zero bubble)."""
     return min(zero_bubble_warmup(num_microbatches, num_ranks, stages_per_rank, rank) + 1,
                stages_per_rank * num_microbatches)
+
+
+def zbv_in_flight(num_microbatches: int, num_ranks: int, rank: int) -> int:
+    """(stage, microbatch) pairs forwarded and not yet through I on rank `rank` at its peak under ZBV."""
+    return min(2 * num_ranks, 2 * num_microbatches)

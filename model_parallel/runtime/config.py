@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 
 from model_parallel.errors import ConfigError
-from model_parallel.graph.in_flight import LOOP_SCHEDULES
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
 from model_parallel.runtime.step.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
 from model_parallel.runtime.step.update import lr_factor
 
@@ -46,9 +46,9 @@ class TrainConfig:
         if self.schedule not in FLUSH_SCHEDULES and self.clip_grad is not None:
             raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
                               "stage updates on its own after each microbatch, so there is no global norm")
-        if self.schedule in LOOP_SCHEDULES and (self.bf16 or self.recompute):
-            raise ConfigError("the interleaved schedule does not run --bf16 or --recompute yet (untested there); drop "
-                              "them, or use the 1f1b schedule")
+        if self.schedule in MULTI_STAGE_SCHEDULES and (self.bf16 or self.recompute):
+            raise ConfigError(f"the {self.schedule} schedule does not run --bf16 or --recompute yet (several stages per "
+                              "rank: untested there); drop them, or use the 1f1b or zbh1 schedule")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"clip_grad must be > 0, got {self.clip_grad}; leave it unset to not clip")
         lr_factor(self.lr_schedule, 0)  # validates

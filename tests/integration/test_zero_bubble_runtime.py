@@ -2,7 +2,8 @@
 single-process training, within 1e-5. ZB-H1 (`--schedule zbh1`): the zoo MLP (SGD, AdamW, a replicated stage,
 bf16), the GPT with recomputation, and a GPT whose head is tied to its token embedding across stages (the
 tie's all-reduce runs after the last W). Interleaved zero bubble (`--schedule zbinterleaved`, 2 and 3 stages
-per rank in a loop): the MLP. The schedules' rules: tests/unit/runtime/test_zero_bubble.py."""
+per rank in a loop) and ZBV (`--schedule zbv`, 2 stages per rank in a V; stage p-1 hands to stage p on its
+rank without a message): the MLP and the GPT. The schedules' rules: tests/unit/runtime/test_zero_bubble.py."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,8 @@ JOBS = [
          "--recompute", "all"),
     _job("mlp8_zbinterleaved_adamw", "mlp", 4, "--num_microbatches", "8", "--batch_size", "16", "--optimizer", "adamw",
          "--lr", "0.003", schedule="zbinterleaved"),  # 8 stages, 2 per rank
+    _job("mlp8_zbv", "mlp", 4, "--num_microbatches", "8", "--batch_size", "16", schedule="zbv"),  # 8 stages in a V
+    _job("gpt8_zbv_adamw", "gpt", 3, "--num_microbatches", "4", "--optimizer", "adamw", "--lr", "0.003", schedule="zbv"),
 ]
 
 
@@ -98,4 +101,14 @@ def test_zbinterleaved_on_2_processes_matches_single_process(tmp_path: Path, ext
     assert result.ok, result.summary()
     stages = int(dict(zip(extra[::2], extra[1::2])).get("--num_stages", 4))
     assert f"[rank 0 stage {','.join(str(k) for k in range(0, stages, 2))}]" in result.output(0)  # loop placement
+    _assert_close(job["name"], load_checkpoint(tmp_path / "ckpt").params(), _reference(job))
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_zbv_on_2_processes_matches_single_process(tmp_path: Path, m: int) -> None:
+    job = _job("mlp_zbv", "mlp", 4, "--num_microbatches", str(m), schedule="zbv")
+    result = launch_workers(["--model", "mlp", "--steps", "4", "--timeout", "60", "--checkpoint_dir",
+                             str(tmp_path / "ckpt"), *job["extra"]], 2, timeout=300)
+    assert result.ok, result.summary()
+    assert "[rank 0 stage 0,3]" in result.output(0) and "[rank 1 stage 1,2]" in result.output(1)  # the V
     _assert_close(job["name"], load_checkpoint(tmp_path / "ckpt").params(), _reference(job))

@@ -13,7 +13,8 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
     wait for every send
 
 A rank holding several stages (interleaved 1F1B, multi_stage.py) runs one executor per stage, action by
-action in its row's order (`begin` / `act` / `finish`), with one message tag per stage edge (comm.edge_tag).
+action in its row's order (`begin` / `act` / `finish`), with one message tag per stage edge (comm.edge_tag); two
+consecutive stages on one rank (ZBV's V) hand over through a mailbox instead of a message (wire/local.py).
 
 Under bf16 (`TrainConfig.wire_dtype`) float32 boundary activations and their gradients travel as
 bf16 and are widened back on arrival: the receiver computes on the rounded value (comm.py); the
@@ -53,6 +54,7 @@ from model_parallel.runtime.step.schedule import INPUT, WEIGHT, Action
 from model_parallel.runtime.step.update import apply_update
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire import structure
+from model_parallel.runtime.wire.local import LocalRecv, Mailbox
 
 
 
@@ -119,9 +121,10 @@ class StepExecutor:
                  route: Callable[[int, int], int], config: TrainConfig, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
                  decode: Callable[[Sequence[Any]], Any], device: torch.device, header_cache: comm.HeaderCache,
                  metrics: Any, timeout: float, flush: bool = True, weight_stash: Optional[WeightStash] = None,
-                 tag_per_edge: bool = False) -> None:
+                 tag_per_edge: bool = False, local: Optional[Mailbox] = None) -> None:
         self.stage, self.stage_id, self.num_stages, self.actions = stage, stage_id, num_stages, tuple(actions)
         self.tag_per_edge = tag_per_edge  # several stages per rank: one tag per stage edge (comm.edge_tag)
+        self.local = local  # the rank's mailbox between its own stages (ZBV: stage p-1 -> p), or None
         self.route, self.config, self.criterion, self.decode = route, config, criterion, decode
         self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
         self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
@@ -243,9 +246,7 @@ class StepExecutor:
             input_grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
         if k > 0:
             with self.metrics.measure("send", microbatch=j):
-                sends.append(comm.send_values(input_grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1),
-                                              device=self.device, cache=self.header_cache, stream=j,
-                                              wire_dtype=self.wire_dtype))
+                sends.append(self._send(input_grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1), j))
         if self.weight_stash is not None and entry.weights is not None:
             self.weight_stash.update(step, entry.weights)
         if action.kind != INPUT:  # after an I the weight path's tensors live on until its W
@@ -263,10 +264,23 @@ class StepExecutor:
         values = list(outputs)
         names = self.output_names or tuple(f"output {i}" for i in range(len(values)))
         leaves, tree = structure.flatten_values(values, names)
-        handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), self.tag(comm.TAG_ACTIVATION, self.stage_id),
-                                  device=self.device,
-                                  cache=self.header_cache, stream=stream, structure=tree, wire_dtype=self.wire_dtype)
+        handle = self._send(leaves, self.route(self.stage_id + 1, j), self.tag(comm.TAG_ACTIVATION, self.stage_id),
+                            stream, structure=tree)
         return leaves, handle
+
+    def _send(self, values: list[Any], dst: int, tag: int, stream: Any, structure: Any = None) -> comm.SendHandle:
+        """A message to rank `dst`; to a stage of this rank (ZBV's V), into the mailbox, nothing to wait for."""
+        if self.local is not None and dst == self.local.rank:
+            self.local.put(tag, stream, values, structure)
+            return comm.SendHandle(works=[], buffers=[], peer=dst)
+        return comm.send_values(values, dst, tag, device=self.device, cache=self.header_cache, stream=stream,
+                                structure=structure, wire_dtype=self.wire_dtype)
+
+    def recv(self, src: int, tag: int, stream: Any) -> "comm.PendingRecv | LocalRecv":
+        """A receive from rank `src`, posted now; from a stage of this rank, out of the mailbox."""
+        if self.local is not None and src == self.local.rank:
+            return LocalRecv(self.local, tag, stream)
+        return comm.PendingRecv(src, tag, device=self.device, cache=self.header_cache, stream=stream)
 
     def run_forward(self, data: StepData,
                     metric: Optional[Callable[[Any, torch.Tensor], Any]] = None) -> tuple[float, float]:
@@ -283,8 +297,7 @@ class StepExecutor:
                 assert data.inputs is not None, "stage 0 reads its inputs"
                 values = list(data.inputs[j])
             else:
-                pending = comm.PendingRecv(self.route(k - 1, j), self.tag(comm.TAG_ACTIVATION, k - 1), device=self.device,
-                                           cache=self.header_cache, stream=("eval", j))
+                pending = self.recv(self.route(k - 1, j), self.tag(comm.TAG_ACTIVATION, k - 1), ("eval", j))
                 values = self._unflatten(pending.wait(self.timeout), pending.structure)
             with torch.no_grad(), autocast:
                 outputs = self.stage(*values)
@@ -321,17 +334,15 @@ class _Receives:
         self.position = {"F": 0, "B": 0}
         self.pending = {"F": self._post("F"), "B": self._post("B")}
 
-    def _post(self, kind: str) -> Optional[comm.PendingRecv]:
+    def _post(self, kind: str) -> "Optional[comm.PendingRecv | LocalRecv]":
         queue, x = self.queues[kind], self.executor
         if self.position[kind] >= len(queue):
             return None
         j, k = queue[self.position[kind]].microbatch, x.stage_id
         if kind == "F" and k > 0:
-            return comm.PendingRecv(x.route(k - 1, j), x.tag(comm.TAG_ACTIVATION, k - 1), device=x.device,
-                                    cache=x.header_cache, stream=j)
+            return x.recv(x.route(k - 1, j), x.tag(comm.TAG_ACTIVATION, k - 1), j)
         if kind == "B" and not self.last:
-            return comm.PendingRecv(x.route(k + 1, j), x.tag(comm.TAG_GRADIENT, k), device=x.device,
-                                    cache=x.header_cache, stream=j)
+            return x.recv(x.route(k + 1, j), x.tag(comm.TAG_GRADIENT, k), j)
         return None
 
     def skip(self, kind: str) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from model_parallel.errors import ScheduleError
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES, LOOP_SCHEDULES, SCHEDULE_NAMES, microbatches_in_flight
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, microbatches_in_flight
 # Re-exported: the schedule's data types live in actions.py (zero_bubble.py builds on them without this module).
 from model_parallel.runtime.step.actions import (BACKWARD, FORWARD, INPUT, KINDS, WEIGHT, Action, Grid,  # noqa: F401
                                                  Schedule, dependencies, describe_dependency, grid_from_orders,
@@ -80,7 +80,7 @@ def _in_flight_bounds(name: str, p: int, m: int) -> tuple[int, ...]:
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
-MULTI_STAGE = LOOP_SCHEDULES  # several stages per rank: built by interleaved.run_schedule, which knows the ranks
+MULTI_STAGE = MULTI_STAGE_SCHEDULES  # several stages per rank: built by interleaved.run_schedule, which knows the ranks
 
 
 def _factories() -> dict[str, Callable[[int, int], Schedule]]:

@@ -18,11 +18,12 @@ runs I and W with runtime/step/backward_split.py (exact: the same gradients as B
 from __future__ import annotations
 
 from model_parallel.errors import ScheduleError
-from model_parallel.graph.in_flight import microbatches_in_flight, zero_bubble_in_flight, zero_bubble_warmup
+from model_parallel.graph.in_flight import microbatches_in_flight, zbv_in_flight, zero_bubble_in_flight, zero_bubble_warmup
 from model_parallel.runtime.step.actions import FORWARD, INPUT, WEIGHT, Action, Schedule, grid_from_orders, loop_placement
 
 NAME_H1 = "zbh1"
 NAME_INTERLEAVED = "zbinterleaved"
+NAME_V = "zbv"
 
 
 def zero_bubble_orders(p: int, v: int, m: int) -> list[list[Action]]:
@@ -88,3 +89,49 @@ def zb_interleaved(p: int, v: int, m: int) -> Schedule:
     grid = grid_from_orders(zero_bubble_orders(p, v, m), p * v)
     bounds = tuple(zero_bubble_in_flight(m, p, v, r) for r in range(p))
     return Schedule(NAME_INTERLEAVED, p * v, m, grid, flush=True, max_in_flight=bounds, placement=loop_placement(p, v))
+
+
+def v_placement(p: int) -> tuple[tuple[int, ...], ...]:
+    """Rank r holds stages r and 2p-1-r (a V: down the ranks and back up); rank p-1 holds p-1 and p, handed over
+    without a message."""
+    return tuple((r, 2 * p - 1 - r) for r in range(p))
+
+
+def zbv_orders(p: int, m: int) -> list[list[Action]]:
+    """Each rank's order under ZBV (torch's `ScheduleZBVZeroBubble`): warm-up forwards of its first stage, then of
+    both, then forward, I and W on its second; a steady phase of F, I, W on each; I's, then the W's left."""
+    n = max(2 * p - 1, m)  # a full V needs 2p-1 microbatches; the ones past m are dropped below
+    orders = []
+    for r in range(p):
+        first, second = r, 2 * p - 1 - r
+        order: list[Action] = []
+        count = {(s, kind): 0 for s in (first, second) for kind in (FORWARD, INPUT, WEIGHT)}
+
+        def add(*steps: tuple[int, str]) -> None:
+            for stage, kind in steps:
+                order.append(Action(stage, kind, count[(stage, kind)]))
+                count[(stage, kind)] += 1
+
+        f0, i0, w0 = (first, FORWARD), (first, INPUT), (first, WEIGHT)
+        f1, i1, w1 = (second, FORWARD), (second, INPUT), (second, WEIGHT)
+        add(*[f0] * (2 * (p - r) - 1))  # warm-up: the first stage, then both, then the second with its I and W
+        add(*[f1, f0] * r)
+        add(*[f1, i1, w1] * (p - r))
+        while count[f1] < count[f0] or count[f0] < n:  # steady: F, I, W on each stage
+            add(*([f0] if count[f0] < n else []), i0, w0, f1, i1, w1)
+        add(*[i0, i1] * r)  # cool-down: the I's, the first stage's with its W, then the W's left
+        add(*[i0, w0] * (p - r))
+        add(*[w1] * (count[i1] - count[w1]))
+        add(*[w0] * (count[i0] - count[w0]))
+        orders.append([a for a in order if a.microbatch < m])
+    return orders
+
+
+def zb_v(p: int, m: int) -> Schedule:
+    """ZBV: 2 stages per rank in a V (rank r: stages r and 2p-1-r), I and W split (Qi et al. 2024, torch's order)."""
+    if p < 2 or m < 1:
+        raise ScheduleError(f"the ZBV schedule needs p >= 2 ranks (2 stages each, in a V) and m >= 1 microbatches, "
+                            f"got p={p}, m={m}; use {NAME_H1} for one stage per rank")
+    grid = grid_from_orders(zbv_orders(p, m), 2 * p)
+    bounds = tuple(zbv_in_flight(m, p, r) for r in range(p))
+    return Schedule(NAME_V, 2 * p, m, grid, flush=True, max_in_flight=bounds, placement=v_placement(p))

@@ -66,7 +66,7 @@ def test_interleaved_rule_bounds_every_stage_of_the_grid():
 
 
 def test_every_owner_names_the_same_schedules():
-    assert set(SCHEDULES) | set(MULTI_STAGE) | {"zbh1"} == set(SCHEDULE_NAMES)
+    assert set(SCHEDULES) | set(MULTI_STAGE) | {"zbh1"} == set(SCHEDULE_NAMES)  # zbh1: zero_bubble.py
     assert TrainConfig().schedule == SCHEDULE_NAMES[0]
     for name in SCHEDULE_NAMES:
         TrainConfig(schedule=name)
