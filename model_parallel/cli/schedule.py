@@ -56,7 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_grid(schedule))
     rows = "stage" if schedule.placement is None else "rank"
     print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_rows} x {schedule.num_steps} unit steps "
-          f"(every F and B one unit long); peak microbatches in flight per {rows}: "
+          f"(every action, F, B, I or W, one unit long); peak microbatches in flight per {rows}: "
           f"{peak_in_flight(schedule)}")
     if args.csv:
         print(f"wrote {write_torch_csv(schedule, args.csv)}")

@@ -12,8 +12,11 @@ and W the idle time per rank drops from (p-1)(F+I+W) to (p-1)(F+I-W). p = 3, m =
     s2      .    .  2F0  2I0  2F1  2I1  2F2  2I2  2W0  2F3  2I3  2W1  2W2  2W3
 
 The order is torch's `ScheduleInterleavedZeroBubble` with one stage per rank (`_get_1f1b_rank_ops`
-with `enable_zero_bubble`), written for any v stages per rank in a loop; `zb_h1` is v = 1. The runtime
-runs I and W with runtime/step/backward_split.py (exact: the same gradients as B).
+with `enable_zero_bubble`), written for any v stages per rank in a loop: `zb_h1` is v = 1,
+`zb_interleaved` v >= 2 (loop placement, as interleaved.py). `zb_v` is torch's `ScheduleZBVZeroBubble`:
+two stages per rank in a V (rank r holds stages r and 2p-1-r), whose last rank hands stage p-1's
+outputs to stage p without a message (runtime/wire/local.py). The runtime runs I and W with
+runtime/step/backward_split.py (exact: the same gradients as B).
 """
 from __future__ import annotations
 
