@@ -141,3 +141,36 @@ def test_zbv_refusals_name_the_fix() -> None:
         run_schedule("zbv", 12, 8, 4)
     with pytest.raises(ScheduleError, match="needs p >= 2 ranks"):
         zb_v(1, 4)
+
+
+def _torch_order(cls_name: str, p: int, stage_ids: list[int], m: int) -> dict:
+    """A torch zero-bubble schedule's pipeline order for every rank (its IR; stand-in stages, no process group)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    stages = [SimpleNamespace(group_size=p, group_rank=0, num_stages=2 * p if cls_name == "ScheduleZBVZeroBubble"
+                              else len(stage_ids) * p, stage_index=k, is_first=k == 0, is_last=False,
+                              submod=None)
+              for k in stage_ids]
+    return getattr(schedules, cls_name)(stages, m, loss_fn=None).pipeline_order
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 1, 2), (4, 1, 8), (3, 1, 5), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_zero_bubble_orders_equal_torchs_interleaved_zero_bubble(p: int, v: int, m: int) -> None:
+    from model_parallel.runtime.step.zero_bubble import zero_bubble_orders
+
+    order = _torch_order("ScheduleInterleavedZeroBubble", p, [c * p for c in range(v)], m)
+    ours = zero_bubble_orders(p, v, m)
+    for rank in range(p):
+        assert [str(a) for a in order[rank] if a is not None] == [str(a) for a in ours[rank]]
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8)])
+def test_zbv_orders_equal_torchs(p: int, m: int) -> None:
+    from model_parallel.runtime.step.zero_bubble import zbv_orders
+
+    order = _torch_order("ScheduleZBVZeroBubble", p, [0, 2 * p - 1], m)
+    ours = zbv_orders(p, m)
+    for rank in range(p):
+        assert [str(a) for a in order[rank] if a is not None] == [str(a) for a in ours[rank]]
