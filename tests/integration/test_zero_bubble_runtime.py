@@ -106,9 +106,12 @@ def test_zbinterleaved_on_2_processes_matches_single_process(tmp_path: Path, ext
 
 @pytest.mark.parametrize("m", [2, 4])
 def test_zbv_on_2_processes_matches_single_process(tmp_path: Path, m: int) -> None:
-    job = _job("mlp_zbv", "mlp", 4, "--num_microbatches", str(m), schedule="zbv")
+    # m = 4 also validates every 2 steps: forward-only through the V, stage p-1 to p through the mailbox
+    evaluate = ["--eval_every", "2", "--eval_data", "synthetic"] if m == 4 else []
+    job = _job("mlp_zbv", "mlp", 4, "--num_microbatches", str(m), *evaluate, schedule="zbv")
     result = launch_workers(["--model", "mlp", "--steps", "4", "--timeout", "60", "--checkpoint_dir",
                              str(tmp_path / "ckpt"), *job["extra"]], 2, timeout=300)
     assert result.ok, result.summary()
     assert "[rank 0 stage 0,3]" in result.output(0) and "[rank 1 stage 1,2]" in result.output(1)  # the V
+    assert ("val_loss" in result.output(0)) == bool(evaluate)
     _assert_close(job["name"], load_checkpoint(tmp_path / "ckpt").params(), _reference(job))
