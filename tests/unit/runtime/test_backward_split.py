@@ -110,3 +110,26 @@ def test_weight_pass_does_not_redo_the_input_path() -> None:
     backward_weight(work)
     assert COUNT == {"input": layers, "weight": layers}
     assert all(p.grad is not None for p in model.parameters())
+
+
+class PassThrough(nn.Module):
+    """Hands its input on unchanged beside a computed output (a skip connection across a cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.lin(x)
+
+
+class NoWeights(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 3.0
+
+
+@pytest.mark.parametrize("make", [PassThrough, NoWeights], ids=["pass_through", "no_weights"])
+def test_split_of_odd_stages(make: Callable[[], nn.Module]) -> None:
+    plain_w, split_w, plain_x, split_x = _both(make, x_grad=True)
+    for a, b in zip(plain_x + plain_w, split_x + split_w):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
