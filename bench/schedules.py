@@ -60,7 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "schedules.json"  # bench/snapshot/ holds the copy the docs quote
 logger = logging.getLogger("bench.schedules")
 # Bubble formula per schedule (emulated.analytic_bubble kinds); ours not listed (new schedules) get none.
-BUBBLE_KIND = {"gpipe": "flush", "1f1b": "flush", "interleaved": "interleaved", "ScheduleGPipe": "flush", "Schedule1F1B": "flush",
+BUBBLE_KIND = {"gpipe": "flush", "1f1b": "flush", "interleaved": "interleaved", "zbh1": "zb_h1",
+               "zbinterleaved": "zb_interleaved", "zbv": "zb_v", "ScheduleGPipe": "flush", "Schedule1F1B": "flush",
                "ScheduleInterleaved1F1B": "interleaved", "ScheduleLoopedBFS": "interleaved",
                "ScheduleInterleavedZeroBubble": "zb_interleaved", "ScheduleZBVZeroBubble": "zb_v"}
 
@@ -95,7 +96,7 @@ def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int) -> Any:
 
 def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: bool) -> dict[str, Any]:
     """Trace the emulated model, write its graph and plans, and the world's spec (which sides run)."""
-    from model_parallel.graph.in_flight import SCHEDULE_NAMES
+    from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
     from model_parallel.graph.io import save_graph
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.trace import trace_model
@@ -125,8 +126,12 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
         # Ours interleaved: the same 2p stages, stage k on rank k % p (loop placement).
         plans[f"{2 * p}loop"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
             dataclasses.replace(st, ranks=(st.stage_id % p,)) for st in plans[str(2 * p)].stages))
+        # Ours zbv: the same 2p stages in a V, stage k on rank k, then 2p-1-k.
+        plans[f"{2 * p}v"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
+            dataclasses.replace(st, ranks=(min(st.stage_id, 2 * p - 1 - st.stage_id),)) for st in plans[str(2 * p)].stages))
         spec["sides"] = [{"key": f"torch {s}", "runtime": "torch", "schedule": s} for s in torch_names] + [
-            {"key": f"ours {s}", "runtime": "ours", "schedule": s, "plan": f"{2 * p}loop" if s == "interleaved" else str(p)}
+            {"key": f"ours {s}", "runtime": "ours", "schedule": s,
+             "plan": f"{2 * p}loop" if s in LOOP_SCHEDULES else f"{2 * p}v" if s in V_SCHEDULES else str(p)}
             for s in SCHEDULE_NAMES]
     for key, plan in plans.items():
         spec["plans"][key] = str(workdir / f"{name}.plan{key}.json")
@@ -174,6 +179,8 @@ def run_world(spec: dict[str, Any], workdir: Path, timeout: float, echo: bool) -
 
 def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per side: steps/s, ratio over torch 1F1B (median chunk pair), bubble measured and analytic."""
+    from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
+
     p, m = spec["p"], spec["m"]
     rows = []
     # Every rank times between the same barriers: per chunk, the slowest rank's wall time.
@@ -189,7 +196,7 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
         wall = chunk_s[key]
         bubbles = [statistics.median(1.0 - busy / (s * 1000.0) for busy, s in zip(r[key]["chunk_busy_ms"], wall))
                    for r in ranks]
-        v = TORCH_SCHEDULES[name][0] if side["runtime"] == "torch" else (2 if name == "interleaved" else 1)
+        v = TORCH_SCHEDULES[name][0] if side["runtime"] == "torch" else (2 if name in MULTI_STAGE_SCHEDULES else 1)
         layers = args.layers_per_rank
         case = BubbleCase(BUBBLE_KIND.get(name, "none"), p, m, v, layers * args.forward_ms, layers * args.input_ms,
                           layers * args.weight_ms)

@@ -19,7 +19,7 @@ from typing import Any
 
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Level, Plan
 from model_parallel.optimizer.simulate import StageTimes
 from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule
@@ -63,7 +63,8 @@ def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[s
     try:
         check_supported(measure_memory, backend)
     except ModelParallelError as error:
-        refusals.setdefault("interleaved", str(error))
+        for name in MULTI_STAGE_SCHEDULES:
+            refusals.setdefault(name, str(error))
     return refusals
 
 
@@ -74,7 +75,7 @@ def _candidate_plan(graph: Graph, name: str, world_size: int, num_microbatches: 
 
     if refusals.get(name):
         raise PlanError(refusals[name])
-    if name == "interleaved" and (world_size < 2 or num_microbatches % world_size):
+    if name in MULTI_STAGE_SCHEDULES and (world_size < 2 or num_microbatches % world_size):
         raise PlanError(f"it needs >= 2 ranks and microbatches a multiple of them (got {world_size} rank(s), "
                         f"{num_microbatches} microbatches)")
     plan = plan_for(name)

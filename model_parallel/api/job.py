@@ -27,6 +27,7 @@ from torch import nn
 
 from model_parallel import jsonbound
 from model_parallel.errors import PlanError
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.run import Job
@@ -106,6 +107,13 @@ def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
         raise PlanError("the interleaved schedule places single-replica stages in a loop: drop --stage_to_num_ranks and "
                         "--memory_per_worker (its memory model prices one stage per worker), or use 1f1b")
     stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
+    if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r
+        if stages != 2 * world_size:
+            raise PlanError(f"the {spec.schedule} schedule places 2 stages per rank in a V: give --num_stages "
+                            f"{2 * world_size} for {world_size} rank(s), got {stages}")
+        plan = even_plan(graph, stages)
+        return replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, stages - 1 - s.stage_id),))
+                                          for s in plan.stages))
     if stages % world_size or stages < 2 * world_size:
         raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
                         f"--num_stages a multiple of the world size, at least {2 * world_size}")
@@ -197,8 +205,8 @@ def _schedule_plan(spec: JobSpec, graph: Graph, schedule: str, given: Optional[P
 
             MemoryLimit(float(spec.memory_per_worker), footprint).check(graph, given, "the plan given")  # type: ignore[arg-type]
         return given
-    if schedule == "interleaved":
-        return _loop_plan(spec, graph, world_size)
+    if schedule in MULTI_STAGE_SCHEDULES:
+        return _loop_plan(replace(spec, schedule=schedule), graph, world_size)
     from model_parallel.runtime.build.stages import even_plan
 
     replicas = dict(spec.stage_to_num_ranks) if spec.stage_to_num_ranks else None

@@ -3,6 +3,9 @@
     model-parallel schedule 1f1b -p 4 -m 8                 # our schedule's grid on unit time steps
     model-parallel schedule 1f1b -p 4 -m 8 --csv 1f1b.csv  # written in torch.distributed.pipelining's CSV format
     model-parallel schedule interleaved -p 4 -v 2 -m 8     # Interleaved 1F1B: 4 ranks, 2 stages each (rank rows)
+    model-parallel schedule zbh1 -p 4 -m 8                 # ZB-H1: the backward split into I and W
+    model-parallel schedule zbinterleaved -p 4 -v 2 -m 8   # interleaved zero bubble (torch's InterleavedZeroBubble)
+    model-parallel schedule zbv -p 4 -m 8                  # ZBV: 2 stages per rank in a V (torch's ZBVZeroBubble)
     model-parallel schedule torch_order.csv                # a torch CSV checked by our rules (exit 2 naming the step)
     model-parallel schedule 1f1b -p 4 -m 8 --times 10,20 --transfer_ms 1   # simulated in ms (optimizer/simulate.py)
 """
@@ -13,9 +16,8 @@ from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser
 from model_parallel.errors import ConfigError
-from model_parallel.graph.in_flight import SCHEDULE_NAMES
-from model_parallel.runtime.step.interleaved import NAME as INTERLEAVED
-from model_parallel.runtime.step.interleaved import interleaved_1f1b
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
+from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule, format_grid, make_schedule
 from model_parallel.runtime.step.schedule_csv import read_torch_csv, write_torch_csv
 
@@ -27,7 +29,7 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     for r in range(schedule.num_rows):
         held = peak = 0
         for action in schedule.row_actions(r):
-            held += 1 if action.is_forward else -1
+            held += 1 if action.is_forward else -1 if action.sends_gradient else 0  # W: activations are gone
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -58,7 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(compute-only format)")
     parser.add_argument("-p", "--stages", type=int, default=4, help="stages = ranks, for a named schedule (default 4; "
                         "interleaved: ranks)")
-    parser.add_argument("-v", "--stages_per_rank", type=int, default=2, help="interleaved only: stages per rank (default 2)")
+    parser.add_argument("-v", "--stages_per_rank", type=int, default=2, help="interleaved schedules only: stages per "
+                        "rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
     parser.add_argument("--times", help="also simulate it with these ms per microbatch: forward,backward for every "
@@ -66,8 +69,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--transfer_ms", type=float, default=0.0, help="with --times: ms to send one microbatch's "
                         "values over a stage edge, each way (default 0)")
     args = parser.parse_args(argv)
-    if args.schedule == INTERLEAVED:  # -p ranks, -v stages each
-        schedule = interleaved_1f1b(args.stages, args.stages_per_rank, args.microbatches)
+    if args.schedule in MULTI_STAGE_SCHEDULES:  # -p ranks, -v stages each (zbv: 2)
+        if args.schedule in V_SCHEDULES:
+            args.stages_per_rank = 2
+        schedule = run_schedule(args.schedule, args.stages * args.stages_per_rank, args.microbatches, args.stages)
     elif args.schedule in SCHEDULE_NAMES:
         schedule = make_schedule(args.schedule, args.stages, args.microbatches)
     else:
@@ -75,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_grid(schedule))
     rows = "stage" if schedule.placement is None else "rank"
     print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_rows} x {schedule.num_steps} unit steps "
-          f"(every F and B one unit long); peak microbatches in flight per {rows}: "
+          f"(every action, F, B, I or W, one unit long); peak microbatches in flight per {rows}: "
           f"{peak_in_flight(schedule)}")
     if args.times is not None:
         from model_parallel.runtime.step.auto import simulate_schedule

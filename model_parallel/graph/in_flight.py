@@ -10,7 +10,11 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     gpipe      ceil(m / r)                                all forwards run before any backward
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
-    interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1)
+    interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1);
+                                                          zbinterleaved too (its grids stay under it)
+    zbv        as 1f1b, M = all stages                   per stage, V placement (r = 1)
+    zbh1       as 1f1b                                    ZB-H1: 1F1B's warm-up; an I ends a microbatch's
+                                                          activations, its deferred W keeps only the weight path's
 
 With one rank per stage, stage s of p holds p - s (1F1B capped by m) — the grids' bound. The interleaved
 row bounds a stage of the Interleaved 1F1B grid for every p, v, m (tests/unit/graph/test_in_flight.py
@@ -25,8 +29,11 @@ from __future__ import annotations
 
 import math
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved")  # the first is the default everywhere
-FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # one optimizer step per minibatch, after every backward of it
+SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved", "zbh1", "zbinterleaved", "zbv")  # the first: the default
+FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv")  # one update per minibatch
+LOOP_SCHEDULES = ("interleaved", "zbinterleaved")  # several stages per rank, stage k on rank k mod p
+V_SCHEDULES = ("zbv",)  # two stages per rank in a V: rank r holds stages r and 2p-1-r
+MULTI_STAGE_SCHEDULES = LOOP_SCHEDULES + V_SCHEDULES
 
 
 def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int, ranks_before: int,
@@ -36,7 +43,7 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if schedule == "gpipe":
         return math.ceil(num_microbatches / replicas)
-    if schedule == "interleaved":  # single-replica stages only (plancheck refuses replicas)
+    if schedule in LOOP_SCHEDULES:  # single-replica stages only (plancheck refuses replicas)
         return min(2 * (num_ranks - ranks_before), num_microbatches)
     downstream = math.ceil((num_ranks - ranks_before) / replicas)
     if schedule == "pipedream":
@@ -53,3 +60,21 @@ def interleaved_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank
     """(stage, microbatch) pairs whose activations rank `rank` holds at its peak under Interleaved 1F1B."""
     return min(interleaved_warmup(num_microbatches, num_ranks, stages_per_rank, rank) + 1,
                stages_per_rank * num_microbatches)
+
+
+def zero_bubble_warmup(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:
+    """Forwards rank `rank` runs before its first I under the zero-bubble schedules (torch's count: one round of
+    microbatches per extra stage, plus one per rank after it; v = 1 is 1F1B's p - 1 - r)."""
+    per_round = num_microbatches // max(1, num_microbatches // num_ranks)
+    return min((stages_per_rank - 1) * per_round + num_ranks - 1 - rank, stages_per_rank * num_microbatches)
+
+
+def zero_bubble_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:
+    """(stage, microbatch) pairs forwarded and not yet through I on rank `rank` at its peak (zero bubble)."""
+    return min(zero_bubble_warmup(num_microbatches, num_ranks, stages_per_rank, rank) + 1,
+               stages_per_rank * num_microbatches)
+
+
+def zbv_in_flight(num_microbatches: int, num_ranks: int, rank: int) -> int:
+    """(stage, microbatch) pairs forwarded and not yet through I on rank `rank` at its peak under ZBV."""
+    return min(2 * num_ranks, 2 * num_microbatches)

@@ -155,9 +155,10 @@ class Plan:
             raise PlanError(f"the plan's stages have {total} replicas in all, more than {MAX_RANKS}, the most ranks a plan "
                             "may place; replicas are bounded by the world size (the workers started)")
         ranks = [r for s in self.stages for r in s.ranks]
-        if len(ranks) != len(set(ranks)) and not self.is_loop_placement:
+        if len(ranks) != len(set(ranks)) and not self.several_stages_per_rank:
             raise PlanError(f"a rank runs two stages: {sorted(ranks)}; only single-replica stages in loop placement "
-                            "(stage k on rank k % p, for the interleaved schedule) may share a rank")
+                            "(stage k on rank k % p, for the interleaved schedules) or in a V (stage k on rank k, "
+                            "then 2p-1-k, for zbv) may share a rank")
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -178,6 +179,18 @@ class Plan:
         p = len({r for rs in ranks for r in rs})
         return (p >= 1 and len(self.stages) % p == 0 and len(self.stages) > p
                 and all(rs == (k % p,) for k, rs in enumerate(ranks)))
+
+    @property
+    def several_stages_per_rank(self) -> bool:
+        """Loop placement (interleaved schedules) or a V (zbv): the placements where ranks hold several stages."""
+        return self.is_loop_placement or self.is_v_placement
+
+    @property
+    def is_v_placement(self) -> bool:
+        """2p single-replica stages on p >= 2 ranks, stage k on rank k for k < p and 2p-1-k after (ZBV's V)."""
+        ranks = [s.ranks for s in self.stages]
+        p = len(ranks) // 2
+        return p >= 2 and len(ranks) == 2 * p and all(rs == (min(k, 2 * p - 1 - k),) for k, rs in enumerate(ranks))
 
     @property
     def stage_of(self) -> dict[str, int]:

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from model_parallel.errors import ConfigError
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
 from model_parallel.runtime.step.auto import AUTO, chosen_schedule
 from model_parallel.runtime.step.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
 from model_parallel.runtime.step.update import lr_factor
@@ -64,8 +65,9 @@ class TrainConfig:
         """Schedule name -> why this config cannot run it (what `--schedule auto` skips, and refuses when named)."""
         refusals = {}
         if self.bf16 or self.recompute:
-            refusals["interleaved"] = ("the interleaved schedule does not run --bf16 or --recompute yet (untested there); "
-                                       "drop them, or use the 1f1b schedule")
+            for name in MULTI_STAGE_SCHEDULES:
+                refusals[name] = (f"the {name} schedule does not run --bf16 or --recompute yet (several stages per rank: "
+                                  "untested there); drop them, or use the 1f1b or zbh1 schedule")
         return refusals
 
     def resolved(self, plan: Any) -> "TrainConfig":

@@ -254,12 +254,14 @@ class PipelineEngine(TrainingLoop):
         """Several stages on this rank (interleaved 1F1B): their modules, ONE optimizer over all their parameters
         (one update per step, as one process would), one executor running the rank's schedule row."""
         from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
+        from model_parallel.runtime.wire.local import Mailbox
         check_supported(measuring=self.meter is not NO_METER, backend=dist.get_backend())
         schedule = prepared.schedule
         stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
         prepared.stage = StageGroup(list(stages.values()))
         self._make_optimizer(prepared, optimizer_state)
-        lanes = {k: self._executor(prepared, stage, k, schedule.stage_actions(k), tag_per_edge=True)
+        mailbox = Mailbox(self.rank)  # ZBV: stage p-1 hands to stage p on this rank without a message
+        lanes = {k: self._executor(prepared, stage, k, schedule.stage_actions(k), tag_per_edge=True, local=mailbox)
                  for k, stage in stages.items()}
         prepared.executor = MultiStageExecutor(lanes, schedule.row_actions(schedule.row_of(prepared.stage_ids[0])))
 

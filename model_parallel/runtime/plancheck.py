@@ -19,9 +19,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.build.stages import check_plan_fits
 from model_parallel.runtime.build.tied import SplitTie, check_schedule, check_trainable, plan_ties
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES
-
-INTERLEAVED = "interleaved"
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES, V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -68,13 +66,22 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
 
 
 def check_placement(plan: Plan, schedule: str) -> None:
-    """Several stages per rank only under the interleaved schedule, and it only with them: single-replica
-    stages, stage k on rank k % p, p >= 2 (two consecutive stages never share a rank, so every edge is a message)."""
+    """Several stages per rank only under the interleaved schedules, and they only with them: single-replica
+    stages, stage k on rank k % p, p >= 2 (two consecutive stages never share a rank, so every edge is a message);
+    or, under zbv, two stages per rank in a V (rank r: r and 2p-1-r; p-1 hands to p on its rank, no message)."""
     shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
-    if schedule != INTERLEAVED:
+    if schedule not in MULTI_STAGE_SCHEDULES:
         if shared:
             raise PlanError(f"plan v{plan.version} places several stages on one rank (loop placement); only the "
-                            f"interleaved schedule runs that: use --schedule interleaved, or one stage per rank")
+                            f"interleaved schedules run that: use --schedule interleaved (or zbinterleaved), or one "
+                            f"stage per rank")
+        return
+    if schedule in V_SCHEDULES:
+        if not plan.is_v_placement:
+            held = [s.ranks for s in plan.stages[:12]]
+            raise PlanError(f"the {schedule} schedule needs 2p single-replica stages on p >= 2 ranks in a V: stage k on "
+                            f"rank k for k < p, 2p-1-k after; plan v{plan.version} has {plan.num_stages} stage(s) on "
+                            f"ranks {held}{' ...' if plan.num_stages > 12 else ''}")
         return
     if any(s.num_replicas > 1 for s in plan.stages):
         raise PlanError("the interleaved schedule does not support replicated stages; give every stage one rank "
@@ -88,6 +95,6 @@ def check_placement(plan: Plan, schedule: str) -> None:
 
 def check_switchable(schedule: Optional[str]) -> None:
     """Refuse a live plan switch the engine cannot make (several stages per rank: no migration path yet)."""
-    if schedule == INTERLEAVED:
+    if schedule in MULTI_STAGE_SCHEDULES:
         raise PlanError("live plan switches are not supported under the interleaved schedule (a rank holds several "
                         "stages); restart the job with the new plan (--resume from a checkpoint), or use 1f1b")

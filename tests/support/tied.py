@@ -43,7 +43,8 @@ class TiedJob:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> TrainConfig:
-        return TrainConfig(batch_size=self.batch_size, num_microbatches=self.num_microbatches, clip_grad=self.clip_grad)
+        return TrainConfig(batch_size=self.batch_size, num_microbatches=self.num_microbatches, clip_grad=self.clip_grad,
+                           schedule=self.extra.get("schedule", "1f1b"))  # the oracle: one process, whatever it is
 
     def data(self) -> SyntheticData:
         return SyntheticData(self.batch_size, (SEQ,), VOCAB, "tokens", seed=0)

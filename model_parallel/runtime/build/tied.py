@@ -30,6 +30,7 @@ from model_parallel.codegen.naming import find_ties
 from model_parallel.codegen.ties import check_ties, split_ties
 from model_parallel.errors import TiedParameterError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.wire import comm
 
@@ -77,12 +78,12 @@ def check_trainable(ties: tuple[SplitTie, ...], modules: Mapping[str, Any]) -> N
 
 
 INTERLEAVED_REASON = ("the interleaved schedule's engine does not sum the gradients of copies held by several stages "
-                      "yet; use the 1f1b or gpipe schedule")
+                      "yet (nor zbinterleaved's or zbv's: several stages per rank); use the 1f1b, gpipe or zbh1 schedule")
 
 
 def check_schedule(graph: Graph, plan: Plan, schedule: str) -> None:
     """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream, interleaved)."""
-    if schedule in ("pipedream", "interleaved"):
+    if schedule in ("pipedream",) + MULTI_STAGE_SCHEDULES:
         check_ties(graph, plan.stage_of, PIPEDREAM_REASON if schedule == "pipedream" else INTERLEAVED_REASON)
 
 

@@ -8,10 +8,13 @@ For each action of the rank (microbatch j lives on replica j % r_k of stage k):
     kB j: k < p-1: output grads <- pre-posted irecv from stage k+1; autograd.backward(outputs, grads)
           k = p-1: loss.backward()
           k > 0:   isend(input grads) to stage k-1
+    kI j: as kB j, but the input grads only (backward_split.py), sent at once; what the weight grads need is kept
+    kW j: the weight grads of microbatch j from what its kI kept (zero-bubble schedules, zero_bubble.py)
     wait for every send
 
 A rank holding several stages (interleaved 1F1B, multi_stage.py) runs one executor per stage, action by
-action in its row's order (`begin` / `act` / `finish`), with one message tag per stage edge (comm.edge_tag).
+action in its row's order (`begin` / `act` / `finish`), with one message tag per stage edge (comm.edge_tag); two
+consecutive stages on one rank (ZBV's V) hand over through a mailbox instead of a message (wire/local.py).
 
 Under bf16 (`TrainConfig.wire_dtype`) float32 boundary activations and their gradients travel as
 bf16 and are widened back on arrival: the receiver computes on the rounded value (comm.py); the
@@ -35,21 +38,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from model_parallel.errors import PeerError
+from model_parallel.errors import ModelParallelError, PeerError
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.memory_probe import NO_METER
 from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.output import float_output
-from model_parallel.runtime.step.schedule import Action
+from model_parallel.runtime.step.backward_split import WeightWork, backward_input, backward_weight
+from model_parallel.runtime.step.schedule import INPUT, WEIGHT, Action
 from model_parallel.runtime.step.update import apply_update
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire import structure
+from model_parallel.runtime.wire.local import LocalRecv, Mailbox
 
 
 
@@ -74,6 +79,7 @@ class StepState:
     stash: dict[int, "_Stash"]
     sends: list[comm.SendHandle]
     loss_sum: float = 0.0
+    weight_work: dict[int, WeightWork] = field(default_factory=dict)  # microbatches through I, waiting for W
 
 
 @dataclass
@@ -115,13 +121,17 @@ class StepExecutor:
                  route: Callable[[int, int], int], config: TrainConfig, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
                  decode: Callable[[Sequence[Any]], Any], device: torch.device, header_cache: comm.HeaderCache,
                  metrics: Any, timeout: float, flush: bool = True, weight_stash: Optional[WeightStash] = None,
-                 tag_per_edge: bool = False) -> None:
+                 tag_per_edge: bool = False, local: Optional[Mailbox] = None) -> None:
         self.stage, self.stage_id, self.num_stages, self.actions = stage, stage_id, num_stages, tuple(actions)
         self.tag_per_edge = tag_per_edge  # several stages per rank: one tag per stage edge (comm.edge_tag)
+        self.local = local  # the rank's mailbox between its own stages (ZBV: stage p-1 -> p), or None
         self.route, self.config, self.criterion, self.decode = route, config, criterion, decode
         self.device, self.header_cache, self.metrics, self.timeout = device, header_cache, metrics, timeout
         self.flush, self.weight_stash = flush, weight_stash  # PipeDream: no flush; a stash when the stage has weights
         self.recompute = config.recompute_stage(stage_id)
+        if weight_stash is not None and any(a.kind in (INPUT, WEIGHT) for a in self.actions):
+            raise ModelParallelError("a split backward (I, W) updates the weights after the flush; PipeDream's weight "
+                                     "stashing updates after each backward: run zero-bubble schedules with a flush")
         self.wire_dtype = config.wire_dtype  # bf16: float32 boundary values and gradients travel rounded to bf16
         # Boundary values are named by node id in errors (a PipeDream package's stage may have no names).
         names = getattr(stage, "output_names", None)
@@ -209,28 +219,38 @@ class StepExecutor:
                 stash[j] = _Stash(inputs, leaves, weights=weights)
             self.meter.kept(j, stash[j])
             return
+        if action.kind == WEIGHT:
+            work = state.weight_work.pop(j)
+            compute("backward", j, lambda: backward_weight(work))
+            self.meter.release(j)
+            return
         entry = stash.pop(j)
+        output_grads: list[Optional[torch.Tensor]]
         if last:
-            compute("backward", j, lambda: torch.autograd.backward(entry.outputs))
+            outputs, output_grads = [entry.outputs], [None]
         else:
-            output_grads, _ = receives.take("B", j)
-            if len(output_grads) != len(entry.outputs):
-                raise PeerError(f"stage {k + 1} sent {len(output_grads)} gradients for microbatch {j}, expected "
+            received, _ = receives.take("B", j)
+            if len(received) != len(entry.outputs):
+                raise PeerError(f"stage {k + 1} sent {len(received)} gradients for microbatch {j}, expected "
                                 f"{len(entry.outputs)} (one per tensor sent); are both ranks running the same plan?")
-            pairs = [(o, g) for o, g in zip(entry.outputs, output_grads)
+            pairs = [(o, g) for o, g in zip(entry.outputs, received)
                      if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
-            if pairs:
-                compute("backward", j, lambda: torch.autograd.backward(
-                    [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]))
+            outputs, output_grads = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+        if action.kind == INPUT:
+            params = list(self.stage.parameters())
+            input_grads, state.weight_work[j] = compute(
+                "backward", j, lambda: backward_input(outputs, output_grads, entry.inputs, params))
+        else:
+            if outputs:
+                compute("backward", j, lambda: torch.autograd.backward(outputs, output_grads))
+            input_grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
         if k > 0:
-            grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
             with self.metrics.measure("send", microbatch=j):
-                sends.append(comm.send_values(grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1),
-                                              device=self.device, cache=self.header_cache, stream=j,
-                                              wire_dtype=self.wire_dtype))
+                sends.append(self._send(input_grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1), j))
         if self.weight_stash is not None and entry.weights is not None:
             self.weight_stash.update(step, entry.weights)
-        self.meter.release(j)
+        if action.kind != INPUT:  # after an I the weight path's tensors live on until its W
+            self.meter.release(j)
 
     def finish(self, state: StepState) -> float:
         """Wait for the step's sends; returns this stage's share of the loss."""
@@ -244,10 +264,23 @@ class StepExecutor:
         values = list(outputs)
         names = self.output_names or tuple(f"output {i}" for i in range(len(values)))
         leaves, tree = structure.flatten_values(values, names)
-        handle = comm.send_values(leaves, self.route(self.stage_id + 1, j), self.tag(comm.TAG_ACTIVATION, self.stage_id),
-                                  device=self.device,
-                                  cache=self.header_cache, stream=stream, structure=tree, wire_dtype=self.wire_dtype)
+        handle = self._send(leaves, self.route(self.stage_id + 1, j), self.tag(comm.TAG_ACTIVATION, self.stage_id),
+                            stream, structure=tree)
         return leaves, handle
+
+    def _send(self, values: list[Any], dst: int, tag: int, stream: Any, structure: Any = None) -> comm.SendHandle:
+        """A message to rank `dst`; to a stage of this rank (ZBV's V), into the mailbox, nothing to wait for."""
+        if self.local is not None and dst == self.local.rank:
+            self.local.put(tag, stream, values, structure)
+            return comm.SendHandle(works=[], buffers=[], peer=dst)
+        return comm.send_values(values, dst, tag, device=self.device, cache=self.header_cache, stream=stream,
+                                structure=structure, wire_dtype=self.wire_dtype)
+
+    def recv(self, src: int, tag: int, stream: Any) -> "comm.PendingRecv | LocalRecv":
+        """A receive from rank `src`, posted now; from a stage of this rank, out of the mailbox."""
+        if self.local is not None and src == self.local.rank:
+            return LocalRecv(self.local, tag, stream)
+        return comm.PendingRecv(src, tag, device=self.device, cache=self.header_cache, stream=stream)
 
     def run_forward(self, data: StepData,
                     metric: Optional[Callable[[Any, torch.Tensor], Any]] = None) -> tuple[float, float]:
@@ -264,8 +297,7 @@ class StepExecutor:
                 assert data.inputs is not None, "stage 0 reads its inputs"
                 values = list(data.inputs[j])
             else:
-                pending = comm.PendingRecv(self.route(k - 1, j), self.tag(comm.TAG_ACTIVATION, k - 1), device=self.device,
-                                           cache=self.header_cache, stream=("eval", j))
+                pending = self.recv(self.route(k - 1, j), self.tag(comm.TAG_ACTIVATION, k - 1), ("eval", j))
                 values = self._unflatten(pending.wait(self.timeout), pending.structure)
             with torch.no_grad(), autocast:
                 outputs = self.stage(*values)
@@ -298,21 +330,19 @@ class _Receives:
     def __init__(self, executor: StepExecutor, last: bool) -> None:
         self.executor, self.last = executor, last
         self.queues = {"F": [a for a in executor.actions if a.is_forward],
-                       "B": [a for a in executor.actions if not a.is_forward]}
+                       "B": [a for a in executor.actions if a.sends_gradient]}
         self.position = {"F": 0, "B": 0}
         self.pending = {"F": self._post("F"), "B": self._post("B")}
 
-    def _post(self, kind: str) -> Optional[comm.PendingRecv]:
+    def _post(self, kind: str) -> "Optional[comm.PendingRecv | LocalRecv]":
         queue, x = self.queues[kind], self.executor
         if self.position[kind] >= len(queue):
             return None
         j, k = queue[self.position[kind]].microbatch, x.stage_id
         if kind == "F" and k > 0:
-            return comm.PendingRecv(x.route(k - 1, j), x.tag(comm.TAG_ACTIVATION, k - 1), device=x.device,
-                                    cache=x.header_cache, stream=j)
+            return x.recv(x.route(k - 1, j), x.tag(comm.TAG_ACTIVATION, k - 1), j)
         if kind == "B" and not self.last:
-            return comm.PendingRecv(x.route(k + 1, j), x.tag(comm.TAG_GRADIENT, k), device=x.device,
-                                    cache=x.header_cache, stream=j)
+            return x.recv(x.route(k + 1, j), x.tag(comm.TAG_GRADIENT, k), j)
         return None
 
     def skip(self, kind: str) -> None:

@@ -23,15 +23,12 @@ runs its row (engine.py, multi_stage.py), the plan in loop placement (runtime/pl
 from __future__ import annotations
 
 from model_parallel.errors import ScheduleError
-from model_parallel.graph.in_flight import interleaved_in_flight, interleaved_warmup
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, interleaved_in_flight, interleaved_warmup
+from model_parallel.runtime.step.actions import loop_placement  # noqa: F401  (re-exported: its home before zero bubble)
 from model_parallel.runtime.step.schedule import BACKWARD, FORWARD, Action, Schedule, grid_from_orders, make_schedule
+from model_parallel.runtime.step.zero_bubble import NAME_INTERLEAVED, NAME_V, zb_interleaved, zb_v
 
 NAME = "interleaved"
-
-
-def loop_placement(p: int, v: int) -> tuple[tuple[int, ...], ...]:
-    """Rank r holds stages r, r + p, ..., r + (v-1) p: stage k runs on rank k mod p."""
-    return tuple(tuple(c * p + r for c in range(v)) for r in range(p))
 
 
 def _validate(p: int, v: int, m: int) -> None:
@@ -88,11 +85,18 @@ def analytic_bubble(p: int, v: int, m: int) -> float:
 
 
 def run_schedule(name: str, num_stages: int, m: int, num_ranks: int) -> Schedule:
-    """The schedule a run uses: `make_schedule`'s, or Interleaved 1F1B over `num_ranks` ranks holding
-    num_stages / num_ranks stages each (loop placement; runtime/plancheck.py checks the plan first)."""
-    if name != NAME:
+    """The schedule a run uses: `make_schedule`'s, or Interleaved 1F1B (or its zero-bubble form) over `num_ranks`
+    ranks holding num_stages / num_ranks stages each (loop placement; runtime/plancheck.py checks the plan first)."""
+    if name not in MULTI_STAGE_SCHEDULES:
         return make_schedule(name, num_stages, m)
+    if name == NAME_V:
+        if num_stages != 2 * num_ranks:
+            raise ScheduleError(f"the {name} schedule places 2 stages per rank in a V: {num_stages} stage(s) on "
+                                f"{num_ranks} rank(s) is not 2 per rank; give --num_stages {2 * num_ranks}")
+        return zb_v(num_ranks, m)
     if num_ranks < 1 or num_stages % num_ranks:
-        raise ScheduleError(f"the interleaved schedule places {num_stages} stage(s) on ranks in a loop: the ranks must "
+        raise ScheduleError(f"the {name} schedule places {num_stages} stage(s) on ranks in a loop: the ranks must "
                             f"divide them, got {num_ranks}")
+    if name == NAME_INTERLEAVED:
+        return zb_interleaved(num_ranks, num_stages // num_ranks, m)
     return interleaved_1f1b(num_ranks, num_stages // num_ranks, m)

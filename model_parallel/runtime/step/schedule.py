@@ -29,178 +29,20 @@ Schedules:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Optional
 
 from model_parallel.errors import ScheduleError
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES, SCHEDULE_NAMES, microbatches_in_flight
-
-FORWARD = "F"
-BACKWARD = "B"
-_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """Stage `stage` runs the forward ("F") or backward ("B") pass of microbatch `microbatch`."""
-
-    stage: int
-    kind: str
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD):
-            raise ScheduleError(f"action kind must be 'F' or 'B', got {self.kind!r}")
-        if self.stage < 0 or self.microbatch < 0:
-            raise ScheduleError(f"stage and microbatch must be >= 0, got stage {self.stage}, microbatch {self.microbatch}")
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        match = _ACTION_RE.match(text.strip())
-        if not match:
-            raise ScheduleError(f"cannot parse action {text!r}: expected <stage><F|B><microbatch>, e.g. 2F0")
-        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
-
-    @property
-    def is_forward(self) -> bool:
-        return self.kind == FORWARD
-
-
-Grid = tuple[tuple[Optional[Action], ...], ...]
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A stage-by-step grid of actions. `flush`: one optimizer step after all microbatches (GPipe,
-    1F1B); without it (PipeDream async) each stage updates its weights after every backward."""
-
-    name: str
-    num_stages: int
-    num_microbatches: int
-    grid: Grid
-    flush: bool = True
-    max_in_flight: Optional[tuple[int, ...]] = None  # per row bound checked by `check` (graph/in_flight.py; 1F1B: p-s)
-    # Row r holds these stages (several stages per rank); None: row s is stage s.
-    placement: Optional[tuple[tuple[int, ...], ...]] = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "grid", tuple(tuple(row) for row in self.grid))
-        if self.placement is None:
-            if len(self.grid) != self.num_stages:
-                raise ScheduleError(f"{self.name}: grid has {len(self.grid)} row(s) for {self.num_stages} stage(s)")
-            return
-        placement = tuple(tuple(stages) for stages in self.placement)
-        object.__setattr__(self, "placement", placement)
-        if len(self.grid) != len(placement):
-            raise ScheduleError(f"{self.name}: grid has {len(self.grid)} row(s) for a placement of {len(placement)} rank(s)")
-        held = sorted(s for stages in placement for s in stages)
-        if held != list(range(self.num_stages)):
-            raise ScheduleError(f"{self.name}: the placement {placement} must hold each of stages 0..{self.num_stages - 1} "
-                                f"on exactly one row, found {held}")
-
-    @property
-    def num_rows(self) -> int:
-        """Ranks of the grid: one per stage, or fewer with several stages per rank."""
-        return len(self.grid)
-
-    def row_of(self, stage: int) -> int:
-        """The row (rank) that runs `stage`."""
-        if self.placement is None:
-            return stage
-        for row, stages in enumerate(self.placement):
-            if stage in stages:
-                return row
-        raise ScheduleError(f"{self.name}: no row holds stage {stage} (stages 0..{self.num_stages - 1})")
-
-    def stages_of_row(self, row: int) -> tuple[int, ...]:
-        return (row,) if self.placement is None else self.placement[row]
-
-    def row_actions(self, row: int) -> tuple[Action, ...]:
-        """What one row (rank) runs, in order, over all the stages it holds (bubbles dropped)."""
-        return tuple(a for a in self.grid[row] if a is not None)
-
-    @property
-    def num_steps(self) -> int:
-        return max((len(row) for row in self.grid), default=0)
-
-    def stage_actions(self, stage: int) -> tuple[Action, ...]:
-        """What one stage runs, in order (bubbles dropped)."""
-        return tuple(a for a in self.grid[self.row_of(stage)] if a is not None and a.stage == stage)
-
-    def rank_actions(self, stage: int, replica: int = 0, num_replicas: int = 1) -> tuple[Action, ...]:
-        """What one replica of a stage runs: microbatch j goes to replica j % num_replicas.
-
-        A subsequence of a valid grid row, kept in grid order, is deadlock-free: every dependency
-        of an action still sits at an earlier grid step.
-        """
-        return tuple(a for a in self.stage_actions(stage) if a.microbatch % num_replicas == replica)
-
-    @property
-    def bubble_fraction(self) -> float:
-        busy = sum(1 for row in self.grid for a in row if a is not None)
-        total = self.num_rows * self.num_steps
-        return 1.0 - busy / total if total else 0.0
-
-
-# ---- building schedules ---------------------------------------------------------------------
-def _validate_sizes(p: int, m: int) -> None:
-    if p < 1:
-        raise ScheduleError(f"a pipeline needs at least 1 stage, got {p}")
-    if m < 1:
-        raise ScheduleError(f"a minibatch needs at least 1 microbatch, got {m}")
-
-
-def _dependencies(action: Action, p: int) -> list[Action]:
-    """The actions on other stages (or the forward on the same stage) that must finish first."""
-    s, j = action.stage, action.microbatch
-    if action.is_forward:
-        return [Action(s - 1, FORWARD, j)] if s > 0 else []
-    deps = [Action(s, FORWARD, j)]
-    if s < p - 1:
-        deps.append(Action(s + 1, BACKWARD, j))
-    return deps
-
-
-def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
-    """Place per-row action orders (one row per stage, or per rank holding several of the p stages)
-    on unit time steps as early as dependencies allow."""
-    rows = len(orders)
-    time_of: dict[Action, int] = {}
-    cursor = [0] * rows
-    positions = [0] * rows
-    row_of: dict[Action, int] = {}
-    total = sum(len(o) for o in orders)
-    while len(time_of) < total:
-        progressed = False
-        for s in range(rows):
-            while positions[s] < len(orders[s]):
-                action = orders[s][positions[s]]
-                deps = _dependencies(action, p)
-                if any(d not in time_of for d in deps):
-                    break
-                t = max([cursor[s]] + [time_of[d] + 1 for d in deps])
-                time_of[action] = t
-                row_of[action] = s
-                cursor[s] = t + 1
-                positions[s] += 1
-                progressed = True
-        if not progressed:
-            stuck = [str(orders[s][positions[s]]) for s in range(rows) if positions[s] < len(orders[s])]
-            raise ScheduleError(f"per-{'stage' if rows == p else 'rank'} orders deadlock: waiting actions {stuck}")
-    steps = max(time_of.values()) + 1 if time_of else 0
-    grid: list[list[Optional[Action]]] = [[None] * steps for _ in range(rows)]
-    for action, t in time_of.items():
-        grid[row_of[action]][t] = action
-    return tuple(tuple(row) for row in grid)
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, microbatches_in_flight
+# Re-exported: the schedule's data types live in actions.py (zero_bubble.py builds on them without this module).
+from model_parallel.runtime.step.actions import (BACKWARD, FORWARD, INPUT, KINDS, WEIGHT, Action, Grid,  # noqa: F401
+                                                 Schedule, dependencies, describe_dependency, grid_from_orders,
+                                                 validate_sizes)
 
 
 def gpipe(p: int, m: int) -> Schedule:
     """All forwards, then all backwards (increasing microbatch order), flush."""
-    _validate_sizes(p, m)
+    validate_sizes(p, m)
     orders = [[Action(s, FORWARD, j) for j in range(m)] + [Action(s, BACKWARD, j) for j in range(m)] for s in range(p)]
     return Schedule("gpipe", p, m, grid_from_orders(orders, p), flush="gpipe" in FLUSH_SCHEDULES,
                     max_in_flight=_in_flight_bounds("gpipe", p, m))
@@ -220,14 +62,14 @@ def _one_f_one_b_orders(p: int, m: int) -> list[list[Action]]:
 
 def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B with a flush per minibatch (PipeDream-Flush / Megatron's non-interleaved schedule)."""
-    _validate_sizes(p, m)
+    validate_sizes(p, m)
     return Schedule("1f1b", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p), flush="1f1b" in FLUSH_SCHEDULES,
                     max_in_flight=_in_flight_bounds("1f1b", p, m))
 
 
 def pipedream_async(p: int, m: int) -> Schedule:
     """PipeDream's asynchronous 1F1B with weight stashing over a stream of m microbatches (no flush)."""
-    _validate_sizes(p, m)
+    validate_sizes(p, m)
     return Schedule("pipedream", p, m, grid_from_orders(_one_f_one_b_orders(p, m), p),
                     flush="pipedream" in FLUSH_SCHEDULES, max_in_flight=_in_flight_bounds("pipedream", p, m))
 
@@ -237,18 +79,27 @@ def _in_flight_bounds(name: str, p: int, m: int) -> tuple[int, ...]:
     return tuple(microbatches_in_flight(name, m, p, s) for s in range(p))
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
-assert tuple(SCHEDULES) + ("interleaved",) == SCHEDULE_NAMES, "graph/in_flight.py names the schedules; keep this table in its order"
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "pipedream": pipedream_async}
+MULTI_STAGE = MULTI_STAGE_SCHEDULES  # several stages per rank: built by interleaved.run_schedule, which knows the ranks
+
+
+def _factories() -> dict[str, Callable[[int, int], Schedule]]:
+    """Every one-stage-per-rank schedule by name: `(p, m) -> Schedule`, pure. zero_bubble.py builds on this module."""
+    from model_parallel.runtime.step.zero_bubble import NAME_H1, zb_h1
+
+    factories: dict[str, Callable[[int, int], Schedule]] = {**SCHEDULES, NAME_H1: zb_h1}
+    assert set(factories) | set(MULTI_STAGE) == set(SCHEDULE_NAMES), "graph/in_flight.py names the schedules"
+    return factories
 
 
 def make_schedule(name: str, p: int, m: int) -> Schedule:
     """Schedule `name` over p stages (one per rank) and m microbatches; "interleaved" (several stages per
     rank) is built by `interleaved.run_schedule`, which knows the ranks."""
     try:
-        factory = SCHEDULES[name]
+        factory = _factories()[name]
     except KeyError:
-        if name == "interleaved":
-            raise ScheduleError("the interleaved schedule places stages on ranks in a loop: build it with "
+        if name in MULTI_STAGE:
+            raise ScheduleError(f"the {name} schedule places stages on ranks in a loop: build it with "
                                 "runtime.step.interleaved.run_schedule(name, stages, m, num_ranks)") from None
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
     return factory(p, m)
@@ -309,14 +160,17 @@ def check(schedule: Schedule) -> None:
     """Validate a schedule by rules; raise `ScheduleError` naming the first failing step.
 
     Rules: actions sit on the row of their stage (its own row, or the rank holding it) and name a
-    valid microbatch; each stage runs every microbatch's F and B exactly once, forwards and backwards
-    each in increasing microbatch order; F(s, j) after F(s-1, j); B(s, j) after F(s, j) and after
-    B(s+1, j); and, where the schedule has an in-flight bound (graph/in_flight.py; 1F1B: p - s), a
-    row never holds more un-backwarded (stage, microbatch) pairs.
+    valid microbatch; each stage runs every microbatch's F once and its backward once, whole (B) or
+    split (I, then W); forwards, input gradients (B or I) and weight gradients (B or W) each in
+    increasing microbatch order; F(s, j) after F(s-1, j); B or I of (s, j) after F(s, j) and after the
+    B or I of (s+1, j); W(s, j) after I(s, j); and, where the schedule has an in-flight bound
+    (graph/in_flight.py; 1F1B: p - s), a row never holds more (stage, microbatch) pairs forwarded and
+    not yet through B or I (a W holds only what its weight gradient needs).
     """
     p, m = schedule.num_stages, schedule.num_microbatches
-    time_of: dict[Action, int] = {}
-    done = {(s, kind): 0 for s in range(p) for kind in (FORWARD, BACKWARD)}  # actions run so far per stage and kind
+    done_at: dict[tuple[int, str, int], int] = {}  # Action.provides keys -> step
+    ran: dict[Action, int] = {}
+    done = {(s, phase): 0 for s in range(p) for phase in "FGW"}  # per stage and phase: microbatches done so far
     in_flight = [0] * schedule.num_rows
     # Walk steps in time order so the first violation reported is the earliest one.
     for t in range(schedule.num_steps):
@@ -330,26 +184,32 @@ def check(schedule: Schedule) -> None:
                 _fail(schedule, t, f"{action} is on {where}")
             if action.microbatch >= m:
                 _fail(schedule, t, f"{action}: microbatch {action.microbatch} out of range 0..{m - 1}")
-            if action in time_of:
-                _fail(schedule, t, f"{action} runs twice (first at step {time_of[action]})")
-            expected = done[(s, action.kind)]
-            if action.microbatch != expected:
-                _fail(schedule, t, f"{action}: stage {s} must run {action.kind} of microbatch {expected} next "
-                                   "(microbatches run in increasing order)")
-            for dep in _dependencies(action, p):
-                if dep not in time_of:
-                    what = "its own forward" if dep.stage == s else f"{dep} (data from stage {dep.stage})"
-                    _fail(schedule, t, f"{action} runs before {what}")
-            time_of[action] = t
-            done[(s, action.kind)] += 1
-            in_flight[r] += 1 if action.is_forward else -1
+            if action in ran:
+                _fail(schedule, t, f"{action} runs twice (first at step {ran[action]})")
+            ran[action] = t
+            for key in action.provides():
+                if key in done_at:
+                    what = {"F": "forward", "G": "input gradient", "W": "weight gradient"}[key[1]]
+                    _fail(schedule, t, f"{action}: the {what} of stage {s}, microbatch {key[2]} runs twice "
+                                       f"(first at step {done_at[key]}: a backward is B, or I then W)")
+                expected = done[(s, key[1])]
+                if action.microbatch != expected:
+                    _fail(schedule, t, f"{action}: stage {s} must run {action.kind} of microbatch {expected} next "
+                                       "(microbatches run in increasing order)")
+            for dep in dependencies(action, p):
+                if dep not in done_at:
+                    _fail(schedule, t, f"{action} runs before {describe_dependency(dep, s)}")
+            for key in action.provides():
+                done_at[key] = t
+                done[(s, key[1])] += 1
+            in_flight[r] += 1 if action.is_forward else -1 if action.sends_gradient else 0
             if schedule.max_in_flight is not None and in_flight[r] > schedule.max_in_flight[r]:
                 holder = f"stage {s}" if schedule.placement is None else f"rank {r}"
                 _fail(schedule, t, f"{holder} holds {in_flight[r]} microbatches in flight, above the "
                                    f"{schedule.name.upper()} bound {schedule.max_in_flight[r]} (graph/in_flight.py)")
     for s in range(p):
         for j in range(m):
-            for kind in (FORWARD, BACKWARD):
-                if Action(s, kind, j) not in time_of:
-                    raise ScheduleError(f"{schedule.name}: {Action(s, kind, j)} never runs "
-                                        f"(stage {s} must run F and B of every microbatch 0..{m - 1})\n{format_grid(schedule)}")
+            for phase, what in (("F", f"{s}F{j}"), ("G", f"{s}B{j} (or {s}I{j})"), ("W", f"{s}B{j} (or {s}W{j})")):
+                if (s, phase, j) not in done_at:
+                    raise ScheduleError(f"{schedule.name}: {what} never runs (stage {s} must run F and B, or F, I "
+                                        f"and W, of every microbatch 0..{m - 1})\n{format_grid(schedule)}")

@@ -8,7 +8,8 @@ as early as their dependencies allow (`schedule.grid_from_orders`) and check the
 `schedule.check`, so a file that would deadlock or skip a microbatch is refused at the step where it
 goes wrong. A row may hold several stages (torch's Interleaved1F1B: rank r runs stages r and r + p):
 the placement is read off the rows, each stage on exactly one row. What this runtime cannot run is
-refused by name: the split backward (`I`/`W`) and the "compute_comms" format (explicit SEND/RECV actions).
+refused by name: the "compute_comms" format (explicit SEND/RECV actions). The split backward (`I` input
+gradient, `W` weight gradient; torch's zero-bubble schedules) is read and checked like B (zero_bubble.py).
 """
 from __future__ import annotations
 
@@ -91,19 +92,21 @@ def _placement(orders: list[list[Action]], where: str) -> tuple[tuple[int, ...],
 
 
 def _check_orders(orders: list[list[Action]], placement: tuple[tuple[int, ...], ...], m: int, where: str) -> None:
-    """Each stage runs F and B of microbatches 0..m-1 once each, in increasing order (how this runtime matches
-    messages between two ranks): the first cell that breaks it is named, before any placing on time steps."""
-    counted = [(rank, stage, kind, what, [a.microbatch for a in order if a.kind == kind and a.stage == stage])
-               for rank, order in enumerate(orders) for stage in placement[rank]
-               for kind, what in (("F", "forward"), ("B", "backward"))]
-    for rank, stage, kind, what, numbers in counted:
-        for k, number in enumerate(numbers):
-            if number != k:
-                raise ScheduleError(f"{where}:{rank + 1}: {stage}{kind}{number} is stage {stage}'s {what} number {k}; "
-                                    f"expected {stage}{kind}{k} (microbatches run in increasing order, each once)")
-    for rank, stage, kind, what, numbers in counted:
-        if len(numbers) < m:
-            raise ScheduleError(f"{where}:{rank + 1}: {stage}{kind}{len(numbers)} never runs (every stage runs the "
+    """Each stage runs the forward, the input gradient (B or I) and the weight gradient (B or W) of microbatches
+    0..m-1 once each, in increasing order (how this runtime matches messages between two ranks): the first cell
+    that breaks it is named, before any placing on time steps."""
+    phases = (("F", "forward", "F"), ("G", "backward", "B"), ("W", "weight gradient", "W"))
+    counted = [(rank, stage, what, default, [a for a in order if a.stage == stage and (stage, phase, a.microbatch)
+                                            in a.provides()])
+               for rank, order in enumerate(orders) for stage in placement[rank] for phase, what, default in phases]
+    for rank, stage, what, _, actions in counted:
+        for k, action in enumerate(actions):
+            if action.microbatch != k:
+                raise ScheduleError(f"{where}:{rank + 1}: {action} is stage {stage}'s {what} number {k}; "
+                                    f"expected {stage}{action.kind}{k} (microbatches run in increasing order, each once)")
+    for rank, stage, what, default, actions in counted:
+        if len(actions) < m:
+            raise ScheduleError(f"{where}:{rank + 1}: {stage}{default}{len(actions)} never runs (every stage runs the "
                                 f"{what} of each of the {m} microbatches)")
 
 
@@ -113,16 +116,13 @@ def _action(cell: str, at: str) -> list[Action]:
     if match is None:
         if cell.startswith("("):
             raise ScheduleError(f"{at}: overlapped sub-actions are not supported; write one action per cell")
-        raise ScheduleError(f"{at}: not an action; expected <stage><F|B><microbatch>, e.g. 0F0 or 1B3")
+        raise ScheduleError(f"{at}: not an action; expected <stage><F|B|I|W><microbatch>, e.g. 0F0 or 1B3")
     stage, kind, microbatch = int(match.group(1)), match.group(2), match.group(3)
     if kind in _IGNORED:
         return []
     if kind.startswith(("SEND", "RECV")):
         raise ScheduleError(f"{at}: an explicit communication action: this is torch's 'compute_comms' format; "
                             "give the compute-only schedule (F and B actions, as PipelineScheduleMulti._dump_csv writes)")
-    if kind in ("I", "W"):
-        raise ScheduleError(f"{at}: the backward split into input- and weight-gradient actions (I/W) is not supported "
-                            "by this runtime yet; use full backwards (B)")
     if not microbatch:
         raise ScheduleError(f"{at}: the action names no microbatch")
     return [Action(stage, kind, int(microbatch))]

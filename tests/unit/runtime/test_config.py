@@ -11,7 +11,7 @@ from model_parallel.cli.worker import build_parser, make_config
 @pytest.mark.parametrize("build, message", [
     (lambda: TrainConfig(batch_size=0), r"batch_size and num_microbatches must be >= 1, got 0 and 4"),
     (lambda: TrainConfig(batch_size=2, num_microbatches=4), r"batch size 2 < 4 microbatches.*raise batch_size"),
-    (lambda: TrainConfig(schedule="zb"), r"unknown schedule 'zb'; choose 1f1b, gpipe, pipedream, interleaved or auto"),
+    (lambda: TrainConfig(schedule="zb"), r"unknown schedule 'zb'; choose 1f1b, gpipe, pipedream, interleaved, zbh1, zbinterleaved, zbv or auto"),
     (lambda: TrainConfig(clip_grad=-1.0), r"clip_grad must be > 0, got -1.0"),
     (lambda: TrainConfig(lr_schedule="cosine"), r"bad --lr_schedule 'cosine'"),
     (lambda: RunOptions(timeout=0), r"timeout must be > 0 seconds, got 0"),

@@ -23,7 +23,7 @@ def test_interleaved_refusals_name_the_fix():
     with pytest.raises(PlanError, match="use Plan.stages_of_rank"):
         loop.stage_of_rank(0)
     check_plan(graph, loop, 2, "interleaved")
-    with pytest.raises(PlanError, match="only the interleaved schedule runs that"):
+    with pytest.raises(PlanError, match="only the interleaved schedules run that"):
         check_plan(graph, loop, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
         check_plan(graph, four, 4, "interleaved")  # one stage per rank
@@ -80,3 +80,26 @@ def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
         check_supported(measuring=False, backend="nccl")
     with pytest.raises(ConfigError, match="--measure_memory does not measure several stages"):
         check_supported(measuring=True, backend="gloo")
+
+
+def test_v_placement_only_under_zbv():
+    from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
+
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    four = even_plan(graph, 4)
+    v = replace(four, stages=tuple(replace(s, ranks=((0, 1, 1, 0)[s.stage_id],)) for s in four.stages))
+    assert v.is_v_placement and v.several_stages_per_rank and not v.is_loop_placement
+    check_plan(graph, v, 2, "zbv")
+    loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
+    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p single-replica stages on p >= 2 ranks in a V"):
+        check_plan(graph, loop, 2, "zbv")
+    with pytest.raises(PlanError, match="only the interleaved schedules run that"):
+        check_plan(graph, v, 2, "1f1b")
+    with pytest.raises(PlanError, match="needs loop placement"):
+        check_plan(graph, v, 2, "zbinterleaved")
+    for name in MULTI_STAGE_SCHEDULES:
+        with pytest.raises(PlanError, match=f"live plan switches are not supported"):
+            check_switchable(name)
+    with pytest.raises(ConfigError, match="the zbv schedule does not run --bf16 or --recompute"):
+        TrainConfig(schedule="zbv", bf16=True)

@@ -27,7 +27,7 @@ def test_action_text_round_trip():
     assert str(Action.parse("13B7")) == "13B7"
     with pytest.raises(ScheduleError, match=r"cannot parse action '2X0'"):
         Action.parse("2X0")
-    with pytest.raises(ScheduleError, match="kind must be 'F' or 'B'"):
+    with pytest.raises(ScheduleError, match="kind must be one of F, B, I, W, got 'Q'"):
         Action(0, "Q", 0)
 
 
@@ -90,12 +90,12 @@ def test_check_reports_backward_before_gradient_arrives():
     t_b = rows[0].index(Action(0, "B", 0))
     rows[0][t_b], rows[0][2] = None, Action(0, "B", 0)
     bad = Schedule("broken", 2, 2, tuple(map(tuple, rows)))
-    with pytest.raises(ScheduleError, match=r"step 2: 0B0 runs before 1B0 \(data from stage 1\)"):
+    with pytest.raises(ScheduleError, match=r"step 2: 0B0 runs before 1B0 or 1I0 \(the gradient from stage 1\)"):
         check(bad)
 
 
 def test_check_reports_missing_duplicate_and_order():
-    with pytest.raises(ScheduleError, match=r"0B1 never runs"):
+    with pytest.raises(ScheduleError, match=r"0B1 \(or 0I1\) never runs"):
         check(parse_grid("s0 0F0 0F1 0B0"))
     with pytest.raises(ScheduleError, match=r"step 1: 0F0 runs twice"):
         check(parse_grid("s0 0F0 0F0 0B0"))

@@ -63,7 +63,7 @@ def test_torch_parses_what_we_write():
 
 
 @pytest.mark.parametrize("text,words", [
-    ("0F0,0I0,0W0\n", "input- and weight-gradient"),
+    ("0F0,0W0,0I0\n", "deadlock: waiting actions ['0W0']"),
     ("0F0,0B0\n0F1\n", "rank 1 runs stage 0, which rank 0 runs"),
     ("0F0,0B0\n2F0,2B0\n", "no row runs stage(s) [1]"),
     ("0F0,0SEND_F0,0B0\n", "compute_comms"),

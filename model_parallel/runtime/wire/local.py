@@ -1,0 +1,55 @@
+"""Messages between two stages held by one rank (ZBV's V: stage p-1 hands to stage p on rank p-1): no send.
+
+The sender `put`s a message's flat values under its (tag, stream); the receiver `take`s them when its action
+runs. The schedule row runs the sender's action first (the rules place every action after what it needs),
+so a missing message is a bug in the order, never a wait: `take` raises at once. Each tensor arrives as a
+message would: a copy, a fresh leaf, float ones with the sender's requires_grad (comm._received), so the
+receiving stage's autograd graph starts at its inputs exactly as it does across ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from model_parallel.errors import ModelParallelError
+
+
+def _received(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().clone()
+    return copy.requires_grad_(value.requires_grad) if copy.is_floating_point() else copy
+
+
+class Mailbox:
+    """One rank's messages between its own stages, by (tag, stream)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._boxes: dict[tuple[int, Any], tuple[list[Any], Any]] = {}
+
+    def put(self, tag: int, stream: Any, values: list[Any], structure: Any = None) -> None:
+        if (tag, stream) in self._boxes:
+            raise ModelParallelError(f"rank {self.rank}: a second message under tag {tag}, stream {stream!r} before the "
+                                     "first was taken; the schedule row sends twice")
+        self._boxes[(tag, stream)] = ([_received(v) for v in values], structure)
+
+    def take(self, tag: int, stream: Any) -> tuple[list[Any], Any]:
+        try:
+            return self._boxes.pop((tag, stream))
+        except KeyError:
+            raise ModelParallelError(f"rank {self.rank}: no message under tag {tag}, stream {stream!r} between its own "
+                                     "stages; the schedule row takes it before the sending action ran") from None
+
+
+class LocalRecv:
+    """A receive from a stage of the same rank, shaped like comm.PendingRecv (`wait`, then `structure`)."""
+
+    def __init__(self, mailbox: Mailbox, tag: int, stream: Any) -> None:
+        self.mailbox, self.tag, self.stream = mailbox, tag, stream
+        self.structure: Optional[Any] = None
+
+    def wait(self, timeout: float) -> list[Any]:
+        values, self.structure = self.mailbox.take(self.tag, self.stream)
+        return values
