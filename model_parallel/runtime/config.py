@@ -45,9 +45,6 @@ class TrainConfig:
         if self.schedule not in FLUSH_SCHEDULES and self.clip_grad is not None:
             raise ConfigError("--clip_grad needs a flush schedule (1f1b or gpipe): with pipedream every "
                               "stage updates on its own after each microbatch, so there is no global norm")
-        if self.schedule == "interleaved" and (self.bf16 or self.recompute):
-            raise ConfigError("the interleaved schedule does not run --bf16 or --recompute yet (untested there); drop "
-                              "them, or use the 1f1b schedule")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"clip_grad must be > 0, got {self.clip_grad}; leave it unset to not clip")
         lr_factor(self.lr_schedule, 0)  # validates
