@@ -218,7 +218,7 @@ class PipelineEngine(TrainingLoop):
             gc.collect()
             return_freed_memory()
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
-        self.tied = TiedCopies(prepared.ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
+        self.tied = TiedCopies(prepared.ties, self.rank, self.stage_ids, self.stage, self.replica_groups.group)
         self.check_tied(f"when plan v{plan.version} was activated")
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)

@@ -40,7 +40,7 @@ def test_interleaved_refusals_name_the_fix():
     TrainConfig(schedule="interleaved", bf16=True, recompute=True)  # per-stage features: run (integration tests)
 
 
-def test_a_tie_split_across_stages_is_refused_under_interleaved():
+def test_a_tie_split_across_stages_is_planned_under_interleaved():
     import torch
 
     from model_parallel.errors import TiedParameterError
@@ -51,8 +51,11 @@ def test_a_tie_split_across_stages_is_refused_under_interleaved():
     ids = list(graph.topological_order)  # tokens, wte, ..., lm_head, ...: wte on stage 0, lm_head on the last
     cuts = [ids[:2], ids[2:3], ids[3:4], ids[4:]]
     plan = Plan(stages=tuple(StagePlan(k, tuple(nodes), ranks=(k % 2,)) for k, nodes in enumerate(cuts)))
-    with pytest.raises(TiedParameterError, match="interleaved schedule's engine does not sum the gradients"):
-        check_plan(graph, plan, 2, "interleaved")
+    (tie,) = check_plan(graph, plan, 2, "interleaved").ties  # summed per step as under 1f1b (test_interleaved_ties)
+    assert tie.ranks == (0, 1) and [k for k, _ in tie.paths] == [0, 3]
+    with pytest.raises(TiedParameterError, match="pipedream schedule updates each stage"):
+        check_plan(graph, replace(plan, stages=tuple(replace(s, ranks=(k,)) for k, s in enumerate(plan.stages))), 4,
+                   "pipedream")
 
 
 def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
