@@ -180,9 +180,12 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     for node in graph.nodes:
         parameters[stage_of[node.node_id]] += node.parameter_size
     stash = stash_bytes(graph, stage_of, plan.num_stages)
+    # Loop placement (interleaved): the in-flight rule counts stage positions, not ranks (in_flight.py: M = all
+    # stages); with plan.num_ranks = p, a stage past p would hold a negative count.
+    positions = plan.num_stages if plan.is_loop_placement else plan.num_ranks
     out, before = [], 0
     for stage, kept, held in zip(plan.stages, stash, parameters):
-        out.append(footprint_parts(model, kept, held, plan.num_ranks, before, stage.num_replicas))
+        out.append(footprint_parts(model, kept, held, positions, before, stage.num_replicas))
         before += stage.num_replicas
     return out
 

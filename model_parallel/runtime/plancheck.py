@@ -41,7 +41,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     earlier stage, no uncrossable value sent across a boundary (codegen.boundary), no module with
     parameters called from two stages (codegen.build.check_shared_modules); under a schedule
     without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied); under
-    interleaved, loop placement on p >= 2 ranks and no tie split across stages (`check_placement`).
+    interleaved, loop placement on p >= 2 ranks (`check_placement`).
     `schedule` None (a coordinator that does not know the workers' schedule) leaves the schedule's
     rules to the workers; `modules` None (the coordinator holds no layers) leaves to them whether a
     split tie is a buffer. Neither can pass there what fails here: the workers run this same check.

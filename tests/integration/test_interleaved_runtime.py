@@ -4,6 +4,7 @@ tests/unit/runtime/test_interleaved_plan.py)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +64,8 @@ def test_interleaved_matches_single_process(tmp_path, world, extra):
     stages = int(flags.get("--num_stages", 2 * world))
     held = ",".join(str(k) for k in range(0, stages, world))
     assert f"[rank 0 stage {held}]" in result.output(0)  # several stages on one rank, loop placement
-    assert "not reported with several stages per rank" in result.output(0)  # not a table of one stage per rank
+    # The memory table: one row per rank, its stages' predictions summed (memory_table.rank_stages).
+    assert re.search(rf"^\s+0\s+{held}\s+\d+\.\d+\s+n/a", result.output(0), re.MULTILINE), result.output(0)
     checkpoint = load_checkpoint(tmp_path / "ckpt")
     assert checkpoint.extra["next_step"] == steps
     assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [[k % world] for k in range(stages)]

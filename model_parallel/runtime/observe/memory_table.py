@@ -1,10 +1,14 @@
 """The end-of-run memory table (the worker command line's and `PipelineTrainer.train`'s): each stage's predicted
-footprint (`optimizer/memory.py`) next to what its ranks measured (`memory_probe.py`), gathered as float tensors."""
+footprint (`optimizer/memory.py`) next to what its ranks measured (`memory_probe.py`), gathered as float tensors.
+
+A rank holding several stages (interleaved, loop placement) is one row: its stages' predicted parts summed
+(each priced by its own in-flight bound, graph/in_flight.py: an upper bound on the rank's peak, since the
+stages' peaks need not coincide) next to what the rank measured for all of them."""
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,6 +28,21 @@ def predicted(graph: Graph, plan: Plan, optimizer: str, momentum: float, schedul
     Activations scale by microbatch size / the graph's profiled `batch_size` (1.0 when it records none)."""
     model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, activation_scale(graph, microbatch_size))
     return plan_footprint(graph, plan, model)
+
+
+def rank_stages(plan: Plan) -> dict[int, tuple[int, ...]]:
+    """The first stage a rank holds -> every stage it holds (several under loop placement, else itself)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for stage in plan.stages:
+        for rank in stage.ranks:
+            held = plan.stages_of_rank(rank)
+            out.setdefault(held[0], held)
+    return out
+
+
+def held_parts(parts: Sequence[dict[str, float]], stages: Sequence[int]) -> dict[str, float]:
+    """The predicted bytes by kind of a rank holding `stages`: the sum of theirs."""
+    return {key: sum(parts[k][key] for k in stages) for key in parts[stages[0]]}
 
 
 @dataclass(frozen=True)
@@ -68,13 +87,20 @@ class MemoryReport:
     parts: list[dict[str, float]]
     rows: list[tuple[str, Measured]]
     text: str
+    groups: Optional[Mapping[int, tuple[int, ...]]] = None  # `rank_stages`: a row's stage -> the rank's stages
 
     def stage_rows(self) -> list[dict[str, Any]]:
-        """One dict per rank holding a stage: its label, stage, predicted total bytes, measured peak bytes (None
-        where not measured: the run had no `measure_memory`) and the process's peak bytes."""
-        return [{"rank": label, "stage": m.stage, "predicted_bytes": self.parts[m.stage]["total"],
+        """One dict per rank holding a stage: its label, stage (the first it holds), every stage it holds,
+        predicted total bytes (summed over them), measured peak bytes (None where not measured: the run had no
+        `measure_memory`) and the process's peak bytes."""
+        return [{"rank": label, "stage": m.stage, "stages": _held(self.groups, m.stage),
+                 "predicted_bytes": held_parts(self.parts, _held(self.groups, m.stage))["total"],
                  "measured_bytes": m.peak, "process_peak_bytes": m.process_peak}
                 for label, m in self.rows if m.stage is not None]
+
+
+def _held(groups: Optional[Mapping[int, tuple[int, ...]]], stage: int) -> tuple[int, ...]:
+    return tuple(groups.get(stage, (stage,))) if groups else (stage,)
 
 
 def gather_report(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], device: torch.device,
@@ -94,7 +120,8 @@ def gather_report(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], 
         stage, *rest = [float(v) for v in gathered.cpu()]
         table.append((str(rank), Measured(None if stage < 0 else int(stage),
                                           *[None if math.isnan(v) else v for v in rest])))
-    return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source))
+    groups = rank_stages(engine.plan)
+    return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source, groups), groups)
 
 
 def _mb(value: Optional[float], width: int) -> str:
@@ -102,9 +129,10 @@ def _mb(value: Optional[float], width: int) -> str:
 
 
 def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, Measured]], label: str,
-                  source: str) -> str:
+                  source: str, groups: Optional[Mapping[int, tuple[int, ...]]] = None) -> str:
     """Predicted (`parts`, per stage) vs measured bytes, one line per row (a rank, or a stage): the footprint
-    against held + peak stashed activations, with the error in % (the worker's table and the demo's report)."""
+    against held + peak stashed activations, with the error in % (the worker's table and the demo's report).
+    `groups` (`rank_stages`): a row of a rank holding several stages predicts the sum of theirs."""
     lines = [f"{label:>5} stage {'predicted MB':>12} {'measured MB':>11} {'error':>6}  {'weights+opt MB':>14} "
              f"{'held':>8}  {'activations MB':>14} {'measured':>8}  peak MB ({source})",
              "-" * 110]
@@ -112,11 +140,12 @@ def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, M
         if m.stage is None:
             lines.append(f"{name:>5} spare")
             continue
-        p = parts[m.stage]
+        held = _held(groups, m.stage)
+        p = held_parts(parts, held)
         peak = m.peak
         error = f"{100.0 * (p['total'] - peak) / peak:>+5.0f}%" if peak else f"{'n/a':>6}"
         activations = p["activations"] + p["weight_stash"]
-        lines.append(f"{name:>5} {m.stage:>5} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
+        lines.append(f"{name:>5} {','.join(map(str, held)):>5} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
                      f"{_mb(p['parameters'] + p['optimizer_state'], 14)} {_mb(m.weights_opt, 8)}  "
                      f"{_mb(activations, 14)} {_mb(m.stash_peak, 8)}  {_mb(m.process_peak, 8)}")
     lines.append("predicted = parameters + gradients + optimizer state + stashed weights + activations in flight "
