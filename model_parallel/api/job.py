@@ -100,7 +100,8 @@ def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
     from model_parallel.runtime.build.stages import even_plan
 
     if spec.stage_to_num_ranks or spec.memory_per_worker is not None:
-        raise PlanError("the interleaved schedule places single-replica stages in a loop: drop --stage_to_num_ranks and "
+        raise PlanError("the interleaved schedule's default split places one replica of each stage in a loop (replicas: "
+                        "a --plan with replica i of stage k on rank k % p + i*p): drop --stage_to_num_ranks and "
                         "--memory_per_worker (its memory model prices one stage per worker), or use 1f1b")
     stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
     if stages % world_size or stages < 2 * world_size:

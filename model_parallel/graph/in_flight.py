@@ -10,7 +10,7 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     gpipe      ceil(m / r)                                all forwards run before any backward
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
-    interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1)
+    interleaved  min(2 (M - before), ceil(m / r))         per stage, M = all stages, before = its position (loop)
 
 With one rank per stage, stage s of p holds p - s (1F1B capped by m) — the grids' bound. The interleaved
 row bounds a stage of the Interleaved 1F1B grid for every p, v, m (tests/unit/graph/test_in_flight.py
@@ -36,8 +36,8 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if schedule == "gpipe":
         return math.ceil(num_microbatches / replicas)
-    if schedule == "interleaved":  # single-replica stages only (plancheck refuses replicas)
-        return min(2 * (num_ranks - ranks_before), num_microbatches)
+    if schedule == "interleaved":  # ranks = stage positions; a replica runs a subsequence of the row: its j % r
+        return min(2 * (num_ranks - ranks_before), math.ceil(num_microbatches / replicas))
     downstream = math.ceil((num_ranks - ranks_before) / replicas)
     if schedule == "pipedream":
         return downstream

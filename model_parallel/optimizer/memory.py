@@ -182,11 +182,12 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     stash = stash_bytes(graph, stage_of, plan.num_stages)
     # Loop placement (interleaved): the in-flight rule counts stage positions, not ranks (in_flight.py: M = all
     # stages); with plan.num_ranks = p, a stage past p would hold a negative count.
-    positions = plan.num_stages if plan.is_loop_placement else plan.num_ranks
+    loop = plan.is_loop_placement
+    positions = plan.num_stages if loop else plan.num_ranks
     out, before = [], 0
     for stage, kept, held in zip(plan.stages, stash, parameters):
         out.append(footprint_parts(model, kept, held, positions, before, stage.num_replicas))
-        before += stage.num_replicas
+        before += 1 if loop else stage.num_replicas
     return out
 
 

@@ -195,7 +195,7 @@ class PipelineEngine(TrainingLoop):
         held = plan.stages_of_rank(self.rank)
         prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None,
                             run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
-                                         plan.num_ranks), stage_ids=held)
+                                         plan.loop_width or plan.num_ranks), stage_ids=held)
         if prepared.schedule.placement is not None and held:
             self._build_stages(prepared, optimizer_state)
         elif prepared.stage_id is not None:
@@ -256,12 +256,17 @@ class PipelineEngine(TrainingLoop):
         from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
         check_supported(measuring=self.meter is not NO_METER, backend=dist.get_backend())
         schedule = prepared.schedule
+        # Replica i of the pipeline (ranks i*p ..): every stage of the rank has the same replicas; it runs the
+        # microbatches j with j % r == i, in the order of the full grid (a subsequence of a row: no deadlock).
+        ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks
+        replica, r = prepared.replica, prepared.num_replicas = ranks.index(self.rank), len(ranks)
         stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
         prepared.stage = StageGroup(list(stages.values()))
         self._make_optimizer(prepared, optimizer_state)
-        lanes = {k: self._executor(prepared, stage, k, schedule.stage_actions(k), tag_per_edge=True)
+        lanes = {k: self._executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True)
                  for k, stage in stages.items()}
-        prepared.executor = MultiStageExecutor(lanes, schedule.row_actions(schedule.row_of(prepared.stage_ids[0])))
+        row = schedule.row_actions(schedule.row_of(prepared.stage_ids[0]))
+        prepared.executor = MultiStageExecutor(lanes, [a for a in row if a.microbatch % r == replica])
 
     def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         assert prepared.stage_id is not None

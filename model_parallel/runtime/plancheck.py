@@ -68,22 +68,21 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
 
 
 def check_placement(plan: Plan, schedule: str) -> None:
-    """Several stages per rank only under the interleaved schedule, and it only with them: single-replica
-    stages, stage k on rank k % p, p >= 2 (two consecutive stages never share a rank, so every edge is a message)."""
+    """Several stages per rank only under the interleaved schedule, and it only with them: stage k on rank
+    k % p (replica i on rank k % p + i*p), p >= 2 (two consecutive stages never share a rank, so every edge is a
+    message)."""
     shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
     if schedule != INTERLEAVED:
         if shared:
             raise PlanError(f"plan v{plan.version} places several stages on one rank (loop placement); only the "
                             f"interleaved schedule runs that: use --schedule interleaved, or one stage per rank")
         return
-    if any(s.num_replicas > 1 for s in plan.stages):
-        raise PlanError("the interleaved schedule does not support replicated stages; give every stage one rank "
-                        "(stage k on rank k % p)")
-    if not plan.is_loop_placement or plan.num_ranks < 2:
-        ranks = [s.ranks[0] for s in plan.stages[:12]]
+    if plan.loop_width < 2:
+        ranks = [list(s.ranks) for s in plan.stages[:12]]
         raise PlanError(f"the interleaved schedule needs loop placement over p >= 2 ranks: stage k on rank k % p with "
-                        f"p*v stages, v >= 2; plan v{plan.version} has {plan.num_stages} stage(s) on ranks {ranks}"
-                        f"{' ...' if plan.num_stages > 12 else ''} (use 1f1b for one stage per rank)")
+                        f"p*v stages, v >= 2 (replica i of every stage on rank k % p + i*p); plan v{plan.version} has "
+                        f"{plan.num_stages} stage(s) on ranks {ranks}{' ...' if plan.num_stages > 12 else ''} (use 1f1b "
+                        "for one stage per rank)")
 
 
 def check_switchable(schedule: Optional[str]) -> None:

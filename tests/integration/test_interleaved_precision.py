@@ -1,15 +1,19 @@
-"""Interleaved 1F1B with the per-stage features: activation recomputation and bf16 autocast, on 2 and 4
-processes (2 stages per rank, loop placement), each job against single-process training of the same stages
+"""Interleaved 1F1B with the per-stage features: activation recomputation, bf16 autocast and replicas, on 2 and 4
+processes (2 or 3 stages per rank, loop placement), each job against single-process training of the same stages
 with the same data, microbatching, recomputation and autocast (SingleProcessRunner rounds at the same cuts),
-every parameter within 1e-5 relative. One world per size runs all its jobs (`--jobs`)."""
+every parameter within 1e-5 relative. One world per size runs all its jobs (`--jobs`). A replicated job runs
+two copies of a 2-rank pipeline (replica i of stage k on rank k % 2 + 2i: microbatch j on replica j % 2) whose
+ranks all-reduce their stages' gradients."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from model_parallel.codegen.naming import state_key
+from model_parallel.graph.plan import write_plan
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
@@ -24,9 +28,9 @@ STEPS = 3
 
 
 def _job(name: str, model: str, world: int, stages: int, *, bf16: bool = False, recompute: bool = False,
-         adamw: bool = False) -> dict:
+         adamw: bool = False, replicas: int = 1) -> dict:
     return {"name": name, "model": model, "world": world, "stages": stages, "bf16": bf16, "recompute": recompute,
-            "adamw": adamw}
+            "adamw": adamw, "replicas": replicas}
 
 
 JOBS = [
@@ -35,7 +39,19 @@ JOBS = [
     _job("gpt_p2_bf16_recompute", "gpt", 2, 6, bf16=True, recompute=True),  # v = 3
     _job("mlp_p4_recompute", "mlp", 4, 8, recompute=True),
     _job("gpt_p4_bf16", "gpt", 4, 8, bf16=True, adamw=True),
+    _job("mlp_p2_r2_replicated", "mlp", 4, 4, replicas=2),
+    _job("gpt_p2_r2_replicated_bf16_adamw", "gpt", 4, 6, replicas=2, bf16=True, adamw=True),
 ]
+
+
+def _pipeline(job: dict) -> int:
+    return job["world"] // job["replicas"]
+
+
+def _ranks(job: dict, k: int) -> list[int]:
+    """Replica i of stage k on rank k % p + i p."""
+    p = _pipeline(job)
+    return [k % p + i * p for i in range(job["replicas"])]
 
 
 def _argv(job: dict, root) -> list[str]:
@@ -45,6 +61,14 @@ def _argv(job: dict, root) -> list[str]:
     argv += ["--bf16"] if job["bf16"] else []
     argv += ["--recompute", "all"] if job["recompute"] else []
     argv += ["--optimizer", "adamw", "--lr", "0.003"] if job["adamw"] else []
+    if job["replicas"] > 1:  # a plan file: the default split has one replica per stage
+        r = recipe(job["model"])
+        graph, _ = trace_model(r.model(0), r.example(2))
+        plan = even_plan(graph, job["stages"])
+        plan = replace(plan, stages=tuple(replace(s, ranks=tuple(_ranks(job, s.stage_id)), num_replicas=job["replicas"])
+                                          for s in plan.stages))
+        write_plan(plan, root / f"{job['name']}.plan.json")
+        argv[argv.index("--num_stages"):argv.index("--num_stages") + 2] = ["--plan", str(root / f"{job['name']}.plan.json")]
     return argv
 
 
@@ -86,8 +110,7 @@ def test_interleaved_recompute_and_bf16_match_single_process(worlds, job):
     root, outputs = worlds
     checkpoint = load_checkpoint(root / job["name"])
     assert checkpoint.extra["next_step"] == STEPS
-    world = job["world"]
-    assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [[k % world] for k in range(job["stages"])]
+    assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [_ranks(job, k) for k in range(job["stages"])]
     got = checkpoint.params()
     if job["bf16"]:  # mixed precision keeps float32 master weights
         assert {v.dtype for v in got.values()} == {torch.float32}

@@ -4,7 +4,8 @@ The embedding (stage 0, rank 0) and the head (the last stage, rank p - 1) are co
 gradients are summed before the one update per step; in `tiedlm_p2_same_rank` both users sit on rank 0
 (stages 0 and 2) and are one Parameter there. TinyGPT with its head tied (SGD, AdamW with clipping) and a
 tiny Hugging Face GPT-2 (wte tied to lm_head, random init) against single-process training within 1e-5;
-the copies of a tie stay bitwise identical across ranks."""
+the copies of a tie stay bitwise identical across ranks. `gpt_p2_r2_replicated_clip` runs two replicas of a
+2-rank pipeline (replica i of stage k on rank k % 2 + 2i), clipping by the global norm: four copies of the tie."""
 from __future__ import annotations
 
 import sys
@@ -30,8 +31,11 @@ TOL = 1e-5
 RANK_SCRIPT = TESTS / "support" / "tied_rank.py"
 
 
-def _loop(plan: Plan, world: int) -> Plan:
-    return replace(plan, stages=tuple(replace(s, ranks=(s.stage_id % world,)) for s in plan.stages))
+def _loop(plan: Plan, world: int, replicas: int = 1) -> Plan:
+    """Replica i of stage k on rank k % p + i p (p = world / replicas)."""
+    p = world // replicas
+    return replace(plan, stages=tuple(replace(s, ranks=tuple(s.stage_id % p + i * p for i in range(replicas)),
+                                              num_replicas=replicas) for s in plan.stages))
 
 
 def _graph(job: TiedJob, root: Path) -> Graph:
@@ -63,7 +67,9 @@ CASES = [
     ("gpt2_hf_p2", "gpt2", 2, 4, {}),
     ("gpt_p4_adamw_clip", "gpt", 4, 8, {"optimizer": "adamw", "lr": 0.01, "clip_grad": 0.3}),
     ("gpt2_hf_p4", "gpt2", 4, 8, {}),
+    ("gpt_p2_r2_replicated_clip", "gpt", 4, 4, {"clip_grad": 0.3}),  # two 2-rank pipelines: the tie on all 4 ranks
 ]
+REPLICAS = {"gpt_p2_r2_replicated_clip": 2}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def worlds(tmp_path_factory) -> dict[str, tuple[TiedJob, Graph, int]]:
         if model not in graphs:
             graphs[model] = _graph(job, root)
         graph = graphs[model]
-        write_plan(_tiedlm_plan(graph) if model == "tiedlm" else _loop(even_plan(graph, stages), world), Path(job.plan))
+        write_plan(_tiedlm_plan(graph) if model == "tiedlm" else _loop(even_plan(graph, stages), world, REPLICAS.get(name, 1)), Path(job.plan))
         jobs[name] = (job, graph, world)
     for world in (2, 4):
         path = write_jobs([j for j, _, w in jobs.values() if w == world], root / f"jobs{world}.json")
@@ -107,7 +113,8 @@ def test_interleaved_tie_trains_like_one_process(worlds, name: str) -> None:
             if key in tie_keys:
                 copies[rank] = value
     assert covered == set(want), f"{name}: no rank holds {sorted(set(want) - covered)}"
-    holders = {0} if job.model == "tiedlm" else {0, world - 1}  # stage 0 on rank 0, the last on rank p - 1
+    p = world // REPLICAS.get(name, 1)  # stage 0 on ranks i p, the last on ranks i p + p - 1
+    holders = {0} if job.model == "tiedlm" else {r for i in range(world // p) for r in (i * p, i * p + p - 1)}
     assert set(copies) == holders, f"{name}: the tie is held by ranks {sorted(copies)}, expected {sorted(holders)}"
     first = next(iter(copies.values()))
     assert all(torch.equal(first, c) for c in copies.values()), f"{name}: the tied copies differ across ranks"

@@ -30,8 +30,14 @@ def test_interleaved_refusals_name_the_fix():
     one_rank = replace(four, stages=tuple(replace(s, ranks=(0,)) for s in four.stages))
     with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
         check_plan(graph, one_rank, 1, "interleaved")  # p = 1: consecutive stages on one rank
-    with pytest.raises(PlanError, match="does not support replicated stages"):
-        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")  # a replica, but not a loop
+    replicated = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2, s.stage_id % 2 + 2), num_replicas=2)
+                                            for s in four.stages))  # replica i of the pipeline on ranks 2i, 2i + 1
+    assert replicated.loop_width == 2 and replicated.stages_of_rank(3) == (1, 3) and loop.loop_width == 2
+    assert check_plan(graph, replicated, 4, "interleaved").plan.num_ranks == 4
+    with pytest.raises(PlanError, match="a rank runs two stages"):  # replica 1 not on ranks k % p + p
+        Plan(stages=tuple(replace(s, ranks=(s.stage_id % 2, 3 - s.stage_id % 2), num_replicas=2) for s in four.stages))
     with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
         Plan(stages=tuple(replace(s, ranks=((0, 0, 1, 1)[s.stage_id],)) for s in four.stages))
     with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
