@@ -199,8 +199,13 @@ class MemoryLimit:
     footprint: Footprint
 
     def check(self, graph: Graph, plan: Plan, what: str = "the plan") -> None:
-        """InfeasibleError naming the first stage of `plan` whose predicted footprint is over the limit."""
-        for stage, parts in zip(plan.stages, plan_footprint(graph, plan.with_default_ranks(), self.footprint)):
+        """InfeasibleError naming the first stage of `plan` whose predicted footprint is over the limit (under
+        loop placement: the first rank whose stages' footprints add up to more)."""
+        plan = plan.with_default_ranks()
+        if plan.is_loop_placement:
+            self._check_ranks(graph, plan, what)
+            return
+        for stage, parts in zip(plan.stages, plan_footprint(graph, plan, self.footprint)):
             if parts["total"] > self.memory_per_worker:
                 raise InfeasibleError(
                     f"{what} puts a predicted {parts['total'] / 1e9:.3g} GB on stage {stage.stage_id} (parameters "
@@ -209,6 +214,21 @@ class MemoryLimit:
                     f"{self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, {self.footprint.schedule}, "
                     f"{self.footprint.microbatches} microbatches); give a plan that fits (leave it out, or the "
                     "optimizer's --memory_per_worker finds one) or raise memory_per_worker")
+
+    def _check_ranks(self, graph: Graph, plan: Plan, what: str) -> None:
+        """A rank of a loop placement holds all its stages at once: the sum of their footprints (each stage priced
+        by its own in-flight bound, graph/in_flight.py) must fit."""
+        parts = plan_footprint(graph, plan, self.footprint)
+        for rank in sorted({r for s in plan.stages for r in s.ranks}):
+            held = plan.stages_of_rank(rank)
+            total = sum(parts[k]["total"] for k in held)
+            if total > self.memory_per_worker:
+                raise InfeasibleError(
+                    f"{what} puts a predicted {total / 1e9:.3g} GB on rank {rank} (stages {list(held)}: "
+                    + ", ".join(f"{parts[k]['total'] / 1e9:.3g}" for k in held)
+                    + f" GB), over memory_per_worker {self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, "
+                    f"{self.footprint.schedule}, {self.footprint.microbatches} microbatches); use more ranks or "
+                    "fewer microbatches, or raise memory_per_worker")
 
     def check_switch(self, graph: Graph, old: Plan, new: Plan, what: str = "the switch") -> None:
         """InfeasibleError naming the first rank that cannot hold a live switch from `old` to `new`.

@@ -28,13 +28,16 @@ STEPS = 3
 
 
 def _job(name: str, model: str, world: int, stages: int, *, bf16: bool = False, recompute: bool = False,
-         adamw: bool = False, replicas: int = 1) -> dict:
+         adamw: bool = False, replicas: int = 1, extra: tuple[str, ...] = ()) -> dict:
     return {"name": name, "model": model, "world": world, "stages": stages, "bf16": bf16, "recompute": recompute,
-            "adamw": adamw, "replicas": replicas}
+            "adamw": adamw, "replicas": replicas, "extra": list(extra)}
 
 
 JOBS = [
     _job("mlp_p2_bf16", "mlp", 2, 4, bf16=True),
+    # Under a memory cap the default split is the optimizer's loop plan (a rank's stages fit together): 1 GB
+    # holds the balanced split, so the plan is the even one the oracle cuts.
+    _job("mlp_p2_memory_cap", "mlp", 2, 4, extra=("--memory_per_worker", "1e9")),
     _job("gpt_p2_recompute_adamw", "gpt", 2, 4, recompute=True, adamw=True),
     _job("gpt_p2_bf16_recompute", "gpt", 2, 6, bf16=True, recompute=True),  # v = 3
     _job("mlp_p4_recompute", "mlp", 4, 8, recompute=True),
@@ -61,6 +64,7 @@ def _argv(job: dict, root) -> list[str]:
     argv += ["--bf16"] if job["bf16"] else []
     argv += ["--recompute", "all"] if job["recompute"] else []
     argv += ["--optimizer", "adamw", "--lr", "0.003"] if job["adamw"] else []
+    argv += job["extra"]
     if job["replicas"] > 1:  # a plan file: the default split has one replica per stage
         r = recipe(job["model"])
         graph, _ = trace_model(r.model(0), r.example(2))
