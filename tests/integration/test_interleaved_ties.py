@@ -5,9 +5,11 @@ gradients are summed before the one update per step; in `tiedlm_p2_same_rank` bo
 (stages 0 and 2) and are one Parameter there. TinyGPT with its head tied (SGD, AdamW with clipping) and a
 tiny Hugging Face GPT-2 (wte tied to lm_head, random init) against single-process training within 1e-5;
 the copies of a tie stay bitwise identical across ranks. `gpt_p2_r2_replicated_clip` runs two replicas of a
-2-rank pipeline (replica i of stage k on rank k % 2 + 2i), clipping by the global norm: four copies of the tie."""
+2-rank pipeline (replica i of stage k on rank k % 2 + 2i), clipping by the global norm: four copies of the tie;
+`gpt_p2_switching_adamw` switches live from 4 to 6 stages after step 2."""
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +22,7 @@ from model_parallel.codegen.naming import find_ties
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import read_graph_json, write_graph_json
 from model_parallel.graph.plan import Plan, write_plan
+from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.launch import LocalWorld, free_port
@@ -68,7 +71,9 @@ CASES = [
     ("gpt_p4_adamw_clip", "gpt", 4, 8, {"optimizer": "adamw", "lr": 0.01, "clip_grad": 0.3}),
     ("gpt2_hf_p4", "gpt2", 4, 8, {}),
     ("gpt_p2_r2_replicated_clip", "gpt", 4, 4, {"clip_grad": 0.3}),  # two 2-rank pipelines: the tie on all 4 ranks
+    ("gpt_p2_switching_adamw", "gpt", 2, 4, {"optimizer": "adamw", "lr": 0.01}),  # 4 stages, then 6 (SWITCHES)
 ]
+SWITCHES = {"gpt_p2_switching_adamw": (2, 6)}  # a live switch after step 2 to the even loop plan of 6 stages
 REPLICAS = {"gpt_p2_r2_replicated_clip": 2}
 
 
@@ -83,6 +88,12 @@ def worlds(tmp_path_factory) -> dict[str, tuple[TiedJob, Graph, int]]:
         if model not in graphs:
             graphs[model] = _graph(job, root)
         graph = graphs[model]
+        if name in SWITCHES:  # the tie's holders stay ranks 0 and 1, the layers between them move
+            step, stages_after = SWITCHES[name]
+            after = replace(_loop(even_plan(graph, stages_after), world), version=1)
+            script = root / f"{name}_switch.json"
+            script.write_text(json.dumps({step: Command.switch(after, "test: 3 stages per rank").to_dict()}))
+            job = replace(job, control_script=str(script))
         write_plan(_tiedlm_plan(graph) if model == "tiedlm" else _loop(even_plan(graph, stages), world, REPLICAS.get(name, 1)), Path(job.plan))
         jobs[name] = (job, graph, world)
     for world in (2, 4):
@@ -104,7 +115,9 @@ def test_interleaved_tie_trains_like_one_process(worlds, name: str) -> None:
     covered: set[str] = set()
     copies: dict[int, torch.Tensor] = {}
     for rank in range(world):
-        state = torch.load(Path(job.out) / f"rank{rank}.pt", weights_only=True)["state"]
+        saved = torch.load(Path(job.out) / f"rank{rank}.pt", weights_only=True)
+        assert saved["plan_version"] == (1 if name in SWITCHES else 0), name
+        state = saved["state"]
         for key, value in state.items():
             if key not in want:
                 continue  # a buffer the original model keeps elsewhere
