@@ -20,10 +20,15 @@ Interleaved 1F1B (v stages per rank in a loop: rank r holds stages r, r + p, ...
 counts (stage, microbatch) pairs on a rank, as Megatron's warm-up does:
 
     interleaved  min(2 (p - 1 - r) + (v - 1) p + 1, v m)   pairs held by rank r of p (each pair ~ 1/v of its layers)
+
+A rank's bytes at its peak are not the sum of its stages' peaks (they need not coincide): `interleaved_peak`
+walks the rank's order (`interleaved_order`, the one rule runtime/step/interleaved.py builds its grid from),
+each forward adding its stage's bytes per microbatch, each backward freeing them.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved")  # the first is the default everywhere
 FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # one optimizer step per minibatch, after every backward of it
@@ -53,3 +58,33 @@ def interleaved_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank
     """(stage, microbatch) pairs whose activations rank `rank` holds at its peak under Interleaved 1F1B."""
     return min(interleaved_warmup(num_microbatches, num_ranks, stages_per_rank, rank) + 1,
                stages_per_rank * num_microbatches)
+
+
+def interleaved_order(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> list[tuple[int, bool, int]]:
+    """Rank `rank`'s actions under Interleaved 1F1B as (local stage c, is forward, microbatch), Megatron's order:
+    forward number k runs local stage (k mod p v) div p on microbatch (k div p v) p + k mod p, backward number k
+    local stage v - 1 - that on the same microbatch; warm-up forwards, then one forward and one backward, then the
+    remaining backwards (stage c of rank r is stage c p + r)."""
+    p, v = num_ranks, stages_per_rank
+    total, warmup = v * num_microbatches, interleaved_warmup(num_microbatches, p, v, rank)
+
+    def action(k: int, forward: bool) -> tuple[int, bool, int]:
+        c = (k % (p * v)) // p
+        return (c if forward else v - 1 - c), forward, (k // (p * v)) * p + k % p
+
+    order = [action(k, True) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [action(warmup + i, True), action(i, False)]
+    return order + [action(k, False) for k in range(total - warmup, total)]
+
+
+def interleaved_peak(num_microbatches: int, num_ranks: int, rank: int, per_microbatch: Sequence[float],
+                     replica: int = 0, replicas: int = 1) -> float:
+    """The most bytes rank `rank` holds at once under Interleaved 1F1B, `per_microbatch[c]` the bytes one microbatch
+    keeps on its local stage c (v = len(per_microbatch)); replica i of r runs the microbatches j with j % r == i."""
+    held = peak = 0.0
+    for c, forward, j in interleaved_order(num_microbatches, num_ranks, len(per_microbatch), rank):
+        if j % replicas == replica:
+            held += per_microbatch[c] if forward else -per_microbatch[c]
+            peak = max(peak, held)
+    return peak

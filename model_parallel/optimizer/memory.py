@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import SCHEDULE_NAMES, microbatches_in_flight
+from model_parallel.graph.in_flight import SCHEDULE_NAMES, interleaved_peak, microbatches_in_flight
 from model_parallel.graph.plan import Plan
 
 LEGACY_MODELS = ("pipedream", "1f1b")
@@ -191,6 +191,26 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     return out
 
 
+def loop_rank_parts(parts: list[dict[str, float]], plan: Plan,
+                    microbatches: Optional[int]) -> dict[int, tuple[tuple[int, ...], dict[str, float]]]:
+    """Under loop placement (interleaved), each rank's predicted bytes by kind, keyed by its first stage (a
+    replica's ranks predict alike): its stages' parameters, gradients and optimizer state summed, and the
+    activations of the (stage, microbatch) pairs it holds at once walking its order (in_flight.interleaved_peak),
+    not the sum of the stages' own peaks. `parts` from `plan_footprint`; microbatches None: p."""
+    p = plan.loop_width
+    m = microbatches or p
+    out: dict[int, tuple[tuple[int, ...], dict[str, float]]] = {}
+    for rank in range(p):
+        held = plan.stages_of_rank(rank)
+        per_microbatch = [parts[k]["activations"] / max(parts[k]["in_flight"], 1.0) for k in held]
+        peak = interleaved_peak(m, p, rank, per_microbatch, 0, plan.stages[held[0]].num_replicas)
+        summed = {key: sum(parts[k][key] for k in held) for key in parts[held[0]]}
+        summed["total"] += peak - summed["activations"]
+        summed["activations"] = peak
+        out[held[0]] = (held, summed)
+    return out
+
+
 @dataclass(frozen=True)
 class MemoryLimit:
     """What one worker may hold: `memory_per_worker` bytes, priced by the run's footprint model."""
@@ -216,17 +236,15 @@ class MemoryLimit:
                     "optimizer's --memory_per_worker finds one) or raise memory_per_worker")
 
     def _check_ranks(self, graph: Graph, plan: Plan, what: str) -> None:
-        """A rank of a loop placement holds all its stages at once: the sum of their footprints (each stage priced
-        by its own in-flight bound, graph/in_flight.py) must fit."""
+        """A rank of a loop placement holds all its stages at once (`loop_rank_parts`): their sum must fit."""
         parts = plan_footprint(graph, plan, self.footprint)
-        for rank in sorted({r for s in plan.stages for r in s.ranks}):
-            held = plan.stages_of_rank(rank)
-            total = sum(parts[k]["total"] for k in held)
-            if total > self.memory_per_worker:
+        for first, (held, summed) in sorted(loop_rank_parts(parts, plan, self.footprint.microbatches).items()):
+            if summed["total"] > self.memory_per_worker:
                 raise InfeasibleError(
-                    f"{what} puts a predicted {total / 1e9:.3g} GB on rank {rank} (stages {list(held)}: "
-                    + ", ".join(f"{parts[k]['total'] / 1e9:.3g}" for k in held)
-                    + f" GB), over memory_per_worker {self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, "
+                    f"{what} puts a predicted {summed['total'] / 1e9:.3g} GB on rank {plan.stages[first].ranks[0]} "
+                    f"(stages {list(held)}: parameters {summed['parameters'] / 1e9:.3g} GB, optimizer state "
+                    f"{summed['optimizer_state'] / 1e9:.3g} GB, activations at its peak {summed['activations'] / 1e9:.3g} "
+                    f"GB), over memory_per_worker {self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, "
                     f"{self.footprint.schedule}, {self.footprint.microbatches} microbatches); use more ranks or "
                     "fewer microbatches, or raise memory_per_worker")
 

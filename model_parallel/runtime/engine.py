@@ -254,10 +254,9 @@ class PipelineEngine(TrainingLoop):
         """Several stages on this rank (interleaved 1F1B): their modules, ONE optimizer over all their parameters
         (one update per step, as one process would), one executor running the rank's schedule row."""
         from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
-        check_supported(measuring=self.meter is not NO_METER, backend=dist.get_backend())
+        check_supported(backend=dist.get_backend())
         schedule = prepared.schedule
-        # Replica i of the pipeline (ranks i*p ..): every stage of the rank has the same replicas; it runs the
-        # microbatches j with j % r == i, in the order of the full grid (a subsequence of a row: no deadlock).
+        # Replica i of the pipeline (ranks i*p ..) runs microbatches j % r == i in the full grid's order (no deadlock).
         ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks
         replica, r = prepared.replica, prepared.num_replicas = ranks.index(self.rank), len(ranks)
         stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
@@ -266,7 +265,8 @@ class PipelineEngine(TrainingLoop):
         lanes = {k: self._executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True)
                  for k, stage in stages.items()}
         row = schedule.row_actions(schedule.row_of(prepared.stage_ids[0]))
-        prepared.executor = MultiStageExecutor(lanes, [a for a in row if a.microbatch % r == replica])
+        prepared.executor = MultiStageExecutor(lanes, [a for a in row if a.microbatch % r == replica],
+                                               None if self.meter is NO_METER else self.meter, self.config.num_microbatches)
 
     def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         assert prepared.stage_id is not None

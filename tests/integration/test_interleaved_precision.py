@@ -39,6 +39,8 @@ JOBS = [
     # holds the balanced split, so the plan is the even one the oracle cuts.
     _job("mlp_p2_memory_cap", "mlp", 2, 4, extra=("--memory_per_worker", "1e9")),
     _job("gpt_p2_recompute_adamw", "gpt", 2, 4, recompute=True, adamw=True),
+    # --measure_memory: one StashMeter per rank over its stages (multi_stage.LaneMeter), in the memory table
+    _job("gpt_p2_measured", "gpt", 2, 4, extra=("--measure_memory",)),
     _job("gpt_p2_bf16_recompute", "gpt", 2, 6, bf16=True, recompute=True),  # v = 3
     _job("mlp_p4_recompute", "mlp", 4, 8, recompute=True),
     _job("gpt_p4_bf16", "gpt", 4, 8, bf16=True, adamw=True),
@@ -122,3 +124,17 @@ def test_interleaved_recompute_and_bf16_match_single_process(worlds, job):
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert_relatively_close(got[key], value, TOL, f"{job['name']}: {key}")
+
+
+@pytest.mark.slow
+def test_measured_memory_rows_cover_a_rank_s_stages(worlds):
+    """Under --measure_memory the row of rank 0 (stages 0 and 2) has measured bytes, below the prediction (the
+    sum of each stage's in-flight upper bound); the other jobs' rows say n/a."""
+    import re
+
+    _, outputs = worlds
+    rows = re.findall(r"^\s+0\s+0,2\s+(\d+\.\d+)\s+(\d+\.\d+)\s+[+-]\d+%\s+\S+\s+\S+\s+(\S+)\s+(\d+\.\d+)",
+                      outputs[2], re.MULTILINE)
+    assert len(rows) == 1, outputs[2]
+    predicted, measured, predicted_activations, measured_activations = map(float, rows[0])
+    assert 0 < measured <= predicted and 0 < measured_activations <= predicted_activations

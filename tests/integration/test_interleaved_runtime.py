@@ -83,10 +83,6 @@ def test_command_line_refusals_end_the_world_naming_the_fix():
                              "--num_microbatches", "3", "--batch_size", "6"], 2, timeout=120)
     assert [w.returncode for w in result.workers] == [2, 2], result.summary()
     assert "m=3 is not a multiple of p; use m=4" in result.output(1)
-    result = launch_workers(["--model", "mlp", "--schedule", "interleaved", "--steps", "1", "--timeout", "30",
-                             "--measure_memory"], 2, timeout=120)
-    assert [w.returncode for w in result.workers] == [2, 2], result.summary()
-    assert "--measure_memory does not measure several stages per rank" in result.output(0)
 
 
 @pytest.mark.slow

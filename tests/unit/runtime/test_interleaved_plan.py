@@ -82,8 +82,6 @@ def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
         StageGroup([first, other])
     with pytest.raises(ModelParallelError, match="not one computation"):
         group()
-    check_supported(measuring=False, backend="gloo")
+    check_supported(backend="gloo")
     with pytest.raises(ConfigError, match="NCCL ignores.*--backend gloo"):
-        check_supported(measuring=False, backend="nccl")
-    with pytest.raises(ConfigError, match="--measure_memory does not measure several stages"):
-        check_supported(measuring=True, backend="gloo")
+        check_supported(backend="nccl")
