@@ -86,8 +86,8 @@ def check_placement(plan: Plan, schedule: str) -> None:
 
 
 def check_switchable(schedule: Optional[str]) -> None:
-    """Refuse a live plan switch the engine cannot make. None today: a flush schedule has nothing in flight at
-    a step boundary, and interleaved switches from a loop plan to a loop plan (layers move by owner rank,
-    wire/migration.py; `check_placement` refuses any other new plan). The workers and the coordinator call it
-    before `check_plan`, so a schedule that cannot switch is refused in one place."""
+    """Refuse a live plan switch the engine cannot make. None today: every schedule drains its step, so nothing
+    is in flight at a step boundary, and interleaved switches from a loop plan to a loop plan (layers move by
+    owner rank, wire/migration.py; `check_placement` refuses any other new plan). The workers and the
+    coordinator call it before `check_plan`, so a schedule that cannot switch is refused in one place."""
     del schedule
