@@ -154,9 +154,17 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
 def _interleaved(args: Any, graph: Any, workers: int, footprint: Any) -> int:
     """`--schedule interleaved`: p*v stages balanced by profiled cost, stage k on worker k % p (optimizer.contiguous
     .loop_plan); prints the plan, each worker's compute and the schedule's analytic bubble; writes plan.json."""
+    from model_parallel.errors import ConfigError
     from model_parallel.graph.plan import write_plan
     from model_parallel.optimizer.contiguous import loop_plan
 
+    ignored = [flag for flag, on in (("--search", args.search), ("--use_fewer_machines", args.use_fewer_machines),
+                                     ("--cuts", args.cuts != "auto"),
+                                     ("--use_memory_constraint", args.use_memory_constraint and args.memory_per_worker is None))
+               if on]
+    if ignored:  # the loop split is the straight solver's over topological cuts, bounded by --memory_per_worker only
+        raise ConfigError(f"--schedule interleaved plans a balanced loop split; {', '.join(ignored)} do not apply to it: "
+                          "drop them (bound memory with --memory_per_worker)")
     speeds = tuple(args.worker_speeds) if args.worker_speeds else None
     plan = loop_plan(graph, workers, args.stages_per_rank, speeds, args.memory_per_worker, footprint)
     m = args.microbatches or workers

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from model_parallel.cli.partition import main as partition_main
-from model_parallel.errors import InfeasibleError, PlanError
+from model_parallel.errors import ConfigError, InfeasibleError, PlanError
 from model_parallel.graph.io import load_graph
 from model_parallel.graph.plan import read_plan
 from model_parallel.optimizer.contiguous import loop_plan
@@ -61,3 +61,5 @@ def test_partition_command_line_writes_a_loop_plan(tmp_path, capsys, reference_p
     assert plan.loop_width == 4 and json.loads((tmp_path / "plan.json").read_text())["extra"]["schedule"] == "interleaved"
     with pytest.raises(InfeasibleError, match="on rank 0"):
         partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--memory_per_worker", "1e9"])
+    with pytest.raises(ConfigError, match="--search, --use_fewer_machines do not apply to it"):
+        partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--search", "--use_fewer_machines"])
