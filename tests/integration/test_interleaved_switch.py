@@ -1,7 +1,8 @@
 """Live plan switches under interleaved 1F1B: from a loop plan to a loop plan at a step boundary, layers moving by
 owner rank (wire/migration.py) with their optimizer state. On 2 processes the MLP's 4 stages get other cuts
 (step 2), then become 6 stages, 3 per rank (step 4); training equals single-process training within 1e-5 and
-each rank ends holding the new plan's stages. A switch to a plan that is not a loop is refused, training goes on."""
+each rank ends holding the new plan's stages. A switch to a plan that is not a loop is refused, training goes on.
+On 4 processes a loop over ranks 0 and 1 (2 and 3 spare) becomes a loop over all four (p 2 -> 4)."""
 from __future__ import annotations
 
 import json
@@ -55,6 +56,31 @@ def test_interleaved_switches_between_loop_plans_stay_exact(tmp_path):
     model = r.model(0)
     single_process_reference(model, r.criterion, lambda ps: torch.optim.AdamW(ps, lr=0.003, weight_decay=0.0), r.data(8, 0),
                              TrainConfig(batch_size=8, num_microbatches=4), STEPS)
+    got = checkpoint.params()
+    for name, value in model.named_parameters():
+        assert_relatively_close(got[state_key(name)], value.detach(), 1e-5, name)
+
+
+@pytest.mark.slow
+def test_an_interleaved_switch_onto_more_ranks_activates_the_spares(tmp_path):
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    four, eight = even_plan(graph, 4), even_plan(graph, 8)
+    start = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
+    wide = replace(eight, stages=tuple(replace(s, ranks=(s.stage_id % 4,)) for s in eight.stages), version=1)
+    (tmp_path / "plan.json").write_text(json.dumps(start.to_dict()))
+    (tmp_path / "switch.json").write_text(json.dumps({2: Command.switch(wide, "test: onto the spares").to_dict()}))
+    steps = 4
+    result = launch_workers(["--model", "mlp", "--schedule", "interleaved", "--steps", str(steps), "--timeout", "60",
+                             "--plan", str(tmp_path / "plan.json"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                             "--control_script", str(tmp_path / "switch.json")], 4, timeout=300)
+    assert result.ok, result.summary()
+    assert "switched to plan v1" in result.output(0) and "[rank 3 stage 3,7]" in result.output(3)
+    checkpoint = load_checkpoint(tmp_path / "ckpt")
+    assert checkpoint.extra["next_step"] == steps and checkpoint.world["plan"]["version"] == 1
+    model = r.model(0)
+    single_process_reference(model, r.criterion, lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), r.data(8, 0),
+                             TrainConfig(batch_size=8, num_microbatches=4), steps)
     got = checkpoint.params()
     for name, value in model.named_parameters():
         assert_relatively_close(got[state_key(name)], value.detach(), 1e-5, name)
