@@ -110,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
     new = Plan(stages=tuple(StagePlan(i, tuple(n)) for i, n in enumerate(ids)), version=1).with_default_ranks()
     # This rank's share under either plan (4 x its parameter bytes): the cap follows the larger one, so a rank
     # that receives layers may hold them, and stays far below the whole model.
-    share = max(4 * sum(graph[n].parameter_size for n in p.stages[p.stage_of_rank(rank)].node_ids) for p in (plan, new))
+    share = max(4 * sum(graph[n].parameter_size for k in p.stages_of_rank(rank) for n in p.stages[k].node_ids)
+                for p in (plan, new))  # several stages per rank (loop placement): all of them
     baseline = status_bytes("VmData")
     cap = baseline + int(args.budget * share + args.slack * GB)  # slack: thread stacks, allocator, messages
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))

@@ -99,26 +99,33 @@ INTERLEAVED_STAGES_PER_RANK = 2  # the default split under the interleaved sched
 
 
 def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
-    """The interleaved schedule's default plan: the even split into `num_stages` (default 2 per rank) stages,
-    stage k on rank k % world_size (loop placement; runtime.plancheck checks the rest)."""
-    from model_parallel.runtime.build.stages import even_plan
+    """The interleaved schedule's default plan: `num_stages` (default 2 per rank) stages balanced by profiled cost,
+    stage k on rank k % world_size (loop placement; optimizer.contiguous.loop_plan), under --memory_per_worker when
+    given (a rank's stages together; runtime.plancheck checks the rest)."""
+    from model_parallel.optimizer.contiguous import loop_plan
 
-    if spec.stage_to_num_ranks or spec.memory_per_worker is not None:
-        raise PlanError("the interleaved schedule places single-replica stages in a loop: drop --stage_to_num_ranks and "
-                        "--memory_per_worker (its memory model prices one stage per worker), or use 1f1b")
+    if spec.stage_to_num_ranks:
+        raise PlanError("the interleaved schedule's default split places one replica of each stage in a loop (replicas: "
+                        "a --plan with replica i of stage k on rank k % p + i*p): drop --stage_to_num_ranks, or use 1f1b")
     stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
     if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r
         if stages != 2 * world_size:
             raise PlanError(f"the {spec.schedule} schedule places 2 stages per rank in a V: give --num_stages "
                             f"{2 * world_size} for {world_size} rank(s), got {stages}")
+        if spec.memory_per_worker is not None:
+            raise PlanError(f"the {spec.schedule} schedule's default V split is not priced under --memory_per_worker "
+                            "yet: drop it, or use interleaved or 1f1b, whose splits fit the memory")
+        from model_parallel.runtime.build.stages import even_plan
+
         plan = even_plan(graph, stages)
         return replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, stages - 1 - s.stage_id),))
                                           for s in plan.stages))
     if stages % world_size or stages < 2 * world_size:
         raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
                         f"--num_stages a multiple of the world size, at least {2 * world_size}")
-    plan = even_plan(graph, stages)
-    return replace(plan, stages=tuple(replace(s, ranks=(s.stage_id % world_size,)) for s in plan.stages))
+    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None else None
+    return loop_plan(graph, world_size, stages // world_size, memory_per_worker=spec.memory_per_worker,
+                     footprint=footprint)
 
 
 def build_job(spec: JobSpec, world_size: int) -> Job:

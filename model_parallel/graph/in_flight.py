@@ -10,8 +10,8 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     gpipe      ceil(m / r)                                all forwards run before any backward
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
-    interleaved  min(2 (M - before), m)                   per stage, M = all stages (loop placement, r = 1);
-                                                          zbinterleaved too (its grids stay under it)
+    interleaved  min(2 (M - before), ceil(m / r))         per stage, M = all stages, before = its position (loop)
+    zbinterleaved min(2 (M - before), m)                  per stage, loop placement, r = 1 (its grids stay under it)
     zbv        as 1f1b, M = all stages                   per stage, V placement (r = 1)
     zbh1       as 1f1b                                    ZB-H1: 1F1B's warm-up; an I ends a microbatch's
                                                           activations, its deferred W keeps only the weight path's
@@ -24,10 +24,15 @@ Interleaved 1F1B (v stages per rank in a loop: rank r holds stages r, r + p, ...
 counts (stage, microbatch) pairs on a rank, as Megatron's warm-up does:
 
     interleaved  min(2 (p - 1 - r) + (v - 1) p + 1, v m)   pairs held by rank r of p (each pair ~ 1/v of its layers)
+
+A rank's bytes at its peak are not the sum of its stages' peaks (they need not coincide): `interleaved_peak`
+walks the rank's order (`interleaved_order`, the one rule runtime/step/interleaved.py builds its grid from),
+each forward adding its stage's bytes per microbatch, each backward freeing them.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved", "zbh1", "zbinterleaved", "zbv")  # the first: the default
 FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv")  # one update per minibatch
@@ -43,7 +48,9 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if schedule == "gpipe":
         return math.ceil(num_microbatches / replicas)
-    if schedule in LOOP_SCHEDULES:  # single-replica stages only (plancheck refuses replicas)
+    if schedule == "interleaved":  # ranks = stage positions; a replica runs a subsequence of the row: its j % r
+        return min(2 * (num_ranks - ranks_before), math.ceil(num_microbatches / replicas))
+    if schedule in LOOP_SCHEDULES:  # zbinterleaved: single-replica stages only (plancheck refuses replicas)
         return min(2 * (num_ranks - ranks_before), num_microbatches)
     downstream = math.ceil((num_ranks - ranks_before) / replicas)
     if schedule == "pipedream":
@@ -78,3 +85,33 @@ def zero_bubble_in_flight(num_microbatches: int, num_ranks: int, stages_per_rank
 def zbv_in_flight(num_microbatches: int, num_ranks: int, rank: int) -> int:
     """(stage, microbatch) pairs forwarded and not yet through I on rank `rank` at its peak under ZBV."""
     return min(2 * num_ranks, 2 * num_microbatches)
+
+
+def interleaved_order(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> list[tuple[int, bool, int]]:
+    """Rank `rank`'s actions under Interleaved 1F1B as (local stage c, is forward, microbatch), Megatron's order:
+    forward number k runs local stage (k mod p v) div p on microbatch (k div p v) p + k mod p, backward number k
+    local stage v - 1 - that on the same microbatch; warm-up forwards, then one forward and one backward, then the
+    remaining backwards (stage c of rank r is stage c p + r)."""
+    p, v = num_ranks, stages_per_rank
+    total, warmup = v * num_microbatches, interleaved_warmup(num_microbatches, p, v, rank)
+
+    def action(k: int, forward: bool) -> tuple[int, bool, int]:
+        c = (k % (p * v)) // p
+        return (c if forward else v - 1 - c), forward, (k // (p * v)) * p + k % p
+
+    order = [action(k, True) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [action(warmup + i, True), action(i, False)]
+    return order + [action(k, False) for k in range(total - warmup, total)]
+
+
+def interleaved_peak(num_microbatches: int, num_ranks: int, rank: int, per_microbatch: Sequence[float],
+                     replica: int = 0, replicas: int = 1) -> float:
+    """The most bytes rank `rank` holds at once under Interleaved 1F1B, `per_microbatch[c]` the bytes one microbatch
+    keeps on its local stage c (v = len(per_microbatch)); replica i of r runs the microbatches j with j % r == i."""
+    held = peak = 0.0
+    for c, forward, j in interleaved_order(num_microbatches, num_ranks, len(per_microbatch), rank):
+        if j % replicas == replica:
+            held += per_microbatch[c] if forward else -per_microbatch[c]
+            peak = max(peak, held)
+    return peak

@@ -156,9 +156,9 @@ class Plan:
                             "may place; replicas are bounded by the world size (the workers started)")
         ranks = [r for s in self.stages for r in s.ranks]
         if len(ranks) != len(set(ranks)) and not self.several_stages_per_rank:
-            raise PlanError(f"a rank runs two stages: {sorted(ranks)}; only single-replica stages in loop placement "
-                            "(stage k on rank k % p, for the interleaved schedules) or in a V (stage k on rank k, "
-                            "then 2p-1-k, for zbv) may share a rank")
+            raise PlanError(f"a rank runs two stages: {sorted(ranks)}; only stages in loop placement (replica i of "
+                            "stage k on rank k % p + i*p, for the interleaved schedules) or single-replica stages in a "
+                            "V (stage k on rank k, then 2p-1-k, for zbv) may share a rank")
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -174,11 +174,17 @@ class Plan:
 
     @property
     def is_loop_placement(self) -> bool:
-        """Several single-replica stages per rank, stage k on rank k % p (p >= 1 ranks, p*v stages): interleaved 1F1B."""
+        """Several stages per rank, stage k on rank k % p (p*v stages): interleaved 1F1B. `loop_width` is p."""
+        return self.loop_width > 0
+
+    @property
+    def loop_width(self) -> int:
+        """p of a loop placement, else 0: p*v stages (v >= 2), each on r ranks, replica i of stage k on rank
+        k % p + i*p (r = 1: stage k on rank k % p), so ranks i*p .. i*p + p - 1 form replica i of the pipeline."""
         ranks = [s.ranks for s in self.stages]
-        p = len({r for rs in ranks for r in rs})
-        return (p >= 1 and len(self.stages) % p == 0 and len(self.stages) > p
-                and all(rs == (k % p,) for k, rs in enumerate(ranks)))
+        p = len({r for rs in ranks for r in rs}) // max(len(ranks[0]), 1)
+        return p if (p >= 1 and len(self.stages) % p == 0 and len(self.stages) > p
+                     and all(rs == tuple(k % p + i * p for i in range(len(ranks[0]))) for k, rs in enumerate(ranks))) else 0
 
     @property
     def several_stages_per_rank(self) -> bool:

@@ -1,4 +1,5 @@
-"""The one contiguous partitioner: p stages over one topological order, stage k on worker k.
+"""The one contiguous partitioner: p stages over one topological order, stage k on worker k (or, for
+interleaved 1F1B, p*v stages with stage k on worker k % p: `loop_plan`).
 
 The straight solver (`straight.py`, through `partition`'s one-level fast path) with the given worker
 speeds, or unit speeds for an "even" split. Nodes are priced by their profiled time (`compute_ms`)
@@ -17,7 +18,7 @@ from typing import Optional
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan
-from model_parallel.optimizer.memory import Footprint
+from model_parallel.optimizer.memory import Footprint, MemoryLimit, plan_footprint
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
@@ -27,6 +28,7 @@ from model_parallel.optimizer.straight import smallest_memory
 # Parameter-free nodes of an untimed graph weigh this share of the mean parameter node: enough to split
 # a parameter-free stretch evenly among ties, too little to move a cut off the parameter balance.
 TIE_SHARE = 1e-3
+LOOP_SHARES = 8  # `loop_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
 
 
 def priced_graph(graph: Graph) -> Graph:
@@ -110,3 +112,47 @@ def even_stages(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, i
     plan = straight_plan(graph, range(num_stages), memory_per_worker=memory_per_worker, footprint=footprint)
     stages = tuple(replace(s, num_replicas=int(replicas.get(s.stage_id, 1)), ranks=()) for s in plan.stages)
     return replace(plan, stages=stages).with_default_ranks()
+
+
+def loop_plan(graph: Graph, num_ranks: int, stages_per_rank: int = 2, speeds: Optional[Sequence[float]] = None,
+              memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
+    """Interleaved 1F1B's plan: `num_ranks * stages_per_rank` contiguous stages balanced by profiled cost (the
+    straight solver, stage k priced at worker k % p's speed), stage k on rank k % p (loop placement). With
+    `memory_per_worker`, a rank's stages must fit together: the balanced split when its ranks' summed footprints
+    fit, else the most even split whose every stage fits 1/v of it; an `InfeasibleError` names the rank over."""
+    if num_ranks < 2 or stages_per_rank < 2:
+        raise PlanError(f"interleaved 1F1B needs p >= 2 ranks with v >= 2 stages each, got p={num_ranks}, "
+                        f"v={stages_per_rank}; use one stage per rank (1f1b) otherwise")
+    if speeds is not None and len(speeds) != num_ranks:
+        raise PlanError(f"got {len(speeds)} speed(s) for {num_ranks} worker(s); give one speed per worker")
+    count = num_ranks * stages_per_rank
+    per_stage = [float(speeds[k % num_ranks]) for k in range(count)] if speeds is not None else None
+    model = replace(footprint or Footprint(), schedule="interleaved")
+
+    def placed(plan: Plan) -> Plan:  # loop placement, each stage's memory by the interleaved footprint
+        plan = replace(plan, stages=tuple(replace(s, ranks=(s.stage_id % num_ranks,)) for s in plan.stages))
+        parts = plan_footprint(graph, plan, model)
+        return replace(plan, stages=tuple(replace(s, memory_bytes=p["total"]) for s, p in zip(plan.stages, parts)),
+                       extra={**plan.extra, "schedule": "interleaved", "stages_per_rank": stages_per_rank,
+                              "memory_model": "footprint", "footprint": model.to_dict(), "memory": parts})
+
+    plan = placed(straight_plan(graph, range(count), per_stage))
+    if memory_per_worker is None:
+        return plan
+    limit = MemoryLimit(float(memory_per_worker), model)
+    try:
+        limit.check(graph, plan, "the balanced interleaved split")
+        return plan
+    except InfeasibleError as balanced:
+        # The solver bounds each stage, a rank holds v of them: bound each stage by a share of the cap, from the
+        # whole cap down to 1/v of it (where any split that passes fits), and keep the first split whose ranks fit.
+        cap, v = float(memory_per_worker), stages_per_rank
+        for share in [cap * (1 - i * (1 - 1 / v) / LOOP_SHARES) for i in range(LOOP_SHARES + 1)]:
+            try:
+                capped = placed(straight_plan(graph, range(count), per_stage, share, model))
+                limit.check(graph, capped, "the interleaved split")
+                return capped
+            except InfeasibleError:
+                continue
+        raise InfeasibleError(f"{balanced}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a "
+                              "larger share with its ranks' sums fitting exists either") from None

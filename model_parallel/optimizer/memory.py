@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import SCHEDULE_NAMES, microbatches_in_flight
+from model_parallel.graph.in_flight import SCHEDULE_NAMES, interleaved_peak, microbatches_in_flight
 from model_parallel.graph.plan import Plan
 
 LEGACY_MODELS = ("pipedream", "1f1b")
@@ -180,10 +180,34 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     for node in graph.nodes:
         parameters[stage_of[node.node_id]] += node.parameter_size
     stash = stash_bytes(graph, stage_of, plan.num_stages)
+    # Loop placement (interleaved): the in-flight rule counts stage positions, not ranks (in_flight.py: M = all
+    # stages); with plan.num_ranks = p, a stage past p would hold a negative count.
+    loop = plan.is_loop_placement
+    positions = plan.num_stages if loop else plan.num_ranks
     out, before = [], 0
     for stage, kept, held in zip(plan.stages, stash, parameters):
-        out.append(footprint_parts(model, kept, held, plan.num_ranks, before, stage.num_replicas))
-        before += stage.num_replicas
+        out.append(footprint_parts(model, kept, held, positions, before, stage.num_replicas))
+        before += 1 if loop else stage.num_replicas
+    return out
+
+
+def loop_rank_parts(parts: list[dict[str, float]], plan: Plan,
+                    microbatches: Optional[int]) -> dict[int, tuple[tuple[int, ...], dict[str, float]]]:
+    """Under loop placement (interleaved), each rank's predicted bytes by kind, keyed by its first stage (a
+    replica's ranks predict alike): its stages' parameters, gradients and optimizer state summed, and the
+    activations of the (stage, microbatch) pairs it holds at once walking its order (in_flight.interleaved_peak),
+    not the sum of the stages' own peaks. `parts` from `plan_footprint`; microbatches None: p."""
+    p = plan.loop_width
+    m = microbatches or p
+    out: dict[int, tuple[tuple[int, ...], dict[str, float]]] = {}
+    for rank in range(p):
+        held = plan.stages_of_rank(rank)
+        per_microbatch = [parts[k]["activations"] / max(parts[k]["in_flight"], 1.0) for k in held]
+        peak = interleaved_peak(m, p, rank, per_microbatch, 0, plan.stages[held[0]].num_replicas)
+        summed = {key: sum(parts[k][key] for k in held) for key in parts[held[0]]}
+        summed["total"] += peak - summed["activations"]
+        summed["activations"] = peak
+        out[held[0]] = (held, summed)
     return out
 
 
@@ -195,8 +219,13 @@ class MemoryLimit:
     footprint: Footprint
 
     def check(self, graph: Graph, plan: Plan, what: str = "the plan") -> None:
-        """InfeasibleError naming the first stage of `plan` whose predicted footprint is over the limit."""
-        for stage, parts in zip(plan.stages, plan_footprint(graph, plan.with_default_ranks(), self.footprint)):
+        """InfeasibleError naming the first stage of `plan` whose predicted footprint is over the limit (under
+        loop placement: the first rank whose stages' footprints add up to more)."""
+        plan = plan.with_default_ranks()
+        if plan.is_loop_placement:
+            self._check_ranks(graph, plan, what)
+            return
+        for stage, parts in zip(plan.stages, plan_footprint(graph, plan, self.footprint)):
             if parts["total"] > self.memory_per_worker:
                 raise InfeasibleError(
                     f"{what} puts a predicted {parts['total'] / 1e9:.3g} GB on stage {stage.stage_id} (parameters "
@@ -205,6 +234,19 @@ class MemoryLimit:
                     f"{self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, {self.footprint.schedule}, "
                     f"{self.footprint.microbatches} microbatches); give a plan that fits (leave it out, or the "
                     "optimizer's --memory_per_worker finds one) or raise memory_per_worker")
+
+    def _check_ranks(self, graph: Graph, plan: Plan, what: str) -> None:
+        """A rank of a loop placement holds all its stages at once (`loop_rank_parts`): their sum must fit."""
+        parts = plan_footprint(graph, plan, self.footprint)
+        for first, (held, summed) in sorted(loop_rank_parts(parts, plan, self.footprint.microbatches).items()):
+            if summed["total"] > self.memory_per_worker:
+                raise InfeasibleError(
+                    f"{what} puts a predicted {summed['total'] / 1e9:.3g} GB on rank {plan.stages[first].ranks[0]} "
+                    f"(stages {list(held)}: parameters {summed['parameters'] / 1e9:.3g} GB, optimizer state "
+                    f"{summed['optimizer_state'] / 1e9:.3g} GB, activations at its peak {summed['activations'] / 1e9:.3g} "
+                    f"GB), over memory_per_worker {self.memory_per_worker / 1e9:.3g} GB ({self.footprint.optimizer}, "
+                    f"{self.footprint.schedule}, {self.footprint.microbatches} microbatches); use more ranks or "
+                    "fewer microbatches, or raise memory_per_worker")
 
     def check_switch(self, graph: Graph, old: Plan, new: Plan, what: str = "the switch") -> None:
         """InfeasibleError naming the first rank that cannot hold a live switch from `old` to `new`.

@@ -66,8 +66,10 @@ class TrainConfig:
         refusals = {}
         if self.bf16 or self.recompute:
             for name in MULTI_STAGE_SCHEDULES:
-                refusals[name] = (f"the {name} schedule does not run --bf16 or --recompute yet (several stages per rank: "
-                                  "untested there); drop them, or use the 1f1b or zbh1 schedule")
+                if name != "interleaved":
+                    refusals[name] = (f"the {name} schedule does not run --bf16 or --recompute yet (several stages per "
+                                      "rank with the backward split: untested there); drop them, or use the interleaved, "
+                                      "1f1b or zbh1 schedule")
         return refusals
 
     def resolved(self, plan: Any) -> "TrainConfig":

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map
 from model_parallel.allocator import return_freed_memory
 from model_parallel.codegen.boundary import StageBoundary
 from model_parallel.codegen.build import build_stage
-from model_parallel.errors import PeerError
+from model_parallel.errors import ConfigError, PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
@@ -195,7 +195,7 @@ class PipelineEngine(TrainingLoop):
         held = plan.stages_of_rank(self.rank)
         prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None,
                             run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
-                                         plan.num_ranks), stage_ids=held)
+                                         plan.loop_width or plan.num_ranks), stage_ids=held)
         if prepared.schedule.placement is not None and held:
             self._build_stages(prepared, optimizer_state)
         elif prepared.stage_id is not None:
@@ -218,7 +218,7 @@ class PipelineEngine(TrainingLoop):
             gc.collect()
             return_freed_memory()
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
-        self.tied = TiedCopies(prepared.ties, self.rank, self.stage_id, self.stage, self.replica_groups.group)
+        self.tied = TiedCopies(prepared.ties, self.rank, self.stage_ids, self.stage, self.replica_groups.group)
         self.check_tied(f"when plan v{plan.version} was activated")
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
@@ -255,15 +255,24 @@ class PipelineEngine(TrainingLoop):
         (one update per step, as one process would), one executor running the rank's schedule row."""
         from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
         from model_parallel.runtime.wire.local import Mailbox
-        check_supported(measuring=self.meter is not NO_METER, backend=dist.get_backend())
+        check_supported(backend=dist.get_backend())
+        if self.meter is not NO_METER and self.config.schedule != "interleaved":
+            raise ConfigError(f"--measure_memory does not measure the {self.config.schedule} schedule's stages yet (the "
+                              "backward split keeps W's values past I); drop it, or use --schedule interleaved")
         schedule = prepared.schedule
+        # Replica i of the pipeline (ranks i*p ..) runs microbatches j % r == i in the full grid's order (no deadlock).
+        ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks
+        replica, r = prepared.replica, prepared.num_replicas = ranks.index(self.rank), len(ranks)
         stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
         prepared.stage = StageGroup(list(stages.values()))
         self._make_optimizer(prepared, optimizer_state)
         mailbox = Mailbox(self.rank)  # ZBV: stage p-1 hands to stage p on this rank without a message
-        lanes = {k: self._executor(prepared, stage, k, schedule.stage_actions(k), tag_per_edge=True, local=mailbox)
+        lanes = {k: self._executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True,
+                                   local=mailbox)
                  for k, stage in stages.items()}
-        prepared.executor = MultiStageExecutor(lanes, schedule.row_actions(schedule.row_of(prepared.stage_ids[0])))
+        row = schedule.row_actions(schedule.row_of(prepared.stage_ids[0]))
+        prepared.executor = MultiStageExecutor(lanes, [a for a in row if a.microbatch % r == replica],
+                                               None if self.meter is NO_METER else self.meter, self.config.num_microbatches)
 
     def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         assert prepared.stage_id is not None

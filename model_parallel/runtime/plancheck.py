@@ -39,7 +39,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
     earlier stage, no uncrossable value sent across a boundary (codegen.boundary), no module with
     parameters called from two stages (codegen.build.check_shared_modules); under a schedule
     without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied); under
-    interleaved, loop placement on p >= 2 ranks and no tie split across stages (`check_placement`).
+    interleaved, loop placement on p >= 2 ranks (`check_placement`).
     `schedule` None (a coordinator that does not know the workers' schedule) leaves the schedule's
     rules to the workers; `modules` None (the coordinator holds no layers) leaves to them whether a
     split tie is a buffer. Neither can pass there what fails here: the workers run this same check.
@@ -66,9 +66,10 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
 
 
 def check_placement(plan: Plan, schedule: str) -> None:
-    """Several stages per rank only under the interleaved schedules, and they only with them: single-replica
-    stages, stage k on rank k % p, p >= 2 (two consecutive stages never share a rank, so every edge is a message);
-    or, under zbv, two stages per rank in a V (rank r: r and 2p-1-r; p-1 hands to p on its rank, no message)."""
+    """Several stages per rank only under the interleaved schedules, and they only with them: stage k on rank
+    k % p (interleaved: replica i on rank k % p + i*p; zbinterleaved: single-replica), p >= 2 (two consecutive stages
+    never share a rank, so every edge is a message); or, under zbv, two stages per rank in a V (rank r: r and
+    2p-1-r; p-1 hands to p on its rank, no message)."""
     shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
     if schedule not in MULTI_STAGE_SCHEDULES:
         if shared:
@@ -83,18 +84,23 @@ def check_placement(plan: Plan, schedule: str) -> None:
                             f"rank k for k < p, 2p-1-k after; plan v{plan.version} has {plan.num_stages} stage(s) on "
                             f"ranks {held}{' ...' if plan.num_stages > 12 else ''}")
         return
-    if any(s.num_replicas > 1 for s in plan.stages):
-        raise PlanError("the interleaved schedule does not support replicated stages; give every stage one rank "
-                        "(stage k on rank k % p)")
-    if not plan.is_loop_placement or plan.num_ranks < 2:
-        ranks = [s.ranks[0] for s in plan.stages[:12]]
+    if schedule != "interleaved" and any(s.num_replicas > 1 for s in plan.stages):
+        raise PlanError(f"the {schedule} schedule does not support replicated stages yet (untested with the backward "
+                        "split); give every stage one rank (stage k on rank k % p), or use --schedule interleaved")
+    if plan.loop_width < 2:
+        ranks = [list(s.ranks) for s in plan.stages[:12]]
         raise PlanError(f"the interleaved schedule needs loop placement over p >= 2 ranks: stage k on rank k % p with "
-                        f"p*v stages, v >= 2; plan v{plan.version} has {plan.num_stages} stage(s) on ranks {ranks}"
-                        f"{' ...' if plan.num_stages > 12 else ''} (use 1f1b for one stage per rank)")
+                        f"p*v stages, v >= 2 (replica i of every stage on rank k % p + i*p); plan v{plan.version} has "
+                        f"{plan.num_stages} stage(s) on ranks {ranks}{' ...' if plan.num_stages > 12 else ''} (use 1f1b "
+                        "for one stage per rank)")
 
 
 def check_switchable(schedule: Optional[str]) -> None:
-    """Refuse a live plan switch the engine cannot make (several stages per rank: no migration path yet)."""
-    if schedule in MULTI_STAGE_SCHEDULES:
-        raise PlanError("live plan switches are not supported under the interleaved schedule (a rank holds several "
-                        "stages); restart the job with the new plan (--resume from a checkpoint), or use 1f1b")
+    """Refuse a live plan switch the engine cannot make. Every schedule drains its step, so nothing is in flight
+    at a step boundary, and interleaved switches from a loop plan to a loop plan (layers move by owner rank,
+    wire/migration.py; `check_placement` refuses any other new plan); the multi-stage zero-bubble schedules are
+    not tried with a switch. The workers and the coordinator call it before `check_plan`."""
+    if schedule in MULTI_STAGE_SCHEDULES and schedule != "interleaved":
+        raise PlanError(f"live plan switches are not supported under the {schedule} schedule (several stages per rank "
+                        "with the backward split: untested); restart the job with the new plan (--resume from a "
+                        "checkpoint), or use interleaved or 1f1b")

@@ -2,7 +2,7 @@
 stage state, one world for all cases (a process start with transformers and timm costs seconds).
 
     python tests/support/hf_worker.py RANK WORLD PORT DIR CASE[,CASE...] [metrics] [size=test|bench]
-                                      [zoo=families] [save_pretrained]
+                                      [zoo=families] [save_pretrained] [schedule=interleaved]
 
 Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
 rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, with
@@ -36,14 +36,15 @@ def sgd(params: list) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def config() -> TrainConfig:
-    return TrainConfig(batch_size=BATCH, num_microbatches=MICROBATCHES)
+def config(schedule: str = "1f1b") -> TrainConfig:
+    return TrainConfig(batch_size=BATCH, num_microbatches=MICROBATCHES, schedule=schedule)
 
 
 def main() -> None:
     rank, world, port, out, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
     flags = sys.argv[6:]
     metrics = "metrics" in flags
+    schedule = next((f.split("=", 1)[1] for f in flags if f.startswith("schedule=")), "1f1b")  # interleaved: loop plans
     sized = cases(SIZES[next((f.split("=", 1)[1] for f in flags if f.startswith("size=")), "test")])
     if "zoo=families" in flags:  # tests/support/hf_families.py: constants in forward, MoE, Swin
         from support import hf_families
@@ -60,12 +61,14 @@ def main() -> None:
             channel = ScriptedChannel({SWITCH_STEP: Command.switch(read_plan(switch), reason="test: move a block")})
         options = RunOptions(timeout=120, progress=False,
                              metrics=str(out / f"{name}.metrics.{{rank}}.jsonl") if metrics else None)
-        trainer = PipelineTrainer(case.build(tie=name.endswith(TIED)), sgd, case.data, config(), options=options,
+        trainer = PipelineTrainer(case.build(tie=name.endswith(TIED)), sgd, case.data, config(schedule), options=options,
                                   criterion=case.loss, plan=read_plan(out / f"{name}.plan.json"),
                                   example_inputs=case.example(BATCH // MICROBATCHES), channel=channel)
         results = trainer.train(STEPS)
+        report = trainer.memory_report  # the end-of-train memory table's rows (None: not reported)
         torch.save({"state": trainer.state_dict(), "losses": [r.loss for r in results],
-                    "plan_version": trainer.runner.plan.version}, out / f"{name}-rank{rank}.pt")
+                    "plan_version": trainer.runner.plan.version,
+                    "memory": report.stage_rows() if report is not None else None}, out / f"{name}-rank{rank}.pt")
         if "save_pretrained" in flags:
             trainer.save_pretrained(out / f"{name}-hf", max_shard_size=20_000)
         trainer.close()

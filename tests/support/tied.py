@@ -27,7 +27,7 @@ class TiedJob:
     """One training run: the same on every rank and in the oracle."""
 
     name: str
-    model: str  # "gpt" (TinyGPT, head tied to the token embedding) or "gpt2" (Hugging Face, tied)
+    model: str  # "gpt" (TinyGPT, head tied to the token embedding), "gpt2" (Hugging Face, tied) or "tiedlm" (tied_lm.py)
     graph: str  # graph.json of the model
     plan: str  # plan.json (stages and ranks)
     steps: int
@@ -40,13 +40,18 @@ class TiedJob:
     control_script: Optional[str] = None  # {step: command} played by rank 0
     checkpoint_dir: Optional[str] = None
     resume: bool = False
+    schedule: str = "1f1b"  # "interleaved": the plan places stages in a loop (the oracle is the same)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> TrainConfig:
         return TrainConfig(batch_size=self.batch_size, num_microbatches=self.num_microbatches, clip_grad=self.clip_grad,
-                           schedule=self.extra.get("schedule", "1f1b"))  # the oracle: one process, whatever it is
+                           schedule=self.extra.get("schedule", self.schedule))  # the oracle: one process, whatever it is
 
     def data(self) -> SyntheticData:
+        if self.model == "tiedlm":
+            from support import tied_lm
+
+            return SyntheticData(self.batch_size, (tied_lm.SEQ,), tied_lm.VOCAB, "tokens", seed=0)
         return SyntheticData(self.batch_size, (SEQ,), VOCAB, "tokens", seed=0)
 
     def optimizer_factory(self) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
@@ -62,6 +67,10 @@ class TiedJob:
     def build(self, seed: int = 0) -> nn.Module:
         """The model, from seed 0 (every rank and the oracle build the same weights)."""
         torch.manual_seed(seed)
+        if self.model == "tiedlm":
+            from support.tied_lm import TiedLM
+
+            return TiedLM()
         if self.model == "gpt2":
             import transformers
 

@@ -77,14 +77,17 @@ def check_trainable(ties: tuple[SplitTie, ...], modules: Mapping[str, Any]) -> N
                 "a buffer in forward, on one stage only, so copies cannot be kept identical. Put its users in one stage")
 
 
-INTERLEAVED_REASON = ("the interleaved schedule's engine does not sum the gradients of copies held by several stages "
-                      "yet (nor zbinterleaved's or zbv's: several stages per rank); use the 1f1b, gpipe or zbh1 schedule")
+ZERO_BUBBLE_REASON = ("the zbinterleaved and zbv schedules do not sum the gradients of copies held by several stages of "
+                      "a rank yet (untested with the backward split); use interleaved, 1f1b or zbh1")
 
 
 def check_schedule(graph: Graph, plan: Plan, schedule: str) -> None:
-    """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream, interleaved)."""
-    if schedule in ("pipedream",) + MULTI_STAGE_SCHEDULES:
-        check_ties(graph, plan.stage_of, PIPEDREAM_REASON if schedule == "pipedream" else INTERLEAVED_REASON)
+    """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream; the multi-stage zero-
+    bubble ones). Interleaved 1F1B flushes like 1F1B: its ranks sum the copies' gradients before the one update."""
+    if schedule == "pipedream":
+        check_ties(graph, plan.stage_of, PIPEDREAM_REASON)
+    elif schedule in MULTI_STAGE_SCHEDULES and schedule != "interleaved":
+        check_ties(graph, plan.stage_of, ZERO_BUBBLE_REASON)
 
 
 # ---- checkpoints and migration: a tie is one value under one key --------------------------------------
@@ -122,75 +125,86 @@ def expand_state(graph: Graph, state: Mapping[str, Any]) -> dict[str, Any]:
 class TiedCopies:
     """The copies of split ties this rank holds, and the collectives over the ranks holding each.
 
+    A rank holding several stages (interleaved, loop placement) may hold several users of one tie: its
+    layers are one model, so they share one Parameter (materialize: "ties stay ties"), counted once here;
+    distinct objects (none are built today) would be summed on the rank before the all-reduce.
     `group(ranks)` returns the process group of those ranks; creating groups is collective, so the
     constructor creates every tie's group on every rank (spares included), in the same order."""
 
-    def __init__(self, ties: tuple[SplitTie, ...], rank: int, stage_id: Optional[int], stage: Optional[nn.Module],
+    def __init__(self, ties: tuple[SplitTie, ...], rank: int, stage_ids: tuple[int, ...], stage: Optional[nn.Module],
                  group: Callable[[tuple[int, ...]], Any]) -> None:
         self.ties = ties
         self._groups = {tie.ranks: group(tie.ranks) for tie in ties}
+        # One stage's module, or a rank's multi_stage.StageGroup: both name each layer's members alike.
         named = dict(stage.named_parameters(remove_duplicate=False)) if stage is not None else {}
-        self.local: list[tuple[SplitTie, nn.Parameter]] = []
+        self.local: list[tuple[SplitTie, list[nn.Parameter]]] = []
         for tie in ties:
-            path = dict(tie.paths).get(stage_id) if stage_id is not None else None
-            if path is None:
-                continue
-            param = named.get(path)
-            assert param is not None, f"rank {rank} stage {stage_id}: {path!r} is not a Parameter (check_trainable)"
-            self.local.append((tie, param))
+            copies: dict[int, nn.Parameter] = {}
+            for stage_id, path in tie.paths:
+                if stage_id not in stage_ids:
+                    continue
+                param = named.get(path)
+                assert param is not None, f"rank {rank} stage {stage_id}: {path!r} is not a Parameter (check_trainable)"
+                copies.setdefault(id(param), param)
+            if copies:
+                self.local.append((tie, list(copies.values())))
 
     @property
     def param_ids(self) -> set[int]:
         """ids of this rank's tied copies (left out of the replica all-reduce: summed here already)."""
-        return {id(p) for _, p in self.local}
+        return {id(p) for _, params in self.local for p in params}
 
-    def _by_group(self) -> dict[tuple[int, ...], list[nn.Parameter]]:
-        grouped: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for tie, param in self.local:
-            grouped.setdefault(tie.ranks, []).append(param)
-        return dict(sorted(grouped.items()))
-
-    def _trainable_by_group(self) -> dict[tuple[int, ...], list[nn.Parameter]]:
-        grouped: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for tie, param in self.local:
-            if param.requires_grad:  # a frozen tie keeps no gradient (and gets no update) on any holder
-                grouped.setdefault(tie.ranks, []).append(param)
+    def _by_group(self, trainable: bool = False) -> dict[tuple[int, ...], list[list[nn.Parameter]]]:
+        grouped: dict[tuple[int, ...], list[list[nn.Parameter]]] = {}
+        for tie, params in self.local:
+            if not trainable or params[0].requires_grad:  # a frozen tie keeps no gradient (and gets no update)
+                grouped.setdefault(tie.ranks, []).append(params)
         return dict(sorted(grouped.items()))
 
     def all_reduce_grads(self, timeout: float) -> None:
         """Sum every copy's raw gradient over the ranks holding one (one flat all-reduce per rank set)."""
-        for ranks, params in self._trainable_by_group().items():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for ranks, ties in self._by_group(trainable=True).items():
+            grads = [_local_grad(params) for params in ties]
             flat = torch.cat([g.reshape(-1) for g in grads])
             work = dist.all_reduce(flat, group=self._groups[ranks], async_op=True)
             comm.wait_work(work, timeout, -1, f"tied-parameter all-reduce over ranks {list(ranks)}")
             offset = 0
-            for p, g in zip(params, grads):
-                p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+            for params, g in zip(ties, grads):
+                for p in params:
+                    p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
                 offset += g.numel()
 
     def squared_norm(self) -> float:
         """This rank's share of the tied gradients' squared norm: each tie counted once over its holders."""
         total = 0.0
-        for tie, param in self.local:
-            if param.grad is not None:
-                total += float(param.grad.detach().double().pow(2).sum()) / len(tie.ranks)
+        for tie, params in self.local:
+            if params[0].grad is not None:
+                total += float(params[0].grad.detach().double().pow(2).sum()) / len(tie.ranks)
         return total
 
     def check_identical(self, timeout: float, when: str) -> None:
         """Raise `TiedParameterError` unless every holder's copy has the same checksum (collective over
         each tie's ranks). Copies that start from the same seed and get the same updates are bitwise equal."""
-        for ranks, params in self._by_group().items():
-            sums = torch.cat([_checksum(p) for p in params])
+        for ranks, ties in self._by_group().items():
+            sums = torch.cat([_checksum(params[0]) for params in ties])
             both = torch.cat([sums, -sums])  # one MAX all-reduce gives every entry's maximum and minimum
             work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._groups[ranks], async_op=True)
             comm.wait_work(work, timeout, -1, f"tied-parameter check over ranks {list(ranks)}")
             high, low = both[:len(sums)], -both[len(sums):]
-            for index, (tie, _) in enumerate(t for t in self.local if t[0].ranks == ranks):
-                if not torch.equal(high[2 * index:2 * index + 2], low[2 * index:2 * index + 2]):
+            for index, (tie, params) in enumerate(t for t in self.local if t[0].ranks == ranks):
+                same_here = all(torch.equal(params[0], p) for p in params[1:])
+                if not same_here or not torch.equal(high[2 * index:2 * index + 2], low[2 * index:2 * index + 2]):
                     raise TiedParameterError(
                         f"the copies of the {tie.describe()} differ {when}; every rank must build the model from the "
                         "same seed (same --seed, same model code) so tied copies start identical")
+
+
+def _local_grad(params: list[nn.Parameter]) -> torch.Tensor:
+    """The sum of this rank's copies' gradients of one tie (one copy: its gradient, or zeros without one)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros_like(params[0])
+    return grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
 
 
 def _checksum(param: torch.Tensor) -> torch.Tensor:

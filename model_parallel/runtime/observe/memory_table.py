@@ -1,10 +1,14 @@
 """The end-of-run memory table (the worker command line's and `PipelineTrainer.train`'s): each stage's predicted
-footprint (`optimizer/memory.py`) next to what its ranks measured (`memory_probe.py`), gathered as float tensors."""
+footprint (`optimizer/memory.py`) next to what its ranks measured (`memory_probe.py`), gathered as float tensors.
+
+A rank holding several stages (interleaved, loop placement) is one row: its stages' weights and optimizer state
+summed, and the activations it holds at its peak walking its schedule order (optimizer.memory.loop_rank_parts),
+next to what the rank measured for all of them (one StashMeter over its stages, multi_stage.LaneMeter)."""
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -12,7 +16,7 @@ import torch
 
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
-from model_parallel.optimizer.memory import Footprint, activation_scale, optimizer_kind, plan_footprint
+from model_parallel.optimizer.memory import Footprint, activation_scale, loop_rank_parts, optimizer_kind, plan_footprint
 from model_parallel.runtime.observe.memory_probe import PeakProbe, StashMeter, state_bytes
 
 logger = logging.getLogger(__name__)
@@ -24,6 +28,17 @@ def predicted(graph: Graph, plan: Plan, optimizer: str, momentum: float, schedul
     Activations scale by microbatch size / the graph's profiled `batch_size` (1.0 when it records none)."""
     model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, activation_scale(graph, microbatch_size))
     return plan_footprint(graph, plan, model)
+
+
+Merged = Mapping[int, tuple[tuple[int, ...], dict[str, float]]]  # a row's stage -> the rank's stages and bytes
+
+
+def row_parts(parts: Sequence[dict[str, float]], merged: Optional[Merged], stage: int) -> tuple[tuple[int, ...],
+                                                                                             dict[str, float]]:
+    """The stages a row's rank holds and their predicted bytes (`merged`: `loop_rank_parts`, else the stage's)."""
+    if merged and stage in merged:
+        return merged[stage]
+    return (stage,), parts[stage]
 
 
 @dataclass(frozen=True)
@@ -68,11 +83,14 @@ class MemoryReport:
     parts: list[dict[str, float]]
     rows: list[tuple[str, Measured]]
     text: str
+    merged: Optional[Merged] = None  # loop placement: `loop_rank_parts`
 
     def stage_rows(self) -> list[dict[str, Any]]:
-        """One dict per rank holding a stage: its label, stage, predicted total bytes, measured peak bytes (None
-        where not measured: the run had no `measure_memory`) and the process's peak bytes."""
-        return [{"rank": label, "stage": m.stage, "predicted_bytes": self.parts[m.stage]["total"],
+        """One dict per rank holding a stage: its label, stage (the first it holds), every stage it holds,
+        predicted total bytes (over them), measured peak bytes (None where not measured: the run had no
+        `measure_memory`) and the process's peak bytes."""
+        return [{"rank": label, "stage": m.stage, "stages": row_parts(self.parts, self.merged, m.stage)[0],
+                 "predicted_bytes": row_parts(self.parts, self.merged, m.stage)[1]["total"],
                  "measured_bytes": m.peak, "process_peak_bytes": m.process_peak}
                 for label, m in self.rows if m.stage is not None]
 
@@ -94,7 +112,9 @@ def gather_report(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], 
         stage, *rest = [float(v) for v in gathered.cpu()]
         table.append((str(rank), Measured(None if stage < 0 else int(stage),
                                           *[None if math.isnan(v) else v for v in rest])))
-    return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source))
+    plan = engine.plan
+    merged = loop_rank_parts(parts, plan, engine.config.num_microbatches) if plan.is_loop_placement else None
+    return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source, merged), merged)
 
 
 def _mb(value: Optional[float], width: int) -> str:
@@ -102,9 +122,10 @@ def _mb(value: Optional[float], width: int) -> str:
 
 
 def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, Measured]], label: str,
-                  source: str) -> str:
+                  source: str, merged: Optional[Merged] = None) -> str:
     """Predicted (`parts`, per stage) vs measured bytes, one line per row (a rank, or a stage): the footprint
-    against held + peak stashed activations, with the error in % (the worker's table and the demo's report)."""
+    against held + peak stashed activations, with the error in % (the worker's table and the demo's report).
+    `merged` (`loop_rank_parts`): a row of a rank holding several stages predicts all of them."""
     lines = [f"{label:>5} stage {'predicted MB':>12} {'measured MB':>11} {'error':>6}  {'weights+opt MB':>14} "
              f"{'held':>8}  {'activations MB':>14} {'measured':>8}  peak MB ({source})",
              "-" * 110]
@@ -112,11 +133,11 @@ def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, M
         if m.stage is None:
             lines.append(f"{name:>5} spare")
             continue
-        p = parts[m.stage]
+        held, p = row_parts(parts, merged, m.stage)
         peak = m.peak
         error = f"{100.0 * (p['total'] - peak) / peak:>+5.0f}%" if peak else f"{'n/a':>6}"
         activations = p["activations"] + p["weight_stash"]
-        lines.append(f"{name:>5} {m.stage:>5} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
+        lines.append(f"{name:>5} {','.join(map(str, held)):>5} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
                      f"{_mb(p['parameters'] + p['optimizer_state'], 14)} {_mb(m.weights_opt, 8)}  "
                      f"{_mb(activations, 14)} {_mb(m.stash_peak, 8)}  {_mb(m.process_peak, 8)}")
     lines.append("predicted = parameters + gradients + optimizer state + stashed weights + activations in flight "

@@ -23,7 +23,7 @@ runs its row (engine.py, multi_stage.py), the plan in loop placement (runtime/pl
 from __future__ import annotations
 
 from model_parallel.errors import ScheduleError
-from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, interleaved_in_flight, interleaved_warmup
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, interleaved_in_flight, interleaved_order
 from model_parallel.runtime.step.actions import loop_placement  # noqa: F401  (re-exported: its home before zero bubble)
 from model_parallel.runtime.step.schedule import BACKWARD, FORWARD, Action, Schedule, grid_from_orders, make_schedule
 from model_parallel.runtime.step.zero_bubble import NAME_INTERLEAVED, NAME_V, zb_interleaved, zb_v
@@ -42,34 +42,11 @@ def _validate(p: int, v: int, m: int) -> None:
                             f"use m={p}")
 
 
-def _microbatch(k: int, p: int, v: int) -> int:
-    return (k // (p * v)) * p + k % p
-
-
-def _local_stage(k: int, p: int, v: int, forward: bool) -> int:
-    c = (k % (p * v)) // p
-    return c if forward else v - 1 - c
-
-
 def interleaved_orders(p: int, v: int, m: int) -> list[list[Action]]:
-    """Each rank's action order over its v stages (Megatron's order; see the module docstring)."""
+    """Each rank's action order over its v stages (Megatron's order: graph/in_flight.interleaved_order)."""
     _validate(p, v, m)
-    total = v * m
-    orders = []
-    for r in range(p):
-        def forward(k: int, r: int = r) -> Action:
-            return Action(_local_stage(k, p, v, True) * p + r, FORWARD, _microbatch(k, p, v))
-
-        def backward(k: int, r: int = r) -> Action:
-            return Action(_local_stage(k, p, v, False) * p + r, BACKWARD, _microbatch(k, p, v))
-
-        warmup = interleaved_warmup(m, p, v, r)
-        order = [forward(k) for k in range(warmup)]
-        for i in range(total - warmup):
-            order += [forward(warmup + i), backward(i)]
-        order += [backward(k) for k in range(total - warmup, total)]
-        orders.append(order)
-    return orders
+    return [[Action(c * p + r, FORWARD if forward else BACKWARD, j) for c, forward, j in interleaved_order(m, p, v, r)]
+            for r in range(p)]
 
 
 def interleaved_1f1b(p: int, v: int, m: int) -> Schedule:

@@ -21,13 +21,28 @@ from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.step.schedule import Action
 
 
-def check_supported(measuring: bool, backend: str) -> None:
+def check_supported(backend: str) -> None:
     """Refuse what several stages per rank cannot honour yet (ConfigError naming the fix)."""
     if backend == "nccl":  # NCCL ignores tags (pytorch/pytorch#125079): two edges between one pair of ranks would mix
         raise ConfigError("the interleaved schedule needs a message tag per stage edge, which NCCL ignores: two edges "
                           "between the same ranks would exchange each other's values; run it with --backend gloo")
-    if measuring:  # StashMeter counts per microbatch j, and every stage of the rank runs each j
-        raise ConfigError("--measure_memory does not measure several stages per rank (interleaved); drop it")
+
+
+class LaneMeter:
+    """One stage's view of its rank's `memory_probe.StashMeter` (--measure_memory): microbatch j of stage k is
+    counted as k * m + j, so the (stage, microbatch) pairs a rank holds at once add up in one meter."""
+
+    def __init__(self, meter: Any, stage: int, num_microbatches: int) -> None:
+        self.meter, self.offset = meter, stage * num_microbatches
+
+    def begin(self, microbatch: int) -> None:
+        self.meter.begin(self.offset + microbatch)
+
+    def kept(self, microbatch: int, entry: Any) -> None:
+        self.meter.kept(self.offset + microbatch, entry)
+
+    def release(self, microbatch: int) -> None:
+        self.meter.release(self.offset + microbatch)
 
 
 class StageGroup(nn.Module):
@@ -62,8 +77,12 @@ class StageGroup(nn.Module):
 class MultiStageExecutor:
     """Runs one rank's schedule row over the executors of its stages (`lanes`, by stage id)."""
 
-    def __init__(self, lanes: Mapping[int, StepExecutor], actions: Sequence[Action]) -> None:
+    def __init__(self, lanes: Mapping[int, StepExecutor], actions: Sequence[Action], meter: Any = None,
+                 num_microbatches: int = 0) -> None:
+        """`meter`: the rank's StashMeter (--measure_memory), which each lane counts into (`LaneMeter`)."""
         self.lanes = dict(sorted(lanes.items()))
+        for k, lane in self.lanes.items() if meter is not None else ():
+            lane.meter = LaneMeter(meter, k, num_microbatches)
         self.actions = tuple(actions)
         unknown = sorted({a.stage for a in self.actions} - set(self.lanes))
         if unknown:

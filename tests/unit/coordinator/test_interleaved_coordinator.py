@@ -1,4 +1,5 @@
-"""The coordinator under the interleaved schedule: it accepts the workers' loop-placement plan and issues no switch."""
+"""The coordinator under the interleaved schedule: it accepts the workers' loop-placement plan, its policy issues no
+switch, and `ctl set-plan` issues a loop plan (refusing any other)."""
 from dataclasses import replace
 
 import pytest
@@ -26,6 +27,9 @@ def test_no_switch_is_issued_and_reports_of_a_rank_with_two_stages_are_read():
             workers[rank].reports.append(report)
             rebalancer.on_report(workers[rank], report, workers, lambda r, c: sent.append(c) or True, False)
     assert sent == [] and not rebalancer._mismatch_warned  # the report's stage is the rank's first one
-    with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
-        rebalancer.issue(loop, "ctl set-plan", 30, lambda r, c: sent.append(c) or True, predicted=False)
+    # ctl set-plan: a loop plan is issued (the workers switch loop to loop), any other plan is refused
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        rebalancer.issue(even_plan(graph, 2), "ctl set-plan", 30, lambda r, c: sent.append(c) or True, predicted=False)
     assert sent == []
+    assert rebalancer.issue(loop, "ctl set-plan", 30, lambda r, c: sent.append(c) or True, predicted=False) is not None
+    assert len(sent) == 1 and sent[0].plan.is_loop_placement

@@ -30,18 +30,22 @@ def test_interleaved_refusals_name_the_fix():
     one_rank = replace(four, stages=tuple(replace(s, ranks=(0,)) for s in four.stages))
     with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
         check_plan(graph, one_rank, 1, "interleaved")  # p = 1: consecutive stages on one rank
-    with pytest.raises(PlanError, match="does not support replicated stages"):
-        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")
+    with pytest.raises(PlanError, match="needs loop placement over p >= 2 ranks"):
+        check_plan(graph, even_plan(graph, 2, {0: 2}), 3, "interleaved")  # a replica, but not a loop
+    replicated = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2, s.stage_id % 2 + 2), num_replicas=2)
+                                            for s in four.stages))  # replica i of the pipeline on ranks 2i, 2i + 1
+    assert replicated.loop_width == 2 and replicated.stages_of_rank(3) == (1, 3) and loop.loop_width == 2
+    assert check_plan(graph, replicated, 4, "interleaved").plan.num_ranks == 4
+    with pytest.raises(PlanError, match="a rank runs two stages"):  # replica 1 not on ranks k % p + p
+        Plan(stages=tuple(replace(s, ranks=(s.stage_id % 2, 3 - s.stage_id % 2), num_replicas=2) for s in four.stages))
     with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
         Plan(stages=tuple(replace(s, ranks=((0, 0, 1, 1)[s.stage_id],)) for s in four.stages))
-    with pytest.raises(PlanError, match="live plan switches are not supported under the interleaved schedule"):
-        check_switchable("interleaved")
+    check_switchable("interleaved")  # loop plan to loop plan (test_interleaved_switch); check_plan refuses the rest
     check_switchable("1f1b")
-    with pytest.raises(ConfigError, match="interleaved schedule does not run --bf16 or --recompute"):
-        TrainConfig(schedule="interleaved", bf16=True)
+    TrainConfig(schedule="interleaved", bf16=True, recompute=True)  # per-stage features: run (integration tests)
 
 
-def test_a_tie_split_across_stages_is_refused_under_interleaved():
+def test_a_tie_split_across_stages_is_planned_under_interleaved():
     import torch
 
     from model_parallel.errors import TiedParameterError
@@ -52,8 +56,11 @@ def test_a_tie_split_across_stages_is_refused_under_interleaved():
     ids = list(graph.topological_order)  # tokens, wte, ..., lm_head, ...: wte on stage 0, lm_head on the last
     cuts = [ids[:2], ids[2:3], ids[3:4], ids[4:]]
     plan = Plan(stages=tuple(StagePlan(k, tuple(nodes), ranks=(k % 2,)) for k, nodes in enumerate(cuts)))
-    with pytest.raises(TiedParameterError, match="interleaved schedule's engine does not sum the gradients"):
-        check_plan(graph, plan, 2, "interleaved")
+    (tie,) = check_plan(graph, plan, 2, "interleaved").ties  # summed per step as under 1f1b (test_interleaved_ties)
+    assert tie.ranks == (0, 1) and [k for k, _ in tie.paths] == [0, 3]
+    with pytest.raises(TiedParameterError, match="pipedream schedule updates each stage"):
+        check_plan(graph, replace(plan, stages=tuple(replace(s, ranks=(k,)) for k, s in enumerate(plan.stages))), 4,
+                   "pipedream")
 
 
 def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
@@ -75,11 +82,9 @@ def test_stage_group_is_keyed_by_layer_and_backend_limits_are_refused():
         StageGroup([first, other])
     with pytest.raises(ModelParallelError, match="not one computation"):
         group()
-    check_supported(measuring=False, backend="gloo")
+    check_supported(backend="gloo")
     with pytest.raises(ConfigError, match="NCCL ignores.*--backend gloo"):
-        check_supported(measuring=False, backend="nccl")
-    with pytest.raises(ConfigError, match="--measure_memory does not measure several stages"):
-        check_supported(measuring=True, backend="gloo")
+        check_supported(backend="nccl")
 
 
 def test_v_placement_only_under_zbv():
@@ -98,7 +103,7 @@ def test_v_placement_only_under_zbv():
         check_plan(graph, v, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement"):
         check_plan(graph, v, 2, "zbinterleaved")
-    for name in MULTI_STAGE_SCHEDULES:
+    for name in set(MULTI_STAGE_SCHEDULES) - {"interleaved"}:
         with pytest.raises(PlanError, match=f"live plan switches are not supported"):
             check_switchable(name)
     with pytest.raises(ConfigError, match="the zbv schedule does not run --bf16 or --recompute"):

@@ -1,0 +1,65 @@
+"""The optimizer's interleaved plan (`optimizer.contiguous.loop_plan`, `model-parallel partition --schedule
+interleaved`): p*v stages balanced by profiled cost, stage k on worker k % p, priced by the interleaved footprint;
+under a memory cap a rank's stages must fit together (`MemoryLimit` sums them under loop placement)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_parallel.cli.partition import main as partition_main
+from model_parallel.errors import ConfigError, InfeasibleError, PlanError
+from model_parallel.graph.io import load_graph
+from model_parallel.graph.plan import read_plan
+from model_parallel.optimizer.contiguous import loop_plan
+from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, plan_footprint
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.plancheck import check_plan
+
+
+def _rank_bytes(graph, plan, footprint) -> list[float]:
+    merged = loop_rank_parts(plan_footprint(graph, plan, footprint), plan, footprint.microbatches)
+    return [summed["total"] for _, (_, summed) in sorted(merged.items())]
+
+
+def test_balanced_loop_plan_is_the_even_split_in_a_loop(reference_profiles):
+    graph = load_graph(reference_profiles / "resnet50.graph.txt")
+    plan = loop_plan(graph, 4, 2)
+    assert plan.loop_width == 4 and [s.ranks for s in plan.stages] == [(k % 4,) for k in range(8)]
+    assert [s.node_ids for s in plan.stages] == [s.node_ids for s in even_plan(graph, 8).stages]
+    times = [sum(plan.stages[k].compute_s for k in plan.stages_of_rank(r)) for r in range(4)]
+    assert max(times) / min(times) < 1.1  # balanced by profiled cost
+    assert check_plan(graph, plan, 4, "interleaved").plan == plan
+    assert plan.extra["footprint"]["schedule"] == "interleaved" and all(p["in_flight"] >= 1 for p in plan.extra["memory"])
+
+
+def test_a_memory_cap_bounds_each_rank_sum(reference_profiles):
+    graph = load_graph(reference_profiles / "gnmt.graph.txt")
+    footprint = Footprint(schedule="interleaved", microbatches=8)
+    balanced = loop_plan(graph, 2, 2, footprint=footprint)
+    need = max(_rank_bytes(graph, balanced, footprint))
+    assert loop_plan(graph, 2, 2, memory_per_worker=need, footprint=footprint).stages == balanced.stages
+    # 3 % less: the balanced split's rank 1 no longer fits; a split with a smaller stage there does.
+    capped = loop_plan(graph, 2, 2, memory_per_worker=0.97 * need, footprint=footprint)
+    assert capped.stages != balanced.stages and max(_rank_bytes(graph, capped, footprint)) <= 0.97 * need
+    with pytest.raises(InfeasibleError, match=r"puts a predicted .* GB on rank 0 \(stages \[0, 2\]: parameters"):
+        MemoryLimit(need * 0.5, footprint).check(graph, balanced)
+    with pytest.raises(InfeasibleError, match="No split whose every stage fits 1/2 of it"):
+        loop_plan(graph, 2, 2, memory_per_worker=0.2 * need, footprint=footprint)
+    with pytest.raises(PlanError, match="needs p >= 2 ranks with v >= 2 stages each"):
+        loop_plan(graph, 4, 1)
+
+
+def test_partition_command_line_writes_a_loop_plan(tmp_path, capsys, reference_profiles):
+    profile = str(reference_profiles / "resnet50.graph.txt")
+    assert partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--microbatches", "8",
+                           "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Interleaved 1F1B: 8 stages on 4 workers" in out and "worker 3: stages 3,7" in out
+    assert "analytic bubble at m=8: 15.8% (1F1B: 27.3%)" in out
+    plan = read_plan(tmp_path / "plan.json")
+    assert plan.loop_width == 4 and json.loads((tmp_path / "plan.json").read_text())["extra"]["schedule"] == "interleaved"
+    with pytest.raises(InfeasibleError, match="on rank 0"):
+        partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--memory_per_worker", "1e9"])
+    with pytest.raises(ConfigError, match="--search, --use_fewer_machines do not apply to it"):
+        partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--search", "--use_fewer_machines"])
