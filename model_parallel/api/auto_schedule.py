@@ -65,15 +65,20 @@ def edge_transfers(graph: Graph, plan: Plan, scale: float) -> tuple[float, ...]:
 
 def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[str, str]:
     """Schedules `auto` may not pick for a run of this `TrainConfig`, and why: the config's own rules and what several
-    stages per rank cannot honour yet (`--measure_memory`, NCCL: `runtime.step.multi_stage.check_supported`)."""
+    stages per rank cannot honour yet (NCCL: `runtime.step.multi_stage.check_supported`; `--measure_memory` under the
+    multi-stage zero-bubble schedules: the engine's rule)."""
     from model_parallel.runtime.step.multi_stage import check_supported
 
     refusals: dict[str, str] = config.schedule_refusals()
     try:
-        check_supported(measure_memory, backend)
+        check_supported(backend)
     except ModelParallelError as error:
         for name in MULTI_STAGE_SCHEDULES:
             refusals.setdefault(name, str(error))
+    if measure_memory:
+        for name in MULTI_STAGE_SCHEDULES:
+            if name != "interleaved":
+                refusals.setdefault(name, f"--measure_memory does not measure the {name} schedule's stages yet")
     return refusals
 
 

@@ -201,8 +201,12 @@ def schedule_refusals(args: Any, device: Optional[torch.device] = None) -> dict[
     config, _ = make_config(args)
     refusals = config_refusals(config, bool(args.measure_memory),
                                "nccl" if device is not None and device.type == "cuda" else "gloo")
-    if args.coordinator:  # the coordinator rebalances by switching plans live, which interleaved cannot
-        refusals.setdefault("interleaved", "live plan switches (--coordinator) are not supported under interleaved")
+    if args.coordinator:  # the coordinator's policy re-plans one stage per rank (coordinator/rebalancer.py)
+        from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
+
+        for name in MULTI_STAGE_SCHEDULES:
+            refusals.setdefault(name, "live plan switches (--coordinator): the coordinator's rebalancing plans one "
+                                      "stage per rank")
     return refusals
 
 

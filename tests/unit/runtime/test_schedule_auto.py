@@ -65,7 +65,7 @@ def test_a_candidate_the_simulator_cannot_run_is_refused_not_fatal() -> None:
 def test_nothing_that_can_run_is_an_error_naming_every_reason() -> None:
     with pytest.raises(ScheduleError, match=r"no schedule can run this job \(1f1b: too big; gpipe: too big\)"):
         choose_schedule([Candidate("1f1b", refused="too big"), Candidate("gpipe", refused="too big")], 4, 4)
-    with pytest.raises(ScheduleError, match=r"chooses among the flush schedules 1f1b, gpipe, interleaved; got \['pipedream'\]"):
+    with pytest.raises(ScheduleError, match=r"chooses among the flush schedules 1f1b, gpipe, interleaved, zbh1, zbinterleaved, zbv; got \['pipedream'\]"):
         choose_schedule([Candidate("pipedream", even(2, 1, 1))], 4, 2)
 
 
@@ -83,8 +83,8 @@ def test_the_choice_rides_on_the_plan_and_its_table_shows_the_bubble() -> None:
 
 def test_train_config_takes_auto_and_resolves_it_from_the_plan() -> None:
     config = TrainConfig(schedule="auto", bf16=True, clip_grad=1.0)  # auto picks a flush schedule: clipping works
-    assert config.schedule_refusals() == {"interleaved": "the interleaved schedule does not run --bf16 or --recompute "
-                                                         "yet (untested there); drop them, or use the 1f1b schedule"}
+    assert sorted(config.schedule_refusals()) == ["zbinterleaved", "zbv"]  # interleaved runs --bf16 and --recompute
+    assert "the zbv schedule does not run --bf16 or --recompute yet" in config.schedule_refusals()["zbv"]
     plan = Plan((StagePlan(0, ("a",), ranks=(0,)),), extra={"schedule": {"name": "gpipe"}})
     assert config.resolved(plan).schedule == "gpipe" and config.resolved(plan).schedule_auto
     from model_parallel.runtime.checkpoint.training_record import training_record
@@ -95,6 +95,7 @@ def test_train_config_takes_auto_and_resolves_it_from_the_plan() -> None:
     with pytest.raises(ConfigError, match=r"schedule_auto marks a schedule auto chose, one of 1f1b, gpipe, interleaved"):
         TrainConfig(schedule="pipedream", schedule_auto=True)
     with pytest.raises(ConfigError, match=r"does not run --bf16 or --recompute"):
-        TrainConfig(schedule="interleaved", recompute=True)
-    with pytest.raises(ConfigError, match=r"unknown schedule 'fast'; choose 1f1b, gpipe, pipedream, interleaved or auto"):
+        TrainConfig(schedule="zbinterleaved", recompute=True)
+    with pytest.raises(ConfigError, match=r"unknown schedule 'fast'; choose 1f1b, gpipe, pipedream, interleaved, zbh1, "
+                                          r"zbinterleaved, zbv or auto"):
         TrainConfig(schedule="fast")
