@@ -6,7 +6,6 @@ world of 3) and the joiner is a spare in the plan the job ran (`ctl status` list
 starts with the job), so the admission lands mid-run whatever the machine's speed."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from model_parallel.cli.ctl import format_status
 from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.checkpoint.store import load_checkpoint
-from model_parallel.runtime.launch import LocalWorld, free_port, worker_commands
+from model_parallel.runtime.launch import LocalWorld, free_port, join_command, worker_commands
 from support.mlp import assert_params_close, reference_params
 from support.recovery_jobs import TOKEN, poll, worker_args, write_job
 
@@ -29,7 +28,7 @@ def test_a_joiner_under_a_coordinator_is_a_spare_until_ctl_scale_gives_it_a_shar
     port = free_port()
     with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
         args = worker_args(plan, steps, tmp_path / "ck", coord.address)
-        joiner = [sys.executable, "-m", "model_parallel.cli.worker", "--join", f"127.0.0.1:{port}", *args]
+        joiner = join_command(f"127.0.0.1:{port}", args)
         commands = worker_commands([*args, "--recover"], 2, port=port) + [joiner]
         with LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": "4"}) as world:
             # Ranks 0 and 1 reported a step of the new world (a spare's stage stays None in its reports).
