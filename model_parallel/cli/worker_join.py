@@ -233,7 +233,7 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     survivor.health.stop("done")
     logger.warning("[rank %d] admitting original rank %d (from %s) after step %d", rank, admission.original,
                    admission.address, done_before - 1)
-    if not abandon(0.5 * timeout):
+    if not abandon(0.5 * timeout, close_first=False):  # every rank leaves at this boundary: nobody waits on another
         survivor._leave(EXIT_PEER, f"[rank {rank}] error: the process group did not shut down within "
                                    f"{0.5 * timeout:g} s while admitting original rank {admission.original}", None)
     grown = replace(lineage, members=lineage.members + (admission.original,),
