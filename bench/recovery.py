@@ -174,7 +174,8 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
 def phases(model: str, steps: int, every: int, kill_at: int, victim: int, batch: int, root: Path) -> dict:
     """`--phases`: only the recover world; per survivor, where the seconds from the kill to its first step go:
     kill -> its detection (the `recovering (--recover)` warning, which quotes the error that ended its world),
-    detection -> `resumed from` (abandon, re-form, build, restore), `resumed` -> its first completed step."""
+    detection -> the new world formed (abandon, meet) -> the job built -> `resumed from` (restore) -> its first
+    completed step."""
     ck, m = root / model / "phases" / "ck", root / model / "phases" / "metrics"
     world, result = run_world(worker_args(model_flags(model, root), steps, every, batch, ck, m, "--recover"), 4,
                               {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
@@ -185,8 +186,10 @@ def phases(model: str, steps: int, every: int, kill_at: int, victim: int, batch:
                            "exit_codes": [w.returncode for w in result.workers], "survivors": {}}
     for rank in (r for r in range(4) if r != victim):
         lines = [(t, line) for t, r, line in world.arrivals if r == rank and t >= killed]
+        # `formed` and `built` (the plan's table, logged once the engine exists) are INFO lines: rank 0's only.
         at = {name: next(((t, line) for t, line in lines if re.search(pattern, line)), (None, ""))
-              for name, pattern in (("detected", r"recovering \(--recover\)"), ("resumed", r"resumed from"),
+              for name, pattern in (("detected", r"recovering \(--recover\)"), ("formed", r"generation 1 formed"),
+                                    ("built", r"\] plan v\d+:"), ("resumed", r"resumed from"),
                                     ("first_step", r"recovery 1: lost"))}
         seconds = {name: None if t is None else round(t - killed, 3) for name, (t, _) in at.items()}
         out["survivors"][str(rank)] = {**{f"kill_to_{k}_s": v for k, v in seconds.items()},

@@ -270,6 +270,8 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str) -> Re
     except RuntimeError as error:
         raise PeerError(f"rank {lineage.me}: the process group of generation {generation} (original ranks {members}) "
                         f"did not form within {timeout:g} s: {str(error).splitlines()[0][:200]}") from None
+    logger.info("original rank %d: generation %d formed (original ranks %s), rank %d of %d", lineage.me, generation,
+                members, rank, size)
     port = lineage.store_port if base is lineage.base_store else lineage.base_port + generation
     new_lineage = replace(lineage, generation=generation, members=tuple(members), store_host=host, store_port=port,
                           base_store=base, world_store=store)
