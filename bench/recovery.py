@@ -178,6 +178,32 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
     return out
 
 
+def phases(model: str, steps: int, every: int, kill_at: int, victim: int, batch: int, root: Path) -> dict:
+    """`--phases`: only the recover world; per survivor, where the seconds from the kill to its first step go:
+    kill -> its detection (the `recovering (--recover)` warning, which quotes the error that ended its world),
+    detection -> the new world formed (abandon, meet) -> the job built -> `resumed from` (restore) -> its first
+    completed step."""
+    ck, m = root / model / "phases" / "ck", root / model / "phases" / "metrics"
+    world, result = run_world(worker_args(model_flags(model, root), steps, every, batch, ck, m, "--recover"), 4,
+                              {HOOK: f"{victim}:{kill_at}:KILL"}, 1800)
+    killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
+    if killed is None:
+        raise SystemExit(f"the kill never happened:\n{result.summary()}")
+    out: dict[str, Any] = {"model": model, "victim": victim, "kill_at_step": kill_at,
+                           "exit_codes": [w.returncode for w in result.workers], "survivors": {}}
+    for rank in (r for r in range(4) if r != victim):
+        lines = [(t, line) for t, r, line in world.arrivals if r == rank and t >= killed]
+        # `formed` and `built` (the plan's table, logged once the engine exists) are INFO lines: rank 0's only.
+        at = {name: next(((t, line) for t, line in lines if re.search(pattern, line)), (None, ""))
+              for name, pattern in (("detected", r"recovering \(--recover\)"), ("formed", r"generation 1 formed"),
+                                    ("built", r"\] plan v\d+:"), ("resumed", r"resumed from"),
+                                    ("first_step", r"recovery 1: lost"))}
+        seconds = {name: None if t is None else round(t - killed, 3) for name, (t, _) in at.items()}
+        out["survivors"][str(rank)] = {**{f"kill_to_{k}_s": v for k, v in seconds.items()},
+                                       "detected_by": at["detected"][1].split("; recovering")[0][-240:]}
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = [f"{'model':<9} {'path':<10} {'kill->first step s':>18} {'recomputed':>10} {'samples/s after':>15} "
              f"{'static 3 samples/s':>18} {'max |dloss|':>11} exits"]
@@ -198,8 +224,19 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=2, help="original rank killed (0 hosts the store)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="--timeout of the workers (default 5 s)")
     parser.add_argument("--out", default=str(RESULTS / "recovery.json"))
+    parser.add_argument("--phases", default=None, metavar="MODEL",
+                        help="only the recover world of MODEL (resnet18 or gpt2): where each survivor's seconds go; "
+                             "prints JSON, writes nothing")
     args = parser.parse_args()
     globals()["TIMEOUT"] = args.timeout
+    if args.phases:
+        import json
+
+        plan = {"resnet18": ("resnet18", 16, 4, 9, 8), "gpt2": ("gpt2", 24, 4, 13, 8)}[args.phases]
+        with tempfile.TemporaryDirectory(prefix="recovery-phases-") as tmp:
+            found = phases(*plan[:4], args.victim, plan[4], Path(tmp))
+        print(json.dumps({**found, "timeout_s": args.timeout, "load_avg_at_end": os.getloadavg()}, indent=1))
+        return
     plans = [("gpt2", 12, 4, 7, 8)] if args.quick else [("resnet18", 16, 4, 9, 8), ("gpt2", 24, 4, 13, 8)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:

@@ -60,7 +60,8 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
                      f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
     for r in status.get("recoveries", []):  # --recover: each world the survivors re-formed (coordinator/membership.py)
-        lines.append(f"membership generation {r['generation']}: original rank(s) {r['lost']} lost; a world of "
+        change = f"{r['joined']} joined (spares)" if r.get("joined") else f"{r['lost']} lost"
+        lines.append(f"membership generation {r['generation']}: original rank(s) {change}; a world of "
                      f"{r['world_size']} (original ranks {r['members']}) from step {r['from_step']} on plan v{r['plan_version']}")
     if status.get("learned"):
         lines.append(f"learned from the workers (this coordinator started while the job ran): plan "
@@ -70,7 +71,8 @@ def format_status(status: dict[str, Any]) -> str:
                      f"gain above {status.get('effective_threshold', 0):.0%} (noise level {status.get('noise_level', 0):.0%})")
     for entry in status.get("history", []):
         lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
-                     f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}")
+                     f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}"
+                     + (f" (abandoned: {entry['abandoned']})" if entry.get("abandoned") else ""))
     if status.get("stop_reason"):
         lines.append(f"stopping: {status['stop_reason']}")
     return "\n".join(lines)

@@ -284,8 +284,10 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     job = load_job(args, world.world_size, served, world.device)
     config = config.resolved(job.plan)  # --schedule auto: the schedule the job builder chose
     recovered = getattr(args, "recovered", None)
-    if recovered is not None:  # a re-formed world runs its even split under the version the survivors agreed on
-        job = dataclasses.replace(job, plan=dataclasses.replace(job.plan, version=recovered.plan_version))
+    if recovered is not None:  # a re-formed world runs its even split (after an admission: the plan it ran, the
+        # joiner a spare) under the version the members agreed on
+        plan = recovered.plan if recovered.plan is not None else job.plan
+        job = dataclasses.replace(job, plan=dataclasses.replace(plan, version=recovered.plan_version))
     channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule,
                            job.plan)
 

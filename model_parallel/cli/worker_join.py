@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 ADMIT_TIMEOUTS = 20.0  # of --timeout: how long a joiner waits for rank 0 to take its request (a step + a checkpoint)
 JOIN_AT_STEP_ENV = "MP_TEST_JOIN_AT_STEP"  # tests: "S[,S2...]": rank 0 admits nobody before S, waits for a request at each
 DIE_ENV = "MP_TEST_JOINER_DIES"  # tests: the joiner kills itself once rank 0 took its request
+UNDER_COORDINATOR = "under_coordinator"  # in the published flags: the job's workers have --coordinator
 # Flags that describe one process, or only the first world (the re-planned worlds use the even split): a joiner
 # may give them differently. Every other flag must match the running job's.
 PER_PROCESS = frozenset({"rank", "world_size", "dist_addr", "dist_port", "backend", "threads", "metrics", "trace_dir",
@@ -40,6 +41,9 @@ PER_PROCESS = frozenset({"rank", "world_size", "dist_addr", "dist_port", "backen
 def job_flags(args: Any) -> dict[str, Any]:
     """The flags a joiner must share with the running job (the checkpoint directory as an absolute path)."""
     flags = {k: v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS}
+    # Whether the job runs under a coordinator (its address may be spelled per host): the members and the joiner
+    # agree on the new world's plan with each other only then (cli/recover_coordinator.py).
+    flags[UNDER_COORDINATOR] = bool(args.coordinator)
     if flags.get("checkpoint_dir"):
         flags["checkpoint_dir"] = os.path.abspath(flags["checkpoint_dir"])
     return flags
@@ -49,9 +53,6 @@ def check_join_flags(args: Any) -> None:
     """What `--join` cannot work with, refused before contacting the job (one line, exit 2)."""
     if not args.join:
         return
-    if args.coordinator:
-        raise ConfigError("--join with --coordinator: admitting a worker under a coordinator is not implemented; "
-                          "drop --coordinator (the job must run without one, under --recover)")
     if args.rank is not None or args.world_size is not None or args.dist_addr is not None:
         raise ConfigError("--join: a joining worker gets its rank from the job; drop --rank, --world_size and --dist_addr")
     if args.jobs or args.single_process:
@@ -73,6 +74,11 @@ def compare_flags(published: dict[str, Any], mine: dict[str, Any], where: str) -
         raise ConfigError(f"the job at {where} runs on {published.get('backend')}: admitting a worker is implemented for "
                           "gloo (CPU) worlds only")
     theirs = published["flags"]
+    if bool(theirs.get(UNDER_COORDINATOR)) != bool(mine.get(UNDER_COORDINATOR)):
+        raise ConfigError(f"--join {where}: the job runs {'under' if theirs.get(UNDER_COORDINATOR) else 'without'} a "
+                          f"coordinator and this worker {'with' if mine.get(UNDER_COORDINATOR) else 'without'} one: "
+                          f"give --coordinator (and --token) exactly when the job's workers have them")
+    theirs, mine = ({k: v for k, v in d.items() if k != UNDER_COORDINATOR} for d in (theirs, mine))
     diffs = [f"--{k} {theirs.get(k)!r} (job) vs {mine.get(k)!r} (this worker)"
              for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
     if diffs:
@@ -179,9 +185,21 @@ def watch_joins(survivor: Any, engine: Any) -> None:
             from model_parallel.runtime.wire.join import Admission
 
             survivor.admitting = Admission.from_json(str(command.extra["join"]))
+            reforming(engine.channel)
         return bool(apply(command))
 
     engine.apply = noting
+
+
+def reforming(channel: Any) -> None:
+    """Tell this rank's coordinator channel (under wrappers) that it leaves this world to re-form it with a joiner:
+    its bye says "recovering", not "stopped" (the job is not over; it registers again in the next generation)."""
+    while channel is not None:
+        mark = getattr(channel, "reforming", None)
+        if callable(mark):
+            mark()
+            return
+        channel = getattr(channel, "inner", None)
 
 
 def publish(survivor: Any) -> None:
@@ -215,7 +233,7 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     survivor.health.stop("done")
     logger.warning("[rank %d] admitting original rank %d (from %s) after step %d", rank, admission.original,
                    admission.address, done_before - 1)
-    if not abandon(0.5 * timeout):
+    if not abandon(0.5 * timeout, close_first=False):  # every rank leaves at this boundary: nobody waits on another
         survivor._leave(EXIT_PEER, f"[rank {rank}] error: the process group did not shut down within "
                                    f"{0.5 * timeout:g} s while admitting original rank {admission.original}", None)
     grown = replace(lineage, members=lineage.members + (admission.original,),
@@ -311,7 +329,9 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
                   reformed.store_address)
     health = start_health(world, timeout)
     metrics = options.metrics.replace("{rank}", str(admission.original)) if options.metrics else None
-    job_args = argparse.Namespace(**{**vars(args), "plan": None, "num_stages": None, "stage_to_num_ranks": None})
+    # From here on it is one of the job's --recover workers (its bye to a coordinator says "recovering" too).
+    job_args = argparse.Namespace(**{**vars(args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
+                                     "recover": True})
     survivor = survivor_class(job_args, argv, config, dataclasses.replace(options, resume=True, metrics=metrics), world,
                         health, prefix, run_one, lineage=reformed.lineage)
     from model_parallel.runtime.checkpoint.layout import latest_step
@@ -320,4 +340,6 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     survivor._pending = (detected, JoinRecord(admission.original, reformed.lineage.generation, admission.original,
                                               address, reformed.lineage.members, reformed.store_address,
                                               -1 if step is None else step, 0, 0.0))
+    if args.coordinator:  # the world it met registers as the next generation; it is a spare in the plan it ran
+        survivor.args = argparse.Namespace(**{**vars(job_args), "recovered": survivor._recovered(0)})
     return survivor

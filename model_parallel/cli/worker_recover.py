@@ -127,6 +127,7 @@ class Survivor:
         self.records: list[Any] = []  # RecoveryRecord, and worker_join.JoinRecord per admission
         self._pending: Optional[tuple[float, Any]] = None  # (detected at, record without its seconds)
         self._known = 0  # the newest plan version this process knew of (cli/recover_coordinator.py)
+        self._live_plan: Any = None  # the plan of the world that failed or admitted (an admission keeps it)
         self.admitting: Any = None  # the Admission an admission stop carries (worker_join.watch_joins)
         self._tracker: Any = None  # the running engine's live.StepTracker: which step its state belongs to
         self.redundancy: Any = None  # --redundancy 1: cli/redundancy.Redundancy
@@ -159,6 +160,8 @@ class Survivor:
                 # The plan versions spent so far (--coordinator), kept across failures: one before the engine exists
                 # (a second failure during a recovery) must not number the next plan lower.
                 self._known = known = max(self._known, known_version(self.prefix.engine))
+                # An admission under a coordinator keeps the plan this world ran (the joiner a spare in it).
+                self._live_plan = self.prefix.engine.plan if self.prefix.engine is not None else None
                 # The failed engine (its stage, optimizer state, group handles) goes before the next one is built:
                 # the exception's frames would keep it alive.
                 error.__traceback__, error.__context__, error.__cause__, self.prefix.engine = None, None, None, None
@@ -274,18 +277,27 @@ class Survivor:
         publish(self)
 
     def _recovered(self, known: int) -> Any:
-        """The new world as the coordinator hears of it, its plan version agreed by every member."""
-        from model_parallel.cli.recover_coordinator import Recovered, agree_plan_version
+        """The new world as the coordinator hears of it, its plan version agreed by every member; after an admission
+        also the plan it keeps (the joiner a spare in it until the coordinator gives it a share)."""
+        from model_parallel.cli.recover_coordinator import Recovered, agree_live_plan, agree_plan_version
+        from model_parallel.cli.worker_join import JoinRecord
 
-        assert self._pending is not None
-        record = self._pending[1]
+        record = self._pending[1] if self._pending is not None else None
+        joined = (record.joined,) if isinstance(record, JoinRecord) else ()
         try:
             version = agree_plan_version(self.world.store, self.lineage.me, self.lineage.members, known, self.options.timeout)
+            plan = agree_live_plan(self.world.store, self.rank, self._live_plan, self.options.timeout) if joined else None
         except PeerError as error:
             self._leave(EXIT_PEER, f"[rank {self.rank}] error: cannot recover: {error}",
                         resume_hint(self.args.checkpoint_dir, self.argv, self.rank))
         self._known = version
-        return Recovered(record.generation, record.world, record.lost, record.continued_at, version)
+        if record is None:  # an admitted joiner that never came: the same members in the next generation
+            from model_parallel.runtime.checkpoint.layout import latest_step
+
+            step = latest_step(self.args.checkpoint_dir)
+            return Recovered(self.lineage.generation, self.lineage.members, (), 0 if step is None else step + 1, version)
+        from_step = record.checkpoint_step + 1 if joined else record.continued_at
+        return Recovered(record.generation, record.world, getattr(record, "lost", ()), from_step, version, joined, plan)
 
     def _watch(self, engine: Any) -> None:
         """Time the first completed step of a recovered run (the engine's step, wrapped once)."""
@@ -344,6 +356,8 @@ def _capture(engine: Any, tracker: Any) -> tuple[Any, str]:
 
 SIGNAL_ENV = "MP_TEST_SIGNAL_AT_STEP"  # "<original rank>:<step>:<KILL|STOP>[,...]": tests kill a rank at a known step
 AT_RECOVERY = -1  # the step `recovery` of SIGNAL_ENV: as the rank begins re-forming the world (a failure during recovery)
+AT_SWITCH = -2  # the step `switch`: in a live plan switch, its layers moved, as it builds the new stage (a kill mid-migration)
+_NAMED = {"recovery": AT_RECOVERY, "switch": AT_SWITCH}
 
 
 def signal_hook(original_rank: int) -> dict[int, int]:
@@ -352,14 +366,34 @@ def signal_hook(original_rank: int) -> dict[int, int]:
     for item in filter(None, os.environ.get(SIGNAL_ENV, "").split(",")):
         who, step, name = item.split(":")
         if int(who) == original_rank:
-            out[AT_RECOVERY if step == "recovery" else int(step)] = int(getattr(signal, f"SIG{name}"))
+            out[_NAMED[step] if step in _NAMED else int(step)] = int(getattr(signal, f"SIG{name}"))
     return out
 
 
 def arm_signal_hook(engine: Any, original_rank: int, rank: int, flush: Optional[Callable[[float], bool]] = None) -> None:
     """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin (under
-    --redundancy, once its buddy holds its newest snapshot: `flush`, bounded, so the test knows what was copied)."""
+    --redundancy, once its buddy holds its newest snapshot: `flush`, bounded, so the test knows what was copied),
+    or (`switch`) in the middle of a live plan switch: after the layers moved, before the new stage is live."""
     signals = signal_hook(original_rank)
+    signals.pop(AT_RECOVERY, None)  # Survivor._recover's
+    if AT_SWITCH in signals:
+        number, prepare, apply = signals.pop(AT_SWITCH), engine.prepare, engine.apply
+
+        def preparing(*args: Any, **kwargs: Any) -> Any:
+            logger.error("[rank %d] test hook %s: signal %s in a plan switch, its layers moved", rank, SIGNAL_ENV, number)
+            os.kill(os.getpid(), number)
+            return prepare(*args, **kwargs)
+
+        def applying(command: Any) -> Any:
+            if command.kind != "switch":
+                return apply(command)
+            engine.prepare = preparing  # only inside the switch (activate() builds the first stage with it too)
+            try:
+                return apply(command)
+            finally:
+                engine.prepare = prepare
+
+        engine.apply = applying
     if not signals:
         return
     original = engine.train_step

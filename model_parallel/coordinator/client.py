@@ -78,6 +78,7 @@ class CoordinatorChannel:
         # --recover: a lost peer is not the end of this process (its bye says "recovering"), and the membership
         # generation this channel registers in (docs/reliability.md, "Recovery under a coordinator")
         self.recover, self.generation, self.membership = recover, int(generation), dict(membership or {})
+        self._reforming = False  # see reforming()
         self.instance = new_nonce()  # this process's claim on its rank (never shown): see Roster.register
         self.plan_version, self.plan = self.running_version, self._plans.get(self.running_version)
         self.session: Optional[Session] = None
@@ -180,9 +181,16 @@ class CoordinatorChannel:
         except queue.Empty:
             return None
 
+    def reforming(self) -> None:
+        """--recover: this process leaves its world at this step boundary to re-form it (a worker joins): the bye
+        that follows says "recovering", and it registers again in the next generation."""
+        self._reforming = True
+
     def close(self, reason: str = "training finished") -> None:
         if self._closed.is_set():
             return
+        if self.recover and self._reforming and not reason.startswith(("failed:", "recovering:")):
+            reason = "recovering: " + reason  # an admission (cli/worker_join.py): this world re-forms with a joiner
         if self.recover and reason.startswith("failed:"):
             # --recover: this process re-forms the world and registers again in the next generation (a process
             # that cannot recover exits; the coordinator gives a "recovering" rank up like an unreachable one)

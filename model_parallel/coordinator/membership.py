@@ -1,8 +1,9 @@
 """Which world and plan the coordinator's job runs: a world the survivors re-formed (`--recover`, a new membership
-generation) and a coordinator started again that learns the live job from the workers' registrations.
+generation), a world that admitted a joiner (`--join`: the next generation, the joiner a spare) and a coordinator
+started again that learns the live job from the workers' registrations.
 
 Both come from the workers' `register` (protocol.py): `generation` (0: the world joined at start), for a
-re-formed world `membership` {members, lost, from_step}, and the plan the worker runs (`live_version`,
+re-formed world `membership` {members, lost, from_step, and after an admission joined}, and the plan the worker runs (`live_version`,
 `live_plan`). Runs under the coordinator's lock, before `Roster.register`; a ProtocolError refuses the worker.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ def new_generation(roster: Roster, rebalancer: Rebalancer, message: Mapping[str,
     world_size = int(message["world_size"])
     membership = message.get("membership", {})
     members, lost = _ranks(membership.get("members", []), "members"), _ranks(membership.get("lost", []), "lost")
+    joined = _ranks(membership.get("joined", []), "joined")  # admitted (--join): spares in the plan the world ran
     from_step = membership.get("from_step", 0)
     if not isinstance(from_step, int) or isinstance(from_step, bool) or from_step < 0:
         raise ProtocolError(f"register: membership from_step must be a step number, got {str(from_step)[:40]}")
@@ -79,7 +81,14 @@ def new_generation(roster: Roster, rebalancer: Rebalancer, message: Mapping[str,
     previous = roster.generation
     roster.new_generation(generation, world_size, {
         "generation": generation, "lost": lost, "members": members, "world_size": world_size, "from_step": from_step,
-        "plan_version": plan.version, "previous_generation": previous})
+        "plan_version": plan.version, "previous_generation": previous, **({"joined": joined} if joined else {})})
+    if joined:
+        rebalancer.adopt(plan, from_step, world_size, f"admission: generation {generation}, original rank(s) {joined} "
+                                                      f"joined as spare(s); the plan the world ran")
+        logger.warning("membership generation %d: original rank(s) %s joined; a world of %d (original ranks %s) from "
+                       "step %d; plan v%d (the plan it ran, the joiner a spare until a rebalance gives it a share) is "
+                       "live\n%s", generation, joined, world_size, members, from_step, plan.version, plan.table())
+        return
     rebalancer.adopt(plan, from_step, world_size, f"recovery: generation {generation}, original rank(s) {lost} lost; "
                                                   f"the survivors' even split for {world_size} rank(s)")
     logger.warning("membership generation %d: original rank(s) %s lost; the survivors re-formed a world of %d "

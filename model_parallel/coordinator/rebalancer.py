@@ -172,7 +172,14 @@ class Rebalancer:
 
     def adopt(self, plan: Plan, step: int, world_size: int, reason: str) -> None:
         """Make `plan`, which the workers already run from `step`, the live plan (membership.py: a re-formed world, or
-        the live plan learned by a coordinator started again): a new policy memory, speeds measured afresh."""
+        the live plan learned by a coordinator started again): a new policy memory, speeds measured afresh. A switch
+        still pending (the world failed in it, or before applying it) is abandoned: recorded so in the history."""
+        if self.pending is not None:
+            for entry in self.history:
+                if entry["version"] == self.pending.plan.version and "applied_at_step" not in entry:
+                    entry["abandoned"] = reason
+            logger.warning("plan v%d was never confirmed live; abandoned for plan v%d (%s)", self.pending.plan.version,
+                           plan.version, reason)
         self.state = policy.PolicyState(self.state.graph, plan.with_default_ranks(), self.state.solver,
                                         version_start_step=step)
         self.world_size, self.pending, self.last_eval_step = world_size, None, step

@@ -220,6 +220,14 @@ def worker_commands(
     ]
 
 
+def join_command(address: str, args: Sequence[str], *, module: str = WORKER_MODULE,
+                 python: str = sys.executable) -> list[str]:
+    """The command line of a worker joining a running `--recover` job at `address` (its store, HOST:PORT): the job's
+    flags without `--recover` (docs/reliability.md, "Join"). From Python, start it as a process (`LocalWorld`,
+    `subprocess`): `PipelineTrainer` cannot join (the same section says why)."""
+    return [python, "-m", module, "--join", address, *(str(a) for a in args if a != "--recover")]
+
+
 def launch(commands: Sequence[Sequence[str]], *, timeout: float, env: Optional[Mapping[str, str]] = None,
            echo: Optional[Callable[[int, str], None]] = None) -> WorldResult:
     """Run the commands as one world until all exit or `timeout` seconds pass (then kill them)."""

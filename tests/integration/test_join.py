@@ -7,13 +7,12 @@ joiner starts with the job), so the admission lands mid-run whatever the machine
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from model_parallel.runtime.checkpoint.store import load_checkpoint
-from model_parallel.runtime.launch import LocalWorld, free_port, worker_commands
+from model_parallel.runtime.launch import LocalWorld, free_port, join_command, worker_commands
 from model_parallel.runtime.observe.metrics import read_events, read_metrics
 from support.mlp import assert_params_close, reference_losses, reference_params
 
@@ -32,8 +31,7 @@ def job_args(tmp_path: Path, recover: bool = True, checkpoints: bool = True, lr:
 
 
 def joiner(port: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "model_parallel.cli.worker", "--join", f"127.0.0.1:{port}",
-            *[a for a in args if a != "--recover"]]
+    return join_command(f"127.0.0.1:{port}", args)
 
 
 def losses(tmp_path: Path, rank: int) -> dict[int, float]:

@@ -7,56 +7,19 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from model_parallel.coordinator.local import CoordinatorProcess
-from model_parallel.graph.io import save_graph
-from model_parallel.graph.plan import write_plan
-from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.build.stages import even_plan
-from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, worker_commands
 from support.mlp import assert_params_close, reference_params
+from support.recovery_jobs import TOKEN, poll, worker_args, write_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 torch.set_num_threads(1)
-TOKEN = "recovery-coordinator-token"
-
-
-def write_job(directory: Path, num_stages: int) -> tuple[Path, Path]:
-    """graph.json of the built-in MLP as the workers trace it, and its even plan for `num_stages` ranks."""
-    r = recipe("mlp")
-    graph, _ = trace_model(r.model(0), r.example(2))
-    save_graph(graph, directory / "graph.json")
-    write_plan(even_plan(graph, num_stages), directory / f"plan{num_stages}.json")
-    return directory / "graph.json", directory / f"plan{num_stages}.json"
-
-
-def worker_args(plan: Path, steps: int, checkpoints: Path, address: str, *extra: str) -> list[str]:
-    return ["--model", "mlp", "--plan", str(plan), "--steps", str(steps), "--batch_size", "8", "--num_microbatches", "4",
-            "--lr", "0.01", "--checkpoint_dir", str(checkpoints), "--checkpoint_every", "2", "--timeout", "5",
-            "--coordinator", address, "--token", TOKEN, "--slowdown", "40", "--slowdown_rank", "0", *extra]
-
-
-def poll(coord: CoordinatorProcess, world: LocalWorld, until, timeout: float = 120.0) -> dict:
-    """The coordinator's status once `until(status)` holds (the workers still running), else fail naming the last."""
-    deadline, status = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline and any(p.poll() is None for p in world.procs):
-        try:
-            status = coord.ctl("status")
-        except Exception:  # noqa: BLE001 - not listening yet (a coordinator being started again)
-            status = {}
-        if status and until(status):
-            return status
-        time.sleep(0.25)
-    workers = "\n".join("\n".join(world.lines(r)[-15:]) for r in range(len(world.procs)))
-    raise AssertionError(f"the coordinator's status never got there: {json.dumps(status)[:1500]}\n{coord.output()[-2000:]}"
-                         f"\nworkers:\n{workers}")
 
 
 def test_recover_under_a_coordinator_the_survivors_are_the_next_generation_and_a_rebalance_works(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from datetime import timedelta
@@ -37,6 +38,7 @@ from model_parallel.errors import PeerError
 logger = logging.getLogger(__name__)
 
 _HB = "mp/hb/{}"
+_FOUND_BY = re.compile(r"\(found by rank \d+\)$")
 _STATUS = "mp/status/{}"
 DIAGNOSIS_SHARE = 0.4  # of the timeout: the whole diagnosis (so a rank ends within 1.4 x --timeout)
 STORE_CALL_SHARE = 0.15  # of the timeout: one store call while diagnosing
@@ -244,7 +246,10 @@ class Health:
         """Another rank already named a culprit (not us): report the same root cause."""
         for reporter, status in sorted(statuses.items()):
             if status.get("state") == "failed" and status.get("blame") not in (None, self.rank) and reporter != self.rank:
-                return self._publish(status["blame"], f"{status.get('cause', '')} (found by rank {reporter})", detail)
+                cause = str(status.get("cause", ""))
+                if not _FOUND_BY.search(cause):  # a reused cause keeps naming the rank that found it first
+                    cause += f" (found by rank {reporter})"
+                return self._publish(status["blame"], cause, detail)
         return None
 
     def _publish(self, culprit: Optional[int], cause: str, detail: str) -> PeerError:

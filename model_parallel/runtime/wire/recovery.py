@@ -4,8 +4,10 @@ Generation 0 is the world every rank joined at start. At that join each rank pub
 (`mp/addr/<rank>`) and reads everyone's, so the meeting point of a later generation is known before
 anything fails. When the engine raises a PeerError naming lost rank(s), each survivor:
 
-1. abandons the broken communicator: `destroy_process_group()` in a daemon thread with a deadline (a
-   gloo operation blocked on a stopped peer may never return; a survivor never hangs on it);
+1. abandons the broken communicator: closes its gloo connections to every peer (`close_connections`: a survivor
+   still waiting on this one then fails at once, not after its --timeout) and `destroy_process_group()`, in a
+   daemon thread with a deadline (a gloo operation blocked on a stopped peer may never return; a survivor never
+   hangs on it);
 2. meets the others in generation g = previous + 1. The store: the previous generation's, under the key
    prefix `mp/recovery/<g>/`, while its host lives; when the host is lost, the lowest surviving original
    rank hosts a new TCPStore at `--dist_port + g` on the address it published at the first join;
@@ -126,12 +128,46 @@ def was_replaced(lineage: Lineage, seconds: float) -> Optional[str]:
     return None
 
 
-def abandon(seconds: float) -> bool:
-    """Destroy the broken process group in a daemon thread; False when it did not finish within `seconds`."""
+_CLOSE_TAG = 987_654_321  # a tag nothing is ever sent on: a receive posted on it can only time out
+
+
+def close_connections() -> None:
+    """Close this rank's gloo connections to every peer in every group, so that a peer still waiting on this rank
+    (a survivor not next to the lost one) fails at once instead of after its --timeout. destroy_process_group does
+    not close them while a receive is pending; a receive that times out does ("Application timeout caused pair
+    closure"), so one is posted per peer on an unused tag and given 1 ms."""
+    import torch
+    import torch.distributed as dist
+
+    probe = torch.zeros(1)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        try:
+            if dist.get_backend(group) != "gloo":
+                continue  # NCCL has its own abort; its connections are not sockets the peers wait on
+            me, size = group.rank(), group.size()
+        except (RuntimeError, ValueError):
+            continue
+        for peer in range(size):
+            if peer == me:
+                continue
+            try:
+                work = dist.irecv(probe, group=group, group_src=peer, tag=_CLOSE_TAG)
+                if work is not None:  # None: not a member of `group`
+                    work.wait(timedelta(milliseconds=1))
+            except RuntimeError:
+                pass  # the expected timeout (the pair is closed now), or a pair that broke already
+
+
+def abandon(seconds: float, close_first: bool = True) -> bool:
+    """Close the broken process group's connections (`close_first`: after a failure; an admission, where every
+    rank leaves at the same boundary, does not) and destroy it, in a daemon thread; False when that did not finish
+    within `seconds`."""
     import torch.distributed as dist
 
     def destroy() -> None:
         if dist.is_initialized():
+            if close_first:
+                close_connections()
             dist.destroy_process_group()
 
     done = threading.Event()
@@ -234,6 +270,8 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str) -> Re
     except RuntimeError as error:
         raise PeerError(f"rank {lineage.me}: the process group of generation {generation} (original ranks {members}) "
                         f"did not form within {timeout:g} s: {str(error).splitlines()[0][:200]}") from None
+    logger.info("original rank %d: generation %d formed (original ranks %s), rank %d of %d", lineage.me, generation,
+                members, rank, size)
     port = lineage.store_port if base is lineage.base_store else lineage.base_port + generation
     new_lineage = replace(lineage, generation=generation, members=tuple(members), store_host=host, store_port=port,
                           base_store=base, world_store=store)

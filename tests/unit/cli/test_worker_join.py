@@ -18,7 +18,6 @@ JOIN = ["--model", "mlp", "--join", "127.0.0.1:29500"]
 
 @pytest.mark.parametrize("argv, message", [
     ([], "--join needs --checkpoint_dir"),
-    (["--checkpoint_dir", "ck", "--coordinator", "127.0.0.1:1"], "--join with --coordinator: admitting a worker"),
     (["--checkpoint_dir", "ck", "--rank", "2"], "a joining worker gets its rank from the job"),
     (["--checkpoint_dir", "ck", "--single_process"], "--join with --jobs or --single_process"),
 ])
@@ -45,6 +44,13 @@ def test_flags_that_describe_one_process_may_differ_the_job_defining_ones_may_no
         compare_flags({**job, "recover": False}, flags(), "h:1")
     with pytest.raises(ConfigError, match="gloo"):
         compare_flags({**job, "backend": "nccl"}, flags(), "h:1")
+    # A coordinator's address may be spelled per host; whether there is one may not differ.
+    coordinated = {**job, "flags": flags("--coordinator", "10.0.0.1:7000")}
+    compare_flags(coordinated, flags("--coordinator", "coord.local:7000"), "h:1")  # no error
+    with pytest.raises(ConfigError, match="the job runs under a coordinator and this worker without one"):
+        compare_flags(coordinated, flags(), "h:1")
+    with pytest.raises(ConfigError, match="the job runs without a coordinator and this worker with one"):
+        compare_flags(job, flags("--coordinator", "10.0.0.1:7000"), "h:1")
 
 
 def test_the_request_slot_admits_one_joiner_and_never_a_withdrawn_one() -> None:

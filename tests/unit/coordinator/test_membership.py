@@ -74,6 +74,12 @@ def test_a_reformed_world_that_numbers_its_plan_too_low_is_warned_about_and_issu
     new = survivors(coordinator.address, version=1)
     try:
         assert "the re-formed world runs plan v1, but this coordinator already spent v1" in caplog.text
+        # The switch the old world never applied is abandoned, not left pending or taken for live.
+        status = coordinator.handle_ctl("status", {})
+        assert status["pending_version"] is None, status
+        spent = status["history"][0]
+        assert spent["version"] == 1 and "applied_at_step" not in spent, status["history"]
+        assert spent["abandoned"].startswith("recovery: generation 1"), spent
         coordinator.handle_ctl("scale", {"workers": 1})
         assert wait_for(new[0].poll).plan.version == 2
     finally:
@@ -120,3 +126,29 @@ def test_a_reformed_world_trains_on_when_the_coordinator_is_gone_too(caplog) -> 
         assert channel.poll() is None and channel.plan_floor == 3
     finally:
         channel.close()
+
+
+def test_a_world_that_admitted_a_joiner_is_the_next_generation_with_the_joiner_a_spare(coordinator) -> None:
+    first = [CoordinatorChannel(coordinator.address, TOKEN, rank=r, world_size=3, recover=True) for r in range(3)]
+    for channel in first:
+        channel.reforming()  # the admission's stop: the bye says "recovering", the job is not over
+        channel.close("stopped after 5 of the 9 requested step(s): admitting a joining worker")
+    wait_for(lambda: [w.status for w in coordinator.workers.values()] == ["recovering"] * 3)
+    assert coordinator.stop_reason is None
+    plan = replace(three_stage_plan(), version=1)  # the plan the world ran, original rank 3 a spare in it
+    membership = {"members": [0, 1, 2, 3], "lost": [], "joined": [3], "from_step": 5}
+    new = [CoordinatorChannel(coordinator.address, TOKEN, rank=r, world_size=4, live_plan=plan, recover=True,
+                              generation=1, membership=membership) for r in range(4)]
+    try:
+        status = coordinator.handle_ctl("status", {})
+        assert (status["generation"], status["world_size"], status["plan_version"]) == (1, 4, 1)
+        [change] = status["recoveries"]
+        assert (change["joined"], change["lost"], change["members"]) == ([3], [], [0, 1, 2, 3]), change
+        assert status["history"][-1]["reason"].startswith("admission: generation 1, original rank(s) [3] joined")
+        assert "original rank(s) [3] joined (spares); a world of 4" in format_status(status)
+        coordinator.handle_ctl("scale", {"workers": 4})  # the policy may give the spare a share
+        command = wait_for(new[0].poll)
+        assert command.kind == "switch" and command.plan.version == 2 and len(command.plan.stages) == 4
+    finally:
+        for channel in first + new:
+            channel.close()

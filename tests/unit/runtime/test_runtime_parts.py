@@ -152,6 +152,15 @@ def test_health_names_the_rank_whose_heartbeat_stopped():
     assert "(found by rank 0); closed" in str(again)
 
 
+def test_a_reused_cause_names_the_rank_that_found_it_first_once():
+    store = FakeStore()
+    store.set("mp/status/1", json.dumps({"state": "failed", "blame": 2,
+                                         "cause": "rank 2 stopped responding (last heartbeat 1.5 s ago) (found by rank 3)"}))
+    error = Health(store, 0, 4, interval=0.05).diagnose(RuntimeError("Connection closed by peer"))
+    assert "(last heartbeat 1.5 s ago) (found by rank 3); Connection closed by peer" in str(error), str(error)
+    assert str(error).count("found by") == 1, str(error)
+
+
 def test_health_blames_the_store_host_when_the_store_is_gone():
     class DeadStore(FakeStore):
         def check(self, keys):
