@@ -111,7 +111,7 @@ class MultiStageExecutor:
         return loss, metric_sum
 
 
-class StageBuilder(Protocol):
+class BuildingEngine(Protocol):
     """What `build_stages` needs of the engine (`runtime/engine.PipelineEngine`): its rank, config and meter, and
     how it builds one stage's module, the optimizer and one stage's executor."""
 
@@ -126,7 +126,7 @@ class StageBuilder(Protocol):
     def make_executor(self, prepared: Any, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor: ...
 
 
-def build_stages(engine: StageBuilder, prepared: Any, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
     """Several stages on this rank (interleaved 1F1B, ZB loop/V), into `prepared` (engine.Prepared): their modules,
     ONE optimizer over all their parameters (one update per step, as one process would), one executor running the
     rank's schedule row."""
