@@ -4,9 +4,9 @@ The seed's `python test_parallel_0.py ...` runs the same; launchers start `pytho
 Also works under `torchrun --nproc_per_node=K test_parallel_0.py ...` (env:// rendezvous) and, with
 `--single_process`, runs every stage in one process for debugging. See docs/runtime.md.
 
-This layer turns the flags into typed inputs (a `JobSpec` for `api.job.build_job`, a `TrainConfig`, a
-`Rendezvous`, a control channel: the coordinator's, a scripted one or none), runs the jobs with
-`runtime.run`, and maps how the run ended to the process's exit code.
+This layer turns the flags into typed inputs (`cli/worker_job.py`: a `JobSpec` for `api.job.build_job`, a
+`TrainConfig`; here: a `Rendezvous`, a control channel: the coordinator's, a scripted one or none), runs the jobs
+with `runtime.run`, and maps how the run ended to the process's exit code.
 """
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ if not os.environ.get("TORCH_CPP_LOG_LEVEL"):
 import torch  # noqa: E402
 
 from model_parallel.allocator import keep_freed_memory  # noqa: E402
-from model_parallel.api.job import JobSpec, build_job  # noqa: E402
 from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
+from model_parallel.cli.recover_hooks import worker_hook  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_control_script, read_jobs  # noqa: E402
-from model_parallel.errors import ModelParallelError, PeerError, PlanError, TrainingStopped  # noqa: E402
-from model_parallel.optimizer.memory import optimizer_kind  # noqa: E402
-from model_parallel.runtime.run import Job, Rendezvous, join_world, run_job, start_health  # noqa: E402
+from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
+from model_parallel.errors import ModelParallelError, PeerError, TrainingStopped  # noqa: E402
+from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.step.auto import AUTO  # noqa: E402
 from model_parallel.runtime.step.schedule import SCHEDULE_NAMES  # noqa: E402
 
@@ -147,86 +147,9 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def parse_recompute(text: Optional[str]) -> Any:
-    if not text:
-        return False
-    if text == "all":
-        return True
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise PlanError(f"--recompute {text!r}: expected 'all' or stage ids like 0,2") from None
-
-
-def make_optimizer_factory(args: Any) -> Any:
-    def factory(params: list) -> torch.optim.Optimizer:
-        if args.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    return factory
-
-
 def ask_coordinator(argv: Sequence[str], args: Any) -> tuple[Any, ServedJob]:
     """Fetch the job from the coordinator (`cli.served_job`), its flags parsed by this command line's parser."""
     return fetch_served_job(argv, args, build_parser())
-
-
-def job_spec(args: Any, served: Optional[ServedJob] = None, device: Optional[torch.device] = None) -> JobSpec:
-    """The job the flags describe (`--model/--package/--graph`, the plan and the data), or the coordinator sent."""
-    from model_parallel.graph.plan import parse_stage_to_num_ranks
-
-    refusals = schedule_refusals(args, device)
-    if served is not None:
-        return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
-                       data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                       weights=args.weights, schedule=args.schedule, schedule_refusals=refusals,
-                       **data_flags.spec_fields(args))
-    sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
-    if len(sources) != 1:
-        raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
-    replicas = parse_stage_to_num_ranks(args.stage_to_num_ranks) if args.stage_to_num_ranks else None
-    return JobSpec(model=args.model or None, package=args.package or None, graph=args.graph or None,
-                   plan=args.plan or None, num_stages=args.num_stages, stage_to_num_ranks=replicas, loss=args.loss,
-                   input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
-                   seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
-                   weights=args.weights, memory_per_worker=args.memory_per_worker, schedule=args.schedule,
-                   schedule_refusals=refusals, optimizer=optimizer_kind(args.optimizer, args.momentum),
-                   **data_flags.spec_fields(args))
-
-
-def schedule_refusals(args: Any, device: Optional[torch.device] = None) -> dict[str, str]:
-    """What `--schedule auto` may not pick with these flags on this `device` (CUDA: NCCL), and why."""
-    from model_parallel.api.auto_schedule import schedule_refusals as config_refusals
-
-    config, _ = make_config(args)
-    refusals = config_refusals(config, bool(args.measure_memory),
-                               "nccl" if device is not None and device.type == "cuda" else "gloo")
-    if args.coordinator:  # the coordinator's policy re-plans one stage per rank (coordinator/rebalancer.py)
-        from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
-
-        for name in MULTI_STAGE_SCHEDULES:
-            refusals.setdefault(name, "live plan switches (--coordinator): the coordinator's rebalancing plans one "
-                                      "stage per rank")
-    return refusals
-
-
-def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None, device: Optional[torch.device] = None) -> Job:
-    """Graph, plan, seed-built model, criterion and dataset from the command line (or the coordinator); `device`:
-    where the world trains (what `--schedule auto` may pick depends on it)."""
-    return build_job(job_spec(args, served, device), world_size)
-
-
-def parse_shape(text: Optional[str]) -> Optional[tuple[int, ...]]:
-    """`--input_shape 3,224,224` -> (3, 224, 224) (per sample, without the batch dimension)."""
-    if text is None:
-        return None
-    try:
-        shape = tuple(int(part) for part in str(text).split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(d < 1 for d in shape):
-        raise PlanError(f"--input_shape: {text!r} is not a comma-separated list of positive sizes, e.g. 3,224,224")
-    return shape
 
 
 def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None, schedule: Optional[str] = None,
@@ -247,29 +170,6 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
-
-
-def make_config(args: Any) -> Any:
-    """The training hyperparameters and the run options the arguments give: (TrainConfig, RunOptions)."""
-    from model_parallel.errors import ConfigError
-    from model_parallel.runtime.config import RunOptions, StragglerInjection, TrainConfig
-
-    config = TrainConfig(
-        batch_size=args.batch_size, num_microbatches=args.num_microbatches, schedule=args.schedule, seed=args.seed,
-        recompute=parse_recompute(args.recompute), bf16=args.bf16, clip_grad=args.clip_grad, lr_schedule=args.lr_schedule,
-    )
-    if args.slowdown != 1.0 and args.slowdown_rank is None:
-        raise ConfigError(f"--slowdown {args.slowdown} needs --slowdown_rank R (the rank to slow down)")
-    straggler = None
-    if args.slowdown_rank is not None:
-        straggler = StragglerInjection(args.slowdown, args.slowdown_rank, args.slowdown_after_step)
-    options = RunOptions(
-        timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics,
-        straggler=straggler, measure_memory=args.measure_memory, allow_config_change=args.allow_config_change,
-        eval_every=args.eval_every, eval_steps=args.eval_steps,
-    )
-    return config, options
 
 
 def rendezvous(args: Any) -> Rendezvous:
@@ -312,13 +212,6 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     if world.rank == 0:
         print(f"memory per stage, predicted vs measured:\n{report.text}", flush=True)
     return engine
-
-
-def test_hook(rank: int) -> Any:
-    """`MP_TEST_SIGNAL_AT_STEP` (tests, bench/recovery.py): a rank signals itself at a step (cli/worker_recover.py)."""
-    from model_parallel.cli.worker_recover import SIGNAL_ENV, arm_signal_hook
-
-    return (lambda engine: arm_signal_hook(engine, rank, rank)) if os.environ.get(SIGNAL_ENV) else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -379,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # --jobs: several runs in one world (tests: one process launch, many checks).
             job_args = args if job_argv is None else build_parser().parse_args(job_argv)
             job_config, job_options = (config, options) if job_argv is None else make_config(job_args)
-            run_one(job_args, job_config, job_options, world, health, prefix, served, watch=test_hook(rank))
+            run_one(job_args, job_config, job_options, world, health, prefix, served, watch=worker_hook(rank))
         health.stop("done")
         dist.destroy_process_group()
         # Leave without interpreter teardown: the store host may already be gone, and a store call

@@ -23,12 +23,12 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from model_parallel.cli.recover_coordinator import known_version
+from model_parallel.cli.recover_hooks import arm_signal_hook, signal_at_recovery
 from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, leave, resume_hint
 from model_parallel.errors import ConfigError, PeerError, ReplacedError, TrainingStopped
 
@@ -216,10 +216,7 @@ class Survivor:
             store = f"{lineage.addresses[lineage.store_host]}:{lineage.store_port}"  # the record was there: its host lives
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {error}; original rank {lineage.me} was declared lost and "
                                        f"replaced {where}: it does not rejoin", join_hint(self.argv, store, rank) if record else None)
-        hook = signal_hook(lineage.me).get(AT_RECOVERY)
-        if hook is not None:  # the test hook: a second failure, during this recovery
-            logger.error("[rank %d] test hook %s: signal %s as the recovery begins", rank, SIGNAL_ENV, hook)
-            os.kill(os.getpid(), hook)
+        signal_at_recovery(lineage.me, rank)  # the test hook: a second failure, during this recovery
         lost = {lineage.original(culprit)} if culprit is not None and 0 <= culprit < len(lineage.members) else set()
         step = latest_step(self.args.checkpoint_dir)
         if step is None and not holdings:  # nothing here to restore from: no survivor can have every stage's state
@@ -352,61 +349,6 @@ def _capture(engine: Any, tracker: Any) -> tuple[Any, str]:
     except Exception as error:  # noqa: BLE001 - a state that cannot be taken only costs the live source
         logger.warning("taking the live stage state failed: %s: %s", type(error).__name__, error)
         return None, f"taking its stage state failed ({type(error).__name__})"
-
-
-SIGNAL_ENV = "MP_TEST_SIGNAL_AT_STEP"  # "<original rank>:<step>:<KILL|STOP>[,...]": tests kill a rank at a known step
-AT_RECOVERY = -1  # the step `recovery` of SIGNAL_ENV: as the rank begins re-forming the world (a failure during recovery)
-AT_SWITCH = -2  # the step `switch`: in a live plan switch, its layers moved, as it builds the new stage (a kill mid-migration)
-_NAMED = {"recovery": AT_RECOVERY, "switch": AT_SWITCH}
-
-
-def signal_hook(original_rank: int) -> dict[int, int]:
-    """The steps at which the test hook signals this process ({step: signal number})."""
-    out = {}
-    for item in filter(None, os.environ.get(SIGNAL_ENV, "").split(",")):
-        who, step, name = item.split(":")
-        if int(who) == original_rank:
-            out[_NAMED[step] if step in _NAMED else int(step)] = int(getattr(signal, f"SIG{name}"))
-    return out
-
-
-def arm_signal_hook(engine: Any, original_rank: int, rank: int, flush: Optional[Callable[[float], bool]] = None) -> None:
-    """The test hook: this process signals itself (SIGKILL, SIGSTOP) as the steps `SIGNAL_ENV` names begin (under
-    --redundancy, once its buddy holds its newest snapshot: `flush`, bounded, so the test knows what was copied),
-    or (`switch`) in the middle of a live plan switch: after the layers moved, before the new stage is live."""
-    signals = signal_hook(original_rank)
-    signals.pop(AT_RECOVERY, None)  # Survivor._recover's
-    if AT_SWITCH in signals:
-        number, prepare, apply = signals.pop(AT_SWITCH), engine.prepare, engine.apply
-
-        def preparing(*args: Any, **kwargs: Any) -> Any:
-            logger.error("[rank %d] test hook %s: signal %s in a plan switch, its layers moved", rank, SIGNAL_ENV, number)
-            os.kill(os.getpid(), number)
-            return prepare(*args, **kwargs)
-
-        def applying(command: Any) -> Any:
-            if command.kind != "switch":
-                return apply(command)
-            engine.prepare = preparing  # only inside the switch (activate() builds the first stage with it too)
-            try:
-                return apply(command)
-            finally:
-                engine.prepare = prepare
-
-        engine.apply = applying
-    if not signals:
-        return
-    original = engine.train_step
-
-    def hooked(step: int) -> Any:
-        if step in signals:
-            if flush is not None and not flush(30.0):
-                logger.warning("[rank %d] test hook: the buddy did not acknowledge the newest snapshot in 30 s", rank)
-            logger.error("[rank %d] test hook %s: signal %s at step %d", rank, SIGNAL_ENV, signals[step], step)
-            os.kill(os.getpid(), signals.pop(step))
-        return original(step)
-
-    engine.train_step = hooked
 
 
 def append_metrics(path: str, record: RecoveryRecord) -> None:

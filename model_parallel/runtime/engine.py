@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map
 from model_parallel.allocator import return_freed_memory
 from model_parallel.codegen.boundary import StageBoundary
 from model_parallel.codegen.build import build_stage
-from model_parallel.errors import ConfigError, PeerError
+from model_parallel.errors import PeerError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel, NullChannel, StepReport
@@ -53,6 +53,7 @@ from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
 from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
+from model_parallel.runtime.step.multi_stage import build_stages
 from model_parallel.runtime.step.output import model_output
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule
@@ -197,7 +198,7 @@ class PipelineEngine(TrainingLoop):
                             run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
                                          plan.loop_width or plan.num_ranks), stage_ids=held)
         if prepared.schedule.placement is not None and held:
-            self._build_stages(prepared, optimizer_state)
+            build_stages(self, prepared, optimizer_state)  # several stages on this rank (step/multi_stage.py)
         elif prepared.stage_id is not None:
             self._build_stage(prepared, optimizer_state)
         return prepared
@@ -223,7 +224,7 @@ class PipelineEngine(TrainingLoop):
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 
-    def _stage_module(self, plan: Plan, boundaries: tuple[StageBoundary, ...], stage_id: int) -> Any:
+    def stage_module(self, plan: Plan, boundaries: tuple[StageBoundary, ...], stage_id: int) -> Any:
         """Stage `stage_id`'s module, its layers materialized on this rank."""
         materialize_layers(self.modules, stage_layers(self.graph, plan, stage_id), self.initializer, self.device,
                            self.graph, graph_constants(self.graph, self.modules))
@@ -232,7 +233,7 @@ class PipelineEngine(TrainingLoop):
         stage.train()
         return stage
 
-    def _make_optimizer(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+    def make_optimizer(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         """One optimizer over the parameters of `prepared.stage` (all of the rank's stages), state restored by name."""
         stage = prepared.stage
         if params := list(stage.parameters()):
@@ -242,7 +243,8 @@ class PipelineEngine(TrainingLoop):
 
                 load_optimizer_state_by_name(prepared.optimizer, dict(stage.named_parameters()), optimizer_state, copy=False)
 
-    def _executor(self, prepared: Prepared, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor:
+    def make_executor(self, prepared: Prepared, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor:
+        """The executor running `actions` of stage `stage_id` (this rank's routing, config, metrics, timeout)."""
         names = stage.output_names
         return StepExecutor(
             stage=stage, stage_id=stage_id, num_stages=prepared.plan.num_stages, actions=actions, route=self.rank_of,
@@ -250,41 +252,17 @@ class PipelineEngine(TrainingLoop):
             device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
             flush=prepared.schedule.flush, **extra)
 
-    def _build_stages(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
-        """Several stages on this rank (interleaved 1F1B): their modules, ONE optimizer over all their parameters
-        (one update per step, as one process would), one executor running the rank's schedule row."""
-        from model_parallel.runtime.step.multi_stage import MultiStageExecutor, StageGroup, check_supported
-        from model_parallel.runtime.wire.local import Mailbox
-        check_supported(backend=dist.get_backend())
-        if self.meter is not NO_METER and self.config.schedule != "interleaved":
-            raise ConfigError(f"--measure_memory does not measure the {self.config.schedule} schedule's stages yet (the "
-                              "backward split keeps W's values past I); drop it, or use --schedule interleaved")
-        schedule = prepared.schedule
-        # Replica i of the pipeline (ranks i*p ..) runs microbatches j % r == i in the full grid's order (no deadlock).
-        ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks
-        replica, r = prepared.replica, prepared.num_replicas = ranks.index(self.rank), len(ranks)
-        stages = {k: self._stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
-        prepared.stage = StageGroup(list(stages.values()))
-        self._make_optimizer(prepared, optimizer_state)
-        mailbox = Mailbox(self.rank)  # ZBV: stage p-1 hands to stage p on this rank without a message
-        lanes = {k: self._executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True,
-                                   local=mailbox)
-                 for k, stage in stages.items()}
-        row = schedule.row_actions(schedule.row_of(prepared.stage_ids[0]))
-        prepared.executor = MultiStageExecutor(lanes, [a for a in row if a.microbatch % r == replica],
-                                               None if self.meter is NO_METER else self.meter, self.config.num_microbatches)
-
     def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
         assert prepared.stage_id is not None
         stage_id, schedule = prepared.stage_id, prepared.schedule
         sp = prepared.plan.stages[stage_id]
         prepared.replica, prepared.num_replicas = sp.ranks.index(self.rank), sp.num_replicas
-        stage = prepared.stage = self._stage_module(prepared.plan, prepared.boundaries, stage_id)
-        self._make_optimizer(prepared, optimizer_state)
+        stage = prepared.stage = self.stage_module(prepared.plan, prepared.boundaries, stage_id)
+        self.make_optimizer(prepared, optimizer_state)
         stash = None
         if not schedule.flush and prepared.optimizer is not None:
             stash = WeightStash(stage, prepared.optimizer, self.config.lr_schedule, self.metrics, HISTORY_WINDOW)
-        prepared.executor = self._executor(prepared, stage, stage_id,
+        prepared.executor = self.make_executor(prepared, stage, stage_id,
                                            schedule.rank_actions(stage_id, prepared.replica, prepared.num_replicas),
                                            weight_stash=stash)
         prepared.executor.meter = self.meter

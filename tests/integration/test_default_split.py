@@ -66,7 +66,8 @@ def test_memory_per_worker_finds_a_plan_that_fits_or_names_the_smallest():
 
 
 def test_the_worker_command_line_passes_memory_per_worker_and_what_it_prices():
-    from model_parallel.cli.worker import build_parser, job_spec
+    from model_parallel.cli.worker import build_parser
+    from model_parallel.cli.worker_job import job_spec
 
     args = build_parser().parse_args(["--model", "mlp", "--memory_per_worker", "2.5e9", "--optimizer", "adamw",
                                       "--schedule", "gpipe"])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from model_parallel.cli.worker import build_parser, check_inputs, make_config
+from model_parallel.cli.worker import build_parser, check_inputs
+from model_parallel.cli.worker_job import make_config
 from model_parallel.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

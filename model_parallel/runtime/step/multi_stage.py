@@ -6,19 +6,23 @@ by layer exactly as one stage's is, and one optimizer covers every stage of the 
 `MultiStageExecutor` runs the rank's row of the schedule (`Schedule.row_actions`) action by action on
 one `StepExecutor` per stage; each stage edge has its own message tags (comm.edge_tag), and each
 executor pre-posts its edge's next receive, so two edges between the same two ranks never mix.
+`build_stages` builds both for the engine (`prepare`), with one optimizer over every stage's parameters.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from model_parallel.errors import ConfigError, ModelParallelError
+from model_parallel.runtime.observe.memory_probe import NO_METER
 from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.step.schedule import Action
+from model_parallel.runtime.wire.local import Mailbox
 
 
 def check_supported(backend: str) -> None:
@@ -105,3 +109,43 @@ class MultiStageExecutor:
             part = lane.run_forward(data, metric)
             loss, metric_sum = loss + part[0], metric_sum + part[1]
         return loss, metric_sum
+
+
+class BuildingEngine(Protocol):
+    """What `build_stages` needs of the engine (`runtime/engine.PipelineEngine`): its rank, config and meter, and
+    how it builds one stage's module, the optimizer and one stage's executor."""
+
+    rank: int
+    config: Any  # TrainConfig
+    meter: Any  # memory_probe.StashMeter, or NO_METER
+
+    def stage_module(self, plan: Any, boundaries: Any, stage_id: int) -> Any: ...
+
+    def make_optimizer(self, prepared: Any, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None: ...
+
+    def make_executor(self, prepared: Any, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor: ...
+
+
+def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+    """Several stages on this rank (interleaved 1F1B, ZB loop/V), into `prepared` (engine.Prepared): their modules,
+    ONE optimizer over all their parameters (one update per step, as one process would), one executor running the
+    rank's schedule row."""
+    check_supported(backend=dist.get_backend())
+    if engine.meter is not NO_METER and engine.config.schedule != "interleaved":
+        raise ConfigError(f"--measure_memory does not measure the {engine.config.schedule} schedule's stages yet (the "
+                          "backward split keeps W's values past I); drop it, or use --schedule interleaved")
+    schedule = prepared.schedule
+    # Replica i of the pipeline (ranks i*p ..) runs microbatches j % r == i in the full grid's order (no deadlock).
+    ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks
+    replica, r = prepared.replica, prepared.num_replicas = ranks.index(engine.rank), len(ranks)
+    stages = {k: engine.stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
+    prepared.stage = StageGroup(list(stages.values()))
+    engine.make_optimizer(prepared, optimizer_state)
+    mailbox = Mailbox(engine.rank)  # ZBV: stage p-1 hands to stage p on this rank without a message
+    lanes = {k: engine.make_executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True,
+                                     local=mailbox)
+             for k, stage in stages.items()}
+    row = schedule.row_actions(schedule.row_of(prepared.stage_ids[0]))
+    prepared.executor = MultiStageExecutor(lanes, [a for a in row if a.microbatch % r == replica],
+                                           None if engine.meter is NO_METER else engine.meter,
+                                           engine.config.num_microbatches)

@@ -7,7 +7,8 @@ import torch
 
 from model_parallel.api.job import JobSpec, build_job
 from model_parallel.api.trainer import PipelineTrainer
-from model_parallel.cli.worker import build_parser, load_job
+from model_parallel.cli.worker import build_parser
+from model_parallel.cli.worker_job import load_job
 from model_parallel.codegen.naming import state_key
 from model_parallel.errors import PlanError
 from model_parallel.graph.io import save_graph

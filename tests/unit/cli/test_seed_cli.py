@@ -101,7 +101,8 @@ def served(user: Path):
 
 
 def test_worker_without_a_model_gets_the_job_and_its_own_flags_win(served, monkeypatch: pytest.MonkeyPatch) -> None:
-    from model_parallel.cli.worker import ask_coordinator, build_parser, job_spec, wants_served_job
+    from model_parallel.cli.worker import ask_coordinator, build_parser, wants_served_job
+    from model_parallel.cli.worker_job import job_spec
 
     coordinator, address, plan = served
     monkeypatch.setenv(jobfiles.COORDINATOR_ENV, address)

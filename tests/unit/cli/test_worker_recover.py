@@ -1,12 +1,10 @@
 """cli/worker_recover.py without processes: what --recover refuses up front, and the recovery record's forms."""
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from model_parallel.cli import worker
-from model_parallel.cli.worker_recover import AT_RECOVERY, SIGNAL_ENV, RecoveryRecord, signal_hook
+from model_parallel.cli.worker_recover import RecoveryRecord
 from model_parallel.errors import ConfigError
 
 RECOVER = ["--model", "mlp", "--recover"]
@@ -38,10 +36,3 @@ def test_the_record_round_trips_through_its_metrics_line() -> None:
                              "(continued at step 4); 0.75 s from detection to the first completed step")
     with pytest.raises(ValueError, match=r"a recovery record lacks \['seconds'\]"):
         RecoveryRecord.from_json({k: v for k, v in data.items() if k != "seconds"})
-
-
-def test_the_signal_hook_names_original_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SIGNAL_ENV, "1:3:KILL,2:7:STOP,1:9:STOP,2:recovery:KILL")
-    assert signal_hook(1) == {3: signal.SIGKILL, 9: signal.SIGSTOP}
-    assert signal_hook(2) == {7: signal.SIGSTOP, AT_RECOVERY: signal.SIGKILL}
-    assert signal_hook(0) == {}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from model_parallel.cli.worker import build_parser, job_spec
+from model_parallel.cli.worker import build_parser
+from model_parallel.cli.worker_job import job_spec
 
 
 def test_flags_that_interleaved_cannot_honour_are_refusals_in_the_job_spec() -> None:

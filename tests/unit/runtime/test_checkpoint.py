@@ -320,7 +320,8 @@ def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
 
 
 def test_keep_checkpoints_must_keep_one():
-    from model_parallel.cli.worker import build_parser, make_config
+    from model_parallel.cli.worker import build_parser
+    from model_parallel.cli.worker_job import make_config
     from model_parallel.errors import ModelParallelError
     from model_parallel.runtime.config import RunOptions
 

@@ -5,7 +5,8 @@ import pytest
 
 from model_parallel.errors import ConfigError, ModelParallelError
 from model_parallel.runtime.config import RunOptions, StragglerInjection, TrainConfig
-from model_parallel.cli.worker import build_parser, make_config
+from model_parallel.cli.worker import build_parser
+from model_parallel.cli.worker_job import make_config
 
 
 @pytest.mark.parametrize("build, message", [

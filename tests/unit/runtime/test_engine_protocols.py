@@ -1,4 +1,4 @@
-"""The helpers' Protocols (loop, evaluate, checkpoint, migration) name members `PipelineEngine` really has."""
+"""The helpers' Protocols (loop, evaluate, checkpoint, migration, multi-stage build) name members `PipelineEngine` really has."""
 from __future__ import annotations
 
 import ast
@@ -14,10 +14,11 @@ from model_parallel.runtime.checkpoint.resume import RestoringEngine, StartingEn
 from model_parallel.runtime.engine import PipelineEngine
 from model_parallel.runtime.step.evaluate import EvaluatingEngine
 from model_parallel.runtime.step.loop import LoopingEngine, SteppingEngine
+from model_parallel.runtime.step.multi_stage import BuildingEngine
 from model_parallel.runtime.wire.migration import MigratingEngine, SwitchingEngine
 
 PROTOCOLS = [AgreeingEngine, CheckpointingEngine, RestoringEngine, StartingEngine, EvaluatingEngine, LoopingEngine,
-             SteppingEngine, MigratingEngine, SwitchingEngine, LiveEngine]
+             SteppingEngine, MigratingEngine, SwitchingEngine, LiveEngine, BuildingEngine]
 _PROTOCOL_NOISE = {"_is_protocol", "_is_runtime_protocol", "_abc_impl"}
 
 
