@@ -219,7 +219,11 @@ class TrainingLoop:
             if posted is None:
                 posted = _post_totals(self, step, loss_sum, sq)
             assert not early or loss_sum == 0.0, "a stage other than the last reported a loss"
-            if clip is not None:  # the update needs the global norm first
+            # The update needs the global norm first when clipping. Rank 0 completes the reduction before
+            # its update in any case: its peers' parts have landed by now (they sent them after their
+            # last action, which its own last backward waited for), and the sums it sends back end their
+            # steps one update sooner, so they post their next step's receives before its first sends.
+            if clip is not None or self.rank == 0:
                 _wait_totals(self, posted)
         except PeerError as error:
             raise self.diagnose(error) from None
@@ -232,7 +236,7 @@ class TrainingLoop:
                                   total_norm=float(posted.totals[1]) ** 0.5 if clip is not None else None)
             self.updates += 1
         try:
-            if clip is None:  # without clipping the reduction only feeds the report: it ran during the step and update
+            if clip is None and self.rank != 0:  # only feeds the report: it ran during the step and update
                 _wait_totals(self, posted)
             sums = step_totals.unpack(posted.totals)
             if sums.command_bytes:  # rare: rank 0 announced a command; its JSON follows (metrics: control_ms)
