@@ -219,11 +219,10 @@ class TrainingLoop:
             if posted is None:
                 posted = _post_totals(self, step, loss_sum, sq)
             assert not early or loss_sum == 0.0, "a stage other than the last reported a loss"
-            # The update needs the global norm first when clipping. Rank 0 completes the reduction before
-            # its update in any case: its peers' parts have landed by now (they sent them after their
-            # last action, which its own last backward waited for), and the sums it sends back end their
-            # steps one update sooner, so they post their next step's receives before its first sends.
-            if clip is not None or self.rank == 0:
+            # The update needs the global norm first when clipping. The root (the last stage's rank)
+            # completes the reduction before its update in any case: the other parts were posted when
+            # the step began, and the sums it sends back are then on their way before its update.
+            if clip is not None or self.rank == posted.root:
                 _wait_totals(self, posted)
         except PeerError as error:
             raise self.diagnose(error) from None
@@ -236,7 +235,7 @@ class TrainingLoop:
                                   total_norm=float(posted.totals[1]) ** 0.5 if clip is not None else None)
             self.updates += 1
         try:
-            if clip is None and self.rank != 0:  # only feeds the report: it ran during the step and update
+            if clip is None and self.rank != posted.root:  # only feeds the report: it ran during the step and update
                 _wait_totals(self, posted)
             sums = step_totals.unpack(posted.totals)
             if sums.command_bytes:  # rare: rank 0 announced a command; its JSON follows (metrics: control_ms)
@@ -253,7 +252,7 @@ def _post_totals(engine: SteppingEngine, step: int, loss_sum: float, squared_nor
     """Start the step's one reduction; rank 0 first polls its channel: the decision rides in it
     (wire/step_totals.py) and every rank applies it after this step."""
     command = engine.channel.poll(before_step=step + 1) if engine.rank == 0 else None
-    return step_totals.post(loss_sum, squared_norm, command, engine.control_group)
+    return step_totals.post(loss_sum, squared_norm, command, engine.control_group, step_totals.root_rank(engine.plan))
 
 
 def _wait_totals(engine: SteppingEngine, posted: step_totals.Posted) -> None:
