@@ -16,7 +16,10 @@ and a wait names the peer it waits for. The root adds its own part, then the oth
 every rank gets the same sums, whatever order they arrived in. The engine makes the root the rank of the
 last stage (`root_rank`): its part (the loss) is the last one known in a step, every other part (0
 without clipping) was posted when the step began, so the root never waits, and the sums it sends
-back reach each other rank while that rank still waits for its last gradient. With rank 0 as the
+back reach each other rank while that rank still waits for its last gradient. The root posts its
+receives when its step begins as well (its own part follows: `Posted.contribute`): gloo sends a
+message only into a posted receive, and a part that found none waited for both processes' gloo
+threads (measured: ~0.9 ms a step on the loaded machine). With rank 0 as the
 root, the last stage waited for rank 0's update before its next step could begin, and rank 0's
 first activation of that step found no receive posted (gloo then waits for one: comm.py).
 
@@ -75,6 +78,12 @@ class Posted:
         else:
             self.mine = totals.clone()  # in flight while `totals` receives the sums
             self.works = [(root, _start(dist.isend, self.mine, root, group)), (root, _start(dist.irecv, totals, root, group))]
+
+    def contribute(self, loss_sum: float, squared_norm: float) -> None:
+        """The root's own loss and norm, known after its step's work: its receives were posted when the step
+        began (the command length it may have written then stays)."""
+        assert self.rank == self.root, "only the root contributes after posting"
+        self.totals[0], self.totals[1] = loss_sum, squared_norm
 
     def wait(self, timeout: float) -> None:
         """Block until this rank holds the sums (the root: until every rank was sent them); PeerError naming a peer."""
