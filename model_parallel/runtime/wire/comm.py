@@ -69,7 +69,7 @@ from model_parallel.runtime.wire.structure import decode_value, encode_value, ma
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
 TAG_MIGRATION = 3
-TAG_TOTALS = 4  # the step's reduction through rank 0 (wire/step_totals.py), on the control group
+TAG_TOTALS = 4  # the step's reduction through the last stage's rank (wire/step_totals.py), on the control group
 EDGE_TAGS = 16  # several stages per rank (interleaved): each stage edge e has tags 16 + 2e (activations), 17 + 2e
 SIDE_TAG_OFFSET = 1 << 20  # a cached message's new header and repacked tensors: above every other tag
 
