@@ -325,20 +325,35 @@ def _is_flat(tree: Any, count: int) -> bool:
 
 
 class _Receives:
-    """The next activation and gradient receive of a step, each posted ahead so it lands during compute."""
+    """The next `AHEAD` activation and gradient receives of a step, posted ahead so they land during compute.
+
+    Two, not one: gloo sends a message only once the receiver's receive is posted; otherwise the send
+    waits for the receiver's notice, which the sender's gloo thread handles while its training thread
+    waits elsewhere: two more thread wake-ups on the critical path of every message. A stage
+    before this one runs one warm-up forward more than this one (1F1B), so it sends up to two
+    activations ahead of this stage's forwards (issue #37, "Fixed cost per step"; docs/runtime.md).
+    Safe on one tag: a cached message is one transfer on its tag (comm.py, side tag)."""
+
+    AHEAD = 2
 
     def __init__(self, executor: StepExecutor, last: bool) -> None:
         self.executor, self.last = executor, last
         self.queues = {"F": [a for a in executor.actions if a.is_forward],
                        "B": [a for a in executor.actions if a.sends_gradient]}
-        self.position = {"F": 0, "B": 0}
-        self.pending = {"F": self._post("F"), "B": self._post("B")}
+        self.position = {"F": 0, "B": 0}  # the next action of each kind to run
+        self.posted = {"F": 0, "B": 0}  # how many of each kind's receives are posted (or need none)
+        self.pending: dict[str, deque["Optional[comm.PendingRecv | LocalRecv]"]] = {"F": deque(), "B": deque()}
+        for kind in self.queues:
+            self._top_up(kind)
 
-    def _post(self, kind: str) -> "Optional[comm.PendingRecv | LocalRecv]":
-        queue, x = self.queues[kind], self.executor
-        if self.position[kind] >= len(queue):
-            return None
-        j, k = queue[self.position[kind]].microbatch, x.stage_id
+    def _top_up(self, kind: str) -> None:
+        queue = self.queues[kind]
+        while self.posted[kind] < min(len(queue), self.position[kind] + self.AHEAD):
+            self.pending[kind].append(self._post(kind, queue[self.posted[kind]].microbatch))
+            self.posted[kind] += 1
+
+    def _post(self, kind: str, j: int) -> "Optional[comm.PendingRecv | LocalRecv]":
+        x, k = self.executor, self.executor.stage_id
         if kind == "F" and k > 0:
             return x.recv(x.route(k - 1, j), x.tag(comm.TAG_ACTIVATION, k - 1), j)
         if kind == "B" and not self.last:
@@ -347,14 +362,16 @@ class _Receives:
 
     def skip(self, kind: str) -> None:
         """An action that needs no receive (stage 0's forwards read the data)."""
+        self.pending[kind].popleft()
         self.position[kind] += 1
+        self._top_up(kind)
 
     def take(self, kind: str, j: int) -> tuple[list[Any], Any]:
         """The flat values of microbatch j's message and the structure the sender attached (or None)."""
-        pending = self.pending[kind]
+        pending = self.pending[kind].popleft()
         assert pending is not None
         with self.executor.metrics.measure("recv", microbatch=j):
             values = pending.wait(self.executor.timeout)
         self.position[kind] += 1
-        self.pending[kind] = self._post(kind)
+        self._top_up(kind)
         return values, pending.structure

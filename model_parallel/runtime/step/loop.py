@@ -195,8 +195,11 @@ class TrainingLoop:
         # A rank whose share of the reduction the step does not compute (no loss: not the last stage; no
         # norm: no clipping) posts it first: it then runs during the step, not on the critical path after it.
         early = clip is None and self.plan.num_stages - 1 not in self.stage_ids  # interleaved: any of its stages
+        # The root posts its receives first too (gloo sends only into a posted receive: comm.py); its own
+        # part follows the step's work (`contribute`).
+        root = self.rank == step_totals.root_rank(self.plan)
         try:
-            posted = _post_totals(self, step, 0.0, 0.0) if early else None
+            posted = _post_totals(self, step, 0.0, 0.0) if early or root else None
             if self.executor is not None:
                 data = self.step_data(step)
                 with self.meter.step(self.stage, (data.inputs, data.targets)):
@@ -218,8 +221,13 @@ class TrainingLoop:
                     sq = squared_grad_norm(untied) / self.num_replicas + self.tied.squared_norm()
             if posted is None:
                 posted = _post_totals(self, step, loss_sum, sq)
+            elif root:
+                posted.contribute(loss_sum, sq)
             assert not early or loss_sum == 0.0, "a stage other than the last reported a loss"
-            if clip is not None:  # the update needs the global norm first
+            # The update needs the global norm first when clipping. The root (the last stage's rank)
+            # completes the reduction before its update in any case: the other parts were posted when
+            # the step began, and the sums it sends back are then on their way before its update.
+            if clip is not None or root:
                 _wait_totals(self, posted)
         except PeerError as error:
             raise self.diagnose(error) from None
@@ -232,7 +240,7 @@ class TrainingLoop:
                                   total_norm=float(posted.totals[1]) ** 0.5 if clip is not None else None)
             self.updates += 1
         try:
-            if clip is None:  # without clipping the reduction only feeds the report: it ran during the step and update
+            if clip is None and not root:  # only feeds the report: it ran during the step and update
                 _wait_totals(self, posted)
             sums = step_totals.unpack(posted.totals)
             if sums.command_bytes:  # rare: rank 0 announced a command; its JSON follows (metrics: control_ms)
@@ -249,7 +257,7 @@ def _post_totals(engine: SteppingEngine, step: int, loss_sum: float, squared_nor
     """Start the step's one reduction; rank 0 first polls its channel: the decision rides in it
     (wire/step_totals.py) and every rank applies it after this step."""
     command = engine.channel.poll(before_step=step + 1) if engine.rank == 0 else None
-    return step_totals.post(loss_sum, squared_norm, command, engine.control_group)
+    return step_totals.post(loss_sum, squared_norm, command, engine.control_group, step_totals.root_rank(engine.plan))
 
 
 def _wait_totals(engine: SteppingEngine, posted: step_totals.Posted) -> None:

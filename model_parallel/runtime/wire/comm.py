@@ -26,10 +26,17 @@ known size (the data lands while it computes; no header round trip):
 
 When the header changed (or on the first message, where the receiver knows no size and posts
 just the 16-byte prefix) the first transfer, still of the size the receiver pre-posted, is a
-placeholder whose prefix holds the new header's length n, followed by
+placeholder whose prefix holds the new header's length n, followed by two transfers on the
+message's side tag (`side_tag`: the tag + SIDE_TAG_OFFSET)
 
     uint8[n]        the header JSON
     uint8[size']    the packed tensors in the new layout
+
+So on its own tag a cached message is always exactly one transfer, of the size the receiver
+expects: a receiver may post the receives of several messages of one (peer, tag) ahead (the
+executor posts the next two; see executor.py), and the header of one message can never land in
+the buffer posted for the next. (gloo sends only once the receive is posted, so a receive posted
+late costs the sender's and the receiver's gloo threads an extra round trip on a busy machine.)
 
 A sender may narrow its floating-point tensors to a `wire_dtype` (bf16 training: half the bytes).
 Such a tensor is announced with its wire dtype and `"cast"`: the dtype it had, which the receiver
@@ -62,8 +69,14 @@ from model_parallel.runtime.wire.structure import decode_value, encode_value, ma
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
 TAG_MIGRATION = 3
-TAG_TOTALS = 4  # the step's reduction through rank 0 (wire/step_totals.py), on the control group
+TAG_TOTALS = 4  # the step's reduction through the last stage's rank (wire/step_totals.py), on the control group
 EDGE_TAGS = 16  # several stages per rank (interleaved): each stage edge e has tags 16 + 2e (activations), 17 + 2e
+SIDE_TAG_OFFSET = 1 << 20  # a cached message's new header and repacked tensors: above every other tag
+
+
+def side_tag(tag: int) -> int:
+    """The tag a cached message on `tag` sends a changed header and its tensors on (module docstring)."""
+    return tag + SIDE_TAG_OFFSET
 
 
 def edge_tag(base: int, edge: Optional[int]) -> int:
@@ -224,7 +237,9 @@ def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torc
             known = cache.sent[key] = _known(header, header_list, signature)
             buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
                        _pack(tensors, known, device)]
-    works = [start_work(partial(_isend, b, dst, group, tag), dst, "send") for b in buffers]
+    # Only the first transfer on the message's tag; a new header and its tensors on the side tag.
+    works = [start_work(partial(_isend, b, dst, group, tag if i == 0 else side_tag(tag)), dst, "send")
+             for i, b in enumerate(buffers)]
     return SendHandle(works, buffers, dst)
 
 
@@ -332,9 +347,10 @@ class PendingRecv:
         self.slot = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.work = start_work(lambda: _irecv(self.slot, src, group, tag), src, "receive")
 
-    def _recv(self, nbytes: int, timeout: float) -> torch.Tensor:
+    def _recv_side(self, nbytes: int, timeout: float) -> torch.Tensor:
+        """The next transfer of `nbytes` on this message's side tag (a changed header, its tensors)."""
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        work = start_work(lambda: _irecv(buffer, self.src, self.group, self.tag), self.src, "receive")
+        work = start_work(lambda: _irecv(buffer, self.src, self.group, side_tag(self.tag)), self.src, "receive")
         wait_work(work, timeout, self.src, "receive")
         return buffer
 
@@ -347,7 +363,7 @@ class PendingRecv:
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
                             "(are both ranks running the same plan and schedule?)")
-        data = self._recv(size, timeout).cpu().numpy().tobytes()
+        data = self._recv_side(size, timeout).cpu().numpy().tobytes()
         try:
             header = json.loads(data.decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -355,7 +371,7 @@ class PendingRecv:
                             "are both ranks running the same version of model_parallel?") from None
         known = self.cache.received[(self.src, self.tag, self.stream)] = _known(data, header)
         self.structure = known.structure
-        return _unpack(self._recv(known.size, timeout), known, self.device)
+        return _unpack(self._recv_side(known.size, timeout), known, self.device)
 
     def wait(self, timeout: float) -> list[Any]:
         wait_work(self.work, timeout, self.src, "receive")

@@ -8,12 +8,20 @@ byte length of its command's JSON into the third slot and every other rank write
 that length on every rank. 0: carry on, and nothing else travels; n > 0: one broadcast of exactly n
 bytes follows (`receive_command`). A float64 holds every integer up to 2**53 exactly.
 
-The reduction is no gloo collective but point-to-point through rank 0 on the control group (`Posted`):
-every other rank sends its three numbers and receives the sums. Measured on the tiny row, an
+The reduction is no gloo collective but point-to-point through one root rank on the control group
+(`Posted`): every other rank sends its three numbers and receives the sums. Measured on the tiny row, an
 all-reduce cost ~1 ms a step more (a process-group worker thread woken twice a step per rank, on a
 machine where every wake-up waits for a core); p2p messages are posted by the training thread itself,
-and a wait names the peer it waits for. Rank 0 adds the contributions in rank order, so every rank
-gets the same sums, whatever order they arrived in.
+and a wait names the peer it waits for. The root adds its own part, then the others in rank order, so
+every rank gets the same sums, whatever order they arrived in. The engine makes the root the rank of the
+last stage (`root_rank`): its part (the loss) is the last one known in a step, every other part (0
+without clipping) was posted when the step began, so the root never waits, and the sums it sends
+back reach each other rank while that rank still waits for its last gradient. The root posts its
+receives when its step begins as well (its own part follows: `Posted.contribute`): gloo sends a
+message only into a posted receive, and a part that found none waited for both processes' gloo
+threads (measured: ~0.9 ms a step on the loaded machine). With rank 0 as the
+root, the last stage waited for rank 0's update before its next step could begin, and rank 0's
+first activation of that step found no receive posted (gloo then waits for one: comm.py).
 
 Rank 0 polls its channel in step k, just before its part of the reduction, so a command is applied by
 every rank at the boundary after step k (before step k + 1): one step after the report it may answer,
@@ -30,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import ProtocolError
+from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command
 from model_parallel.runtime.wire.agreement import broadcast_bytes
 from model_parallel.runtime.wire.comm import TAG_TOTALS, start_work, wait_work
@@ -55,26 +64,32 @@ def pack(loss_sum: float, squared_norm: float, command: Optional[Command]) -> tu
 
 
 class Posted:
-    """The step's reduction in flight, through rank 0: every other rank sends it its contribution and
+    """The step's reduction in flight, through `root`: every other rank sends it its contribution and
     receives the sums back (point-to-point on `group`, which spans every rank: no collective, so no
     process-group worker thread, and a wait that names its peer). `wait` leaves the sums in `totals`;
     `payload` is the command body this rank will broadcast (rank 0's; empty elsewhere)."""
 
-    def __init__(self, totals: torch.Tensor, payload: bytes, group: Any) -> None:
-        self.totals, self.payload, self.group = totals, payload, group
+    def __init__(self, totals: torch.Tensor, payload: bytes, group: Any, root: int = 0) -> None:
+        self.totals, self.payload, self.group, self.root = totals, payload, group, root
         self.rank = dist.get_rank()
-        if self.rank == 0:  # every receive posted now: the contributions land while this rank computes
-            self.parts = [(peer, torch.empty_like(totals)) for peer in range(1, dist.get_world_size(group))]
+        if self.rank == root:  # every receive posted now: the contributions land while this rank computes
+            self.parts = [(peer, torch.empty_like(totals)) for peer in range(dist.get_world_size(group)) if peer != root]
             self.works = [(peer, _start(dist.irecv, part, peer, group)) for peer, part in self.parts]
         else:
             self.mine = totals.clone()  # in flight while `totals` receives the sums
-            self.works = [(0, _start(dist.isend, self.mine, 0, group)), (0, _start(dist.irecv, totals, 0, group))]
+            self.works = [(root, _start(dist.isend, self.mine, root, group)), (root, _start(dist.irecv, totals, root, group))]
+
+    def contribute(self, loss_sum: float, squared_norm: float) -> None:
+        """The root's own loss and norm, known after its step's work: its receives were posted when the step
+        began (the command length it may have written then stays)."""
+        assert self.rank == self.root, "only the root contributes after posting"
+        self.totals[0], self.totals[1] = loss_sum, squared_norm
 
     def wait(self, timeout: float) -> None:
-        """Block until this rank holds the sums (rank 0: until every rank was sent them); PeerError naming a peer."""
+        """Block until this rank holds the sums (the root: until every rank was sent them); PeerError naming a peer."""
         for peer, work in self.works:
             wait_work(work, timeout, peer, WHAT)
-        if self.rank != 0:
+        if self.rank != self.root:
             return
         for _, part in self.parts:  # in rank order: the same sums whatever order they arrived in
             self.totals += part
@@ -90,10 +105,16 @@ def _start(op: Any, tensor: torch.Tensor, peer: int, group: Any) -> Any:
     return start_work(partial(op, tensor, peer, group=group, tag=TAG_TOTALS), peer, WHAT)
 
 
-def post(loss_sum: float, squared_norm: float, command: Optional[Command], group: Any) -> Posted:
-    """Start this rank's part of the step's reduction over `group` (every rank, once per step, in step order)."""
+def post(loss_sum: float, squared_norm: float, command: Optional[Command], group: Any, root: int = 0) -> Posted:
+    """Start this rank's part of the step's reduction over `group` through `root` (every rank, once per
+    step, in step order, with the same root)."""
     totals, payload = pack(loss_sum, squared_norm, command)
-    return Posted(totals, payload, group)
+    return Posted(totals, payload, group, root)
+
+
+def root_rank(plan: Plan) -> int:
+    """The reduction's root under `plan`: the first rank of its last stage (see the module docstring)."""
+    return max(plan.stages, key=lambda stage: stage.stage_id).ranks[0]
 
 
 def unpack(totals: torch.Tensor) -> StepTotals:

@@ -179,3 +179,41 @@ def test_straggler_summary_reads_the_live_side_detection() -> None:
     assert verdict["live_ratio_vs_ceiling"] == pytest.approx(0.8)
     rows[-1]["switch_steps"] = []
     assert schedules.straggler_summary(rows, spec)["live_steps_to_detect"] is None
+
+
+def test_simulated_step_of_a_flush_schedule_on_literal_times() -> None:
+    from model_parallel.runtime.step.schedule import gpipe
+
+    # GPipe p = 2, m = 2, f = 1, b = 2: stage 1 runs F0 1-2, F1 2-3, B0 3-5, B1 5-7; stage 0 B1 ends at 9.
+    schedule = gpipe(2, 2)
+    assert emulated.simulate_step([schedule.stage_actions(k) for k in range(2)], [1, 1], [2, 2]) == 9.0
+    # Equal stages under 1F1B: (m + p - 1) x (f + b) of one stage.
+    assert emulated.one_f_one_b_step([3, 3, 3, 3], [1, 1, 1, 1], 4, 1.0, 2.0) == 7 * 9.0
+
+
+def test_simulated_rows_that_wait_on_each_other_are_refused() -> None:
+    from model_parallel.runtime.step.schedule import Action
+
+    rows = [[Action.parse("0B0"), Action.parse("0F0")], [Action.parse("1F0"), Action.parse("1B0")]]
+    with pytest.raises(ValueError, match="wait on each other forever"):
+        emulated.simulate_step(rows, [1, 1], [1, 1])
+
+
+def test_the_best_1f1b_plan_keeps_fill_and_drain() -> None:
+    # p = 4, m = 8, 6 layers of f = 2, b = 4 ms per rank, rank 1 at 2x (the straggler world): the static
+    # step is 636 ms; no contiguous split beats [7, 3, 7, 7] at 456 ms: 1.39x, 0.80 of the 1.75 ceiling.
+    assert emulated.one_f_one_b_step([6, 6, 6, 6], [1, 2, 1, 1], 8, 2.0, 4.0) == 636.0
+    assert emulated.best_one_f_one_b_plan(24, [1, 2, 1, 1], 8, 2.0, 4.0) == (456.0, (7, 3, 7, 7))
+
+
+def test_straggler_summary_against_what_1f1b_can_reach() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "rebalanced_layers": [7, 3, 7, 7],
+            "emulation": {"forward_ms": 2.0, "input_ms": 2.0, "weight_ms": 2.0}}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 0.97},
+            {"side": "ours 1f1b rebalanced", "ratio": 1.37}]
+    verdict = schedules.straggler_summary(rows, spec)
+    assert verdict["schedule_bound_ratio"] == pytest.approx(636 / 456)
+    assert verdict["schedule_bound_layers"] == [7, 3, 7, 7]
+    assert verdict["solver_plan_sim_ratio"] == pytest.approx(636 / 456)
+    assert verdict["ratio_vs_schedule_bound"] == pytest.approx(1.37 * 456 / 636)
+    assert "1F1B at m=8" in schedules.format_rows([], [verdict], "load")

@@ -74,3 +74,10 @@ def test_a_scripted_channel_plays_the_step_the_runtime_asks_for():
     assert channel.poll(before_step=3) == Command.stop()
     assert channel.reports == []
     assert NullChannel().poll(before_step=1) is None
+
+
+def test_the_root_is_the_first_rank_of_the_last_stage():
+    plan = Plan(stages=(StagePlan(0, ("a",), ranks=(0,)), StagePlan(1, ("b",), ranks=(1,)),
+                        StagePlan(2, ("c",), num_replicas=2, ranks=(2, 3))))
+    assert step_totals.root_rank(plan) == 2
+    assert step_totals.root_rank(Plan(stages=(StagePlan(0, ("a",), ranks=(0,)),))) == 0
