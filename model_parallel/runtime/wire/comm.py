@@ -53,8 +53,6 @@ microbatches in increasing order.
 from __future__ import annotations
 
 import json
-import math
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -64,7 +62,11 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.structure import decode_value, encode_value, make_header, structure_of
+from model_parallel.runtime.wire.packed import (ALIGN, HeaderCache, Known, known_header, pack, read_prefix, received,
+                                                unpack, write_prefix)
+from model_parallel.runtime.wire.packed import dtype_named as _dtype_named
+from model_parallel.runtime.wire.packed import signature as _signature
+from model_parallel.runtime.wire.structure import decode_value, make_header, structure_of
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -90,153 +92,27 @@ SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
 _SLOT_ROOM = SLOT_BYTES - 8
 
 
-# ---- the header cache (engine hot path) -------------------------------------------------------------
-_ALIGN = 16  # prefix size and tensor alignment in a packed buffer (any dtype can be viewed there)
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-@dataclass(frozen=True)
-class _Known:
-    """A header as sent on the wire, parsed, with the packed layout of its tensors."""
-
-    data: bytes
-    entries: tuple[dict[str, Any], ...]  # the parsed header (not mutated)
-    tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
-    size: int  # bytes of the packed buffer, prefix included
-    structure: Any = None  # the header's structure entry, parsed once (not per message)
-    # Sender: `_signature` of the values this header describes, so a steady-state send compares a
-    # tuple instead of building and encoding the header again (None: compare the header bytes).
-    signature: Any = None
-    # Receiver: per value, how to rebuild it from the packed buffer (computed once, not per message):
-    # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad) or ("json", encoded).
-    layout: tuple[tuple[Any, ...], ...] = ()
-
-
-def _wire(name: Any) -> torch.dtype:
-    """A dtype named in a header; anything else is a protocol error, never an arbitrary torch attribute."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
-    if not isinstance(dtype, torch.dtype):
-        raise PeerError(f"a message header names dtype {str(name)[:40]!r}, which is not a torch dtype "
-                        "(are both ranks running the same version of model_parallel?)")
-    return dtype
-
-
-def _known(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> _Known:
-    offset = _ALIGN
-    tensors: list[tuple[int, tuple[int, ...], torch.dtype, int]] = []
-    layout: list[tuple[Any, ...]] = []  # one `_Known.layout` entry per value
-    for entry in header:
-        if entry["t"] == "tensor":
-            dtype = _wire(entry["dtype"])
-            shape = tuple(entry["shape"])
-            nbytes = math.prod(shape) * dtype.itemsize
-            tensors.append((offset, shape, dtype, nbytes))
-            cast = _wire(entry["cast"]) if "cast" in entry else None
-            layout.append(("tensor", offset, offset + nbytes, dtype, shape, cast, bool(entry["grad"])))
-            offset = _aligned(offset + nbytes)
-        elif entry["t"] != "structure":
-            layout.append(("json", entry["v"]))
-    return _Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
-
-
-def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype]) -> Any:
-    """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
-    signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
-    fields; narrowing follows from dtype and wire_dtype); other values and the structure by
-    their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
-    parts: list[Any] = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            parts.append((value.shape, value.dtype, value.requires_grad))
-        else:
-            parts.append(json.dumps(encode_value(value)))
-    text = None if structure is None else json.dumps(structure, separators=(",", ":"))
-    return wire_dtype, text, tuple(parts)
-
-
-class HeaderCache:
-    """The last header sent to / received from each (peer, tag, stream); see the module docstring.
-
-    One per process; both ends of a (peer, tag) use one or neither, with the same stream for each
-    message, and start from empty together (the engine clears it on every `activate`, a collective).
-    """
-
-    def __init__(self) -> None:
-        self.sent: dict[tuple[int, int, Any], _Known] = {}
-        self.received: dict[tuple[int, int, Any], _Known] = {}
-
-    def clear(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-
-
-def _prefix(buffer: torch.Tensor, value: int) -> None:
-    buffer[:8] = torch.frombuffer(bytearray(value.to_bytes(8, "little")), dtype=torch.uint8)
-
-
-_LITTLE = sys.byteorder == "little"
-
-
-def _read_prefix(buffer: torch.Tensor) -> int:
-    # One int64 view and item() (a few microseconds; the prefix is read once per message).
-    value = int(buffer[:8].view(torch.int64).item())
-    return value if _LITTLE else int.from_bytes(value.to_bytes(8, sys.byteorder, signed=True), "little")
-
-
-def _pack(tensors: list[torch.Tensor], known: _Known, device: torch.device) -> torch.Tensor:
-    """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
-    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
-    buffer[:_ALIGN].zero_()
-    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
-        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
-            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
-    return buffer
-
-
-def _received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> torch.Tensor:
-    """A received tensor as the receiver uses it: widened back to its announced dtype (a copy, so a
-    fresh leaf), floating-point ones with the sender's requires_grad."""
-    if cast is not None:
-        tensor = tensor.to(cast)
-    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
-
-
-def _unpack(buffer: torch.Tensor, known: _Known, device: torch.device) -> list[Any]:
-    """The message's values: tensors are views into `buffer` (leaves; float ones get the sender's requires_grad)."""
-    out: list[Any] = []
-    for item in known.layout:
-        if item[0] == "tensor":
-            _, start, end, dtype, shape, cast, grad = item
-            out.append(_received(buffer[start:end].view(dtype).view(shape), cast, grad))
-        else:
-            out.append(decode_value(item[1], device))
-    return out
-
-
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
                  stream: Any, structure: Any, wire_dtype: Optional[torch.dtype]) -> "SendHandle":
-    signature = _signature(values, structure, wire_dtype)
+    sig = _signature(values, structure, wire_dtype)
     tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
     key = (dst, tag, stream)
     previous = cache.sent.get(key)
-    if previous is not None and previous.signature == signature:
-        buffers = [_pack(tensors, previous, device)]  # steady state: one transfer, no header built
+    if previous is not None and previous.signature == sig:
+        buffers = [pack(tensors, previous, device)]  # steady state: one transfer, no header built
     else:
         header_list = make_header(values, structure, wire_dtype)
         header = json.dumps(header_list, separators=(",", ":")).encode()
         if previous is not None and previous.data == header:  # same header from a different signature
-            cache.sent[key] = _known(header, header_list, signature)
-            buffers = [_pack(tensors, previous, device)]
+            cache.sent[key] = known_header(header, header_list, sig)
+            buffers = [pack(tensors, previous, device)]
         else:
             # The receiver pre-posted `previous.size` bytes (just the prefix if it knows nothing yet).
-            first = torch.zeros(previous.size if previous is not None else _ALIGN, dtype=torch.uint8, device=device)
-            _prefix(first, len(header))
-            known = cache.sent[key] = _known(header, header_list, signature)
+            first = torch.zeros(previous.size if previous is not None else ALIGN, dtype=torch.uint8, device=device)
+            write_prefix(first, len(header))
+            known = cache.sent[key] = known_header(header, header_list, sig)
             buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
-                       _pack(tensors, known, device)]
+                       pack(tensors, known, device)]
     # Only the first transfer on the message's tag; a new header and its tensors on the side tag.
     works = [start_work(partial(_isend, b, dst, group, tag if i == 0 else side_tag(tag)), dst, "send")
              for i, b in enumerate(buffers)]
@@ -321,7 +197,7 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
     buffers = [torch.frombuffer(slot, dtype=torch.uint8).to(device)]
     if len(header) > _SLOT_ROOM:
         buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
-    buffers += [v.detach().to(_wire(e["dtype"])).contiguous() for v, e in zip(values, header_list)
+    buffers += [v.detach().to(_dtype_named(e["dtype"])).contiguous() for v, e in zip(values, header_list)
                 if isinstance(v, torch.Tensor)]
     works = [start_work(partial(dist.isend, b, dst, group=group, tag=tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst)
@@ -337,11 +213,11 @@ class PendingRecv:
                  cache: Optional[HeaderCache] = None, stream: Any = None) -> None:
         self.src, self.tag, self.group, self.cache, self.stream = src, tag, group, cache, stream
         self.device = device or torch.device("cpu")
-        self.known: Optional[_Known] = None
+        self.known: Optional[Known] = None
         self.structure: Any = None
         if cache is not None:
             self.known = cache.received.get((src, tag, stream))
-            size = self.known.size if self.known is not None else _ALIGN
+            size = self.known.size if self.known is not None else ALIGN
         else:
             size = SLOT_BYTES
         self.slot = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -356,10 +232,10 @@ class PendingRecv:
 
     def _wait_cached(self, timeout: float) -> list[Any]:
         assert self.cache is not None
-        size = _read_prefix(self.slot)
+        size = read_prefix(self.slot)
         if size == 0 and self.known is not None:
             self.structure = self.known.structure
-            return _unpack(self.slot, self.known, self.device)
+            return unpack(self.slot, self.known, self.device)
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
                             "(are both ranks running the same plan and schedule?)")
@@ -369,9 +245,9 @@ class PendingRecv:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
                             "are both ranks running the same version of model_parallel?") from None
-        known = self.cache.received[(self.src, self.tag, self.stream)] = _known(data, header)
+        known = self.cache.received[(self.src, self.tag, self.stream)] = known_header(data, header)
         self.structure = known.structure
-        return _unpack(self._recv_side(known.size, timeout), known, self.device)
+        return unpack(self._recv_side(known.size, timeout), known, self.device)
 
     def wait(self, timeout: float) -> list[Any]:
         wait_work(self.work, timeout, self.src, "receive")
@@ -399,7 +275,7 @@ class PendingRecv:
         works = []
         for entry in header:
             if entry["t"] == "tensor":
-                tensor = torch.empty(entry["shape"], dtype=_wire(entry["dtype"]), device=self.device)
+                tensor = torch.empty(entry["shape"], dtype=_dtype_named(entry["dtype"]), device=self.device)
                 works.append(start_work(partial(dist.irecv, tensor, self.src, group=self.group, tag=self.tag),
                                         self.src, "receive"))
                 values.append((tensor, entry["grad"]))
@@ -410,7 +286,7 @@ class PendingRecv:
         out = []
         for entry, (tensor, extra) in zip(header, values):
             if entry["t"] == "tensor":
-                out.append(_received(tensor, _wire(entry["cast"]) if "cast" in entry else None, bool(entry["grad"])))
+                out.append(received(tensor, _dtype_named(entry["cast"]) if "cast" in entry else None, bool(entry["grad"])))
             else:
                 out.append(extra)
         return out

@@ -3,7 +3,7 @@
 The sender `put`s a message's flat values under its (tag, stream); the receiver `take`s them when its action
 runs. The schedule row runs the sender's action first (the rules place every action after what it needs),
 so a missing message is a bug in the order, never a wait: `take` raises at once. Each tensor arrives as a
-message would: a copy, a fresh leaf, float ones with the sender's requires_grad (comm._received), so the
+message would: a copy, a fresh leaf, float ones with the sender's requires_grad (packed.received), so the
 receiving stage's autograd graph starts at its inputs exactly as it does across ranks.
 """
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""A message's cached form on the wire (runtime/wire/comm.py's hot path): the parsed header with its packed layout,
+the header cache both ends keep, and packing tensors into one buffer / viewing them out of it.
+
+comm.py's docstring describes the protocol; this module owns the layout: a 16-byte prefix (8 bytes little-endian:
+0 = "same header as last time", else the new header's length), then every tensor's bytes at 16-byte aligned offsets.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from model_parallel.errors import PeerError
+from model_parallel.runtime.wire.structure import decode_value, encode_value, structure_of
+
+ALIGN = 16  # prefix size and tensor alignment in a packed buffer (any dtype can be viewed there)
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Known:
+    """A header as sent on the wire, parsed, with the packed layout of its tensors."""
+
+    data: bytes
+    entries: tuple[dict[str, Any], ...]  # the parsed header (not mutated)
+    tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
+    size: int  # bytes of the packed buffer, prefix included
+    structure: Any = None  # the header's structure entry, parsed once (not per message)
+    # Sender: `signature` of the values this header describes, so a steady-state send compares a
+    # tuple instead of building and encoding the header again (None: compare the header bytes).
+    signature: Any = None
+    # Receiver: per value, how to rebuild it from the packed buffer (computed once, not per message):
+    # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad) or ("json", encoded).
+    layout: tuple[tuple[Any, ...], ...] = ()
+
+
+def dtype_named(name: Any) -> torch.dtype:
+    """A dtype named in a header; anything else is a protocol error, never an arbitrary torch attribute."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise PeerError(f"a message header names dtype {str(name)[:40]!r}, which is not a torch dtype "
+                        "(are both ranks running the same version of model_parallel?)")
+    return dtype
+
+
+def known_header(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> Known:
+    offset = ALIGN
+    tensors: list[tuple[int, tuple[int, ...], torch.dtype, int]] = []
+    layout: list[tuple[Any, ...]] = []  # one `Known.layout` entry per value
+    for entry in header:
+        if entry["t"] == "tensor":
+            dtype = dtype_named(entry["dtype"])
+            shape = tuple(entry["shape"])
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensors.append((offset, shape, dtype, nbytes))
+            cast = dtype_named(entry["cast"]) if "cast" in entry else None
+            layout.append(("tensor", offset, offset + nbytes, dtype, shape, cast, bool(entry["grad"])))
+            offset = aligned(offset + nbytes)
+        elif entry["t"] != "structure":
+            layout.append(("json", entry["v"]))
+    return Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
+
+
+def signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype]) -> Any:
+    """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
+    signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
+    fields; narrowing follows from dtype and wire_dtype); other values and the structure by
+    their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
+    parts: list[Any] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            parts.append((value.shape, value.dtype, value.requires_grad))
+        else:
+            parts.append(json.dumps(encode_value(value)))
+    text = None if structure is None else json.dumps(structure, separators=(",", ":"))
+    return wire_dtype, text, tuple(parts)
+
+
+class HeaderCache:
+    """The last header sent to / received from each (peer, tag, stream); see the module docstring.
+
+    One per process; both ends of a (peer, tag) use one or neither, with the same stream for each
+    message, and start from empty together (the engine clears it on every `activate`, a collective).
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int, Any], Known] = {}
+        self.received: dict[tuple[int, int, Any], Known] = {}
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+
+def write_prefix(buffer: torch.Tensor, value: int) -> None:
+    buffer[:8] = torch.frombuffer(bytearray(value.to_bytes(8, "little")), dtype=torch.uint8)
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def read_prefix(buffer: torch.Tensor) -> int:
+    # One int64 view and item() (a few microseconds; the prefix is read once per message).
+    value = int(buffer[:8].view(torch.int64).item())
+    return value if _LITTLE else int.from_bytes(value.to_bytes(8, sys.byteorder, signed=True), "little")
+
+
+def pack(tensors: list[torch.Tensor], known: Known, device: torch.device) -> torch.Tensor:
+    """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
+    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
+    buffer[:ALIGN].zero_()
+    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
+        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
+            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
+    return buffer
+
+
+def received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> torch.Tensor:
+    """A received tensor as the receiver uses it: widened back to its announced dtype (a copy, so a
+    fresh leaf), floating-point ones with the sender's requires_grad."""
+    if cast is not None:
+        tensor = tensor.to(cast)
+    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
+
+
+def unpack(buffer: torch.Tensor, known: Known, device: torch.device) -> list[Any]:
+    """The message's values: tensors are views into `buffer` (leaves; float ones get the sender's requires_grad)."""
+    out: list[Any] = []
+    for item in known.layout:
+        if item[0] == "tensor":
+            _, start, end, dtype, shape, cast, grad = item
+            out.append(received(buffer[start:end].view(dtype).view(shape), cast, grad))
+        else:
+            out.append(decode_value(item[1], device))
+    return out
