@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,26 +64,33 @@ def test_a_joiner_under_a_coordinator_is_a_spare_until_ctl_scale_gives_it_a_shar
     assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "run with a join and a scale")
 
 
-def test_a_joiner_lost_after_being_taken_under_a_coordinator_the_members_go_on_as_the_next_generation(
-        tmp_path: Path) -> None:
-    """The joiner dies between rank 0 taking its request and the meeting (`MP_TEST_JOINER_DIES`): the members close
-    the new world without it after 3 T, register as generation 1 with the same members, and finish exactly."""
-    steps = 60
+def _joiner_killed(tmp_path: Path, steps: int, env: dict[str, str]) -> tuple[Any, str]:
+    """Two members under a manual coordinator and a joiner admitted at step 4 that dies (how: `env`): the world's
+    result (members exit 0, the joiner -9) and the coordinator's log."""
     graph, plan = write_job(tmp_path, 2)
     port = free_port()
     with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
         args = worker_args(plan, steps, tmp_path / "ck", coord.address)
         commands = worker_commands([*args, "--recover"], 2, port=port) + [join_command(f"127.0.0.1:{port}", args)]
-        with LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": "4", "MP_TEST_JOINER_DIES": "1"}) as world:
+        with LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": "4", **env}) as world:
             result = world.wait(timeout=240)
         assert not result.timed_out, result.summary()
         assert [w.returncode for w in result.workers] == [0, 0, -signal.SIGKILL], result.summary()
         assert coord.wait(timeout=30) == 0, coord.output()[-3000:]
+        return result, coord.output()
+
+
+def test_a_joiner_lost_after_being_taken_under_a_coordinator_the_members_go_on_as_the_next_generation(
+        tmp_path: Path) -> None:
+    """The joiner dies between rank 0 taking its request and the meeting (`MP_TEST_JOINER_DIES`): the members close
+    the new world without it after 3 T, register as generation 1 with the same members, and finish exactly."""
+    steps = 60
+    result, log = _joiner_killed(tmp_path, steps, {"MP_TEST_JOINER_DIES": "1"})
     for rank in (0, 1):
         output = result.output(rank)
         assert "original rank 2 did not come to generation 1 within 15 s: training on without it" in output, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
-    assert "membership generation 1: original rank(s) [] lost; the survivors re-formed a world of 2" in coord.output()
+    assert "membership generation 1: original rank(s) [] lost; the survivors re-formed a world of 2" in log
     assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "a lost joiner")
 
 
@@ -90,22 +98,12 @@ def test_the_spare_killed_after_its_admission_the_members_recover_as_generation_
     """A spare is a member like any other: its kill -9 is a failure the others survive (generation 2, the even
     split of the 2 that are left), exact."""
     steps = 60
-    graph, plan = write_job(tmp_path, 2)
-    port = free_port()
-    with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
-        args = worker_args(plan, steps, tmp_path / "ck", coord.address)
-        commands = worker_commands([*args, "--recover"], 2, port=port) + [join_command(f"127.0.0.1:{port}", args)]
-        with LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": "4", "MP_TEST_SIGNAL_AT_STEP": "2:12:KILL"}) as world:
-            result = world.wait(timeout=240)
-        assert not result.timed_out, result.summary()
-        assert [w.returncode for w in result.workers] == [0, 0, -signal.SIGKILL], result.summary()
-        assert coord.wait(timeout=30) == 0, coord.output()[-3000:]
+    result, log = _joiner_killed(tmp_path, steps, {"MP_TEST_SIGNAL_AT_STEP": "2:12:KILL"})
     for rank in (0, 1):
         output = result.output(rank)
         assert "admission 1: original rank 2 joined" in output, output[-3000:]
         assert "recovery 2: lost original rank(s) [2]; new world of 2 (original ranks [0, 1]" in output, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
-    log = coord.output()
     assert "membership generation 1: original rank(s) [2] joined" in log, log[-3000:]
     assert "membership generation 2: original rank(s) [2] lost; the survivors re-formed a world of 2" in log, log[-3000:]
     assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "a spare lost")
