@@ -36,19 +36,22 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 
 
 def parse_times(text: str, num_stages: int) -> list[Any]:
-    """`--times F,B` (every stage) or `F,B/F,B/...` (one per stage): per-microbatch ms, as `StageTimes`."""
+    """`--times F,B` or `F,I,W` (every stage), or one such group per stage separated by '/': per-microbatch ms, as
+    `StageTimes` (F,I,W: the backward split into input and weight gradients, for the zero-bubble schedules)."""
+    from model_parallel.errors import ScheduleError
     from model_parallel.optimizer.simulate import StageTimes
 
     try:
-        pairs = [tuple(float(x) for x in part.split(",")) for part in text.split("/")]
+        groups = [tuple(float(x) for x in part.split(",")) for part in text.split("/")]
     except ValueError:
-        pairs = []
-    if not pairs or any(len(pair) != 2 for pair in pairs) or len(pairs) not in (1, num_stages):
-        raise ConfigError(f"--times {text!r}: give forward,backward ms of one microbatch for every stage (e.g. 10,20) "
-                          f"or one pair per stage separated by '/' ({num_stages} stages)")
+        groups = []
+    if not groups or any(len(g) not in (2, 3) for g in groups) or len(groups) not in (1, num_stages):
+        raise ConfigError(f"--times {text!r}: give forward,backward (e.g. 10,20) or forward,input-grad,weight-grad "
+                          f"(10,10,10) ms of one microbatch for every stage, or one group per stage separated by '/' "
+                          f"({num_stages} stages)")
     try:
-        times = [StageTimes(f, b) for f, b in pairs]
-    except ValueError as error:
+        times = [StageTimes(g[0], g[1]) if len(g) == 2 else StageTimes(g[0], g[1] + g[2], g[1], g[2]) for g in groups]
+    except (ValueError, ScheduleError) as error:
         raise ConfigError(f"--times {text!r}: {error}") from None
     return times * num_stages if len(times) == 1 else times
 
@@ -64,8 +67,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches, for a named schedule (default 8)")
     parser.add_argument("--csv", help="write the schedule here in torch's CSV format (torch's _load_csv reads it)")
-    parser.add_argument("--times", help="also simulate it with these ms per microbatch: forward,backward for every "
-                        "stage (10,20) or one pair per stage separated by '/' (10,20/30,60/...)")
+    parser.add_argument("--times", help="also simulate it with these ms per microbatch: forward,backward (or forward,"
+                        "input-grad,weight-grad for the zero-bubble schedules) for every "
+                        "stage (10,20) or one group per stage separated by '/' (10,20/30,60/...)")
     parser.add_argument("--transfer_ms", type=float, default=0.0, help="with --times: ms to send one microbatch's "
                         "values over a stage edge, each way (default 0)")
     args = parser.parse_args(argv)
@@ -77,15 +81,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         schedule = make_schedule(args.schedule, args.stages, args.microbatches)
     else:
         schedule = read_torch_csv(args.schedule)  # a ScheduleError: exit 2 with the file, row and step
+    times = None if args.times is None else parse_times(args.times, schedule.num_stages)
+    if times is not None and any(a is not None and a.kind in ("I", "W") for row in schedule.grid for a in row) and any(
+            t.input_ms is None for t in times):
+        raise ConfigError(f"--times {args.times!r}: the {schedule.name} schedule splits the backward into I and W: "
+                          "give forward,input-grad,weight-grad ms per stage (e.g. 10,10,10)")
     print(format_grid(schedule))
     rows = "stage" if schedule.placement is None else "rank"
     print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_rows} x {schedule.num_steps} unit steps "
           f"(every action, F, B, I or W, one unit long); peak microbatches in flight per {rows}: "
           f"{peak_in_flight(schedule)}")
-    if args.times is not None:
+    if times is not None:
         from model_parallel.runtime.step.auto import simulate_schedule
 
-        result = simulate_schedule(schedule, parse_times(args.times, schedule.num_stages), args.transfer_ms)
+        result = simulate_schedule(schedule, times, args.transfer_ms)
         print(f"simulated: {result.makespan_ms:.1f} ms per step, bubble {100 * result.bubble:.1f} % (per {rows}: "
               f"{', '.join(f'{100 * b:.1f}' for b in result.bubbles)} %)")
     if args.csv:

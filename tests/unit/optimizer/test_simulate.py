@@ -108,5 +108,13 @@ def test_the_schedule_command_simulates_given_times(capsys: pytest.CaptureFixtur
     assert "simulated: 10.0 ms per step, bubble 40.0 % (per stage: 60.0, 20.0 %)" in capsys.readouterr().out
     assert schedule_cli.main(["interleaved", "-p", "4", "-v", "2", "-m", "4", "--times", "0.5,0.5"]) == 0
     assert "simulated: 11.0 ms per step, bubble 27.3 %" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=r"--times '1,2,3': give forward,backward ms of one microbatch"):
-        schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--times", "1,2,3"])
+    # F,I,W: the backward split, which zbh1 fills the drain with (p = 4, m = 8: 11 % against 1F1B's 27 %)
+    assert schedule_cli.main(["zbh1", "-p", "4", "-m", "8", "--times", "1,1,1"]) == 0
+    assert "simulated: 27.0 ms per step, bubble 11.1 %" in capsys.readouterr().out
+    assert schedule_cli.main(["1f1b", "-p", "4", "-m", "8", "--times", "1,1,1"]) == 0  # B = I + W = 2
+    assert "simulated: 33.0 ms per step, bubble 27.3 %" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"the zbv schedule splits the backward into I and W: give forward,input-grad"):
+        schedule_cli.main(["zbv", "-p", "4", "-m", "8", "--times", "1,2"])
+    assert capsys.readouterr().out == ""  # refused before anything is printed
+    with pytest.raises(ConfigError, match=r"--times '1,2,3,4': give forward,backward \(e.g. 10,20\) or forward,input"):
+        schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--times", "1,2,3,4"])
