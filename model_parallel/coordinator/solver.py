@@ -51,5 +51,5 @@ def memory_solver(memory_per_worker: float, footprint: Footprint) -> Solver:
                 return plan
             return straight_plan(graph, ranks, speeds, memory_per_worker, footprint)
         except InfeasibleError as error:
-            raise PlanError(f"no re-plan on {len(ranks)} worker(s) fits their memory: {error}") from None
+            raise PlanError(f"no re-plan on {len(set(ranks))} worker(s) fits their memory: {error}") from None
     return solve

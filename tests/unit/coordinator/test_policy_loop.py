@@ -97,3 +97,16 @@ def test_the_rebalancer_issues_a_loop_plan_under_interleaved_only():
     held = {r: sum(len(sent[0].plan.stages[k].node_ids) for k in sent[0].plan.stages_of_rank(r)) for r in (0, 1)}
     assert held[1] < held[0] - 1  # work moved off the slow rank
     assert _run("zbinterleaved")[1] == []  # live switches are refused there (plancheck.check_switchable)
+
+
+def test_under_a_memory_cap_a_loop_re_plan_must_fit_each_rank_sum():
+    from model_parallel.coordinator.solver import memory_solver
+    from model_parallel.errors import PlanError
+    from model_parallel.optimizer.memory import Footprint
+    from model_parallel.optimizer.synthetic import chain
+
+    graph = chain(20, seed=1)  # with parameter and activation bytes
+    plan = memory_solver(1e12, Footprint())(graph, [0, 1, 0, 1], [1.0, 0.5, 1.0, 0.5])
+    assert plan.loop_width == 2
+    with pytest.raises(PlanError, match=r"no re-plan on 2 worker\(s\) fits their memory: .* on rank 0 \(stages \[0, 2\]"):
+        memory_solver(1.0, Footprint())(graph, [0, 1, 0, 1], [1.0, 0.5, 1.0, 0.5])
