@@ -63,3 +63,27 @@ def test_only_loop_placements_are_planned():
         loop_rank_plan(unit_chain(8), [0, 1, 1, 0], [1.0] * 4)
     with pytest.raises(PlanError, match="cannot split 2 cut point"):
         loop_rank_plan(unit_chain(2), [0, 1, 0, 1], [1.0] * 4)
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 1.0), (1.0, 0.5)])
+def test_the_optimum_on_a_reference_profile(reference_profiles, speeds):
+    """gnmt, 2 ranks x 2 stages: the slowest rank equals the best over every cut triple (brute force over the
+    same cut points)."""
+    import numpy as np
+
+    from model_parallel.graph.io import load_graph
+    from model_parallel.optimizer.contiguous import priced_graph
+    from model_parallel.optimizer.states import preprocess, prefix_states
+
+    graph = priced_graph(load_graph(reference_profiles / "gnmt.graph.txt"))
+    x = np.concatenate([[0.0], prefix_states(preprocess(graph, "pipedream")).compute * 1000.0])
+    s, total = len(x) - 1, x[-1]
+    best = np.inf
+    for a in range(1, s - 1):
+        b, c = np.arange(a + 1, s)[:, None], np.arange(a + 1, s)[None, :]
+        rank0 = x[a] + x[c] - x[b]
+        best = min(best, float(np.where(c > b, np.maximum(rank0 / speeds[0], (total - rank0) / speeds[1]), np.inf).min()))
+    ranks = [0, 1, 0, 1]
+    plan = loop_rank_plan(graph, ranks, [speeds[r] for r in ranks])
+    costs = [sum(graph[n].compute_ms for n in s.node_ids if not graph[n].is_input) for s in plan.stages]
+    assert max(rank_times(costs, ranks, dict(enumerate(speeds))).values()) == pytest.approx(best, rel=1e-9)
