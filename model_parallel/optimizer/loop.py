@@ -1,12 +1,12 @@
-"""Loop placements graph by rank: p*v contiguous stages, stage k on the k-th rank given (rank k % p), a rank's
+"""Loop placements priced by rank: p*v contiguous stages, stage k on the k-th rank given (rank k % p), a rank's
 time the sum of its stages' cost over its speed; `loop_rank_plan` minimises the slowest rank.
 
-The straight solver (stage k graph at its rank's speed) gives the start: it bounds every stage, not every rank.
-`balance_cuts` then moves one cut at a time to its best position between its neighbours (the slowest rank,
-then the sum of squared rank times: the most even split at that bottleneck) until no cut moves. Moving a cut
-between two stages trades work between two ranks only, and errors on a rank's v stages may cancel, which the
-per-stage bound cannot see. Coordinate descent is not proven optimal; tests/unit/optimizer/test_loop.py
-checks it against brute force on small graphs.
+The straight solver (stage k priced at its rank's speed) gives the start: it bounds every stage, not every rank.
+`balance_cuts` then moves one cut, then two cuts together, to their best positions (the slowest rank, then the
+sum of squared rank times: the most even split at that bottleneck) until no move helps. Moving a cut trades
+work between two ranks only, and errors on a rank's v stages may cancel, which the per-stage bound cannot see.
+This local search is not proven optimal: tests/unit/optimizer/test_loop.py checks it against brute force on a
+reference profile (the optimum) and against the ideal split on synthetic chains (within one node's time).
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], 
 def loop_rank_plan(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
     """`len(ranks)` contiguous stages over one topological order, stage k on `ranks[k]` (a loop placement,
     `is_loop`), minimising the slowest rank's summed stage cost over its speed (`speeds`: one per stage, a rank's
-    stages carry its speed). The optimizer's and the live rebalancer's loop plans. Nodes are graph by their
-    `compute_ms` as given: an untimed graph is graph by the caller (`contiguous.priced_graph`, the policy's
+    stages carry its speed). The optimizer's and the live rebalancer's loop plans. Nodes are priced by their
+    `compute_ms` as given: an untimed graph is priced by the caller (`contiguous.priced_graph`, the policy's
     `with_cost_proxy`)."""
     if not is_loop(ranks):
         raise PlanError(f"a loop placement puts stage k on the rank of stage k % p over p >= 2 ranks with p*v stages "
