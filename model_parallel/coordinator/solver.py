@@ -36,8 +36,18 @@ def default_solver(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) 
     """The optimizer's one contiguous partitioner (straight fast path) with these speeds: stage k on ranks[k]; a
     loop placement (interleaved) minimises the slowest rank's summed stages instead."""
     if is_loop(ranks):
-        return loop_rank_plan(graph, ranks, speeds)
+        return loop_rank_plan(graph, _single_replica_loop(ranks), speeds)
     return straight_plan(graph, ranks, speeds)
+
+
+def _single_replica_loop(ranks: Sequence[int]) -> Sequence[int]:
+    """`ranks` when they are one replica's loop (stage k on rank k % p); a replicated loop plan's ranks (replica i
+    on k % p + i*p, listed stage by stage) would re-plan as one wider loop the workers refuse: a PlanError."""
+    width = len(set(ranks))
+    if list(ranks[:width]) != list(range(width)):
+        raise PlanError(f"the policy does not re-plan a replicated interleaved plan (ranks {list(ranks)[:8]} ...): it keeps "
+                        "the live plan; give a new one with ctl set-plan")
+    return ranks
 
 
 def memory_solver(memory_per_worker: float, footprint: Footprint) -> Solver:
@@ -46,7 +56,7 @@ def memory_solver(memory_per_worker: float, footprint: Footprint) -> Solver:
     def solve(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
         try:
             if is_loop(ranks):  # a rank holds several stages: their summed footprint must fit
-                plan = loop_rank_plan(graph, ranks, speeds)
+                plan = loop_rank_plan(graph, _single_replica_loop(ranks), speeds)
                 MemoryLimit(memory_per_worker, replace(footprint, schedule="interleaved")).check(graph, plan, "the re-plan")
                 return plan
             return straight_plan(graph, ranks, speeds, memory_per_worker, footprint)

@@ -110,3 +110,14 @@ def test_under_a_memory_cap_a_loop_re_plan_must_fit_each_rank_sum():
     assert plan.loop_width == 2
     with pytest.raises(PlanError, match=r"no re-plan on 2 worker\(s\) fits their memory: .* on rank 0 \(stages \[0, 2\]"):
         memory_solver(1.0, Footprint())(graph, [0, 1, 0, 1], [1.0, 0.5, 1.0, 0.5])
+
+
+def test_a_replicated_loop_plan_is_kept_with_the_reason():
+    graph = chain_graph(8)
+    four = even_plan(graph, 4)  # 2 replicas of a 2-rank loop: replica i of stage k on rank k % 2 + 2i
+    plan = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2, s.stage_id % 2 + 2), num_replicas=2)
+                                      for s in four.stages))
+    samples = {r: [3.0 * (2 if r == 1 else 1)] * 5 for r in range(4)}
+    decision, _ = pol.decide(pol.PolicyState(graph, plan, solver=default_solver), pol.Samples(10, samples),
+                             pol.PolicyConfig(), force=True)
+    assert decision.plan is None and "does not re-plan a replicated interleaved plan" in decision.reason
