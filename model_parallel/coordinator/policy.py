@@ -191,7 +191,8 @@ def stage_nodes(plan: Plan) -> list[tuple[str, ...]]:
 
 
 def active_ranks(plan: Plan) -> tuple[int, ...]:
-    """Ranks holding a stage, in stage order (straight pipelines: one rank per stage)."""
+    """Ranks holding a stage, in stage order (straight pipelines: one rank per stage; a loop placement repeats
+    them, which is how the solver knows to balance each rank's summed stages)."""
     return tuple(r for s in plan.with_default_ranks().stages for r in s.ranks)
 
 
@@ -206,7 +207,8 @@ def estimate_speeds(graph: Graph, plan: Plan, samples: Mapping[int, Sequence[flo
             if not values:
                 raise PlanError(f"rank {rank} (stage {stage.stage_id}) has no compute samples yet")
             measured[rank] = statistics.median(values)
-            predicted[rank] = stage_profiled_ms(graph, stage) / stage.num_replicas
+            # A rank's compute covers all its stages (several under loop placement): predict their sum.
+            predicted[rank] = predicted.get(rank, 0.0) + stage_profiled_ms(graph, stage) / stage.num_replicas
     ratios = {r: measured[r] / predicted[r] for r in measured if predicted[r] > 0 and measured[r] > 0}
     calibration = min(ratios.values()) if ratios else 1.0
     # A stage with no profiled cost (or no measured time) says nothing about its worker: nominal.
@@ -222,14 +224,15 @@ def calibrated_graph(graph: Graph, calibration: float) -> Graph:
 
 
 def predicted_bottleneck_ms(graph: Graph, plan: Plan, speeds: Mapping[int, float], calibration: float = 1.0) -> float:
-    """Slowest stage of `plan` on workers with `speeds` (ms): calibrated profiled compute / speed."""
+    """Slowest rank of `plan` on workers with `speeds` (ms): the calibrated profiled compute of its stages (several
+    under loop placement: moving a cut between two stages of one rank changes nothing) / its speed."""
     plan = plan.with_default_ranks()
-    worst = 0.0
+    work: dict[int, float] = {}
     for stage in plan.stages:
         per_replica = stage_profiled_ms(graph, stage) * calibration / stage.num_replicas
         for rank in stage.ranks:
-            worst = max(worst, per_replica / max(speeds.get(rank, 1.0), 1e-9))
-    return worst
+            work[rank] = work.get(rank, 0.0) + per_replica
+    return max((ms / max(speeds.get(rank, 1.0), 1e-9) for rank, ms in work.items()), default=0.0)
 
 
 def decide(state: PolicyState, samples: Samples, config: PolicyConfig,

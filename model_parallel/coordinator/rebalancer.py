@@ -22,6 +22,7 @@ from model_parallel.coordinator import policy
 from model_parallel.coordinator.status import WorkerState, plan_times_label
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 
@@ -32,6 +33,8 @@ PENDING_STEPS = 20  # a switch not confirmed this many steps after it was sent w
 DECISION_LOG = 100
 
 Send = Callable[[int, Command], bool]
+# Several stages per rank with the backward split: never switched live (interleaved is: loop plan to loop plan).
+NO_SWITCH_SCHEDULES = tuple(s for s in MULTI_STAGE_SCHEDULES if s != "interleaved")
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,8 @@ class Rebalancer:
             logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
                            report.step)
             self.pending = None
-        if not self.auto or self.pending is not None or stopping or self.schedule == "interleaved":
-            return  # interleaved: no live switch (plancheck.check_switchable); `issue` refuses ctl's too
+        if not self.auto or self.pending is not None or stopping or self.schedule in NO_SWITCH_SCHEDULES:
+            return  # zbinterleaved/zbv: no live switch (plancheck.check_switchable); `issue` refuses ctl's too
         step = max(w.step for w in workers.values())
         # Evaluate at most once per step; after a solve that found nothing worth it, wait a window
         # (solving can take a while on big graphs; the gates before it are cheap).

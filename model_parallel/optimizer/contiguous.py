@@ -18,6 +18,7 @@ from typing import Optional
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Hierarchy, Plan
+from model_parallel.optimizer.loop import loop_rank_plan
 from model_parallel.optimizer.memory import Footprint, MemoryLimit, plan_footprint
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
@@ -116,8 +117,8 @@ def even_stages(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, i
 
 def loop_plan(graph: Graph, num_ranks: int, stages_per_rank: int = 2, speeds: Optional[Sequence[float]] = None,
               memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
-    """Interleaved 1F1B's plan: `num_ranks * stages_per_rank` contiguous stages balanced by profiled cost (the
-    straight solver, stage k priced at worker k % p's speed), stage k on rank k % p (loop placement). With
+    """Interleaved 1F1B's plan: `num_ranks * stages_per_rank` contiguous stages balanced by profiled cost (each
+    rank's summed stages over its speed: `loop.loop_rank_plan`), stage k on rank k % p (loop placement). With
     `memory_per_worker`, a rank's stages must fit together: the balanced split when its ranks' summed footprints
     fit, else the most even split whose every stage fits 1/v of it; an `InfeasibleError` names the rank over."""
     if num_ranks < 2 or stages_per_rank < 2:
@@ -136,7 +137,8 @@ def loop_plan(graph: Graph, num_ranks: int, stages_per_rank: int = 2, speeds: Op
                        extra={**plan.extra, "schedule": "interleaved", "stages_per_rank": stages_per_rank,
                               "memory_model": "footprint", "footprint": model.to_dict(), "memory": parts})
 
-    plan = placed(straight_plan(graph, range(count), per_stage))
+    # Balanced by rank (each rank's v stages summed), not by stage; under a cap the per-stage bounds below.
+    plan = placed(loop_rank_plan(priced_graph(graph), [k % num_ranks for k in range(count)], per_stage or [1.0] * count))
     if memory_per_worker is None:
         return plan
     limit = MemoryLimit(float(memory_per_worker), model)

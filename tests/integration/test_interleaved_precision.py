@@ -1,6 +1,7 @@
 """Interleaved 1F1B with the per-stage features: activation recomputation, bf16 autocast and replicas, on 2 and 4
 processes (2 or 3 stages per rank, loop placement), each job against single-process training of the same stages
-with the same data, microbatching, recomputation and autocast (SingleProcessRunner rounds at the same cuts),
+with the same data, microbatching, recomputation and autocast (SingleProcessRunner rounds at the same cuts: the
+plan each job ran, the default split being the optimizer's loop plan balanced by rank),
 every parameter within 1e-5 relative. One world per size runs all its jobs (`--jobs`). A replicated job runs
 two copies of a 2-rank pipeline (replica i of stage k on rank k % 2 + 2i: microbatch j on replica j % 2) whose
 ranks all-reduce their stages' gradients."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from model_parallel.codegen.naming import state_key
-from model_parallel.graph.plan import write_plan
+from model_parallel.graph.plan import Plan, write_plan
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
@@ -36,7 +37,7 @@ def _job(name: str, model: str, world: int, stages: int, *, bf16: bool = False, 
 JOBS = [
     _job("mlp_p2_bf16", "mlp", 2, 4, bf16=True),
     # Under a memory cap the default split is the optimizer's loop plan (a rank's stages fit together): 1 GB
-    # holds the balanced split, so the plan is the even one the oracle cuts.
+    # holds the balanced split (each rank's summed stages, optimizer/loop.py), which the oracle cuts too.
     _job("mlp_p2_memory_cap", "mlp", 2, 4, extra=("--memory_per_worker", "1e9")),
     _job("gpt_p2_recompute_adamw", "gpt", 2, 4, recompute=True, adamw=True),
     # --measure_memory: one StashMeter per rank over its stages (multi_stage.LaneMeter), in the memory table
@@ -78,8 +79,9 @@ def _argv(job: dict, root) -> list[str]:
     return argv
 
 
-def _reference(job: dict) -> dict[str, torch.Tensor]:
-    """The same stages in one process (1F1B order is irrelevant there: microbatch by microbatch)."""
+def _reference(job: dict, plan: Plan) -> dict[str, torch.Tensor]:
+    """The same stages (`plan`, the one the workers ran: bf16 rounds at its cuts) in one process (1F1B order is
+    irrelevant there: microbatch by microbatch)."""
     r = recipe(job["model"])
     model = r.model(0)
     graph, _ = trace_model(model, r.example(2))
@@ -91,8 +93,7 @@ def _reference(job: dict) -> dict[str, torch.Tensor]:
         factory = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
     config = TrainConfig(batch_size=batch, num_microbatches=job["world"], bf16=job["bf16"],
                          recompute=True if job["recompute"] else False)
-    runner = SingleProcessRunner(graph, even_plan(graph, job["stages"]), model, r.criterion, factory, r.data(batch, 0),
-                                 config)
+    runner = SingleProcessRunner(graph, plan, model, r.criterion, factory, r.data(batch, 0), config)
     runner.train(STEPS)
     return {state_key(k): v.detach() for k, v in model.named_parameters()}  # the stages share its layers
 
@@ -120,7 +121,7 @@ def test_interleaved_recompute_and_bf16_match_single_process(worlds, job):
     got = checkpoint.params()
     if job["bf16"]:  # mixed precision keeps float32 master weights
         assert {v.dtype for v in got.values()} == {torch.float32}
-    want = _reference(job)
+    want = _reference(job, Plan.from_dict(checkpoint.world["plan"]))
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert_relatively_close(got[key], value, TOL, f"{job['name']}: {key}")

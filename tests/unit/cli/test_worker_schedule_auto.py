@@ -17,5 +17,7 @@ def test_flags_that_interleaved_cannot_honour_are_refusals_in_the_job_spec() -> 
     assert refusals() == {}
     assert "--bf16 or --recompute" in refusals("--bf16")["zbv"] and "interleaved" not in refusals("--bf16")
     assert "--measure_memory" in refusals("--measure_memory")["zbinterleaved"]
-    assert "live plan switches (--coordinator)" in refusals("--coordinator", "127.0.0.1:1")["interleaved"]
+    served = refusals("--coordinator", "127.0.0.1:1")  # interleaved switches live (loop to loop); zbinterleaved/zbv not
+    assert "interleaved" not in served and set(served) == {"zbinterleaved", "zbv"}
+    assert "zbv cannot switch plans live" in served["zbv"]
     assert "NCCL ignores" in refusals(device=torch.device("cuda", 0))["interleaved"]

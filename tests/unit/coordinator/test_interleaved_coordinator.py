@@ -1,5 +1,6 @@
-"""The coordinator under the interleaved schedule: it accepts the workers' loop-placement plan, its policy issues no
-switch, and `ctl set-plan` issues a loop plan (refusing any other)."""
+"""The coordinator under the interleaved schedule: it accepts the workers' loop-placement plan, reads a rank's
+reports, and `ctl set-plan` issues a loop plan (refusing any other). The auto policy under interleaved:
+test_policy_loop.py."""
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ from model_parallel.messages import StepReport
 from tests.unit.coordinator.test_policy_replay import chain_graph, even_plan
 
 
-def test_no_switch_is_issued_and_reports_of_a_rank_with_two_stages_are_read():
+def test_reports_of_a_rank_with_two_stages_are_read_and_set_plan_issues_loop_plans_only():
     graph = chain_graph(8)
     four = even_plan(graph, 4)
     loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
@@ -21,7 +22,7 @@ def test_no_switch_is_issued_and_reports_of_a_rank_with_two_stages_are_read():
                             schedule="interleaved")
     workers = {r: WorkerState(rank=r, host="h", pid=r, world_size=2) for r in range(2)}
     sent = []
-    for step in range(1, 30):  # auto: the policy never runs, so nothing is sent
+    for step in range(1, 30):  # no worker step recorded (the server's job): the policy does not run, nothing is sent
         for rank in range(2):
             report = StepReport(rank, step, 0, rank, 1.0 + rank, 1.0 + rank, 0.0, 0.0, 1.0)
             workers[rank].reports.append(report)

@@ -26,9 +26,11 @@ def test_balanced_loop_plan_is_the_even_split_in_a_loop(reference_profiles):
     graph = load_graph(reference_profiles / "resnet50.graph.txt")
     plan = loop_plan(graph, 4, 2)
     assert plan.loop_width == 4 and [s.ranks for s in plan.stages] == [(k % 4,) for k in range(8)]
-    assert [s.node_ids for s in plan.stages] == [s.node_ids for s in even_plan(graph, 8).stages]
     times = [sum(plan.stages[k].compute_s for k in plan.stages_of_rank(r)) for r in range(4)]
     assert max(times) / min(times) < 1.1  # balanced by profiled cost
+    # Balanced by rank sums (optimizer/loop.py): never slower than the even 8-stage split laid in a loop.
+    even = even_plan(graph, 8)
+    assert max(times) <= max(sum(even.stages[k].compute_s for k in (r, r + 4)) for r in range(4)) * (1 + 1e-9)
     assert check_plan(graph, plan, 4, "interleaved").plan == plan
     assert plan.extra["footprint"]["schedule"] == "interleaved" and all(p["in_flight"] >= 1 for p in plan.extra["memory"])
 

@@ -1,0 +1,145 @@
+"""Loop placements priced by rank: p*v contiguous stages, stage k on the k-th rank given (rank k % p), a rank's
+time the sum of its stages' cost over its speed; `loop_rank_plan` minimises the slowest rank.
+
+The straight solver (stage k priced at its rank's speed) gives the start: it bounds every stage, not every rank.
+`balance_cuts` then moves one cut, then two cuts together, to their best positions (the slowest rank, then the
+sum of squared rank times: the most even split at that bottleneck) until no move helps. Moving a cut trades
+work between two ranks only, and errors on a rank's v stages may cancel, which the per-stage bound cannot see.
+This local search is not proven optimal: tests/unit/optimizer/test_loop.py checks it against brute force on a
+reference profile (the optimum) and against the ideal split on synthetic chains (within one node's time).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from model_parallel.errors import InfeasibleError, PlanError
+from model_parallel.graph.core import Graph
+from model_parallel.graph.plan import Hierarchy, Plan
+from model_parallel.optimizer.assemble import assign_nodes, build_plan, infeasible_message
+from model_parallel.optimizer.dp import Part
+from model_parallel.optimizer.options import PartitionOptions
+from model_parallel.optimizer.partition import choose_states
+from model_parallel.optimizer.solve import solve
+from model_parallel.optimizer.states import preprocess
+
+MAX_PASSES = 30  # each pass moves every cut at most once; real graphs settle in a few (the rest: evening out)
+# Candidate placements (rows x stages) the search may price in all: a bound in array elements, never seconds,
+# so the same input gives the same plan on any machine; about a second of numpy at worst (2 cores, loaded).
+BUDGET = 20_000_000
+
+
+def is_loop(ranks: Sequence[int]) -> bool:
+    """`ranks` (one per stage, in stage order) is a loop placement: p >= 2 distinct ranks, p*v stages (v >= 2),
+    stage k on the rank of stage k % p."""
+    p = len(set(ranks))
+    return p >= 2 and len(ranks) > p and len(ranks) % p == 0 and all(r == ranks[k % p] for k, r in enumerate(ranks))
+
+
+def rank_speeds(ranks: Sequence[int], speeds: Sequence[float]) -> dict[int, float]:
+    """One speed per rank from speeds given per stage (a rank's stages carry its speed; the first one counts)."""
+    if len(speeds) != len(ranks):
+        raise PlanError(f"got {len(speeds)} speed(s) for {len(ranks)} stage(s); give one speed per stage")
+    out: dict[int, float] = {}
+    for rank, speed in zip(ranks, speeds):
+        out.setdefault(int(rank), float(speed))
+    if any(not s > 0 for s in out.values()):
+        raise PlanError(f"worker speeds must be > 0, got {out}")
+    return out
+
+
+def rank_times(stage_costs: Sequence[float], ranks: Sequence[int], speeds: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's time: the sum of its stages' costs over its speed (moving a cut between two stages of one
+    rank changes nothing)."""
+    totals: dict[int, float] = {}
+    for cost, rank in zip(stage_costs, ranks):
+        totals[rank] = totals.get(rank, 0.0) + float(cost)
+    return {r: t / speeds[r] for r, t in totals.items()}
+
+
+def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], speeds: Mapping[int, float]) -> list[int]:
+    """Cut ends (stage i covers positions ends[i-1] .. ends[i]-1 of `prefix`, the running cost sums; the last end
+    is len(prefix)) moved, one cut and then two at a time, to the positions that lower (slowest rank, sum of
+    squared rank times), until no move does."""
+    cum = np.concatenate([[0.0], np.asarray(prefix, dtype=float)])  # cum[e]: cost of positions < e
+    ends = [int(e) for e in ends]
+    order = sorted(set(ranks))
+    onehot = np.zeros((len(ends), len(order)))
+    onehot[np.arange(len(ends)), [order.index(r) for r in ranks]] = 1.0
+    onehot /= np.array([speeds[r] for r in order]) * (float(cum[-1]) or 1.0)  # rank times, near 1
+
+    def keys(candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slowest rank rounded, sum of squares) of each row of candidate ends."""
+        starts = np.concatenate([np.zeros((len(candidates), 1), dtype=np.int64), candidates[:, :-1]], axis=1)
+        times = (cum[candidates] - cum[starts]) @ onehot
+        return np.round(times.max(axis=1), 12), (times ** 2).sum(axis=1)
+
+    spent = 0
+
+    def improve(cuts: tuple[int, ...]) -> bool:
+        """Every placement of `cuts` (the others fixed, every stage keeping a position): take the best if it is
+        better than now (two cuts: only if the slowest rank gets faster, else long chains of tiny evenings)."""
+        nonlocal spent
+        lo, hi = (ends[cuts[0] - 1] if cuts[0] else 0), ends[cuts[-1] + 1]
+        if len(cuts) == 1:
+            grid = np.arange(lo + 1, hi)[:, None]
+        elif cuts[1] == cuts[0] + 1:  # adjacent: both between the same neighbours, in order
+            u, w = np.meshgrid(np.arange(lo + 1, hi), np.arange(lo + 1, hi), indexing="ij")
+            grid = np.stack([u.ravel(), w.ravel()], axis=1)
+            grid = grid[grid[:, 0] < grid[:, 1]]
+        else:
+            u, w = np.meshgrid(np.arange(lo + 1, ends[cuts[0] + 1]), np.arange(ends[cuts[1] - 1] + 1, hi), indexing="ij")
+            grid = np.stack([u.ravel(), w.ravel()], axis=1)
+        if not len(grid) or spent + len(grid) * len(ends) > BUDGET:
+            return False
+        spent += len(grid) * len(ends)
+        candidates = np.tile(np.array(ends), (len(grid) + 1, 1))
+        candidates[1:, list(cuts)] = grid  # row 0: the cuts as they are
+        worst, squares = keys(candidates)
+        best = int(np.lexsort((squares, worst))[0])  # by slowest rank, then sum of squares
+        if (worst[best], squares[best]) >= (worst[0], squares[0]) or (len(cuts) > 1 and worst[best] >= worst[0]):
+            return False
+        for cut, value in zip(cuts, candidates[best, list(cuts)]):
+            ends[cut] = int(value)
+        return True
+
+    singles = [(i,) for i in range(len(ends) - 1)]
+    pairs = [(i, j) for i in range(len(ends) - 1) for j in range(i + 1, len(ends) - 1)]
+    for _ in range(MAX_PASSES):
+        if not any([improve(c) for c in singles]) and not any(improve(c) for c in pairs):
+            break  # (also when the budget is spent: every move then says no)
+    return ends
+
+
+def loop_rank_plan(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) -> Plan:
+    """`len(ranks)` contiguous stages over one topological order, stage k on `ranks[k]` (a loop placement,
+    `is_loop`), minimising the slowest rank's summed stage cost over its speed (`speeds`: one per stage, a rank's
+    stages carry its speed). The optimizer's and the live rebalancer's loop plans. Nodes are priced by their
+    `compute_ms` as given: an untimed graph is priced by the caller (`contiguous.priced_graph`, the policy's
+    `with_cost_proxy`)."""
+    if not is_loop(ranks):
+        raise PlanError(f"a loop placement puts stage k on the rank of stage k % p over p >= 2 ranks with p*v stages "
+                        f"(v >= 2); got ranks {list(ranks)[:12]}")
+    by_rank = rank_speeds(ranks, speeds)
+    count = len(ranks)
+    options = PartitionOptions(straight_pipeline=True, cuts="topological",
+                               worker_speeds=tuple(by_rank[int(r)] for r in ranks))
+    hierarchy = Hierarchy.from_lists([count])
+    work = preprocess(graph, options.memory_model)
+    states = choose_states(work, hierarchy, options)
+    if states.num_states < count:
+        raise PlanError(f"cannot split {states.num_states} cut point(s) into {count} stage(s); use fewer stages per rank")
+    solution = solve(states, hierarchy, options)
+    if not math.isfinite(solution.time_s):
+        raise InfeasibleError(infeasible_message(graph, work, hierarchy, options, states))
+    ends = balance_cuts(states.compute, [part.end for part in solution.parts], [int(r) for r in ranks], by_rank)
+    starts = [0] + ends[:-1]
+    parts = tuple(Part(s, e, 1) for s, e in zip(starts, ends))
+    costs = [float(states.compute[e - 1] - (states.compute[s - 1] if s else 0.0)) for s, e in zip(starts, ends)]
+    solution = replace(solution, parts=parts, time_s=max(rank_times(costs, ranks, by_rank).values()))
+    # No clock here (test_tuning: the optimizer never reads it); the plan's optimizer_seconds stays 0.
+    plan = build_plan(graph, hierarchy, options, solution, assign_nodes(graph, work, solution), 0.0)
+    return replace(plan, stages=tuple(replace(s, ranks=(int(ranks[i]),)) for i, s in enumerate(plan.stages)))
