@@ -11,7 +11,7 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
     interleaved  min(2 (M - before), ceil(m / r))         per stage, M = all stages, before = its position (loop)
-    zbinterleaved min(2 (M - before), m)                  per stage, loop placement, r = 1 (its grids stay under it)
+    zbinterleaved as interleaved                           per stage, loop placement (its grids stay under it)
     zbv        as 1f1b, M = all stages                   per stage, V placement (r = 1)
     zbh1       as 1f1b                                    ZB-H1: 1F1B's warm-up; an I ends a microbatch's
                                                           activations, its deferred W keeps only the weight path's
@@ -48,10 +48,8 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if schedule == "gpipe":
         return math.ceil(num_microbatches / replicas)
-    if schedule == "interleaved":  # ranks = stage positions; a replica runs a subsequence of the row: its j % r
+    if schedule in LOOP_SCHEDULES:  # ranks = stage positions; a replica runs a subsequence of the row: its j % r
         return min(2 * (num_ranks - ranks_before), math.ceil(num_microbatches / replicas))
-    if schedule in LOOP_SCHEDULES:  # zbinterleaved: single-replica stages only (plancheck refuses replicas)
-        return min(2 * (num_ranks - ranks_before), num_microbatches)
     downstream = math.ceil((num_ranks - ranks_before) / replicas)
     if schedule == "pipedream":
         return downstream

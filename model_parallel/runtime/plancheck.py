@@ -67,7 +67,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
 
 def check_placement(plan: Plan, schedule: str) -> None:
     """Several stages per rank only under the interleaved schedules, and they only with them: stage k on rank
-    k % p (interleaved: replica i on rank k % p + i*p; zbinterleaved: single-replica), p >= 2 (two consecutive stages
+    k % p (replica i on rank k % p + i*p), p >= 2 (two consecutive stages
     never share a rank, so every edge is a message); or, under zbv, two stages per rank in a V (rank r: r and
     2p-1-r; p-1 hands to p on its rank, no message)."""
     shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
@@ -84,9 +84,6 @@ def check_placement(plan: Plan, schedule: str) -> None:
                             f"rank k for k < p, 2p-1-k after; plan v{plan.version} has {plan.num_stages} stage(s) on "
                             f"ranks {held}{' ...' if plan.num_stages > 12 else ''}")
         return
-    if schedule != "interleaved" and any(s.num_replicas > 1 for s in plan.stages):
-        raise PlanError(f"the {schedule} schedule does not support replicated stages yet (untested with the backward "
-                        "split); give every stage one rank (stage k on rank k % p), or use --schedule interleaved")
     if plan.loop_width < 2:
         ranks = [list(s.ranks) for s in plan.stages[:12]]
         raise PlanError(f"the interleaved schedule needs loop placement over p >= 2 ranks: stage k on rank k % p with "

@@ -141,7 +141,8 @@ def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optiona
     stages = {k: engine.stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
     prepared.stage = StageGroup(list(stages.values()))
     engine.make_optimizer(prepared, optimizer_state)
-    mailbox = Mailbox(engine.rank)  # ZBV: stage p-1 hands to stage p on this rank without a message
+    # ZBV: stage p-1 hands to stage p on this rank without a message, rounded as a message would be (bf16)
+    mailbox = Mailbox(engine.rank, engine.config.wire_dtype)
     lanes = {k: engine.make_executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True,
                                      local=mailbox)
              for k, stage in stages.items()}

@@ -15,7 +15,7 @@ def test_flags_that_interleaved_cannot_honour_are_refusals_in_the_job_spec() -> 
         return dict(spec.schedule_refusals or {})
 
     assert refusals() == {}
-    assert "--bf16 or --recompute" in refusals("--bf16")["zbv"] and "interleaved" not in refusals("--bf16")
+    assert refusals("--bf16", "--recompute", "all") == {}  # every schedule runs them
     assert "--measure_memory" in refusals("--measure_memory")["zbinterleaved"]
     assert "live plan switches (--coordinator)" in refusals("--coordinator", "127.0.0.1:1")["interleaved"]
     assert "NCCL ignores" in refusals(device=torch.device("cuda", 0))["interleaved"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from model_parallel.errors import ConfigError, PlanError
 from model_parallel.graph.plan import Plan
@@ -36,6 +37,7 @@ def test_interleaved_refusals_name_the_fix():
                                             for s in four.stages))  # replica i of the pipeline on ranks 2i, 2i + 1
     assert replicated.loop_width == 2 and replicated.stages_of_rank(3) == (1, 3) and loop.loop_width == 2
     assert check_plan(graph, replicated, 4, "interleaved").plan.num_ranks == 4
+    assert check_plan(graph, replicated, 4, "zbinterleaved").plan.num_ranks == 4  # zero bubble places replicas alike
     with pytest.raises(PlanError, match="a rank runs two stages"):  # replica 1 not on ranks k % p + p
         Plan(stages=tuple(replace(s, ranks=(s.stage_id % 2, 3 - s.stage_id % 2), num_replicas=2) for s in four.stages))
     with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
@@ -106,5 +108,4 @@ def test_v_placement_only_under_zbv():
     for name in set(MULTI_STAGE_SCHEDULES) - {"interleaved"}:
         with pytest.raises(PlanError, match=f"live plan switches are not supported"):
             check_switchable(name)
-    with pytest.raises(ConfigError, match="the zbv schedule does not run --bf16 or --recompute"):
-        TrainConfig(schedule="zbv", bf16=True)
+    assert TrainConfig(schedule="zbv", bf16=True).wire_dtype == torch.bfloat16  # runs bf16 (the mailbox rounds)

@@ -1,0 +1,190 @@
+"""The multi-stage zero-bubble schedules with every per-stage feature, on 2 and 4 processes, against single-process
+training of the same stages within 1e-5: interleaved zero bubble (`zbinterleaved`, loop placement) and ZBV (`zbv`,
+a V: stage p-1 hands to stage p on its rank through a mailbox) with bf16 autocast (the mailbox rounds the hand-off
+to bf16 as a message would) and activation recomputation; `zbinterleaved` with replicas (replica i of stage k on
+rank k % p + i p, as interleaved places them); and a GPT head tied to its token embedding across stages (the tie's
+all-reduce runs after the rank's last W; under zbv both users sit on rank 0). One world per size and launcher."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_parallel.codegen.naming import find_ties, state_key
+from model_parallel.graph.core import Graph
+from model_parallel.graph.json_format import read_graph_json, write_graph_json
+from model_parallel.graph.plan import Plan, write_plan
+from model_parallel.profiler.trace import trace_model
+from model_parallel.runtime.build.stages import even_plan
+from model_parallel.runtime.build.zoo import recipe
+from model_parallel.runtime.checkpoint.store import load_checkpoint
+from model_parallel.runtime.config import TrainConfig
+from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers
+from model_parallel.runtime.trainer import SingleProcessRunner
+from support import TESTS, assert_relatively_close
+from support.tied import TiedJob, reference_state, write_jobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+TOL = 1e-5
+STEPS = 3
+
+
+def _job(name: str, model: str, schedule: str, world: int, stages: int, *, bf16: bool = False,
+         recompute: bool = False, adamw: bool = False, replicas: int = 1) -> dict:
+    return {"name": name, "model": model, "schedule": schedule, "world": world, "stages": stages, "bf16": bf16,
+            "recompute": recompute, "adamw": adamw, "replicas": replicas}
+
+
+JOBS = [
+    _job("mlp_p2_zbinterleaved_bf16", "mlp", "zbinterleaved", 2, 4, bf16=True),
+    _job("gpt_p2_zbinterleaved_recompute_adamw", "gpt", "zbinterleaved", 2, 4, recompute=True, adamw=True),
+    _job("gpt_p2_zbinterleaved_v3_bf16_recompute", "gpt", "zbinterleaved", 2, 6, bf16=True, recompute=True),
+    _job("mlp_p2_zbv_bf16", "mlp", "zbv", 2, 4, bf16=True),
+    _job("gpt_p2_zbv_bf16_recompute_adamw", "gpt", "zbv", 2, 4, bf16=True, recompute=True, adamw=True),
+    _job("gpt_p4_zbv_bf16", "gpt", "zbv", 4, 8, bf16=True),
+    _job("mlp_p4_zbinterleaved_recompute", "mlp", "zbinterleaved", 4, 8, recompute=True),
+    _job("mlp_p2_r2_zbinterleaved_replicated", "mlp", "zbinterleaved", 4, 4, replicas=2),
+    _job("gpt_p2_r2_zbinterleaved_replicated_bf16_adamw", "gpt", "zbinterleaved", 4, 4, replicas=2, bf16=True,
+         adamw=True),
+]
+
+
+def _ranks(job: dict, k: int) -> list[int]:
+    """zbv: stage k on rank k, then 2p-1-k. zbinterleaved: replica i of stage k on rank k % p + i p."""
+    p = job["world"] // job["replicas"]
+    if job["schedule"] == "zbv":
+        return [min(k, job["stages"] - 1 - k)]
+    return [k % p + i * p for i in range(job["replicas"])]
+
+
+def _argv(job: dict, root: Path) -> list[str]:
+    argv = ["--model", job["model"], "--schedule", job["schedule"], "--steps", str(STEPS), "--timeout", "60",
+            "--num_stages", str(job["stages"]), "--num_microbatches", str(job["world"]),
+            "--batch_size", str(2 * job["world"]), "--checkpoint_dir", str(root / job["name"])]
+    argv += ["--bf16"] if job["bf16"] else []
+    argv += ["--recompute", "all"] if job["recompute"] else []
+    argv += ["--optimizer", "adamw", "--lr", "0.003"] if job["adamw"] else []
+    if job["replicas"] > 1:  # a plan file: the default split has one replica per stage
+        r = recipe(job["model"])
+        graph, _ = trace_model(r.model(0), r.example(2))
+        plan = even_plan(graph, job["stages"])
+        plan = replace(plan, stages=tuple(replace(s, ranks=tuple(_ranks(job, s.stage_id)), num_replicas=job["replicas"])
+                                          for s in plan.stages))
+        write_plan(plan, root / f"{job['name']}.plan.json")
+        argv[argv.index("--num_stages"):argv.index("--num_stages") + 2] = ["--plan", str(root / f"{job['name']}.plan.json")]
+    return argv
+
+
+def _reference(job: dict) -> dict[str, torch.Tensor]:
+    """The same stages in one process, rounding at the same cuts under bf16 (microbatch by microbatch)."""
+    r = recipe(job["model"])
+    model = r.model(0)
+    graph, _ = trace_model(model, r.example(2))
+    batch = 2 * job["world"]
+    if job["adamw"]:
+        factory = lambda params: torch.optim.AdamW(params, lr=0.003, weight_decay=0.0)  # noqa: E731
+    else:
+        factory = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    config = TrainConfig(batch_size=batch, num_microbatches=job["world"], bf16=job["bf16"],
+                         recompute=True if job["recompute"] else False)
+    runner = SingleProcessRunner(graph, even_plan(graph, job["stages"]), model, r.criterion, factory, r.data(batch, 0),
+                                 config)
+    runner.train(STEPS)
+    return {state_key(k): v.detach() for k, v in model.named_parameters()}  # the stages share its layers
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("zero_bubble_full")
+    for world in sorted({j["world"] for j in JOBS}):
+        jobs = [_argv(j, root) for j in JOBS if j["world"] == world]
+        (root / f"jobs{world}.json").write_text(json.dumps(jobs))
+        result = launch_workers(["--jobs", str(root / f"jobs{world}.json"), "--timeout", "60"], world, timeout=600)
+        assert result.ok, result.summary()
+    return root
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j["name"] for j in JOBS])
+def test_zero_bubble_with_bf16_recompute_and_replicas_matches_single_process(worlds: Path, job: dict) -> None:
+    checkpoint = load_checkpoint(worlds / job["name"])
+    assert checkpoint.extra["next_step"] == STEPS
+    assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [_ranks(job, k) for k in range(job["stages"])]
+    got = checkpoint.params()
+    if job["bf16"]:  # mixed precision keeps float32 master weights
+        assert {v.dtype for v in got.values()} == {torch.float32}
+    want = _reference(job)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert_relatively_close(got[key], value, TOL, f"{job['name']}: {key}")
+
+
+# ---- a tie split across stages ---------------------------------------------------------------------------
+# name, schedule, world, stages, replicas, job fields
+TIE_CASES = [
+    ("gpt_p2_zbinterleaved", "zbinterleaved", 2, 4, 1, {}),  # the tie on ranks 0 and 1
+    ("gpt_p2_zbv_adamw_clip", "zbv", 2, 4, 1, {"optimizer": "adamw", "lr": 0.01, "clip_grad": 0.3}),  # both on rank 0
+    ("gpt_p4_zbinterleaved_adamw_clip", "zbinterleaved", 4, 8, 1, {"optimizer": "adamw", "lr": 0.01, "clip_grad": 0.3}),
+    ("gpt_p2_r2_zbinterleaved_clip", "zbinterleaved", 4, 4, 2, {"clip_grad": 0.3}),  # four copies on four ranks
+]
+
+
+def _placed(plan: Plan, schedule: str, world: int, replicas: int) -> Plan:
+    p = world // replicas
+    if schedule == "zbv":
+        return replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, plan.num_stages - 1 - s.stage_id),))
+                                          for s in plan.stages))
+    return replace(plan, stages=tuple(replace(s, ranks=tuple(s.stage_id % p + i * p for i in range(replicas)),
+                                              num_replicas=replicas) for s in plan.stages))
+
+
+@pytest.fixture(scope="module")
+def tie_worlds(tmp_path_factory) -> tuple[dict[str, tuple[TiedJob, int, int]], Graph]:
+    root = tmp_path_factory.mktemp("zero_bubble_ties")
+    trace = TiedJob("trace", "gpt", "", "", 0, "")
+    traced, _ = trace_model(trace.build(), (trace.data().batch(0)[0][0][:2],))
+    write_graph_json(traced, root / "gpt.json")
+    graph = read_graph_json(root / "gpt.json")
+    jobs: dict[str, tuple[TiedJob, int, int]] = {}
+    for name, schedule, world, stages, replicas, fields in TIE_CASES:
+        job = TiedJob(name, "gpt", str(root / "gpt.json"), str(root / f"{name}_plan.json"), 4, str(root / name),
+                      schedule=schedule, **fields)
+        write_plan(_placed(even_plan(graph, stages), schedule, world, replicas), Path(job.plan))
+        jobs[name] = (job, world, replicas)
+    for world in (2, 4):
+        path = write_jobs([j for j, w, _ in jobs.values() if w == world], root / f"jobs{world}.json")
+        port = free_port()
+        commands = [[sys.executable, str(TESTS / "support" / "tied_rank.py"), str(r), str(world), str(port), str(path)]
+                    for r in range(world)]
+        with LocalWorld(commands) as running:
+            result = running.wait(600)
+        assert result.ok, result.summary()
+    return jobs, graph
+
+
+@pytest.mark.parametrize("name", [c[0] for c in TIE_CASES])
+def test_zero_bubble_tie_across_stages_trains_like_one_process(tie_worlds, name: str) -> None:
+    jobs, graph = tie_worlds
+    job, world, replicas = jobs[name]
+    want = reference_state(job, graph)
+    (tie,) = find_ties(graph)
+    tie_keys = {path for _, path in tie.users}
+    covered: set[str] = set()
+    copies: dict[int, torch.Tensor] = {}
+    for rank in range(world):
+        for key, value in torch.load(Path(job.out) / f"rank{rank}.pt", weights_only=True)["state"].items():
+            if key not in want:
+                continue  # a buffer the original model keeps elsewhere
+            assert_relatively_close(value, want[key], TOL, f"{name}: rank {rank} {key}")
+            covered.add(key)
+            if key in tie_keys:
+                copies[rank] = value
+    assert covered == set(want), f"{name}: no rank holds {sorted(set(want) - covered)}"
+    p = world // replicas  # stage 0 on ranks i p; the last on ranks i p + p - 1 (loop) or on rank 0 (V)
+    last = 0 if job.schedule == "zbv" else p - 1
+    assert set(copies) == {r for i in range(replicas) for r in (i * p, i * p + last)}, name
+    first = next(iter(copies.values()))
+    assert all(torch.equal(first, c) for c in copies.values()), f"{name}: the tied copies differ across ranks"
