@@ -78,6 +78,10 @@ def check_placement(plan: Plan, schedule: str) -> None:
                             f"stage per rank")
         return
     if schedule in V_SCHEDULES:
+        if any(s.num_replicas > 1 for s in plan.stages):
+            raise PlanError(f"the {schedule} schedule does not run replicated stages yet (a V of single-replica stages); "
+                            "give every stage one rank, or use --schedule zbinterleaved or interleaved, which place "
+                            "replica i of stage k on rank k % p + i*p")
         if not plan.is_v_placement:
             held = [s.ranks for s in plan.stages[:12]]
             raise PlanError(f"the {schedule} schedule needs 2p single-replica stages on p >= 2 ranks in a V: stage k on "

@@ -101,6 +101,11 @@ def test_v_placement_only_under_zbv():
     loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
     with pytest.raises(PlanError, match=r"the zbv schedule needs 2p single-replica stages on p >= 2 ranks in a V"):
         check_plan(graph, loop, 2, "zbv")
+    replicated = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2, s.stage_id % 2 + 2), num_replicas=2)
+                                            for s in four.stages))
+    with pytest.raises(PlanError, match=r"the zbv schedule does not run replicated stages yet .* use --schedule "
+                                        r"zbinterleaved or interleaved"):
+        check_plan(graph, replicated, 4, "zbv")
     with pytest.raises(PlanError, match="only the interleaved schedules run that"):
         check_plan(graph, v, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement"):
