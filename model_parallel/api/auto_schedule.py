@@ -19,7 +19,7 @@ from typing import Any
 
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES, V_SCHEDULES
 from model_parallel.graph.plan import Level, Plan
 from model_parallel.optimizer.simulate import StageTimes
 from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule
@@ -66,7 +66,7 @@ def edge_transfers(graph: Graph, plan: Plan, scale: float) -> tuple[float, ...]:
 def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[str, str]:
     """Schedules `auto` may not pick for a run of this `TrainConfig`, and why: the config's own rules and what several
     stages per rank cannot honour yet (NCCL: `runtime.step.multi_stage.check_supported`; `--measure_memory` under the
-    multi-stage zero-bubble schedules: the engine's rule)."""
+    V schedule: the engine's rule)."""
     from model_parallel.runtime.step.multi_stage import check_supported
 
     refusals: dict[str, str] = config.schedule_refusals()
@@ -76,9 +76,8 @@ def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[s
         for name in MULTI_STAGE_SCHEDULES:
             refusals.setdefault(name, str(error))
     if measure_memory:
-        for name in MULTI_STAGE_SCHEDULES:
-            if name != "interleaved":
-                refusals.setdefault(name, f"--measure_memory does not measure the {name} schedule's stages yet")
+        for name in V_SCHEDULES:  # (the loop schedules count a rank's stages in one meter)
+            refusals.setdefault(name, f"--measure_memory does not measure the {name} schedule's stages yet")
     return refusals
 
 

@@ -2,11 +2,12 @@
 training of the same stages within 1e-5: interleaved zero bubble (`zbinterleaved`, loop placement) and ZBV (`zbv`,
 a V: stage p-1 hands to stage p on its rank through a mailbox) with bf16 autocast (the mailbox rounds the hand-off
 to bf16 as a message would) and activation recomputation; `zbinterleaved` with replicas (replica i of stage k on
-rank k % p + i p, as interleaved places them); and a GPT head tied to its token embedding across stages (the tie's
+rank k % p + i p, as interleaved places them) and `--measure_memory` (one meter over a rank's stages); and a GPT head tied to its token embedding across stages (the tie's
 all-reduce runs after the rank's last W; under zbv both users sit on rank 0). One world per size and launcher."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,15 +35,17 @@ STEPS = 3
 
 
 def _job(name: str, model: str, schedule: str, world: int, stages: int, *, bf16: bool = False,
-         recompute: bool = False, adamw: bool = False, replicas: int = 1) -> dict:
+         recompute: bool = False, adamw: bool = False, replicas: int = 1, extra: tuple[str, ...] = ()) -> dict:
     return {"name": name, "model": model, "schedule": schedule, "world": world, "stages": stages, "bf16": bf16,
-            "recompute": recompute, "adamw": adamw, "replicas": replicas}
+            "recompute": recompute, "adamw": adamw, "replicas": replicas, "extra": list(extra)}
 
 
 JOBS = [
     _job("mlp_p2_zbinterleaved_bf16", "mlp", "zbinterleaved", 2, 4, bf16=True),
     _job("gpt_p2_zbinterleaved_recompute_adamw", "gpt", "zbinterleaved", 2, 4, recompute=True, adamw=True),
     _job("gpt_p2_zbinterleaved_v3_bf16_recompute", "gpt", "zbinterleaved", 2, 6, bf16=True, recompute=True),
+    # --measure_memory: one StashMeter per rank over its stages (a microbatch released at its W), in the table
+    _job("gpt_p2_zbinterleaved_measured", "gpt", "zbinterleaved", 2, 4, extra=("--measure_memory",)),
     _job("mlp_p2_zbv_bf16", "mlp", "zbv", 2, 4, bf16=True),
     _job("gpt_p2_zbv_bf16_recompute_adamw", "gpt", "zbv", 2, 4, bf16=True, recompute=True, adamw=True),
     _job("gpt_p4_zbv_bf16", "gpt", "zbv", 4, 8, bf16=True),
@@ -68,6 +71,7 @@ def _argv(job: dict, root: Path) -> list[str]:
     argv += ["--bf16"] if job["bf16"] else []
     argv += ["--recompute", "all"] if job["recompute"] else []
     argv += ["--optimizer", "adamw", "--lr", "0.003"] if job["adamw"] else []
+    argv += job["extra"]
     if job["replicas"] > 1:  # a plan file: the default split has one replica per stage
         r = recipe(job["model"])
         graph, _ = trace_model(r.model(0), r.example(2))
@@ -98,19 +102,21 @@ def _reference(job: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> Path:
+def worlds(tmp_path_factory) -> tuple[Path, dict[int, str]]:
     root = tmp_path_factory.mktemp("zero_bubble_full")
+    outputs = {}
     for world in sorted({j["world"] for j in JOBS}):
         jobs = [_argv(j, root) for j in JOBS if j["world"] == world]
         (root / f"jobs{world}.json").write_text(json.dumps(jobs))
         result = launch_workers(["--jobs", str(root / f"jobs{world}.json"), "--timeout", "60"], world, timeout=600)
         assert result.ok, result.summary()
-    return root
+        outputs[world] = result.output(0)
+    return root, outputs
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[j["name"] for j in JOBS])
-def test_zero_bubble_with_bf16_recompute_and_replicas_matches_single_process(worlds: Path, job: dict) -> None:
-    checkpoint = load_checkpoint(worlds / job["name"])
+def test_zero_bubble_with_bf16_recompute_and_replicas_matches_single_process(worlds, job: dict) -> None:
+    checkpoint = load_checkpoint(worlds[0] / job["name"])
     assert checkpoint.extra["next_step"] == STEPS
     assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [_ranks(job, k) for k in range(job["stages"])]
     got = checkpoint.params()
@@ -120,6 +126,16 @@ def test_zero_bubble_with_bf16_recompute_and_replicas_matches_single_process(wor
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert_relatively_close(got[key], value, TOL, f"{job['name']}: {key}")
+
+
+def test_zbinterleaved_measured_memory_rows_cover_a_rank_s_stages(worlds) -> None:
+    """Under --measure_memory the row of rank 0 (stages 0 and 2) has measured bytes, below the prediction (each
+    stage's in-flight bound); the other jobs of the world print their rows as n/a."""
+    rows = re.findall(r"^\s+0\s+0,2\s+(\d+\.\d+)\s+(\d+\.\d+)\s+[+-]\d+%\s+\S+\s+\S+\s+(\S+)\s+(\d+\.\d+)",
+                      worlds[1][2], re.MULTILINE)
+    assert len(rows) == 1, worlds[1][2]
+    predicted, measured, predicted_activations, measured_activations = map(float, rows[0])
+    assert 0 < measured <= predicted and 0 < measured_activations <= predicted_activations
 
 
 # ---- a tie split across stages ---------------------------------------------------------------------------
