@@ -98,10 +98,10 @@ def check_placement(plan: Plan, schedule: str) -> None:
 
 def check_switchable(schedule: Optional[str]) -> None:
     """Refuse a live plan switch the engine cannot make. Every schedule drains its step, so nothing is in flight
-    at a step boundary, and interleaved switches from a loop plan to a loop plan (layers move by owner rank,
-    wire/migration.py; `check_placement` refuses any other new plan); the multi-stage zero-bubble schedules are
-    not tried with a switch. The workers and the coordinator call it before `check_plan`."""
-    if schedule in MULTI_STAGE_SCHEDULES and schedule != "interleaved":
-        raise PlanError(f"live plan switches are not supported under the {schedule} schedule (several stages per rank "
-                        "with the backward split: untested); restart the job with the new plan (--resume from a "
-                        "checkpoint), or use interleaved or 1f1b")
+    at a step boundary (zero bubble: every W too), and interleaved and zbinterleaved switch from a loop plan to a
+    loop plan (layers move by owner rank, wire/migration.py; `check_placement` refuses any other new plan); zbv's V
+    is not moved live. The workers and the coordinator call it before `check_plan`."""
+    if schedule in V_SCHEDULES:
+        raise PlanError(f"live plan switches are not supported under the {schedule} schedule (a V of stages per rank "
+                        "is not migrated); restart the job with the new plan (--resume from a checkpoint), or use "
+                        "zbinterleaved, interleaved or 1f1b")

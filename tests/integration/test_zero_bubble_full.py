@@ -3,7 +3,8 @@ training of the same stages within 1e-5: interleaved zero bubble (`zbinterleaved
 a V: stage p-1 hands to stage p on its rank through a mailbox) with bf16 autocast (the mailbox rounds the hand-off
 to bf16 as a message would) and activation recomputation; `zbinterleaved` with replicas (replica i of stage k on
 rank k % p + i p, as interleaved places them) and `--measure_memory` (one meter over a rank's stages); and a GPT head tied to its token embedding across stages (the tie's
-all-reduce runs after the rank's last W; under zbv both users sit on rank 0). One world per size and launcher."""
+all-reduce runs after the rank's last W; under zbv both users sit on rank 0); and live switches between loop plans
+under zbinterleaved. One world per size and launcher."""
 from __future__ import annotations
 
 import json
@@ -18,14 +19,15 @@ import torch
 from model_parallel.codegen.naming import find_ties, state_key
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import read_graph_json, write_graph_json
-from model_parallel.graph.plan import Plan, write_plan
+from model_parallel.graph.plan import Plan, StagePlan, write_plan
+from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers
-from model_parallel.runtime.trainer import SingleProcessRunner
+from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
 from support import TESTS, assert_relatively_close
 from support.tied import TiedJob, reference_state, write_jobs
 
@@ -204,3 +206,36 @@ def test_zero_bubble_tie_across_stages_trains_like_one_process(tie_worlds, name:
     assert set(copies) == {r for i in range(replicas) for r in (i * p, i * p + last)}, name
     first = next(iter(copies.values()))
     assert all(torch.equal(first, c) for c in copies.values()), f"{name}: the tied copies differ across ranks"
+
+
+# ---- live switches between loop plans ---------------------------------------------------------------------
+def test_zbinterleaved_switches_between_loop_plans_stay_exact(tmp_path: Path) -> None:
+    """At step 2 the MLP's 4 stages get other cuts (layers cross between the ranks), at step 4 they become 6
+    stages, 3 per rank; a switch to one stage per rank (step 5) is refused and training goes on."""
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    order = list(graph.topological_order)
+    bounds = [0, 3, 5, 9, len(order)]
+    moved = Plan(stages=tuple(StagePlan(k, tuple(order[a:b]), ranks=(k % 2,))
+                              for k, (a, b) in enumerate(zip(bounds, bounds[1:]))), version=1)
+    six = even_plan(graph, 6)
+    plans = {2: moved, 4: replace(six, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in six.stages), version=2),
+             5: replace(even_plan(graph, 2), version=3)}
+    script = tmp_path / "switch.json"
+    script.write_text(json.dumps({k: Command.switch(p, "test").to_dict() for k, p in plans.items()}))
+    steps = 7
+    result = launch_workers(["--model", "mlp", "--schedule", "zbinterleaved", "--steps", str(steps), "--timeout", "60",
+                             "--optimizer", "adamw", "--lr", "0.003", "--checkpoint_dir", str(tmp_path / "ckpt"),
+                             "--control_script", str(script)], 2, timeout=300)
+    assert result.ok, result.summary()
+    out = result.output(0)
+    assert "switched to plan v1" in out and "switched to plan v2" in out and "[rank 0 stage 0,2,4]" in out
+    assert "refusing the switch to plan v3" in out and "needs loop placement over p >= 2 ranks" in out
+    checkpoint = load_checkpoint(tmp_path / "ckpt")
+    assert checkpoint.extra["next_step"] == steps and checkpoint.world["plan"]["version"] == 2
+    model = r.model(0)
+    single_process_reference(model, r.criterion, lambda ps: torch.optim.AdamW(ps, lr=0.003, weight_decay=0.0),
+                             r.data(8, 0), TrainConfig(batch_size=8, num_microbatches=4), steps)
+    got = checkpoint.params()
+    for name, value in model.named_parameters():
+        assert_relatively_close(got[state_key(name)], value.detach(), TOL, name)

@@ -110,7 +110,9 @@ def test_v_placement_only_under_zbv():
         check_plan(graph, v, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement"):
         check_plan(graph, v, 2, "zbinterleaved")
-    for name in set(MULTI_STAGE_SCHEDULES) - {"interleaved"}:
-        with pytest.raises(PlanError, match=f"live plan switches are not supported"):
-            check_switchable(name)
+    with pytest.raises(PlanError, match="live plan switches are not supported under the zbv schedule .* use "
+                                        "zbinterleaved, interleaved or 1f1b"):
+        check_switchable("zbv")
+    for name in set(MULTI_STAGE_SCHEDULES) - {"zbv"}:
+        check_switchable(name)  # the loop schedules switch between loop plans
     assert TrainConfig(schedule="zbv", bf16=True).wire_dtype == torch.bfloat16  # runs bf16 (the mailbox rounds)
