@@ -105,8 +105,9 @@ def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
     from model_parallel.optimizer.contiguous import loop_plan
 
     if spec.stage_to_num_ranks:
-        raise PlanError("the interleaved schedule's default split places one replica of each stage in a loop (replicas: "
-                        "a --plan with replica i of stage k on rank k % p + i*p): drop --stage_to_num_ranks, or use 1f1b")
+        where = "min(k, 2p-1-k) + i*p" if spec.schedule in V_SCHEDULES else "k % p + i*p"
+        raise PlanError(f"the {spec.schedule} schedule's default split places one replica of each stage (replicas: a "
+                        f"--plan with replica i of stage k on rank {where}): drop --stage_to_num_ranks, or use 1f1b")
     stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
     if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r
         if stages != 2 * world_size:

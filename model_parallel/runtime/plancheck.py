@@ -78,15 +78,11 @@ def check_placement(plan: Plan, schedule: str) -> None:
                             f"stage per rank")
         return
     if schedule in V_SCHEDULES:
-        if any(s.num_replicas > 1 for s in plan.stages):
-            raise PlanError(f"the {schedule} schedule does not run replicated stages yet (a V of single-replica stages); "
-                            "give every stage one rank, or use --schedule zbinterleaved or interleaved, which place "
-                            "replica i of stage k on rank k % p + i*p")
         if not plan.is_v_placement:
             held = [s.ranks for s in plan.stages[:12]]
-            raise PlanError(f"the {schedule} schedule needs 2p single-replica stages on p >= 2 ranks in a V: stage k on "
-                            f"rank k for k < p, 2p-1-k after; plan v{plan.version} has {plan.num_stages} stage(s) on "
-                            f"ranks {held}{' ...' if plan.num_stages > 12 else ''}")
+            raise PlanError(f"the {schedule} schedule needs 2p stages on p >= 2 ranks in a V: stage k on rank k for "
+                            f"k < p, 2p-1-k after (replica i on that rank + i*p); plan v{plan.version} has "
+                            f"{plan.num_stages} stage(s) on ranks {held}{' ...' if plan.num_stages > 12 else ''}")
         return
     if plan.loop_width < 2:
         ranks = [list(s.ranks) for s in plan.stages[:12]]

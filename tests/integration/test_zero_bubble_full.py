@@ -1,6 +1,6 @@
 """The multi-stage zero-bubble schedules with every per-stage feature, on 2 and 4 processes, against single-process
 training of the same stages within 1e-5: interleaved zero bubble (`zbinterleaved`, loop placement) and ZBV (`zbv`,
-a V: stage p-1 hands to stage p on its rank through a mailbox) with bf16 autocast (the mailbox rounds the hand-off
+a V: stage p-1 hands to stage p on its rank through a mailbox) with replicas (replica i of a V on ranks i p ..), bf16 autocast (the mailbox rounds the hand-off
 to bf16 as a message would) and activation recomputation; `zbinterleaved` with replicas (replica i of stage k on
 rank k % p + i p, as interleaved places them) and `--measure_memory` (one meter over a rank's stages); and a GPT head tied to its token embedding across stages (the tie's
 all-reduce runs after the rank's last W; under zbv both users sit on rank 0); and live switches between loop plans
@@ -55,15 +55,17 @@ JOBS = [
     _job("mlp_p2_r2_zbinterleaved_replicated", "mlp", "zbinterleaved", 4, 4, replicas=2),
     _job("gpt_p2_r2_zbinterleaved_replicated_bf16_adamw", "gpt", "zbinterleaved", 4, 4, replicas=2, bf16=True,
          adamw=True),
+    _job("mlp_p2_r2_zbv_replicated", "mlp", "zbv", 4, 4, replicas=2),  # two Vs: ranks 0,1 and 2,3
+    _job("gpt_p2_r2_zbv_replicated_bf16_recompute_adamw", "gpt", "zbv", 4, 4, replicas=2, bf16=True, recompute=True,
+         adamw=True),
 ]
 
 
 def _ranks(job: dict, k: int) -> list[int]:
-    """zbv: stage k on rank k, then 2p-1-k. zbinterleaved: replica i of stage k on rank k % p + i p."""
+    """Replica i of stage k on rank min(k, 2p-1-k) + i p (zbv's V) or k % p + i p (zbinterleaved's loop)."""
     p = job["world"] // job["replicas"]
-    if job["schedule"] == "zbv":
-        return [min(k, job["stages"] - 1 - k)]
-    return [k % p + i * p for i in range(job["replicas"])]
+    first = min(k, job["stages"] - 1 - k) if job["schedule"] == "zbv" else k % p
+    return [first + i * p for i in range(job["replicas"])]
 
 
 def _argv(job: dict, root: Path) -> list[str]:
@@ -147,15 +149,16 @@ TIE_CASES = [
     ("gpt_p2_zbv_adamw_clip", "zbv", 2, 4, 1, {"optimizer": "adamw", "lr": 0.01, "clip_grad": 0.3}),  # both on rank 0
     ("gpt_p4_zbinterleaved_adamw_clip", "zbinterleaved", 4, 8, 1, {"optimizer": "adamw", "lr": 0.01, "clip_grad": 0.3}),
     ("gpt_p2_r2_zbinterleaved_clip", "zbinterleaved", 4, 4, 2, {"clip_grad": 0.3}),  # four copies on four ranks
+    ("gpt_p2_r2_zbv_clip", "zbv", 4, 4, 2, {"clip_grad": 0.3}),  # one copy on each V's rank 0 (ranks 0 and 2)
 ]
 
 
 def _placed(plan: Plan, schedule: str, world: int, replicas: int) -> Plan:
     p = world // replicas
-    if schedule == "zbv":
-        return replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, plan.num_stages - 1 - s.stage_id),))
-                                          for s in plan.stages))
-    return replace(plan, stages=tuple(replace(s, ranks=tuple(s.stage_id % p + i * p for i in range(replicas)),
+
+    def first(k: int) -> int:
+        return min(k, plan.num_stages - 1 - k) if schedule == "zbv" else k % p
+    return replace(plan, stages=tuple(replace(s, ranks=tuple(first(s.stage_id) + i * p for i in range(replicas)),
                                               num_replicas=replicas) for s in plan.stages))
 
 

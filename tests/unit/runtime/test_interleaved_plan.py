@@ -99,13 +99,16 @@ def test_v_placement_only_under_zbv():
     assert v.is_v_placement and v.several_stages_per_rank and not v.is_loop_placement
     check_plan(graph, v, 2, "zbv")
     loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
-    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p single-replica stages on p >= 2 ranks in a V"):
+    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p stages on p >= 2 ranks in a V"):
         check_plan(graph, loop, 2, "zbv")
     replicated = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2, s.stage_id % 2 + 2), num_replicas=2)
                                             for s in four.stages))
-    with pytest.raises(PlanError, match=r"the zbv schedule does not run replicated stages yet .* use --schedule "
-                                        r"zbinterleaved or interleaved"):
-        check_plan(graph, replicated, 4, "zbv")
+    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p stages on p >= 2 ranks in a V"):
+        check_plan(graph, replicated, 4, "zbv")  # a loop of replicas, not a V
+    v2 = replace(four, stages=tuple(replace(s, ranks=((0, 1, 1, 0)[s.stage_id], (2, 3, 3, 2)[s.stage_id]),
+                                            num_replicas=2) for s in four.stages))  # replica i of the V on ranks 2i, 2i+1
+    assert v2.is_v_placement and v2.v_width == 2 and v2.stages_of_rank(3) == (1, 2) and replicated.v_width == 0
+    assert check_plan(graph, v2, 4, "zbv").plan.num_ranks == 4
     with pytest.raises(PlanError, match="only the interleaved schedules run that"):
         check_plan(graph, v, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement"):
