@@ -242,3 +242,48 @@ def test_zbinterleaved_switches_between_loop_plans_stay_exact(tmp_path: Path) ->
     got = checkpoint.params()
     for name, value in model.named_parameters():
         assert_relatively_close(got[state_key(name)], value.detach(), TOL, name)
+
+
+def _v(plan: Plan, p: int, version: int) -> Plan:
+    """Stage k on rank min(k, 2p-1-k)."""
+    return replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, 2 * p - 1 - s.stage_id),)) for s in plan.stages),
+                   version=version)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zbv_switches_between_v_plans_stay_exact(tmp_path: Path, world: int) -> None:
+    """2 processes: at step 2 the V gets other cuts (layers cross between the ranks), a switch to a loop plan
+    (step 3) is refused. 4 processes: a V over ranks 0 and 1 (2 and 3 spare) becomes a V over all four (step 2)."""
+    r = recipe("mlp")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    order = list(graph.topological_order)
+    four = even_plan(graph, 4)
+    bounds = [0, 3, 5, 9, len(order)]
+    cuts = Plan(stages=tuple(StagePlan(k, tuple(order[a:b])) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))))
+    if world == 2:
+        plans = {2: _v(cuts, 2, 1), 3: replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages),
+                                              version=2)}
+    else:
+        plans = {2: _v(even_plan(graph, 8), 4, 1)}
+    (tmp_path / "plan.json").write_text(json.dumps(_v(four, 2, 0).to_dict()))
+    script = tmp_path / "switch.json"
+    script.write_text(json.dumps({k: Command.switch(p, "test").to_dict() for k, p in plans.items()}))
+    steps = 5
+    result = launch_workers(["--model", "mlp", "--schedule", "zbv", "--steps", str(steps), "--timeout", "60",
+                             "--optimizer", "adamw", "--lr", "0.003", "--checkpoint_dir", str(tmp_path / "ckpt"),
+                             "--plan", str(tmp_path / "plan.json"), "--control_script", str(script)], world, timeout=300)
+    assert result.ok, result.summary()
+    assert "switched to plan v1" in result.output(0)
+    if world == 2:
+        assert "refusing the switch to plan v2" in result.output(0) and "needs 2p stages on p >= 2 ranks in a V" in result.output(0)
+    else:
+        assert "[rank 3 stage 3,4]" in result.output(3)
+    checkpoint = load_checkpoint(tmp_path / "ckpt")
+    assert checkpoint.extra["next_step"] == steps and checkpoint.world["plan"]["version"] == 1
+    assert [s["ranks"] for s in checkpoint.world["plan"]["stages"]] == [list(s.ranks) for s in plans[2].stages]
+    model = r.model(0)
+    single_process_reference(model, r.criterion, lambda ps: torch.optim.AdamW(ps, lr=0.003, weight_decay=0.0),
+                             r.data(8, 0), TrainConfig(batch_size=8, num_microbatches=4), steps)
+    got = checkpoint.params()
+    for name, value in model.named_parameters():
+        assert_relatively_close(got[state_key(name)], value.detach(), TOL, name)
