@@ -48,6 +48,7 @@ JOBS = [
     _job("gpt_p2_zbinterleaved_v3_bf16_recompute", "gpt", "zbinterleaved", 2, 6, bf16=True, recompute=True),
     # --measure_memory: one StashMeter per rank over its stages (a microbatch released at its W), in the table
     _job("gpt_p2_zbinterleaved_measured", "gpt", "zbinterleaved", 2, 4, extra=("--measure_memory",)),
+    _job("gpt_p2_zbv_measured", "gpt", "zbv", 2, 4, extra=("--measure_memory",)),  # rank 0's row: stages 0,3
     _job("mlp_p2_zbv_bf16", "mlp", "zbv", 2, 4, bf16=True),
     _job("gpt_p2_zbv_bf16_recompute_adamw", "gpt", "zbv", 2, 4, bf16=True, recompute=True, adamw=True),
     _job("gpt_p4_zbv_bf16", "gpt", "zbv", 4, 8, bf16=True),
@@ -132,10 +133,11 @@ def test_zero_bubble_with_bf16_recompute_and_replicas_matches_single_process(wor
         assert_relatively_close(got[key], value, TOL, f"{job['name']}: {key}")
 
 
-def test_zbinterleaved_measured_memory_rows_cover_a_rank_s_stages(worlds) -> None:
-    """Under --measure_memory the row of rank 0 (stages 0 and 2) has measured bytes, below the prediction (each
-    stage's in-flight bound); the other jobs of the world print their rows as n/a."""
-    rows = re.findall(r"^\s+0\s+0,2\s+(\d+\.\d+)\s+(\d+\.\d+)\s+[+-]\d+%\s+\S+\s+\S+\s+(\S+)\s+(\d+\.\d+)",
+@pytest.mark.parametrize("stages", ["0,2", "0,3"], ids=["zbinterleaved", "zbv"])
+def test_measured_memory_rows_cover_a_rank_s_stages(worlds, stages: str) -> None:
+    """Under --measure_memory the row of rank 0 (stages 0 and 2 in a loop, 0 and 3 in a V) has measured bytes,
+    below the prediction (each stage's in-flight bound); the other jobs of the world print their rows as n/a."""
+    rows = re.findall(rf"^\s+0\s+{stages}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+[+-]\d+%\s+\S+\s+\S+\s+(\S+)\s+(\d+\.\d+)",
                       worlds[1][2], re.MULTILINE)
     assert len(rows) == 1, worlds[1][2]
     predicted, measured, predicted_activations, measured_activations = map(float, rows[0])

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from model_parallel.errors import ConfigError, ModelParallelError
-from model_parallel.graph.in_flight import V_SCHEDULES
 from model_parallel.runtime.observe.memory_probe import NO_METER
 from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.executor import StepData, StepExecutor
@@ -132,10 +131,6 @@ def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optiona
     ONE optimizer over all their parameters (one update per step, as one process would), one executor running the
     rank's schedule row."""
     check_supported(backend=dist.get_backend())
-    if engine.meter is not NO_METER and engine.config.schedule in V_SCHEDULES:  # loop placements: one meter per rank
-        raise ConfigError(f"--measure_memory does not measure the {engine.config.schedule} schedule's stages yet (the "
-                          "memory table has no rows for a V of stages per rank); drop it, or use --schedule "
-                          "zbinterleaved or interleaved")
     schedule = prepared.schedule
     # Replica i of the pipeline (ranks i*p ..) runs microbatches j % r == i in the full grid's order (no deadlock).
     ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks

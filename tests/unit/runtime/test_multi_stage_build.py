@@ -23,10 +23,3 @@ def test_nccl_is_refused_naming_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multi_stage.dist, "get_backend", lambda: "nccl")
     with pytest.raises(ConfigError, match="NCCL ignores.*--backend gloo"):
         multi_stage.build_stages(_engine("interleaved", NO_METER), None, None)
-
-
-def test_measure_memory_is_refused_under_zbv(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(multi_stage.dist, "get_backend", lambda: "gloo")
-    with pytest.raises(ConfigError, match="--measure_memory does not measure the zbv schedule's stages yet"
-                                          r".*no rows for a V.*use --schedule zbinterleaved or interleaved"):
-        multi_stage.build_stages(_engine("zbv", object()), None, None)
