@@ -65,8 +65,8 @@ def edge_transfers(graph: Graph, plan: Plan, scale: float) -> tuple[float, ...]:
 
 def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[str, str]:
     """Schedules `auto` may not pick for a run of this `TrainConfig`, and why: the config's own rules and what several
-    stages per rank cannot honour yet (NCCL: `runtime.step.multi_stage.check_supported`; `--measure_memory` under the
-    multi-stage zero-bubble schedules: the engine's rule)."""
+    stages per rank cannot honour yet (NCCL: `runtime.step.multi_stage.check_supported`). `measure_memory` rules
+    none out (every schedule measures a rank's stages in one meter); it stays for the callers that pass it."""
     from model_parallel.runtime.step.multi_stage import check_supported
 
     refusals: dict[str, str] = config.schedule_refusals()
@@ -75,10 +75,6 @@ def schedule_refusals(config: Any, measure_memory: bool, backend: str) -> dict[s
     except ModelParallelError as error:
         for name in MULTI_STAGE_SCHEDULES:
             refusals.setdefault(name, str(error))
-    if measure_memory:
-        for name in MULTI_STAGE_SCHEDULES:
-            if name != "interleaved":
-                refusals.setdefault(name, f"--measure_memory does not measure the {name} schedule's stages yet")
     return refusals
 
 

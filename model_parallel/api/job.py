@@ -105,21 +105,25 @@ def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
     from model_parallel.optimizer.contiguous import loop_plan
 
     if spec.stage_to_num_ranks:
-        raise PlanError("the interleaved schedule's default split places one replica of each stage in a loop (replicas: "
-                        "a --plan with replica i of stage k on rank k % p + i*p): drop --stage_to_num_ranks, or use 1f1b")
+        where = "min(k, 2p-1-k) + i*p" if spec.schedule in V_SCHEDULES else "k % p + i*p"
+        raise PlanError(f"the {spec.schedule} schedule's default split places one replica of each stage (replicas: a "
+                        f"--plan with replica i of stage k on rank {where}): drop --stage_to_num_ranks, or use 1f1b")
     stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
     if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r
         if stages != 2 * world_size:
             raise PlanError(f"the {spec.schedule} schedule places 2 stages per rank in a V: give --num_stages "
                             f"{2 * world_size} for {world_size} rank(s), got {stages}")
-        if spec.memory_per_worker is not None:
-            raise PlanError(f"the {spec.schedule} schedule's default V split is not priced under --memory_per_worker "
-                            "yet: drop it, or use interleaved or 1f1b, whose splits fit the memory")
         from model_parallel.runtime.build.stages import even_plan
 
         plan = even_plan(graph, stages)
-        return replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, stages - 1 - s.stage_id),))
+        plan = replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, stages - 1 - s.stage_id),))
                                           for s in plan.stages))
+        if spec.memory_per_worker is not None:  # the even V is not searched for a fit: checked, per rank
+            from model_parallel.optimizer.memory import MemoryLimit
+
+            MemoryLimit(float(spec.memory_per_worker), _footprint(spec, graph)).check(
+                graph, plan, f"the {spec.schedule} schedule's default V split (even by profiled cost; a --plan may fit)")
+        return plan
     if stages % world_size or stages < 2 * world_size:
         raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
                         f"--num_stages a multiple of the world size, at least {2 * world_size}")

@@ -181,8 +181,8 @@ class PipelineTrainer:
         from model_parallel.runtime.observe import memory_table
 
         kind = _report_kind(getattr(self.runner, "optimizer", None), self._optimizer_factory)
-        if kind is None or (self.plan.is_v_placement and not self.single_process):
-            return  # zbv: the table's rows are per rank of a loop or one stage per rank (every rank skips alike)
+        if kind is None:
+            return
         config = self.config
         parts = memory_table.predicted(self.graph, self.plan, kind, 0.0, config.schedule,
                                        config.num_microbatches, config.batch_size // config.num_microbatches)

@@ -202,10 +202,6 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     probe = PeakProbe(world.device)
     probe.start()  # before the stage is materialized: the peak counts everything the run adds
     engine = run_job(job, config, options, args.steps, make_optimizer_factory(args), channel, world, health, on_engine)
-    if engine.plan.is_v_placement:  # the same on every rank: none enters the report's all_gather
-        if world.rank == 0:
-            print("memory per stage, predicted vs measured: not reported under zbv (a V of stages per rank)", flush=True)
-        return engine
     parts = memory_table.predicted(engine.graph, engine.plan, args.optimizer, args.momentum, config.schedule,
                                      config.num_microbatches, config.batch_size // config.num_microbatches)
     report = memory_table.gather_report(engine, probe, parts, world.device)

@@ -47,12 +47,12 @@ def schedule_refusals(args: Any, device: Optional[torch.device] = None) -> dict[
     config, _ = make_config(args)
     refusals = config_refusals(config, bool(args.measure_memory),
                                "nccl" if device is not None and device.type == "cuda" else "gloo")
-    if args.coordinator:  # the coordinator switches plans live: interleaved can (loop to loop), the zero-bubble ones not
+    if args.coordinator:  # the coordinator's policy re-plans one stage per rank or a loop, not a V
         from model_parallel.coordinator.rebalancer import NO_SWITCH_SCHEDULES
 
         for name in NO_SWITCH_SCHEDULES:
-            refusals.setdefault(name, f"live plan switches (--coordinator): {name} cannot switch plans live "
-                                      "(plancheck.check_switchable)")
+            refusals.setdefault(name, f"live plan switches (--coordinator): the coordinator's policy plans loop "
+                                      f"placements, not {name}'s V")
     return refusals
 
 

@@ -22,7 +22,7 @@ from model_parallel.coordinator import policy
 from model_parallel.coordinator.status import WorkerState, plan_times_label
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
+from model_parallel.graph.in_flight import V_SCHEDULES
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 
@@ -34,7 +34,7 @@ DECISION_LOG = 100
 
 Send = Callable[[int, Command], bool]
 # Several stages per rank with the backward split: never switched live (interleaved is: loop plan to loop plan).
-NO_SWITCH_SCHEDULES = tuple(s for s in MULTI_STAGE_SCHEDULES if s != "interleaved")
+NO_SWITCH_SCHEDULES = V_SCHEDULES  # the policy plans loop placements (optimizer/loop.py), not a V: zbv switches by ctl only
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Rebalancer:
                            report.step)
             self.pending = None
         if not self.auto or self.pending is not None or stopping or self.schedule in NO_SWITCH_SCHEDULES:
-            return  # zbinterleaved/zbv: no live switch (plancheck.check_switchable); `issue` refuses ctl's too
+            return  # zbv: the policy does not plan a V (ctl set-plan still switches it)
         step = max(w.step for w in workers.values())
         # Evaluate at most once per step; after a solve that found nothing worth it, wait a window
         # (solving can take a while on big graphs; the gates before it are cheap).

@@ -11,8 +11,8 @@ dealt the microbatches round-robin, with m microbatches per minibatch:
     1f1b       min(ceil((M - before) / r), ceil(m / r))   warm-up forwards, then one forward per backward
     pipedream  ceil((M - before) / r)                     1F1B with no flush: the stream never drains
     interleaved  min(2 (M - before), ceil(m / r))         per stage, M = all stages, before = its position (loop)
-    zbinterleaved min(2 (M - before), m)                  per stage, loop placement, r = 1 (its grids stay under it)
-    zbv        as 1f1b, M = all stages                   per stage, V placement (r = 1)
+    zbinterleaved as interleaved                           per stage, loop placement (its grids stay under it)
+    zbv        min(M - before, ceil(m / r))               per stage, V placement, M = all stages
     zbh1       as 1f1b                                    ZB-H1: 1F1B's warm-up; an I ends a microbatch's
                                                           activations, its deferred W keeps only the weight path's
 
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 SCHEDULE_NAMES = ("1f1b", "gpipe", "pipedream", "interleaved", "zbh1", "zbinterleaved", "zbv")  # the first: the default
 FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv")  # one update per minibatch
 LOOP_SCHEDULES = ("interleaved", "zbinterleaved")  # several stages per rank, stage k on rank k mod p
-V_SCHEDULES = ("zbv",)  # two stages per rank in a V: rank r holds stages r and 2p-1-r
+V_SCHEDULES = ("zbv",)  # two stages per rank in a V: rank r holds stages r and 2p-1-r (replica i: + i*p)
 MULTI_STAGE_SCHEDULES = LOOP_SCHEDULES + V_SCHEDULES
 
 
@@ -48,10 +48,10 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if schedule == "gpipe":
         return math.ceil(num_microbatches / replicas)
-    if schedule == "interleaved":  # ranks = stage positions; a replica runs a subsequence of the row: its j % r
+    if schedule in LOOP_SCHEDULES:  # ranks = stage positions; a replica runs a subsequence of the row: its j % r
         return min(2 * (num_ranks - ranks_before), math.ceil(num_microbatches / replicas))
-    if schedule in LOOP_SCHEDULES:  # zbinterleaved: single-replica stages only (plancheck refuses replicas)
-        return min(2 * (num_ranks - ranks_before), num_microbatches)
+    if schedule in V_SCHEDULES:  # a replica runs a subsequence of the V's rows: the whole grid's bound, or its share
+        return min(num_ranks - ranks_before, math.ceil(num_microbatches / replicas))
     downstream = math.ceil((num_ranks - ranks_before) / replicas)
     if schedule == "pipedream":
         return downstream

@@ -157,8 +157,8 @@ class Plan:
         ranks = [r for s in self.stages for r in s.ranks]
         if len(ranks) != len(set(ranks)) and not self.several_stages_per_rank:
             raise PlanError(f"a rank runs two stages: {sorted(ranks)}; only stages in loop placement (replica i of "
-                            "stage k on rank k % p + i*p, for the interleaved schedules) or single-replica stages in a "
-                            "V (stage k on rank k, then 2p-1-k, for zbv) may share a rank")
+                            "stage k on rank k % p + i*p, for the interleaved schedules) or stages in a V (replica i of "
+                            "stage k on rank min(k, 2p-1-k) + i*p, for zbv) may share a rank")
 
     # ---- views ---------------------------------------------------------------------------------
     @property
@@ -193,10 +193,17 @@ class Plan:
 
     @property
     def is_v_placement(self) -> bool:
-        """2p single-replica stages on p >= 2 ranks, stage k on rank k for k < p and 2p-1-k after (ZBV's V)."""
+        """2p stages on p >= 2 ranks per replica, stage k on rank k for k < p and 2p-1-k after (ZBV's V)."""
+        return self.v_width > 0
+
+    @property
+    def v_width(self) -> int:
+        """p of a V placement, else 0: 2p stages (p >= 2), each on r >= 1 ranks, replica i of stage k on rank
+        min(k, 2p-1-k) + i*p, so ranks i*p .. i*p + p - 1 form replica i of the V."""
         ranks = [s.ranks for s in self.stages]
-        p = len(ranks) // 2
-        return p >= 2 and len(ranks) == 2 * p and all(rs == (min(k, 2 * p - 1 - k),) for k, rs in enumerate(ranks))
+        p, r = len(ranks) // 2, len(ranks[0])
+        return p if (p >= 2 and r >= 1 and len(ranks) == 2 * p and all(
+            rs == tuple(min(k, 2 * p - 1 - k) + i * p for i in range(r)) for k, rs in enumerate(ranks))) else 0
 
     @property
     def stage_of(self) -> dict[str, int]:

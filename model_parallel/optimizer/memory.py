@@ -180,9 +180,9 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     for node in graph.nodes:
         parameters[stage_of[node.node_id]] += node.parameter_size
     stash = stash_bytes(graph, stage_of, plan.num_stages)
-    # Loop placement (interleaved): the in-flight rule counts stage positions, not ranks (in_flight.py: M = all
-    # stages); with plan.num_ranks = p, a stage past p would hold a negative count.
-    loop = plan.is_loop_placement
+    # Loop placement (interleaved) or a V (zbv): the in-flight rule counts stage positions, not ranks (in_flight.py:
+    # M = all stages); with plan.num_ranks = p, a stage past p would hold a negative count.
+    loop = plan.several_stages_per_rank
     positions = plan.num_stages if loop else plan.num_ranks
     out, before = [], 0
     for stage, kept, held in zip(plan.stages, stash, parameters):
@@ -196,10 +196,16 @@ def loop_rank_parts(parts: list[dict[str, float]], plan: Plan,
     """Under loop placement (interleaved), each rank's predicted bytes by kind, keyed by its first stage (a
     replica's ranks predict alike): its stages' parameters, gradients and optimizer state summed, and the
     activations of the (stage, microbatch) pairs it holds at once walking its order (in_flight.interleaved_peak),
-    not the sum of the stages' own peaks. `parts` from `plan_footprint`; microbatches None: p."""
+    not the sum of the stages' own peaks. `parts` from `plan_footprint`; microbatches None: p. Under a V (zbv) a
+    rank's two stages are summed, activations too (each stage's own bound: an upper bound of the rank's peak)."""
+    out: dict[int, tuple[tuple[int, ...], dict[str, float]]] = {}
+    if plan.is_v_placement:
+        for rank in range(plan.v_width):
+            held = plan.stages_of_rank(rank)
+            out[held[0]] = (held, {key: sum(parts[k][key] for k in held) for key in parts[held[0]]})
+        return out
     p = plan.loop_width
     m = microbatches or p
-    out: dict[int, tuple[tuple[int, ...], dict[str, float]]] = {}
     for rank in range(p):
         held = plan.stages_of_rank(rank)
         per_microbatch = [parts[k]["activations"] / max(parts[k]["in_flight"], 1.0) for k in held]
@@ -222,7 +228,7 @@ class MemoryLimit:
         """InfeasibleError naming the first stage of `plan` whose predicted footprint is over the limit (under
         loop placement: the first rank whose stages' footprints add up to more)."""
         plan = plan.with_default_ranks()
-        if plan.is_loop_placement:
+        if plan.several_stages_per_rank:
             self._check_ranks(graph, plan, what)
             return
         for stage, parts in zip(plan.stages, plan_footprint(graph, plan, self.footprint)):
@@ -236,7 +242,7 @@ class MemoryLimit:
                     "optimizer's --memory_per_worker finds one) or raise memory_per_worker")
 
     def _check_ranks(self, graph: Graph, plan: Plan, what: str) -> None:
-        """A rank of a loop placement holds all its stages at once (`loop_rank_parts`): their sum must fit."""
+        """A rank of a loop placement or a V holds all its stages at once (`loop_rank_parts`): their sum must fit."""
         parts = plan_footprint(graph, plan, self.footprint)
         for first, (held, summed) in sorted(loop_rank_parts(parts, plan, self.footprint.microbatches).items()):
             if summed["total"] > self.memory_per_worker:

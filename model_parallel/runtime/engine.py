@@ -196,7 +196,7 @@ class PipelineEngine(TrainingLoop):
         held = plan.stages_of_rank(self.rank)
         prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None,
                             run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
-                                         plan.loop_width or plan.num_ranks), stage_ids=held)
+                                         plan.loop_width or plan.v_width or plan.num_ranks), stage_ids=held)
         if prepared.schedule.placement is not None and held:
             build_stages(self, prepared, optimizer_state)  # several stages on this rank (step/multi_stage.py)
         elif prepared.stage_id is not None:

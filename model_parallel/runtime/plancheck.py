@@ -67,7 +67,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
 
 def check_placement(plan: Plan, schedule: str) -> None:
     """Several stages per rank only under the interleaved schedules, and they only with them: stage k on rank
-    k % p (interleaved: replica i on rank k % p + i*p; zbinterleaved: single-replica), p >= 2 (two consecutive stages
+    k % p (replica i on rank k % p + i*p), p >= 2 (two consecutive stages
     never share a rank, so every edge is a message); or, under zbv, two stages per rank in a V (rank r: r and
     2p-1-r; p-1 hands to p on its rank, no message)."""
     shared = any(len(plan.stages_of_rank(r)) > 1 for s in plan.stages for r in s.ranks)
@@ -80,13 +80,10 @@ def check_placement(plan: Plan, schedule: str) -> None:
     if schedule in V_SCHEDULES:
         if not plan.is_v_placement:
             held = [s.ranks for s in plan.stages[:12]]
-            raise PlanError(f"the {schedule} schedule needs 2p single-replica stages on p >= 2 ranks in a V: stage k on "
-                            f"rank k for k < p, 2p-1-k after; plan v{plan.version} has {plan.num_stages} stage(s) on "
-                            f"ranks {held}{' ...' if plan.num_stages > 12 else ''}")
+            raise PlanError(f"the {schedule} schedule needs 2p stages on p >= 2 ranks in a V: stage k on rank k for "
+                            f"k < p, 2p-1-k after (replica i on that rank + i*p); plan v{plan.version} has "
+                            f"{plan.num_stages} stage(s) on ranks {held}{' ...' if plan.num_stages > 12 else ''}")
         return
-    if schedule != "interleaved" and any(s.num_replicas > 1 for s in plan.stages):
-        raise PlanError(f"the {schedule} schedule does not support replicated stages yet (untested with the backward "
-                        "split); give every stage one rank (stage k on rank k % p), or use --schedule interleaved")
     if plan.loop_width < 2:
         ranks = [list(s.ranks) for s in plan.stages[:12]]
         raise PlanError(f"the interleaved schedule needs loop placement over p >= 2 ranks: stage k on rank k % p with "
@@ -96,11 +93,9 @@ def check_placement(plan: Plan, schedule: str) -> None:
 
 
 def check_switchable(schedule: Optional[str]) -> None:
-    """Refuse a live plan switch the engine cannot make. Every schedule drains its step, so nothing is in flight
-    at a step boundary, and interleaved switches from a loop plan to a loop plan (layers move by owner rank,
-    wire/migration.py; `check_placement` refuses any other new plan); the multi-stage zero-bubble schedules are
-    not tried with a switch. The workers and the coordinator call it before `check_plan`."""
-    if schedule in MULTI_STAGE_SCHEDULES and schedule != "interleaved":
-        raise PlanError(f"live plan switches are not supported under the {schedule} schedule (several stages per rank "
-                        "with the backward split: untested); restart the job with the new plan (--resume from a "
-                        "checkpoint), or use interleaved or 1f1b")
+    """Refuse a live plan switch the engine cannot make: none today. Every schedule drains its step, so nothing is
+    in flight at a step boundary (zero bubble: every W too); layers move by owner rank (wire/migration.py), so
+    the loop schedules switch from a loop plan to a loop plan and zbv from a V to a V (`check_placement` refuses
+    any other new plan). The workers and the coordinator call it before `check_plan`: the place for a schedule
+    that cannot switch."""
+    del schedule

@@ -30,7 +30,6 @@ from model_parallel.codegen.naming import find_ties
 from model_parallel.codegen.ties import check_ties, split_ties
 from model_parallel.errors import TiedParameterError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.wire import comm
 
@@ -77,17 +76,11 @@ def check_trainable(ties: tuple[SplitTie, ...], modules: Mapping[str, Any]) -> N
                 "a buffer in forward, on one stage only, so copies cannot be kept identical. Put its users in one stage")
 
 
-ZERO_BUBBLE_REASON = ("the zbinterleaved and zbv schedules do not sum the gradients of copies held by several stages of "
-                      "a rank yet (untested with the backward split); use interleaved, 1f1b or zbh1")
-
-
 def check_schedule(graph: Graph, plan: Plan, schedule: str) -> None:
-    """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream; the multi-stage zero-
-    bubble ones). Interleaved 1F1B flushes like 1F1B: its ranks sum the copies' gradients before the one update."""
+    """Refuse a split tie under a schedule that cannot keep its copies identical (pipedream). Every flush schedule
+    (the zero-bubble ones too: after the rank's last W) sums the copies' gradients before the one update."""
     if schedule == "pipedream":
         check_ties(graph, plan.stage_of, PIPEDREAM_REASON)
-    elif schedule in MULTI_STAGE_SCHEDULES and schedule != "interleaved":
-        check_ties(graph, plan.stage_of, ZERO_BUBBLE_REASON)
 
 
 # ---- checkpoints and migration: a tie is one value under one key --------------------------------------

@@ -1,7 +1,7 @@
 """The end-of-run memory table (the worker command line's and `PipelineTrainer.train`'s): each stage's predicted
 footprint (`optimizer/memory.py`) next to what its ranks measured (`memory_probe.py`), gathered as float tensors.
 
-A rank holding several stages (interleaved, loop placement) is one row: its stages' weights and optimizer state
+A rank holding several stages (interleaved, loop placement; zbv, a V) is one row: its stages' weights and optimizer state
 summed, and the activations it holds at its peak walking its schedule order (optimizer.memory.loop_rank_parts),
 next to what the rank measured for all of them (one StashMeter over its stages, multi_stage.LaneMeter)."""
 from __future__ import annotations
@@ -83,7 +83,7 @@ class MemoryReport:
     parts: list[dict[str, float]]
     rows: list[tuple[str, Measured]]
     text: str
-    merged: Optional[Merged] = None  # loop placement: `loop_rank_parts`
+    merged: Optional[Merged] = None  # several stages per rank: `loop_rank_parts`
 
     def stage_rows(self) -> list[dict[str, Any]]:
         """One dict per rank holding a stage: its label, stage (the first it holds), every stage it holds,
@@ -113,7 +113,7 @@ def gather_report(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], 
         table.append((str(rank), Measured(None if stage < 0 else int(stage),
                                           *[None if math.isnan(v) else v for v in rest])))
     plan = engine.plan
-    merged = loop_rank_parts(parts, plan, engine.config.num_microbatches) if plan.is_loop_placement else None
+    merged = loop_rank_parts(parts, plan, engine.config.num_microbatches) if plan.several_stages_per_rank else None
     return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source, merged), merged)
 
 

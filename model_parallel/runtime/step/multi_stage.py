@@ -131,9 +131,6 @@ def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optiona
     ONE optimizer over all their parameters (one update per step, as one process would), one executor running the
     rank's schedule row."""
     check_supported(backend=dist.get_backend())
-    if engine.meter is not NO_METER and engine.config.schedule != "interleaved":
-        raise ConfigError(f"--measure_memory does not measure the {engine.config.schedule} schedule's stages yet (the "
-                          "backward split keeps W's values past I); drop it, or use --schedule interleaved")
     schedule = prepared.schedule
     # Replica i of the pipeline (ranks i*p ..) runs microbatches j % r == i in the full grid's order (no deadlock).
     ranks = prepared.plan.stages[prepared.stage_ids[0]].ranks
@@ -141,7 +138,8 @@ def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optiona
     stages = {k: engine.stage_module(prepared.plan, prepared.boundaries, k) for k in prepared.stage_ids}
     prepared.stage = StageGroup(list(stages.values()))
     engine.make_optimizer(prepared, optimizer_state)
-    mailbox = Mailbox(engine.rank)  # ZBV: stage p-1 hands to stage p on this rank without a message
+    # ZBV: stage p-1 hands to stage p on this rank without a message, rounded as a message would be (bf16)
+    mailbox = Mailbox(engine.rank, engine.config.wire_dtype)
     lanes = {k: engine.make_executor(prepared, stage, k, schedule.rank_actions(k, replica, r), tag_per_edge=True,
                                      local=mailbox)
              for k, stage in stages.items()}

@@ -121,6 +121,16 @@ def test_what_several_stages_per_rank_cannot_honour_rules_interleaved_out() -> N
 
     assert schedule_refusals(TrainConfig(schedule="auto"), False, "gloo") == {}
     measured = schedule_refusals(TrainConfig(schedule="auto"), True, "gloo")
-    assert "interleaved" not in measured  # its rank's stages share one meter
-    assert "--measure_memory does not measure the zbv schedule's stages" in measured["zbv"]
+    assert measured == {}  # every schedule measures: a rank's stages share one meter
     assert "which NCCL ignores" in schedule_refusals(TrainConfig(schedule="auto"), False, "nccl")["interleaved"]
+
+
+def test_zbv_s_default_v_split_is_checked_per_rank_under_a_memory_limit() -> None:
+    from model_parallel.errors import InfeasibleError
+
+    graph = chain(20)
+    plan = _schedule_plan(spec(graph, memory_per_worker=1e12), graph, "zbv", None, 2)
+    assert plan.is_v_placement and [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
+    with pytest.raises(InfeasibleError, match=r"the zbv schedule's default V split \(even by profiled cost; a --plan "
+                                              r"may fit\) puts a predicted .* GB on rank [01] \(stages (\[0, 3\]|\[1, 2\])"):
+        _schedule_plan(spec(graph, memory_per_worker=1 * MB), graph, "zbv", None, 2)

@@ -63,3 +63,21 @@ def test_the_peak_walks_the_rank_order():
     # rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1: at most 2 of stage 1 and 1 of stage 3
     assert interleaved_peak(2, 2, 1, [1.0, 10.0]) == 12.0
     assert interleaved_peak(2, 2, 1, [1.0, 10.0], replica=1, replicas=2) == 11.0  # microbatch 1 only
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_a_v_prices_every_stage_by_its_position_and_a_rank_row_sums_its_two_stages(m):
+    """zbv (rank r holds stages r and 2p-1-r): stage k at position k of the 2p (stages past p once priced at a
+    negative count, by ranks), and a rank's row is its two stages summed (an upper bound of its peak)."""
+    r = recipe("gpt")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    four = even_plan(graph, 4)
+    plan = replace(four, stages=tuple(replace(s, ranks=((0, 1, 1, 0)[s.stage_id],)) for s in four.stages))
+    parts = predicted(graph, plan, "sgd", 0.9, "zbv", m, 2)
+    assert [p["in_flight"] for p in parts] == [min(4 - k, m) for k in range(4)]
+    assert all(p["activations"] > 0 for p in parts)
+    merged = loop_rank_parts(parts, plan, m)
+    assert sorted(merged) == [0, 1] and merged[0][0] == (0, 3) and merged[1][0] == (1, 2)
+    for first, (held, summed) in merged.items():
+        assert summed["total"] == pytest.approx(sum(parts[k]["total"] for k in held))
+        assert summed["activations"] == pytest.approx(sum(parts[k]["activations"] for k in held))

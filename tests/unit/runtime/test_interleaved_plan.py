@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from model_parallel.errors import ConfigError, PlanError
 from model_parallel.graph.plan import Plan
@@ -36,6 +37,7 @@ def test_interleaved_refusals_name_the_fix():
                                             for s in four.stages))  # replica i of the pipeline on ranks 2i, 2i + 1
     assert replicated.loop_width == 2 and replicated.stages_of_rank(3) == (1, 3) and loop.loop_width == 2
     assert check_plan(graph, replicated, 4, "interleaved").plan.num_ranks == 4
+    assert check_plan(graph, replicated, 4, "zbinterleaved").plan.num_ranks == 4  # zero bubble places replicas alike
     with pytest.raises(PlanError, match="a rank runs two stages"):  # replica 1 not on ranks k % p + p
         Plan(stages=tuple(replace(s, ranks=(s.stage_id % 2, 3 - s.stage_id % 2), num_replicas=2) for s in four.stages))
     with pytest.raises(PlanError, match="a rank runs two stages"):  # not a loop: stage 1 beside stage 0
@@ -97,14 +99,20 @@ def test_v_placement_only_under_zbv():
     assert v.is_v_placement and v.several_stages_per_rank and not v.is_loop_placement
     check_plan(graph, v, 2, "zbv")
     loop = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2,)) for s in four.stages))
-    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p single-replica stages on p >= 2 ranks in a V"):
+    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p stages on p >= 2 ranks in a V"):
         check_plan(graph, loop, 2, "zbv")
+    replicated = replace(four, stages=tuple(replace(s, ranks=(s.stage_id % 2, s.stage_id % 2 + 2), num_replicas=2)
+                                            for s in four.stages))
+    with pytest.raises(PlanError, match=r"the zbv schedule needs 2p stages on p >= 2 ranks in a V"):
+        check_plan(graph, replicated, 4, "zbv")  # a loop of replicas, not a V
+    v2 = replace(four, stages=tuple(replace(s, ranks=((0, 1, 1, 0)[s.stage_id], (2, 3, 3, 2)[s.stage_id]),
+                                            num_replicas=2) for s in four.stages))  # replica i of the V on ranks 2i, 2i+1
+    assert v2.is_v_placement and v2.v_width == 2 and v2.stages_of_rank(3) == (1, 2) and replicated.v_width == 0
+    assert check_plan(graph, v2, 4, "zbv").plan.num_ranks == 4
     with pytest.raises(PlanError, match="only the interleaved schedules run that"):
         check_plan(graph, v, 2, "1f1b")
     with pytest.raises(PlanError, match="needs loop placement"):
         check_plan(graph, v, 2, "zbinterleaved")
-    for name in set(MULTI_STAGE_SCHEDULES) - {"interleaved"}:
-        with pytest.raises(PlanError, match=f"live plan switches are not supported"):
-            check_switchable(name)
-    with pytest.raises(ConfigError, match="the zbv schedule does not run --bf16 or --recompute"):
-        TrainConfig(schedule="zbv", bf16=True)
+    for name in MULTI_STAGE_SCHEDULES:
+        check_switchable(name)  # loop plan to loop plan, V to V (check_plan refuses any other new plan)
+    assert TrainConfig(schedule="zbv", bf16=True).wire_dtype == torch.bfloat16  # runs bf16 (the mailbox rounds)

@@ -29,3 +29,14 @@ def test_order_bugs_raise_at_once_naming_the_message() -> None:
     box.put(16, 4, [torch.zeros(1)])
     with pytest.raises(ModelParallelError, match="a second message under tag 16, stream 4"):
         box.put(16, 4, [torch.zeros(1)])
+
+
+def test_under_bf16_a_float32_value_arrives_rounded_as_the_wire_rounds_it() -> None:
+    box = Mailbox(rank=0, wire_dtype=torch.bfloat16)
+    sent = torch.tensor([1.0 + 2.0 ** -10, 3.0], requires_grad=True) * 1.0  # 1 + 2^-10: not a bf16 value
+    half = torch.tensor([1.5], dtype=torch.bfloat16)
+    box.put(16, 0, [sent, half])
+    got, _ = box.take(16, 0)
+    assert got[0].dtype == torch.float32 and got[0].is_leaf and got[0].requires_grad
+    assert torch.equal(got[0], sent.detach().to(torch.bfloat16).float()) and not torch.equal(got[0], sent)
+    assert got[1].dtype == torch.bfloat16 and torch.equal(got[1], half)  # no wider than the wire: as it is

@@ -23,12 +23,3 @@ def test_nccl_is_refused_naming_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multi_stage.dist, "get_backend", lambda: "nccl")
     with pytest.raises(ConfigError, match="NCCL ignores.*--backend gloo"):
         multi_stage.build_stages(_engine("interleaved", NO_METER), None, None)
-
-
-@pytest.mark.parametrize("schedule", ["zbv", "zbinterleaved"])
-def test_measure_memory_is_refused_under_the_zero_bubble_multi_stage_schedules(monkeypatch: pytest.MonkeyPatch,
-                                                                                schedule: str) -> None:
-    monkeypatch.setattr(multi_stage.dist, "get_backend", lambda: "gloo")
-    with pytest.raises(ConfigError, match=f"--measure_memory does not measure the {schedule} schedule's stages yet"
-                                          r".*use --schedule interleaved"):
-        multi_stage.build_stages(_engine(schedule, object()), None, None)
