@@ -88,8 +88,9 @@ def _argv(job: dict, root: Path) -> list[str]:
     return argv
 
 
-def _reference(job: dict) -> dict[str, torch.Tensor]:
-    """The same stages in one process, rounding at the same cuts under bf16 (microbatch by microbatch)."""
+def _reference(job: dict, plan: Plan) -> dict[str, torch.Tensor]:
+    """The same stages (`plan`, the one the workers ran: the default loop split is balanced by rank, and bf16 rounds
+    at its cuts) in one process, microbatch by microbatch."""
     r = recipe(job["model"])
     model = r.model(0)
     graph, _ = trace_model(model, r.example(2))
@@ -100,8 +101,7 @@ def _reference(job: dict) -> dict[str, torch.Tensor]:
         factory = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
     config = TrainConfig(batch_size=batch, num_microbatches=job["world"], bf16=job["bf16"],
                          recompute=True if job["recompute"] else False)
-    runner = SingleProcessRunner(graph, even_plan(graph, job["stages"]), model, r.criterion, factory, r.data(batch, 0),
-                                 config)
+    runner = SingleProcessRunner(graph, plan, model, r.criterion, factory, r.data(batch, 0), config)
     runner.train(STEPS)
     return {state_key(k): v.detach() for k, v in model.named_parameters()}  # the stages share its layers
 
@@ -127,7 +127,7 @@ def test_zero_bubble_with_bf16_recompute_and_replicas_matches_single_process(wor
     got = checkpoint.params()
     if job["bf16"]:  # mixed precision keeps float32 master weights
         assert {v.dtype for v in got.values()} == {torch.float32}
-    want = _reference(job)
+    want = _reference(job, Plan.from_dict(checkpoint.world["plan"]))
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert_relatively_close(got[key], value, TOL, f"{job['name']}: {key}")

@@ -62,11 +62,10 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.packed import (ALIGN, HeaderCache, Known, known_header, pack, read_prefix, received,
-                                                unpack, write_prefix)
+from model_parallel.runtime.wire.packed import (ALIGN, HeaderCache, Known, known_header, read_prefix, received, unpack,
+                                                write_prefix)
 from model_parallel.runtime.wire.packed import dtype_named as _dtype_named
-from model_parallel.runtime.wire.packed import signature as _signature
-from model_parallel.runtime.wire.structure import decode_value, make_header, structure_of
+from model_parallel.runtime.wire.structure import decode_value, encode_value, make_header, structure_of
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -92,6 +91,32 @@ SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
 _SLOT_ROOM = SLOT_BYTES - 8
 
 
+# ---- the send side of a cached message (packed.py has the layout; the send path stays in this module) ----
+def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype]) -> Any:
+    """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
+    signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
+    fields; narrowing follows from dtype and wire_dtype); other values and the structure by
+    their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
+    parts: list[Any] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            parts.append((value.shape, value.dtype, value.requires_grad))
+        else:
+            parts.append(json.dumps(encode_value(value)))
+    text = None if structure is None else json.dumps(structure, separators=(",", ":"))
+    return wire_dtype, text, tuple(parts)
+
+
+def _pack(tensors: list[torch.Tensor], known: Known, device: torch.device) -> torch.Tensor:
+    """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
+    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
+    buffer[:ALIGN].zero_()
+    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
+        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
+            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
+    return buffer
+
+
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
                  stream: Any, structure: Any, wire_dtype: Optional[torch.dtype]) -> "SendHandle":
     sig = _signature(values, structure, wire_dtype)
@@ -99,20 +124,20 @@ def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torc
     key = (dst, tag, stream)
     previous = cache.sent.get(key)
     if previous is not None and previous.signature == sig:
-        buffers = [pack(tensors, previous, device)]  # steady state: one transfer, no header built
+        buffers = [_pack(tensors, previous, device)]  # steady state: one transfer, no header built
     else:
         header_list = make_header(values, structure, wire_dtype)
         header = json.dumps(header_list, separators=(",", ":")).encode()
         if previous is not None and previous.data == header:  # same header from a different signature
             cache.sent[key] = known_header(header, header_list, sig)
-            buffers = [pack(tensors, previous, device)]
+            buffers = [_pack(tensors, previous, device)]
         else:
             # The receiver pre-posted `previous.size` bytes (just the prefix if it knows nothing yet).
             first = torch.zeros(previous.size if previous is not None else ALIGN, dtype=torch.uint8, device=device)
             write_prefix(first, len(header))
             known = cache.sent[key] = known_header(header, header_list, sig)
             buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
-                       pack(tensors, known, device)]
+                       _pack(tensors, known, device)]
     # Only the first transfer on the message's tag; a new header and its tensors on the side tag.
     works = [start_work(partial(_isend, b, dst, group, tag if i == 0 else side_tag(tag)), dst, "send")
              for i, b in enumerate(buffers)]

@@ -1,12 +1,12 @@
 """A message's cached form on the wire (runtime/wire/comm.py's hot path): the parsed header with its packed layout,
-the header cache both ends keep, and packing tensors into one buffer / viewing them out of it.
+the header cache both ends keep, and viewing a received buffer's values (the send side, which is handed the
+activations, stays in comm.py: a forward send passes as few modules as it can, tests/integration/test_send_path.py).
 
 comm.py's docstring describes the protocol; this module owns the layout: a 16-byte prefix (8 bytes little-endian:
 0 = "same header as last time", else the new header's length), then every tensor's bytes at 16-byte aligned offsets.
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.structure import decode_value, encode_value, structure_of
+from model_parallel.runtime.wire.structure import decode_value, structure_of
 
 ALIGN = 16  # prefix size and tensor alignment in a packed buffer (any dtype can be viewed there)
 
@@ -68,21 +68,6 @@ def known_header(data: bytes, header: list[dict[str, Any]], signature: Any = Non
     return Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
 
 
-def signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype]) -> Any:
-    """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
-    signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
-    fields; narrowing follows from dtype and wire_dtype); other values and the structure by
-    their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
-    parts: list[Any] = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            parts.append((value.shape, value.dtype, value.requires_grad))
-        else:
-            parts.append(json.dumps(encode_value(value)))
-    text = None if structure is None else json.dumps(structure, separators=(",", ":"))
-    return wire_dtype, text, tuple(parts)
-
-
 class HeaderCache:
     """The last header sent to / received from each (peer, tag, stream); see the module docstring.
 
@@ -110,16 +95,6 @@ def read_prefix(buffer: torch.Tensor) -> int:
     # One int64 view and item() (a few microseconds; the prefix is read once per message).
     value = int(buffer[:8].view(torch.int64).item())
     return value if _LITTLE else int.from_bytes(value.to_bytes(8, sys.byteorder, signed=True), "little")
-
-
-def pack(tensors: list[torch.Tensor], known: Known, device: torch.device) -> torch.Tensor:
-    """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
-    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
-    buffer[:ALIGN].zero_()
-    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
-        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
-            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
-    return buffer
 
 
 def received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> torch.Tensor:
