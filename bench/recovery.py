@@ -148,7 +148,11 @@ def bench_model(model: str, steps: int, every: int, kill_at: int, victim: int, b
         codes = [w.returncode for w in result.workers]
         killed = world.first(r"test hook MP_TEST_SIGNAL_AT_STEP")
         first = world.first(r"recovery 1: lost", killed or 0.0)
-        [event] = read_events(m / f"rank{min(r for r in range(4) if r != victim)}.jsonl", "recovery")
+        events = read_events(m / f"rank{min(r for r in range(4) if r != victim)}.jsonl", "recovery")
+        if len(events) != 1:  # a world that did not recover once: say how it ended instead of a bare unpack error
+            raise SystemExit(f"bench/recovery.py: {model} {name}: {len(events)} recovery event(s), exit codes {codes}; "
+                             f"rank 0's last lines:\n{result.output(0)[-2500:]}")
+        [event] = events
         got = losses(m)
         out[name] = {"exit_codes": codes, "kill_to_first_step_s": (first - killed) if first and killed else None,
                      "detect_to_first_step_s": event["seconds"], "checkpoint_step": event["checkpoint_step"],

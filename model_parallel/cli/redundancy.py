@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 KEEP = 2  # own snapshots kept: the buddy's copy may lag one snapshot behind the newest
 _POLL_S = 0.05
+CHUNK_BYTES = 4 << 20  # a copy travels in pieces of at most this: torch's TCPStore refuses values over 8 MiB
 
 
 class Redundancy:
@@ -37,6 +38,7 @@ class Redundancy:
         self.buddy: Optional[int] = None
         self.source: Optional[int] = None
         self._reported = False
+        self._sent: list[tuple[int, int]] = []  # (step, pieces) of the copies in the store, oldest first
 
     # ---- a world -------------------------------------------------------------------------------------
     def attach(self, engine: Any, store: Any, generation: int, members: tuple[int, ...]) -> None:
@@ -45,6 +47,7 @@ class Redundancy:
         with self._lock:
             self.own.clear()
             self.copy, self._outbox = None, None
+        self._sent = []  # a new generation's keys (the prefix names it)
         if len(members) < 2:
             logger.warning("[original rank %d] --redundancy 1: a world of one has no other rank to keep a copy", self.me)
             return
@@ -132,9 +135,24 @@ class Redundancy:
         self._wake.clear()
         with self._lock:
             state, self._outbox = self._outbox, None
-        if state is not None:
-            store.set(prefix + "data", encode(state))
-            store.set(prefix + "step", str(state.step))
+        if state is None:
+            return
+        # In pieces: torch's TCPStore (libuv) resets the connection of a client that sends a value over 8 MiB
+        # ("Invalid payload size"), and that connection is this process's only way to its world's store.
+        data = encode(state)
+        pieces = max(1, -(-len(data) // CHUNK_BYTES))
+        for i in range(pieces):
+            store.set(f"{prefix}data/{state.step}/{i}", data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+        store.set(f"{prefix}pieces/{state.step}", str(pieces))
+        store.set(prefix + "step", str(state.step))  # last: the copy of this step is whole
+        self._sent.append((state.step, pieces))
+        # A step's pieces go once the buddy acknowledged a newer one (it reads only the newest it was told of).
+        acked = int(store.get(prefix + "ack").decode()) if store.check([prefix + "ack"]) else -1
+        while len(self._sent) > 1 and self._sent[1][0] <= acked:
+            step, count = self._sent.pop(0)
+            for i in range(count):
+                store.delete_key(f"{prefix}data/{step}/{i}")
+            store.delete_key(f"{prefix}pieces/{step}")
 
     def _receive(self, stop: threading.Event) -> None:
         from model_parallel.runtime.checkpoint.live import decode
@@ -143,8 +161,10 @@ class Redundancy:
         newest = [-1]
 
         def once() -> None:
-            if store.check([prefix + "step"]) and int(store.get(prefix + "step").decode()) > newest[0]:
-                state = decode(store.get(prefix + "data"), f"the redundancy copy from original rank {source}")
+            if store.check([prefix + "step"]) and (step := int(store.get(prefix + "step").decode())) > newest[0]:
+                pieces = int(store.get(f"{prefix}pieces/{step}").decode())
+                data = b"".join(store.get(f"{prefix}data/{step}/{i}") for i in range(pieces))
+                state = decode(data, f"the redundancy copy from original rank {source}")
                 with self._lock:
                     first, self.copy = self.copy is None, (source, state)
                 newest[0] = state.step
