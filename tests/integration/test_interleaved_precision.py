@@ -8,21 +8,15 @@ ranks all-reduce their stages' gradients."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 
-from model_parallel.codegen.naming import state_key
-from model_parallel.graph.plan import Plan, write_plan
-from model_parallel.profiler.trace import trace_model
-from model_parallel.runtime.build.stages import even_plan
-from model_parallel.runtime.build.zoo import recipe
+from model_parallel.graph.plan import Plan
 from model_parallel.runtime.checkpoint.store import load_checkpoint
-from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.trainer import SingleProcessRunner
 from support import assert_relatively_close
+from support.multi_stage_jobs import job_argv, reference_params
 
 TOL = 1e-5
 STEPS = 3
@@ -61,41 +55,11 @@ def _ranks(job: dict, k: int) -> list[int]:
 
 
 def _argv(job: dict, root) -> list[str]:
-    argv = ["--model", job["model"], "--schedule", "interleaved", "--steps", str(STEPS), "--timeout", "60",
-            "--num_stages", str(job["stages"]), "--num_microbatches", str(job["world"]),
-            "--batch_size", str(2 * job["world"]), "--checkpoint_dir", str(root / job["name"])]
-    argv += ["--bf16"] if job["bf16"] else []
-    argv += ["--recompute", "all"] if job["recompute"] else []
-    argv += ["--optimizer", "adamw", "--lr", "0.003"] if job["adamw"] else []
-    argv += job["extra"]
-    if job["replicas"] > 1:  # a plan file: the default split has one replica per stage
-        r = recipe(job["model"])
-        graph, _ = trace_model(r.model(0), r.example(2))
-        plan = even_plan(graph, job["stages"])
-        plan = replace(plan, stages=tuple(replace(s, ranks=tuple(_ranks(job, s.stage_id)), num_replicas=job["replicas"])
-                                          for s in plan.stages))
-        write_plan(plan, root / f"{job['name']}.plan.json")
-        argv[argv.index("--num_stages"):argv.index("--num_stages") + 2] = ["--plan", str(root / f"{job['name']}.plan.json")]
-    return argv
+    return job_argv(job, root, STEPS, "interleaved", _ranks)
 
 
 def _reference(job: dict, plan: Plan) -> dict[str, torch.Tensor]:
-    """The same stages (`plan`, the one the workers ran: bf16 rounds at its cuts) in one process (1F1B order is
-    irrelevant there: microbatch by microbatch)."""
-    r = recipe(job["model"])
-    model = r.model(0)
-    graph, _ = trace_model(model, r.example(2))
-    batch = 2 * job["world"]
-    lr = 0.003 if job["adamw"] else 0.01
-    if job["adamw"]:
-        factory = lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # noqa: E731
-    else:
-        factory = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
-    config = TrainConfig(batch_size=batch, num_microbatches=job["world"], bf16=job["bf16"],
-                         recompute=True if job["recompute"] else False)
-    runner = SingleProcessRunner(graph, plan, model, r.criterion, factory, r.data(batch, 0), config)
-    runner.train(STEPS)
-    return {state_key(k): v.detach() for k, v in model.named_parameters()}  # the stages share its layers
+    return reference_params(job, plan, STEPS)
 
 
 @pytest.fixture(scope="module")

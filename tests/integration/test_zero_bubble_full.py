@@ -27,8 +27,9 @@ from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.launch import LocalWorld, free_port, launch_workers
-from model_parallel.runtime.trainer import SingleProcessRunner, single_process_reference
+from model_parallel.runtime.trainer import single_process_reference
 from support import TESTS, assert_relatively_close
+from support.multi_stage_jobs import job_argv, reference_params
 from support.tied import TiedJob, reference_state, write_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -69,41 +70,12 @@ def _ranks(job: dict, k: int) -> list[int]:
     return [first + i * p for i in range(job["replicas"])]
 
 
-def _argv(job: dict, root: Path) -> list[str]:
-    argv = ["--model", job["model"], "--schedule", job["schedule"], "--steps", str(STEPS), "--timeout", "60",
-            "--num_stages", str(job["stages"]), "--num_microbatches", str(job["world"]),
-            "--batch_size", str(2 * job["world"]), "--checkpoint_dir", str(root / job["name"])]
-    argv += ["--bf16"] if job["bf16"] else []
-    argv += ["--recompute", "all"] if job["recompute"] else []
-    argv += ["--optimizer", "adamw", "--lr", "0.003"] if job["adamw"] else []
-    argv += job["extra"]
-    if job["replicas"] > 1:  # a plan file: the default split has one replica per stage
-        r = recipe(job["model"])
-        graph, _ = trace_model(r.model(0), r.example(2))
-        plan = even_plan(graph, job["stages"])
-        plan = replace(plan, stages=tuple(replace(s, ranks=tuple(_ranks(job, s.stage_id)), num_replicas=job["replicas"])
-                                          for s in plan.stages))
-        write_plan(plan, root / f"{job['name']}.plan.json")
-        argv[argv.index("--num_stages"):argv.index("--num_stages") + 2] = ["--plan", str(root / f"{job['name']}.plan.json")]
-    return argv
+def _argv(job: dict, root) -> list[str]:
+    return job_argv(job, root, STEPS, job["schedule"], _ranks)
 
 
 def _reference(job: dict, plan: Plan) -> dict[str, torch.Tensor]:
-    """The same stages (`plan`, the one the workers ran: the default loop split is balanced by rank, and bf16 rounds
-    at its cuts) in one process, microbatch by microbatch."""
-    r = recipe(job["model"])
-    model = r.model(0)
-    graph, _ = trace_model(model, r.example(2))
-    batch = 2 * job["world"]
-    if job["adamw"]:
-        factory = lambda params: torch.optim.AdamW(params, lr=0.003, weight_decay=0.0)  # noqa: E731
-    else:
-        factory = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
-    config = TrainConfig(batch_size=batch, num_microbatches=job["world"], bf16=job["bf16"],
-                         recompute=True if job["recompute"] else False)
-    runner = SingleProcessRunner(graph, plan, model, r.criterion, factory, r.data(batch, 0), config)
-    runner.train(STEPS)
-    return {state_key(k): v.detach() for k, v in model.named_parameters()}  # the stages share its layers
+    return reference_params(job, plan, STEPS)
 
 
 @pytest.fixture(scope="module")
