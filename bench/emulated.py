@@ -173,33 +173,18 @@ def straggler_ceiling(p: int, slowdown: float) -> float:
 # rank or 16 alike: the gap is the schedule's bubble, not the split's granularity.
 
 def simulate_step(rows: Sequence[Sequence[Any]], forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
-    """The makespan (ms) of one flush step: `rows[r]` is rank r's actions in order (runtime.step.schedule
-    `Action`s: stage, is_forward, microbatch), stage k's forward and backward take forward_ms[k] and
-    backward_ms[k]; an action starts when its rank is free and its input is done (no message latency)."""
-    num_stages = len(forward_ms)
-    done: dict[tuple[int, bool, int], float] = {}
-    free, position = [0.0] * len(rows), [0] * len(rows)
-    left = sum(len(row) for row in rows)
-    while left:
-        moved = False
-        for r, row in enumerate(rows):
-            while position[r] < len(row):
-                a = row[position[r]]
-                k, forward, j = a.stage, a.is_forward, a.microbatch
-                need = (k - 1, True, j) if forward else ((k + 1, False, j) if k < num_stages - 1 else (k, True, j))
-                if forward and k == 0:
-                    ready = 0.0
-                elif need in done:
-                    ready = done[need]
-                else:
-                    break
-                free[r] = done[(k, forward, j)] = max(free[r], ready) + (forward_ms[k] if forward else backward_ms[k])
-                position[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            raise ValueError("the rows wait on each other forever (not a valid schedule)")
-    return max(free)
+    """The makespan (ms) of one flush step: `rows[r]` is stage r's actions in order, stage k's forward and backward
+    take forward_ms[k] and backward_ms[k], no message latency (optimizer/simulate.py, the simulator auto uses)."""
+    from model_parallel.errors import ScheduleError
+    from model_parallel.optimizer.simulate import StageTimes, simulate
+
+    times = [StageTimes(f, b) for f, b in zip(forward_ms, backward_ms)]
+    try:
+        return simulate(rows, list(range(len(rows))), times).makespan_ms
+    except ScheduleError as error:
+        if "deadlock" not in str(error):
+            raise
+        raise ValueError(f"the rows wait on each other forever (not a valid schedule): {error}") from None
 
 
 def one_f_one_b_step(layers: Sequence[int], scale: Sequence[float], m: int, layer_f: float, layer_b: float) -> float:
