@@ -51,8 +51,11 @@ def format_status(status: dict[str, Any]) -> str:
              f"{'stage':>5} {'rank':>4} {'nodes':>5} {'profile ms':>11} {'measured ms':>11} {'speed':>6}"]
     for row in status["stages"]:
         measured = "-" if row["measured_ms"] is None else f"{row['measured_ms']:.2f}"
+        measured += "*" if row.get("measured_is_rank_total") else ""
         speed = "-" if row["speed"] is None else f"{row['speed']:.2f}"
         lines.append(f"{row['stage']:>5} {row['rank']:>4} {row['num_nodes']:>5} {row['profiled_ms']:>11.2f} {measured:>11} {speed:>6}")
+    if any(row.get("measured_is_rank_total") for row in status["stages"]):
+        lines.append("* the rank's stages together: a worker measures its compute per rank, not per stage")
     lines += ["", f"{'rank':>4} {'status':<9} {'step':>5} {'stage':>5} {'plan':>4} {'slowdown':>8} {'samples/s':>9}  host (pid)"]
     for w in status["workers"]:
         sps = "-" if w["samples_per_s"] is None else f"{w['samples_per_s']:.1f}"

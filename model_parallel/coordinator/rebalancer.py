@@ -13,7 +13,7 @@ connection and is forgotten.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -248,10 +248,13 @@ class Rebalancer:
         samples = self.samples(workers, 0).compute_ms
         speeds = self.speeds(workers)
         stages = []
+        held = Counter(rank for stage in self.plan.stages for rank in stage.ranks)
         for stage in self.plan.stages:
             for rank in stage.ranks:
                 values = list(samples.get(rank, []))[-self.config.window:]
                 stages.append({
+                    # Workers measure per rank: under loop or V placement a stage's row carries its rank's total.
+                    "measured_is_rank_total": held[rank] > 1,
                     "stage": stage.stage_id, "rank": rank, "num_nodes": len(stage.node_ids),
                     "profiled_ms": policy.stage_profiled_ms(self.graph, stage) / stage.num_replicas,
                     "measured_ms": (sorted(values)[len(values) // 2] if values else None),

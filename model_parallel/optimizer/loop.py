@@ -142,4 +142,5 @@ def loop_rank_plan(graph: Graph, ranks: Sequence[int], speeds: Sequence[float]) 
     solution = replace(solution, parts=parts, time_s=max(rank_times(costs, ranks, by_rank).values()))
     # No clock here (test_tuning: the optimizer never reads it); the plan's optimizer_seconds stays 0.
     plan = build_plan(graph, hierarchy, options, solution, assign_nodes(graph, work, solution), 0.0)
-    return replace(plan, stages=tuple(replace(s, ranks=(int(ranks[i]),)) for i, s in enumerate(plan.stages)))
+    return replace(plan, stages=tuple(replace(s, ranks=(int(ranks[i]),)) for i, s in enumerate(plan.stages)),
+                   extra={**plan.extra, "time_per_minibatch_of": "slowest rank, its stages summed"})

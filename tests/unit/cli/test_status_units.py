@@ -32,6 +32,19 @@ def test_ctl_status_labels_profile_and_measured_ms():
     assert "plan table times are THIS MACHINE's ms (the profile's ms x 24.2" in format_status(solved)
 
 
+def test_ctl_status_marks_a_loop_ranks_measured_ms_as_its_total():
+    plan = two_stage(1)
+    rows = [{"stage": k, "rank": k % 2, "num_nodes": 1, "profiled_ms": 1.0, "measured_ms": 8.0 + k % 2,
+             "speed": 1.0, "measured_is_rank_total": True} for k in range(4)]
+    status = {"plan_version": 1, "pending_version": None, "policy": "auto", "last_decision": "-",
+              "table": plan.table(), "stages": rows, "workers": [], "history": []}
+    text = format_status(status)
+    assert text.count("8.00*") == 2 and text.count("9.00*") == 2
+    assert "* the rank's stages together" in text
+    one_each = {**status, "stages": [{**r, "measured_is_rank_total": False} for r in rows[:2]]}
+    assert "*" not in format_status(one_each)
+
+
 def test_report_final_plan_comes_from_the_status_file(tmp_path):
     initial = two_stage(0)
     assert final_plan(tmp_path, initial) == (initial, [])  # no coordinator status: the initial plan

@@ -30,6 +30,14 @@ def test_equal_speeds_give_the_balanced_split():
     assert check_plan(graph, plan, 2, "interleaved").plan.num_stages == 4
 
 
+def test_the_table_says_its_time_is_the_slowest_ranks_stages_summed():
+    plan = loop_rank_plan(unit_chain(8), [0, 1, 0, 1], [1.0] * 4)
+    # Each stage costs 2 ms, each rank 4 ms: the footer's number is a rank's sum, and says so.
+    assert plan.time_per_minibatch_s == pytest.approx(4e-3)
+    assert "time per minibatch (slowest rank, its stages summed): 4.000 ms" in plan.table()
+    assert "(slowest stage)" in straight_plan(unit_chain(8), range(2)).table()
+
+
 def test_a_rank_twice_slower_gets_half_the_work():
     graph = unit_chain(12)
     ranks = [0, 1, 0, 1]
