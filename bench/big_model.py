@@ -117,8 +117,6 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     from model_parallel import PipelineTrainer
-    from model_parallel.runtime.observe.memory_table import predicted
-    from model_parallel.graph.io import load_graph
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.observe.memory_probe import state_bytes
 
@@ -127,10 +125,6 @@ def worker(args: argparse.Namespace) -> None:
                             timeout=timedelta(seconds=300))
     import transformers
 
-    from model_parallel.optimizer.contiguous import even_stages
-    from model_parallel.optimizer.memory import Footprint
-
-    profiled = load_graph(tmp / "graph.json")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(llama_config(args))
     baseline = status_bytes("VmData")
@@ -138,12 +132,12 @@ def worker(args: argparse.Namespace) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     report: dict = {"rank": args.rank, "cap_bytes": cap - baseline, "baseline_vmdata_bytes": baseline,
                     "baseline_rss_bytes": status_bytes("VmRSS")}
-    config = TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0)
+    config = TrainConfig(batch_size=args.batch, num_microbatches=args.micro, seed=0, schedule=args.schedule)
     try:
-        # The plan: the most even split of the layer-by-layer profile whose predicted footprint fits (or a
-        # refusal naming the smallest memory per worker that would).
-        plan = even_stages(profiled, args.world, memory_per_worker=args.memory_per_worker * GB,
-                           footprint=Footprint("adamw", "1f1b", args.micro))
+        # No plan: the trainer's own, found by `memory_per_worker` for the schedule (api/job.py: the most even split
+        # whose predicted footprint fits, a loop or V of 2 stages per rank priced per rank; or a refusal naming the
+        # smallest memory per worker that would), priced on the graph it trains, and rank 0's broadcast.
+        plan = None
         # The model traced again on meta names its nodes as the profile did; the plan given is checked to fit.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
         trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
@@ -151,17 +145,17 @@ def worker(args: argparse.Namespace) -> None:
                                   plan=plan, example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
         trainer.train(args.steps)
         engine = trainer.runner
-        stage = engine.stage_id
         held = state_bytes(engine.stage, engine.optimizer)
-        parts = predicted(engine.graph, engine.plan, "adamw", 0.0, "1f1b", args.micro, args.batch // args.micro)
         records = engine.metrics.records
         measured = max(r.extra["held_bytes"] for r in records) + max(r.extra["stash_peak_bytes"] for r in records)
+        # The end-of-train memory table's row for this rank (several stages on a rank: summed).
+        [row] = [r for r in trainer.memory_report.stage_rows() if r["rank"] == str(args.rank)]
         report.update({
-            "stage": stage, "ok": True, "losses": [r.loss for r in engine.history],
+            "stage": row["stages"][0], "stages": list(row["stages"]), "schedule": args.schedule, "ok": True,
+            "losses": [r.loss for r in engine.history],
             "stage_parameters": int(held["parameters"] // 4),
             "stage_share_bytes": 2 * held["parameters"] + held["optimizer_state"],
-            "predicted_peak_bytes": parts[stage]["total"], "measured_peak_bytes": measured,
-            "predicted_activation_bytes": parts[stage]["activations"],
+            "predicted_peak_bytes": row["predicted_bytes"], "measured_peak_bytes": measured,
             "peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"],
             "plan_stage_parameters": [int(sum(engine.graph[n].parameter_size for n in s.node_ids) // 4)
                                       for s in engine.plan.stages],
@@ -204,7 +198,7 @@ def control(args: argparse.Namespace) -> None:
 
 
 def _flags(args: argparse.Namespace) -> list[str]:
-    keep = ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "micro", "steps", "world",
+    keep = ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "micro", "steps", "world", "schedule",
             "memory_per_worker", "slack", "tmp")
     return [x for k in keep for x in (f"--{k}", str(getattr(args, k)))]
 
@@ -225,6 +219,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--micro", type=int, default=4, help="microbatches per minibatch")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv"),
+                        help="the schedule; the trainer finds its plan under --memory_per_worker")
     parser.add_argument("--memory_per_worker", type=float, default=0.62,
                         help="GB per worker: the plan's budget (PipelineTrainer memory_per_worker) and the cap's core")
     parser.add_argument("--slack", type=float, default=0.25, help="GB on top of --memory_per_worker in the cap")
@@ -279,7 +275,7 @@ def main() -> int:
         if not row.get("ok"):
             print(f"rank {row['rank']}: FAILED {row.get('error')} {row.get('tail', '')}")
             continue
-        print(f"rank {row['rank']} stage {row['stage']}: {row['stage_parameters'] / 1e6:.1f}M parameters; predicted peak "
+        print(f"rank {row['rank']} stage(s) {row.get('stages', [row['stage']])}: {row['stage_parameters'] / 1e6:.1f}M parameters; predicted peak "
               f"{row['predicted_peak_bytes'] / GB:.3f} GB, measured {row['measured_peak_bytes'] / GB:.3f} GB "
               f"({100 * row['prediction_error']:+.1f}%); peak RSS {row['peak_rss_bytes'] / GB:.3f} GB, stage share "
               f"{row['stage_share_bytes'] / GB:.3f} GB, cap {row['cap_bytes'] / GB:.3f} GB; goals: RSS "

@@ -25,6 +25,13 @@ counts (stage, microbatch) pairs on a rank, as Megatron's warm-up does:
 
     interleaved  min(2 (p - 1 - r) + (v - 1) p + 1, v m)   pairs held by rank r of p (each pair ~ 1/v of its layers)
 
+Memory is another count under zero bubble (`activations_held`, `zero_bubble_pairs_held`): the bound above ends
+a microbatch at its I (the schedule's rule, what `check` enforces), but our I keeps the microbatch's autograd graph
+(retain_graph) for its W, so its saved activations, and the gradients kept at the weights' inputs, live until its W.
+Walking the orders (tests/unit/graph/test_in_flight.py): ZB-H1 then holds min(p, m) on every stage (stage s: its
+p - s plus the s W's it holds back), zbinterleaved the same number of pairs on every rank, rank 0's count above
+(so (v - 1) per_round + p, capped by v m), and ZBV's W follows its I (no change).
+
 A rank's bytes at its peak are not the sum of its stages' peaks (they need not coincide): `interleaved_peak`
 walks the rank's order (`interleaved_order`, the one rule runtime/step/interleaved.py builds its grid from),
 each forward adding its stage's bytes per microbatch, each backward freeing them.
@@ -39,6 +46,7 @@ FLUSH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv
 LOOP_SCHEDULES = ("interleaved", "zbinterleaved")  # several stages per rank, stage k on rank k mod p
 V_SCHEDULES = ("zbv",)  # two stages per rank in a V: rank r holds stages r and 2p-1-r (replica i: + i*p)
 MULTI_STAGE_SCHEDULES = LOOP_SCHEDULES + V_SCHEDULES
+ZERO_BUBBLE_SCHEDULES = ("zbh1", "zbinterleaved", "zbv")  # the backward split into I and W
 
 
 def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int, ranks_before: int,
@@ -56,6 +64,21 @@ def microbatches_in_flight(schedule: str, num_microbatches: int, num_ranks: int,
     if schedule == "pipedream":
         return downstream
     return min(downstream, math.ceil(num_microbatches / replicas))
+
+
+def activations_held(schedule: str, num_microbatches: int, num_ranks: int, ranks_before: int, replicas: int = 1) -> int:
+    """Microbatches whose activations one replica of the stage keeps at its peak (the memory model's count): the
+    in-flight bound, except under ZB-H1, where a microbatch through its I keeps them until its W (see above)."""
+    if schedule == "zbh1":
+        return min(math.ceil(num_ranks / replicas), math.ceil(num_microbatches / replicas))
+    return microbatches_in_flight(schedule, num_microbatches, num_ranks, ranks_before, replicas)
+
+
+def zero_bubble_pairs_held(num_microbatches: int, num_ranks: int, stages_per_rank: int, replicas: int = 1) -> int:
+    """(stage, microbatch) pairs whose activations a rank keeps at its peak under zbinterleaved (until their W):
+    rank 0's in-flight count, on every rank; a replica of r runs 1/r of the microbatches."""
+    share = math.ceil(num_microbatches / replicas)
+    return min(zero_bubble_in_flight(num_microbatches, num_ranks, stages_per_rank, 0), stages_per_rank * share)
 
 
 def interleaved_warmup(num_microbatches: int, num_ranks: int, stages_per_rank: int, rank: int) -> int:

@@ -17,6 +17,7 @@ from typing import Optional
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.plan import Hierarchy, Plan
 from model_parallel.optimizer.loop import loop_rank_plan
 from model_parallel.optimizer.memory import Footprint, MemoryLimit, plan_footprint
@@ -78,7 +79,7 @@ def _no_fit(priced: Graph, num_stages: int, limit: float, options: PartitionOpti
     """Why no split fits `limit`, with the smallest memory per worker that does (the predicted peak of the
     split that needs least, sent and received values included)."""
     footprint = options.memory
-    states = prefix_states(preprocess(priced, "footprint"))
+    states = prefix_states(preprocess(priced, "footprint", footprint.schedule in ZERO_BUBBLE_SCHEDULES))
     need = smallest_memory(states, num_stages, footprint)
     settings = f"{footprint.optimizer}, {footprint.schedule}, {footprint.microbatches or num_stages} microbatches"
     if not math.isfinite(need):

@@ -38,8 +38,10 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import SCHEDULE_NAMES, interleaved_peak, microbatches_in_flight
+from model_parallel.graph.in_flight import (SCHEDULE_NAMES, ZERO_BUBBLE_SCHEDULES, activations_held, interleaved_peak,
+                                            zero_bubble_pairs_held)
 from model_parallel.graph.plan import Plan
+from model_parallel.optimizer.workload import weight_gradient_node_bytes
 
 LEGACY_MODELS = ("pipedream", "1f1b")
 MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
@@ -84,9 +86,9 @@ MemoryModel = Union[str, Footprint]  # a legacy model's name, or the footprint
 
 
 def in_flight(model: Footprint, num_ranks: int, ranks_before: int, replicas: int) -> int:
-    """Microbatches whose saved activations one replica holds at its peak."""
+    """Microbatches whose saved activations one replica holds at its peak (zero bubble: until their W)."""
     microbatches = model.microbatches if model.microbatches is not None else num_ranks
-    return microbatches_in_flight(model.schedule, microbatches, num_ranks, ranks_before, replicas)
+    return activations_held(model.schedule, microbatches, num_ranks, ranks_before, replicas)
 
 
 def multipliers(model: MemoryModel, num_ranks: int, ranks_before: int, replicas: int) -> tuple[float, float]:
@@ -155,6 +157,15 @@ def stash_bytes(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list
     return stash
 
 
+def weight_gradient_bytes(graph: Graph, stage_of: dict[str, int], num_stages: int) -> list[float]:
+    """Per stage, the bytes one microbatch keeps between its I and its W under zero bubble (the gradients at the
+    nodes that use weights: `workload.weight_gradient_node_bytes`, which the search prices alike)."""
+    kept = [0.0] * num_stages
+    for node_id, size in weight_gradient_node_bytes(graph).items():
+        kept[stage_of[node_id]] += size
+    return kept
+
+
 def optimizer_kind(name: str, momentum: float = 0.0) -> str:
     """The `OPTIMIZER_STATE` key of a torch optimizer named as the worker's `--optimizer` flag."""
     if name == "sgd":
@@ -180,6 +191,8 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     for node in graph.nodes:
         parameters[stage_of[node.node_id]] += node.parameter_size
     stash = stash_bytes(graph, stage_of, plan.num_stages)
+    if model.schedule in ZERO_BUBBLE_SCHEDULES:  # until its W a microbatch also keeps its weights' output gradients
+        stash = [a + b for a, b in zip(stash, weight_gradient_bytes(graph, stage_of, plan.num_stages))]
     # Loop placement (interleaved) or a V (zbv): the in-flight rule counts stage positions, not ranks (in_flight.py:
     # M = all stages); with plan.num_ranks = p, a stage past p would hold a negative count.
     loop = plan.several_stages_per_rank
@@ -191,13 +204,15 @@ def plan_footprint(graph: Graph, plan: Plan, model: Footprint) -> list[dict[str,
     return out
 
 
-def loop_rank_parts(parts: list[dict[str, float]], plan: Plan,
-                    microbatches: Optional[int]) -> dict[int, tuple[tuple[int, ...], dict[str, float]]]:
+def loop_rank_parts(parts: list[dict[str, float]], plan: Plan, microbatches: Optional[int],
+                    schedule: str = "interleaved") -> dict[int, tuple[tuple[int, ...], dict[str, float]]]:
     """Under loop placement (interleaved), each rank's predicted bytes by kind, keyed by its first stage (a
     replica's ranks predict alike): its stages' parameters, gradients and optimizer state summed, and the
     activations of the (stage, microbatch) pairs it holds at once walking its order (in_flight.interleaved_peak),
     not the sum of the stages' own peaks. `parts` from `plan_footprint`; microbatches None: p. Under a V (zbv) a
-    rank's two stages are summed, activations too (each stage's own bound: an upper bound of the rank's peak)."""
+    rank's two stages are summed, activations too (each stage's own bound: an upper bound of the rank's peak).
+    Under zbinterleaved a rank holds pairs until their W (in_flight.zero_bubble_pairs_held), each priced at its
+    largest stage's bytes per microbatch: an upper bound, tight for balanced stages."""
     out: dict[int, tuple[tuple[int, ...], dict[str, float]]] = {}
     if plan.is_v_placement:
         for rank in range(plan.v_width):
@@ -209,7 +224,11 @@ def loop_rank_parts(parts: list[dict[str, float]], plan: Plan,
     for rank in range(p):
         held = plan.stages_of_rank(rank)
         per_microbatch = [parts[k]["activations"] / max(parts[k]["in_flight"], 1.0) for k in held]
-        peak = interleaved_peak(m, p, rank, per_microbatch, 0, plan.stages[held[0]].num_replicas)
+        replicas = plan.stages[held[0]].num_replicas
+        if schedule == "zbinterleaved":
+            peak = zero_bubble_pairs_held(m, p, len(held), replicas) * max(per_microbatch)
+        else:
+            peak = interleaved_peak(m, p, rank, per_microbatch, 0, replicas)
         summed = {key: sum(parts[k][key] for k in held) for key in parts[held[0]]}
         summed["total"] += peak - summed["activations"]
         summed["activations"] = peak
@@ -244,7 +263,8 @@ class MemoryLimit:
     def _check_ranks(self, graph: Graph, plan: Plan, what: str) -> None:
         """A rank of a loop placement or a V holds all its stages at once (`loop_rank_parts`): their sum must fit."""
         parts = plan_footprint(graph, plan, self.footprint)
-        for first, (held, summed) in sorted(loop_rank_parts(parts, plan, self.footprint.microbatches).items()):
+        ranks = loop_rank_parts(parts, plan, self.footprint.microbatches, self.footprint.schedule)
+        for first, (held, summed) in sorted(ranks.items()):
             if summed["total"] > self.memory_per_worker:
                 raise InfeasibleError(
                     f"{what} puts a predicted {summed['total'] / 1e9:.3g} GB on rank {plan.stages[first].ranks[0]} "

@@ -24,6 +24,7 @@ import numpy as np
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.graph.in_flight import ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.plan import Hierarchy, Plan
 from model_parallel.optimizer import antichains as antichains_module
 from model_parallel.optimizer.assemble import assign_nodes, build_plan, infeasible_message
@@ -96,7 +97,8 @@ def partition(
     for inconsistent arguments.
     """
     started = time.perf_counter()
-    work = preprocess(graph, options.memory_model)
+    zero_bubble = options.footprint is not None and options.footprint.schedule in ZERO_BUBBLE_SCHEDULES
+    work = preprocess(graph, options.memory_model, zero_bubble)
     if options.cuts == "auto":
         solution = solve_auto(work, hierarchy, options, search)
     else:

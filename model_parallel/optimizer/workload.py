@@ -53,12 +53,23 @@ class Workload:
         return len(self.node_ids)
 
 
-def preprocess(graph: Graph, memory_model: str = "pipedream") -> Workload:
+def weight_gradient_node_bytes(graph: Graph) -> dict[str, float]:
+    """Per node that uses a weight, the gradient a zero-bubble I keeps there for its W
+    (runtime/step/backward_split.py): the size of the node's output."""
+    out: dict[str, float] = {}
+    for node in graph.nodes:
+        if not node.reads_state and (node.parameter_size > 0 or
+                                     any(graph[p].reads_state for p in graph.predecessors[node.node_id])):
+            out[node.node_id] = node.activation_bytes
+    return out
+
+
+def preprocess(graph: Graph, memory_model: str = "pipedream", zero_bubble: bool = False) -> Workload:
     """Drop `Input*` sources and `__getitem__` sinks exactly as PipeDream does (FORMATS.md step 1).
 
     `memory_model` (`PartitionOptions.memory_model`) picks the held bytes: the legacy models keep
     PipeDream's output bytes (its reference partitions stay exact); "footprint" holds what autograd
-    saves, `Node.stash_bytes`."""
+    saves, `Node.stash_bytes`, and under a zero-bubble schedule (`zero_bubble`) the gradients kept for W."""
     inputs = tuple(n for n in graph.sources if graph[n].is_input)
     input_set = set(inputs)
     # PipeDream removes sinks after removing the inputs; an input is never a __getitem__ sink.
@@ -72,6 +83,7 @@ def preprocess(graph: Graph, memory_model: str = "pipedream") -> Workload:
         raise PlanError("graph has no nodes left to partition after setting aside Input* sources and __getitem__ sinks")
     index = {n.node_id: i for i, n in enumerate(remaining)}
     precision = precision_of(graph)
+    kept = weight_gradient_node_bytes(graph) if zero_bubble and memory_model == "footprint" else {}
     succ: list[list[int]] = [[] for _ in remaining]
     pred: list[list[int]] = [[] for _ in remaining]
     for a, b in kept_edges:
@@ -81,7 +93,8 @@ def preprocess(graph: Graph, memory_model: str = "pipedream") -> Workload:
     return Workload(
         node_ids=tuple(n.node_id for n in remaining),
         compute_s=tuple((n.forward_ms + n.backward_ms) / 1000.0 for n in remaining),
-        activation=tuple(n.stash_bytes if memory_model == "footprint" else n.activation_bytes for n in remaining),
+        activation=tuple(n.stash_bytes + kept.get(n.node_id, 0.0) if memory_model == "footprint" else n.activation_bytes
+                         for n in remaining),
         wire=tuple(wire_bytes(n, precision) for n in remaining),
         parameters=tuple(float(n.parameter_size) for n in remaining),
         succ=tuple(tuple(s) for s in succ),

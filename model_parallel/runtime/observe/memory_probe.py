@@ -98,6 +98,9 @@ class NullMeter:
     def kept(self, microbatch: int, entry: Any) -> None:
         pass
 
+    def keep(self, microbatch: int, tensors: Any) -> None:
+        pass
+
     def release(self, microbatch: int) -> None:
         pass
 
@@ -186,6 +189,12 @@ class StashMeter:
         """The executor's stash entry of a microbatch (inputs, outputs, weight version): kept until its backward."""
         self.current = None
         for tensor in (*_tensors(entry.inputs), *_tensors(entry.outputs), *_tensors(entry.weights)):
+            self._add(microbatch, tensor)
+
+    def keep(self, microbatch: int, tensors: Any) -> None:
+        """More tensors microbatch `microbatch` keeps until it is released (zero bubble: the gradients its I kept
+        for its W)."""
+        for tensor in tensors:
             self._add(microbatch, tensor)
 
     def release(self, microbatch: int) -> None:

@@ -113,7 +113,8 @@ def gather_report(engine: Any, probe: PeakProbe, parts: list[dict[str, float]], 
         table.append((str(rank), Measured(None if stage < 0 else int(stage),
                                           *[None if math.isnan(v) else v for v in rest])))
     plan = engine.plan
-    merged = loop_rank_parts(parts, plan, engine.config.num_microbatches) if plan.several_stages_per_rank else None
+    merged = (loop_rank_parts(parts, plan, engine.config.num_microbatches, engine.config.schedule)
+              if plan.several_stages_per_rank else None)
     return MemoryReport(parts, table, format_memory(parts, table, "rank", probe.source, merged), merged)
 
 

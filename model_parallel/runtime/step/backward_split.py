@@ -51,6 +51,11 @@ class WeightWork:
     root_grads: dict[Node, list[tuple[int, torch.Tensor]]]  # outputs off the input path: (output_nr, grad)
     params: dict[Node, torch.nn.Parameter]
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients kept for W (what a microbatch holds between its I and its W besides its activations)."""
+        kept = [g for grads in self.kept.values() for g in grads if g is not None]
+        return kept + [g for pairs in self.root_grads.values() for _, g in pairs]
+
 
 def _reverse_edges(roots: Iterable[Node]) -> dict[Node, list[Node]]:
     """child -> the nodes that feed it a gradient (its parents in the backward), from the roots down."""
@@ -160,17 +165,14 @@ def backward_weight(work: WeightWork) -> None:
                 start_grads.append(g)
         if not starts:
             continue  # no gradient reaches these parameters (unused, or zero paths): like backward, .grad stays
-        params = sorted(group.params, key=id)  # a fixed order for the call; results are matched back by node
+        params = [work.params[node] for node in sorted(group.params, key=id)]  # a fixed order for the call
         clamps = [node.register_prehook(lambda _grads, kept=work.kept[node]: kept)
                   for node in group.intermediates if node in work.kept] if len(starts) > 1 else []
         try:
-            dws: Sequence[Optional[torch.Tensor]] = torch.autograd.grad(starts, [GradientEdge(node, 0) for node in params], start_grads,
-                                      retain_graph=True, allow_unused=True)
+            # Into .grad as each weight's gradient is ready (AccumulateGrad, as a plain backward does): never the
+            # whole stage's weight gradients at once beside .grad (autograd.grad returns them together, which
+            # held one more copy of the stage's gradients at every W: a process over its cap under zbh1/zbv).
+            torch.autograd.backward(starts, start_grads, retain_graph=True, inputs=params)
         finally:
             for handle in clamps:
                 handle.remove()
-        for node, dw in zip(params, dws):
-            if dw is None:
-                continue
-            param = work.params[node]
-            param.grad = dw if param.grad is None else param.grad + dw

@@ -240,6 +240,7 @@ class StepExecutor:
             params = list(self.stage.parameters())
             input_grads, state.weight_work[j] = compute(
                 "backward", j, lambda: backward_input(outputs, output_grads, entry.inputs, params))
+            self.meter.keep(j, state.weight_work[j].gradients())
         else:
             if outputs:
                 compute("backward", j, lambda: torch.autograd.backward(outputs, output_grads))

@@ -45,6 +45,9 @@ class LaneMeter:
     def kept(self, microbatch: int, entry: Any) -> None:
         self.meter.kept(self.offset + microbatch, entry)
 
+    def keep(self, microbatch: int, tensors: Any) -> None:
+        self.meter.keep(self.offset + microbatch, tensors)
+
     def release(self, microbatch: int) -> None:
         self.meter.release(self.offset + microbatch)
 

@@ -235,6 +235,11 @@ class Health:
             return self._publish(None, "communication failed but every peer is still alive (slow peer? raise --timeout)", detail)
         except Exception as store_error:  # noqa: BLE001 - any store failure means its host is gone
             reason = str(store_error).splitlines()[0][:120] if str(store_error) else type(store_error).__name__
+            if isinstance(store_error, MemoryError) or "can't start new thread" in reason:
+                # This process's own limit (RLIMIT_DATA/AS counts thread stacks): the store may be fine.
+                return PeerError(f"rank {self.rank} could not ask the rendezvous store who failed: this process is "
+                                 f"out of memory itself ({reason}); raise its memory limit or lower "
+                                 f"memory_per_worker; {detail}")
             self._store_dead = True  # do not wait on it again when publishing this rank's status
             where = f" at {self.store_address}" if self.store_address else ""
             if self.store_host is None:

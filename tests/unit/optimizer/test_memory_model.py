@@ -148,3 +148,16 @@ def test_predicted_static_bytes_equal_what_a_stage_allocates(name, kind, momentu
     assert held["gradients"] == parts["gradients"]
     # AdamW also keeps a 0-d `step` counter per parameter: state the size of the parameters is exact.
     assert held["optimizer_state"] == parts["optimizer_state"]
+
+
+def test_the_meter_counts_what_a_microbatch_keeps_for_its_w_until_released():
+    from model_parallel.runtime.observe.memory_probe import StashMeter
+
+    meter = StashMeter(torch.device("cpu"))
+    kept = [torch.zeros(256), torch.zeros(64)]  # gradients an I keeps for its W
+    with meter.step(None):
+        meter.keep(3, kept)
+        assert meter.total == 4 * (256 + 64)
+        meter.release(3)
+        assert meter.total == 0
+    assert meter.step_peak == 4 * (256 + 64)

@@ -117,3 +117,17 @@ def test_the_coordinators_memory_per_worker_checks_the_starting_plan_and_every_p
     with pytest.raises(InfeasibleError, match=r"plan v1 puts a predicted .* GB on stage 0"):
         coordinator.rebalancer.issue(lopsided, "test", 0, lambda rank, command: sent.append(command) or True, False)
     assert sent == [] and coordinator.rebalancer.pending is None
+
+
+def test_zero_bubble_prices_microbatches_until_their_w_with_the_gradients_kept_for_it():
+    # Under ZB-H1 each of p = 2 stages holds min(p, m) = 2 microbatches (the last stage too: it holds its W's
+    # back), each keeping what autograd saved plus the gradient at every node that uses a weight (a linear's
+    # output, A bytes), which the search prices alike.
+    graph = layer_by_layer_chain()
+    plan = even_stages(graph, 2)
+    one, zero = (plan_footprint(graph, plan, Footprint("adamw", name, 4)) for name in ("1f1b", "zbh1"))
+    assert [p["in_flight"] for p in one] == [2.0, 1.0] and [p["in_flight"] for p in zero] == [2.0, 2.0]
+    assert zero[0]["activations"] == 2 * (2 * A + 2 * A)
+    assert zero[1]["activations"] == 2 * (3 * A + 2 * A)
+    assert preprocess(graph, "footprint", zero_bubble=True).activation == (0.0, 2 * A) * 4
+    assert zero[0]["total"] - one[0]["total"] == 2 * 2 * A

@@ -133,3 +133,23 @@ def test_split_of_odd_stages(make: Callable[[], nn.Module]) -> None:
     plain_w, split_w, plain_x, split_x = _both(make, x_grad=True)
     for a, b in zip(plain_x + plain_w, split_x + split_w):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_w_accumulates_into_the_gradients_in_place_and_keeps_what_it_lists() -> None:
+    # A second microbatch's W adds into the .grad storage the first one made (AccumulateGrad, as a plain backward
+    # does), instead of holding every weight's new gradient beside it; and the work lists the gradients it keeps.
+    torch.manual_seed(0)
+    module = _mlp()
+    works = []
+    for _ in range(2):
+        x = torch.randn(3, 6, requires_grad=True)
+        _, work = backward_input([module(x)], [torch.ones(3, 6)], [x], module.parameters())
+        assert work.gradients() and all(isinstance(g, torch.Tensor) for g in work.gradients())
+        works.append(work)
+    backward_weight(works[0])
+    storages = {id(p): p.grad.untyped_storage().data_ptr() for p in module.parameters() if p.grad is not None}
+    first = {id(p): p.grad.clone() for p in module.parameters() if p.grad is not None}
+    backward_weight(works[1])
+    assert storages and all(p.grad.untyped_storage().data_ptr() == storages[id(p)]
+                            for p in module.parameters() if id(p) in storages)
+    assert any(not torch.equal(p.grad, first[id(p)]) for p in module.parameters() if id(p) in first)

@@ -170,6 +170,17 @@ def test_health_blames_the_store_host_when_the_store_is_gone():
     assert str(error).startswith("rank 0 stopped responding (it hosts the rendezvous store")
 
 
+def test_health_blames_its_own_memory_when_it_cannot_start_a_thread():
+    # Under RLIMIT_DATA a rank at its limit cannot start the thread a store call needs: the store is fine.
+    class NoThreads(FakeStore):
+        def check(self, keys):
+            raise RuntimeError("can't start new thread")
+
+    error = Health(NoThreads(), 1, 2, interval=0.05).diagnose(RuntimeError("recv failed"))
+    assert str(error).startswith("rank 1 could not ask the rendezvous store who failed: this process is out of memory")
+    assert "stopped responding" not in str(error) and "recv failed" in str(error)
+
+
 def test_health_gives_up_on_a_store_that_never_answers():
     # A cut link sends no reset: TCPStore.check would block forever. The diagnosis must not.
     import threading
