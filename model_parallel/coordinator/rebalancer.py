@@ -42,6 +42,7 @@ class PendingSwitch:
     plan: Plan  # plan v+1, sent to rank 0
     sent_after_step: int
     predicted: bool  # proposed by the policy: judged against its prediction once live
+    schedule: Optional[str] = None  # the schedule it runs (None: the coordinator does not know the workers')
 
 
 class Rebalancer:
@@ -54,6 +55,11 @@ class Rebalancer:
         self.auto = auto
         self.world_size, self.schedule = world_size, schedule  # what a plan is checked against before it is issued
         self.memory = memory  # optimizer.memory.MemoryLimit under --memory_per_worker: no plan issued past it
+        # `--schedule auto` on the workers (they say so when they register, with their microbatches): each plan
+        # issued runs the schedule chosen again for it (rechoose.py), named in the switch command.
+        self.schedule_auto = False
+        self.num_microbatches: Optional[int] = None
+        self.calibration = 1.0  # measured / profiled ms on a nominal rank, from the latest estimate (rechoose.py)
         self.pending: Optional[PendingSwitch] = None
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
@@ -116,7 +122,8 @@ class Rebalancer:
         self.last_eval_step = step + self.config.window - 1 if solved else step
         if decision.plan is not None:
             try:
-                self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True)
+                self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True,
+                           speeds=decision.estimate.speeds if decision.estimate is not None else None)
             except PlanError as error:  # a solver plan the workers would refuse: a bug, not a reason to stop
                 logger.error("the policy's plan at step %d fails the workers' checks, not issued: %s", step, error)
                 self.last_eval_step = step + self.config.window - 1
@@ -127,6 +134,8 @@ class Rebalancer:
     def decide(self, workers: Mapping[int, WorkerState], step: int, force: bool) -> policy.Decision:
         """Run the policy on the live plan's samples and keep the state it returns."""
         decision, self.state = policy.decide(self.state, self.samples(workers, step), self.config, force)
+        if decision.estimate is not None:
+            self.calibration = decision.estimate.calibration
         if decision.review is not None:
             self._note_review(decision.review)
         if decision.reason != self.last_decision:
@@ -153,25 +162,48 @@ class Rebalancer:
             f"; gain not delivered, backing off (threshold now {self.config.threshold_after(misses):.0%}, "
             f"cooldown {self.config.cooldown_after(misses)} steps, noise level {self.state.noise:.0%})")
 
-    def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
+    def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool,
+              speeds: Optional[Mapping[int, float]] = None) -> Optional[Plan]:
         """Check `plan` as the workers will (PlanError: not issued), send it as v+1 to rank 0; returns it, or
-        None when rank 0 is away (nothing will apply it)."""
+        None when rank 0 is away (nothing will apply it). Under `--schedule auto` its schedule is chosen again
+        from `speeds` (each rank's measured speed; default: the last known) and sent with it."""
         from model_parallel.runtime.plancheck import check_plan, check_switchable  # the workers' own rules
 
         check_switchable(self.schedule)  # a PlanError: refused to the operator (ctl) before anything is sent
         version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
-        plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
+        plan, schedule = replace(plan, version=version), self.schedule
+        chosen = self.schedule_auto and self.num_microbatches is not None
+        if chosen:
+            plan, schedule = self._rechoose(plan.with_default_ranks(), speeds)
+        plan = check_plan(self.graph, plan, self.world_size, schedule).plan
         if self.memory is not None:
-            self.memory.check(self.graph, plan, f"plan v{version}")
-            self.memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
-        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
+            memory = replace(self.memory, footprint=replace(self.memory.footprint, schedule=schedule)) \
+                if schedule is not None else self.memory
+            memory.check(self.graph, plan, f"plan v{version}")
+            memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
+        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason,
+                             **({"schedule": schedule} if schedule is not None else {})})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
-        if not send(0, Command.switch(plan, reason=reason)):
+        if not send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None)):
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
-        self.pending = PendingSwitch(plan, step, predicted)
+        self.pending = PendingSwitch(plan, step, predicted, schedule)
         return plan
+
+    def _rechoose(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> tuple[Plan, str]:
+        """`plan` carrying the schedule `--schedule auto` chooses for it now (rechoose.py), and that schedule; logs
+        the choice's line. PlanError when no schedule can run it."""
+        from model_parallel.coordinator.rechoose import TIMES_NOTE, rechoose
+        from model_parallel.runtime.step.auto import EXTRA_KEY
+
+        assert self.num_microbatches is not None
+        known = {**self.state.known_speeds, **(speeds or {})}  # a spare keeps its last measured speed
+        choice = rechoose(self.graph, plan, self.world_size, known, self.calibration, self.num_microbatches,
+                          self.memory)
+        when = f" after plan v{plan.version}"
+        logger.warning("%s [%s]", choice.line(when), TIMES_NOTE)
+        return replace(plan, extra={**dict(plan.extra), EXTRA_KEY: choice.to_extra(when)}), choice.name
 
     def adopt(self, plan: Plan, step: int, world_size: int, reason: str) -> None:
         """Make `plan`, which the workers already run from `step`, the live plan (membership.py: a re-formed world, or
@@ -195,6 +227,7 @@ class Rebalancer:
         pending, self.pending = self.pending, None
         self.state = policy.switched(self.state, pending.plan, step, pending.predicted)
         self.last_eval_step = step
+        self.schedule = pending.schedule or self.schedule  # the workers run it from this step
         for entry in self.history:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step
@@ -226,7 +259,8 @@ class Rebalancer:
         window = self.config.window
         samples = {r: list(v)[-window:] for r, v in self.samples(workers, 0).compute_ms.items() if v}
         try:
-            live = dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
+            estimate = policy.estimate_speeds(self.graph, self.plan, samples)
+            live, self.calibration = dict(estimate.speeds), estimate.calibration
         except PlanError:
             live = {}
         return {**self.state.known_speeds, **live}
