@@ -51,6 +51,16 @@ def test_a_switch_naming_a_schedule_runs_it_on_every_rank_exactly(tmp_path: Path
     assert checkpoint.extra["training"]["schedule_running"] == "interleaved"
     assert checkpoint.world["plan"]["version"] == 1
     assert_params_close(checkpoint.params(), reference_params(steps), "auto, switched to interleaved live")
+    # Resumed with auto, it chooses again from the profile for the plan given (not the one it switched to): the
+    # checkpoint says "auto", so whatever it picks is no schedule change, and training goes on exactly.
+    resumed = launch_workers(["--model", "mlp", "--plan", str(plan), "--schedule", "auto", "--steps", str(steps + 2),
+                              "--batch_size", "8", "--num_microbatches", "4", "--timeout", "60",
+                              "--checkpoint_dir", str(tmp_path / "ck"), "--resume"], 2, timeout=300)
+    assert resumed.ok, resumed.summary()
+    assert re.search(r"schedule auto: chose (1f1b|gpipe|zbh1) ", resumed.output(0)), resumed.output(0)
+    again = load_checkpoint(tmp_path / "ck")
+    assert again.extra["next_step"] == steps + 2 and again.extra["training"]["schedule"] == "auto"
+    assert_params_close(again.params(), reference_params(steps + 2), "auto, resumed after a live re-choice")
 
 
 @pytest.mark.slow  # starts a coordinator and workers
