@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from model_parallel.cli.ctl import format_status
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient
 from model_parallel.coordinator.rechoose import measured_times, rechoose
@@ -149,6 +150,7 @@ def test_the_coordinator_sends_the_schedule_it_chose_for_the_new_plan(auto: bool
             wait_for(lambda: coord.rebalancer.pending is None, what="the switch confirmed")
             assert coord.rebalancer.schedule == "interleaved"
             assert coord.rebalancer.history[-1]["schedule"] == "interleaved"
+            assert "applied at step 3: ctl set-plan (schedule interleaved)" in format_status(coord.status())
         finally:
             for channel in channels:
                 channel.close()
