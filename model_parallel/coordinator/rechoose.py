@@ -64,7 +64,8 @@ def rechoose(graph: Graph, plan: Plan, world_size: int, speeds: Mapping[int, flo
              num_microbatches: int, memory: Any = None) -> Choice:
     """The schedule `plan` (ranks assigned) should run, from the measured `speeds` (see the module docstring);
     `memory`: an optimizer.memory.MemoryLimit (its footprint's schedule is replaced by each candidate's).
-    Raises PlanError naming every candidate's reason when none can run."""
+    Raises InfeasibleError (one was over the memory limit) or PlanError naming every candidate's reason when none
+    can run."""
     from model_parallel.runtime.plancheck import check_plan
 
     plan = plan.with_default_ranks()
@@ -84,5 +85,6 @@ def rechoose(graph: Graph, plan: Plan, world_size: int, speeds: Mapping[int, flo
         candidates.append(Candidate(name, refused=why) if why else Candidate(name, times))
     try:
         return choose_schedule(candidates, num_microbatches, plan.loop_width or plan.v_width or plan.num_ranks)
-    except ScheduleError as error:
-        raise PlanError(f"plan v{plan.version}: {error}") from None
+    except ScheduleError as error:  # over the memory limit is the plan's fault; anything else the workers would refuse
+        over = any(c.refused is not None and c.refused.startswith("memory: ") for c in candidates)
+        raise (InfeasibleError if over else PlanError)(f"plan v{plan.version}: {error}") from None

@@ -320,6 +320,8 @@ def apply_switch(engine: SwitchingEngine, command: Command) -> float:
         raise
     engine.switch_pauses_ms.append(pause * 1e3)
     engine.tracer.instant(f"switch to plan v{new_plan.version}")
+    if isinstance(getattr(engine.channel, "schedule", None), str):  # a coordinator's: re-registering names the running one
+        setattr(engine.channel, "schedule", engine.config.schedule)
     if engine.rank == 0:
         changed = f" under schedule {engine.config.schedule} (was {running.schedule})" \
             if engine.config.schedule != running.schedule else ""

@@ -12,7 +12,7 @@ from model_parallel.cli.ctl import format_status
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel, CtlClient
 from model_parallel.coordinator.rechoose import measured_times, rechoose
-from model_parallel.errors import ConfigError, PlanError, ProtocolError
+from model_parallel.errors import ConfigError, InfeasibleError, ProtocolError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.messages import Command, StepReport
@@ -78,7 +78,7 @@ def test_a_migration_that_makes_a_rank_heavier_refuses_gpipe_by_memory() -> None
     after = rechoose(graph, cut(graph, 4, 1), 2, {0: 2.0, 1: 1.0}, 1.0, 4, limit)
     assert after.name in ("1f1b", "zbh1") and "gpipe" not in [p.name for p in after.predictions]
     assert dict(after.refused)["gpipe"].startswith("memory: plan v1 puts a predicted 0.126 GB on stage 0")
-    with pytest.raises(PlanError, match=r"plan v1: schedule auto: no schedule can run this job \(1f1b: memory: plan v1 "
+    with pytest.raises(InfeasibleError, match=r"plan v1: schedule auto: no schedule can run this job \(1f1b: memory: plan v1 "
                                         r"puts a predicted"):
         rechoose(graph, cut(graph, 4, 1), 2, {}, 1.0, 4, MemoryLimit(10 * MB, Footprint("sgd", "1f1b", 4, 1.0)))
 
