@@ -177,12 +177,13 @@ class Rebalancer:
             plan, schedule = self._rechoose(plan.with_default_ranks(), speeds)
         plan = check_plan(self.graph, plan, self.world_size, schedule).plan
         if self.memory is not None:
+            # Auto's choice is priced by its own footprint; a fixed schedule by the coordinator's (its served flags)
             memory = replace(self.memory, footprint=replace(self.memory.footprint, schedule=schedule)) \
-                if schedule is not None else self.memory
+                if chosen and schedule is not None else self.memory
             memory.check(self.graph, plan, f"plan v{version}")
             memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
         self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason,
-                             **({"schedule": schedule} if schedule is not None else {})})
+                             **({"schedule": schedule} if chosen else {})})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
         if not send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None)):
@@ -193,7 +194,7 @@ class Rebalancer:
 
     def _rechoose(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> tuple[Plan, str]:
         """`plan` carrying the schedule `--schedule auto` chooses for it now (rechoose.py), and that schedule; logs
-        the choice's line. PlanError when no schedule can run it."""
+        the choice's line. PlanError (InfeasibleError: over the memory limit) when no schedule can run it."""
         from model_parallel.coordinator.rechoose import TIMES_NOTE, rechoose
         from model_parallel.runtime.step.auto import EXTRA_KEY
 
