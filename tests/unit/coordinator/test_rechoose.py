@@ -136,6 +136,7 @@ def test_the_coordinator_sends_the_schedule_it_chose_for_the_new_plan(auto: bool
             lines = [r.getMessage() for r in caplog.records if "schedule auto" in r.getMessage()]
             if not auto:  # a fixed schedule: nothing chosen, the switch names none
                 assert command.schedule is None and lines == [] and "schedule" not in command.plan.extra
+                assert "schedule" not in coord.rebalancer.history[-1]
                 return
             # chain_graph's nodes have no weights: zbinterleaved has no W to defer and ties; interleaved holds less.
             assert command.schedule == "interleaved"
