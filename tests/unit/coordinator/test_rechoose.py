@@ -96,6 +96,8 @@ def test_the_switch_command_carries_a_schedule_from_the_fixed_set() -> None:
         Command.switch(plan, schedule="pipedream")
     with pytest.raises(ProtocolError, match="got 'zbh1' in a 'stop' command"):
         Command.from_dict({"kind": "stop", "schedule": "zbh1"})
+    with pytest.raises(ProtocolError, match="runs schedule 'gpipe' but its plan's table says 'zbh1'"):
+        Command.switch(Plan(plan.stages, extra={"schedule": {"name": "zbh1"}}), schedule="gpipe")
     with pytest.raises(ProtocolError, match="`schedule` must be a schedule's name or absent"):
         Command.from_dict({**command.to_dict(), "schedule": {"name": "zbh1"}})
 
