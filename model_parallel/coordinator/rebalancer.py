@@ -8,7 +8,8 @@ A switch's life: a decision (auto, ctl rebalance) or a ctl set-plan/scale gives 
 sends `command {switch}` to rank 0, whose runtime broadcasts it to every rank at its next step
 boundary, and keeps it `pending`; the first report carrying the new version confirms it (it is live
 from that step). One not confirmed PENDING_STEPS steps after it was sent was lost with a dropped
-connection and is forgotten.
+connection and is given up on (`dropped`: a new plan may be issued), unless a report of its version
+arrives after all (steps of a few ms outrun the reports): then it is confirmed late.
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ class Rebalancer:
         self.num_microbatches: Optional[int] = None
         self.calibration = 1.0  # measured / profiled ms on a nominal rank, from the latest estimate (rechoose.py)
         self.pending: Optional[PendingSwitch] = None
+        # A pending switch given up on (no report carried it PENDING_STEPS steps on): rank 0 may still have applied it,
+        # its reports only late (steps of a few ms outrun them); a report of its version then confirms it after all.
+        self.dropped: Optional[PendingSwitch] = None
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
         self.last_decision = "no decision yet"
@@ -97,6 +101,10 @@ class Rebalancer:
             logger.error("rank %d runs stage %s but plan v%d puts it on stage %s: start the workers with the "
                          "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, report.stage,
                          self.plan.version, expected)
+        if self.pending is None and self.dropped is not None and report.plan_version == self.dropped.plan.version:
+            logger.warning("plan v%d was applied after all (rank %d reports it at step %d)", report.plan_version,
+                           worker.rank, report.step)
+            self.pending, self.dropped = self.dropped, None
         if self.pending is not None and report.plan_version >= self.pending.plan.version:
             self.remember_speeds(workers)  # the old plan's last window: a rank it leaves as a spare keeps its speed
             self.confirm(report.step)
@@ -104,7 +112,7 @@ class Rebalancer:
             # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
             logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
                            report.step)
-            self.pending = None
+            self.pending, self.dropped = None, self.pending
         if not self.auto or self.pending is not None or stopping or self.schedule in NO_SWITCH_SCHEDULES:
             return  # zbv: the policy does not plan a V (ctl set-plan still switches it)
         step = max(w.step for w in workers.values())
@@ -189,7 +197,7 @@ class Rebalancer:
         if not send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None)):
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
-        self.pending = PendingSwitch(plan, step, predicted, schedule)
+        self.pending, self.dropped = PendingSwitch(plan, step, predicted, schedule), None
         return plan
 
     def _rechoose(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> tuple[Plan, str]:
@@ -218,7 +226,7 @@ class Rebalancer:
                            plan.version, reason)
         self.state = policy.PolicyState(self.state.graph, plan.with_default_ranks(), self.state.solver,
                                         version_start_step=step)
-        self.world_size, self.pending, self.last_eval_step = world_size, None, step
+        self.world_size, self.pending, self.dropped, self.last_eval_step = world_size, None, None, step
         self.highest_reported = max(self.highest_reported, plan.version)
         self._mismatch_warned = False
         self.history.append({"version": plan.version, "requested_at_step": step, "applied_at_step": step, "reason": reason})
@@ -242,6 +250,8 @@ class Rebalancer:
                 entry["rolled_back"] = reason
         if self.pending is not None and self.pending.plan.version == version:
             self.pending = None
+        if self.dropped is not None and self.dropped.plan.version == version:
+            self.dropped = None
         logger.error("plan v%d failed on rank %d after the switch started (%s); every rank rolled back, the job goes "
                      "on with plan v%d", version, rank, reason, self.plan.version)
 
@@ -252,6 +262,8 @@ class Rebalancer:
                 entry["refused"] = reason
         if self.pending is not None and self.pending.plan.version == version:
             self.pending = None
+        if self.dropped is not None and self.dropped.plan.version == version:
+            self.dropped = None
         logger.error("rank %d refused plan v%d: %s; the job goes on with plan v%d", rank, version, reason, self.plan.version)
 
     def speeds(self, workers: Mapping[int, WorkerState]) -> dict[int, float]:
