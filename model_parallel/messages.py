@@ -64,7 +64,7 @@ class Command:
         if self.schedule is not None and (self.kind != "switch" or self.schedule not in FLUSH_SCHEDULES):
             raise ProtocolError(f"a command's `schedule` names the schedule a 'switch' runs, one of "
                                 f"{', '.join(FLUSH_SCHEDULES)}; got {str(self.schedule)[:40]!r} in a {self.kind!r} command")
-        carried = dict(self.plan.extra).get("schedule") if self.plan is not None else None  # the plan table's row
+        carried = dict(self.plan.extra).get("schedule") if isinstance(self.plan, Plan) else None  # its table's row
         if self.schedule is not None and isinstance(carried, Mapping) and carried.get("name") != self.schedule:
             raise ProtocolError(f"a 'switch' command runs schedule {self.schedule!r} but its plan's table says "
                                 f"{str(carried.get('name'))[:40]!r}; they must agree")
