@@ -15,7 +15,8 @@ Contract (stable; the runtime calls it, the coordinator client in `model_paralle
   exactly: `ScriptedChannel`). The commands:
     continue   -> nothing happens
     switch     -> every rank switches to `plan` (a `Plan`) before the next step,
-                  moving layers, buffers and optimizer state (see `runtime.wire.migration`)
+                  moving layers, buffers and optimizer state (see `runtime.wire.migration`);
+                  `schedule` (under --schedule auto only): the schedule the new plan runs
     stop       -> every rank stops cleanly after this step (checkpoint written if configured)
     slowdown   -> rank `rank` multiplies its compute time by `factor` from now on (1.0 = off);
                   straggler injection for tests, benchmarks and the demo
@@ -36,6 +37,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 from model_parallel import jsonbound
 from model_parallel.errors import ModelParallelError, ProtocolError
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES
 from model_parallel.graph.plan import Plan
 
 COMMAND_KINDS = ("continue", "switch", "stop", "slowdown")
@@ -52,10 +54,20 @@ class Command:
     factor: float = 1.0  # for "slowdown": compute time multiplier (>= 1; 1 = no slowdown)
     reason: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # For "switch" under `--schedule auto`: the schedule the new plan runs (the coordinator chose it again for the
+    # new plan's measured times, coordinator/rechoose.py); None keeps the running one.
+    schedule: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kind not in COMMAND_KINDS:
             raise ProtocolError(f"unknown command kind {self.kind!r}; expected one of {COMMAND_KINDS}")
+        if self.schedule is not None and (self.kind != "switch" or self.schedule not in FLUSH_SCHEDULES):
+            raise ProtocolError(f"a command's `schedule` names the schedule a 'switch' runs, one of "
+                                f"{', '.join(FLUSH_SCHEDULES)}; got {str(self.schedule)[:40]!r} in a {self.kind!r} command")
+        carried = dict(self.plan.extra).get("schedule") if isinstance(self.plan, Plan) else None  # its table's row
+        if self.schedule is not None and isinstance(carried, Mapping) and carried.get("name") != self.schedule:
+            raise ProtocolError(f"a 'switch' command runs schedule {self.schedule!r} but its plan's table says "
+                                f"{str(carried.get('name'))[:40]!r}; they must agree")
         if self.kind == "switch" and not isinstance(self.plan, Plan):
             raise ProtocolError("a 'switch' command needs the new plan (a Plan) in `plan`")
         if self.plan is not None and not isinstance(self.plan, Plan):
@@ -76,8 +88,8 @@ class Command:
         return cls("continue")
 
     @classmethod
-    def switch(cls, plan: Plan, reason: str = "") -> "Command":
-        return cls("switch", plan=plan, reason=reason)
+    def switch(cls, plan: Plan, reason: str = "", schedule: Optional[str] = None) -> "Command":
+        return cls("switch", plan=plan, reason=reason, schedule=schedule)
 
     @classmethod
     def stop(cls, reason: str = "") -> "Command":
@@ -89,7 +101,7 @@ class Command:
 
     # ---- wire format ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "rank": self.rank,
@@ -97,6 +109,9 @@ class Command:
             "reason": self.reason,
             "extra": dict(self.extra),
         }
+        if self.schedule is not None:  # absent otherwise: the message is the one it was before the field
+            out["schedule"] = self.schedule
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -105,9 +120,11 @@ class Command:
     def from_dict(cls, data: Any) -> "Command":
         if not isinstance(data, Mapping) or "kind" not in data:
             raise ProtocolError(f"a command must be a JSON object with a 'kind', got {str(data)[:80]!r}")
-        plan, extra = data.get("plan"), data.get("extra") or {}
+        plan, extra, schedule = data.get("plan"), data.get("extra") or {}, data.get("schedule")
         if not (plan is None or isinstance(plan, Mapping)) or not isinstance(extra, Mapping):
             raise ProtocolError(f"malformed command {str(data)[:80]!r}: `plan` and `extra` must be JSON objects")
+        if not (schedule is None or isinstance(schedule, str)):
+            raise ProtocolError(f"malformed command {str(data)[:80]!r}: `schedule` must be a schedule's name or absent")
         try:
             return cls(
                 kind=str(data["kind"]),
@@ -116,6 +133,7 @@ class Command:
                 factor=float(data.get("factor", 1.0)),
                 reason=str(data.get("reason", "")),
                 extra=dict(extra),
+                schedule=schedule,
             )
         except ProtocolError:
             raise

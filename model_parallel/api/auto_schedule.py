@@ -21,33 +21,11 @@ from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Level, Plan
-from model_parallel.optimizer.simulate import StageTimes
-from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule
+from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule, proxy_times, stage_times
 
 logger = logging.getLogger(__name__)
 
 LINK_BYTES_PER_S = Level(num_machines=1).bandwidth  # the optimizer's default link: what a plan is priced with
-
-
-def stage_times(graph: Graph, plan: Plan, scale: float) -> tuple[StageTimes, ...]:
-    """Per stage of `plan`: forward and backward ms of one microbatch (`scale` = microbatch / profiled batch),
-    a replicated stage's divided by its replicas (they take the microbatches in turn). The backward's split
-    into input and weight gradients (I/W schedules) is estimated, not profiled: a node with parameters spends
-    half its backward on each (dX and dW of a matmul or a convolution cost the same), a node without any
-    spends all of it on I."""
-    stage_of = plan.stage_of
-    forward, backward, weight = [0.0] * plan.num_stages, [0.0] * plan.num_stages, [0.0] * plan.num_stages
-    for node in graph.nodes:
-        forward[stage_of[node.node_id]] += node.forward_ms
-        backward[stage_of[node.node_id]] += node.backward_ms
-        if node.parameter_size > 0:
-            weight[stage_of[node.node_id]] += node.backward_ms / 2
-    times = []
-    for s in plan.stages:
-        share = scale / s.num_replicas
-        b, w = backward[s.stage_id] * share, weight[s.stage_id] * share
-        times.append(StageTimes(forward[s.stage_id] * share, b, b - w, w))
-    return tuple(times)
 
 
 def edge_transfers(graph: Graph, plan: Plan, scale: float) -> tuple[float, ...]:
@@ -117,8 +95,8 @@ def resolve_auto(graph: Graph, world_size: int, num_microbatches: int, micro_bat
         plans[name] = plan
         transfers = edge_transfers(graph, plan, scale) if timed else 0.0
         times = stage_times(priced, plan, scale)
-        if not timed:  # the proxy prices a stage's forward only: a backward costs about twice its forward
-            times = tuple(StageTimes(t.forward_ms, 2 * t.forward_ms, t.forward_ms, t.forward_ms) for t in times)
+        if not timed:
+            times = proxy_times(times)
         candidates.append(Candidate(name, times, transfers))
     choice: Choice = choose_schedule(candidates, num_microbatches, world_size, "ms" if timed else "units")
     logger.info("%s", choice.line())

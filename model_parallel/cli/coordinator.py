@@ -191,17 +191,15 @@ def resume_line(checkpoint_dirs: Sequence[str]) -> str:
 
 
 def _memory_limit(limit: float, served: dict, graph: Any) -> Any:
-    """`--memory_per_worker` priced for the served training flags (else the worker's defaults)."""
+    """`--memory_per_worker` priced for the served training flags (else the worker's defaults). Under `--schedule
+    auto` the re-plans are priced as 1f1b (the least a one-stage-per-rank plan holds) and each plan's schedule,
+    chosen again at every switch, by its own footprint (coordinator/rechoose.py)."""
     from model_parallel.optimizer.memory import Footprint, MemoryLimit, activation_scale, optimizer_kind
 
-    if served.get("schedule") == "auto":  # the workers pick it after the coordinator starts: nothing to price here
-        from model_parallel.errors import ConfigError
-
-        raise ConfigError("--memory_per_worker prices the served job's schedule, but it says --schedule auto (each "
-                          "worker picks one from the job); name the schedule in the served flags (1f1b, gpipe)")
     microbatches = served.get("num_microbatches", 4)
+    schedule = served.get("schedule", "1f1b")
     return MemoryLimit(limit, Footprint(optimizer_kind(served.get("optimizer", "sgd"), served.get("momentum", 0.9)),
-                                        served.get("schedule", "1f1b"), microbatches,
+                                        "1f1b" if schedule == "auto" else schedule, microbatches,
                                         activation_scale(graph, max(1, served.get("batch_size", 8) // microbatches))))
 
 

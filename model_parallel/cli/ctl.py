@@ -75,6 +75,7 @@ def format_status(status: dict[str, Any]) -> str:
     for entry in status.get("history", []):
         lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
                      f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}"
+                     + (f" (schedule {str(entry['schedule'])[:20]})" if entry.get("schedule") else "")
                      + (f" (abandoned: {entry['abandoned']})" if entry.get("abandoned") else ""))
     if status.get("stop_reason"):
         lines.append(f"stopping: {status['stop_reason']}")

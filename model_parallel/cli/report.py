@@ -189,7 +189,8 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "",
         *([f"== plan (final) ==  v{live.version}, live from step "
            f"{switches[-1]['applied_at_step'] if switches else '?'}; {plan_times_label(dict(live.extra))}", live.table(), *[
-               f"switch to v{h['version']} at step {h['applied_at_step']}: {h.get('reason', '')}" for h in switches], ""]
+               f"switch to v{h['version']} at step {h['applied_at_step']}: {h.get('reason', '')}"
+               + (f" (schedule {str(h['schedule'])[:20]})" if h.get("schedule") else "") for h in switches], ""]
           if live.version != plan.version else ["== plan (final) == the initial plan (no switch)", ""]),
         f"== per-stage {'CPU' if clock == 'cpu' else 'busy'} ms per step: predicted (optimizer.fidelity) vs measured "
         "(before the slowdown) ==",

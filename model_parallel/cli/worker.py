@@ -153,7 +153,7 @@ def ask_coordinator(argv: Sequence[str], args: Any) -> tuple[Any, ServedJob]:
 
 
 def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] = None, schedule: Optional[str] = None,
-                 plan: Any = None) -> Any:
+                 plan: Any = None, config: Any = None) -> Any:
     from model_parallel.messages import NullChannel
 
     if args.coordinator:
@@ -166,7 +166,9 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
                                   checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
                                   live_plan=plan, recover=bool(args.recover),
                                   generation=recovered.generation if recovered else 0,
-                                  membership=recovered.membership() if recovered else None)
+                                  membership=recovered.membership() if recovered else None,
+                                  schedule_auto=bool(getattr(config, "schedule_auto", False)),
+                                  num_microbatches=getattr(config, "num_microbatches", None))
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
@@ -189,7 +191,7 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
         plan = recovered.plan if recovered.plan is not None else job.plan
         job = dataclasses.replace(job, plan=dataclasses.replace(plan, version=recovered.plan_version))
     channel = make_channel(args, world.rank, world.world_size, served.token if served else None, config.schedule,
-                           job.plan)
+                           job.plan, config)
 
     def on_engine(engine: Any) -> None:
         if prefix is not None:
@@ -202,7 +204,7 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     probe = PeakProbe(world.device)
     probe.start()  # before the stage is materialized: the peak counts everything the run adds
     engine = run_job(job, config, options, args.steps, make_optimizer_factory(args), channel, world, health, on_engine)
-    parts = memory_table.predicted(engine.graph, engine.plan, args.optimizer, args.momentum, config.schedule,
+    parts = memory_table.predicted(engine.graph, engine.plan, args.optimizer, args.momentum, engine.config.schedule,
                                      config.num_microbatches, config.batch_size // config.num_microbatches)
     report = memory_table.gather_report(engine, probe, parts, world.device)
     if world.rank == 0:

@@ -46,10 +46,14 @@ class CoordinatorChannel:
                  timeout: float = CONNECT_TIMEOUT_S, heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                  reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None, live_plan: Optional[Plan] = None, recover: bool = False,
-                 generation: int = 0, membership: Optional[Mapping[str, Any]] = None) -> None:
+                 generation: int = 0, membership: Optional[Mapping[str, Any]] = None, schedule_auto: bool = False,
+                 num_microbatches: Optional[int] = None) -> None:
         self.address, self.token = address, token
         self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
+        # --schedule auto (and m): told to the coordinator, which chooses the schedule again at each switch
+        self.auto_fields = {"schedule_auto": True, "num_microbatches": int(num_microbatches)} \
+            if schedule_auto and num_microbatches else {}
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
@@ -112,6 +116,7 @@ class CoordinatorChannel:
                              world_size=int(self.world_size), instance=self.instance,
                              **({"schedule": self.schedule} if self.schedule is not None else {}),
                              **({"checkpoint_dir": self.checkpoint_dir} if self.checkpoint_dir else {}),
+                             **self.auto_fields,
                              **self._live_fields())
             welcome = session.recv(timeout)
         except (OSError, ProtocolError) as error:

@@ -92,7 +92,8 @@ class CtlHandler:
         raise PlanError(f"unknown ctl op {op!r}")
 
     def _issue(self, plan: Plan, reason: str, step: int, predicted: bool = False) -> Plan:
-        sent = self.rebalancer.issue(plan, reason, step, self.send, predicted)
+        sent = self.rebalancer.issue(plan, reason, step, self.send, predicted,
+                                     speeds=self.rebalancer.speeds(self.roster.workers))
         if sent is None:
             raise PlanError(f"{reason.split(':')[0]}: rank 0 is not connected, so the new plan cannot be broadcast; "
                             "try again once it is back")

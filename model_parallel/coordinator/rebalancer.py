@@ -8,7 +8,8 @@ A switch's life: a decision (auto, ctl rebalance) or a ctl set-plan/scale gives 
 sends `command {switch}` to rank 0, whose runtime broadcasts it to every rank at its next step
 boundary, and keeps it `pending`; the first report carrying the new version confirms it (it is live
 from that step). One not confirmed PENDING_STEPS steps after it was sent was lost with a dropped
-connection and is forgotten.
+connection and is given up on (`dropped`: a new plan may be issued), unless a report of its version
+arrives after all (steps of a few ms outrun the reports): then it is confirmed late.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class PendingSwitch:
     plan: Plan  # plan v+1, sent to rank 0
     sent_after_step: int
     predicted: bool  # proposed by the policy: judged against its prediction once live
+    schedule: Optional[str] = None  # the schedule it runs (None: the coordinator does not know the workers')
 
 
 class Rebalancer:
@@ -54,7 +56,15 @@ class Rebalancer:
         self.auto = auto
         self.world_size, self.schedule = world_size, schedule  # what a plan is checked against before it is issued
         self.memory = memory  # optimizer.memory.MemoryLimit under --memory_per_worker: no plan issued past it
+        # `--schedule auto` on the workers (they say so when they register, with their microbatches): each plan
+        # issued runs the schedule chosen again for it (rechoose.py), named in the switch command.
+        self.schedule_auto = False
+        self.num_microbatches: Optional[int] = None
+        self.calibration = 1.0  # measured / profiled ms on a nominal rank, from the latest estimate (rechoose.py)
         self.pending: Optional[PendingSwitch] = None
+        # A pending switch given up on (no report carried it PENDING_STEPS steps on): rank 0 may still have applied it,
+        # its reports only late (steps of a few ms outrun them); a report of its version then confirms it after all.
+        self.dropped: Optional[PendingSwitch] = None
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
         self.last_decision = "no decision yet"
@@ -91,6 +101,10 @@ class Rebalancer:
             logger.error("rank %d runs stage %s but plan v%d puts it on stage %s: start the workers with the "
                          "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, report.stage,
                          self.plan.version, expected)
+        if self.pending is None and self.dropped is not None and report.plan_version == self.dropped.plan.version:
+            logger.warning("plan v%d was applied after all (rank %d reports it at step %d)", report.plan_version,
+                           worker.rank, report.step)
+            self.pending, self.dropped = self.dropped, None
         if self.pending is not None and report.plan_version >= self.pending.plan.version:
             self.remember_speeds(workers)  # the old plan's last window: a rank it leaves as a spare keeps its speed
             self.confirm(report.step)
@@ -98,7 +112,7 @@ class Rebalancer:
             # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
             logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
                            report.step)
-            self.pending = None
+            self.pending, self.dropped = None, self.pending
         if not self.auto or self.pending is not None or stopping or self.schedule in NO_SWITCH_SCHEDULES:
             return  # zbv: the policy does not plan a V (ctl set-plan still switches it)
         step = max(w.step for w in workers.values())
@@ -116,7 +130,8 @@ class Rebalancer:
         self.last_eval_step = step + self.config.window - 1 if solved else step
         if decision.plan is not None:
             try:
-                self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True)
+                self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True,
+                           speeds=decision.estimate.speeds if decision.estimate is not None else None)
             except PlanError as error:  # a solver plan the workers would refuse: a bug, not a reason to stop
                 logger.error("the policy's plan at step %d fails the workers' checks, not issued: %s", step, error)
                 self.last_eval_step = step + self.config.window - 1
@@ -127,6 +142,8 @@ class Rebalancer:
     def decide(self, workers: Mapping[int, WorkerState], step: int, force: bool) -> policy.Decision:
         """Run the policy on the live plan's samples and keep the state it returns."""
         decision, self.state = policy.decide(self.state, self.samples(workers, step), self.config, force)
+        if decision.estimate is not None:
+            self.calibration = decision.estimate.calibration
         if decision.review is not None:
             self._note_review(decision.review)
         if decision.reason != self.last_decision:
@@ -153,25 +170,49 @@ class Rebalancer:
             f"; gain not delivered, backing off (threshold now {self.config.threshold_after(misses):.0%}, "
             f"cooldown {self.config.cooldown_after(misses)} steps, noise level {self.state.noise:.0%})")
 
-    def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool) -> Optional[Plan]:
+    def issue(self, plan: Plan, reason: str, step: int, send: Send, predicted: bool,
+              speeds: Optional[Mapping[int, float]] = None) -> Optional[Plan]:
         """Check `plan` as the workers will (PlanError: not issued), send it as v+1 to rank 0; returns it, or
-        None when rank 0 is away (nothing will apply it)."""
+        None when rank 0 is away (nothing will apply it). Under `--schedule auto` its schedule is chosen again
+        from `speeds` (each rank's measured speed; default: the last known) and sent with it."""
         from model_parallel.runtime.plancheck import check_plan, check_switchable  # the workers' own rules
 
         check_switchable(self.schedule)  # a PlanError: refused to the operator (ctl) before anything is sent
         version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
-        plan = check_plan(self.graph, replace(plan, version=version), self.world_size, self.schedule).plan
+        plan, schedule = replace(plan, version=version), self.schedule
+        chosen = self.schedule_auto and self.num_microbatches is not None
+        if chosen:
+            plan, schedule = self._rechoose(plan.with_default_ranks(), speeds)
+        plan = check_plan(self.graph, plan, self.world_size, schedule).plan
         if self.memory is not None:
-            self.memory.check(self.graph, plan, f"plan v{version}")
-            self.memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
-        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason})
+            # Auto's choice is priced by its own footprint; a fixed schedule by the coordinator's (its served flags)
+            memory = replace(self.memory, footprint=replace(self.memory.footprint, schedule=schedule)) \
+                if chosen and schedule is not None else self.memory
+            memory.check(self.graph, plan, f"plan v{version}")
+            memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
+        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason,
+                             **({"schedule": schedule} if chosen else {})})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
-        if not send(0, Command.switch(plan, reason=reason)):
+        if not send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None)):
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
-        self.pending = PendingSwitch(plan, step, predicted)
+        self.pending, self.dropped = PendingSwitch(plan, step, predicted, schedule), None
         return plan
+
+    def _rechoose(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> tuple[Plan, str]:
+        """`plan` carrying the schedule `--schedule auto` chooses for it now (rechoose.py), and that schedule; logs
+        the choice's line. PlanError (InfeasibleError: over the memory limit) when no schedule can run it."""
+        from model_parallel.coordinator.rechoose import TIMES_NOTE, rechoose
+        from model_parallel.runtime.step.auto import EXTRA_KEY
+
+        assert self.num_microbatches is not None
+        known = {**self.state.known_speeds, **(speeds or {})}  # a spare keeps its last measured speed
+        choice = rechoose(self.graph, plan, self.world_size, known, self.calibration, self.num_microbatches,
+                          self.memory)
+        when = f" after plan v{plan.version}"
+        logger.warning("%s [%s]", choice.line(when), TIMES_NOTE)
+        return replace(plan, extra={**dict(plan.extra), EXTRA_KEY: choice.to_extra(when)}), choice.name
 
     def adopt(self, plan: Plan, step: int, world_size: int, reason: str) -> None:
         """Make `plan`, which the workers already run from `step`, the live plan (membership.py: a re-formed world, or
@@ -185,7 +226,7 @@ class Rebalancer:
                            plan.version, reason)
         self.state = policy.PolicyState(self.state.graph, plan.with_default_ranks(), self.state.solver,
                                         version_start_step=step)
-        self.world_size, self.pending, self.last_eval_step = world_size, None, step
+        self.world_size, self.pending, self.dropped, self.last_eval_step = world_size, None, None, step
         self.highest_reported = max(self.highest_reported, plan.version)
         self._mismatch_warned = False
         self.history.append({"version": plan.version, "requested_at_step": step, "applied_at_step": step, "reason": reason})
@@ -195,6 +236,7 @@ class Rebalancer:
         pending, self.pending = self.pending, None
         self.state = policy.switched(self.state, pending.plan, step, pending.predicted)
         self.last_eval_step = step
+        self.schedule = pending.schedule or self.schedule  # the workers run it from this step
         for entry in self.history:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step
@@ -208,6 +250,8 @@ class Rebalancer:
                 entry["rolled_back"] = reason
         if self.pending is not None and self.pending.plan.version == version:
             self.pending = None
+        if self.dropped is not None and self.dropped.plan.version == version:
+            self.dropped = None
         logger.error("plan v%d failed on rank %d after the switch started (%s); every rank rolled back, the job goes "
                      "on with plan v%d", version, rank, reason, self.plan.version)
 
@@ -218,6 +262,8 @@ class Rebalancer:
                 entry["refused"] = reason
         if self.pending is not None and self.pending.plan.version == version:
             self.pending = None
+        if self.dropped is not None and self.dropped.plan.version == version:
+            self.dropped = None
         logger.error("rank %d refused plan v%d: %s; the job goes on with plan v%d", rank, version, reason, self.plan.version)
 
     def speeds(self, workers: Mapping[int, WorkerState]) -> dict[int, float]:
@@ -226,7 +272,8 @@ class Rebalancer:
         window = self.config.window
         samples = {r: list(v)[-window:] for r, v in self.samples(workers, 0).compute_ms.items() if v}
         try:
-            live = dict(policy.estimate_speeds(self.graph, self.plan, samples).speeds)
+            estimate = policy.estimate_speeds(self.graph, self.plan, samples)
+            live, self.calibration = dict(estimate.speeds), estimate.calibration
         except PlanError:
             live = {}
         return {**self.state.known_speeds, **live}

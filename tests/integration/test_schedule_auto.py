@@ -78,4 +78,11 @@ def test_auto_under_a_coordinator_switches_plans_live_and_stays_exact(tmp_path: 
                     r"placement.*zbv refused: live plan switches \(--coordinator\)",
                     line.group(0)), line.group(0)
     assert "plan v1 is live" in coord.output(), coord.output()
-    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "auto, rebalanced live")
+    # Chosen again for the rebalanced plan, from the measured times (coordinator/rechoose.py), and run by every rank.
+    again = re.search(r"schedule auto after plan v1: chose (1f1b|gpipe|zbh1) \(predicted [\d.]+ ms/step", coord.output())
+    assert again is not None, coord.output()
+    checkpoint = load_checkpoint(tmp_path / "ck")
+    assert checkpoint.extra["training"]["schedule"] == "auto"
+    if checkpoint.world["plan"]["version"] == 1:  # no later switch chose again
+        assert checkpoint.extra["training"]["schedule_running"] == again.group(1)
+    assert_params_close(checkpoint.params(), reference_params(steps), "auto, rebalanced live")

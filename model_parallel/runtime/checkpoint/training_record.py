@@ -46,9 +46,12 @@ def training_record(config: Any, dataset: Any, next_step: int) -> dict[str, Any]
     from model_parallel.runtime.data.sources import position
 
     # A schedule `--schedule auto` chose is recorded as "auto": a resume may choose again (all flush schedules train alike).
+    # `schedule_running`: the one it ran when the checkpoint was taken (auto may have chosen again at a live switch);
+    # not compared on resume.
     schedule = "auto" if getattr(config, "schedule_auto", False) else config.schedule
     return {
         "batch_size": config.batch_size, "num_microbatches": config.num_microbatches, "schedule": schedule,
+        "schedule_running": config.schedule,
         "seed": config.seed, "lr_schedule": config.lr_schedule, "precision": "bf16" if config.bf16 else "float32",
         "clip_grad": config.clip_grad, "data": describe_data(dataset),
         "data_position": {"next_step": next_step, **position(dataset, next_step)},

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from model_parallel.errors import ScheduleError
+from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import FLUSH_SCHEDULES
+from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.simulate import Simulation, StageTimes, simulate
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule
@@ -63,19 +65,47 @@ class Choice:
     def chosen(self) -> Prediction:
         return next(p for p in self.predictions if p.name == self.name)
 
-    def line(self) -> str:
+    def line(self, when: str = "") -> str:
+        """The one line it logs; `when` (" after plan v3") says which plan a re-choice was made for."""
         chosen, per = self.chosen, "ms/step" if self.unit == "ms" else f"{self.unit}/step"
         others = [f"{p.name} {p.step_ms:.1f} {self.unit}" for p in self.predictions if p.name != self.name]
         others += [f"{name} refused: {why}" for name, why in self.refused]
         rest = f"; {', '.join(others)}" if others else ""
-        return (f"schedule auto: chose {self.name} (predicted {chosen.step_ms:.1f} {per}, bubble "
+        return (f"schedule auto{when}: chose {self.name} (predicted {chosen.step_ms:.1f} {per}, bubble "
                 f"{100 * chosen.bubble:.0f} %{rest})")
 
-    def to_extra(self) -> dict[str, Any]:
+    def to_extra(self, when: str = "") -> dict[str, Any]:
         """What the plan carries (`plan.extra["schedule"]`): plain JSON, the same on every rank."""
         chosen = self.chosen
         return {"name": self.name, "chosen_by": AUTO, "predicted_step": round(chosen.step_ms, 6), "unit": self.unit,
-                "predicted_bubble": round(chosen.bubble, 6), "line": self.line()}
+                "predicted_bubble": round(chosen.bubble, 6), "line": self.line(when)}
+
+
+def stage_times(graph: Graph, plan: Plan, scale: float) -> tuple[StageTimes, ...]:
+    """Per stage of `plan`: forward and backward ms of one microbatch (`scale` = microbatch / profiled batch),
+    a replicated stage's divided by its replicas (they take the microbatches in turn). The backward's split
+    into input and weight gradients (I/W schedules) is estimated, not profiled: a node with parameters spends
+    half its backward on each (dX and dW of a matmul or a convolution cost the same), a node without any
+    spends all of it on I."""
+    stage_of = plan.stage_of
+    forward, backward, weight = [0.0] * plan.num_stages, [0.0] * plan.num_stages, [0.0] * plan.num_stages
+    for node in graph.nodes:
+        forward[stage_of[node.node_id]] += node.forward_ms
+        backward[stage_of[node.node_id]] += node.backward_ms
+        if node.parameter_size > 0:
+            weight[stage_of[node.node_id]] += node.backward_ms / 2
+    times = []
+    for s in plan.stages:
+        share = scale / s.num_replicas
+        b, w = backward[s.stage_id] * share, weight[s.stage_id] * share
+        times.append(StageTimes(forward[s.stage_id] * share, b, b - w, w))
+    return tuple(times)
+
+
+def proxy_times(times: Sequence[StageTimes]) -> tuple[StageTimes, ...]:
+    """Times for a graph without timings: its proxy (parameter bytes) prices a stage's forward only; a backward
+    costs about twice its forward, half of it input and half weight gradient."""
+    return tuple(StageTimes(t.forward_ms, 2 * t.forward_ms, t.forward_ms, t.forward_ms) for t in times)
 
 
 def simulate_schedule(schedule: Schedule, times: Sequence[StageTimes],

@@ -41,6 +41,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Callable, MutableMapping
 from typing import Any, Optional, Protocol, Union
 
@@ -48,7 +49,7 @@ import torch
 from torch import nn
 
 from model_parallel.allocator import return_freed_memory
-from model_parallel.errors import ModelParallelError, PeerError, SwitchRolledBack
+from model_parallel.errors import ConfigError, ModelParallelError, PeerError, SwitchRolledBack
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, ControlChannel
@@ -281,14 +282,21 @@ def _store(engine: MigratingEngine, message: list[Any], received_opt: dict[str, 
 def apply_switch(engine: SwitchingEngine, command: Command) -> float:
     """Act on a broadcast `switch` (every rank together): refuse a plan that breaks a rule before anything
     moves, switch, or roll a failed switch back; the coordinator hears of a refusal or a rollback from
-    rank 0's channel. Returns the seconds training was paused (0 for a refusal)."""
+    rank 0's channel. Returns the seconds training was paused (0 for a refusal).
+
+    A switch that names a schedule (`--schedule auto` chose it again for the new plan, coordinator/rechoose.py)
+    runs the new plan under it: `engine.config` carries it while the new stage is checked and built (`prepare`
+    reads it) and keeps it once the switch commits; a refusal or a rollback restores the running one."""
     new_plan = command.plan
     assert new_plan is not None  # Command refuses a switch without a plan
     why = command.reason or "no reason given"
+    running = engine.config
     try:  # before anything moves; every rank reaches the same verdict (same graph, plan, world, schedule)
+        engine.config = switched_config(running, command.schedule)
         check_switchable(engine.config.schedule)
         check_plan(engine.graph, new_plan, engine.world_size, engine.config.schedule, engine.modules)
     except ModelParallelError as error:
+        engine.config = running
         logger.error("%s refusing the switch to plan v%d (%s): %s; training goes on with plan v%d", engine.prefix,
                      new_plan.version, why, error, engine.plan.version)
         refused = getattr(engine.channel, "switch_refused", None)  # tell the coordinator (rank 0's channel)
@@ -300,15 +308,37 @@ def apply_switch(engine: SwitchingEngine, command: Command) -> float:
         with engine.tracer.span(f"migration to plan v{new_plan.version}", lane="migration", plan_version=new_plan.version):
             pause = switch_plan(engine, new_plan)
     except SwitchRolledBack as failed:  # every rank raised it together: all run the old plan again
+        engine.config = running
         logger.error("%s %s (%s) after %.1f ms; training goes on with plan v%d", engine.prefix, failed, why,
                      failed.pause_s * 1e3, engine.plan.version)
         report = getattr(engine.channel, "switch_failed", None)
         if engine.rank == 0 and report is not None:
             report(new_plan.version, failed.failures)
         return failed.pause_s
+    except BaseException:  # a dead peer ends the run: the engine still says what it ran
+        engine.config = running
+        raise
     engine.switch_pauses_ms.append(pause * 1e3)
     engine.tracer.instant(f"switch to plan v{new_plan.version}")
+    if isinstance(getattr(engine.channel, "schedule", None), str):  # a coordinator's: re-registering names the running one
+        setattr(engine.channel, "schedule", engine.config.schedule)
     if engine.rank == 0:
-        logger.warning("%s switched to plan v%d in %.1f ms%s", engine.prefix, new_plan.version, pause * 1e3,
+        changed = f" under schedule {engine.config.schedule} (was {running.schedule})" \
+            if engine.config.schedule != running.schedule else ""
+        logger.warning("%s switched to plan v%d%s in %.1f ms%s", engine.prefix, new_plan.version, changed, pause * 1e3,
                        f" ({command.reason})" if command.reason else "")
+        choice = dict(new_plan.extra).get("schedule")
+        if command.schedule is not None and isinstance(choice, dict) and isinstance(choice.get("line"), str):
+            logger.info("%s %s", engine.prefix, choice["line"][:2000])  # the coordinator's re-choice, as it logged it
     return pause
+
+
+def switched_config(config: TrainConfig, schedule: Optional[str]) -> TrainConfig:
+    """The config a switch to a plan under `schedule` runs with (None: the running one). Only a schedule
+    `--schedule auto` chose may change at a switch: a fixed one is the user's (ConfigError otherwise)."""
+    if schedule is None or schedule == config.schedule:
+        return config
+    if not config.schedule_auto:
+        raise ConfigError(f"the switch names schedule {schedule!r}, but this job runs the fixed schedule "
+                          f"{config.schedule!r}; only a job started with --schedule auto changes its schedule live")
+    return replace(config, schedule=schedule)

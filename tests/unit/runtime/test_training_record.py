@@ -23,7 +23,7 @@ CONFIG = TrainConfig(batch_size=8, num_microbatches=2, lr_schedule="cosine:100")
 def test_the_record_holds_the_configuration_and_the_data_position():
     data = MapData(TensorDataset(torch.zeros(40, 2), torch.zeros(40)), 8, name="TensorDataset")
     record = training_record(CONFIG, Prefetcher(data), 7)
-    assert record == {"batch_size": 8, "num_microbatches": 2, "schedule": "1f1b", "seed": 0, "lr_schedule": "cosine:100",
+    assert record == {"batch_size": 8, "num_microbatches": 2, "schedule": "1f1b", "schedule_running": "1f1b", "seed": 0, "lr_schedule": "cosine:100",
                       "precision": "float32", "clip_grad": None, "data": "TensorDataset (40 samples)",
                       "data_position": {"next_step": 7, "epoch": 1, "batch": 2}}
     assert describe_data(SyntheticData(8, (4,))) == "synthetic dense"
