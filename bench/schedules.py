@@ -22,16 +22,19 @@ InterleavedZeroBubble, ZBVZeroBubble, DualPipeV and our `SCHEDULE_NAMES` — and
 Rows (one per side): steps/s (median chunk); `ratio` = this side's steps/s over torch Schedule1F1B's,
 the median over chunks of the same round (back to back: the same machine load); `bubble_by_rank` =
 1 - emulated busy ms / step wall ms per rank (medians over chunks), `bubble` their mean, and
-`analytic_bubble` (emulated.analytic_bubble; None where no formula is given). Per world a summary:
+`analytic_bubble` (emulated.analytic_bubble; None where no formula is given); `cpu_ms_by_rank`: each
+rank's CPU ms per step (the waits sleep, so this is the runtime's own cost). Per world a summary:
 our best schedule over torch's 1F1B (goal >= 1.15) and over torch's best (goal >= 1.0).
 
 The straggler world (p = 4, m = 2p, `--straggler_layers_per_rank` 6, rank 1's waits x `--slowdown` from
-step 0 on both sides): torch's 1F1B keeps its static equal split; ours runs 1F1B on that static plan, on
-the plan the rebalancer's solver (`coordinator.solver.default_solver`) gives for the slow rank's speed,
-and live: a coordinator (auto policy) in this process, the side's workers reporting to it, which must
-detect the straggler and switch plans while training (`--settle_steps` untimed steps first; its switch
-steps are in the row). ratio_vs_ceiling = ratio / (s x (p - 1 + 1/s) / p), goal >= 0.95 (1.66x at p = 4,
-s = 2); plan_ceiling_ratio: what whole layers allow.
+step 0 on both sides): torch keeps its static equal split; ours runs `--straggler_schedule` (1f1b; or
+interleaved / zbinterleaved on 2p stages in a loop, against torch's multi-stage schedules too) on that
+static plan, on the plan the rebalancer's solver (`coordinator.solver.default_solver`; a loop plan under
+interleaved) gives for the slow rank's speed, and live: a coordinator (auto policy) in this process, the
+side's workers reporting to it (and naming their schedule), which must detect the straggler and switch plans
+while training (`--settle_steps` untimed steps first; its switch steps are in the row). ratio_vs_ceiling =
+ratio over torch's static 1F1B / (s x (p - 1 + 1/s) / p), goal >= 0.95 (1.66x at p = 4, s = 2);
+plan_ceiling_ratio: what whole layers allow; solver_plan_sim_ratio: our schedule on the solver's plan, simulated.
 
 Writes bench/results/schedules.json (atomically; `--out`; the docs quote bench/snapshot/schedules.json)
 and prints the table with the machine load.
@@ -54,7 +57,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from emulated import (BubbleCase, EmulatedLayer, analytic_bubble, best_one_f_one_b_plan,  # bench/ is first on sys.path
-                      one_f_one_b_step, straggler_ceiling)
+                      one_f_one_b_step, schedule_step, straggler_ceiling)
 from schedules_worlds import TORCH_SCHEDULES, build_model, layer_counts, worker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,13 +89,27 @@ def timed_graph(graph: Any, args: argparse.Namespace) -> Any:
                                 if n.layer is not None and n.layer.op == "call_module" else n for n in graph.nodes])
 
 
-def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int) -> Any:
+def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int, v: int = 1) -> Any:
     """The rebalancer's solver on the timed graph with rank `--slow_rank` at speed 1/s: the plan our
-    live rebalancer should move to."""
+    live rebalancer should move to (v = 2: a loop plan, stage k on rank k % p, as the policy re-plans interleaved)."""
     from model_parallel.coordinator.solver import default_solver
 
-    speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in range(p)]
-    return default_solver(graph, list(range(p)), speeds)
+    ranks = [k % p for k in range(v * p)]
+    speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in ranks]  # one per stage: its rank's
+    return default_solver(graph, ranks, speeds)
+
+
+def rank_layers(graph: Any, plan: Any, p: int) -> list[int]:
+    """Emulated layers per rank of `plan` (a rank's stages summed; each stage on one rank)."""
+    out = [0] * p
+    for stage, count in zip(plan.stages, layer_counts(graph, plan)):
+        out[stage.ranks[0]] += count
+    return out
+
+
+def loop_plan(plan: Any, p: int) -> Any:
+    """`plan`'s stages with stage k on rank k % p (loop placement: ours interleaved and zbinterleaved)."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, ranks=(st.stage_id % p,)) for st in plan.stages))
 
 
 def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: bool) -> dict[str, Any]:
@@ -114,19 +131,28 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
     spec["graph"] = str(save_graph(graph, workdir / f"{name}.graph.json"))
     spec["plans"] = {}
     plans = {str(p): equal_plan(graph, p)}
+    torch_names = [s for s in args.torch_schedules.split(",") if s]
     if straggler:
-        plans["rebalanced"] = rebalanced_plan(graph, args, p)
-        spec |= {"slow_rank": args.slow_rank, "slowdown": args.slowdown}
+        ours = args.straggler_schedule
+        multi = ours in LOOP_SCHEDULES  # interleaved, zbinterleaved: 2p stages in a loop, re-planned as a loop
+        plans["rebalanced"] = rebalanced_plan(graph, args, p, 2 if multi else 1)
+        spec |= {"slow_rank": args.slow_rank, "slowdown": args.slowdown, "straggler_schedule": ours}
         spec["rebalanced_layers"] = layer_counts(graph, plans["rebalanced"])
-        spec["sides"] = [{"key": "torch Schedule1F1B", "runtime": "torch", "schedule": "Schedule1F1B"},
-                         {"key": "ours 1f1b static", "runtime": "ours", "schedule": "1f1b", "plan": str(p)},
-                         {"key": "ours 1f1b rebalanced", "runtime": "ours", "schedule": "1f1b", "plan": "rebalanced"}]
+        spec["rebalanced_rank_layers"] = rank_layers(graph, plans["rebalanced"], p)
+        static = str(p)
+        if multi:  # torch's multi-stage schedules run too (their static 2p stages): ours is held to torch's best
+            plans[str(2 * p)] = equal_plan(graph, 2 * p)
+            static = f"{2 * p}loop"
+            plans[static] = loop_plan(plans[str(2 * p)], p)
+        spec["static_plan"] = static
+        spec["sides"] = [{"key": f"torch {s}", "runtime": "torch", "schedule": s} for s in ["Schedule1F1B"] + [
+            s for s in torch_names if multi and TORCH_SCHEDULES[s][0] > 1]] + [
+            {"key": f"ours {ours} static", "runtime": "ours", "schedule": ours, "plan": static},
+            {"key": f"ours {ours} rebalanced", "runtime": "ours", "schedule": ours, "plan": "rebalanced"}]
     else:
-        torch_names = [s for s in args.torch_schedules.split(",") if s]
         plans[str(2 * p)] = equal_plan(graph, 2 * p)  # torch's schedules with 2 stages per rank
         # Ours interleaved: the same 2p stages, stage k on rank k % p (loop placement).
-        plans[f"{2 * p}loop"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
-            dataclasses.replace(st, ranks=(st.stage_id % p,)) for st in plans[str(2 * p)].stages))
+        plans[f"{2 * p}loop"] = loop_plan(plans[str(2 * p)], p)
         # Ours zbv: the same 2p stages in a V, stage k on rank k, then 2p-1-k.
         plans[f"{2 * p}v"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
             dataclasses.replace(st, ranks=(min(st.stage_id, 2 * p - 1 - st.stage_id),)) for st in plans[str(2 * p)].stages))
@@ -144,8 +170,9 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
 
 
 def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
-    """Our coordinator (auto policy), in this process, on the world's equal plan, and a live side that reports
-    to it: the straggler is in effect from step 0, so its first plan switch is the detection."""
+    """Our coordinator (auto policy), in this process, on the world's static plan (equal stages; a loop of 2p under
+    interleaved), and a live side that reports to it: the straggler is in effect from step 0, so its first plan
+    switch is the detection."""
     import secrets
 
     from model_parallel.coordinator.server import Coordinator
@@ -155,10 +182,11 @@ def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
 
     register_layer_classes(EmulatedLayer)  # the graph was traced from this process's model
     token = secrets.token_hex(16)
-    p = spec["p"]
-    coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][str(p)]), token.encode(), policy="auto")
+    static, ours = spec["static_plan"], spec["straggler_schedule"]
+    # The workers name their schedule when they register: the coordinator checks (and re-plans) under its rules.
+    coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][static]), token.encode(), policy="auto")
     port = coordinator.start("127.0.0.1", 0)
-    spec["sides"].append({"key": "ours 1f1b live", "runtime": "ours", "schedule": "1f1b", "plan": str(p),
+    spec["sides"].append({"key": f"ours {ours} live", "runtime": "ours", "schedule": ours, "plan": static,
                           "coordinator": f"127.0.0.1:{port}", "token": token, "settle_steps": settle_steps})
     Path(spec["path"]).write_text(json.dumps(spec))
     return coordinator
@@ -207,6 +235,8 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "ratio": statistics.median(b / w for b, w in zip(base, wall)) if base else None,
             "chunk_ratios": [b / w for b, w in zip(base, wall)] if base else None,
             "bubble_by_rank": bubbles, "bubble": statistics.mean(bubbles),
+            # CPU ms per step (the process, every thread): the waits take none, so this is the runtime's own cost.
+            "cpu_ms_by_rank": [statistics.median(r[key]["chunk_cpu_ms"]) for r in ranks if "chunk_cpu_ms" in r[key]],
             # A straggler unbalances the stages: the formulas assume equal ones.
             "analytic_bubble": None if spec.get("slow_rank") is not None else analytic_bubble(case),
             "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
@@ -231,28 +261,38 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
-    """ours rebalanced over torch's static 1F1B, against the ceiling s x (p - 1 + 1/s) / p."""
-    by_side = {r["side"]: r for r in rows}
-    ceiling = spec["slowdown"] * straggler_ceiling(spec["p"], spec["slowdown"])
-    ratio = by_side["ours 1f1b rebalanced"]["ratio"]
-    # What whole layers allow: the static slowest stage (s x its layers) over the rebalanced plan's slowest.
-    layers, scale = spec["rebalanced_layers"], [spec["slowdown"] if r == spec["slow_rank"] else 1.0 for r in range(spec["p"])]
-    plan_ceiling = spec["slowdown"] * spec["num_layers"] / spec["p"] / max(n * f for n, f in zip(layers, scale))
-    out = {"p": spec["p"], "m": spec["m"], "slow_rank": spec["slow_rank"], "slowdown": spec["slowdown"],
-            "rebalanced_layers": layers, "plan_ceiling_ratio": plan_ceiling, "ratio": ratio, "ceiling_ratio": ceiling,
-            "ratio_vs_ceiling": ratio / ceiling, "ours_static_ratio": by_side["ours 1f1b static"]["ratio"],
-            "plan_source": "the rebalancer's solver on the emulated times with the slow rank's speed, from step 0"}
+    """ours rebalanced over torch's static 1F1B (and over torch's best static schedule), against the ceiling
+    s x (p - 1 + 1/s) / p."""
+    by_side = {r["side"]: r for r in rows if "refused" not in r}
+    p, ours = spec["p"], spec.get("straggler_schedule", "1f1b")
+    ceiling = spec["slowdown"] * straggler_ceiling(p, spec["slowdown"])
+    ratio = by_side[f"ours {ours} rebalanced"]["ratio"]
+    torch_best = max((r for r in by_side.values() if r["side"].startswith("torch ")), key=lambda r: r["ratio"])
+    # What whole layers allow: the static slowest rank (s x its layers) over the rebalanced plan's slowest.
+    scale = [spec["slowdown"] if r == spec["slow_rank"] else 1.0 for r in range(p)]
+    per_rank = spec.get("rebalanced_rank_layers", spec["rebalanced_layers"])
+    plan_ceiling = spec["slowdown"] * spec["num_layers"] / p / max(n * f for n, f in zip(per_rank, scale))
+    out = {"p": p, "m": spec["m"], "schedule": ours, "slow_rank": spec["slow_rank"], "slowdown": spec["slowdown"],
+           "rebalanced_layers": spec["rebalanced_layers"], "rebalanced_rank_layers": per_rank,
+           "plan_ceiling_ratio": plan_ceiling, "ratio": ratio, "ceiling_ratio": ceiling,
+           "ratio_vs_ceiling": ratio / ceiling, "ours_static_ratio": by_side[f"ours {ours} static"]["ratio"],
+           "torch_best": torch_best["side"].split(" ", 1)[1], "torch_best_ratio": torch_best["ratio"],
+           "ratio_vs_torch_best": ratio / torch_best["ratio"],
+           "plan_source": "the rebalancer's solver on the emulated times with the slow rank's speed, from step 0"}
     emulation = spec.get("emulation")
-    if emulation is not None:  # what a plan can reach under 1F1B at this m (emulated.py): fill and drain stay
-        f, b = emulation["forward_ms"], emulation["input_ms"] + emulation["weight_ms"]
-        static_ms = one_f_one_b_step([spec["num_layers"] // spec["p"]] * spec["p"], scale, spec["m"], f, b)
-        best_ms, best_layers = best_one_f_one_b_plan(spec["num_layers"], scale, spec["m"], f, b)
-        out |= {"schedule_bound_ratio": static_ms / best_ms, "schedule_bound_layers": list(best_layers),
-                "solver_plan_sim_ratio": static_ms / one_f_one_b_step(layers, scale, spec["m"], f, b),
-                "ratio_vs_schedule_bound": ratio * best_ms / static_ms}
-    live = by_side.get("ours 1f1b live")
+    if emulation is not None:  # what a plan can reach under the schedule at this m (emulated.py): fill and drain stay
+        f, i, w = emulation["forward_ms"], emulation["input_ms"], emulation["weight_ms"]
+        static_ms = one_f_one_b_step([spec["num_layers"] // p] * p, scale, spec["m"], f, i + w)
+        solver_ms = schedule_step(ours, spec["rebalanced_layers"], scale, spec["m"], f, i, w)
+        out |= {"solver_plan_sim_ratio": static_ms / solver_ms, "ratio_vs_solver_plan_sim": ratio * solver_ms / static_ms}
+        if ours == "1f1b":  # exhaustive over contiguous splits: the best any 1F1B plan reaches
+            best_ms, best_layers = best_one_f_one_b_plan(spec["num_layers"], scale, spec["m"], f, i + w)
+            out |= {"schedule_bound_ratio": static_ms / best_ms, "schedule_bound_layers": list(best_layers),
+                    "ratio_vs_schedule_bound": ratio * best_ms / static_ms}
+    live = by_side.get(f"ours {ours} live")
     if live is not None:
         out |= {"live_ratio": live["ratio"], "live_ratio_vs_ceiling": live["ratio"] / ceiling,
+                "live_ratio_vs_torch_best": live["ratio"] / torch_best["ratio"],
                 "live_steps_to_detect": live["switch_steps"][0] if live["switch_steps"] else None,
                 "live_switch_steps": live["switch_steps"], "live_final_layers": live["final_layers"]}
     return out
@@ -264,32 +304,36 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
     lines = [f"{'p':>2} {'m':>3} {'side':<36} {'steps/s':>8} {'step ms':>8} {'ratio':>6} {'bubble %':>9} "
-             f"{'analytic %':>10}  bubble % by rank"]
+             f"{'analytic %':>10} {'cpu ms':>6}  bubble % by rank"]
     for r in rows:
         if "refused" in r:
             lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} refused: {r['refused']}")
             continue
         analytic = 100.0 * r["analytic_bubble"] if r["analytic_bubble"] is not None else None
         lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} {r['steps_per_s']:>8.2f} {r['step_ms']:>8.1f} "
-                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')}  "
+                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')} "
+                     f"{num(statistics.mean(r['cpu_ms_by_rank']) if r['cpu_ms_by_rank'] else None, '6.1f')}  "
                      + " ".join(f"{100.0 * b:.0f}" for b in r["bubble_by_rank"]))
     lines.append("ratio: steps/s over torch Schedule1F1B's in the same world (median over chunk pairs); "
-                 "bubble: 1 - emulated busy / step wall, per rank")
+                 "bubble: 1 - emulated busy / step wall, per rank; cpu ms: CPU per step, mean over ranks")
     for s in summaries:
         if "ceiling_ratio" in s:
-            lines.append(f"straggler p={s['p']} m={s['m']} rank {s['slow_rank']} x{s['slowdown']:g}: ours rebalanced "
-                         f"{s['rebalanced_layers']} layers / torch static = {s['ratio']:.2f} (ceiling {s['ceiling_ratio']:.2f}, "
-                         f"{s['ratio_vs_ceiling']:.2f} of it; goal >= 0.95; whole layers allow {s['plan_ceiling_ratio']:.2f}); "
-                         f"ours static {s['ours_static_ratio']:.2f}")
-            if "schedule_bound_ratio" in s:
-                lines.append(f"  1F1B at m={s['m']} (simulated, no latency): the best plan {s['schedule_bound_layers']} "
-                             f"reaches {s['schedule_bound_ratio']:.2f} ({s['schedule_bound_ratio'] / s['ceiling_ratio']:.2f} "
-                             f"of the ceiling), the solver's {s['solver_plan_sim_ratio']:.2f}; measured "
-                             f"{s['ratio_vs_schedule_bound']:.2f} of the bound")
+            lines.append(f"straggler p={s['p']} m={s['m']} rank {s['slow_rank']} x{s['slowdown']:g}: ours {s['schedule']} "
+                         f"rebalanced {s['rebalanced_layers']} layers / torch static 1F1B = {s['ratio']:.2f} (ceiling "
+                         f"{s['ceiling_ratio']:.2f}, {s['ratio_vs_ceiling']:.2f} of it; goal >= 0.95; whole layers allow "
+                         f"{s['plan_ceiling_ratio']:.2f}); / torch's best static ({s['torch_best']}) = "
+                         f"{s['ratio_vs_torch_best']:.2f}; ours static {s['ours_static_ratio']:.2f}")
+            if "solver_plan_sim_ratio" in s:
+                bound = (f"the best 1F1B plan {s['schedule_bound_layers']} reaches {s['schedule_bound_ratio']:.2f} "
+                         f"({s['schedule_bound_ratio'] / s['ceiling_ratio']:.2f} of the ceiling), "
+                         if "schedule_bound_ratio" in s else "")
+                lines.append(f"  {s['schedule']} at m={s['m']} (simulated, no latency): {bound}the solver's plan "
+                             f"{s['solver_plan_sim_ratio']:.2f} ({s['solver_plan_sim_ratio'] / s['ceiling_ratio']:.2f} of the "
+                             f"ceiling); measured {s['ratio_vs_solver_plan_sim']:.2f} of that")
             if "live_ratio" in s:
                 lines.append(f"  live (coordinator, auto policy, slow from step 0): switches at steps {s['live_switch_steps']} "
                              f"to {s['live_final_layers']} layers; ratio {s['live_ratio']:.2f} after warm-up + settle "
-                             f"({s['live_ratio_vs_ceiling']:.2f} of the ceiling)")
+                             f"({s['live_ratio_vs_ceiling']:.2f} of the ceiling, {s['live_ratio_vs_torch_best']:.2f} x torch's best)")
         else:
             lines.append(f"p={s['p']} m={s['m']}: our best ({s['ours_best']}) / torch 1F1B = {s['best_vs_torch_1f1b']:.2f} "
                          f"(goal >= 1.15), / torch best ({s['torch_best']}) = {s['best_vs_torch_best']:.2f} (goal >= 1.0)")
@@ -319,6 +363,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--no_live", action="store_true", help="straggler row without the live coordinator side")
     parser.add_argument("--settle_steps", type=int, default=None,
                         help="untimed steps the live side trains first, for the coordinator to detect and switch (default 15, quick 10)")
+    parser.add_argument("--straggler_schedule", default="1f1b", choices=("1f1b", "interleaved", "zbinterleaved"),
+                        help="our schedule in the straggler world; interleaved and zbinterleaved run 2p stages in a loop, "
+                             "re-planned as loop plans, against torch's multi-stage schedules too")
     parser.add_argument("--slowdown", type=float, default=2.0, help="the straggler's factor s")
     parser.add_argument("--slow_rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds for each world")

@@ -4,7 +4,8 @@ A rank builds, for one (p, m), torch.distributed.pipelining's stages and schedul
 schedule and our `PipelineEngine` for each of ours (`SCHEDULE_NAMES`), all on the same emulated
 model (bench/emulated.py), then every side trains chunks of steps in turn, the order flipping every
 chunk, each chunk timed between barriers (`runtime_worlds.SideRunner`). Besides wall time per step,
-each chunk records the emulated busy ms this rank waited, from which the bubble is measured.
+each chunk records the emulated busy ms this rank waited, from which the bubble is measured, and the
+process's CPU ms (every thread): with compute a sleep, that is the runtime's own cost per step.
 """
 from __future__ import annotations
 
@@ -170,7 +171,8 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 if "coordinator" in side:
                     from model_parallel.coordinator.client import CoordinatorChannel
 
-                    channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"])
+                    channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"],
+                                                               schedule=side["schedule"])  # re-planned under its rules
                 *runners[side["key"]], engines[side["key"]] = ours_side(
                     side["schedule"], rank, spec, control_group, side["plan"], channels.get(side["key"]))
         for key, (runner, _) in runners.items():
@@ -182,7 +184,7 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 runners[key][0].timed_chunk(spec["chunk_steps"])
         for key, (runner, busy) in runners.items():
             results[key] = {"chunk_step_s": runner.seconds, "chunk_busy_ms": busy.busy_ms[1:],
-                            "step_s": statistics.median(runner.seconds)}
+                            "step_s": statistics.median(runner.seconds), "chunk_cpu_ms": runner.cpu_ms}
         for key, engine in engines.items():
             versions = [(r.step, r.plan_version) for r in engine.metrics.records]
             switches = [step for (step, v), (_, before) in zip(versions[1:], versions) if v != before]

@@ -216,4 +216,48 @@ def test_straggler_summary_against_what_1f1b_can_reach() -> None:
     assert verdict["schedule_bound_layers"] == [7, 3, 7, 7]
     assert verdict["solver_plan_sim_ratio"] == pytest.approx(636 / 456)
     assert verdict["ratio_vs_schedule_bound"] == pytest.approx(1.37 * 456 / 636)
-    assert "1F1B at m=8" in schedules.format_rows([], [verdict], "load")
+    assert "1f1b at m=8" in schedules.format_rows([], [verdict], "load")
+
+
+def test_rebalanced_loop_plan_keeps_the_loop_and_moves_work_off_the_straggler(clock) -> None:
+    from model_parallel.profiler.trace import trace_model
+
+    model = emulated.EmulatedModel(24, 4, 2.0, 2.0, 2.0)
+    graph, _ = trace_model(model, (torch.zeros(2, 4),), (emulated.EmulatedLayer,), route="fx")
+    args = SimpleNamespace(forward_ms=2.0, input_ms=2.0, weight_ms=2.0, slowdown=2.0, slow_rank=1)
+    plan = schedules.rebalanced_plan(schedules.timed_graph(graph, args), args, 4, v=2)
+    assert [s.ranks for s in plan.stages] == [(k % 4,) for k in range(8)]  # 2 stages per rank, in a loop
+    per_rank = schedules.rank_layers(graph, plan, 4)
+    assert sum(per_rank) == 24 and per_rank[1] < min(per_rank[0], per_rank[2], per_rank[3])
+    looped = schedules.loop_plan(schedules.equal_plan(graph, 8), 4)
+    assert schedules.rank_layers(graph, looped, 4) == [6, 6, 6, 6]
+
+
+def test_simulated_step_of_our_multi_stage_schedules_on_literal_times() -> None:
+    # p = 4, m = 8, 4 layers per rank (f = i = w = 2 ms per layer), no straggler: 1F1B (m + p - 1) x 4 x 6 = 264 ms;
+    # zbinterleaved and zbv on 2 stages per rank 204 ms (192 ms of work per rank, 5.9 % idle).
+    assert emulated.schedule_step("1f1b", [4] * 4, [1.0] * 4, 8, 2.0, 2.0, 2.0) == 264.0
+    assert emulated.schedule_step("zbinterleaved", [2] * 8, [1.0] * 4, 8, 2.0, 2.0, 2.0) == 204.0
+    assert emulated.schedule_step("zbv", [2] * 8, [1.0] * 4, 8, 2.0, 2.0, 2.0) == 204.0
+    # The straggler world: rank 1 at 2x, static equal loop plan vs the solver's loop plan.
+    static = emulated.schedule_step("zbinterleaved", [3] * 8, [1.0, 2.0, 1.0, 1.0], 8, 2.0, 2.0, 2.0)
+    rebalanced = emulated.schedule_step("zbinterleaved", [3, 1, 4, 3, 4, 2, 3, 4], [1.0, 2.0, 1.0, 1.0], 8, 2.0, 2.0, 2.0)
+    assert rebalanced < static and 636.0 / rebalanced == pytest.approx(1.70, abs=0.01)
+
+
+def test_straggler_summary_under_interleaved_against_torch_best() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "straggler_schedule": "zbinterleaved",
+            "rebalanced_layers": [3, 1, 4, 3, 4, 2, 3, 4], "rebalanced_rank_layers": [7, 3, 7, 7],
+            "emulation": {"forward_ms": 2.0, "input_ms": 2.0, "weight_ms": 2.0}}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "torch ScheduleZBVZeroBubble", "ratio": 1.1},
+            {"side": "ours zbinterleaved static", "ratio": 1.05},
+            {"side": "ours zbinterleaved rebalanced", "ratio": 1.6},
+            {"side": "ours zbinterleaved live", "ratio": 1.5, "switch_steps": [7], "final_layers": [3, 1, 4, 3, 4, 2, 3, 4]}]
+    verdict = schedules.straggler_summary(rows, spec)
+    assert verdict["schedule"] == "zbinterleaved" and verdict["torch_best"] == "ScheduleZBVZeroBubble"
+    assert verdict["ratio_vs_torch_best"] == pytest.approx(1.6 / 1.1)
+    assert verdict["plan_ceiling_ratio"] == pytest.approx(12 / 7)  # per rank: max(7, 3 x 2) against 6 x 2
+    assert "schedule_bound_ratio" not in verdict  # the exhaustive split search is 1F1B's alone
+    assert verdict["live_steps_to_detect"] == 7 and verdict["live_ratio_vs_torch_best"] == pytest.approx(1.5 / 1.1)
+    text = schedules.format_rows([], [verdict], "load")
+    assert "ours zbinterleaved rebalanced" in text and "torch's best static (ScheduleZBVZeroBubble) = 1.45" in text
