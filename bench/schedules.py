@@ -57,12 +57,16 @@ from typing import Any, Optional, Sequence
 import torch
 
 from emulated import (BubbleCase, EmulatedLayer, analytic_bubble, best_one_f_one_b_plan,  # bench/ is first on sys.path
-                      one_f_one_b_step, schedule_step, straggler_ceiling)
+                      one_f_one_b_step, schedule_simulation, schedule_step, straggler_ceiling)
 from schedules_worlds import TORCH_SCHEDULES, build_model, layer_counts, worker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "schedules.json"  # bench/snapshot/ holds the copy the docs quote
 logger = logging.getLogger("bench.schedules")
+# The same order in our runtime (runtime/step), whose step the simulator runs at this (p, m) without latency.
+SIMULATED_AS = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b", "ScheduleInterleaved1F1B": "interleaved",
+                "ScheduleInterleavedZeroBubble": "zbinterleaved", "ScheduleZBVZeroBubble": "zbv",
+                **{name: name for name in ("gpipe", "1f1b", "interleaved", "zbh1", "zbinterleaved", "zbv")}}
 # Bubble formula per schedule (emulated.analytic_bubble kinds); ours not listed (new schedules) get none.
 BUBBLE_KIND = {"gpipe": "flush", "1f1b": "flush", "interleaved": "interleaved", "zbh1": "zb_h1",
                "zbinterleaved": "zb_interleaved", "zbv": "zb_v", "ScheduleGPipe": "flush", "Schedule1F1B": "flush",
@@ -239,6 +243,9 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "cpu_ms_by_rank": [statistics.median(r[key]["chunk_cpu_ms"]) for r in ranks if "chunk_cpu_ms" in r[key]],
             # A straggler unbalances the stages: the formulas assume equal ones.
             "analytic_bubble": None if spec.get("slow_rank") is not None else analytic_bubble(case),
+            # The formulas hold for many microbatches (ZBV's 0 needs m >= 2p - 1 and more): the same order simulated
+            # at this m with the emulated times and no message latency is what a runtime can reach here.
+            "simulated_bubble": None if spec.get("slow_rank") is not None else simulated_bubble(name, p, m, v, args),
             "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
         })
         live = ranks[0][key]
@@ -246,6 +253,17 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             rows[-1] |= {"switch_steps": live["switch_steps"], "switch_pauses_ms": live["switch_pauses_ms"],
                          "final_layers": live["layers"]}
     return rows
+
+
+def simulated_bubble(name: str, p: int, m: int, v: int, args: argparse.Namespace) -> Optional[float]:
+    """The mean bubble over ranks of schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated on equal
+    stages of the emulated layers (optimizer/simulate.py, no message latency); None where there is no counterpart."""
+    ours = SIMULATED_AS.get(name)
+    if ours is None:
+        return None
+    layers = args.layers_per_rank // v
+    return schedule_simulation(ours, [layers] * (p * v), [1.0] * p, m, args.forward_ms, args.input_ms,
+                               args.weight_ms).bubble
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -257,7 +275,9 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"p": rows[0]["p"], "m": rows[0]["m"], "ours_best": ours["schedule"], "torch_best": theirs["schedule"],
             "best_vs_torch_1f1b": ours["ratio"], "best_vs_torch_best": ours["ratio"] / theirs["ratio"],
             "bubble_error_points": {r["side"]: 100.0 * (r["bubble"] - r["analytic_bubble"]) for r in rows
-                                    if r["analytic_bubble"] is not None}}
+                                    if r["analytic_bubble"] is not None},
+            "bubble_vs_simulated_points": {r["side"]: 100.0 * (r["bubble"] - r["simulated_bubble"]) for r in rows
+                                           if r.get("simulated_bubble") is not None}}
 
 
 def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
@@ -304,18 +324,20 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
     lines = [f"{'p':>2} {'m':>3} {'side':<36} {'steps/s':>8} {'step ms':>8} {'ratio':>6} {'bubble %':>9} "
-             f"{'analytic %':>10} {'cpu ms':>6}  bubble % by rank"]
+             f"{'analytic %':>10} {'sim %':>6} {'cpu ms':>6}  bubble % by rank"]
     for r in rows:
         if "refused" in r:
             lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} refused: {r['refused']}")
             continue
         analytic = 100.0 * r["analytic_bubble"] if r["analytic_bubble"] is not None else None
+        simulated = 100.0 * r["simulated_bubble"] if r.get("simulated_bubble") is not None else None
         lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} {r['steps_per_s']:>8.2f} {r['step_ms']:>8.1f} "
-                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')} "
-                     f"{num(statistics.mean(r['cpu_ms_by_rank']) if r['cpu_ms_by_rank'] else None, '6.1f')}  "
+                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')} {num(simulated, '6.1f')} "
+                     f"{num(statistics.mean(r['cpu_ms_by_rank']) if r.get('cpu_ms_by_rank') else None, '6.1f')}  "
                      + " ".join(f"{100.0 * b:.0f}" for b in r["bubble_by_rank"]))
     lines.append("ratio: steps/s over torch Schedule1F1B's in the same world (median over chunk pairs); "
-                 "bubble: 1 - emulated busy / step wall, per rank; cpu ms: CPU per step, mean over ranks")
+                 "bubble: 1 - emulated busy / step wall, per rank; sim: the same order simulated at this m without "
+                 "latency; cpu ms: CPU per step, mean over ranks")
     for s in summaries:
         if "ceiling_ratio" in s:
             lines.append(f"straggler p={s['p']} m={s['m']} rank {s['slow_rank']} x{s['slowdown']:g}: ours {s['schedule']} "

@@ -261,3 +261,14 @@ def test_straggler_summary_under_interleaved_against_torch_best() -> None:
     assert verdict["live_steps_to_detect"] == 7 and verdict["live_ratio_vs_torch_best"] == pytest.approx(1.5 / 1.1)
     text = schedules.format_rows([], [verdict], "load")
     assert "ours zbinterleaved rebalanced" in text and "torch's best static (ScheduleZBVZeroBubble) = 1.45" in text
+
+
+def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
+    args = SimpleNamespace(layers_per_rank=4, forward_ms=2.0, input_ms=2.0, weight_ms=2.0)
+    # ZBV's formula says 0; at p = 4, m = 8 its order idles 12 of 204 ms per rank, torch's ZBV alike.
+    assert schedules.simulated_bubble("zbv", 4, 8, 2, args) == pytest.approx(12 / 204)
+    assert schedules.simulated_bubble("ScheduleZBVZeroBubble", 4, 8, 2, args) == pytest.approx(12 / 204)
+    assert schedules.simulated_bubble("zbv", 4, 4, 2, args) == pytest.approx(0.2)  # m = p: far from the formula
+    assert schedules.simulated_bubble("Schedule1F1B", 4, 8, 1, args) == pytest.approx(3 / 11)  # the flush formula
+    assert schedules.simulated_bubble("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
+    assert schedules.simulated_bubble("pipedream", 4, 8, 1, args) is None
