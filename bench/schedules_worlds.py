@@ -70,8 +70,9 @@ class BusyRun:
         self.busy_ms.append((BUSY.busy_ms - before) / (end - first))
 
 
-def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, BusyRun]:
-    """torch.distributed.pipelining: this rank's PipelineStage(s) and the schedule `name`."""
+def torch_side(name: str, rank: int, spec: dict[str, Any], plan_key: Any = None) -> tuple[SideRunner, BusyRun]:
+    """torch.distributed.pipelining: this rank's PipelineStage(s) and the schedule `name`, on the equal plan of its
+    stage count or on `spec["plans"][plan_key]` (the straggler world's rebalanced loop plan: stage k on rank k % p)."""
     from torch.distributed import pipelining
 
     from model_parallel.codegen.build import build_stages
@@ -90,7 +91,7 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
         raise ValueError(f"torch {torch.__version__}'s V-placement schedules send to their own rank over gloo "
                          "(failed on 2.11); this project's torch 2.13 runs them")
     graph, model = load_graph(spec["graph"]), build_model(spec)
-    modules = build_stages(graph, read_plan(spec["plans"][str(p * v)]), modules=layer_modules(graph, model))
+    modules = build_stages(graph, read_plan(spec["plans"][plan_key or str(p * v)]), modules=layer_modules(graph, model))
     mine = stage_indices(rank, p, v, placement)
     # Static shapes (every boundary is one [microbatch, width] tensor): no shape inference over the wire, which
     # an older torch on a lent GPU machine failed in (`recv_object_list` in torch 2.11).
@@ -164,7 +165,7 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
         for side in spec["sides"]:  # {"key", "runtime", "schedule", "plan"}
             if side["runtime"] == "torch":
                 try:
-                    runners[side["key"]] = torch_side(side["schedule"], rank, spec)
+                    runners[side["key"]] = torch_side(side["schedule"], rank, spec, side.get("plan"))
                 except ValueError as refused:  # e.g. DualPipeV with fewer microbatches than stages: every rank alike
                     results[side["key"]] = {"refused": str(refused)}
             else:

@@ -250,6 +250,7 @@ def test_straggler_summary_under_interleaved_against_torch_best() -> None:
             "rebalanced_layers": [3, 1, 4, 3, 4, 2, 3, 4], "rebalanced_rank_layers": [7, 3, 7, 7],
             "emulation": {"forward_ms": 2.0, "input_ms": 2.0, "weight_ms": 2.0}}
     rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "torch ScheduleZBVZeroBubble", "ratio": 1.1},
+            {"side": "torch ScheduleInterleavedZeroBubble on our rebalanced plan", "ratio": 1.5},  # not a static plan
             {"side": "ours zbinterleaved static", "ratio": 1.05},
             {"side": "ours zbinterleaved rebalanced", "ratio": 1.6},
             {"side": "ours zbinterleaved live", "ratio": 1.5, "switch_steps": [7], "final_layers": [3, 1, 4, 3, 4, 2, 3, 4]}]
