@@ -172,15 +172,23 @@ def straggler_ceiling(p: int, slowdown: float) -> float:
 # p = 4, m = 8, s = 2 reaches 1.40x the static plan (0.80 of the 1.75 ceiling), with 6 layers per
 # rank or 16 alike: the gap is the schedule's bubble, not the split's granularity.
 
-def simulate_step(rows: Sequence[Sequence[Any]], forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
-    """The makespan (ms) of one flush step: `rows[r]` is stage r's actions in order, stage k's forward and backward
-    take forward_ms[k] and backward_ms[k], no message latency (optimizer/simulate.py, the simulator auto uses)."""
+def simulate_step(rows: Sequence[Sequence[Any]], forward_ms: Sequence[float], backward_ms: Sequence[float],
+                  stage_rows: Optional[Sequence[int]] = None, weight_share: float = 0.0) -> float:
+    """The makespan (ms) of one flush step: `rows[r]` is row r's actions in order (row r holds stage r unless
+    `stage_rows` says which row holds each stage), stage k's forward and backward take forward_ms[k] and
+    backward_ms[k], of which a split backward's W takes `weight_share`; no message latency (optimizer/simulate.py,
+    the simulator auto uses)."""
+    return _simulation(rows, forward_ms, backward_ms, stage_rows, weight_share).makespan_ms
+
+
+def _simulation(rows: Sequence[Sequence[Any]], forward_ms: Sequence[float], backward_ms: Sequence[float],
+                stage_rows: Optional[Sequence[int]], weight_share: float) -> Any:
     from model_parallel.errors import ScheduleError
     from model_parallel.optimizer.simulate import StageTimes, simulate
 
-    times = [StageTimes(f, b) for f, b in zip(forward_ms, backward_ms)]
+    times = [StageTimes(f, b, b * (1.0 - weight_share), b * weight_share) for f, b in zip(forward_ms, backward_ms)]
     try:
-        return simulate(rows, list(range(len(rows))), times).makespan_ms
+        return simulate(rows, list(stage_rows) if stage_rows is not None else list(range(len(rows))), times)
     except ScheduleError as error:
         if "deadlock" not in str(error):
             raise
@@ -195,6 +203,27 @@ def one_f_one_b_step(layers: Sequence[int], scale: Sequence[float], m: int, laye
     schedule = one_f_one_b(p, m)
     return simulate_step([schedule.stage_actions(k) for k in range(p)], [n * layer_f * s for n, s in zip(layers, scale)],
                          [n * layer_b * s for n, s in zip(layers, scale)])
+
+
+def schedule_step(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
+                  layer_i: float, layer_w: float) -> float:
+    """One step (ms) of our schedule `name` (runtime/step: 1f1b, interleaved, zbinterleaved, ...) over len(layers)
+    stages on len(rank_scale) ranks, stage k of `layers[k]` emulated layers, each rank's waits stretched by its scale."""
+    return schedule_simulation(name, layers, rank_scale, m, layer_f, layer_i, layer_w).makespan_ms
+
+
+def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
+                        layer_i: float, layer_w: float) -> Any:
+    """`schedule_step`'s whole simulation (optimizer/simulate.Simulation: per-rank busy ms and bubbles too)."""
+    from model_parallel.runtime.step.interleaved import run_schedule
+
+    schedule = run_schedule(name, len(layers), m, len(rank_scale))
+    stage_rows = [schedule.row_of(k) for k in range(len(layers))]
+    scale = [rank_scale[r] for r in stage_rows]
+    return _simulation([schedule.row_actions(r) for r in range(schedule.num_rows)],
+                       [n * layer_f * s for n, s in zip(layers, scale)],
+                       [n * (layer_i + layer_w) * s for n, s in zip(layers, scale)], stage_rows,
+                       layer_w / (layer_i + layer_w) if layer_i + layer_w > 0 else 0.0)
 
 
 def best_one_f_one_b_plan(num_layers: int, scale: Sequence[float], m: int, layer_f: float,

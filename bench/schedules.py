@@ -3,6 +3,7 @@
     python bench/schedules.py                  # p = 4 and 8, m = p and 2p, and the straggler row
     python bench/schedules.py --quick          # p = 4 only, few steps (a couple of minutes; bench/gpu_check.sh)
     python bench/schedules.py --p 4 --m 8 --no_straggler
+    python bench/schedules.py --straggler_only --straggler_schedule zbinterleaved   # the live loop rebalancer
 
 Why emulated: on this machine (2 cores, 8 engineers) a rank that waits frees a core for another, so
 bubbles are filled by other ranks' work and a 2x straggler costs little: ratios on real CPU compute
@@ -22,16 +23,21 @@ InterleavedZeroBubble, ZBVZeroBubble, DualPipeV and our `SCHEDULE_NAMES` — and
 Rows (one per side): steps/s (median chunk); `ratio` = this side's steps/s over torch Schedule1F1B's,
 the median over chunks of the same round (back to back: the same machine load); `bubble_by_rank` =
 1 - emulated busy ms / step wall ms per rank (medians over chunks), `bubble` their mean, and
-`analytic_bubble` (emulated.analytic_bubble; None where no formula is given). Per world a summary:
+`analytic_bubble` (emulated.analytic_bubble; None where no formula is given), `simulated_bubble` (the same
+order simulated at this m without latency: the formulas assume many microbatches); `cpu_ms_by_rank`: each
+rank's CPU ms per step (the waits sleep, so this is the runtime's own cost). Per world a summary:
 our best schedule over torch's 1F1B (goal >= 1.15) and over torch's best (goal >= 1.0).
 
 The straggler world (p = 4, m = 2p, `--straggler_layers_per_rank` 6, rank 1's waits x `--slowdown` from
-step 0 on both sides): torch's 1F1B keeps its static equal split; ours runs 1F1B on that static plan, on
-the plan the rebalancer's solver (`coordinator.solver.default_solver`) gives for the slow rank's speed,
-and live: a coordinator (auto policy) in this process, the side's workers reporting to it, which must
-detect the straggler and switch plans while training (`--settle_steps` untimed steps first; its switch
-steps are in the row). ratio_vs_ceiling = ratio / (s x (p - 1 + 1/s) / p), goal >= 0.95 (1.66x at p = 4,
-s = 2); plan_ceiling_ratio: what whole layers allow.
+step 0 on both sides): torch keeps its static equal split; ours runs `--straggler_schedule` (1f1b; or
+interleaved / zbinterleaved on 2p stages in a loop, against torch's multi-stage schedules too, and torch's
+Interleaved1F1B and InterleavedZeroBubble on our rebalanced loop plan, to tell its runtime from the plan) on that
+static plan, on the plan the rebalancer's solver (`coordinator.solver.default_solver`; a loop plan under
+interleaved) gives for the slow rank's speed, and live: a coordinator (auto policy) in this process, the
+side's workers reporting to it (and naming their schedule), which must detect the straggler and switch plans
+while training (`--settle_steps` untimed steps first; its switch steps are in the row). ratio_vs_ceiling =
+ratio over torch's static 1F1B / (s x (p - 1 + 1/s) / p), goal >= 0.95 (1.66x at p = 4, s = 2);
+plan_ceiling_ratio: what whole layers allow; solver_plan_sim_ratio: our schedule on the solver's plan, simulated.
 
 Writes bench/results/schedules.json (atomically; `--out`; the docs quote bench/snapshot/schedules.json)
 and prints the table with the machine load.
@@ -44,7 +50,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -53,18 +58,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from emulated import (BubbleCase, EmulatedLayer, analytic_bubble, best_one_f_one_b_plan,  # bench/ is first on sys.path
-                      one_f_one_b_step, straggler_ceiling)
+from emulated import EmulatedLayer  # bench/ is first on sys.path
+from schedules_report import format_rows, side_rows, straggler_summary, summary
 from schedules_worlds import TORCH_SCHEDULES, build_model, layer_counts, worker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "schedules.json"  # bench/snapshot/ holds the copy the docs quote
 logger = logging.getLogger("bench.schedules")
-# Bubble formula per schedule (emulated.analytic_bubble kinds); ours not listed (new schedules) get none.
-BUBBLE_KIND = {"gpipe": "flush", "1f1b": "flush", "interleaved": "interleaved", "zbh1": "zb_h1",
-               "zbinterleaved": "zb_interleaved", "zbv": "zb_v", "ScheduleGPipe": "flush", "Schedule1F1B": "flush",
-               "ScheduleInterleaved1F1B": "interleaved", "ScheduleLoopedBFS": "interleaved",
-               "ScheduleInterleavedZeroBubble": "zb_interleaved", "ScheduleZBVZeroBubble": "zb_v"}
 
 
 def equal_plan(graph: Any, num_stages: int) -> Any:
@@ -86,13 +86,27 @@ def timed_graph(graph: Any, args: argparse.Namespace) -> Any:
                                 if n.layer is not None and n.layer.op == "call_module" else n for n in graph.nodes])
 
 
-def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int) -> Any:
+def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int, v: int = 1) -> Any:
     """The rebalancer's solver on the timed graph with rank `--slow_rank` at speed 1/s: the plan our
-    live rebalancer should move to."""
+    live rebalancer should move to (v = 2: a loop plan, stage k on rank k % p, as the policy re-plans interleaved)."""
     from model_parallel.coordinator.solver import default_solver
 
-    speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in range(p)]
-    return default_solver(graph, list(range(p)), speeds)
+    ranks = [k % p for k in range(v * p)]
+    speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in ranks]  # one per stage: its rank's
+    return default_solver(graph, ranks, speeds)
+
+
+def rank_layers(graph: Any, plan: Any, p: int) -> list[int]:
+    """Emulated layers per rank of `plan` (a rank's stages summed; each stage on one rank)."""
+    out = [0] * p
+    for stage, count in zip(plan.stages, layer_counts(graph, plan)):
+        out[stage.ranks[0]] += count
+    return out
+
+
+def loop_plan(plan: Any, p: int) -> Any:
+    """`plan`'s stages with stage k on rank k % p (loop placement: ours interleaved and zbinterleaved)."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, ranks=(st.stage_id % p,)) for st in plan.stages))
 
 
 def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: bool) -> dict[str, Any]:
@@ -114,19 +128,31 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
     spec["graph"] = str(save_graph(graph, workdir / f"{name}.graph.json"))
     spec["plans"] = {}
     plans = {str(p): equal_plan(graph, p)}
+    torch_names = [s for s in args.torch_schedules.split(",") if s]
     if straggler:
-        plans["rebalanced"] = rebalanced_plan(graph, args, p)
-        spec |= {"slow_rank": args.slow_rank, "slowdown": args.slowdown}
+        ours = args.straggler_schedule
+        multi = ours in LOOP_SCHEDULES  # interleaved, zbinterleaved: 2p stages in a loop, re-planned as a loop
+        plans["rebalanced"] = rebalanced_plan(graph, args, p, 2 if multi else 1)
+        spec |= {"slow_rank": args.slow_rank, "slowdown": args.slowdown, "straggler_schedule": ours}
         spec["rebalanced_layers"] = layer_counts(graph, plans["rebalanced"])
-        spec["sides"] = [{"key": "torch Schedule1F1B", "runtime": "torch", "schedule": "Schedule1F1B"},
-                         {"key": "ours 1f1b static", "runtime": "ours", "schedule": "1f1b", "plan": str(p)},
-                         {"key": "ours 1f1b rebalanced", "runtime": "ours", "schedule": "1f1b", "plan": "rebalanced"}]
+        spec["rebalanced_rank_layers"] = rank_layers(graph, plans["rebalanced"], p)
+        static = str(p)
+        if multi:  # torch's multi-stage schedules run too (their static 2p stages): ours is held to torch's best
+            plans[str(2 * p)] = equal_plan(graph, 2 * p)
+            static = f"{2 * p}loop"
+            plans[static] = loop_plan(plans[str(2 * p)], p)
+        spec["static_plan"] = static
+        spec["sides"] = [{"key": f"torch {s}", "runtime": "torch", "schedule": s} for s in ["Schedule1F1B"] + [
+            s for s in torch_names if multi and TORCH_SCHEDULES[s][0] > 1]] + [
+            # torch's runtime on our rebalanced loop plan (not a plan torch makes: what its runtime costs on it)
+            {"key": f"torch {s} on our rebalanced plan", "runtime": "torch", "schedule": s, "plan": "rebalanced"}
+            for s in torch_names if multi and TORCH_SCHEDULES[s] == (2, "loop") and s != "ScheduleLoopedBFS"] + [
+            {"key": f"ours {ours} static", "runtime": "ours", "schedule": ours, "plan": static},
+            {"key": f"ours {ours} rebalanced", "runtime": "ours", "schedule": ours, "plan": "rebalanced"}]
     else:
-        torch_names = [s for s in args.torch_schedules.split(",") if s]
         plans[str(2 * p)] = equal_plan(graph, 2 * p)  # torch's schedules with 2 stages per rank
         # Ours interleaved: the same 2p stages, stage k on rank k % p (loop placement).
-        plans[f"{2 * p}loop"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
-            dataclasses.replace(st, ranks=(st.stage_id % p,)) for st in plans[str(2 * p)].stages))
+        plans[f"{2 * p}loop"] = loop_plan(plans[str(2 * p)], p)
         # Ours zbv: the same 2p stages in a V, stage k on rank k, then 2p-1-k.
         plans[f"{2 * p}v"] = dataclasses.replace(plans[str(2 * p)], stages=tuple(
             dataclasses.replace(st, ranks=(min(st.stage_id, 2 * p - 1 - st.stage_id),)) for st in plans[str(2 * p)].stages))
@@ -144,8 +170,9 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
 
 
 def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
-    """Our coordinator (auto policy), in this process, on the world's equal plan, and a live side that reports
-    to it: the straggler is in effect from step 0, so its first plan switch is the detection."""
+    """Our coordinator (auto policy), in this process, on the world's static plan (equal stages; a loop of 2p under
+    interleaved), and a live side that reports to it: the straggler is in effect from step 0, so its first plan
+    switch is the detection."""
     import secrets
 
     from model_parallel.coordinator.server import Coordinator
@@ -155,10 +182,11 @@ def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
 
     register_layer_classes(EmulatedLayer)  # the graph was traced from this process's model
     token = secrets.token_hex(16)
-    p = spec["p"]
-    coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][str(p)]), token.encode(), policy="auto")
+    static, ours = spec["static_plan"], spec["straggler_schedule"]
+    # The workers name their schedule when they register: the coordinator checks (and re-plans) under its rules.
+    coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][static]), token.encode(), policy="auto")
     port = coordinator.start("127.0.0.1", 0)
-    spec["sides"].append({"key": "ours 1f1b live", "runtime": "ours", "schedule": "1f1b", "plan": str(p),
+    spec["sides"].append({"key": f"ours {ours} live", "runtime": "ours", "schedule": ours, "plan": static,
                           "coordinator": f"127.0.0.1:{port}", "token": token, "settle_steps": settle_steps})
     Path(spec["path"]).write_text(json.dumps(spec))
     return coordinator
@@ -176,125 +204,6 @@ def run_world(spec: dict[str, Any], workdir: Path, timeout: float, echo: bool) -
     if not result.ok:
         raise RuntimeError(f"world p={spec['p']} m={spec['m']} failed:\n{result.summary()}")
     return [json.loads(path.read_text()) for path in paths]
-
-
-def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per side: steps/s, ratio over torch 1F1B (median chunk pair), bubble measured and analytic."""
-    from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES
-
-    p, m = spec["p"], spec["m"]
-    rows = []
-    # Every rank times between the same barriers: per chunk, the slowest rank's wall time.
-    chunk_s = {key: [max(c) for c in zip(*(r[key]["chunk_step_s"] for r in ranks))] for key in ranks[0]
-               if "refused" not in ranks[0][key]}
-    base = chunk_s.get("torch Schedule1F1B")
-    for side in spec["sides"]:
-        key, name = side["key"], side["schedule"]
-        if key not in chunk_s:  # the schedule's constructor refused this (p, m): say why, time nothing
-            rows.append({"p": p, "m": m, "runtime": side["runtime"], "schedule": name, "side": key,
-                         "refused": ranks[0][key]["refused"]})
-            continue
-        wall = chunk_s[key]
-        bubbles = [statistics.median(1.0 - busy / (s * 1000.0) for busy, s in zip(r[key]["chunk_busy_ms"], wall))
-                   for r in ranks]
-        v = TORCH_SCHEDULES[name][0] if side["runtime"] == "torch" else (2 if name in MULTI_STAGE_SCHEDULES else 1)
-        layers = args.layers_per_rank
-        case = BubbleCase(BUBBLE_KIND.get(name, "none"), p, m, v, layers * args.forward_ms, layers * args.input_ms,
-                          layers * args.weight_ms)
-        rows.append({
-            "p": p, "m": m, "runtime": side["runtime"], "schedule": name, "side": key, "stages_per_rank": v,
-            "steps_per_s": 1.0 / statistics.median(wall), "step_ms": 1000.0 * statistics.median(wall),
-            "ratio": statistics.median(b / w for b, w in zip(base, wall)) if base else None,
-            "chunk_ratios": [b / w for b, w in zip(base, wall)] if base else None,
-            "bubble_by_rank": bubbles, "bubble": statistics.mean(bubbles),
-            # A straggler unbalances the stages: the formulas assume equal ones.
-            "analytic_bubble": None if spec.get("slow_rank") is not None else analytic_bubble(case),
-            "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
-        })
-        live = ranks[0][key]
-        if "switch_steps" in live:  # the live side: when the coordinator switched, and to what
-            rows[-1] |= {"switch_steps": live["switch_steps"], "switch_pauses_ms": live["switch_pauses_ms"],
-                         "final_layers": live["layers"]}
-    return rows
-
-
-def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A world's verdict: our best schedule against torch's 1F1B (goal >= 1.15) and torch's best (goal >= 1.0)."""
-    rows = [r for r in rows if "refused" not in r]
-    # Best by the chunk-paired ratio (the same machine moments for every side), not by each side's own median.
-    ours = max((r for r in rows if r["runtime"] == "ours"), key=lambda r: r["ratio"])
-    theirs = max((r for r in rows if r["runtime"] == "torch"), key=lambda r: r["ratio"])
-    return {"p": rows[0]["p"], "m": rows[0]["m"], "ours_best": ours["schedule"], "torch_best": theirs["schedule"],
-            "best_vs_torch_1f1b": ours["ratio"], "best_vs_torch_best": ours["ratio"] / theirs["ratio"],
-            "bubble_error_points": {r["side"]: 100.0 * (r["bubble"] - r["analytic_bubble"]) for r in rows
-                                    if r["analytic_bubble"] is not None}}
-
-
-def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
-    """ours rebalanced over torch's static 1F1B, against the ceiling s x (p - 1 + 1/s) / p."""
-    by_side = {r["side"]: r for r in rows}
-    ceiling = spec["slowdown"] * straggler_ceiling(spec["p"], spec["slowdown"])
-    ratio = by_side["ours 1f1b rebalanced"]["ratio"]
-    # What whole layers allow: the static slowest stage (s x its layers) over the rebalanced plan's slowest.
-    layers, scale = spec["rebalanced_layers"], [spec["slowdown"] if r == spec["slow_rank"] else 1.0 for r in range(spec["p"])]
-    plan_ceiling = spec["slowdown"] * spec["num_layers"] / spec["p"] / max(n * f for n, f in zip(layers, scale))
-    out = {"p": spec["p"], "m": spec["m"], "slow_rank": spec["slow_rank"], "slowdown": spec["slowdown"],
-            "rebalanced_layers": layers, "plan_ceiling_ratio": plan_ceiling, "ratio": ratio, "ceiling_ratio": ceiling,
-            "ratio_vs_ceiling": ratio / ceiling, "ours_static_ratio": by_side["ours 1f1b static"]["ratio"],
-            "plan_source": "the rebalancer's solver on the emulated times with the slow rank's speed, from step 0"}
-    emulation = spec.get("emulation")
-    if emulation is not None:  # what a plan can reach under 1F1B at this m (emulated.py): fill and drain stay
-        f, b = emulation["forward_ms"], emulation["input_ms"] + emulation["weight_ms"]
-        static_ms = one_f_one_b_step([spec["num_layers"] // spec["p"]] * spec["p"], scale, spec["m"], f, b)
-        best_ms, best_layers = best_one_f_one_b_plan(spec["num_layers"], scale, spec["m"], f, b)
-        out |= {"schedule_bound_ratio": static_ms / best_ms, "schedule_bound_layers": list(best_layers),
-                "solver_plan_sim_ratio": static_ms / one_f_one_b_step(layers, scale, spec["m"], f, b),
-                "ratio_vs_schedule_bound": ratio * best_ms / static_ms}
-    live = by_side.get("ours 1f1b live")
-    if live is not None:
-        out |= {"live_ratio": live["ratio"], "live_ratio_vs_ceiling": live["ratio"] / ceiling,
-                "live_steps_to_detect": live["switch_steps"][0] if live["switch_steps"] else None,
-                "live_switch_steps": live["switch_steps"], "live_final_layers": live["final_layers"]}
-    return out
-
-
-def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]], uptime: str) -> str:
-    """The table: per side steps/s, ratio over torch 1F1B, bubble measured vs analytic (%), per-rank bubbles."""
-    def num(value: Optional[float], fmt: str) -> str:
-        return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
-
-    lines = [f"{'p':>2} {'m':>3} {'side':<36} {'steps/s':>8} {'step ms':>8} {'ratio':>6} {'bubble %':>9} "
-             f"{'analytic %':>10}  bubble % by rank"]
-    for r in rows:
-        if "refused" in r:
-            lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} refused: {r['refused']}")
-            continue
-        analytic = 100.0 * r["analytic_bubble"] if r["analytic_bubble"] is not None else None
-        lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} {r['steps_per_s']:>8.2f} {r['step_ms']:>8.1f} "
-                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')}  "
-                     + " ".join(f"{100.0 * b:.0f}" for b in r["bubble_by_rank"]))
-    lines.append("ratio: steps/s over torch Schedule1F1B's in the same world (median over chunk pairs); "
-                 "bubble: 1 - emulated busy / step wall, per rank")
-    for s in summaries:
-        if "ceiling_ratio" in s:
-            lines.append(f"straggler p={s['p']} m={s['m']} rank {s['slow_rank']} x{s['slowdown']:g}: ours rebalanced "
-                         f"{s['rebalanced_layers']} layers / torch static = {s['ratio']:.2f} (ceiling {s['ceiling_ratio']:.2f}, "
-                         f"{s['ratio_vs_ceiling']:.2f} of it; goal >= 0.95; whole layers allow {s['plan_ceiling_ratio']:.2f}); "
-                         f"ours static {s['ours_static_ratio']:.2f}")
-            if "schedule_bound_ratio" in s:
-                lines.append(f"  1F1B at m={s['m']} (simulated, no latency): the best plan {s['schedule_bound_layers']} "
-                             f"reaches {s['schedule_bound_ratio']:.2f} ({s['schedule_bound_ratio'] / s['ceiling_ratio']:.2f} "
-                             f"of the ceiling), the solver's {s['solver_plan_sim_ratio']:.2f}; measured "
-                             f"{s['ratio_vs_schedule_bound']:.2f} of the bound")
-            if "live_ratio" in s:
-                lines.append(f"  live (coordinator, auto policy, slow from step 0): switches at steps {s['live_switch_steps']} "
-                             f"to {s['live_final_layers']} layers; ratio {s['live_ratio']:.2f} after warm-up + settle "
-                             f"({s['live_ratio_vs_ceiling']:.2f} of the ceiling)")
-        else:
-            lines.append(f"p={s['p']} m={s['m']}: our best ({s['ours_best']}) / torch 1F1B = {s['best_vs_torch_1f1b']:.2f} "
-                         f"(goal >= 1.15), / torch best ({s['torch_best']}) = {s['best_vs_torch_best']:.2f} (goal >= 1.0)")
-    lines.append(uptime)
-    return "\n".join(lines)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -319,6 +228,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--no_live", action="store_true", help="straggler row without the live coordinator side")
     parser.add_argument("--settle_steps", type=int, default=None,
                         help="untimed steps the live side trains first, for the coordinator to detect and switch (default 15, quick 10)")
+    parser.add_argument("--straggler_schedule", default="1f1b", choices=("1f1b", "interleaved", "zbinterleaved"),
+                        help="our schedule in the straggler world; interleaved and zbinterleaved run 2p stages in a loop, "
+                             "re-planned as loop plans, against torch's multi-stage schedules too")
     parser.add_argument("--slowdown", type=float, default=2.0, help="the straggler's factor s")
     parser.add_argument("--slow_rank", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds for each world")

@@ -4,7 +4,8 @@ A rank builds, for one (p, m), torch.distributed.pipelining's stages and schedul
 schedule and our `PipelineEngine` for each of ours (`SCHEDULE_NAMES`), all on the same emulated
 model (bench/emulated.py), then every side trains chunks of steps in turn, the order flipping every
 chunk, each chunk timed between barriers (`runtime_worlds.SideRunner`). Besides wall time per step,
-each chunk records the emulated busy ms this rank waited, from which the bubble is measured.
+each chunk records the emulated busy ms this rank waited, from which the bubble is measured, and the
+process's CPU ms (every thread): with compute a sleep, that is the runtime's own cost per step.
 """
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ class BusyRun:
         self.busy_ms.append((BUSY.busy_ms - before) / (end - first))
 
 
-def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, BusyRun]:
-    """torch.distributed.pipelining: this rank's PipelineStage(s) and the schedule `name`."""
+def torch_side(name: str, rank: int, spec: dict[str, Any], plan_key: Any = None) -> tuple[SideRunner, BusyRun]:
+    """torch.distributed.pipelining: this rank's PipelineStage(s) and the schedule `name`, on the equal plan of its
+    stage count or on `spec["plans"][plan_key]` (the straggler world's rebalanced loop plan: stage k on rank k % p)."""
     from torch.distributed import pipelining
 
     from model_parallel.codegen.build import build_stages
@@ -89,7 +91,7 @@ def torch_side(name: str, rank: int, spec: dict[str, Any]) -> tuple[SideRunner, 
         raise ValueError(f"torch {torch.__version__}'s V-placement schedules send to their own rank over gloo "
                          "(failed on 2.11); this project's torch 2.13 runs them")
     graph, model = load_graph(spec["graph"]), build_model(spec)
-    modules = build_stages(graph, read_plan(spec["plans"][str(p * v)]), modules=layer_modules(graph, model))
+    modules = build_stages(graph, read_plan(spec["plans"][plan_key or str(p * v)]), modules=layer_modules(graph, model))
     mine = stage_indices(rank, p, v, placement)
     # Static shapes (every boundary is one [microbatch, width] tensor): no shape inference over the wire, which
     # an older torch on a lent GPU machine failed in (`recv_object_list` in torch 2.11).
@@ -163,14 +165,15 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
         for side in spec["sides"]:  # {"key", "runtime", "schedule", "plan"}
             if side["runtime"] == "torch":
                 try:
-                    runners[side["key"]] = torch_side(side["schedule"], rank, spec)
+                    runners[side["key"]] = torch_side(side["schedule"], rank, spec, side.get("plan"))
                 except ValueError as refused:  # e.g. DualPipeV with fewer microbatches than stages: every rank alike
                     results[side["key"]] = {"refused": str(refused)}
             else:
                 if "coordinator" in side:
                     from model_parallel.coordinator.client import CoordinatorChannel
 
-                    channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"])
+                    channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"],
+                                                               schedule=side["schedule"])  # re-planned under its rules
                 *runners[side["key"]], engines[side["key"]] = ours_side(
                     side["schedule"], rank, spec, control_group, side["plan"], channels.get(side["key"]))
         for key, (runner, _) in runners.items():
@@ -182,7 +185,7 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 runners[key][0].timed_chunk(spec["chunk_steps"])
         for key, (runner, busy) in runners.items():
             results[key] = {"chunk_step_s": runner.seconds, "chunk_busy_ms": busy.busy_ms[1:],
-                            "step_s": statistics.median(runner.seconds)}
+                            "step_s": statistics.median(runner.seconds), "chunk_cpu_ms": runner.cpu_ms}
         for key, engine in engines.items():
             versions = [(r.step, r.plan_version) for r in engine.metrics.records]
             switches = [step for (step, v), (_, before) in zip(versions[1:], versions) if v != before]

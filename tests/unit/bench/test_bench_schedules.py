@@ -1,4 +1,5 @@
-"""bench/schedules.py's arithmetic: the analytic bubbles, the emulated layer's waits, stage placement, plans."""
+"""bench/schedules.py's arithmetic: the analytic and simulated bubbles, the emulated layer's waits, stage placement,
+plans, the summaries (schedules_report.py)."""
 from __future__ import annotations
 
 import importlib
@@ -23,6 +24,7 @@ def _load(name: str):
 
 emulated = _load("emulated")
 schedules = _load("schedules")
+report = _load("schedules_report")
 worlds = _load("schedules_worlds")
 
 
@@ -149,7 +151,7 @@ def test_summary_compares_our_best_with_torch_1f1b_and_torch_best() -> None:
     # Best by ratio (chunk pairs), not by steps/s: ours gpipe has the higher median steps/s but the lower ratio.
     rows = [row("torch", "Schedule1F1B", 2.0, 1.0), row("torch", "ScheduleZBVZeroBubble", 2.5, 1.25, analytic=None),
             row("ours", "1f1b", 2.2, 1.1), row("ours", "gpipe", 2.3, 0.9)]
-    verdict = schedules.summary(rows)
+    verdict = report.summary(rows)
     assert verdict["ours_best"] == "1f1b" and verdict["torch_best"] == "ScheduleZBVZeroBubble"
     assert verdict["best_vs_torch_1f1b"] == pytest.approx(1.1)
     assert verdict["best_vs_torch_best"] == pytest.approx(1.1 / 1.25)
@@ -161,7 +163,7 @@ def test_straggler_summary_against_the_ceiling_and_what_whole_layers_allow() -> 
     spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "rebalanced_layers": [7, 3, 7, 7]}
     rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 0.97},
             {"side": "ours 1f1b rebalanced", "ratio": 1.4}]
-    verdict = schedules.straggler_summary(rows, spec)
+    verdict = report.straggler_summary(rows, spec)
     assert verdict["ceiling_ratio"] == pytest.approx(1.75)
     assert verdict["ratio_vs_ceiling"] == pytest.approx(1.4 / 1.75)
     # static: the slow rank's 6 layers x 2 = 12; rebalanced: max(7, 3 x 2) = 7.
@@ -174,11 +176,11 @@ def test_straggler_summary_reads_the_live_side_detection() -> None:
     rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 1.0},
             {"side": "ours 1f1b rebalanced", "ratio": 1.3},
             {"side": "ours 1f1b live", "ratio": 1.4, "switch_steps": [8, 30], "final_layers": [7, 3, 7, 7]}]
-    verdict = schedules.straggler_summary(rows, spec)
+    verdict = report.straggler_summary(rows, spec)
     assert verdict["live_steps_to_detect"] == 8 and verdict["live_switch_steps"] == [8, 30]
     assert verdict["live_ratio_vs_ceiling"] == pytest.approx(0.8)
     rows[-1]["switch_steps"] = []
-    assert schedules.straggler_summary(rows, spec)["live_steps_to_detect"] is None
+    assert report.straggler_summary(rows, spec)["live_steps_to_detect"] is None
 
 
 def test_simulated_step_of_a_flush_schedule_on_literal_times() -> None:
@@ -211,9 +213,65 @@ def test_straggler_summary_against_what_1f1b_can_reach() -> None:
             "emulation": {"forward_ms": 2.0, "input_ms": 2.0, "weight_ms": 2.0}}
     rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "ours 1f1b static", "ratio": 0.97},
             {"side": "ours 1f1b rebalanced", "ratio": 1.37}]
-    verdict = schedules.straggler_summary(rows, spec)
+    verdict = report.straggler_summary(rows, spec)
     assert verdict["schedule_bound_ratio"] == pytest.approx(636 / 456)
     assert verdict["schedule_bound_layers"] == [7, 3, 7, 7]
     assert verdict["solver_plan_sim_ratio"] == pytest.approx(636 / 456)
     assert verdict["ratio_vs_schedule_bound"] == pytest.approx(1.37 * 456 / 636)
-    assert "1F1B at m=8" in schedules.format_rows([], [verdict], "load")
+    assert "1f1b at m=8" in report.format_rows([], [verdict], "load")
+
+
+def test_rebalanced_loop_plan_keeps_the_loop_and_moves_work_off_the_straggler(clock) -> None:
+    from model_parallel.profiler.trace import trace_model
+
+    model = emulated.EmulatedModel(24, 4, 2.0, 2.0, 2.0)
+    graph, _ = trace_model(model, (torch.zeros(2, 4),), (emulated.EmulatedLayer,), route="fx")
+    args = SimpleNamespace(forward_ms=2.0, input_ms=2.0, weight_ms=2.0, slowdown=2.0, slow_rank=1)
+    plan = schedules.rebalanced_plan(schedules.timed_graph(graph, args), args, 4, v=2)
+    assert [s.ranks for s in plan.stages] == [(k % 4,) for k in range(8)]  # 2 stages per rank, in a loop
+    per_rank = schedules.rank_layers(graph, plan, 4)
+    assert sum(per_rank) == 24 and per_rank[1] < min(per_rank[0], per_rank[2], per_rank[3])
+    looped = schedules.loop_plan(schedules.equal_plan(graph, 8), 4)
+    assert schedules.rank_layers(graph, looped, 4) == [6, 6, 6, 6]
+
+
+def test_simulated_step_of_our_multi_stage_schedules_on_literal_times() -> None:
+    # p = 4, m = 8, 4 layers per rank (f = i = w = 2 ms per layer), no straggler: 1F1B (m + p - 1) x 4 x 6 = 264 ms;
+    # zbinterleaved and zbv on 2 stages per rank 204 ms (192 ms of work per rank, 5.9 % idle).
+    assert emulated.schedule_step("1f1b", [4] * 4, [1.0] * 4, 8, 2.0, 2.0, 2.0) == 264.0
+    assert emulated.schedule_step("zbinterleaved", [2] * 8, [1.0] * 4, 8, 2.0, 2.0, 2.0) == 204.0
+    assert emulated.schedule_step("zbv", [2] * 8, [1.0] * 4, 8, 2.0, 2.0, 2.0) == 204.0
+    # The straggler world: rank 1 at 2x, static equal loop plan vs the solver's loop plan.
+    static = emulated.schedule_step("zbinterleaved", [3] * 8, [1.0, 2.0, 1.0, 1.0], 8, 2.0, 2.0, 2.0)
+    rebalanced = emulated.schedule_step("zbinterleaved", [3, 1, 4, 3, 4, 2, 3, 4], [1.0, 2.0, 1.0, 1.0], 8, 2.0, 2.0, 2.0)
+    assert rebalanced < static and 636.0 / rebalanced == pytest.approx(1.70, abs=0.01)
+
+
+def test_straggler_summary_under_interleaved_against_torch_best() -> None:
+    spec = {"p": 4, "m": 8, "slow_rank": 1, "slowdown": 2.0, "num_layers": 24, "straggler_schedule": "zbinterleaved",
+            "rebalanced_layers": [3, 1, 4, 3, 4, 2, 3, 4], "rebalanced_rank_layers": [7, 3, 7, 7],
+            "emulation": {"forward_ms": 2.0, "input_ms": 2.0, "weight_ms": 2.0}}
+    rows = [{"side": "torch Schedule1F1B", "ratio": 1.0}, {"side": "torch ScheduleZBVZeroBubble", "ratio": 1.1},
+            {"side": "torch ScheduleInterleavedZeroBubble on our rebalanced plan", "ratio": 1.5},  # not a static plan
+            {"side": "ours zbinterleaved static", "ratio": 1.05},
+            {"side": "ours zbinterleaved rebalanced", "ratio": 1.6},
+            {"side": "ours zbinterleaved live", "ratio": 1.5, "switch_steps": [7], "final_layers": [3, 1, 4, 3, 4, 2, 3, 4]}]
+    verdict = report.straggler_summary(rows, spec)
+    assert verdict["schedule"] == "zbinterleaved" and verdict["torch_best"] == "ScheduleZBVZeroBubble"
+    assert verdict["ratio_vs_torch_best"] == pytest.approx(1.6 / 1.1)
+    assert verdict["plan_ceiling_ratio"] == pytest.approx(12 / 7)  # per rank: max(7, 3 x 2) against 6 x 2
+    assert "schedule_bound_ratio" not in verdict  # the exhaustive split search is 1F1B's alone
+    assert verdict["live_steps_to_detect"] == 7 and verdict["live_ratio_vs_torch_best"] == pytest.approx(1.5 / 1.1)
+    text = report.format_rows([], [verdict], "load")
+    assert "ours zbinterleaved rebalanced" in text and "torch's best static (ScheduleZBVZeroBubble) = 1.45" in text
+
+
+def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
+    args = SimpleNamespace(layers_per_rank=4, forward_ms=2.0, input_ms=2.0, weight_ms=2.0)
+    # ZBV's formula says 0; at p = 4, m = 8 its order idles 12 of 204 ms per rank, torch's ZBV alike.
+    assert report.simulated_bubble("zbv", 4, 8, 2, args) == pytest.approx(12 / 204)
+    assert report.simulated_bubble("ScheduleZBVZeroBubble", 4, 8, 2, args) == pytest.approx(12 / 204)
+    assert report.simulated_bubble("zbv", 4, 4, 2, args) == pytest.approx(0.2)  # m = p: far from the formula
+    assert report.simulated_bubble("Schedule1F1B", 4, 8, 1, args) == pytest.approx(3 / 11)  # the flush formula
+    assert report.simulated_bubble("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
+    assert report.simulated_bubble("pipedream", 4, 8, 1, args) is None
