@@ -1,7 +1,7 @@
 """Per node, the bytes autograd saves for backward in a training forward (`Node.saved_bytes`).
 
 One forward of the traced model runs with autograd on (under the profile's autocast) inside a
-`saved_tensors_hooks` pack hook that returns each tensor unchanged and charges its bytes:
+`saved_tensors_hooks` pack hook that keeps a detached view of each tensor (`_unpack` says why) and charges its bytes:
 
 - to the node that *produced* the storage it views (a graph value: ReLU's result saved by ReLU and by
   the next Linear is ReLU's, once), or, for a storage no node has returned yet (an operator's
