@@ -1,7 +1,7 @@
 """Per node, the bytes autograd saves for backward in a training forward (`Node.saved_bytes`).
 
 One forward of the traced model runs with autograd on (under the profile's autocast) inside a
-`saved_tensors_hooks` pack hook that returns each tensor unchanged and charges its bytes:
+`saved_tensors_hooks` pack hook that keeps a detached view of each tensor (`_unpack` says why) and charges its bytes:
 
 - to the node that *produced* the storage it views (a graph value: ReLU's result saved by ReLU and by
   the next Linear is ReLU's, once), or, for a storage no node has returned yet (an operator's
@@ -61,7 +61,7 @@ class _Ledger:
             if pointer not in self.excluded and end > start:
                 self.producer.setdefault(pointer, self.current)
                 self.ranges.setdefault(pointer, []).append((start, end))
-        return tensor
+        return tensor.detach()  # not the tensor itself: a saved output would keep its graph alive (_unpack)
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -115,6 +115,9 @@ def record_saved_bytes(gm: fx.GraphModule, inputs: Sequence[Any], loss_fn: Optio
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    # The packs keep a detached view (same storage): an operator's saved output packed as itself refers back to
+    # the node saving it (tensor -> grad_fn -> saved tensor), a cycle through C++ that gc cannot see and only a
+    # backward without retain_graph breaks; these forwards run no backward, so each graph leaked.
     return tensor
 
 
@@ -177,7 +180,7 @@ class NodeByNodeSaving(fx.Interpreter):
                 charged = None if pointer in held else self.owner[raw] if raw in self.owner else self.owner.get(pointer, name)
                 if charged is not None and end > start:
                     mine.setdefault((charged, pointer), []).append((start, end))
-            return tensor
+            return tensor.detach()  # as _Ledger.pack: no cycle keeping the node's graph (and parameters) alive
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), self.autocast():
             result = run()

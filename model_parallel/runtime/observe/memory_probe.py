@@ -118,7 +118,7 @@ class StashMeter:
     """Measures the bytes a stage keeps for backward per microbatch in flight, and their peak over a step.
 
     Counted: every tensor autograd saves during a microbatch's forward (a `saved_tensors_hooks` pack
-    hook, which returns the tensor unchanged) and the boundary buffers the executor keeps until that
+    hook, which keeps a detached view of the tensor: `_pack` says why not the tensor itself) and the boundary buffers the executor keeps until that
     microbatch's backward (received inputs, sent outputs, PipeDream's stashed weight version). Each
     storage counts once (the union of the byte ranges its tensors view: `graph/saved.py`, the rule the
     profiler's `Node.saved_bytes` is counted by); the stage's parameters and
@@ -155,7 +155,13 @@ class StashMeter:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.current is not None:
             self._add(self.current, tensor)
-        return tensor
+        # Detached (same storage and version counter), not the tensor itself: an operator's saved *output*
+        # packed as itself refers back to the node that saves it (tensor -> grad_fn -> saved tensor), a cycle
+        # through C++ that gc cannot see and only a backward without retain_graph breaks. Zero bubble's I and W
+        # retain the graph (backward_split.py), so every microbatch's graph leaked: rank 3's resident memory
+        # grew ~40 MB a step more than 1F1B's under bench/big_model.py --schedule zbh1 (docs/runtime.md).
+        # Unpacking rebuilds the grad_fn from what autograd keeps beside the packed value.
+        return tensor.detach()
 
     def _add(self, microbatch: int, tensor: Any) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
