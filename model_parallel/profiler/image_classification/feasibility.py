@@ -87,12 +87,16 @@ def meta_training_bytes(model: nn.Module, inputs: Sequence[torch.Tensor], loss_f
         owner = tensor._base if tensor._base is not None else tensor
         if id(owner) not in parameters:  # weights (and their transposes) are counted as parameters
             saved[id(tensor)] = tensor
-        return tensor
+        # A detached view, not the tensor: a saved output packed as itself refers back to the node saving it, a
+        # cycle through C++ that gc cannot free and no backward breaks here (runtime/observe/memory_probe.py).
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.enable_grad():
         loss_fn(model(*inputs))
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return parameter_bytes, sum(t.numel() * t.element_size() for t in saved.values())
+    activation_bytes = sum(t.numel() * t.element_size() for t in saved.values())
+    saved.clear()  # every saved value keeps the pack hook, which keeps `saved`: a cycle through C++ otherwise
+    return parameter_bytes, activation_bytes
 
 
 def available_memory_bytes(device: torch.device) -> Optional[int]:
