@@ -6,12 +6,15 @@
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
 2. The same config built on `meta` is profiled layer by layer (`profile(..., layer_by_layer=True)`) at
-   the microbatch size: one node's parameters in memory at a time.
+   the microbatch size: one node's parameters in memory at a time (its time and node count are reported;
+   the ranks do not read it: a graph file alone lacks the model's constants, such as Llama's rotary table,
+   so they trace the meta model themselves).
 3. Four ranks (one thread each, gloo on localhost, reaped under a deadline) cap their own memory with
    `RLIMIT_DATA` at what they hold after `import torch` and joining the world + `--memory_per_worker`
-   + `--slack` GB, and train `--steps` AdamW steps with `PipelineTrainer(graph, ..., weights=<the
-   directory>, memory_per_worker=...)`: the plan is the most even split whose predicted footprint fits
-   (optimizer/contiguous.py), found on every rank, and each rank reads only its stage's tensors.
+   + `--slack` GB, and train `--steps` AdamW steps of `--schedule` with `PipelineTrainer(<the meta model>,
+   ..., weights=<the directory>, memory_per_worker=...)`: no plan is given; the trainer's is the most even
+   split whose predicted footprint fits for that schedule (api/job.py), rank 0's broadcast, and each rank
+   reads only its stage's tensors.
 4. Control: one process under the same cap materializes the whole model and runs one AdamW step; it is
    expected to fail with an allocation error.
 
@@ -136,13 +139,11 @@ def worker(args: argparse.Namespace) -> None:
     try:
         # No plan: the trainer's own, found by `memory_per_worker` for the schedule (api/job.py: the most even split
         # whose predicted footprint fits, a loop or V of 2 stages per rank priced per rank; or a refusal naming the
-        # smallest memory per worker that would), priced on the graph it trains, and rank 0's broadcast.
-        plan = None
-        # The model traced again on meta names its nodes as the profile did; the plan given is checked to fit.
+        # smallest memory per worker that would), priced on the graph it traces from the meta model, rank 0's broadcast.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
         trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
                                   options=RunOptions(measure_memory=True, timeout=300.0), weights=tmp / "weights",
-                                  plan=plan, example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
+                                  example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
         trainer.train(args.steps)
         engine = trainer.runner
         held = state_bytes(engine.stage, engine.optimizer)

@@ -25,7 +25,7 @@ Exactness against the plain backward is tested in tests/unit/runtime/test_backwa
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -51,10 +51,11 @@ class WeightWork:
     root_grads: dict[Node, list[tuple[int, torch.Tensor]]]  # outputs off the input path: (output_nr, grad)
     params: dict[Node, torch.nn.Parameter]
 
-    def gradients(self) -> list[torch.Tensor]:
-        """The gradients kept for W (what a microbatch holds between its I and its W besides its activations)."""
-        kept = [g for grads in self.kept.values() for g in grads if g is not None]
-        return kept + [g for pairs in self.root_grads.values() for _, g in pairs]
+    def gradients(self) -> Iterator[torch.Tensor]:
+        """The gradients kept for W (what a microbatch holds between its I and its W besides its activations);
+        lazy: the executor hands it to a meter that reads it only when memory is measured."""
+        yield from (g for grads in self.kept.values() for g in grads if g is not None)
+        yield from (g for pairs in self.root_grads.values() for _, g in pairs)
 
 
 def _reverse_edges(roots: Iterable[Node]) -> dict[Node, list[Node]]:

@@ -144,7 +144,8 @@ def test_w_accumulates_into_the_gradients_in_place_and_keeps_what_it_lists() -> 
     for _ in range(2):
         x = torch.randn(3, 6, requires_grad=True)
         _, work = backward_input([module(x)], [torch.ones(3, 6)], [x], module.parameters())
-        assert work.gradients() and all(isinstance(g, torch.Tensor) for g in work.gradients())
+        kept = list(work.gradients())
+        assert kept and all(isinstance(g, torch.Tensor) for g in kept)
         works.append(work)
     backward_weight(works[0])
     storages = {id(p): p.grad.untyped_storage().data_ptr() for p in module.parameters() if p.grad is not None}
