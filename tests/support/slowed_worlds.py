@@ -30,7 +30,7 @@ class SlowedRun:
 
 
 def run_slowed(tmp_path: Path, schedule: str, rank_of: Callable[[int], int], steps: int = 40) -> SlowedRun:
-    """`--schedule schedule` on 2 workers with the MLP cut in 4 stages, stage k on `rank_of(k)`; the coordinator's
+    """`--schedule schedule` (served by the coordinator too) on 2 workers with the MLP cut in 4 stages, stage k on `rank_of(k)`; the coordinator's
     auto policy (window 3, cooldown 3, threshold 5 %) sees rank 1 slow down 4x after step 2. Asserts both ended
     cleanly."""
     from model_parallel.coordinator.local import CoordinatorProcess
