@@ -91,7 +91,7 @@ class Rebalancer:
                   stopping: bool) -> None:
         """A checked report was recorded: confirm or forget the pending switch, maybe run the policy."""
         self.highest_reported = max(self.highest_reported, report.plan_version)
-        held = self.plan.stages_of_rank(worker.rank)  # several under interleaved: a report names the first
+        held = self.plan.stages_of_rank(worker.rank)  # several in a loop or a V: a report names the first
         expected = held[0] if held else None
         if report.plan_version == self.plan.version and report.stage != expected and not self._mismatch_warned:
             self._mismatch_warned = True
