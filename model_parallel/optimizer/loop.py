@@ -3,8 +3,9 @@
 k < p, 2p-1-k after) minimise the slowest rank. Both are `rank_sum_plan`, which takes the rank of every stage.
 
 The straight solver (stage k priced at its rank's speed) gives the start: it bounds every stage, not every rank.
-`balance_cuts` then moves one cut, then two cuts together, then three, to their best positions (the slowest
-rank, then the sum of squared rank times: the most even split at that bottleneck) until no move helps. Moving a
+`balance_cuts` then moves one cut, then two cuts together, then three (where none of those helps, in a smaller
+budget), to their best positions (the slowest rank, then the sum of squared rank times: the most even split at
+that bottleneck) until no move helps. Moving a
 cut trades work between two ranks only, and errors on a rank's v stages may cancel, which the per-stage bound
 cannot see. Neighbours on one rank (the V's stages p-1 and p) are searched as one segment (`merged_balance`).
 This local search is not proven optimal: tests/unit/optimizer/test_loop.py checks it against brute force on a
@@ -35,6 +36,9 @@ MAX_PASSES = 30  # each pass moves every cut at most once; real graphs settle in
 # Candidate placements (rows x stages) the search may price in all: a bound in array elements, never seconds,
 # so the same input gives the same plan on any machine; about a second of numpy at worst (2 cores, loaded).
 BUDGET = 20_000_000
+# Of it, moves of three cuts (tried only where no one or two cuts help) may price this many: they settle small chains
+# (a V's nested segments) and rarely help long ones, where pairs already land within a node of the ideal.
+TRIPLE_BUDGET = 1_000_000
 
 
 def is_loop(ranks: Sequence[int]) -> bool:
@@ -92,7 +96,7 @@ def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], 
         times = (cum[candidates] - cum[starts]) @ onehot
         return np.round(times.max(axis=1), 12), (times ** 2).sum(axis=1)
 
-    spent = 0
+    spent = [0, 0]  # elements priced: all moves, moves of three cuts
 
     def placements(cuts: tuple[int, ...]) -> Optional[np.ndarray]:
         """Every placement of `cuts` (rows, in lexicographic order), the others fixed, every stage keeping its least
@@ -103,7 +107,7 @@ def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], 
             after = min(c for c in range(cut + 1, len(ends)) if c not in cuts)  # the nearest fixed end after
             low = (ends[before] if before >= 0 else 0) + sum(least[before + 1:cut + 1])
             axes.append(np.arange(low, ends[after] - sum(least[cut + 1:after + 1]) + 1))
-        if math.prod(len(a) for a in axes) * len(ends) > BUDGET:
+        if math.prod(len(a) for a in axes) * len(ends) > (TRIPLE_BUDGET if len(cuts) > 2 else BUDGET):
             return None
         grid = np.stack([a.ravel() for a in np.meshgrid(*axes, indexing="ij")], axis=1).reshape(-1, len(cuts))
         for k in range(1, len(cuts)):  # adjacent moved cuts: the stage between keeps its least
@@ -114,11 +118,12 @@ def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], 
     def improve(cuts: tuple[int, ...]) -> bool:
         """Every placement of `cuts` (the others fixed): take the best if it is better than now (several cuts: only
         if the slowest rank gets faster, else long chains of tiny evenings)."""
-        nonlocal spent
         grid = placements(cuts)
-        if grid is None or not len(grid) or spent + len(grid) * len(ends) > BUDGET:
+        cost = 0 if grid is None else len(grid) * len(ends)
+        if not cost or spent[0] + cost > BUDGET or (len(cuts) > 2 and spent[1] + cost > TRIPLE_BUDGET):
             return False
-        spent += len(grid) * len(ends)
+        spent[0] += cost
+        spent[1] += cost if len(cuts) > 2 else 0
         candidates = np.tile(np.array(ends), (len(grid) + 1, 1))
         candidates[1:, list(cuts)] = grid  # row 0: the cuts as they are
         worst, squares = keys(candidates)

@@ -75,3 +75,17 @@ def test_against_brute_force_on_small_chains_and_never_worse_than_the_start(seed
         assert ours == pytest.approx(best, rel=1e-9)
     else:
         assert best <= ours <= best + max(n.compute_ms for n in graph.nodes) / min(speeds.values())
+
+
+def test_near_the_ideal_on_longer_chains():
+    """30-70 layers, p = 2..4, mixed speeds: within one node's time of the ideal (total work / summed speeds), which
+    the per-stage start often is not."""
+    for seed in range(12):
+        rng = random.Random(seed)
+        p = rng.choice([2, 3, 4])
+        graph = chain(rng.randint(30, 70), seed)
+        ranks = v_ranks(p)
+        speeds = {r: rng.choice([1.0, 0.7, 0.5]) for r in range(p)}
+        ours = max(times_of(graph, v_rank_plan(graph, ranks, [speeds[r] for r in ranks]), ranks, speeds).values())
+        ideal = graph.total_compute_ms / sum(speeds.values())
+        assert ideal <= ours <= ideal + max(n.compute_ms for n in graph.nodes) / min(speeds.values())
