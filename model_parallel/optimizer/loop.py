@@ -5,9 +5,9 @@ k < p, 2p-1-k after) minimise the slowest rank. Both are `rank_sum_plan`, which 
 The straight solver (stage k priced at its rank's speed) gives the start: it bounds every stage, not every rank.
 `balance_cuts` then moves one cut, then two cuts together, then three (where none of those helps, in a smaller
 budget), to their best positions (the slowest rank, then the sum of squared rank times: the most even split at
-that bottleneck) until no move helps. Moving a
-cut trades work between two ranks only, and errors on a rank's v stages may cancel, which the per-stage bound
-cannot see. Neighbours on one rank (the V's stages p-1 and p) are searched as one segment (`merged_balance`).
+that bottleneck) until no move helps. Moving a cut trades work between two ranks only, and errors on a rank's
+stages may cancel, which the per-stage bound cannot see. Neighbours on one rank (the V's stages p-1 and p) are
+searched as one segment (`merged_balance`).
 This local search is not proven optimal: tests/unit/optimizer/test_loop.py checks it against brute force on a
 reference profile (the optimum) and against the ideal split on synthetic chains (within one node's time);
 tests/unit/optimizer/test_v_plan.py checks the V against brute force on small chains (exact on 2 ranks).
@@ -80,8 +80,8 @@ def rank_times(stage_costs: Sequence[float], ranks: Sequence[int], speeds: Mappi
 def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], speeds: Mapping[int, float],
                  sizes: Optional[Sequence[int]] = None) -> list[int]:
     """Cut ends (stage i covers positions ends[i-1] .. ends[i]-1 of `prefix`, the running cost sums; the last end
-    is len(prefix)) moved, one cut and then two at a time, to the positions that lower (slowest rank, sum of
-    squared rank times), until no move does; stage i keeps at least `sizes[i]` positions (default 1)."""
+    is len(prefix)) moved, one cut, then two, then three at a time, to the positions that lower (slowest rank, sum
+    of squared rank times), until no move does; stage i keeps at least `sizes[i]` positions (default 1)."""
     least = [1] * len(ends) if sizes is None else [int(n) for n in sizes]
     cum = np.concatenate([[0.0], np.asarray(prefix, dtype=float)])  # cum[e]: cost of positions < e
     ends = [int(e) for e in ends]
@@ -100,14 +100,17 @@ def balance_cuts(prefix: np.ndarray, ends: Sequence[int], ranks: Sequence[int], 
 
     def placements(cuts: tuple[int, ...]) -> Optional[np.ndarray]:
         """Every placement of `cuts` (rows, in lexicographic order), the others fixed, every stage keeping its least
-        positions; None when there are more than the budget allows (not built)."""
+        positions; None when there are clearly more than the budget allows (not built)."""
         axes = []
         for cut in cuts:
             before = max([c for c in range(-1, cut) if c not in cuts])  # the nearest fixed end before (-1: position 0)
             after = min(c for c in range(cut + 1, len(ends)) if c not in cuts)  # the nearest fixed end after
             low = (ends[before] if before >= 0 else 0) + sum(least[before + 1:cut + 1])
             axes.append(np.arange(low, ends[after] - sum(least[cut + 1:after + 1]) + 1))
-        if math.prod(len(a) for a in axes) * len(ends) > (TRIPLE_BUDGET if len(cuts) > 2 else BUDGET):
+        # k moved cuts side by side keep about 1/k! of the product (they stay in order): the budget itself is checked
+        # on what is kept, by the caller.
+        limit = (TRIPLE_BUDGET if len(cuts) > 2 else BUDGET) * math.factorial(len(cuts))
+        if math.prod(len(a) for a in axes) * len(ends) > limit:
             return None
         grid = np.stack([a.ravel() for a in np.meshgrid(*axes, indexing="ij")], axis=1).reshape(-1, len(cuts))
         for k in range(1, len(cuts)):  # adjacent moved cuts: the stage between keeps its least
