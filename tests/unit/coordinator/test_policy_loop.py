@@ -76,7 +76,7 @@ def test_a_slowed_rank_gets_a_loop_plan_with_half_the_work_and_the_gain_is_deliv
     assert decision.gain > 0.3
 
 
-def _run(schedule, place=None, rebalancer_setup=None):
+def first_switch(schedule, place=None, rebalancer_setup=None):
     """A rebalancer under `schedule` on `place(graph)` (default: a 2-rank loop), rank 1 twice as slow: run until the
     first switch is sent; returns (rebalancer, commands sent). `rebalancer_setup(rebalancer)` runs before."""
     graph = chain_graph(8)
@@ -100,7 +100,7 @@ def _run(schedule, place=None, rebalancer_setup=None):
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbinterleaved"])
 def test_the_rebalancer_issues_a_loop_plan_under_the_loop_schedules(schedule):
-    rebalancer, sent = _run(schedule)
+    rebalancer, sent = first_switch(schedule)
     assert len(sent) == 1 and sent[0].plan.is_loop_placement and sent[0].plan.loop_width == 2
     assert rebalancer.history[0]["reason"].startswith("auto: predicted")
     held = {r: sum(len(sent[0].plan.stages[k].node_ids) for k in sent[0].plan.stages_of_rank(r)) for r in (0, 1)}

@@ -9,7 +9,7 @@ import pytest
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.solver import default_solver, memory_solver
 from model_parallel.errors import PlanError
-from tests.unit.coordinator.test_policy_loop import CALIBRATION, _run, rank_ms, replay
+from tests.unit.coordinator.test_policy_loop import CALIBRATION, first_switch, rank_ms, replay
 from tests.unit.coordinator.test_policy_replay import chain_graph, even_plan
 
 
@@ -44,7 +44,7 @@ def test_noisy_but_balanced_speeds_never_switch_a_v(seed):
 
 
 def test_the_rebalancer_issues_a_v_plan_under_zbv():
-    rebalancer, sent = _run("zbv", v_plan)
+    rebalancer, sent = first_switch("zbv", v_plan)
     assert len(sent) == 1 and sent[0].plan.is_v_placement and sent[0].plan.v_width == 2
     assert rebalancer.history[0]["reason"].startswith("auto: predicted")
     assert held(sent[0].plan, 1) < held(sent[0].plan, 0)  # work moved off the slow rank, still in a V
@@ -55,7 +55,7 @@ def test_schedule_auto_chooses_zbv_again_for_the_new_v():
     def served_auto(rebalancer):  # the workers registered with --schedule auto (no schedule the coordinator knows)
         rebalancer.schedule_auto, rebalancer.num_microbatches = True, 4
 
-    rebalancer, sent = _run(None, v_plan, served_auto)
+    rebalancer, sent = first_switch(None, v_plan, served_auto)
     assert len(sent) == 1 and sent[0].plan.is_v_placement and sent[0].schedule == "zbv"
     assert rebalancer.history[0]["schedule"] == "zbv"
     assert "interleaved refused: placement: not a loop" in sent[0].plan.extra["schedule"]["line"]
