@@ -45,15 +45,7 @@ def schedule_refusals(args: Any, device: Optional[torch.device] = None) -> dict[
     from model_parallel.api.auto_schedule import schedule_refusals as config_refusals
 
     config, _ = make_config(args)
-    refusals = config_refusals(config, bool(args.measure_memory),
-                               "nccl" if device is not None and device.type == "cuda" else "gloo")
-    if args.coordinator:  # the coordinator's policy re-plans one stage per rank or a loop, not a V
-        from model_parallel.coordinator.rebalancer import NO_SWITCH_SCHEDULES
-
-        for name in NO_SWITCH_SCHEDULES:
-            refusals.setdefault(name, f"live plan switches (--coordinator): the coordinator's policy plans loop "
-                                      f"placements, not {name}'s V")
-    return refusals
+    return config_refusals(config, bool(args.measure_memory), "nccl" if device is not None and device.type == "cuda" else "gloo")
 
 
 def load_job(args: Any, world_size: int, served: Optional[ServedJob] = None, device: Optional[torch.device] = None) -> Job:

@@ -191,7 +191,7 @@ def stage_nodes(plan: Plan) -> list[tuple[str, ...]]:
 
 
 def active_ranks(plan: Plan) -> tuple[int, ...]:
-    """Ranks holding a stage, in stage order (straight pipelines: one rank per stage; a loop placement repeats
+    """Ranks holding a stage, in stage order (straight pipelines: one rank per stage; a loop or V placement repeats
     them, which is how the solver knows to balance each rank's summed stages)."""
     return tuple(r for s in plan.with_default_ranks().stages for r in s.ranks)
 
@@ -207,7 +207,7 @@ def estimate_speeds(graph: Graph, plan: Plan, samples: Mapping[int, Sequence[flo
             if not values:
                 raise PlanError(f"rank {rank} (stage {stage.stage_id}) has no compute samples yet")
             measured[rank] = statistics.median(values)
-            # A rank's compute covers all its stages (several under loop placement): predict their sum.
+            # A rank's compute covers all its stages (several in a loop or a V): predict their sum.
             predicted[rank] = predicted.get(rank, 0.0) + stage_profiled_ms(graph, stage) / stage.num_replicas
     ratios = {r: measured[r] / predicted[r] for r in measured if predicted[r] > 0 and measured[r] > 0}
     calibration = min(ratios.values()) if ratios else 1.0
@@ -225,7 +225,7 @@ def calibrated_graph(graph: Graph, calibration: float) -> Graph:
 
 def predicted_bottleneck_ms(graph: Graph, plan: Plan, speeds: Mapping[int, float], calibration: float = 1.0) -> float:
     """Slowest rank of `plan` on workers with `speeds` (ms): the calibrated profiled compute of its stages (several
-    under loop placement: moving a cut between two stages of one rank changes nothing) / its speed."""
+    in a loop or a V: moving a cut between two stages of one rank changes nothing) / its speed."""
     plan = plan.with_default_ranks()
     work: dict[int, float] = {}
     for stage in plan.stages:

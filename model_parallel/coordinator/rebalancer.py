@@ -23,7 +23,6 @@ from model_parallel.coordinator import policy
 from model_parallel.coordinator.status import WorkerState, plan_times_label
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import V_SCHEDULES
 from model_parallel.graph.plan import Plan
 from model_parallel.messages import Command, StepReport
 
@@ -34,8 +33,6 @@ PENDING_STEPS = 20  # a switch not confirmed this many steps after it was sent w
 DECISION_LOG = 100
 
 Send = Callable[[int, Command], bool]
-# Several stages per rank with the backward split: never switched live (interleaved is: loop plan to loop plan).
-NO_SWITCH_SCHEDULES = V_SCHEDULES  # the policy plans loop placements (optimizer/loop.py), not a V: zbv switches by ctl only
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ class Rebalancer:
                   stopping: bool) -> None:
         """A checked report was recorded: confirm or forget the pending switch, maybe run the policy."""
         self.highest_reported = max(self.highest_reported, report.plan_version)
-        held = self.plan.stages_of_rank(worker.rank)  # several under interleaved: a report names the first
+        held = self.plan.stages_of_rank(worker.rank)  # several in a loop or a V: a report names the first
         expected = held[0] if held else None
         if report.plan_version == self.plan.version and report.stage != expected and not self._mismatch_warned:
             self._mismatch_warned = True
@@ -113,8 +110,8 @@ class Rebalancer:
             logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
                            report.step)
             self.pending, self.dropped = None, self.pending
-        if not self.auto or self.pending is not None or stopping or self.schedule in NO_SWITCH_SCHEDULES:
-            return  # zbv: the policy does not plan a V (ctl set-plan still switches it)
+        if not self.auto or self.pending is not None or stopping:
+            return  # (every schedule is re-planned: one stage per rank, a loop or a V, coordinator/solver.py)
         step = max(w.step for w in workers.values())
         # Evaluate at most once per step; after a solve that found nothing worth it, wait a window
         # (solving can take a while on big graphs; the gates before it are cheap).

@@ -249,7 +249,7 @@ class Plan:
                 f"{s.stage_id:>5} {len(s.node_ids):>6} {s.num_replicas:>8} {','.join(map(str, s.ranks)) or '-':<12} "
                 f"{s.compute_s * 1e3:>11.3f} {s.communication_s * 1e3:>9.3f} {s.memory_bytes / 1e6:>10.1f}  {span}"
             )
-        # A loop plan cut by optimizer/loop.py states its time as its slowest RANK's stages summed: say which it is.
+        # A loop or V plan cut by optimizer/loop.py states its time as its slowest RANK's stages summed: say which it is.
         of = self.extra.get("time_per_minibatch_of")
         slowest = of[:60] if isinstance(of, str) and of.isprintable() else "slowest stage"
         rows.append(

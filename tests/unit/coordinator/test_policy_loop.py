@@ -1,6 +1,7 @@
 """The live policy under interleaved (loop placement: a rank runs several stages): a rank's measured compute covers
 all its stages, so speeds, the bottleneck and the predicted gain price each rank's summed stages, and a slowed rank
-gets a loop plan that moves work off it; the zero-bubble multi-stage schedules still never switch."""
+gets a loop plan that moves work off it. The V (zbv): test_policy_v.py."""
+import random
 from dataclasses import replace
 
 import pytest
@@ -38,13 +39,16 @@ def test_a_rank_is_priced_by_its_summed_stages():
     assert pol.predicted_bottleneck_ms(graph, plan, est.speeds, est.calibration) == pytest.approx(24.0)
 
 
-def replay(graph, plan, speed, config, steps):
-    """The policy step by step on a loop plan (as the rebalancer runs it); returns (switches, final state)."""
+def replay(graph, plan, speed, config, steps, noise=0.0, seed=0):
+    """The policy step by step on a plan of several stages per rank (as the rebalancer runs it), each rank's ms with
+    uniform +-`noise`; returns (switches, final state)."""
+    rng = random.Random(seed)
+    ranks = sorted({r for s in plan.stages for r in s.ranks})
     state = pol.PolicyState(graph, plan, solver=default_solver)
     history, switches = {}, []
     for step in range(steps):
-        for rank, ms in rank_ms(graph, state.plan, {r: speed(r, step) for r in (0, 1)}).items():
-            history.setdefault(rank, []).append((step, state.plan.version, ms))
+        for rank, ms in rank_ms(graph, state.plan, {r: speed(r, step) for r in ranks}).items():
+            history.setdefault(rank, []).append((step, state.plan.version, ms * (1 + rng.uniform(-noise, noise))))
         first = state.version_start_step + 1
         samples = {r: [ms for s, v, ms in h if v == state.plan.version and s >= first] for r, h in history.items()}
         decision, state = pol.decide(state, pol.Samples(step, samples), config)
@@ -72,10 +76,14 @@ def test_a_slowed_rank_gets_a_loop_plan_with_half_the_work_and_the_gain_is_deliv
     assert decision.gain > 0.3
 
 
-def _run(schedule):
+def first_switch(schedule, place=None, rebalancer_setup=None):
+    """A rebalancer under `schedule` on `place(graph)` (default: a 2-rank loop), rank 1 twice as slow: run until the
+    first switch is sent; returns (rebalancer, commands sent). `rebalancer_setup(rebalancer)` runs before."""
     graph = chain_graph(8)
-    rebalancer = Rebalancer(graph, loop_plan(graph, 2, 2), pol.PolicyConfig(cooldown_steps=5), default_solver,
-                            auto=True, world_size=2, schedule=schedule)
+    rebalancer = Rebalancer(graph, (place or (lambda g: loop_plan(g, 2, 2)))(graph), pol.PolicyConfig(cooldown_steps=5),
+                            default_solver, auto=True, world_size=2, schedule=schedule)
+    if rebalancer_setup is not None:
+        rebalancer_setup(rebalancer)
     workers = {r: WorkerState(rank=r, host="h", pid=r, world_size=2) for r in range(2)}
     sent = []
     for step in range(1, 30):  # rank 1 twice as slow from the start; until the first switch is sent
@@ -92,7 +100,7 @@ def _run(schedule):
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbinterleaved"])
 def test_the_rebalancer_issues_a_loop_plan_under_the_loop_schedules(schedule):
-    rebalancer, sent = _run(schedule)
+    rebalancer, sent = first_switch(schedule)
     assert len(sent) == 1 and sent[0].plan.is_loop_placement and sent[0].plan.loop_width == 2
     assert rebalancer.history[0]["reason"].startswith("auto: predicted")
     held = {r: sum(len(sent[0].plan.stages[k].node_ids) for k in sent[0].plan.stages_of_rank(r)) for r in (0, 1)}
@@ -120,4 +128,4 @@ def test_a_replicated_loop_plan_is_kept_with_the_reason():
     samples = {r: [3.0 * (2 if r == 1 else 1)] * 5 for r in range(4)}
     decision, _ = pol.decide(pol.PolicyState(graph, plan, solver=default_solver), pol.Samples(10, samples),
                              pol.PolicyConfig(), force=True)
-    assert decision.plan is None and "does not re-plan a replicated interleaved plan" in decision.reason
+    assert decision.plan is None and "does not re-plan a replicated plan with several stages per rank" in decision.reason
