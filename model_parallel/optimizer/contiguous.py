@@ -1,5 +1,5 @@
 """The one contiguous partitioner: p stages over one topological order, stage k on worker k (or, for
-interleaved 1F1B, p*v stages with stage k on worker k % p: `loop_plan`).
+interleaved 1F1B, p*v stages with stage k on worker k % p: `loop_plan`; for ZBV, 2p stages in a V: `v_plan`).
 
 The straight solver (`straight.py`, through `partition`'s one-level fast path) with the given worker
 speeds, or unit speeds for an "even" split. Nodes are priced by their profiled time (`compute_ms`)
@@ -11,16 +11,16 @@ Only a graph with neither timings nor parameters counts every node alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.plan import Hierarchy, Plan
-from model_parallel.optimizer.loop import loop_rank_plan
-from model_parallel.optimizer.memory import Footprint, MemoryLimit, plan_footprint
+from model_parallel.optimizer.loop import loop_rank_plan, v_rank_plan
+from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, plan_footprint
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
@@ -30,7 +30,7 @@ from model_parallel.optimizer.straight import smallest_memory
 # Parameter-free nodes of an untimed graph weigh this share of the mean parameter node: enough to split
 # a parameter-free stretch evenly among ties, too little to move a cut off the parameter balance.
 TIE_SHARE = 1e-3
-LOOP_SHARES = 8  # `loop_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
+LOOP_SHARES = 8  # `loop_plan` and `v_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
 
 
 def priced_graph(graph: Graph) -> Graph:
@@ -120,42 +120,102 @@ def loop_plan(graph: Graph, num_ranks: int, stages_per_rank: int = 2, speeds: Op
               memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
     """Interleaved 1F1B's plan: `num_ranks * stages_per_rank` contiguous stages balanced by profiled cost (each
     rank's summed stages over its speed: `loop.loop_rank_plan`), stage k on rank k % p (loop placement). With
-    `memory_per_worker`, a rank's stages must fit together: the balanced split when its ranks' summed footprints
-    fit, else the most even split whose every stage fits 1/v of it; an `InfeasibleError` names the rank over."""
+    `memory_per_worker`, a rank's stages must fit together (`_rank_sum_split`)."""
     if num_ranks < 2 or stages_per_rank < 2:
         raise PlanError(f"interleaved 1F1B needs p >= 2 ranks with v >= 2 stages each, got p={num_ranks}, "
                         f"v={stages_per_rank}; use one stage per rank (1f1b) otherwise")
-    if speeds is not None and len(speeds) != num_ranks:
-        raise PlanError(f"got {len(speeds)} speed(s) for {num_ranks} worker(s); give one speed per worker")
-    count = num_ranks * stages_per_rank
-    per_stage = [float(speeds[k % num_ranks]) for k in range(count)] if speeds is not None else None
-    model = replace(footprint or Footprint(), schedule="interleaved")
+    ranks = [k % num_ranks for k in range(num_ranks * stages_per_rank)]
+    return _rank_sum_split(graph, ranks, loop_rank_plan, "interleaved", speeds, memory_per_worker, footprint,
+                           {"stages_per_rank": stages_per_rank})
 
-    def placed(plan: Plan) -> Plan:  # loop placement, each stage's memory by the interleaved footprint
-        plan = replace(plan, stages=tuple(replace(s, ranks=(s.stage_id % num_ranks,)) for s in plan.stages))
+
+def v_plan(graph: Graph, num_ranks: int, speeds: Optional[Sequence[float]] = None,
+           memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
+    """ZBV's plan: 2p contiguous stages in a V (rank r holds stages r and 2p-1-r) balanced by profiled cost, each
+    rank's two stages summed over its speed (`loop.v_rank_plan`; stages p-1 and p share a rank, so the even
+    per-stage split does not minimise the slowest rank once layers differ in cost). With `memory_per_worker`, a
+    rank's two stages must fit together by the zbv footprint (`_rank_sum_split`, as `loop_plan`)."""
+    if num_ranks < 2:
+        raise PlanError(f"zbv places 2 stages per rank in a V over p >= 2 ranks, got p={num_ranks}; use one stage "
+                        "per rank (1f1b, zbh1) otherwise")
+    ranks = [min(k, 2 * num_ranks - 1 - k) for k in range(2 * num_ranks)]
+    return _rank_sum_split(graph, ranks, v_rank_plan, "zbv", speeds, memory_per_worker, footprint, {})
+
+
+def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph, Sequence[int], Sequence[float]], Plan],
+                    schedule: str, speeds: Optional[Sequence[float]], memory_per_worker: Optional[float],
+                    footprint: Optional[Footprint], extra: Mapping[str, Any]) -> Plan:
+    """Stage k on `ranks[k]`, balanced by each rank's summed stages over its speed (`planner`: the loop's or the V's
+    rank-sum plan), each stage's memory by `schedule`'s footprint. Under `memory_per_worker`: that split when its
+    ranks' summed footprints fit, else the most even split whose every stage fits a share of the cap, from the whole
+    cap down to 1/v of it (v stages per rank: where any split that passes fits), else the split whose largest stage
+    is smallest; an `InfeasibleError` names the rank over and the least memory per worker that one of these fits."""
+    p = len(set(ranks))
+    v = len(ranks) // p
+    if speeds is not None and len(speeds) != p:
+        raise PlanError(f"got {len(speeds)} speed(s) for {p} worker(s); give one speed per worker")
+    per_stage = [float(speeds[r]) for r in ranks] if speeds is not None else [1.0] * len(ranks)
+    model = replace(footprint or Footprint(), schedule=schedule)
+
+    def placed(plan: Plan) -> Plan:  # the placement, each stage's memory by the footprint, the time by rank sums
+        plan = replace(plan, stages=tuple(replace(s, ranks=(int(ranks[s.stage_id]),)) for s in plan.stages))
         parts = plan_footprint(graph, plan, model)
-        return replace(plan, stages=tuple(replace(s, memory_bytes=p["total"]) for s, p in zip(plan.stages, parts)),
-                       extra={**plan.extra, "schedule": "interleaved", "stages_per_rank": stages_per_rank,
-                              "memory_model": "footprint", "footprint": model.to_dict(), "memory": parts})
+        sums: dict[int, float] = {}
+        for stage in plan.stages:  # a rank runs its stages in turn (a per-stage fallback is priced as it runs)
+            sums[stage.ranks[0]] = sums.get(stage.ranks[0], 0.0) + stage.compute_s / per_stage[stage.stage_id]
+        return replace(plan, stages=tuple(replace(s, memory_bytes=part["total"]) for s, part in zip(plan.stages, parts)),
+                       time_per_minibatch_s=max(sums.values()),
+                       extra={**plan.extra, "schedule": schedule, **extra, "memory_model": "footprint",
+                              "footprint": model.to_dict(), "memory": parts,
+                              "time_per_minibatch_of": "slowest rank, its stages summed"})
 
-    # Balanced by rank (each rank's v stages summed), not by stage; under a cap the per-stage bounds below.
-    plan = placed(loop_rank_plan(priced_graph(graph), [k % num_ranks for k in range(count)], per_stage or [1.0] * count))
+    plan = placed(planner(priced_graph(graph), ranks, per_stage))
     if memory_per_worker is None:
         return plan
-    limit = MemoryLimit(float(memory_per_worker), model)
+    limit, cap = MemoryLimit(float(memory_per_worker), model), float(memory_per_worker)
     try:
-        limit.check(graph, plan, "the balanced interleaved split")
+        limit.check(graph, plan, f"the balanced {schedule} split")
         return plan
     except InfeasibleError as balanced:
-        # The solver bounds each stage, a rank holds v of them: bound each stage by a share of the cap, from the
-        # whole cap down to 1/v of it (where any split that passes fits), and keep the first split whose ranks fit.
-        cap, v = float(memory_per_worker), stages_per_rank
+        # The solver bounds each stage, a rank holds v of them: bound each stage by a share of the cap and keep the
+        # first split whose ranks fit.
         for share in [cap * (1 - i * (1 - 1 / v) / LOOP_SHARES) for i in range(LOOP_SHARES + 1)]:
             try:
-                capped = placed(straight_plan(graph, range(count), per_stage, share, model))
-                limit.check(graph, capped, "the interleaved split")
+                capped = placed(straight_plan(graph, range(len(ranks)), per_stage, share, model))
+                limit.check(graph, capped, f"the {schedule} split")
                 return capped
             except InfeasibleError:
                 continue
+        smallest = _smallest_stages(graph, len(ranks), per_stage, model)
+        tried = [(max(_rank_bytes(graph, plan, model)), "the balanced split")]
+        if smallest is not None:
+            smallest = placed(smallest)
+            tried.append((max(_rank_bytes(graph, smallest, model)), "the split whose largest stage is smallest"))
+            if tried[-1][0] <= cap:
+                return smallest
+        # At either need this function returns that split (the balanced one is checked first, the other last).
+        need, which = min(tried)
         raise InfeasibleError(f"{balanced}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a "
-                              "larger share with its ranks' sums fitting exists either") from None
+                              f"larger share with its ranks' sums fitting exists either; the least memory per worker "
+                              f"these splits fit is {need / 1e9:.3g} GB ({need:.0f} bytes, {which}): raise "
+                              "memory_per_worker to at least that, or use more ranks") from None
+
+
+def _smallest_stages(graph: Graph, count: int, speeds: Sequence[float], model: Footprint) -> Optional[Plan]:
+    """The most even `count`-stage split whose largest stage's footprint is the least any split reaches (None when
+    the values its stages send and receive tip it over that least)."""
+    priced = priced_graph(graph)
+    states = prefix_states(preprocess(priced, "footprint", model.schedule in ZERO_BUBBLE_SCHEDULES))
+    need = smallest_memory(states, count, model)
+    if not math.isfinite(need):
+        return None
+    try:
+        return straight_plan(graph, range(count), speeds, need * (1 + 1e-9), model)
+    except InfeasibleError:
+        return None
+
+
+def _rank_bytes(graph: Graph, plan: Plan, model: Footprint) -> list[float]:
+    """Each rank's predicted bytes, its stages together (`memory.loop_rank_parts`)."""
+    merged = loop_rank_parts(plan_footprint(graph, plan, model), plan, model.microbatches, model.schedule)
+    return [summed["total"] for _, (_, summed) in sorted(merged.items())]
