@@ -11,7 +11,7 @@ Only a graph with neither timings nor parameters counts every node alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -31,6 +31,7 @@ from model_parallel.optimizer.straight import smallest_memory
 # a parameter-free stretch evenly among ties, too little to move a cut off the parameter balance.
 TIE_SHARE = 1e-3
 LOOP_SHARES = 8  # `loop_plan` and `v_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
+BISECT = 0.01  # their refusal names the least memory per worker that fits to this share
 
 
 def priced_graph(graph: Graph) -> Graph:
@@ -146,10 +147,9 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
                     schedule: str, speeds: Optional[Sequence[float]], memory_per_worker: Optional[float],
                     footprint: Optional[Footprint], extra: Mapping[str, Any]) -> Plan:
     """Stage k on `ranks[k]`, balanced by each rank's summed stages over its speed (`planner`: the loop's or the V's
-    rank-sum plan), each stage's memory by `schedule`'s footprint. Under `memory_per_worker`: that split when its
-    ranks' summed footprints fit, else the most even split whose every stage fits a share of the cap, from the whole
-    cap down to 1/v of it (v stages per rank: where any split that passes fits), else the split whose largest stage
-    is smallest; an `InfeasibleError` names the rank over and the least memory per worker that one of these fits."""
+    rank-sum plan), each stage's memory by `schedule`'s footprint. Under `memory_per_worker`, the first split whose
+    ranks' summed footprints fit (`fitting`), else an `InfeasibleError` naming the rank over and the least memory per
+    worker that fits (bisected to 1 %)."""
     p = len(set(ranks))
     v = len(ranks) // p
     if speeds is not None and len(speeds) != p:
@@ -172,45 +172,57 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
     plan = placed(planner(priced_graph(graph), ranks, per_stage))
     if memory_per_worker is None:
         return plan
-    limit, cap = MemoryLimit(float(memory_per_worker), model), float(memory_per_worker)
+    smallest = _smallest_stages(graph, len(ranks), per_stage, model)
+    least = None if smallest is None else placed(smallest[1])
+
+    def fitting(cap: float) -> Optional[Plan]:
+        """The balanced split when its ranks fit `cap`; else the most even split whose every stage fits a share of the
+        cap, from the whole cap down to 1/v of it (the solver bounds each stage, a rank holds v; at 1/v any split that
+        passes fits); else the split whose largest stage is smallest; None when none of them fits."""
+        def candidates() -> Iterator[Optional[Plan]]:
+            yield plan
+            for i in range(LOOP_SHARES + 1):
+                try:
+                    yield placed(straight_plan(graph, range(len(ranks)), per_stage, cap * (1 - i * (1 - 1 / v) / LOOP_SHARES),
+                                               model))
+                except InfeasibleError:
+                    continue
+            yield least
+
+        return next((c for c in candidates() if c is not None and max(_rank_bytes(graph, c, model)) <= cap), None)
+
+    cap = float(memory_per_worker)
+    found = fitting(cap)
+    if found is not None:
+        return found
     try:
-        limit.check(graph, plan, f"the balanced {schedule} split")
-        return plan
-    except InfeasibleError as balanced:
-        # The solver bounds each stage, a rank holds v of them: bound each stage by a share of the cap and keep the
-        # first split whose ranks fit.
-        for share in [cap * (1 - i * (1 - 1 / v) / LOOP_SHARES) for i in range(LOOP_SHARES + 1)]:
-            try:
-                capped = placed(straight_plan(graph, range(len(ranks)), per_stage, share, model))
-                limit.check(graph, capped, f"the {schedule} split")
-                return capped
-            except InfeasibleError:
-                continue
-        smallest = _smallest_stages(graph, len(ranks), per_stage, model)
-        tried = [(max(_rank_bytes(graph, plan, model)), "the balanced split")]
-        if smallest is not None:
-            smallest = placed(smallest)
-            tried.append((max(_rank_bytes(graph, smallest, model)), "the split whose largest stage is smallest"))
-            if tried[-1][0] <= cap:
-                return smallest
-        # At either need this function returns that split (the balanced one is checked first, the other last).
-        need, which = min(tried)
-        raise InfeasibleError(f"{balanced}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a "
-                              f"larger share with its ranks' sums fitting exists either; the least memory per worker "
-                              f"these splits fit is {need / 1e9:.3g} GB ({need:.0f} bytes, {which}): raise "
-                              "memory_per_worker to at least that, or use more ranks") from None
+        MemoryLimit(cap, model).check(graph, plan, f"the balanced {schedule} split")
+        over = f"the balanced {schedule} split does not fit"  # (unreached: `fitting` returns it when it fits)
+    except InfeasibleError as error:
+        over = str(error)
+    # Both the balanced split and the least one fit their fullest rank's bytes; the least cap `fitting` accepts lies
+    # between that and the smallest largest stage (a rank holds it, and more).
+    high = min(max(_rank_bytes(graph, split, model)) for split in (plan, least) if split is not None)
+    low = max(cap, smallest[0] if smallest is not None else 0.0, 1.0)
+    while high > low * (1 + BISECT):
+        middle = (low + high) / 2
+        low, high = (low, middle) if fitting(middle) is not None else (middle, high)
+    raise InfeasibleError(f"{over}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a larger "
+                          f"share with its ranks' sums fitting exists either; the least memory per worker that fits is "
+                          f"{high / 1e9:.3g} GB ({math.ceil(high)} bytes, found to {BISECT:.0%}): raise memory_per_worker to at "
+                          "least that, or use more ranks")
 
 
-def _smallest_stages(graph: Graph, count: int, speeds: Sequence[float], model: Footprint) -> Optional[Plan]:
-    """The most even `count`-stage split whose largest stage's footprint is the least any split reaches (None when
-    the values its stages send and receive tip it over that least)."""
+def _smallest_stages(graph: Graph, count: int, speeds: Sequence[float], model: Footprint) -> Optional[tuple[float, Plan]]:
+    """The least largest stage's footprint any `count`-stage split reaches (the search's sums), and the most even
+    split there (None when there is none, or when the values its stages send and receive tip it over)."""
     priced = priced_graph(graph)
     states = prefix_states(preprocess(priced, "footprint", model.schedule in ZERO_BUBBLE_SCHEDULES))
     need = smallest_memory(states, count, model)
     if not math.isfinite(need):
         return None
     try:
-        return straight_plan(graph, range(count), speeds, need * (1 + 1e-9), model)
+        return need, straight_plan(graph, range(count), speeds, need * (1 + 1e-9), model)
     except InfeasibleError:
         return None
 
