@@ -134,5 +134,5 @@ def test_zbv_s_default_v_split_is_checked_per_rank_under_a_memory_limit() -> Non
     # The start is the V balanced by rank sums (contiguous.v_plan); under a cap nothing fits, the refusal names the
     # rank over and the least memory per worker that fits.
     with pytest.raises(InfeasibleError, match=r"the balanced zbv split puts a predicted .* GB on rank [01] \(stages "
-                                              r"(\[0, 3\]|\[1, 2\]).* the least memory per worker these splits fit is"):
+                                              r"(\[0, 3\]|\[1, 2\]).* the least memory per worker that fits is"):
         _schedule_plan(spec(graph, memory_per_worker=1 * MB), graph, "zbv", None, 2)
