@@ -172,8 +172,14 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
     plan = placed(planner(priced_graph(graph), ranks, per_stage))
     if memory_per_worker is None:
         return plan
-    smallest = _smallest_stages(graph, len(ranks), per_stage, model)
-    least = None if smallest is None else placed(smallest[1])
+    smallest: list[Optional[tuple[float, Plan]]] = []  # computed once, when a cap is missed
+
+    def least() -> Optional[Plan]:
+        """The split whose largest stage is smallest, placed (None without one)."""
+        if not smallest:
+            found = _smallest_stages(graph, len(ranks), per_stage, model)
+            smallest.append(None if found is None else (found[0], placed(found[1])))
+        return None if smallest[0] is None else smallest[0][1]
 
     def fitting(cap: float) -> Optional[Plan]:
         """The balanced split when its ranks fit `cap`; else the most even split whose every stage fits a share of the
@@ -187,7 +193,7 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
                                                model))
                 except InfeasibleError:
                     continue
-            yield least
+            yield least()
 
         return next((c for c in candidates() if c is not None and max(_rank_bytes(graph, c, model)) <= cap), None)
 
@@ -202,8 +208,8 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
         over = str(error)
     # Both the balanced split and the least one fit their fullest rank's bytes; the least cap `fitting` accepts lies
     # between that and the smallest largest stage (a rank holds it, and more).
-    high = min(max(_rank_bytes(graph, split, model)) for split in (plan, least) if split is not None)
-    low = max(cap, smallest[0] if smallest is not None else 0.0, 1.0)
+    high = min(max(_rank_bytes(graph, split, model)) for split in (plan, least()) if split is not None)
+    low = max(cap, smallest[0][0] if smallest[0] is not None else 0.0, 1.0)
     while high > low * (1 + BISECT):
         middle = (low + high) / 2
         low, high = (low, middle) if fitting(middle) is not None else (middle, high)
