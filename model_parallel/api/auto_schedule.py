@@ -2,7 +2,8 @@
 
 Each schedule's plan comes from the job builder (api/job.py `_schedule_plan`): 1f1b and gpipe run the
 job's own plan (the one given, the package's, or the even split, under `memory_per_worker` the most even
-that fits that schedule's footprint); interleaved runs the loop plan (2 stages per rank). A candidate that cannot run (no split fits the memory,
+that fits that schedule's footprint); interleaved and zbinterleaved run the loop plan (2 stages per rank),
+zbv the V balanced by rank sums (`optimizer.contiguous.v_plan`). A candidate that cannot run (no split fits the memory,
 the plan's rules, the config: `JobSpec.schedule_refusals`) is refused with its reason. Stage times are
 the profile's forward and backward ms of each stage's nodes for one microbatch; a stage edge costs its
 crossing bytes over the optimizer's default 1 GB/s link. A graph without timings (traced, not profiled)

@@ -99,35 +99,26 @@ INTERLEAVED_STAGES_PER_RANK = 2  # the default split under the interleaved sched
 
 
 def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
-    """The interleaved schedule's default plan: `num_stages` (default 2 per rank) stages balanced by profiled cost,
-    stage k on rank k % world_size (loop placement; optimizer.contiguous.loop_plan), under --memory_per_worker when
-    given (a rank's stages together; runtime.plancheck checks the rest)."""
-    from model_parallel.optimizer.contiguous import loop_plan
+    """The interleaved schedules' default plan: `num_stages` (default 2 per rank) stages balanced by profiled cost,
+    each rank's stages summed: stage k on rank k % world_size (loop placement; optimizer.contiguous.loop_plan), or
+    for zbv 2 per rank in a V (optimizer.contiguous.v_plan); under --memory_per_worker when given (a rank's stages
+    together; runtime.plancheck checks the rest)."""
+    from model_parallel.optimizer.contiguous import loop_plan, v_plan
 
     if spec.stage_to_num_ranks:
         where = "min(k, 2p-1-k) + i*p" if spec.schedule in V_SCHEDULES else "k % p + i*p"
         raise PlanError(f"the {spec.schedule} schedule's default split places one replica of each stage (replicas: a "
                         f"--plan with replica i of stage k on rank {where}): drop --stage_to_num_ranks, or use 1f1b")
     stages = spec.num_stages or INTERLEAVED_STAGES_PER_RANK * world_size
-    if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r
+    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None else None
+    if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r, balanced by rank sums
         if stages != 2 * world_size:
             raise PlanError(f"the {spec.schedule} schedule places 2 stages per rank in a V: give --num_stages "
                             f"{2 * world_size} for {world_size} rank(s), got {stages}")
-        from model_parallel.runtime.build.stages import even_plan
-
-        plan = even_plan(graph, stages)
-        plan = replace(plan, stages=tuple(replace(s, ranks=(min(s.stage_id, stages - 1 - s.stage_id),))
-                                          for s in plan.stages))
-        if spec.memory_per_worker is not None:  # the even V is not searched for a fit: checked, per rank
-            from model_parallel.optimizer.memory import MemoryLimit
-
-            MemoryLimit(float(spec.memory_per_worker), _footprint(spec, graph)).check(
-                graph, plan, f"the {spec.schedule} schedule's default V split (even by profiled cost; a --plan may fit)")
-        return plan
+        return v_plan(graph, world_size, memory_per_worker=spec.memory_per_worker, footprint=footprint)
     if stages % world_size or stages < 2 * world_size:
         raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
                         f"--num_stages a multiple of the world size, at least {2 * world_size}")
-    footprint = _footprint(spec, graph) if spec.memory_per_worker is not None else None
     return loop_plan(graph, world_size, stages // world_size, memory_per_worker=spec.memory_per_worker,
                      footprint=footprint)
 

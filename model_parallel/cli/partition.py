@@ -49,7 +49,8 @@ def build_parser(prog: Optional[str] = "model-parallel partition") -> ArgumentPa
     parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
                         help="footprint: the schedule whose in-flight microbatches (and weight versions) a stage holds (default 1f1b)")
     parser.add_argument("--stages_per_rank", type=int, default=2,
-                        help="--schedule interleaved: stages per worker (p*v stages, stage k on worker k %% p; default 2)")
+                        help="--schedule interleaved: stages per worker (p*v stages, stage k on worker k %% p; default 2); "
+                             "--schedule zbv always places 2 per worker in a V")
     parser.add_argument("--microbatches", type=int, default=None, help="footprint: microbatches per minibatch (default: the workers)")
     parser.add_argument("--microbatch_size", type=int, default=None,
                         help="footprint: samples per microbatch; activations scale by it / the graph's profiled batch_size")
@@ -94,8 +95,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     for level in hierarchy.levels:
         print(f"Solving optimization problem with {level.num_machines} machines with "
               f"inter-machine bandwidth of {level.bandwidth / 1e9:.2f} GB/s")
-    if args.schedule == "interleaved":  # several stages per worker: the balanced loop split, not PipeDream's search
-        return _interleaved(args, graph, hierarchy.num_workers, footprint)
+    if args.schedule in ("interleaved", "zbv"):  # several stages per worker: balanced by rank sums, not PipeDream's search
+        return _several_per_worker(args, graph, hierarchy.num_workers, footprint)
     if args.search:
         from model_parallel.optimizer.search import searched_partition
 
@@ -151,32 +152,44 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     return 0
 
 
-def _interleaved(args: Any, graph: Any, workers: int, footprint: Any) -> int:
-    """`--schedule interleaved`: p*v stages balanced by profiled cost, stage k on worker k % p (optimizer.contiguous
-    .loop_plan); prints the plan, each worker's compute and the schedule's analytic bubble; writes plan.json."""
+def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> int:
+    """`--schedule interleaved`: p*v stages, stage k on worker k % p (optimizer.contiguous.loop_plan); `--schedule
+    zbv`: 2p stages in a V, worker r holding stages r and 2p-1-r (optimizer.contiguous.v_plan); both balanced by each
+    worker's summed stages. Prints the plan and each worker's compute (interleaved: the analytic bubble too);
+    writes plan.json."""
     from model_parallel.errors import ConfigError
     from model_parallel.graph.plan import write_plan
-    from model_parallel.optimizer.contiguous import loop_plan
+    from model_parallel.optimizer.contiguous import loop_plan, v_plan
 
     ignored = [flag for flag, on in (("--search", args.search), ("--use_fewer_machines", args.use_fewer_machines),
                                      ("--cuts", args.cuts != "auto"),
-                                     ("--use_memory_constraint", args.use_memory_constraint and args.memory_per_worker is None))
+                                     ("--use_memory_constraint", args.use_memory_constraint and args.memory_per_worker is None),
+                                     ("--stages_per_rank", args.schedule == "zbv" and args.stages_per_rank != 2))
                if on]
-    if ignored:  # the loop split is the straight solver's over topological cuts, bounded by --memory_per_worker only
-        raise ConfigError(f"--schedule interleaved plans a balanced loop split; {', '.join(ignored)} do not apply to it: "
+    if ignored:  # the split is the straight solver's over topological cuts, bounded by --memory_per_worker only
+        split = "a balanced loop split" if args.schedule == "interleaved" else "a V balanced by rank sums (2 stages per worker)"
+        raise ConfigError(f"--schedule {args.schedule} plans {split}; {', '.join(ignored)} do not apply to it: "
                           "drop them (bound memory with --memory_per_worker)")
     speeds = tuple(args.worker_speeds) if args.worker_speeds else None
-    plan = loop_plan(graph, workers, args.stages_per_rank, speeds, args.memory_per_worker, footprint)
     m = args.microbatches or workers
-    print(f"Interleaved 1F1B: {plan.num_stages} stages on {workers} workers in a loop (stage k on worker k % {workers})")
+    if args.schedule == "zbv":
+        plan = v_plan(graph, workers, speeds, args.memory_per_worker, footprint)
+        print(f"ZBV: {plan.num_stages} stages on {workers} workers in a V (worker r holds stages r and "
+              f"{plan.num_stages - 1}-r)")
+    else:
+        plan = loop_plan(graph, workers, args.stages_per_rank, speeds, args.memory_per_worker, footprint)
+        print(f"Interleaved 1F1B: {plan.num_stages} stages on {workers} workers in a loop (stage k on worker k % {workers})")
     print(plan.table())
     for rank in range(workers):
         held = plan.stages_of_rank(rank)
         print(f"worker {rank}: stages {','.join(map(str, held))}, compute "
               f"{sum(plan.stages[k].compute_s for k in held) * 1e3:.3f} ms per microbatch")
-    v = args.stages_per_rank
-    print(f"analytic bubble at m={m}: {(workers - 1) / (v * m + workers - 1):.1%} (1F1B: {(workers - 1) / (m + workers - 1):.1%}); "
-          f"run it with --schedule interleaved --plan plan.json (m a multiple of {workers})")
+    if args.schedule == "interleaved":
+        v = args.stages_per_rank
+        print(f"analytic bubble at m={m}: {(workers - 1) / (v * m + workers - 1):.1%} (1F1B: {(workers - 1) / (m + workers - 1):.1%}); "
+              f"run it with --schedule interleaved --plan plan.json (m a multiple of {workers})")
+    else:
+        print(f"run it with --schedule zbv --plan plan.json (m a multiple of {workers})")
     if args.output_directory:
         out = Path(args.output_directory)
         out.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,9 @@ from model_parallel.graph.plan import Plan, StagePlan
 
 logger = logging.getLogger(__name__)
 
+# A predicted gain this small is none (float rounding of equal rank sums): even `ctl rebalance` does not switch for it.
+NO_GAIN = 1e-9
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -244,7 +247,8 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
     it live (`Decision.review`; a miss raises the threshold and cooldown, see the module docstring),
     then learn its baseline speeds (that evaluation proposes nothing); otherwise `evaluate`.
     `force=True` (ctl rebalance) skips the window-length, cooldown, change and threshold gates but still
-    needs one sample per rank, and still returns None when the re-solved plan is the same.
+    needs one sample per rank, and still returns None when the re-solved plan is the same or predicted no faster
+    ("already balanced (predicted gain 0 %)": a switch would pause the workers for nothing).
     """
     ranks = active_ranks(state.plan)
     full = all(len(samples.compute_ms.get(r, ())) >= config.window for r in ranks)
@@ -357,6 +361,12 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     if same:
         return Decision(None, "the re-solved plan equals the current one", current, new, estimate, gain,
                         {**changed, "settled": 1})
+    if force and gain <= NO_GAIN:
+        # ctl rebalance: a plan no faster (under a V, a move of the cut between its two middle stages, one rank's)
+        # would cost the workers a pause for nothing.
+        why = "already balanced (predicted gain 0 %)" if gain >= -NO_GAIN else \
+            f"kept plan v{plan.version}: the re-solved plan is predicted {-gain:.1%} slower"
+        return Decision(None, why, current, new, estimate, gain, {**changed, "settled": 1})
     if early and gain <= 2 * threshold:
         return Decision(None, f"cooldown: {steps_since_switch} of {cooldown} steps since the start (a first switch "
                               f"before then needs a predicted gain above {2 * threshold:.0%}, got {gain:.1%})",

@@ -1,5 +1,5 @@
 """The one contiguous partitioner: p stages over one topological order, stage k on worker k (or, for
-interleaved 1F1B, p*v stages with stage k on worker k % p: `loop_plan`).
+interleaved 1F1B, p*v stages with stage k on worker k % p: `loop_plan`; for ZBV, 2p stages in a V: `v_plan`).
 
 The straight solver (`straight.py`, through `partition`'s one-level fast path) with the given worker
 speeds, or unit speeds for an "even" split. Nodes are priced by their profiled time (`compute_ms`)
@@ -11,16 +11,16 @@ Only a graph with neither timings nor parameters counts every node alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.plan import Hierarchy, Plan
-from model_parallel.optimizer.loop import loop_rank_plan
-from model_parallel.optimizer.memory import Footprint, MemoryLimit, plan_footprint
+from model_parallel.optimizer.loop import loop_rank_plan, v_rank_plan
+from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, plan_footprint
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
@@ -30,7 +30,8 @@ from model_parallel.optimizer.straight import smallest_memory
 # Parameter-free nodes of an untimed graph weigh this share of the mean parameter node: enough to split
 # a parameter-free stretch evenly among ties, too little to move a cut off the parameter balance.
 TIE_SHARE = 1e-3
-LOOP_SHARES = 8  # `loop_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
+LOOP_SHARES = 8  # `loop_plan` and `v_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
+BISECT = 0.01  # their refusal names the least memory per worker that fits to this share
 
 
 def priced_graph(graph: Graph) -> Graph:
@@ -120,42 +121,119 @@ def loop_plan(graph: Graph, num_ranks: int, stages_per_rank: int = 2, speeds: Op
               memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
     """Interleaved 1F1B's plan: `num_ranks * stages_per_rank` contiguous stages balanced by profiled cost (each
     rank's summed stages over its speed: `loop.loop_rank_plan`), stage k on rank k % p (loop placement). With
-    `memory_per_worker`, a rank's stages must fit together: the balanced split when its ranks' summed footprints
-    fit, else the most even split whose every stage fits 1/v of it; an `InfeasibleError` names the rank over."""
+    `memory_per_worker`, a rank's stages must fit together (`_rank_sum_split`)."""
     if num_ranks < 2 or stages_per_rank < 2:
         raise PlanError(f"interleaved 1F1B needs p >= 2 ranks with v >= 2 stages each, got p={num_ranks}, "
                         f"v={stages_per_rank}; use one stage per rank (1f1b) otherwise")
-    if speeds is not None and len(speeds) != num_ranks:
-        raise PlanError(f"got {len(speeds)} speed(s) for {num_ranks} worker(s); give one speed per worker")
-    count = num_ranks * stages_per_rank
-    per_stage = [float(speeds[k % num_ranks]) for k in range(count)] if speeds is not None else None
-    model = replace(footprint or Footprint(), schedule="interleaved")
+    ranks = [k % num_ranks for k in range(num_ranks * stages_per_rank)]
+    return _rank_sum_split(graph, ranks, loop_rank_plan, "interleaved", speeds, memory_per_worker, footprint,
+                           {"stages_per_rank": stages_per_rank})
 
-    def placed(plan: Plan) -> Plan:  # loop placement, each stage's memory by the interleaved footprint
-        plan = replace(plan, stages=tuple(replace(s, ranks=(s.stage_id % num_ranks,)) for s in plan.stages))
+
+def v_plan(graph: Graph, num_ranks: int, speeds: Optional[Sequence[float]] = None,
+           memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
+    """ZBV's plan: 2p contiguous stages in a V (rank r holds stages r and 2p-1-r) balanced by profiled cost, each
+    rank's two stages summed over its speed (`loop.v_rank_plan`; stages p-1 and p share a rank, so the even
+    per-stage split does not minimise the slowest rank once layers differ in cost). With `memory_per_worker`, a
+    rank's two stages must fit together by the zbv footprint (`_rank_sum_split`, as `loop_plan`)."""
+    if num_ranks < 2:
+        raise PlanError(f"zbv places 2 stages per rank in a V over p >= 2 ranks, got p={num_ranks}; use one stage "
+                        "per rank (1f1b, zbh1) otherwise")
+    ranks = [min(k, 2 * num_ranks - 1 - k) for k in range(2 * num_ranks)]
+    return _rank_sum_split(graph, ranks, v_rank_plan, "zbv", speeds, memory_per_worker, footprint, {})
+
+
+def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph, Sequence[int], Sequence[float]], Plan],
+                    schedule: str, speeds: Optional[Sequence[float]], memory_per_worker: Optional[float],
+                    footprint: Optional[Footprint], extra: Mapping[str, Any]) -> Plan:
+    """Stage k on `ranks[k]`, balanced by each rank's summed stages over its speed (`planner`: the loop's or the V's
+    rank-sum plan), each stage's memory by `schedule`'s footprint. Under `memory_per_worker`, the first split whose
+    ranks' summed footprints fit (`fitting`), else an `InfeasibleError` naming the rank over and the least memory per
+    worker that fits (bisected to 1 %)."""
+    p = len(set(ranks))
+    v = len(ranks) // p
+    if speeds is not None and len(speeds) != p:
+        raise PlanError(f"got {len(speeds)} speed(s) for {p} worker(s); give one speed per worker")
+    per_stage = [float(speeds[r]) for r in ranks] if speeds is not None else [1.0] * len(ranks)
+    model = replace(footprint or Footprint(), schedule=schedule)
+
+    def placed(plan: Plan) -> Plan:  # the placement, each stage's memory by the footprint, the time by rank sums
+        plan = replace(plan, stages=tuple(replace(s, ranks=(int(ranks[s.stage_id]),)) for s in plan.stages))
         parts = plan_footprint(graph, plan, model)
-        return replace(plan, stages=tuple(replace(s, memory_bytes=p["total"]) for s, p in zip(plan.stages, parts)),
-                       extra={**plan.extra, "schedule": "interleaved", "stages_per_rank": stages_per_rank,
-                              "memory_model": "footprint", "footprint": model.to_dict(), "memory": parts})
+        sums: dict[int, float] = {}
+        for stage in plan.stages:  # a rank runs its stages in turn (a per-stage fallback is priced as it runs)
+            sums[stage.ranks[0]] = sums.get(stage.ranks[0], 0.0) + stage.compute_s / per_stage[stage.stage_id]
+        return replace(plan, stages=tuple(replace(s, memory_bytes=part["total"]) for s, part in zip(plan.stages, parts)),
+                       time_per_minibatch_s=max(sums.values()),
+                       extra={**plan.extra, "schedule": schedule, **extra, "memory_model": "footprint",
+                              "footprint": model.to_dict(), "memory": parts,
+                              "time_per_minibatch_of": "slowest rank, its stages summed"})
 
-    # Balanced by rank (each rank's v stages summed), not by stage; under a cap the per-stage bounds below.
-    plan = placed(loop_rank_plan(priced_graph(graph), [k % num_ranks for k in range(count)], per_stage or [1.0] * count))
+    plan = placed(planner(priced_graph(graph), ranks, per_stage))
     if memory_per_worker is None:
         return plan
-    limit = MemoryLimit(float(memory_per_worker), model)
+    smallest: list[Optional[tuple[float, Plan]]] = []  # computed once, when a cap is missed
+
+    def least() -> Optional[Plan]:
+        """The split whose largest stage is smallest, placed (None without one)."""
+        if not smallest:
+            found = _smallest_stages(graph, len(ranks), per_stage, model)
+            smallest.append(None if found is None else (found[0], placed(found[1])))
+        return None if smallest[0] is None else smallest[0][1]
+
+    def fitting(cap: float) -> Optional[Plan]:
+        """The balanced split when its ranks fit `cap`; else the most even split whose every stage fits a share of the
+        cap, from the whole cap down to 1/v of it (the solver bounds each stage, a rank holds v; at 1/v any split that
+        passes fits); else the split whose largest stage is smallest; None when none of them fits."""
+        def candidates() -> Iterator[Optional[Plan]]:
+            yield plan
+            for i in range(LOOP_SHARES + 1):
+                try:
+                    yield placed(straight_plan(graph, range(len(ranks)), per_stage, cap * (1 - i * (1 - 1 / v) / LOOP_SHARES),
+                                               model))
+                except InfeasibleError:
+                    continue
+            yield least()
+
+        return next((c for c in candidates() if c is not None and max(_rank_bytes(graph, c, model)) <= cap), None)
+
+    cap = float(memory_per_worker)
+    found = fitting(cap)
+    if found is not None:
+        return found
     try:
-        limit.check(graph, plan, "the balanced interleaved split")
-        return plan
-    except InfeasibleError as balanced:
-        # The solver bounds each stage, a rank holds v of them: bound each stage by a share of the cap, from the
-        # whole cap down to 1/v of it (where any split that passes fits), and keep the first split whose ranks fit.
-        cap, v = float(memory_per_worker), stages_per_rank
-        for share in [cap * (1 - i * (1 - 1 / v) / LOOP_SHARES) for i in range(LOOP_SHARES + 1)]:
-            try:
-                capped = placed(straight_plan(graph, range(count), per_stage, share, model))
-                limit.check(graph, capped, "the interleaved split")
-                return capped
-            except InfeasibleError:
-                continue
-        raise InfeasibleError(f"{balanced}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a "
-                              "larger share with its ranks' sums fitting exists either") from None
+        MemoryLimit(cap, model).check(graph, plan, f"the balanced {schedule} split")
+        over = f"the balanced {schedule} split does not fit"  # (unreached: `fitting` returns it when it fits)
+    except InfeasibleError as error:
+        over = str(error)
+    # Both the balanced split and the least one fit their fullest rank's bytes; the least cap `fitting` accepts lies
+    # between that and the smallest largest stage (a rank holds it, and more).
+    high = min(max(_rank_bytes(graph, split, model)) for split in (plan, least()) if split is not None)
+    low = max(cap, smallest[0][0] if smallest[0] is not None else 0.0, 1.0)
+    while high > low * (1 + BISECT):
+        middle = (low + high) / 2
+        low, high = (low, middle) if fitting(middle) is not None else (middle, high)
+    raise InfeasibleError(f"{over}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a larger "
+                          f"share with its ranks' sums fitting exists either; the least memory per worker that fits is "
+                          f"{high / 1e9:.3g} GB ({math.ceil(high)} bytes, found to {BISECT:.0%}): raise memory_per_worker to at "
+                          "least that, or use more ranks")
+
+
+def _smallest_stages(graph: Graph, count: int, speeds: Sequence[float], model: Footprint) -> Optional[tuple[float, Plan]]:
+    """The least largest stage's footprint any `count`-stage split reaches (the search's sums), and the most even
+    split there (None when there is none, or when the values its stages send and receive tip it over)."""
+    priced = priced_graph(graph)
+    states = prefix_states(preprocess(priced, "footprint", model.schedule in ZERO_BUBBLE_SCHEDULES))
+    need = smallest_memory(states, count, model)
+    if not math.isfinite(need):
+        return None
+    try:
+        return need, straight_plan(graph, range(count), speeds, need * (1 + 1e-9), model)
+    except InfeasibleError:
+        return None
+
+
+def _rank_bytes(graph: Graph, plan: Plan, model: Footprint) -> list[float]:
+    """Each rank's predicted bytes, its stages together (`memory.loop_rank_parts`)."""
+    merged = loop_rank_parts(plan_footprint(graph, plan, model), plan, model.microbatches, model.schedule)
+    return [summed["total"] for _, (_, summed) in sorted(merged.items())]
