@@ -120,7 +120,7 @@ def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
         raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
                         f"--num_stages a multiple of the world size, at least {2 * world_size}")
     return loop_plan(graph, world_size, stages // world_size, memory_per_worker=spec.memory_per_worker,
-                     footprint=footprint)
+                     footprint=footprint, schedule=spec.schedule)
 
 
 def build_job(spec: JobSpec, world_size: int) -> Job:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser, configure_logging
+from model_parallel.graph.in_flight import LOOP_SCHEDULES, MULTI_STAGE_SCHEDULES
 from model_parallel.runtime.step.schedule import SCHEDULE_NAMES
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def build_parser(prog: Optional[str] = "model-parallel partition") -> ArgumentPa
     parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
                         help="footprint: the schedule whose in-flight microbatches (and weight versions) a stage holds (default 1f1b)")
     parser.add_argument("--stages_per_rank", type=int, default=2,
-                        help="--schedule interleaved: stages per worker (p*v stages, stage k on worker k %% p; default 2); "
+                        help="--schedule interleaved or zbinterleaved: stages per worker (p*v stages, stage k on worker k %% p; default 2); "
                              "--schedule zbv always places 2 per worker in a V")
     parser.add_argument("--microbatches", type=int, default=None, help="footprint: microbatches per minibatch (default: the workers)")
     parser.add_argument("--microbatch_size", type=int, default=None,
@@ -95,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     for level in hierarchy.levels:
         print(f"Solving optimization problem with {level.num_machines} machines with "
               f"inter-machine bandwidth of {level.bandwidth / 1e9:.2f} GB/s")
-    if args.schedule in ("interleaved", "zbv"):  # several stages per worker: balanced by rank sums, not PipeDream's search
+    if args.schedule in MULTI_STAGE_SCHEDULES:  # several stages per worker: balanced by rank sums, not PipeDream's search
         return _several_per_worker(args, graph, hierarchy.num_workers, footprint)
     if args.search:
         from model_parallel.optimizer.search import searched_partition
@@ -153,7 +154,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
 
 
 def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> int:
-    """`--schedule interleaved`: p*v stages, stage k on worker k % p (optimizer.contiguous.loop_plan); `--schedule
+    """`--schedule interleaved` or `zbinterleaved`: p*v stages, stage k on worker k % p, priced by that schedule's
+    footprint (optimizer.contiguous.loop_plan); `--schedule
     zbv`: 2p stages in a V, worker r holding stages r and 2p-1-r (optimizer.contiguous.v_plan); both balanced by each
     worker's summed stages. Prints the plan and each worker's compute (interleaved: the analytic bubble too);
     writes plan.json."""
@@ -167,7 +169,7 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
                                      ("--stages_per_rank", args.schedule == "zbv" and args.stages_per_rank != 2))
                if on]
     if ignored:  # the split is the straight solver's over topological cuts, bounded by --memory_per_worker only
-        split = "a balanced loop split" if args.schedule == "interleaved" else "a V balanced by rank sums (2 stages per worker)"
+        split = "a balanced loop split" if args.schedule in LOOP_SCHEDULES else "a V balanced by rank sums (2 stages per worker)"
         raise ConfigError(f"--schedule {args.schedule} plans {split}; {', '.join(ignored)} do not apply to it: "
                           "drop them (bound memory with --memory_per_worker)")
     speeds = tuple(args.worker_speeds) if args.worker_speeds else None
@@ -177,8 +179,9 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
         print(f"ZBV: {plan.num_stages} stages on {workers} workers in a V (worker r holds stages r and "
               f"{plan.num_stages - 1}-r)")
     else:
-        plan = loop_plan(graph, workers, args.stages_per_rank, speeds, args.memory_per_worker, footprint)
-        print(f"Interleaved 1F1B: {plan.num_stages} stages on {workers} workers in a loop (stage k on worker k % {workers})")
+        plan = loop_plan(graph, workers, args.stages_per_rank, speeds, args.memory_per_worker, footprint, args.schedule)
+        name = "Interleaved 1F1B" if args.schedule == "interleaved" else "Interleaved zero bubble"
+        print(f"{name}: {plan.num_stages} stages on {workers} workers in a loop (stage k on worker k % {workers})")
     print(plan.table())
     for rank in range(workers):
         held = plan.stages_of_rank(rank)
@@ -189,7 +192,7 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
         print(f"analytic bubble at m={m}: {(workers - 1) / (v * m + workers - 1):.1%} (1F1B: {(workers - 1) / (m + workers - 1):.1%}); "
               f"run it with --schedule interleaved --plan plan.json (m a multiple of {workers})")
     else:
-        print(f"run it with --schedule zbv --plan plan.json (m a multiple of {workers})")
+        print(f"run it with --schedule {args.schedule} --plan plan.json (m a multiple of {workers})")
     if args.output_directory:
         out = Path(args.output_directory)
         out.mkdir(parents=True, exist_ok=True)

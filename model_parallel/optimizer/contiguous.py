@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import ZERO_BUBBLE_SCHEDULES
+from model_parallel.graph.in_flight import LOOP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.plan import Hierarchy, Plan
 from model_parallel.optimizer.loop import loop_rank_plan, v_rank_plan
 from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, plan_footprint
@@ -118,15 +118,19 @@ def even_stages(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, i
 
 
 def loop_plan(graph: Graph, num_ranks: int, stages_per_rank: int = 2, speeds: Optional[Sequence[float]] = None,
-              memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None) -> Plan:
-    """Interleaved 1F1B's plan: `num_ranks * stages_per_rank` contiguous stages balanced by profiled cost (each
-    rank's summed stages over its speed: `loop.loop_rank_plan`), stage k on rank k % p (loop placement). With
-    `memory_per_worker`, a rank's stages must fit together (`_rank_sum_split`)."""
+              memory_per_worker: Optional[float] = None, footprint: Optional[Footprint] = None,
+              schedule: str = "interleaved") -> Plan:
+    """A loop schedule's plan (interleaved or zbinterleaved): `num_ranks * stages_per_rank` contiguous stages
+    balanced by profiled cost (each rank's summed stages over its speed: `loop.loop_rank_plan`), stage k on rank
+    k % p (loop placement). With `memory_per_worker`, a rank's stages must fit together by `schedule`'s footprint
+    (`_rank_sum_split`): zbinterleaved keeps each microbatch until its W, so it needs more than interleaved."""
+    if schedule not in LOOP_SCHEDULES:
+        raise PlanError(f"a loop plan is for {' or '.join(LOOP_SCHEDULES)}, got schedule {schedule!r}")
     if num_ranks < 2 or stages_per_rank < 2:
         raise PlanError(f"interleaved 1F1B needs p >= 2 ranks with v >= 2 stages each, got p={num_ranks}, "
                         f"v={stages_per_rank}; use one stage per rank (1f1b) otherwise")
     ranks = [k % num_ranks for k in range(num_ranks * stages_per_rank)]
-    return _rank_sum_split(graph, ranks, loop_rank_plan, "interleaved", speeds, memory_per_worker, footprint,
+    return _rank_sum_split(graph, ranks, loop_rank_plan, schedule, speeds, memory_per_worker, footprint,
                            {"stages_per_rank": stages_per_rank})
 
 

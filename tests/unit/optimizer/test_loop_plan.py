@@ -18,7 +18,7 @@ from model_parallel.runtime.plancheck import check_plan
 
 
 def _rank_bytes(graph, plan, footprint) -> list[float]:
-    merged = loop_rank_parts(plan_footprint(graph, plan, footprint), plan, footprint.microbatches)
+    merged = loop_rank_parts(plan_footprint(graph, plan, footprint), plan, footprint.microbatches, footprint.schedule)
     return [summed["total"] for _, (_, summed) in sorted(merged.items())]
 
 
@@ -65,3 +65,27 @@ def test_partition_command_line_writes_a_loop_plan(tmp_path, capsys, reference_p
         partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--memory_per_worker", "1e9"])
     with pytest.raises(ConfigError, match="--search, --use_fewer_machines do not apply to it"):
         partition_main(["-f", profile, "-n", "4", "--schedule", "interleaved", "--search", "--use_fewer_machines"])
+
+
+def test_zbinterleaved_is_priced_by_its_own_footprint(tmp_path, capsys, reference_profiles):
+    """zbinterleaved keeps each microbatch until its W: a cap the interleaved split fits must be checked against
+    zbinterleaved's larger footprint, not interleaved's (a plan priced as interleaved could run out of memory)."""
+    graph = load_graph(reference_profiles / "gnmt.graph.txt")
+    interleaved, zero_bubble = (Footprint(schedule=s, microbatches=8) for s in ("interleaved", "zbinterleaved"))
+    balanced = loop_plan(graph, 2, 2, footprint=interleaved)
+    need = max(_rank_bytes(graph, balanced, interleaved))
+    assert max(_rank_bytes(graph, balanced, zero_bubble)) > need  # the premise: zero bubble holds more
+    with pytest.raises(InfeasibleError, match="the balanced zbinterleaved split puts a predicted"):
+        loop_plan(graph, 2, 2, memory_per_worker=need, footprint=zero_bubble, schedule="zbinterleaved")
+    enough = max(_rank_bytes(graph, balanced, zero_bubble))
+    fits = loop_plan(graph, 2, 2, memory_per_worker=enough, footprint=zero_bubble, schedule="zbinterleaved")
+    assert fits.extra["footprint"]["schedule"] == "zbinterleaved"
+    assert [s.node_ids for s in fits.stages] == [s.node_ids for s in balanced.stages]
+    with pytest.raises(PlanError, match="a loop plan is for interleaved or zbinterleaved"):
+        loop_plan(graph, 2, 2, schedule="zbv")
+    profile = str(reference_profiles / "resnet50.graph.txt")
+    assert partition_main(["-f", profile, "-n", "4", "--schedule", "zbinterleaved", "--microbatches", "8",
+                           "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Interleaved zero bubble: 8 stages on 4 workers" in out and "--schedule zbinterleaved --plan plan.json" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["extra"]["footprint"]["schedule"] == "zbinterleaved"
