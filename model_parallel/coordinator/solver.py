@@ -18,6 +18,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.contiguous import straight_plan
 from model_parallel.optimizer.loop import is_loop, is_v, loop_rank_plan, v_rank_plan
+from model_parallel.graph.in_flight import LOOP_SCHEDULES
 from model_parallel.optimizer.memory import Footprint, MemoryLimit
 
 # solver(graph, ranks in stage order, speeds in the same order) -> Plan (ranks filled in)
@@ -57,7 +58,11 @@ def memory_solver(memory_per_worker: float, footprint: Footprint) -> Solver:
         try:
             if len(set(ranks)) < len(ranks):  # a rank holds several stages: their summed footprint must fit
                 plan = _rank_sum_plan(graph, ranks, speeds)
-                schedule = "zbv" if plan.is_v_placement else "interleaved"
+                # A loop is priced as the job's loop schedule (zbinterleaved holds each microbatch until its W:
+                # more than interleaved); one-stage-per-rank or auto footprints price it as interleaved, and under
+                # auto the schedule chosen for it is priced again by its own footprint (coordinator/rechoose.py).
+                schedule = ("zbv" if plan.is_v_placement else
+                            footprint.schedule if footprint.schedule in LOOP_SCHEDULES else "interleaved")
                 MemoryLimit(memory_per_worker, replace(footprint, schedule=schedule)).check(graph, plan, "the re-plan")
                 return plan
             return straight_plan(graph, ranks, speeds, memory_per_worker, footprint)

@@ -118,6 +118,19 @@ def test_under_a_memory_cap_a_loop_re_plan_must_fit_each_rank_sum():
     assert plan.loop_width == 2
     with pytest.raises(PlanError, match=r"no re-plan on 2 worker\(s\) fits their memory: .* on rank 0 \(stages \[0, 2\]"):
         memory_solver(1.0, Footprint())(graph, [0, 1, 0, 1], [1.0, 0.5, 1.0, 0.5])
+    # A zbinterleaved job's re-plan is priced by its own footprint (more than interleaved's): a cap between the two
+    # passes the interleaved pricing and is refused under zbinterleaved.
+    from model_parallel.optimizer.memory import loop_rank_parts, plan_footprint
+
+    def need(schedule: str) -> float:  # the fullest rank's predicted bytes under `schedule`
+        footprint = Footprint(schedule=schedule, microbatches=4)
+        merged = loop_rank_parts(plan_footprint(graph, plan, footprint), plan, 4, schedule)
+        return max(summed["total"] for _, summed in merged.values())
+    assert need("zbinterleaved") > need("interleaved")
+    between = (need("zbinterleaved") + need("interleaved")) / 2
+    assert memory_solver(between, Footprint(schedule="interleaved", microbatches=4))(graph, [0, 1, 0, 1], [1.0, 0.5, 1.0, 0.5])
+    with pytest.raises(PlanError, match="zbinterleaved"):
+        memory_solver(between, Footprint(schedule="zbinterleaved", microbatches=4))(graph, [0, 1, 0, 1], [1.0, 0.5, 1.0, 0.5])
 
 
 def test_a_replicated_loop_plan_is_kept_with_the_reason():
