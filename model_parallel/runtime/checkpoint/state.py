@@ -57,9 +57,11 @@ def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
+    from model_parallel.runtime.offload import optimizer_state_items
+
     by_id = {id(p): name for name, p in named_params.items()}
     out: dict[str, dict[str, Any]] = {}
-    for param, state in optimizer.state.items():
+    for param, state in optimizer_state_items(optimizer):  # offloaded: read from disk one parameter at a time
         name = by_id.get(id(param))
         if name is None:
             continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
@@ -69,13 +71,14 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapp
 
 def load_optimizer_state_by_name(
     optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor], state: OptimizerState,
-    copy: bool = True,
+    copy: bool = True, offload: Any = None,
 ) -> None:
     """Install name-keyed state into `optimizer` for the parameters it holds (moved to their device).
 
     Names absent from `state` keep no state (e.g. a checkpoint taken before the first step). With
     `copy=False` tensors already on the right device are taken over, not cloned: a plan switch hands
-    over the state it owns, and a clone would hold the whole optimizer state twice at that moment.
+    over the state it owns, and a clone would hold the whole optimizer state twice at that moment. With an
+    `offload` (runtime/offload.py) each parameter's state goes to its files as soon as it is installed.
     """
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for name, param in named_params.items():
@@ -93,7 +96,10 @@ def load_optimizer_state_by_name(
                 restored[key] = value.to("cpu" if on_cpu else param.device)
             else:
                 restored[key] = value
-        optimizer.state[param] = restored
+        if offload is not None:
+            offload.load(optimizer, param, restored)
+        else:
+            optimizer.state[param] = restored
 
 
 def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
