@@ -85,7 +85,8 @@ class OptimizerOffload:
     # ---- the chunked step -------------------------------------------------------------------------------------
     def pieces(self, optimizer: torch.optim.Optimizer) -> list[Piece]:
         """Every parameter of every group, cut in slices of at most a chunk's state where the optimizer allows."""
-        out, index = [], 0
+        out: list[Piece] = []
+        index = 0
         for g, group in enumerate(optimizer.param_groups):
             ratio = self.ratio[g]
             for p in group["params"]:
@@ -193,7 +194,7 @@ class OptimizerOffload:
         for name, (shape, dtype) in self.files.get(key, {}).items():
             tensor = torch.empty(shape, dtype=dtype)
             with open(self._path(key, name), "rb") as f:
-                got = f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+                got = f.readinto(tensor.view(-1).view(torch.uint8).numpy().data)  # into the tensor's own bytes
             if got != tensor.numel() * tensor.element_size():
                 raise OSError(f"offloaded optimizer state {self._path(key, name)} holds {got} bytes, expected "
                               f"{tensor.numel() * tensor.element_size()}: the offload directory was changed under the run")
@@ -208,7 +209,7 @@ class OptimizerOffload:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 data = value.detach().contiguous().cpu()
                 with open(self._path(key, name), "wb") as f:
-                    f.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+                    f.write(data.view(-1).view(torch.uint8).numpy().data)
                 self.files[key][name] = (tuple(data.shape), data.dtype)
                 disk += data.numel() * data.element_size()
             else:
