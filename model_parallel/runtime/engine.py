@@ -238,17 +238,15 @@ class PipelineEngine(TrainingLoop):
         stage = prepared.stage
         if params := list(stage.parameters()):
             prepared.optimizer = self.optimizer_factory(params)
-            offload = None
             if self.options.offload_optimizer:  # the state lives in files from now on (runtime/offload.py)
                 from model_parallel.runtime.offload import attach
 
-                offload = attach(prepared.optimizer, os.path.join(self.options.offload_optimizer, f"rank{self.rank}"),
+                attach(prepared.optimizer, os.path.join(self.options.offload_optimizer, f"rank{self.rank}"),
                                  int(self.options.offload_chunk_bytes or 0))
             if optimizer_state:
                 from model_parallel.runtime.checkpoint.store import load_optimizer_state_by_name
 
-                load_optimizer_state_by_name(prepared.optimizer, dict(stage.named_parameters()), optimizer_state,
-                                             copy=False, offload=offload)
+                load_optimizer_state_by_name(prepared.optimizer, dict(stage.named_parameters()), optimizer_state, copy=False)
 
     def make_executor(self, prepared: Prepared, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor:
         """The executor running `actions` of stage `stage_id` (this rank's routing, config, metrics, timeout)."""

@@ -71,15 +71,18 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapp
 
 def load_optimizer_state_by_name(
     optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor], state: OptimizerState,
-    copy: bool = True, offload: Any = None,
+    copy: bool = True,
 ) -> None:
     """Install name-keyed state into `optimizer` for the parameters it holds (moved to their device).
 
     Names absent from `state` keep no state (e.g. a checkpoint taken before the first step). With
     `copy=False` tensors already on the right device are taken over, not cloned: a plan switch hands
-    over the state it owns, and a clone would hold the whole optimizer state twice at that moment. With an
-    `offload` (runtime/offload.py) each parameter's state goes to its files as soon as it is installed.
+    over the state it owns, and a clone would hold the whole optimizer state twice at that moment. An offloaded
+    optimizer's (runtime/offload.py) each parameter's state goes to its files as soon as it is installed.
     """
+    from model_parallel.runtime.offload import offload_of
+
+    offload = offload_of(optimizer)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for name, param in named_params.items():
         entry = state.get(name)

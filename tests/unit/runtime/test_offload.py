@@ -127,3 +127,25 @@ def test_files_go_with_the_optimizer_and_lbfgs_is_refused(tmp_path: Path) -> Non
     assert not directory.exists()
     with pytest.raises(ConfigError, match="LBFGS"):
         attach(torch.optim.LBFGS(model.parameters()), tmp_path, 1024)
+
+
+def test_checkpoint_state_by_name_round_trips_through_the_files(tmp_path: Path) -> None:
+    from model_parallel.runtime.checkpoint.state import load_optimizer_state_by_name, optimizer_state_by_name
+
+    a, b = _model(), _model()
+    opt_a = torch.optim.AdamW(a.parameters(), lr=0.1)
+    attach(opt_a, tmp_path / "a", 300)
+    a(torch.ones(3, 16)).sum().backward()
+    step_optimizer(opt_a)
+    saved = optimizer_state_by_name(opt_a, dict(a.named_parameters()))  # read from disk, slices joined
+    assert saved["0.weight"]["exp_avg"].shape == a[0].weight.shape
+    b.load_state_dict(a.state_dict())
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.1)
+    attach(opt_b, tmp_path / "b", 300)
+    load_optimizer_state_by_name(opt_b, dict(b.named_parameters()), saved)  # a resume: onto b's files, not its dict
+    assert not opt_b.state
+    for m, o in ((a, opt_a), (b, opt_b)):
+        m(torch.ones(3, 16)).sum().backward()
+        step_optimizer(o)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
