@@ -3,14 +3,16 @@ plainly, then again with its state offloaded to disk (`RunOptions.offload_optimi
 with a checkpoint, then resumed to STEPS with a live switch that moves a transformer block (its optimizer state read
 from one rank's files into the other's).
 
-    python tests/support/offload_worker.py RANK WORLD PORT DIR
+    python tests/support/offload_worker.py RANK WORLD PORT DIR [SCHEDULE]
 
+Another SCHEDULE than 1f1b (zero bubble: its own update path through the I/W split) trains both runs straight.
 Reads `DIR/plan.json` and `DIR/switch.json` (applied before SWITCH_STEP); writes `DIR/rank<R>.pt`.
 """
 from __future__ import annotations
 
 import datetime
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,8 @@ def adamw(params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def train(rank: int, out: Path, steps: int, offload: bool, resume: bool = False, switch: bool = False) -> dict[str, Any]:
+def train(rank: int, out: Path, steps: int, offload: bool, resume: bool = False, switch: bool = False,
+          schedule: str = "1f1b") -> dict[str, Any]:
     case = CASES["gpt2"]
     channel = NullChannel()
     if switch and rank == 0:
@@ -42,7 +45,7 @@ def train(rank: int, out: Path, steps: int, offload: bool, resume: bool = False,
     options = RunOptions(timeout=120, progress=False, checkpoint_dir=str(out / "checkpoints") if offload else None,
                          resume=resume, offload_optimizer=str(out / "offload") if offload else None,
                          offload_chunk_mb=CHUNK_MB)
-    with PipelineTrainer(case.build(), adamw, case.data, CONFIG, options=options, criterion=case.loss,
+    with PipelineTrainer(case.build(), adamw, case.data, replace(CONFIG, schedule=schedule), options=options, criterion=case.loss,
                          plan=read_plan(out / "plan.json"), example_inputs=case.example(BATCH // MICROBATCHES),
                          channel=channel) as trainer:
         losses = [r.loss for r in trainer.train(steps)]
@@ -60,10 +63,14 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    plain = train(rank, out, STEPS, offload=False)
-    first = train(rank, out, CUT, offload=True)
-    offloaded = train(rank, out, STEPS, offload=True, resume=True, switch=True)
-    offloaded["losses"] = first["losses"] + offloaded["losses"]
+    schedule = sys.argv[5] if len(sys.argv) > 5 else "1f1b"
+    plain = train(rank, out, STEPS, offload=False, schedule=schedule)
+    if schedule == "1f1b":
+        first = train(rank, out, CUT, offload=True)
+        offloaded = train(rank, out, STEPS, offload=True, resume=True, switch=True)
+        offloaded["losses"] = first["losses"] + offloaded["losses"]
+    else:
+        offloaded = train(rank, out, STEPS, offload=True, schedule=schedule)
     torch.save({"plain": plain, "offloaded": offloaded}, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
