@@ -59,7 +59,7 @@ class Footprint:
     - `microbatches`: m per minibatch; None = as many as the pipeline has ranks (1F1B then never caps).
     - `activation_scale`: one microbatch's activations / the profiled ones (microbatch size / profiled
       batch size; 1.0 when the graph was profiled at the microbatch size).
-    - `offload_chunk`: the optimizer state is offloaded (runtime/offload.py, `RunOptions.offload_optimizer`): a
+    - `offload_chunk`: the optimizer state is offloaded (runtime/step/offload.py, `RunOptions.offload_optimizer`): a
       stage holds at most this many bytes of it (during its update), not k W. None: in memory.
     """
 

@@ -117,7 +117,7 @@ class RunOptions:
     eval_every: int = 0  # steps between validations on the engine's eval data (0: none; also after the last step)
     eval_steps: int = 4  # minibatches per validation
     # Optimizer state in files under <offload_optimizer>/rank<N>/, stepped in chunks of at most offload_chunk_mb MB of
-    # state (runtime/offload.py; exact: the same parameters as without). The footprint prices the chunk, not the state.
+    # state (runtime/step/offload.py; exact: the same parameters as without). The footprint prices the chunk, not the state.
     offload_optimizer: Optional[str] = None
     offload_chunk_mb: float = 64.0
 

@@ -238,8 +238,8 @@ class PipelineEngine(TrainingLoop):
         stage = prepared.stage
         if params := list(stage.parameters()):
             prepared.optimizer = self.optimizer_factory(params)
-            if self.options.offload_optimizer:  # the state lives in files from now on (runtime/offload.py)
-                from model_parallel.runtime.offload import attach
+            if self.options.offload_optimizer:  # the state lives in files from now on (runtime/step/offload.py)
+                from model_parallel.runtime.step.offload import attach
 
                 attach(prepared.optimizer, os.path.join(self.options.offload_optimizer, f"rank{self.rank}"),
                                  int(self.options.offload_chunk_bytes or 0))

@@ -96,8 +96,8 @@ class SingleProcessRunner:
             # Every stage updates on its own after each microbatch: one optimizer per stage.
             self.stage_optimizers = [optimizer_factory(list(s.parameters())) if list(s.parameters()) else None
                                      for s in self.stages]
-        if offload is not None:  # (directory, chunk bytes): the optimizers' state in files (runtime/offload.py)
-            from model_parallel.runtime.offload import attach
+        if offload is not None:  # (directory, chunk bytes): the optimizers' state in files (runtime/step/offload.py)
+            from model_parallel.runtime.step.offload import attach
 
             for optimizer in [self.optimizer, *getattr(self, "stage_optimizers", [])]:
                 if optimizer is not None:

@@ -1,4 +1,4 @@
-"""Offloaded optimizer state (runtime/offload.py) on 2 processes equals single-process training: a tiny GPT-2 with
+"""Offloaded optimizer state (runtime/step/offload.py) on 2 processes equals single-process training: a tiny GPT-2 with
 AdamW and a cosine lr schedule, its state stepped from disk in 20 KB chunks, checkpointed after 3 steps, resumed
 (the checkpoint's state loaded into the offload files) and trained to 6 with a live switch that moves a block (its
 state read from one rank's files, sent, written into the other's) - parameters and losses as the oracle's."""

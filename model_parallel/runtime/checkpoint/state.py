@@ -57,7 +57,7 @@ def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
-    from model_parallel.runtime.offload import optimizer_state_items
+    from model_parallel.runtime.step.offload import optimizer_state_items
 
     by_id = {id(p): name for name, p in named_params.items()}
     out: dict[str, dict[str, Any]] = {}
@@ -78,9 +78,9 @@ def load_optimizer_state_by_name(
     Names absent from `state` keep no state (e.g. a checkpoint taken before the first step). With
     `copy=False` tensors already on the right device are taken over, not cloned: a plan switch hands
     over the state it owns, and a clone would hold the whole optimizer state twice at that moment. An offloaded
-    optimizer's (runtime/offload.py) each parameter's state goes to its files as soon as it is installed.
+    optimizer's (runtime/step/offload.py) each parameter's state goes to its files as soon as it is installed.
     """
-    from model_parallel.runtime.offload import offload_of
+    from model_parallel.runtime.step.offload import offload_of
 
     offload = offload_of(optimizer)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}

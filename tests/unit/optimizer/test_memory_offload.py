@@ -1,4 +1,4 @@
-"""The footprint prices an offloaded optimizer state (runtime/offload.py) as its chunk, not k W: the split that
+"""The footprint prices an offloaded optimizer state (runtime/step/offload.py) as its chunk, not k W: the split that
 `memory_per_worker` finds uses the memory the offload frees (optimizer/memory.py, contiguous.py, assemble.py)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""runtime/offload.py: the chunked optimizer step is exact, holds at most a chunk of state, and streams state out and in."""
+"""runtime/step/offload.py: the chunked optimizer step is exact, holds at most a chunk of state, and streams state out and in."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.offload import attach, offload_of, optimizer_state_items, step_optimizer
+from model_parallel.runtime.step.offload import attach, offload_of, optimizer_state_items, step_optimizer
 from model_parallel.runtime.step.update import apply_update
 
 STEPS = 4
