@@ -1,7 +1,10 @@
 """A model bigger than its workers, with no hand-written plan: a Hugging Face Llama on 4 capped ranks.
 
     python bench/big_model.py                    # ~126M-parameter Llama (fp32 params+grads+AdamW 2.0 GB), 4 ranks
-    python bench/big_model.py --layers 2 --hidden 256 --intermediate 512 --vocab 4096   # a smoke run
+    python bench/big_model.py --layers 2 --hidden 256 --heads 4 --intermediate 512 --vocab 4096   # a smoke run
+    python bench/big_model.py --offload_optimizer --layers 16 --hidden 1024 --intermediate 2816 --heads 16 \
+        --memory_per_worker 0.66 --slack 0.22 --snapshot bench/snapshot/big_model_offload.json
+        # 222M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.04 x one worker's cap
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
@@ -24,7 +27,8 @@ gradients + AdamW state held + the peak of what microbatches in flight keep for 
 parameters + gradients + AdamW state of its stage), the cap, and the goals: peak RSS <= 1.25 x stage share
 + 0.5 GB, predicted within +-15 % of measured. The whole model's state over one worker's cap is printed
 too: with 4 ranks that together hold the whole model it is below 4 (each rank holds its quarter plus
-activations and the runtime's own memory). Prints the machine load; writes bench/results/big_model.json
+activations and the runtime's own memory) unless `--offload_optimizer` keeps the AdamW state in files (in the
+temporary directory; a rank then holds its parameters, gradients and one 64 MB chunk of state: docs/runtime.md). Prints the machine load; writes bench/results/big_model.json
 (the copy the docs quote: bench/snapshot/big_model.json).
 """
 from __future__ import annotations
