@@ -56,7 +56,8 @@ def state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         from model_parallel.runtime.step.offload import offload_of
 
         if (offload := offload_of(optimizer)) is not None:  # on disk between updates: the most one chunk held in memory
-            out["optimizer_state"] += offload.peak_state_bytes
+            # (during an update the chunk in `optimizer.state` was counted above: it is part of that peak, not beside it)
+            out["optimizer_state"] = max(out["optimizer_state"], offload.peak_state_bytes)
     return out
 
 
