@@ -2,9 +2,9 @@
 
     python bench/big_model.py                    # ~126M-parameter Llama (fp32 params+grads+AdamW 2.0 GB), 4 ranks
     python bench/big_model.py --layers 2 --hidden 256 --heads 4 --intermediate 512 --vocab 4096   # a smoke run
-    python bench/big_model.py --offload_optimizer --layers 16 --hidden 1024 --intermediate 2816 --heads 16 \
-        --memory_per_worker 0.66 --slack 0.22 --snapshot bench/snapshot/big_model_offload.json
-        # 222M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.04 x one worker's cap
+    python bench/big_model.py --offload_optimizer --layers 22 --hidden 1024 --intermediate 2816 --heads 16 \
+        --memory_per_worker 0.9 --slack 0.29 --snapshot bench/snapshot/big_model_offload.json
+        # 299M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.02 x one worker's cap
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
