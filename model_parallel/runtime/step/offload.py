@@ -15,16 +15,17 @@ per parameter byte are known); any other optimizer steps a parameter whole, so o
 chunk, and its state ratio is measured on its first chunk (one parameter). Files are read and written with
 `readinto`/`write` of the tensor's own bytes, never memory-mapped (a map would only move the bytes out of the memory
 a cap counts) and never unpickled. They are scratch, not a checkpoint: rewritten every step, removed with the
-optimizer; checkpoints stream the state out through `state_of` (runtime/checkpoint/state.py).
+optimizer; checkpoints and plan switches read the state through `state_of`, one parameter at a time, and restores
+write it through `load` (runtime/checkpoint/state.py). The optimizer's own step hooks run once per chunk.
 """
 from __future__ import annotations
 
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -126,7 +127,7 @@ class OptimizerOffload:
                 chunk = self.next_chunk(todo, params)
                 views = [self._view(params[piece.index], piece) for piece in chunk]
                 for piece, view in zip(chunk, views):
-                    optimizer.state[view] = self._read(piece.key)
+                    optimizer.state[view] = self._read(piece.key, view.device)
                 for g, group in enumerate(groups):
                     group["params"] = [v for piece, v in zip(chunk, views) if piece.group == g]
                 optimizer.step()
@@ -189,7 +190,9 @@ class OptimizerOffload:
     def _path(self, key: str, name: str) -> Path:
         return self.directory / f"{key}.{name}.bin"
 
-    def _read(self, key: str) -> dict[str, Any]:
+    def _read(self, key: str, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+        """`key`'s state: its scalars as the optimizer left them, its tensors read from their files (onto `device`,
+        the parameter's, through the CPU: untested on a GPU)."""
         state = dict(self.scalars.get(key, {}))
         for name, (shape, dtype) in self.files.get(key, {}).items():
             tensor = torch.empty(shape, dtype=dtype)
@@ -198,7 +201,7 @@ class OptimizerOffload:
             if got != tensor.numel() * tensor.element_size():
                 raise OSError(f"offloaded optimizer state {self._path(key, name)} holds {got} bytes, expected "
                               f"{tensor.numel() * tensor.element_size()}: the offload directory was changed under the run")
-            state[name] = tensor
+            state[name] = tensor if device.type == "cpu" else tensor.to(device)
         return state
 
     def _store(self, piece: Piece, state: dict[str, Any], param: torch.Tensor) -> int:
