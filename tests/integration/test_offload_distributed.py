@@ -33,7 +33,8 @@ def _cut_before(graph: Graph, prefix: str) -> Plan:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])  # zbh1: the offloaded run trains straight (no resume, switch)
+# zbh1 and interleaved (two stages per rank): the offloaded run trains straight (no resume, no switch)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "interleaved"])
 def test_offloaded_adamw_with_checkpoint_resume_and_switch_equals_single_process(tmp_path: Path, schedule: str) -> None:
     case = CASES["gpt2"]
     micro = BATCH // worker.MICROBATCHES
@@ -56,6 +57,7 @@ def test_offloaded_adamw_with_checkpoint_resume_and_switch_equals_single_process
         assert torch.equal(value, plain[key]), key
     assert [e["offloaded"]["losses"] for e in saved] == [e["plain"]["losses"] for e in saved]
     assert [entry["offloaded"]["plan_version"] for entry in saved] == ([1, 1] if schedule == "1f1b" else [0, 0])
+    assert saved[0]["offloaded"]["num_stages"] == (4 if schedule == "interleaved" else 2)  # interleaved: 2 per rank
 
     model = case.build()
     want_losses = single_process_reference(model, case.loss, worker.adamw, case.data,

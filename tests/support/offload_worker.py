@@ -5,7 +5,8 @@ from one rank's files into the other's).
 
     python tests/support/offload_worker.py RANK WORLD PORT DIR [SCHEDULE]
 
-Another SCHEDULE than 1f1b (zero bubble: its own update path through the I/W split) trains both runs straight.
+Another SCHEDULE than 1f1b trains both runs straight: zbh1 (zero bubble's I/W split), interleaved (two stages per
+rank, one optimizer over both: the trainer's own loop plan).
 Reads `DIR/plan.json` and `DIR/switch.json` (applied before SWITCH_STEP); writes `DIR/rank<R>.pt`.
 """
 from __future__ import annotations
@@ -46,13 +47,14 @@ def train(rank: int, out: Path, steps: int, offload: bool, resume: bool = False,
                          resume=resume, offload_optimizer=str(out / "offload") if offload else None,
                          offload_chunk_mb=CHUNK_MB)
     with PipelineTrainer(case.build(), adamw, case.data, replace(CONFIG, schedule=schedule), options=options, criterion=case.loss,
-                         plan=read_plan(out / "plan.json"), example_inputs=case.example(BATCH // MICROBATCHES),
+                         plan=None if schedule == "interleaved" else read_plan(out / "plan.json"),  # its loop plan example_inputs=case.example(BATCH // MICROBATCHES),
                          channel=channel) as trainer:
         losses = [r.loss for r in trainer.train(steps)]
         engine = trainer.runner
         resident = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor) and v.dim() > 0)
         return {"state": trainer.state_dict(), "losses": losses, "plan_version": engine.plan.version,
+                "num_stages": engine.plan.num_stages,
                 "resident_state_bytes": resident,
                 "metered_state_bytes": state_bytes(engine.stage, engine.optimizer)["optimizer_state"],
                 "files": sorted(p.name for p in (out / "offload" / f"rank{rank}").rglob("*.bin"))}
