@@ -150,3 +150,37 @@ def test_checkpoint_state_by_name_round_trips_through_the_files(tmp_path: Path) 
         step_optimizer(o)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_torch_lr_scheduler_drives_the_chunked_step(tmp_path: Path) -> None:
+    def run(offload: bool) -> nn.Module:
+        model = _model()
+        optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
+        if offload:
+            attach(optimizer, tmp_path, 256)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for step in range(3):
+            model[2](model[1](model[0](torch.ones(2, 16)))).sum().backward()
+            step_optimizer(optimizer)
+            optimizer.zero_grad()
+            scheduler.step()  # rewrites every group's lr: the chunked step reads it from the same group dicts
+        assert [g["lr"] for g in optimizer.param_groups] == [0.01 / 8, 0.02 / 8, 0.005 / 8]
+        return model
+
+    for a, b in zip(run(False).parameters(), run(True).parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_meter_counts_the_chunk_as_what_is_resident(tmp_path: Path) -> None:
+    from model_parallel.runtime.observe.memory_probe import state_bytes
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    offload = attach(optimizer, tmp_path, 1000)
+    assert state_bytes(model, optimizer)["optimizer_state"] == 0  # before the first update: nothing anywhere
+    model(torch.ones(2, 16)).sum().backward()
+    step_optimizer(optimizer)
+    held = state_bytes(model, optimizer)
+    assert held["optimizer_state"] == offload.peak_state_bytes and 0 < held["optimizer_state"] <= 1000
+    whole = 2 * held["parameters"]  # AdamW's two moments, as the plain optimizer would hold them
+    assert held["optimizer_state"] < whole / 4
