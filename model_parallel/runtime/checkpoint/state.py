@@ -57,15 +57,18 @@ def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
-    from model_parallel.runtime.step.offload import optimizer_state_items
+    from model_parallel.runtime.step.offload import offload_of, optimizer_state_items
 
+    # Offloaded, the state tensors are read from disk one parameter at a time into fresh tensors: no second copy.
+    fresh = offload_of(optimizer) is not None
     by_id = {id(p): name for name, p in named_params.items()}
     out: dict[str, dict[str, Any]] = {}
-    for param, state in optimizer_state_items(optimizer):  # offloaded: read from disk one parameter at a time
+    for param, state in optimizer_state_items(optimizer):
         name = by_id.get(id(param))
         if name is None:
             continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
-        out[name] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        out[name] = {k: (v.detach().cpu() if fresh and v.dim() > 0 else v.detach().cpu().clone())
+                     if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return out
 
 
