@@ -89,6 +89,8 @@ class OptimizerOffload:
         out: list[Piece] = []
         index = 0
         for g, group in enumerate(optimizer.param_groups):
+            if g not in self.ratio:  # a group added after `attach` (Optimizer.add_param_group)
+                self.ratio[g] = _state_ratio(optimizer, group)
             ratio = self.ratio[g]
             for p in group["params"]:
                 n = p.numel()

@@ -119,6 +119,9 @@ def test_files_go_with_the_optimizer_and_lbfgs_is_refused(tmp_path: Path) -> Non
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     directory = attach(opt, tmp_path, 1024).directory
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "momentum": 0.0})  # priced when it first steps
+    opt.param_groups[-1]["params"][0].grad = torch.ones(3)
+    step_optimizer(opt)
     assert offload_of(opt) is not None and directory.is_dir()
     del opt
     import gc
