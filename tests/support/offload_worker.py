@@ -3,10 +3,10 @@ plainly, then again with its state offloaded to disk (`RunOptions.offload_optimi
 with a checkpoint, then resumed to STEPS with a live switch that moves a transformer block (its optimizer state read
 from one rank's files into the other's).
 
-    python tests/support/offload_worker.py RANK WORLD PORT DIR [SCHEDULE]
+    python tests/support/offload_worker.py RANK WORLD PORT DIR [SCHEDULE | replicas]
 
 Another SCHEDULE than 1f1b trains both runs straight: zbh1 (zero bubble's I/W split), interleaved (two stages per
-rank, one optimizer over both: the trainer's own loop plan).
+rank, one optimizer over both: the trainer's own loop plan), "replicas" (1f1b, plan.json one stage on both ranks).
 Reads `DIR/plan.json` and `DIR/switch.json` (applied before SWITCH_STEP); writes `DIR/rank<R>.pt`.
 """
 from __future__ import annotations
@@ -65,9 +65,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    schedule = sys.argv[5] if len(sys.argv) > 5 else "1f1b"
+    mode = sys.argv[5] if len(sys.argv) > 5 else "1f1b"
+    schedule = "1f1b" if mode == "replicas" else mode  # replicas: plan.json is one stage on both ranks
     plain = train(rank, out, STEPS, offload=False, schedule=schedule)
-    if schedule == "1f1b":
+    if mode == "1f1b":
         first = train(rank, out, CUT, offload=True)
         offloaded = train(rank, out, STEPS, offload=True, resume=True, switch=True)
         offloaded["losses"] = first["losses"] + offloaded["losses"]
