@@ -2,7 +2,8 @@
 AdamW and a cosine lr schedule, its state stepped from disk in 20 KB chunks, checkpointed after 3 steps, resumed
 (the checkpoint's state loaded into the offload files) and trained to 6 with a live switch that moves a block (its
 state read from one rank's files, sent, written into the other's) - parameters and losses as the oracle's; and
-straight runs under zbh1, interleaved (two stages per rank) and one stage replicated on both ranks."""
+straight runs under zbh1, interleaved (two stages per rank), one stage replicated on both ranks and pipedream (an
+update per microbatch; against the plain pipedream run only)."""
 from __future__ import annotations
 
 import sys
@@ -36,7 +37,7 @@ def _cut_before(graph: Graph, prefix: str) -> Plan:
 @pytest.mark.timeout(600)
 # zbh1, interleaved (two stages per rank) and replicas (one stage on both ranks, gradients all-reduced before the
 # chunked update): the offloaded run trains straight (no resume, no switch)
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "interleaved", "replicas"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "interleaved", "replicas", "pipedream"])
 def test_offloaded_adamw_with_checkpoint_resume_and_switch_equals_single_process(tmp_path: Path, schedule: str) -> None:
     case = CASES["gpt2"]
     micro = BATCH // worker.MICROBATCHES
@@ -67,6 +68,8 @@ def test_offloaded_adamw_with_checkpoint_resume_and_switch_equals_single_process
     assert [entry["offloaded"]["plan_version"] for entry in saved] == ([1, 1] if schedule == "1f1b" else [0, 0])
     assert saved[0]["offloaded"]["num_stages"] == {"interleaved": 4, "replicas": 1}.get(schedule, 2)
 
+    if schedule == "pipedream":  # asynchronous (stale weights, an update per microbatch): no synchronous oracle;
+        return  # bit for bit the plain pipedream run is the check
     model = case.build()
     want_losses = single_process_reference(model, case.loss, worker.adamw, case.data,
                                            replace(worker.CONFIG, schedule=schedule.replace("replicas", "1f1b")),
