@@ -1,7 +1,10 @@
 """A model bigger than its workers, with no hand-written plan: a Hugging Face Llama on 4 capped ranks.
 
     python bench/big_model.py                    # ~126M-parameter Llama (fp32 params+grads+AdamW 2.0 GB), 4 ranks
-    python bench/big_model.py --layers 2 --hidden 256 --intermediate 512 --vocab 4096   # a smoke run
+    python bench/big_model.py --layers 2 --hidden 256 --heads 4 --intermediate 512 --vocab 4096   # a smoke run
+    python bench/big_model.py --offload_optimizer --layers 22 --hidden 1024 --intermediate 2816 --heads 16 \
+        --memory_per_worker 0.9 --slack 0.29 --snapshot bench/snapshot/big_model_offload.json
+        # 299M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.02 x one worker's cap
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
@@ -24,7 +27,8 @@ gradients + AdamW state held + the peak of what microbatches in flight keep for 
 parameters + gradients + AdamW state of its stage), the cap, and the goals: peak RSS <= 1.25 x stage share
 + 0.5 GB, predicted within +-15 % of measured. The whole model's state over one worker's cap is printed
 too: with 4 ranks that together hold the whole model it is below 4 (each rank holds its quarter plus
-activations and the runtime's own memory). Prints the machine load; writes bench/results/big_model.json
+activations and the runtime's own memory) unless `--offload_optimizer` keeps the AdamW state in files (in the
+temporary directory; a rank then holds its parameters, gradients and one 64 MB chunk of state: docs/runtime.md). Prints the machine load; writes bench/results/big_model.json
 (the copy the docs quote: bench/snapshot/big_model.json).
 """
 from __future__ import annotations
@@ -112,6 +116,13 @@ def prepare(args: argparse.Namespace, tmp: Path) -> dict:
             "profile_s": round(profile_s, 1), "shards": len(shards)}
 
 
+def _offload(args: argparse.Namespace) -> dict:
+    """RunOptions fields of `--offload_optimizer`: the AdamW state in files under the bench's temporary directory."""
+    if not args.offload_optimizer:
+        return {}
+    return {"offload_optimizer": str(Path(args.tmp) / "offload"), "offload_chunk_mb": args.offload_chunk_mb}
+
+
 def worker(args: argparse.Namespace) -> None:
     from datetime import timedelta
 
@@ -142,7 +153,8 @@ def worker(args: argparse.Namespace) -> None:
         # smallest memory per worker that would), priced on the graph it traces from the meta model, rank 0's broadcast.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
         trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
-                                  options=RunOptions(measure_memory=True, timeout=300.0), weights=tmp / "weights",
+                                  options=RunOptions(measure_memory=True, timeout=300.0, **_offload(args)),
+                                  weights=tmp / "weights",
                                   example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
         trainer.train(args.steps)
         engine = trainer.runner
@@ -155,7 +167,9 @@ def worker(args: argparse.Namespace) -> None:
             "stage": row["stages"][0], "stages": list(row["stages"]), "schedule": args.schedule, "ok": True,
             "losses": [r.loss for r in engine.history],
             "stage_parameters": int(held["parameters"] // 4),
+            # Offloaded, the state a rank holds is the chunk of its update (memory_probe.state_bytes), the rest on disk.
             "stage_share_bytes": 2 * held["parameters"] + held["optimizer_state"],
+            "optimizer_state_on_disk_bytes": 2 * held["parameters"] if args.offload_optimizer else 0,
             "predicted_peak_bytes": row["predicted_bytes"], "measured_peak_bytes": measured,
             "peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"],
             "plan_stage_parameters": [int(sum(engine.graph[n].parameter_size for n in s.node_ids) // 4)
@@ -200,8 +214,8 @@ def control(args: argparse.Namespace) -> None:
 
 def _flags(args: argparse.Namespace) -> list[str]:
     keep = ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "micro", "steps", "world", "schedule",
-            "memory_per_worker", "slack", "tmp")
-    return [x for k in keep for x in (f"--{k}", str(getattr(args, k)))]
+            "memory_per_worker", "slack", "tmp", "offload_chunk_mb")
+    return [x for k in keep for x in (f"--{k}", str(getattr(args, k)))] + (["--offload_optimizer"] if args.offload_optimizer else [])
 
 
 def main() -> int:
@@ -225,6 +239,11 @@ def main() -> int:
     parser.add_argument("--memory_per_worker", type=float, default=0.62,
                         help="GB per worker: the plan's budget (PipelineTrainer memory_per_worker) and the cap's core")
     parser.add_argument("--slack", type=float, default=0.25, help="GB on top of --memory_per_worker in the cap")
+    parser.add_argument("--offload_optimizer", action="store_true",
+                        help="the ranks keep their AdamW state in files in the bench's temporary directory and step it "
+                             "in chunks (RunOptions.offload_optimizer): a cap of 1/4 of the whole model's state fits")
+    parser.add_argument("--offload_chunk_mb", type=float, default=64.0, help="with --offload_optimizer: MB of state at once")
+    parser.add_argument("--snapshot", default=None, help="also copy the results JSON here (the docs quote the snapshot)")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "big_model.json"))
@@ -272,6 +291,8 @@ def main() -> int:
            "seconds": round(time.monotonic() - start, 1), "summary": summary, "ranks": ranks, "whole_model_control": whole}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, out)
+    if args.snapshot:
+        atomic_write_json(args.snapshot, out)
     for row in ranks:
         if not row.get("ok"):
             print(f"rank {row['rank']}: FAILED {row.get('error')} {row.get('tail', '')}")
@@ -284,6 +305,8 @@ def main() -> int:
     if "tail" in whole:
         print(whole["tail"])
     print(f"whole-model control under the same cap: {'failed as expected: ' + whole.get('error', '') if not whole.get('ok') else 'DID NOT FAIL'}")
+    print(f"whole model's fp32 params+grads+AdamW / one worker's cap: {summary['whole_over_cap']:.2f}x "
+          f"({'optimizer state offloaded to disk' if args.offload_optimizer else 'all state in memory'})")
     print(f"machine load (1/5/15 min) before {load_before}, after {load_after} on {os.cpu_count()} CPUs")
     print(json.dumps(summary), f"-> {args.out}")
     return 0 if summary["trained"] and summary["control_failed"] else 1

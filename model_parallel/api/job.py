@@ -71,6 +71,7 @@ class JobSpec:
     # (optimizer/memory.py) fits on every stage, else an InfeasibleError names the smallest that would.
     memory_per_worker: Optional[float] = None
     optimizer: str = "sgd_momentum"  # what the footprint prices: sgd | sgd_momentum | adam | adamw
+    offload_chunk: Optional[float] = None  # bytes of optimizer state in memory when it is offloaded (RunOptions)
     schedule: str = "1f1b"  # the run's schedule (how many microbatches' activations a stage holds); "auto": chosen here
     # schedule name -> why the run cannot use it (TrainConfig.schedule_refusals, the command line's): auto skips those
     schedule_refusals: Optional[Mapping[str, str]] = None
@@ -236,7 +237,8 @@ def _footprint(spec: JobSpec, graph: Graph) -> Any:
     """The footprint model of the run `spec` describes (its optimizer, schedule, microbatches)."""
     from model_parallel.optimizer.memory import Footprint, activation_scale
 
-    return Footprint(spec.optimizer, spec.schedule, spec.num_microbatches, activation_scale(graph, spec.micro_batch))
+    return Footprint(spec.optimizer, spec.schedule, spec.num_microbatches, activation_scale(graph, spec.micro_batch),
+                     offload_chunk=spec.offload_chunk)
 
 
 def _initial_weights(spec: JobSpec, graph: Graph) -> Optional[Path]:

@@ -89,7 +89,8 @@ class PipelineTrainer:
             init_weights=init_weights, memory_per_worker=memory_per_worker, schedule=config.schedule,
             schedule_refusals=schedule_refusals(config, options.measure_memory,
                                                 dist.get_backend() if distributed and not self.single_process else "gloo"),
-            optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum")
+            optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum",
+            offload_chunk=options.offload_chunk_bytes)
         job = build_job(spec, world)
         graph, plan, model = job.graph, job.plan, job.model
         control_group = None
@@ -115,8 +116,9 @@ class PipelineTrainer:
 
         check_schedule(graph, self.plan, config.schedule)  # before any runner or heartbeat starts
         if self.single_process:
+            offload = (options.offload_optimizer, int(options.offload_chunk_bytes or 0)) if options.offload_optimizer else None
             self.runner: Any = SingleProcessRunner(graph, self.plan, model, job.criterion, optimizer_factory, job.dataset,
-                                                   config, initializer=job.initializer)
+                                                   config, initializer=job.initializer, offload=offload)
         else:
             from model_parallel.runtime.engine import PipelineEngine
             from model_parallel.runtime.wire.health import Health
@@ -185,7 +187,8 @@ class PipelineTrainer:
             return
         config = self.config
         parts = memory_table.predicted(self.graph, self.plan, kind, 0.0, config.schedule,
-                                       config.num_microbatches, config.batch_size // config.num_microbatches)
+                                       config.num_microbatches, config.batch_size // config.num_microbatches,
+                                       self.options.offload_chunk_bytes)
         if self.single_process:
             rows = [(str(stage), memory_table.Measured(stage)) for stage in range(self.plan.num_stages)]
             self.memory_report = memory_table.MemoryReport(

@@ -132,6 +132,11 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--metrics", default=None, help="per-step metrics JSONL path ('{rank}' is replaced)")
     o.add_argument("--measure_memory", action="store_true",
                    help="count the bytes each microbatch keeps for backward (metrics stash_peak_bytes, the memory table)")
+    o.add_argument("--offload_optimizer", default=None, metavar="DIR",
+                   help="keep the optimizer state in files under DIR/rank<N>/ (local disk) and step it in chunks: the "
+                        "plan's footprint prices the chunk, not the state (same parameters as without)")
+    o.add_argument("--offload_chunk_mb", type=float, default=64.0,
+                   help="with --offload_optimizer: MB of optimizer state in memory at once (default 64)")
     o.add_argument("-v", "--verbose", action="count", default=0)
     c = p.add_argument_group("control")
     c.add_argument("--coordinator", default=None, help="HOST:PORT of the coordinator (test_socket.py)")
@@ -205,7 +210,8 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     probe.start()  # before the stage is materialized: the peak counts everything the run adds
     engine = run_job(job, config, options, args.steps, make_optimizer_factory(args), channel, world, health, on_engine)
     parts = memory_table.predicted(engine.graph, engine.plan, args.optimizer, args.momentum, engine.config.schedule,
-                                     config.num_microbatches, config.batch_size // config.num_microbatches)
+                                     config.num_microbatches, config.batch_size // config.num_microbatches,
+                                     options.offload_chunk_bytes)
     report = memory_table.gather_report(engine, probe, parts, world.device)
     if world.rank == 0:
         print(f"memory per stage, predicted vs measured:\n{report.text}", flush=True)
@@ -236,7 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         job = load_job(args, world_size=args.world_size or 1)
         config = config.resolved(job.plan)
         runner = SingleProcessRunner(job.graph, job.plan, job.model, job.criterion,  # --weights too, as the workers
-                                     make_optimizer_factory(args), job.dataset, config, initializer=job.initializer)
+                                     make_optimizer_factory(args), job.dataset, config, initializer=job.initializer,
+                                     offload=(args.offload_optimizer, int(args.offload_chunk_mb * 1e6))
+                                     if args.offload_optimizer else None)
         for result in runner.train(args.steps):
             print(f"step {result.step} loss {result.loss:.6f}", flush=True)
         if job.eval_dataset is not None:

@@ -37,6 +37,7 @@ def job_spec(args: Any, served: Optional[ServedJob] = None, device: Optional[tor
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
                    weights=args.weights, memory_per_worker=args.memory_per_worker, schedule=args.schedule,
                    schedule_refusals=refusals, optimizer=optimizer_kind(args.optimizer, args.momentum),
+                   offload_chunk=args.offload_chunk_mb * 1e6 if args.offload_optimizer else None,
                    **data_flags.spec_fields(args))
 
 
@@ -85,7 +86,8 @@ def make_config(args: Any) -> Any:
         timeout=args.timeout, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics,
         straggler=straggler, measure_memory=args.measure_memory, allow_config_change=args.allow_config_change,
-        eval_every=args.eval_every, eval_steps=args.eval_steps,
+        eval_every=args.eval_every, eval_steps=args.eval_steps, offload_optimizer=args.offload_optimizer,
+        offload_chunk_mb=args.offload_chunk_mb,
     )
     return config, options
 

@@ -13,7 +13,8 @@ from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
 from model_parallel.graph.precision import precision_of
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stage_transfers
 from model_parallel.optimizer.dp import Part
-from model_parallel.optimizer.memory import MemoryModel, footprint_parts, multipliers, stage_bytes, stash_bytes
+from model_parallel.optimizer.memory import (MemoryModel, footprint_parts, multipliers, offload_bytes, stage_bytes,
+                                            stash_bytes)
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.solve import Solution, solve
 from model_parallel.optimizer.states import States, Workload, prefix_states
@@ -134,7 +135,7 @@ def build_plan(
                 ),
                 memory_bytes=stage_bytes(
                     multipliers(options.memory, workers, before, r), stash[index], cost.parameter_bytes
-                ),
+                ) + offload_bytes(options.memory),
                 ranks=solution.part_ranks[index] if solution.part_ranks else (),
             )
         )
@@ -143,7 +144,8 @@ def build_plan(
     # Footprint only: the search sums per-node stash; the values a stage sends and receives come on top of it
     # (the legacy models' search sums exactly what their plans report).
     footprint = options.use_memory_constraint and options.memory_model == "footprint"
-    over = [s for s in stages if footprint and s.memory_bytes > hierarchy.memory_bytes]
+    # (An offloaded optimizer state's chunk is in memory_bytes; the search's limit is the cap less it: straight_plan.)
+    over = [s for s in stages if footprint and s.memory_bytes > hierarchy.memory_bytes + offload_bytes(options.memory)]
     if over:
         worst = max(over, key=lambda s: s.memory_bytes)
         raise InfeasibleError(

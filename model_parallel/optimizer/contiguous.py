@@ -20,7 +20,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import LOOP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.plan import Hierarchy, Plan
 from model_parallel.optimizer.loop import loop_rank_plan, v_rank_plan
-from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, plan_footprint
+from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, offload_bytes, plan_footprint
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
@@ -65,7 +65,8 @@ def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[
     priced = priced_graph(graph)
     if memory_per_worker is not None:
         options = replace(options, use_memory_constraint=True, memory_model="footprint", footprint=footprint or Footprint())
-        hierarchy = replace(hierarchy, memory_bytes=float(memory_per_worker))
+        # An offloaded optimizer state's chunk is a constant per stage: the search bounds the rest (memory.offload_bytes).
+        hierarchy = replace(hierarchy, memory_bytes=float(memory_per_worker) - offload_bytes(options.memory))
         try:
             plan = partition(priced, hierarchy, options)
         except InfeasibleError:
@@ -81,12 +82,14 @@ def _no_fit(priced: Graph, num_stages: int, limit: float, options: PartitionOpti
     split that needs least, sent and received values included)."""
     footprint = options.memory
     states = prefix_states(preprocess(priced, "footprint", footprint.schedule in ZERO_BUBBLE_SCHEDULES))
-    need = smallest_memory(states, num_stages, footprint)
+    constant = offload_bytes(footprint)  # an offloaded optimizer state's chunk, on top of the search's sums
+    need = smallest_memory(states, num_stages, footprint) + constant
     settings = f"{footprint.optimizer}, {footprint.schedule}, {footprint.microbatches or num_stages} microbatches"
     if not math.isfinite(need):
         return f"cannot split the graph into {num_stages} stages at all ({states.num_states} cut points)"
     try:  # the peak the plan reports adds boundary values to what the search checked
-        fitting = partition(priced, Hierarchy.from_lists([num_stages], memory_bytes=need * (1 + 1e-9)), options)
+        fitting = partition(priced, Hierarchy.from_lists([num_stages], memory_bytes=(need - constant) * (1 + 1e-9)),
+                            options)
         need = max(need, max(s.memory_bytes for s in fitting.stages))
     except InfeasibleError:
         pass

@@ -59,12 +59,15 @@ class Footprint:
     - `microbatches`: m per minibatch; None = as many as the pipeline has ranks (1F1B then never caps).
     - `activation_scale`: one microbatch's activations / the profiled ones (microbatch size / profiled
       batch size; 1.0 when the graph was profiled at the microbatch size).
+    - `offload_chunk`: the optimizer state is offloaded (runtime/step/offload.py, `RunOptions.offload_optimizer`): a
+      stage holds at most this many bytes of it (during its update), not k W. None: in memory.
     """
 
     optimizer: str = "sgd_momentum"
     schedule: str = "1f1b"
     microbatches: Optional[int] = None
     activation_scale: float = 1.0
+    offload_chunk: Optional[float] = None  # bytes of optimizer state in memory at once when it lives on disk
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE:
@@ -76,10 +79,26 @@ class Footprint:
         scale = self.activation_scale
         if not (math.isfinite(scale) and scale > 0):
             raise PlanError(f"activation_scale (microbatch size / profiled batch size) must be > 0, got {scale}")
+        chunk = self.offload_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not (math.isfinite(chunk) and chunk > 0)):
+            raise PlanError(f"offload_chunk must be bytes > 0 (or None: the optimizer state in memory), got {chunk!r}")
+
+    @property
+    def state_multiplier(self) -> int:
+        """k: the optimizer state's bytes per parameter byte priced with the parameters (0 when offloaded:
+        the chunk is a constant, `resident_state`)."""
+        return 0 if self.offload_chunk is not None else OPTIMIZER_STATE[self.optimizer]
+
+    def resident_state(self, parameters: float) -> float:
+        """Bytes of optimizer state a stage of `parameters` bytes holds at its peak: k W, or offloaded at most a chunk."""
+        whole = float(OPTIMIZER_STATE[self.optimizer] * parameters)
+        return whole if self.offload_chunk is None else min(whole, float(self.offload_chunk))
+
 
     def to_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer, "schedule": self.schedule, "microbatches": self.microbatches,
-                "activation_scale": self.activation_scale}
+                "activation_scale": self.activation_scale,
+                **({"offload_chunk": self.offload_chunk} if self.offload_chunk is not None else {})}
 
 
 MemoryModel = Union[str, Footprint]  # a legacy model's name, or the footprint
@@ -103,7 +122,14 @@ def multipliers(model: MemoryModel, num_ranks: int, ranks_before: int, replicas:
         return factor, factor
     flight = in_flight(model, num_ranks, ranks_before, replicas)
     versions = flight if model.schedule == "pipedream" else 0
-    return model.activation_scale * flight, float(2 + OPTIMIZER_STATE[model.optimizer] + versions)
+    return model.activation_scale * flight, float(2 + model.state_multiplier + versions)
+
+
+def offload_bytes(model: MemoryModel) -> float:
+    """The constant a stage holds on top of `stage_bytes`: its offloaded optimizer state's chunk (an upper bound of
+    `Footprint.resident_state`), 0 when the state is in memory. The solvers compare `stage_bytes` with the cap less
+    this (contiguous.straight_plan), the plans report `stage_bytes` plus this (assemble.py)."""
+    return float(model.offload_chunk) if isinstance(model, Footprint) and model.offload_chunk is not None else 0.0
 
 
 def stage_bytes(factors: tuple[float, float], activation: Any, parameters: Any) -> Any:
@@ -124,12 +150,14 @@ def footprint_parts(model: MemoryModel, activation: float, parameters: float, nu
     parts = {
         "parameters": float(parameters),
         "gradients": float(parameters),
-        "optimizer_state": float(OPTIMIZER_STATE[model.optimizer] * parameters),
+        "optimizer_state": model.resident_state(parameters),
         "weight_stash": float((flight if model.schedule == "pipedream" else 0) * parameters),
         "activations": float(model.activation_scale * flight * activation),
         "in_flight": float(flight),
     }
-    parts["total"] = float(stage_bytes(factors, activation, parameters))
+    # Offloaded, the state is not in the parameters' multiplier: its chunk is added here.
+    offloaded = parts["optimizer_state"] if model.offload_chunk is not None else 0.0
+    parts["total"] = float(stage_bytes(factors, activation, parameters)) + offloaded
     return parts
 
 

@@ -116,6 +116,15 @@ class RunOptions:
     measure_memory: bool = False
     eval_every: int = 0  # steps between validations on the engine's eval data (0: none; also after the last step)
     eval_steps: int = 4  # minibatches per validation
+    # Optimizer state in files under <offload_optimizer>/rank<N>/, stepped in chunks of at most offload_chunk_mb MB of
+    # state (runtime/step/offload.py; exact: the same parameters as without). The footprint prices the chunk, not the state.
+    offload_optimizer: Optional[str] = None
+    offload_chunk_mb: float = 64.0
+
+    @property
+    def offload_chunk_bytes(self) -> Optional[int]:
+        """Bytes of optimizer state in memory at once when the state is offloaded (None: not offloaded)."""
+        return int(self.offload_chunk_mb * 1e6) if self.offload_optimizer else None
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -125,5 +134,8 @@ class RunOptions:
         if self.eval_every < 0 or self.eval_steps < 1:
             raise ConfigError(f"eval_every must be >= 0 (0: no validation) and eval_steps >= 1, got {self.eval_every} "
                               f"and {self.eval_steps}")
+        if not self.offload_chunk_mb > 0:
+            raise ConfigError(f"offload_chunk_mb must be > 0 MB of optimizer state in memory at once, got "
+                              f"{self.offload_chunk_mb}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1 (the one to resume from), got {self.keep_checkpoints}")

@@ -238,6 +238,11 @@ class PipelineEngine(TrainingLoop):
         stage = prepared.stage
         if params := list(stage.parameters()):
             prepared.optimizer = self.optimizer_factory(params)
+            if self.options.offload_optimizer:  # the state lives in files from now on (runtime/step/offload.py)
+                from model_parallel.runtime.step.offload import attach
+
+                attach(prepared.optimizer, os.path.join(self.options.offload_optimizer, f"rank{self.rank}"),
+                                 int(self.options.offload_chunk_bytes or 0))
             if optimizer_state:
                 from model_parallel.runtime.checkpoint.store import load_optimizer_state_by_name
 

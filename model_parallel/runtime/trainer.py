@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, Optional, TypedDict
 
 import torch
 from torch import nn
@@ -72,7 +72,7 @@ class SingleProcessRunner:
     so a plan runs here exactly when it runs on several ranks."""
 
     def __init__(self, graph: Graph, plan: Plan, model: nn.Module, criterion: Callable, optimizer_factory: OptimizerFactory,
-                 dataset: Any, config: TrainConfig, initializer: Any = None) -> None:
+                 dataset: Any, config: TrainConfig, initializer: Any = None, offload: Optional[tuple[str, int]] = None) -> None:
         from model_parallel.codegen.build import build_stages
         from model_parallel.runtime.build.materialize import Initializer, materialize_model
         from model_parallel.runtime.build.stages import layer_modules
@@ -96,6 +96,12 @@ class SingleProcessRunner:
             # Every stage updates on its own after each microbatch: one optimizer per stage.
             self.stage_optimizers = [optimizer_factory(list(s.parameters())) if list(s.parameters()) else None
                                      for s in self.stages]
+        if offload is not None:  # (directory, chunk bytes): the optimizers' state in files (runtime/step/offload.py)
+            from model_parallel.runtime.step.offload import attach
+
+            for optimizer in [self.optimizer, *getattr(self, "stage_optimizers", [])]:
+                if optimizer is not None:
+                    attach(optimizer, offload[0], offload[1])
 
     def _batch(self, step: int) -> tuple[Any, Any]:
         """Minibatch `step`, on the stages' device."""

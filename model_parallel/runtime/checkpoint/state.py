@@ -57,13 +57,18 @@ def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
+    from model_parallel.runtime.step.offload import offload_of, optimizer_state_items
+
+    # Offloaded, the state tensors are read from disk one parameter at a time into fresh tensors: no second copy.
+    fresh = offload_of(optimizer) is not None
     by_id = {id(p): name for name, p in named_params.items()}
     out: dict[str, dict[str, Any]] = {}
-    for param, state in optimizer.state.items():
+    for param, state in optimizer_state_items(optimizer):
         name = by_id.get(id(param))
         if name is None:
             continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
-        out[name] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        out[name] = {k: (v.detach().cpu() if fresh and v.dim() > 0 else v.detach().cpu().clone())
+                     if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return out
 
 
@@ -75,8 +80,12 @@ def load_optimizer_state_by_name(
 
     Names absent from `state` keep no state (e.g. a checkpoint taken before the first step). With
     `copy=False` tensors already on the right device are taken over, not cloned: a plan switch hands
-    over the state it owns, and a clone would hold the whole optimizer state twice at that moment.
+    over the state it owns, and a clone would hold the whole optimizer state twice at that moment. An offloaded
+    optimizer's (runtime/step/offload.py) each parameter's state goes to its files as soon as it is installed.
     """
+    from model_parallel.runtime.step.offload import offload_of
+
+    offload = offload_of(optimizer)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for name, param in named_params.items():
         entry = state.get(name)
@@ -93,7 +102,10 @@ def load_optimizer_state_by_name(
                 restored[key] = value.to("cpu" if on_cpu else param.device)
             else:
                 restored[key] = value
-        optimizer.state[param] = restored
+        if offload is not None:
+            offload.load(optimizer, param, restored)
+        else:
+            optimizer.state[param] = restored
 
 
 def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -31,7 +31,8 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
 def state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
     """Bytes of the storages behind `module`'s parameters, their gradients and the optimizer's state
     (each storage counted once: tied parameters share one). `optimizer_state` counts the state tensors
-    shaped like their parameter (momentum, Adam's moments), `optimizer_scalars` the rest (Adam's step)."""
+    shaped like their parameter (momentum, Adam's moments), `optimizer_scalars` the rest (Adam's step). With its state
+    offloaded (runtime/step/offload.py) `optimizer_state` is the most one chunk of the update held, what is resident then."""
     seen: set[int] = set()
     out = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "optimizer_scalars": 0}
 
@@ -52,6 +53,11 @@ def state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     add("optimizer_state" if value.shape == param.shape else "optimizer_scalars", value)
+        from model_parallel.runtime.step.offload import offload_of
+
+        if (offload := offload_of(optimizer)) is not None:  # on disk between updates: the most one chunk held in memory
+            # (during an update the chunk in `optimizer.state` was counted above: it is part of that peak, not beside it)
+            out["optimizer_state"] = max(out["optimizer_state"], offload.peak_state_bytes)
     return out
 
 

@@ -23,10 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 def predicted(graph: Graph, plan: Plan, optimizer: str, momentum: float, schedule: str, microbatches: int,
-              microbatch_size: int) -> list[dict[str, float]]:
-    """Per stage, the footprint's bytes by kind for this run's optimizer, schedule and microbatches.
-    Activations scale by microbatch size / the graph's profiled `batch_size` (1.0 when it records none)."""
-    model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, activation_scale(graph, microbatch_size))
+              microbatch_size: int, offload_chunk: Optional[float] = None) -> list[dict[str, float]]:
+    """Per stage, the footprint's bytes by kind for this run's optimizer, schedule and microbatches (and its
+    offloaded optimizer state's chunk, `RunOptions.offload_chunk_bytes`). Activations scale by microbatch size /
+    the graph's profiled `batch_size` (1.0 when it records none)."""
+    model = Footprint(optimizer_kind(optimizer, momentum), schedule, microbatches, activation_scale(graph, microbatch_size),
+                      offload_chunk)
     return plan_footprint(graph, plan, model)
 
 

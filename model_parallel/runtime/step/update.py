@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from model_parallel.errors import ConfigError
+from model_parallel.runtime.step.offload import step_optimizer
 
 
 def lr_factor(schedule: str, step: int) -> float:
@@ -71,6 +72,6 @@ def apply_update(optimizer: torch.optim.Optimizer, step: int, *, lr_schedule: st
         if coef < 1.0:
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
     lr = set_lr(optimizer, lr_schedule, step)
-    optimizer.step()
+    step_optimizer(optimizer)  # chunked through the disk where the state is offloaded (runtime/step/offload.py)
     optimizer.zero_grad(set_to_none=True)
     return lr

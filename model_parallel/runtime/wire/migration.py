@@ -58,6 +58,7 @@ from model_parallel.runtime.build.stages import layer_owners
 from model_parallel.runtime.build.tied import expand_state
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.tracing import Tracer
+from model_parallel.runtime.step.offload import optimizer_state_items
 from model_parallel.runtime.plancheck import check_plan, check_switchable
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import agree
@@ -198,7 +199,9 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
         # optimizer takes the kept ones over; a rollback keeps the old one), and a copy would be a second
         # optimizer state in memory.
         by_id = {id(p): name for name, p in engine.stage.named_parameters()}
-        opt_state = {by_id[id(p)]: dict(state) for p, state in engine.optimizer.state.items() if id(p) in by_id}
+        # Offloaded (runtime/step/offload.py): read from its files, the moving rank's whole state at once, as without.
+        opt_state = {by_id[id(p)]: dict(state) for p, state in optimizer_state_items(engine.optimizer)
+                     if id(p) in by_id}
         # A tied Parameter is named once per stage: under every key of the tie, so it travels (and is
         # found again) under whichever key the sending and receiving stages hold it by.
         opt_state = expand_state(engine.graph, opt_state)
