@@ -34,7 +34,7 @@ CONFIG = TrainConfig(batch_size=BATCH, num_microbatches=MICROBATCHES, lr_schedul
 
 
 def adamw(params: list) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-6)  # eps >= 1e-6: the house oracle rule
 
 
 def train(rank: int, out: Path, steps: int, offload: bool, resume: bool = False, switch: bool = False,
