@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +186,9 @@ def save_pretrained_sharded(model: Any, graph: Graph, stage_state: Mapping[str, 
     if rank == 0:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+            # mkdir, not mkdtemp: the directory becomes the user's, with the umask's mode as transformers' would
+            staging = str(out.parent / f".{out.name}.{secrets.token_hex(6)}.partial")
+            os.mkdir(staging)
         except OSError as error:
             failure = _cause(error)
     _agree_or_raise(failure, group, timeout, "making the temporary directory beside the target")
