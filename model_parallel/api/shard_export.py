@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import secrets
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["save_pretrained_sharded", "TensorEntry", "shard_layout", "hf_kept_keys"]
 
 INDEX_NAME = "model.safetensors.index.json"
+_WEIGHTS_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # what a save writes (and may leave stale)
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,7 @@ def _move_into_place(tmp: Path, out: Path, weights: set[str]) -> None:
     for name in sorted(names, key=lambda n: n == INDEX_NAME):
         os.replace(tmp / name, out / name)
     for stale in out.iterdir():
-        if stale.name.startswith("model") and stale.name.endswith(".safetensors") and stale.name not in weights:
+        if _WEIGHTS_FILE.fullmatch(stale.name) and stale.name not in weights:
             stale.unlink()
     if len(weights) == 1:
         (out / INDEX_NAME).unlink(missing_ok=True)
