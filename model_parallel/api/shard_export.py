@@ -162,10 +162,16 @@ def save_pretrained_sharded(model: Any, graph: Graph, stage_state: Mapping[str, 
     rank's `stage_state` (stage-module names). Returns the directory on every rank once it is in place."""
     import torch.distributed as dist
 
+    from model_parallel import jsonbound
     from model_parallel.api.export import hf_config_and_class
+    from model_parallel.runtime.wire.agreement import broadcast_json
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    failure, target, kept, mine = None, None, {}, {}
+    failure: Optional[str] = None
+    target: Any = None  # the model on meta: names, shapes, ties
+    kept: dict[str, str] = {}
+    mine: dict[str, torch.Tensor] = {}
+    local: Optional[Exception] = None  # this rank's own error, chained to what every rank raises
     try:
         limit = parse_shard_size(max_shard_size)
         config, cls = hf_config_and_class(model)
@@ -174,14 +180,12 @@ def save_pretrained_sharded(model: Any, graph: Graph, stage_state: Mapping[str, 
         kept = hf_kept_keys(target)
         mine = local_tensors(graph, stage_state, kept, model, rank)
     except Exception as error:  # noqa: BLE001 - every rank must hear it, or the others wait for this one
-        failure = _cause(error)
-    _agree_or_raise(failure, group, timeout, "naming its tensors")
+        failure, local = _cause(error), error
+    _agree_or_raise(failure, group, timeout, "naming its tensors", local)
     entries = _exchange(entries_of(mine), rank, world, group, timeout)
     shapes = {key: tuple(value.shape) for key, value in target.state_dict().items()}
     order = list(dict.fromkeys(kept.values()))
     shards = shard_layout(order, entries, limit, {key: shapes[key] for key in order})
-
-    from model_parallel.runtime.wire.agreement import broadcast_json
 
     out = Path(directory)
     staging, failure = "", None
@@ -192,10 +196,8 @@ def save_pretrained_sharded(model: Any, graph: Graph, stage_state: Mapping[str, 
             staging = str(out.parent / f".{out.name}.{secrets.token_hex(6)}.partial")
             os.mkdir(staging)
         except OSError as error:
-            failure = _cause(error)
-    _agree_or_raise(failure, group, timeout, "making the temporary directory beside the target")
-    from model_parallel import jsonbound
-
+            failure, local = _cause(error), error
+    _agree_or_raise(failure, group, timeout, "making the temporary directory beside the target", local)
     tmp = Path(str(jsonbound.loads(broadcast_json(json.dumps(staging), 0, group, timeout), where="rank 0's directory",
                                    error=CheckpointError)))
     try:
@@ -205,8 +207,9 @@ def save_pretrained_sharded(model: Any, graph: Graph, stage_state: Mapping[str, 
             try:
                 _finish(target, shards, [e for listed in entries for e in listed], tmp, out)
             except Exception as error:  # noqa: BLE001
-                failure = _cause(error)
-        _agree_or_raise(failure, group, timeout, "writing the index and config and moving the files into place")
+                failure, local = _cause(error), error
+        _agree_or_raise(failure, group, timeout, "writing the index and config and moving the files into place", local,
+                        untouched=False)  # into an existing directory some files may have moved
     finally:
         if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -220,14 +223,15 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"
 
 
-def _agree_or_raise(failure: Optional[str], group: Any, timeout: float, what: str) -> None:
+def _agree_or_raise(failure: Optional[str], group: Any, timeout: float, what: str,
+                    local: Optional[Exception] = None, untouched: bool = True) -> None:
     from model_parallel.runtime.wire.agreement import agree
 
     causes = agree(failure, group, timeout, f"save_pretrained: {what}")
     if causes:
         named = "; ".join(f"rank {r}: {cause}" for r, cause in sorted(causes.items()))
-        raise CheckpointError(f"save_pretrained failed {what} on rank(s) {sorted(causes)} ({named}); nothing was "
-                              "written to the target directory")
+        after = "; nothing was written to the target directory" if untouched else ""
+        raise CheckpointError(f"save_pretrained failed {what} on rank(s) {sorted(causes)} ({named}){after}") from local
 
 
 def _exchange(mine: list[TensorEntry], rank: int, world: int, group: Any, timeout: float) -> list[list[TensorEntry]]:
