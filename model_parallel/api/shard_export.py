@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from model_parallel.errors import CheckpointError, ConfigError
+from model_parallel.errors import CheckpointError, ConfigError, ModelParallelError
 from model_parallel.graph.core import STATE_ALIASES, Graph
 
 logger = logging.getLogger(__name__)
@@ -225,9 +225,14 @@ def _cause(error: BaseException) -> str:
 
 def _agree_or_raise(failure: Optional[str], group: Any, timeout: float, what: str,
                     local: Optional[Exception] = None, untouched: bool = True) -> None:
+    import torch.distributed as dist
+
     from model_parallel.runtime.wire.agreement import agree
 
     causes = agree(failure, group, timeout, f"save_pretrained: {what}")
+    if isinstance(local, ModelParallelError) and len(causes) == dist.get_world_size(group) \
+            and len(set(causes.values())) == 1:
+        raise local  # every rank refused alike (not a Hugging Face model, a bad max_shard_size): the error itself
     if causes:
         named = "; ".join(f"rank {r}: {cause}" for r, cause in sorted(causes.items()))
         after = "; nothing was written to the target directory" if untouched else ""

@@ -163,7 +163,8 @@ def test_save_pretrained_on_several_processes_writes_each_stage_on_its_rank(tmp_
     """Each rank holds one stage and writes only its own shards, rank 0 the index and config: what transformers'
     save_pretrained writes (keys, a tie split across the ranks stored once, total_size, config), bitwise the stages'
     values (GPT-2 and T5 tied, Llama untied; with 3 ranks GPT-2's stage 0 replicated: written once); a write that
-    fails on one rank fails the call on every rank, naming that rank, and leaves no directory."""
+    fails on one rank fails the call on every rank, naming that rank, and leaves no directory; one every rank
+    refuses alike (a bad max_shard_size) raises that error itself (ConfigError) on every rank."""
     import dataclasses
     import sys
 
@@ -227,5 +228,6 @@ def test_save_pretrained_on_several_processes_writes_each_stage_on_its_rank(tmp_
             message = (tmp_path / f"{name}-broken.rank{rank}.txt").read_text()
             assert message.startswith("CheckpointError: save_pretrained failed writing its shards on rank(s) [1]")
             assert "No space left on device (injected)" in message
+            assert message.splitlines()[-1].startswith("ConfigError: max_shard_size '5 parsecs'")
         assert not (tmp_path / f"{name}-broken").exists()
         assert not list(tmp_path.glob(f".{name}-broken.*"))  # the temporary directory removed too

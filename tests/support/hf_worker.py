@@ -42,10 +42,10 @@ def config(schedule: str = "1f1b") -> TrainConfig:
 
 
 def _save_failing_on_rank_1(trainer: PipelineTrainer, rank: int, target: Path) -> None:
-    """A save whose shard write fails on rank 1: every rank must raise naming rank 1; its error goes to
-    `target`.rank<R>.txt (the test reads it), and nothing may appear at `target`."""
+    """A save whose shard write fails on rank 1 (every rank must raise naming rank 1), then one every rank refuses
+    (a bad max_shard_size); the errors go to `target`.rank<R>.txt (the test reads it); nothing may appear at `target`."""
     from model_parallel.api import shard_export
-    from model_parallel.errors import CheckpointError
+    from model_parallel.errors import CheckpointError, ConfigError
 
     original = shard_export._write_shards
     if rank == 1:
@@ -57,6 +57,10 @@ def _save_failing_on_rank_1(trainer: PipelineTrainer, rank: int, target: Path) -
         message = f"CheckpointError: {error}"
     finally:
         shard_export._write_shards = original
+    try:  # refused alike on every rank: the error itself, not a CheckpointError
+        trainer.save_pretrained(target, max_shard_size="5 parsecs")
+    except ConfigError as error:
+        message += f"\nConfigError: {error}"
     target.with_name(f"{target.name}.rank{rank}.txt").write_text(message)
 
 
