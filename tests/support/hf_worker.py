@@ -41,6 +41,10 @@ def config(schedule: str = "1f1b") -> TrainConfig:
     return TrainConfig(batch_size=BATCH, num_microbatches=MICROBATCHES, schedule=schedule)
 
 
+def _no_gather(*args: object) -> None:
+    raise AssertionError("save_pretrained on several ranks gathered the whole model")
+
+
 def _save_failing_on_rank_1(trainer: PipelineTrainer, rank: int, target: Path) -> None:
     """A save whose shard write fails on rank 1 (every rank must raise naming rank 1), then one every rank refuses
     (a bad max_shard_size); the errors go to `target`.rank<R>.txt (the test reads it); nothing may appear at `target`."""
@@ -94,7 +98,13 @@ def main() -> None:
                     "plan_version": trainer.runner.plan.version,
                     "memory": report.stage_rows() if report is not None else None}, out / f"{name}-rank{rank}.pt")
         if "save_pretrained" in flags:
-            trainer.save_pretrained(out / f"{name}-hf", max_shard_size=20_000)
+            from model_parallel.api import export
+
+            gather, export.gather_state = export.gather_state, _no_gather  # no rank may hold another's stage
+            try:
+                trainer.save_pretrained(out / f"{name}-hf", max_shard_size=20_000)
+            finally:
+                export.gather_state = gather
             _save_failing_on_rank_1(trainer, rank, out / f"{name}-broken")
         trainer.close()
         print(f"[rank {rank}] {name}: trained {len(results)} steps", flush=True)
