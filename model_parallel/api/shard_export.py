@@ -12,7 +12,8 @@ What transformers' own `save_pretrained` writes, for a model no single process h
    safetensors' writer (metadata {"format": "pt"});
 4. every rank's verdict (`agree`): on success rank 0 writes config.json (+ generation_config.json), the index
    (`metadata.total_size`, `total_parameters`) and moves the files into place; a failure anywhere raises
-   `CheckpointError` on every rank, naming the ranks that failed and why.
+   `CheckpointError` on every rank, naming the ranks that failed and why (a refusal every rank makes alike, such as
+   a model that is not a Hugging Face one, is that error itself, a `ConfigError`).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def local_tensors(graph: Graph, stage_state: Mapping[str, torch.Tensor], kept: M
         out.setdefault(kept[key], value.detach())
     owned = {kept[k] for k in [*state_key_map(graph), *(graph.metadata.get(STATE_ALIASES) or {})] if k in kept}
     unowned = [key for key in dict.fromkeys(kept.values()) if key not in owned]
-    if unowned:  # every rank checks: the same verdict everywhere, before any collective
+    if unowned:  # every rank checks, so a refusal is the same everywhere
         reference = model.state_dict()
         unfilled = [key for key in unowned if reference[key].is_meta]
         if unfilled:
