@@ -125,8 +125,8 @@ def shard_layout(order: Sequence[str], entries: Sequence[Sequence[TensorEntry]],
                 owner[entry.key], holder[entry.key] = rank, entry
     missing = [key for key in order if key not in owner]
     if missing:
-        raise CheckpointError(f"no rank holds {len(missing)} tensor(s) of the model, e.g. {missing[:3]}; every "
-                              "stage's rank must call save_pretrained")
+        raise CheckpointError(f"no rank holds {len(missing)} tensor(s) of the model, e.g. {missing[:3]}: the stages "
+                              "do not cover the model; was the graph traced from another model or config?")
     groups: list[tuple[int, list[str]]] = []
     for rank in range(len(entries)):
         size = 0

@@ -37,7 +37,7 @@ def test_one_file_is_named_as_transformers_names_an_unsharded_model() -> None:
 
 
 def test_a_tensor_no_rank_holds_or_the_model_lacks_is_refused() -> None:
-    with pytest.raises(CheckpointError, match=r"no rank holds 1 tensor\(s\) of the model, e.g. \['b'\]"):
+    with pytest.raises(CheckpointError, match=r"no rank holds 1 tensor\(s\) of the model, e.g. \[.b.\]: the stages"):
         shard_layout(["a", "b"], [[_e("a", 8)], []], 1000, {"a": (1,), "b": (1,)})
     with pytest.raises(CheckpointError, match="rank 1 holds 'z', which the model does not store"):
         shard_layout(["a"], [[_e("a", 8)], [_e("z", 8)]], 1000, {"a": (1,)})
