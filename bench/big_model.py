@@ -20,6 +20,8 @@
    reads only its stage's tensors.
 4. Control: one process under the same cap materializes the whole model and runs one AdamW step; it is
    expected to fail with an allocation error.
+5. Export: the capped ranks `trainer.save_pretrained(<tmp>/export)` (each writes its own stage's shards); the
+   uncapped parent loads it with `from_pretrained` and compares every tensor's sha256 with the rank that trained it.
 
 Per rank: the footprint's predicted peak (optimizer/memory.py) next to the measured one (parameters +
 gradients + AdamW state held + the peak of what microbatches in flight keep for backward,
@@ -175,6 +177,7 @@ def worker(args: argparse.Namespace) -> None:
             "plan_stage_parameters": [int(sum(engine.graph[n].parameter_size for n in s.node_ids) // 4)
                                       for s in engine.plan.stages],
         })
+        report.update(export(trainer, tmp, args.rank, report["baseline_rss_bytes"]))
         trainer.close()
     except (MemoryError, RuntimeError, ValueError) as error:  # our errors are ValueErrors/RuntimeErrors too
         report.update({"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
@@ -185,6 +188,66 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
     else:
         os._exit(0)  # peers are blocked on this rank; the launcher's deadline reaps them
+
+
+# ---- the trained model out: each capped rank writes its stage's shards, the uncapped parent loads them ----------
+def export(trainer, tmp: Path, rank: int, baseline_rss: int) -> dict:
+    """`trainer.save_pretrained(tmp/export)` on this capped rank (each rank writes only its stage's shards), and a
+    sha256 per tensor of its stage in the original names (tmp/export-sha256-rank<R>.json) for the parent to compare.
+    The RSS peak is reset first (/proc/self/clear_refs 5), so `export_peak_rss_bytes` is the export's own."""
+    import hashlib
+
+    from model_parallel.codegen.naming import original_state_from_stage
+    from model_parallel.fileio import atomic_write_json
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux: the peak then is the run's, not the export's alone
+        pass
+    before = status_bytes("VmRSS") - baseline_rss
+    try:
+        started = time.monotonic()
+        trainer.save_pretrained(tmp / "export")
+        seconds = time.monotonic() - started
+    except (MemoryError, RuntimeError, ValueError) as error:
+        return {"export_error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    state = original_state_from_stage(trainer.graph, trainer.runner.named_state())
+    atomic_write_json(tmp / f"export-sha256-rank{rank}.json",  # hashed in place: no copy of a tensor
+                      {k: hashlib.sha256(v.detach().contiguous().numpy()).hexdigest() for k, v in state.items()})
+    return {"export_seconds": round(seconds, 1), "export_rss_before_bytes": before,
+            "export_peak_rss_bytes": status_bytes("VmHWM") - baseline_rss}
+
+
+def check_export(tmp: Path, world: int) -> dict:
+    """In the uncapped parent: `from_pretrained(tmp/export)` with no missing or unexpected key, every tensor's sha256
+    that of the rank that trained it."""
+    import hashlib
+
+    import model_parallel  # noqa: F401  (the torchvision repair before transformers)
+    import transformers
+
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp / "export", output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as error:
+        return {"ok": False, "error": f"from_pretrained: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    trained: dict = {}
+    for rank in range(world):
+        path = tmp / f"export-sha256-rank{rank}.json"
+        trained.update(json.loads(path.read_text()) if path.is_file() else {})
+    loaded = model.state_dict()
+    different = sorted(k for k in trained if k not in loaded
+                       or hashlib.sha256(loaded[k].contiguous().numpy()).hexdigest() != trained[k])
+    files = len(list((tmp / "export").glob("*.safetensors")))
+    ok = not info["missing_keys"] and not info["unexpected_keys"] and set(trained) == set(loaded) and not different
+    return {"ok": ok, "tensors": len(loaded), "files": files, "missing": sorted(info["missing_keys"])[:3],
+            "unexpected": sorted(info["unexpected_keys"])[:3], "different": different[:3],
+            "untrained": sorted(set(loaded) - set(trained))[:3]}
+
+
+def export_line(result: dict) -> str:
+    if result.get("ok"):
+        return f"exported: {result['tensors']} tensors in {result['files']} files, from_pretrained loads it, values equal"
+    return f"export FAILED: {json.dumps(result)}"
 
 
 def control(args: argparse.Namespace) -> None:
@@ -269,6 +332,7 @@ def main() -> int:
         commands = [[sys.executable, __file__, "--role", "worker", "--rank", str(r), "--port", str(port), *_flags(args)]
                     for r in range(args.world)]
         ranks = result_rows(launch(commands, timeout=args.timeout, env=env), RESULT)
+        exported = check_export(Path(name), args.world)
         whole = result_rows(launch([[sys.executable, __file__, "--role", "control", *_flags(args)]], timeout=300, env=env),
                             RESULT)[0]
     load_after = os.getloadavg()
@@ -279,7 +343,7 @@ def main() -> int:
             row["meets_prediction_goal"] = abs(row["prediction_error"]) <= 0.15
     cap = args.memory_per_worker * GB
     out_of_memory = ("MemoryError", "RuntimeError", "OSError")  # an allocation refused, not a crash of the bench
-    summary = {"trained": all(r.get("ok") for r in ranks),
+    summary = {"trained": all(r.get("ok") for r in ranks), "exported": exported.get("ok", False),
                "control_failed": not whole.get("ok") and str(whole.get("error", "")).startswith(out_of_memory),
                "rss_goal_met": all(r.get("meets_rss_goal") for r in ranks),
                "prediction_goal_met": all(r.get("meets_prediction_goal") for r in ranks),
@@ -288,7 +352,8 @@ def main() -> int:
     out = {"settings": {k: v for k, v in vars(args).items() if k not in ("role", "rank", "port", "tmp")},
            "model": model, "machine": platform.platform(), "cpus": os.cpu_count(),
            "load_average_before": load_before, "load_average_after": load_after,
-           "seconds": round(time.monotonic() - start, 1), "summary": summary, "ranks": ranks, "whole_model_control": whole}
+           "seconds": round(time.monotonic() - start, 1), "summary": summary, "ranks": ranks, "whole_model_control": whole,
+           "export": exported}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, out)
     if args.snapshot:
@@ -304,12 +369,19 @@ def main() -> int:
               f"{'met' if row['meets_rss_goal'] else 'MISSED'}, prediction {'met' if row['meets_prediction_goal'] else 'MISSED'}")
     if "tail" in whole:
         print(whole["tail"])
+    print(export_line(exported))
+    for row in ranks:
+        if "export_peak_rss_bytes" in row:
+            print(f"rank {row['rank']} export: {row['export_seconds']} s, peak RSS {row['export_peak_rss_bytes'] / GB:.3f} "
+                  f"GB (RSS {row['export_rss_before_bytes'] / GB:.3f} GB before it; both above the rank's baseline)")
+        elif "export_error" in row:
+            print(f"rank {row['rank']} export: FAILED {row['export_error']}")
     print(f"whole-model control under the same cap: {'failed as expected: ' + whole.get('error', '') if not whole.get('ok') else 'DID NOT FAIL'}")
     print(f"whole model's fp32 params+grads+AdamW / one worker's cap: {summary['whole_over_cap']:.2f}x "
           f"({'optimizer state offloaded to disk' if args.offload_optimizer else 'all state in memory'})")
     print(f"machine load (1/5/15 min) before {load_before}, after {load_after} on {os.cpu_count()} CPUs")
     print(json.dumps(summary), f"-> {args.out}")
-    return 0 if summary["trained"] and summary["control_failed"] else 1
+    return 0 if summary["trained"] and summary["control_failed"] and summary["exported"] else 1
 
 
 if __name__ == "__main__":

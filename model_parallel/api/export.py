@@ -10,7 +10,9 @@ Stage modules name a parameter `layer1_0_conv1.weight` (codegen.naming); the ori
 exact; a key the unmodified model has and the graph does not own (a buffer forward never reads) is
 taken from the model when it holds real values, and otherwise refused by name: a silently missing key
 would load as garbage. Writing the Hugging Face format is left to transformers' own `save_pretrained`
-(ties stored once, shards, the index), on a copy of the model built on meta from the same config.
+(ties stored once, shards, the index), on a copy of the model built on meta from the same config. That needs the
+whole state in one process; `trainer.save_pretrained` on several ranks writes each stage where it lives instead
+(api/shard_export.py), and `gather_state` (every stage on every rank) serves `state_dict(original_names=True)` only.
 """
 from __future__ import annotations
 

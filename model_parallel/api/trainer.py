@@ -223,7 +223,8 @@ class PipelineTrainer:
     def state_dict(self, original_names: bool = False) -> dict[str, torch.Tensor]:
         """This process's stage state (all stages in single-process mode) by stage-module name; with
         `original_names`, the whole model's in the original model's names (collective on several ranks),
-        ready for `model.load_state_dict(state, strict=True)` (api/export.py)."""
+        ready for `model.load_state_dict(state, strict=True)` (api/export.py). That gathers EVERY stage onto
+        every rank: for a model bigger than one worker use `save_pretrained`, which never does."""
         local = self.runner.state_dict() if self.single_process else self.runner.named_state()
         if not original_names:
             return local
@@ -233,8 +234,10 @@ class PipelineTrainer:
         return original_state_dict(self.graph, whole, self._original)
 
     def save_pretrained(self, directory: Union[str, Path], max_shard_size: Union[int, str] = "5GB") -> Optional[Path]:
-        """Write the trained Hugging Face model as `from_pretrained` reads it (collective on several ranks;
-        rank 0 writes and returns the directory, the others None)."""
+        """Write the trained Hugging Face model as `from_pretrained` reads it. On several ranks a collective in
+        which each rank writes its own stage's shards and rank 0 the index and config (api/shard_export.py): no
+        rank holds more than its stage. Returns the directory on rank 0 (and in single-process mode), None on
+        the others."""
         import torch.distributed as dist
 
         from model_parallel.api.export import save_pretrained
@@ -242,10 +245,15 @@ class PipelineTrainer:
         if self._original is None:
             raise ModelParallelError("save_pretrained needs the Hugging Face model itself; for a graph or package call "
                                      "api.export.save_pretrained(config, trainer.state_dict(original_names=True), dir)")
-        state = self.state_dict(original_names=True)
-        if not self.single_process and dist.get_rank() != 0:
-            return None
-        return save_pretrained(self._original, state, directory, max_shard_size=max_shard_size)
+        if self.single_process:
+            return save_pretrained(self._original, self.state_dict(original_names=True), directory,
+                                   max_shard_size=max_shard_size)
+        from model_parallel.api.shard_export import save_pretrained_sharded
+
+        out = save_pretrained_sharded(self._original, self.graph, self.runner.named_state(), directory,
+                                      group=self.runner.control_group, timeout=self._timeout,
+                                      max_shard_size=max_shard_size)
+        return out if dist.get_rank() == 0 else None
 
 
 def _report_kind(built: Optional[torch.optim.Optimizer], factory: OptimizerFactory) -> Optional[str]:

@@ -1,6 +1,7 @@
 """The trained model out (issue 35 part 4): `trainer.state_dict(original_names=True)` loads strictly into
 the unmodified torchvision / timm / Hugging Face model, `trainer.save_pretrained(dir)` writes a directory
-`from_pretrained` reads with no missing or unexpected key and bitwise-equal values (ties stored once), and
+`from_pretrained` reads with no missing or unexpected key and bitwise-equal values (ties stored once; on several
+ranks each rank writes its own stage's shards, api/shard_export.py), and
 `model-parallel export` does both from a checkpoint directory without any worker."""
 from __future__ import annotations
 
@@ -157,33 +158,76 @@ def test_export_writes_a_checkpoint_out_without_workers(tmp_path: Path, capsys) 
 
 
 @pytest.mark.timeout(600)
-def test_save_pretrained_on_two_processes_gathers_every_stage(tmp_path: Path) -> None:
-    """Each rank holds one stage; `save_pretrained` is a collective: rank 0 writes the whole tied GPT-2."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_save_pretrained_on_several_processes_writes_each_stage_on_its_rank(tmp_path: Path, world: int) -> None:
+    """Each rank holds one stage and writes only its own shards, rank 0 the index and config: what transformers'
+    save_pretrained writes (keys, a tie split across the ranks stored once, total_size, config), bitwise the stages'
+    values (GPT-2 and T5 tied, Llama untied; with 3 ranks GPT-2's stage 0 replicated: written once); a write that
+    fails on one rank fails the call on every rank, naming that rank, and leaves no directory; one every rank
+    refuses alike (a bad max_shard_size) raises that error itself (ConfigError) on every rank."""
+    import dataclasses
     import sys
 
     from model_parallel.codegen.naming import original_state_from_stage
-    from model_parallel.graph.plan import write_plan
+    from model_parallel.graph.plan import Plan, write_plan
     from model_parallel.profiler.trace import trace_model
     from model_parallel.runtime.build.stages import even_plan
     from model_parallel.runtime.launch import free_port, launch
     from support import hf_worker as worker
 
-    case = CASES["gpt2"]
-    model = case.build(tie=True)
-    graph, _ = trace_model(model, case.example(worker.BATCH // worker.MICROBATCHES))
-    write_plan(even_plan(graph, 2), tmp_path / "gpt2+tied.plan.json")
+    names = {"gpt2+tied": CASES["gpt2"].build(tie=True)}
+    if world == 2:  # T5: one tensor under four keys, encoder and decoder
+        names.update({"llama": CASES["llama"].build(), "t5+tied": CASES["t5"].build(tie=True)})
+    graphs = {}
+    for name, model in names.items():
+        graphs[name], _ = trace_model(model, CASES[name.split("+")[0]].example(worker.BATCH // worker.MICROBATCHES))
+        plan = even_plan(graphs[name], 2)
+        if world == 3:
+            first, second = plan.stages
+            plan = Plan((dataclasses.replace(first, num_replicas=2, ranks=(0, 1)), dataclasses.replace(second, ranks=(2,))))
+        write_plan(plan, tmp_path / f"{name}.plan.json")
     script = Path(__file__).parents[1] / "support" / "hf_worker.py"
     port = free_port()
-    result = launch([[sys.executable, str(script), str(rank), "2", str(port), str(tmp_path), "gpt2+tied",
-                      "save_pretrained"] for rank in range(2)], timeout=400)
+    result = launch([[sys.executable, str(script), str(rank), str(world), str(port), str(tmp_path), ",".join(names),
+                      "save_pretrained"] for rank in range(world)], timeout=500)
     assert result.ok, result.summary()
-    stages = [torch.load(tmp_path / f"gpt2+tied-rank{rank}.pt", weights_only=True)["state"] for rank in range(2)]
-    assert all(stages)  # both ranks held part of the model
-    trained = original_state_from_stage(graph, {k: v for s in stages for k, v in s.items()})
-    back, info = type(model).from_pretrained(tmp_path / "gpt2+tied-hf", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    loaded, initial = back.state_dict(), _initial(model)
-    assert set(loaded) == set(trained) == set(initial)
-    assert all(torch.equal(loaded[k], trained[k]) for k in trained)  # bitwise: what the stages hold
-    assert not torch.equal(loaded["transformer.wte.weight"], initial["transformer.wte.weight"])  # trained
-    assert back.lm_head.weight is back.transformer.wte.weight
+    for name, model in names.items():
+        out = tmp_path / f"{name}-hf"
+        stages = [torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=True)["state"] for rank in range(world)]
+        assert all(stages)  # every rank held part of the model
+        held = [set(original_state_from_stage(graphs[name], s)) for s in stages]
+        assert len({frozenset(h) for h in held}) == 2  # two stages (with 3 ranks: ranks 0 and 1 hold the same)
+        trained = original_state_from_stage(graphs[name], {k: v for s in stages for k, v in s.items()})
+        back, info = type(model).from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        loaded, initial = back.state_dict(), _initial(model)
+        assert set(loaded) == set(trained) == set(initial)
+        assert all(torch.equal(loaded[k], trained[k]) for k in trained)  # bitwise: what the stages hold
+        assert any(not torch.equal(loaded[k], initial[k]) for k in trained)  # trained, not the initial model
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        files: dict[str, list[str]] = {}
+        for key, file in index["weight_map"].items():
+            files.setdefault(file, []).append(key)
+        assert len(files) > 2 and set(files) == {p.name for p in out.glob("model-*.safetensors")}
+        assert all(any(set(keys) <= h for h in held) for keys in files.values())  # a file is one rank's tensors
+        assert any(set(keys) <= held[0] - held[-1] for keys in files.values())  # both stages wrote their own
+        assert any(set(keys) <= held[-1] - held[0] for keys in files.values())
+        back.save_pretrained(tmp_path / f"{name}-reference", max_shard_size=20_000)  # what transformers writes
+        reference = json.loads((tmp_path / f"{name}-reference" / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(reference["weight_map"])  # the same tied keys dropped
+        assert index["metadata"] == reference["metadata"]  # total_size, total_parameters
+        for config in ("config.json", "generation_config.json"):
+            assert json.loads((out / config).read_text()) == json.loads(
+                (tmp_path / f"{name}-reference" / config).read_text())
+        if name.endswith("+tied"):  # tied: one tensor, stored once, one tensor again after loading
+            assert "lm_head.weight" not in index["weight_map"]
+            assert back.get_output_embeddings().weight is back.get_input_embeddings().weight
+        else:
+            assert "lm_head.weight" in index["weight_map"]
+        for rank in range(world):
+            message = (tmp_path / f"{name}-broken.rank{rank}.txt").read_text()
+            assert message.startswith("CheckpointError: save_pretrained failed writing its shards on rank(s) [1]")
+            assert "No space left on device (injected)" in message
+            assert message.splitlines()[-1].startswith("ConfigError: max_shard_size '5 parsecs'")
+        assert not (tmp_path / f"{name}-broken").exists()
+        assert not list(tmp_path.glob(f".{name}-broken.*"))  # the temporary directory removed too

@@ -6,7 +6,8 @@ stage state, one world for all cases (a process start with transformers and timm
 
 Reads `DIR/<case>.plan.json` (and, for a case with a live rebalance, `DIR/<case>.switch.json`, the plan
 rank 0's scripted controller switches to before step SWITCH_STEP); writes `DIR/<case>-rank<R>.pt`, with
-`save_pretrained` also the trained model as `DIR/<case>-hf/` (a collective: rank 0 writes), and with
+`save_pretrained` also the trained model as `DIR/<case>-hf/` (a collective: each rank writes its stage's shards)
+and a save that fails on rank 1 (`DIR/<case>-broken.rank<R>.txt`: each rank's error), and with
 `metrics` each rank's per-step records to `DIR/<case>.metrics.<R>.jsonl` (bench/models.py reads them).
 """
 from __future__ import annotations
@@ -40,6 +41,33 @@ def config(schedule: str = "1f1b") -> TrainConfig:
     return TrainConfig(batch_size=BATCH, num_microbatches=MICROBATCHES, schedule=schedule)
 
 
+def _no_gather(*args: object) -> None:
+    raise AssertionError("save_pretrained on several ranks gathered the whole model")
+
+
+def _save_failing_on_rank_1(trainer: PipelineTrainer, rank: int, target: Path) -> None:
+    """A save whose shard write fails on rank 1 (every rank must raise naming rank 1), then one every rank refuses
+    (a bad max_shard_size); the errors go to `target`.rank<R>.txt (the test reads it); nothing may appear at `target`."""
+    from model_parallel.api import shard_export
+    from model_parallel.errors import CheckpointError, ConfigError
+
+    original = shard_export._write_shards
+    if rank == 1:
+        shard_export._write_shards = lambda *args: "OSError: [Errno 28] No space left on device (injected)"
+    try:
+        trainer.save_pretrained(target, max_shard_size=20_000)
+        message = "no error"
+    except CheckpointError as error:
+        message = f"CheckpointError: {error}"
+    finally:
+        shard_export._write_shards = original
+    try:  # refused alike on every rank: the error itself, not a CheckpointError
+        trainer.save_pretrained(target, max_shard_size="5 parsecs")
+    except ConfigError as error:
+        message += f"\nConfigError: {error}"
+    target.with_name(f"{target.name}.rank{rank}.txt").write_text(message)
+
+
 def main() -> None:
     rank, world, port, out, names = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
     flags = sys.argv[6:]
@@ -70,7 +98,14 @@ def main() -> None:
                     "plan_version": trainer.runner.plan.version,
                     "memory": report.stage_rows() if report is not None else None}, out / f"{name}-rank{rank}.pt")
         if "save_pretrained" in flags:
-            trainer.save_pretrained(out / f"{name}-hf", max_shard_size=20_000)
+            from model_parallel.api import export
+
+            gather, export.gather_state = export.gather_state, _no_gather  # no rank may hold another's stage
+            try:
+                trainer.save_pretrained(out / f"{name}-hf", max_shard_size=20_000)
+            finally:
+                export.gather_state = gather
+            _save_failing_on_rank_1(trainer, rank, out / f"{name}-broken")
         trainer.close()
         print(f"[rank {rank}] {name}: trained {len(results)} steps", flush=True)
     dist.barrier()
