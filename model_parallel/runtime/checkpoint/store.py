@@ -46,8 +46,6 @@ Independent of torch.distributed: `commit.py` is the runtime's protocol around t
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -62,7 +60,7 @@ from torch import nn
 from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
-from model_parallel.runtime.checkpoint.check import check_manifest, check_payload, read_shard_bytes
+from model_parallel.runtime.checkpoint.check import check_manifest, check_payload, shard_digest
 from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of this module's API
     LATEST,
     MANIFEST,
@@ -74,8 +72,10 @@ from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of t
     step_dir,
     step_dirs,
 )
+from model_parallel.runtime.checkpoint.shardio import ShardReader, write_shard_file
 from model_parallel.runtime.checkpoint.state import (  # noqa: F401 - part of this module's API
     OptimizerState,
+    StreamedState,
     _dtype_name,
     _fingerprint,
     load_optimizer_state_by_name,
@@ -119,28 +119,26 @@ def save_shard(
     overlap = sorted(set(params_t) & set(buffers_t))
     if overlap:
         raise CheckpointError(f"save_shard(rank {rank}): names are both parameter and buffer: {overlap[:5]}")
-    optimizer: dict[str, dict[str, Any]] = {}
-    for name, entry in (optimizer_state or {}).items():
+    optimizer = optimizer_state if optimizer_state is not None else {}
+    for name in optimizer:  # a StreamedState (an offloaded optimizer's) is not read here: names only
         if name not in params_t:
             raise CheckpointError(
                 f"save_shard(rank {rank}): optimizer state for {name!r}, which is not among this shard's "
                 f"parameters; key optimizer state by the same stage-module parameter names"
             )
-        optimizer[name] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
-    payload = {"params": params_t, "buffers": buffers_t, "optimizer": optimizer, "extra": dict(extra or {})}
-
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
     path = shard_path(directory, step, rank)
+    written: list[tuple[int, str]] = []
     with _naming(path):
-        atomic_write(path, lambda f: f.write(data), binary=True)
+        # Straight into the temporary file renamed into place, a tensor (a parameter's state) at a time.
+        atomic_write(path, lambda f: written.append(write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}))),
+                     binary=True, readable=True)
+    size, sha256 = written[0]
     index = {
         "rank": rank,
         "step": step,
         "file": path.name,
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": size,
+        "sha256": sha256,
         "params": {k: [list(v.shape), _dtype_name(v.dtype)] for k, v in params_t.items()},
         "buffers": sorted(buffers_t),
     }
@@ -148,7 +146,7 @@ def save_shard(
     with _naming(path.with_suffix(".json")):
         atomic_write_json(path.with_suffix(".json"), index)
         fsync_dir(path.parent)
-    logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, len(data))
+    logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, size)
     return path
 
 
@@ -264,6 +262,7 @@ class Checkpoint:
     _shards: list[dict[str, Any]]
     _owner: dict[str, int] = field(default_factory=dict)
     _loaded: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _readers: dict[int, ShardReader] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for index, shard in enumerate(self._shards):
@@ -286,18 +285,24 @@ class Checkpoint:
         if index not in self._loaded:
             meta = self._shards[index]
             file = self.path / meta["file"]
-            data = read_shard_bytes(file, meta.get("bytes"), meta["rank"])
-            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            size, digest = shard_digest(file, meta.get("bytes"), meta["rank"])
+            if digest != meta["sha256"]:
                 raise CheckpointError(
                     f"{file}: shard of rank {meta['rank']} is corrupt (checksum differs from {MANIFEST}); "
                     f"resume from an earlier step (load_checkpoint(directory, step=...))"
                 )
             try:
-                payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                reader = ShardReader(file, size)
+            except CheckpointError:
+                raise
             except Exception as error:  # torch raises several types for unreadable data
                 reason = str(error).splitlines()[0][:200] if str(error) else ""
                 raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); resume from an earlier step") from None
-            self._loaded[index] = check_payload(payload, meta, file)
+            skeleton = check_payload(reader.skeleton, meta, file)
+            # Parameters, buffers and extra now; the optimizer state stays on disk until a parameter's is asked for.
+            payload = {section: reader.materialize(skeleton[section]) for section in ("params", "buffers", "extra")}
+            self._readers[index] = reader
+            self._loaded[index] = {**payload, "optimizer": skeleton["optimizer"]}
         return self._loaded[index]
 
     def _lookup(self, keys: Optional[Iterable[str]], section: str) -> dict[str, Any]:
@@ -322,16 +327,14 @@ class Checkpoint:
     def buffers(self, keys: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
         return self._lookup(keys, "buffers")
 
-    def optimizer_state(self, keys: Optional[Iterable[str]] = None) -> dict[str, dict[str, Any]]:
-        """Optimizer state of the named parameters; a parameter without state is left out."""
+    def optimizer_state(self, keys: Optional[Iterable[str]] = None) -> StreamedState:
+        """Optimizer state of the named parameters (a parameter without state is left out), read from the shard
+        one parameter at a time as each entry is asked for."""
         names = self.param_names if keys is None else list(keys)
         self._lookup(names, "params")  # raises on unknown names
-        out = {}
-        for name in names:
-            state = self._shard(self._owner[name])["optimizer"].get(name)
-            if state is not None:
-                out[name] = state
-        return out
+        layout = {name: state for name in names
+                  if (state := self._shard(self._owner[name])["optimizer"].get(name)) is not None}
+        return StreamedState(layout, lambda name: self._readers[self._owner[name]].materialize(layout[name]))
 
     def shard_extra(self, rank: int) -> dict[str, Any]:
         """The `extra` a rank passed to save_shard (CheckpointError if that rank wrote no shard)."""

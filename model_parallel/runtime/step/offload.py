@@ -146,19 +146,39 @@ class OptimizerOffload:
     def state_of(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         """(parameter, its state as `optimizer.state[parameter]` would hold it) one parameter at a time, read from
         disk (slices joined); parameters without state yet are skipped, as torch's state dict skips them."""
+        for param, _ in self.state_layout(optimizer):
+            yield param, self.read_param(optimizer, param)
+
+    def state_layout(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, its state with each tensor a meta tensor of the whole parameter's shape and dtype) without
+        reading a file: what a checkpoint writer lays out before it streams the bytes (`read_param`)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, pieces in sorted(self._pieces_by_param(optimizer).items()):
+            first = pieces[0].key
+            if first not in self.files and first not in self.scalars:
+                continue
+            state: dict[str, Any] = dict(self.scalars.get(first, {}))
+            for name, (shape, dtype) in self.files.get(first, {}).items():
+                state[name] = torch.empty(params[index].shape if len(pieces) > 1 else shape, dtype=dtype, device="meta")
+            yield params[index], state
+
+    def read_param(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+        """One parameter's whole state read from disk (its slices joined)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index = next(i for i, p in enumerate(params) if p is param)
+        pieces = self._pieces_by_param(optimizer)[index]
+        parts = [self._read(piece.key) for piece in pieces]
+        state = dict(parts[0])
+        for name in self.files.get(pieces[0].key, {}):
+            if len(parts) > 1:
+                state[name] = torch.cat([part[name].reshape(-1) for part in parts]).view(param.shape)
+        return state
+
+    def _pieces_by_param(self, optimizer: torch.optim.Optimizer) -> dict[int, list[Piece]]:
         by_param: dict[int, list[Piece]] = {}
         for piece in self.pieces(optimizer):
             by_param.setdefault(piece.index, []).append(piece)
-        for index, pieces in sorted(by_param.items()):
-            if pieces[0].key not in self.files and pieces[0].key not in self.scalars:
-                continue
-            parts = [self._read(piece.key) for piece in pieces]
-            state = dict(parts[0])
-            for name in self.files.get(pieces[0].key, {}):
-                joined = torch.cat([part[name].reshape(-1) for part in parts]) if len(parts) > 1 else parts[0][name]
-                state[name] = joined.view(params[index].shape) if len(parts) > 1 else joined
-            yield params[index], state
+        return by_param
 
     def load(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, Any]) -> None:
         """Install one parameter's whole state (a restore or an arriving layer's) onto disk, cut as its pieces."""

@@ -1,0 +1,148 @@
+"""Shard files written and read a tensor at a time: the torch.save layout laid out first, its bytes streamed in.
+
+A shard is one torch.save zip file, as it always was (torch.load(weights_only=True) reads it whole). It is written
+in two passes over one file: `torch.save` of the payload with every tensor replaced by a fake tensor of its shape
+and dtype (torch.serialization.skip_data: records of the right sizes, no bytes), then each tensor's bytes at its
+record's offset, which torch.load(map_location="meta") of that same file gives. An offloaded optimizer's state
+(state.StreamedState) is read from its files one parameter at a time just then, so a checkpoint write never holds
+more than one parameter's state; nothing is cloned. The sha256 is computed by reading the file back in pieces.
+
+Reading is the reverse (`ShardReader`): the file's skeleton is loaded with map_location="meta" (shapes, dtypes,
+scalars and offsets; weights_only, nothing else unpickled) and a tensor's bytes are read from its offset when its
+section or parameter is asked for: a resume holds one parameter's optimizer state at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from model_parallel.errors import CheckpointError
+from model_parallel.runtime.checkpoint.state import StreamedState
+
+PIECE = 1 << 24  # bytes read or hashed at once
+
+
+def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """(path, tensor) of every tensor in nested dicts, lists and tuples (what weights_only reads back)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _walk(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _walk(value, path + (index,))
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` rebuilt with `fn` applied to each tensor (containers keep their types)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return (OrderedDict if isinstance(obj, OrderedDict) else dict)((k, _map(v, fn)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_map(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map(v, fn) for v in obj)
+    return obj
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's data, contiguous on the CPU, as raw bytes (bfloat16 too: viewed as uint8)."""
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+
+
+def write_shard_file(handle: IO[bytes], params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                     optimizer: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any]) -> tuple[int, str]:
+    """Write the shard payload {"params", "buffers", "optimizer", "extra"} into `handle` (a new file opened for
+    reading and writing); returns (its size, its sha256)."""
+    layout = optimizer.layout if isinstance(optimizer, StreamedState) else optimizer
+    with FakeTensorMode():
+        fake = lambda t: torch.empty(tuple(t.shape), dtype=t.dtype)  # noqa: E731 - no memory, shape and dtype only
+        skeleton = {"params": _map(dict(params), fake), "buffers": _map(dict(buffers), fake),
+                    "optimizer": {name: _map(dict(layout[name]), fake) for name in layout},
+                    "extra": _map(dict(extra), fake)}
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(skeleton, handle)
+    del skeleton
+    handle.flush()
+    handle.seek(0)
+    records = torch.load(handle, map_location="meta", weights_only=True)
+    for section, source in (("params", params), ("buffers", buffers), ("extra", extra)):
+        _fill(handle, source, records[section])
+    for name in layout:  # one parameter's optimizer state at a time (read from the offload files just now)
+        _fill(handle, optimizer[name], records["optimizer"][name])
+    handle.flush()
+    return handle.seek(0, 2), hash_file(handle)
+
+
+def _fill(handle: IO[bytes], source: Any, records: Any) -> None:
+    """Write each tensor of `source` at the offset of the record `records` (the loaded skeleton) holds for it."""
+    where = dict(_walk(records))
+    for path, tensor in _walk(source):
+        record = where[path]
+        if tuple(record.shape) != tuple(tensor.shape) or record.dtype != tensor.dtype:
+            raise CheckpointError(f"checkpoint shard: {'/'.join(map(str, path))} changed while it was written "
+                                  f"(laid out as {tuple(record.shape)} {record.dtype}, now {tuple(tensor.shape)} "
+                                  f"{tensor.dtype}); an offloaded optimizer must not step during a checkpoint")
+        handle.seek(record.untyped_storage()._checkpoint_offset)
+        handle.write(_bytes(tensor))
+
+
+def hash_file(handle: IO[bytes]) -> str:
+    """The sha256 of an open file, read in pieces from its start."""
+    handle.seek(0)
+    digest = hashlib.sha256()
+    while piece := handle.read(PIECE):
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+class ShardReader:
+    """A shard file's skeleton (tensors on the meta device) and the reads that make its tensors real."""
+
+    def __init__(self, file: Path, size: int) -> None:
+        self.file, self.size = file, size
+        with open(file, "rb") as handle:
+            self._check_byteorder(handle)
+            handle.seek(0)
+            # Meta tensors: each storage records its offset in the file; no tensor bytes are read.
+            self.skeleton = torch.load(handle, map_location="meta", weights_only=True)
+
+    def _check_byteorder(self, handle: IO[bytes]) -> None:
+        """A shard of another byte order is refused (torch.load would swap it; these raw reads do not)."""
+        with zipfile.ZipFile(handle) as archive:
+            names = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "byteorder"]
+            order = archive.read(names[0]).decode(errors="replace") if names else sys.byteorder
+        if order != sys.byteorder:
+            raise CheckpointError(f"{self.file}: the shard was written on a {order}-endian machine, this one is "
+                                  f"{sys.byteorder}-endian; convert it with torch.load/torch.save there")
+
+    def materialize(self, obj: Any) -> Any:
+        """`obj` (a part of the skeleton) with each meta tensor read from the file into a fresh CPU tensor."""
+        with open(self.file, "rb") as handle:
+            return _map(obj, lambda tensor: self._read(handle, tensor))
+
+    def _read(self, handle: IO[bytes], tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        offset, nbytes = int(storage._checkpoint_offset), storage.nbytes()
+        if offset < 0 or offset + nbytes > self.size:  # checked before allocating: the skeleton is data
+            raise CheckpointError(f"{self.file}: a tensor's record ({nbytes} bytes at {offset}) lies outside the "
+                                  f"{self.size}-byte shard; resume from an earlier step")
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        handle.seek(offset)
+        got = handle.readinto(memoryview(data.numpy())) if nbytes else 0
+        if got != nbytes:
+            raise CheckpointError(f"{self.file}: a tensor's record ended {nbytes - got} bytes early; resume from an "
+                                  f"earlier step")
+        out = torch.empty(0, dtype=tensor.dtype)
+        return out.set_(data.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
