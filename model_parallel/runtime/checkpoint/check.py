@@ -111,13 +111,14 @@ def shard_digest(file: Path, expected: int | None, rank: int) -> tuple[int, str]
             raise CheckpointError(f"{file}: the shard of rank {rank} has {info.st_size} bytes, the manifest records "
                                   f"{limit}; it was truncated or replaced, {fix}")
         os.set_blocking(fd, True)
-        digest, left = hashlib.sha256(), limit
-        while left > 0:  # in pieces: a shard holds a rank's whole optimizer state
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
+        # In pieces, into one buffer: a shard holds a rank's whole optimizer state.
+        digest, left, piece = hashlib.sha256(), limit, bytearray(1 << 24)
+        while left > 0:
+            got = os.readv(fd, [memoryview(piece)[:min(left, len(piece))]])
+            if not got:
                 break
-            digest.update(chunk)
-            left -= len(chunk)
+            digest.update(memoryview(piece)[:got])
+            left -= got
         if left:
             raise CheckpointError(f"{file}: the shard of rank {rank} ended {left} bytes early; {fix}")
         return limit, digest.hexdigest()

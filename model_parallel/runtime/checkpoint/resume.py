@@ -94,7 +94,7 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
             state = checkpoint.optimizer_state(sorted({stored.get(name, name) for name in named}))
             # Still unread: each parameter's state goes from the shard into the optimizer (or its offload files) alone.
             state = state.renamed({name: stored.get(name, name) for name in named})
-            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state)
+            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state, copy=False)  # each entry read fresh
     # load_checkpoint checked it: an int in 0..step + 1.
     return checkpoint.step, next_step
 

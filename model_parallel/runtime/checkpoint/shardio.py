@@ -14,6 +14,7 @@ section or parameter is asked for: a resume holds one parameter's optimizer stat
 from __future__ import annotations
 
 import hashlib
+import mmap
 import sys
 import zipfile
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from model_parallel.errors import CheckpointError
 from model_parallel.runtime.checkpoint.state import StreamedState
 
 PIECE = 1 << 24  # bytes read or hashed at once
+MAPPED = 1 << 20  # tensors read from a shard from this size get a memory map of their own (`_buffer`)
 
 
 def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
@@ -101,10 +103,22 @@ def _fill(handle: IO[bytes], source: Any, records: Any) -> None:
 def hash_file(handle: IO[bytes]) -> str:
     """The sha256 of an open file, read in pieces from its start."""
     handle.seek(0)
-    digest = hashlib.sha256()
-    while piece := handle.read(PIECE):
-        digest.update(piece)
+    digest, piece = hashlib.sha256(), bytearray(PIECE)  # one buffer: no piece allocated beside the last
+    while got := handle.readinto(piece):
+        digest.update(memoryview(piece)[:got])
     return digest.hexdigest()
+
+
+def _buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh memory; a large one mapped on its own and unmapped when its tensor dies. From glibc's heap
+    (a worker raises its mmap threshold to 32 MB: allocator.py) each parameter's state read during a resume left
+    its freed space cut by small allocations and the next came from new memory: +32 MB of RLIMIT_DATA per 16 MB
+    parameter, measured; mapped, the resume's growth is one parameter's state."""
+    if nbytes < MAPPED:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # Private: counted by RLIMIT_DATA as heap memory is (a shared map, Python's default, would escape the cap).
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8)  # the tensor keeps the map alive
 
 
 class ShardReader:
@@ -138,7 +152,7 @@ class ShardReader:
         if offset < 0 or offset + nbytes > self.size:  # checked before allocating: the skeleton is data
             raise CheckpointError(f"{self.file}: a tensor's record ({nbytes} bytes at {offset}) lies outside the "
                                   f"{self.size}-byte shard; resume from an earlier step")
-        data = torch.empty(nbytes, dtype=torch.uint8)
+        data = _buffer(nbytes)
         handle.seek(offset)
         got = handle.readinto(memoryview(data.numpy())) if nbytes else 0
         if got != nbytes:

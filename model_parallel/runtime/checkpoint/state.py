@@ -136,6 +136,8 @@ def load_optimizer_state_by_name(
                 restored[key] = value
         if offload is not None:
             offload.load(optimizer, param, restored)
+            # Dropped before the next entry is read: alive beside it, glibc's heap grows by one entry each turn.
+            entry = restored = value = None
         else:
             optimizer.state[param] = restored
 

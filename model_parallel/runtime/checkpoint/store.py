@@ -299,15 +299,22 @@ class Checkpoint:
                 reason = str(error).splitlines()[0][:200] if str(error) else ""
                 raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); resume from an earlier step") from None
             skeleton = check_payload(reader.skeleton, meta, file)
-            # Parameters, buffers and extra now; the optimizer state stays on disk until a parameter's is asked for.
-            payload = {section: reader.materialize(skeleton[section]) for section in ("params", "buffers", "extra")}
+            # Meta tensors: a tensor (a parameter's optimizer state) is read from the file when it is asked for.
             self._readers[index] = reader
-            self._loaded[index] = {**payload, "optimizer": skeleton["optimizer"]}
+            self._loaded[index] = {**skeleton, "extra": reader.materialize(skeleton["extra"])}
         return self._loaded[index]
 
     def _lookup(self, keys: Optional[Iterable[str]], section: str) -> dict[str, Any]:
+        return {name: self._read(self._owner[name], self._shard(self._owner[name])[section][name])
+                for name in self._known(keys, section)}
+
+    def _read(self, index: int, skeleton: Any) -> Any:
+        """A part of shard `index`'s skeleton with its tensors read from the file."""
+        return self._readers[index].materialize(skeleton)
+
+    def _known(self, keys: Optional[Iterable[str]], section: str) -> list[str]:
+        """`keys` (None: all of `section`), each checked to be in this checkpoint's `section`."""
         names = (self.param_names if section == "params" else self.buffer_names) if keys is None else list(keys)
-        out: dict[str, Any] = {}
         for name in names:
             index = self._owner.get(name)
             if index is None or name not in self._shards[index][section]:
@@ -317,8 +324,7 @@ class Checkpoint:
                     f"(it has {len(self._owner)} names, e.g. {sorted(self._owner)[:3]}); "
                     f"is this checkpoint from another model version?"
                 )
-            out[name] = self._shard(index)[section][name]
-        return out
+        return names
 
     def params(self, keys: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
         """Parameter tensors by stage-module name (all of them when `keys` is None)."""
@@ -330,11 +336,10 @@ class Checkpoint:
     def optimizer_state(self, keys: Optional[Iterable[str]] = None) -> StreamedState:
         """Optimizer state of the named parameters (a parameter without state is left out), read from the shard
         one parameter at a time as each entry is asked for."""
-        names = self.param_names if keys is None else list(keys)
-        self._lookup(names, "params")  # raises on unknown names
+        names = self._known(keys, "params")
         layout = {name: state for name in names
                   if (state := self._shard(self._owner[name])["optimizer"].get(name)) is not None}
-        return StreamedState(layout, lambda name: self._readers[self._owner[name]].materialize(layout[name]))
+        return StreamedState(layout, lambda name: self._read(self._owner[name], layout[name]))
 
     def shard_extra(self, rank: int) -> dict[str, Any]:
         """The `extra` a rank passed to save_shard (CheckpointError if that rank wrote no shard)."""
@@ -349,13 +354,14 @@ class Checkpoint:
         stored = stored or {}
         param_part, buffer_part = split_state(module)
         tied = [k for k in list(param_part) + list(buffer_part) if k in stored]
-        params = self.params(sorted({stored.get(k, k) for k in param_part} | {stored[k] for k in tied}))
-        values = {**self.buffers(k for k in buffer_part if k not in stored),
-                  **{k: params[stored.get(k, k)] for k in list(param_part) + tied}}
+        sources = {**{k: ("params", stored.get(k, k)) for k in list(param_part) + tied},
+                   **{k: ("buffers", k) for k in buffer_part if k not in stored}}
+        for section in ("params", "buffers"):
+            self._known(sorted({key for kind, key in sources.values() if kind == section}), section)
         state = module.state_dict(keep_vars=True)
         with torch.no_grad():
-            for name, value in values.items():
-                tensor = state[name]
+            for name, (section, key) in sources.items():  # one tensor read at a time
+                value, tensor = self._lookup([key], section)[key], state[name]
                 if value.shape != tensor.shape:
                     raise CheckpointError(f"{self.path}: {name!r} has shape {tuple(value.shape)} in the checkpoint, {tuple(tensor.shape)} in the module")
                 tensor.copy_(value)

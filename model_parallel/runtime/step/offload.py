@@ -186,10 +186,11 @@ class OptimizerOffload:
         index = next(i for i, p in enumerate(params) if p is param)
         for piece in (piece for piece in self.pieces(optimizer) if piece.index == index):
             whole = piece.start == 0 and piece.stop == param.numel()
-            # Each slice its own scalars: Adam increments `step` in place, once per slice it steps.
-            part = {name: (value.detach().reshape(-1)[piece.start:piece.stop] if not whole and value.dim() > 0
-                           else value.detach().clone()) if isinstance(value, torch.Tensor) else value
-                    for name, value in state.items()}
+            # Each slice its own scalars: Adam increments `step` in place, once per slice it steps. A state tensor
+            # goes to the piece's file as it is (a slice of it where cut): no copy.
+            part = {name: (value.detach().clone() if value.dim() == 0 else value.detach() if whole
+                           else value.detach().reshape(-1)[piece.start:piece.stop])
+                    if isinstance(value, torch.Tensor) else value for name, value in state.items()}
             self._store(piece, part, param)
 
     def _absorb(self, optimizer: torch.optim.Optimizer) -> None:
