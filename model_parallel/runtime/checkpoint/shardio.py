@@ -14,7 +14,6 @@ section or parameter is asked for: a resume holds one parameter's optimizer stat
 from __future__ import annotations
 
 import hashlib
-import mmap
 import sys
 import zipfile
 from collections import OrderedDict
@@ -25,11 +24,11 @@ from typing import IO, Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from model_parallel.allocator import mapped_empty
 from model_parallel.errors import CheckpointError
 from model_parallel.runtime.checkpoint.state import StreamedState
 
 PIECE = 1 << 24  # bytes read or hashed at once
-MAPPED = 1 << 20  # tensors read from a shard from this size get a memory map of their own (`_buffer`)
 
 
 def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
@@ -109,18 +108,6 @@ def hash_file(handle: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _buffer(nbytes: int) -> torch.Tensor:
-    """`nbytes` of fresh memory; a large one mapped on its own and unmapped when its tensor dies. From glibc's heap
-    (a worker raises its mmap threshold to 32 MB: allocator.py) each parameter's state read during a resume left
-    its freed space cut by small allocations and the next came from new memory: +32 MB of RLIMIT_DATA per 16 MB
-    parameter, measured; mapped, the resume's growth is one parameter's state."""
-    if nbytes < MAPPED:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    # Private: counted by RLIMIT_DATA as heap memory is (a shared map, Python's default, would escape the cap).
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=torch.uint8)  # the tensor keeps the map alive
-
-
 class ShardReader:
     """A shard file's skeleton (tensors on the meta device) and the reads that make its tensors real."""
 
@@ -152,7 +139,7 @@ class ShardReader:
         if offset < 0 or offset + nbytes > self.size:  # checked before allocating: the skeleton is data
             raise CheckpointError(f"{self.file}: a tensor's record ({nbytes} bytes at {offset}) lies outside the "
                                   f"{self.size}-byte shard; resume from an earlier step")
-        data = _buffer(nbytes)
+        data = mapped_empty((nbytes,), torch.uint8)  # not from the heap: allocator.mapped_empty says why
         handle.seek(offset)
         got = handle.readinto(memoryview(data.numpy())) if nbytes else 0
         if got != nbytes:

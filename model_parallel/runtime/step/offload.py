@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from model_parallel.allocator import mapped_empty
 from model_parallel.errors import ConfigError
 
 SLICEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # exact types: per-element updates
@@ -167,7 +168,7 @@ class OptimizerOffload:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         index = next(i for i, p in enumerate(params) if p is param)
         pieces = self._pieces_by_param(optimizer)[index]
-        parts = [self._read(piece.key) for piece in pieces]
+        parts = [self._read(piece.key, mapped=True) for piece in pieces]
         state = dict(parts[0])
         for name in self.files.get(pieces[0].key, {}):
             if len(parts) > 1:
@@ -213,12 +214,13 @@ class OptimizerOffload:
     def _path(self, key: str, name: str) -> Path:
         return self.directory / f"{key}.{name}.bin"
 
-    def _read(self, key: str, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    def _read(self, key: str, device: torch.device = torch.device("cpu"), mapped: bool = False) -> dict[str, Any]:
         """`key`'s state: its scalars as the optimizer left them, its tensors read from their files (onto `device`,
-        the parameter's, through the CPU: untested on a GPU)."""
+        the parameter's, through the CPU: untested on a GPU; `mapped`: into maps of their own, for a checkpoint's
+        reads one parameter after another: allocator.mapped_empty)."""
         state = dict(self.scalars.get(key, {}))
         for name, (shape, dtype) in self.files.get(key, {}).items():
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = mapped_empty(shape, dtype) if mapped else torch.empty(shape, dtype=dtype)
             with open(self._path(key, name), "rb") as f:
                 got = f.readinto(tensor.view(-1).view(torch.uint8).numpy().data)  # into the tensor's own bytes
             if got != tensor.numel() * tensor.element_size():
