@@ -5,6 +5,7 @@
     python bench/big_model.py --offload_optimizer --layers 22 --hidden 1024 --intermediate 2816 --heads 16 \
         --memory_per_worker 0.9 --slack 0.29 --snapshot bench/snapshot/big_model_offload.json
         # 299M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.02 x one worker's cap
+        # add --checkpoint: a checkpoint after the steps, then a resume and one more step, under the same cap
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
@@ -120,7 +121,24 @@ def _offload(args: argparse.Namespace) -> dict:
     """RunOptions fields of `--offload_optimizer`: the AdamW state in files under the bench's temporary directory."""
     if not args.offload_optimizer:
         return {}
-    return {"offload_optimizer": str(Path(args.tmp) / "offload"), "offload_chunk_mb": args.offload_chunk_mb}
+    checkpoints = {"checkpoint_dir": str(Path(args.tmp) / "checkpoints")} if args.checkpoint else {}
+    return {"offload_optimizer": str(Path(args.tmp) / "offload"), "offload_chunk_mb": args.offload_chunk_mb, **checkpoints}
+
+
+def _resume(args: argparse.Namespace, build, report: dict) -> None:
+    """`--checkpoint`: after `--steps` (which end with a checkpoint), a second trainer in this capped process resumes
+    from it and trains one more step (checkpointed too); its peak RSS is measured from a reset high-water mark."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the resume's own peak from here
+    before = status_bytes("VmRSS")
+    trainer = build(resume=True)
+    results = trainer.train(args.steps + 1)
+    report.update({"resume_losses": [r.loss for r in results], "resume_start_step": trainer.runner.start_step,
+                   "resume_peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"],
+                   "resume_peak_rss_growth_bytes": status_bytes("VmHWM") - before})
+    trainer.close()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -152,10 +170,14 @@ def worker(args: argparse.Namespace) -> None:
         # whose predicted footprint fits, a loop or V of 2 stages per rank priced per rank; or a refusal naming the
         # smallest memory per worker that would), priced on the graph it traces from the meta model, rank 0's broadcast.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
-        trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
-                                  options=RunOptions(measure_memory=True, timeout=300.0, **_offload(args)),
-                                  weights=tmp / "weights",
-                                  example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
+
+        def build(resume: bool = False) -> PipelineTrainer:
+            return PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
+                                   options=RunOptions(measure_memory=True, timeout=300.0, resume=resume, **_offload(args)),
+                                   weights=tmp / "weights",
+                                   example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
+
+        trainer = build()
         trainer.train(args.steps)
         engine = trainer.runner
         held = state_bytes(engine.stage, engine.optimizer)
@@ -176,6 +198,8 @@ def worker(args: argparse.Namespace) -> None:
                                       for s in engine.plan.stages],
         })
         trainer.close()
+        if args.checkpoint:
+            _resume(args, build, report)
     except (MemoryError, RuntimeError, ValueError) as error:  # our errors are ValueErrors/RuntimeErrors too
         report.update({"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
                        "peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"]})
@@ -215,7 +239,8 @@ def control(args: argparse.Namespace) -> None:
 def _flags(args: argparse.Namespace) -> list[str]:
     keep = ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "micro", "steps", "world", "schedule",
             "memory_per_worker", "slack", "tmp", "offload_chunk_mb")
-    return [x for k in keep for x in (f"--{k}", str(getattr(args, k)))] + (["--offload_optimizer"] if args.offload_optimizer else [])
+    return ([x for k in keep for x in (f"--{k}", str(getattr(args, k)))] + (["--offload_optimizer"] if args.offload_optimizer else [])
+            + (["--checkpoint"] if args.checkpoint else []))
 
 
 def main() -> int:
@@ -243,11 +268,16 @@ def main() -> int:
                         help="the ranks keep their AdamW state in files in the bench's temporary directory and step it "
                              "in chunks (RunOptions.offload_optimizer): a cap of 1/4 of the whole model's state fits")
     parser.add_argument("--offload_chunk_mb", type=float, default=64.0, help="with --offload_optimizer: MB of state at once")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="with --offload_optimizer: a checkpoint after --steps, then a resume of one more step, "
+                             "under the same cap (the shard is streamed: runtime/checkpoint/shardio.py)")
     parser.add_argument("--snapshot", default=None, help="also copy the results JSON here (the docs quote the snapshot)")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "big_model.json"))
     args = parser.parse_args()
+    if args.checkpoint and not args.offload_optimizer:
+        parser.error("--checkpoint measures checkpoints of an offloaded optimizer: add --offload_optimizer")
     if args.role == "worker":
         worker(args)
         return 0
@@ -280,6 +310,7 @@ def main() -> int:
     cap = args.memory_per_worker * GB
     out_of_memory = ("MemoryError", "RuntimeError", "OSError")  # an allocation refused, not a crash of the bench
     summary = {"trained": all(r.get("ok") for r in ranks),
+               "resumed": all("resume_losses" in r for r in ranks) if args.checkpoint else None,
                "control_failed": not whole.get("ok") and str(whole.get("error", "")).startswith(out_of_memory),
                "rss_goal_met": all(r.get("meets_rss_goal") for r in ranks),
                "prediction_goal_met": all(r.get("meets_prediction_goal") for r in ranks),
@@ -302,6 +333,10 @@ def main() -> int:
               f"({100 * row['prediction_error']:+.1f}%); peak RSS {row['peak_rss_bytes'] / GB:.3f} GB, stage share "
               f"{row['stage_share_bytes'] / GB:.3f} GB, cap {row['cap_bytes'] / GB:.3f} GB; goals: RSS "
               f"{'met' if row['meets_rss_goal'] else 'MISSED'}, prediction {'met' if row['meets_prediction_goal'] else 'MISSED'}")
+        if "resume_losses" in row:
+            print(f"  checkpoint at step {args.steps}, resumed at step {row['resume_start_step']}: losses "
+                  f"{[round(x, 4) for x in row['resume_losses']]}; the resume's peak RSS {row['resume_peak_rss_bytes'] / GB:.3f} "
+                  f"GB above the baseline ({row['resume_peak_rss_growth_bytes'] / GB:.3f} GB above its start)")
     if "tail" in whole:
         print(whole["tail"])
     print(f"whole-model control under the same cap: {'failed as expected: ' + whole.get('error', '') if not whole.get('ok') else 'DID NOT FAIL'}")
@@ -309,7 +344,7 @@ def main() -> int:
           f"({'optimizer state offloaded to disk' if args.offload_optimizer else 'all state in memory'})")
     print(f"machine load (1/5/15 min) before {load_before}, after {load_after} on {os.cpu_count()} CPUs")
     print(json.dumps(summary), f"-> {args.out}")
-    return 0 if summary["trained"] and summary["control_failed"] else 1
+    return 0 if summary["trained"] and summary["control_failed"] and summary["resumed"] is not False else 1
 
 
 if __name__ == "__main__":
