@@ -19,7 +19,8 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, Callable
+from io import BufferedRandom, BufferedReader
+from typing import Any, Callable, Union
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,6 +30,7 @@ from model_parallel.errors import CheckpointError
 from model_parallel.runtime.checkpoint.state import StreamedState
 
 PIECE = 1 << 24  # bytes read or hashed at once
+Handle = Union[BufferedRandom, BufferedReader]  # a shard opened to write (and read back) or to read
 
 
 def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
@@ -59,10 +61,10 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def _bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's data, contiguous on the CPU, as raw bytes (bfloat16 too: viewed as uint8)."""
     data = tensor.detach().cpu().contiguous().reshape(-1)
-    return memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+    return data.view(torch.uint8).numpy().data if data.numel() else memoryview(b"")
 
 
-def write_shard_file(handle: IO[bytes], params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+def write_shard_file(handle: Handle, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
                      optimizer: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any]) -> tuple[int, str]:
     """Write the shard payload {"params", "buffers", "optimizer", "extra"} into `handle` (a new file opened for
     reading and writing); returns (its size, its sha256)."""
@@ -86,7 +88,7 @@ def write_shard_file(handle: IO[bytes], params: Mapping[str, torch.Tensor], buff
     return handle.seek(0, 2), hash_file(handle)
 
 
-def _fill(handle: IO[bytes], source: Any, records: Any) -> None:
+def _fill(handle: Handle, source: Any, records: Any) -> None:
     """Write each tensor of `source` at the offset of the record `records` (the loaded skeleton) holds for it."""
     where = dict(_walk(records))
     for path, tensor in _walk(source):
@@ -95,11 +97,20 @@ def _fill(handle: IO[bytes], source: Any, records: Any) -> None:
             raise CheckpointError(f"checkpoint shard: {'/'.join(map(str, path))} changed while it was written "
                                   f"(laid out as {tuple(record.shape)} {record.dtype}, now {tuple(tensor.shape)} "
                                   f"{tensor.dtype}); an offloaded optimizer must not step during a checkpoint")
-        handle.seek(record.untyped_storage()._checkpoint_offset)
+        handle.seek(_offset(record))
         handle.write(_bytes(tensor))
 
 
-def hash_file(handle: IO[bytes]) -> str:
+def _offset(record: torch.Tensor) -> int:
+    """Where a meta tensor's bytes start in the file torch.load(map_location="meta") read it from."""
+    offset = record.untyped_storage()._checkpoint_offset
+    if offset is None:
+        raise CheckpointError("checkpoint shard: a tensor's record has no offset (torch.load did not record it); "
+                              "this torch cannot stream shards")
+    return int(offset)
+
+
+def hash_file(handle: Handle) -> str:
     """The sha256 of an open file, read in pieces from its start."""
     handle.seek(0)
     digest, piece = hashlib.sha256(), bytearray(PIECE)  # one buffer: no piece allocated beside the last
@@ -119,7 +130,7 @@ class ShardReader:
             # Meta tensors: each storage records its offset in the file; no tensor bytes are read.
             self.skeleton = torch.load(handle, map_location="meta", weights_only=True)
 
-    def _check_byteorder(self, handle: IO[bytes]) -> None:
+    def _check_byteorder(self, handle: Handle) -> None:
         """A shard of another byte order is refused (torch.load would swap it; these raw reads do not)."""
         with zipfile.ZipFile(handle) as archive:
             names = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "byteorder"]
@@ -133,15 +144,15 @@ class ShardReader:
         with open(self.file, "rb") as handle:
             return _map(obj, lambda tensor: self._read(handle, tensor))
 
-    def _read(self, handle: IO[bytes], tensor: torch.Tensor) -> torch.Tensor:
+    def _read(self, handle: Handle, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        offset, nbytes = int(storage._checkpoint_offset), storage.nbytes()
+        offset, nbytes = _offset(tensor), storage.nbytes()
         if offset < 0 or offset + nbytes > self.size:  # checked before allocating: the skeleton is data
             raise CheckpointError(f"{self.file}: a tensor's record ({nbytes} bytes at {offset}) lies outside the "
                                   f"{self.size}-byte shard; resume from an earlier step")
         data = mapped_empty((nbytes,), torch.uint8)  # not from the heap: allocator.mapped_empty says why
         handle.seek(offset)
-        got = handle.readinto(memoryview(data.numpy())) if nbytes else 0
+        got = handle.readinto(data.numpy().data) if nbytes else 0
         if got != nbytes:
             raise CheckpointError(f"{self.file}: a tensor's record ended {nbytes - got} bytes early; resume from an "
                                   f"earlier step")

@@ -125,21 +125,27 @@ def load_optimizer_state_by_name(
             continue
         group = group_of.get(id(param), {})
         # As torch's own load_state_dict does: Adam's `step` stays on the CPU unless capturable/fused.
-        step_on_param_device = bool(group.get("capturable") or group.get("fused"))
-        restored: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                on_cpu = key == "step" and not step_on_param_device
-                value = value.detach().clone() if copy else value.detach()
-                restored[key] = value.to("cpu" if on_cpu else param.device)
-            else:
-                restored[key] = value
+        restored = _restored(entry, param.device, bool(group.get("capturable") or group.get("fused")), copy)
+        # Dropped before the next entry is read (a StreamedState reads it then): alive beside it, glibc's heap grew.
+        del entry
         if offload is not None:
             offload.load(optimizer, param, restored)
-            # Dropped before the next entry is read: alive beside it, glibc's heap grows by one entry each turn.
-            entry = restored = value = None
+            del restored
         else:
             optimizer.state[param] = restored
+
+
+def _restored(entry: Mapping[str, Any], device: torch.device, step_on_param_device: bool, copy: bool) -> dict[str, Any]:
+    """One parameter's state moved to `device` (Adam's `step` to the CPU unless `step_on_param_device`)."""
+    restored: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor):
+            on_cpu = key == "step" and not step_on_param_device
+            value = value.detach().clone() if copy else value.detach()
+            restored[key] = value.to("cpu" if on_cpu else device)
+        else:
+            restored[key] = value
+    return restored
 
 
 def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

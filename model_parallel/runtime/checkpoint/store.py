@@ -27,7 +27,8 @@ API (stable; the runtime calls these):
 Layout of a checkpoint directory:
 
     <directory>/latest                   text "step_<N>", replaced atomically (the commit point)
-    <directory>/step_<N>/shard_<rank>.pt  torch.save({"params", "buffers", "optimizer", "extra"})
+    <directory>/step_<N>/shard_<rank>.pt  torch.save({"params", "buffers", "optimizer", "extra"}), written and
+                                          read a tensor at a time (shardio.py)
     <directory>/step_<N>/shard_<rank>.json  index of the shard: keys, shapes, sha256 (written after it)
     <directory>/step_<N>/manifest.json    written by finalize after all shards: shards, world, fingerprint
     <directory>/step_<N>/graph.json       the graph the run trained, and config.json for a Hugging Face
@@ -126,10 +127,8 @@ def save_shard(
                 f"save_shard(rank {rank}): optimizer state for {name!r}, which is not among this shard's "
                 f"parameters; key optimizer state by the same stage-module parameter names"
             )
-    path = shard_path(directory, step, rank)
-    written: list[tuple[int, str]] = []
-    with _naming(path):
-        # Straight into the temporary file renamed into place, a tensor (a parameter's state) at a time.
+    path, written = shard_path(directory, step, rank), list[tuple[int, str]]()
+    with _naming(path):  # straight into the temporary file renamed into place, a tensor (a parameter's state) at a time
         atomic_write(path, lambda f: written.append(write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}))),
                      binary=True, readable=True)
     size, sha256 = written[0]
@@ -293,9 +292,9 @@ class Checkpoint:
                 )
             try:
                 reader = ShardReader(file, size)
-            except CheckpointError:
-                raise
             except Exception as error:  # torch raises several types for unreadable data
+                if isinstance(error, CheckpointError):
+                    raise
                 reason = str(error).splitlines()[0][:200] if str(error) else ""
                 raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); resume from an earlier step") from None
             skeleton = check_payload(reader.skeleton, meta, file)
