@@ -76,6 +76,11 @@ class StreamedState(Mapping[str, dict[str, Any]]):
     def __len__(self) -> int:
         return len(self.layout)
 
+    def with_entries(self, entries: Mapping[str, Mapping[str, Any]]) -> "StreamedState":
+        """`entries` (in memory already: a switch's arriving state, taken over as they are) over these."""
+        return StreamedState({**self.layout, **{name: dict(entry) for name, entry in entries.items()}},
+                             lambda name: dict(entries[name]) if name in entries else self._read(name))
+
     def renamed(self, names: Mapping[str, str]) -> "StreamedState":
         """The entries of `names`' values under their keys (new name -> name here), still unread."""
         names = {new: old for new, old in names.items() if old in self.layout}
