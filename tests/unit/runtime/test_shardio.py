@@ -102,3 +102,16 @@ def test_a_tensor_record_outside_the_file_is_refused(tmp_path):
     checkpoint._readers[0].size = 100  # as if the skeleton named offsets past the file's end
     with pytest.raises(CheckpointError, match="lies outside the 100-byte shard"):
         checkpoint.params(["a.weight"])
+
+
+def test_streamed_state_renamed_and_with_entries_read_only_what_is_asked():
+    reads: list[str] = []
+    state = StreamedState({"a": {"m": torch.empty(2, device="meta")}, "b": {"m": torch.empty(3, device="meta")}},
+                          lambda name: reads.append(name) or {"m": torch.full((2 if name == "a" else 3,), 1.0)})
+    arriving = {"c": {"m": torch.zeros(4)}}
+    merged = state.renamed({"x": "a", "y": "b", "gone": "nope"}).with_entries(arriving)
+    assert sorted(merged) == ["c", "x", "y"] and reads == []  # names and layouts only, nothing read
+    assert merged["c"]["m"] is arriving["c"]["m"]  # arriving state taken over, not copied
+    assert torch.equal(merged["y"]["m"], torch.ones(3)) and reads == ["b"]
+    with pytest.raises(KeyError):
+        merged["a"]
