@@ -90,8 +90,12 @@ def write_shard_file(handle: Handle, params: Mapping[str, torch.Tensor], buffers
 
 def _fill(handle: Handle, source: Any, records: Any) -> None:
     """Write each tensor of `source` at the offset of the record `records` (the loaded skeleton) holds for it."""
-    where = dict(_walk(records))
-    for path, tensor in _walk(source):
+    where, tensors = dict(_walk(records)), list(_walk(source))
+    if set(where) != {path for path, _ in tensors}:  # a record left unwritten would read back as zeros
+        raise CheckpointError(f"checkpoint shard: the tensors at {sorted(map(str, where))[:4]} were laid out, "
+                              f"{sorted(str(path) for path, _ in tensors)[:4]} came to be written; an offloaded "
+                              f"optimizer must not step during a checkpoint")
+    for path, tensor in tensors:
         record = where[path]
         if tuple(record.shape) != tuple(tensor.shape) or record.dtype != tensor.dtype:
             raise CheckpointError(f"checkpoint shard: {'/'.join(map(str, path))} changed while it was written "

@@ -115,3 +115,12 @@ def test_streamed_state_renamed_and_with_entries_read_only_what_is_asked():
     assert torch.equal(merged["y"]["m"], torch.ones(3)) and reads == ["b"]
     with pytest.raises(KeyError):
         merged["a"]
+
+
+def test_state_that_changed_between_layout_and_write_is_refused(tmp_path):
+    params, buffers, optimizer, extra = _values()
+    layout = {"a.weight": {"exp_avg": torch.empty(3, 5, device="meta")}}
+    changed = StreamedState(layout, lambda name: {"exp_avg": torch.zeros(3, 5), "exp_avg_sq": torch.zeros(3, 5)})
+    with pytest.raises(CheckpointError, match="must not step during a checkpoint"):
+        ckpt.save_shard(tmp_path, 1, 0, params, buffers, changed, extra)
+    assert not list(tmp_path.rglob("*.pt"))  # the temporary file is removed, nothing renamed into place
