@@ -131,7 +131,10 @@ def _resume(args: argparse.Namespace, build, report: dict) -> None:
     import gc
 
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the resume's own peak from here
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the resume's own peak from here
+    except OSError:  # not Linux: the peak is then the run's, not the resume's alone
+        pass
     before = status_bytes("VmRSS")
     trainer = build(resume=True)
     results = trainer.train(args.steps + 1)

@@ -28,14 +28,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from model_parallel.allocator import mapped_empty
 from model_parallel.errors import CheckpointError
 from model_parallel.runtime.checkpoint.state import StreamedState
+from model_parallel.runtime.step.file_range import FileRange
 
 PIECE = 1 << 24  # bytes read or hashed at once
 Handle = Union[BufferedRandom, BufferedReader]  # a shard opened to write (and read back) or to read
 
 
-def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    """(path, tensor) of every tensor in nested dicts, lists and tuples (what weights_only reads back)."""
-    if isinstance(obj, torch.Tensor):
+def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, tensor or FileRange) of every one in nested dicts, lists and tuples (what weights_only reads back)."""
+    if isinstance(obj, (torch.Tensor, FileRange)):
         yield path, obj
     elif isinstance(obj, dict):
         for key, value in obj.items():
@@ -82,8 +83,9 @@ def write_shard_file(handle: Handle, params: Mapping[str, torch.Tensor], buffers
     records = torch.load(handle, map_location="meta", weights_only=True)
     for section, source in (("params", params), ("buffers", buffers), ("extra", extra)):
         _fill(handle, source, records[section])
-    for name in layout:  # one parameter's optimizer state at a time (read from the offload files just now)
-        _fill(handle, optimizer[name], records["optimizer"][name])
+    ranges = optimizer.ranges if isinstance(optimizer, StreamedState) else None
+    for name in layout:  # one parameter's optimizer state at a time: copied from the offload files, or in memory
+        _fill(handle, ranges(name) if ranges else optimizer[name], records["optimizer"][name])
     handle.flush()
     return handle.seek(0, 2), hash_file(handle)
 
@@ -102,7 +104,13 @@ def _fill(handle: Handle, source: Any, records: Any) -> None:
                                   f"(laid out as {tuple(record.shape)} {record.dtype}, now {tuple(tensor.shape)} "
                                   f"{tensor.dtype}); an offloaded optimizer must not step during a checkpoint")
         handle.seek(_offset(record))
-        handle.write(_bytes(tensor))
+        if isinstance(tensor, FileRange):
+            if tensor.nbytes != record.untyped_storage().nbytes():
+                raise CheckpointError(f"checkpoint shard: {'/'.join(map(str, path))} lies in {tensor.nbytes} bytes of "
+                                      f"files, its record holds {record.untyped_storage().nbytes()}")
+            tensor.copy_into(handle)  # file to file, through a small buffer
+        else:
+            handle.write(_bytes(tensor))
 
 
 def _offset(record: torch.Tensor) -> int:
@@ -148,12 +156,27 @@ class ShardReader:
         with open(self.file, "rb") as handle:
             return _map(obj, lambda tensor: self._read(handle, tensor))
 
-    def _read(self, handle: Handle, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        offset, nbytes = _offset(tensor), storage.nbytes()
-        if offset < 0 or offset + nbytes > self.size:  # checked before allocating: the skeleton is data
+    def ranges(self, obj: Any) -> Any:
+        """`obj` (a part of the skeleton) with each tensor that is its whole record a FileRange over the file
+        (nothing read: an offloaded optimizer copies it file to file), any other read as `materialize` does."""
+        def place(tensor: torch.Tensor) -> Any:
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.dim() == 0 or not tensor.is_contiguous() or tensor.storage_offset() or \
+                    tensor.untyped_storage().nbytes() != nbytes:
+                return self.materialize(tensor)
+            return FileRange(tuple(tensor.shape), tensor.dtype, ((self.file, self._record(tensor)[0], nbytes),))
+        return _map(obj, place)
+
+    def _record(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """(offset, bytes) of a meta tensor's record, checked to lie inside the file (the skeleton is data)."""
+        offset, nbytes = _offset(tensor), tensor.untyped_storage().nbytes()
+        if offset < 0 or offset + nbytes > self.size:
             raise CheckpointError(f"{self.file}: a tensor's record ({nbytes} bytes at {offset}) lies outside the "
                                   f"{self.size}-byte shard; resume from an earlier step")
+        return offset, nbytes
+
+    def _read(self, handle: Handle, tensor: torch.Tensor) -> torch.Tensor:
+        offset, nbytes = self._record(tensor)  # checked before allocating
         data = mapped_empty((nbytes,), torch.uint8)  # not from the heap: allocator.mapped_empty says why
         handle.seek(offset)
         got = handle.readinto(data.numpy().data) if nbytes else 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -61,9 +61,13 @@ class StreamedState(Mapping[str, dict[str, Any]]):
     tensors the caller owns). An offloaded optimizer's state (runtime/step/offload.py) and a checkpoint's come
     this way, so a checkpoint write or a resume holds one parameter's state at a time, never the whole."""
 
-    def __init__(self, layout: dict[str, dict[str, Any]], read: Callable[[str], dict[str, Any]]) -> None:
+    def __init__(self, layout: dict[str, dict[str, Any]], read: Callable[[str], dict[str, Any]],
+                 ranges: Optional[Callable[[str], dict[str, Any]]] = None) -> None:
         self.layout = layout
         self._read = read
+        # An entry with its tensors as FileRanges (runtime/step/file_range.py) where they lie in files: an offloaded
+        # optimizer copies them file to file (`load_optimizer_state_by_name`), as the shard writer does.
+        self.ranges = ranges
 
     def __getitem__(self, name: str) -> dict[str, Any]:
         if name not in self.layout:
@@ -78,13 +82,17 @@ class StreamedState(Mapping[str, dict[str, Any]]):
 
     def with_entries(self, entries: Mapping[str, Mapping[str, Any]]) -> "StreamedState":
         """`entries` (in memory already: a switch's arriving state, taken over as they are) over these."""
+        def pick(read: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+            return lambda name: dict(entries[name]) if name in entries else read(name)
         return StreamedState({**self.layout, **{name: dict(entry) for name, entry in entries.items()}},
-                             lambda name: dict(entries[name]) if name in entries else self._read(name))
+                             pick(self._read), pick(self.ranges) if self.ranges else None)
 
     def renamed(self, names: Mapping[str, str]) -> "StreamedState":
         """The entries of `names`' values under their keys (new name -> name here), still unread."""
         names = {new: old for new, old in names.items() if old in self.layout}
-        return StreamedState({new: self.layout[old] for new, old in names.items()}, lambda new: self._read(names[new]))
+        ranges = self.ranges
+        return StreamedState({new: self.layout[old] for new, old in names.items()}, lambda new: self._read(names[new]),
+                             (lambda new: ranges(names[new])) if ranges else None)
 
 
 def optimizer_state_by_name(
@@ -99,7 +107,8 @@ def optimizer_state_by_name(
     if offload is not None:
         owned = {by_id[id(p)]: (p, layout) for p, layout in offload.state_layout(optimizer) if id(p) in by_id}
         return StreamedState({name: layout for name, (_, layout) in owned.items()},
-                             lambda name: offload.read_param(optimizer, owned[name][0]))
+                             lambda name: offload.read_param(optimizer, owned[name][0]),
+                             lambda name: offload.ranges(optimizer, owned[name][0]))
     out: dict[str, dict[str, Any]] = {}
     for param, state in optimizer.state.items():
         name = by_id.get(id(param))
@@ -124,8 +133,10 @@ def load_optimizer_state_by_name(
 
     offload = offload_of(optimizer)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    # Offloaded, a streamed state's tensors go file to file (its FileRanges), none of them read into memory.
+    ranges = state.ranges if offload is not None and isinstance(state, StreamedState) else None
     for name, param in named_params.items():
-        entry = state.get(name)
+        entry = (ranges(name) if name in state else None) if ranges else state.get(name)
         if entry is None:
             continue
         group = group_of.get(id(param), {})

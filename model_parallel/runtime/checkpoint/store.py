@@ -338,7 +338,8 @@ class Checkpoint:
         names = self._known(keys, "params")
         layout = {name: state for name in names
                   if (state := self._shard(self._owner[name])["optimizer"].get(name)) is not None}
-        return StreamedState(layout, lambda name: self._read(self._owner[name], layout[name]))
+        return StreamedState(layout, lambda name: self._read(self._owner[name], layout[name]),
+                             lambda name: self._readers[self._owner[name]].ranges(layout[name]))
 
     def shard_extra(self, rank: int) -> dict[str, Any]:
         """The `extra` a rank passed to save_shard (CheckpointError if that rank wrote no shard)."""

@@ -32,6 +32,7 @@ import torch
 
 from model_parallel.allocator import mapped_empty
 from model_parallel.errors import ConfigError
+from model_parallel.runtime.step.file_range import FileRange
 
 SLICEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # exact types: per-element updates
 _OFFLOADS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerOffload]" = weakref.WeakKeyDictionary()
@@ -175,6 +176,20 @@ class OptimizerOffload:
                 state[name] = torch.cat([part[name].reshape(-1) for part in parts]).view(param.shape)
         return state
 
+    def ranges(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+        """One parameter's whole state with each tensor a FileRange over its pieces' files (nothing read): what a
+        checkpoint writer or a plan switch's next optimizer copies file to file."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index = next(i for i, p in enumerate(params) if p is param)
+        pieces = self._pieces_by_param(optimizer)[index]
+        state: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value
+                                 for name, value in self.scalars.get(pieces[0].key, {}).items()}
+        for name, (shape, dtype) in self.files.get(pieces[0].key, {}).items():
+            size = torch.empty(0, dtype=dtype).element_size()
+            segments = tuple((self._path(piece.key, name), 0, (piece.stop - piece.start) * size) for piece in pieces)
+            state[name] = FileRange(tuple(param.shape) if len(pieces) > 1 else shape, dtype, segments)
+        return state
+
     def _pieces_by_param(self, optimizer: torch.optim.Optimizer) -> dict[int, list[Piece]]:
         by_param: dict[int, list[Piece]] = {}
         for piece in self.pieces(optimizer):
@@ -191,7 +206,9 @@ class OptimizerOffload:
             # goes to the piece's file as it is (a slice of it where cut): no copy.
             part = {name: (value.detach().clone() if value.dim() == 0 else value.detach() if whole
                            else value.detach().reshape(-1)[piece.start:piece.stop])
-                    if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+                    if isinstance(value, torch.Tensor)
+                    else (value if whole else value.elements(piece.start, piece.stop)) if isinstance(value, FileRange)
+                    else value for name, value in state.items()}
             self._store(piece, part, param)
 
     def _absorb(self, optimizer: torch.optim.Optimizer) -> None:
@@ -234,7 +251,11 @@ class OptimizerOffload:
         key, disk = piece.key, 0
         self.scalars[key], self.files[key] = {}, {}
         for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, FileRange):  # bytes in another file (a checkpoint's, another offload's): copied over
+                with open(self._path(key, name), "wb") as f:
+                    disk += value.copy_into(f)
+                self.files[key][name] = (value.shape, value.dtype)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 data = value.detach().contiguous().cpu()
                 with open(self._path(key, name), "wb") as f:
                     f.write(data.view(-1).view(torch.uint8).numpy().data)
