@@ -5,7 +5,7 @@
     python bench/big_model.py --offload_optimizer --layers 22 --hidden 1024 --intermediate 2816 --heads 16 \
         --memory_per_worker 0.9 --slack 0.29 --snapshot bench/snapshot/big_model_offload.json
         # 299M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.02 x one worker's cap
-        # add --checkpoint: a checkpoint after the steps, then a resume and one more step, under the same cap
+        # add --checkpoint: a checkpoint after the steps, then fresh ranks under the same cap resume it for one more step
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
@@ -125,25 +125,6 @@ def _offload(args: argparse.Namespace) -> dict:
     return {"offload_optimizer": str(Path(args.tmp) / "offload"), "offload_chunk_mb": args.offload_chunk_mb, **checkpoints}
 
 
-def _resume(args: argparse.Namespace, build, report: dict) -> None:
-    """`--checkpoint`: after `--steps` (which end with a checkpoint), a second trainer in this capped process resumes
-    from it and trains one more step (checkpointed too); its peak RSS is measured from a reset high-water mark."""
-    import gc
-
-    gc.collect()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the resume's own peak from here
-    except OSError:  # not Linux: the peak is then the run's, not the resume's alone
-        pass
-    before = status_bytes("VmRSS")
-    trainer = build(resume=True)
-    results = trainer.train(args.steps + 1)
-    report.update({"resume_losses": [r.loss for r in results], "resume_start_step": trainer.runner.start_step,
-                   "resume_peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"],
-                   "resume_peak_rss_growth_bytes": status_bytes("VmHWM") - before})
-    trainer.close()
-
-
 def worker(args: argparse.Namespace) -> None:
     from datetime import timedelta
 
@@ -174,14 +155,13 @@ def worker(args: argparse.Namespace) -> None:
         # smallest memory per worker that would), priced on the graph it traces from the meta model, rank 0's broadcast.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
 
-        def build(resume: bool = False) -> PipelineTrainer:
-            return PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
-                                   options=RunOptions(measure_memory=True, timeout=300.0, resume=resume, **_offload(args)),
-                                   weights=tmp / "weights",
-                                   example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
-
-        trainer = build()
-        trainer.train(args.steps)
+        # --resume (the second launch of --checkpoint): fresh capped processes resume from the first launch's
+        # checkpoint, as a restarted run does, and train one more step.
+        trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
+                                  options=RunOptions(measure_memory=True, timeout=300.0, resume=args.resume, **_offload(args)),
+                                  weights=tmp / "weights",
+                                  example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
+        trainer.train(args.steps + 1 if args.resume else args.steps)
         engine = trainer.runner
         held = state_bytes(engine.stage, engine.optimizer)
         records = engine.metrics.records
@@ -200,9 +180,8 @@ def worker(args: argparse.Namespace) -> None:
             "plan_stage_parameters": [int(sum(engine.graph[n].parameter_size for n in s.node_ids) // 4)
                                       for s in engine.plan.stages],
         })
+        report["start_step"] = engine.start_step
         trainer.close()
-        if args.checkpoint:
-            _resume(args, build, report)
     except (MemoryError, RuntimeError, ValueError) as error:  # our errors are ValueErrors/RuntimeErrors too
         report.update({"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
                        "peak_rss_bytes": status_bytes("VmHWM") - report["baseline_rss_bytes"]})
@@ -243,7 +222,7 @@ def _flags(args: argparse.Namespace) -> list[str]:
     keep = ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "micro", "steps", "world", "schedule",
             "memory_per_worker", "slack", "tmp", "offload_chunk_mb")
     return ([x for k in keep for x in (f"--{k}", str(getattr(args, k)))] + (["--offload_optimizer"] if args.offload_optimizer else [])
-            + (["--checkpoint"] if args.checkpoint else []))
+            + (["--checkpoint"] if args.checkpoint else []) + (["--resume"] if args.resume else []))
 
 
 def main() -> int:
@@ -272,8 +251,9 @@ def main() -> int:
                              "in chunks (RunOptions.offload_optimizer): a cap of 1/4 of the whole model's state fits")
     parser.add_argument("--offload_chunk_mb", type=float, default=64.0, help="with --offload_optimizer: MB of state at once")
     parser.add_argument("--checkpoint", action="store_true",
-                        help="with --offload_optimizer: a checkpoint after --steps, then a resume of one more step, "
+                        help="with --offload_optimizer: a checkpoint after --steps, then fresh ranks resume it for one more step, "
                              "under the same cap (the shard is streamed: runtime/checkpoint/shardio.py)")
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--snapshot", default=None, help="also copy the results JSON here (the docs quote the snapshot)")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--timeout", type=float, default=900)
@@ -302,6 +282,13 @@ def main() -> int:
         commands = [[sys.executable, __file__, "--role", "worker", "--rank", str(r), "--port", str(port), *_flags(args)]
                     for r in range(args.world)]
         ranks = result_rows(launch(commands, timeout=args.timeout, env=env), RESULT)
+        resumed = []
+        if args.checkpoint and all(r.get("ok") for r in ranks):
+            # The checkpoint the first launch wrote after its steps, resumed by fresh capped ranks for one more step.
+            port = free_port()
+            commands = [[sys.executable, __file__, "--role", "worker", "--rank", str(r), "--port", str(port), "--resume",
+                         *_flags(args)] for r in range(args.world)]
+            resumed = result_rows(launch(commands, timeout=args.timeout, env=env), RESULT)
         whole = result_rows(launch([[sys.executable, __file__, "--role", "control", *_flags(args)]], timeout=300, env=env),
                             RESULT)[0]
     load_after = os.getloadavg()
@@ -313,7 +300,8 @@ def main() -> int:
     cap = args.memory_per_worker * GB
     out_of_memory = ("MemoryError", "RuntimeError", "OSError")  # an allocation refused, not a crash of the bench
     summary = {"trained": all(r.get("ok") for r in ranks),
-               "resumed": all("resume_losses" in r for r in ranks) if args.checkpoint else None,
+               "resumed": (bool(resumed) and all(r.get("ok") and r["start_step"] == args.steps for r in resumed))
+               if args.checkpoint else None,
                "control_failed": not whole.get("ok") and str(whole.get("error", "")).startswith(out_of_memory),
                "rss_goal_met": all(r.get("meets_rss_goal") for r in ranks),
                "prediction_goal_met": all(r.get("meets_prediction_goal") for r in ranks),
@@ -322,7 +310,8 @@ def main() -> int:
     out = {"settings": {k: v for k, v in vars(args).items() if k not in ("role", "rank", "port", "tmp")},
            "model": model, "machine": platform.platform(), "cpus": os.cpu_count(),
            "load_average_before": load_before, "load_average_after": load_after,
-           "seconds": round(time.monotonic() - start, 1), "summary": summary, "ranks": ranks, "whole_model_control": whole}
+           "seconds": round(time.monotonic() - start, 1), "summary": summary, "ranks": ranks, "whole_model_control": whole,
+           "resumed_ranks": resumed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, out)
     if args.snapshot:
@@ -336,10 +325,11 @@ def main() -> int:
               f"({100 * row['prediction_error']:+.1f}%); peak RSS {row['peak_rss_bytes'] / GB:.3f} GB, stage share "
               f"{row['stage_share_bytes'] / GB:.3f} GB, cap {row['cap_bytes'] / GB:.3f} GB; goals: RSS "
               f"{'met' if row['meets_rss_goal'] else 'MISSED'}, prediction {'met' if row['meets_prediction_goal'] else 'MISSED'}")
-        if "resume_losses" in row:
-            print(f"  checkpoint at step {args.steps}, resumed at step {row['resume_start_step']}: losses "
-                  f"{[round(x, 4) for x in row['resume_losses']]}; the resume's peak RSS {row['resume_peak_rss_bytes'] / GB:.3f} "
-                  f"GB above the baseline ({row['resume_peak_rss_growth_bytes'] / GB:.3f} GB above its start)")
+    for row in resumed:  # --checkpoint: the second launch
+        print(f"rank {row['rank']} resumed from the checkpoint of step {args.steps}: " + (
+            f"started at step {row['start_step']}, losses {[round(x, 4) for x in row['losses']]}, peak RSS "
+            f"{row['peak_rss_bytes'] / GB:.3f} GB (restore and one step), cap {row['cap_bytes'] / GB:.3f} GB"
+            if row.get("ok") else f"FAILED {row.get('error')}"))
     if "tail" in whole:
         print(whole["tail"])
     print(f"whole-model control under the same cap: {'failed as expected: ' + whole.get('error', '') if not whole.get('ok') else 'DID NOT FAIL'}")
