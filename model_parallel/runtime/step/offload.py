@@ -15,8 +15,10 @@ per parameter byte are known); any other optimizer steps a parameter whole, so o
 chunk, and its state ratio is measured on its first chunk (one parameter). Files are read and written with
 `readinto`/`write` of the tensor's own bytes, never memory-mapped (a map would only move the bytes out of the memory
 a cap counts) and never unpickled. They are scratch, not a checkpoint: rewritten every step, removed with the
-optimizer; checkpoints and plan switches read the state through `state_of`, one parameter at a time, and restores
-write it through `load` (runtime/checkpoint/state.py). The optimizer's own step hooks run once per chunk.
+optimizer; checkpoints and a plan switch's kept layers copy the state file to file (`ranges`: FileRanges over the
+piece files, runtime/step/file_range.py), restores write it through `load` (from tensors, or file to file from a
+shard's records), a moving layer's state is read through `read_param` (runtime/checkpoint/state.py). The optimizer's
+own step hooks run once per chunk.
 """
 from __future__ import annotations
 
