@@ -23,6 +23,7 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit: blocks up to this come from the heap
 _TRIM_THRESHOLD = 1 << 40  # never give the heap's top back to the OS
 _applied = False
+MAPPED_MIN = 1 << 20  # `mapped_empty` maps tensors from this size
 
 
 def keep_freed_memory() -> bool:
@@ -61,7 +62,7 @@ def return_freed_memory() -> bool:
 
 
 def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in a private memory map of its own, unmapped when the tensor dies.
+    """An uninitialised CPU tensor in a private memory map of its own (from MAPPED_MIN bytes), unmapped when it dies.
 
     For buffers read one after another while the heap is in use (a checkpoint's optimizer state, a parameter at a
     time): from glibc's heap (its mmap threshold raised by `keep_freed_memory`), each freed buffer's space was cut
@@ -72,7 +73,7 @@ def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     for size in shape:
         count *= int(size)
     nbytes = count * torch.empty(0, dtype=dtype).element_size()
-    if nbytes == 0:
+    if nbytes < MAPPED_MIN:  # small: the heap (a map each would count against vm.max_map_count, 65530 by default)
         return torch.empty(shape, dtype=dtype)
     try:
         buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

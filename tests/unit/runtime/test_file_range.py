@@ -3,6 +3,7 @@ an offloaded optimizer's state moved between offloads cut in different pieces, a
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 import torch
@@ -55,3 +56,19 @@ def test_state_moves_file_to_file_between_offloads_cut_differently_and_from_a_sh
         for param, entry in got.items():
             for key, value in entry.items():
                 assert torch.equal(value, expected[id(param)][key]), (what, key)
+
+
+def test_mapped_empty_maps_large_tensors_privately_and_leaves_small_ones_to_the_heap():
+    from model_parallel.allocator import MAPPED_MIN, mapped_empty
+
+    big = mapped_empty((MAPPED_MIN // 4 + 3,), torch.float32)
+    big.fill_(2.0)
+    assert big.shape == (MAPPED_MIN // 4 + 3,) and float(big.sum()) == 2.0 * big.numel()
+    maps = open("/proc/self/maps").read() if sys.platform.startswith("linux") else ""
+    if maps:  # its own private anonymous mapping, counted by RLIMIT_DATA ("p", not "s")
+        start = big.data_ptr()
+        line = next(line for line in maps.splitlines()
+                    if int(line.split()[0].split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16))
+        assert line.split()[1].endswith("p")
+    small = mapped_empty((3, 4), torch.bfloat16)
+    assert small.shape == (3, 4) and small.dtype == torch.bfloat16
