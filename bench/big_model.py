@@ -5,6 +5,7 @@
     python bench/big_model.py --offload_optimizer --layers 22 --hidden 1024 --intermediate 2816 --heads 16 \
         --memory_per_worker 0.9 --slack 0.29 --snapshot bench/snapshot/big_model_offload.json
         # 299M Llama, AdamW state on disk (RunOptions.offload_optimizer): the whole state is 4.02 x one worker's cap
+        # add --checkpoint: a checkpoint after the steps, then fresh ranks under the same cap resume it for one more step
 
 1. A random-init Llama is written with `save_pretrained` as a sharded safetensors directory in a
    temporary directory (the only process that ever holds the whole model, before any cap).
@@ -122,7 +123,8 @@ def _offload(args: argparse.Namespace) -> dict:
     """RunOptions fields of `--offload_optimizer`: the AdamW state in files under the bench's temporary directory."""
     if not args.offload_optimizer:
         return {}
-    return {"offload_optimizer": str(Path(args.tmp) / "offload"), "offload_chunk_mb": args.offload_chunk_mb}
+    checkpoints = {"checkpoint_dir": str(Path(args.tmp) / "checkpoints")} if args.checkpoint else {}
+    return {"offload_optimizer": str(Path(args.tmp) / "offload"), "offload_chunk_mb": args.offload_chunk_mb, **checkpoints}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -154,11 +156,14 @@ def worker(args: argparse.Namespace) -> None:
         # whose predicted footprint fits, a loop or V of 2 stages per rank priced per rank; or a refusal naming the
         # smallest memory per worker that would), priced on the graph it traces from the meta model, rank 0's broadcast.
         micro = {"input_ids": torch.zeros(args.batch // args.micro, args.seq, dtype=torch.long)}
+
+        # --resume (the second launch of --checkpoint): fresh capped processes resume from the first launch's
+        # checkpoint, as a restarted run does, and train one more step.
         trainer = PipelineTrainer(model, adamw, Tokens(args.batch, args.seq, args.vocab), config, criterion=lm_loss,
-                                  options=RunOptions(measure_memory=True, timeout=300.0, **_offload(args)),
+                                  options=RunOptions(measure_memory=True, timeout=300.0, resume=args.resume, **_offload(args)),
                                   weights=tmp / "weights",
                                   example_inputs=micro, memory_per_worker=args.memory_per_worker * GB)
-        trainer.train(args.steps)
+        trainer.train(args.steps + 1 if args.resume else args.steps)
         engine = trainer.runner
         held = state_bytes(engine.stage, engine.optimizer)
         records = engine.metrics.records
@@ -177,7 +182,9 @@ def worker(args: argparse.Namespace) -> None:
             "plan_stage_parameters": [int(sum(engine.graph[n].parameter_size for n in s.node_ids) // 4)
                                       for s in engine.plan.stages],
         })
-        report.update(export(trainer, tmp, args.rank, report["baseline_rss_bytes"]))
+        report["start_step"] = engine.start_step
+        if not args.resume:  # the trained model out, under the same cap (the resumed run only proves the resume)
+            report.update(export(trainer, tmp, args.rank, report["baseline_rss_bytes"]))
         trainer.close()
     except (MemoryError, RuntimeError, ValueError) as error:  # our errors are ValueErrors/RuntimeErrors too
         report.update({"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
@@ -278,7 +285,8 @@ def control(args: argparse.Namespace) -> None:
 def _flags(args: argparse.Namespace) -> list[str]:
     keep = ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "micro", "steps", "world", "schedule",
             "memory_per_worker", "slack", "tmp", "offload_chunk_mb")
-    return [x for k in keep for x in (f"--{k}", str(getattr(args, k)))] + (["--offload_optimizer"] if args.offload_optimizer else [])
+    return ([x for k in keep for x in (f"--{k}", str(getattr(args, k)))] + (["--offload_optimizer"] if args.offload_optimizer else [])
+            + (["--checkpoint"] if args.checkpoint else []) + (["--resume"] if args.resume else []))
 
 
 def main() -> int:
@@ -306,11 +314,17 @@ def main() -> int:
                         help="the ranks keep their AdamW state in files in the bench's temporary directory and step it "
                              "in chunks (RunOptions.offload_optimizer): a cap of 1/4 of the whole model's state fits")
     parser.add_argument("--offload_chunk_mb", type=float, default=64.0, help="with --offload_optimizer: MB of state at once")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="with --offload_optimizer: a checkpoint after --steps, then fresh ranks resume it for one more step, "
+                             "under the same cap (the shard is streamed: runtime/checkpoint/shardio.py)")
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--snapshot", default=None, help="also copy the results JSON here (the docs quote the snapshot)")
     parser.add_argument("--shard_size", default="100MB", help="save_pretrained's max_shard_size")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "big_model.json"))
     args = parser.parse_args()
+    if args.checkpoint and not args.offload_optimizer:
+        parser.error("--checkpoint measures checkpoints of an offloaded optimizer: add --offload_optimizer")
     if args.role == "worker":
         worker(args)
         return 0
@@ -333,6 +347,13 @@ def main() -> int:
                     for r in range(args.world)]
         ranks = result_rows(launch(commands, timeout=args.timeout, env=env), RESULT)
         exported = check_export(Path(name), args.world)
+        resumed = []
+        if args.checkpoint and all(r.get("ok") for r in ranks):
+            # The checkpoint the first launch wrote after its steps, resumed by fresh capped ranks for one more step.
+            port = free_port()
+            commands = [[sys.executable, __file__, "--role", "worker", "--rank", str(r), "--port", str(port), "--resume",
+                         *_flags(args)] for r in range(args.world)]
+            resumed = result_rows(launch(commands, timeout=args.timeout, env=env), RESULT)
         whole = result_rows(launch([[sys.executable, __file__, "--role", "control", *_flags(args)]], timeout=300, env=env),
                             RESULT)[0]
     load_after = os.getloadavg()
@@ -344,6 +365,8 @@ def main() -> int:
     cap = args.memory_per_worker * GB
     out_of_memory = ("MemoryError", "RuntimeError", "OSError")  # an allocation refused, not a crash of the bench
     summary = {"trained": all(r.get("ok") for r in ranks), "exported": exported.get("ok", False),
+               "resumed": (bool(resumed) and all(r.get("ok") and r["start_step"] == args.steps for r in resumed))
+               if args.checkpoint else None,
                "control_failed": not whole.get("ok") and str(whole.get("error", "")).startswith(out_of_memory),
                "rss_goal_met": all(r.get("meets_rss_goal") for r in ranks),
                "prediction_goal_met": all(r.get("meets_prediction_goal") for r in ranks),
@@ -353,7 +376,7 @@ def main() -> int:
            "model": model, "machine": platform.platform(), "cpus": os.cpu_count(),
            "load_average_before": load_before, "load_average_after": load_after,
            "seconds": round(time.monotonic() - start, 1), "summary": summary, "ranks": ranks, "whole_model_control": whole,
-           "export": exported}
+           "export": exported, "resumed_ranks": resumed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, out)
     if args.snapshot:
@@ -367,6 +390,11 @@ def main() -> int:
               f"({100 * row['prediction_error']:+.1f}%); peak RSS {row['peak_rss_bytes'] / GB:.3f} GB, stage share "
               f"{row['stage_share_bytes'] / GB:.3f} GB, cap {row['cap_bytes'] / GB:.3f} GB; goals: RSS "
               f"{'met' if row['meets_rss_goal'] else 'MISSED'}, prediction {'met' if row['meets_prediction_goal'] else 'MISSED'}")
+    for row in resumed:  # --checkpoint: the second launch
+        print(f"rank {row['rank']} resumed from the checkpoint of step {args.steps}: " + (
+            f"started at step {row['start_step']}, losses {[round(x, 4) for x in row['losses']]}, peak RSS "
+            f"{row['peak_rss_bytes'] / GB:.3f} GB (restore and one step), cap {row['cap_bytes'] / GB:.3f} GB"
+            if row.get("ok") else f"FAILED {row.get('error')}"))
     if "tail" in whole:
         print(whole["tail"])
     print(export_line(exported))
@@ -381,7 +409,8 @@ def main() -> int:
           f"({'optimizer state offloaded to disk' if args.offload_optimizer else 'all state in memory'})")
     print(f"machine load (1/5/15 min) before {load_before}, after {load_after} on {os.cpu_count()} CPUs")
     print(json.dumps(summary), f"-> {args.out}")
-    return 0 if summary["trained"] and summary["control_failed"] and summary["exported"] else 1
+    return 0 if (summary["trained"] and summary["control_failed"] and summary["exported"]
+                 and summary["resumed"] is not False) else 1
 
 
 if __name__ == "__main__":

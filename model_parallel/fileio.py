@@ -12,13 +12,14 @@ from model_parallel.jsonbound import load_file
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def atomic_write(path: PathLike, write: Callable[[Any], None], binary: bool = False) -> Path:
-    """Call `write(file)` on a temporary file beside `path`, fsync it, then rename it into place."""
+def atomic_write(path: PathLike, write: Callable[[Any], None], binary: bool = False, readable: bool = False) -> Path:
+    """Call `write(file)` on a temporary file beside `path`, fsync it, then rename it into place (`readable`: a
+    binary file `write` may also seek in and read back)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
+        with os.fdopen(fd, ("w+b" if readable else "wb") if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

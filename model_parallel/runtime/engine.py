@@ -23,7 +23,7 @@ import gc
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -176,7 +176,7 @@ class PipelineEngine(TrainingLoop):
         self.straggler.set(factor)
 
     # ---- plan --------------------------------------------------------------------------------------
-    def activate(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> None:
+    def activate(self, plan: Plan, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
         """Build this rank's stage and optimizer for `plan` (collective: every rank calls it together)."""
         plan = plan.with_default_ranks()
         self.check_job(plan)
@@ -187,7 +187,7 @@ class PipelineEngine(TrainingLoop):
         check_plan_fits(plan, self.world_size)
         check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout)
 
-    def prepare(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> Prepared:
+    def prepare(self, plan: Plan, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Prepared:
         """This rank's stage, optimizer and executor for `plan` (ranks assigned), built beside the running ones:
         local, and nothing live changes (the layers it shares with the running stage are the same objects,
         unmodified); `install` makes it live. A switch that fails here is rolled back (wire/migration.py)."""
@@ -233,7 +233,7 @@ class PipelineEngine(TrainingLoop):
         stage.train()
         return stage
 
-    def make_optimizer(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+    def make_optimizer(self, prepared: Prepared, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]]) -> None:
         """One optimizer over the parameters of `prepared.stage` (all of the rank's stages), state restored by name."""
         stage = prepared.stage
         if params := list(stage.parameters()):
@@ -257,7 +257,7 @@ class PipelineEngine(TrainingLoop):
             device=self.device, header_cache=self.header_cache, metrics=self.metrics, timeout=self.timeout,
             flush=prepared.schedule.flush, **extra)
 
-    def _build_stage(self, prepared: Prepared, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+    def _build_stage(self, prepared: Prepared, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]]) -> None:
         assert prepared.stage_id is not None
         stage_id, schedule = prepared.stage_id, prepared.schedule
         sp = prepared.plan.stages[stage_id]

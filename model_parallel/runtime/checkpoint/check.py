@@ -7,6 +7,7 @@ have the structure `save_shard` writes. Every failure is a one-line CheckpointEr
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -89,9 +90,9 @@ def _check_shard_entry(shard: Any, where: str, bad: Any) -> None:
             raise bad(f"{where}.params[{name[:40]!r}] must be [shape, dtype], found {_show(entry)}")
 
 
-def read_shard_bytes(file: Path, expected: int | None, rank: int) -> bytes:
-    """The bytes of a shard file: a regular file (followed symlinks included) of `expected` bytes, read
-    no further than that; a device, FIFO or directory is refused before reading (it could be endless)."""
+def shard_digest(file: Path, expected: int | None, rank: int) -> tuple[int, str]:
+    """(size, sha256) of a shard file: a regular file (followed symlinks included) of `expected` bytes, read in
+    pieces no further than that; a device, FIFO or directory is refused before reading (it could be endless)."""
     fix = "resume from an earlier step"
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; the type check below then refuses it.
@@ -110,16 +111,17 @@ def read_shard_bytes(file: Path, expected: int | None, rank: int) -> bytes:
             raise CheckpointError(f"{file}: the shard of rank {rank} has {info.st_size} bytes, the manifest records "
                                   f"{limit}; it was truncated or replaced, {fix}")
         os.set_blocking(fd, True)
-        chunks, left = [], limit
+        # In pieces, into one buffer: a shard holds a rank's whole optimizer state.
+        digest, left, piece = hashlib.sha256(), limit, bytearray(1 << 24)
         while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
+            got = os.readv(fd, [memoryview(piece)[:min(left, len(piece))]])
+            if not got:
                 break
-            chunks.append(chunk)
-            left -= len(chunk)
+            digest.update(memoryview(piece)[:got])
+            left -= got
         if left:
             raise CheckpointError(f"{file}: the shard of rank {rank} ended {left} bytes early; {fix}")
-        return b"".join(chunks)
+        return limit, digest.hexdigest()
     except OSError as error:
         raise CheckpointError(f"{file}: cannot read the shard of rank {rank} ({error.strerror or error}); {fix}") from None
     finally:

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -43,6 +44,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.checkpoint.check import check_manifest
 from model_parallel.runtime.checkpoint.model_files import write_model_files
+from model_parallel.runtime.checkpoint.state import StreamedState
 from model_parallel.runtime.checkpoint.store import (
     MANIFEST,
     _read_json,
@@ -133,7 +135,7 @@ def save_and_commit(engine: CheckpointingEngine, step: int) -> None:
                               f"'latest' names")
 
 
-def shard_state(engine: CheckpointingEngine, stage: nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def shard_state(engine: CheckpointingEngine, stage: nn.Module) -> tuple[dict[str, Any], dict[str, Any], Mapping[str, Any]]:
     """(parameters, buffers, optimizer state) of a rank's shard, keyed as a checkpoint stores them (also what
     --recover takes from a live replica: runtime/checkpoint/live.py)."""
     from model_parallel.runtime.build.tied import stored_keys, without_aliases
@@ -143,7 +145,9 @@ def shard_state(engine: CheckpointingEngine, stage: nn.Module) -> tuple[dict[str
     params, buffers = (without_aliases(part, engine.graph) for part in split_state(stage))
     opt = optimizer_state_by_name(engine.optimizer, dict(stage.named_parameters())) if engine.optimizer else {}
     stored = stored_keys(engine.graph)
-    opt = {stored.get(name, name): entry for name, entry in opt.items() if stored.get(name, name) in params}
+    names = {stored.get(name, name): name for name in opt if stored.get(name, name) in params}
+    # An offloaded optimizer's state stays unread (StreamedState): the shard writer reads it a parameter at a time.
+    opt = opt.renamed(names) if isinstance(opt, StreamedState) else {new: opt[old] for new, old in names.items()}
     return params, buffers, opt
 
 

@@ -92,8 +92,9 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
         if engine.optimizer is not None:
             named = dict(engine.stage.named_parameters())
             state = checkpoint.optimizer_state(sorted({stored.get(name, name) for name in named}))
-            state = {name: state[stored.get(name, name)] for name in named if stored.get(name, name) in state}
-            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state)
+            # Still unread: each parameter's state goes from the shard into the optimizer (or its offload files) alone.
+            state = state.renamed({name: stored.get(name, name) for name in named})
+            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state, copy=False)  # each entry read fresh
     # load_checkpoint checked it: an int in 0..step + 1.
     return checkpoint.step, next_step
 

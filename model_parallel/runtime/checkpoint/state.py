@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from typing import Any, Union
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -55,20 +55,66 @@ def _fingerprint(named: Union[nn.Module, Mapping[str, Any]]) -> str:
 # ----------------------------------------------------------------------------- optimizer state
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU)."""
-    from model_parallel.runtime.step.offload import offload_of, optimizer_state_items
+class StreamedState(Mapping[str, dict[str, Any]]):
+    """Name-keyed optimizer state read one parameter at a time: `layout[name]` says what an entry holds (its
+    tensors as meta tensors: shape and dtype) without reading anything, `self[name]` reads the entry (fresh
+    tensors the caller owns). An offloaded optimizer's state (runtime/step/offload.py) and a checkpoint's come
+    this way, so a checkpoint write or a resume holds one parameter's state at a time, never the whole."""
 
-    # Offloaded, the state tensors are read from disk one parameter at a time into fresh tensors: no second copy.
-    fresh = offload_of(optimizer) is not None
+    def __init__(self, layout: dict[str, dict[str, Any]], read: Callable[[str], dict[str, Any]],
+                 ranges: Optional[Callable[[str], dict[str, Any]]] = None) -> None:
+        self.layout = layout
+        self._read = read
+        # An entry with its tensors as FileRanges (runtime/step/file_range.py) where they lie in files: an offloaded
+        # optimizer copies them file to file (`load_optimizer_state_by_name`), as the shard writer does.
+        self.ranges = ranges
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if name not in self.layout:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def with_entries(self, entries: Mapping[str, Mapping[str, Any]]) -> "StreamedState":
+        """`entries` (in memory already: a switch's arriving state, taken over as they are) over these."""
+        def pick(read: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+            return lambda name: dict(entries[name]) if name in entries else read(name)
+        return StreamedState({**self.layout, **{name: dict(entry) for name, entry in entries.items()}},
+                             pick(self._read), pick(self.ranges) if self.ranges else None)
+
+    def renamed(self, names: Mapping[str, str]) -> "StreamedState":
+        """The entries of `names`' values under their keys (new name -> name here), still unread."""
+        names = {new: old for new, old in names.items() if old in self.layout}
+        ranges = self.ranges
+        return StreamedState({new: self.layout[old] for new, old in names.items()}, lambda new: self._read(names[new]),
+                             (lambda new: ranges(names[new])) if ranges else None)
+
+
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor]
+) -> Union[dict[str, dict[str, Any]], StreamedState]:
+    """The optimizer's per-parameter state keyed by parameter name (tensors detached, on CPU): copied into a
+    dict, or, where the optimizer is offloaded, a StreamedState read from its files when an entry is asked for."""
+    from model_parallel.runtime.step.offload import offload_of
+
     by_id = {id(p): name for name, p in named_params.items()}
+    offload = offload_of(optimizer)
+    if offload is not None:
+        owned = {by_id[id(p)]: (p, layout) for p, layout in offload.state_layout(optimizer) if id(p) in by_id}
+        return StreamedState({name: layout for name, (_, layout) in owned.items()},
+                             lambda name: offload.read_param(optimizer, owned[name][0]),
+                             lambda name: offload.ranges(optimizer, owned[name][0]))
     out: dict[str, dict[str, Any]] = {}
-    for param, state in optimizer_state_items(optimizer):
+    for param, state in optimizer.state.items():
         name = by_id.get(id(param))
         if name is None:
             continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
-        out[name] = {k: (v.detach().cpu() if fresh and v.dim() > 0 else v.detach().cpu().clone())
-                     if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        out[name] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return out
 
 
@@ -87,25 +133,35 @@ def load_optimizer_state_by_name(
 
     offload = offload_of(optimizer)
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    # Offloaded, a streamed state's tensors go file to file (its FileRanges), none of them read into memory.
+    ranges = state.ranges if offload is not None and isinstance(state, StreamedState) else None
     for name, param in named_params.items():
-        entry = state.get(name)
+        entry = (ranges(name) if name in state else None) if ranges else state.get(name)
         if entry is None:
             continue
         group = group_of.get(id(param), {})
         # As torch's own load_state_dict does: Adam's `step` stays on the CPU unless capturable/fused.
-        step_on_param_device = bool(group.get("capturable") or group.get("fused"))
-        restored: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                on_cpu = key == "step" and not step_on_param_device
-                value = value.detach().clone() if copy else value.detach()
-                restored[key] = value.to("cpu" if on_cpu else param.device)
-            else:
-                restored[key] = value
+        restored = _restored(entry, param.device, bool(group.get("capturable") or group.get("fused")), copy)
+        # Dropped before the next entry is read (a StreamedState reads it then): alive beside it, glibc's heap grew.
+        del entry
         if offload is not None:
             offload.load(optimizer, param, restored)
+            del restored
         else:
             optimizer.state[param] = restored
+
+
+def _restored(entry: Mapping[str, Any], device: torch.device, step_on_param_device: bool, copy: bool) -> dict[str, Any]:
+    """One parameter's state moved to `device` (Adam's `step` to the CPU unless `step_on_param_device`)."""
+    restored: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor):
+            on_cpu = key == "step" and not step_on_param_device
+            value = value.detach().clone() if copy else value.detach()
+            restored[key] = value.to("cpu" if on_cpu else device)
+        else:
+            restored[key] = value
+    return restored
 
 
 def split_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

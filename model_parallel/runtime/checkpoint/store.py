@@ -27,7 +27,8 @@ API (stable; the runtime calls these):
 Layout of a checkpoint directory:
 
     <directory>/latest                   text "step_<N>", replaced atomically (the commit point)
-    <directory>/step_<N>/shard_<rank>.pt  torch.save({"params", "buffers", "optimizer", "extra"})
+    <directory>/step_<N>/shard_<rank>.pt  torch.save({"params", "buffers", "optimizer", "extra"}), written and
+                                          read a tensor at a time (shardio.py)
     <directory>/step_<N>/shard_<rank>.json  index of the shard: keys, shapes, sha256 (written after it)
     <directory>/step_<N>/manifest.json    written by finalize after all shards: shards, world, fingerprint
     <directory>/step_<N>/graph.json       the graph the run trained, and config.json for a Hugging Face
@@ -46,8 +47,6 @@ Independent of torch.distributed: `commit.py` is the runtime's protocol around t
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -62,7 +61,7 @@ from torch import nn
 from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
-from model_parallel.runtime.checkpoint.check import check_manifest, check_payload, read_shard_bytes
+from model_parallel.runtime.checkpoint.check import check_manifest, check_payload, shard_digest
 from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of this module's API
     LATEST,
     MANIFEST,
@@ -74,8 +73,10 @@ from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of t
     step_dir,
     step_dirs,
 )
+from model_parallel.runtime.checkpoint.shardio import ShardReader, write_shard_file
 from model_parallel.runtime.checkpoint.state import (  # noqa: F401 - part of this module's API
     OptimizerState,
+    StreamedState,
     _dtype_name,
     _fingerprint,
     load_optimizer_state_by_name,
@@ -119,28 +120,24 @@ def save_shard(
     overlap = sorted(set(params_t) & set(buffers_t))
     if overlap:
         raise CheckpointError(f"save_shard(rank {rank}): names are both parameter and buffer: {overlap[:5]}")
-    optimizer: dict[str, dict[str, Any]] = {}
-    for name, entry in (optimizer_state or {}).items():
+    optimizer = optimizer_state if optimizer_state is not None else {}
+    for name in optimizer:  # a StreamedState (an offloaded optimizer's) is not read here: names only
         if name not in params_t:
             raise CheckpointError(
                 f"save_shard(rank {rank}): optimizer state for {name!r}, which is not among this shard's "
                 f"parameters; key optimizer state by the same stage-module parameter names"
             )
-        optimizer[name] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
-    payload = {"params": params_t, "buffers": buffers_t, "optimizer": optimizer, "extra": dict(extra or {})}
-
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
-    path = shard_path(directory, step, rank)
-    with _naming(path):
-        atomic_write(path, lambda f: f.write(data), binary=True)
+    path, written = shard_path(directory, step, rank), list[tuple[int, str]]()
+    with _naming(path):  # straight into the temporary file renamed into place, a tensor (a parameter's state) at a time
+        atomic_write(path, lambda f: written.append(write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}))),
+                     binary=True, readable=True)
+    size, sha256 = written[0]
     index = {
         "rank": rank,
         "step": step,
         "file": path.name,
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": size,
+        "sha256": sha256,
         "params": {k: [list(v.shape), _dtype_name(v.dtype)] for k, v in params_t.items()},
         "buffers": sorted(buffers_t),
     }
@@ -148,7 +145,7 @@ def save_shard(
     with _naming(path.with_suffix(".json")):
         atomic_write_json(path.with_suffix(".json"), index)
         fsync_dir(path.parent)
-    logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, len(data))
+    logger.debug("rank %d wrote checkpoint shard %s (%d bytes)", rank, path, size)
     return path
 
 
@@ -264,6 +261,7 @@ class Checkpoint:
     _shards: list[dict[str, Any]]
     _owner: dict[str, int] = field(default_factory=dict)
     _loaded: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _readers: dict[int, ShardReader] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for index, shard in enumerate(self._shards):
@@ -286,23 +284,36 @@ class Checkpoint:
         if index not in self._loaded:
             meta = self._shards[index]
             file = self.path / meta["file"]
-            data = read_shard_bytes(file, meta.get("bytes"), meta["rank"])
-            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            size, digest = shard_digest(file, meta.get("bytes"), meta["rank"])
+            if digest != meta["sha256"]:
                 raise CheckpointError(
                     f"{file}: shard of rank {meta['rank']} is corrupt (checksum differs from {MANIFEST}); "
                     f"resume from an earlier step (load_checkpoint(directory, step=...))"
                 )
             try:
-                payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                reader = ShardReader(file, size)
             except Exception as error:  # torch raises several types for unreadable data
+                if isinstance(error, CheckpointError):
+                    raise
                 reason = str(error).splitlines()[0][:200] if str(error) else ""
                 raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); resume from an earlier step") from None
-            self._loaded[index] = check_payload(payload, meta, file)
+            skeleton = check_payload(reader.skeleton, meta, file)
+            # Meta tensors: a tensor (a parameter's optimizer state) is read from the file when it is asked for.
+            self._readers[index] = reader
+            self._loaded[index] = {**skeleton, "extra": reader.materialize(skeleton["extra"])}
         return self._loaded[index]
 
     def _lookup(self, keys: Optional[Iterable[str]], section: str) -> dict[str, Any]:
+        return {name: self._read(self._owner[name], self._shard(self._owner[name])[section][name])
+                for name in self._known(keys, section)}
+
+    def _read(self, index: int, skeleton: Any) -> Any:
+        """A part of shard `index`'s skeleton with its tensors read from the file."""
+        return self._readers[index].materialize(skeleton)
+
+    def _known(self, keys: Optional[Iterable[str]], section: str) -> list[str]:
+        """`keys` (None: all of `section`), each checked to be in this checkpoint's `section`."""
         names = (self.param_names if section == "params" else self.buffer_names) if keys is None else list(keys)
-        out: dict[str, Any] = {}
         for name in names:
             index = self._owner.get(name)
             if index is None or name not in self._shards[index][section]:
@@ -312,8 +323,7 @@ class Checkpoint:
                     f"(it has {len(self._owner)} names, e.g. {sorted(self._owner)[:3]}); "
                     f"is this checkpoint from another model version?"
                 )
-            out[name] = self._shard(index)[section][name]
-        return out
+        return names
 
     def params(self, keys: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
         """Parameter tensors by stage-module name (all of them when `keys` is None)."""
@@ -322,16 +332,14 @@ class Checkpoint:
     def buffers(self, keys: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
         return self._lookup(keys, "buffers")
 
-    def optimizer_state(self, keys: Optional[Iterable[str]] = None) -> dict[str, dict[str, Any]]:
-        """Optimizer state of the named parameters; a parameter without state is left out."""
-        names = self.param_names if keys is None else list(keys)
-        self._lookup(names, "params")  # raises on unknown names
-        out = {}
-        for name in names:
-            state = self._shard(self._owner[name])["optimizer"].get(name)
-            if state is not None:
-                out[name] = state
-        return out
+    def optimizer_state(self, keys: Optional[Iterable[str]] = None) -> StreamedState:
+        """Optimizer state of the named parameters (a parameter without state is left out), read from the shard
+        one parameter at a time as each entry is asked for."""
+        names = self._known(keys, "params")
+        layout = {name: state for name in names
+                  if (state := self._shard(self._owner[name])["optimizer"].get(name)) is not None}
+        return StreamedState(layout, lambda name: self._read(self._owner[name], layout[name]),
+                             lambda name: self._readers[self._owner[name]].ranges(layout[name]))
 
     def shard_extra(self, rank: int) -> dict[str, Any]:
         """The `extra` a rank passed to save_shard (CheckpointError if that rank wrote no shard)."""
@@ -346,13 +354,14 @@ class Checkpoint:
         stored = stored or {}
         param_part, buffer_part = split_state(module)
         tied = [k for k in list(param_part) + list(buffer_part) if k in stored]
-        params = self.params(sorted({stored.get(k, k) for k in param_part} | {stored[k] for k in tied}))
-        values = {**self.buffers(k for k in buffer_part if k not in stored),
-                  **{k: params[stored.get(k, k)] for k in list(param_part) + tied}}
+        sources = {**{k: ("params", stored.get(k, k)) for k in list(param_part) + tied},
+                   **{k: ("buffers", k) for k in buffer_part if k not in stored}}
+        for section in ("params", "buffers"):
+            self._known(sorted({key for kind, key in sources.values() if kind == section}), section)
         state = module.state_dict(keep_vars=True)
         with torch.no_grad():
-            for name, value in values.items():
-                tensor = state[name]
+            for name, (section, key) in sources.items():  # one tensor read at a time
+                value, tensor = self._lookup([key], section)[key], state[name]
                 if value.shape != tensor.shape:
                     raise CheckpointError(f"{self.path}: {name!r} has shape {tuple(value.shape)} in the checkpoint, {tuple(tensor.shape)} in the module")
                 tensor.copy_(value)

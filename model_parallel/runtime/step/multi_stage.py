@@ -124,12 +124,12 @@ class BuildingEngine(Protocol):
 
     def stage_module(self, plan: Any, boundaries: Any, stage_id: int) -> Any: ...
 
-    def make_optimizer(self, prepared: Any, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None: ...
+    def make_optimizer(self, prepared: Any, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]]) -> None: ...
 
     def make_executor(self, prepared: Any, stage: Any, stage_id: int, actions: Any, **extra: Any) -> StepExecutor: ...
 
 
-def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optional[dict[str, dict[str, Any]]]) -> None:
+def build_stages(engine: BuildingEngine, prepared: Any, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]]) -> None:
     """Several stages on this rank (interleaved 1F1B, ZB loop/V), into `prepared` (engine.Prepared): their modules,
     ONE optimizer over all their parameters (one update per step, as one process would), one executor running the
     rank's schedule row."""

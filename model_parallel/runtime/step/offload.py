@@ -15,8 +15,10 @@ per parameter byte are known); any other optimizer steps a parameter whole, so o
 chunk, and its state ratio is measured on its first chunk (one parameter). Files are read and written with
 `readinto`/`write` of the tensor's own bytes, never memory-mapped (a map would only move the bytes out of the memory
 a cap counts) and never unpickled. They are scratch, not a checkpoint: rewritten every step, removed with the
-optimizer; checkpoints and plan switches read the state through `state_of`, one parameter at a time, and restores
-write it through `load` (runtime/checkpoint/state.py). The optimizer's own step hooks run once per chunk.
+optimizer; checkpoints and a plan switch's kept layers copy the state file to file (`ranges`: FileRanges over the
+piece files, runtime/step/file_range.py), restores write it through `load` (from tensors, or file to file from a
+shard's records), a moving layer's state is read through `read_param` (runtime/checkpoint/state.py). The optimizer's
+own step hooks run once per chunk.
 """
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from model_parallel.allocator import mapped_empty
 from model_parallel.errors import ConfigError
+from model_parallel.runtime.step.file_range import FileRange
 
 SLICEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # exact types: per-element updates
 _OFFLOADS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerOffload]" = weakref.WeakKeyDictionary()
@@ -146,19 +150,53 @@ class OptimizerOffload:
     def state_of(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         """(parameter, its state as `optimizer.state[parameter]` would hold it) one parameter at a time, read from
         disk (slices joined); parameters without state yet are skipped, as torch's state dict skips them."""
+        for param, _ in self.state_layout(optimizer):
+            yield param, self.read_param(optimizer, param)
+
+    def state_layout(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, its state with each tensor a meta tensor of the whole parameter's shape and dtype) without
+        reading a file: what a checkpoint writer lays out before it streams the bytes (`read_param`)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, pieces in sorted(self._pieces_by_param(optimizer).items()):
+            first = pieces[0].key
+            if first not in self.files and first not in self.scalars:
+                continue
+            state: dict[str, Any] = dict(self.scalars.get(first, {}))
+            for name, (shape, dtype) in self.files.get(first, {}).items():
+                state[name] = torch.empty(params[index].shape if len(pieces) > 1 else shape, dtype=dtype, device="meta")
+            yield params[index], state
+
+    def read_param(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+        """One parameter's whole state read from disk (its slices joined)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index = next(i for i, p in enumerate(params) if p is param)
+        pieces = self._pieces_by_param(optimizer)[index]
+        parts = [self._read(piece.key, mapped=True) for piece in pieces]
+        state = dict(parts[0])
+        for name in self.files.get(pieces[0].key, {}):
+            if len(parts) > 1:
+                state[name] = torch.cat([part[name].reshape(-1) for part in parts]).view(param.shape)
+        return state
+
+    def ranges(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+        """One parameter's whole state with each tensor a FileRange over its pieces' files (nothing read): what a
+        checkpoint writer or a plan switch's next optimizer copies file to file."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index = next(i for i, p in enumerate(params) if p is param)
+        pieces = self._pieces_by_param(optimizer)[index]
+        state: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value
+                                 for name, value in self.scalars.get(pieces[0].key, {}).items()}
+        for name, (shape, dtype) in self.files.get(pieces[0].key, {}).items():
+            size = torch.empty(0, dtype=dtype).element_size()
+            segments = tuple((self._path(piece.key, name), 0, (piece.stop - piece.start) * size) for piece in pieces)
+            state[name] = FileRange(tuple(param.shape) if len(pieces) > 1 else shape, dtype, segments)
+        return state
+
+    def _pieces_by_param(self, optimizer: torch.optim.Optimizer) -> dict[int, list[Piece]]:
         by_param: dict[int, list[Piece]] = {}
         for piece in self.pieces(optimizer):
             by_param.setdefault(piece.index, []).append(piece)
-        for index, pieces in sorted(by_param.items()):
-            if pieces[0].key not in self.files and pieces[0].key not in self.scalars:
-                continue
-            parts = [self._read(piece.key) for piece in pieces]
-            state = dict(parts[0])
-            for name in self.files.get(pieces[0].key, {}):
-                joined = torch.cat([part[name].reshape(-1) for part in parts]) if len(parts) > 1 else parts[0][name]
-                state[name] = joined.view(params[index].shape) if len(parts) > 1 else joined
-            yield params[index], state
+        return by_param
 
     def load(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, Any]) -> None:
         """Install one parameter's whole state (a restore or an arriving layer's) onto disk, cut as its pieces."""
@@ -166,10 +204,13 @@ class OptimizerOffload:
         index = next(i for i, p in enumerate(params) if p is param)
         for piece in (piece for piece in self.pieces(optimizer) if piece.index == index):
             whole = piece.start == 0 and piece.stop == param.numel()
-            # Each slice its own scalars: Adam increments `step` in place, once per slice it steps.
-            part = {name: (value.detach().reshape(-1)[piece.start:piece.stop] if not whole and value.dim() > 0
-                           else value.detach().clone()) if isinstance(value, torch.Tensor) else value
-                    for name, value in state.items()}
+            # Each slice its own scalars: Adam increments `step` in place, once per slice it steps. A state tensor
+            # goes to the piece's file as it is (a slice of it where cut): no copy.
+            part = {name: (value.detach().clone() if value.dim() == 0 else value.detach() if whole
+                           else value.detach().reshape(-1)[piece.start:piece.stop])
+                    if isinstance(value, torch.Tensor)
+                    else (value if whole else value.elements(piece.start, piece.stop)) if isinstance(value, FileRange)
+                    else value for name, value in state.items()}
             self._store(piece, part, param)
 
     def _absorb(self, optimizer: torch.optim.Optimizer) -> None:
@@ -192,12 +233,13 @@ class OptimizerOffload:
     def _path(self, key: str, name: str) -> Path:
         return self.directory / f"{key}.{name}.bin"
 
-    def _read(self, key: str, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    def _read(self, key: str, device: torch.device = torch.device("cpu"), mapped: bool = False) -> dict[str, Any]:
         """`key`'s state: its scalars as the optimizer left them, its tensors read from their files (onto `device`,
-        the parameter's, through the CPU: untested on a GPU)."""
+        the parameter's, through the CPU: untested on a GPU; `mapped`: into maps of their own, for a checkpoint's
+        reads one parameter after another: allocator.mapped_empty)."""
         state = dict(self.scalars.get(key, {}))
         for name, (shape, dtype) in self.files.get(key, {}).items():
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = mapped_empty(shape, dtype) if mapped else torch.empty(shape, dtype=dtype)
             with open(self._path(key, name), "rb") as f:
                 got = f.readinto(tensor.view(-1).view(torch.uint8).numpy().data)  # into the tensor's own bytes
             if got != tensor.numel() * tensor.element_size():
@@ -211,7 +253,11 @@ class OptimizerOffload:
         key, disk = piece.key, 0
         self.scalars[key], self.files[key] = {}, {}
         for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, FileRange):  # bytes in another file (a checkpoint's, another offload's): copied over
+                with open(self._path(key, name), "wb") as f:
+                    disk += value.copy_into(f)
+                self.files[key][name] = (value.shape, value.dtype)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 data = value.detach().contiguous().cpu()
                 with open(self._path(key, name), "wb") as f:
                     f.write(data.view(-1).view(torch.uint8).numpy().data)

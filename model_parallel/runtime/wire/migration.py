@@ -42,7 +42,7 @@ import gc
 import logging
 import time
 from dataclasses import replace
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Optional, Protocol, Union
 
 import torch
@@ -58,7 +58,8 @@ from model_parallel.runtime.build.stages import layer_owners
 from model_parallel.runtime.build.tied import expand_state
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.tracing import Tracer
-from model_parallel.runtime.step.offload import optimizer_state_items
+from model_parallel.runtime.checkpoint.state import StreamedState, optimizer_state_by_name
+from model_parallel.runtime.step.offload import offload_of
 from model_parallel.runtime.plancheck import check_plan, check_switchable
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import agree
@@ -95,7 +96,7 @@ class MigratingEngine(Protocol):
         """Collective: `plan` fits the world and every rank holds the same graph, plan and config."""
         ...
 
-    def prepare(self, plan: Plan, optimizer_state: Optional[dict[str, dict[str, Any]]] = None) -> Any:
+    def prepare(self, plan: Plan, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Any:
         """This rank's stage and optimizer for `plan`, built beside the running ones (local; nothing live changes)."""
         ...
 
@@ -193,18 +194,24 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
     engine.check_job(new_plan)
     moves = plan_transfers(engine.graph, old_plan, new_plan)
     # Optimizer state of what this rank holds now, by parameter name (kept layers and outgoing ones).
-    opt_state: dict[str, dict[str, Any]] = {}
+    opt_state: Mapping[str, Mapping[str, Any]] = {}
     if engine.optimizer is not None and engine.stage is not None:
         # The running optimizer's own tensors, not copies: nothing steps before the switch commits (the new
         # optimizer takes the kept ones over; a rollback keeps the old one), and a copy would be a second
         # optimizer state in memory.
-        by_id = {id(p): name for name, p in engine.stage.named_parameters()}
-        # Offloaded (runtime/step/offload.py): read from its files, the moving rank's whole state at once, as without.
-        opt_state = {by_id[id(p)]: dict(state) for p, state in optimizer_state_items(engine.optimizer)
-                     if id(p) in by_id}
+        named = dict(engine.stage.named_parameters())
         # A tied Parameter is named once per stage: under every key of the tie, so it travels (and is
         # found again) under whichever key the sending and receiving stages hold it by.
-        opt_state = expand_state(engine.graph, opt_state)
+        if offload_of(engine.optimizer) is not None:
+            # Offloaded (runtime/step/offload.py): unread; a kept parameter's state goes from the running
+            # optimizer's files into the new one's alone, an outgoing one's is read as its message is built.
+            streamed = optimizer_state_by_name(engine.optimizer, named)
+            assert isinstance(streamed, StreamedState)
+            opt_state = streamed.renamed(expand_state(engine.graph, {name: name for name in streamed}))
+        else:
+            by_id = {id(p): name for name, p in named.items()}
+            opt_state = expand_state(engine.graph, {by_id[id(p)]: dict(state) for p, state in engine.optimizer.state.items()
+                                                    if id(p) in by_id})
 
     outgoing: dict[int, list[str]] = {}
     incoming: dict[int, list[str]] = {}
@@ -252,7 +259,7 @@ def switch_plan(engine: MigratingEngine, new_plan: Plan) -> float:
 
     # 3. The new stage, built beside the running one; live only once every rank built its own.
     # Kept parameters keep their state; arriving ones bring theirs.
-    merged = {**opt_state, **received_opt}
+    merged = opt_state.with_entries(received_opt) if isinstance(opt_state, StreamedState) else {**opt_state, **received_opt}
     prepared: list[Any] = []
     if failure is None:
         failure = _attempt(engine, f"building the stage of plan v{new_plan.version}",
