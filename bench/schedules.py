@@ -88,7 +88,7 @@ def methodology(args: argparse.Namespace) -> str:
     low, high = MEASURED_LATENCY_MS
     return (f"emulated devices: every layer waits F {args.forward_ms:g} / I {args.input_ms:g} / W {args.weight_ms:g} ms per "
             f"microbatch, {args.layers_per_rank} layers per rank: a stage forward {action:g} ms ({action / 2:g} ms with 2 "
-            f"stages per rank); a message here {low:g}-{high:g} ms (bench/message_latency.py): message / action "
+            f"stages per rank; the straggler world {args.straggler_layers_per_rank} layers per rank); a message here {low:g}-{high:g} ms (bench/message_latency.py): message / action "
             f"{100 * low / action:.0f}-{100 * high / (action / 2):.0f} % (accelerators ~1-5 %). Both runtimes run the "
             f"same worlds, alternating chunks ({args.warmup} + {args.chunks} x {args.chunk_steps} steps per side).")
 
@@ -211,11 +211,30 @@ def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
     static, ours = spec["static_plan"], spec["straggler_schedule"]
     # The workers name their schedule when they register: the coordinator checks (and re-plans) under its rules.
     coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][static]), token.encode(), policy="auto")
+    watch_issues(coordinator)
     port = coordinator.start("127.0.0.1", 0)
     spec["sides"].append({"key": f"ours {ours} live", "runtime": "ours", "schedule": ours, "plan": static,
                           "coordinator": f"127.0.0.1:{port}", "token": token, "settle_steps": settle_steps})
     Path(spec["path"]).write_text(json.dumps(spec))
     return coordinator
+
+
+def watch_issues(coordinator: Any) -> None:
+    """Record (and log) the per-rank speeds each plan the coordinator issues was solved for, in
+    `coordinator.issued_speeds`: what explains a plan that gives the slow rank a layer too many (its speed
+    estimated above 1/s). Wraps the instance's `issue`; the coordinator's modules are not changed."""
+    rebalancer, issued = coordinator.rebalancer, []
+    inner = rebalancer.issue
+
+    def issue(plan: Any, reason: str, step: int, send: Any, predicted: bool, speeds: Any = None) -> Any:
+        if speeds is not None:
+            issued.append({"step": step, "speeds": {int(r): round(float(v), 3) for r, v in speeds.items()}})
+            logger.info("the coordinator solved its plan after step %d for speeds %s", step,
+                        ", ".join(f"rank {r} {v:.3f}" for r, v in sorted(issued[-1]["speeds"].items())))
+        return inner(plan, reason, step, send, predicted, speeds)
+
+    rebalancer.issue = issue
+    coordinator.issued_speeds = issued
 
 
 def run_world(spec: dict[str, Any], workdir: Path, timeout: float, echo: bool) -> list[dict[str, Any]]:
@@ -309,6 +328,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 row["load_1min"] = loads[-1]
             rows += world_rows
             summaries.append(straggler_summary(world_rows, spec) if straggler else summary(world_rows))
+            if coordinator is not None:  # why the live plan is what it is: the speeds it was solved for, the policy's words
+                summaries[-1] |= {"live_solved_for_speeds": coordinator.issued_speeds,
+                                  "live_decisions": list(coordinator.rebalancer.decisions)}
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "uptime": _uptime()}
     report = {"benchmark": "schedules (emulated devices)", "methodology": methodology(args), "settings": {k: v for k, v in vars(args).items()
                                                                       if not k.startswith("_")},

@@ -275,3 +275,23 @@ def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
     assert report.simulated_bubble("Schedule1F1B", 4, 8, 1, args) == pytest.approx(3 / 11)  # the flush formula
     assert report.simulated_bubble("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
     assert report.simulated_bubble("pipedream", 4, 8, 1, args) is None
+
+
+def test_the_header_states_the_durations_and_the_message_to_compute_ratio_they_give() -> None:
+    line = schedules.methodology(schedules.parse_args([]))
+    assert "F 8 / I 8 / W 8 ms" in line and "a stage forward 32 ms (16 ms with 2 stages per rank)" in line
+    assert "message / action 1-12 %" in line and "same worlds" in line
+    old = schedules.methodology(schedules.parse_args(["--forward_ms", "2", "--input_ms", "2", "--weight_ms", "2"]))
+    assert "message / action 2-50 %" in old  # the setting before: communication overstated
+
+
+def test_the_live_side_records_the_speeds_each_issued_plan_was_solved_for() -> None:
+    calls = []
+    rebalancer = SimpleNamespace(issue=lambda *args, **kwargs: calls.append((args, kwargs)) or "issued")
+    coordinator = SimpleNamespace(rebalancer=rebalancer)
+    schedules.watch_issues(coordinator)
+    assert coordinator.rebalancer.issue("plan", "auto: gain", 6, "send", predicted=True,
+                                        speeds={0: 1.0, 1: 0.5234}) == "issued"
+    coordinator.rebalancer.issue("plan", "ctl", 9, "send", False)  # no speeds (ctl set-plan): nothing recorded
+    assert coordinator.issued_speeds == [{"step": 6, "speeds": {0: 1.0, 1: 0.523}}]
+    assert len(calls) == 2 and calls[0][0][2] == 6 and calls[0][1] == {}
