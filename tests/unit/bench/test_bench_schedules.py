@@ -279,7 +279,7 @@ def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
 
 def test_the_header_states_the_durations_and_the_message_to_compute_ratio_they_give() -> None:
     line = schedules.methodology(schedules.parse_args([]))
-    assert "F 8 / I 8 / W 8 ms" in line and "a stage forward 32 ms (16 ms with 2 stages per rank)" in line
+    assert "F 8 / I 8 / W 8 ms" in line and "a stage forward 32 ms (16 ms with 2 stages per rank;" in line
     assert "message / action 1-12 %" in line and "same worlds" in line
     old = schedules.methodology(schedules.parse_args(["--forward_ms", "2", "--input_ms", "2", "--weight_ms", "2"]))
     assert "message / action 2-50 %" in old  # the setting before: communication overstated
