@@ -295,3 +295,18 @@ def test_the_live_side_records_the_speeds_each_issued_plan_was_solved_for() -> N
     coordinator.rebalancer.issue("plan", "ctl", 9, "send", False)  # no speeds (ctl set-plan): nothing recorded
     assert coordinator.issued_speeds == [{"step": 6, "speeds": {0: 1.0, 1: 0.523}}]
     assert len(calls) == 2 and calls[0][0][2] == 6 and calls[0][1] == {}
+
+
+def test_rows_carry_the_bubble_without_rank_0_whose_first_layer_waits_no_input_gradient() -> None:
+    spec = {"p": 2, "m": 2, "sides": [{"key": "torch Schedule1F1B", "runtime": "torch", "schedule": "Schedule1F1B"},
+                                      {"key": "ours 1f1b", "runtime": "ours", "schedule": "1f1b"}]}
+    # Two chunks of 0.1 s a step; rank 0 waited 50 ms a step, rank 1 70 ms: bubbles 0.5 and 0.3.
+    rank = lambda busy: {key: {"chunk_step_s": [0.1, 0.1], "chunk_busy_ms": [busy, busy], "chunk_cpu_ms": [1.0, 1.0]}
+                         for key in ("torch Schedule1F1B", "ours 1f1b")}
+    args = SimpleNamespace(layers_per_rank=2, forward_ms=1.0, input_ms=1.0, weight_ms=1.0)
+    rows = report.side_rows(spec, [rank(50.0), rank(70.0)], args)
+    assert [r["bubble"] for r in rows] == [pytest.approx(0.4)] * 2
+    assert [r["bubble_ranks_1_on"] for r in rows] == [pytest.approx(0.3)] * 2
+    verdict = report.summary(rows)
+    simulated = 100.0 * rows[1]["simulated_bubble"]
+    assert verdict["bubble_ranks_1_on_vs_simulated_points"]["ours 1f1b"] == pytest.approx(30.0 - simulated)
