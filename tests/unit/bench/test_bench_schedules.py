@@ -310,3 +310,16 @@ def test_rows_carry_the_bubble_without_rank_0_whose_first_layer_waits_no_input_g
     verdict = report.summary(rows)
     simulated = 100.0 * rows[1]["simulated_bubble"]
     assert verdict["bubble_ranks_1_on_vs_simulated_points"]["ours 1f1b"] == pytest.approx(30.0 - simulated)
+
+
+def test_the_timed_graph_leaves_out_the_first_layers_input_gradient(clock) -> None:
+    from model_parallel.profiler.trace import trace_model
+
+    model = emulated.EmulatedModel(3, 4, 1.0, 2.0, 5.0)
+    graph, _ = trace_model(model, (torch.zeros(2, 4),), (emulated.EmulatedLayer,), route="fx")
+    timed = schedules.timed_graph(graph, SimpleNamespace(forward_ms=1.0, input_ms=2.0, weight_ms=5.0))
+    layers = [n for n in timed.nodes if n.layer is not None and n.layer.op == "call_module"]
+    assert [(n.forward_ms, n.backward_ms) for n in layers] == [(1.0, 5.0), (1.0, 7.0), (1.0, 7.0)]
+    # What runs: the model input needs no gradient, so layer 0 never waits its input gradient.
+    model(torch.zeros(2, 4)).sum().backward()
+    assert clock.sleeps.count(0.002) == 2 and clock.sleeps.count(0.005) == 3
