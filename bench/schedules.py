@@ -15,6 +15,18 @@ overhead. The model: `--layers_per_rank` x p EmulatedLayers (width 16), traced b
 the layer a leaf) and cut into p stages of equal layer count for ours and single-stage torch
 schedules, 2p for torch's multi-stage ones (looped or V placement).
 
+Durations (the methodology since 2026-11-29; both runtimes always get the same worlds): every layer waits
+`--forward_ms`, `--input_ms` and `--weight_ms` = 8 ms per microbatch (4 layers per rank: a stage's forward is
+32 ms, 16 ms with 2 stages per rank). A message between two ranks here costs 0.2-2 ms whatever the compute
+(bench/message_latency.py, 2026-11-29 06:48-06:51 UTC, load 0.2-1.6: one token round a ring of sleeping ranks
+0.2-0.6 ms torch, 0.4-0.9 ms ours; every rank sending at once, as in a pipeline's steady state, 0.4-2.0 ms
+for both, more at p = 8), so message / stage action is 1-12 % at 8 ms a layer against 3-50 % at the 2 ms used
+before (4-8 ms actions): on dedicated accelerators an action is 10-100 ms and an activation transfer well under
+1 ms (~1-5 %). At 2 ms the emulation overstated communication 5-10x: both runtimes' bubbles sat 5-16 points
+above the simulated ones and our per-action Python (~0.25 ms) decided the close rows. Steps are 4x longer, so
+a side runs 2 + 4 x 3 steps (was 3 + 6 x 4): a full run ~25 min. The old setting: `--forward_ms 2 --input_ms 2
+--weight_ms 2 --warmup 3 --chunks 6 --chunk_steps 4` (the report header prints what a run used).
+
 One world per (p, m): each rank builds every side — torch's GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
 InterleavedZeroBubble, ZBVZeroBubble, DualPipeV and our `SCHEDULE_NAMES` — and they train chunks of
 `--chunk_steps` steps in turn, the order flipping every chunk, each timed between barriers
@@ -29,8 +41,8 @@ rank's CPU ms per step (the waits sleep, so this is the runtime's own cost). Per
 our best schedule over torch's 1F1B (goal >= 1.15) and over torch's best (goal >= 1.0).
 
 The straggler world (p = 4, m = 2p, `--straggler_layers_per_rank` 6, rank 1's waits x `--slowdown` from
-step 0 on both sides): torch keeps its static equal split; ours runs `--straggler_schedule` (1f1b; or
-interleaved / zbinterleaved on 2p stages in a loop, against torch's multi-stage schedules too, and torch's
+step 0 on both sides): torch keeps its static equal split; ours runs `--straggler_schedule` (zbinterleaved, the
+one schedule whose simulation reaches 0.95 of the ceiling at m = 8; or 1f1b, or interleaved; the loop ones on 2p stages in a loop, against torch's multi-stage schedules too, and torch's
 Interleaved1F1B and InterleavedZeroBubble on our rebalanced loop plan, to tell its runtime from the plan) on that
 static plan, on the plan the rebalancer's solver (`coordinator.solver.default_solver`; a loop plan under
 interleaved) gives for the slow rank's speed, and live: a coordinator (auto policy) in this process, the
@@ -65,6 +77,20 @@ from schedules_worlds import TORCH_SCHEDULES, build_model, layer_counts, worker
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "schedules.json"  # bench/snapshot/ holds the copy the docs quote
 logger = logging.getLogger("bench.schedules")
+DEVICE_MS = 8.0  # per layer and part: message / stage action in the accelerator range (the docstring's numbers)
+# bench/message_latency.py on this machine (2026-11-29, load 0.2-1.6), ms per message, both runtimes' transports
+MEASURED_LATENCY_MS = (0.2, 2.0)
+
+
+def methodology(args: argparse.Namespace) -> str:
+    """The report header: the emulated durations, the message / compute ratio they give, and that both sides share them."""
+    action = args.layers_per_rank * args.forward_ms  # one stage's forward (1 stage per rank); half with 2
+    low, high = MEASURED_LATENCY_MS
+    return (f"emulated devices: every layer waits F {args.forward_ms:g} / I {args.input_ms:g} / W {args.weight_ms:g} ms per "
+            f"microbatch, {args.layers_per_rank} layers per rank: a stage forward {action:g} ms ({action / 2:g} ms with 2 "
+            f"stages per rank; the straggler world {args.straggler_layers_per_rank} layers per rank); a message here {low:g}-{high:g} ms (bench/message_latency.py): message / action "
+            f"{100 * low / action:.0f}-{100 * high / (action / 2):.0f} % (accelerators ~1-5 %). Both runtimes run the "
+            f"same worlds, alternating chunks ({args.warmup} + {args.chunks} x {args.chunk_steps} steps per side).")
 
 
 def equal_plan(graph: Any, num_stages: int) -> Any:
@@ -81,9 +107,14 @@ def equal_plan(graph: Any, num_stages: int) -> Any:
 
 
 def timed_graph(graph: Any, args: argparse.Namespace) -> Any:
-    """The traced graph with its profile: every layer f ms forward, i + w ms backward (what the waits are)."""
-    return graph.replace_nodes([dataclasses.replace(n, forward_ms=args.forward_ms, backward_ms=args.input_ms + args.weight_ms)
-                                if n.layer is not None and n.layer.op == "call_module" else n for n in graph.nodes])
+    """The traced graph with its profile: every layer f ms forward, i + w ms backward (what the waits are), except the
+    first, whose input (the model's) needs no gradient: its backward waits w only. Timed as i + w, rank 0 read ~6 %
+    faster than the others to the live policy (17 of 18 waits at 6 layers), which, with a window's noise on another
+    rank, gave rank 0 a layer too many (2026-11-29 07:31, the solved-for speeds logged: 1.00 / 0.47 / 0.93 / 0.85)."""
+    layers = [n.node_id for n in graph.nodes if n.layer is not None and n.layer.op == "call_module"]
+    return graph.replace_nodes([dataclasses.replace(
+        n, forward_ms=args.forward_ms, backward_ms=args.weight_ms + (args.input_ms if n.node_id != layers[0] else 0.0))
+        if n.node_id in layers else n for n in graph.nodes])
 
 
 def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int, v: int = 1) -> Any:
@@ -185,11 +216,30 @@ def start_coordinator(spec: dict[str, Any], settle_steps: int) -> Any:
     static, ours = spec["static_plan"], spec["straggler_schedule"]
     # The workers name their schedule when they register: the coordinator checks (and re-plans) under its rules.
     coordinator = Coordinator(load_graph(spec["graph"]), read_plan(spec["plans"][static]), token.encode(), policy="auto")
+    watch_issues(coordinator)
     port = coordinator.start("127.0.0.1", 0)
     spec["sides"].append({"key": f"ours {ours} live", "runtime": "ours", "schedule": ours, "plan": static,
                           "coordinator": f"127.0.0.1:{port}", "token": token, "settle_steps": settle_steps})
     Path(spec["path"]).write_text(json.dumps(spec))
     return coordinator
+
+
+def watch_issues(coordinator: Any) -> None:
+    """Record (and log) the per-rank speeds each plan the coordinator issues was solved for, in
+    `coordinator.issued_speeds`: what explains a plan that gives the slow rank a layer too many (its speed
+    estimated above 1/s). Wraps the instance's `issue`; the coordinator's modules are not changed."""
+    rebalancer, issued = coordinator.rebalancer, []
+    inner = rebalancer.issue
+
+    def issue(plan: Any, reason: str, step: int, send: Any, predicted: bool, speeds: Any = None) -> Any:
+        if speeds is not None:
+            issued.append({"step": step, "speeds": {int(r): round(float(v), 3) for r, v in speeds.items()}})
+            logger.info("the coordinator solved its plan after step %d for speeds %s", step,
+                        ", ".join(f"rank {r} {v:.3f}" for r, v in sorted(issued[-1]["speeds"].items())))
+        return inner(plan, reason, step, send, predicted, speeds)
+
+    rebalancer.issue = issue
+    coordinator.issued_speeds = issued
 
 
 def run_world(spec: dict[str, Any], workdir: Path, timeout: float, echo: bool) -> list[dict[str, Any]]:
@@ -216,24 +266,26 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--straggler_layers_per_rank", type=int, default=6,
                         help="layers per rank in the straggler world (6: whole layers allow 0.98 of the ceiling at p=4, s=2; "
                              "1F1B at m=8 reaches 0.80 of it with any count: straggler_summary)")
-    parser.add_argument("--forward_ms", type=float, default=2.0, help="each layer's forward wait, ms per microbatch")
-    parser.add_argument("--input_ms", type=float, default=2.0, help="each layer's input-gradient wait")
-    parser.add_argument("--weight_ms", type=float, default=2.0, help="each layer's weight-gradient wait")
+    parser.add_argument("--forward_ms", type=float, default=DEVICE_MS,
+                        help=f"each layer's forward wait, ms per microbatch (default {DEVICE_MS:g}: message/compute in the "
+                             "accelerator range, see the docstring; 2 is the setting before 2026-11-29)")
+    parser.add_argument("--input_ms", type=float, default=DEVICE_MS, help="each layer's input-gradient wait")
+    parser.add_argument("--weight_ms", type=float, default=DEVICE_MS, help="each layer's weight-gradient wait")
     parser.add_argument("--micro_batch", type=int, default=2, help="samples per microbatch (real compute stays tiny)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 3, quick 2)")
-    parser.add_argument("--chunks", type=int, default=None, help="timed chunks per side (default 6, quick 2)")
-    parser.add_argument("--chunk_steps", type=int, default=None, help="steps per chunk (default 4, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 2, quick 1)")
+    parser.add_argument("--chunks", type=int, default=None, help="timed chunks per side (default 4, quick 2)")
+    parser.add_argument("--chunk_steps", type=int, default=None, help="steps per chunk (default 3, quick 2)")
     parser.add_argument("--no_straggler", action="store_true", help="leave out the straggler row")
     parser.add_argument("--straggler_only", action="store_true", help="only the straggler world")
     parser.add_argument("--no_live", action="store_true", help="straggler row without the live coordinator side")
     parser.add_argument("--settle_steps", type=int, default=None,
                         help="untimed steps the live side trains first, for the coordinator to detect and switch (default 15, quick 10)")
-    parser.add_argument("--straggler_schedule", default="1f1b", choices=("1f1b", "interleaved", "zbinterleaved"),
+    parser.add_argument("--straggler_schedule", default="zbinterleaved", choices=("1f1b", "interleaved", "zbinterleaved"),
                         help="our schedule in the straggler world; interleaved and zbinterleaved run 2p stages in a loop, "
                              "re-planned as loop plans, against torch's multi-stage schedules too")
     parser.add_argument("--slowdown", type=float, default=2.0, help="the straggler's factor s")
     parser.add_argument("--slow_rank", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds for each world")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="deadline in seconds for each world")
     parser.add_argument("--out", default=str(RESULTS), help="the report (JSON)")
     parser.add_argument("--echo", action="store_true", help="print worker output as it arrives")
     for hidden in ("--_worker", "--_port"):
@@ -241,9 +293,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
     parser.add_argument("--_result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    args.chunks = args.chunks if args.chunks is not None else (2 if args.quick else 6)
-    args.chunk_steps = args.chunk_steps or (3 if args.quick else 4)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.chunks = args.chunks if args.chunks is not None else (2 if args.quick else 4)
+    args.chunk_steps = args.chunk_steps or (2 if args.quick else 3)
     args.settle_steps = args.settle_steps if args.settle_steps is not None else (10 if args.quick else 15)
     if args.layers_per_rank < 2 or args.layers_per_rank % 2:
         parser.error(f"--layers_per_rank must be even and >= 2 (2 stages per rank), got {args.layers_per_rank}")
@@ -258,6 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)
+    logger.info("%s", methodology(args))
     ps = [int(x) for x in (args.p or ("4" if args.quick else "4,8")).split(",")]
     started, rows, summaries, loads = time.perf_counter(), [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_schedules_") as tmp:
@@ -280,13 +333,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 row["load_1min"] = loads[-1]
             rows += world_rows
             summaries.append(straggler_summary(world_rows, spec) if straggler else summary(world_rows))
+            if coordinator is not None:  # why the live plan is what it is: the speeds it was solved for, the policy's words
+                summaries[-1] |= {"live_solved_for_speeds": coordinator.issued_speeds,
+                                  "live_decisions": list(coordinator.rebalancer.decisions)}
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "uptime": _uptime()}
-    report = {"benchmark": "schedules (emulated devices)", "settings": {k: v for k, v in vars(args).items()
+    report = {"benchmark": "schedules (emulated devices)", "methodology": methodology(args), "settings": {k: v for k, v in vars(args).items()
                                                                       if not k.startswith("_")},
               "machine": machine, "seconds": time.perf_counter() - started, "summaries": summaries, "rows": rows}
     from model_parallel.fileio import atomic_write_json
 
     atomic_write_json(args.out, report)
+    print(methodology(args))
     print(format_rows(rows, summaries, machine["uptime"]))
     print(f"wrote {args.out} in {report['seconds']:.0f} s")
     return 0

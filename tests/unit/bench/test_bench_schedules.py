@@ -275,3 +275,51 @@ def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
     assert report.simulated_bubble("Schedule1F1B", 4, 8, 1, args) == pytest.approx(3 / 11)  # the flush formula
     assert report.simulated_bubble("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
     assert report.simulated_bubble("pipedream", 4, 8, 1, args) is None
+
+
+def test_the_header_states_the_durations_and_the_message_to_compute_ratio_they_give() -> None:
+    line = schedules.methodology(schedules.parse_args([]))
+    assert "F 8 / I 8 / W 8 ms" in line and "a stage forward 32 ms (16 ms with 2 stages per rank;" in line
+    assert "message / action 1-12 %" in line and "same worlds" in line
+    old = schedules.methodology(schedules.parse_args(["--forward_ms", "2", "--input_ms", "2", "--weight_ms", "2"]))
+    assert "message / action 2-50 %" in old  # the setting before: communication overstated
+
+
+def test_the_live_side_records_the_speeds_each_issued_plan_was_solved_for() -> None:
+    calls = []
+    rebalancer = SimpleNamespace(issue=lambda *args, **kwargs: calls.append((args, kwargs)) or "issued")
+    coordinator = SimpleNamespace(rebalancer=rebalancer)
+    schedules.watch_issues(coordinator)
+    assert coordinator.rebalancer.issue("plan", "auto: gain", 6, "send", predicted=True,
+                                        speeds={0: 1.0, 1: 0.5234}) == "issued"
+    coordinator.rebalancer.issue("plan", "ctl", 9, "send", False)  # no speeds (ctl set-plan): nothing recorded
+    assert coordinator.issued_speeds == [{"step": 6, "speeds": {0: 1.0, 1: 0.523}}]
+    assert len(calls) == 2 and calls[0][0][2] == 6 and calls[0][1] == {}
+
+
+def test_rows_carry_the_bubble_without_rank_0_whose_first_layer_waits_no_input_gradient() -> None:
+    spec = {"p": 2, "m": 2, "sides": [{"key": "torch Schedule1F1B", "runtime": "torch", "schedule": "Schedule1F1B"},
+                                      {"key": "ours 1f1b", "runtime": "ours", "schedule": "1f1b"}]}
+    # Two chunks of 0.1 s a step; rank 0 waited 50 ms a step, rank 1 70 ms: bubbles 0.5 and 0.3.
+    rank = lambda busy: {key: {"chunk_step_s": [0.1, 0.1], "chunk_busy_ms": [busy, busy], "chunk_cpu_ms": [1.0, 1.0]}
+                         for key in ("torch Schedule1F1B", "ours 1f1b")}
+    args = SimpleNamespace(layers_per_rank=2, forward_ms=1.0, input_ms=1.0, weight_ms=1.0)
+    rows = report.side_rows(spec, [rank(50.0), rank(70.0)], args)
+    assert [r["bubble"] for r in rows] == [pytest.approx(0.4)] * 2
+    assert [r["bubble_ranks_1_on"] for r in rows] == [pytest.approx(0.3)] * 2
+    verdict = report.summary(rows)
+    simulated = 100.0 * rows[1]["simulated_bubble"]
+    assert verdict["bubble_ranks_1_on_vs_simulated_points"]["ours 1f1b"] == pytest.approx(30.0 - simulated)
+
+
+def test_the_timed_graph_leaves_out_the_first_layers_input_gradient(clock) -> None:
+    from model_parallel.profiler.trace import trace_model
+
+    model = emulated.EmulatedModel(3, 4, 1.0, 2.0, 5.0)
+    graph, _ = trace_model(model, (torch.zeros(2, 4),), (emulated.EmulatedLayer,), route="fx")
+    timed = schedules.timed_graph(graph, SimpleNamespace(forward_ms=1.0, input_ms=2.0, weight_ms=5.0))
+    layers = [n for n in timed.nodes if n.layer is not None and n.layer.op == "call_module"]
+    assert [(n.forward_ms, n.backward_ms) for n in layers] == [(1.0, 5.0), (1.0, 7.0), (1.0, 7.0)]
+    # What runs: the model input needs no gradient, so layer 0 never waits its input gradient.
+    model(torch.zeros(2, 4)).sum().backward()
+    assert clock.sleeps.count(0.002) == 2 and clock.sleeps.count(0.005) == 3
