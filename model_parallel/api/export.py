@@ -47,12 +47,7 @@ def original_state_dict(graph: Graph, stage_state: Mapping[str, torch.Tensor],
         raise ConfigError(f"the trained state has {len(unexpected)} key(s) the {type(model).__name__} lacks, e.g. "
                           f"{unexpected[:3]}; was the graph profiled from another model? Profile this model again")
     missing = [key for key in reference if key not in state]
-    unfilled = [key for key in missing if reference[key].is_meta]
-    if unfilled:
-        raise ConfigError(
-            f"{len(unfilled)} key(s) of the {type(model).__name__} are owned by no graph node and the model holds no "
-            f"values for them (it is on meta), e.g. {unfilled[:3]}; build the model with real values (they are not "
-            "trained: forward never reads them) or load with strict=False")
+    refuse_unfilled(model, missing, reference, " or load with strict=False")
     for key in missing:  # not read by forward, so never trained: the model's own value is the value
         state[key] = reference[key].detach()
     return {key: state[key] for key in reference}  # the model's order
@@ -92,6 +87,17 @@ def hf_config_and_class(model_or_config: Any, model_class: Optional[str] = None)
                           "or set config.architectures")
     return config, classes[0]
 
+
+
+def refuse_unfilled(model: nn.Module, keys: Any, reference: Mapping[str, torch.Tensor], fix: str = "") -> None:
+    """ConfigError when a key of `model` no graph node owns has no value (the model is on meta): a missing key would
+    load as garbage. `fix` adds a way out the caller offers."""
+    unfilled = [key for key in keys if reference[key].is_meta]
+    if unfilled:
+        raise ConfigError(
+            f"{len(unfilled)} key(s) of the {type(model).__name__} are owned by no graph node and the model holds no "
+            f"values for them (it is on meta), e.g. {unfilled[:3]}; build the model with real values (they are not "
+            f"trained: forward never reads them){fix}")
 
 def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], directory: Union[str, Path],
                     *, max_shard_size: Union[int, str] = "5GB", model_class: Optional[str] = None) -> Path:

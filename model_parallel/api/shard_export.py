@@ -90,13 +90,10 @@ def local_tensors(graph: Graph, stage_state: Mapping[str, torch.Tensor], kept: M
     owned = {kept[k] for k in [*state_key_map(graph), *(graph.metadata.get(STATE_ALIASES) or {})] if k in kept}
     unowned = [key for key in dict.fromkeys(kept.values()) if key not in owned]
     if unowned:  # every rank checks, so a refusal is the same everywhere
+        from model_parallel.api.export import refuse_unfilled
+
         reference = model.state_dict()
-        unfilled = [key for key in unowned if reference[key].is_meta]
-        if unfilled:
-            raise ConfigError(
-                f"{len(unfilled)} key(s) of the {type(model).__name__} are owned by no graph node and the model holds "
-                f"no values for them (it is on meta), e.g. {unfilled[:3]}; build the model with real values (they are "
-                "not trained: forward never reads them)")
+        refuse_unfilled(model, unowned, reference)
         if rank == 0:
             out.update({key: reference[key].detach() for key in unowned})
     return out
