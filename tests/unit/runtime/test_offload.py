@@ -56,6 +56,18 @@ def _train(kind: str, offload_dir: Path | None, chunk_bytes: int = 0, peak: list
     return model
 
 
+
+def _step_both_equal(*runs: tuple[nn.Module, torch.optim.Optimizer]) -> None:
+    """One more step of each (model, optimizer); the models' parameters stay bitwise equal."""
+    for model, optimizer in runs:
+        model(torch.ones(3, 16)).sum().backward()
+        step_optimizer(optimizer)
+    first, *others = runs
+    for other, _ in others:
+        for p, q in zip(first[0].parameters(), other.parameters()):
+            assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("chunk_bytes", [200, 1 << 20])  # 200 B: every weight cut in slices (sliceable kinds)
 def test_chunked_step_is_bitwise_the_plain_one(tmp_path: Path, kind: str, chunk_bytes: int) -> None:
@@ -108,11 +120,7 @@ def test_restored_state_moves_to_disk_and_training_goes_on_exactly(tmp_path: Pat
     opt_b.load_state_dict(opt_a.state_dict())
     attach(opt_b, tmp_path, 200)  # the restored state goes to disk, cut in slices
     assert not opt_b.state
-    for m, o in ((a, opt_a), (b, opt_b)):
-        m(torch.ones(3, 16)).sum().backward()
-        step_optimizer(o)
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
+    _step_both_equal((a, opt_a), (b, opt_b))
 
 
 def test_files_go_with_the_optimizer_and_lbfgs_is_refused(tmp_path: Path) -> None:
@@ -148,11 +156,7 @@ def test_checkpoint_state_by_name_round_trips_through_the_files(tmp_path: Path) 
     attach(opt_b, tmp_path / "b", 300)
     load_optimizer_state_by_name(opt_b, dict(b.named_parameters()), saved)  # a resume: onto b's files, not its dict
     assert not opt_b.state
-    for m, o in ((a, opt_a), (b, opt_b)):
-        m(torch.ones(3, 16)).sum().backward()
-        step_optimizer(o)
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
+    _step_both_equal((a, opt_a), (b, opt_b))
 
 
 def test_a_torch_lr_scheduler_drives_the_chunked_step(tmp_path: Path) -> None:
