@@ -31,7 +31,7 @@ trainer = PipelineTrainer(model, lambda p: torch.optim.AdamW(p, lr=3e-3), window
                           TrainConfig(batch_size=16, num_microbatches=4), eval_data=val_data,
                           memory_per_worker=100e6, options=RunOptions(eval_every=50, eval_steps=4))
 val = [trainer.evaluate(val_data, 4).loss] + [r.extra["val_loss"] for r in trainer.train(200) if "val_loss" in r.extra]
-if (out := trainer.save_pretrained("my-gpt")) is not None:  # rank 0 writes the directory, the others get None
+if (out := trainer.save_pretrained("my-gpt")) is not None:  # each rank writes its stage's shards; rank 0 gets the dir
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     ids = model.generate(torch.tensor([list(b"def parse_args(")]), max_new_tokens=40, do_sample=False)
     print(f"validation loss {val[0]:.3f} -> {val[-1]:.3f}:", bytes(ids[0].tolist()).decode(errors="replace"))
