@@ -38,6 +38,10 @@ class TrainConfig:
     # `schedule` was chosen by "auto" (`resolved`): a checkpoint records "auto", so a resume that chooses again
     # (another world size, new times) is not refused as a schedule change (flush schedules train the same)
     schedule_auto: bool = False
+    # The schedule the run was asked for when a re-formed world runs a one-stage-per-rank stand-in for it (`--recover`:
+    # interleaved needs m a multiple of the world; cli/recover_schedule.py): a checkpoint records this one as the
+    # schedule (`schedule` as the running one), so a resume with the run's own flags is no schedule change.
+    schedule_asked: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.num_microbatches < 1:

@@ -1,0 +1,49 @@
+"""`--recover` under the schedules of several stages per rank (interleaved, zbinterleaved, zbv), which run microbatches
+in rounds of the world size: a re-formed world whose size divides m runs the same schedule on its default plan; one
+whose size does not runs the one-stage-per-rank flush schedule with the same updates (interleaved -> 1f1b, zbv ->
+zbh1), says so in one line on every rank, and its checkpoints still record the schedule asked for. Either way the run
+ends with the parameters and losses of uninterrupted single-process training (cli/recover_schedule.py)."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from model_parallel.runtime.checkpoint.store import load_checkpoint
+from support.recovery import assert_exact, recoveries, run
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def _training(tmp_path: Path) -> dict:
+    return dict(load_checkpoint(tmp_path / "ck").extra["training"])
+
+
+def test_interleaved_on_4_losing_one_runs_1f1b_on_3_exactly(tmp_path: Path) -> None:
+    result = run(tmp_path, "1:5:KILL", world_size=4,
+                 extra=("--schedule", "interleaved", "--num_microbatches", "8"))
+    assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0, 0], result.summary()
+    for rank in (0, 2, 3):
+        output = result.output(rank)
+        assert output.count("schedule interleaved needs m a multiple of 3 workers (m=8): this world runs 1f1b") == 1, \
+            output[-3000:]
+        assert "survived 1 failure(s)" in output.strip().splitlines()[-1], output[-3000:]
+        [event] = recoveries(tmp_path, rank)
+        assert (event["lost"], event["world"]) == ([1], [0, 2, 3])
+    training = _training(tmp_path)  # a resume with the run's own flags is no schedule change
+    assert (training["schedule"], training["schedule_running"]) == ("interleaved", "1f1b"), training
+    assert_exact(tmp_path, [0, 2, 3], micro=8)
+
+
+def test_zbv_on_3_losing_one_runs_zbv_on_2_exactly(tmp_path: Path) -> None:
+    result = run(tmp_path, "2:5:KILL", world_size=3,
+                 extra=("--schedule", "zbv", "--batch_size", "12", "--num_microbatches", "6"))
+    assert [w.returncode for w in result.workers] == [0, 0, -signal.SIGKILL], result.summary()
+    for rank in (0, 1):
+        output = result.output(rank)
+        assert "this world runs" not in output, output[-3000:]  # 2 divides m=6: zbv again, its V on 2 ranks
+        assert "survived 1 failure(s)" in output.strip().splitlines()[-1], output[-3000:]
+    training = _training(tmp_path)
+    assert (training["schedule"], training["schedule_running"]) == ("zbv", "zbv"), training
+    assert_exact(tmp_path, [0, 1], batch=12, micro=6)
