@@ -32,11 +32,24 @@ def stand_in(schedule: str, world_size: int, num_microbatches: int) -> tuple[str
     return instead, f"schedule {schedule} {need}: this world runs {instead}"
 
 
+def kept_plan_schedule(schedule: str, plan: Any) -> tuple[str, Optional[str]]:
+    """(the schedule that runs `plan`, a plan an admission under a coordinator keeps, the line or None): the one the
+    world before ran it with, read from its placement (several stages per rank: the asked one, else the stand-in)."""
+    if schedule not in MULTI_STAGE_SCHEDULES or plan.several_stages_per_rank:
+        return schedule, None
+    instead = STAND_IN[schedule]
+    return instead, (f"schedule {schedule}: the plan this world keeps from the one before (the joiner a spare) places "
+                     f"one stage per rank: this world runs {instead}")
+
+
 def fit_schedule(args: Any, config: Any, world_size: int, rank: int) -> tuple[Any, Any]:
     """`args` and `config` for a re-formed world: the stand-in schedule when the asked one cannot run there (one line
-    logged on every rank), else the asked one again (a world that grew back)."""
+    logged on every rank), else the asked one again (a world that grew back). An admission under a coordinator keeps
+    the plan the world ran (`args.recovered.plan`), so also the schedule that ran it."""
     asked = getattr(config, "schedule_asked", None) or args.schedule
-    schedule, why = stand_in(asked, world_size, config.num_microbatches)
+    kept = getattr(getattr(args, "recovered", None), "plan", None)
+    schedule, why = (stand_in(asked, world_size, config.num_microbatches) if kept is None else
+                     kept_plan_schedule(asked, kept))
     if why is not None:  # a warning: every rank's log says what its world ran
         logger.warning("[rank %d] %s", rank, why)
     args = argparse.Namespace(**{**vars(args), "schedule": schedule})

@@ -1,6 +1,7 @@
 """cli/recover_schedule.py: the schedule a re-formed world runs, and what its checkpoints record of it."""
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
@@ -49,3 +50,18 @@ def test_the_checkpoint_records_the_asked_schedule_and_a_world_that_grows_back_r
         big_args, big = fit_schedule(small_args, small, 4, 0)
     assert (big_args.schedule, big.schedule, big.schedule_asked) == ("interleaved", "interleaved", None)
     assert caplog.records == []
+
+
+def test_an_admission_under_a_coordinator_keeps_the_schedule_that_ran_the_kept_plan() -> None:
+    from model_parallel.cli.recover_coordinator import Recovered
+    from model_parallel.graph.plan import Plan, StagePlan
+
+    def plan(ranks: tuple[int, ...]) -> Plan:
+        return Plan(stages=tuple(StagePlan(k, (f"n{k}",), 1, (r,)) for k, r in enumerate(ranks)))
+
+    args = build_parser().parse_args(["--model", "mlp", "--schedule", "interleaved", "--num_microbatches", "4"])
+    config = TrainConfig(batch_size=8, num_microbatches=4, schedule="interleaved")
+    for placement, runs in (((0, 1, 0, 1), "interleaved"), ((0, 1), "1f1b")):  # a loop on 2 ranks; one stage each
+        kept = Recovered(2, (0, 1, 2), (), 5, 3, (2,), plan(placement))
+        fitted, fitted_config = fit_schedule(argparse.Namespace(**{**vars(args), "recovered": kept}), config, 3, 0)
+        assert (fitted.schedule, fitted_config.schedule) == (runs, runs), placement
