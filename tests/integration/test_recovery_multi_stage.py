@@ -2,7 +2,7 @@
 in rounds of the world size: a re-formed world whose size divides m runs the same schedule on its default plan; one
 whose size does not runs the one-stage-per-rank flush schedule with the same updates (interleaved -> 1f1b, zbv ->
 zbh1), says so in one line on every rank, and its checkpoints still record the schedule asked for; an admission
-(`--join`) makes the same choice for the grown world, the joiner included. Either way the run ends with the parameters and losses of uninterrupted single-process training (cli/recover_schedule.py)."""
+(`--join`) makes the same choice for the grown world, the joiner included (zbv on 3: zbh1). Either way the run ends with the parameters and losses of uninterrupted single-process training (cli/recover_schedule.py)."""
 from __future__ import annotations
 
 import signal
@@ -50,10 +50,10 @@ def test_zbv_on_3_losing_one_runs_zbv_on_2_exactly(tmp_path: Path) -> None:
     assert_exact(tmp_path, [0, 1], batch=12, micro=6)
 
 
-def test_an_admission_into_interleaved_on_2_with_m_4_runs_1f1b_on_3_the_joiner_too(tmp_path: Path) -> None:
+def test_an_admission_into_zbv_on_2_with_m_4_runs_zbh1_on_3_the_joiner_too(tmp_path: Path) -> None:
     port = free_port()
     # --timeout 10: the joiner starts with the job and must be ready by the admission step (tests/integration/test_join.py)
-    job = args(tmp_path / "ck", tmp_path, extra=("--schedule", "interleaved", "--timeout", "10"))
+    job = args(tmp_path / "ck", tmp_path, extra=("--schedule", "zbv", "--timeout", "10"))
     with LocalWorld(worker_commands(job, 2, port=port) + [join_command(f"127.0.0.1:{port}", job)],
                     env={"MP_TEST_JOIN_AT_STEP": "4"}) as world:
         result = world.wait(timeout=200)
@@ -61,9 +61,9 @@ def test_an_admission_into_interleaved_on_2_with_m_4_runs_1f1b_on_3_the_joiner_t
     assert [w.returncode for w in result.workers] == [0, 0, 0], result.summary()
     for rank in range(3):
         output = result.output(rank)
-        assert output.count("schedule interleaved needs m a multiple of 3 workers (m=4): this world runs 1f1b") == 1, \
+        assert output.count("schedule zbv needs m a multiple of 3 workers (m=4): this world runs zbh1") == 1, \
             output[-3000:]
         assert "Traceback" not in output, output[-3000:]
     training = _training(tmp_path)
-    assert (training["schedule"], training["schedule_running"]) == ("interleaved", "1f1b"), training
+    assert (training["schedule"], training["schedule_running"]) == ("zbv", "zbh1"), training
     assert_exact(tmp_path, [0, 1])  # the joiner ran only the steps after its admission
