@@ -58,6 +58,9 @@ class TrainConfig:
         if self.schedule_auto and self.schedule not in FLUSH_SCHEDULES:
             raise ConfigError(f"schedule_auto marks a schedule auto chose, one of {', '.join(FLUSH_SCHEDULES)}; got "
                               f"{self.schedule!r}")
+        if self.schedule_asked is not None and self.schedule_asked not in SCHEDULE_NAMES:
+            raise ConfigError(f"schedule_asked names the schedule a run was asked for, one of {', '.join(SCHEDULE_NAMES)}; "
+                              f"got {self.schedule_asked!r}")
         if self.schedule in self.schedule_refusals():
             raise ConfigError(self.schedule_refusals()[self.schedule])
         if self.clip_grad is not None and not self.clip_grad > 0:
