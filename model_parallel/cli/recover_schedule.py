@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from model_parallel.runtime.step.schedule import MULTI_STAGE_SCHEDULES
+from model_parallel.runtime.step.schedule import MULTI_STAGE_SCHEDULES, fits_world
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ STAND_IN = {"interleaved": "1f1b", "zbinterleaved": "zbh1", "zbv": "zbh1"}
 
 def stand_in(schedule: str, world_size: int, num_microbatches: int) -> tuple[str, Optional[str]]:
     """(the schedule a re-formed world of `world_size` runs, the line saying why it is not `schedule`, or None)."""
-    if schedule not in MULTI_STAGE_SCHEDULES or (world_size >= 2 and num_microbatches % world_size == 0):
+    if fits_world(schedule, world_size, num_microbatches):
         return schedule, None
     instead = STAND_IN[schedule]
     need = (f"needs m a multiple of {world_size} workers (m={num_microbatches})" if world_size >= 2 else
