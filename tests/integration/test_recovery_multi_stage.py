@@ -21,20 +21,24 @@ def _training(tmp_path: Path) -> dict:
     return dict(load_checkpoint(tmp_path / "ck").extra["training"])
 
 
-def test_interleaved_on_4_losing_one_runs_1f1b_on_3_exactly(tmp_path: Path) -> None:
-    result = run(tmp_path, "1:5:KILL", world_size=4,
+def test_interleaved_on_4_losing_one_runs_1f1b_on_3_then_interleaved_again_on_2_exactly(tmp_path: Path) -> None:
+    # Checkpoints of steps 1, 3, 5, 7; original rank 1 dies as step 5 begins (3 survivors: 1f1b), original rank 3 as
+    # step 8 begins (2 survivors divide m=8: interleaved again, on their loop plan).
+    result = run(tmp_path, "1:5:KILL,3:8:KILL", world_size=4,
                  extra=("--schedule", "interleaved", "--num_microbatches", "8"))
-    assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0, 0], result.summary()
-    for rank in (0, 2, 3):
+    assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0, -signal.SIGKILL], result.summary()
+    for rank in (0, 2):
         output = result.output(rank)
         assert output.count("schedule interleaved needs m a multiple of 3 workers (m=8): this world runs 1f1b") == 1, \
             output[-3000:]
-        assert "survived 1 failure(s)" in output.strip().splitlines()[-1], output[-3000:]
-        [event] = recoveries(tmp_path, rank)
-        assert (event["lost"], event["world"]) == ([1], [0, 2, 3])
-    training = _training(tmp_path)  # a resume with the run's own flags is no schedule change
+        assert output.count("this world runs") == 1, output[-3000:]  # the world of 2 runs interleaved: no line
+        assert "survived 2 failure(s)" in output.strip().splitlines()[-1], output[-3000:]
+        assert [(e["lost"], e["world"]) for e in recoveries(tmp_path, rank)] == [([1], [0, 2, 3]), ([3], [0, 2])]
+    # Step 5 was the 3-rank world's: it records the schedule asked for, so a resume with the run's flags is no change.
+    training = dict(load_checkpoint(tmp_path / "ck", 5).extra["training"])
     assert (training["schedule"], training["schedule_running"]) == ("interleaved", "1f1b"), training
-    assert_exact(tmp_path, [0, 2, 3], micro=8)
+    assert _training(tmp_path)["schedule_running"] == "interleaved"
+    assert_exact(tmp_path, [0, 2], micro=8)
 
 
 def test_zbv_on_3_losing_one_runs_zbv_on_2_exactly(tmp_path: Path) -> None:
