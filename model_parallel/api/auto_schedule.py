@@ -23,6 +23,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Level, Plan
 from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule, proxy_times, stage_times
+from model_parallel.runtime.step.schedule import fits_world
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _candidate_plan(graph: Graph, name: str, world_size: int, num_microbatches: 
 
     if refusals.get(name):
         raise PlanError(refusals[name])
-    if name in MULTI_STAGE_SCHEDULES and (world_size < 2 or num_microbatches % world_size):
+    if not fits_world(name, world_size, num_microbatches):
         raise PlanError(f"it needs >= 2 ranks and microbatches a multiple of them (got {world_size} rank(s), "
                         f"{num_microbatches} microbatches)")
     plan = plan_for(name)

@@ -6,7 +6,8 @@ Per failure (a PeerError naming the lost rank): take this rank's stage state bef
 this world's heartbeats, abandon the broken process group, meet the survivors in a new generation
 (`runtime/wire/recovery.py`), agree on the source and commit a live one as a checkpoint (`cli/recover_sources.py`),
 build the job for the new world size with the even split (the rule a `--resume` on another worker count applies:
-`--plan`, `--num_stages` and `--stage_to_num_ranks` describe the first world only), restore the latest committed
+`--plan`, `--num_stages` and `--stage_to_num_ranks` describe the first world only) under the asked schedule, or its
+one-stage-per-rank stand-in where it cannot run (cli/recover_schedule.py), restore the latest committed
 checkpoint exactly as `--resume` does (its configuration checks included) and train to `--steps`. One line per recovery names
 who was lost, the new world, what was restored from where, the steps recomputed and the seconds from the
 detection to the first completed step; the last line lists them all, and `--metrics` gets one
@@ -143,10 +144,14 @@ class Survivor:
 
     def train(self) -> Any:
         """Train to --steps, recovering from each lost peer; returns the heartbeats of the world that finished."""
-        args, options = self.args, self.options
+        from model_parallel.cli.recover_schedule import fit_schedule
+
+        args, options, config = self.args, self.options, self.config
+        if self.lineage.generation > 0:  # a joiner: its first world is a re-formed one
+            args, config = fit_schedule(args, config, self.world.world_size, self.rank)
         while True:
             try:
-                self.run_one(args, self.config, options, self.world, self.health, self.prefix, None, self._watch)
+                self.run_one(args, config, options, self.world, self.health, self.prefix, None, self._watch)
                 break
             except (PeerError, TrainingStopped) as error:
                 if isinstance(error, TrainingStopped) and self.admitting is None:
@@ -176,6 +181,8 @@ class Survivor:
                 # (and, under a coordinator, the generation it registers in: cli/recover_coordinator.py).
                 args = argparse.Namespace(**{**vars(self.args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
                                              "recovered": self._recovered(known) if self.args.coordinator else None})
+                # The asked schedule when it fits the new world, else its one-stage-per-rank stand-in (one line).
+                args, config = fit_schedule(args, self.config, self.world.world_size, self.rank)
                 metrics = options.metrics.replace("{rank}", str(self.lineage.me)) if options.metrics else None
                 options = dataclasses.replace(self.options, resume=True, metrics=metrics)
         if self._pending is not None:  # the checkpoint held every requested step: nothing left to run

@@ -44,7 +44,9 @@ def _live_plan(rebalancer: Rebalancer, message: Mapping[str, Any], world_size: i
     try:
         plan = replace(Plan.from_dict(message["live_plan"], f"rank {message.get('rank')}'s live plan"),
                        version=int(message["live_version"]))
-        return check_plan(rebalancer.graph, plan, world_size, rebalancer.schedule).plan
+        # Under the schedule the worker says it runs: a re-formed world may run another one than the world before
+        # (interleaved's one-stage-per-rank stand-in, cli/recover_schedule.py); workers.py then adopts it.
+        return check_plan(rebalancer.graph, plan, world_size, message.get("schedule", rebalancer.schedule)).plan
     except KeyError:
         raise ProtocolError(f"rank {message.get('rank')} registers without the plan it runs (live_plan)") from None
     except ModelParallelError as error:

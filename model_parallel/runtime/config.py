@@ -38,6 +38,10 @@ class TrainConfig:
     # `schedule` was chosen by "auto" (`resolved`): a checkpoint records "auto", so a resume that chooses again
     # (another world size, new times) is not refused as a schedule change (flush schedules train the same)
     schedule_auto: bool = False
+    # The schedule the run was asked for when a re-formed world runs a one-stage-per-rank stand-in for it (`--recover`:
+    # interleaved needs m a multiple of the world; cli/recover_schedule.py): a checkpoint records this one as the
+    # schedule (`schedule` as the running one), so a resume with the run's own flags is no schedule change.
+    schedule_asked: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.num_microbatches < 1:
@@ -54,6 +58,9 @@ class TrainConfig:
         if self.schedule_auto and self.schedule not in FLUSH_SCHEDULES:
             raise ConfigError(f"schedule_auto marks a schedule auto chose, one of {', '.join(FLUSH_SCHEDULES)}; got "
                               f"{self.schedule!r}")
+        if self.schedule_asked is not None and self.schedule_asked not in SCHEDULE_NAMES:
+            raise ConfigError(f"schedule_asked names the schedule a run was asked for, one of {', '.join(SCHEDULE_NAMES)}; "
+                              f"got {self.schedule_asked!r}")
         if self.schedule in self.schedule_refusals():
             raise ConfigError(self.schedule_refusals()[self.schedule])
         if self.clip_grad is not None and not self.clip_grad > 0:

@@ -27,10 +27,11 @@ def run(tmp_path: Path, hook: str, world_size: int = 3, every: int = 2, port: in
     return result
 
 
-def assert_exact(tmp_path: Path, survivors: list[int]) -> None:
-    """Final parameters and every step's loss after the recovery equal uninterrupted single-process training."""
-    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "recovered run")
-    want = reference_losses(STEPS)
+def assert_exact(tmp_path: Path, survivors: list[int], batch: int = 8, micro: int = 4) -> None:
+    """Final parameters and every step's loss after the recovery equal uninterrupted single-process training
+    (`batch`, `micro`: the run's --batch_size and --num_microbatches, when `extra` changed them)."""
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS, batch, micro), "recovered run")
+    want = reference_losses(STEPS, batch, micro)
     for rank in survivors:
         records = read_metrics(tmp_path / "metrics" / f"rank{rank}.jsonl")
         last = {r["step"]: r["loss"] for r in records}  # a recomputed step: its last record

@@ -47,8 +47,8 @@ def training_record(config: Any, dataset: Any, next_step: int) -> dict[str, Any]
 
     # A schedule `--schedule auto` chose is recorded as "auto": a resume may choose again (all flush schedules train alike).
     # `schedule_running`: the one it ran when the checkpoint was taken (auto may have chosen again at a live switch);
-    # not compared on resume.
-    schedule = "auto" if getattr(config, "schedule_auto", False) else config.schedule
+    # not compared on resume. A recovery's stand-in schedule (TrainConfig.schedule_asked) records the one asked for.
+    schedule = "auto" if getattr(config, "schedule_auto", False) else getattr(config, "schedule_asked", None) or config.schedule
     return {
         "batch_size": config.batch_size, "num_microbatches": config.num_microbatches, "schedule": schedule,
         "schedule_running": config.schedule,

@@ -83,6 +83,12 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gp
 MULTI_STAGE = MULTI_STAGE_SCHEDULES  # several stages per rank: built by interleaved.run_schedule, which knows the ranks
 
 
+def fits_world(name: str, world_size: int, num_microbatches: int) -> bool:
+    """Whether schedule `name` can run m microbatches on `world_size` ranks: the several-stages-per-rank ones run
+    them in rounds of the world (>= 2 ranks, m a multiple of them); the others run on any world."""
+    return name not in MULTI_STAGE or (world_size >= 2 and num_microbatches % world_size == 0)
+
+
 def _factories() -> dict[str, Callable[[int, int], Schedule]]:
     """Every one-stage-per-rank schedule by name: `(p, m) -> Schedule`, pure. zero_bubble.py builds on this module."""
     from model_parallel.runtime.step.zero_bubble import NAME_H1, zb_h1

@@ -152,3 +152,20 @@ def test_a_world_that_admitted_a_joiner_is_the_next_generation_with_the_joiner_a
     finally:
         for channel in first + new:
             channel.close()
+
+
+def test_a_reformed_world_that_runs_a_stand_in_schedule_is_served_under_it(coordinator) -> None:
+    # The first world ran interleaved; the survivors' world does not divide m and runs 1f1b on its even split
+    # (cli/recover_schedule.py): their one-stage-per-rank plan is checked under 1f1b, not refused under interleaved.
+    coordinator.rebalancer.schedule = "interleaved"
+    plan = replace(two_stage_plan(GRAPH, 4), version=1)
+    membership = {"members": [0, 2], "lost": [1], "from_step": 4}
+    new = [CoordinatorChannel(coordinator.address, TOKEN, rank=r, world_size=2, live_plan=plan, recover=True,
+                              generation=1, membership=membership, schedule="1f1b") for r in (0, 1)]
+    try:
+        status = coordinator.handle_ctl("status", {})
+        assert (status["generation"], status["world_size"], status["plan_version"]) == (1, 2, 1)
+        assert coordinator.rebalancer.schedule == "1f1b"  # later plans are checked under what the world runs
+    finally:
+        for channel in new:
+            channel.close()
