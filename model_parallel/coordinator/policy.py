@@ -10,7 +10,8 @@ measurements; they show up as a lower speed for the rank holding those layers, a
 work off it, which is what balancing needs anyway.
 
 Decision. The current plan's bottleneck is predicted with those speeds (it equals the measured
-bottleneck by construction), the partition is re-solved for the same ranks in the same order
+bottleneck by construction), the partition is re-solved (for banded speeds: ranks within `noise_band` of each other
+at their median, coordinator/robust.py, so one noisy window does not move layers) for the same ranks in the same order
 (stage k stays on the k-th rank, so migrations stay small), and plan v+1 is proposed only when
 (a) every active rank has a full window of samples under the current plan version, (b) at least
 `cooldown_steps` steps passed since the last switch, and (c) the predicted gain
