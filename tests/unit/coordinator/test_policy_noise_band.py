@@ -102,3 +102,36 @@ def test_a_healthy_rank_looking_15pc_slow_for_a_window_at_a_time_never_switches(
             switches, _ = loop_replay(graph, loop_plan(graph, 4, 2), speed, pol.PolicyConfig(), 200, noise=0.05,
                                       seed=seed)
         assert switches == [], switches
+
+
+def test_the_coordinator_issues_the_plan_with_the_banded_speeds_it_was_solved_for():
+    """The rebalancer, fed reports as the server records them (the bench's window: rank 3 reads 15 % slow): the plan it
+    sends is the clean one, and the speeds it hands to `issue` (logged by the bench, used by `--schedule auto`) are the
+    banded ones it was solved for."""
+    from model_parallel.coordinator.rebalancer import Rebalancer
+    from model_parallel.coordinator.status import WorkerState
+    from model_parallel.messages import StepReport
+
+    graph = chain_graph(24)
+    rebalancer = Rebalancer(graph, even_plan(graph, 4), pol.PolicyConfig(), default_solver, auto=True, world_size=4)
+    issued, inner = [], rebalancer.issue
+
+    def issue(plan, reason, step, send, predicted, speeds=None):
+        issued.append(dict(speeds))
+        return inner(plan, reason, step, send, predicted, speeds)
+
+    rebalancer.issue = issue
+    workers = {r: WorkerState(rank=r, host="h", pid=r, world_size=4) for r in range(4)}
+    sent = []
+    for step in range(1, 12):
+        for rank in range(4):
+            ms = 6 * 3.0 / BENCH_WINDOW[rank]  # 6 layers of 1 profiled ms each, on a machine 3x slower
+            report = StepReport(rank, step, rebalancer.plan.version, rank, ms, ms, 0.0, 0.0, 1.0)
+            workers[rank].reports.append(report)
+            workers[rank].step = step
+            rebalancer.on_report(workers[rank], report, workers, lambda r, c: sent.append(c) or True, False)
+        if sent:
+            break
+    assert len(sent) == 1 and per_rank_layers(sent[0].plan) == {0: 7, 1: 3, 2: 7, 3: 7}
+    assert issued == [{0: pytest.approx(0.93), 1: pytest.approx(0.47), 2: pytest.approx(0.93), 3: pytest.approx(0.93)}]
+
