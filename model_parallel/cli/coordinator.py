@@ -45,6 +45,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--window", type=int, default=5, help="samples per rank whose median is trusted (default 5)")
     parser.add_argument("--speed-change", "--speed_change", dest="speed_change", type=float, default=0.5,
                         help="relative change of a worker's speed that triggers re-planning (default 0.5)")
+    parser.add_argument("--noise-band", "--noise_band", dest="noise_band", type=float, default=0.2,
+                        help="workers whose speeds differ by at most this ratio are solved for their median: one "
+                             "noisy window must not move layers (default 0.2; 0 plans for every measured difference)")
     parser.add_argument("--persist", type=int, default=3,
                         help="evaluations in a row a speed change must last before re-planning (default 3)")
     parser.add_argument("--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=float, default=5.0,
@@ -119,7 +122,8 @@ def run(args: Any) -> int:
     graph, plan, source = _coordinator_job(args)
     token, token_where = _coordinator_token(args)
     config = PolicyConfig(threshold=args.threshold, cooldown_steps=args.cooldown_steps, window=args.window,
-                          speed_change=args.speed_change, persist=args.persist)
+                          speed_change=args.speed_change, persist=args.persist,
+                          noise_band=args.noise_band)
     served = {flag: getattr(args, flag) for flag in SERVED_FLAGS if getattr(args, flag) is not None}
     job = {"graph": graph_to_dict(graph), "plan": plan.to_dict(), "plan_version": plan.version, "train": served}
     memory = _memory_limit(args.memory_per_worker, served, graph) if args.memory_per_worker else None

@@ -10,7 +10,8 @@ measurements; they show up as a lower speed for the rank holding those layers, a
 work off it, which is what balancing needs anyway.
 
 Decision. The current plan's bottleneck is predicted with those speeds (it equals the measured
-bottleneck by construction), the partition is re-solved for the same ranks in the same order
+bottleneck by construction), the partition is re-solved (for banded speeds: ranks within `noise_band` of each other
+at their median, coordinator/robust.py, so one noisy window does not move layers) for the same ranks in the same order
 (stage k stays on the k-th rank, so migrations stay small), and plan v+1 is proposed only when
 (a) every active rank has a full window of samples under the current plan version, (b) at least
 `cooldown_steps` steps passed since the last switch, and (c) the predicted gain
@@ -53,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from model_parallel.coordinator.robust import banded_speeds
 from model_parallel.coordinator.review import Review, delivered, judge, speed_change  # noqa: F401 - delivered: API
 from model_parallel.coordinator.solver import Solver, default_solver
 from model_parallel.errors import PlanError
@@ -76,6 +78,9 @@ class PolicyConfig:
     max_threshold: float = 0.3
     speed_change: float = 0.5
     persist: int = 3
+    # Ranks whose speeds differ by at most this ratio are solved for their group's median (robust.py): one noisy
+    # window (a healthy rank 10-15 % slow on a shared machine) must not misplace layers.
+    noise_band: float = 0.2
 
     def __post_init__(self) -> None:
         if not 0 <= self.threshold < 1:
@@ -88,6 +93,8 @@ class PolicyConfig:
             raise PlanError(f"persist must be >= 1 evaluation, got {self.persist}")
         if not self.speed_change > 0:
             raise PlanError(f"--speed-change must be > 0, got {self.speed_change}")
+        if not 0 <= self.noise_band < 1:
+            raise PlanError(f"noise_band must be in [0, 1), got {self.noise_band}")
         if not self.threshold <= self.max_threshold < 1:
             raise PlanError(f"max_threshold must be in [threshold, 1), got {self.max_threshold}")
 
@@ -122,6 +129,7 @@ class Decision:
     gain: float = 0.0
     extra: Mapping[str, float] = field(default_factory=dict)
     review: Optional[Review] = None
+    solved_for: Optional[Mapping[int, float]] = None  # the speeds `plan` was solved for (`estimate`'s, banded)
 
 
 @dataclass(frozen=True)
@@ -284,7 +292,7 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
             state = replace(state, baseline=dict(decision.estimate.speeds), change_streak=0)
     if decision.plan is not None:
         state = replace(state, prediction=(decision.current_ms, decision.predicted_ms),
-                        solved_for=dict(decision.estimate.speeds) if decision.estimate else None,
+                        solved_for=dict(decision.solved_for) if decision.solved_for else None,
                         undone=bool(decision.extra.get("undo")))
     return replace(decision, review=review), state
 
@@ -350,12 +358,12 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
             return Decision(None, f"cooldown: {steps_since_switch} of {wait} steps since the last switch",
                             estimate=estimate, extra=changed)
     current = max(estimate.measured_ms.values())
-    speeds = [estimate.speeds[r] for r in ranks]
+    banded = banded_speeds(estimate.speeds, config.noise_band)  # one noisy window must not shape the plan
     try:
-        candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, speeds)
+        candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, [banded[r] for r in ranks])
     except PlanError as error:  # e.g. nothing fits the workers' memory (solver.memory_solver): keep this plan
         return Decision(None, str(error), current, estimate=estimate, extra=changed)
-    new = predicted_bottleneck_ms(graph, candidate, estimate.speeds, estimate.calibration)
+    new = predicted_bottleneck_ms(graph, candidate, banded, estimate.calibration)
     gain = (current - new) / current if current > 0 else 0.0
     same = stage_nodes(candidate) == stage_nodes(plan) and active_ranks(candidate) == ranks
     if same:
@@ -384,4 +392,4 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
                        extra={**candidate.extra, "time_scale": "measured", "calibration": round(estimate.calibration, 6)})
     why = f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)" + (
         "; back to the plan before the last switch, which was made for a change that did not last" if "undo" in changed else "")
-    return Decision(proposed, why, current, new, estimate, gain, changed)
+    return Decision(proposed, why, current, new, estimate, gain, changed, solved_for=banded)

@@ -128,7 +128,7 @@ class Rebalancer:
         if decision.plan is not None:
             try:
                 self.issue(decision.plan, f"auto: {decision.reason}", step, send, predicted=True,
-                           speeds=decision.estimate.speeds if decision.estimate is not None else None)
+                           speeds=decision.solved_for)  # the speeds it was solved for (banded, robust.py)
             except PlanError as error:  # a solver plan the workers would refuse: a bug, not a reason to stop
                 logger.error("the policy's plan at step %d fails the workers' checks, not issued: %s", step, error)
                 self.last_eval_step = step + self.config.window - 1
