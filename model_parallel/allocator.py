@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 import sys
 
@@ -69,10 +70,7 @@ def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     by small allocations made meanwhile and the next came from new memory, measured +32 MB of RLIMIT_DATA per
     16 MB parameter read. Private, so RLIMIT_DATA counts it as it counts the heap (a shared map, Python's
     default for mmap, would escape the cap)."""
-    count = 1
-    for size in shape:
-        count *= int(size)
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(int(size) for size in shape) * dtype.itemsize
     if nbytes < MAPPED_MIN:  # small: the heap (a map each would count against vm.max_map_count, 65530 by default)
         return torch.empty(shape, dtype=dtype)
     try:

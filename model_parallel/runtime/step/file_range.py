@@ -27,7 +27,7 @@ class FileRange:
 
     def elements(self, start: int, stop: int) -> "FileRange":
         """Flattened elements [start, stop) as a 1-d FileRange."""
-        size = torch.empty(0, dtype=self.dtype).element_size()
+        size = self.dtype.itemsize
         first, last, at, out = start * size, stop * size, 0, []
         for path, offset, nbytes in self.segments:
             lo, hi = max(first, at), min(last, at + nbytes)

@@ -187,7 +187,7 @@ class OptimizerOffload:
         state: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value
                                  for name, value in self.scalars.get(pieces[0].key, {}).items()}
         for name, (shape, dtype) in self.files.get(pieces[0].key, {}).items():
-            size = torch.empty(0, dtype=dtype).element_size()
+            size = dtype.itemsize
             segments = tuple((self._path(piece.key, name), 0, (piece.stop - piece.start) * size) for piece in pieces)
             state[name] = FileRange(tuple(param.shape) if len(pieces) > 1 else shape, dtype, segments)
         return state
