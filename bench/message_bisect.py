@@ -101,8 +101,10 @@ def _load_wire(root: str) -> Any:
     """comm.py from the checkout at `root`, with that checkout's packed.py (both under names of their own)."""
     import importlib.util
 
+    import model_parallel.runtime.wire.comm  # noqa: F401  ours first: its packed is the one sys.modules keeps
+
     wire, name = Path(root) / "model_parallel" / "runtime" / "wire", "model_parallel.runtime.wire.packed"
-    ours = sys.modules.get(name)
+    ours = sys.modules[name]
     modules = []
     for module in ("packed", "comm"):
         spec = importlib.util.spec_from_file_location(f"baseline_{module}", wire / f"{module}.py")
@@ -114,8 +116,7 @@ def _load_wire(root: str) -> Any:
         try:
             spec.loader.exec_module(loaded)
         finally:
-            if ours is not None:
-                sys.modules[name] = ours
+            sys.modules[name] = ours
         modules.append(loaded)
     return modules[1]
 
