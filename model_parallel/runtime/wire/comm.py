@@ -38,6 +38,16 @@ executor posts the next two; see executor.py), and the header of one message can
 the buffer posted for the next. (gloo sends only once the receive is posted, so a receive posted
 late costs the sender's and the receiver's gloo threads an extra round trip on a busy machine.)
 
+Cold calls. A rank that slept or waited (its compute, an emulated wait, a receive) comes back to cold
+caches, and then every distinct torch call costs 10-60 µs instead of 1 (measured on the 2-core VM after an
+8 ms sleep: `torch.empty` 24 µs, `read_prefix` 61, a slice, a view or a `copy_` 12-26 each), so a
+message's cost on the critical path is mostly the number of torch calls between a receive's wake-up and
+the next send. The cached hot path therefore makes as few as it can: a send reuses a spare packed buffer
+of its layout (prefix still zero, its tensor views made; kept after a send completes, `SPARE_BYTES`,
+`SPARE_COUNT`) and makes one `copy_` per tensor (plus `detach` when autograd tracks it); a receive makes
+its values' views when it is posted (before the data lands) and reads the prefix through ctypes, so
+its `wait` makes no torch call besides gloo's (docs/runtime.md, "What one message costs").
+
 A sender may narrow its floating-point tensors to a `wire_dtype` (bf16 training: half the bytes).
 Such a tensor is announced with its wire dtype and `"cast"`: the dtype it had, which the receiver
 restores, so the receiving stage computes on the value rounded to the wire dtype, in its own dtype
@@ -52,10 +62,11 @@ microbatches in increasing order.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -86,6 +97,10 @@ def edge_tag(base: int, edge: Optional[int]) -> int:
     messages of two edges between the same two ranks (interleaved 1F1B) are never matched with each other."""
     return base if edge is None else EDGE_TAGS + 2 * edge + (base - TAG_ACTIVATION)
 
+# A packed buffer up to this size is kept after its send for the next message of its layout, at most
+# SPARE_COUNT per (peer, tag, stream): a steady-state send then allocates nothing ("Cold calls" above).
+SPARE_BYTES = 256 << 10
+SPARE_COUNT = 2
 _MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
 SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
 _SLOT_ROOM = SLOT_BYTES - 8
@@ -107,41 +122,54 @@ def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dty
     return wire_dtype, text, tuple(parts)
 
 
+def _packed(known: Known, device: torch.device) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """A buffer of `known`'s layout with a zero prefix ("same header") and a view of it per tensor (None: empty)."""
+    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
+    buffer[:ALIGN].zero_()  # the rest is written by every message (a spare's prefix is never written again)
+    return buffer, [buffer[offset:offset + nbytes].view(dtype).view(shape) if nbytes else None
+                    for offset, shape, dtype, nbytes in known.tensors]
+
+
+def _fill(packed: tuple[torch.Tensor, list[Optional[torch.Tensor]]], tensors: list[torch.Tensor]) -> torch.Tensor:
+    for view, tensor in zip(packed[1], tensors):
+        if view is not None:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
+            view.copy_(tensor)
+    return packed[0]
+
+
 def _pack(tensors: list[torch.Tensor], known: Known, device: torch.device) -> torch.Tensor:
     """One buffer: a zero prefix ("same header") and the tensors' bytes at the layout's offsets."""
-    buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
-    buffer[:ALIGN].zero_()
-    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
-        if nbytes:  # copy_ narrows a float32 tensor to the wire dtype in place (no extra allocation)
-            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(tensor)
-    return buffer
+    return _fill(_packed(known, device), tensors)
 
 
 def _send_cached(values: list[Any], dst: int, tag: int, group: Any, device: torch.device, cache: HeaderCache,
                  stream: Any, structure: Any, wire_dtype: Optional[torch.dtype]) -> "SendHandle":
     sig = _signature(values, structure, wire_dtype)
-    tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
+    # detach only what autograd tracks: each torch call on this path costs tens of µs cold ("Cold calls")
+    tensors = [v.detach() if v.requires_grad else v for v in values if isinstance(v, torch.Tensor)]
     key = (dst, tag, stream)
-    previous = cache.sent.get(key)
-    if previous is not None and previous.signature == sig:
-        buffers = [_pack(tensors, previous, device)]  # steady state: one transfer, no header built
-    else:
+    known = cache.sent.get(key)
+    buffers: list[torch.Tensor] = []
+    nbytes = 0
+    if known is None or known.signature != sig:
         header_list = make_header(values, structure, wire_dtype)
         header = json.dumps(header_list, separators=(",", ":")).encode()
-        if previous is not None and previous.data == header:  # same header from a different signature
-            cache.sent[key] = known_header(header, header_list, sig)
-            buffers = [_pack(tensors, previous, device)]
-        else:
-            # The receiver pre-posted `previous.size` bytes (just the prefix if it knows nothing yet).
-            first = torch.zeros(previous.size if previous is not None else ALIGN, dtype=torch.uint8, device=device)
+        if known is None or known.data != header:
+            # The receiver pre-posted `known.size` bytes (just the prefix if it knows nothing yet): a placeholder
+            # whose prefix is the new header's length; the header and the tensors follow on the side tag.
+            first = torch.zeros(known.size if known is not None else ALIGN, dtype=torch.uint8, device=device)
             write_prefix(first, len(header))
-            known = cache.sent[key] = known_header(header, header_list, sig)
-            buffers = [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device),
-                       _pack(tensors, known, device)]
+            buffers += [first, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
+            nbytes = (known.size if known is not None else ALIGN) + len(header)
+        known = cache.sent[key] = known_header(header, header_list, sig)
+    # Steady state: a spare buffer of this layout (its prefix still zero, its views made) and one copy_ per tensor.
+    packed = known.spare.pop() if known.spare else _packed(known, device)
+    buffers.append(_fill(packed, tensors))
     # Only the first transfer on the message's tag; a new header and its tensors on the side tag.
     works = [start_work(partial(_isend, b, dst, group, tag if i == 0 else side_tag(tag)), dst, "send")
              for i, b in enumerate(buffers)]
-    return SendHandle(works, buffers, dst)
+    return SendHandle(works, buffers, dst, nbytes + known.size, known.spare if known.size <= SPARE_BYTES else None,
+                      packed)
 
 
 def _isend(buffer: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
@@ -170,21 +198,31 @@ class SendHandle:
     buffers: list[torch.Tensor]
     peer: int
     nbytes: int = 0  # bytes put on the wire (every transfer of the message)
-
-    def __post_init__(self) -> None:
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
+    # Where the packed buffer goes back once sent, for the next message of its layout (None: not kept).
+    spare: Optional[list[Any]] = None
+    packed: Any = None
 
     def wait(self, timeout: float) -> None:
         for work in self.works:
             wait_work(work, timeout, self.peer, "send")
+        # Only after every transfer completed (a failed wait raised above): gloo no longer reads the buffer.
+        if self.spare is not None and self.works and len(self.spare) < SPARE_COUNT:
+            self.spare.append(self.packed)
         self.works.clear()
         self.buffers.clear()
+        self.spare = self.packed = None
+
+
+@lru_cache(maxsize=64)
+def _delta(seconds: float) -> timedelta:
+    """`timeout` as the timedelta Work.wait takes, built once per value (building one costs ~10 µs cold)."""
+    return timedelta(seconds=seconds)
 
 
 def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
     """Wait for a torch.distributed work handle; failure or timeout becomes a PeerError (peer -1: a collective)."""
     try:
-        ok = work.wait(timedelta(seconds=timeout))
+        ok = work.wait(_delta(timeout))
     except RuntimeError as error:
         where = what if peer < 0 else f"{what} with rank {peer}"
         raise PeerError(f"{where} failed: {str(error).splitlines()[0][:200]}") from error
@@ -225,7 +263,7 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
     buffers += [v.detach().to(_dtype_named(e["dtype"])).contiguous() for v, e in zip(values, header_list)
                 if isinstance(v, torch.Tensor)]
     works = [start_work(partial(dist.isend, b, dst, group=group, tag=tag), dst, "send") for b in buffers]
-    return SendHandle(works, buffers, dst)
+    return SendHandle(works, buffers, dst, sum(b.numel() * b.element_size() for b in buffers))
 
 
 class PendingRecv:
@@ -240,12 +278,18 @@ class PendingRecv:
         self.device = device or torch.device("cpu")
         self.known: Optional[Known] = None
         self.structure: Any = None
+        self.prefix: Any = None  # the slot's first 8 bytes as a ctypes array (CPU): read with no torch call
+        self.ready: Optional[list[Any]] = None  # the values, as views of the slot, made before the data lands
         if cache is not None:
             self.known = cache.received.get((src, tag, stream))
             size = self.known.size if self.known is not None else ALIGN
         else:
             size = SLOT_BYTES
         self.slot = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if cache is not None and self.slot.device.type == "cpu":
+            self.prefix = (ctypes.c_uint8 * 8).from_address(self.slot.data_ptr())  # self.slot keeps it alive
+        if self.known is not None and not self.known.widens:  # a widened value is a copy: made on arrival
+            self.ready = unpack(self.slot, self.known, self.device)
         self.work = start_work(lambda: _irecv(self.slot, src, group, tag), src, "receive")
 
     def _recv_side(self, nbytes: int, timeout: float) -> torch.Tensor:
@@ -257,10 +301,10 @@ class PendingRecv:
 
     def _wait_cached(self, timeout: float) -> list[Any]:
         assert self.cache is not None
-        size = read_prefix(self.slot)
+        size = int.from_bytes(bytes(self.prefix), "little") if self.prefix is not None else read_prefix(self.slot)
         if size == 0 and self.known is not None:
             self.structure = self.known.structure
-            return unpack(self.slot, self.known, self.device)
+            return self.ready if self.ready is not None else unpack(self.slot, self.known, self.device)
         if not 0 < size <= _MAX_HEADER:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
                             "(are both ranks running the same plan and schedule?)")

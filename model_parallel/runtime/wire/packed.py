@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -39,6 +39,12 @@ class Known:
     # Receiver: per value, how to rebuild it from the packed buffer (computed once, not per message):
     # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad) or ("json", encoded).
     layout: tuple[tuple[Any, ...], ...] = ()
+    # Sender: packed buffers of this layout whose sends completed, reused by the next message (comm.py, "Cold
+    # calls"); each is (buffer, one view per tensor, None for an empty one). Mutable; not part of the value.
+    spare: list[tuple[torch.Tensor, list[Optional[torch.Tensor]]]] = field(default_factory=list, compare=False,
+                                                                          repr=False)
+    # Receiver: whether a value is widened on arrival (a copy, so it cannot be prepared before the data lands).
+    widens: bool = False
 
 
 def dtype_named(name: Any) -> torch.dtype:
@@ -65,7 +71,9 @@ def known_header(data: bytes, header: list[dict[str, Any]], signature: Any = Non
             offset = aligned(offset + nbytes)
         elif entry["t"] != "structure":
             layout.append(("json", entry["v"]))
-    return Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout))
+    widens = any(item[0] == "tensor" and item[5] is not None for item in layout)
+    return Known(data, tuple(header), tuple(tensors), offset, structure_of(header), signature, tuple(layout),
+                 widens=widens)
 
 
 class HeaderCache:
@@ -102,7 +110,8 @@ def received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> t
     fresh leaf), floating-point ones with the sender's requires_grad."""
     if cast is not None:
         tensor = tensor.to(cast)
-    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
+    # A fresh view or copy never requires grad: set it only when it must (a torch call costs ~10 µs cold).
+    return tensor.requires_grad_() if grad and tensor.is_floating_point() else tensor
 
 
 def unpack(buffer: torch.Tensor, known: Known, device: torch.device) -> list[Any]:
