@@ -82,7 +82,8 @@ def rechoose(graph: Graph, plan: Plan, world_size: int, speeds: Mapping[int, flo
             why = f"memory: {str(error).splitlines()[0]}"
         except ModelParallelError as error:
             why = str(error).splitlines()[0]
-        candidates.append(Candidate(name, refused=why) if why else Candidate(name, times))
+        # Priced in the order the workers list-build from these times (the plan carries them: Rebalancer.issue)
+        candidates.append(Candidate(name, refused=why) if why else Candidate(name, times, list_order=True))
     try:
         return choose_schedule(candidates, num_microbatches, plan.loop_width or plan.v_width or plan.num_ranks)
     except ScheduleError as error:  # over the memory limit is the plan's fault; anything else the workers would refuse
