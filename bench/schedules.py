@@ -119,12 +119,19 @@ def timed_graph(graph: Any, args: argparse.Namespace) -> Any:
 
 def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int, v: int = 1) -> Any:
     """The rebalancer's solver on the timed graph with rank `--slow_rank` at speed 1/s: the plan our
-    live rebalancer should move to (v = 2: a loop plan, stage k on rank k % p, as the policy re-plans interleaved)."""
+    live rebalancer should move to (v = 2: a loop plan, stage k on rank k % p, as the policy re-plans interleaved),
+    carrying the per-stage times the coordinator attaches to a plan it issues (`stage_times`: the profile's ms at
+    those speeds), from which the workers list-build zero bubble's order (runtime/step/list_order.py)."""
+    from model_parallel.coordinator.rechoose import measured_times
     from model_parallel.coordinator.solver import default_solver
 
     ranks = [k % p for k in range(v * p)]
     speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in ranks]  # one per stage: its rank's
-    return default_solver(graph, ranks, speeds)
+    plan = default_solver(graph, ranks, speeds).with_default_ranks()
+    # Calibration 1 over 1 microbatch: the profile's ms (per microbatch) as they are, the slow rank's over its speed
+    times = measured_times(graph, plan, {args.slow_rank: 1.0 / args.slowdown}, 1.0, 1)
+    return dataclasses.replace(plan, extra={**dict(plan.extra),
+                                            "stage_times": [[t.forward_ms, t.input_ms, t.weight_ms] for t in times]})
 
 
 def rank_layers(graph: Any, plan: Any, p: int) -> list[int]:

@@ -105,6 +105,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 if r.get("simulated_bubble") is not None and r.get("bubble_ranks_1_on") is not None}}
 
 
+def rebalanced_order_times(spec: dict[str, Any]) -> Optional[list[Any]]:
+    """The stage times the rebalanced plan hands the workers (`stage_times`): what they list-build their order from."""
+    from model_parallel.graph.plan import plan_stage_times, read_plan
+    from model_parallel.optimizer.simulate import StageTimes
+
+    given = plan_stage_times(read_plan(spec["plans"]["rebalanced"])) if "rebalanced" in spec.get("plans", {}) else None
+    return None if given is None else [StageTimes(f, i + w, i, w) for f, i, w in given]
+
+
 def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
     """ours rebalanced over torch's static 1F1B (and over torch's best static schedule), against the ceiling
     s x (p - 1 + 1/s) / p."""
@@ -129,7 +138,7 @@ def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> d
     if emulation is not None:  # what a plan can reach under the schedule at this m (emulated.py): fill and drain stay
         f, i, w = emulation["forward_ms"], emulation["input_ms"], emulation["weight_ms"]
         static_ms = one_f_one_b_step([spec["num_layers"] // p] * p, scale, spec["m"], f, i + w)
-        solver_ms = schedule_step(ours, spec["rebalanced_layers"], scale, spec["m"], f, i, w)
+        solver_ms = schedule_step(ours, spec["rebalanced_layers"], scale, spec["m"], f, i, w, rebalanced_order_times(spec))
         out |= {"solver_plan_sim_ratio": static_ms / solver_ms, "ratio_vs_solver_plan_sim": ratio * solver_ms / static_ms}
         if ours == "1f1b":  # exhaustive over contiguous splits: the best any 1F1B plan reaches
             best_ms, best_layers = best_one_f_one_b_plan(spec["num_layers"], scale, spec["m"], f, i + w)
