@@ -224,8 +224,9 @@ def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[f
     schedule = run_schedule(name, len(layers), m, len(rank_scale))
     stage_rows = [schedule.row_of(k) for k in range(len(layers))]
     scale = [rank_scale[r] for r in stage_rows]
-    schedule = timed_schedule(schedule, order_times or [StageTimes(n * layer_f * s, n * (layer_i + layer_w) * s,
-                                                                   n * layer_i * s, n * layer_w * s) for n, s in zip(layers, scale)])
+    own = [StageTimes(n * layer_f * s, n * (layer_i + layer_w) * s, n * layer_i * s, n * layer_w * s)
+           for n, s in zip(layers, scale)]
+    schedule = timed_schedule(schedule, order_times or own)
     return _simulation([schedule.row_actions(r) for r in range(schedule.num_rows)],
                        [n * layer_f * s for n, s in zip(layers, scale)],
                        [n * (layer_i + layer_w) * s for n, s in zip(layers, scale)], stage_rows,

@@ -176,7 +176,8 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
                                   generation=recovered.generation if recovered else 0,
                                   membership=recovered.membership() if recovered else None,
                                   schedule_auto=bool(getattr(config, "schedule_auto", False)),
-                                  num_microbatches=getattr(config, "num_microbatches", None))
+                                  num_microbatches=getattr(config, "num_microbatches", None),
+                                  schedule_order=getattr(config, "schedule_order", None))
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()

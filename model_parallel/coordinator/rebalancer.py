@@ -57,6 +57,7 @@ class Rebalancer:
         # issued runs the schedule chosen again for it (rechoose.py), named in the switch command.
         self.schedule_auto = False
         self.num_microbatches: Optional[int] = None
+        self.list_order = True  # the workers list-build zero bubble's order (their --schedule_order; list_order.py)
         self.calibration = 1.0  # measured / profiled ms on a nominal rank, from the latest estimate (rechoose.py)
         self.pending: Optional[PendingSwitch] = None
         # A pending switch given up on (no report carried it PENDING_STEPS steps on): rank 0 may still have applied it,
@@ -221,7 +222,7 @@ class Rebalancer:
 
         assert self.num_microbatches is not None
         choice = rechoose(self.graph, plan, self.world_size, self._known_speeds(speeds), self.calibration, self.num_microbatches,
-                          self.memory)
+                          self.memory, self.list_order)
         when = f" after plan v{plan.version}"
         logger.warning("%s [%s]", choice.line(when), TIMES_NOTE)
         return replace(plan, extra={**dict(plan.extra), EXTRA_KEY: choice.to_extra(when)}), choice.name

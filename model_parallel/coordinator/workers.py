@@ -53,6 +53,8 @@ class WorkerLink:
                 self.rebalancer.num_microbatches = message["num_microbatches"]
                 if message.get("schedule_auto"):  # chosen again at a switch
                     self.rebalancer.schedule_auto = True
+            if "schedule_order" in message:  # "fixed": the workers run torch's zero-bubble order, priced so
+                self.rebalancer.list_order = message["schedule_order"] != "fixed"
             if "checkpoint_dir" in message and len(self.checkpoint_dirs) < self.roster.world_size:
                 self.checkpoint_dirs.add(message["checkpoint_dir"])
             self.done.clear()

@@ -1,5 +1,6 @@
 """The coordinator attaches the per-stage times it measured to every plan it issues (`plan.extra["stage_times"]`), for
-every job: the workers list-build their zero-bubble order from them (runtime/step/list_order.py)."""
+every job: the workers list-build their zero-bubble order from them (runtime/step/list_order.py); and learns whether
+the workers list-build it at all (`--schedule_order`)."""
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,9 @@ def test_a_plan_issued_carries_the_measured_stage_times(num_microbatches) -> Non
     loop = Plan(tuple(StagePlan(k, tuple(part), ranks=(k % 2,))  # 4 stages, stage k on rank k % 2
                       for k, part in enumerate([ids[:3], ids[3:5], ids[5:7], ids[7:]])))
     with live_coordinator(TOKEN, graph, policy="manual", config=pol.PolicyConfig(window=3)) as coord:
+        order = "list" if num_microbatches else "fixed"  # what a re-choice under auto prices (rechoose.py)
         channels = [CoordinatorChannel(coord.address, TOKEN, rank=r, world_size=2, schedule="zbinterleaved",
-                                       num_microbatches=num_microbatches) for r in range(2)]
+                                       num_microbatches=num_microbatches, schedule_order=order) for r in range(2)]
         try:
             for step in range(3):
                 for channel in channels:
@@ -39,6 +41,7 @@ def test_a_plan_issued_carries_the_measured_stage_times(num_microbatches) -> Non
             with CtlClient(coord.address, TOKEN) as ctl:
                 ctl.request("set-plan", plan=loop.to_dict())
             command = wait_for(channels[0].poll, what="switch")
+            assert coord.rebalancer.list_order is (order == "list")
             if num_microbatches is None:  # a worker that does not say its m: times per microbatch are unknown
                 assert "stage_times" not in command.plan.extra
                 return
