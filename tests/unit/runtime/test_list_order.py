@@ -135,3 +135,15 @@ def test_the_order_flag_is_checked() -> None:
     assert TrainConfig().schedule_order == LIST and TrainConfig(schedule_order="fixed").schedule_order == FIXED
     with pytest.raises(ValueError, match="schedule_order must be one of list, fixed, got 'torch'"):
         TrainConfig(schedule_order="torch")
+
+
+def test_the_schedule_command_shows_the_list_built_order(capsys: pytest.CaptureFixture[str]) -> None:
+    from model_parallel.cli import schedule as schedule_cli
+
+    times = "/".join(f"{t.forward_ms:g},{t.input_ms:g},{t.weight_ms:g}" for t in STRAGGLER)
+    assert schedule_cli.main(["zbinterleaved", "-p", "4", "-m", "8", "--times", times]) == 0
+    listed = capsys.readouterr().out
+    assert schedule_cli.main(["zbinterleaved", "-p", "4", "-m", "8", "--times", times, "--order", "fixed"]) == 0
+    fixed = capsys.readouterr().out
+    assert "zbinterleaved p=8 ranks=4 m=8 order=list" in listed and "simulated: 1480.0 ms per step" in listed
+    assert "order=" not in fixed and "simulated: 1520.0 ms per step" in fixed
