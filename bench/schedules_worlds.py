@@ -172,8 +172,9 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 if "coordinator" in side:
                     from model_parallel.coordinator.client import CoordinatorChannel
 
+                    # re-planned under its schedule's rules; m: the plans it issues carry per-microbatch stage times
                     channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"],
-                                                               schedule=side["schedule"])  # re-planned under its rules
+                                                               schedule=side["schedule"], num_microbatches=spec["m"])
                 *runners[side["key"]], engines[side["key"]] = ours_side(
                     side["schedule"], rank, spec, control_group, side["plan"], channels.get(side["key"]))
         for key, (runner, _) in runners.items():
