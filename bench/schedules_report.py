@@ -71,6 +71,8 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
         })
         live = ranks[0][key]
+        if "schedule_order" in live:  # ours: the order it ran last ("list": built from its plan's stage times)
+            rows[-1]["schedule_order"] = live["schedule_order"]
         if "switch_steps" in live:  # the live side: when the coordinator switched, and to what
             rows[-1] |= {"switch_steps": live["switch_steps"], "switch_pauses_ms": live["switch_pauses_ms"],
                          "final_layers": live["layers"]}
