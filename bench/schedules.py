@@ -149,7 +149,7 @@ def loop_plan(plan: Any, p: int) -> Any:
 
 def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: bool) -> dict[str, Any]:
     """Trace the emulated model, write its graph and plans, and the world's spec (which sides run)."""
-    from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
+    from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
     from model_parallel.graph.io import save_graph
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.trace import trace_model
@@ -186,7 +186,10 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
             {"key": f"torch {s} on our rebalanced plan", "runtime": "torch", "schedule": s, "plan": "rebalanced"}
             for s in torch_names if multi and TORCH_SCHEDULES[s] == (2, "loop") and s != "ScheduleLoopedBFS"] + [
             {"key": f"ours {ours} static", "runtime": "ours", "schedule": ours, "plan": static},
-            {"key": f"ours {ours} rebalanced", "runtime": "ours", "schedule": ours, "plan": "rebalanced"}]
+            {"key": f"ours {ours} rebalanced", "runtime": "ours", "schedule": ours, "plan": "rebalanced"}] + [
+            # The same plan in torch's fixed order (--schedule_order fixed): what the list-built order is worth
+            {"key": f"ours {ours} rebalanced, fixed order", "runtime": "ours", "schedule": ours, "plan": "rebalanced",
+             "order": "fixed"} for _ in [ours] if ours in ZERO_BUBBLE_SCHEDULES]
     else:
         plans[str(2 * p)] = equal_plan(graph, 2 * p)  # torch's schedules with 2 stages per rank
         # Ours interleaved: the same 2p stages, stage k on rank k % p (loop placement).

@@ -146,6 +146,10 @@ def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> d
             best_ms, best_layers = best_one_f_one_b_plan(spec["num_layers"], scale, spec["m"], f, i + w)
             out |= {"schedule_bound_ratio": static_ms / best_ms, "schedule_bound_layers": list(best_layers),
                     "ratio_vs_schedule_bound": ratio * best_ms / static_ms}
+    fixed = by_side.get(f"ours {ours} rebalanced, fixed order")
+    if fixed is not None:  # the same plan in torch's order: what the list-built one (list_order.py) gains, measured
+        out |= {"fixed_order_ratio": fixed["ratio"], "list_over_fixed": ratio / fixed["ratio"],
+                "rebalanced_order": by_side[f"ours {ours} rebalanced"].get("schedule_order")}
     live = by_side.get(f"ours {ours} live")
     if live is not None:
         out |= {"live_ratio": live["ratio"], "live_ratio_vs_ceiling": live["ratio"] / ceiling,
@@ -189,6 +193,9 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
                 lines.append(f"  {s['schedule']} at m={s['m']} (simulated, no latency): {bound}the solver's plan "
                              f"{s['solver_plan_sim_ratio']:.2f} ({s['solver_plan_sim_ratio'] / s['ceiling_ratio']:.2f} of the "
                              f"ceiling); measured {s['ratio_vs_solver_plan_sim']:.2f} of that")
+            if "fixed_order_ratio" in s:
+                lines.append(f"  the rebalanced plan in torch's fixed order: {s['fixed_order_ratio']:.2f}; ours ran the "
+                             f"{s['rebalanced_order']} order: {s['list_over_fixed']:.3f}x that")
             if "live_ratio" in s:
                 lines.append(f"  live (coordinator, auto policy, slow from step 0): switches at steps {s['live_switch_steps']} "
                              f"to {s['live_final_layers']} layers; ratio {s['live_ratio']:.2f} after warm-up + settle "
