@@ -11,7 +11,10 @@ simulator (optimizer/simulate.py) predicts it more than `MARGIN` faster:
                    before W, or F first; deeper stage first)
         place the earliest of the ranks' picks (ties: the lowest rank)
 
-Each stage still runs its F's, I's and W's in increasing microbatch order (the runtime's message matching;
+Each variant is built from the times as given and from them rounded to 5 % of their median (`quantized`): measured
+times are never exactly equal, and a greedy that sees two nearly equal stages as equal often finds the better
+order (the live straggler's plan: 1510 -> 1458 ms, where the exact times find no gain); every order is judged on
+the exact times. Each stage still runs its F's, I's and W's in increasing microbatch order (the runtime's message matching;
 `schedule.check`), W(s, j) after I(s, j). Bounds, per rank: the base's `max_in_flight` (pairs forwarded and
 not through I, counted as `check` counts them) and the base order's own peak of pairs forwarded and not through
 W (our I keeps a microbatch's autograd graph until its W: the memory the schedule is priced for,
@@ -25,6 +28,7 @@ of 8 reaches 1456, which the held bound refuses); with equal times no variant be
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 LIST, FIXED = "list", "fixed"
 ORDERS = (LIST, FIXED)  # --schedule_order: list-built from stage times (default), or the schedule's fixed order
 MARGIN = 0.005  # a list-built order must simulate this much faster than the base's to replace it
+QUANTA = (0.05,)  # each variant is also built from the times rounded to 5 % of their median (`quantized`)
 # The variants tried, in this order (the first of equals wins): the kind priority, F of the deeper stage first or
 # not, how far under the base's bounds (in flight, held until W) the greedy keeps a rank (a greedy is myopic:
 # forwarding less far ahead can leave room for the I's that free a slower rank), and whether a forward leaves room
@@ -145,6 +150,22 @@ def list_orders(base: Schedule, times: Sequence[StageTimes], priority: str = "IF
     return orders
 
 
+def quantized(times: Sequence[StageTimes], share: float) -> list[StageTimes]:
+    """`times` rounded to multiples of `share` x their median: measured times are never exactly equal, and a greedy
+    that sees two stages as equal (one I as long as another's F) often builds the better order (every order is
+    then judged on the true times)."""
+    values = sorted(v for t in times for v in (t.forward_ms, t.input_ms or 0.0, t.weight_ms or 0.0))
+    step = share * values[len(values) // 2]
+    if step <= 0:
+        return list(times)
+
+    def grid(value: float) -> float:
+        return round(value / step) * step
+
+    return [StageTimes(grid(t.forward_ms), grid(t.input_ms or 0.0) + grid(t.weight_ms or 0.0), grid(t.input_ms or 0.0),
+                       grid(t.weight_ms or 0.0)) for t in times]
+
+
 def timed_schedule(base: Schedule, times: Optional[Sequence[StageTimes]]) -> Schedule:
     """`base` in a list-built order when one simulates more than `MARGIN` faster under `times` (per stage F, I, W ms
     of a microbatch), else `base` itself: never slower in simulation. Only the I/W-split schedules are
@@ -155,8 +176,9 @@ def timed_schedule(base: Schedule, times: Optional[Sequence[StageTimes]]) -> Sch
     if len(times) != base.num_stages:
         raise ScheduleError(f"{base.name}: got stage times for {len(times)} stage(s), the schedule has {base.num_stages}")
     best, best_ms = base, simulate_schedule(base, times).makespan_ms
-    for priority, deep_first, under, reserve in VARIANTS:
-        orders = list_orders(base, times, priority, deep_first, under, reserve)
+    sources = [times] + [quantized(times, share) for share in QUANTA]
+    for (priority, deep_first, under, reserve), built_from in itertools.product(VARIANTS, sources):
+        orders = list_orders(base, built_from, priority, deep_first, under, reserve)
         if orders is None:
             continue
         built = replace(base, grid=grid_from_orders(orders, base.num_stages), order=LIST)

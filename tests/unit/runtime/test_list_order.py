@@ -12,8 +12,8 @@ from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.step.auto import Candidate, predict
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.actions import grid_from_orders
-from model_parallel.runtime.step.list_order import (FIXED, LIST, VARIANTS, held_peaks, list_orders, simulate_schedule,
-                                                     timed_schedule)
+from model_parallel.runtime.step.list_order import (FIXED, LIST, VARIANTS, held_peaks, list_orders, quantized,
+                                                     simulate_schedule, timed_schedule)
 from model_parallel.runtime.step.schedule import Schedule, check, format_grid
 
 LAYER_MS = 8.0  # bench/schedules.py's emulated layer: F = I = W = 8 ms
@@ -147,3 +147,20 @@ def test_the_schedule_command_shows_the_list_built_order(capsys: pytest.CaptureF
     fixed = capsys.readouterr().out
     assert "zbinterleaved p=8 ranks=4 m=8 order=list" in listed and "simulated: 1480.0 ms per step" in listed
     assert "order=" not in fixed and "simulated: 1520.0 ms per step" in fixed
+
+
+def test_measured_speeds_near_the_straggler_still_get_a_list_order() -> None:
+    # The live bench's plan and the times the coordinator attached (speeds 0.997 / 0.508, the first layer's backward
+    # w only): built from these exact times no variant gains; built from them rounded to 5 % of their median
+    # (`quantized`), one does, judged on the exact times.
+    times = []
+    for k, n in enumerate([3, 2, 3, 3, 4, 1, 4, 4]):
+        speed, backward = 0.508 if k % 4 == 1 else 0.997, 16.0 * n - (8.0 if k == 0 else 0.0)
+        times.append(StageTimes(8.0 * n / speed, backward / speed, backward / 2 / speed, backward / 2 / speed))
+    base = run_schedule("zbinterleaved", 8, 8, 4)
+    timed = timed_schedule(base, times)
+    before, after = simulate_schedule(base, times).makespan_ms, simulate_schedule(timed, times).makespan_ms
+    assert timed.order == LIST and after < 0.97 * before, (before, after)  # 1509.9 -> 1458.0 ms: -3.4 %
+    rounded = quantized([StageTimes(7.9, 16.2, 8.1, 8.1), StageTimes(16.1, 31.0, 15.6, 15.4)], 0.05)[1]
+    # multiples of 0.77 (5 % of the upper median, 15.4): 21, 20 and 20 of them
+    assert [rounded.forward_ms, rounded.input_ms, rounded.weight_ms] == pytest.approx([16.17, 15.4, 15.4])
