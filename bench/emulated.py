@@ -213,10 +213,12 @@ def schedule_step(name: str, layers: Sequence[int], rank_scale: Sequence[float],
 
 
 def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
-                        layer_i: float, layer_w: float, order_times: Optional[Sequence[Any]] = None) -> Any:
+                        layer_i: float, layer_w: float, order_times: Optional[Sequence[Any]] = None,
+                        list_order: bool = True) -> Any:
     """`schedule_step`'s whole simulation (optimizer/simulate.Simulation: per-rank busy ms and bubbles too), in the
     order our runtime runs: zero bubble's list-built where it is faster (runtime/step/list_order.py) from
-    `order_times` (the StageTimes the workers get: a plan's `stage_times`), by default from these times."""
+    `order_times` (the StageTimes the workers get: a plan's `stage_times`), by default from these times;
+    `list_order` False: the schedule's fixed order (torch's, what torch's runtime runs)."""
     from model_parallel.optimizer.simulate import StageTimes
     from model_parallel.runtime.step.interleaved import run_schedule
     from model_parallel.runtime.step.list_order import timed_schedule
@@ -226,7 +228,8 @@ def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[f
     scale = [rank_scale[r] for r in stage_rows]
     own = [StageTimes(n * layer_f * s, n * (layer_i + layer_w) * s, n * layer_i * s, n * layer_w * s)
            for n, s in zip(layers, scale)]
-    schedule = timed_schedule(schedule, order_times or own)
+    if list_order:
+        schedule = timed_schedule(schedule, order_times or own)
     return _simulation([schedule.row_actions(r) for r in range(schedule.num_rows)],
                        [n * layer_f * s for n, s in zip(layers, scale)],
                        [n * (layer_i + layer_w) * s for n, s in zip(layers, scale)], stage_rows,

@@ -164,3 +164,13 @@ def test_measured_speeds_near_the_straggler_still_get_a_list_order() -> None:
     rounded = quantized([StageTimes(7.9, 16.2, 8.1, 8.1), StageTimes(16.1, 31.0, 15.6, 15.4)], 0.05)[1]
     # multiples of 0.77 (5 % of the upper median, 15.4): 21, 20 and 20 of them
     assert [rounded.forward_ms, rounded.input_ms, rounded.weight_ms] == pytest.approx([16.17, 15.4, 15.4])
+
+
+def test_zbv_with_fewer_microbatches_than_its_v_needs_gets_a_better_order_even_at_equal_times() -> None:
+    # torch's ZBV order is built for m >= 2p - 1; at m = p it drops the microbatches past m and idles 20 %.
+    base = run_schedule("zbv", 8, 4, 4)
+    times = [StageTimes(2.0, 4.0, 2.0, 2.0)] * 8
+    timed = timed_schedule(base, times)
+    check(timed)
+    assert timed.order == LIST
+    assert (simulate_schedule(base, times).bubble, simulate_schedule(timed, times).bubble) == pytest.approx((0.2, 1 / 9))
