@@ -206,20 +206,30 @@ def one_f_one_b_step(layers: Sequence[int], scale: Sequence[float], m: int, laye
 
 
 def schedule_step(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
-                  layer_i: float, layer_w: float) -> float:
+                  layer_i: float, layer_w: float, order_times: Optional[Sequence[Any]] = None) -> float:
     """One step (ms) of our schedule `name` (runtime/step: 1f1b, interleaved, zbinterleaved, ...) over len(layers)
     stages on len(rank_scale) ranks, stage k of `layers[k]` emulated layers, each rank's waits stretched by its scale."""
-    return schedule_simulation(name, layers, rank_scale, m, layer_f, layer_i, layer_w).makespan_ms
+    return schedule_simulation(name, layers, rank_scale, m, layer_f, layer_i, layer_w, order_times).makespan_ms
 
 
 def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
-                        layer_i: float, layer_w: float) -> Any:
-    """`schedule_step`'s whole simulation (optimizer/simulate.Simulation: per-rank busy ms and bubbles too)."""
+                        layer_i: float, layer_w: float, order_times: Optional[Sequence[Any]] = None,
+                        list_order: bool = True) -> Any:
+    """`schedule_step`'s whole simulation (optimizer/simulate.Simulation: per-rank busy ms and bubbles too), in the
+    order our runtime runs: zero bubble's list-built where it is faster (runtime/step/list_order.py) from
+    `order_times` (the StageTimes the workers get: a plan's `stage_times`), by default from these times;
+    `list_order` False: the schedule's fixed order (torch's, what torch's runtime runs)."""
+    from model_parallel.optimizer.simulate import StageTimes
     from model_parallel.runtime.step.interleaved import run_schedule
+    from model_parallel.runtime.step.list_order import timed_schedule
 
     schedule = run_schedule(name, len(layers), m, len(rank_scale))
     stage_rows = [schedule.row_of(k) for k in range(len(layers))]
     scale = [rank_scale[r] for r in stage_rows]
+    own = [StageTimes(n * layer_f * s, n * (layer_i + layer_w) * s, n * layer_i * s, n * layer_w * s)
+           for n, s in zip(layers, scale)]
+    if list_order:
+        schedule = timed_schedule(schedule, order_times or own)
     return _simulation([schedule.row_actions(r) for r in range(schedule.num_rows)],
                        [n * layer_f * s for n, s in zip(layers, scale)],
                        [n * (layer_i + layer_w) * s for n, s in zip(layers, scale)], stage_rows,

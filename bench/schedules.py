@@ -119,12 +119,19 @@ def timed_graph(graph: Any, args: argparse.Namespace) -> Any:
 
 def rebalanced_plan(graph: Any, args: argparse.Namespace, p: int, v: int = 1) -> Any:
     """The rebalancer's solver on the timed graph with rank `--slow_rank` at speed 1/s: the plan our
-    live rebalancer should move to (v = 2: a loop plan, stage k on rank k % p, as the policy re-plans interleaved)."""
+    live rebalancer should move to (v = 2: a loop plan, stage k on rank k % p, as the policy re-plans interleaved),
+    carrying the per-stage times the coordinator attaches to a plan it issues (`stage_times`: the profile's ms at
+    those speeds), from which the workers list-build zero bubble's order (runtime/step/list_order.py)."""
+    from model_parallel.coordinator.rechoose import measured_times
     from model_parallel.coordinator.solver import default_solver
 
     ranks = [k % p for k in range(v * p)]
     speeds = [1.0 / args.slowdown if r == args.slow_rank else 1.0 for r in ranks]  # one per stage: its rank's
-    return default_solver(graph, ranks, speeds)
+    plan = default_solver(graph, ranks, speeds).with_default_ranks()
+    # Calibration 1 over 1 microbatch: the profile's ms (per microbatch) as they are, the slow rank's over its speed
+    times = measured_times(graph, plan, {args.slow_rank: 1.0 / args.slowdown}, 1.0, 1)
+    return dataclasses.replace(plan, extra={**dict(plan.extra),
+                                            "stage_times": [[t.forward_ms, t.input_ms, t.weight_ms] for t in times]})
 
 
 def rank_layers(graph: Any, plan: Any, p: int) -> list[int]:
@@ -142,7 +149,7 @@ def loop_plan(plan: Any, p: int) -> Any:
 
 def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: bool) -> dict[str, Any]:
     """Trace the emulated model, write its graph and plans, and the world's spec (which sides run)."""
-    from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
+    from model_parallel.graph.in_flight import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
     from model_parallel.graph.io import save_graph
     from model_parallel.graph.plan import write_plan
     from model_parallel.profiler.trace import trace_model
@@ -179,7 +186,10 @@ def prepare(args: argparse.Namespace, p: int, m: int, workdir: Path, straggler: 
             {"key": f"torch {s} on our rebalanced plan", "runtime": "torch", "schedule": s, "plan": "rebalanced"}
             for s in torch_names if multi and TORCH_SCHEDULES[s] == (2, "loop") and s != "ScheduleLoopedBFS"] + [
             {"key": f"ours {ours} static", "runtime": "ours", "schedule": ours, "plan": static},
-            {"key": f"ours {ours} rebalanced", "runtime": "ours", "schedule": ours, "plan": "rebalanced"}]
+            {"key": f"ours {ours} rebalanced", "runtime": "ours", "schedule": ours, "plan": "rebalanced"}] + [
+            # The same plan in torch's fixed order (--schedule_order fixed): what the list-built order is worth
+            {"key": f"ours {ours} rebalanced, fixed order", "runtime": "ours", "schedule": ours, "plan": "rebalanced",
+             "order": "fixed"} for _ in [ours] if ours in ZERO_BUBBLE_SCHEDULES]
     else:
         plans[str(2 * p)] = equal_plan(graph, 2 * p)  # torch's schedules with 2 stages per rank
         # Ours interleaved: the same 2p stages, stage k on rank k % p (loop placement).

@@ -71,6 +71,8 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
         })
         live = ranks[0][key]
+        if "schedule_order" in live:  # ours: the order it ran last ("list": built from its plan's stage times)
+            rows[-1]["schedule_order"] = live["schedule_order"]
         if "switch_steps" in live:  # the live side: when the coordinator switched, and to what
             rows[-1] |= {"switch_steps": live["switch_steps"], "switch_pauses_ms": live["switch_pauses_ms"],
                          "final_layers": live["layers"]}
@@ -79,13 +81,15 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
 
 def simulated_bubble(name: str, p: int, m: int, v: int, args: argparse.Namespace) -> Optional[float]:
     """The mean bubble over ranks of schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated on equal
-    stages of the emulated layers (optimizer/simulate.py, no message latency); None where there is no counterpart."""
+    stages of the emulated layers (optimizer/simulate.py, no message latency); None where there is no counterpart.
+    Ours in the order our runtime runs (zero bubble's list-built from these times where it is faster: at m < 2p - 1
+    ZBV's fixed order idles more), torch's in its fixed order."""
     ours = SIMULATED_AS.get(name)
     if ours is None:
         return None
     layers = args.layers_per_rank // v
     return schedule_simulation(ours, [layers] * (p * v), [1.0] * p, m, args.forward_ms, args.input_ms,
-                               args.weight_ms).bubble
+                               args.weight_ms, list_order=name == ours).bubble
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -103,6 +107,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "bubble_ranks_1_on_vs_simulated_points": {
                 r["side"]: 100.0 * (r["bubble_ranks_1_on"] - r["simulated_bubble"]) for r in rows
                 if r.get("simulated_bubble") is not None and r.get("bubble_ranks_1_on") is not None}}
+
+
+def rebalanced_order_times(spec: dict[str, Any]) -> Optional[list[Any]]:
+    """The stage times the rebalanced plan hands the workers (`stage_times`): what they list-build their order from."""
+    from model_parallel.graph.plan import plan_stage_times, read_plan
+    from model_parallel.optimizer.simulate import StageTimes
+
+    given = plan_stage_times(read_plan(spec["plans"]["rebalanced"])) if "rebalanced" in spec.get("plans", {}) else None
+    return None if given is None else [StageTimes(f, i + w, i, w) for f, i, w in given]
 
 
 def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
@@ -129,12 +142,16 @@ def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> d
     if emulation is not None:  # what a plan can reach under the schedule at this m (emulated.py): fill and drain stay
         f, i, w = emulation["forward_ms"], emulation["input_ms"], emulation["weight_ms"]
         static_ms = one_f_one_b_step([spec["num_layers"] // p] * p, scale, spec["m"], f, i + w)
-        solver_ms = schedule_step(ours, spec["rebalanced_layers"], scale, spec["m"], f, i, w)
+        solver_ms = schedule_step(ours, spec["rebalanced_layers"], scale, spec["m"], f, i, w, rebalanced_order_times(spec))
         out |= {"solver_plan_sim_ratio": static_ms / solver_ms, "ratio_vs_solver_plan_sim": ratio * solver_ms / static_ms}
         if ours == "1f1b":  # exhaustive over contiguous splits: the best any 1F1B plan reaches
             best_ms, best_layers = best_one_f_one_b_plan(spec["num_layers"], scale, spec["m"], f, i + w)
             out |= {"schedule_bound_ratio": static_ms / best_ms, "schedule_bound_layers": list(best_layers),
                     "ratio_vs_schedule_bound": ratio * best_ms / static_ms}
+    fixed = by_side.get(f"ours {ours} rebalanced, fixed order")
+    if fixed is not None:  # the same plan in torch's order: what the list-built one (list_order.py) gains, measured
+        out |= {"fixed_order_ratio": fixed["ratio"], "list_over_fixed": ratio / fixed["ratio"],
+                "rebalanced_order": by_side[f"ours {ours} rebalanced"].get("schedule_order")}
     live = by_side.get(f"ours {ours} live")
     if live is not None:
         out |= {"live_ratio": live["ratio"], "live_ratio_vs_ceiling": live["ratio"] / ceiling,
@@ -178,6 +195,9 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
                 lines.append(f"  {s['schedule']} at m={s['m']} (simulated, no latency): {bound}the solver's plan "
                              f"{s['solver_plan_sim_ratio']:.2f} ({s['solver_plan_sim_ratio'] / s['ceiling_ratio']:.2f} of the "
                              f"ceiling); measured {s['ratio_vs_solver_plan_sim']:.2f} of that")
+            if "fixed_order_ratio" in s:
+                lines.append(f"  the rebalanced plan in torch's fixed order: {s['fixed_order_ratio']:.2f}; ours ran the "
+                             f"{s['rebalanced_order']} order: {s['list_over_fixed']:.3f}x that")
             if "live_ratio" in s:
                 lines.append(f"  live (coordinator, auto policy, slow from step 0): switches at steps {s['live_switch_steps']} "
                              f"to {s['live_final_layers']} layers; ratio {s['live_ratio']:.2f} after warm-up + settle "

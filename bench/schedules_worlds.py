@@ -120,7 +120,7 @@ def torch_side(name: str, rank: int, spec: dict[str, Any], plan_key: Any = None)
 
 
 def ours_side(name: str, rank: int, spec: dict[str, Any], control_group: Any, plan_key: str,
-              channel: Any = None) -> tuple[SideRunner, BusyRun, Any]:
+              channel: Any = None, order: str = "list") -> tuple[SideRunner, BusyRun, Any]:
     """Our `PipelineEngine` with schedule `name` on the plan `spec["plans"][plan_key]`; with `channel`
     (a coordinator's), the live rebalancer may switch its plan while it trains."""
     from model_parallel.graph.io import load_graph
@@ -128,7 +128,8 @@ def ours_side(name: str, rank: int, spec: dict[str, Any], control_group: Any, pl
     from model_parallel.runtime.config import RunOptions, TrainConfig
     from model_parallel.runtime.engine import PipelineEngine
 
-    config = TrainConfig(batch_size=spec["batch_size"], num_microbatches=spec["m"], schedule=name, seed=spec["seed"])
+    config = TrainConfig(batch_size=spec["batch_size"], num_microbatches=spec["m"], schedule=name, seed=spec["seed"],
+                         schedule_order=order)  # zero bubble: list-built from the plan's stage times, or torch's
     engine = PipelineEngine(
         graph=load_graph(spec["graph"]), plan=read_plan(spec["plans"][plan_key]), model=build_model(spec),
         criterion=_loss, optimizer_factory=lambda params: torch.optim.SGD(params, lr=spec["lr"], momentum=0.9),
@@ -172,10 +173,12 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 if "coordinator" in side:
                     from model_parallel.coordinator.client import CoordinatorChannel
 
+                    # re-planned under its schedule's rules; m: the plans it issues carry per-microbatch stage times
                     channels[side["key"]] = CoordinatorChannel(side["coordinator"], side["token"].encode(), rank, spec["p"],
-                                                               schedule=side["schedule"])  # re-planned under its rules
+                                                               schedule=side["schedule"], num_microbatches=spec["m"])
                 *runners[side["key"]], engines[side["key"]] = ours_side(
-                    side["schedule"], rank, spec, control_group, side["plan"], channels.get(side["key"]))
+                    side["schedule"], rank, spec, control_group, side["plan"], channels.get(side["key"]),
+                    side.get("order", "list"))
         for key, (runner, _) in runners.items():
             # A live side first trains `settle_steps` more: the coordinator sees the straggler and switches there.
             runner.warm_up(spec["warmup"] + next((s.get("settle_steps", 0) for s in spec["sides"] if s["key"] == key), 0))
@@ -190,7 +193,8 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
             versions = [(r.step, r.plan_version) for r in engine.metrics.records]
             switches = [step for (step, v), (_, before) in zip(versions[1:], versions) if v != before]
             results[key] |= {"switch_steps": switches, "switch_pauses_ms": engine.switch_pauses_ms,
-                             "layers": layer_counts(engine.graph, engine.plan)}
+                             "layers": layer_counts(engine.graph, engine.plan),
+                             "schedule_order": engine.schedule.order}  # "list": zero bubble's order list-built (its times)
         for channel in channels.values():
             channel.close("benchmark finished")
     finally:

@@ -75,10 +75,12 @@ def _candidate_plan(graph: Graph, name: str, world_size: int, num_microbatches: 
 
 
 def resolve_auto(graph: Graph, world_size: int, num_microbatches: int, micro_batch: int, refusals: Mapping[str, str],
-                 plan_for: Callable[[str], Plan]) -> Plan:
+                 plan_for: Callable[[str], Plan], list_order: bool = True) -> Plan:
     """The plan of the schedule auto chooses (see the module docstring), the choice in its extra; logs the
     choice's line. `plan_for(name)`: the plan schedule `name` runs for this job (api.job), or a
     ModelParallelError saying why it cannot; `refusals`: schedules ruled out before that, with why.
+    `list_order`: the zero-bubble candidates are priced in the order the run list-builds from the profile's times
+    (runtime/step/list_order.py; a graph without timings runs, and is priced in, the fixed order).
     Raises ScheduleError when no flush schedule can run the job."""
     from model_parallel.optimizer.contiguous import priced_graph
     from model_parallel.optimizer.memory import activation_scale
@@ -99,7 +101,7 @@ def resolve_auto(graph: Graph, world_size: int, num_microbatches: int, micro_bat
         times = stage_times(priced, plan, scale)
         if not timed:
             times = proxy_times(times)
-        candidates.append(Candidate(name, times, transfers))
+        candidates.append(Candidate(name, times, transfers, list_order=list_order and timed))
     choice: Choice = choose_schedule(candidates, num_microbatches, world_size, "ms" if timed else "units")
     logger.info("%s", choice.line())
     plan = plans[choice.name]

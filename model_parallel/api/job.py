@@ -75,6 +75,7 @@ class JobSpec:
     schedule: str = "1f1b"  # the run's schedule (how many microbatches' activations a stage holds); "auto": chosen here
     # schedule name -> why the run cannot use it (TrainConfig.schedule_refusals, the command line's): auto skips those
     schedule_refusals: Optional[Mapping[str, str]] = None
+    schedule_order: str = "list"  # zero bubble's order, "list"-built from stage times or "fixed" (TrainConfig's): what auto prices
 
     def __post_init__(self) -> None:
         given = [name for name in ("model", "package", "graph") if getattr(self, name) is not None]
@@ -164,7 +165,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
 
         given = plan
         plan = resolve_auto(graph, world_size, spec.num_microbatches, spec.micro_batch, spec.schedule_refusals or {},
-                            lambda name: _schedule_plan(spec, graph, name, given, world_size))
+                            lambda name: _schedule_plan(spec, graph, name, given, world_size), spec.schedule_order == "list")
     else:
         plan = _schedule_plan(spec, graph, spec.schedule, plan, world_size)
     records = graph.metadata.get("inputs") or []

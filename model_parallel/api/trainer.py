@@ -87,6 +87,7 @@ class PipelineTrainer:
             data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
             batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
             init_weights=init_weights, memory_per_worker=memory_per_worker, schedule=config.schedule,
+            schedule_order=config.schedule_order,
             schedule_refusals=schedule_refusals(config, options.measure_memory,
                                                 dist.get_backend() if distributed and not self.single_process else "gloo"),
             optimizer=_optimizer_kind(optimizer_factory) if memory_per_worker is not None else "sgd_momentum",

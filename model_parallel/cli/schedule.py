@@ -8,6 +8,8 @@
     model-parallel schedule zbv -p 4 -m 8                  # ZBV: 2 stages per rank in a V (torch's ZBVZeroBubble)
     model-parallel schedule torch_order.csv                # a torch CSV checked by our rules (exit 2 naming the step)
     model-parallel schedule 1f1b -p 4 -m 8 --times 10,20 --transfer_ms 1   # simulated in ms (optimizer/simulate.py)
+    model-parallel schedule zbinterleaved -p 4 -m 8 --times 32,32,32/32,32,32/...  # zero bubble: the order a run
+                                                           # list-builds from these times (--order fixed: torch's)
 """
 from __future__ import annotations
 
@@ -72,6 +74,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "stage (10,20) or one group per stage separated by '/' (10,20/30,60/...)")
     parser.add_argument("--transfer_ms", type=float, default=0.0, help="with --times: ms to send one microbatch's "
                         "values over a stage edge, each way (default 0)")
+    parser.add_argument("--order", choices=("list", "fixed"), default="list", help="with --times, zero bubble: the "
+                        "order a run list-builds from the times where it simulates faster (default), or torch's")
     args = parser.parse_args(argv)
     if args.schedule in MULTI_STAGE_SCHEDULES:  # -p ranks, -v stages each (zbv: 2)
         if args.schedule in V_SCHEDULES:
@@ -86,6 +90,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             t.input_ms is None for t in times):
         raise ConfigError(f"--times {args.times!r}: the {schedule.name} schedule splits the backward into I and W: "
                           "give forward,input-grad,weight-grad ms per stage (e.g. 10,10,10)")
+    if times is not None and args.order == "list":  # what a run with these stage times runs (runtime/step/list_order.py)
+        from model_parallel.runtime.step.list_order import timed_schedule
+
+        schedule = timed_schedule(schedule, times)
     print(format_grid(schedule))
     rows = "stage" if schedule.placement is None else "rank"
     print(f"bubble {100 * schedule.bubble_fraction:.1f} % of {schedule.num_rows} x {schedule.num_steps} unit steps "

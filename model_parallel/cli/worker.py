@@ -98,6 +98,9 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--schedule", choices=SCHEDULE_NAMES + (AUTO,), default=SCHEDULE_NAMES[0],
                    help="auto: the flush schedule (1f1b, gpipe, interleaved) the simulator predicts fastest for this "
                         "job's profiled stage times that fits --memory_per_worker (one log line says why)")
+    t.add_argument("--schedule_order", choices=("list", "fixed"), default="list",
+                   help="zbh1, zbinterleaved, zbv: list: each rank's order list-built from the stage times (the plan's "
+                        "measured stage_times, else the profile's) where it simulates faster; fixed: torch's order")
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     t.add_argument("--lr", type=float, default=0.01)
@@ -173,7 +176,8 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
                                   generation=recovered.generation if recovered else 0,
                                   membership=recovered.membership() if recovered else None,
                                   schedule_auto=bool(getattr(config, "schedule_auto", False)),
-                                  num_microbatches=getattr(config, "num_microbatches", None))
+                                  num_microbatches=getattr(config, "num_microbatches", None),
+                                  schedule_order=getattr(config, "schedule_order", None))
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()

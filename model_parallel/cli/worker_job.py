@@ -26,7 +26,7 @@ def job_spec(args: Any, served: Optional[ServedJob] = None, device: Optional[tor
         return JobSpec(graph=served.graph, plan=args.plan or served.plan, loss=args.loss, num_classes=args.num_classes,
                        data=args.data, seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
                        weights=args.weights, schedule=args.schedule, schedule_refusals=refusals,
-                       **data_flags.spec_fields(args))
+                       schedule_order=args.schedule_order, **data_flags.spec_fields(args))
     sources = [s for s in ("model", "package", "graph") if getattr(args, s)]
     if len(sources) != 1:
         raise PlanError(f"give exactly one of --model, --package, --graph (got {', '.join('--' + s for s in sources) or 'none'})")
@@ -36,7 +36,8 @@ def job_spec(args: Any, served: Optional[ServedJob] = None, device: Optional[tor
                    input_shape=parse_shape(args.input_shape), num_classes=args.num_classes, data=args.data,
                    seed=args.seed, batch_size=args.batch_size, num_microbatches=args.num_microbatches,
                    weights=args.weights, memory_per_worker=args.memory_per_worker, schedule=args.schedule,
-                   schedule_refusals=refusals, optimizer=optimizer_kind(args.optimizer, args.momentum),
+                   schedule_refusals=refusals, schedule_order=args.schedule_order,
+                   optimizer=optimizer_kind(args.optimizer, args.momentum),
                    offload_chunk=args.offload_chunk_mb * 1e6 if args.offload_optimizer else None,
                    **data_flags.spec_fields(args))
 
@@ -76,6 +77,7 @@ def make_config(args: Any) -> Any:
     config = TrainConfig(
         batch_size=args.batch_size, num_microbatches=args.num_microbatches, schedule=args.schedule, seed=args.seed,
         recompute=parse_recompute(args.recompute), bf16=args.bf16, clip_grad=args.clip_grad, lr_schedule=args.lr_schedule,
+        schedule_order=args.schedule_order,
     )
     if args.slowdown != 1.0 and args.slowdown_rank is None:
         raise ConfigError(f"--slowdown {args.slowdown} needs --slowdown_rank R (the rank to slow down)")

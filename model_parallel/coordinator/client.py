@@ -47,13 +47,17 @@ class CoordinatorChannel:
                  reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None, live_plan: Optional[Plan] = None, recover: bool = False,
                  generation: int = 0, membership: Optional[Mapping[str, Any]] = None, schedule_auto: bool = False,
-                 num_microbatches: Optional[int] = None) -> None:
+                 num_microbatches: Optional[int] = None, schedule_order: Optional[str] = None) -> None:
         self.address, self.token = address, token
         self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
-        # --schedule auto (and m): told to the coordinator, which chooses the schedule again at each switch
-        self.auto_fields = {"schedule_auto": True, "num_microbatches": int(num_microbatches)} \
-            if schedule_auto and num_microbatches else {}
+        # m: told to the coordinator, which prices a plan's stage times per microbatch (the workers list-build zero
+        # bubble's order from them); --schedule auto too: it chooses the schedule again at each switch
+        self.auto_fields: dict[str, Any] = {"num_microbatches": int(num_microbatches)} if num_microbatches else {}
+        if schedule_auto and num_microbatches:
+            self.auto_fields["schedule_auto"] = True
+        if schedule_order is not None:  # zero bubble's order (list-built or fixed): what a re-choice prices
+            self.auto_fields["schedule_order"] = schedule_order
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval

@@ -70,7 +70,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
                  "instance": (str,), "schedule": (str,), "checkpoint_dir": (str,),
                  # --schedule auto: `schedule` is the one it chose, which a live switch may choose again for the
                  # new plan (coordinator/rechoose.py) from m = `num_microbatches`
-                 "schedule_auto": (bool,), "num_microbatches": (int,),
+                 "schedule_auto": (bool,), "num_microbatches": (int,), "schedule_order": (str,),
                  # what the worker runs (a fresh coordinator learns the live job from them): the plan version of
                  # its last report (or its start), that plan when the worker knows it, its furthest step
                  "live_version": (int,), "live_plan": (dict,), "step": (int,),
@@ -111,7 +111,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # Fields a message may omit (e.g. a ctl client's register has no rank).
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
     "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule", "checkpoint_dir",
-                           "schedule_auto", "num_microbatches",
+                           "schedule_auto", "num_microbatches", "schedule_order",
                            "live_version", "live_plan", "step", "generation", "membership"}),
     "welcome": frozenset({"issued"}),
     "reply": frozenset({"result", "error"}),

@@ -57,6 +57,7 @@ class Rebalancer:
         # issued runs the schedule chosen again for it (rechoose.py), named in the switch command.
         self.schedule_auto = False
         self.num_microbatches: Optional[int] = None
+        self.list_order = True  # the workers list-build zero bubble's order (their --schedule_order; list_order.py)
         self.calibration = 1.0  # measured / profiled ms on a nominal rank, from the latest estimate (rechoose.py)
         self.pending: Optional[PendingSwitch] = None
         # A pending switch given up on (no report carried it PENDING_STEPS steps on): rank 0 may still have applied it,
@@ -177,6 +178,8 @@ class Rebalancer:
         check_switchable(self.schedule)  # a PlanError: refused to the operator (ctl) before anything is sent
         version = max(self.plan.version, self.highest_reported, self.highest_issued) + 1
         plan, schedule = replace(plan, version=version), self.schedule
+        if self.num_microbatches is not None:  # what the workers list-build zero bubble's order from (list_order.py)
+            plan = self._with_stage_times(plan.with_default_ranks(), speeds)
         chosen = self.schedule_auto and self.num_microbatches is not None
         if chosen:
             plan, schedule = self._rechoose(plan.with_default_ranks(), speeds)
@@ -197,6 +200,20 @@ class Rebalancer:
         self.pending, self.dropped = PendingSwitch(plan, step, predicted, schedule), None
         return plan
 
+    def _known_speeds(self, speeds: Optional[Mapping[int, float]]) -> dict[int, float]:
+        return {**self.state.known_speeds, **(speeds or {})}  # a spare keeps its last measured speed
+
+    def _with_stage_times(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> Plan:
+        """`plan` carrying the per-stage [F, I, W] ms the coordinator measured for it (rechoose.measured_times), as
+        `plan.extra["stage_times"]`: the workers build their zero-bubble order for the real speeds."""
+        from model_parallel.coordinator.rechoose import measured_times
+        from model_parallel.graph.plan import STAGE_TIMES_KEY
+
+        assert self.num_microbatches is not None
+        times = measured_times(self.graph, plan, self._known_speeds(speeds), self.calibration, self.num_microbatches)
+        stage_times = [[t.forward_ms, t.input_ms, t.weight_ms] for t in times]
+        return replace(plan, extra={**dict(plan.extra), STAGE_TIMES_KEY: stage_times})
+
     def _rechoose(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> tuple[Plan, str]:
         """`plan` carrying the schedule `--schedule auto` chooses for it now (rechoose.py), and that schedule; logs
         the choice's line. PlanError (InfeasibleError: over the memory limit) when no schedule can run it."""
@@ -204,9 +221,8 @@ class Rebalancer:
         from model_parallel.runtime.step.auto import EXTRA_KEY
 
         assert self.num_microbatches is not None
-        known = {**self.state.known_speeds, **(speeds or {})}  # a spare keeps its last measured speed
-        choice = rechoose(self.graph, plan, self.world_size, known, self.calibration, self.num_microbatches,
-                          self.memory)
+        choice = rechoose(self.graph, plan, self.world_size, self._known_speeds(speeds), self.calibration, self.num_microbatches,
+                          self.memory, self.list_order)
         when = f" after plan v{plan.version}"
         logger.warning("%s [%s]", choice.line(when), TIMES_NOTE)
         return replace(plan, extra={**dict(plan.extra), EXTRA_KEY: choice.to_extra(when)}), choice.name

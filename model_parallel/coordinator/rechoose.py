@@ -61,9 +61,10 @@ def placement_refusal(plan: Plan, name: str) -> Optional[str]:
 
 
 def rechoose(graph: Graph, plan: Plan, world_size: int, speeds: Mapping[int, float], calibration: float,
-             num_microbatches: int, memory: Any = None) -> Choice:
+             num_microbatches: int, memory: Any = None, list_order: bool = True) -> Choice:
     """The schedule `plan` (ranks assigned) should run, from the measured `speeds` (see the module docstring);
-    `memory`: an optimizer.memory.MemoryLimit (its footprint's schedule is replaced by each candidate's).
+    `memory`: an optimizer.memory.MemoryLimit (its footprint's schedule is replaced by each candidate's); `list_order`:
+    the zero-bubble candidates are priced in the order the workers list-build from these times (else the fixed one).
     Raises InfeasibleError (one was over the memory limit) or PlanError naming every candidate's reason when none
     can run."""
     from model_parallel.runtime.plancheck import check_plan
@@ -82,7 +83,8 @@ def rechoose(graph: Graph, plan: Plan, world_size: int, speeds: Mapping[int, flo
             why = f"memory: {str(error).splitlines()[0]}"
         except ModelParallelError as error:
             why = str(error).splitlines()[0]
-        candidates.append(Candidate(name, refused=why) if why else Candidate(name, times))
+        # Priced in the order the workers list-build from these times (the plan carries them: Rebalancer.issue)
+        candidates.append(Candidate(name, refused=why) if why else Candidate(name, times, list_order=list_order))
     try:
         return choose_schedule(candidates, num_microbatches, plan.loop_width or plan.v_width or plan.num_ranks)
     except ScheduleError as error:  # over the memory limit is the plan's fault; anything else the workers would refuse

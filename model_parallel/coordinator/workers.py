@@ -49,8 +49,12 @@ class WorkerLink:
                 raise
             if "schedule" in message:  # the workers' schedule: plans are checked under its rules too
                 self.rebalancer.schedule = message["schedule"]
-            if message.get("schedule_auto") and message.get("num_microbatches", 0) >= 1:  # chosen again at a switch
-                self.rebalancer.schedule_auto, self.rebalancer.num_microbatches = True, message["num_microbatches"]
+            if message.get("num_microbatches", 0) >= 1:  # m: a plan's stage times are per microbatch
+                self.rebalancer.num_microbatches = message["num_microbatches"]
+                if message.get("schedule_auto"):  # chosen again at a switch
+                    self.rebalancer.schedule_auto = True
+            if "schedule_order" in message:  # "fixed": the workers run torch's zero-bubble order, priced so
+                self.rebalancer.list_order = message["schedule_order"] != "fixed"
             if "checkpoint_dir" in message and len(self.checkpoint_dirs) < self.roster.world_size:
                 self.checkpoint_dirs.add(message["checkpoint_dir"])
             self.done.clear()

@@ -260,9 +260,10 @@ class Plan:
         if isinstance(schedule, Mapping):
             step, bubble = schedule.get("predicted_step"), schedule.get("predicted_bubble")
             if isinstance(step, (int, float)) and isinstance(bubble, (int, float)):  # not from a hand-edited file's text
+                order = f", {schedule['order']} order" if schedule.get("order") in ("list", "fixed") else ""
                 rows.append(f"schedule {str(schedule.get('name'))[:40]} (chosen by {str(schedule.get('chosen_by'))[:40]}): "
                             f"predicted {float(step):.1f} {str(schedule.get('unit', 'ms'))[:10]} per step, bubble "
-                            f"{100 * float(bubble):.0f} %")
+                            f"{100 * float(bubble):.0f} %{order}")
         return "\n".join(rows)
 
     def to_dict(self) -> dict[str, Any]:
@@ -299,7 +300,7 @@ class Plan:
                 )
                 for s in data["stages"]
             )
-            return cls(
+            plan = cls(
                 stages=stages,
                 time_per_minibatch_s=_number(data.get("time_per_minibatch_s", 0.0), "time_per_minibatch_s"),
                 single_machine_time_s=_number(data.get("single_machine_time_s", 0.0), "single_machine_time_s"),
@@ -308,10 +309,39 @@ class Plan:
                 version=_number(data.get("version", 0), "version", integer=True),
                 extra=dict(data.get("extra", {})),
             )
+            plan_stage_times(plan)  # refused when read, before anything runs
+            return plan
         except PlanError as error:
             raise PlanError(f"{source}: {error}") from None
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise PlanError(f"{source}: malformed plan ({type(error).__name__}: {error})") from None
+
+
+STAGE_TIMES_KEY = "stage_times"  # plan.extra: per stage [F, I, W] ms of one microbatch (the coordinator's measured ones)
+
+
+def plan_stage_times(plan: Plan) -> Optional[tuple[tuple[float, float, float], ...]]:
+    """`plan.extra["stage_times"]`, checked: one [F, I, W] of finite ms >= 0 per stage, or None where the plan has none
+    (PlanError otherwise). The runtime list-builds its zero-bubble orders from them (runtime/step/list_order.py)."""
+    given = plan.extra.get(STAGE_TIMES_KEY)
+    if given is None:
+        return None
+    fix = "give one [forward, input-gradient, weight-gradient] ms triple per stage, or drop the entry"
+    if not isinstance(given, (list, tuple)) or len(given) != plan.num_stages:
+        count = len(given) if isinstance(given, (list, tuple)) else type(given).__name__
+        raise PlanError(f"plan extra {STAGE_TIMES_KEY!r} has {count} entries for {plan.num_stages} stage(s); {fix}")
+    times = []
+    for stage, entry in enumerate(given):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise PlanError(f"plan extra {STAGE_TIMES_KEY!r}: stage {stage} has {str(entry)[:40]!r}; {fix}")
+        try:
+            forward, input_grad, weight_grad = (_number(v, f"stage {stage}'s time") for v in entry)
+        except ValueError as error:
+            raise PlanError(f"plan extra {STAGE_TIMES_KEY!r}: {error}; {fix}") from None
+        if min(forward, input_grad, weight_grad) < 0:
+            raise PlanError(f"plan extra {STAGE_TIMES_KEY!r}: stage {stage} has a negative time {list(entry)}; {fix}")
+        times.append((forward, input_grad, weight_grad))
+    return tuple(times)
 
 
 def read_plan(path: Union[str, "os.PathLike[str]"]) -> Plan:

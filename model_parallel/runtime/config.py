@@ -14,6 +14,7 @@ import torch
 
 from model_parallel.errors import ConfigError
 from model_parallel.runtime.step.auto import AUTO, chosen_schedule
+from model_parallel.runtime.step.list_order import LIST, ORDERS
 from model_parallel.runtime.step.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
 from model_parallel.runtime.step.update import lr_factor
 
@@ -42,6 +43,9 @@ class TrainConfig:
     # interleaved needs m a multiple of the world; cli/recover_schedule.py): a checkpoint records this one as the
     # schedule (`schedule` as the running one), so a resume with the run's own flags is no schedule change.
     schedule_asked: Optional[str] = None
+    # The zero-bubble schedules' per-rank order: "list"-built from stage times (runtime/step/list_order.py; kept only
+    # where it simulates faster), or "fixed": torch's order always. Both train bitwise alike; every rank must agree.
+    schedule_order: str = LIST
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.num_microbatches < 1:
@@ -61,6 +65,8 @@ class TrainConfig:
         if self.schedule_asked is not None and self.schedule_asked not in SCHEDULE_NAMES:
             raise ConfigError(f"schedule_asked names the schedule a run was asked for, one of {', '.join(SCHEDULE_NAMES)}; "
                               f"got {self.schedule_asked!r}")
+        if self.schedule_order not in ORDERS:
+            raise ConfigError(f"schedule_order must be one of {', '.join(ORDERS)}, got {self.schedule_order!r}")
         if self.schedule in self.schedule_refusals():
             raise ConfigError(self.schedule_refusals()[self.schedule])
         if self.clip_grad is not None and not self.clip_grad > 0:

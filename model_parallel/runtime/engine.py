@@ -55,7 +55,9 @@ from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.multi_stage import build_stages
 from model_parallel.runtime.step.output import model_output
+from model_parallel.runtime.step.auto import run_order_times
 from model_parallel.runtime.step.interleaved import run_schedule
+from model_parallel.runtime.step.list_order import timed_schedule
 from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
@@ -185,7 +187,8 @@ class PipelineEngine(TrainingLoop):
     def check_job(self, plan: Plan) -> None:
         """Collective: `plan` fits the world and every rank holds the same graph, plan and config."""
         check_plan_fits(plan, self.world_size)
-        check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout)
+        check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout,
+                       run_order_times(self.graph, plan, self.config))
 
     def prepare(self, plan: Plan, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Prepared:
         """This rank's stage, optimizer and executor for `plan` (ranks assigned), built beside the running ones:
@@ -194,9 +197,11 @@ class PipelineEngine(TrainingLoop):
         # On every rank alike, before anything changes; the coordinator runs the same check (runtime.plancheck).
         checked = check_plan(self.graph, plan, self.world_size, self.config.schedule, self.modules)
         held = plan.stages_of_rank(self.rank)
-        prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None,
-                            run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
-                                         plan.loop_width or plan.v_width or plan.num_ranks), stage_ids=held)
+        # The schedule's grid; zero bubble's in an order list-built from the stage times where it is faster (list_order.py)
+        schedule = run_schedule(self.config.schedule, plan.num_stages, self.config.num_microbatches,
+                                plan.loop_width or plan.v_width or plan.num_ranks)
+        schedule = timed_schedule(schedule, run_order_times(self.graph, plan, self.config))
+        prepared = Prepared(plan, checked.boundaries, checked.ties, held[0] if held else None, schedule, stage_ids=held)
         if prepared.schedule.placement is not None and held:
             build_stages(self, prepared, optimizer_state)  # several stages on this rank (step/multi_stage.py)
         elif prepared.stage_id is not None:

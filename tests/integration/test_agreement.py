@@ -1,5 +1,6 @@
 """Ranks holding different jobs are refused at activation, naming the ranks and what differs
-(runtime/wire/agreement.py): before, a rank with another plan or batch size could train silently."""
+(runtime/wire/agreement.py): before, a rank with another plan or batch size could train silently; and ranks whose
+stage times differ (zero bubble's order is list-built from them: runtime/step/list_order.py)."""
 from __future__ import annotations
 
 import sys
@@ -33,10 +34,15 @@ if rank == 1 and differ == "plan":  # one layer moved: the messages could still 
     plan = type(plan)(stages=(type(first)(0, first.node_ids[:-1], ranks=(0,)),
                               type(second)(1, (first.node_ids[-1],) + second.node_ids, ranks=(1,))))
 batch = 16 if rank == 1 and differ == "config" else 8
+schedule = "zbh1" if differ in ("times", "none") else "1f1b"  # zero bubble: its order is built from stage times
+if differ == "times":  # each rank would build another order: the messages would not match
+    from dataclasses import replace
+    plan = replace(plan, extra={"stage_times": [[1.0, 1.0, 1.0], [2.0 if rank == 1 else 1.0, 1.0, 1.0]]})
 try:
     engine = PipelineEngine(graph=graph, plan=plan, model=r.model(0), criterion=r.criterion,
                             optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), dataset=r.data(batch, 0),
-                            config=TrainConfig(batch_size=batch, num_microbatches=2), options=RunOptions(timeout=60, progress=False))
+                            config=TrainConfig(batch_size=batch, num_microbatches=2, schedule=schedule),
+                            options=RunOptions(timeout=60, progress=False))
     engine.train(2)
 except PlanError as error:
     print("REFUSED", error, flush=True)
@@ -47,7 +53,7 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("differ", ["plan", "config", "none"])
+@pytest.mark.parametrize("differ", ["plan", "config", "times", "none"])
 def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) -> None:
     port = free_port()
     result = launch([[sys.executable, "-c", RANK, str(rank), str(port), differ] for rank in range(2)], timeout=120)
@@ -57,7 +63,8 @@ def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) 
         return
     assert all(worker.returncode == 3 for worker in result.workers), result.summary()
     for out in outputs:
-        assert f"rank(s) [1] hold another {differ} than rank 0" in out, out
+        part = "stage times (the profile's or the plan's stage_times" if differ == "times" else f"{differ} than rank 0"
+        assert f"rank(s) [1] hold another {part}" in out, out
         assert "TRAINED" not in out
 
 

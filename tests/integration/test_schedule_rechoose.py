@@ -20,7 +20,8 @@ from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import launch_workers
 from support.mlp import assert_params_close, mlp_job, reference_params
 
-LOOP_LINE = r"schedule auto after plan v1: chose (zbinterleaved|interleaved) \(predicted [\d.]+ ms/step, bubble \d+ %"
+LOOP_LINE = (r"schedule auto after plan v1: chose (zbinterleaved|interleaved) \((?:list-built order, )?predicted [\d.]+ "
+             r"ms/step, bubble \d+ %")  # zero bubble: priced in the order the workers list-build (list_order.py)
 
 
 def loop_plan(graph_path: Path, version: int) -> dict:

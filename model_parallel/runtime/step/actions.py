@@ -78,6 +78,8 @@ class Schedule:
     max_in_flight: Optional[tuple[int, ...]] = None  # per row bound checked by `check` (graph/in_flight.py; 1F1B: p-s)
     # Row r holds these stages (several stages per rank); None: row s is stage s.
     placement: Optional[tuple[tuple[int, ...], ...]] = None
+    # "fixed": the named schedule's own order; "list": each row's order list-built from stage times (list_order.py)
+    order: str = "fixed"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(tuple(row) for row in self.grid))

@@ -18,11 +18,11 @@ from typing import Any, Optional, Union
 
 from model_parallel.errors import ScheduleError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.in_flight import FLUSH_SCHEDULES
-from model_parallel.graph.plan import Plan
-from model_parallel.optimizer.simulate import Simulation, StageTimes, simulate
+from model_parallel.graph.in_flight import FLUSH_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from model_parallel.graph.plan import Plan, plan_stage_times
+from model_parallel.optimizer.simulate import StageTimes
 from model_parallel.runtime.step.interleaved import run_schedule
-from model_parallel.runtime.step.schedule import Schedule
+from model_parallel.runtime.step.list_order import LIST, simulate_schedule, timed_schedule  # noqa: F401  (re-exported)
 
 AUTO = "auto"
 TIE = 0.01  # a candidate must predict a step this much shorter than an earlier one to be chosen over it
@@ -37,15 +37,17 @@ class Candidate:
     times: tuple[StageTimes, ...] = ()
     transfer_ms: Union[float, tuple[float, ...]] = 0.0
     refused: Optional[str] = None
+    list_order: bool = False  # priced in the order the run list-builds from `times` (list_order.py), not the fixed one
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """One simulated candidate: the step's makespan and each rank's bubble."""
+    """One simulated candidate: the step's makespan, each rank's bubble and its order ("list"-built or "fixed")."""
 
     name: str
     step_ms: float
     bubbles: tuple[float, ...]
+    order: str = "fixed"
 
     @property
     def bubble(self) -> float:
@@ -71,14 +73,15 @@ class Choice:
         others = [f"{p.name} {p.step_ms:.1f} {self.unit}" for p in self.predictions if p.name != self.name]
         others += [f"{name} refused: {why}" for name, why in self.refused]
         rest = f"; {', '.join(others)}" if others else ""
-        return (f"schedule auto{when}: chose {self.name} (predicted {chosen.step_ms:.1f} {per}, bubble "
+        order = "list-built order, " if chosen.order == LIST else ""
+        return (f"schedule auto{when}: chose {self.name} ({order}predicted {chosen.step_ms:.1f} {per}, bubble "
                 f"{100 * chosen.bubble:.0f} %{rest})")
 
     def to_extra(self, when: str = "") -> dict[str, Any]:
         """What the plan carries (`plan.extra["schedule"]`): plain JSON, the same on every rank."""
         chosen = self.chosen
         return {"name": self.name, "chosen_by": AUTO, "predicted_step": round(chosen.step_ms, 6), "unit": self.unit,
-                "predicted_bubble": round(chosen.bubble, 6), "line": self.line(when)}
+                "predicted_bubble": round(chosen.bubble, 6), "order": chosen.order, "line": self.line(when)}
 
 
 def stage_times(graph: Graph, plan: Plan, scale: float) -> tuple[StageTimes, ...]:
@@ -108,18 +111,37 @@ def proxy_times(times: Sequence[StageTimes]) -> tuple[StageTimes, ...]:
     return tuple(StageTimes(t.forward_ms, 2 * t.forward_ms, t.forward_ms, t.forward_ms) for t in times)
 
 
-def simulate_schedule(schedule: Schedule, times: Sequence[StageTimes],
-                      transfer_ms: Union[float, Sequence[float]] = 0.0) -> Simulation:
-    """Simulate one of the runtime's schedule grids (its rows' orders, not its unit-time steps)."""
-    rows = [schedule.row_actions(r) for r in range(schedule.num_rows)]
-    return simulate(rows, [schedule.row_of(s) for s in range(schedule.num_stages)], times, transfer_ms)
+def order_times(graph: Graph, plan: Plan, micro_batch: int) -> Optional[tuple[StageTimes, ...]]:
+    """The per-stage times a run list-builds its zero-bubble order from (list_order.py), the same on every rank: the
+    plan's `stage_times` (the coordinator's measured ones; graph/plan.py checks them), else the profile's as auto
+    prices them (`stage_times`, one microbatch of `micro_batch` samples); None for a graph without timings (a proxy
+    is no ground to reorder on: the fixed order runs)."""
+    from model_parallel.optimizer.memory import activation_scale
+
+    given = plan_stage_times(plan)
+    if given is not None:
+        return tuple(StageTimes(f, i + w, i, w) for f, i, w in given)
+    if not any(node.compute_ms > 0 for node in graph.nodes):
+        return None
+    return stage_times(graph, plan, activation_scale(graph, micro_batch))
+
+
+def run_order_times(graph: Graph, plan: Plan, config: Any) -> Optional[tuple[StageTimes, ...]]:
+    """`order_times` for a run of `config` (a TrainConfig), or None where it runs the fixed order (`schedule_order`
+    "fixed", or a schedule without the I/W split). The engine builds its schedule with it and compares it across
+    ranks (wire/agreement.check_same_job): ranks with other times would build other orders."""
+    if config.schedule_order != LIST or config.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return None
+    return order_times(graph, plan, max(1, config.batch_size // config.num_microbatches))
 
 
 def predict(candidate: Candidate, num_microbatches: int, num_ranks: int) -> Prediction:
-    """The candidate's schedule over its plan's stages on `num_ranks` ranks, simulated."""
+    """The candidate's schedule over its plan's stages on `num_ranks` ranks, in the order the run will use, simulated."""
     schedule = run_schedule(candidate.name, len(candidate.times), num_microbatches, num_ranks)
+    if candidate.list_order:
+        schedule = timed_schedule(schedule, candidate.times)
     result = simulate_schedule(schedule, candidate.times, candidate.transfer_ms)
-    return Prediction(candidate.name, result.makespan_ms, result.bubbles)
+    return Prediction(candidate.name, result.makespan_ms, result.bubbles, schedule.order)
 
 
 def choose_schedule(candidates: Sequence[Candidate], num_microbatches: int, num_ranks: int,

@@ -132,7 +132,8 @@ def format_grid(schedule: Schedule, mark: Optional[int] = None) -> str:
     header = "step " + "".join(f"{t:>{width}}" for t in range(schedule.num_steps))
     label = "s" if schedule.placement is None else "r"  # rows are stages, or ranks holding several
     ranks = "" if schedule.placement is None else f" ranks={schedule.num_rows}"
-    lines = [f"{schedule.name} p={schedule.num_stages}{ranks} m={schedule.num_microbatches}", header]
+    order = "" if schedule.order == "fixed" else f" order={schedule.order}"  # list-built from stage times (list_order.py)
+    lines = [f"{schedule.name} p={schedule.num_stages}{ranks} m={schedule.num_microbatches}{order}", header]
     for s, row in enumerate(schedule.grid):
         cells = "".join(f"{str(a) if a is not None else '.':>{width}}" for a in row)
         lines.append(f"{label}{s:<4}" + cells)

@@ -35,7 +35,7 @@ from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.wire.comm import wait_work
 
-PARTS = ("graph", "plan", "config")
+PARTS = ("graph", "plan", "config", "stage times (the profile's or the plan's stage_times; zero bubble's order is built from them)")
 _DEVICE_INDEX = re.compile(r"cuda:\d+")
 
 
@@ -59,13 +59,16 @@ def config_digest(config: TrainConfig) -> int:
     return _digest(dataclasses.asdict(config))
 
 
-def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any, timeout: float) -> None:
+def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any, timeout: float,
+                   order_times: Any = None) -> None:
     """Collective over `group` (every rank calls it together): raise PlanError unless all ranks hold
-    the same graph structure, plan and config."""
+    the same graph structure, plan and config, and the same stage times `order_times` (runtime/step/auto.py
+    `run_order_times`: what a zero-bubble order is list-built from; None where the fixed order runs)."""
     world = dist.get_world_size(group)
     if world == 1:
         return
-    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config)], dtype=torch.int64)
+    times = None if order_times is None else [dataclasses.astuple(t) for t in order_times]
+    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config), _digest(times)], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, -1,
               "the check that every rank runs the same job")

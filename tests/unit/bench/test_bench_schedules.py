@@ -244,7 +244,9 @@ def test_simulated_step_of_our_multi_stage_schedules_on_literal_times() -> None:
     # The straggler world: rank 1 at 2x, static equal loop plan vs the solver's loop plan.
     static = emulated.schedule_step("zbinterleaved", [3] * 8, [1.0, 2.0, 1.0, 1.0], 8, 2.0, 2.0, 2.0)
     rebalanced = emulated.schedule_step("zbinterleaved", [3, 1, 4, 3, 4, 2, 3, 4], [1.0, 2.0, 1.0, 1.0], 8, 2.0, 2.0, 2.0)
-    assert rebalanced < static and 636.0 / rebalanced == pytest.approx(1.70, abs=0.01)
+    # In the order our runtime runs on it, list-built from these times (runtime/step/list_order.py): 366 ms, 1.74x;
+    # torch's fixed order 374 ms, 1.70x.
+    assert rebalanced < static and 636.0 / rebalanced == pytest.approx(1.74, abs=0.01)
 
 
 def test_straggler_summary_under_interleaved_against_torch_best() -> None:
@@ -271,7 +273,9 @@ def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
     # ZBV's formula says 0; at p = 4, m = 8 its order idles 12 of 204 ms per rank, torch's ZBV alike.
     assert report.simulated_bubble("zbv", 4, 8, 2, args) == pytest.approx(12 / 204)
     assert report.simulated_bubble("ScheduleZBVZeroBubble", 4, 8, 2, args) == pytest.approx(12 / 204)
-    assert report.simulated_bubble("zbv", 4, 4, 2, args) == pytest.approx(0.2)  # m = p: far from the formula
+    # m = p: far from the formula; torch's ZBV order idles 20 %, ours list-built from the times 11 % (list_order.py)
+    assert report.simulated_bubble("ScheduleZBVZeroBubble", 4, 4, 2, args) == pytest.approx(0.2)
+    assert report.simulated_bubble("zbv", 4, 4, 2, args) == pytest.approx(1 / 9)
     assert report.simulated_bubble("Schedule1F1B", 4, 8, 1, args) == pytest.approx(3 / 11)  # the flush formula
     assert report.simulated_bubble("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
     assert report.simulated_bubble("pipedream", 4, 8, 1, args) is None
