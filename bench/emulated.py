@@ -214,22 +214,27 @@ def schedule_step(name: str, layers: Sequence[int], rank_scale: Sequence[float],
 
 def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
                         layer_i: float, layer_w: float, order_times: Optional[Sequence[Any]] = None,
-                        list_order: bool = True) -> Any:
+                        list_order: bool = True, as_run: bool = False) -> Any:
     """`schedule_step`'s whole simulation (optimizer/simulate.Simulation: per-rank busy ms and bubbles too), in the
     order our runtime runs: zero bubble's list-built where it is faster (runtime/step/list_order.py) from
     `order_times` (the StageTimes the workers get: a plan's `stage_times`), by default from these times;
-    `list_order` False: the schedule's fixed order (torch's, what torch's runtime runs)."""
-    from model_parallel.optimizer.simulate import StageTimes
+    `list_order` False: the schedule's fixed order (torch's, what torch's runtime runs). `as_run`: stage 0's
+    input gradient one layer shorter, as both runtimes run it (the model's input needs no gradient, so the first
+    layer waits no I): what a measured bubble is compared with, rank 0 included."""
+    from model_parallel.optimizer.simulate import StageTimes, simulate
     from model_parallel.runtime.step.interleaved import run_schedule
     from model_parallel.runtime.step.list_order import timed_schedule
 
     schedule = run_schedule(name, len(layers), m, len(rank_scale))
     stage_rows = [schedule.row_of(k) for k in range(len(layers))]
     scale = [rank_scale[r] for r in stage_rows]
-    own = [StageTimes(n * layer_f * s, n * (layer_i + layer_w) * s, n * layer_i * s, n * layer_w * s)
-           for n, s in zip(layers, scale)]
+    inputs = [n - (1 if as_run and k == 0 else 0) for k, n in enumerate(layers)]  # layers that wait an I
+    own = [StageTimes(n * layer_f * s, (i * layer_i + n * layer_w) * s, i * layer_i * s, n * layer_w * s)
+           for n, i, s in zip(layers, inputs, scale)]
     if list_order:
         schedule = timed_schedule(schedule, order_times or own)
+    if as_run:
+        return simulate([schedule.row_actions(r) for r in range(schedule.num_rows)], stage_rows, own)
     return _simulation([schedule.row_actions(r) for r in range(schedule.num_rows)],
                        [n * layer_f * s for n, s in zip(layers, scale)],
                        [n * (layer_i + layer_w) * s for n, s in zip(layers, scale)], stage_rows,

@@ -36,7 +36,8 @@ Rows (one per side): steps/s (median chunk); `ratio` = this side's steps/s over 
 the median over chunks of the same round (back to back: the same machine load); `bubble_by_rank` =
 1 - emulated busy ms / step wall ms per rank (medians over chunks), `bubble` their mean, and
 `analytic_bubble` (emulated.analytic_bubble; None where no formula is given), `simulated_bubble` (the same
-order simulated at this m without latency: the formulas assume many microbatches); `cpu_ms_by_rank`: each
+order simulated at this m without latency, stage 0 as both runtimes run it — the model's input needs no gradient,
+so its first layer waits no I —, per rank too: the formulas assume many microbatches and equal work); `cpu_ms_by_rank`: each
 rank's CPU ms per step (the waits sleep, so this is the runtime's own cost). Per world a summary:
 our best schedule over torch's 1F1B (goal >= 1.15) and over torch's best (goal >= 1.0).
 

@@ -58,8 +58,8 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "chunk_ratios": [b / w for b, w in zip(base, wall)] if base else None,
             "bubble_by_rank": bubbles, "bubble": statistics.mean(bubbles),
             # Rank 0's first layer has no input gradient to wait (the model input needs none): it does 1/(3 x layers)
-            # less work than the others, and its bubble reads that much higher on every side. The formulas and the
-            # simulation assume equal work: this mean leaves rank 0 out.
+            # less work than the others, and its bubble reads that much higher on every side. The formulas assume
+            # equal work; the simulation below runs stage 0 as it runs. This mean leaves rank 0 out.
             "bubble_ranks_1_on": statistics.mean(bubbles[1:]) if len(bubbles) > 1 else None,
             # CPU ms per step (the process, every thread): the waits take none, so this is the runtime's own cost.
             "cpu_ms_by_rank": [statistics.median(r[key]["chunk_cpu_ms"]) for r in ranks if "chunk_cpu_ms" in r[key]],
@@ -67,7 +67,7 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "analytic_bubble": None if spec.get("slow_rank") is not None else analytic_bubble(case),
             # The formulas hold for many microbatches (ZBV's 0 needs m >= 2p - 1 and more): the same order simulated
             # at this m with the emulated times and no message latency is what a runtime can reach here.
-            "simulated_bubble": None if spec.get("slow_rank") is not None else simulated_bubble(name, p, m, v, args),
+            **simulated_bubbles(None if spec.get("slow_rank") is not None else simulated(name, p, m, v, args)),
             "slow_rank": spec.get("slow_rank"), "slowdown": spec.get("slowdown"),
         })
         live = ranks[0][key]
@@ -79,17 +79,26 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
     return rows
 
 
-def simulated_bubble(name: str, p: int, m: int, v: int, args: argparse.Namespace) -> Optional[float]:
-    """The mean bubble over ranks of schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated on equal
-    stages of the emulated layers (optimizer/simulate.py, no message latency); None where there is no counterpart.
-    Ours in the order our runtime runs (zero bubble's list-built from these times where it is faster: at m < 2p - 1
-    ZBV's fixed order idles more), torch's in its fixed order."""
+def simulated(name: str, p: int, m: int, v: int, args: argparse.Namespace) -> Optional[Any]:
+    """Schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated on equal stages of the emulated layers
+    as both runtimes run them (stage 0's first layer waits no input gradient; optimizer/simulate.py, no message
+    latency); None where there is no counterpart. Ours in the order our runtime runs (zero bubble's list-built from
+    these times where it is faster: at m < 2p - 1 ZBV's fixed order idles more), torch's in its fixed order."""
     ours = SIMULATED_AS.get(name)
     if ours is None:
         return None
     layers = args.layers_per_rank // v
     return schedule_simulation(ours, [layers] * (p * v), [1.0] * p, m, args.forward_ms, args.input_ms,
-                               args.weight_ms, list_order=name == ours).bubble
+                               args.weight_ms, list_order=name == ours, as_run=True)
+
+
+def simulated_bubbles(simulation: Optional[Any]) -> dict[str, Any]:
+    """A row's simulated bubble: the mean over ranks, per rank, and the mean over ranks 1 on (beside the measured)."""
+    if simulation is None:
+        return {"simulated_bubble": None}
+    bubbles = list(simulation.bubbles)
+    return {"simulated_bubble": statistics.mean(bubbles), "simulated_bubble_by_rank": bubbles,
+            "simulated_bubble_ranks_1_on": statistics.mean(bubbles[1:]) if len(bubbles) > 1 else None}
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -105,8 +114,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "bubble_vs_simulated_points": {r["side"]: 100.0 * (r["bubble"] - r["simulated_bubble"]) for r in rows
                                            if r.get("simulated_bubble") is not None},
             "bubble_ranks_1_on_vs_simulated_points": {
-                r["side"]: 100.0 * (r["bubble_ranks_1_on"] - r["simulated_bubble"]) for r in rows
-                if r.get("simulated_bubble") is not None and r.get("bubble_ranks_1_on") is not None}}
+                r["side"]: 100.0 * (r["bubble_ranks_1_on"] - r["simulated_bubble_ranks_1_on"]) for r in rows
+                if r.get("simulated_bubble_ranks_1_on") is not None and r.get("bubble_ranks_1_on") is not None}}
 
 
 def rebalanced_order_times(spec: dict[str, Any]) -> Optional[list[Any]]:
@@ -180,7 +189,8 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
                      + " ".join(f"{100.0 * b:.0f}" for b in r["bubble_by_rank"]))
     lines.append("ratio: steps/s over torch Schedule1F1B's in the same world (median over chunk pairs); "
                  "bubble: 1 - emulated busy / step wall, per rank; sim: the same order simulated at this m without "
-                 "latency; cpu ms: CPU per step, mean over ranks")
+                 "latency, stage 0 as it runs (its first layer waits no input gradient); cpu ms: CPU per step, mean "
+                 "over ranks")
     for s in summaries:
         if "ceiling_ratio" in s:
             lines.append(f"straggler p={s['p']} m={s['m']} rank {s['slow_rank']} x{s['slowdown']:g}: ours {s['schedule']} "

@@ -268,17 +268,25 @@ def test_straggler_summary_under_interleaved_against_torch_best() -> None:
     assert "ours zbinterleaved rebalanced" in text and "torch's best static (ScheduleZBVZeroBubble) = 1.45" in text
 
 
-def test_simulated_bubble_of_the_same_order_at_this_m() -> None:
+def test_simulated_bubble_of_the_same_order_at_this_m_as_both_runtimes_run_it() -> None:
     args = SimpleNamespace(layers_per_rank=4, forward_ms=2.0, input_ms=2.0, weight_ms=2.0)
-    # ZBV's formula says 0; at p = 4, m = 8 its order idles 12 of 204 ms per rank, torch's ZBV alike.
-    assert report.simulated_bubble("zbv", 4, 8, 2, args) == pytest.approx(12 / 204)
-    assert report.simulated_bubble("ScheduleZBVZeroBubble", 4, 8, 2, args) == pytest.approx(12 / 204)
-    # m = p: far from the formula; torch's ZBV order idles 20 %, ours list-built from the times 11 % (list_order.py)
-    assert report.simulated_bubble("ScheduleZBVZeroBubble", 4, 4, 2, args) == pytest.approx(0.2)
-    assert report.simulated_bubble("zbv", 4, 4, 2, args) == pytest.approx(1 / 9)
-    assert report.simulated_bubble("Schedule1F1B", 4, 8, 1, args) == pytest.approx(3 / 11)  # the flush formula
-    assert report.simulated_bubble("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
-    assert report.simulated_bubble("pipedream", 4, 8, 1, args) is None
+    # Stage 0's first layer waits no input gradient (the model's input needs none): rank 0 is busy m x 2 ms less
+    # than the others, so the simulation gives rank 0 the higher bubble the runs measure.
+    zbv = report.simulated("zbv", 4, 8, 2, args)
+    assert zbv.busy_ms == (176.0, 192.0, 192.0, 192.0) and zbv.makespan_ms == 204.0
+    assert report.simulated_bubbles(zbv) == {"simulated_bubble": pytest.approx((28 + 3 * 12) / (4 * 204)),
+                                             "simulated_bubble_by_rank": [pytest.approx(28 / 204)] + [pytest.approx(12 / 204)] * 3,
+                                             "simulated_bubble_ranks_1_on": pytest.approx(12 / 204)}
+    # ZBV's formula says 0; at p = 4, m = 8 torch's order idles the same
+    assert report.simulated("ScheduleZBVZeroBubble", 4, 8, 2, args).bubbles == zbv.bubbles
+    # m = p: far from the formula; torch's ZBV order takes 118 ms, ours list-built from the times 108 (list_order.py)
+    assert report.simulated("ScheduleZBVZeroBubble", 4, 4, 2, args).makespan_ms == 118.0
+    assert report.simulated("zbv", 4, 4, 2, args).makespan_ms == 108.0
+    one = report.simulated("Schedule1F1B", 4, 8, 1, args)  # 11 x 24 ms, less stage 0's last backward's I
+    assert one.makespan_ms == 262.0 and one.bubbles[1] == pytest.approx(1 - 192 / 262)
+    assert report.simulated("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
+    assert report.simulated("pipedream", 4, 8, 1, args) is None
+    assert report.simulated_bubbles(None) == {"simulated_bubble": None}
 
 
 def test_the_header_states_the_durations_and_the_message_to_compute_ratio_they_give() -> None:
@@ -312,8 +320,11 @@ def test_rows_carry_the_bubble_without_rank_0_whose_first_layer_waits_no_input_g
     assert [r["bubble"] for r in rows] == [pytest.approx(0.4)] * 2
     assert [r["bubble_ranks_1_on"] for r in rows] == [pytest.approx(0.3)] * 2
     verdict = report.summary(rows)
-    simulated = 100.0 * rows[1]["simulated_bubble"]
-    assert verdict["bubble_ranks_1_on_vs_simulated_points"]["ours 1f1b"] == pytest.approx(30.0 - simulated)
+    # ranks 1 on, measured against ranks 1 on, simulated (the simulation's rank 0 also waits no first-layer I)
+    simulated = rows[1]["simulated_bubble_by_rank"]
+    assert simulated[0] > simulated[1] and rows[1]["simulated_bubble_ranks_1_on"] == pytest.approx(simulated[1])
+    assert verdict["bubble_ranks_1_on_vs_simulated_points"]["ours 1f1b"] == pytest.approx(30.0 - 100.0 * simulated[1])
+    assert verdict["bubble_vs_simulated_points"]["ours 1f1b"] == pytest.approx(40.0 - 50.0 * sum(simulated))
 
 
 def test_the_timed_graph_leaves_out_the_first_layers_input_gradient(clock) -> None:
