@@ -22,9 +22,7 @@ proxy for wake-ups. Writes bench/results/message_bisect.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from message_latency import add_ring_flags, hop_stats, join_ring, measure_rings, run_ring  # bench/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "message_bisect.json"
@@ -145,11 +144,8 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
 
     from model_parallel.fileio import atomic_write_json
 
-    torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
+    spec = join_ring(rank, port, spec_path)
     p = spec["p"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
-                            timeout=timedelta(seconds=120))
     results: dict[str, Any] = {}
     baseline = _load_wire(spec["baseline"]) if spec["baseline"] else None
     transports = TRANSPORTS + (("ours baseline",) if baseline is not None else ())
@@ -180,24 +176,12 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
 
 
 def measure(p: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from model_parallel.runtime.launch import free_port, launch
-
     spec = {"p": p, "sleep_ms": args.sleep_ms, "laps": args.laps, "blocks": args.blocks, "baseline": args.baseline}
-    spec_path, result_path = workdir / f"p{p}.spec.json", workdir / f"p{p}.result.json"
-    spec_path.write_text(json.dumps(spec))
-    port = free_port()
-    commands = [[sys.executable, str(Path(__file__).resolve()), "--_worker", str(r), "--_port", str(port),
-                 "--_spec", str(spec_path), "--_result", str(result_path)] for r in range(p)]
-    result = launch(commands, timeout=args.timeout)
-    if not result.ok:
-        raise RuntimeError(f"bisect world p={p} failed:\n{result.summary()}")
     rows: dict[str, Any] = {}
-    for sleep_ms, found in json.loads(result_path.read_text()).items():
-        for name in found["laps"]:
-            per_hop = sorted((s * 1000.0 - p * float(sleep_ms)) / p for s in found["laps"][name])
-            rows[f"sleep {sleep_ms} ms, {name}"] = {
-                "median_ms": statistics.median(per_hop), "p90_ms": per_hop[int(0.9 * (len(per_hop) - 1))],
-                "switches_per_hop": found["switches"][name] / (len(per_hop) * p), "laps": len(per_hop)}
+    for sleep_ms, found in run_ring(Path(__file__), spec, workdir, args.timeout, "bisect").items():
+        for name, seconds in found["laps"].items():
+            row = hop_stats(seconds, p, float(sleep_ms))
+            rows[f"sleep {sleep_ms} ms, {name}"] = row | {"switches_per_hop": found["switches"][name] / (row["laps"] * p)}
     return rows
 
 
@@ -208,27 +192,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--laps", type=int, default=20, help="timed laps per block")
     parser.add_argument("--blocks", type=int, default=4, help="blocks per transport, alternating")
     parser.add_argument("--baseline", default="", help="a checkout whose runtime/wire to time beside ours")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--out", default=str(RESULTS))
-    for hidden in ("--_worker", "--_port"):
-        parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--_spec", help=argparse.SUPPRESS)
-    parser.add_argument("--_result", help=argparse.SUPPRESS)
+    add_ring_flags(parser, RESULTS)
     args = parser.parse_args(argv)
     if args._worker is not None:
         return worker(args._worker, args._port, args._spec, args._result)
-    import tempfile
-
-    from model_parallel.fileio import atomic_write_json
-
-    load_before, report = os.getloadavg()[0], {}
-    with tempfile.TemporaryDirectory(prefix="bench_bisect_") as tmp:
-        for p in [int(x) for x in args.p.split(",")]:
-            report[f"p={p}"] = measure(p, args, Path(tmp))
-    load = [load_before, os.getloadavg()[0]]
-    atomic_write_json(args.out, {"benchmark": "one message's cost, bisected", "load_1min": load,
-                                 "cpus": os.cpu_count(), "settings": {k: v for k, v in vars(args).items()
-                                                                      if not k.startswith("_")}, "rows": report})
+    report, load = measure_rings(args, lambda p, tmp: measure(p, args, tmp), "bench_bisect_",
+                                 "one message's cost, bisected")
     print(f"per-message latency, ms (median / p90 over rank 0's laps), context switches per hop "
           f"(load {load[0]:.1f}-{load[1]:.1f} on {os.cpu_count()} cpus)")
     for world, rows in report.items():

@@ -92,17 +92,76 @@ def _laps_ours(rank: int, p: int, sleep_s: float, laps: int, token: torch.Tensor
     return out
 
 
+def join_ring(rank: int, port: int, spec_path: str) -> dict[str, Any]:
+    """A ring worker's start (this bench and message_bisect.py): one thread, its spec, the gloo group."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=spec["p"],
+                            timeout=timedelta(seconds=120))
+    return spec
+
+
+def run_ring(script: Path, spec: dict[str, Any], workdir: Path, timeout: float, what: str) -> Any:
+    """Start spec["p"] ranks of `script` (`--_worker` ...) on this machine and return what rank 0 wrote."""
+    from model_parallel.runtime.launch import free_port, launch
+
+    p = spec["p"]
+    spec_path, result_path = workdir / f"p{p}.spec.json", workdir / f"p{p}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    commands = [[sys.executable, str(script.resolve()), "--_worker", str(r), "--_port", str(port),
+                 "--_spec", str(spec_path), "--_result", str(result_path)] for r in range(p)]
+    result = launch(commands, timeout=timeout)
+    if not result.ok:
+        raise RuntimeError(f"{what} world p={p} failed:\n{result.summary()}")
+    return json.loads(result_path.read_text())
+
+
+def hop_stats(lap_seconds: Sequence[float], p: int, sleep_ms: float) -> dict[str, Any]:
+    """One message's latency from whole laps of a p-rank ring: (lap - p x slept) / p, median and p90, ms."""
+    per_hop = sorted((s * 1000.0 - p * sleep_ms) / p for s in lap_seconds)
+    return {"median_ms": statistics.median(per_hop), "p90_ms": per_hop[int(0.9 * (len(per_hop) - 1))],
+            "laps": len(per_hop)}
+
+
+def add_ring_flags(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The flags both ring benches share: the deadline, the report, and the worker's hidden ones."""
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=str(out))
+    for hidden in ("--_worker", "--_port"):
+        parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--_spec", help=argparse.SUPPRESS)
+    parser.add_argument("--_result", help=argparse.SUPPRESS)
+
+
+def measure_rings(args: argparse.Namespace, measure: Any, prefix: str, benchmark: str) -> tuple[dict[str, Any], list[float]]:
+    """`measure(p, workdir)` for each of `args.p`'s ring sizes in a temporary folder; writes the report (`args.out`,
+    atomically, with the load and the settings) and returns the rows and the load."""
+    import tempfile
+
+    from model_parallel.fileio import atomic_write_json
+
+    load_before, report = os.getloadavg()[0], {}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for p in [int(x) for x in args.p.split(",")]:
+            report[f"p={p}"] = measure(p, Path(tmp))
+    load = [load_before, os.getloadavg()[0]]
+    atomic_write_json(args.out, {"benchmark": benchmark, "load_1min": load, "cpus": os.cpu_count(),
+                                 "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                                 "rows": report})
+    return report, load
+
+
 def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
     """One rank: every (sleep, transport) in turn, the transports alternating lap block by lap block."""
     import torch.distributed as dist
 
     from model_parallel.fileio import atomic_write_json
 
-    torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
+    spec = join_ring(rank, port, spec_path)
     p = spec["p"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
-                            timeout=timedelta(seconds=120))
     token = torch.zeros(spec["micro_batch"], 16)
     results: dict[str, Any] = {}
     try:
@@ -124,25 +183,13 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
 
 
 def measure(p: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from model_parallel.runtime.launch import free_port, launch
-
     spec = {"p": p, "micro_batch": args.micro_batch, "sleep_ms": args.sleep_ms, "laps": args.laps, "blocks": args.blocks}
-    spec_path, result_path = workdir / f"p{p}.spec.json", workdir / f"p{p}.result.json"
-    spec_path.write_text(json.dumps(spec))
-    port = free_port()
-    commands = [[sys.executable, str(Path(__file__).resolve()), "--_worker", str(r), "--_port", str(port),
-                 "--_spec", str(spec_path), "--_result", str(result_path)] for r in range(p)]
-    result = launch(commands, timeout=args.timeout)
-    if not result.ok:
-        raise RuntimeError(f"latency world p={p} failed:\n{result.summary()}")
-    raw = json.loads(result_path.read_text())
     rows = {}
-    for key, laps in raw.items():
+    for key, laps in run_ring(Path(__file__), spec, workdir, args.timeout, "latency").items():
         pattern, sleep_ms = key.split()
         for name, seconds in laps.items():
-            per_hop = sorted((s * 1000.0 - p * float(sleep_ms)) / p for s in seconds)
-            rows[f"{pattern} token{'s' if pattern == 'every' else ''}, sleep {sleep_ms} ms, {name}"] = {
-                "median_ms": statistics.median(per_hop), "p90_ms": per_hop[int(0.9 * (len(per_hop) - 1))], "laps": len(per_hop)}
+            rows[f"{pattern} token{'s' if pattern == 'every' else ''}, sleep {sleep_ms} ms, {name}"] = hop_stats(
+                seconds, p, float(sleep_ms))
     return rows
 
 
@@ -154,28 +201,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--laps", type=int, default=21, help="laps per block (the first of each block is not timed)")
     parser.add_argument("--blocks", type=int, default=4, help="blocks per transport, alternating")
     parser.add_argument("--micro_batch", type=int, default=2, help="rows of the [micro_batch, 16] token")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--out", default=str(RESULTS))
-    for hidden in ("--_worker", "--_port"):
-        parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--_spec", help=argparse.SUPPRESS)
-    parser.add_argument("--_result", help=argparse.SUPPRESS)
+    add_ring_flags(parser, RESULTS)
     args = parser.parse_args(argv)
     if args._worker is not None:
         return worker(args._worker, args._port, args._spec, args._result)
-    import tempfile
-
-    from model_parallel.fileio import atomic_write_json
-
     torch.set_num_threads(1)
-    load_before, report = os.getloadavg()[0], {}
-    with tempfile.TemporaryDirectory(prefix="bench_latency_") as tmp:
-        for p in [int(x) for x in args.p.split(",")]:
-            report[f"p={p}"] = measure(p, args, Path(tmp))
-    load = [load_before, os.getloadavg()[0]]
-    atomic_write_json(args.out, {"benchmark": "message latency between sleeping ranks", "load_1min": load,
-                                 "cpus": os.cpu_count(), "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                                 "rows": report})
+    report, load = measure_rings(args, lambda p, tmp: measure(p, args, tmp), "bench_latency_",
+                                 "message latency between sleeping ranks")
     print(f"per-message latency, ms (median / p90 over laps; load {load[0]:.1f}-{load[1]:.1f} on {os.cpu_count()} cpus)")
     for world, rows in report.items():
         for key, row in rows.items():
