@@ -99,9 +99,15 @@ class PipelineTrainer:
             # Ranks may have profiled and partitioned on their own (timings differ per process):
             # everyone trains rank 0's plan, or stages would not line up. Sent on the engine's gloo control
             # group: an NCCL default group carries no CPU tensors ("No backend type associated with device type cpu").
+            from model_parallel.graph.plan import plan_stage_times, with_stage_times
+            from model_parallel.runtime.step.auto import run_order_times
             from model_parallel.runtime.wire.agreement import broadcast_json
 
             control_group = dist.new_group(backend="gloo")
+            # Rank 0's stage times travel with its plan: a zero-bubble order list-built from each rank's own profile
+            # would differ from rank to rank (the engine refuses that: wire/agreement.py).
+            times = run_order_times(graph, plan, config.resolved(plan)) if plan_stage_times(plan) is None else None
+            plan = plan if times is None else with_stage_times(plan, times)
             text = broadcast_json(json.dumps(plan.to_dict()), 0, control_group, options.timeout)
             plan = Plan.from_dict(json.loads(text), "the plan broadcast by rank 0")
         self.graph, self.plan, self.model = graph, plan.with_default_ranks(), model

@@ -207,12 +207,11 @@ class Rebalancer:
         """`plan` carrying the per-stage [F, I, W] ms the coordinator measured for it (rechoose.measured_times), as
         `plan.extra["stage_times"]`: the workers build their zero-bubble order for the real speeds."""
         from model_parallel.coordinator.rechoose import measured_times
-        from model_parallel.graph.plan import STAGE_TIMES_KEY
+        from model_parallel.graph.plan import with_stage_times
 
         assert self.num_microbatches is not None
-        times = measured_times(self.graph, plan, self._known_speeds(speeds), self.calibration, self.num_microbatches)
-        stage_times = [[t.forward_ms, t.input_ms, t.weight_ms] for t in times]
-        return replace(plan, extra={**dict(plan.extra), STAGE_TIMES_KEY: stage_times})
+        return with_stage_times(plan, measured_times(self.graph, plan, self._known_speeds(speeds), self.calibration,
+                                                     self.num_microbatches))
 
     def _rechoose(self, plan: Plan, speeds: Optional[Mapping[int, float]]) -> tuple[Plan, str]:
         """`plan` carrying the schedule `--schedule auto` chooses for it now (rechoose.py), and that schedule; logs

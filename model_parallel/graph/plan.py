@@ -320,6 +320,13 @@ class Plan:
 STAGE_TIMES_KEY = "stage_times"  # plan.extra: per stage [F, I, W] ms of one microbatch (the coordinator's measured ones)
 
 
+def with_stage_times(plan: Plan, times: Sequence[Any]) -> Plan:
+    """`plan` carrying `times` (one StageTimes-like per stage: forward_ms, input_ms, weight_ms) as its
+    `stage_times`, the [F, I, W] ms every rank list-builds its zero-bubble order from."""
+    entries = [[float(t.forward_ms), float(t.input_ms), float(t.weight_ms)] for t in times]
+    return replace(plan, extra={**dict(plan.extra), STAGE_TIMES_KEY: entries})
+
+
 def plan_stage_times(plan: Plan) -> Optional[tuple[tuple[float, float, float], ...]]:
     """`plan.extra["stage_times"]`, checked: one [F, I, W] of finite ms >= 0 per stage, or None where the plan has none
     (PlanError otherwise). The runtime list-builds its zero-bubble orders from them (runtime/step/list_order.py)."""

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from model_parallel.errors import PlanError
-from model_parallel.graph.plan import Plan, StagePlan, plan_stage_times
+from model_parallel.graph.plan import Plan, StagePlan, plan_stage_times, with_stage_times
 from model_parallel.optimizer.simulate import StageTimes
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.step.auto import Candidate, predict
@@ -116,6 +116,9 @@ def test_plan_stage_times_are_read_and_checked() -> None:
     plan = Plan.from_dict(_plan([[1, 2.5, 2.5], [2.0, 0, 4]]))
     assert plan_stage_times(plan) == ((1.0, 2.5, 2.5), (2.0, 0.0, 4.0))
     assert plan_stage_times(replace(plan, extra={})) is None
+    # What the coordinator and PipelineTrainer's rank 0 attach: read back as given, through JSON
+    attached = with_stage_times(replace(plan, extra={}), [StageTimes(1.0, 3.0, 1.0, 2.0), StageTimes(2.0, 2.0, 0.5, 1.5)])
+    assert plan_stage_times(Plan.from_dict(attached.to_dict())) == ((1.0, 1.0, 2.0), (2.0, 0.5, 1.5))
 
 
 @pytest.mark.parametrize("given, match", [
