@@ -80,6 +80,9 @@ class StepState:
     sends: list[comm.SendHandle]
     loss_sum: float = 0.0
     weight_work: dict[int, WeightWork] = field(default_factory=dict)  # microbatches through I, waiting for W
+    # Called once, when the step's urgent first work is done: its first activation sent, or (a stage whose step
+    # begins by waiting) its receives posted. The loop posts its part of the step's reduction there.
+    started: Optional[Callable[[], None]] = None
 
 
 @dataclass
@@ -170,9 +173,14 @@ class StepExecutor:
                 return checkpoint(module, *values, use_reentrant=False)
             return module(*values)
 
-    def run(self, step: int, data: StepData, compute: Compute) -> float:
-        """The step's actions on what this rank read (`data`). Returns this rank's share of the loss."""
+    def run(self, step: int, data: StepData, compute: Compute, started: Optional[Callable[[], None]] = None) -> float:
+        """The step's actions on what this rank read (`data`). Returns this rank's share of the loss.
+        `started` runs once: right after the step's first activation send is posted when the step begins
+        with a forward that sends one, else once the step's first receives are posted."""
         state = self.begin(data)
+        state.started = started
+        if not state.receives.deferred:
+            self._started(state)
         for action in self.actions:
             self.act(step, state, action, compute)
         return self.finish(state)
@@ -217,6 +225,9 @@ class StepExecutor:
                     leaves, handle = self._send_forward(j, outputs, stream=j)
                 sends.append(handle)
                 stash[j] = _Stash(inputs, leaves, weights=weights)
+                # Only now what this step posts but needs later: the first activation left without them.
+                receives.release()
+                self._started(state)
             self.meter.kept(j, stash[j])
             return
         if action.kind == WEIGHT:
@@ -252,6 +263,13 @@ class StepExecutor:
             self.weight_stash.update(step, entry.weights)
         if action.kind != INPUT:  # after an I the weight path's tensors live on until its W
             self.meter.release(j)
+
+    @staticmethod
+    def _started(state: StepState) -> None:
+        started = state.started
+        if started is not None:
+            state.started = None
+            started()
 
     def finish(self, state: StepState) -> float:
         """Wait for the step's sends; returns this stage's share of the loss."""
@@ -333,7 +351,12 @@ class _Receives:
     waits elsewhere: two more thread wake-ups on the critical path of every message. A stage
     before this one runs one warm-up forward more than this one (1F1B), so it sends up to two
     activations ahead of this stage's forwards (issue #37, "Fixed cost per step"; docs/runtime.md).
-    Safe on one tag: a cached message is one transfer on its tag (comm.py, side tag)."""
+    Safe on one tag: a cached message is one transfer on its tag (comm.py, side tag).
+
+    A stage whose step begins with a forward posts its gradient receives only once that forward's activation
+    is sent (`release`): each post costs ~0.1 ms of the training thread on the 2-core VM, and the first
+    activation is on the critical path, while the first gradient comes back a stage's forward and
+    backward later at the earliest."""
 
     AHEAD = 2
 
@@ -344,8 +367,16 @@ class _Receives:
         self.position = {"F": 0, "B": 0}  # the next action of each kind to run
         self.posted = {"F": 0, "B": 0}  # how many of each kind's receives are posted (or need none)
         self.pending: dict[str, deque["Optional[comm.PendingRecv | LocalRecv]"]] = {"F": deque(), "B": deque()}
-        for kind in self.queues:
-            self._top_up(kind)
+        self.deferred = bool(executor.actions) and executor.actions[0].is_forward and not last
+        self._top_up("F")
+        if not self.deferred:
+            self._top_up("B")
+
+    def release(self) -> None:
+        """Post the deferred gradient receives (after the step's first activation send, or before a wait)."""
+        if self.deferred:
+            self.deferred = False
+            self._top_up("B")
 
     def _top_up(self, kind: str) -> None:
         queue = self.queues[kind]
@@ -369,6 +400,7 @@ class _Receives:
 
     def take(self, kind: str, j: int) -> tuple[list[Any], Any]:
         """The flat values of microbatch j's message and the structure the sender attached (or None)."""
+        self.release()
         pending = self.pending[kind].popleft()
         assert pending is not None
         with self.executor.metrics.measure("recv", microbatch=j):

@@ -96,9 +96,12 @@ class MultiStageExecutor:
             raise ModelParallelError(f"the schedule row names stage(s) {unknown} this rank does not hold "
                                      f"({sorted(self.lanes)})")
 
-    def run(self, step: int, data: StepData, compute: Compute) -> float:
-        """The row's actions, in order, each on its stage's executor; returns this rank's share of the loss."""
+    def run(self, step: int, data: StepData, compute: Compute, started: Optional[Callable[[], None]] = None) -> float:
+        """The row's actions, in order, each on its stage's executor; returns this rank's share of the loss.
+        `started` runs once, when every stage's first receives are posted."""
         states = {k: lane.begin(data) for k, lane in self.lanes.items()}
+        if started is not None:
+            started()
         for action in self.actions:
             self.lanes[action.stage].act(step, states[action.stage], action, compute)
         return sum(lane.finish(states[k]) for k, lane in self.lanes.items())

@@ -15,9 +15,11 @@ machine where every wake-up waits for a core); p2p messages are posted by the tr
 and a wait names the peer it waits for. The root adds its own part, then the others in rank order, so
 every rank gets the same sums, whatever order they arrived in. The engine makes the root the rank of the
 last stage (`root_rank`): its part (the loss) is the last one known in a step, every other part (0
-without clipping) was posted when the step began, so the root never waits, and the sums it sends
+without clipping) was posted early in the step (right after the rank's first activation left: the
+loop's `started`), so the root never waits, and the sums it sends
 back reach each other rank while that rank still waits for its last gradient. The root posts its
-receives when its step begins as well (its own part follows: `Posted.contribute`): gloo sends a
+receives early as well, right after its step's activation receives (its own part follows:
+`Posted.contribute`): gloo sends a
 message only into a posted receive, and a part that found none waited for both processes' gloo
 threads (measured: ~0.9 ms a step on the loaded machine). With rank 0 as the
 root, the last stage waited for rank 0's update before its next step could begin, and rank 0's
