@@ -183,12 +183,19 @@ def simulate_step(rows: Sequence[Sequence[Any]], forward_ms: Sequence[float], ba
 
 def _simulation(rows: Sequence[Sequence[Any]], forward_ms: Sequence[float], backward_ms: Sequence[float],
                 stage_rows: Optional[Sequence[int]], weight_share: float) -> Any:
-    from model_parallel.errors import ScheduleError
-    from model_parallel.optimizer.simulate import StageTimes, simulate
+    from model_parallel.optimizer.simulate import StageTimes
 
     times = [StageTimes(f, b, b * (1.0 - weight_share), b * weight_share) for f, b in zip(forward_ms, backward_ms)]
+    return _simulate_times(rows, list(stage_rows) if stage_rows is not None else list(range(len(rows))), times)
+
+
+def _simulate_times(rows: Sequence[Sequence[Any]], stage_rows: Sequence[int], times: Sequence[Any]) -> Any:
+    """optimizer/simulate.py's simulation; a deadlock (not a valid schedule) as a ValueError saying so."""
+    from model_parallel.errors import ScheduleError
+    from model_parallel.optimizer.simulate import simulate
+
     try:
-        return simulate(rows, list(stage_rows) if stage_rows is not None else list(range(len(rows))), times)
+        return simulate(rows, stage_rows, times)
     except ScheduleError as error:
         if "deadlock" not in str(error):
             raise
@@ -221,7 +228,7 @@ def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[f
     `list_order` False: the schedule's fixed order (torch's, what torch's runtime runs). `as_run`: stage 0's
     input gradient one layer shorter, as both runtimes run it (the model's input needs no gradient, so the first
     layer waits no I): what a measured bubble is compared with, rank 0 included."""
-    from model_parallel.optimizer.simulate import StageTimes, simulate
+    from model_parallel.optimizer.simulate import StageTimes
     from model_parallel.runtime.step.interleaved import run_schedule
     from model_parallel.runtime.step.list_order import timed_schedule
 
@@ -233,12 +240,7 @@ def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[f
            for n, i, s in zip(layers, inputs, scale)]
     if list_order:
         schedule = timed_schedule(schedule, order_times or own)
-    if as_run:
-        return simulate([schedule.row_actions(r) for r in range(schedule.num_rows)], stage_rows, own)
-    return _simulation([schedule.row_actions(r) for r in range(schedule.num_rows)],
-                       [n * layer_f * s for n, s in zip(layers, scale)],
-                       [n * (layer_i + layer_w) * s for n, s in zip(layers, scale)], stage_rows,
-                       layer_w / (layer_i + layer_w) if layer_i + layer_w > 0 else 0.0)
+    return _simulate_times([schedule.row_actions(r) for r in range(schedule.num_rows)], stage_rows, own)
 
 
 def best_one_f_one_b_plan(num_layers: int, scale: Sequence[float], m: int, layer_f: float,

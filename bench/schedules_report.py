@@ -120,11 +120,11 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def rebalanced_order_times(spec: dict[str, Any]) -> Optional[list[Any]]:
     """The stage times the rebalanced plan hands the workers (`stage_times`): what they list-build their order from."""
-    from model_parallel.graph.plan import plan_stage_times, read_plan
-    from model_parallel.optimizer.simulate import StageTimes
+    from model_parallel.graph.plan import read_plan
+    from model_parallel.runtime.step.auto import given_times
 
-    given = plan_stage_times(read_plan(spec["plans"]["rebalanced"])) if "rebalanced" in spec.get("plans", {}) else None
-    return None if given is None else [StageTimes(f, i + w, i, w) for f, i, w in given]
+    given = given_times(read_plan(spec["plans"]["rebalanced"])) if "rebalanced" in spec.get("plans", {}) else None
+    return None if given is None else list(given)
 
 
 def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:

@@ -111,6 +111,12 @@ def proxy_times(times: Sequence[StageTimes]) -> tuple[StageTimes, ...]:
     return tuple(StageTimes(t.forward_ms, 2 * t.forward_ms, t.forward_ms, t.forward_ms) for t in times)
 
 
+def given_times(plan: Plan) -> Optional[tuple[StageTimes, ...]]:
+    """The plan's `stage_times` (checked by graph/plan.py) as StageTimes, or None where it carries none."""
+    given = plan_stage_times(plan)
+    return None if given is None else tuple(StageTimes(f, i + w, i, w) for f, i, w in given)
+
+
 def order_times(graph: Graph, plan: Plan, micro_batch: int) -> Optional[tuple[StageTimes, ...]]:
     """The per-stage times a run list-builds its zero-bubble order from (list_order.py), the same on every rank: the
     plan's `stage_times` (the coordinator's measured ones; graph/plan.py checks them), else the profile's as auto
@@ -118,9 +124,9 @@ def order_times(graph: Graph, plan: Plan, micro_batch: int) -> Optional[tuple[St
     is no ground to reorder on: the fixed order runs)."""
     from model_parallel.optimizer.memory import activation_scale
 
-    given = plan_stage_times(plan)
+    given = given_times(plan)
     if given is not None:
-        return tuple(StageTimes(f, i + w, i, w) for f, i, w in given)
+        return given
     if not any(node.compute_ms > 0 for node in graph.nodes):
         return None
     return stage_times(graph, plan, activation_scale(graph, micro_batch))

@@ -176,6 +176,7 @@ def timed_schedule(base: Schedule, times: Optional[Sequence[StageTimes]]) -> Sch
     if len(times) != base.num_stages:
         raise ScheduleError(f"{base.name}: got stage times for {len(times)} stage(s), the schedule has {base.num_stages}")
     best, best_ms = base, simulate_schedule(base, times).makespan_ms
+    base_ms = best_ms
     sources = [times] + [quantized(times, share) for share in QUANTA]
     for (priority, deep_first, under, reserve), built_from in itertools.product(VARIANTS, sources):
         orders = list_orders(base, built_from, priority, deep_first, under, reserve)
@@ -193,5 +194,5 @@ def timed_schedule(base: Schedule, times: Optional[Sequence[StageTimes]]) -> Sch
             best, best_ms = built, makespan
     if best is not base:
         logger.debug("%s: list-built order, simulated %.1f ms per step (the fixed order: %.1f)", base.name, best_ms,
-                     simulate_schedule(base, times).makespan_ms)
+                     base_ms)
     return best
