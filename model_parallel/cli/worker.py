@@ -75,6 +75,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking communication may take (default 60)")
     g.add_argument("--single_process", action="store_true", help="run all stages in this one process (debugging)")
     g.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default 1)")
+    g.add_argument("--gloo_loop_nice", type=int, default=19,
+                   help="CPU priority (nice, 0..19) of gloo's message threads, so that they never preempt training on a "
+                        "machine with fewer cores than busy threads (default 19; 0: gloo's default)")
     m = p.add_argument_group("model and plan")
     m.add_argument("--model", default=None, help="a built-in model: mlp, resnet18, gpt")
     m.add_argument("--package", default=None, help="a generated package directory (graph.json + plan.json inside)")

@@ -89,7 +89,7 @@ def make_config(args: Any) -> Any:
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, trace_dir=args.trace_dir, metrics=args.metrics,
         straggler=straggler, measure_memory=args.measure_memory, allow_config_change=args.allow_config_change,
         eval_every=args.eval_every, eval_steps=args.eval_steps, offload_optimizer=args.offload_optimizer,
-        offload_chunk_mb=args.offload_chunk_mb,
+        offload_chunk_mb=args.offload_chunk_mb, gloo_loop_nice=args.gloo_loop_nice,
     )
     return config, options
 

@@ -133,6 +133,9 @@ class RunOptions:
     # state (runtime/step/offload.py; exact: the same parameters as without). The footprint prices the chunk, not the state.
     offload_optimizer: Optional[str] = None
     offload_chunk_mb: float = 64.0
+    # The CPU priority (nice) of gloo's event-loop threads, so that on a machine with fewer cores than busy threads
+    # they never preempt a training thread (runtime/wire/loop_priority.py); 0 leaves them at gloo's default.
+    gloo_loop_nice: int = 19
 
     @property
     def offload_chunk_bytes(self) -> Optional[int]:
@@ -150,5 +153,8 @@ class RunOptions:
         if not self.offload_chunk_mb > 0:
             raise ConfigError(f"offload_chunk_mb must be > 0 MB of optimizer state in memory at once, got "
                               f"{self.offload_chunk_mb}")
+        if not 0 <= self.gloo_loop_nice <= 19:
+            raise ConfigError(f"gloo_loop_nice must be a nice value in 0..19 (0: leave gloo's threads as they are), got "
+                              f"{self.gloo_loop_nice}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1 (the one to resume from), got {self.keep_checkpoints}")

@@ -61,6 +61,7 @@ from model_parallel.runtime.step.list_order import timed_schedule
 from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
+from model_parallel.runtime.wire.loop_priority import lower_loop_threads
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,7 @@ class PipelineEngine(TrainingLoop):
         # A tie split across stages: its holders form a group (created on every rank, in the same order).
         self.tied = TiedCopies(prepared.ties, self.rank, self.stage_ids, self.stage, self.replica_groups.group)
         self.check_tied(f"when plan v{plan.version} was activated")
+        lower_loop_threads(self.options.gloo_loop_nice)  # the groups made so far, this plan's included
         self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
         self.metrics.set_context(self.stage_id, plan.version)
 

@@ -140,7 +140,9 @@ def test_control_plane_faults_never_stop_training(tmp_path: Path) -> None:
     """Cut a worker's control connection (it reconnects), then SIGSTOP the coordinator for 8 s and continue
     it (longer than its 5 s heartbeat timeout): the job runs every requested step and every worker exits 0."""
     graph, plan = mlp_job(tmp_path, 2)
-    steps = 2000  # long enough to still run when the coordinator continues (about 90 steps/s here)
+    # Long enough to still run when the coordinator continues: about 90 steps/s here with gloo's threads at their
+    # default priority, ~250 at nice 19 (runtime/wire/loop_priority.py), up to 3x that on a faster machine.
+    steps = 6000
     with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
         proxy = CuttingProxy(coord.address)
         try:

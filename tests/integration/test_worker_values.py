@@ -31,6 +31,7 @@ def checked(*flags: str) -> None:
     (["--timeout", "0"], r"--timeout 0\.0"),
     (["--steps", "-5"], r"--steps -5: the steps to train must be a finite number in 1\.\."),
     (["--steps", "0"], r"--steps 0"),
+    (["--gloo_loop_nice", "20"], r"--gloo_loop_nice 20: the nice value of gloo's message threads must be a finite number in 0\.\.19"),
     (["--lr_schedule", "warmup:-1"], r"bad --lr_schedule 'warmup:-1'.*counts >= 1"),
     (["--lr_schedule", "cosine:-5"], r"bad --lr_schedule 'cosine:-5'"),
     (["--lr_schedule", "step:2:nan"], r"bad --lr_schedule 'step:2:nan'"),
