@@ -13,7 +13,8 @@ torch's 2.9 ms.
 At nice 19 a loop thread still runs at once on an idle core and whenever its own training thread
 waits (which is when it needs a message read), but it no longer preempts a training thread that can
 run. Same world, both runtimes in the same processes (so torch's side gets the same threads): our
-1F1B step 5.4 -> 2.6 ms, torch's 2.9 -> 3.0; the real-compute rows (mlp, resnet50, gpt2) unchanged.
+1F1B step 4.7-5.4 -> 2.3-2.8 ms, torch's 2.7-3.4 -> 2.9-3.3; the compute-bound rows (mlp, resnet50, gpt2) within
+noise (nice 19 / gloo's default in one world: 0.95-1.04).
 Raising a thread's nice value needs no privilege; 0 leaves the threads as gloo made them.
 """
 from __future__ import annotations
