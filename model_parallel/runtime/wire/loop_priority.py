@@ -40,12 +40,15 @@ def lower_loop_threads(nice: int) -> list[int]:
             with open(os.path.join(TASKS, entry, "comm")) as name:
                 if name.read().strip() != LOOP_THREAD_NAME:
                     continue
-            tid = int(entry)
+            tid = int(entry)  # /proc/self/task lists thread ids only
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)  # on Linux a thread id names that one thread
                 changed.append(tid)
-        except (OSError, ValueError):  # the thread ended meanwhile, or the system refused: gloo's default stays
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile: nothing to lower
             continue
+        except OSError as error:  # the system refused (a sandbox): training is unchanged, only slower where it spins
+            log.warning("could not lower gloo's loop thread %s to nice %d (%s); it keeps gloo's priority "
+                        "(pass --gloo_loop_nice 0 to skip this)", entry, nice, error)
     if changed:
         log.debug("gloo loop threads %s at nice %d", changed, nice)
     return changed
