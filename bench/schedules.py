@@ -38,7 +38,9 @@ the median over chunks of the same round (back to back: the same machine load); 
 `analytic_bubble` (emulated.analytic_bubble; None where no formula is given), `simulated_bubble` (the same
 order simulated at this m without latency, stage 0 as both runtimes run it — the model's input needs no gradient,
 so its first layer waits no I —, per rank too: the formulas assume many microbatches and equal work); `cpu_ms_by_rank`: each
-rank's CPU ms per step (the waits sleep, so this is the runtime's own cost). Per world a summary:
+rank's CPU ms per step (the waits sleep, so this is the runtime's own cost), `main_cpu_ms_by_rank` its training
+thread's (the table's "main %": its share of the step; on a rank's critical path it adds to the bubble over the
+simulation, as each hand-off's latency does). Per world a summary:
 our best schedule over torch's 1F1B (goal >= 1.15) and over torch's best (goal >= 1.0).
 
 The straggler world (p = 4, m = 2p, `--straggler_layers_per_rank` 6, rank 1's waits x `--slowdown` from

@@ -63,6 +63,11 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
             "bubble_ranks_1_on": statistics.mean(bubbles[1:]) if len(bubbles) > 1 else None,
             # CPU ms per step (the process, every thread): the waits take none, so this is the runtime's own cost.
             "cpu_ms_by_rank": [statistics.median(r[key]["chunk_cpu_ms"]) for r in ranks if "chunk_cpu_ms" in r[key]],
+            # Of it, the training thread's (/proc ticks, 10 ms): it runs between the waits, so where it falls on a
+            # rank's critical path it adds to the measured bubble over the simulated one (where the rank would wait
+            # anyway, it costs nothing): with the hand-offs, what the simulation leaves out.
+            "main_cpu_ms_by_rank": [statistics.median(r[key]["chunk_main_cpu_ms"]) for r in ranks
+                                    if r[key].get("chunk_main_cpu_ms")],
             # A straggler unbalances the stages: the formulas assume equal ones.
             "analytic_bubble": None if spec.get("slow_rank") is not None else analytic_bubble(case),
             # The formulas hold for many microbatches (ZBV's 0 needs m >= 2p - 1 and more): the same order simulated
@@ -170,13 +175,19 @@ def straggler_summary(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> d
     return out
 
 
+def main_share(row: dict[str, Any]) -> Optional[float]:
+    """The training threads' CPU per step over the step's wall time, % (mean over ranks); None where not recorded."""
+    main = row.get("main_cpu_ms_by_rank")
+    return 100.0 * statistics.mean(main) / row["step_ms"] if main and row.get("step_ms") else None
+
+
 def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]], uptime: str) -> str:
     """The table: per side steps/s, ratio over torch 1F1B, bubble measured vs analytic (%), per-rank bubbles."""
     def num(value: Optional[float], fmt: str) -> str:
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
     lines = [f"{'p':>2} {'m':>3} {'side':<36} {'steps/s':>8} {'step ms':>8} {'ratio':>6} {'bubble %':>9} "
-             f"{'analytic %':>10} {'sim %':>6} {'cpu ms':>6}  bubble % by rank"]
+             f"{'analytic %':>10} {'sim %':>6} {'cpu ms':>6} {'main %':>6}  bubble % by rank"]
     for r in rows:
         if "refused" in r:
             lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} refused: {r['refused']}")
@@ -185,12 +196,14 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
         simulated = 100.0 * r["simulated_bubble"] if r.get("simulated_bubble") is not None else None
         lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} {r['steps_per_s']:>8.2f} {r['step_ms']:>8.1f} "
                      f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')} {num(simulated, '6.1f')} "
-                     f"{num(statistics.mean(r['cpu_ms_by_rank']) if r.get('cpu_ms_by_rank') else None, '6.1f')}  "
+                     f"{num(statistics.mean(r['cpu_ms_by_rank']) if r.get('cpu_ms_by_rank') else None, '6.1f')} "
+                     f"{num(main_share(r), '6.1f')}  "
                      + " ".join(f"{100.0 * b:.0f}" for b in r["bubble_by_rank"]))
     lines.append("ratio: steps/s over torch Schedule1F1B's in the same world (median over chunk pairs); "
                  "bubble: 1 - emulated busy / step wall, per rank; sim: the same order simulated at this m without "
                  "latency, stage 0 as it runs (its first layer waits no input gradient); cpu ms: CPU per step, mean "
-                 "over ranks")
+                 "over ranks; main %: the training thread's CPU per step / step wall, mean over ranks (between the "
+                 "waits: on a rank's critical path it adds to bubble - sim, as the hand-offs do)")
     for s in summaries:
         if "ceiling_ratio" in s:
             lines.append(f"straggler p={s['p']} m={s['m']} rank {s['slow_rank']} x{s['slowdown']:g}: ours {s['schedule']} "

@@ -188,7 +188,8 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
                 runners[key][0].timed_chunk(spec["chunk_steps"])
         for key, (runner, busy) in runners.items():
             results[key] = {"chunk_step_s": runner.seconds, "chunk_busy_ms": busy.busy_ms[1:],
-                            "step_s": statistics.median(runner.seconds), "chunk_cpu_ms": runner.cpu_ms}
+                            "step_s": statistics.median(runner.seconds), "chunk_cpu_ms": runner.cpu_ms,
+                            "chunk_main_cpu_ms": [t["main"] for t in runner.threads]}
         for key, engine in engines.items():
             versions = [(r.step, r.plan_version) for r in engine.metrics.records]
             switches = [step for (step, v), (_, before) in zip(versions[1:], versions) if v != before]

@@ -14,8 +14,7 @@ from torch.utils.data import TensorDataset
 from model_parallel import PipelineTrainer, RunOptions, TrainConfig
 from model_parallel.fileio import atomic_write
 
-if "RANK" in os.environ:  # under torchrun: one pipeline stage per process (else every stage in this one)
-    dist.init_process_group("gloo")
+if "RANK" in os.environ: dist.init_process_group("gloo")  # torchrun: a stage per process (else all in this one)
 text = np.frombuffer(inspect.getsource(argparse).encode(), np.uint8).astype(np.uint16)  # real text, byte tokens
 atomic_write("train.bin", text[:-8192].tofile, binary=True); atomic_write("val.bin", text[-8192:].tofile, binary=True)
 
@@ -36,3 +35,4 @@ if (out := trainer.save_pretrained("my-gpt")) is not None:  # each rank writes i
     ids = model.generate(torch.tensor([list(b"def parse_args(")]), max_new_tokens=40, do_sample=False)
     print(f"validation loss {val[0]:.3f} -> {val[-1]:.3f}:", bytes(ids[0].tolist()).decode(errors="replace"))
 trainer.close()
+if dist.is_initialized(): dist.destroy_process_group()  # torch's shutdown (gloo may abort at exit without)

@@ -338,3 +338,19 @@ def test_the_timed_graph_leaves_out_the_first_layers_input_gradient(clock) -> No
     # What runs: the model input needs no gradient, so layer 0 never waits its input gradient.
     model(torch.zeros(2, 4)).sum().backward()
     assert clock.sleeps.count(0.002) == 2 and clock.sleeps.count(0.005) == 3
+
+
+def test_rows_carry_the_training_threads_cpu_and_the_table_its_share_of_the_step() -> None:
+    spec = {"p": 2, "m": 2, "sides": [{"key": "ours 1f1b", "runtime": "ours", "schedule": "1f1b"}]}
+    # 0.1 s a step; the training thread spent 4 and 6 ms a step (two chunks each) on rank 0 and 1.
+    rank = lambda main: {"ours 1f1b": {"chunk_step_s": [0.1, 0.1], "chunk_busy_ms": [50.0, 50.0],
+                                       "chunk_cpu_ms": [9.0, 9.0], "chunk_main_cpu_ms": [main, main]}}
+    args = SimpleNamespace(layers_per_rank=2, forward_ms=1.0, input_ms=1.0, weight_ms=1.0)
+    rows = report.side_rows(spec, [rank(4.0), rank(6.0)], args)
+    assert rows[0]["main_cpu_ms_by_rank"] == [4.0, 6.0]
+    assert report.main_share(rows[0]) == pytest.approx(5.0)  # 5 ms of a 100 ms step
+    table = report.format_rows(rows, [], "load 0.1")
+    assert "main %" in table and "    5.0  " in table
+    old = {**rows[0]}
+    del old["main_cpu_ms_by_rank"]  # a row from before the column: "-"
+    assert report.main_share(old) is None
