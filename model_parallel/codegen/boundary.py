@@ -82,9 +82,10 @@ def stage_boundaries(graph: Graph, stage_of: Mapping[str, int]) -> tuple[StageBo
         if is_model_input(graph[node_id]):
             inputs_of[produced].append(node_id)
         if min(last_use, num_stages - 1) > produced and not graph[node_id].crossable:
+            why = graph[node_id].uncrossable or "a weight read as a bare tensor stays with its readers"
             raise PlanError(
                 f"the plan sends node {node_id}'s value from stage {produced} to stage {min(last_use, num_stages - 1)}, "
-                f"but it cannot cross a stage boundary ({graph[node_id].uncrossable}); put {node_id} and its "
+                f"but it cannot cross a stage boundary ({why}); put {node_id} and its "
                 f"consumers ({', '.join(graph.successors[node_id]) or 'the loss'}) in one stage"
             )
         for stage in range(produced + 1, min(last_use, num_stages - 1) + 1):

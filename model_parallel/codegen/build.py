@@ -10,6 +10,7 @@ node before any layer is built.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -159,10 +160,7 @@ def _build_fx(
         env[name] = fx_graph.placeholder(layer_name(name))
         env[name].meta["node_id"] = name
     for name in sorted(mutated_inputs(graph, node_ids, inputs, built), key=list(inputs).index):
-        clone = fx_graph.call_method("clone", (env[name],))
-        clone.meta["node_id"] = name
-        clone.meta["comment"] = "cloned: an op below modifies it in place, and autograd forbids that on a received input"
-        env[name] = clone
+        env[name] = _clone_on_entry(fx_graph, env[name], name, len(layer_of(graph, graph[name]).outputs))
 
     def resolve(ref: str, where: str) -> fx.Node:
         if ref not in env:
@@ -212,6 +210,28 @@ def _build_fx(
     fx_graph.lint()
     return root, fx_graph
 
+
+
+def _clone_on_entry(fx_graph: fx.Graph, value: fx.Node, name: str, tensors: int) -> fx.Node:
+    """A received input that an op of the stage modifies in place (directly or through a view), cloned.
+
+    A node with several tensor outputs (topk's values and indices, split's chunks) arrives as a tuple of
+    them: each element is cloned and the tuple rebuilt, so `getitem` below reads the copies (Mixtral's
+    router normalises topk's values in place). fx cannot print a pytree helper's class argument, and the
+    generated packages import only torch, hence the unrolled form. A container the outputs miscount
+    (None or a non-tensor among them) fails loudly on `.clone`, never silently."""
+    comment = "cloned: an op below modifies it in place, and autograd forbids that on a received input"
+    if tensors <= 1:
+        clone = fx_graph.call_method("clone", (value,))
+    else:
+        parts = []
+        for index in range(tensors):
+            part = fx_graph.call_function(operator.getitem, (value, index))
+            parts.append(fx_graph.call_method("clone", (part,)))
+            parts[-1].meta["node_id"] = name
+        clone = fx_graph.call_function(tuple, (parts,))
+    clone.meta.update(node_id=name, comment=comment)
+    return clone
 
 
 def build_stage(

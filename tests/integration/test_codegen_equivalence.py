@@ -67,6 +67,35 @@ def test_split_inside_residual_block_sends_several_tensors() -> None:
     assert_equivalent(graph, model, stages, (x,), _projection_loss((2, 10)))
 
 
+class _TopkRouter(nn.Module):
+    """Mixtral's router in small: topk's values are normalised in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.out = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.gate(x).softmax(-1)
+        values, indices = torch.topk(scores, 2)
+        values.div_(values.sum(-1, keepdim=True))
+        return self.out(x) * values[:, :1] + scores.gather(-1, indices).sum(-1, keepdim=True)
+
+
+def test_a_received_tuple_modified_in_place_through_getitem_is_cloned_element_by_element() -> None:
+    """A cut right after topk sends (values, indices) as one tuple; the next stage divides values in place,
+    so it clones each element on entry (a `.clone()` of the tuple itself raised on the worker)."""
+    torch.manual_seed(0)
+    model, x = _TopkRouter(), torch.randn(4, 8)
+    graph, _ = trace_model(model, (x,))
+    order = graph.topological_order
+    topk = next(n for n in order if "topk" in graph[n].layer.target)
+    stage_of = split_before(graph, [order[order.index(topk) + 1]])
+    stages = build_stages(graph, stage_of)
+    assert topk in stages[1].input_names and len(graph[topk].layer.outputs) == 2
+    assert "clone" in stages[1].code
+    assert_equivalent(graph, model, stages, (x,), lambda out: (out ** 2).sum())
+
+
 def test_tinygpt_stages_match_original_at_every_stage_count() -> None:
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=32, seq_len=8, dim=16, num_heads=2, num_layers=2)
