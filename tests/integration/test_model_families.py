@@ -21,6 +21,7 @@ from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.launch import free_port, launch
 from model_parallel.runtime.trainer import single_process_reference
 from support import hf_worker as worker
+from support.codegen import assert_every_cut_computes_as_the_model
 from support.hf_families import CASES
 from support.hf_zoo import Case
 
@@ -114,45 +115,13 @@ def test_a_model_of_each_family_trains_exactly_on_several_processes(run: Run, na
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_cut_a_plan_can_make_computes_what_the_model_computes(name: str) -> None:
-    """Every two-stage cut of the traced graph, not only the one an even plan picks from timings (which vary
-    with the machine's load: a cut right after Mixtral's router topk, whose values the next stage divides in
-    place, once failed on a worker): the stages give the model's loss and every gradient. A cut a plan can
-    never make (a weight sent away from its readers) is refused by name."""
-    from model_parallel.codegen.build import build_stages
-    from model_parallel.codegen.naming import stage_state_from_original
-    from model_parallel.errors import PlanError
-    from model_parallel.profiler.trace import trace_model
-    from support.codegen import run_stages
-
+    """Every two-stage cut, not only the ones the even plans above pick from timings (which vary with the
+    machine's load: a cut right after Mixtral's router topk, whose values the next stage divides in place,
+    once failed on a worker with "'tuple' object has no attribute 'clone'")."""
     case = CASES[name]
-    model, example = case.build(0), _example(case)
     target = case.data.batch(0)[1][: worker.BATCH // worker.MICROBATCHES]
-    graph, _ = trace_model(model, example)
-    order = graph.topological_order
-    inputs = [n for n in order if graph[n].layer.op == "placeholder"]
-    want_loss = case.loss(model(**example) if isinstance(example, dict) else model(*example), target)
-    want_loss.backward()
-    want = {key: p.grad for key, p in model.named_parameters() if p.grad is not None}
-    state, made = stage_state_from_original(graph, model.state_dict(), strict=False), 0
-    for cut in range(len(inputs), len(order)):
-        try:
-            stages = build_stages(graph, {node: int(i >= cut) for i, node in enumerate(order)})
-        except PlanError as error:
-            assert "a weight read as a bare tensor" in str(error) or graph[order[cut - 1]].uncrossable, error
-            continue
-        for stage in stages:
-            stage.load_state_dict({k: v for k, v in state.items() if k in stage.state_dict()}, strict=True)
-        values = example.values() if isinstance(example, dict) else example
-        _, loss = run_stages(stages, dict(zip(inputs, values)), lambda out: case.loss(out, target))
-        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"cut before {order[cut]}: {m}")
-        got = {k: v for s in stages
-               for k, v in original_state_from_stage(graph, {k: p.grad for k, p in s.named_parameters()}).items()}
-        assert set(want) <= set(got), f"cut before {order[cut]}: no gradient for {sorted(set(want) - set(got))}"
-        for key, grad in want.items():
-            torch.testing.assert_close(got[key], grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, key=key: f"cut before {order[cut]}: {key}: {m}")
-        made += 1
-    assert made > len(order) // 2  # most cuts are ones a plan can make
+    made = assert_every_cut_computes_as_the_model(case.build(0), _example(case), lambda out: case.loss(out, target))
+    assert made > 100  # most cuts are ones a plan can make (deberta, the fewest: 108 of 154)
 
 
 def test_a_custom_operator_is_refused_at_profile_time_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,9 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_parallel.codegen.build import StageModule
+from model_parallel.codegen.build import StageModule, build_stages
 from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original
+from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
+from model_parallel.profiler.trace import trace_model
+from model_parallel.runtime.step.output import model_output
 
 
 def contiguous_split(graph: Graph, num_stages: int) -> dict[str, int]:
@@ -44,9 +47,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor],
+               whole: bool = False) -> tuple[Any, torch.Tensor]:
     """Run stages like the runtime does: every received activation is a fresh leaf (detach +
-    requires_grad), the loss is taken on the last stage, and gradients are sent back stage by stage."""
+    requires_grad), the loss is taken on the last stage, and gradients are sent back stage by stage.
+    `loss_fn` gets the last stage's only output, or the tuple of them (always the tuple with `whole`)."""
     env = dict(inputs)
     records = []
     for stage in stages:
@@ -56,7 +61,7 @@ def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn
         records.append((stage, received, outputs))
         env.update(zip(stage.output_names, outputs))
     final = records[-1][2]
-    loss = loss_fn(final[0] if len(final) == 1 else final)
+    loss = loss_fn(final[0] if len(final) == 1 and not whole else final)
     loss.backward()
     for index in range(len(records) - 2, -1, -1):
         stage, _, outputs = records[index]
@@ -107,3 +112,40 @@ def assert_equivalent(
         torch.testing.assert_close(grads[name], param.grad, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
     for name, buffer in model.named_buffers():
         torch.testing.assert_close(buffers[name], buffer, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_every_cut_computes_as_the_model(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor],
+                                           stride: int = 1) -> int:
+    """Every two-stage cut of `model`'s traced graph (every `stride`-th), not only the ones a plan picks from
+    timings (which vary with the machine's load), gives the model's loss and every parameter gradient; a cut no
+    plan can make (a value that cannot cross, a weight away from its readers) is refused by name. `example`: a
+    tuple of positional inputs or a dict of keyword inputs. Returns how many cuts were built and run."""
+    graph, _ = trace_model(model, example)
+    order = graph.topological_order
+    inputs = [n for n in order if graph[n].layer.op == "placeholder"]
+    model.zero_grad(set_to_none=True)
+    want_loss = loss_fn(model(**example) if isinstance(example, dict) else model(*example))
+    want_loss.backward()
+    want = {key: p.grad for key, p in model.named_parameters() if p.grad is not None}
+    state = stage_state_from_original(graph, model.state_dict(), strict=False)
+    values = dict(zip(inputs, example.values() if isinstance(example, dict) else example))
+    made = 0
+    for cut in range(len(inputs), len(order), stride):
+        where = f"cut before {order[cut]}"
+        try:
+            stages = build_stages(graph, {node: int(i >= cut) for i, node in enumerate(order)})
+        except PlanError as error:
+            assert "cannot cross a stage boundary" in str(error), f"{where}: {error}"
+            continue
+        for stage in stages:
+            stage.load_state_dict({k: v for k, v in state.items() if k in stage.state_dict()}, strict=True)
+        _, loss = run_stages(stages, values, lambda out: loss_fn(model_output(graph, stages[-1].output_names, out)),
+                             whole=True)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+        got = {k: v for stage in stages
+               for k, v in original_state_from_stage(graph, {k: p.grad for k, p in stage.named_parameters()}).items()}
+        assert set(want) <= set(got), f"{where}: no gradient for {sorted(set(want) - set(got))}"
+        for key, grad in want.items():
+            torch.testing.assert_close(got[key], grad, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{where}: {key}: {m}")
+        made += 1
+    return made
