@@ -73,11 +73,23 @@ def run_stages(stages: Sequence[StageModule], inputs: Mapping[str, Any], loss_fn
     return final, loss
 
 
-def load_original_weights(graph: Graph, model: nn.Module, stages: Sequence[nn.Module]) -> None:
-    state = stage_state_from_original(graph, model.state_dict())
+def _load_stage_states(stages: Sequence[nn.Module], state: Mapping[str, Any]) -> None:
+    """Each stage gets its own keys of `state` (stage names), strictly."""
     for stage in stages:
-        own = {k: v for k, v in state.items() if k in stage.state_dict()}
-        stage.load_state_dict(own, strict=True)
+        keys = stage.state_dict().keys()
+        stage.load_state_dict({k: v for k, v in state.items() if k in keys}, strict=True)
+
+
+def load_original_weights(graph: Graph, model: nn.Module, stages: Sequence[nn.Module]) -> None:
+    _load_stage_states(stages, stage_state_from_original(graph, model.state_dict()))
+
+
+def _original_grads(graph: Graph, stages: Sequence[nn.Module]) -> dict[str, Any]:
+    """Every stage parameter's gradient under the original model's names."""
+    grads: dict[str, Any] = {}
+    for stage in stages:
+        grads.update(original_state_from_stage(graph, {k: p.grad for k, p in stage.named_parameters()}))
+    return grads
 
 
 def assert_equivalent(
@@ -100,10 +112,9 @@ def assert_equivalent(
     got, loss = run_stages(stages, dict(zip(input_names, inputs)), loss_fn)
     torch.testing.assert_close(got[0] if len(got) == 1 else got, expected, atol=tol, rtol=tol)
     torch.testing.assert_close(loss, expected_loss, atol=tol, rtol=tol)
-    grads = {}
+    grads = _original_grads(graph, stages)
     buffers = {}
     for stage in stages:
-        grads.update(original_state_from_stage(graph, {k: p.grad for k, p in stage.named_parameters()}))
         buffers.update(original_state_from_stage(graph, dict(stage.named_buffers())))
     reference = dict(model.named_parameters())
     assert set(grads) == set(reference), set(grads) ^ set(reference)
@@ -137,13 +148,11 @@ def assert_every_cut_computes_as_the_model(model: nn.Module, example: Any, loss_
         except PlanError as error:
             assert "cannot cross a stage boundary" in str(error), f"{where}: {error}"
             continue
-        for stage in stages:
-            stage.load_state_dict({k: v for k, v in state.items() if k in stage.state_dict()}, strict=True)
+        _load_stage_states(stages, state)
         _, loss = run_stages(stages, values, lambda out: loss_fn(model_output(graph, stages[-1].output_names, out)),
                              whole=True)
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
-        got = {k: v for stage in stages
-               for k, v in original_state_from_stage(graph, {k: p.grad for k, p in stage.named_parameters()}).items()}
+        got = _original_grads(graph, stages)
         assert set(want) <= set(got), f"{where}: no gradient for {sorted(set(want) - set(got))}"
         for key, grad in want.items():
             torch.testing.assert_close(got[key], grad, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{where}: {key}: {m}")
