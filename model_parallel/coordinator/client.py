@@ -327,9 +327,10 @@ class CoordinatorChannel:
         if command.kind == "switch":
             assert command.plan is not None  # Command refuses a switch without a plan
             if command.plan.version <= self.plan_floor:
-                logger.error("rank %d: refusing a switch to plan v%d: this rank runs (or was told to switch to) plan v%d "
-                             "already; a stale or replayed command (%s)", self.rank, command.plan.version,
-                             self.plan_floor, command.reason or "no reason given")
+                why = (f"this rank runs (or was told to switch to) plan v{self.plan_floor} already; a stale or replayed "
+                       f"command ({command.reason or 'no reason given'})")
+                logger.error("rank %d: refusing a switch to plan v%d: %s", self.rank, command.plan.version, why)
+                self.switch_refused(command.plan.version, why)  # the coordinator waits for an answer to every switch
                 return False
             self.plan_floor = command.plan.version
             self._plans[command.plan.version] = command.plan.to_dict()

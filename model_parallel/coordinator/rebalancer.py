@@ -7,13 +7,18 @@ lock held; `send(rank, command)` is the server's transport and says whether the 
 A switch's life: a decision (auto, ctl rebalance) or a ctl set-plan/scale gives plan v+1; `issue`
 sends `command {switch}` to rank 0, whose runtime broadcasts it to every rank at its next step
 boundary, and keeps it `pending`; the first report carrying the new version confirms it (it is live
-from that step). One not confirmed PENDING_STEPS steps after it was sent was lost with a dropped
-connection and is given up on (`dropped`: a new plan may be issued), unless a report of its version
-arrives after all (steps of a few ms outrun the reports): then it is confirmed late.
+from that step), a `switch-refused` or `switch-failed` from rank 0 forgets it. Rank 0 answers every
+switch it receives, so one is lost only with the connection it went out on: when that connection ends
+before an answer (or, a safety net, no answer comes within PENDING_TIMEOUT_S) it is given up on
+(`dropped`: a new plan may be issued). Rank 0 may have received it all the same and applies it (the
+command waits in its channel while it reconnects): a report of its version then confirms it late, even
+when a newer plan was sent meanwhile (that one stays pending). Steps are never the clock here: under
+load the reports lag rank 0 by tens of steps, and a switch judged lost by a step count was not.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -29,10 +34,14 @@ from model_parallel.messages import Command, StepReport
 logger = logging.getLogger(__name__)
 
 WARMUP_STEPS = 1  # samples from the first step(s) under a plan include warm-up/migration noise
-PENDING_STEPS = 20  # a switch not confirmed this many steps after it was sent was lost (a dropped connection)
+# No answer from rank 0 this long after a switch went out on a connection still open: a bug, not a loss (rank 0 answers
+# every switch); given up on so rebalancing goes on. Generous: applying a switch moves layers, seconds on big models.
+PENDING_TIMEOUT_S = 120.0
 DECISION_LOG = 100
 
-Send = Callable[[int, Command], bool]
+# send(rank, command) -> the connection it went out on (any object, compared by identity when a connection ends:
+# `connection_ended`), or None when it could not be sent.
+Send = Callable[[int, Command], Optional[object]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class PendingSwitch:
     sent_after_step: int
     predicted: bool  # proposed by the policy: judged against its prediction once live
     schedule: Optional[str] = None  # the schedule it runs (None: the coordinator does not know the workers')
+    link: Optional[object] = None  # the connection to rank 0 it went out on (what `send` returned)
+    sent_at: float = 0.0  # Rebalancer.clock() when it went out
 
 
 class Rebalancer:
@@ -60,8 +71,8 @@ class Rebalancer:
         self.list_order = True  # the workers list-build zero bubble's order (their --schedule_order; list_order.py)
         self.calibration = 1.0  # measured / profiled ms on a nominal rank, from the latest estimate (rechoose.py)
         self.pending: Optional[PendingSwitch] = None
-        # A pending switch given up on (no report carried it PENDING_STEPS steps on): rank 0 may still have applied it,
-        # its reports only late (steps of a few ms outrun them); a report of its version then confirms it after all.
+        # A pending switch given up on (its connection ended, or no answer in PENDING_TIMEOUT_S): rank 0 may still
+        # apply it (it waits in rank 0's channel); a report of its version then confirms it after all.
         self.dropped: Optional[PendingSwitch] = None
         self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
@@ -72,6 +83,7 @@ class Rebalancer:
         # switched numbers its plans above it (workers refuse a switch to a version they run or passed).
         self.highest_reported = 0
         self.highest_issued = 0  # a refused plan's version is spent too: the workers' channels saw it
+        self.clock: Callable[[], float] = time.monotonic  # PENDING_TIMEOUT_S's clock (a test may script it)
 
     @property
     def plan(self) -> Plan:
@@ -99,18 +111,20 @@ class Rebalancer:
             logger.error("rank %d runs stage %s but plan v%d puts it on stage %s: start the workers with the "
                          "coordinator's --plan (rebalancing decisions would be wrong)", worker.rank, report.stage,
                          self.plan.version, expected)
-        if self.pending is None and self.dropped is not None and report.plan_version == self.dropped.plan.version:
-            logger.warning("plan v%d was applied after all (rank %d reports it at step %d)", report.plan_version,
-                           worker.rank, report.step)
-            self.pending, self.dropped = self.dropped, None
+        if self.dropped is not None and report.plan_version == self.dropped.plan.version:
+            late, newer = self.dropped, self.pending
+            logger.warning("plan v%d was applied after all (rank %d reports it at step %d)%s", report.plan_version,
+                           worker.rank, report.step, "" if newer is None else
+                           f"; plan v{newer.plan.version}, sent since, stays pending")
+            self.remember_speeds(workers)
+            self.pending, self.dropped = late, None
+            self.confirm(report.step)
+            self.pending = newer
         if self.pending is not None and report.plan_version >= self.pending.plan.version:
             self.remember_speeds(workers)  # the old plan's last window: a rank it leaves as a spare keeps its speed
             self.confirm(report.step)
-        elif self.pending is not None and worker.rank == 0 and report.step > self.pending.sent_after_step + PENDING_STEPS:
-            # Rank 0 applies a switch at its next step boundary; this one was lost with a dropped connection.
-            logger.warning("plan v%d was never applied (rank 0 is at step %d); dropping it", self.pending.plan.version,
-                           report.step)
-            self.pending, self.dropped = None, self.pending
+        elif self.pending is not None and worker.rank == 0 and self.clock() - self.pending.sent_at > PENDING_TIMEOUT_S:
+            self._give_up(f"no answer from rank 0 within {PENDING_TIMEOUT_S:.0f} s (it is at step {report.step})")
         if not self.auto or self.pending is not None or stopping:
             return  # (every schedule is re-planned: one stage per rank, a loop or a V, coordinator/solver.py)
         step = max(w.step for w in workers.values())
@@ -194,11 +208,24 @@ class Rebalancer:
                              **({"schedule": schedule} if chosen else {})})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
-        if not send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None)):
+        link = send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None))
+        if link is None:
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
-        self.pending, self.dropped = PendingSwitch(plan, step, predicted, schedule), None
+        self.pending = PendingSwitch(plan, step, predicted, schedule, link, self.clock())
         return plan
+
+    def connection_ended(self, link: object) -> None:
+        """A connection to a worker ended (`link`: what `send` returned for it). A switch that went out on it and
+        has no answer may never have arrived: given up on, so a new plan may be issued (a late report confirms it)."""
+        if self.pending is not None and self.pending.link is link:
+            self._give_up("the connection to rank 0 it went out on ended before rank 0 answered")
+
+    def _give_up(self, why: str) -> None:
+        assert self.pending is not None
+        logger.warning("plan v%d was not confirmed: %s; giving up on it (a report of it still confirms it)",
+                       self.pending.plan.version, why)
+        self.pending, self.dropped = None, self.pending
 
     def _known_speeds(self, speeds: Optional[Mapping[int, float]]) -> dict[int, float]:
         return {**self.state.known_speeds, **(speeds or {})}  # a spare keeps its last measured speed
@@ -249,6 +276,8 @@ class Rebalancer:
         self.state = policy.switched(self.state, pending.plan, step, pending.predicted)
         self.last_eval_step = step
         self.schedule = pending.schedule or self.schedule  # the workers run it from this step
+        if self.dropped is not None and self.dropped.plan.version < self.plan.version:
+            self.dropped = None  # rank 0 went past it: it never arrives now
         for entry in self.history:
             if entry["version"] == self.plan.version:
                 entry["applied_at_step"] = step

@@ -284,6 +284,9 @@ class Coordinator(WorkerLink):
             except OSError:
                 pass
             self._admission.release(ticket)
+            if worker is not None:
+                with self.lock:  # a switch sent on this connection and not answered may never have arrived
+                    self.rebalancer.connection_ended(worker)
             if worker is not None and not clean:
                 self._connection_lost(worker)
             with self.lock:

@@ -136,18 +136,19 @@ class WorkerLink:
             self.rebalancer.on_report(worker, report, self.roster.workers, self._send_to,
                                       stopping=self.roster.stop_reason is not None)
 
-    def _send_to(self, rank: int, command: Command) -> bool:
+    def _send_to(self, rank: int, command: Command) -> Optional[WorkerState]:
+        """Send `command` to `rank`; returns the registration it went out on (its connection: rebalancer.Send)."""
         worker = self.roster.workers.get(rank)
         if worker is None or worker.session is None or worker.status != "running":
             logger.warning("cannot send %s to rank %d: it is not connected", command.kind, rank)
-            return False
+            return None
         try:
             with worker.send_lock:
                 worker.session.send("command", command=command.to_dict())
-            return True
+            return worker
         except OSError as error:
             logger.warning("sending %s to rank %d failed: %s", command.kind, rank, error)
-            return False
+            return None
 
     def _connection_lost(self, worker: WorkerState) -> None:
         with self.lock:

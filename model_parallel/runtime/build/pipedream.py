@@ -238,6 +238,9 @@ class StaticPlanChannel:
         if command is not None and command.kind == "switch":
             logger.error("refusing the live plan switch (%s): %s; training goes on with the static plan",
                          command.reason or "no reason given", self.why)
+            refused = getattr(self.inner, "switch_refused", None)  # the coordinator waits for an answer to every switch
+            if refused is not None and command.plan is not None:
+                refused(command.plan.version, self.why)
             return None
         return command
 
