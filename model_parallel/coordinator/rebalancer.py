@@ -256,12 +256,15 @@ class Rebalancer:
     def adopt(self, plan: Plan, step: int, world_size: int, reason: str) -> None:
         """Make `plan`, which the workers already run from `step`, the live plan (membership.py: a re-formed world, or
         the live plan learned by a coordinator started again): a new policy memory, speeds measured afresh. A switch
-        still pending (the world failed in it, or before applying it) is abandoned: recorded so in the history."""
-        if self.pending is not None:
+        still pending or given up on (the world failed in it, or before applying it) is abandoned: recorded so in the
+        history (a given-up one too: rank 0's connection ends when the world re-forms, before this runs)."""
+        for unconfirmed in (self.dropped, self.pending):
+            if unconfirmed is None:
+                continue
             for entry in self.history:
-                if entry["version"] == self.pending.plan.version and "applied_at_step" not in entry:
+                if entry["version"] == unconfirmed.plan.version and "applied_at_step" not in entry:
                     entry["abandoned"] = reason
-            logger.warning("plan v%d was never confirmed live; abandoned for plan v%d (%s)", self.pending.plan.version,
+            logger.warning("plan v%d was never confirmed live; abandoned for plan v%d (%s)", unconfirmed.plan.version,
                            plan.version, reason)
         self.state = policy.PolicyState(self.state.graph, plan.with_default_ranks(), self.state.solver,
                                         version_start_step=step)

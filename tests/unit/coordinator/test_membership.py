@@ -87,6 +87,22 @@ def test_a_reformed_world_that_numbers_its_plan_too_low_is_warned_about_and_issu
             channel.close()
 
 
+def test_a_switch_given_up_when_rank_0_left_to_re_form_is_recorded_as_abandoned(coordinator) -> None:
+    first = [CoordinatorChannel(coordinator.address, TOKEN, rank=r, world_size=3, recover=True) for r in range(3)]
+    coordinator.handle_ctl("scale", {"workers": 2})  # v1 sent to rank 0 ...
+    first[0].close("failed: rank 1 stopped responding")  # ... whose connection ends before it answers
+    wait_for(lambda: coordinator.rebalancer.pending is None, what="the switch given up with its connection")
+    new = survivors(coordinator.address, version=1)
+    try:
+        spent = coordinator.handle_ctl("status", {})["history"][0]
+        assert spent["version"] == 1 and "applied_at_step" not in spent, spent
+        assert spent["abandoned"].startswith("recovery: generation 1"), spent
+        assert coordinator.rebalancer.dropped is None  # no late report of the old world's v1 confirms it now
+    finally:
+        for channel in first + new:
+            channel.close()
+
+
 def test_a_restarted_coordinator_learns_the_live_plan_from_the_workers(coordinator) -> None:
     live = replace(three_stage_plan(), version=4)
     channels = []
