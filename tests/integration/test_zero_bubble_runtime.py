@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -97,10 +98,12 @@ def test_zbh1_with_a_tie_across_stages_trains_like_one_process(tmp_path: Path, w
 def test_zbinterleaved_on_2_processes_matches_single_process(tmp_path: Path, extra: list[str]) -> None:
     job = _job("mlp_zbinterleaved", "mlp", 4, *extra, schedule="zbinterleaved")
     result = launch_workers(["--model", "mlp", "--steps", "4", "--timeout", "60", "--checkpoint_dir",
-                             str(tmp_path / "ckpt"), *job["extra"]], 2, timeout=300)
+                             str(tmp_path / "ckpt"), "--trace_dir", str(tmp_path / "trace"), *job["extra"]], 2, timeout=300)
     assert result.ok, result.summary()
-    stages = int(dict(zip(extra[::2], extra[1::2])).get("--num_stages", 4))
+    flags = dict(zip(extra[::2], extra[1::2]))
+    stages = int(flags.get("--num_stages", 4))
     assert f"[rank 0 stage {','.join(str(k) for k in range(0, stages, 2))}]" in result.output(0)  # loop placement
+    _assert_traced_actions(tmp_path / "trace", {r: range(r, stages, 2) for r in range(2)}, int(flags["--num_microbatches"]), 4)
     _assert_close(job["name"], load_checkpoint(tmp_path / "ckpt").params(), _reference(job))
 
 
@@ -110,8 +113,23 @@ def test_zbv_on_2_processes_matches_single_process(tmp_path: Path, m: int) -> No
     evaluate = ["--eval_every", "2", "--eval_data", "synthetic"] if m == 4 else []
     job = _job("mlp_zbv", "mlp", 4, "--num_microbatches", str(m), *evaluate, schedule="zbv")
     result = launch_workers(["--model", "mlp", "--steps", "4", "--timeout", "60", "--checkpoint_dir",
-                             str(tmp_path / "ckpt"), *job["extra"]], 2, timeout=300)
+                             str(tmp_path / "ckpt"), "--trace_dir", str(tmp_path / "trace"), *job["extra"]], 2, timeout=300)
     assert result.ok, result.summary()
     assert "[rank 0 stage 0,3]" in result.output(0) and "[rank 1 stage 1,2]" in result.output(1)  # the V
+    _assert_traced_actions(tmp_path / "trace", {0: (0, 3), 1: (1, 2)}, m, 4)
     assert ("val_loss" in result.output(0)) == bool(evaluate)
     _assert_close(job["name"], load_checkpoint(tmp_path / "ckpt").params(), _reference(job))
+
+
+def _assert_traced_actions(trace_dir: Path, rank_stages: dict, m: int, steps: int) -> None:
+    """Each rank's trace names every action's own stage (a rank holds several) and the backward's part: per stage,
+    microbatch and step one `forward`, one `backward I` and one `backward W` span."""
+    for rank, stages in rank_stages.items():
+        events = json.loads((trace_dir / f"rank{rank}.json").read_text())
+        actions = Counter((e["name"], e["args"]["stage"], e["args"]["microbatch"]) for e in events
+                          if e.get("cat") == "compute" and e["name"] in ("forward", "backward I", "backward W", "backward"))
+        want = Counter({(name, k, j): steps for name in ("forward", "backward I", "backward W") for k in stages
+                        for j in range(m)})
+        assert actions == want, (rank, sorted(set(actions) ^ set(want))[:8])
+        receives = {e["args"]["stage"] for e in events if e.get("name") == "recv"}
+        assert receives <= set(stages), (rank, receives)

@@ -189,17 +189,18 @@ class MetricsRecorder:
         if kind not in LANE_OF_KIND:
             raise ValueError(f"unknown metrics kind {kind!r}; expected one of {KINDS}")
 
-    def measure(self, kind: str, microbatch: Optional[int] = None, **trace_args: Any) -> _Measure:
-        """Time the body as `kind`; with a tracer, also a span on the kind's lane."""
+    def measure(self, kind: str, microbatch: Optional[int] = None, span: Optional[str] = None,
+                **trace_args: Any) -> _Measure:
+        """Time the body as `kind`; with a tracer, also a span on the kind's lane, named `span` (default: the kind)."""
         lane = LANE_OF_KIND.get(kind)
         if lane is None:
             self._check_kind(kind)
         tracer = self.tracer
-        span = None
+        traced = None
         # Several measures per microbatch: a tracer that records nothing gets no span object at all.
         if tracer is not None and (tracer.enabled or tracer.annotate):
-            span = tracer.span(kind, lane=lane, microbatch=microbatch, **trace_args)
-        return _Measure(self, kind, span)
+            traced = tracer.span(span or kind, lane=lane, microbatch=microbatch, **trace_args)
+        return _Measure(self, kind, traced)
 
     def add(self, kind: str, seconds: float) -> None:
         """Count `seconds` as `kind` (a duration measured by the caller)."""

@@ -16,28 +16,30 @@ T = TypeVar("T")
 
 
 class Compute(Protocol):
-    """Runs one forward or backward `fn` of `microbatch`, timed as `kind` ("forward" | "backward")."""
+    """Runs one forward or backward `fn` of `microbatch`, timed as `kind` ("forward" | "backward"); `span` names
+    its trace span ("backward I" / "backward W" when the backward is split), `trace_args` go into it (the stage)."""
 
-    def __call__(self, kind: str, microbatch: int, fn: Callable[[], T]) -> T: ...
+    def __call__(self, kind: str, microbatch: int, fn: Callable[[], T], span: Optional[str] = None,
+                 **trace_args: Any) -> T: ...
 
 
 def measured(metrics: Any) -> Compute:
     """Compute timed by a MetricsRecorder."""
-    def compute(kind: str, microbatch: int, fn: Callable[[], T]) -> T:
-        with metrics.measure(kind, microbatch=microbatch):
+    def compute(kind: str, microbatch: int, fn: Callable[[], T], span: Optional[str] = None, **trace_args: Any) -> T:
+        with metrics.measure(kind, microbatch=microbatch, span=span, **trace_args):
             return fn()
     return compute
 
 
 def slowed(compute: Compute, factor: float) -> Compute:
     """`compute`, `factor` (> 1) times slower: the sleep runs inside its measurement."""
-    def slow(kind: str, microbatch: int, fn: Callable[[], T]) -> T:
+    def slow(kind: str, microbatch: int, fn: Callable[[], T], span: Optional[str] = None, **trace_args: Any) -> T:
         def stretched() -> T:
             start = time.perf_counter()
             result = fn()
             time.sleep((time.perf_counter() - start) * (factor - 1.0))
             return result
-        return compute(kind, microbatch, stretched)
+        return compute(kind, microbatch, stretched, span, **trace_args)
     return slow
 
 

@@ -216,12 +216,12 @@ class StepExecutor:
                     if self.config.bf16:
                         output = float_output(output)
                     return self.criterion(output, target) / loss_scale
-                loss = compute("forward", j, forward_loss)
+                loss = compute("forward", j, forward_loss, stage=k)
                 state.loss_sum += float(loss.detach()) * loss_scale / m
                 stash[j] = _Stash(inputs, loss, weights=weights)
             else:
-                outputs = compute("forward", j, lambda: self.forward(values, weights))
-                with self.metrics.measure("send", microbatch=j):
+                outputs = compute("forward", j, lambda: self.forward(values, weights), stage=k)
+                with self.metrics.measure("send", microbatch=j, stage=k):
                     leaves, handle = self._send_forward(j, outputs, stream=j)
                 sends.append(handle)
                 stash[j] = _Stash(inputs, leaves, weights=weights)
@@ -232,7 +232,7 @@ class StepExecutor:
             return
         if action.kind == WEIGHT:
             work = state.weight_work.pop(j)
-            compute("backward", j, lambda: backward_weight(work))
+            compute("backward", j, lambda: backward_weight(work), "backward W", stage=k)
             self.meter.release(j)
             return
         entry = stash.pop(j)
@@ -250,14 +250,14 @@ class StepExecutor:
         if action.kind == INPUT:
             params = list(self.stage.parameters())
             input_grads, state.weight_work[j] = compute(
-                "backward", j, lambda: backward_input(outputs, output_grads, entry.inputs, params))
+                "backward", j, lambda: backward_input(outputs, output_grads, entry.inputs, params), "backward I", stage=k)
             self.meter.keep(j, state.weight_work[j].gradients())
         else:
             if outputs:
-                compute("backward", j, lambda: torch.autograd.backward(outputs, output_grads))
+                compute("backward", j, lambda: torch.autograd.backward(outputs, output_grads), stage=k)
             input_grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in entry.inputs]
         if k > 0:
-            with self.metrics.measure("send", microbatch=j):
+            with self.metrics.measure("send", microbatch=j, stage=k):
                 sends.append(self._send(input_grads, self.route(k - 1, j), self.tag(comm.TAG_GRADIENT, k - 1), j))
         if self.weight_stash is not None and entry.weights is not None:
             self.weight_stash.update(step, entry.weights)
@@ -273,7 +273,7 @@ class StepExecutor:
 
     def finish(self, state: StepState) -> float:
         """Wait for the step's sends; returns this stage's share of the loss."""
-        with self.metrics.measure("send"):
+        with self.metrics.measure("send", stage=self.stage_id):
             for handle in state.sends:
                 handle.wait(self.timeout)
         return state.loss_sum
@@ -403,7 +403,7 @@ class _Receives:
         self.release()
         pending = self.pending[kind].popleft()
         assert pending is not None
-        with self.executor.metrics.measure("recv", microbatch=j):
+        with self.executor.metrics.measure("recv", microbatch=j, stage=self.executor.stage_id):
             values = pending.wait(self.executor.timeout)
         self.position[kind] += 1
         self._top_up(kind)

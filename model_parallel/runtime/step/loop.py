@@ -31,6 +31,7 @@ from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
 from model_parallel.runtime.wire import step_totals
+from model_parallel.runtime.wire.loop_priority import lower_loop_threads
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ def run_loop(engine: LoopingEngine, steps: int, start_step: int = 0) -> None:
             record = engine.metrics.end_step(samples=engine.config.batch_size, loss=result.loss, lr=result.lr,
                                              grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms,
                                              **engine.meter.record(), **validation)
+            if step == start_step:  # gloo names a loop thread from inside it: one made just before the plan's
+                lower_loop_threads(opts.gloo_loop_nice)  # activation may have had no name yet then (a race)
             if "val_loss" in validation:
                 result.extra["val_loss"] = validation["val_loss"]
                 last_validation = {"val_loss": f"{validation['val_loss']:.4f}"}

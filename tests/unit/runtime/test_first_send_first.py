@@ -54,7 +54,7 @@ def _run(schedule: str, after: Optional[list[str]]) -> tuple[list[str], StepExec
     executor.recv = recv  # type: ignore[method-assign]
     executor._send = send  # type: ignore[method-assign]
     data = StepData(inputs=[[torch.randn(2, 4)] for _ in range(4)])
-    executor.run(0, data, lambda kind, j, fn: fn(),
+    executor.run(0, data, lambda kind, j, fn, span=None, **trace_args: fn(),
                  started=None if after is None else lambda: events.append("after"))
     return events, executor
 

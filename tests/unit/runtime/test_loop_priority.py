@@ -17,6 +17,7 @@ from model_parallel.errors import ConfigError
 from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.launch import free_port
 from model_parallel.runtime.wire.loop_priority import LOOP_THREAD_NAME, lower_loop_threads
+from support import wait_for
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and per-thread nice are Linux's")
 
@@ -91,8 +92,10 @@ def test_the_engine_lowers_the_loop_threads_of_its_process_groups():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     try:
-        made = {tid: nice for tid, nice in _loop_threads().items() if tid not in before}
-        assert made and set(made.values()) == {BASE}  # the default group's loop, as gloo starts it
+        # gloo names its loop thread from inside the thread: it may still be nameless when init returns
+        made = wait_for(lambda: {tid: nice for tid, nice in _loop_threads().items() if tid not in before},
+                        what="the default group's loop thread named")
+        assert set(made.values()) == {BASE}  # as gloo starts it
         r = recipe("mlp")
         model = r.model(0)
         graph, _ = trace_model(model, r.example(2))
@@ -100,10 +103,9 @@ def test_the_engine_lowers_the_loop_threads_of_its_process_groups():
                                 optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.01), dataset=r.data(8, 0),
                                 config=TrainConfig(batch_size=8, num_microbatches=2),
                                 options=RunOptions(progress=False, gloo_loop_nice=17))
+        engine.train(1)  # after its first step the engine lowers every loop thread again: named by then
         made = {tid: nice for tid, nice in _loop_threads().items() if tid not in before}
         assert len(made) >= 2 and set(made.values()) == {17}  # the default group's loop and the engine's control group's
-        engine.train_step(0)
-        engine.metrics.close()
     finally:
         dist.destroy_process_group()
 
