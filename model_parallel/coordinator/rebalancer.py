@@ -2,7 +2,7 @@
 
 The policy (`policy.decide`) is pure; `Rebalancer` keeps the `PolicyState` it returns and what the
 coordinator tells about switches (`history`, `decisions`). Every method runs with the coordinator's
-lock held; `send(rank, command)` is the server's transport and says whether the command went out.
+lock held; `send(rank, command)` is the server's transport: it returns the connection the command went out on.
 
 A switch's life: a decision (auto, ctl rebalance) or a ctl set-plan/scale gives plan v+1; `issue`
 sends `command {switch}` to rank 0, whose runtime broadcasts it to every rank at its next step
