@@ -228,6 +228,14 @@ def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[f
     `list_order` False: the schedule's fixed order (torch's, what torch's runtime runs). `as_run`: stage 0's
     input gradient one layer shorter, as both runtimes run it (the model's input needs no gradient, so the first
     layer waits no I): what a measured bubble is compared with, rank 0 included."""
+    return _simulate_times(*schedule_rows(name, layers, rank_scale, m, layer_f, layer_i, layer_w, order_times,
+                                          list_order, as_run))
+
+
+def schedule_rows(name: str, layers: Sequence[int], rank_scale: Sequence[float], m: int, layer_f: float,
+                  layer_i: float, layer_w: float, order_times: Optional[Sequence[Any]] = None, list_order: bool = True,
+                  as_run: bool = False) -> tuple[list[list[Any]], list[int], list[Any]]:
+    """What `schedule_simulation` simulates: each rank's order, the rank of each stage, each stage's StageTimes."""
     from model_parallel.optimizer.simulate import StageTimes
     from model_parallel.runtime.step.interleaved import run_schedule
     from model_parallel.runtime.step.list_order import timed_schedule
@@ -240,7 +248,41 @@ def schedule_simulation(name: str, layers: Sequence[int], rank_scale: Sequence[f
            for n, i, s in zip(layers, inputs, scale)]
     if list_order:
         schedule = timed_schedule(schedule, order_times or own)
-    return _simulate_times([schedule.row_actions(r) for r in range(schedule.num_rows)], stage_rows, own)
+    return [schedule.row_actions(r) for r in range(schedule.num_rows)], stage_rows, own
+
+
+@dataclass(frozen=True)
+class _Shifted:
+    """An action of a later step: its microbatch numbered after the earlier steps' (the simulator's key)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """Steps run back to back: one step alone (`one`, its makespan and bubbles), the period (ms from one step's start
+    to the next's) and each rank's bubble over it."""
+
+    one: Any  # optimizer.simulate.Simulation
+    period_ms: float
+    bubbles: tuple[float, ...]
+
+
+def periodic(rows: Sequence[Sequence[Any]], stage_rows: Sequence[int], times: Sequence[Any], m: int,
+             steps: int = 4) -> Periodic:
+    """Neither runtime puts a barrier between steps: a rank starts step k+1 once its own update is done and its inputs
+    are there. So consecutive steps overlap where an order ends late on the ranks that start the next step late (a
+    V: its last actions are on rank p - 1, whose first one waits p - 1 hops), and the period is shorter than one
+    step's makespan, the single-step simulation's yardstick (ZBV at p = 4, m = 8, 8 ms layers: makespan 816 ms, period
+    768 ms). Simulated as `steps` steps in a row (each rank's order repeated; a stage's update needs nothing from
+    another rank), period = (makespan of `steps` - makespan of one) / (steps - 1)."""
+    one = _simulate_times(rows, stage_rows, times)
+    many = _simulate_times([[_Shifted(a.stage, a.kind, a.microbatch + k * m) for k in range(steps) for a in row]
+                            for row in rows], stage_rows, times)
+    period = (many.makespan_ms - one.makespan_ms) / (steps - 1)
+    return Periodic(one, period, tuple(1.0 - busy / period if period > 0 else 0.0 for busy in one.busy_ms))
 
 
 def best_one_f_one_b_plan(num_layers: int, scale: Sequence[float], m: int, layer_f: float,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from emulated import (BubbleCase, analytic_bubble, best_one_f_one_b_plan, one_f_one_b_step,  # bench/ is on sys.path
-                      schedule_simulation, schedule_step, straggler_ceiling)
+                      periodic, schedule_rows, schedule_step, straggler_ceiling)
 from schedules_worlds import TORCH_SCHEDULES
 
 # The same order in our runtime (runtime/step), whose step the simulator runs at this (p, m) without latency.
@@ -85,25 +85,30 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
 
 
 def simulated(name: str, p: int, m: int, v: int, args: argparse.Namespace) -> Optional[Any]:
-    """Schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated on equal stages of the emulated layers
-    as both runtimes run them (stage 0's first layer waits no input gradient; optimizer/simulate.py, no message
+    """Schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated (emulated.periodic: one step, and steps
+    back to back) on equal stages of the emulated layers as both runtimes run them (stage 0's first layer waits no input gradient; optimizer/simulate.py, no message
     latency); None where there is no counterpart. Ours in the order our runtime runs (zero bubble's list-built from
     these times where it is faster: at m < 2p - 1 ZBV's fixed order idles more), torch's in its fixed order."""
     ours = SIMULATED_AS.get(name)
     if ours is None:
         return None
     layers = args.layers_per_rank // v
-    return schedule_simulation(ours, [layers] * (p * v), [1.0] * p, m, args.forward_ms, args.input_ms,
-                               args.weight_ms, list_order=name == ours, as_run=True)
+    rows, stage_rows, times = schedule_rows(ours, [layers] * (p * v), [1.0] * p, m, args.forward_ms, args.input_ms,
+                                            args.weight_ms, list_order=name == ours, as_run=True)
+    return periodic(rows, stage_rows, times, m)
 
 
-def simulated_bubbles(simulation: Optional[Any]) -> dict[str, Any]:
-    """A row's simulated bubble: the mean over ranks, per rank, and the mean over ranks 1 on (beside the measured)."""
-    if simulation is None:
+def simulated_bubbles(steps: Optional[Any]) -> dict[str, Any]:
+    """A row's simulated bubble, one step alone: the mean over ranks, per rank, and the mean over ranks 1 on (beside
+    the measured); and over steps back to back (`periodic_*`: what a run of many steps can measure)."""
+    if steps is None:
         return {"simulated_bubble": None}
-    bubbles = list(simulation.bubbles)
+    bubbles, steady = list(steps.one.bubbles), list(steps.bubbles)
     return {"simulated_bubble": statistics.mean(bubbles), "simulated_bubble_by_rank": bubbles,
-            "simulated_bubble_ranks_1_on": statistics.mean(bubbles[1:]) if len(bubbles) > 1 else None}
+            "simulated_bubble_ranks_1_on": statistics.mean(bubbles[1:]) if len(bubbles) > 1 else None,
+            # steps back to back (emulated.periodic): what a run of many steps measures, where the order lets them overlap
+            "periodic_bubble": statistics.mean(steady), "periodic_bubble_by_rank": steady,
+            "periodic_step_ms": steps.period_ms}
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -118,6 +123,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                     if r["analytic_bubble"] is not None},
             "bubble_vs_simulated_points": {r["side"]: 100.0 * (r["bubble"] - r["simulated_bubble"]) for r in rows
                                            if r.get("simulated_bubble") is not None},
+            "bubble_vs_periodic_points": {r["side"]: 100.0 * (r["bubble"] - r["periodic_bubble"]) for r in rows
+                                          if r.get("periodic_bubble") is not None},
             "bubble_ranks_1_on_vs_simulated_points": {
                 r["side"]: 100.0 * (r["bubble_ranks_1_on"] - r["simulated_bubble_ranks_1_on"]) for r in rows
                 if r.get("simulated_bubble_ranks_1_on") is not None and r.get("bubble_ranks_1_on") is not None}}
@@ -187,21 +194,24 @@ def format_rows(rows: Sequence[dict[str, Any]], summaries: Sequence[dict[str, An
         return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
     lines = [f"{'p':>2} {'m':>3} {'side':<36} {'steps/s':>8} {'step ms':>8} {'ratio':>6} {'bubble %':>9} "
-             f"{'analytic %':>10} {'sim %':>6} {'cpu ms':>6} {'main %':>6}  bubble % by rank"]
+             f"{'analytic %':>10} {'sim %':>6} {'steady %':>8} {'cpu ms':>6} {'main %':>6}  bubble % by rank"]
     for r in rows:
         if "refused" in r:
             lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} refused: {r['refused']}")
             continue
         analytic = 100.0 * r["analytic_bubble"] if r["analytic_bubble"] is not None else None
         simulated = 100.0 * r["simulated_bubble"] if r.get("simulated_bubble") is not None else None
+        steady = 100.0 * r["periodic_bubble"] if r.get("periodic_bubble") is not None else None
         lines.append(f"{r['p']:>2} {r['m']:>3} {r['side']:<36} {r['steps_per_s']:>8.2f} {r['step_ms']:>8.1f} "
-                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')} {num(simulated, '6.1f')} "
+                     f"{num(r['ratio'], '6.2f')} {100.0 * r['bubble']:>9.1f} {num(analytic, '10.1f')} {num(simulated, '6.1f')} {num(steady, '8.1f')} "
                      f"{num(statistics.mean(r['cpu_ms_by_rank']) if r.get('cpu_ms_by_rank') else None, '6.1f')} "
                      f"{num(main_share(r), '6.1f')}  "
                      + " ".join(f"{100.0 * b:.0f}" for b in r["bubble_by_rank"]))
     lines.append("ratio: steps/s over torch Schedule1F1B's in the same world (median over chunk pairs); "
                  "bubble: 1 - emulated busy / step wall, per rank; sim: the same order simulated at this m without "
-                 "latency, stage 0 as it runs (its first layer waits no input gradient); cpu ms: CPU per step, mean "
+                 "latency, stage 0 as it runs (its first layer waits no input gradient); steady: the same over steps run "
+                 "back to back (no barrier between steps in either runtime: an order that ends late on the ranks that "
+                 "start late overlaps the next step, a V's does); cpu ms: CPU per step, mean "
                  "over ranks; main %: the training thread's CPU per step / step wall, mean over ranks (between the "
                  "waits: on a rank's critical path it adds to bubble - sim, as the hand-offs do)")
     for s in summaries:

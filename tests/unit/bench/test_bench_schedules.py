@@ -273,17 +273,26 @@ def test_simulated_bubble_of_the_same_order_at_this_m_as_both_runtimes_run_it() 
     # Stage 0's first layer waits no input gradient (the model's input needs none): rank 0 is busy m x 2 ms less
     # than the others, so the simulation gives rank 0 the higher bubble the runs measure.
     zbv = report.simulated("zbv", 4, 8, 2, args)
-    assert zbv.busy_ms == (176.0, 192.0, 192.0, 192.0) and zbv.makespan_ms == 204.0
+    assert zbv.one.busy_ms == (176.0, 192.0, 192.0, 192.0) and zbv.one.makespan_ms == 204.0
+    # Steps back to back: the V ends on rank 3, the rank whose next step starts last, so steps overlap: the period is
+    # the work of ranks 1-3 (192 ms), which then idle nothing; one step alone idles 12 ms of 204 on them.
+    assert zbv.period_ms == 192.0
     assert report.simulated_bubbles(zbv) == {"simulated_bubble": pytest.approx((28 + 3 * 12) / (4 * 204)),
                                              "simulated_bubble_by_rank": [pytest.approx(28 / 204)] + [pytest.approx(12 / 204)] * 3,
-                                             "simulated_bubble_ranks_1_on": pytest.approx(12 / 204)}
+                                             "simulated_bubble_ranks_1_on": pytest.approx(12 / 204),
+                                             "periodic_bubble": pytest.approx(16 / (4 * 192)),
+                                             "periodic_bubble_by_rank": [pytest.approx(16 / 192)] + [0.0] * 3,
+                                             "periodic_step_ms": 192.0}
+    # A loop ends on every rank at once (its last backward runs down to stage 0): little overlap, 202 ms a period
+    assert report.simulated("zbinterleaved", 4, 8, 2, args).period_ms == 202.0
     # ZBV's formula says 0; at p = 4, m = 8 torch's order idles the same
-    assert report.simulated("ScheduleZBVZeroBubble", 4, 8, 2, args).bubbles == zbv.bubbles
+    assert report.simulated("ScheduleZBVZeroBubble", 4, 8, 2, args).one.bubbles == zbv.one.bubbles
     # m = p: far from the formula; torch's ZBV order takes 118 ms, ours list-built from the times 108 (list_order.py)
-    assert report.simulated("ScheduleZBVZeroBubble", 4, 4, 2, args).makespan_ms == 118.0
-    assert report.simulated("zbv", 4, 4, 2, args).makespan_ms == 108.0
+    assert report.simulated("ScheduleZBVZeroBubble", 4, 4, 2, args).one.makespan_ms == 118.0
+    assert report.simulated("zbv", 4, 4, 2, args).one.makespan_ms == 108.0
     one = report.simulated("Schedule1F1B", 4, 8, 1, args)  # 11 x 24 ms, less stage 0's last backward's I
-    assert one.makespan_ms == 262.0 and one.bubbles[1] == pytest.approx(1 - 192 / 262)
+    assert one.one.makespan_ms == 262.0 and one.one.bubbles[1] == pytest.approx(1 - 192 / 262)
+    assert one.period_ms == 262.0  # a flush schedule's steps do not overlap: its fill waits for the drain
     assert report.simulated("ScheduleLoopedBFS", 4, 8, 2, args) is None  # no order of ours to simulate
     assert report.simulated("pipedream", 4, 8, 1, args) is None
     assert report.simulated_bubbles(None) == {"simulated_bubble": None}
