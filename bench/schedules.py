@@ -37,7 +37,9 @@ the median over chunks of the same round (back to back: the same machine load); 
 1 - emulated busy ms / step wall ms per rank (medians over chunks), `bubble` their mean, and
 `analytic_bubble` (emulated.analytic_bubble; None where no formula is given), `simulated_bubble` (the same
 order simulated at this m without latency, stage 0 as both runtimes run it — the model's input needs no gradient,
-so its first layer waits no I —, per rank too: the formulas assume many microbatches and equal work); `cpu_ms_by_rank`: each
+so its first layer waits no I —, per rank too: the formulas assume many microbatches and equal work), `periodic_bubble`
+(the table's "steady": the same orders over steps run back to back, as both runtimes run them: no barrier between
+steps, so a V's overlap and its period is shorter than one step; emulated.periodic); `cpu_ms_by_rank`: each
 rank's CPU ms per step (the waits sleep, so this is the runtime's own cost), `main_cpu_ms_by_rank` its training
 thread's (the table's "main %": its share of the step; on a rank's critical path it adds to the bubble over the
 simulation, as each hand-off's latency does). Per world a summary:
