@@ -47,7 +47,6 @@ Send = Callable[[int, Command], Optional[object]]
 @dataclass(frozen=True)
 class PendingSwitch:
     plan: Plan  # plan v+1, sent to rank 0
-    sent_after_step: int
     predicted: bool  # proposed by the policy: judged against its prediction once live
     schedule: Optional[str] = None  # the schedule it runs (None: the coordinator does not know the workers')
     link: Optional[object] = None  # the connection to rank 0 it went out on (what `send` returned)
@@ -212,7 +211,7 @@ class Rebalancer:
         if link is None:
             return None  # asked again once rank 0 is back (the next evaluation or ctl request)
         self.highest_issued = plan.version
-        self.pending = PendingSwitch(plan, step, predicted, schedule, link, self.clock())
+        self.pending = PendingSwitch(plan, predicted, schedule, link, self.clock())
         return plan
 
     def connection_ended(self, link: object) -> None:
