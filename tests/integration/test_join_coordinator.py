@@ -18,7 +18,7 @@ from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, join_command, worker_commands
 from support.mlp import assert_params_close, reference_params
-from support.recovery_jobs import TOKEN, poll, worker_args, write_job
+from support.recovery_jobs import TOKEN, poll, release, worker_args, write_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 torch.set_num_threads(1)
@@ -41,6 +41,7 @@ def test_a_joiner_under_a_coordinator_is_a_spare_until_ctl_scale_gives_it_a_shar
             coord.ctl("scale", workers=3)
             scaled = poll(coord, world, lambda s: s["plan_version"] == version + 1 and s["pending_version"] is None
                           and all(w["stage"] is not None and w["plan_version"] == version + 1 for w in s["workers"]))
+            release(coord, world)
             result = world.wait(timeout=240)
         assert not result.timed_out, result.summary()
         assert [w.returncode for w in result.workers] == [0, 0, 0], result.summary()
@@ -64,15 +65,19 @@ def test_a_joiner_under_a_coordinator_is_a_spare_until_ctl_scale_gives_it_a_shar
     assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(steps), "run with a join and a scale")
 
 
-def _joiner_killed(tmp_path: Path, steps: int, env: dict[str, str]) -> tuple[Any, str]:
+def _joiner_killed(tmp_path: Path, steps: int, env: dict[str, str], generation: int) -> tuple[Any, str]:
     """Two members under a manual coordinator and a joiner admitted at step 4 that dies (how: `env`): the world's
-    result (members exit 0, the joiner -9) and the coordinator's log."""
+    result (members exit 0, the joiner -9) and the coordinator's log. Once the two members run as membership
+    `generation`, the rest of the job runs unslowed (`release`)."""
     graph, plan = write_job(tmp_path, 2)
     port = free_port()
     with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
         args = worker_args(plan, steps, tmp_path / "ck", coord.address)
         commands = worker_commands([*args, "--recover"], 2, port=port) + [join_command(f"127.0.0.1:{port}", args)]
         with LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": "4", **env}) as world:
+            poll(coord, world, lambda s: s["generation"] == generation and sorted(
+                w["rank"] for w in s["workers"] if w["status"] == "running") == [0, 1])
+            release(coord, world)
             result = world.wait(timeout=240)
         assert not result.timed_out, result.summary()
         assert [w.returncode for w in result.workers] == [0, 0, -signal.SIGKILL], result.summary()
@@ -85,7 +90,7 @@ def test_a_joiner_lost_after_being_taken_under_a_coordinator_the_members_go_on_a
     """The joiner dies between rank 0 taking its request and the meeting (`MP_TEST_JOINER_DIES`): the members close
     the new world without it after 3 T, register as generation 1 with the same members, and finish exactly."""
     steps = 60
-    result, log = _joiner_killed(tmp_path, steps, {"MP_TEST_JOINER_DIES": "1"})
+    result, log = _joiner_killed(tmp_path, steps, {"MP_TEST_JOINER_DIES": "1"}, generation=1)
     for rank in (0, 1):
         output = result.output(rank)
         assert "original rank 2 did not come to generation 1 within 15 s: training on without it" in output, output[-3000:]
@@ -98,7 +103,7 @@ def test_the_spare_killed_after_its_admission_the_members_recover_as_generation_
     """A spare is a member like any other: its kill -9 is a failure the others survive (generation 2, the even
     split of the 2 that are left), exact."""
     steps = 60
-    result, log = _joiner_killed(tmp_path, steps, {"MP_TEST_SIGNAL_AT_STEP": "2:12:KILL"})
+    result, log = _joiner_killed(tmp_path, steps, {"MP_TEST_SIGNAL_AT_STEP": "2:12:KILL"}, generation=2)
     for rank in (0, 1):
         output = result.output(rank)
         assert "admission 1: original rank 2 joined" in output, output[-3000:]

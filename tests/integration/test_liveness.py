@@ -27,6 +27,7 @@ from model_parallel.messages import StepReport
 from model_parallel.runtime.launch import LocalWorld, worker_commands
 from support import wait_for
 from support.mlp import mlp_job
+from support.recovery_jobs import release
 
 TOKEN = "liveness-test-token"
 TIMEOUT = 6  # --timeout of every worker here
@@ -140,13 +141,14 @@ def test_control_plane_faults_never_stop_training(tmp_path: Path) -> None:
     """Cut a worker's control connection (it reconnects), then SIGSTOP the coordinator for 8 s and continue
     it (longer than its 5 s heartbeat timeout): the job runs every requested step and every worker exits 0."""
     graph, plan = mlp_job(tmp_path, 2)
-    # Long enough to still run when the coordinator continues: about 90 steps/s here with gloo's threads at their
-    # default priority, ~250 at nice 19 (runtime/wire/loop_priority.py), up to 3x that on a faster machine.
-    steps = 6000
+    # Rank 0 slowed 40x (timing only) until the coordinator continues, so the job is still running then on any
+    # machine (a few steps a second; unslowed, 250-750 steps/s), then at full speed (`release`).
+    steps = 600
     with CoordinatorProcess(graph, plan, TOKEN, workdir=tmp_path / "coord", extra=["--policy", "manual"]) as coord:
         proxy = CuttingProxy(coord.address)
         try:
-            commands = worker_commands(args(plan, steps, "--coordinator", coord.address, "--token", TOKEN), 2)
+            commands = worker_commands(args(plan, steps, "--coordinator", coord.address, "--token", TOKEN,
+                                            "--slowdown", 40, "--slowdown_rank", 0), 2)
             commands[1][commands[1].index(coord.address)] = proxy.address  # rank 1 talks through the proxy
             with LocalWorld(commands) as world:
                 world.wait_for_line(0, r"step 3 loss", timeout=120)
@@ -159,6 +161,7 @@ def test_control_plane_faults_never_stop_training(tmp_path: Path) -> None:
                     alive = [p.poll() is None for p in world.procs]
                 finally:
                     os.killpg(coord.proc.pid, signal.SIGCONT)
+                release(coord, world)
                 result = world.wait(timeout=180)
             code = coord.wait(timeout=30)
         finally:

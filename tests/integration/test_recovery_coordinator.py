@@ -16,7 +16,7 @@ from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, worker_commands
 from support.mlp import assert_params_close, reference_params
-from support.recovery_jobs import TOKEN, poll, worker_args, write_job
+from support.recovery_jobs import TOKEN, poll, release, worker_args, write_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 torch.set_num_threads(1)
@@ -37,6 +37,7 @@ def test_recover_under_a_coordinator_the_survivors_are_the_next_generation_and_a
             assert (recovery["lost"], recovery["members"], recovery["from_step"]) == ([1], [0, 2], 4), recovery
             coord.ctl("scale", workers=1)  # the policy on the new world: everything onto (new) rank 0
             poll(coord, world, lambda s: s["plan_version"] == 2 and s["pending_version"] is None)
+            release(coord, world)
             result = world.wait(timeout=180)
         assert not result.timed_out, result.summary()
         assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0], result.summary()
@@ -78,6 +79,7 @@ def test_a_coordinator_killed_and_started_again_learns_the_live_job_and_rebalanc
                 assert learned["learned"]["plan_version"] == 1, learned
                 second.ctl("set-plan", plan=even)  # through the new coordinator: plan v2, above the live one
                 poll(second, world, lambda s: s["plan_version"] == 2 and s["pending_version"] is None)
+                release(second, world)
                 result = world.wait(timeout=180)
                 assert second.wait(timeout=30) == 0, second.output()[-3000:]
         assert not result.timed_out, result.summary()
@@ -113,6 +115,7 @@ def test_the_coordinator_and_a_worker_killed_together_a_new_coordinator_serves_t
                 version = status["plan_version"]
                 second.ctl("scale", workers=1)
                 poll(second, world, lambda s: s["plan_version"] == version + 1 and s["pending_version"] is None)
+                release(second, world)
                 result = world.wait(timeout=180)
                 assert second.wait(timeout=30) == 0, second.output()[-3000:]
         assert not result.timed_out, result.summary()

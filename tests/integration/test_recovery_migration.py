@@ -17,7 +17,7 @@ from model_parallel.coordinator.local import CoordinatorProcess
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, worker_commands
 from support.mlp import assert_params_close, reference_params
-from support.recovery_jobs import TOKEN, poll, worker_args, write_job
+from support.recovery_jobs import TOKEN, poll, release, worker_args, write_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 torch.set_num_threads(1)
@@ -36,6 +36,7 @@ def test_a_kill_during_a_live_migration_the_survivors_recover_from_the_checkpoin
             coord.ctl("set-plan", plan=moved)  # plan v1: original rank 1 dies in it, its layers already sent
             status = poll(coord, world, lambda s: s["generation"] == 1 and len(s["workers"]) == 2
                           and all(w["step"] >= 0 and w["status"] == "running" for w in s["workers"]))
+            release(coord, world)
             result = world.wait(timeout=240)
         assert not result.timed_out, result.summary()
         assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0], result.summary()

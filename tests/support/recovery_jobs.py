@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from model_parallel.coordinator.local import CoordinatorProcess
+from model_parallel.errors import ModelParallelError
 from model_parallel.graph.io import save_graph
 from model_parallel.graph.plan import write_plan
 from model_parallel.profiler.trace import trace_model
@@ -49,3 +50,14 @@ def poll(coord: CoordinatorProcess, world: LocalWorld, until: Callable[[dict[str
     workers = "\n".join("\n".join(world.lines(r)[-15:]) for r in range(len(world.procs)))
     raise AssertionError(f"the coordinator's status never got there: {json.dumps(status)[:1500]}\n{coord.output()[-2000:]}"
                          f"\nworkers:\n{workers}")
+
+
+def release(coord: CoordinatorProcess, world: LocalWorld) -> None:
+    """Lift rank 0's slowdown (`ctl slow --factor 1`) once the test has seen what it waited for: the job's remaining
+    steps run at full speed (the slowdown is timing only, so the parameters are the same). Without it each of these
+    jobs spent most of its minute slowed after the last event. Tolerated only if the job has already ended."""
+    try:
+        coord.ctl("slow", rank=0, factor=1.0)
+    except ModelParallelError:
+        if any(p.poll() is None for p in world.procs):
+            raise
