@@ -52,12 +52,19 @@ def poll(coord: CoordinatorProcess, world: LocalWorld, until: Callable[[dict[str
                          f"\nworkers:\n{workers}")
 
 
-def release(coord: CoordinatorProcess, world: LocalWorld) -> None:
+def release(coord: CoordinatorProcess, world: LocalWorld, timeout: float = 30.0) -> None:
     """Lift rank 0's slowdown (`ctl slow --factor 1`) once the test has seen what it waited for: the job's remaining
     steps run at full speed (the slowdown is timing only, so the parameters are the same). Without it each of these
-    jobs spent most of its minute slowed after the last event. Tolerated only if the job has already ended."""
-    try:
-        coord.ctl("slow", rank=0, factor=1.0)
-    except ModelParallelError:
-        if any(p.poll() is None for p in world.procs):
-            raise
+    jobs spent most of its minute slowed after the last event. Asked again while the coordinator cannot reach rank 0
+    (a connection being re-made); nothing to do once the job has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            coord.ctl("slow", rank=0, factor=1.0)
+            return
+        except ModelParallelError:
+            if not any(p.poll() is None for p in world.procs):
+                return
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.25)
