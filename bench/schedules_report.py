@@ -87,8 +87,9 @@ def side_rows(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], args: argpa
 def simulated(name: str, p: int, m: int, v: int, args: argparse.Namespace) -> Optional[Any]:
     """Schedule `name` (ours or torch's counterpart, SIMULATED_AS) simulated (emulated.periodic: one step, and steps
     back to back) on equal stages of the emulated layers as both runtimes run them (stage 0's first layer waits no
-    input gradient; optimizer/simulate.py, no message latency); None where there is no counterpart. Ours in the order our runtime runs (zero bubble's list-built from
-    these times where it is faster: at m < 2p - 1 ZBV's fixed order idles more), torch's in its fixed order."""
+    input gradient; optimizer/simulate.py, no message latency); None where there is no counterpart. Ours in the
+    order our runtime runs (zero bubble's list-built from these times where it is faster: at m < 2p - 1 ZBV's fixed
+    order idles more), torch's in its fixed order."""
     ours = SIMULATED_AS.get(name)
     if ours is None:
         return None
