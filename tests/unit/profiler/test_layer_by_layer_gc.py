@@ -42,8 +42,9 @@ def test_the_segments_collections_leave_the_older_heap_out_and_give_it_back(coll
 def test_a_heap_frozen_by_someone_else_stays_frozen(collections: list[int]) -> None:
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
         _profile()
-        assert collections and gc.get_freeze_count() == frozen  # not unfrozen under its owner
+        # Not unfrozen under its owner (that empties the permanent generation). Not compared with the count before:
+        # a frozen object whose last reference goes during the profile leaves it (seen late in the suite: -2).
+        assert collections and all(count > 0 for count in collections) and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
