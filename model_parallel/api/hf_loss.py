@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from model_parallel.errors import ConfigError
 
 TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")  # whose own loss shifts its labels (transformers' ForCausalLMLoss)
 CLASS_HEADS = ("ForSequenceClassification", "ForImageClassification")
 
 
@@ -32,6 +33,17 @@ def hf_loss(cls: type) -> tuple[str, Callable[[Any, torch.Tensor], torch.Tensor]
     raise ConfigError(f"{name} has no default loss (its head is not a causal-LM, masked-LM or classification head); "
                       "pass criterion=fn(output, target) (on the command line: profile a class with such a head, "
                       "e.g. --model_class LlamaForCausalLM)")
+
+
+def shifts_labels(source: Any) -> bool:
+    """Whether `source` is a Hugging Face causal LM, whose own loss scores position t against labels[t + 1]: trained
+    with its default loss, a dict batch's "labels" are shifted as the model would (runtime/data/sources.as_pair).
+    (Masked-LM and encoder-decoder heads score labels where they stand.)"""
+    from torch import nn
+
+    from model_parallel.graph.init_rule import is_hugging_face_model
+
+    return isinstance(source, nn.Module) and is_hugging_face_model(source) and type(source).__name__.endswith(CAUSAL_HEADS)
 
 
 def default_criterion(source: Any) -> Callable[[Any, torch.Tensor], torch.Tensor]:

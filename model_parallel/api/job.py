@@ -58,6 +58,7 @@ class JobSpec:
     # anything with `batch(step) -> (inputs, target)` (runtime.data.sources turns the others into that)
     data: Any = "synthetic"
     collate_fn: Optional[Callable[[list[Any]], Any]] = None  # a map-style Dataset's or an iterable's (default: torch's)
+    causal_labels: bool = False  # dict batches carry Hugging Face causal-LM labels, shifted (runtime.data.sources.as_pair)
     seq_len: Optional[int] = None  # "tokens:PATH" windows (default: the model's input length)
     token_dtype: str = "uint16"  # "tokens:PATH" ids: uint16 (nanoGPT's GPT-2 vocabulary) or uint32
     eval_data: Any = None  # validation data, any form `data` takes (synthetic: another seed than training's)
@@ -132,7 +133,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     if spec.data is not None and not isinstance(spec.data, str):  # None: no data (plan or evaluate only)
         from model_parallel.runtime.data.sources import as_source
 
-        source = as_source(spec.data, spec.batch_size, spec.seed, spec.collate_fn)
+        source = as_source(spec.data, spec.batch_size, spec.seed, spec.collate_fn, spec.causal_labels)
         adapted = source is not spec.data
         spec = replace(spec, data=source)
     static = False  # a PipeDream-generated package: its plan is static (no graph.json to re-cut)
@@ -226,7 +227,7 @@ def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str
     if not isinstance(spec.eval_data, str):
         from model_parallel.runtime.data.sources import as_source
 
-        return as_source(spec.eval_data, spec.batch_size, spec.seed, spec.collate_fn)
+        return as_source(spec.eval_data, spec.batch_size, spec.seed, spec.collate_fn, spec.causal_labels)
     from model_parallel.runtime.data.batches import make_dataset
 
     # Synthetic validation data from another seed: training's own minibatches would not be held out.

@@ -72,6 +72,11 @@ class PipelineTrainer:
         if not isinstance(source, (nn.Module, Graph, str, Path)):
             raise ModelParallelError(f"PipelineTrainer takes an nn.Module, a Graph or a package directory, "
                                      f"got {type(source).__name__}")
+        # A causal LM trained with its own head's loss reads a dict batch's "labels" as the model would (shifted);
+        # a criterion given receives them as they are.
+        from model_parallel.api.hf_loss import shifts_labels
+
+        self._causal_labels = criterion is None and shifts_labels(source)
         if criterion is None:  # a Hugging Face model's by its head, refused before profiling; else cross entropy
             from model_parallel.api.hf_loss import default_criterion
 
@@ -84,7 +89,7 @@ class PipelineTrainer:
             package=source if isinstance(source, (str, Path)) else None,
             graph=source if isinstance(source, Graph) else None,
             plan=plan, num_stages=num_stages or (2 if self.single_process else None), criterion=criterion,
-            data=dataset, collate_fn=collate_fn, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
+            data=dataset, collate_fn=collate_fn, causal_labels=self._causal_labels, eval_data=eval_data, example_inputs=example_inputs, seed=config.seed,
             batch_size=config.batch_size, num_microbatches=config.num_microbatches, weights=weights,
             init_weights=init_weights, memory_per_worker=memory_per_worker, schedule=config.schedule,
             schedule_order=config.schedule_order,
@@ -212,7 +217,8 @@ class PipelineTrainer:
         steps of each minibatch's mean over microbatches of `criterion` (and `metric(output, target)`)."""
         from model_parallel.runtime.data.sources import as_source
 
-        source = as_source(data, self.config.batch_size, self.config.seed, collate_fn or self.collate_fn)
+        source = as_source(data, self.config.batch_size, self.config.seed, collate_fn or self.collate_fn,
+                           self._causal_labels)
         return self.runner.evaluate(source, steps, metric)
 
     def close(self) -> None:

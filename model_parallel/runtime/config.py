@@ -54,6 +54,8 @@ class TrainConfig:
         if self.batch_size < self.num_microbatches:
             raise ConfigError(f"batch size {self.batch_size} < {self.num_microbatches} microbatches: every microbatch "
                               "needs at least one sample; raise batch_size or lower num_microbatches")
+        if self.batch_size % self.num_microbatches:
+            raise ConfigError(uneven_microbatches(self.batch_size, self.num_microbatches))
         if self.schedule not in SCHEDULE_NAMES + (AUTO,):
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose {', '.join(SCHEDULE_NAMES)} or {AUTO}")
         if self.schedule not in FLUSH_SCHEDULES + (AUTO,) and self.clip_grad is not None:  # auto picks a flush one
@@ -90,6 +92,20 @@ class TrainConfig:
 
     def recompute_stage(self, stage: int) -> bool:
         return self.recompute is True or (isinstance(self.recompute, tuple) and stage in self.recompute)
+
+
+def uneven_microbatches(batch_size: int, num_microbatches: int) -> str:
+    """Why a batch size that the microbatch count does not divide is refused, and what to give instead."""
+    # Each microbatch's loss weighs 1/m of the step (as in torch.distributed.pipelining): with unequal microbatches
+    # that is not the minibatch's mean loss, so the run would train something other than batch_size samples a step.
+    sizes = [len(part) for part in torch.tensor_split(torch.empty(batch_size), num_microbatches)]
+    lower, upper = batch_size - batch_size % num_microbatches, batch_size + num_microbatches - batch_size % num_microbatches
+    divisors = [d for d in range(2, min(batch_size, 64) + 1) if batch_size % d == 0][:4]
+    return (f"batch size {batch_size} is not a multiple of {num_microbatches} microbatches: they would hold "
+            f"{', '.join(map(str, sizes))} samples, each weighted 1/{num_microbatches} of the step's loss, which is not the "
+            f"minibatch's mean (and a model traced at one microbatch size may not run another); give a batch size that "
+            f"{num_microbatches} divides ({', '.join(str(b) for b in (lower, upper) if b >= num_microbatches)})"
+            + (f" or a microbatch count that divides {batch_size} ({', '.join(map(str, divisors))})" if divisors else ""))
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ def token_sequences() -> TensorDataset:
 
 
 def lm_collate(samples: list) -> dict[str, torch.Tensor]:
-    """Hugging Face style: `input_ids` and the next-token `labels`."""
+    """A dict batch: `input_ids` and their next-token targets as `labels` (already shifted: the cases train it with
+    `lm_loss` given as the criterion, which receives labels as they are; see tests/integration/test_hf_labels.py)."""
     ids = torch.stack([s[0] for s in samples])
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}

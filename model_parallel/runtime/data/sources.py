@@ -17,7 +17,9 @@ single-process training and a resume mid-epoch continues exactly where the run s
                         function and drop_last, in the order above; otherwise its batches, in order, as an iterable
 
 A collated batch is `(inputs, target)` (inputs a tensor, a tuple of tensors or a dict of keyword
-inputs) or a dict holding "labels" (the target; the other keys are the inputs).
+inputs) or a dict holding "labels" (the target; the other keys are the inputs). A dict batch is Hugging Face's
+form, and with `causal_labels` (a causal-LM head trained with its default loss: api/hf_loss.py) its "labels" mean
+what they mean to the model's own loss: position t is scored against labels[t + 1] (`shift_causal_labels`).
 
 The last stage reads only targets (`read_targets`): a source may answer `targets(step)`, which must equal
 `batch(step)[1]` (the token file slices the shifted windows only); other sources are read whole
@@ -25,6 +27,7 @@ The last stage reads only targets (`read_targets`): a source may answer `targets
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +40,8 @@ from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
 
+logger = logging.getLogger(__name__)
+
 Batch = tuple[Any, torch.Tensor]
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -47,13 +52,17 @@ def seeded_generator(seed: int, key: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + 17) % (2**63 - 1))
 
 
-def as_pair(batch: Any, where: str) -> Batch:
-    """A collated batch as (inputs, target): inputs a tuple of positional inputs or one dict of keyword inputs."""
+def as_pair(batch: Any, where: str, causal_labels: bool = False) -> Batch:
+    """A collated batch as (inputs, target): inputs a tuple of positional inputs or one dict of keyword inputs.
+    `causal_labels`: a dict batch's "labels" are Hugging Face's causal-LM labels, shifted into next-token targets."""
     if isinstance(batch, Mapping):
         if "labels" not in batch:
             raise DataError(f"{where}: a dict batch needs a 'labels' entry (the target), found keys {sorted(batch)}; "
                             "add it in the collate function")
-        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if causal_labels:
+            return inputs, shift_causal_labels(batch["labels"], inputs.get("input_ids"), where)
+        return inputs, batch["labels"]
     if isinstance(batch, Sequence) and len(batch) == 2:
         inputs, target = batch
         if isinstance(inputs, Mapping):
@@ -61,6 +70,28 @@ def as_pair(batch: Any, where: str) -> Batch:
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
     raise DataError(f"{where}: a batch must be (inputs, target) or a dict with 'labels', got {type(batch).__name__}"
                     f"{f' of {len(batch)} items' if isinstance(batch, Sequence) else ''}; give a collate_fn that returns one")
+
+
+IGNORE_INDEX = -100  # the label cross entropy skips (torch's default ignore_index, Hugging Face's padding label)
+
+
+def shift_causal_labels(labels: torch.Tensor, input_ids: Any, where: str) -> torch.Tensor:
+    """Hugging Face's causal-LM labels as next-token targets: target[t] = labels[t + 1], the last position ignored,
+    exactly what the model's own loss does (transformers' ForCausalLMLoss pads with -100 and shifts). Labels that are
+    already shifted (labels[t] = input_ids[t + 1]) would be shifted twice and train the token after next: refused."""
+    if (isinstance(input_ids, torch.Tensor) and input_ids.shape == labels.shape and labels.shape[-1] > 1
+            and _agree(labels[..., :-1], input_ids[..., 1:]) and not _agree(labels, input_ids)):
+        raise DataError(f"{where}: the 'labels' are already shifted (labels[t] = input_ids[t + 1]); to a causal-LM "
+                        "head a dict batch's labels are Hugging Face's, which the model's loss shifts itself, so they "
+                        "would be shifted twice: give labels = input_ids (-100 where no loss), or the batch as "
+                        "(inputs, next-token targets), or your own criterion")
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _agree(labels: torch.Tensor, ids: torch.Tensor) -> bool:
+    """`labels` equal `ids` wherever they score a token (not IGNORE_INDEX), and score at least one."""
+    scored = labels != IGNORE_INDEX
+    return bool(scored.any()) and torch.equal(labels[scored], ids[scored].to(labels.dtype))
 
 
 @dataclass
@@ -74,6 +105,7 @@ class MapData:
     shuffle: bool = True
     drop_last: bool = True  # every step a full minibatch (a short last one would change the microbatching)
     name: str = "dataset"  # how error messages and the training record name the source
+    causal_labels: bool = False  # a dict batch's "labels" are Hugging Face's causal-LM labels (`as_pair`)
     _epoch: tuple[int, list[list[int]]] = field(default=(-1, []), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +136,7 @@ class MapData:
         except (IndexError, KeyError) as error:
             raise DataError(f"{self.name}: reading sample of step {step} failed ({type(error).__name__}: {error}); "
                             "a map-style dataset must answer every index in range(len(dataset))") from None
-        return as_pair(self.collate_fn(samples), f"{self.name} step {step}")
+        return as_pair(self.collate_fn(samples), f"{self.name} step {step}", self.causal_labels)
 
     def targets(self, step: int) -> torch.Tensor:
         """`batch(step)[1]`; for a token file (default collate) the shifted windows only, no input read."""
@@ -119,11 +151,12 @@ class IterableData:
     any step is reached by iterating afresh and skipping, so a resume continues exactly."""
 
     def __init__(self, iterable: Iterable[Any], batch_size: int, collate_fn: Callable[[list[Any]], Any] = default_collate,
-                 batched: bool = False, name: str = "iterable") -> None:
+                 batched: bool = False, name: str = "iterable", causal_labels: bool = False) -> None:
         if iter(iterable) is iterable:
             raise DataError(f"{name}: {type(iterable).__name__} is a one-shot iterator, which cannot be replayed for a "
                             "resume or read again next epoch; give a re-iterable (a list, an IterableDataset, a DataLoader)")
         self.iterable, self.batch_size, self.collate_fn, self.batched, self.name = iterable, batch_size, collate_fn, batched, name
+        self.causal_labels = causal_labels
         self.per_step = 1 if batched else batch_size  # items consumed per step
         self.epoch_items: Optional[int] = None  # items per pass, known after the first pass
         self._iter: Any = None
@@ -160,7 +193,13 @@ class IterableData:
         while self._next < first:
             self._item()
         items = [self._item() for _ in range(self.per_step)]
-        return as_pair(items[0] if self.batched else self.collate_fn(items), f"{self.name} step {step}")
+        inputs, target = as_pair(items[0] if self.batched else self.collate_fn(items), f"{self.name} step {step}",
+                                 self.causal_labels)
+        if self.batched and len(target) != self.batch_size:  # a batch_sampler's, or a last short batch
+            raise DataError(f"{self.name} step {step}: a batch of {len(target)} sample(s) where the run's batch size is "
+                            f"{self.batch_size}; every step trains a full minibatch: give batches of {self.batch_size} "
+                            "(drop_last=True)")
+        return inputs, target
 
 
 class TokenWindows(TorchDataset):
@@ -205,31 +244,40 @@ def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: s
     return MapData(TokenWindows(path, seq_len, dtype), batch_size, seed=seed, name=f"tokens:{path}")
 
 
-def from_loader(loader: DataLoader, seed: int) -> Any:
-    """A DataLoader as a step-keyed source (see the module docstring for which order it keeps)."""
+def from_loader(loader: DataLoader, seed: int, batch_size: int, causal_labels: bool = False) -> Any:
+    """A DataLoader as a step-keyed source (see the module docstring for which order it keeps). Its batch size must
+    be the run's: a step trains `batch_size` samples in `num_microbatches` equal parts, and a checkpoint records it."""
+    if loader.batch_size is not None and loader.batch_size != batch_size:
+        raise DataError(f"DataLoader: its batch_size {loader.batch_size} differs from the run's batch size {batch_size} "
+                        f"(TrainConfig.batch_size / --batch_size); make them equal")
     sampler = loader.sampler
     map_style = not isinstance(loader.dataset, IterableDataset)
     if map_style and loader.batch_size is not None and isinstance(sampler, (RandomSampler, SequentialSampler)):
         # Its own shuffle draws a fresh seed per pass: ours is keyed by (seed, epoch), so a resume replays it.
-        return MapData(loader.dataset, loader.batch_size, loader.collate_fn, seed, shuffle=isinstance(sampler, RandomSampler),
-                       drop_last=loader.drop_last, name="DataLoader")
-    batch_size = loader.batch_size or 0
-    return IterableData(loader, batch_size, batched=True, name="DataLoader")
+        # Every step a full minibatch: a short last one would split into unequal microbatches (config.py refuses those).
+        if not loader.drop_last and (left := len(loader.dataset) % batch_size):
+            logger.warning("DataLoader: %d sample(s) of %d are left out of every epoch (drop_last=False, but a step is "
+                           "always a full minibatch of %d)", left, len(loader.dataset), batch_size)
+        return MapData(loader.dataset, batch_size, loader.collate_fn, seed, shuffle=isinstance(sampler, RandomSampler),
+                       name="DataLoader", causal_labels=causal_labels)
+    return IterableData(loader, batch_size, batched=True, name="DataLoader", causal_labels=causal_labels)
 
 
-def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callable[[list[Any]], Any]] = None) -> Any:
-    """`data` as a step-keyed source: anything with `batch(step)` as it is, else the matching adapter."""
+def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+              causal_labels: bool = False) -> Any:
+    """`data` as a step-keyed source: anything with `batch(step)` as it is, else the matching adapter.
+    `causal_labels`: dict batches carry Hugging Face causal-LM labels (`as_pair`)."""
     if hasattr(data, "batch") and callable(data.batch):
         return data
     collate = collate_fn or default_collate
     if isinstance(data, DataLoader):
-        return from_loader(data, seed)
+        return from_loader(data, seed, batch_size, causal_labels)
     if isinstance(data, IterableDataset) or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         if not isinstance(data, Iterable):
             raise DataError(f"data of type {type(data).__name__} is none of: a map-style Dataset, an iterable, a "
                             "DataLoader, or an object with batch(step) -> (inputs, target)")
-        return IterableData(data, batch_size, collate, name=type(data).__name__)
-    return MapData(data, batch_size, collate, seed, name=type(data).__name__)
+        return IterableData(data, batch_size, collate, name=type(data).__name__, causal_labels=causal_labels)
+    return MapData(data, batch_size, collate, seed, name=type(data).__name__, causal_labels=causal_labels)
 
 
 def read_targets(data: Any, step: int, verify: bool = False) -> Any:

@@ -12,6 +12,9 @@ from model_parallel.cli.worker_job import make_config
 @pytest.mark.parametrize("build, message", [
     (lambda: TrainConfig(batch_size=0), r"batch_size and num_microbatches must be >= 1, got 0 and 4"),
     (lambda: TrainConfig(batch_size=2, num_microbatches=4), r"batch size 2 < 4 microbatches.*raise batch_size"),
+    # Unequal microbatches would each weigh 1/m: not the minibatch's mean loss (a user's QA found it trained silently).
+    (lambda: TrainConfig(batch_size=10, num_microbatches=4),
+     r"batch size 10 is not a multiple of 4 microbatches: they would hold 3, 3, 2, 2 samples.*\(8, 12\).*\(2, 5, 10\)"),
     (lambda: TrainConfig(schedule="zb"), r"unknown schedule 'zb'; choose 1f1b, gpipe, pipedream, interleaved, zbh1, zbinterleaved, zbv or auto"),
     (lambda: TrainConfig(clip_grad=-1.0), r"clip_grad must be > 0, got -1.0"),
     (lambda: TrainConfig(lr_schedule="cosine"), r"bad --lr_schedule 'cosine'"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from model_parallel import PipelineTrainer, TrainConfig
 from model_parallel.codegen.naming import state_key
@@ -129,3 +129,21 @@ def test_bad_data_is_refused_with_the_fix():
         as_source(TensorDataset(torch.zeros(8, 2)), BATCH, 0, lambda s: {"x": torch.stack([t[0] for t in s])}).batch(0)
     with pytest.raises(DataError, match=r"yielded nothing"):
         IterableData([], 2).batch(0)
+
+
+def test_a_data_loader_trains_the_run_s_batch_size_or_is_refused(caplog):
+    # A user's QA: DataLoader(batch_size=4) under TrainConfig(batch_size=8) trained 4 samples a step, recorded as 8.
+    x, y = tensors()
+    with pytest.raises(DataError, match=r"DataLoader: its batch_size 4 differs from the run's batch size 8"):
+        as_source(DataLoader(TensorDataset(x, y), batch_size=4), BATCH, 0)
+    # Batches a batch_sampler makes are checked as they come: a short one would split into unequal microbatches.
+    short = DataLoader(TensorDataset(x, y), batch_sampler=[list(range(8)), list(range(8, 13))])
+    source = as_source(short, BATCH, 0)
+    assert len(source.batch(0)[1]) == BATCH
+    with pytest.raises(DataError, match=r"step 1: a batch of 5 sample\(s\) where the run's batch size is 8"):
+        source.batch(1)
+    # drop_last=False with a remainder: every step is still a full minibatch, and the samples left out are said.
+    loader = DataLoader(TensorDataset(x[:35], y[:35]), batch_size=BATCH, shuffle=True)
+    source = as_source(loader, BATCH, 0)
+    assert "3 sample(s) of 35 are left out of every epoch" in caplog.text
+    assert {len(source.batch(step)[1]) for step in range(10)} == {BATCH}

@@ -1,0 +1,105 @@
+"""Hugging Face's data form: a dict batch `{"input_ids", "labels"}` (what transformers' collators make) trains what
+the model's own loss trains. To a causal LM, labels are unshifted (the model scores position t against labels[t + 1]);
+read as next-token targets they taught a user's GPT-2 to copy its input (loss 3.75 -> 0.01, 100 % of positions
+predicting the current token) while HF's loss of the trained model was 9.6. Oracle: the original model trained on
+`model(**batch).loss` per microbatch (/ m), SGD, the same minibatches."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from model_parallel import PipelineTrainer, TrainConfig
+from model_parallel.codegen.naming import state_key
+from model_parallel.errors import DataError
+from model_parallel.runtime.data.sources import as_source
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, VOCAB, N = 8, 64, 32
+CONFIG = TrainConfig(batch_size=8, num_microbatches=2, seed=3)
+
+
+class HFStyle(Dataset):
+    """Token rows as a transformers collator gives them: labels = input_ids, -100 on the padding at the end."""
+
+    def __init__(self, shifted: bool = False) -> None:
+        self.ids = torch.randint(0, VOCAB, (N, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        self.shifted = shifted
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i]
+        labels = (ids[1:] if self.shifted else ids[:-1]).clone()
+        labels[SEQ - 1 - i % 3:] = -100  # rows padded differently
+        return {"input_ids": ids[:-1], "labels": labels}
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _hf_trained(model: torch.nn.Module, steps: int) -> list[float]:
+    """The oracle: HF's own loss, per microbatch / m, on the minibatches the run reads (labels as the collator gave)."""
+    source, optimizer, m, losses = as_source(HFStyle(), CONFIG.batch_size, CONFIG.seed), _sgd(model.parameters()), \
+        CONFIG.num_microbatches, []
+    for step in range(steps):
+        inputs, labels = source.batch(step)
+        optimizer.zero_grad()
+        total = 0.0
+        for ids, mb_labels in zip(inputs["input_ids"].chunk(m), labels.chunk(m)):
+            loss = model(input_ids=ids, labels=mb_labels).loss / m
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def test_a_causal_lm_trains_its_own_loss_on_hugging_face_batches():
+    model = _gpt2()
+    reference = copy.deepcopy(model)
+    trainer = PipelineTrainer(model, _sgd, HFStyle(), CONFIG, num_stages=2, single_process=True)
+    losses = [r.loss for r in trainer.train(6)]
+    want = _hf_trained(reference, 6)
+    assert losses == pytest.approx(want, abs=1e-5)
+    got = trainer.state_dict()
+    for key, value in reference.state_dict().items():
+        if state_key(key) in got:
+            assert torch.allclose(got[state_key(key)], value, atol=1e-5), key
+    # Validation reads the labels the same way: the mean over microbatches of HF's loss.
+    reference.eval()
+    with torch.no_grad():
+        inputs, labels = as_source(HFStyle(), CONFIG.batch_size, CONFIG.seed).batch(0)
+        hf = sum(float(reference(input_ids=i, labels=t).loss) for i, t in
+                 zip(inputs["input_ids"].chunk(2), labels.chunk(2))) / 2
+    assert trainer.evaluate(HFStyle(), 1).loss == pytest.approx(hf, abs=1e-5)
+
+
+def test_labels_already_shifted_are_refused_not_shifted_twice():
+    with pytest.raises(DataError, match=r"'labels' are already shifted .* give labels = input_ids"):
+        PipelineTrainer(_gpt2(), _sgd, HFStyle(shifted=True), CONFIG, num_stages=2, single_process=True).train(1)
+
+
+def test_a_criterion_given_receives_the_labels_as_they_are():
+    seen = []
+
+    def criterion(out, target):
+        seen.append(target)
+        return torch.nn.functional.cross_entropy(out["logits"].flatten(0, 1), target.flatten())
+
+    PipelineTrainer(_gpt2(), _sgd, HFStyle(shifted=True), CONFIG, num_stages=2, single_process=True,
+                    criterion=criterion).train(1)
+    inputs, labels = as_source(HFStyle(shifted=True), CONFIG.batch_size, CONFIG.seed).batch(0)
+    assert torch.equal(torch.cat(seen), labels)
