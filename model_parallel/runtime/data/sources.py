@@ -255,9 +255,10 @@ def from_loader(loader: DataLoader, seed: int, batch_size: int, causal_labels: b
     if map_style and loader.batch_size is not None and isinstance(sampler, (RandomSampler, SequentialSampler)):
         # Its own shuffle draws a fresh seed per pass: ours is keyed by (seed, epoch), so a resume replays it.
         # Every step a full minibatch: a short last one would split into unequal microbatches (config.py refuses those).
-        if not loader.drop_last and (left := len(loader.dataset) % batch_size):
+        size = len(loader.dataset)  # type: ignore[arg-type]  # map-style: it has a length
+        if not loader.drop_last and (left := size % batch_size):
             logger.warning("DataLoader: %d sample(s) of %d are left out of every epoch (drop_last=False, but a step is "
-                           "always a full minibatch of %d)", left, len(loader.dataset), batch_size)
+                           "always a full minibatch of %d)", left, size, batch_size)
         return MapData(loader.dataset, batch_size, loader.collate_fn, seed, shuffle=isinstance(sampler, RandomSampler),
                        name="DataLoader", causal_labels=causal_labels)
     return IterableData(loader, batch_size, batched=True, name="DataLoader", causal_labels=causal_labels)
