@@ -139,6 +139,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     static = False  # a PipeDream-generated package: its plan is static (no graph.json to re-cut)
     if isinstance(spec.model, str):
         graph, model, criterion, shape, classes, kind = _zoo_model(spec)
+        vocab = classes if kind == "tokens" else None  # a language model's classes are its vocabulary
     else:
         if isinstance(spec.model, nn.Module):
             graph, model = _traced_module(spec)
@@ -146,7 +147,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
             graph, plan, model, static = _package(spec)
         else:
             graph, model = _graph_model(spec)
-        criterion, shape, classes, kind = spec.criterion, (), 0, "dense"
+        criterion, shape, classes, kind, vocab = spec.criterion, (), 0, "dense", None
         # The graph's inputs say which loss and data fit.
         if criterion is None or isinstance(spec.data, str) or isinstance(spec.eval_data, str):
             inputs = graph.metadata.get("inputs") or []
@@ -155,8 +156,9 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
             shape = tuple(inputs[0]["shape"][1:])
             kind = "tokens" if inputs[0]["dtype"].startswith("int") else "dense"
             criterion = spec.criterion or _criterion(spec.loss or ("lm" if kind == "tokens" else "cross_entropy"))
-            classes = int(spec.num_classes or graph.metadata.get("num_classes") or output_width(graph)
-                          or (128 if kind == "tokens" else 10))
+            known = int(spec.num_classes or graph.metadata.get("num_classes") or output_width(graph) or 0)
+            classes = known or (128 if kind == "tokens" else 10)
+            vocab = known if kind == "tokens" and known else None
     if spec.plan is not None:
         from model_parallel.graph.plan import read_plan
 
@@ -177,7 +179,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     elif isinstance(spec.data, str):
         from model_parallel.runtime.data.batches import make_dataset
 
-        dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind,
+        dataset = make_dataset(spec.data, spec.batch_size, spec.seed, shape=shape, num_classes=classes, kind=kind, vocab=vocab,
                                seq_len=spec.seq_len, token_dtype=spec.token_dtype)
     elif adapted:  # reading a user's data (collating, decoding) stays off stage 0's critical path
         from model_parallel.runtime.data.prefetch import Prefetcher
@@ -185,7 +187,7 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         dataset = Prefetcher(spec.data, depth=2)
     else:
         dataset = spec.data
-    eval_dataset = _eval_dataset(spec, shape, classes, kind)
+    eval_dataset = _eval_dataset(spec, shape, classes, kind, vocab)
     from model_parallel.runtime.build.materialize import Initializer
 
     source = None
@@ -219,7 +221,7 @@ def _schedule_plan(spec: JobSpec, graph: Graph, schedule: str, given: Optional[P
     return even_plan(graph, stages, replicas, spec.memory_per_worker, footprint)
 
 
-def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str) -> Any:
+def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str, vocab: Optional[int]) -> Any:
     """The validation data of `spec` (None without): read on demand, no prefetching (each validation
     rereads steps 0..n-1, which a prefetcher would only read ahead past)."""
     if spec.eval_data is None:
@@ -232,7 +234,7 @@ def _eval_dataset(spec: JobSpec, shape: tuple[int, ...], classes: int, kind: str
 
     # Synthetic validation data from another seed: training's own minibatches would not be held out.
     return make_dataset(spec.eval_data, spec.batch_size, spec.seed + 1, shape=shape, num_classes=classes, kind=kind,
-                        prefetch=0, seq_len=spec.seq_len, token_dtype=spec.token_dtype)
+                        prefetch=0, seq_len=spec.seq_len, token_dtype=spec.token_dtype, vocab=vocab)
 
 
 def _footprint(spec: JobSpec, graph: Graph) -> Any:

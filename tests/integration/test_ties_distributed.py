@@ -83,6 +83,8 @@ def _gpt_jobs(root: Path, graph: Graph) -> tuple[list[TiedJob], list[TiedJob]]:
                 checkpoint_dir=str(root / "checkpoints"), resume=True),
         TiedJob("gpt_seed_per_rank", "gpt", g, str(root / "halves.json"), 1, str(root / "unused"),
                 extra={"seed_per_rank": True}),
+        TiedJob("gpt_nan_tie", "gpt", g, str(root / "halves.json"), 1, str(root / "unused"),
+                extra={"nan_on_rank_1": "token_embedding.weight"}),
     ]
     return four, two
 
@@ -169,6 +171,15 @@ def test_a_checkpoint_stores_a_tie_once_and_resumes_on_another_worker_count(worl
     assert checkpoint.extra["next_step"] == job.steps and checkpoint.world["world_size"] == 2
     assert "token_embedding.weight" in checkpoint.param_names and "head.weight" not in checkpoint.param_names
     assert "head.weight" not in checkpoint.buffer_names
+
+
+def test_a_tie_that_is_not_finite_is_named_a_divergence_not_a_seed_fault(worlds) -> None:
+    # A user's run at --lr 1e4 went NaN and was told to check its seeds (NaN never equals NaN).
+    _, _, output = worlds["gpt_nan_tie"]
+    for rank in (0, 1):  # rank 0's copy is finite: it hears of rank 1's through the check's one all-reduce
+        assert (f"rank {rank}: gpt_nan_tie refused: the tie (token_embedding.weight, head.weight) on stages [0, 1], "
+                "ranks [0, 1] holds non-finite values (NaN or inf) when plan v0 was activated: the training diverged"
+                ) in output, output
 
 
 def test_copies_that_start_different_are_refused(worlds) -> None:

@@ -33,13 +33,18 @@ def run(job: TiedJob, rank: int) -> None:
         channel = ScriptedChannel.from_json(Path(job.control_script).read_text())
     # extra["seed_per_rank"]: every rank builds other weights (the copies of a tie differ: refused).
     model = job.build(seed=rank if job.extra.get("seed_per_rank") else 0)
+    # extra["nan_on_rank_1"]: that parameter holds a NaN on rank 1 only (a diverged run: refused as one, on every rank).
+    refusals = job.extra.get("seed_per_rank") or job.extra.get("nan_on_rank_1")
+    if job.extra.get("nan_on_rank_1") and rank == 1:
+        with torch.no_grad():
+            model.get_parameter(job.extra["nan_on_rank_1"]).view(-1)[0] = float("nan")
     try:
         engine = PipelineEngine(
             graph=read_graph_json(job.graph), plan=read_plan(job.plan), model=model, criterion=job.criterion(),
             optimizer_factory=job.optimizer_factory(), dataset=job.data(), config=job.config(), channel=channel,
             options=RunOptions(timeout=TIMEOUT, checkpoint_dir=job.checkpoint_dir, resume=job.resume, progress=False))
     except TiedParameterError as error:
-        if not job.extra.get("seed_per_rank"):
+        if not refusals:
             raise
         print(f"rank {rank}: {job.name} refused: {error}", flush=True)
         return

@@ -180,11 +180,19 @@ class TiedCopies:
         each tie's ranks). Copies that start from the same seed and get the same updates are bitwise equal."""
         for ranks, ties in self._by_group().items():
             sums = torch.cat([_checksum(params[0]) for params in ties])
-            both = torch.cat([sums, -sums])  # one MAX all-reduce gives every entry's maximum and minimum
+            # One MAX all-reduce gives every entry's maximum and minimum, and whether any holder's values are not
+            # finite (NaN never equals NaN: a diverged run, not copies built from different seeds).
+            bad = (~torch.isfinite(sums)).double()
+            sums = torch.nan_to_num(sums)
+            both = torch.cat([sums, -sums, bad])
             work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._groups[ranks], async_op=True)
             comm.wait_work(work, timeout, -1, f"tied-parameter check over ranks {list(ranks)}")
-            high, low = both[:len(sums)], -both[len(sums):]
+            high, low, bad = both[:len(sums)], -both[len(sums):2 * len(sums)], both[2 * len(sums):]
             for index, (tie, params) in enumerate(t for t in self.local if t[0].ranks == ranks):
+                if bool(bad[2 * index:2 * index + 2].any()):
+                    raise TiedParameterError(
+                        f"the {tie.describe()} holds non-finite values (NaN or inf) {when}: the training diverged; "
+                        "lower the learning rate (--lr), clip gradients (--clip_grad), or look for bad data")
                 same_here = all(torch.equal(params[0], p) for p in params[1:])
                 if not same_here or not torch.equal(high[2 * index:2 * index + 2], low[2 * index:2 * index + 2]):
                     raise TiedParameterError(

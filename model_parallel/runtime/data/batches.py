@@ -155,11 +155,12 @@ def _split(value: Any, parts: int) -> list[Any]:
 
 def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...], num_classes: int, kind: str = "dense",
                  image_size: int = 32, prefetch: Optional[int] = None, seq_len: Optional[int] = None,
-                 token_dtype: str = "uint16") -> Any:
+                 token_dtype: str = "uint16", vocab: Optional[int] = None) -> Any:
     """`spec` is "synthetic", "tokens:PATH" (a flat token file, windows of `seq_len`, default the model's
     input length; `runtime.data.sources.token_data`) or an ImageFolder directory. `prefetch` batches are prepared
     ahead on a background thread (`runtime.data.prefetch.Prefetcher`; 0: none); default 2 for files (decoding
-    images costs as much as a stage's compute) and 0 for synthetic data (a few random numbers)."""
+    images costs as much as a stage's compute) and 0 for synthetic data (a few random numbers). `vocab`: the model's
+    vocabulary size, which a token file's ids must stay below (None: unchecked)."""
     if spec == "synthetic":
         dataset: Any = SyntheticData(batch_size, tuple(shape), num_classes, kind, seed)
         depth = 0 if prefetch is None else prefetch
@@ -171,7 +172,7 @@ def make_dataset(spec: str, batch_size: int, seed: int, *, shape: tuple[int, ...
             # The graph was traced at its input length: other lengths would fail deep inside a stage.
             raise DataError(f"--data {spec}: --seq_len {length} differs from the model's input length {shape[-1]} "
                             f"(as traced); give --seq_len {shape[-1]}, or profile the model at length {length}")
-        dataset = token_data(spec[len("tokens:"):], length, batch_size, seed, token_dtype)
+        dataset = token_data(spec[len("tokens:"):], length, batch_size, seed, token_dtype, vocab)
         depth = 2 if prefetch is None else prefetch
     else:
         dataset = ImageFolderData(spec, batch_size, image_size, seed)

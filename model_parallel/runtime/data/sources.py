@@ -203,9 +203,10 @@ class IterableData:
 
 
 class TokenWindows(TorchDataset):
-    """A flat token file (nanoGPT's train.bin) as samples (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), int64."""
+    """A flat token file (nanoGPT's train.bin) as samples (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), int64.
+    `vocab`: ids must be below it (the model's vocabulary), checked on every window read."""
 
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16") -> None:
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", vocab: Optional[int] = None) -> None:
         import numpy as np
 
         if dtype not in TOKEN_DTYPES:
@@ -223,25 +224,35 @@ class TokenWindows(TorchDataset):
             raise DataError(f"tokens:{path}: {size // itemsize} token(s) cannot make one window of --seq_len {seq_len} "
                             "plus its shifted target; give more tokens or a shorter --seq_len")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")  # read-only, paged in on demand
-        self.seq_len, self.path = seq_len, path
+        self.seq_len, self.path, self.vocab = seq_len, path, vocab
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.seq_len
-        window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype("int64"))
+        window = self._checked(start, torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype("int64")))
         return window[:-1], window[1:]
 
     def target(self, index: int) -> torch.Tensor:
         """`self[index][1]` alone: the window shifted by one token."""
         start = index * self.seq_len + 1
-        return torch.from_numpy(self.tokens[start:start + self.seq_len].astype("int64"))
+        return self._checked(start, torch.from_numpy(self.tokens[start:start + self.seq_len].astype("int64")))
+
+    def _checked(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+        # An id past the vocabulary would fail deep in a stage as "index out of range in self", naming nothing.
+        if self.vocab is not None and len(ids) and int(ids.max()) >= self.vocab:
+            at = start + int(ids.argmax())
+            raise DataError(f"tokens:{self.path}: token id {int(ids.max())} (at token {at}) is not below the model's "
+                            f"vocabulary size {self.vocab}; was the file made by another tokenizer, or is its dtype "
+                            f"other than {self.tokens.dtype} (--token_dtype)?")
+        return ids
 
 
-def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: str = "uint16") -> MapData:
+def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: str = "uint16",
+               vocab: Optional[int] = None) -> MapData:
     """`--data tokens:PATH --seq_len N`: inputs (B, N) and next-token targets (B, N), shuffled windows per epoch."""
-    return MapData(TokenWindows(path, seq_len, dtype), batch_size, seed=seed, name=f"tokens:{path}")
+    return MapData(TokenWindows(path, seq_len, dtype, vocab), batch_size, seed=seed, name=f"tokens:{path}")
 
 
 def from_loader(loader: DataLoader, seed: int, batch_size: int, causal_labels: bool = False) -> Any:
