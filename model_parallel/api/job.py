@@ -148,6 +148,10 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
         else:
             graph, model = _graph_model(spec)
         criterion, shape, classes, kind, vocab = spec.criterion, (), 0, "dense", None
+        if not static and not isinstance(spec.model, nn.Module):  # rebuilt from a graph: traced elsewhere, at some size
+            from model_parallel.api.traced_batch import check_microbatch
+
+            check_microbatch(graph, model, spec.batch_size, spec.num_microbatches, _source(spec))
         # The graph's inputs say which loss and data fit.
         if criterion is None or isinstance(spec.data, str) or isinstance(spec.eval_data, str):
             inputs = graph.metadata.get("inputs") or []

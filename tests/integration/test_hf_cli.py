@@ -126,3 +126,27 @@ def test_named_synthetic_data_gives_every_graph_input_a_value_of_its_kind() -> N
     assert classes.shape == (4,)
     with pytest.raises(DataError, match="lack a name, shape or dtype"):
         NamedSyntheticData.from_graph_inputs([{"shape": [2]}], 4, 3, "tokens", 0)
+
+
+def test_a_microbatch_size_the_graph_cannot_run_is_refused_before_training(tmp_path: Path, capsys) -> None:
+    # A user's QA: profiled at --batch_size 4, trained at 8 / 4 microbatches: "shape '[4, 64, 192]' is invalid" at
+    # step 0, and the resume advice failed the same way. torch.export keeps the traced size in the reshapes.
+    from model_parallel.api.job import JobSpec, build_job
+    from model_parallel.cli.worker import main as worker_main
+    from model_parallel.models.mlp import StackedMLP
+    from model_parallel.profiler.api import profile
+    from model_parallel.graph.json_format import write_graph_json
+
+    graph = tmp_path / "run" / "graph.json"
+    assert profile_main([str(_gpt2_dir(tmp_path) / "config.json"), "--inputs", "input_ids", "--batch_size", "2",
+                         "--seq_len", "8", "--iterations", "1", "--out", str(graph)]) == 0
+    capsys.readouterr()
+    args = ["--graph", str(graph), "--single_process", "--steps", "1", "--loss", "lm", "--num_microbatches", "2"]
+    with pytest.raises(ConfigError, match=r"the model was traced at microbatches of 2 sample\(s\) and does not run at "
+                                          r"this run's 4 \(batch size 8 / 2 microbatches: shape .*\); give batch size 4"):
+        worker_main(args + ["--batch_size", "8"])  # the command line prints it and exits 2
+    assert worker_main(args + ["--batch_size", "4"]) == 0  # the size it names runs
+    # A graph that does not bake its size (an fx trace) runs at any microbatch size, as before.
+    mlp = profile(StackedMLP(8, 16, 2, 4), (torch.randn(2, 8),), warmup=0, iterations=1)
+    write_graph_json(mlp, tmp_path / "mlp.json")
+    assert build_job(JobSpec(graph=tmp_path / "mlp.json", batch_size=12, num_microbatches=2), 1).plan.num_stages == 1
