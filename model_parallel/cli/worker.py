@@ -32,7 +32,8 @@ from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logg
 from model_parallel.cli.recover_hooks import worker_hook  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
-from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_control_script, read_jobs  # noqa: E402
+from model_parallel.cli.worker_inputs import (check_inputs, check_numbers, check_single_process, read_control_script,  # noqa: E402
+                                             read_jobs)
 from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
@@ -234,6 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from model_parallel.cli.worker_recover import check_recover_flags
 
     (check_join_flags if args.join else check_recover_flags)(args)
+    check_single_process(args)  # after those: "--recover with --single_process" says more than the flags it ignores
     served = None
     if wants_served_job(args):
         configure_logging(args.verbose)
