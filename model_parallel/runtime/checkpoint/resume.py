@@ -150,6 +150,7 @@ def prepare(engine: StartingEngine, start_step: int) -> int:
                            "(give --checkpoint_dir / RunOptions.checkpoint_dir so a restart resumes)",
                            engine.prefix, restart, start_step)
         return start_step
+    existed = os.path.isdir(directory)  # before anything is written there: the warning below says which
     if engine.rank == 0:
         prune(directory)  # leftovers of a run killed mid-checkpoint
     if engine.options.resume or restart:
@@ -165,4 +166,9 @@ def prepare(engine: StartingEngine, start_step: int) -> int:
         elif restart:
             logger.warning("%s torchelastic restart %d: no committed checkpoint in %s, so training starts again "
                            "from step %d", engine.prefix, restart, directory, start_step)
+        elif engine.rank == 0:
+            # Not refused: launch scripts pass --resume on the first start too. But a misspelled directory would
+            # otherwise train from scratch without a word.
+            logger.warning("--resume: no checkpoint in %s (%s); starting from step %d", directory,
+                           "has no committed checkpoint" if existed else "the directory does not exist", start_step)
     return start_step
