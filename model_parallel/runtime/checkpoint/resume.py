@@ -81,7 +81,8 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
 
     if engine.options.checkpoint_dir is None:
         raise CheckpointError("resuming needs the checkpoint directory to read from; pass --checkpoint_dir")
-    checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
+    checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint(),
+                                      fix="start without --resume")
     next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
     # Every rank reads the same manifest: all refuse together, before any state changes.
     where, allow = f"{engine.options.checkpoint_dir} (step {checkpoint.step})", engine.options.allow_config_change
