@@ -122,6 +122,9 @@ def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], dir
 
 
 # ---- from a checkpoint directory ----------------------------------------------------------------------
+EXPORT_FIX = "export reads a training run's --checkpoint_dir (its 'latest' pointer and step_<N>/ folders): give that folder"
+
+
 def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
                            step: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every stage key of a committed checkpoint (a tie stored once restored under each of its keys)."""
@@ -129,7 +132,7 @@ def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
     from model_parallel.runtime.build.tied import stored_keys
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
-    checkpoint = load_checkpoint(checkpoint_dir, step)
+    checkpoint = load_checkpoint(checkpoint_dir, step, fix=EXPORT_FIX)
     state = {**checkpoint.params(), **checkpoint.buffers()}
     for alias, stored in stored_keys(graph).items():
         if stored in state:
@@ -154,7 +157,7 @@ def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str,
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
     if graph is None:
-        folder = load_checkpoint(checkpoint_dir, step).path
+        folder = load_checkpoint(checkpoint_dir, step, fix=EXPORT_FIX).path
         graph = checkpoint_graph(folder)
         if config is None:
             config = checkpoint_hf_config(folder, graph)

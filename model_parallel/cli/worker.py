@@ -32,7 +32,8 @@ from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logg
 from model_parallel.cli.recover_hooks import worker_hook  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
 from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
-from model_parallel.cli.worker_inputs import check_inputs, check_numbers, read_control_script, read_jobs  # noqa: E402
+from model_parallel.cli.worker_inputs import (check_inputs, check_numbers, check_single_process, read_control_script,  # noqa: E402
+                                             read_jobs)
 from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
@@ -120,8 +121,9 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--checkpoint_every", type=int, default=0)
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint_dir")
     o.add_argument("--allow_config_change", action="store_true",
-                   help="with --resume: accept a batch size, schedule, seed, lr schedule, precision or data that "
-                        "differs from what the checkpoint recorded (each change is logged)")
+                   help="with --resume: accept a batch size, schedule, seed, lr schedule, precision, data, optimizer or "
+                        "its lr/momentum/weight decay that differs from what the checkpoint recorded (each change is "
+                        "logged; another optimizer starts its state afresh)")
     o.add_argument("--recover", action="store_true",
                    help="when a peer is lost, re-form the world with the survivors and continue in this process from a "
                         "live replica of its stage, a --redundancy copy, or the latest committed checkpoint (needs --checkpoint_dir)")
@@ -233,6 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from model_parallel.cli.worker_recover import check_recover_flags
 
     (check_join_flags if args.join else check_recover_flags)(args)
+    check_single_process(args)  # after those: "--recover with --single_process" says more than the flags it ignores
     served = None
     if wants_served_job(args):
         configure_logging(args.verbose)

@@ -13,7 +13,7 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, Optional
 
 from model_parallel.cli.common import EXIT_USAGE
@@ -27,7 +27,7 @@ EXIT_REPLACED = 6
 # diagnosis (at most 0.4 timeouts) reads the store to name the culprit.
 LINGER_TIMEOUTS = 1.4
 
-__all__ = ["EXIT_USAGE", "EXIT_PEER", "EXIT_STOPPED", "EXIT_FAILED", "EXIT_REPLACED", "LINGER_TIMEOUTS", "resume_hint", "leave",
+__all__ = ["EXIT_USAGE", "EXIT_PEER", "EXIT_STOPPED", "EXIT_FAILED", "EXIT_REPLACED", "LINGER_TIMEOUTS", "resume_hint", "launch_command", "leave",
            "runtime_failure"]
 
 
@@ -52,10 +52,36 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int) -
     except OSError as error:
         return f"[rank {rank}] cannot read --checkpoint_dir {checkpoint_dir}: {error}"
     args = list(argv) if "--resume" in argv else [*argv, "--resume"]
-    command = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_parallel_0.py", *args])
+    launcher, note = launch_command()
+    command = shlex.join([*launcher, *args]) + note
     if step is None:
         return f"[rank {rank}] no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"
     return f"[rank {rank}] latest committed checkpoint: {step_dir(checkpoint_dir, step)}; resume every rank with: {command}"
+
+
+def launch_command(env: Optional[Mapping[str, str]] = None, main_module: Optional[str] = None,
+                   argv0: Optional[str] = None) -> tuple[list[str], str]:
+    """How this worker was started, up to its flags, as a user types it again, and a note where that is not all:
+    `python -m model_parallel.cli.worker`, `python test_parallel_0.py`, `model-parallel worker`; under torchrun
+    (which sets TORCHELASTIC_RUN_ID) `torchrun --nproc_per_node=N -m ...`, its rendezvous flags unknown here
+    (the note says so on several nodes). Defaults: this process's environment, `__main__` and sys.argv[0]."""
+    env = os.environ if env is None else env
+    if main_module is None:  # `python -m X` (also what torchrun -m runs): __main__'s spec names X
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        main_module = spec.name if spec is not None else ""
+    script = os.path.basename(sys.argv[0] if argv0 is None else argv0) or "test_parallel_0.py"
+    if main_module:
+        target, python = ["-m", main_module.removesuffix(".__main__")], [os.path.basename(sys.executable)]
+    elif script == "model-parallel":  # the console script's subcommand: an executable, not a Python file
+        target, python = ["model-parallel", "worker"], []
+    else:
+        target, python = [script], [os.path.basename(sys.executable)]
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return [*python, *target], ""
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1") or 1)
+    torchrun = ["torchrun", *([f"--nnodes={nodes}"] if nodes > 1 else []),
+                f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', '1')}", *([] if python else ["--no-python"])]
+    return [*torchrun, *target], " (on every node, with the same rendezvous flags)" if nodes > 1 else ""
 
 
 def leave(code: int, line: str, rank: int, health: Any, *, state: str = "failed", cause: str = "",

@@ -45,6 +45,22 @@ def check_numbers(args: Any, where: str = "") -> None:
             raise ConfigError(f"{where}--{flag} {value}: the {what} must be a finite number in {low:g}..{high:g}")
 
 
+# What only the pipeline's workers do: single-process mode (runtime/trainer.SingleProcessRunner, the oracle the
+# pipeline is checked against) trains in memory and writes nothing, so these would be ignored while it exits 0.
+PIPELINE_ONLY = ("checkpoint_dir", "checkpoint_every", "resume", "allow_config_change", "metrics", "trace_dir")
+
+
+def check_single_process(args: Any, where: str = "") -> None:
+    """--single_process with a flag it would ignore (a checkpoint never written, a resume that starts at step 0)."""
+    from model_parallel.errors import ConfigError
+
+    given = [f"--{name}" for name in PIPELINE_ONLY if getattr(args, name, None)]
+    if args.single_process and given:
+        raise ConfigError(f"{where}--single_process with {', '.join(given)}: single-process mode (the oracle/check run) "
+                          f"does not checkpoint, resume, write metrics or traces; drop {', '.join(given)}, or run the "
+                          f"pipeline to have them (torchrun --nproc_per_node=N -m model_parallel.cli.worker ...)")
+
+
 def check_inputs(args: Any, where: str = "") -> None:
     """Fail fast, before joining a world, on input files and values that cannot work (one line each, exit 2)."""
     check_numbers(args, where)

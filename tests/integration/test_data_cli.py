@@ -1,6 +1,6 @@
 """The worker command line with a token file (`--data tokens:PATH`), validation flags and a truthful resume:
-a run checkpointed mid-epoch and resumed equals the uninterrupted run; a resume with another batch size is
-refused on every rank (exit 2, the field named); the last line says what this run executed."""
+a run checkpointed mid-epoch and resumed equals the uninterrupted run; a resume with another batch size and lr is
+refused on every rank (exit 2, the fields named); the last line says what this run executed."""
 from __future__ import annotations
 
 import json
@@ -51,15 +51,15 @@ def test_token_file_resume_mid_epoch_equals_uninterrupted_and_a_changed_batch_si
                                      "--metrics", str(metrics)],
         _common(tokens, part, 7),  # its checkpoint: next step 7 = epoch 1, minibatch 2
         _common(tokens, part, 9) + ["--resume"],
-        _common(tokens, part, 12) + ["--resume", "--batch_size", "4"],  # refused
+        _common(tokens, part, 12) + ["--resume", "--batch_size", "4", "--lr", "0.5"],  # refused
     ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     result = launch_workers(["--jobs", str(tmp_path / "jobs.json"), "--timeout", "60"], 2, timeout=400,
                             env={"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)})
     assert [w.returncode for w in result.workers] == [2, 2], result.summary()
     output = result.output(0)
-    assert re.search(r"--resume from .*part \(step 8\): the run was trained with a different batch_size: batch_size 8 -> 4.*"
-                     r"--allow_config_change", output), result.summary()
+    assert re.search(r"--resume from .*part \(step 8\): the run was trained with a different batch_size: batch_size 8 -> 4; "
+                     r"lr 0.05 -> 0.5 \(checkpoint -> this run\).*--allow_config_change", output), result.summary()
     assert "this run executed steps 7..8 and reached step 9 of 9" in output, result.summary()
     assert re.search(r"done: 2 step\(s\)", output)
 

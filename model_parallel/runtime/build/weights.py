@@ -159,7 +159,8 @@ class CheckpointValues:
         from model_parallel.errors import CheckpointError
         from model_parallel.runtime.checkpoint.store import load_checkpoint
 
-        checkpoint = load_checkpoint(self.directory, self.step)
+        checkpoint = load_checkpoint(self.directory, self.step,
+                                     fix="give --weights a training run's --checkpoint_dir, a .safetensors file or an HF directory")
         params = set(checkpoint.param_names)
         stored = {key: self.aliases.get(key, key) if key not in params and key not in checkpoint.buffer_names else key
                   for key in expected}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -81,11 +81,12 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
 
     if engine.options.checkpoint_dir is None:
         raise CheckpointError("resuming needs the checkpoint directory to read from; pass --checkpoint_dir")
-    checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint())
+    checkpoint = ckpt.load_checkpoint(engine.options.checkpoint_dir, expected_fingerprint=engine.fingerprint(),
+                                      fix="start without --resume")
     next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
     # Every rank reads the same manifest: all refuse together, before any state changes.
-    check_resume(checkpoint.extra.get("training"), engine.training_record(next_step),
-                 engine.options.allow_config_change, f"{engine.options.checkpoint_dir} (step {checkpoint.step})")
+    where, allow = f"{engine.options.checkpoint_dir} (step {checkpoint.step})", engine.options.allow_config_change
+    check_resume(checkpoint.extra.get("training"), engine.training_record(next_step), allow, where)
     if engine.stage is not None:
         stored = stored_keys(engine.graph)  # a tied copy is restored from the one stored tensor
         checkpoint.load_into(engine.stage, stored)
@@ -94,9 +95,31 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
             state = checkpoint.optimizer_state(sorted({stored.get(name, name) for name in named}))
             # Still unread: each parameter's state goes from the shard into the optimizer (or its offload files) alone.
             state = state.renamed({name: stored.get(name, name) for name in named})
-            ckpt.load_optimizer_state_by_name(engine.optimizer, named, state, copy=False)  # each entry read fresh
+            if optimizer_state_fits(engine.optimizer, state, allow, where):
+                ckpt.load_optimizer_state_by_name(engine.optimizer, named, state, copy=False)  # each entry read fresh
     # load_checkpoint checked it: an int in 0..step + 1.
     return checkpoint.step, next_step
+
+
+def optimizer_state_fits(optimizer: Any, state: Any, allow: bool, where: str) -> bool:
+    """Whether the checkpoint's optimizer state is this optimizer's kind (else: refused, or with `allow` left unloaded,
+    logged). The training record names a changed optimizer first; this catches a checkpoint that records none."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.runtime.checkpoint.state import foreign_state
+
+    foreign = foreign_state(optimizer, state)
+    if foreign is None:
+        return True
+    held, kept = (", ".join(sorted(keys)) or "nothing" for keys in foreign)
+    kind = type(optimizer).__name__
+    if not allow:
+        raise ConfigError(f"--resume from {where}: the checkpoint holds another optimizer's state ({held}) than this "
+                          f"run's {kind} keeps ({kept}); resume with the optimizer the run trained with (--optimizer, "
+                          f"or its optimizer_factory), or pass --allow_config_change (RunOptions.allow_config_change) "
+                          f"to start {kind}'s state afresh")
+    logger.warning("--allow_config_change: resuming from %s without its optimizer state (%s): this run's %s keeps %s, "
+                   "so its state starts afresh", where, held, kind, kept)
+    return False
 
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun's agent: 0 on the first attempt, N on the Nth restart
@@ -128,6 +151,7 @@ def prepare(engine: StartingEngine, start_step: int) -> int:
                            "(give --checkpoint_dir / RunOptions.checkpoint_dir so a restart resumes)",
                            engine.prefix, restart, start_step)
         return start_step
+    existed = os.path.isdir(directory)  # before anything is written there: the warning below says which
     if engine.rank == 0:
         prune(directory)  # leftovers of a run killed mid-checkpoint
     if engine.options.resume or restart:
@@ -143,4 +167,9 @@ def prepare(engine: StartingEngine, start_step: int) -> int:
         elif restart:
             logger.warning("%s torchelastic restart %d: no committed checkpoint in %s, so training starts again "
                            "from step %d", engine.prefix, restart, directory, start_step)
+        elif engine.rank == 0:
+            # Not refused: launch scripts pass --resume on the first start too. But a misspelled directory would
+            # otherwise train from scratch without a word.
+            logger.warning("--resume: no checkpoint in %s (%s); starting from step %d", directory,
+                           "has no committed checkpoint" if existed else "the directory does not exist", start_step)
     return start_step

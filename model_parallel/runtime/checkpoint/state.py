@@ -7,6 +7,7 @@ protocol (runtime/checkpoint/commit.py); runtime/checkpoint/store.py re-exports 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
@@ -116,6 +117,36 @@ def optimizer_state_by_name(
             continue  # a parameter this stage does not own (cannot happen with one optimizer per stage)
         out[name] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return out
+
+
+def state_keys(optimizer: torch.optim.Optimizer) -> Optional[frozenset[str]]:
+    """The per-parameter state keys `optimizer`'s kind keeps (SGD with momentum: momentum_buffer; AdamW: step,
+    exp_avg, exp_avg_sq), from one step of a copy (its class, its defaults) on a probe tensor; None when no copy
+    can be built (an optimizer whose constructor takes more than its defaults): then unknown."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    like = params[0] if params else torch.zeros(1)
+    probe = nn.Parameter(torch.zeros(1, device=like.device, dtype=like.dtype))
+    try:
+        # Only what the constructor takes: AdamW's defaults hold Adam's decoupled_weight_decay, its __init__ refuses it.
+        accepted = inspect.signature(type(optimizer)).parameters
+        copy = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        probe.grad = torch.zeros_like(probe)
+        copy.step()
+    except Exception:  # noqa: BLE001 - a check that cannot be made is not a reason to fail a resume
+        return None
+    return frozenset(copy.state.get(probe, {}))
+
+
+def foreign_state(optimizer: torch.optim.Optimizer, state: OptimizerState) -> Optional[tuple[frozenset[str], frozenset[str]]]:
+    """(keys an entry of `state` holds, keys `optimizer` keeps) where they differ: another kind of optimizer's state
+    (SGD's momentum_buffer for AdamW, which would fail its step with KeyError 'exp_avg'); None where it fits. Nothing
+    is read: a StreamedState's layout names the keys."""
+    layout = state.layout if isinstance(state, StreamedState) else state
+    held = next((frozenset(layout[name]) for name in layout if layout[name]), None)
+    if held is None:
+        return None  # no state yet (a checkpoint before the first step): nothing to mistake
+    kept = state_keys(optimizer)
+    return None if kept is None or held == kept else (held, kept)
 
 
 def load_optimizer_state_by_name(

@@ -367,13 +367,15 @@ class Checkpoint:
                 tensor.copy_(value)
 
 
-def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fingerprint: Optional[str] = None) -> Checkpoint:
-    """Open checkpoint `step` (default: the one `latest` points at) of `directory`."""
+def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fingerprint: Optional[str] = None,
+                    fix: str = "give the --checkpoint_dir of a training run that committed one") -> Checkpoint:
+    """Open checkpoint `step` (default: the one `latest` points at) of `directory`; `fix` ends the error of a
+    folder without one (each caller's: resume, export and --weights are fixed differently)."""
     root = Path(directory)
     if step is None:
         step = latest_step(root)
         if step is None:
-            raise CheckpointError(f"{root}: no committed checkpoint (no '{LATEST}' pointer, no step_<N>/{MANIFEST}); start without --resume")
+            raise CheckpointError(f"{root}: no committed checkpoint (no '{LATEST}' pointer, no step_<N>/{MANIFEST}); {fix}")
     folder = step_dir(root, step)
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():

@@ -1,16 +1,21 @@
 """What a checkpoint records of how its run trained, and the check that a resume trains the same way.
 
-    record = training_record(config, dataset, next_step)   # stored in the manifest's extra["training"]
+    record = training_record(config, dataset, next_step, optimizer)   # stored in the manifest's extra["training"]
     check_resume(stored, record, allow=False, where=...)   # ConfigError naming every field that changed
 
 A resume that silently trained with another batch size (the worker's default 8 where the run had used
 32) computes something else than the run it claims to continue: every field below that changed is
 refused, named with both values, unless the user accepts it (`--allow_config_change`, then logged).
+The optimizer is recorded as its class and constructor defaults (lr, momentum, ...): a resume that steps
+Adam's state with SGD, or continues at 30x the lr, is not the run it continues either. A record written before
+a field was recorded (an older checkpoint) leaves it unknown: not compared.
 The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
 """
 from __future__ import annotations
 
 import logging
+import re
+import shlex
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -19,7 +24,38 @@ from model_parallel.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # The fields a resume must keep, in the order a refusal names them.
-COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule", "precision", "clip_grad", "data")
+COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule", "precision", "clip_grad", "data",
+            "optimizer", "lr", "momentum", "weight_decay", "betas", "eps")
+# The optimizer's: its kind ("sgd", "adamw": the class name, as --optimizer spells it) and the defaults it was built
+# with. A field one optimizer has and the other lacks (SGD's momentum, Adam's betas) is not compared: the kind is.
+OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "betas", "eps")
+
+
+def describe_optimizer(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's kind and constructor defaults (JSON: betas as a list, a tensor lr as a float)."""
+    out: dict[str, Any] = {"optimizer": type(optimizer).__name__.lower()}
+    defaults = getattr(optimizer, "defaults", None) or {}
+    for key in OPTIMIZER_FIELDS[1:]:
+        value = defaults.get(key)
+        if isinstance(value, (tuple, list)):
+            out[key] = [float(v) for v in value]
+        elif value is not None:
+            out[key] = float(value)  # an lr given as a tensor, an int weight decay: the same number in JSON
+    return out
+
+
+def probe_optimizer(built: Any, factory: Any) -> Any:
+    """The optimizer to record: the one built on this rank, else one the factory builds on a probe tensor (a rank
+    without parameters builds none; every rank must compute the same record). None if the factory fails on it."""
+    if built is not None:
+        return built
+    import torch
+
+    try:
+        return factory([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as error:  # noqa: BLE001 - the record is then without the optimizer: not compared, not fatal
+        logger.debug("optimizer not recorded: its factory failed on a probe tensor (%s: %s)", type(error).__name__, error)
+        return None
 
 
 def describe_data(dataset: Any) -> str:
@@ -41,8 +77,9 @@ def describe_data(dataset: Any) -> str:
     return type(dataset).__name__
 
 
-def training_record(config: Any, dataset: Any, next_step: int) -> dict[str, Any]:
-    """The training configuration of a run (a `TrainConfig`) and where its data stands at `next_step` (JSON)."""
+def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = None) -> dict[str, Any]:
+    """The training configuration of a run (a `TrainConfig`, its `optimizer` if given) and where its data stands at
+    `next_step` (JSON)."""
     from model_parallel.runtime.data.sources import position
 
     # A schedule `--schedule auto` chose is recorded as "auto": a resume may choose again (all flush schedules train alike).
@@ -55,27 +92,43 @@ def training_record(config: Any, dataset: Any, next_step: int) -> dict[str, Any]
         "seed": config.seed, "lr_schedule": config.lr_schedule, "precision": "bf16" if config.bf16 else "float32",
         "clip_grad": config.clip_grad, "data": describe_data(dataset),
         "data_position": {"next_step": next_step, **position(dataset, next_step)},
+        **(describe_optimizer(optimizer) if optimizer is not None else {}),
     }
 
 
 def changed_fields(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, stored value, current value) of every compared field that differs (fields the record lacks: unchanged)."""
-    return [(key, stored[key], current.get(key)) for key in COMPARED if key in stored and stored[key] != current.get(key)]
+    """(field, stored value, current value) of every compared field that differs (fields the record lacks: unchanged;
+    an optimizer field this run lacks too: its optimizer has no such setting, or it is unknown)."""
+    return [(key, stored[key], current.get(key)) for key in COMPARED
+            if key in stored and stored[key] != current.get(key) and (key not in OPTIMIZER_FIELDS or key in current)]
+
+
+def advice(field: str, value: Any) -> str:
+    """How to give `field` the checkpoint's `value` again, as a command line takes it (or the API, where none does)."""
+    if field in ("betas", "eps"):  # no command-line flag: only an optimizer_factory sets them
+        return f"an optimizer_factory building the optimizer with {field}={tuple(value) if isinstance(value, list) else value}"
+    if value is None:  # clip_grad None: the flag takes no "None", leaving it out is how
+        return f"without --{field}"
+    if field == "precision":
+        return "--bf16" if value == "bf16" else "without --bf16"
+    if field == "data":  # "tokens:PATH (N samples)", "synthetic dense": the flag's value is what precedes
+        value = "synthetic" if str(value).startswith("synthetic ") else re.sub(r" \(\d+ samples\)$", "", str(value))
+    return f"--{field} {shlex.quote(str(value))}"
 
 
 def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any], allow: bool, where: str) -> list[str]:
     """Refuse (ConfigError) a resume that changes a recorded field, or with `allow` log each change; returns them."""
     if not isinstance(stored, Mapping):
         logger.warning("%s records no training configuration (written before it was recorded): the resume cannot "
-                       "check that batch size, microbatches, schedule, seed, lr schedule, precision and data are the same",
+                       "check that batch size, microbatches, schedule, seed, lr schedule, precision, data and optimizer are the same",
                        where)
         return []
     changes = [f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(stored, current)]
     if changes and not allow:
         first = changed_fields(stored, current)[0][0]
         raise ConfigError(f"--resume from {where}: the run was trained with a different {first}: {'; '.join(changes)} "
-                          f"(checkpoint -> this run); resume with the checkpoint's settings (e.g. --{first} "
-                          f"{stored[first]}), or pass --allow_config_change (RunOptions.allow_config_change) to accept the change")
+                          f"(checkpoint -> this run); resume with the checkpoint's settings (e.g. "
+                          f"{advice(first, stored[first])}), or pass --allow_config_change (RunOptions.allow_config_change) to accept the change")
     for change in changes:
         logger.warning("--allow_config_change: resuming from %s with %s (checkpoint -> this run)", where, change)
     return changes

@@ -82,3 +82,18 @@ def test_a_malformed_restart_count_is_refused(monkeypatch, text) -> None:
     monkeypatch.setenv(resume.RESTART_ENV, text)
     with pytest.raises(ConfigError, match=f"TORCHELASTIC_RESTART_COUNT={text!r} is not a restart count"):
         resume.elastic_restart()
+
+
+@pytest.mark.parametrize("exists, why", [(False, "the directory does not exist"), (True, "has no committed checkpoint")])
+def test_resume_without_a_checkpoint_starts_at_0_and_says_why_once(tmp_path, monkeypatch, caplog, exists, why) -> None:
+    # Not refused (scripts pass --resume on the first start too), but a misspelled directory is not silent.
+    directory = tmp_path / "ck"
+    if exists:
+        directory.mkdir()
+    monkeypatch.delenv(resume.RESTART_ENV, raising=False)
+    with caplog.at_level(logging.WARNING):
+        for rank in (0, 1):
+            engine = Engine(RunOptions(checkpoint_dir=str(directory), resume=True), rank=rank)
+            assert (resume.prepare(engine, 0), engine.loads) == (0, [])
+    assert caplog.text.count("--resume:") == 1  # rank 0 only
+    assert f"--resume: no checkpoint in {directory} ({why}); starting from step 0" in caplog.text

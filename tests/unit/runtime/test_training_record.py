@@ -12,7 +12,8 @@ from torch.utils.data import TensorDataset
 from model_parallel import PipelineTrainer, RunOptions, TrainConfig
 from model_parallel.errors import ConfigError
 from model_parallel.runtime.build.zoo import recipe
-from model_parallel.runtime.checkpoint.training_record import check_resume, describe_data, training_record
+from model_parallel.runtime.checkpoint.resume import optimizer_state_fits
+from model_parallel.runtime.checkpoint.training_record import advice, check_resume, describe_data, training_record
 from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.data.prefetch import Prefetcher
 from model_parallel.runtime.data.sources import MapData
@@ -48,6 +49,66 @@ def test_a_checkpoint_without_a_record_resumes_with_a_warning(caplog):
     assert "old records no training configuration" in caplog.text
 
 
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+def test_the_record_holds_the_optimizer_kind_and_its_defaults():
+    record = training_record(CONFIG, SyntheticData(8, (4,)), 0, torch.optim.AdamW(_params(), lr=3e-3))
+    assert {k: record[k] for k in ("optimizer", "lr", "weight_decay", "betas", "eps")} == \
+        {"optimizer": "adamw", "lr": 0.003, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-08}
+    sgd = training_record(CONFIG, SyntheticData(8, (4,)), 0, torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
+    assert {k: sgd[k] for k in ("optimizer", "lr", "momentum", "weight_decay")} == \
+        {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0} and "betas" not in sgd
+
+
+def test_a_changed_optimizer_or_lr_is_refused_by_name_and_accepted_when_allowed(caplog):
+    def record(optimizer):
+        return training_record(CONFIG, SyntheticData(8, (4,)), 3, optimizer)
+
+    stored = record(torch.optim.AdamW(_params(), lr=3e-3))
+    with pytest.raises(ConfigError, match=r"different lr: lr 0.003 -> 0.1 \(checkpoint -> this run\).*\(e.g. --lr 0.003\)"
+                                          r".*--allow_config_change"):
+        check_resume(stored, record(torch.optim.AdamW(_params(), lr=0.1)), allow=False, where="ck")
+    # Another kind: named as such; the settings only one of them has (SGD's momentum, Adam's betas) are not.
+    with pytest.raises(ConfigError, match=r"different optimizer: optimizer 'adamw' -> 'sgd'; weight_decay 0.01 -> 0.0 "
+                                          r"\(checkpoint -> this run\).*\(e.g. --optimizer adamw\)"):
+        check_resume(stored, record(torch.optim.SGD(_params(), lr=3e-3, momentum=0.9)), allow=False, where="ck")
+    with caplog.at_level(logging.WARNING):
+        assert check_resume(stored, record(torch.optim.AdamW(_params(), lr=0.1)), allow=True, where="ck") == ["lr 0.003 -> 0.1"]
+    assert "--allow_config_change: resuming from ck with lr 0.003 -> 0.1" in caplog.text
+    # A checkpoint written before the optimizer was recorded: unknown, not refused.
+    old = {k: v for k, v in stored.items() if k not in ("optimizer", "lr", "weight_decay", "betas", "eps")}
+    assert check_resume(old, record(torch.optim.SGD(_params(), lr=1.0)), allow=False, where="ck") == []
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("clip_grad", None, "without --clip_grad"),  # argparse takes no "--clip_grad None"
+    ("data", "tokens:train.bin (1429 samples)", "--data tokens:train.bin"),
+    ("data", "synthetic dense", "--data synthetic"),
+    ("precision", "bf16", "--bf16"),
+    ("precision", "float32", "without --bf16"),
+    ("betas", [0.9, 0.99], "an optimizer_factory building the optimizer with betas=(0.9, 0.99)"),
+    ("batch_size", 8, "--batch_size 8"),
+])
+def test_the_advice_is_a_value_the_command_line_takes(field, value, want):
+    assert advice(field, value) == want
+
+
+def test_another_optimizers_state_is_a_config_error_not_a_key_error(caplog):
+    # A checkpoint that records no optimizer (older) holding SGD's state, resumed with AdamW (its step: KeyError 'exp_avg').
+    adamw, sgd_state = torch.optim.AdamW(_params()), {"0.weight": {"momentum_buffer": torch.zeros(3)}}
+    with pytest.raises(ConfigError, match=r"--resume from ck: the checkpoint holds another optimizer's state "
+                                          r"\(momentum_buffer\) than this run's AdamW keeps \(exp_avg, exp_avg_sq, step\);"
+                                          r".*--allow_config_change"):
+        optimizer_state_fits(adamw, sgd_state, allow=False, where="ck")
+    with caplog.at_level(logging.WARNING):
+        assert not optimizer_state_fits(adamw, sgd_state, allow=True, where="ck")
+    assert "without its optimizer state (momentum_buffer)" in caplog.text
+    assert optimizer_state_fits(torch.optim.SGD(_params(), lr=0.1, momentum=0.9), sgd_state, allow=False, where="ck")
+    assert optimizer_state_fits(adamw, {}, allow=False, where="ck")  # before the first step: nothing to mistake
+
+
 @pytest.mark.slow
 def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
     # A world of one rank in this process: the engine's own checkpoint and resume path.
@@ -56,10 +117,10 @@ def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
     try:
         r = recipe("mlp")
 
-        def run(batch: int, steps: int, resume: bool, allow: bool = False) -> int:
+        def run(batch: int, steps: int, resume: bool, allow: bool = False, optimizer: type = torch.optim.SGD) -> int:
             options = RunOptions(timeout=60, checkpoint_dir=str(tmp_path / "ck"), resume=resume, progress=False,
                                  allow_config_change=allow)
-            with PipelineTrainer(r.model(0), lambda p: torch.optim.SGD(p, lr=0.01), r.data(batch, 0),
+            with PipelineTrainer(r.model(0), lambda p: optimizer(p, lr=0.01), r.data(batch, 0),
                                  TrainConfig(batch_size=batch, num_microbatches=2), options=options, num_stages=1,
                                  criterion=r.criterion) as trainer:
                 return len(trainer.train(steps))
@@ -68,5 +129,7 @@ def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
         with pytest.raises(ConfigError, match=r"different batch_size: batch_size 8 -> 4"):
             run(4, 5, resume=True)
         assert run(4, 5, resume=True, allow=True) == 2  # steps 3 and 4
+        with pytest.raises(ConfigError, match=r"different optimizer: optimizer 'sgd' -> 'adamw'"):
+            run(4, 7, resume=True, optimizer=torch.optim.AdamW)
     finally:
         dist.destroy_process_group()
