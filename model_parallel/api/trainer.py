@@ -29,7 +29,7 @@ from torch import nn
 
 from model_parallel.api.auto_schedule import schedule_refusals
 from model_parallel.api.job import JobSpec, build_job
-from model_parallel.errors import DataError, ModelParallelError, PlanError, TrainingStopped
+from model_parallel.errors import ConfigError, DataError, ModelParallelError, PlanError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -84,6 +84,12 @@ class PipelineTrainer:
         distributed = dist.is_available() and dist.is_initialized()
         self.single_process = (not distributed) if single_process is None else single_process
         world = dist.get_world_size() if distributed and not self.single_process else 1
+        if self.single_process and (ignored := [name for name in ("checkpoint_dir", "resume", "metrics", "trace_dir")
+                                                if getattr(options, name)]):
+            # It trains in memory and writes nothing: a checkpoint never written, a resume that starts at step 0.
+            raise ConfigError(f"single-process mode (no process group, or single_process=True) does not honour "
+                              f"RunOptions {', '.join(ignored)}: it checkpoints, resumes and writes metrics or traces "
+                              f"only as a pipeline; run under torchrun (a stage per process), or leave them unset")
         spec = JobSpec(
             model=source if isinstance(source, nn.Module) else None,
             package=source if isinstance(source, (str, Path)) else None,
