@@ -71,7 +71,7 @@ def hf_config_and_class(model_or_config: Any, model_class: Optional[str] = None)
         folder = path.parent if path.is_file() else path
         if not (folder / "config.json").is_file():
             raise ConfigError(f"{path}: no config.json; pass a Hugging Face config.json or model directory")
-        config = transformers.AutoConfig.from_pretrained(str(folder))
+        config = read_hf_config(folder)
     elif isinstance(model_or_config, transformers.PretrainedConfig):
         config = model_or_config
     else:
@@ -87,6 +87,21 @@ def hf_config_and_class(model_or_config: Any, model_class: Optional[str] = None)
                           "or set config.architectures")
     return config, classes[0]
 
+
+
+def read_hf_config(folder: Path) -> Any:
+    """`folder/config.json` as transformers' config object: JSON only. A config whose `auto_map` names code of its
+    own (a .py file beside it, which a checkpoint or a downloaded folder may carry) is refused, never run: transformers
+    would ask on a terminal and run it on "y"."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{folder / 'config.json'}: not a config transformers reads as data alone ({first}); give the "
+                          "config of a model type transformers itself has (code shipped with a config or a checkpoint "
+                          "is never run)") from None
 
 
 def refuse_unfilled(model: nn.Module, keys: Any, reference: Mapping[str, torch.Tensor], fix: str = "") -> None:
