@@ -15,6 +15,7 @@ from model_parallel.codegen.build import build_stages
 from model_parallel.codegen.naming import stage_state_from_original
 from model_parallel.codegen.package import format_source, generate_package, load_package
 from model_parallel.compat import import_torchvision
+from model_parallel.errors import CodegenError
 from model_parallel.graph.io import load_graph, save_graph
 from model_parallel.graph.pipedream_format import write_graph_txt
 from model_parallel.graph.plan import plan_from_graph, write_plan
@@ -105,10 +106,18 @@ def test_regenerating_replaces_the_package_with_identical_files(resnet18, run_di
     plan = plan_from_graph(graph)
     first = generate_package(graph, plan, run_dir / "pkg", "R", "resnet18")
     before = {p.name: p.read_text() for p in first.iterdir()}
-    (first / "stale.py").write_text("# left over\n")
+    (first / "stage9.py").write_text((first / "stage0.py").read_text())  # a stage of an earlier, longer split
     generate_package(graph, plan, run_dir / "pkg", "R", "resnet18")
     assert {p.name: p.read_text() for p in first.iterdir()} == before
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".")]  # no staging directories left
+    # A directory holding anything else is not replaced (a user's `-o ~/project` was deleted whole): refused, kept.
+    (first / "notes.txt").write_text("mine\n")
+    with pytest.raises(CodegenError, match=r"pkg: exists and holds files a generated package does not \(notes.txt\)"):
+        generate_package(graph, plan, run_dir / "pkg", "R", "resnet18")
+    assert (first / "notes.txt").read_text() == "mine\n" and (first / "stage0.py").read_text() == before["stage0.py"]
+    (run_dir / "afile").write_text("x")
+    with pytest.raises(CodegenError, match=r"afile: exists and is not a directory"):
+        generate_package(graph, plan, run_dir / "afile", "R", "resnet18")
 
 
 def test_transformer_package_matches(run_dir: Path) -> None:
