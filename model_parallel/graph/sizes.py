@@ -79,9 +79,67 @@ def check_tensor_fits(shape: Any, dtype: Any, where: str, what: str, error: type
     check_fits(size, where, what, error)
 
 
+# Calls that allocate a tensor whose size their literal arguments give (a graph file may ask torch.zeros for 40 GB):
+# where the size argument starts (0: the first positional), for functions; methods count after their tensor.
+_SIZED_FUNCTIONS = {"zeros": 0, "ones": 0, "empty": 0, "rand": 0, "randn": 0, "full": 0, "randint": -1}
+_SIZED_METHODS = {"new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1}
+_FLOAT_BYTES = 4  # torch's default dtype: the fewest bytes a float factory without a dtype allocates per element
+
+
+def _itemsize(op: str, dtype: Any) -> int:
+    """Bytes per element: the dtype the call names (encoded `{"dtype": "uint8"}`), else torch's default float for a
+    function, else 1 for a method (its tensor's dtype is not known here: the fewest bytes)."""
+    name = dtype.get("dtype") if isinstance(dtype, Mapping) else None
+    found = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if isinstance(found, torch.dtype):
+        return found.itemsize
+    return _FLOAT_BYTES if op == "call_function" else 1
+
+
+def _dims(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _literal_elements(op: str, target: str, args: list[Any], kwargs: Mapping[str, Any]) -> int:
+    """Elements a call allocates by its literal arguments alone (0: not such a call, or not known from literals).
+    A lower bound where the rest depends on an input (repeat, tile: at least the product of the repeats)."""
+    name = target.rsplit(".", 1)[-1]
+    if op == "call_function" and name in _SIZED_FUNCTIONS:
+        if "size" in kwargs:
+            dims = _dims(kwargs["size"])
+        elif name == "randint":  # randint(high, size) / randint(low, high, size): the size is the last positional
+            dims = _dims(args[-1]) if args and isinstance(args[-1], (list, tuple)) else []
+        elif name == "full":
+            dims = _dims(args[0]) if args else []
+        else:
+            dims = _dims(args[0]) if len(args) == 1 else list(args)
+    elif op == "call_function" and name == "eye":
+        dims = list(args[:2]) if len(args) >= 2 else list(args) * 2
+    elif op == "call_function" and name in ("linspace", "logspace"):
+        dims = [kwargs.get("steps", args[2] if len(args) > 2 else 0)]
+    elif op == "call_function" and name == "arange":
+        numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if not numbers or len(numbers) != len(args):  # an end from another node: known at run time only
+            return 0
+        start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], numbers[2] if len(numbers) > 2 else 1)
+        dims = [math.ceil((end - start) / step)] if step and math.isfinite((end - start) / step) else []
+    elif op == "call_method" and name in _SIZED_METHODS:
+        rest = args[_SIZED_METHODS[name]:]
+        dims = _dims(kwargs["size"]) if "size" in kwargs else _dims(rest[0]) if len(rest) == 1 or name == "new_full" \
+            else list(rest)
+    elif (op == "call_method" and name in ("repeat", "tile")) or (op == "call_function" and name == "tile"):
+        dims = [d for d in (_dims(args[1]) if len(args) == 2 else args[1:]) if isinstance(d, int)]
+    else:
+        return 0
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        return 0  # a size from another node (known at run time only), or malformed: the call itself says so
+    return math.prod(dims)
+
+
 def check_graph_sizes(graph: Any, node_ids: Iterable[str]) -> None:
     """The shapes a graph turns into allocations directly: model inputs (metadata and placeholders),
-    get_attr tensors and constants, each within this host's memory (GraphFormatError naming it)."""
+    get_attr tensors and constants, and the sizes factory calls are given as literals (torch.zeros, new_zeros,
+    repeat, ...), each within this host's memory (GraphFormatError naming it)."""
     inputs = graph.metadata.get("inputs") or []
     for index, entry in enumerate(inputs if isinstance(inputs, list) else []):
         if isinstance(entry, Mapping) and "shape" in entry:
@@ -95,3 +153,8 @@ def check_graph_sizes(graph: Any, node_ids: Iterable[str]) -> None:
         if layer is not None and layer.op in ("placeholder", "get_attr"):
             for meta in layer.outputs:
                 check_tensor_fits(meta.shape, meta.dtype, f"node {node_id}", f"its {layer.op} tensor of shape {list(meta.shape)[:8]}")
+        elif layer is not None and layer.op in ("call_function", "call_method") and isinstance(layer.target, str):
+            args, kwargs = list(layer.args or ()), dict(layer.kwargs or {})
+            if elements := _literal_elements(layer.op, layer.target, args, kwargs):
+                check_fits(elements * _itemsize(layer.op, kwargs.get("dtype")), f"node {node_id}",
+                           f"{layer.target}(...) with literal sizes ({elements:,} elements)")

@@ -76,3 +76,35 @@ def test_ordinary_sizes_pass() -> None:
                                     "module": "torch.nn.Linear(4, 4)"}), "g.json")
     (stage,) = build_stages(graph, _plan(graph))
     assert stage(torch.ones(2, 4))[0].shape == (2, 4)
+
+
+H = 1 << 20  # HUGE = H * H elements
+
+
+@pytest.mark.parametrize("layer", [
+    {"op": "call_function", "target": "torch.zeros", "args": [[H, H]]},
+    {"op": "call_function", "target": "torch.randn", "args": [H, H]},
+    {"op": "call_function", "target": "torch.ones", "kwargs": {"size": [H, H]}},
+    {"op": "call_function", "target": "torch.full", "args": [[H, H], 1.0]},
+    {"op": "call_function", "target": "torch.randint", "args": [0, 9, [H, H]]},
+    {"op": "call_function", "target": "torch.empty", "args": [[H, H]], "kwargs": {"dtype": {"dtype": "uint8"}}},
+    {"op": "call_function", "target": "torch.eye", "args": [H]},
+    {"op": "call_function", "target": "torch.arange", "args": [HUGE]},
+    {"op": "call_function", "target": "torch.linspace", "args": [0, 1, HUGE]},
+    {"op": "call_method", "target": "new_zeros", "args": [{"node": "x"}, [H, H]]},
+    {"op": "call_method", "target": "repeat", "args": [{"node": "x"}, H, H]},
+])
+def test_literal_sizes_of_factory_calls_are_refused_by_the_loader(layer: dict) -> None:
+    # A security QA: a graph.json asking torch.zeros([100000, 100000]) (40 GB) passed the loader and reached the allocator.
+    graph = graph_from_dict(_graph({"args": [], "kwargs": {}, **layer}), "g.json")
+    with pytest.raises(GraphFormatError, match=r"node big: .*with literal sizes \([0-9,]+ elements\) needs [0-9,.]+ GiB, "
+                                               r"more than this host's memory"):
+        loader.check_graph(graph)
+
+
+def test_factory_calls_of_ordinary_or_run_time_sizes_pass() -> None:
+    for layer in ({"op": "call_function", "target": "torch.zeros", "args": [[2, 4]]},
+                  {"op": "call_method", "target": "new_zeros", "args": [{"node": "x"}, [2, 4]]},
+                  {"op": "call_method", "target": "repeat", "args": [{"node": "x"}, 1, 1]},
+                  {"op": "call_method", "target": "view", "args": [{"node": "x"}, H, H]}):  # a view allocates nothing
+        loader.check_graph(graph_from_dict(_graph({"kwargs": {}, **layer}), "g.json"))
