@@ -62,3 +62,26 @@ def test_no_limit_says_so(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     error = out_of_memory(MemoryError("x"), 1, 0, None, None, CPU)
     assert "limit: none (no RLIMIT_AS/RLIMIT_DATA: the machine's memory)" in str(error)
+
+
+def test_layers_past_the_process_limit_are_refused_before_allocation():
+    # A user's QA: a worker capped by RLIMIT_AS (the brief's way to make a model not fit one worker) died materializing
+    # its layers with the allocator's raw RuntimeError and a traceback; the host-memory check let them through.
+    code = (
+        "import resource, torch\n"
+        "from model_parallel.runtime.build.materialize import Initializer, materialize_layers\n"
+        "from model_parallel.runtime.observe.memory_probe import status_bytes\n"
+        "cap = status_bytes('VmSize') + 1024 ** 3\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+        "with torch.device('meta'):\n"
+        "    layers = {'big': torch.nn.Linear(1 << 15, 1 << 15), 'small': torch.nn.Linear(4, 4)}\n"  # 4 GiB
+        "try:\n"
+        "    materialize_layers(layers, ['big', 'small'], Initializer(seed=0))\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("InitError layers big, small: allocating 2 layer(s) (the largest, big, 4.0 GiB) needs "
+                                  "4.0 GiB, more than this process may still take"), done.stdout
+    assert "of its RLIMIT_AS" in done.stdout and "--memory_per_worker" in done.stdout

@@ -137,9 +137,29 @@ def check_layer_sizes(modules: Mapping[str, Layer], names: Sequence[str]) -> Non
             for n in names}
     if need:
         largest = max(need, key=need.__getitem__)
-        check_fits(sum(need.values()), f"layers {', '.join(list(need)[:3])}{' ...' if len(need) > 3 else ''}",
-                   f"allocating {len(need)} layer(s) (the largest, {largest}, {need[largest] / (1 << 30):,.1f} GiB)",
-                   InitError)
+        where = f"layers {', '.join(list(need)[:3])}{' ...' if len(need) > 3 else ''}"
+        what = f"allocating {len(need)} layer(s) (the largest, {largest}, {need[largest] / (1 << 30):,.1f} GiB)"
+        check_fits(sum(need.values()), where, what, InitError)
+        _check_process_limit(sum(need.values()), where, what)
+
+
+def _check_process_limit(num_bytes: int, where: str, what: str) -> None:
+    """The same against this process's RLIMIT_AS / RLIMIT_DATA less what it holds (a worker capped below the host's
+    memory): refused in one line with the fix, where the allocator would fail mid-build with a raw RuntimeError."""
+    from model_parallel.runtime.observe.memory_probe import memory_limit, status_bytes
+
+    limit, name = memory_limit(torch.device("cpu"))
+    if limit is None:
+        return
+    try:  # the rlimit counts what the process maps already (RLIMIT_AS: its address space; RLIMIT_DATA: its data)
+        used = status_bytes("VmSize" if name == "RLIMIT_AS" else "VmData")
+    except (OSError, KeyError, ValueError):
+        return
+    if num_bytes > limit - used:
+        gib = 1 << 30
+        raise InitError(f"{where}: {what} needs {num_bytes / gib:,.1f} GiB, more than this process may still take "
+                        f"({max(0, limit - used) / gib:,.1f} GiB of its {name} {limit / gib:,.1f} GiB); give the job "
+                        "memory_per_worker (--memory_per_worker) at the limit to get a plan that fits, or raise the limit")
 
 
 def allocate_layers(modules: MutableMapping[str, Layer], names: Iterable[str], device: torch.device) -> list[str]:
