@@ -22,6 +22,13 @@ def stage_after_one_step():
     return stage, optimizer
 
 
+def _run_capped(code: str) -> str:
+    """`code` in a fresh interpreter (it lowers its own memory limit); what it printed."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 def test_an_allocation_refused_names_the_stage_the_bytes_held_and_the_limit():
     stage, optimizer = stage_after_one_step()
     refused = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
@@ -50,10 +57,9 @@ def test_a_real_refusal_under_rlimit_data_is_recognised_with_its_limit():
         "except (MemoryError, RuntimeError) as error:\n"
         "    print(out_of_memory(error, 0, None, None, None, torch.device('cpu')))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "rank 0 (stage None) ran out of memory: its stage held 0 GB" in done.stdout
-    assert "limit: 2.15 GB (RLIMIT_DATA)" in done.stdout
+    printed = _run_capped(code)
+    assert "rank 0 (stage None) ran out of memory: its stage held 0 GB" in printed
+    assert "limit: 2.15 GB (RLIMIT_DATA)" in printed
 
 
 def test_no_limit_says_so(monkeypatch):
@@ -80,8 +86,7 @@ def test_layers_past_the_process_limit_are_refused_before_allocation():
         "except Exception as error:\n"
         "    print(type(error).__name__, error)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("InitError layers big, small: allocating 2 layer(s) (the largest, big, 4.0 GiB) needs "
-                                  "4.0 GiB, more than this process may still take"), done.stdout
-    assert "of its RLIMIT_AS" in done.stdout and "--memory_per_worker" in done.stdout
+    printed = _run_capped(code)
+    assert printed.startswith("InitError layers big, small: allocating 2 layer(s) (the largest, big, 4.0 GiB) needs "
+                              "4.0 GiB, more than this process may still take"), printed
+    assert "of its RLIMIT_AS" in printed and "--memory_per_worker" in printed
