@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Optional, Union
+
+from model_parallel.userfile import read_bytes
 
 MAX_DEPTH = 64  # our own files nest about 8 levels deep (graph.json: nodes[i].layer.args[j]...)
 MAX_INT_DIGITS = 64  # a 64-bit counter has 20 digits; longer integers are mistakes or attacks
@@ -102,18 +103,9 @@ def loads(text: Union[str, bytes], *, where: str, error: type[Exception], fix: s
 
 def load_file(path: Union[str, "os.PathLike[str]"], *, error: type[Exception], what: str = "file", fix: str = "",
               max_bytes: int = MAX_FILE_BYTES, **limits: Any) -> Any:
-    """Read and decode the JSON file `path` (see `loads`); a missing or unreadable file is `error` too."""
-    path = Path(path)
-    suffix = f"; {fix}" if fix else ""
-    try:
-        if path.is_dir():
-            raise error(f"{path}: is a directory, not a {what}{suffix}")
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise error(f"{path}: {size} bytes is more than the {max_bytes} accepted for a {what}{suffix}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}{suffix}") from None
+    """Read and decode the JSON file `path` (see `loads`); a missing or unreadable file, and one that is not a
+    regular file (`userfile.read_bytes`), is `error` too."""
+    data = read_bytes(path, error=error, what=what, max_bytes=max_bytes, fix=fix)
     return loads(data, where=str(path), error=error, fix=fix, max_bytes=max_bytes, **limits)
 
 

@@ -45,8 +45,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from model_parallel.errors import LogFormatError
+from model_parallel.jsonbound import MAX_FILE_BYTES as MAX_READ_BYTES
 from model_parallel.messages import StepReport
 from model_parallel.runtime.observe.rotation import AppendFile
+from model_parallel.userfile import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +299,7 @@ def _json_lines(path: Union[PathLike, Iterable[PathLike]]) -> Iterator[tuple[Pat
     """(file, line number, line, decoded JSON) of every line; a cut-off last line (a process killed
     mid-write) is skipped with a warning; a bad line elsewhere is a ValueError naming file:line."""
     for file in _metrics_files(path):
-        lines = file.read_text(encoding="utf-8").split("\n")
+        lines = read_text(file, error=LogFormatError, what="metrics file", max_bytes=MAX_READ_BYTES).split("\n")
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue

@@ -24,7 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from model_parallel.errors import LogFormatError
+from model_parallel.jsonbound import MAX_FILE_BYTES
 from model_parallel.runtime.observe.rotation import rotate
+from model_parallel.userfile import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +117,7 @@ class TraceStream:
 def read_events(path: PathLike) -> Any:
     """The JSON of a trace file: an object (`{"traceEvents": [...]}`) or a JSON Array Format chunk, whose
     missing closing `]` (a process killed mid-run) is tolerated. ValueError if it is neither."""
-    text = Path(path).read_text(encoding="utf-8").strip()
+    text = read_text(path, error=LogFormatError, what="trace file", max_bytes=MAX_FILE_BYTES).strip()
     try:
         return json.loads(text)
     except json.JSONDecodeError:

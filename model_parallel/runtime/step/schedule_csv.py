@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 from model_parallel.errors import ScheduleError
 from model_parallel.fileio import atomic_write_text
+from model_parallel.userfile import read_text
 from model_parallel.runtime.step.schedule import Action, Schedule, check, grid_from_orders
 
 MAX_CSV_BYTES = 16 * 2**20  # a schedule of 1000 ranks x 10,000 actions fits; a bigger file is not a schedule
@@ -32,15 +33,8 @@ _IGNORED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")  # bookkeeping torch schedules 
 def read_torch_csv(path: Union[str, Path], name: Optional[str] = None) -> Schedule:
     """A torch compute-only schedule CSV as our `Schedule` (flush after every minibatch), checked by our rules."""
     source = Path(path)
-    try:
-        size = source.stat().st_size
-        if not source.is_file():
-            raise ScheduleError(f"{source}: not a regular file; give torch's schedule CSV")
-        if size > MAX_CSV_BYTES:
-            raise ScheduleError(f"{source}: {size} bytes, over the {MAX_CSV_BYTES} a schedule CSV may have")
-        text = source.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ScheduleError(f"{source}: cannot read the schedule CSV: {error}") from None
+    text = read_text(source, error=ScheduleError, what="schedule CSV", max_bytes=MAX_CSV_BYTES,
+                     fix="give torch's schedule CSV")
     return parse_torch_csv(text, name or source.stem, where=str(source))
 
 

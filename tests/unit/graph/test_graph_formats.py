@@ -144,7 +144,7 @@ def test_missing_and_binary_files_are_format_errors(tmp_path: Path):
     with pytest.raises(GraphFormatError, match=r"nope\.txt: cannot read graph file"):
         read_graph_txt(tmp_path / "nope.txt")
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00graph")
-    with pytest.raises(GraphFormatError, match=r"bin\.txt: not a text file"):
+    with pytest.raises(GraphFormatError, match=r"bin\.txt:1: not a text file"):
         read_graph_txt(tmp_path / "bin.txt")
 
 
