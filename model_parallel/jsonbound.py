@@ -70,10 +70,12 @@ def _too_deep(value: Any, max_depth: int) -> Optional[str]:
 
 
 def loads(text: Union[str, bytes], *, where: str, error: type[Exception], fix: str = "",
-          max_depth: int = MAX_DEPTH, max_int_digits: int = MAX_INT_DIGITS, max_bytes: Optional[int] = None) -> Any:
+          max_depth: int = MAX_DEPTH, max_int_digits: int = MAX_INT_DIGITS, max_bytes: Optional[int] = None,
+          allow_nan: bool = False) -> Any:
     """Decode JSON `text`; any defect raises `error(f"{where}[:line]: ...")`, nothing else escapes.
 
     `where` names the source (a path, "frame from 127.0.0.1:5000"); `fix` is appended to every message.
+    `allow_nan`: accept NaN, Infinity and -Infinity (what Python's json.dumps writes for a NaN loss in a log).
     """
     suffix = f"; {fix}" if fix else ""
     if max_bytes is not None and len(text) > max_bytes:
@@ -85,7 +87,7 @@ def loads(text: Union[str, bytes], *, where: str, error: type[Exception], fix: s
             raise error(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason}){suffix}") from None
     try:
         value = json.loads(text, parse_int=_parse_int(max_int_digits), parse_float=_parse_float,
-                           parse_constant=_parse_constant)
+                           parse_constant=float if allow_nan else _parse_constant)
     except _Limit as exc:
         line = _line_of(text, exc.literal)
         raise error(f"{where}{f':{line}' if line else ''}: {exc.what}{suffix}") from None
