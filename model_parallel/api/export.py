@@ -71,7 +71,12 @@ def hf_config_and_class(model_or_config: Any, model_class: Optional[str] = None)
         folder = path.parent if path.is_file() else path
         if not (folder / "config.json").is_file():
             raise ConfigError(f"{path}: no config.json; pass a Hugging Face config.json or model directory")
-        config = transformers.AutoConfig.from_pretrained(str(folder))
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(folder))
+        except (ValueError, OSError, KeyError, TypeError) as error:  # an unknown model_type, a malformed file
+            reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
+            raise ConfigError(f"{folder / 'config.json'}: transformers {transformers.__version__} cannot read it "
+                              f"({reason}); give the config.json of a model type it knows") from None
     elif isinstance(model_or_config, transformers.PretrainedConfig):
         config = model_or_config
     else:

@@ -153,7 +153,14 @@ def run(args: Any) -> int:
           f"({plan.num_stages} stage(s) on {plan.num_ranks} rank(s))", flush=True)
     print(join_instructions(plan, port, token_where) if job is not None else no_job_reason, flush=True)
     if args.port_file:
-        atomic_write_text(args.port_file, f"{port}\n")
+        try:
+            atomic_write_text(args.port_file, f"{port}\n")
+        except OSError as error:
+            from model_parallel.errors import ConfigError
+
+            coordinator.stop()
+            raise ConfigError(f"--port-file {args.port_file}: cannot write it ({error.strerror or error}); give a "
+                              "path in a directory you can write") from None
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -41,7 +41,7 @@ from model_parallel.codegen.build import (
 )
 from model_parallel.codegen.source import format_source, render_composed, render_init, render_stage
 from model_parallel.codegen.ties import check_ties
-from model_parallel.errors import CodegenError, PlanError
+from model_parallel.errors import CodegenError, ConfigError, PlanError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import read_graph_json, write_graph_json
@@ -128,8 +128,12 @@ def generate_package(
     files = {name: format_source(text) for name, text in files.items()}
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as error:  # /proc/x, a read-only or missing parent: one line, not a traceback from tempfile
+        raise ConfigError(f"{out_dir}: cannot write the package there ({error.strerror or error}: {error.filename}); "
+                          "give an output directory in a place you can write") from None
     try:
         for name, text in files.items():
             atomic_write_text(staging / name, text)

@@ -20,7 +20,7 @@ from model_parallel.userfile import read_text
 LATEST = "latest"
 MANIFEST = "manifest.json"
 MAX_POINTER_BYTES = 4096  # "step_<N>\n" is a few bytes; more is not a pointer
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^step_(\d{1,16})$")  # 16 digits hold any step (check.MAX_STEP = 2**53); no 5000-digit int()
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -197,3 +197,13 @@ def test_sidecar_for_other_nodes_is_rejected(tmp_path: Path):
     (tmp_path / "graph.txt").write_text(f"x -- Input0 -- {COSTS}\n")
     with pytest.raises(GraphFormatError, match=r"graph\.json: sidecar does not describe the same nodes"):
         load_graph(tmp_path / "graph.txt")
+
+
+def test_a_worker_count_beyond_the_plan_limit_is_refused_before_the_optimizer():
+    from model_parallel.errors import PlanError
+    from model_parallel.graph.plan import Hierarchy
+
+    with pytest.raises(PlanError, match=r"-n 100000000 is more than 65536 workers in all"):
+        Hierarchy.from_lists([100000000])
+    with pytest.raises(PlanError, match=r"-n 300 300 is more than 65536"):
+        Hierarchy.from_lists([300, 300], [1e9, 1e9])
