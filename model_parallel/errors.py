@@ -56,6 +56,10 @@ class ProtocolError(ModelParallelError, ValueError):
     """A control-plane message is malformed, oversized, or fails authentication."""
 
 
+class LogFormatError(ModelParallelError, ValueError):
+    """A metrics JSONL or Chrome trace file (what a run logged) is unreadable or malformed; names file:line."""
+
+
 class OutOfMemoryError(ModelParallelError, MemoryError):
     """A rank ran out of memory: the message names its stage, the bytes it held and the limit."""
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Optional, Union
+
+from model_parallel.userfile import read_bytes
 
 MAX_DEPTH = 64  # our own files nest about 8 levels deep (graph.json: nodes[i].layer.args[j]...)
 MAX_INT_DIGITS = 64  # a 64-bit counter has 20 digits; longer integers are mistakes or attacks
@@ -69,10 +70,12 @@ def _too_deep(value: Any, max_depth: int) -> Optional[str]:
 
 
 def loads(text: Union[str, bytes], *, where: str, error: type[Exception], fix: str = "",
-          max_depth: int = MAX_DEPTH, max_int_digits: int = MAX_INT_DIGITS, max_bytes: Optional[int] = None) -> Any:
+          max_depth: int = MAX_DEPTH, max_int_digits: int = MAX_INT_DIGITS, max_bytes: Optional[int] = None,
+          allow_nan: bool = False) -> Any:
     """Decode JSON `text`; any defect raises `error(f"{where}[:line]: ...")`, nothing else escapes.
 
     `where` names the source (a path, "frame from 127.0.0.1:5000"); `fix` is appended to every message.
+    `allow_nan`: accept NaN, Infinity and -Infinity (what Python's json.dumps writes for a NaN loss in a log).
     """
     suffix = f"; {fix}" if fix else ""
     if max_bytes is not None and len(text) > max_bytes:
@@ -84,7 +87,7 @@ def loads(text: Union[str, bytes], *, where: str, error: type[Exception], fix: s
             raise error(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason}){suffix}") from None
     try:
         value = json.loads(text, parse_int=_parse_int(max_int_digits), parse_float=_parse_float,
-                           parse_constant=_parse_constant)
+                           parse_constant=float if allow_nan else _parse_constant)
     except _Limit as exc:
         line = _line_of(text, exc.literal)
         raise error(f"{where}{f':{line}' if line else ''}: {exc.what}{suffix}") from None
@@ -102,18 +105,9 @@ def loads(text: Union[str, bytes], *, where: str, error: type[Exception], fix: s
 
 def load_file(path: Union[str, "os.PathLike[str]"], *, error: type[Exception], what: str = "file", fix: str = "",
               max_bytes: int = MAX_FILE_BYTES, **limits: Any) -> Any:
-    """Read and decode the JSON file `path` (see `loads`); a missing or unreadable file is `error` too."""
-    path = Path(path)
-    suffix = f"; {fix}" if fix else ""
-    try:
-        if path.is_dir():
-            raise error(f"{path}: is a directory, not a {what}{suffix}")
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise error(f"{path}: {size} bytes is more than the {max_bytes} accepted for a {what}{suffix}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}{suffix}") from None
+    """Read and decode the JSON file `path` (see `loads`); a missing or unreadable file, and one that is not a
+    regular file (`userfile.read_bytes`), is `error` too."""
+    data = read_bytes(path, error=error, what=what, max_bytes=max_bytes, fix=fix)
     return loads(data, where=str(path), error=error, fix=fix, max_bytes=max_bytes, **limits)
 
 

@@ -48,7 +48,7 @@ EXCEPTIONS = REPO / "tools" / "layer_exceptions.txt"
 
 # (layer, rank, module prefixes relative to the package). Same rank + different layer = peers.
 LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
-    ("base", 0, ("graph", "errors", "fileio", "compat", "allocator", "messages", "jsonbound", "ratelog")),
+    ("base", 0, ("graph", "errors", "fileio", "compat", "allocator", "messages", "jsonbound", "ratelog", "userfile")),
     ("models", 1, ("models",)),
     ("profiler", 2, ("profiler",)),
     ("optimizer", 2, ("optimizer",)),

@@ -97,11 +97,11 @@ def read_hf_config(folder: Path) -> Any:
 
     try:
         return transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:
+    except (ValueError, KeyError, OSError, TypeError) as error:  # code it names, an unknown model_type, bad values
         first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"{folder / 'config.json'}: not a config transformers reads as data alone ({first}); give the "
-                          "config of a model type transformers itself has (code shipped with a config or a checkpoint "
-                          "is never run)") from None
+        raise ConfigError(f"{folder / 'config.json'}: not a config transformers {transformers.__version__} reads as "
+                          f"data alone ({first}); give the config of a model type transformers itself has (code "
+                          "shipped with a config or a checkpoint is never run)") from None
 
 
 def refuse_unfilled(model: nn.Module, keys: Any, reference: Mapping[str, torch.Tensor], fix: str = "") -> None:

@@ -372,11 +372,10 @@ def ranks_from_hybrid_conf(plan: Plan, path: Path) -> Plan:
     """Place a package's stages on the ranks its `hybrid_conf.json` names (PipeDream's stage_to_rank_map)."""
     if not path.is_file():
         return plan
-    try:
-        mapping = jsonbound.load_file(path, error=PlanError, what="hybrid_conf.json")["stage_to_rank_map"]
-        ranks = {int(stage): tuple(int(r) for r in rs) for stage, rs in mapping.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise PlanError(f"{path}: expected {{\"stage_to_rank_map\": {{\"0\": [0, 1], ...}}}} ({error})") from None
+    from model_parallel.runtime.build.pipedream import stage_to_rank_map
+
+    ranks = stage_to_rank_map(jsonbound.load_file(path, error=PlanError, what="hybrid_conf.json",
+                                                  fix='expected {"stage_to_rank_map": {"0": [0, 1], ...}}'), path)
     if sorted(ranks) != list(range(plan.num_stages)):
         raise PlanError(f"{path}: stage_to_rank_map names stages {sorted(ranks)}, the plan has 0..{plan.num_stages - 1}")
     stages = tuple(replace(s, ranks=ranks[s.stage_id], num_replicas=len(ranks[s.stage_id])) for s in plan.stages)

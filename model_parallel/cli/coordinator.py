@@ -102,6 +102,23 @@ def _coordinator_token(args: Any) -> tuple[bytes, str]:
     return token, f"{path} (fresh for this run, readable only by you)"
 
 
+def _servable(job: dict[str, Any], source: str) -> tuple[Optional[dict[str, Any]], str]:
+    """(the job, "") if one `job` message carries it to a worker; else (None, why and what to do). A graph over the
+    served-job limit (64 MiB; graph files may be 1 GiB) used to start a coordinator that then dropped every job
+    request, visible only in its log, while the workers retried and blamed the token."""
+    from model_parallel.coordinator.protocol import encode_body, make_message
+    from model_parallel.errors import ProtocolError
+
+    try:
+        encode_body(make_message("job", **job))
+    except ProtocolError as error:
+        reason = (f"the job of {source} is not served to workers ({error}): start every worker with --graph and "
+                  "--plan (the same files) and its training flags; this coordinator still coordinates them")
+        logger.warning("%s", reason)
+        return None, reason
+    return job, ""
+
+
 def join_instructions(plan: Any, port: int, token_where: str) -> str:
     """What to run on the workers (printed at start: the seed's step 4 needs nothing else)."""
     lines = [f"token: {token_where}", f"start one worker per rank ({plan.num_ranks}), from this directory or any "
@@ -125,16 +142,25 @@ def run(args: Any) -> int:
                           speed_change=args.speed_change, persist=args.persist,
                           noise_band=args.noise_band)
     served = {flag: getattr(args, flag) for flag in SERVED_FLAGS if getattr(args, flag) is not None}
-    job = {"graph": graph_to_dict(graph), "plan": plan.to_dict(), "plan_version": plan.version, "train": served}
+    job, no_job_reason = _servable({"graph": graph_to_dict(graph), "plan": plan.to_dict(), "plan_version": plan.version,
+                                    "train": served}, source)
     memory = _memory_limit(args.memory_per_worker, served, graph) if args.memory_per_worker else None
     coordinator = Coordinator(graph, plan, token, policy=args.policy, config=config, status_file=args.status_file,
-                              heartbeat_timeout=args.heartbeat_timeout, job=job, memory=memory)
+                              heartbeat_timeout=args.heartbeat_timeout, job=job, memory=memory,
+                              no_job_reason=no_job_reason)
     port = coordinator.start(args.host, args.port)
     print(f"coordinator listening on {args.host}:{port}, serving {source} "
           f"({plan.num_stages} stage(s) on {plan.num_ranks} rank(s))", flush=True)
-    print(join_instructions(plan, port, token_where), flush=True)
+    print(join_instructions(plan, port, token_where) if job is not None else no_job_reason, flush=True)
     if args.port_file:
-        atomic_write_text(args.port_file, f"{port}\n")
+        try:
+            atomic_write_text(args.port_file, f"{port}\n")
+        except OSError as error:
+            from model_parallel.errors import ConfigError
+
+            coordinator.stop()
+            raise ConfigError(f"--port-file {args.port_file}: cannot write it ({error.strerror or error}); give a "
+                              "path in a directory you can write") from None
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -18,11 +18,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         records = read_metrics(args.paths)
         recoveries = [RecoveryRecord.from_json(event) for event in read_events(args.paths, "recovery")]
+        rows = summarize(records)
+        # --recover: each survived failure, as each survivor recorded it; a field of the wrong type fails here.
+        lines = [event.line() for event in recoveries]
     except (OSError, ValueError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    print(format_summary(summarize(records)))
+    except TypeError as error:  # a recovery record whose fields have the wrong types (hand-edited)
+        parser.exit(2, f"{parser.prog}: error: a recovery record is malformed ({error}); give the metrics files a run wrote\n")
+    print(format_summary(rows))
     print(f"throughput after {args.warmup} warm-up step(s): {throughput(records, args.warmup):.1f} samples/s")
-    for event in recoveries:  # --recover: each survived failure, as each survivor recorded it
-        print(event.line())
+    for line in lines:
+        print(line)
     return 0
 

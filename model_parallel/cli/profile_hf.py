@@ -103,7 +103,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inputs = example_inputs(config, names, args.batch_size, args.seq_len, generator)
     loss_name, loss_fn = default_loss(cls, config, inputs, generator)  # before the (long) profile
     torch.manual_seed(args.seed)
-    model = cls(config).train()  # transformers' own _init_weights
+    try:
+        model = cls(config).train()  # transformers' own _init_weights
+    except (RuntimeError, MemoryError, ValueError, TypeError) as error:  # n_embd=1e9: an allocation fails in torch
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
+        raise ConfigError(f"{args.config}: {cls.__name__} cannot be built from this config ({reason}); check its "
+                          "sizes (layers, hidden size, vocabulary) against this machine's memory") from None
     graph = profile(model, inputs, loss_fn, iterations=args.iterations)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

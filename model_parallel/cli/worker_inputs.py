@@ -2,22 +2,20 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 from model_parallel import jsonbound
 from model_parallel.cli import data_flags
 from model_parallel.errors import ModelParallelError, PlanError, ProtocolError
+from model_parallel.userfile import read_text
 
 
 def read_control_script(path: str) -> Any:
     """--control_script FILE as a ScriptedChannel; any defect is a ProtocolError naming the file."""
     from model_parallel.messages import ScriptedChannel
 
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ProtocolError(f"--control_script {path}: cannot read it ({error}); give the JSON file {{step: command}}") from None
+    text = read_text(path, error=ProtocolError, what="control script", max_bytes=jsonbound.MAX_FILE_BYTES,
+                     fix="give the JSON file {step: command}")
     try:
         return ScriptedChannel.from_json(text)
     except ProtocolError as error:

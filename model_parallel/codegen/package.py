@@ -41,7 +41,7 @@ from model_parallel.codegen.build import (
 )
 from model_parallel.codegen.source import format_source, render_composed, render_init, render_stage
 from model_parallel.codegen.ties import check_ties
-from model_parallel.errors import CodegenError, PlanError
+from model_parallel.errors import CodegenError, ConfigError, PlanError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import read_graph_json, write_graph_json
@@ -132,8 +132,12 @@ def generate_package(
 
     out_dir = Path(out_dir)
     _check_replaceable(out_dir, {"graph.json", "plan.json", *pipedream_configs(plan)})
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as error:  # /proc/x, a read-only or missing parent: one line, not a traceback from tempfile
+        raise ConfigError(f"{out_dir}: cannot write the package there ({error.strerror or error}: {error.filename}); "
+                          "give an output directory in a place you can write") from None
     try:
         for name, text in files.items():
             atomic_write_text(staging / name, text)
@@ -173,7 +177,11 @@ def _check_replaceable(out_dir: Path, json_names: set[str]) -> None:
         with open(entry, "rb") as source:
             return GENERATED_MARK.encode() in source.read(4096)
 
-    foreign = sorted(entry.name for entry in out_dir.iterdir() if not generated(entry))
+    try:
+        foreign = sorted(entry.name for entry in out_dir.iterdir() if not generated(entry))
+    except OSError as error:
+        raise CodegenError(f"{out_dir}: cannot look inside it ({error.strerror or error}); give -o a directory you can "
+                           "read and write") from None
     if foreign:
         raise CodegenError(f"{out_dir}: exists and holds files a generated package does not ({', '.join(foreign[:3])}"
                            f"{', ...' if len(foreign) > 3 else ''}); generating replaces the whole directory, so give -o "

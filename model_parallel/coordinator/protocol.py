@@ -48,10 +48,12 @@ from typing import Any, Optional
 
 from model_parallel import jsonbound
 from model_parallel.errors import ProtocolError
+from model_parallel.userfile import read_text
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
 MAX_JOB_FRAME_BYTES = 64 << 20  # a `job` reply carries a graph.json (tens of MB for a very large model)
+MAX_TOKEN_FILE_BYTES = 1 << 16  # a secret is a line of tens of bytes; a bigger "token file" is the wrong file
 MAC_BYTES = 32
 HEADER = struct.Struct(">I")
 SEQ = struct.Struct(">Q")
@@ -365,11 +367,9 @@ def read_token(token: Optional[str] = None, token_file: Optional[str] = None, de
     if token is not None and token_file is not None:
         raise ProtocolError("give --token or --token-file, not both")
     if token_file is not None:
-        try:
-            with open(token_file, encoding="utf-8") as handle:
-                token = handle.readline().strip()
-        except OSError as error:
-            raise ProtocolError(f"{token_file}: cannot read the token file: {error.strerror or error}") from None
+        text = read_text(token_file, error=ProtocolError, what="token file", max_bytes=MAX_TOKEN_FILE_BYTES,
+                         fix="write the shared secret on its first line")
+        token = text.split("\n", 1)[0].strip()
         if not token:
             raise ProtocolError(f"{token_file}: the token file is empty; write the shared secret on its first line")
     if token is None:

@@ -83,6 +83,7 @@ class Coordinator(WorkerLink):
         job: Optional[Mapping[str, Any]] = None,
         world_size: Optional[int] = None,
         memory: Optional[MemoryLimit] = None,
+        no_job_reason: str = "",
     ) -> None:
         if policy not in ("auto", "manual"):
             raise PlanError(f"--policy must be auto or manual, got {policy!r}")
@@ -101,6 +102,7 @@ class Coordinator(WorkerLink):
             import model_parallel.optimizer.partition  # noqa: F401 - now, not in the middle of the first decision
         self.token = token
         self.job = job  # what a worker started without a model gets (`job` message fields), if any
+        self.no_job_reason = no_job_reason  # told to a worker that asks when there is none (e.g. it is too big)
         self.policy = policy
         self.config = config
         self.status_file = Path(status_file) if status_file else None

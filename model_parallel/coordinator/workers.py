@@ -72,8 +72,8 @@ class WorkerLink:
         who = f"rank {message['rank']}" if "rank" in message else where
         job = self.job  # one read: another thread may replace or clear it meanwhile
         if job is None:
-            session.send("reply", ok=False, error="this coordinator serves no job; start the worker with --package "
-                                                  "or --graph/--plan (or give test_socket.py the job)")
+            session.send("reply", ok=False, error=self.no_job_reason or "this coordinator serves no job; start the "
+                         "worker with --package or --graph/--plan (or give test_socket.py the job)")
             logger.warning("%s asked for the job, but none is served", who)
             return True
         session.send("job", **job)

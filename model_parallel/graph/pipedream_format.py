@@ -14,6 +14,8 @@ from typing import Optional, Union
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.graph.core import ActivationSize, Graph, Node
+from model_parallel.jsonbound import MAX_FILE_BYTES
+from model_parallel.userfile import read_text
 
 _FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
 _STAGE_RE = re.compile(r"^stage_id=(\d+)$")
@@ -124,12 +126,7 @@ def parse_graph_txt(text: str, filename: str = "<string>") -> Graph:
 
 def read_graph_txt(path: Union[str, "os.PathLike[str]"]) -> Graph:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise GraphFormatError(f"{path}: cannot read graph file: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise GraphFormatError(f"{path}: not a text file ({error.reason} at byte {error.start})") from None
+    text = read_text(path, error=GraphFormatError, what="graph file", max_bytes=MAX_FILE_BYTES)
     return parse_graph_txt(text, str(path))
 
 

@@ -77,6 +77,10 @@ class Hierarchy:
                 f"machine counts, bandwidths and memory must be finite numbers, got -n {list(num_machines)} "
                 f"-b {bandwidths} -s {memory_bytes!r} ({error})"
             ) from None
+        # The optimizer's tables grow with the worker count (-n 100000000 was a numpy MemoryError).
+        if math.prod(level.num_machines for level in levels) > MAX_RANKS:
+            raise PlanError(f"-n {' '.join(str(n) for n in num_machines)} is more than {MAX_RANKS} workers in all, the "
+                            "most ranks a plan may place; give the machines you have")
         return cls(levels, memory)
 
     @property

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+from model_parallel import jsonbound
+from model_parallel.errors import ProfileError
 from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.core import Graph
 from model_parallel.profiler.timing import NodeTiming
@@ -98,10 +100,10 @@ class PartialProfile:
         partial = cls(path, key, say)
         if path is None or not Path(path).exists():
             return partial
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            say(f"{path}: unreadable ({type(error).__name__}); starting fresh")
+        try:  # bounded: a corrupt file (deep nesting, a huge integer) starts fresh, not a RecursionError
+            data = jsonbound.load_file(path, error=ProfileError, what="partial profile", allow_nan=True)
+        except ProfileError as error:
+            say(f"{path}: unreadable ({error}); starting fresh")
             return partial
         if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("version") != VERSION:
             say(f"{path}: not a partial profile of this version; starting fresh")

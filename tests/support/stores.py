@@ -17,9 +17,11 @@ class DictStore:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+    def compare_set(self, key: str, expected: str | bytes, desired: str) -> bytes:
+        # Like TCPStore, `expected` may be bytes (what a get returned, UTF-8 or not).
+        expected = expected if isinstance(expected, bytes) else expected.encode()
         current = self.data.get(key)
-        if (current is None and expected == "") or current == expected.encode():
+        if (current is None and expected == b"") or current == expected:
             self.data[key] = desired.encode()
             return desired.encode()
-        return current if current is not None else expected.encode()
+        return current if current is not None else expected

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from model_parallel import jsonbound
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
 from model_parallel.graph.plan import Plan, StagePlan
@@ -74,19 +75,42 @@ def _read_config(directory: Path, count: int) -> tuple[list[int], dict[int, tupl
         path = directory / name
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            stage_of = [int(s) for s in data["module_to_stage_map"]]
-            ranks = {int(s): tuple(int(r) for r in rs) for s, rs in data["stage_to_rank_map"].items()}
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise PlanError(f"{path}: expected {{\"module_to_stage_map\": [0, 1, 1], \"stage_to_rank_map\": "
-                            f"{{\"0\": [0], \"1\": [1]}}}} ({type(error).__name__}: {error})") from None
+        expected = '{"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}'
+        data = jsonbound.load_file(path, error=PlanError, what=name, fix=f"expected {expected}")
+        if not isinstance(data, dict) or not isinstance(data.get("module_to_stage_map"), list):
+            raise PlanError(f"{path}: expected {expected}, found no module_to_stage_map list")
+        stage_of = [_index(s, f"{path}: module_to_stage_map", expected) for s in data["module_to_stage_map"]]
+        ranks = stage_to_rank_map(data, path)
         # PipeDream lists the criterion too (it runs on the last stage); a map without it is accepted.
         if len(stage_of) not in (count, count + 1):
             raise PlanError(f"{path}: module_to_stage_map has {len(stage_of)} entries but model(criterion) returns "
                             f"{count} module(s) plus the criterion; regenerate the package")
         return stage_of[:count], ranks
     return list(range(count)), {s: (s,) for s in range(count)}
+
+
+def _index(value: Any, where: str, expected: str) -> int:
+    """A stage or rank number as JSON writes one: 0.7, true or "01" are refused, not read as 0, 1 or (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{where}: {json.dumps(value)[:40]} is not an integer; expected {expected}")
+    return value
+
+
+def stage_to_rank_map(data: Any, path: Path) -> dict[int, tuple[int, ...]]:
+    """A config's `stage_to_rank_map` ({"0": [0, 1], ...}: stage -> ranks), every number an integer."""
+    expected = '{"stage_to_rank_map": {"0": [0, 1], "1": [2]}}'
+    mapping = data.get("stage_to_rank_map") if isinstance(data, dict) else None
+    if not isinstance(mapping, dict):
+        raise PlanError(f"{path}: expected {expected}, found no stage_to_rank_map object")
+    ranks = {}
+    for key, listed in mapping.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and str(int(key)) == key):
+            raise PlanError(f"{path}: stage_to_rank_map key {key[:20]!r} is not a stage number; expected {expected}")
+        if not isinstance(listed, list):
+            raise PlanError(f"{path}: stage_to_rank_map[{key!r}] must be a list of ranks, found "
+                            f"{json.dumps(listed)[:40]}; expected {expected}")
+        ranks[int(key)] = tuple(_index(r, f"{path}: stage_to_rank_map[{key!r}]", expected) for r in listed)
+    return ranks
 
 
 class PipeDreamModel(nn.Module):

@@ -14,8 +14,6 @@ naming the tensor and the file(s).
 from __future__ import annotations
 
 import logging
-import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -27,6 +25,7 @@ from model_parallel import jsonbound
 from model_parallel.codegen.naming import state_key_map, tie_aliases
 from model_parallel.graph.core import STATE_ALIASES, Graph
 from model_parallel.runtime.build.materialize import InitError, ValueSource
+from model_parallel.userfile import check_regular
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +67,7 @@ def _where(file: Path, named_by: Path) -> str:
 
 def _check_regular(file: Path, named_by: Path) -> None:
     """A FIFO or device is refused before it is opened (opening a FIFO blocks; a device never ends)."""
-    try:
-        mode = os.stat(file).st_mode
-    except OSError as error:
-        raise InitError(f"{_where(file, named_by)}: cannot be read ({error.strerror or error})") from None
-    if not stat.S_ISREG(mode):
-        raise InitError(f"{_where(file, named_by)}: not a regular file (a FIFO, device or directory, possibly "
-                        "behind a symlink); give the .safetensors files themselves")
+    check_regular(file, error=InitError, what=".safetensors file", where=_where(file, named_by))
 
 
 def _open(file: Path, named_by: Path) -> Any:

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Optional, Union
 
 from model_parallel.errors import CheckpointError
+from model_parallel.userfile import read_text
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+MAX_POINTER_BYTES = 4096  # "step_<N>\n" is a few bytes; more is not a pointer
+_STEP_DIR = re.compile(r"^step_(\d{1,16})$")  # 16 digits hold any step (check.MAX_STEP = 2**53); no 5000-digit int()
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -72,11 +74,9 @@ def _pointer_step(directory: Path) -> Optional[int]:
     """The step the `latest` pointer names (None without a pointer)."""
     pointer = directory / LATEST
     if pointer.is_file():
-        try:
-            text = pointer.read_text(encoding="utf-8").strip()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{pointer}: the '{LATEST}' pointer is not text (expected 'step_<N>'); "
-                                  "delete it to fall back to the newest complete step") from None
+        # `is_file` follows symlinks; read_text still refuses what changed since, and caps the size.
+        text = read_text(pointer, error=CheckpointError, what=f"'{LATEST}' pointer", max_bytes=MAX_POINTER_BYTES,
+                         fix="expected 'step_<N>'; delete it to fall back to the newest complete step").strip()
         match = _STEP_DIR.match(text)
         if not match:
             raise CheckpointError(f"{pointer}: expected 'step_<N>', found {text[:40]!r}; delete it to fall back to the newest complete step")

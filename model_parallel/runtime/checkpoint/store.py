@@ -48,6 +48,7 @@ Independent of torch.distributed: `commit.py` is the runtime's protocol around t
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -74,6 +75,7 @@ from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of t
     step_dirs,
 )
 from model_parallel.runtime.checkpoint.shardio import ShardReader, write_shard_file
+from model_parallel.userfile import read_bytes
 from model_parallel.runtime.checkpoint.state import (  # noqa: F401 - part of this module's API
     OptimizerState,
     StreamedState,
@@ -162,12 +164,10 @@ def _naming(path: Path) -> Iterator[None]:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} is missing") from None
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read the {what}: {error.strerror or error}") from None
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path}: {what} is missing")
+    text = read_bytes(path, error=CheckpointError, what=what, max_bytes=jsonbound.MAX_FILE_BYTES,
+                      fix="delete this step directory and resume from an earlier one")
     # Bounded: a hostile manifest (deep nesting, a 5000-digit step) is a CheckpointError, not a traceback.
     try:
         return jsonbound.loads(text, where=path.name, error=CheckpointError)

@@ -41,12 +41,16 @@ import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from model_parallel import jsonbound
+from model_parallel.errors import LogFormatError
+from model_parallel.jsonbound import MAX_FILE_BYTES as MAX_READ_BYTES
 from model_parallel.messages import StepReport
 from model_parallel.runtime.observe.rotation import AppendFile
+from model_parallel.userfile import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -294,19 +298,22 @@ def _metrics_files(path: Union[PathLike, Iterable[PathLike]]) -> list[Path]:
 
 def _json_lines(path: Union[PathLike, Iterable[PathLike]]) -> Iterator[tuple[Path, int, str, Any]]:
     """(file, line number, line, decoded JSON) of every line; a cut-off last line (a process killed
-    mid-write) is skipped with a warning; a bad line elsewhere is a ValueError naming file:line."""
+    mid-write) is skipped with a warning; a bad line elsewhere is a LogFormatError naming file:line."""
     for file in _metrics_files(path):
-        lines = file.read_text(encoding="utf-8").split("\n")
+        lines = read_text(file, error=LogFormatError, what="metrics file", max_bytes=MAX_READ_BYTES).split("\n")
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                yield file, number, line, json.loads(line)
-            except json.JSONDecodeError as error:
+                # Bounded (depth, integer digits): a hostile line is this error, not a RecursionError.
+                record = jsonbound.loads(line, where="line", error=LogFormatError, allow_nan=True)
+            except LogFormatError as error:
                 if number == len(lines):  # no newline after it: the writer was killed mid-line
                     logger.warning("%s:%d: skipping a cut-off last line", file, number)
                     continue
-                raise ValueError(f"{file}:{number}: not a JSON object ({error}); was the file edited?") from None
+                detail = str(error).split(": ", 1)[-1]
+                raise LogFormatError(f"{file}:{number}: not a JSON object ({detail}); was the file edited?") from None
+            yield file, number, line, record
 
 
 def read_metrics(path: Union[PathLike, Iterable[PathLike]]) -> list[dict[str, Any]]:
@@ -317,9 +324,27 @@ def read_metrics(path: Union[PathLike, Iterable[PathLike]]) -> list[dict[str, An
         if isinstance(record, dict) and "event" in record:
             continue
         if not isinstance(record, dict) or "step" not in record or "rank" not in record:
-            raise ValueError(f"{file}:{number}: expected a metrics record with 'step' and 'rank', found {line[:80]!r}")
+            raise LogFormatError(f"{file}:{number}: expected a metrics record with 'step' and 'rank', found {line[:80]!r}")
+        _check_types(record, f"{file}:{number}")
         records.append(record)
     return records
+
+
+_INT_FIELDS = ("step", "rank", "plan_version", "samples", "microbatches")
+_NUMBER_FIELDS = tuple(f.name for f in fields(StepRecord) if f.type == "float")
+
+
+def _check_types(record: Mapping[str, Any], where: str) -> None:
+    """The fields `summarize` computes with have the types a recorder writes (a step of "x" or a rank of [1]
+    would be a TypeError deep in the summary); a NaN time is allowed (a recorder writes one)."""
+    for key in _INT_FIELDS + ("stage",) + _NUMBER_FIELDS:
+        value = record.get(key)
+        if key not in record or (key == "stage" and value is None):
+            continue
+        integer = key in _INT_FIELDS or key == "stage"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise LogFormatError(f"{where}: {key!r} must be {'an integer' if integer else 'a number'}, found "
+                                 f"{json.dumps(value)[:40]}; was the file edited?")
 
 
 def read_events(path: Union[PathLike, Iterable[PathLike]], kind: str) -> list[dict[str, Any]]:
@@ -336,6 +361,11 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """
     by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
     for record in records:
+        needed = ("step_ms",) + (("compute_ms", "comm_ms", "idle_ms") if record.get("stage") is not None else ())
+        missing = [key for key in needed if key not in record]
+        if missing:
+            raise LogFormatError(f"the record of step {record.get('step')}, rank {record.get('rank')} has no {missing}; "
+                                 "give the metrics files a run wrote")
         by_step[int(record["step"])].append(record)
     rows = []
     for step in sorted(by_step):

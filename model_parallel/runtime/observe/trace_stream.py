@@ -24,7 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from model_parallel import jsonbound
+from model_parallel.errors import LogFormatError
+from model_parallel.jsonbound import MAX_FILE_BYTES
 from model_parallel.runtime.observe.rotation import rotate
+from model_parallel.userfile import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +117,22 @@ class TraceStream:
 
 def read_events(path: PathLike) -> Any:
     """The JSON of a trace file: an object (`{"traceEvents": [...]}`) or a JSON Array Format chunk, whose
-    missing closing `]` (a process killed mid-run) is tolerated. ValueError if it is neither."""
-    text = Path(path).read_text(encoding="utf-8").strip()
+    missing closing `]` (a process killed mid-run) is tolerated. LogFormatError (file:line) if it is neither."""
+    text = read_text(path, error=LogFormatError, what="trace file", max_bytes=MAX_FILE_BYTES).strip()
+
+    def decode(candidate: str) -> Any:  # bounded: deep nesting or a 5000-digit number is this error, no traceback
+        return jsonbound.loads(candidate, where=str(path), error=LogFormatError, allow_nan=True,
+                               fix="give a trace file a run wrote (--trace_dir)")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return decode(text)
+    except LogFormatError as error:
         if not text.startswith("["):
             raise
+        first = error
     # An unclosed array: close it, or first cut a half-written last event (each event follows ",\n").
     for candidate in (text + "]", text.rsplit(",\n", 1)[0] + "]"):
         try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
+            return decode(candidate)
+        except LogFormatError:
             continue
-    raise ValueError(f"{path}: not a Chrome trace (an unclosed JSON array that does not parse)")
+    raise first  # neither closes it: the defect of the file as written (file:line)

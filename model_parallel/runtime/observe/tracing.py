@@ -26,7 +26,9 @@ JSON trace when running under torch.profiler or Nsight Systems.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -36,6 +38,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from model_parallel.errors import LogFormatError
 from model_parallel.fileio import atomic_write_json
 from model_parallel.runtime.observe.trace_stream import CHUNK_BYTES, FLUSH_EVENTS, KEEP_CHUNKS, TraceStream, read_events
 
@@ -261,8 +264,33 @@ def read_trace(path: PathLike) -> dict[str, Any]:
     if isinstance(data, list) and data and all(isinstance(e, dict) and "ph" in e for e in data):
         data = {"traceEvents": data}  # a streamed chunk (JSON Array Format)
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{path}: not a Chrome trace (expected an object with a 'traceEvents' list or a JSON array of events)")
+        raise LogFormatError(f"{path}: not a Chrome trace (expected an object with a 'traceEvents' list or a JSON array of events)")
+    _check_events(data, str(path))
     return data
+
+
+# The fields `merge_traces` computes with or sorts by, and the types Chrome's trace format gives them.
+_EVENT_FIELDS = (("ts", (int, float), "a number"), ("dur", (int, float), "a number"), ("pid", int, "an integer"),
+                 ("tid", (int, str), "an integer or a string"), ("ph", str, "a string"), ("name", str, "a string"))
+
+
+def _check_events(data: dict[str, Any], where: str) -> None:
+    """Each event is an object whose fields have their format's types (a "ts" of "x" or a "pid" of [] would be a
+    TypeError while merging), and a finite time; the error names the file and the event."""
+    fix = "give a trace file a run wrote (--trace_dir)"
+    for index, event in enumerate(data["traceEvents"]):
+        if not isinstance(event, dict):
+            raise LogFormatError(f"{where}: traceEvents[{index}] must be an object, found {json.dumps(event)[:40]}; {fix}")
+        for key, kinds, expected in _EVENT_FIELDS:
+            value = event.get(key)
+            if key in event and (isinstance(value, bool) or not isinstance(value, kinds)
+                                 or (isinstance(value, float) and not math.isfinite(value))):
+                raise LogFormatError(f"{where}: traceEvents[{index}].{key} must be {expected}, found "
+                                     f"{json.dumps(value)[:40]}; {fix}")
+    other = data.get("otherData", {})
+    dropped = other.get("dropped_events", 0) if isinstance(other, dict) else None
+    if isinstance(dropped, bool) or not isinstance(dropped, int):
+        raise LogFormatError(f"{where}: otherData.dropped_events must be an integer; {fix}")
 
 
 def merge_traces(paths: Iterable[PathLike], out: PathLike, rebase: bool = True) -> Path:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import csv
 import io
 import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Union
 
 from model_parallel.errors import ScheduleError
 from model_parallel.fileio import atomic_write_text
+from model_parallel.userfile import read_text
 from model_parallel.runtime.step.schedule import Action, Schedule, check, grid_from_orders
 
 MAX_CSV_BYTES = 16 * 2**20  # a schedule of 1000 ranks x 10,000 actions fits; a bigger file is not a schedule
@@ -32,29 +34,27 @@ _IGNORED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")  # bookkeeping torch schedules 
 def read_torch_csv(path: Union[str, Path], name: Optional[str] = None) -> Schedule:
     """A torch compute-only schedule CSV as our `Schedule` (flush after every minibatch), checked by our rules."""
     source = Path(path)
-    try:
-        size = source.stat().st_size
-        if not source.is_file():
-            raise ScheduleError(f"{source}: not a regular file; give torch's schedule CSV")
-        if size > MAX_CSV_BYTES:
-            raise ScheduleError(f"{source}: {size} bytes, over the {MAX_CSV_BYTES} a schedule CSV may have")
-        text = source.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ScheduleError(f"{source}: cannot read the schedule CSV: {error}") from None
+    text = read_text(source, error=ScheduleError, what="schedule CSV", max_bytes=MAX_CSV_BYTES,
+                     fix="give torch's schedule CSV")
     return parse_torch_csv(text, name or source.stem, where=str(source))
 
 
 def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Schedule:
     """`read_torch_csv` on text; errors name `where`, the line (= rank + 1) and the cell."""
     orders: list[list[Action]] = []
-    for line, row in enumerate(csv.reader(io.StringIO(text)), 1):
-        order: list[Action] = []
-        for column, raw in enumerate(row, 1):
-            cell = raw.strip()
-            if not cell:
-                continue
-            order.extend(_action(cell, f"{where}:{line}: cell {column} ({cell!r})"))
-        orders.append(order)
+    reader = csv.reader(io.StringIO(text))
+    try:
+        for line, row in enumerate(reader, 1):
+            order: list[Action] = []
+            for column, raw in enumerate(row, 1):
+                cell = raw.strip()
+                if not cell:
+                    continue
+                order.extend(_action(cell, f"{where}:{line}: cell {column} ({cell[:40]!r})"))
+            orders.append(order)
+    except csv.Error as error:  # a field over csv's limit (128 KiB), a NUL byte: not a cell of a schedule
+        raise ScheduleError(f"{where}:{reader.line_num}: not a schedule CSV row ({error}); expected rows like "
+                            "'0F0,0F1,,0B0', one row per rank") from None
     while orders and not orders[-1]:
         orders.pop()  # trailing blank lines
     if not orders or not any(orders):
@@ -96,9 +96,15 @@ def _check_orders(orders: list[list[Action]], placement: tuple[tuple[int, ...], 
     0..m-1 once each, in increasing order (how this runtime matches messages between two ranks): the first cell
     that breaks it is named, before any placing on time steps."""
     phases = (("F", "forward", "F"), ("G", "backward", "B"), ("W", "weight gradient", "W"))
-    counted = [(rank, stage, what, default, [a for a in order if a.stage == stage and (stage, phase, a.microbatch)
-                                            in a.provides()])
-               for rank, order in enumerate(orders) for stage in placement[rank] for phase, what, default in phases]
+    # One pass buckets each action under what it provides: filtering a row once per stage was quadratic
+    # (a row of 100k cells, each its own stage, took minutes).
+    buckets: dict[tuple[int, str], list[Action]] = defaultdict(list)
+    for order in orders:
+        for action in order:
+            for stage, phase, _ in action.provides():
+                buckets[stage, phase].append(action)
+    counted = [(rank, stage, what, default, buckets.get((stage, phase), []))
+               for rank in range(len(orders)) for stage in placement[rank] for phase, what, default in phases]
     for rank, stage, what, _, actions in counted:
         for k, action in enumerate(actions):
             if action.microbatch != k:

@@ -16,6 +16,7 @@ Nothing read here is executed: JSON only, every field checked.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,12 +25,15 @@ from typing import Any, Optional
 
 from torch.distributed import DistNetworkError
 
+from model_parallel import jsonbound
 from model_parallel.errors import PeerError, ProtocolError
 
 FLAGS = "mp/job/flags"
 REQUEST = "mp/join/request"
 ADMIT = "mp/join/admit/{}"
 TAKEN = "taken"
+logger = logging.getLogger(__name__)
+MAX_REQUEST_BYTES = 1 << 16  # {"address": ..., "nonce": ...} is about 100 bytes
 
 
 @dataclass(frozen=True)
@@ -130,15 +134,20 @@ def take_request(store: Any) -> Optional[dict[str, str]]:
     """Rank 0 after a step: a pending request, taken (so it is admitted once), or None. One `check` when idle."""
     if not store.check([REQUEST]):
         return None
-    text = store.get(REQUEST).decode()
-    if not text or text == TAKEN:
+    raw = store.get(REQUEST)
+    if not raw or raw == TAKEN.encode():
         return None
     try:
-        request = json.loads(text)
+        # Bounded: any store client can write the slot; deep nesting or non-UTF-8 bytes must be garbage to
+        # free, not a RecursionError/UnicodeDecodeError that leaves the slot jammed for every later joiner.
+        request = jsonbound.loads(raw, where=REQUEST, error=ProtocolError, max_bytes=MAX_REQUEST_BYTES)
         address, nonce = str(request["address"]), str(request["nonce"])
-    except (ValueError, KeyError, TypeError):
-        store.compare_set(REQUEST, text, "")  # garbage in the slot: free it for a real joiner
+    except (ProtocolError, KeyError, TypeError) as error:
+        logger.warning("malformed join request in the store (%s); freeing the slot for a real joiner",
+                       str(error)[:160] or type(error).__name__)
+        store.compare_set(REQUEST, raw, "")  # garbage in the slot: free it for a real joiner
         return None
+    text = raw.decode()
     if store.compare_set(REQUEST, text, TAKEN).decode() != TAKEN:
         return None  # withdrawn meanwhile
     return {"address": address, "nonce": nonce}

@@ -71,6 +71,17 @@ def test_the_request_slot_admits_one_joiner_and_never_a_withdrawn_one() -> None:
     wire.post_request(store, "10.0.0.7", time.monotonic() + 1)  # the next one may post
 
 
+@pytest.mark.parametrize("junk", [b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe", b"[1, 2]", b'"text"'])
+def test_junk_in_the_request_slot_is_freed_for_a_real_joiner(junk: bytes) -> None:
+    # Any store client can write the slot: deep nesting (RecursionError) and non-UTF-8 bytes used to escape
+    # take_request and leave the slot jammed, locking every later joiner out.
+    store = DictStore()
+    store.data[wire.REQUEST] = junk
+    assert wire.take_request(store) is None
+    assert store.get(wire.REQUEST) == b""
+    wire.post_request(store, "10.0.0.7", time.monotonic() + 1)  # the next one may post
+
+
 def test_an_admission_must_give_the_joiner_the_next_unused_original_rank() -> None:
     bad = wire.Admission("n", "h", 1, 2, (0, 2), ("a", "b", "c"), 29500, 0, 29500).to_json()
     with pytest.raises(ProtocolError, match="next unused one"):

@@ -138,7 +138,7 @@ def test_parse_address_and_read_token(tmp_path, monkeypatch):
     monkeypatch.delenv(p.TOKEN_ENV, raising=False)
     with pytest.raises(ProtocolError, match="no shared token"):
         p.read_token()
-    with pytest.raises(ProtocolError, match="cannot read the token file"):
+    with pytest.raises(ProtocolError, match="cannot read token file"):
         p.read_token(token_file=str(tmp_path / "missing"))
 
 

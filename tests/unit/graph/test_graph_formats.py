@@ -144,7 +144,7 @@ def test_missing_and_binary_files_are_format_errors(tmp_path: Path):
     with pytest.raises(GraphFormatError, match=r"nope\.txt: cannot read graph file"):
         read_graph_txt(tmp_path / "nope.txt")
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00graph")
-    with pytest.raises(GraphFormatError, match=r"bin\.txt: not a text file"):
+    with pytest.raises(GraphFormatError, match=r"bin\.txt:1: not a text file"):
         read_graph_txt(tmp_path / "bin.txt")
 
 
@@ -197,3 +197,13 @@ def test_sidecar_for_other_nodes_is_rejected(tmp_path: Path):
     (tmp_path / "graph.txt").write_text(f"x -- Input0 -- {COSTS}\n")
     with pytest.raises(GraphFormatError, match=r"graph\.json: sidecar does not describe the same nodes"):
         load_graph(tmp_path / "graph.txt")
+
+
+def test_a_worker_count_beyond_the_plan_limit_is_refused_before_the_optimizer():
+    from model_parallel.errors import PlanError
+    from model_parallel.graph.plan import Hierarchy
+
+    with pytest.raises(PlanError, match=r"-n 100000000 is more than 65536 workers in all"):
+        Hierarchy.from_lists([100000000])
+    with pytest.raises(PlanError, match=r"-n 300 300 is more than 65536"):
+        Hierarchy.from_lists([300, 300], [1e9, 1e9])

@@ -229,3 +229,11 @@ def test_the_meta_memory_estimate_leaves_no_graph_behind():
     _, activations = feasibility.meta_training_bytes(model, (torch.zeros(2, 4, device="meta"),), lambda out: out.sum())
     gc.collect()
     assert activations > 0 and model.outputs and all(ref() is None for ref in model.outputs)
+
+
+def test_a_partial_profile_nested_too_deep_starts_fresh(tmp_path: Path):
+    path = tmp_path / PARTIAL_NAME
+    path.write_text("[" * 100_000 + "]" * 100_000)  # json.loads: a RecursionError
+    said: list[str] = []
+    assert resume.PartialProfile.open(path, {"batch_size": 8}, said.append).steps(0) == []
+    assert said[-1].startswith(f"{path}: unreadable (") and said[-1].endswith("starting fresh")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -139,3 +140,38 @@ def test_command_line_summary(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "missing.jsonl")])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("line, words", [
+    ("[" * 5000 + "]" * 5000, r"m\.jsonl:2: not a JSON object \(nested deeper than 64 levels\)"),
+    ('{"step": ' + "9" * 5000 + ', "rank": 0}', r"m\.jsonl:2: not a JSON object \(an integer of 5000 digits"),
+    ('{"step": "x", "rank": 0}', r"m\.jsonl:2: 'step' must be an integer, found \"x\""),
+    ('{"step": 1, "rank": [1]}', r"m\.jsonl:2: 'rank' must be an integer, found \[1\]"),
+    ('{"step": 1, "rank": 0, "stage": 0.5}', r"m\.jsonl:2: 'stage' must be an integer"),
+    ('{"step": 1, "rank": 0, "step_ms": {}}', r"m\.jsonl:2: 'step_ms' must be a number, found \{\}"),
+])
+def test_a_hostile_line_is_one_typed_error_naming_file_and_line(tmp_path, line, words):
+    from model_parallel.errors import LogFormatError
+
+    (tmp_path / "m.jsonl").write_text('{"step": 0, "rank": 0}\n' + line + "\n")
+    with pytest.raises(LogFormatError, match=words):
+        read_metrics(tmp_path / "m.jsonl")
+
+
+def test_a_nan_a_recorder_wrote_still_reads_and_a_record_without_times_is_named(tmp_path):
+    from model_parallel.errors import LogFormatError
+
+    (tmp_path / "m.jsonl").write_text('{"step": 0, "rank": 0, "step_ms": NaN, "loss": NaN}\n'
+                                      '{"step": 1, "rank": 0}\n')
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert math.isnan(records[0]["loss"])
+    with pytest.raises(LogFormatError, match=r"the record of step 1, rank 0 has no \['step_ms'\]"):
+        summarize(records)
+
+
+def test_bad_utf8_names_file_and_line(tmp_path):
+    from model_parallel.errors import LogFormatError
+
+    (tmp_path / "m.jsonl").write_bytes(b'{"step": 0, "rank": 0}\n\xff\n')
+    with pytest.raises(LogFormatError, match=r"m\.jsonl:2: not a text file"):
+        read_metrics(tmp_path / "m.jsonl")

@@ -337,6 +337,16 @@ def test_hybrid_conf_places_package_stages(tmp_path, mlp_graph):
     conf.write_text(json.dumps({"stage_to_rank_map": {"0": [0]}}))
     with pytest.raises(PlanError, match=r"names stages \[0\], the plan has 0..1"):
         ranks_from_hybrid_conf(plan, conf)
+    # Ranks are JSON integers: 0.7, true and "01" used to read as 0, 1 and (0, 1).
+    for ranks, words in (([0.7], r"stage_to_rank_map\['0'\]: 0.7 is not an integer"),
+                         ([True], r"stage_to_rank_map\['0'\]: true is not an integer"),
+                         ("01", r"stage_to_rank_map\['0'\] must be a list of ranks, found \"01\"")):
+        conf.write_text(json.dumps({"stage_to_rank_map": {"0": ranks, "1": [1]}}))
+        with pytest.raises(PlanError, match=words):
+            ranks_from_hybrid_conf(plan, conf)
+    conf.write_text(json.dumps({"stage_to_rank_map": {"00": [0], "1": [1]}}))
+    with pytest.raises(PlanError, match=r"key '00' is not a stage number"):
+        ranks_from_hybrid_conf(plan, conf)
 
 
 def test_health_reports_a_peer_that_failed_on_its_own():

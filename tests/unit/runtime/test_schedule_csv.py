@@ -94,3 +94,30 @@ def test_command_line(tmp_path, capsys):
     bad.write_text("0F0,0B0\n1F0\n")
     with pytest.raises(ScheduleError, match="bad.csv"):
         schedule_cli.main([str(bad)])
+
+
+def test_the_check_reads_each_row_once():
+    # A row of n cells, each its own stage, was filtered once per stage and phase: n^2 work (a 0.8 MB row of
+    # 100k cells ran for minutes). Counted, not timed: how often the check walks the row.
+    from model_parallel.runtime.step.actions import Action
+    from model_parallel.runtime.step.schedule_csv import _check_orders
+
+    class Row(list):
+        walks = 0
+
+        def __iter__(self):
+            Row.walks += 1
+            return super().__iter__()
+
+    n = 300
+    row = Row(Action(s, "F", 0) for s in range(n))
+    with pytest.raises(ScheduleError, match=r"<csv>:1: 0B0 never runs"):
+        _check_orders([row], (tuple(range(n)),), 1, "<csv>")
+    assert Row.walks <= 2
+
+
+@pytest.mark.parametrize("text, where", [("0F0,\"" + "x" * 200_000 + "\"\n", r"<csv>:1: not a schedule CSV row \(field larger"),
+                                         ("0F0,0B0\n1F0,\"" + "y" * 200_000 + "\"\n", r"<csv>:2: not a schedule CSV row")])
+def test_a_field_over_the_csv_limit_is_a_schedule_error_naming_the_line(text, where):
+    with pytest.raises(ScheduleError, match=where):
+        parse_torch_csv(text)

@@ -121,3 +121,19 @@ def test_command_line_merge(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "x.json"), str(tmp_path / "missing.json")])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[" * 5000 + "]" * 5000, r"t\.json: nested deeper than 64 levels"),
+    ('{"traceEvents": [{"ts": ' + "9" * 5000 + "}]}", r"t\.json:1: an integer of 5000 digits"),
+    ('{"traceEvents": [{"ts": "x", "pid": [], "name": 5, "ph": 7}]}', r"t\.json: traceEvents\[0\]\.ts must be a number"),
+    ('{"traceEvents": [{"ts": 1, "pid": []}]}', r"t\.json: traceEvents\[0\]\.pid must be an integer"),
+    ('{"traceEvents": [5]}', r"t\.json: traceEvents\[0\] must be an object"),
+    ('{"traceEvents": [], "otherData": {"dropped_events": "x"}}', r"t\.json: otherData\.dropped_events"),
+])
+def test_a_hostile_trace_is_one_typed_error_naming_the_file(tmp_path, text, words):
+    from model_parallel.errors import LogFormatError
+
+    (tmp_path / "t.json").write_text(text)
+    with pytest.raises(LogFormatError, match=words):
+        merge_traces([tmp_path / "t.json"], tmp_path / "out.json")
