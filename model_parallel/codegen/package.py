@@ -87,6 +87,16 @@ def _check_identifier(value: str, what: str) -> None:
         raise CodegenError(f"{what} {value!r} must be a Python identifier (and not stageN), e.g. resnet152")
 
 
+def _check_class_name(class_name: str, num_stages: int) -> None:
+    """The composed class shares a namespace with the stage classes (`<arch>.py` imports them) and with the
+    package's `__init__.py` (`arch`, `model`, `full_model`): taking one of their names shadows it, and
+    `full_model()` then recurses forever or returns a stage."""
+    taken = [f"Stage{i}" for i in range(num_stages)] + ["torch", "arch", "model", "full_model"]
+    if class_name in taken:
+        raise CodegenError(f"class name (-n) {class_name!r} is a name the generated package already uses "
+                           f"({', '.join(taken)}); pick another, e.g. {class_name}Model")
+
+
 def generate_package(
     graph: Graph,
     plan: Plan,
@@ -109,6 +119,7 @@ def generate_package(
     boundaries = stage_boundaries(graph, stage_of)
     if len(boundaries) != plan.num_stages:
         raise PlanError(f"the plan has {plan.num_stages} stages but its nodes use stages 0..{len(boundaries) - 1}")
+    _check_class_name(class_name, len(boundaries))
     check_shared_modules(graph, stage_of)
     check_ties(graph, stage_of, "a generated package's stages are separate modules (PipeDream's runtime does not "
                                 "sum tied gradients; model_parallel's runtime does: train from graph.json instead)")

@@ -5,12 +5,14 @@ ids like `self`, `forward`, `class` broke the generated package or the stages th
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from model_parallel.cli.common import run_cli
 from model_parallel.codegen.build import build_stages, full_model_from_graph
 from model_parallel.codegen.naming import original_state_from_stage, stage_state_from_original, state_key_map
 from model_parallel.codegen.package import load_package
@@ -95,3 +97,19 @@ def test_generated_package_and_runtime_stages_keep_every_layer(ids: list[str], t
         with torch.no_grad():
             out = built(x)
         torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, _by_hand(ids, original, x))
+
+
+@pytest.mark.parametrize("class_name", ["Stage0", "Stage1", "model", "full_model"])
+def test_a_class_name_the_package_already_uses_is_refused(class_name: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """`-n Stage0` made the composed class shadow the stage class: Stage0() recursed forever."""
+    graph_txt = _graph_txt(["b"], tmp_path / "graph.txt")
+    text = graph_txt.read_text().replace("z -- Linear(16, 4) -- " + COSTS + " -- stage_id=0",
+                                         "z -- Linear(16, 4) -- " + COSTS + " -- stage_id=1")
+    graph_txt.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(convert_main, ["-f", str(graph_txt), "-n", class_name, "-a", "m", "-o", str(tmp_path / "pkg")])
+    assert exited.value.code == 2
+    assert re.search(rf"class name \(-n\) '{class_name}' is a name the generated package already uses "
+                     r"\(Stage0, Stage1, torch, arch, model, full_model\)", capsys.readouterr().err)
+    assert not (tmp_path / "pkg").exists()
