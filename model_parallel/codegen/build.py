@@ -20,7 +20,6 @@ from torch import nn
 from model_parallel.codegen.aliasing import mutated_inputs
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
 from model_parallel.codegen.layers import ModulesArg, layer_of, make_attribute, make_module, node_where
-from model_parallel.codegen.naming import layer_name
 from model_parallel.codegen.ties import tie_stage, tie_stages
 from model_parallel.errors import CodegenError, GraphError, PlanError
 from model_parallel.graph import loader
@@ -92,7 +91,7 @@ def check_layers(
         for node_id in ids:
             layer = graph[node_id].layer
             if layer is not None and layer.op == "call_module":
-                if isinstance(modules.get(layer_name(layer.target), modules.get(layer.target)), nn.Module):
+                if isinstance(modules.get(graph.attribute_names[layer.target], modules.get(layer.target)), nn.Module):
                     handed_over.append(node_id)
     loader.check_graph(graph, ids, handed_over=handed_over)
     loader.guard_sparse(graph, ids)
@@ -142,12 +141,12 @@ def _build_fx(
         node = graph[node_id]
         layer = layer_of(graph, node)
         if layer.op == "call_module":
-            name = layer_name(layer.target)
+            name = graph.attribute_names[layer.target]
             if not hasattr(root, name):
                 root.add_module(name, make_module(graph, node, modules=modules, source_model=source_model))
             built[node_id] = getattr(root, name)
         elif layer.op == "get_attr":
-            name = layer_name(layer.target)
+            name = graph.attribute_names[layer.target]
             if not hasattr(root, name):
                 tensor = make_attribute(graph, node, modules=modules, source_model=source_model)
                 if isinstance(tensor, nn.Parameter):
@@ -157,7 +156,7 @@ def _build_fx(
     tie_stage(graph, node_ids, root)  # layers built separately: point each tie's attributes at one tensor
 
     for name in inputs:
-        env[name] = fx_graph.placeholder(layer_name(name))
+        env[name] = fx_graph.placeholder(graph.variable_names[name])
         env[name].meta["node_id"] = name
     for name in sorted(mutated_inputs(graph, node_ids, inputs, built), key=list(inputs).index):
         env[name] = _clone_on_entry(fx_graph, env[name], name, len(layer_of(graph, graph[name]).outputs))
@@ -200,8 +199,8 @@ def _build_fx(
         elif layer.op == "call_method":
             target = loader.check_method(layer.target, where)
         else:
-            target = layer_name(layer.target)
-        fx_node = fx_graph.create_node(layer.op, target, args, kwargs, name=layer_name(node_id))
+            target = graph.attribute_names[layer.target]
+        fx_node = fx_graph.create_node(layer.op, target, args, kwargs, name=graph.variable_names[node_id])
         fx_node.meta["node_id"] = node_id
         fx_node.meta["outputs"] = layer.outputs
         env[node_id] = fx_node
@@ -246,7 +245,7 @@ def build_stage(
     """A module computing `node_ids` (any order; run in topological order) from `boundary.inputs`,
     returning the tuple `boundary.outputs`.
 
-    Layers are attributes named `layer_name(target)`, taken from `modules` (keyed by layer name or
+    Layers are attributes named `graph.attribute_names[target]`, taken from `modules` (keyed by layer name or
     original target) when given, else built from their constructor expression, else taken from
     `source_model`. Fresh layers are randomly initialised: load weights with
     `stage.load_state_dict(stage_state_from_original(graph, model.state_dict()), strict=False)`.

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_parallel.errors import CodegenError
+from model_parallel.errors import CodegenError, GraphFormatError
 from model_parallel.graph.loader import build_module
 from model_parallel.graph.core import Graph, LayerSpec, Node
 
@@ -33,6 +33,18 @@ def _literal_args(text: str, where: str) -> tuple[Any, ...]:
     except (ValueError, SyntaxError):
         raise CodegenError(f"{where}: arguments {text!r} are not literals") from None
     return tuple(value)
+
+
+def _one_literal(text: str, where: str, form: str, example: str, default: Any = None) -> Any:
+    """The single literal argument of `Concat(d)` / `__getitem__(k)` (`default` when none is written and one is
+    allowed); any other count is the file's mistake, reported with the form expected."""
+    values = _literal_args(text, where)
+    if not values and default is not None:
+        return default
+    if len(values) != 1:
+        raise GraphFormatError(f"{where}: {form} takes exactly one literal argument, got {len(values)} "
+                               f"({text.strip()!r}); write it like {example}")
+    return values[0]
 
 
 def _module_expression(name: str, args: str, where: str) -> str:
@@ -98,7 +110,7 @@ def infer_layer(graph: Graph, node: Node, line: int, input_index: int) -> LayerS
             return LayerSpec(op="call_function", target=function, args=tuple(refs))
         return LayerSpec(op="call_function", target="builtins.sum" if name == "Add" else "math.prod", args=(refs,))
     if name == "Concat":
-        (dim,) = _literal_args(args, where) or (1,)
+        dim = _one_literal(args, where, "Concat(d)", "Concat(1)", default=1)
         return LayerSpec(op="call_function", target="torch.cat", args=(refs, dim))
     if name == "Flatten":
         need(1)
@@ -108,7 +120,7 @@ def infer_layer(graph: Graph, node: Node, line: int, input_index: int) -> LayerS
         return LayerSpec(op="call_method", target="size", args=(refs[0], *_literal_args(args, where)))
     if name == "__getitem__":
         need(1)
-        (index,) = _literal_args(args, where)
+        index = _one_literal(args, where, "__getitem__(k)", "__getitem__(0)")
         return LayerSpec(op="call_function", target="operator.getitem", args=(refs[0], index))
     if name == "View":
         shape = _literal_args(args, where)

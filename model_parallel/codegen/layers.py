@@ -8,7 +8,6 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from model_parallel.codegen.naming import layer_name
 from model_parallel.errors import CodegenError, GraphError
 from model_parallel.graph import loader, sizes
 from model_parallel.graph.arguments import CONSTANTS, decode_constant
@@ -27,7 +26,7 @@ def make_module(
     """The module a call_module node runs: handed over in `modules`, else built from its constructor
     expression, else taken from `source_model`."""
     layer = layer_of(graph, node)
-    name = layer_name(layer.target)
+    name = graph.attribute_names[layer.target]
     if modules is not None:
         given = modules.get(name, modules.get(layer.target))
         if given is not None:
@@ -66,7 +65,7 @@ def make_attribute(
     (`metadata["constants"]`), else an uninitialised one of the recorded shape (its value comes with
     the state dict), a Parameter if the profile counted it as one."""
     layer = layer_of(graph, node)
-    name = layer_name(layer.target)
+    name = graph.attribute_names[layer.target]
     if modules is not None:
         given = modules.get(name, modules.get(layer.target))
         if isinstance(given, torch.Tensor):

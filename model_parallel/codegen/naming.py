@@ -1,7 +1,8 @@
 """Stable names for layers and parameters in stage modules, whatever the partition.
 
-A stage holds each layer as one attribute named `layer_name(target)` (fx's own convention: dots
-become underscores), so the state-dict key of the original parameter `layer1.0.conv1.weight` is
+A stage holds each layer as one attribute named `graph.attribute_names[target]` (`layer_name(target)`,
+fx's own convention: dots become underscores, unless two targets or a reserved name clash; see
+`graph.names`), so the state-dict key of the original parameter `layer1.0.conv1.weight` is
 `layer1_0_conv1.weight` in whichever stage holds it. Checkpoints, optimizer state and layer
 migration key on these names, which is why they must not depend on the stage boundaries.
 """
@@ -13,25 +14,25 @@ from typing import Any, Optional
 
 from model_parallel.errors import CodegenError
 from model_parallel.graph.core import STATE_ALIASES, Graph, Node
-from model_parallel.graph.init_rule import layer_name  # noqa: F401 - one owner: the init rule seeds layers by it
+from model_parallel.graph.names import layer_name  # noqa: F401 - re-exported: one owner, graph.names
 
 
-
-
-def state_key(original_key: str, owner: Optional[str] = None) -> str:
+def state_key(original_key: str, owner: Optional[str] = None, attribute: Optional[str] = None) -> str:
     """`"layer1.0.conv1.weight"` -> `"layer1_0_conv1.weight"`.
 
     `owner` is the module (or attribute) path that owns the key in the original model; it matters
     for leaf modules with submodules (`attn.out_proj.weight` owned by `attn` -> `attn.out_proj.weight`)
     and for bare attribute tensors (`pos.emb` owned by `pos.emb` -> `pos_emb`). Without it the last
-    component is taken as the parameter name.
+    component is taken as the parameter name. `attribute`: the owner's attribute in a stage
+    (`graph.attribute_names[owner]`), default `layer_name(owner)`.
     """
     if owner is not None:
+        attribute = layer_name(owner) if attribute is None else attribute
         if original_key == owner:
-            return layer_name(owner)
+            return attribute
         if not original_key.startswith(owner + "."):
             raise CodegenError(f"state key {original_key!r} does not belong to {owner!r}")
-        return layer_name(owner) + original_key[len(owner):]
+        return attribute + original_key[len(owner):]
     module, dot, leaf = original_key.rpartition(".")
     return f"{layer_name(module)}.{leaf}" if dot else original_key
 
@@ -48,7 +49,7 @@ def state_key_map(graph: Graph) -> dict[str, str]:
         if node.layer is None:
             continue
         for key in node.layer.parameters:
-            new = state_key(key, owner=node.layer.target)
+            new = state_key(key, owner=node.layer.target, attribute=graph.attribute_names.get(node.layer.target))
             other = reverse.get(new)
             if other is not None and other != key:
                 raise CodegenError(
@@ -125,15 +126,15 @@ class Tie:
         return tuple(dict.fromkeys(node_id for node_id, _ in self.users))
 
 
-def _attribute_path(node: Node, name: str) -> Optional[str]:
+def _attribute_path(graph: Graph, node: Node, name: str) -> Optional[str]:
     """Where a stage module holds `name` when it contains `node`, or None if the node does not use it."""
     layer = node.layer
     if layer is None:
         return None
     if layer.op == "call_module" and name.startswith(layer.target + "."):
-        return layer_name(layer.target) + name[len(layer.target):]
+        return graph.attribute_names[layer.target] + name[len(layer.target):]
     if layer.op == "get_attr" and name == layer.target:
-        return layer_name(layer.target)
+        return graph.attribute_names[layer.target]
     return None
 
 
@@ -166,7 +167,7 @@ def find_ties(graph: Graph) -> tuple[Tie, ...]:
         for node in graph.nodes:
             owns = node.layer is not None and any(name in node.layer.parameters for name in names)
             for name in names:
-                path = _attribute_path(node, name)
+                path = _attribute_path(graph, node, name)
                 if path is not None:
                     users.append((not owns, position[node.node_id], node.node_id, path))
         users.sort()
@@ -182,7 +183,8 @@ def tie_aliases(graph: Graph) -> dict[str, str]:
     A get_attr of a module's parameter (`wte_weight` reading `wte.weight`) is such an alias: the
     original state dict has only `wte.weight`, a stage holding both has both keys.
     """
-    owned = {state_key(name, owner=n.layer.target) for n in graph.nodes if n.layer is not None for name in n.layer.parameters}
+    owned = {state_key(name, owner=n.layer.target, attribute=graph.attribute_names.get(n.layer.target))
+             for n in graph.nodes if n.layer is not None for name in n.layer.parameters}
     aliases = {}
     for tie in find_ties(graph):
         paths = list(dict.fromkeys(path for _, path in tie.users))

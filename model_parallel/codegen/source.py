@@ -11,7 +11,6 @@ import torch
 
 from model_parallel.codegen.boundary import is_model_input, model_output_ids
 from model_parallel.codegen.build import StageModule
-from model_parallel.codegen.naming import layer_name
 from model_parallel.codegen.ties import tie_lines
 from model_parallel.errors import CodegenError
 from model_parallel.graph.arguments import CONSTANTS, decode_argument, decode_constant
@@ -67,7 +66,7 @@ def _constructor_lines(graph: Graph, stage: StageModule) -> list[str]:
         layer = graph[node_id].layer
         if layer is None or layer.op not in ("call_module", "get_attr"):
             continue
-        name = layer_name(layer.target)
+        name = graph.attribute_names[layer.target]
         if name in seen:
             continue
         seen.add(name)
@@ -127,8 +126,9 @@ def _docstring(first: str, *rest: str) -> str:
 def render_stage(graph: Graph, stage: StageModule, index: int, class_name: str, header: str) -> str:
     forward, globals_ = render_forward(stage)
     body = "\n".join(forward)
-    # Node ids come from the file: the docstring names them as the identifiers the code uses (layer_name).
-    span = (f"{layer_name(stage.node_ids[0])} .. {layer_name(stage.node_ids[-1])}" if stage.node_ids
+    # Node ids come from the file: the docstring names them as the identifiers the code uses.
+    names = graph.variable_names
+    span = (f"{names[stage.node_ids[0]]} .. {names[stage.node_ids[-1]]}" if stage.node_ids
             else "no nodes (passes values through)")
     constructors = _constructor_lines(graph, stage)
     init = ["    def __init__(self):", "        super().__init__()"] + [
@@ -140,8 +140,8 @@ def render_stage(graph: Graph, stage: StageModule, index: int, class_name: str, 
         _docstring(
             f"Stage {index} of {class_name}: {len(stage.node_ids)} nodes, {span}.",
             header,
-            f"Takes {', '.join(map(layer_name, stage.input_names)) or 'nothing'}; "
-            f"returns {', '.join(map(layer_name, stage.output_names)) or 'nothing'}.",
+            f"Takes {', '.join((names[n] for n in stage.input_names)) or 'nothing'}; "
+            f"returns {', '.join((names[n] for n in stage.output_names)) or 'nothing'}.",
             *(["Shapes in comments are at the profiled batch size."] if "  # (" in body else []),
         ),
         "\n".join(imports),
@@ -163,6 +163,7 @@ class _Name(str):
 
 def render_composed(graph: Graph, stages: Sequence[StageModule], class_name: str, arch: str, header: str) -> str:
     inputs = [n for n in graph.topological_order if is_model_input(graph[n])]
+    names = graph.variable_names  # distinct: two stage outputs never land in one variable
     lines = [
         _docstring(f"{class_name}: the {len(stages)} stage(s) of {arch} composed; returns what the original model returns.", header),
         "import torch",
@@ -175,20 +176,20 @@ def render_composed(graph: Graph, stages: Sequence[StageModule], class_name: str
         "        super().__init__()",
         *[f"        self.stage{i} = Stage{i}()" for i in range(len(stages))],
         "",
-        f"    def forward(self, {', '.join(layer_name(n) for n in inputs)}):",
+        f"    def forward(self, {', '.join(names[n] for n in inputs)}):",
     ]
     for index, stage in enumerate(stages):
-        call = f"self.stage{index}({', '.join(layer_name(n) for n in stage.input_names)})"
-        outputs = ", ".join(layer_name(n) for n in stage.output_names)
+        call = f"self.stage{index}({', '.join(names[n] for n in stage.input_names)})"
+        outputs = ", ".join(names[n] for n in stage.output_names)
         if len(stage.output_names) == 1:
             lines.append(f"        ({outputs},) = {call}")
         else:
             lines.append(f"        {outputs} = {call}" if outputs else f"        {call}")
     encoded = graph.metadata.get("outputs")
     if encoded is None:
-        result: Any = tuple(_Name(layer_name(o)) for o in model_output_ids(graph))
+        result: Any = tuple(_Name(names[o]) for o in model_output_ids(graph))
     else:
-        result = decode_argument(encoded, lambda ref: _Name(layer_name(ref)))
+        result = decode_argument(encoded, lambda ref: _Name(names[ref]))
     lines.append(f"        return {result!r}")
     return "\n".join(lines) + "\n"
 

@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any, Optional, Union
 
 from model_parallel.errors import GraphError
+from model_parallel.graph.names import unique_names
 
 # JSON-compatible value: how layer arguments are stored (see `model_parallel.graph.arguments`).
 JSONValue = Any
@@ -231,6 +232,18 @@ class Graph:
     @cached_property
     def by_id(self) -> dict[str, Node]:
         return {node.node_id: node for node in self.nodes}
+
+    @cached_property
+    def attribute_names(self) -> dict[str, str]:
+        """Layer target (call_module / get_attr) -> the attribute a stage module holds it under: distinct per
+        target, never a keyword or a module attribute (`graph.names.unique_names`)."""
+        return unique_names(n.layer.target for n in self.nodes
+                            if n.layer is not None and n.layer.op in ("call_module", "get_attr"))
+
+    @cached_property
+    def variable_names(self) -> dict[str, str]:
+        """Node id -> the variable generated code holds its value in: distinct per node, never a keyword or `self`."""
+        return unique_names((n.node_id for n in self.nodes), attributes=False)
 
     def __getitem__(self, node_id: str) -> Node:
         try:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from model_parallel.errors import InitError
+from model_parallel.graph.names import layer_name  # noqa: F401 - the seed's name; re-exported for the profiler
 
 Layer = Union[nn.Module, torch.Tensor]
 InitWeights = Callable[[Layer, str], None]  # fills one layer's tensors in place, drawing from the global RNG
@@ -48,16 +49,6 @@ def is_hugging_face_model(model: nn.Module) -> bool:
     """A transformers `PreTrainedModel` (checked by class name, so transformers need not be importable)."""
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
                for c in type(model).__mro__)
-
-
-def layer_name(target: str) -> str:
-    """`"layer1.0.conv1"` -> `"layer1_0_conv1"`: the attribute a stage module holds the layer under,
-    and the name its seed is drawn from (`codegen.naming` re-exports it)."""
-    name = str(target).replace(".", "_")
-    if not name.isidentifier():
-        # graph.txt node ids like `5` are not identifiers; a prefix keeps them readable and unique.
-        name = "_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return name
 
 
 def layer_seed(seed: int, name: str) -> int:

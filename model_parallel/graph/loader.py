@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import builtins
 import keyword
+import math
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -133,8 +134,25 @@ class Constructor:
     @property
     def source(self) -> str:
         """The expression re-printed from its parsed values (what generated packages contain)."""
-        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        parts = [literal_source(a) for a in self.args] + [f"{k}={literal_source(v)}" for k, v in self.kwargs.items()]
         return f"{self.path}({', '.join(parts)})"
+
+
+def literal_source(value: Any) -> str:
+    """`repr()` of a parsed literal, except that a non-finite float prints as `float('inf')` / `float('nan')`:
+    repr gives the bare names `inf` and `nan`, which a generated module cannot evaluate (NameError on import)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({repr(value)!r})"
+    if isinstance(value, complex) and not (math.isfinite(value.real) and math.isfinite(value.imag)):
+        return f"complex({literal_source(value.real)}, {literal_source(value.imag)})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(map(literal_source, value)) + ("," if isinstance(value, tuple) and len(value) == 1 else "")
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{literal_source(k)}: {literal_source(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)) and value:
+        return "{" + ", ".join(map(literal_source, value)) + "}"
+    return repr(value)
 
 
 def parse_constructor(expression: Any, where: str = "module expression") -> Constructor:

@@ -19,6 +19,7 @@ from model_parallel.userfile import read_text
 
 _FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
 _STAGE_RE = re.compile(r"^stage_id=(\d+)$")
+_MAX_STAGE_DIGITS = 9
 
 
 def _number(text: str, where: str, field_name: str) -> float:
@@ -65,7 +66,11 @@ def _parse_node(line: str, where: str) -> Node:
         match = _STAGE_RE.match(parts[3].strip())
         if not match:
             raise GraphFormatError(f"{where}: expected 'stage_id=<non-negative integer>', found {parts[3]!r}")
-        stage_id = int(match.group(1))
+        digits = match.group(1)
+        if len(digits) > _MAX_STAGE_DIGITS:  # before int(): Python refuses > 4300 digits with a bare ValueError
+            raise GraphFormatError(f"{where}: stage_id has {len(digits)} digits; a stage id is a small non-negative "
+                                   f"integer (at most {_MAX_STAGE_DIGITS} digits), like stage_id=0")
+        stage_id = int(digits)
     try:
         return Node(
             node_id=node_id,

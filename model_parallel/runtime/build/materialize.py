@@ -216,11 +216,11 @@ def _tie_owners(graph: Optional[Graph], modules: Mapping[str, Layer]) -> dict[in
     if graph is not None:
         for tie in find_ties(graph):
             first = graph[tie.users[0][0]].layer
-            owner = layer_name(first.target) if first is not None else None
+            owner = graph.attribute_names.get(first.target) if first is not None else None
             if owner is not None and owner in modules:
                 for node_id, _ in tie.users:
                     layer = graph[node_id].layer
-                    other = modules.get(layer_name(layer.target)) if layer is not None else None
+                    other = modules.get(graph.attribute_names.get(layer.target, "")) if layer is not None else None
                     for tensor in _tensors(other) if other is not None else []:
                         owners.setdefault(id(tensor), owner)
     seen: dict[int, str] = {}
@@ -318,7 +318,7 @@ def graph_constants(graph: Graph, modules: Mapping[str, Layer]) -> dict[str, Opt
     records = graph.metadata.get(CONSTANTS) or {}
     out: dict[str, Optional[torch.Tensor]] = {}
     for target, record in records.items():
-        name = layer_name(target)
+        name = graph.attribute_names.get(target, layer_name(target))
         if name in modules and is_meta(modules[name]):
             out[name] = decode_constant(record, f"graph constant {target!r}")
     return out

@@ -45,7 +45,7 @@ def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, 
     for node in graph.nodes:
         if node.layer is None or node.layer.op not in ("call_module", "get_attr"):
             continue
-        name = layer_name(node.layer.target)
+        name = graph.attribute_names[node.layer.target]
         if name in out:
             continue
         # A model rebuilt from a graph (codegen.full_model_from_graph) holds layers flat, by layer name.
@@ -57,7 +57,7 @@ def layer_modules(graph: Graph, model: nn.Module) -> dict[str, Union[nn.Module, 
         if value is None and node.layer.op == "get_attr" and node.layer.target in constants:
             value = _constant(model, node.layer.target, constants[node.layer.target])
         if value is None:
-            value = _by_path(model, node.layer.target, node.node_id)
+            value = _by_path(model, node.layer.target, node.node_id, name)
         out[name] = value
     return out
 
@@ -81,7 +81,7 @@ def _constant(model: nn.Module, target: str, record: object) -> Optional[torch.T
     return value
 
 
-def _by_path(model: nn.Module, target: str, node_id: str) -> Union[nn.Module, torch.Tensor]:
+def _by_path(model: nn.Module, target: str, node_id: str, flat: Optional[str] = None) -> Union[nn.Module, torch.Tensor]:
     """The original model's submodule/parameter/buffer at dotted `target` ("layer1.0.conv1", "0")."""
     value: Union[nn.Module, torch.Tensor] = model
     for depth, part in enumerate(target.split(".")):
@@ -92,7 +92,7 @@ def _by_path(model: nn.Module, target: str, node_id: str) -> Union[nn.Module, to
         if found is None:
             where = ".".join(target.split(".")[:depth]) or "the model"
             raise PlanError(f"node {node_id}: layer {target!r} not found: {where} ({type(value).__name__}) has no {part!r} "
-                            f"(nor does the model hold it flat as {layer_name(target)!r}); was the graph profiled from "
+                            f"(nor does the model hold it flat as {flat or layer_name(target)!r}); was the graph profiled from "
                             f"this model ({type(model).__name__})?")
         value = found
     return value
@@ -103,8 +103,8 @@ def stage_layers(graph: Graph, plan: Plan, stage_id: int) -> tuple[str, ...]:
     targets = layer_targets(graph)
     seen: list[str] = []
     for node_id in plan.stages[stage_id].node_ids:
-        if node_id in targets and layer_name(targets[node_id]) not in seen:
-            seen.append(layer_name(targets[node_id]))
+        if node_id in targets and graph.attribute_names[targets[node_id]] not in seen:
+            seen.append(graph.attribute_names[targets[node_id]])
     return tuple(seen)
 
 

@@ -15,7 +15,6 @@ from model_parallel.codegen.naming import (
     original_state_from_stage,
     stage_state_from_original,
     state_key,
-    state_key_map,
 )
 from model_parallel.errors import CodegenError, GraphFormatError, PlanError
 from model_parallel.graph.core import Graph, LayerSpec, Node
@@ -46,15 +45,6 @@ def _layer_node(node_id: str, target: str, parameters: tuple[str, ...], src: str
 
 def _input(node_id: str = "x") -> Node:
     return Node(node_id, "Input0", layer=LayerSpec(op="placeholder", target=node_id))
-
-
-def test_name_collision_is_an_error() -> None:
-    graph = Graph(
-        nodes=(_input(), _layer_node("a", "a.b_c", ("a.b_c.weight",)), _layer_node("b", "a_b.c", ("a_b.c.weight",), "a")),
-        edges=(("x", "a"), ("a", "b")),
-    )
-    with pytest.raises(CodegenError, match=r"'a.b_c.weight' and 'a_b.c.weight' both become 'a_b_c.weight'"):
-        state_key_map(graph)
 
 
 def test_state_dict_round_trip_and_strictness() -> None:
