@@ -2,8 +2,8 @@
 
 A profile records its inputs' shapes, and a graph captured by torch.export (Hugging Face models) keeps the traced
 microbatch size in its reshapes (`view(4, 64, 192)`): run at another size it failed at step 0, deep in a stage, as
-"shape '[4, 64, 192]' is invalid", and a resume failed the same way. Graphs that do not bake the size (most fx
-traces: torchvision, the zoo) run at any size, so the question is asked of the graph itself: the whole model, built
+"shape '[4, 64, 192]' is invalid", and a resume failed the same way. fx traces (torchvision, the zoo) keep sizes
+symbolic and run at any size; for the others the question is asked of the graph itself: the whole model, built
 on meta (no memory, no compute), runs one forward at the run's microbatch size.
 """
 from __future__ import annotations
@@ -29,7 +29,9 @@ def traced_microbatch(graph: Graph) -> int:
 def check_microbatch(graph: Graph, model: nn.Module, batch_size: int, num_microbatches: int, where: str) -> None:
     """Refuse, naming both sizes and the fix, a microbatch size `model` (built from `graph` on meta) cannot run."""
     traced, micro = traced_microbatch(graph), batch_size // num_microbatches
-    if not traced or traced == micro:
+    # fx's symbolic trace keeps sizes symbolic (x.size(0) is a node), so only an export-route graph (or one of
+    # unknown origin) is tried: the trial costs a second or more per rank, at every start.
+    if not traced or traced == micro or graph.metadata.get("route") == "fx":
         return
     failure = _trial(model, graph, micro)
     # A model that fails on meta at its own traced size too says nothing about sizes (an op without a meta kernel).
