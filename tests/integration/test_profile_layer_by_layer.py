@@ -199,8 +199,11 @@ def test_sum_of_node_times_is_close_to_the_whole_model_profile(name: str) -> Non
     whole = sum(n.compute_ms for n in model_parallel.profile(model, inputs, **settings).nodes)
     walked = model_parallel.profile(model, inputs, layer_by_layer=True, **settings)
     assert walked.metadata["profile"]["layer_by_layer"]["segments"] > 1
-    # In situ both, on the same activations: loose here (a shared machine), numbers in bench/ and docs/profiler.md.
-    assert 0.5 < sum(n.compute_ms for n in walked.nodes) / whole < 2.0, (walked, whole)
+    # In situ both, on the same activations: the same order of magnitude only (a shared machine: at 1-3 ms a model, a
+    # busy neighbour moved the ratio to 0.46 once; it fails on a walk that times nothing or each node many times),
+    # numbers in bench/ and docs/profiler.md.
+    assert all(n.compute_ms >= 0 for n in walked.nodes)
+    assert 1 / 3 < sum(n.compute_ms for n in walked.nodes) / whole < 3.0, (walked, whole)
 
 
 def test_bad_inputs_are_typed_errors() -> None:
