@@ -89,11 +89,10 @@ _FLOAT_BYTES = 4  # torch's default dtype: the fewest bytes a float factory with
 def _itemsize(op: str, dtype: Any) -> int:
     """Bytes per element: the dtype the call names (encoded `{"dtype": "uint8"}`), else torch's default float for a
     function, else 1 for a method (its tensor's dtype is not known here: the fewest bytes)."""
-    name = dtype.get("dtype") if isinstance(dtype, Mapping) else None
-    found = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
-    if isinstance(found, torch.dtype):
-        return found.itemsize
-    return _FLOAT_BYTES if op == "call_function" else 1
+    try:  # tensor_bytes resolves (and refuses) dtype names: one element's bytes
+        return tensor_bytes([1], dtype.get("dtype") if isinstance(dtype, Mapping) else None)
+    except ValueError:
+        return _FLOAT_BYTES if op == "call_function" else 1
 
 
 def _dims(value: Any) -> list[Any]:
