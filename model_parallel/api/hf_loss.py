@@ -12,6 +12,10 @@ from model_parallel.errors import ConfigError
 
 TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")  # whose own loss shifts its labels (transformers' ForCausalLMLoss)
+# A `...ForConditionalGeneration` head shifts too when the model is decoder-only (Llava, Gemma 3, PaliGemma, Qwen2-VL:
+# their loss is transformers' ForCausalLMLoss); an encoder-decoder one (T5, BART, Whisper, T5Gemma) scores its
+# decoder's positions against labels where they stand.
+CONDITIONAL_HEAD = "ForConditionalGeneration"
 CLASS_HEADS = ("ForSequenceClassification", "ForImageClassification")
 
 
@@ -43,7 +47,12 @@ def shifts_labels(source: Any) -> bool:
 
     from model_parallel.graph.init_rule import is_hugging_face_model
 
-    return isinstance(source, nn.Module) and is_hugging_face_model(source) and type(source).__name__.endswith(CAUSAL_HEADS)
+    if not (isinstance(source, nn.Module) and is_hugging_face_model(source)):
+        return False
+    name = type(source).__name__
+    if name.endswith(CAUSAL_HEADS):
+        return True
+    return name.endswith(CONDITIONAL_HEAD) and not getattr(getattr(source, "config", None), "is_encoder_decoder", False)
 
 
 def default_criterion(source: Any) -> Callable[[Any, torch.Tensor], torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from model_parallel import PipelineTrainer, TrainConfig
+from model_parallel.api.hf_loss import shifts_labels
 from model_parallel.codegen.naming import state_key
 from model_parallel.errors import DataError
 from model_parallel.runtime.data.sources import as_source
@@ -46,6 +47,23 @@ def _gpt2() -> torch.nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def _llava() -> torch.nn.Module:
+    """A decoder-only `...ForConditionalGeneration` (text only here): transformers' loss shifts its labels as a causal
+    LM's does (these heads' labels were scored where they stand: a silent copy task, like GPT-2's before)."""
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ)
+    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=8, patch_size=4)
+    return transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=VOCAB - 1))
+
+
+def _t5() -> torch.nn.Module:
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, decoder_start_token_id=0))
+
+
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
@@ -67,8 +85,9 @@ def _hf_trained(model: torch.nn.Module, steps: int) -> list[float]:
     return losses
 
 
-def test_a_causal_lm_trains_its_own_loss_on_hugging_face_batches():
-    model = _gpt2()
+@pytest.mark.parametrize("build", [_gpt2, _llava], ids=["GPT2LMHeadModel", "LlavaForConditionalGeneration"])
+def test_a_causal_lm_trains_its_own_loss_on_hugging_face_batches(build):
+    model = build()
     reference = copy.deepcopy(model)
     trainer = PipelineTrainer(model, _sgd, HFStyle(), CONFIG, num_stages=2, single_process=True)
     losses = [r.loss for r in trainer.train(6)]
@@ -85,6 +104,11 @@ def test_a_causal_lm_trains_its_own_loss_on_hugging_face_batches():
         hf = sum(float(reference(input_ids=i, labels=t).loss) for i, t in
                  zip(inputs["input_ids"].chunk(2), labels.chunk(2))) / 2
     assert trainer.evaluate(HFStyle(), 1).loss == pytest.approx(hf, abs=1e-5)
+
+
+def test_which_heads_shift_their_labels():
+    assert shifts_labels(_gpt2()) and shifts_labels(_llava())
+    assert not shifts_labels(_t5())  # encoder-decoder: its decoder's positions score labels where they stand
 
 
 def test_labels_already_shifted_are_refused_not_shifted_twice():
