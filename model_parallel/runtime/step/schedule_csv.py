@@ -26,6 +26,8 @@ from model_parallel.userfile import read_text
 from model_parallel.runtime.step.schedule import Action, Schedule, check, grid_from_orders
 
 MAX_CSV_BYTES = 16 * 2**20  # a schedule of 1000 ranks x 10,000 actions fits; a bigger file is not a schedule
+# Checking costs ~12 us an action (~12 s here for this many): 128 ranks x 4 stages x 512 microbatches x F, I, W fit.
+MAX_ACTIONS = 1_000_000
 # At most 9 digits: a stage or microbatch number, never a 5000-digit integer to convert.
 _CELL = re.compile(r"^(\d{1,9})(F|B|I|W|REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B)(\d{0,9})$")
 _IGNORED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")  # bookkeeping torch schedules around compute; ours does it after the flush
@@ -43,6 +45,7 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
     """`read_torch_csv` on text; errors name `where`, the line (= rank + 1) and the cell."""
     orders: list[list[Action]] = []
     reader = csv.reader(io.StringIO(text))
+    count = 0
     try:
         for line, row in enumerate(reader, 1):
             order: list[Action] = []
@@ -51,6 +54,10 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
                 if not cell:
                     continue
                 order.extend(_action(cell, f"{where}:{line}: cell {column} ({cell[:40]!r})"))
+            count += len(order)
+            if count > MAX_ACTIONS:
+                raise ScheduleError(f"{where}:{line}: more than {MAX_ACTIONS} actions by this row; a schedule this "
+                                    "size is not one a pipeline runs (fewer microbatches per step, or fewer ranks)")
             orders.append(order)
     except csv.Error as error:  # a field over csv's limit (128 KiB), a NUL byte: not a cell of a schedule
         raise ScheduleError(f"{where}:{reader.line_num}: not a schedule CSV row ({error}); expected rows like "

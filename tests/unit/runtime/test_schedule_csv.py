@@ -121,3 +121,14 @@ def test_the_check_reads_each_row_once():
 def test_a_field_over_the_csv_limit_is_a_schedule_error_naming_the_line(text, where):
     with pytest.raises(ScheduleError, match=where):
         parse_torch_csv(text)
+
+
+def test_more_actions_than_any_pipeline_runs_are_refused_at_the_row(monkeypatch):
+    # ~12 us an action to check: a 16 MiB file of 4M short cells ran for minutes. The cap is lowered here so the
+    # test reads a few rows; the refusal names the row where the count went over.
+    from model_parallel.runtime.step import schedule_csv
+
+    monkeypatch.setattr(schedule_csv, "MAX_ACTIONS", 5)
+    assert parse_torch_csv("0F0,0B0\n").num_microbatches == 1  # under the cap: read as before
+    with pytest.raises(ScheduleError, match=r"<csv>:3: more than 5 actions by this row; .*\(fewer microbatches"):
+        parse_torch_csv("0F0,1F0\n0F1,1F1\n0B0,1B0\n")
