@@ -55,7 +55,7 @@ from model_parallel.fileio import atomic_write, atomic_write_json  # noqa: E402
 from model_parallel.graph.io import save_graph  # noqa: E402
 from model_parallel.graph.plan import write_plan  # noqa: E402
 from model_parallel.runtime.launch import LocalWorld, worker_commands  # noqa: E402
-from model_parallel.runtime.observe.metrics import read_metrics  # noqa: E402
+from model_parallel.runtime.observe.metrics_read import read_metrics  # noqa: E402
 
 logger = logging.getLogger("bench.rebalance")
 TOKEN = "bench-rebalance"

@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 
 from model_parallel.fileio import atomic_write_json  # noqa: E402
 from model_parallel.runtime.launch import LocalWorld, worker_commands  # noqa: E402
-from model_parallel.runtime.observe.metrics import read_events, read_metrics, throughput  # noqa: E402
+from model_parallel.runtime.observe.metrics_read import read_events, read_metrics, throughput  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 HOOK = "MP_TEST_SIGNAL_AT_STEP"

@@ -6,7 +6,7 @@ from typing import Optional
 
 from model_parallel.cli.common import ArgumentParser
 from model_parallel.cli.worker_recover import RecoveryRecord
-from model_parallel.runtime.observe.metrics import format_summary, read_events, read_metrics, summarize, throughput
+from model_parallel.runtime.observe.metrics_read import format_summary, read_events, read_metrics, summarize, throughput
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -13,7 +13,7 @@ from model_parallel.fileio import atomic_write_json
 from model_parallel.graph.plan import Plan, read_plan
 from model_parallel.optimizer.fidelity import Calibration, format_fidelity, predict_stage_ms, share_errors
 from model_parallel.runtime.observe.metrics import measured_ms
-from model_parallel.runtime.observe.metrics import read_metrics, summarize
+from model_parallel.runtime.observe.metrics_read import read_metrics, summarize
 
 
 def throughput_phases(rows: Sequence[Mapping[str, Any]], slow_at: int, settle: int = 2) -> dict[str, Optional[float]]:

@@ -11,7 +11,7 @@ from model_parallel.graph.plan import Plan, StagePlan, read_plan
 from model_parallel.messages import Command
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.observe.metrics import read_metrics
+from model_parallel.runtime.observe.metrics_read import read_metrics
 from support.mlp import assert_params_close, mlp_job, reference_params
 
 EXIT_STOPPED = 4  # cli/worker_exit.py: stopped before the requested steps

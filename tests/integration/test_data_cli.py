@@ -15,7 +15,7 @@ from model_parallel.errors import ConfigError, PlanError
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.config import RunOptions
 from model_parallel.runtime.launch import launch_workers
-from model_parallel.runtime.observe.metrics import read_metrics
+from model_parallel.runtime.observe.metrics_read import read_metrics
 
 
 

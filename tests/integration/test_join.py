@@ -13,7 +13,7 @@ import pytest
 
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import LocalWorld, free_port, join_command, worker_commands
-from model_parallel.runtime.observe.metrics import read_events, read_metrics
+from model_parallel.runtime.observe.metrics_read import read_events, read_metrics
 from support.mlp import assert_params_close, reference_losses, reference_params
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -309,7 +309,8 @@ def test_a_run_stopped_before_its_steps_exits_4_with_the_reason(tmp_path: Path) 
 
 # ---- flat memory -----------------------------------------------------------------------------------------------
 def test_metrics_records_are_a_bounded_window_and_the_file_keeps_all(tmp_path: Path) -> None:
-    from model_parallel.runtime.observe.metrics import MetricsRecorder, read_metrics
+    from model_parallel.runtime.observe.metrics import MetricsRecorder
+    from model_parallel.runtime.observe.metrics_read import read_metrics
 
     with MetricsRecorder(0, path=tmp_path / "rank{rank}.jsonl", window=5) as recorder:
         for step in range(12):

@@ -18,7 +18,7 @@ from model_parallel.runtime.build.stages import even_plan
 from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.launch import launch_workers
 from model_parallel.runtime.observe.memory_probe import StashMeter
-from model_parallel.runtime.observe.metrics import read_metrics
+from model_parallel.runtime.observe.metrics_read import read_metrics
 
 BATCH, MICRO = 16, 4
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from model_parallel.runtime.observe.metrics import MetricsRecorder, read_metrics
+from model_parallel.runtime.observe.metrics import MetricsRecorder
+
+from model_parallel.runtime.observe.metrics_read import read_metrics
 from model_parallel.runtime.observe.tracing import Tracer, merge_traces, read_trace
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC, as on a full disk

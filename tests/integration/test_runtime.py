@@ -190,7 +190,7 @@ def test_switches_report_pauses_and_end_on_the_last_plan(jobs_world):
     pauses = [line for line in result.output(0).splitlines() if "switched to plan" in line]
     assert len(pauses) == 3 and all(re.search(r"in \d+\.\d ms", p) for p in pauses)
     # the resumed run wrote metrics only for the steps it ran, with pause_ms and plan versions
-    from model_parallel.runtime.observe.metrics import read_metrics
+    from model_parallel.runtime.observe.metrics_read import read_metrics
 
     records = read_metrics(root / "metrics")
     assert sorted({r["step"] for r in records}) == [3, 4, 5]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from model_parallel.runtime.checkpoint.store import load_checkpoint
 from model_parallel.runtime.launch import WorldResult, launch_workers
-from model_parallel.runtime.observe.metrics import read_events, read_metrics
+from model_parallel.runtime.observe.metrics_read import read_events, read_metrics
 from support.mlp import assert_params_close, reference_losses, reference_params
 
 STEPS = 10

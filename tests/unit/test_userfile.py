@@ -59,7 +59,7 @@ def test_each_reader_of_a_user_path_refuses_a_device_with_its_own_error(tmp_path
     from model_parallel.coordinator.protocol import read_token
     from model_parallel.graph.io import load_graph
     from model_parallel.graph.plan import read_plan
-    from model_parallel.runtime.observe.metrics import read_metrics
+    from model_parallel.runtime.observe.metrics_read import read_metrics
     from model_parallel.runtime.observe.tracing import read_trace
     from model_parallel.runtime.step.schedule_csv import read_torch_csv
 
@@ -80,7 +80,7 @@ def test_each_reader_of_a_user_path_refuses_a_device_with_its_own_error(tmp_path
 def test_each_reader_refuses_a_fifo(tmp_path: Path):
     from model_parallel.coordinator.protocol import read_token
     from model_parallel.graph.io import load_graph
-    from model_parallel.runtime.observe.metrics import read_metrics
+    from model_parallel.runtime.observe.metrics_read import read_metrics
 
     with pytest.raises(GraphFormatError, match=r"graph\.txt: not a regular file \(a FIFO"):
         load_graph(_fifo(tmp_path, "graph.txt"))

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from model_parallel.messages import StepReport
-from model_parallel.runtime.observe.metrics import (MetricsRecorder, format_summary, read_events, read_metrics, summarize,
-                                                    throughput)
+from model_parallel.runtime.observe.metrics import MetricsRecorder
+from model_parallel.runtime.observe.metrics_read import format_summary, read_events, read_metrics, summarize, throughput
 from model_parallel.runtime.observe.tracing import Tracer
 
 
