@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from model_parallel import jsonbound
-from model_parallel.errors import PlanError
+from model_parallel.errors import DataError, PlanError
 from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
@@ -310,6 +310,7 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
             example = {k: v[: spec.micro_batch] for k, v in inputs.items()}
         else:
             example = [x[: spec.micro_batch] for x in inputs]
+    _check_decoder_inputs(model, example)
     # Trace where the model is (a model built on meta traces shapes on meta; one on a GPU runs there).
     where = next((t.device for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"), None)
     if where is not None:
@@ -318,6 +319,21 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
     graph, traced = trace_model(model, dict(example) if isinstance(example, Mapping) else tuple(example))
     allow_model(model, traced)  # the graph comes from this process's own model, not from a file
     return graph, model
+
+
+def _check_decoder_inputs(model: nn.Module, example: Any) -> None:
+    """An encoder-decoder's keyword inputs without the decoder's: its own forward builds them from "labels", which a
+    pipeline's stages never see (they are the targets), so the trace failed deep in the decoder ("You must specify
+    exactly one of input_ids or inputs_embeds") with advice about control flow. Refused here with the fix."""
+    config = getattr(model, "config", None)
+    if not (isinstance(example, Mapping) and getattr(config, "is_encoder_decoder", False)):
+        return
+    if not {"decoder_input_ids", "decoder_inputs_embeds"} & set(example):
+        raise DataError(f"{type(model).__name__} is an encoder-decoder and its batches carry no 'decoder_input_ids' "
+                        f"(inputs: {', '.join(map(repr, example))}); transformers builds them from the labels inside the "
+                        "model, which a pipeline stage does not see: add them to each batch, e.g. "
+                        "DataCollatorForSeq2Seq(tokenizer, model=model) or batch['decoder_input_ids'] = "
+                        "model.prepare_decoder_input_ids_from_labels(labels=batch['labels'])")
 
 
 def _graph_model(spec: JobSpec) -> tuple[Graph, nn.Module]:

@@ -61,7 +61,7 @@ def _llava() -> torch.nn.Module:
 
 def _t5() -> torch.nn.Module:
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, decoder_start_token_id=0))
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, decoder_start_token_id=0, dropout_rate=0.0))
 
 
 def _sgd(params):
@@ -127,3 +127,43 @@ def test_a_criterion_given_receives_the_labels_as_they_are():
                     criterion=criterion).train(1)
     inputs, labels = as_source(HFStyle(shifted=True), CONFIG.batch_size, CONFIG.seed).batch(0)
     assert torch.equal(torch.cat(seen), labels)
+
+
+class Seq2Seq(HFStyle):
+    """Rows with the decoder's inputs made from the labels, as DataCollatorForSeq2Seq(tokenizer, model=model) does."""
+
+    def __init__(self, model: torch.nn.Module, decoder_inputs: bool = True) -> None:
+        super().__init__()
+        self.model, self.decoder_inputs = model, decoder_inputs
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = super().__getitem__(i)
+        if self.decoder_inputs:
+            row["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=row["labels"][None])[0]
+        return row
+
+
+def test_an_encoder_decoder_scores_labels_where_they_stand_and_needs_its_decoder_inputs():
+    torch.manual_seed(0)
+    model = _t5()
+    reference = copy.deepcopy(model)
+    # Without decoder inputs the trace failed inside the decoder with advice about control flow.
+    with pytest.raises(DataError, match=r"T5ForConditionalGeneration is an encoder-decoder .* no 'decoder_input_ids' "
+                                        r".*prepare_decoder_input_ids_from_labels"):
+        PipelineTrainer(model, _sgd, Seq2Seq(model, decoder_inputs=False), CONFIG, num_stages=2, single_process=True)
+    data = Seq2Seq(reference)
+    losses = [r.loss for r in PipelineTrainer(model, _sgd, data, CONFIG, num_stages=2, single_process=True).train(3)]
+    source, optimizer, m, want = as_source(data, CONFIG.batch_size, CONFIG.seed), _sgd(reference.parameters()), \
+        CONFIG.num_microbatches, []
+    for step in range(3):
+        inputs, labels = source.batch(step)
+        optimizer.zero_grad()
+        total = 0.0
+        for ids, decoder_ids, mb_labels in zip(inputs["input_ids"].chunk(m), inputs["decoder_input_ids"].chunk(m),
+                                               labels.chunk(m)):
+            loss = reference(input_ids=ids, decoder_input_ids=decoder_ids, labels=mb_labels).loss / m
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        want.append(total)
+    assert losses == pytest.approx(want, abs=1e-5)
