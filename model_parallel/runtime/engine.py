@@ -372,9 +372,10 @@ class PipelineEngine(TrainingLoop):
 
     def training_record(self, next_step: int) -> dict[str, Any]:
         """This run's training configuration and data position at `next_step` (what a checkpoint records)."""
-        from model_parallel.runtime.checkpoint.training_record import probe_optimizer, training_record
+        from model_parallel.runtime.checkpoint.training_record import describe_groups, probe_optimizer, training_record
 
-        return training_record(self.config, self.dataset, next_step, probe_optimizer(self.optimizer, self.optimizer_factory))
+        return training_record(self.config, self.dataset, next_step, probe_optimizer(self.optimizer, self.optimizer_factory),
+                               describe_groups(self.optimizer_factory))
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""

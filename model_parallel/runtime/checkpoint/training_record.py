@@ -7,7 +7,10 @@ A resume that silently trained with another batch size (the worker's default 8 w
 32) computes something else than the run it claims to continue: every field below that changed is
 refused, named with both values, unless the user accepts it (`--allow_config_change`, then logged).
 The optimizer is recorded as its class and constructor defaults (lr, momentum, ...): a resume that steps
-Adam's state with SGD, or continues at 30x the lr, is not the run it continues either. A record written before
+Adam's state with SGD, or continues at 30x the lr, is not the run it continues either. A factory that builds
+parameter groups (no weight decay on biases and norms: a rule on `p.ndim`, since it gets tensors, not names) is
+recorded by what it gives a matrix and a vector (`param_groups`, the factory run on two probe tensors, the same on
+every rank), so a group's lr or weight decay changed on resume is refused like the defaults. A record written before
 a field was recorded (an older checkpoint) leaves it unknown: not compared.
 The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
 """
@@ -25,23 +28,48 @@ logger = logging.getLogger(__name__)
 
 # The fields a resume must keep, in the order a refusal names them.
 COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule", "precision", "clip_grad", "data",
-            "optimizer", "lr", "momentum", "weight_decay", "betas", "eps")
+            "optimizer", "lr", "momentum", "weight_decay", "betas", "eps", "param_groups")
 # The optimizer's: its kind ("sgd", "adamw": the class name, as --optimizer spells it) and the defaults it was built
 # with. A field one optimizer has and the other lacks (SGD's momentum, Adam's betas) is not compared: the kind is.
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "betas", "eps")
+# Compared only where this run records them too (a factory that fails on the probe tensors records none).
+RECORDED_IF_KNOWN = OPTIMIZER_FIELDS + ("param_groups",)
 
 
-def describe_optimizer(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's kind and constructor defaults (JSON: betas as a list, a tensor lr as a float)."""
-    out: dict[str, Any] = {"optimizer": type(optimizer).__name__.lower()}
-    defaults = getattr(optimizer, "defaults", None) or {}
+def _settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The recorded hyperparameters among `values` (JSON: betas as a list, a tensor lr or an int decay as a float)."""
+    out: dict[str, Any] = {}
     for key in OPTIMIZER_FIELDS[1:]:
-        value = defaults.get(key)
+        value = values.get(key)
         if isinstance(value, (tuple, list)):
             out[key] = [float(v) for v in value]
         elif value is not None:
-            out[key] = float(value)  # an lr given as a tensor, an int weight decay: the same number in JSON
+            out[key] = float(value)
     return out
+
+
+def describe_optimizer(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's kind and constructor defaults."""
+    return {"optimizer": type(optimizer).__name__.lower(), **_settings(getattr(optimizer, "defaults", None) or {})}
+
+
+def describe_groups(factory: Any) -> dict[str, Any]:
+    """{"param_groups": {"matrix": settings, "vector": settings}}: what the factory's groups give a 2-D and a 1-D
+    parameter (None: left out of every group); {} if the factory fails on the probe tensors."""
+    import torch
+
+    probes = {"matrix": torch.nn.Parameter(torch.zeros(2, 2)), "vector": torch.nn.Parameter(torch.zeros(2))}
+    try:
+        optimizer = factory(list(probes.values()))
+        groups = list(optimizer.param_groups)
+    except Exception as error:  # noqa: BLE001 - then not recorded: not compared, not fatal
+        logger.debug("parameter groups not recorded: the factory failed on probe tensors (%s: %s)", type(error).__name__, error)
+        return {}
+    out: dict[str, Any] = {}
+    for name, probe in probes.items():
+        group = next((g for g in groups if any(q is probe for q in g.get("params", ()))), None)
+        out[name] = None if group is None else _settings(group)
+    return {"param_groups": out}
 
 
 def probe_optimizer(built: Any, factory: Any) -> Any:
@@ -77,9 +105,10 @@ def describe_data(dataset: Any) -> str:
     return type(dataset).__name__
 
 
-def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = None) -> dict[str, Any]:
-    """The training configuration of a run (a `TrainConfig`, its `optimizer` if given) and where its data stands at
-    `next_step` (JSON)."""
+def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = None,
+                    groups: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The training configuration of a run (a `TrainConfig`, its `optimizer` and `groups` (`describe_groups`) if
+    given) and where its data stands at `next_step` (JSON)."""
     from model_parallel.runtime.data.sources import position
 
     # A schedule `--schedule auto` chose is recorded as "auto": a resume may choose again (all flush schedules train alike).
@@ -93,6 +122,7 @@ def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = 
         "clip_grad": config.clip_grad, "data": describe_data(dataset),
         "data_position": {"next_step": next_step, **position(dataset, next_step)},
         **(describe_optimizer(optimizer) if optimizer is not None else {}),
+        **(groups or {}),
     }
 
 
@@ -100,13 +130,15 @@ def changed_fields(stored: Mapping[str, Any], current: Mapping[str, Any]) -> lis
     """(field, stored value, current value) of every compared field that differs (fields the record lacks: unchanged;
     an optimizer field this run lacks too: its optimizer has no such setting, or it is unknown)."""
     return [(key, stored[key], current.get(key)) for key in COMPARED
-            if key in stored and stored[key] != current.get(key) and (key not in OPTIMIZER_FIELDS or key in current)]
+            if key in stored and stored[key] != current.get(key) and (key not in RECORDED_IF_KNOWN or key in current)]
 
 
 def advice(field: str, value: Any) -> str:
     """How to give `field` the checkpoint's `value` again, as a command line takes it (or the API, where none does)."""
     if field in ("betas", "eps"):  # no command-line flag: only an optimizer_factory sets them
         return f"an optimizer_factory building the optimizer with {field}={tuple(value) if isinstance(value, list) else value}"
+    if field == "param_groups":
+        return f"an optimizer_factory whose parameter groups give matrices and vectors {value}"
     if value is None:  # clip_grad None: the flag takes no "None", leaving it out is how
         return f"without --{field}"
     if field == "precision":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from model_parallel import PipelineTrainer, RunOptions, TrainConfig
 from model_parallel.errors import ConfigError
 from model_parallel.runtime.build.zoo import recipe
 from model_parallel.runtime.checkpoint.resume import optimizer_state_fits
-from model_parallel.runtime.checkpoint.training_record import advice, check_resume, describe_data, training_record
+from model_parallel.runtime.checkpoint.training_record import (advice, check_resume, describe_data, describe_groups,
+                                                               training_record)
 from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.data.prefetch import Prefetcher
 from model_parallel.runtime.data.sources import MapData
@@ -82,6 +84,39 @@ def test_a_changed_optimizer_or_lr_is_refused_by_name_and_accepted_when_allowed(
     assert check_resume(old, record(torch.optim.SGD(_params(), lr=1.0)), allow=False, where="ck") == []
 
 
+def _decay_matrices(matrix_decay: float = 0.1, vector_decay: float = 0.0, vector_lr: float = 1e-3):
+    """The usual factory: weight decay on matrices only (it gets tensors, not names: a rule on ndim)."""
+    def factory(params):
+        params = list(params)
+        return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": matrix_decay},
+                                  {"params": [p for p in params if p.ndim < 2], "weight_decay": vector_decay,
+                                   "lr": vector_lr}], lr=1e-3)
+    return factory
+
+
+def test_parameter_groups_are_recorded_and_a_changed_group_is_refused():
+    def record(factory):
+        return training_record(CONFIG, SyntheticData(8, (4,)), 3, factory(_params()), describe_groups(factory))
+
+    stored = record(_decay_matrices())
+    assert stored["param_groups"] == {"matrix": {"lr": 0.001, "weight_decay": 0.1, "betas": [0.9, 0.999], "eps": 1e-08},
+                                      "vector": {"lr": 0.001, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-08}}
+    assert check_resume(stored, record(_decay_matrices()), allow=False, where="ck") == []
+    # The defaults are the same: only the groups tell the change (the vectors were trained without decay).
+    with pytest.raises(ConfigError, match=r"different param_groups: param_groups .*'vector': \{'lr': 0.001, "
+                                          r"'weight_decay': 0.0.* -> .*'vector': \{'lr': 0.001, 'weight_decay': 0.1"):
+        check_resume(stored, record(_decay_matrices(vector_decay=0.1)), allow=False, where="ck")
+    with pytest.raises(ConfigError, match=r"different param_groups"):
+        check_resume(stored, record(_decay_matrices(vector_lr=1e-2)), allow=False, where="ck")
+    # A factory that cannot build on the probe tensors records no groups: not compared. An older record: unknown.
+    assert describe_groups(lambda params: torch.optim.SGD(list(params)[5:], lr=0.1)) == {}
+    old = {k: v for k, v in stored.items() if k != "param_groups"}
+    assert check_resume(old, record(_decay_matrices(vector_decay=0.5)), allow=False, where="ck") == []
+    # A factory without groups: both probes get the defaults, so adding groups later is a change too.
+    plain = describe_groups(lambda params: torch.optim.AdamW(params, lr=1e-3))["param_groups"]
+    assert plain["matrix"] == plain["vector"] == {"lr": 0.001, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-08}
+
+
 @pytest.mark.parametrize("field, value, want", [
     ("clip_grad", None, "without --clip_grad"),  # argparse takes no "--clip_grad None"
     ("data", "tokens:train.bin (1429 samples)", "--data tokens:train.bin"),
@@ -131,5 +166,14 @@ def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
         assert run(4, 5, resume=True, allow=True) == 2  # steps 3 and 4
         with pytest.raises(ConfigError, match=r"different optimizer: optimizer 'sgd' -> 'adamw'"):
             run(4, 7, resume=True, optimizer=torch.optim.AdamW)
+        # Parameter groups (no decay on biases) changed on resume: refused though the defaults are the same.
+        def grouped(decay: float) -> Callable[..., torch.optim.Optimizer]:
+            return lambda params, lr: torch.optim.SGD([
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": decay}], lr=lr)
+
+        assert run(4, 6, resume=True, allow=True, optimizer=grouped(0.0)) == 1  # accepted: the kind did not change
+        with pytest.raises(ConfigError, match=r"different param_groups"):
+            run(4, 8, resume=True, optimizer=grouped(0.1))
     finally:
         dist.destroy_process_group()
