@@ -1,5 +1,13 @@
 """Which stage inputs an op modifies in place, directly or through a view (they are cloned on entry:
-a received activation is a leaf that requires grad, and autograd forbids modifying one in place)."""
+a received activation is a leaf that requires grad, and autograd forbids modifying one in place).
+
+An alias is also what an op may hand back unchanged: `nn.Identity`, a dropout at p = 0 or in eval mode
+(`F.dropout` returns its input itself), timm's DropPath / DropBlock when disabled, `x.to(dtype)` to the
+dtype it has. A module without parameters or buffers may be such a pass-through (which one cannot be
+told without running it), so it counts as one: at worst an input is cloned that need not be, while
+missing one made the stage's first in-place op fail ("a view of a leaf Variable that requires grad is
+being used in an in-place operation": timm resnet18's default 7-stage split, a stage from `drop_block`).
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -23,7 +31,18 @@ _VIEW_OPS = frozenset((
     "view", "view_as", "reshape", "transpose", "permute", "flatten", "squeeze", "unsqueeze", "expand",
     "expand_as", "narrow", "select", "t", "split", "chunk", "unbind", "contiguous", "detach", "unflatten",
     "movedim", "getitem", "unfold", "as_strided", "diagonal",
+    # may return the input itself: a conversion to what it already is, a dropout that drops nothing
+    "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "identity",
 ))
+
+
+def _may_pass_through(module: Optional[nn.Module]) -> bool:
+    """Whether a called module may return its input (or a view of it): one without parameters or buffers
+    (Identity, Flatten, a dropout, DropPath), or a dropout of any kind; unknown (None): yes."""
+    if module is None or isinstance(module, nn.modules.dropout._DropoutNd):
+        return True
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 def _first_argument(layer: LayerSpec) -> Optional[str]:
@@ -76,8 +95,12 @@ def mutated_inputs(graph: Graph, node_ids: Sequence[str], inputs: Sequence[str],
             continue
         inplace = _is_inplace(layer, built.get(node_id))
         aliasing = _aten_aliasing(layer)
-        view = aliasing[1] if aliasing is not None else (
-            layer.op in ("call_method", "call_function") and layer.target.rpartition(".")[2] in _VIEW_OPS)
+        if aliasing is not None:
+            view = aliasing[1]
+        elif layer.op == "call_module":
+            view = _may_pass_through(built.get(node_id))
+        else:
+            view = layer.op in ("call_method", "call_function") and layer.target.rpartition(".")[2] in _VIEW_OPS
         if view or inplace:  # the result aliases the input: later in-place ops on it modify the input too
             root[node_id] = root[first]
         if inplace:

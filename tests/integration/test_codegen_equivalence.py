@@ -96,6 +96,38 @@ def test_a_received_tuple_modified_in_place_through_getitem_is_cloned_element_by
     assert_equivalent(graph, model, stages, (x,), lambda out: (out ** 2).sum())
 
 
+class _PassThroughs(nn.Module):
+    """Modules and calls that hand back their input itself (Identity, a dropout at p = 0, a cast to the dtype it has)
+    right before an in-place op: a stage that starts at one of them receives the tensor the in-place op modifies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.ident, self.act = nn.Linear(8, 8), nn.Identity(), nn.ReLU(inplace=True)
+        self.drop, self.lin2 = nn.Dropout(0.0), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.ident(self.lin1(x)))
+        y = self.drop(x * 1.0).mul_(2)  # (relu's backward needs its own output unmodified)
+        z = torch.nn.functional.dropout(y, 0.0, True).to(torch.float32).add_(1)
+        return self.lin2(z)
+
+
+def test_a_stage_that_starts_at_a_pass_through_clones_what_an_in_place_op_modifies() -> None:
+    # timm resnet18's default 7-stage split started a stage at `drop_block` (an Identity) before an in-place ReLU:
+    # "a view of a leaf Variable that requires grad is being used in an in-place operation" at the first step.
+    torch.manual_seed(0)
+    model, x = _PassThroughs().train(), torch.randn(4, 8)
+    graph, _ = trace_model(model, (x,))
+    order = graph.topological_order
+    starts = [n for n in order if graph[n].layer.op != "placeholder" and
+              (graph[n].layer.target in ("ident", "drop") or "dropout" in graph[n].layer.target)]
+    assert len(starts) == 3
+    for start in starts:
+        stages = build_stages(graph, split_before(graph, [start]))
+        assert "clone" in stages[1].code, start
+        assert_equivalent(graph, model, stages, (x,), lambda out: (out ** 2).sum())
+
+
 def test_tinygpt_stages_match_original_at_every_stage_count() -> None:
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=32, seq_len=8, dim=16, num_heads=2, num_layers=2)
