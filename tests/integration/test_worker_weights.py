@@ -2,6 +2,7 @@
 single-process reference initialised from the same file; a missing or malformed path is one line, exit 2."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,30 @@ def test_a_missing_or_malformed_weights_path_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "not a readable safetensors file" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+_CAPPED = """
+import resource, sys
+import torch
+from model_parallel.errors import OutOfMemoryError
+from model_parallel.runtime.build.weights import weight_source
+size = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize:")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (8 << 20), resource.RLIM_INFINITY))  # 8 MiB to spare, the file is 64
+try:
+    weight_source(sys.argv[1])
+except OutOfMemoryError as error:
+    print("OOM", error)
+"""
+
+
+@pytest.mark.slow
+def test_a_mapping_the_memory_cap_refuses_is_out_of_memory_not_a_bad_file(tmp_path: Path) -> None:
+    # Under RLIMIT_AS the memory-map of a good file failed with ENOMEM and was reported as "not a readable
+    # safetensors file ... give the model's .safetensors files": a fix that cannot help.
+    save_file({"fc.weight": torch.zeros(16 << 20)}, str(tmp_path / "model.safetensors"))  # 64 MiB
+    run = subprocess.run([sys.executable, "-c", _CAPPED, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("OOM "), run.stdout + run.stderr[-2000:]
+    assert "memory-mapping the weights file (0.0671 GB) was refused" in run.stdout
+    assert "RLIMIT_AS" in run.stdout and "the file is fine" in run.stdout and "not a readable" not in run.stdout

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from model_parallel import jsonbound
+from model_parallel.errors import OutOfMemoryError
 from model_parallel.codegen.naming import state_key_map, tie_aliases
 from model_parallel.graph.core import STATE_ALIASES, Graph
 from model_parallel.runtime.build.materialize import InitError, ValueSource
@@ -78,6 +79,16 @@ def _open(file: Path, named_by: Path) -> Any:
         return safe_open(str(file), framework="pt")
     except Exception as error:  # noqa: BLE001 - safetensors raises its own untyped errors for a bad header
         reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        from model_parallel.runtime.observe.memory_probe import memory_limit, refused_allocation
+
+        if refused_allocation(error):  # the file is fine: the process's memory cap refused its memory-map
+            limit, what = memory_limit(torch.device("cpu"))
+            cap = f"{limit / 1e9:.3g} GB ({what})" if limit else what
+            raise OutOfMemoryError(
+                f"{_where(file, named_by)}: memory-mapping the weights file ({file.stat().st_size / 1e9:.3g} GB) was "
+                f"refused: the process is at its memory limit, {cap}; the file is fine [{reason}]; raise the limit "
+                "(under RLIMIT_AS the mapping counts whole: the file's size on top of the stage's share; RLIMIT_DATA "
+                "does not count it: memory_per_worker + 0.25 GB)") from None
         raise InitError(f"{_where(file, named_by)}: not a readable safetensors file ({reason}); give the model's "
                         ".safetensors files") from None
 

@@ -255,6 +255,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 _REFUSED = ("can't allocate memory", "not enough memory", "out of memory", "cannot allocate memory")
 
 
+def refused_allocation(error: BaseException) -> bool:
+    """Whether `error` is an allocation the allocator (or mmap) refused: a MemoryError, or a library's error that
+    says so in its text (ENOMEM from a memory-map, CUDA's "out of memory")."""
+    return isinstance(error, MemoryError) or any(phrase in str(error).lower() for phrase in _REFUSED)
+
+
 def memory_limit(device: torch.device) -> tuple[Optional[int], str]:
     """(bytes, what) this process may hold: the device's memory on a GPU, else its RLIMIT_AS/RLIMIT_DATA."""
     if device.type == "cuda":
@@ -274,8 +280,7 @@ def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stag
     is not an allocation the allocator refused."""
     if isinstance(error, ModelParallelError):
         return None  # ours already (a peer's failure quoted in a PeerError may say "out of memory" too)
-    text = str(error).lower()
-    if not isinstance(error, MemoryError) and not any(phrase in text for phrase in _REFUSED):
+    if not refused_allocation(error):
         return None
     held = state_bytes(stage, optimizer) if stage is not None else {}
     limit, what = memory_limit(device)

@@ -69,3 +69,4 @@ def test_weights_from_a_corrupt_checkpoint_name_the_manifest(tmp_path: Path) -> 
     manifest.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=r"manifest\.json: malformed manifest: shards\[0\]\.file must be a file name"):
         weight_source(tmp_path).read({"fc.weight": torch.zeros(2, 2)})
+
