@@ -153,6 +153,7 @@ class SteppingEngine(LoopingEngine, Protocol):
     replica_groups: ReplicaGroups
     control_group: Any
     channel: ControlChannel  # rank 0 polls it for the command that rides in the step's reduction
+    health: Any  # wire/health.Health, or None (no heartbeats: single process, tests)
     command: Optional[Command]  # the command the last reduction carried, until `control` hands it out
     schedule: Schedule
     updates: int
@@ -176,6 +177,8 @@ class TrainingLoop:
         """Run steps [start_step, steps); all ranks together. Returns this rank's per-step results (the
         last `engine.HISTORY_WINDOW` of them). A stop command ends it early: then `stop_reason` says why and
         `next_step` how far it got."""
+        if self.health is not None:
+            self.health.announce_end_step(steps)  # ranks run to different steps: named by the diagnosis
         try:
             run_loop(self, steps, start_step)
         except (MemoryError, RuntimeError) as error:

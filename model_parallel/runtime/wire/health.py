@@ -10,6 +10,10 @@ When a send/recv/collective fails or times out, `diagnose` finds the culprit:
    apart; a rank whose heartbeat did not move (and that did not finish normally) stopped responding;
 3. if the store itself is unreachable, the rank hosting it (rank 0 / the torchrun agent) is gone.
 
+Each rank also writes the step its training runs to (`mp/steps/<rank>`, at the start of `train`): ranks
+started with different `--steps` wait on each other after the shorter run's last step with every peer
+alive, which the diagnosis names as such (raising --timeout, the advice for a slow peer, would not help).
+
 Before all that, a rank checks whether *it* stood still: its heartbeat thread notes when a wait of
 `interval` seconds ended much later (SIGSTOP, a debugger, a paused VM: the monotonic clock runs on
 while the process does not). A rank that stood still for half the peers' timeout or more is the
@@ -40,6 +44,7 @@ logger = logging.getLogger(__name__)
 _HB = "mp/hb/{}"
 _FOUND_BY = re.compile(r"\(found by rank \d+\)$")
 _STATUS = "mp/status/{}"
+_END_STEP = "mp/steps/{}"
 DIAGNOSIS_SHARE = 0.4  # of the timeout: the whole diagnosis (so a rank ends within 1.4 x --timeout)
 STORE_CALL_SHARE = 0.15  # of the timeout: one store call while diagnosing
 SAMPLE_SHARE = 0.25  # of the timeout: at most this long between the two heartbeat samples
@@ -110,6 +115,25 @@ class Health:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def announce_end_step(self, end_step: int) -> None:
+        """Publish the step this rank trains to (compared by the diagnosis); best effort: a store that does not
+        answer now is diagnosed when communication fails."""
+        try:
+            self._bounded(lambda: self.store.set(_END_STEP.format(self.rank), str(int(end_step))), "publishing the end step")
+        except Exception as error:  # noqa: BLE001 - the same store failure is diagnosed where it matters
+            logger.debug("rank %d: end step not published: %s", self.rank, error)
+
+    def _different_ends(self) -> Optional[str]:
+        """'rank 0 trains to step 10, rank 1 to step 20' when the published end steps differ, else None."""
+        ends = {}
+        for r in range(self.world_size):
+            text = self._read(_END_STEP.format(r))
+            if text and text.isdigit():
+                ends[r] = int(text)
+        if len(set(ends.values())) < 2:
+            return None
+        return ", ".join(f"rank {r} trains to step {end}" for r, end in sorted(ends.items()))
 
     def _run(self) -> None:
         while True:
@@ -228,6 +252,11 @@ class Health:
                 culprit = min(stale, key=lambda r: second.get(r, 0.0))  # the one silent for longest
                 age = time.time() - second[culprit] if culprit in second else float("nan")
                 return self._publish(culprit, f"rank {culprit} stopped responding (last heartbeat {age:.1f} s ago)", detail)
+            different = self._different_ends()
+            if different:
+                return self._publish(None, f"the ranks were started with different step counts ({different}): one "
+                                           "stopped after its last step while the others still needed it; give every "
+                                           "worker the same --steps (PipelineTrainer.train(steps) on every rank)", detail)
             done = [r for r, s in statuses.items() if s.get("state") == "done"]
             if done:
                 return self._publish(None, f"rank(s) {done} already finished while rank {self.rank} still needed them "

@@ -349,6 +349,32 @@ def test_hybrid_conf_places_package_stages(tmp_path, mlp_graph):
         ranks_from_hybrid_conf(plan, conf)
 
 
+def test_health_names_ranks_started_with_different_step_counts():
+    # Both alive and beating, one past its last step: "slow peer? raise --timeout" was the advice, which cannot help.
+    store = FakeStore()
+    ranks = [Health(store, r, 2, interval=0.05).start() for r in (0, 1)]
+    try:
+        ranks[0].announce_end_step(10)
+        ranks[1].announce_end_step(20)
+        error = ranks[1].diagnose(RuntimeError("Timed out waiting"))
+    finally:
+        for health in ranks:
+            health.stop()
+    assert str(error).startswith("the ranks were started with different step counts (rank 0 trains to step 10, "
+                                 "rank 1 trains to step 20)"), str(error)
+    assert "give every worker the same --steps" in str(error) and "raise --timeout" not in str(error)
+    # The same end step everywhere: not the cause.
+    store = FakeStore()
+    ranks = [Health(store, r, 2, interval=0.05).start() for r in (0, 1)]
+    try:
+        for health in ranks:
+            health.announce_end_step(10)
+        assert "step counts" not in str(ranks[0].diagnose(RuntimeError("Timed out waiting")))
+    finally:
+        for health in ranks:
+            health.stop()
+
+
 def test_health_reports_a_peer_that_failed_on_its_own():
     store = FakeStore()
     Health(store, 1, 2, interval=0.05).start().stop("failed", None, "PlanError: bad plan")
