@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 
 from model_parallel import jsonbound
-from model_parallel.errors import OutOfMemoryError
 from model_parallel.codegen.naming import state_key_map, tie_aliases
+from model_parallel.errors import OutOfMemoryError
 from model_parallel.graph.core import STATE_ALIASES, Graph
 from model_parallel.runtime.build.materialize import InitError, ValueSource
 from model_parallel.userfile import check_regular
