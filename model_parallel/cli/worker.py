@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 # Before torch loads (c10 reads it once): when a peer or the store host dies, c10d logs a warning
 # with 13-26 lines of C++ stack frames per failed store call, ahead of our one-line error that
@@ -227,6 +227,14 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     return engine
 
 
+def leave_peer(error: BaseException, rank: int, health: Any, args: Any, argv: Sequence[str]) -> NoReturn:
+    """Exit 3 after a peer died, stalled, left or never joined (`error` names it)."""
+    # A dead peer can leave gloo threads blocked; exit without waiting for them.
+    match = re.search(r"rank (\d+) stopped responding", str(error))
+    leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
+          blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -305,10 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               linger=False, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except PeerError as error:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
-        # A dead peer can leave gloo threads blocked; exit without waiting for them.
-        match = re.search(r"rank (\d+) stopped responding", str(error))
-        leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
-              blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
+        leave_peer(error, rank, health, args, argv)
     except ModelParallelError as error:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
@@ -319,6 +324,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise
+        if isinstance(error, dist.DistError):  # c10d's own error escaped undiagnosed (the store host left, a
+            # peer's connection broke): a peer failed, not this rank's code (exit 5); name it
+            leave_peer(health.diagnose(error), rank, health, args, argv)
         line = runtime_failure(error, prefix.engine.prefix if prefix.engine is not None else f"[rank {rank}]")
         logger.debug("%s", line, exc_info=True)  # the traceback, for -vv
         leave(EXIT_FAILED, f"{os.path.basename(sys.argv[0])}: error: {line}", rank, health, cause=line,
