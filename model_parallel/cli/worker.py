@@ -182,10 +182,24 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
                                   membership=recovered.membership() if recovered else None,
                                   schedule_auto=bool(getattr(config, "schedule_auto", False)),
                                   num_microbatches=getattr(config, "num_microbatches", None),
-                                  schedule_order=getattr(config, "schedule_order", None))
+                                  schedule_order=getattr(config, "schedule_order", None),
+                                  # it listened before this rank joined (reach_coordinator): a refusal now is
+                                  # retried briefly, well inside the peers' deadline, so that they can name this rank
+                                  wait_for=args.timeout / 4)
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
+
+
+def reach_coordinator(args: Any, rank: int) -> None:
+    """Before joining the world: connect to the coordinator once, waiting up to --timeout while nothing listens
+    there yet (it may have been started a moment before). A worker that cannot reach it then fails here, exit 2,
+    and its peers name it as a rank that never joined, instead of it leaving the world right after joining."""
+    from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, _hang_up, connect_when_listening
+    from model_parallel.coordinator.protocol import read_token
+
+    token = read_token(args.token, args.token_file)
+    _hang_up(connect_when_listening(args.coordinator, token, min(CONNECT_TIMEOUT_S, args.timeout), args.timeout, rank))
 
 
 def rendezvous(args: Any) -> Rendezvous:
@@ -282,6 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.join:  # admitted into a running job at a step boundary (cli/worker_join.py), in a new world
             survivor = join_running_job(args, argv, config, options, prefix, run_one, Survivor)
         else:
+            if args.coordinator and served is None:  # a job served by the coordinator reached it already
+                reach_coordinator(args, rank)
             world = join_world(rendezvous(args))
             rank = world.rank
             health = start_health(world, options.timeout)
