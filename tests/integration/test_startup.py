@@ -1,6 +1,6 @@
 """A world that never fully starts: a worker that leaves right after joining (it cannot use the coordinator), the
 store host doing so, a worker that never joins. Every other rank exits 3 within about 1.5 x --timeout naming the
-rank (docs/reliability.md, "Failures while starting"), instead of waiting out torch's 30-minute default in
+rank (docs/reliability.md, the table under "Failures while training"), instead of waiting out torch's 30-minute default in
 `new_group` or failing with a raw DistNetworkError as if its own code had failed (exit 5)."""
 from __future__ import annotations
 
