@@ -114,7 +114,9 @@ class PipelineTrainer:
             from model_parallel.runtime.step.auto import run_order_times
             from model_parallel.runtime.wire.agreement import broadcast_json
 
-            control_group = dist.new_group(backend="gloo")
+            from model_parallel.runtime.wire.comm import new_group
+
+            control_group = new_group(options.timeout, what="creating the control group")  # 30 minutes by default
             # Rank 0's stage times travel with its plan: a zero-bubble order list-built from each rank's own profile
             # would differ from rank to rank (the engine refuses that: wire/agreement.py).
             times = run_order_times(graph, plan, config.resolved(plan)) if plan_stage_times(plan) is None else None

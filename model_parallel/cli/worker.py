@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 # Before torch loads (c10 reads it once): when a peer or the store host dies, c10d logs a warning
 # with 13-26 lines of C++ stack frames per failed store call, ahead of our one-line error that
@@ -182,10 +182,24 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
                                   membership=recovered.membership() if recovered else None,
                                   schedule_auto=bool(getattr(config, "schedule_auto", False)),
                                   num_microbatches=getattr(config, "num_microbatches", None),
-                                  schedule_order=getattr(config, "schedule_order", None))
+                                  schedule_order=getattr(config, "schedule_order", None),
+                                  # it listened before this rank joined (reach_coordinator): a refusal now is
+                                  # retried briefly, well inside the peers' deadline, so that they can name this rank
+                                  wait_for=args.timeout / 4)
     if args.control_script and rank == 0:
         return read_control_script(args.control_script)
     return NullChannel()
+
+
+def reach_coordinator(args: Any, rank: int) -> None:
+    """Before joining the world: connect to the coordinator once, waiting up to --timeout while nothing listens
+    there yet (it may have been started a moment before). A worker that cannot reach it then fails here, exit 2,
+    and its peers name it as a rank that never joined, instead of it leaving the world right after joining."""
+    from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, _hang_up, connect_when_listening
+    from model_parallel.coordinator.protocol import read_token
+
+    token = read_token(args.token, args.token_file)
+    _hang_up(connect_when_listening(args.coordinator, token, min(CONNECT_TIMEOUT_S, args.timeout), args.timeout, rank))
 
 
 def rendezvous(args: Any) -> Rendezvous:
@@ -225,6 +239,14 @@ def run_one(args: Any, config: Any, options: Any, world: Any, health: Any, prefi
     if world.rank == 0:
         print(f"memory per stage, predicted vs measured:\n{report.text}", flush=True)
     return engine
+
+
+def leave_peer(error: BaseException, rank: int, health: Any, args: Any, argv: Sequence[str]) -> NoReturn:
+    """Exit 3 after a peer died, stalled, left or never joined (`error` names it)."""
+    # A dead peer can leave gloo threads blocked; exit without waiting for them.
+    match = re.search(r"rank (\d+) stopped responding", str(error))
+    leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
+          blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -274,6 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.join:  # admitted into a running job at a step boundary (cli/worker_join.py), in a new world
             survivor = join_running_job(args, argv, config, options, prefix, run_one, Survivor)
         else:
+            if args.coordinator and served is None:  # a job served by the coordinator reached it already
+                reach_coordinator(args, rank)
             world = join_world(rendezvous(args))
             rank = world.rank
             health = start_health(world, options.timeout)
@@ -305,10 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               linger=False, hint=resume_hint(args.checkpoint_dir, argv, rank))
     except PeerError as error:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
-        # A dead peer can leave gloo threads blocked; exit without waiting for them.
-        match = re.search(r"rank (\d+) stopped responding", str(error))
-        leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
-              blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
+        leave_peer(error, rank, health, args, argv)
     except ModelParallelError as error:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
@@ -319,6 +340,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise
+        if isinstance(error, dist.DistError):  # c10d's own error escaped undiagnosed (the store host left, a
+            # peer's connection broke): a peer failed, not this rank's code (exit 5); name it
+            leave_peer(health.diagnose(error), rank, health, args, argv)
         line = runtime_failure(error, prefix.engine.prefix if prefix.engine is not None else f"[rank {rank}]")
         logger.debug("%s", line, exc_info=True)  # the traceback, for -vv
         leave(EXIT_FAILED, f"{os.path.basename(sys.argv[0])}: error: {line}", rank, health, cause=line,

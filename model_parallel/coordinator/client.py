@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, RECONNECT_FIRST_S, _connect, _hang_up
+from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, RECONNECT_FIRST_S, _connect, _hang_up, connect_when_listening
 from model_parallel.coordinator.connect import fetch_job  # noqa: F401 - where callers (cli/served_job.py) import it from
 from model_parallel.coordinator.protocol import Session, new_nonce
 from model_parallel.errors import PlanError, ProtocolError
@@ -47,7 +47,8 @@ class CoordinatorChannel:
                  reconnect_for: float = RECONNECT_FOR_S, schedule: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None, live_plan: Optional[Plan] = None, recover: bool = False,
                  generation: int = 0, membership: Optional[Mapping[str, Any]] = None, schedule_auto: bool = False,
-                 num_microbatches: Optional[int] = None, schedule_order: Optional[str] = None) -> None:
+                 num_microbatches: Optional[int] = None, schedule_order: Optional[str] = None,
+                 wait_for: float = 0.0) -> None:
         self.address, self.token = address, token
         self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
@@ -91,7 +92,9 @@ class CoordinatorChannel:
         self.plan_version, self.plan = self.running_version, self._plans.get(self.running_version)
         self.session: Optional[Session] = None
         try:
-            self.session = self._register(timeout)  # the first connection must work (a typo'd address fails fast)
+            # The first connection must work (a wrong token fails at once); only a refused one is retried, for up to
+            # `wait_for` seconds (a coordinator started just before its workers may not listen yet)
+            self.session = self._register(timeout, wait_for if self.generation == 0 else 0.0)
             self._connected.set()
         except ProtocolError as error:
             if self.generation == 0:
@@ -111,9 +114,10 @@ class CoordinatorChannel:
         if self.session is not None:
             logger.info("rank %d connected to the coordinator at %s (plan v%d)", rank, address, self.plan_version)
 
-    def _register(self, timeout: float) -> Session:
-        """Connect, register and read the welcome (the live plan); ProtocolError says why not."""
-        session = _connect(self.address, self.token, timeout)
+    def _register(self, timeout: float, wait_for: float = 0.0) -> Session:
+        """Connect (retrying a refused connection for `wait_for` seconds), register and read the welcome (the live
+        plan); ProtocolError says why not."""
+        session = connect_when_listening(self.address, self.token, timeout, wait_for, self.rank)
         try:
             with self._send_lock:
                 session.send("register", role="worker", rank=int(self.rank), host=socket.gethostname(), pid=os.getpid(),

@@ -17,19 +17,48 @@ CONNECT_TIMEOUT_S = 10.0
 RECONNECT_FIRST_S = 0.25  # first wait before reconnecting; doubles per attempt (times a jitter in [0.5, 1])
 
 
+class NotListening(ProtocolError):
+    """Nothing listens at the coordinator's address (yet): the connection was refused."""
+
+
 def _connect(address: str, token: bytes, timeout: float) -> Session:
     host, port = parse_address(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as error:
-        raise ProtocolError(f"cannot reach the coordinator at {address}: {error.strerror or error}; "
-                            "is test_socket.py running there?") from None
+        kind = NotListening if isinstance(error, ConnectionRefusedError) else ProtocolError
+        raise kind(f"cannot reach the coordinator at {address}: {error.strerror or error}; "
+                   "is test_socket.py running there?") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return client_handshake(sock, token, timeout)
     except (OSError, ProtocolError) as error:
         sock.close()
         raise ProtocolError(f"coordinator at {address}: handshake failed: {error}") from None
+
+
+def connect_when_listening(address: str, token: bytes, timeout: float, wait_for: float, rank: int) -> Session:
+    """`_connect`, retried while nothing listens at `address` for up to `wait_for` seconds (backoff 0.25 s doubling
+    to 2 s): a coordinator started in the background a moment before its workers may not listen yet. Anything
+    else (a name that does not resolve, a handshake that fails) is a ProtocolError at once, and so is a refusal
+    after `wait_for`, naming the address and how long it waited."""
+    deadline = time.monotonic() + wait_for
+    delay, waiting = RECONNECT_FIRST_S, False
+    while True:
+        try:
+            return _connect(address, token, timeout)
+        except NotListening as error:
+            if time.monotonic() + delay > deadline:
+                if not waiting:
+                    raise
+                raise ProtocolError(f"rank {rank}: {error} (nothing listened there for {wait_for:.0f} s; start it "
+                                    "first, or check --coordinator HOST:PORT)") from None
+            if not waiting:
+                logger.warning("rank %d: nothing listens at the coordinator's address %s yet (connection refused); "
+                               "waiting up to %.0f s for it to start", rank, address, wait_for)
+                waiting = True
+        time.sleep(delay)
+        delay = min(2 * delay, 2.0)
 
 
 def _hang_up(session: Session) -> None:

@@ -123,7 +123,6 @@ class PipelineEngine(TrainingLoop):
         self.health = health
         self.device = device or torch.device("cpu")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.control_group = control_group if control_group is not None else dist.new_group(backend="gloo")
         self.modules = layer_modules(graph, model)
         self.graph_hash = graph_digest(graph)  # checked against every other rank's at each activation
         # A model built on meta: this rank allocates its stage's layers only (runtime/build/materialize.py).
@@ -135,7 +134,7 @@ class PipelineEngine(TrainingLoop):
         if self.tracer.enabled and hasattr(dataset, "attach_tracer"):
             dataset.attach_tracer(self.tracer)  # a Prefetcher: its data spans join this rank's trace
         self.straggler = Slowdown(self.metrics, self.rank, options.straggler)  # runs forwards and backwards
-        self.replica_groups = ReplicaGroups(self.device)
+        self.replica_groups = ReplicaGroups(self.device, options.timeout)
         # Boundary headers (shapes/dtypes) are sent once per (peer, tag) and then only on change.
         self.header_cache = comm.HeaderCache()
         self.pending_migration_s = 0.0
@@ -154,8 +153,11 @@ class PipelineEngine(TrainingLoop):
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.executor: Optional[StepExecutor] = None
         self.meter = StashMeter(self.device) if options.measure_memory else NO_METER
-        try:
+        try:  # the first collectives: the control group (within --timeout; torch's gloo default is 30 min), the job check
+            self.control_group = control_group if control_group is not None else comm.new_group(self.timeout)
             self.activate(plan)
+        except PeerError as error:  # a rank (the store host too) left after joining the world, or stalled: name it
+            raise self.diagnose(error) from None
         except (MemoryError, RuntimeError) as error:  # materializing the stage: its weights did not fit
             self.raise_if_out_of_memory(error, next(iter(plan.with_default_ranks().stages_of_rank(self.rank)), None))
             raise
@@ -318,10 +320,13 @@ class PipelineEngine(TrainingLoop):
         return NO_DATA
 
     def diagnose(self, error: PeerError) -> PeerError:
-        """`error` with this rank's prefix and, when heartbeats run, the peer that died."""
-        if self.health is None:
-            return PeerError(f"{self.prefix} {error}")
-        return PeerError(f"{self.prefix} {self.health.diagnose(error)}")
+        """`error` with this rank's prefix and, when heartbeats run, the peer that died (an error diagnosed
+        already, by the tie check inside the first activation, is returned as it is)."""
+        if getattr(error, "diagnosed", False):
+            return error
+        found = PeerError(f"{self.prefix} {error if self.health is None else self.health.diagnose(error)}")
+        found.diagnosed = True  # type: ignore[attr-defined]
+        return found
 
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset` (all ranks together): `evaluate.EvalResult`."""

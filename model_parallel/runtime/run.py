@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _JOINED = "mp/joined/{}"
+_SEEN = "mp/join-failed/{}"  # this rank read which ranks never joined (the store host waits for it)
 
 
 @dataclass(frozen=True)
@@ -109,20 +110,60 @@ def _hosts(store: Any, rank: int, world_size: int, timeout: timedelta) -> tuple[
     return counts, by_host[mine].index(rank)
 
 
-def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0) -> Optional[list[int]]:
-    """Ranks that never registered in the store (None if the store cannot say within `deadline_s`)."""
+def _wait_for_listener(addr: str, port: int, timeout: float) -> None:
+    """Return once something accepts connections at addr:port; OSError (the last attempt's) after `timeout` s."""
+    import socket
+    import time
+
+    deadline, delay = time.monotonic() + timeout, 0.05
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() + delay >= deadline:
+                raise OSError(f"nothing accepted a connection there within {timeout:g} s ({error.strerror or error})") from None
+        time.sleep(delay)
+        delay = min(2 * delay, 1.0)
+
+
+def missing_ranks(store: Any, world_size: int, deadline_s: float = 5.0, rank: Optional[int] = None) -> Optional[list[int]]:
+    """Ranks that never registered in the store (None if the store cannot say within `deadline_s`: its host
+    left or does not answer). With `rank`, this rank also notes that it has read the answer (`_SEEN`), so
+    the store host, which lingers for that (`linger_for_readers`), can leave."""
     import threading
 
     box: dict[str, list[int]] = {}
 
     def look() -> None:
-        box["missing"] = [r for r in range(world_size) if not store.check([_JOINED.format(r)])]
+        try:
+            box["missing"] = [r for r in range(world_size) if not store.check([_JOINED.format(r)])]
+            if rank is not None:
+                store.set(_SEEN.format(rank), "1")
+        except Exception as error:  # noqa: BLE001 - the store host left (DistNetworkError): the caller says so
+            logger.debug("cannot read which ranks joined: %s", error)
 
     # A daemon thread with a deadline: a store call on an unreachable host would otherwise never return.
     thread = threading.Thread(target=look, name="join-check", daemon=True)
     thread.start()
     thread.join(deadline_s)
     return box.get("missing")
+
+
+def linger_for_readers(store: Any, rank: int, world_size: int, missing: list[int], max_seconds: float) -> None:
+    """The store host, after a failed join: keep the store up until every other rank that joined has read which
+    ranks are missing (`missing_ranks`), at most `max_seconds` (a rank that joined times out at most one
+    --timeout after this one, since it joined after the store started)."""
+    import time
+
+    waiting = [_SEEN.format(r) for r in range(world_size) if r != rank and r not in missing]
+    deadline = time.monotonic() + max_seconds
+    while waiting and time.monotonic() < deadline:
+        try:
+            waiting = [key for key in waiting if not store.check([key])]
+        except Exception:  # noqa: BLE001 - this rank hosts the store: only a teardown fails here
+            return
+        time.sleep(0.1)
 
 
 def _use_gpu(backend: str, local_rank: int) -> torch.device:
@@ -184,6 +225,8 @@ def join_world(rdv: Rendezvous) -> World:
     addr = rdv.addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = rdv.port or int(os.environ.get("MASTER_PORT", 29500))
     try:
+        if rank != 0:  # c10d's own client retries after its timeout (2-4 x --timeout in all): wait here instead
+            _wait_for_listener(addr, port, rdv.timeout)
         store = TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as error:
         raise PeerError(f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {rdv.timeout:.0f} s "
@@ -197,7 +240,14 @@ def join_world(rdv: Rendezvous) -> World:
             device = _use_gpu(backend, local)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, dist.DistStoreError if hasattr(dist, "DistStoreError") else RuntimeError) as error:
-        missing = missing_ranks(store, world_size)
+        missing = missing_ranks(store, world_size, min(5.0, max(1.0, 0.4 * rdv.timeout)), rank)
+        if missing is None:  # this rank joined, so the store was up: its host (rank 0) left before it could be read
+            raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {rdv.timeout:.0f} s, "
+                            f"and rank 0 (the rendezvous store host at {addr}:{port}) left or stopped answering before this rank could "
+                            f"read which ranks are missing; see rank 0's error line (are all {world_size} ranks "
+                            f"running and pointed at {addr}:{port}?)") from None
+        if rank == 0:
+            linger_for_readers(store, rank, world_size, missing, rdv.timeout)
         who = f"rank(s) {missing} never joined" if missing else f"{str(error).splitlines()[0]}"
         raise PeerError(f"rank {rank}: not every one of the {world_size} ranks joined within {rdv.timeout:.0f} s: "
                         f"{who} (are they running and pointed at {addr}:{port}?)") from None

@@ -16,15 +16,16 @@ class ReplicaGroups:
     """The process group of every replicated stage, cached by rank tuple. Creating a group is a
     collective over the whole world, so every rank creates every group, in the same order."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeout: float = 60.0) -> None:
         # Replica all-reduces of CPU tensors need gloo; on GPUs the default backend (NCCL) does them.
         self.backend = "gloo" if device.type == "cpu" else None
+        self.timeout = timeout  # creating a group waits for every rank: at most this long (a PeerError then)
         self._groups: dict[tuple[int, ...], Any] = {}
 
     def group(self, ranks: Sequence[int]) -> Any:
         key = tuple(sorted(ranks))
         if key not in self._groups:
-            self._groups[key] = dist.new_group(list(key), backend=self.backend)
+            self._groups[key] = comm.new_group(self.timeout, key, self.backend, f"creating the group of ranks {list(key)}")
         return self._groups[key]
 
     def create_for(self, plan: Plan) -> None:

@@ -67,7 +67,7 @@ import json
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache, partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -229,6 +229,17 @@ def wait_work(work: Any, timeout: float, peer: int, what: str) -> None:
     if ok is False:
         where = what if peer < 0 else f"{what} with rank {peer}"
         raise PeerError(f"{where} timed out after {timeout:.0f} s")
+
+
+def new_group(timeout: float, ranks: Optional[Sequence[int]] = None, backend: Optional[str] = "gloo",
+              what: str = "creating a process group") -> Any:
+    """`dist.new_group` with the run's deadline: a collective every rank of the world calls, and torch's own
+    default for gloo is 30 minutes. A rank that never calls it (it exited after joining) or a store host that
+    left is a PeerError after `timeout` (the caller's diagnosis then names the rank)."""
+    try:
+        return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, timeout=_delta(timeout))
+    except RuntimeError as error:  # DistStoreError: a rank never came; DistNetworkError: the store host left
+        raise PeerError(f"{what} failed within {timeout:g} s: {str(error).splitlines()[0][:200]}") from error
 
 
 def start_work(start: Callable[[], Any], peer: int, what: str) -> Any:
