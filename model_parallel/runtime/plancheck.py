@@ -35,7 +35,7 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
                modules: Optional[Mapping[str, Any]] = None) -> CheckedPlan:
     """Raise a ModelParallelError naming the first rule `plan` breaks for this graph, world and schedule.
 
-    Rules: replicas and ranks within the world; every node in a stage, no edge going back to an
+    Rules: replicas and ranks within the world; every stage holds a node, every node in a stage, no edge going back to an
     earlier stage, no uncrossable value sent across a boundary (codegen.boundary), no module with
     parameters called from two stages (codegen.build.check_shared_modules); under a schedule
     without a flush (pipedream) no replicated stage and no tie split across stages (runtime.build.tied); under
@@ -50,6 +50,10 @@ def check_plan(graph: Graph, plan: Plan, world_size: int, schedule: Optional[str
                         f"has {world_size} rank(s); replicas are bounded by the world size")
     plan = plan.with_default_ranks()
     check_plan_fits(plan, world_size)
+    empty = [s.stage_id for s in plan.stages if not s.node_ids]
+    if empty:  # its module would take no input and hand nothing on: the run failed at its first forward
+        raise PlanError(f"plan v{plan.version}: stage(s) {empty} hold no nodes; every stage needs at least one layer: "
+                        "give each at least one node of a neighbouring stage, or use a plan with fewer stages")
     if schedule is not None:
         check_placement(plan, schedule)
         check_schedule(graph, plan, schedule)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from model_parallel.codegen.build import build_stage
-from model_parallel.errors import CodegenError
+from model_parallel.errors import CodegenError, PlanError
 from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.plancheck import check_plan
@@ -37,3 +37,13 @@ def test_a_plan_splitting_the_calls_of_a_module_with_parameters_is_refused_as_th
         build_stage(graph, ("fc_1",), whole.boundaries[0], source_model=model)
     together = Plan((StagePlan(0, tuple(ids[:1])), StagePlan(1, tuple(ids[1:]))))
     assert check_plan(graph, together, 2, None).plan.stages[1].node_ids == ("fc", "relu", "fc_1")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", None])  # None: the coordinator's check before it issues a plan
+def test_a_stage_without_nodes_is_refused(schedule) -> None:
+    # Accepted before: the stage's module took no input and the run died at its first forward ("forward() takes
+    # 1 positional argument but 2 were given"), after the coordinator had issued the plan.
+    graph, _ = trace_model(CalledTwice(), (torch.zeros(2, 4),))
+    ids = tuple(graph.topological_order)
+    with pytest.raises(PlanError, match=r"plan v3: stage\(s\) \[0\] hold no nodes; .* a plan with fewer stages"):
+        check_plan(graph, Plan((StagePlan(0, ()), StagePlan(1, ids)), version=3), 2, schedule)
