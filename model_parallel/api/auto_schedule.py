@@ -23,7 +23,7 @@ from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES
 from model_parallel.graph.plan import Level, Plan
 from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule, proxy_times, stage_times
-from model_parallel.runtime.step.schedule import fits_world
+from model_parallel.runtime.step.schedule import world_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ def _candidate_plan(graph: Graph, name: str, world_size: int, num_microbatches: 
 
     if refusals.get(name):
         raise PlanError(refusals[name])
-    if not fits_world(name, world_size, num_microbatches):
-        raise PlanError(f"it needs >= 2 ranks and microbatches a multiple of them (got {world_size} rank(s), "
-                        f"{num_microbatches} microbatches)")
+    refusal = world_refusal(name, world_size, num_microbatches)
+    if refusal is not None:
+        raise PlanError(refusal)
     plan = plan_for(name)
     # The schedule's rules (placement, ties); whether the plan fits the world is the engine's check (a single
     # process runs every stage of a plan for more ranks than it has).

@@ -1,9 +1,10 @@
 """The schedule a re-formed world runs (`--recover`, an admission): the one asked for when it fits the new world size,
 else the one-stage-per-rank flush schedule with the same updates (docs/reliability.md, "Schedules on a new world").
 
-interleaved, zbinterleaved and zbv place several stages per rank and run microbatches in rounds of the world size:
-they need >= 2 ranks and m a multiple of them. A 4-worker interleaved job with m=8 that loses a worker cannot run
-interleaved on 3, so that world runs 1f1b (zbinterleaved and zbv: zbh1). Every flush schedule applies one update per
+interleaved, zbinterleaved and zbv place several stages per rank: they need >= 2 ranks, and interleaved 1F1B m a
+multiple of them (zbinterleaved and zbv: m in equal rounds; `schedule.world_refusal` asks their builders). A
+4-worker interleaved job with m=8 that loses a worker cannot run interleaved on 3, so that world runs 1f1b (zbinterleaved
+and zbv: zbh1, where their rounds do not fit either). Every flush schedule applies one update per
 minibatch from the same gradients (up to the order they are summed in), so the run stays the same training; the
 checkpoint records the schedule asked for (TrainConfig.schedule_asked), and a later world that fits runs it again.
 """
@@ -14,7 +15,7 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from model_parallel.runtime.step.schedule import MULTI_STAGE_SCHEDULES, fits_world
+from model_parallel.runtime.step.schedule import MULTI_STAGE_SCHEDULES, world_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,12 @@ STAND_IN = {"interleaved": "1f1b", "zbinterleaved": "zbh1", "zbv": "zbh1"}
 
 def stand_in(schedule: str, world_size: int, num_microbatches: int) -> tuple[str, Optional[str]]:
     """(the schedule a re-formed world of `world_size` runs, the line saying why it is not `schedule`, or None)."""
-    if fits_world(schedule, world_size, num_microbatches):
+    refusal = world_refusal(schedule, world_size, num_microbatches)
+    if refusal is None:
         return schedule, None
     instead = STAND_IN[schedule]
-    need = (f"needs m a multiple of {world_size} workers (m={num_microbatches})" if world_size >= 2 else
-            "needs >= 2 workers (this world has 1)")
-    return instead, f"schedule {schedule} {need}: this world runs {instead}"
+    rule = refusal.split("; use ")[0]  # the builder's advice (another m, another schedule) is no choice mid-run
+    return instead, f"schedule {schedule} cannot run on this world of {world_size} ({rule}): this world runs {instead}"
 
 
 def kept_plan_schedule(schedule: str, plan: Any) -> tuple[str, Optional[str]]:

@@ -100,7 +100,7 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--batch_size", type=int, default=8)
     t.add_argument("--num_microbatches", type=int, default=4)
     t.add_argument("--schedule", choices=SCHEDULE_NAMES + (AUTO,), default=SCHEDULE_NAMES[0],
-                   help="auto: the flush schedule (1f1b, gpipe, interleaved) the simulator predicts fastest for this "
+                   help="auto: the flush schedule (1f1b, gpipe, interleaved, zbh1, zbinterleaved, zbv) the simulator predicts fastest for this "
                         "job's profiled stage times that fits --memory_per_worker (one log line says why)")
     t.add_argument("--schedule_order", choices=("list", "fixed"), default="list",
                    help="zbh1, zbinterleaved, zbv: list: each rank's order list-built from the stage times (the plan's "

@@ -1,8 +1,9 @@
 """`--recover` under the schedules of several stages per rank (interleaved, zbinterleaved, zbv), which run microbatches
 in rounds of the world size: a re-formed world whose size divides m runs the same schedule on its default plan; one
-whose size does not runs the one-stage-per-rank flush schedule with the same updates (interleaved -> 1f1b, zbv ->
-zbh1), says so in one line on every rank, and its checkpoints still record the schedule asked for; an admission
-(`--join`) makes the same choice for the grown world, the joiner included (zbv on 3: zbh1). Either way the run ends with the parameters and losses of uninterrupted single-process training (cli/recover_schedule.py)."""
+where the schedule cannot run (interleaved: m not a multiple of the world; zero bubble: m not in equal rounds, or one
+rank) runs the one-stage-per-rank flush schedule with the same updates (interleaved -> 1f1b, zbv -> zbh1), says so in
+one line on every rank, and its checkpoints still record the schedule asked for; an admission (`--join`) makes the same
+choice for the grown world, the joiner included (zbv on 3 with m = 4: zbv). Either way the run ends with the parameters and losses of uninterrupted single-process training (cli/recover_schedule.py)."""
 from __future__ import annotations
 
 import signal
@@ -29,7 +30,8 @@ def test_interleaved_on_4_losing_one_runs_1f1b_on_3_then_interleaved_again_on_2_
     assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0, -signal.SIGKILL], result.summary()
     for rank in (0, 2):
         output = result.output(rank)
-        assert output.count("schedule interleaved needs m a multiple of 3 workers (m=8): this world runs 1f1b") == 1, \
+        assert output.count("schedule interleaved cannot run on this world of 3 (interleaved 1F1B runs microbatches in "
+                            "rounds of p=3: m=8 is not a multiple of p): this world runs 1f1b") == 1, \
             output[-3000:]
         assert output.count("this world runs") == 1, output[-3000:]  # the world of 2 runs interleaved: no line
         assert "survived 2 failure(s)" in output.strip().splitlines()[-1], output[-3000:]
@@ -54,7 +56,9 @@ def test_zbv_on_3_losing_one_runs_zbv_on_2_exactly(tmp_path: Path) -> None:
     assert_exact(tmp_path, [0, 1], batch=12, micro=6)
 
 
-def test_an_admission_into_zbv_on_2_with_m_4_runs_zbh1_on_3_the_joiner_too(tmp_path: Path) -> None:
+def test_an_admission_into_zbv_on_2_with_m_4_runs_zbv_on_3_the_joiner_too(tmp_path: Path) -> None:
+    # ZBV runs any m on any world of >= 2 (its rounds are not m % world: the stand-in zbh1 ran here before, its
+    # line naming a rule ZBV does not have); the grown world re-cuts its V for 3 ranks, the joiner included.
     port = free_port()
     # --timeout 10: the joiner starts with the job and must be ready by the admission step (tests/integration/test_join.py)
     job = args(tmp_path / "ck", tmp_path, extra=("--schedule", "zbv", "--timeout", "10"))
@@ -65,9 +69,8 @@ def test_an_admission_into_zbv_on_2_with_m_4_runs_zbh1_on_3_the_joiner_too(tmp_p
     assert [w.returncode for w in result.workers] == [0, 0, 0], result.summary()
     for rank in range(3):
         output = result.output(rank)
-        assert output.count("schedule zbv needs m a multiple of 3 workers (m=4): this world runs zbh1") == 1, \
-            output[-3000:]
+        assert "this world runs" not in output, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
     training = _training(tmp_path)
-    assert (training["schedule"], training["schedule_running"]) == ("zbv", "zbh1"), training
+    assert (training["schedule"], training["schedule_running"]) == ("zbv", "zbv"), training
     assert_exact(tmp_path, [0, 1])  # the joiner ran only the steps after its admission

@@ -112,7 +112,8 @@ def test_the_pipeline_trainer_resolves_auto_before_it_builds_a_runner() -> None:
     # 1F1B's drain (the single process then runs the stages in turn: the schedule does not change its math).
     assert trainer.config.schedule == "zbh1"
     assert trainer.plan.extra["schedule"]["line"].startswith("schedule auto: chose zbh1 (predicted ")
-    assert "interleaved refused: it needs >= 2 ranks" in trainer.plan.extra["schedule"]["line"]
+    assert "interleaved refused: the interleaved schedule places several stages on each of >= 2 ranks; this world " \
+           "has 1" in trainer.plan.extra["schedule"]["line"]
 
 
 def test_what_several_stages_per_rank_cannot_honour_rules_interleaved_out() -> None:

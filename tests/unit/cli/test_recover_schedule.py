@@ -15,7 +15,9 @@ from model_parallel.runtime.data.batches import SyntheticData
 
 @pytest.mark.parametrize("schedule, world, m, runs", [
     ("interleaved", 3, 8, "1f1b"), ("interleaved", 4, 8, "interleaved"), ("interleaved", 1, 8, "1f1b"),
-    ("zbinterleaved", 3, 4, "zbh1"), ("zbv", 3, 4, "zbh1"), ("zbv", 2, 4, "zbv"),
+    # zero bubble's rounds: m in equal rounds of about the world size (m=4 on 3 ranks: one round), not m % world
+    ("zbinterleaved", 3, 4, "zbinterleaved"), ("zbinterleaved", 4, 9, "zbh1"), ("zbv", 3, 4, "zbv"),
+    ("zbv", 2, 4, "zbv"), ("zbv", 1, 4, "zbh1"),
     ("1f1b", 3, 8, "1f1b"), ("zbh1", 3, 4, "zbh1"), ("auto", 3, 8, "auto"),  # auto: the job builder chooses again
 ])
 def test_the_asked_schedule_where_it_fits_else_its_one_stage_per_rank_stand_in(schedule: str, world: int, m: int,
@@ -25,8 +27,10 @@ def test_the_asked_schedule_where_it_fits_else_its_one_stage_per_rank_stand_in(s
 
 
 def test_the_line_names_the_rule_the_world_and_what_runs_instead() -> None:
-    assert stand_in("interleaved", 3, 8)[1] == "schedule interleaved needs m a multiple of 3 workers (m=8): this world runs 1f1b"
-    assert stand_in("zbv", 1, 4)[1] == "schedule zbv needs >= 2 workers (this world has 1): this world runs zbh1"
+    assert stand_in("interleaved", 3, 8)[1] == ("schedule interleaved cannot run on this world of 3 (interleaved 1F1B runs "
+                                                "microbatches in rounds of p=3: m=8 is not a multiple of p): this world runs 1f1b")
+    assert stand_in("zbv", 1, 4)[1] == ("schedule zbv cannot run on this world of 1 (the zbv schedule places several stages "
+                                        "on each of >= 2 ranks; this world has 1): this world runs zbh1")
 
 
 def test_the_checkpoint_records_the_asked_schedule_and_a_world_that_grows_back_runs_it_again(
@@ -39,7 +43,8 @@ def test_the_checkpoint_records_the_asked_schedule_and_a_world_that_grows_back_r
     assert (small_args.schedule, small.schedule, small.schedule_asked) == ("1f1b", "1f1b", "interleaved")
     assert args.schedule == "interleaved"  # the flags the next world starts from are untouched
     assert [r.getMessage() for r in caplog.records] == [
-        "[rank 0] schedule interleaved needs m a multiple of 3 workers (m=8): this world runs 1f1b"]
+        "[rank 0] schedule interleaved cannot run on this world of 3 (interleaved 1F1B runs microbatches in rounds of "
+        "p=3: m=8 is not a multiple of p): this world runs 1f1b"]
     record = training_record(small, data, 4)
     assert (record["schedule"], record["schedule_running"]) == ("interleaved", "1f1b")
     # A resume with the run's own flags (--schedule interleaved) is no schedule change.
