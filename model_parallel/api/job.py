@@ -131,10 +131,10 @@ def build_job(spec: JobSpec, world_size: int) -> Job:
     plan: Optional[Plan] = None
     adapted = False
     if spec.data is not None and not isinstance(spec.data, str):  # None: no data (plan or evaluate only)
-        from model_parallel.runtime.data.sources import as_source
+        from model_parallel.runtime.data.sources import BatchSource, as_source
 
         source = as_source(spec.data, spec.batch_size, spec.seed, spec.collate_fn, spec.causal_labels)
-        adapted = source is not spec.data
+        adapted = source is not spec.data and not isinstance(source, BatchSource)  # a batch(step) is read as it is
         spec = replace(spec, data=source)
     static = False  # a PipeDream-generated package: its plan is static (no graph.json to re-cut)
     if isinstance(spec.model, str):

@@ -275,12 +275,74 @@ def from_loader(loader: DataLoader, seed: int, batch_size: int, causal_labels: b
     return IterableData(loader, batch_size, batched=True, name="DataLoader", causal_labels=causal_labels)
 
 
+def describe(value: Any, depth: int = 0) -> str:
+    """A value's types and shapes, short: `tuple(Tensor(8, 16) float32, Tensor(8,) int64)` (error messages)."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if depth >= 2 or not isinstance(value, (Mapping, tuple, list)) or len(value) > 8:
+        return type(value).__name__ + (f" of {len(value)} items" if isinstance(value, (Mapping, tuple, list)) else "")
+    if isinstance(value, Mapping):
+        return "dict(" + ", ".join(f"{k!r}: {describe(v, depth + 1)}" for k, v in value.items()) + ")"
+    return f"{type(value).__name__}(" + ", ".join(describe(v, depth + 1) for v in value) + ")"
+
+
+BATCH_FORMS = ("batch(step) returns (inputs, target): target a tensor (dim 0 = the minibatch's samples), inputs a "
+               "tensor (the model's one input), a tuple or list of tensors (its positional inputs, e.g. ((x,), y) or "
+               "((x, mask), y)) or a dict of keyword inputs (({'input_ids': x}, y)); or one dict of keyword inputs "
+               "holding the target under 'labels' ({'input_ids': x, 'labels': y})")
+
+
+class BatchSource:
+    """A user's object with `batch(step)`, each batch checked and put in the runtime's form (`as_pair`): a bare
+    tensor of inputs is the model's one input, a dict holding "labels" is Hugging Face's batch. Anything else is
+    a `DataError` naming the source, the step, what it returned and the forms that work, instead of a traceback
+    from deep in a stage (a tensor iterated into positional arguments). A few isinstance checks a step. Other
+    attributes (`targets`, `position`, `batch_size`, ...) are the source's own."""
+
+    def __init__(self, source: Any, causal_labels: bool = False) -> None:
+        self.source, self.causal_labels = source, causal_labels
+        self.name = source.name if isinstance(getattr(source, "name", None), str) else type(source).__name__
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "source" or name.startswith("__"):  # not set yet (unpickling, copying)
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    def batch(self, step: int) -> Batch:
+        value = self.source.batch(step)
+        if isinstance(value, (tuple, list)):
+            if len(value) != 2:
+                self._refuse(step, value, f"a {type(value).__name__} of {len(value)} items, not (inputs, target)")
+            inputs, target = value
+            if type(inputs) is not tuple:  # the common ((x,), y) as it is; the other forms as `as_pair` puts them
+                inputs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else dict(inputs)
+                          if isinstance(inputs, Mapping) else (inputs,))
+        elif not isinstance(value, Mapping):
+            self._refuse(step, value, "not (inputs, target) nor a dict")
+        elif "labels" not in value:
+            self._refuse(step, value, f"a dict batch needs a 'labels' entry (the target), found keys {sorted(value)}")
+        else:
+            inputs, target = as_pair(value, f"{self.name}.batch({step})", self.causal_labels)
+        if not isinstance(target, torch.Tensor):
+            self._refuse(step, value, f"the target is a {type(target).__name__}, not a tensor")
+        if not any(isinstance(x, torch.Tensor) for x in (inputs.values() if isinstance(inputs, dict) else inputs)):
+            self._refuse(step, value, "the inputs hold no tensor")
+        return inputs, target
+
+    def _refuse(self, step: int, value: Any, why: str) -> None:
+        raise DataError(f"{self.name}.batch({step}): {why}: it returned {describe(value)}; {BATCH_FORMS}")
+
+
 def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callable[[list[Any]], Any]] = None,
               causal_labels: bool = False) -> Any:
-    """`data` as a step-keyed source: anything with `batch(step)` as it is, else the matching adapter.
-    `causal_labels`: dict batches carry Hugging Face causal-LM labels (`as_pair`)."""
-    if hasattr(data, "batch") and callable(data.batch):
+    """`data` as a step-keyed source: anything with `batch(step)` checked batch by batch (`BatchSource`), else
+    the matching adapter. `causal_labels`: dict batches carry Hugging Face causal-LM labels (`as_pair`)."""
+    from model_parallel.runtime.data.prefetch import Prefetcher  # (it imports this module)
+
+    if isinstance(data, (BatchSource, MapData, IterableData, Prefetcher)):  # a Prefetcher reads what it wraps as it is
         return data
+    if hasattr(data, "batch") and callable(data.batch):
+        return BatchSource(data, causal_labels)
     collate = collate_fn or default_collate
     if isinstance(data, DataLoader):
         return from_loader(data, seed, batch_size, causal_labels)

@@ -171,6 +171,15 @@ def describe_dependency(key: tuple[int, str, int], stage: int) -> str:
     return f"{s}B{j} or {s}I{j} (the gradient from stage {s})"
 
 
+class OrdersDeadlock(ScheduleError):
+    """`grid_from_orders` found no row able to run its next action; `positions[r]`: the index in row r's order of
+    the action it waits at (len(order) where the row is done), for a caller that can name cells (schedule_csv.py)."""
+
+    def __init__(self, message: str, positions: list[int]) -> None:
+        super().__init__(message)
+        self.positions = positions
+
+
 def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
     """Place per-row action orders (one row per stage, or per rank holding several of the p stages)
     on unit time steps as early as dependencies allow."""
@@ -198,7 +207,8 @@ def grid_from_orders(orders: Sequence[Sequence[Action]], p: int) -> Grid:
                 progressed = True
         if not progressed:
             stuck = [str(orders[s][positions[s]]) for s in range(rows) if positions[s] < len(orders[s])]
-            raise ScheduleError(f"per-{'stage' if rows == p else 'rank'} orders deadlock: waiting actions {stuck}")
+            raise OrdersDeadlock(f"per-{'stage' if rows == p else 'rank'} orders deadlock: waiting actions {stuck}",
+                                 list(positions))
     steps = max(time_of.values()) + 1 if time_of else 0
     grid: list[list[Optional[Action]]] = [[None] * steps for _ in range(rows)]
     for action, t in time_of.items():

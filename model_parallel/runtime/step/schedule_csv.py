@@ -10,6 +10,8 @@ goes wrong. A row may hold several stages (torch's Interleaved1F1B: rank r runs 
 the placement is read off the rows, each stage on exactly one row. What this runtime cannot run is
 refused by name: the "compute_comms" format (explicit SEND/RECV actions). The split backward (`I` input
 gradient, `W` weight gradient; torch's zero-bubble schedules) is read and checked like B (zero_bubble.py).
+Errors name the line and cell (the file's column): a cell written twice, an action before one of its own row
+that it waits for (with the rule), and for rows that wait on each other each stuck cell and what it waits for.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Optional, Union
 from model_parallel.errors import ScheduleError
 from model_parallel.fileio import atomic_write_text
 from model_parallel.userfile import read_text
+from model_parallel.runtime.step.actions import OrdersDeadlock, dependencies
 from model_parallel.runtime.step.schedule import Action, Schedule, check, grid_from_orders
 
 MAX_CSV_BYTES = 16 * 2**20  # a schedule of 1000 ranks x 10,000 actions fits; a bigger file is not a schedule
@@ -44,21 +47,25 @@ def read_torch_csv(path: Union[str, Path], name: Optional[str] = None) -> Schedu
 def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Schedule:
     """`read_torch_csv` on text; errors name `where`, the line (= rank + 1) and the cell."""
     orders: list[list[Action]] = []
+    columns: list[list[int]] = []  # the cell (1-based column) of each action of `orders`
     reader = csv.reader(io.StringIO(text))
     count = 0
     try:
         for line, row in enumerate(reader, 1):
             order: list[Action] = []
+            cells: list[int] = []
             for column, raw in enumerate(row, 1):
                 cell = raw.strip()
                 if not cell:
                     continue
                 order.extend(_action(cell, f"{where}:{line}: cell {column} ({cell[:40]!r})"))
+                cells.extend([column] * (len(order) - len(cells)))
             count += len(order)
             if count > MAX_ACTIONS:
                 raise ScheduleError(f"{where}:{line}: more than {MAX_ACTIONS} actions by this row; a schedule this "
                                     "size is not one a pipeline runs (fewer microbatches per step, or fewer ranks)")
             orders.append(order)
+            columns.append(cells)
     except csv.Error as error:  # a field over csv's limit (128 KiB), a NUL byte: not a cell of a schedule
         raise ScheduleError(f"{where}:{reader.line_num}: not a schedule CSV row ({error}); expected rows like "
                             "'0F0,0F1,,0B0', one row per rank") from None
@@ -70,11 +77,13 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
     m = 1 + max(a.microbatch for order in orders for a in order)
     placement = _placement(orders, where)
     num_stages = sum(len(stages) for stages in placement)
-    _check_orders(orders, placement, m, where)
+    _check_orders(orders, placement, m, where, columns)
     own_rows = all(stages == (rank,) for rank, stages in enumerate(placement))
     try:
         schedule = Schedule(name, num_stages, m, grid_from_orders(orders, num_stages),
                             placement=None if own_rows else placement)
+    except OrdersDeadlock as error:
+        raise ScheduleError(_deadlock(orders, columns, placement, error.positions, where)) from None
     except ScheduleError as error:
         raise ScheduleError(f"{where}: {error}") from None
     check(schedule)
@@ -98,29 +107,99 @@ def _placement(orders: list[list[Action]], where: str) -> tuple[tuple[int, ...],
     return placement
 
 
-def _check_orders(orders: list[list[Action]], placement: tuple[tuple[int, ...], ...], m: int, where: str) -> None:
+_WHAT = {"F": "forward", "G": "input gradient", "W": "weight gradient"}
+# Why an action waits for one on its own row (dependencies()): the rule a cell after it breaks.
+_RULE = {"F": "a forward comes after the forward of the stage before",
+         "BF": "a backward (B or I) comes after its own forward",
+         "BG": "a backward (B or I) comes after the input gradient of the stage after (its B or I)",
+         "W": "a weight gradient comes after its own input gradient (I, then W)"}
+
+
+def _check_orders(orders: list[list[Action]], placement: tuple[tuple[int, ...], ...], m: int, where: str,
+                  columns: Optional[list[list[int]]] = None) -> None:
     """Each stage runs the forward, the input gradient (B or I) and the weight gradient (B or W) of microbatches
-    0..m-1 once each, in increasing order (how this runtime matches messages between two ranks): the first cell
-    that breaks it is named, before any placing on time steps."""
+    0..m-1 once each, in increasing order (how this runtime matches messages between two ranks), and no action
+    comes before one of its own row that it waits for: the first cell that breaks it is named, before any placing
+    on time steps. `columns`: the cell of each action (default its place in the row's order)."""
     phases = (("F", "forward", "F"), ("G", "backward", "B"), ("W", "weight gradient", "W"))
-    # One pass buckets each action under what it provides: filtering a row once per stage was quadratic
-    # (a row of 100k cells, each its own stage, took minutes).
-    buckets: dict[tuple[int, str], list[Action]] = defaultdict(list)
-    for order in orders:
-        for action in order:
-            for stage, phase, _ in action.provides():
-                buckets[stage, phase].append(action)
-    counted = [(rank, stage, what, default, buckets.get((stage, phase), []))
+    row_of = {stage: rank for rank, stages in enumerate(placement) for stage in stages}
+    p = len(row_of)
+    # One pass buckets each action under what it provides, with its cell: filtering a row once per stage was
+    # quadratic (a row of 100k cells, each its own stage, took minutes). The same pass finds the first action that
+    # waits for a later one of its own row (a deadlock whatever the other rows do).
+    buckets: dict[tuple[int, str], list[tuple[Action, int]]] = defaultdict(list)
+    early: Optional[tuple[int, Action, int, tuple[int, str, int]]] = None  # (rank, action, cell, what it waits for)
+    for rank, order in enumerate(orders):
+        provided: set[tuple[int, str, int]] = set()
+        for action, column in zip(order, columns[rank]) if columns is not None else zip(order, range(1, len(order) + 1)):
+            if early is None:
+                for dep in dependencies(action, p):
+                    if row_of.get(dep[0]) == rank and dep not in provided:
+                        early = (rank, action, column, dep)
+                        break
+            for key in action.provides():
+                buckets[key[0], key[1]].append((action, column))
+                provided.add(key)
+    counted = [(rank, stage, phase, what, default, buckets.get((stage, phase), []))
                for rank in range(len(orders)) for stage in placement[rank] for phase, what, default in phases]
-    for rank, stage, what, _, actions in counted:
-        for k, action in enumerate(actions):
+    for rank, stage, phase, what, _, actions in counted:
+        for k, (action, column) in enumerate(actions):
+            if action.microbatch < k:  # its microbatch ran already (the k actions before are 0..k-1 in order)
+                first, at = actions[action.microbatch]
+                if first == action:
+                    raise ScheduleError(f"{where}:{rank + 1}: {action} appears twice on line {rank + 1} (cells {at} and "
+                                        f"{column}): delete one")
+                raise ScheduleError(f"{where}:{rank + 1}: cell {column}: {action} runs the {_WHAT[phase]} of stage "
+                                    f"{stage}, microbatch {action.microbatch} again, after {first} (cell {at}): a "
+                                    "backward is B, or I then W: delete one")
             if action.microbatch != k:
                 raise ScheduleError(f"{where}:{rank + 1}: {action} is stage {stage}'s {what} number {k}; "
                                     f"expected {stage}{action.kind}{k} (microbatches run in increasing order, each once)")
-    for rank, stage, what, default, actions in counted:
+    if early is not None:
+        rank, action, column, dep = early
+        waited = [(a, c) for a, c in buckets.get((dep[0], dep[1]), []) if a.microbatch == dep[2]]
+        if waited:  # else it never runs: named below
+            rule = _RULE[action.kind if action.kind in "FW" else "B" + dep[1]]
+            raise ScheduleError(f"{where}:{rank + 1}: cell {column}: {action} runs before {waited[0][0]} (cell "
+                                f"{waited[0][1]}), which it waits for: {rule}")
+    for rank, stage, _, what, default, actions in counted:
         if len(actions) < m:
             raise ScheduleError(f"{where}:{rank + 1}: {stage}{default}{len(actions)} never runs (every stage runs the "
                                 f"{what} of each of the {m} microbatches)")
+
+
+def _deadlock(orders: list[list[Action]], columns: list[list[int]], placement: tuple[tuple[int, ...], ...],
+              positions: list[int], where: str, shown: int = 4) -> str:
+    """Why no row can go on (`grid_from_orders` stopped at `positions`): each stuck row's cell, the action on another
+    row it waits for, and the stuck action that row runs it after; then the rows that wait on each other."""
+    row_of = {stage: rank for rank, stages in enumerate(placement) for stage in stages}
+    p = len(row_of)
+    # Where each (stage, phase, microbatch) is run, once per error: a row's actions are placed in order, so one
+    # at or after its row's stuck position is not done.
+    at = {key: (rank, i) for rank, order in enumerate(orders) for i, action in enumerate(order) for key in action.provides()}
+    stuck = [rank for rank in range(len(orders)) if positions[rank] < len(orders[rank])]
+    lines, waits_on = [], {}
+    for rank in stuck:
+        action = orders[rank][positions[rank]]
+        dep = next((d for d in dependencies(action, p) if d in at and at[d][1] >= positions[at[d][0]]), None)
+        if dep is None:  # not a wait on another row (_check_orders refuses the others): say what is known
+            return f"{where}: the rows deadlock at {[str(orders[r][positions[r]]) for r in stuck]}"
+        other, i = at[dep]
+        waits_on[rank] = other
+        ahead = (", itself waiting" if i == positions[other] else f", which line {other + 1} runs only after "
+                 f"{orders[other][positions[other]]} (cell {columns[other][positions[other]]})")
+        lines.append(f"line {rank + 1}, cell {columns[rank][positions[rank]]}: {action} waits for {orders[other][i]} "
+                     f"(line {other + 1}, cell {columns[other][i]}){ahead}")
+    cycle, rank = [], stuck[0]
+    while rank not in cycle:  # every stuck row waits on a stuck row: following them from any one comes back
+        cycle.append(rank)
+        rank = waits_on[rank]
+    cycle = cycle[cycle.index(rank):]
+    rows = (f"lines {cycle[0] + 1} and {cycle[1] + 1} wait on each other" if len(cycle) == 2 else
+            f"lines {' -> '.join(str(r + 1) for r in cycle + cycle[:1])} wait on each other in a circle")
+    more = f"; and {len(lines) - shown} more line(s) waiting" if len(lines) > shown else ""
+    return (f"{where}:{stuck[0] + 1}: the rows deadlock, none can run its next action: " + "; ".join(lines[:shown])
+            + f"{more}: {rows}; reorder one of them to run the action the other waits for first")
 
 
 def _action(cell: str, at: str) -> list[Action]:

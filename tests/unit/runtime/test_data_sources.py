@@ -15,7 +15,7 @@ from model_parallel.codegen.naming import state_key
 from model_parallel.errors import DataError
 from model_parallel.models.mlp import StackedMLP
 from model_parallel.runtime.data.batches import make_dataset
-from model_parallel.runtime.data.sources import IterableData, MapData, as_source, token_data
+from model_parallel.runtime.data.sources import IterableData, MapData, as_source, read_targets, token_data
 from model_parallel.runtime.trainer import single_process_reference
 from support.sources_cases import BATCH, CLASSES, FEATURES, N, sources, tensors
 
@@ -67,6 +67,56 @@ def test_dict_batches_from_a_collate_function():
     losses = [r.loss for r in trainer.train(3)]
     want = single_process_reference(reference, F.cross_entropy, _sgd, source, CONFIG, 3)
     assert losses == pytest.approx(want, abs=1e-6)
+
+
+class StepSource:
+    """A user's `batch(step)` source; `form` is how it returns the minibatch of step `step`."""
+
+    batch_size = BATCH
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def batch(self, step):
+        x, y = tensors()
+        x, y = x[step % 5 * BATCH:][:BATCH], y[step % 5 * BATCH:][:BATCH]
+        return {"tuple": ((x,), y), "tensor": (x, y), "list": ([x], y), "dict": {"x": x, "labels": y},
+                "kwargs": ({"x": x}, y), "triple": (x, x, y), "bare": x, "no_labels": {"x": x},
+                "list_target": ((x,), y.tolist()), "no_tensor": (("x",), y)}[self.form]
+
+
+@pytest.mark.parametrize("form", ["tensor", "list", "dict", "kwargs"])
+def test_a_batch_source_s_other_forms_train_as_its_tuple_form(form):
+    # QA: (x, y) iterated x row by row into 9 positional arguments; a dict batch failed with KeyError: 1 on the last stage.
+    def run(source_form):
+        torch.manual_seed(1)
+        model = DictModel()
+        trainer = PipelineTrainer(model, _sgd, StepSource(source_form), CONFIG, num_stages=2, single_process=True)
+        return [r.loss for r in trainer.train(3)]
+
+    assert run(form) == pytest.approx(run("tuple"), abs=1e-6)
+    inputs, target = as_source(StepSource(form), BATCH, 0).batch(1)
+    assert target.shape == (BATCH,) and (sorted(inputs) == ["x"] if form in ("dict", "kwargs") else len(inputs) == 1)
+    assert torch.equal(read_targets(as_source(StepSource(form), BATCH, 0), 1), target)  # the last stage's read
+
+
+@pytest.mark.parametrize("form, why", [
+    ("triple", r"a tuple of 3 items, not \(inputs, target\)"),
+    ("bare", r"not \(inputs, target\) nor a dict"),
+    ("no_labels", r"a dict batch needs a 'labels' entry"),
+    ("list_target", r"the target is a list, not a tensor"),
+    ("no_tensor", r"the inputs hold no tensor"),
+])
+def test_a_batch_source_s_wrong_batch_is_refused_naming_the_source_step_value_and_forms(form, why):
+    with pytest.raises(DataError, match=rf"^StepSource\.batch\(2\): {why}.*returned .*Tensor\(8,.*"
+                                        r"batch\(step\) returns \(inputs, target\).*\(\(x,\), y\)"):
+        as_source(StepSource(form), BATCH, 0).batch(2)
+
+
+def test_a_batch_source_keeps_its_own_attributes():
+    source = as_source(StepSource("tuple"), BATCH, 0)
+    assert source.batch_size == BATCH and source.form == "tuple" and as_source(source, BATCH, 0) is source
+    assert copy.deepcopy(source).batch(0)[1].shape == (BATCH,)
 
 
 @pytest.mark.parametrize("name", sorted(sources()))

@@ -63,20 +63,54 @@ def test_torch_parses_what_we_write():
 
 
 @pytest.mark.parametrize("text,words", [
-    ("0F0,0W0,0I0\n", "deadlock: waiting actions ['0W0']"),
+    ("0F0,0W0,0I0\n", "t.csv:1: cell 2: 0W0 runs before 0I0 (cell 3), which it waits for: a weight gradient comes "
+                      "after its own input gradient (I, then W)"),
     ("0F0,0B0\n0F1\n", "rank 1 runs stage 0, which rank 0 runs"),
     ("0F0,0B0\n2F0,2B0\n", "no row runs stage(s) [1]"),
     ("0F0,0SEND_F0,0B0\n", "compute_comms"),
     ("0F0,hello,0B0\n", "not an action"),
     ("0F0,0F" + "9" * 5000 + "\n", "not an action"),
-    ("0B0,0F0\n", "deadlock: waiting actions ['0B0']"),
+    ("0B0,0F0\n", "t.csv:1: cell 1: 0B0 runs before 0F0 (cell 2), which it waits for: a backward (B or I) comes "
+                  "after its own forward"),
     ("0F0,0F2,0B0,0B2\n", "t.csv:1: 0F2 is stage 0's forward number 1; expected 0F1"),
-    ("0F0,0B0\n1B0,1F0\n", "deadlock: waiting actions ['0B0', '1B0']"),
+    ("0F0,0B0\n1B0,1F0\n", "t.csv:2: cell 1: 1B0 runs before 1F0 (cell 2)"),
+    ("0F0,1F0,1B0,0B0\n", None),  # one rank running both stages in a valid order
+    ("0F0,0F1,,0B0,0B1\n1F0,1F1,1B1,1B0\n", "t.csv:2: 1B1 is stage 1's backward number 0; expected 1B0"),
     ("\n\n", "no actions"),
 ])
 def test_refusals_name_the_cause(text, words):
+    if words is None:
+        parse_torch_csv(text, where="t.csv")
+        return
     with pytest.raises(ScheduleError, match=re.escape(words)):
         parse_torch_csv(text, where="t.csv")
+
+
+@pytest.mark.parametrize("text, words", [
+    # QA D4: "per-stage orders deadlock: waiting actions ['0B0', '1F1']", no line, no cell, no hint.
+    ("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n",
+     "deadlock.csv:1: the rows deadlock, none can run its next action: line 1, cell 2: 0B0 waits for 1B0 (line 2, "
+     "cell 3), which line 2 runs only after 1F1 (cell 2); line 2, cell 2: 1F1 waits for 0F1 (line 1, cell 3), which "
+     "line 1 runs only after 0B0 (cell 2): lines 1 and 2 wait on each other; reorder one of them"),
+    # Three rows in a circle (the idle cells count: cells are the file's columns).
+    ("0F0,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n,,2F0,2F1,2B0,2B1\n",
+     "deadlock.csv:1: the rows deadlock, none can run its next action: line 1, cell 3: 0B0 waits for 1B0 (line 2, "
+     "cell 3), itself waiting; line 2, cell 3: 1B0 waits for 2B0 (line 3, cell 5), which line 3 runs only after 2F1 "
+     "(cell 4); line 3, cell 4: 2F1 waits for 1F1 (line 2, cell 4), which line 2 runs only after 1B0 (cell 3): "
+     "lines 2 and 3 wait on each other"),
+    # QA D4: a W before its own I was "deadlock: waiting actions ['0W0']", not the rule.
+    ("0F0,0F1,0W0,0I0,0B1\n,1F0,1B0,1F1,1B1\n",
+     "deadlock.csv:1: cell 3: 0W0 runs before 0I0 (cell 4), which it waits for: a weight gradient comes after its "
+     "own input gradient (I, then W)"),
+    # QA D4: a duplicated cell was told "expected 0B2", a microbatch that does not exist at m = 2.
+    ("0F0,0F1,0B0,0B1,0B1\n,1F0,1B0,1F1,1B1\n", "deadlock.csv:1: 0B1 appears twice on line 1 (cells 4 and 5): delete one"),
+    ("0F0,0F0,0B0\n", "deadlock.csv:1: 0F0 appears twice on line 1 (cells 1 and 2): delete one"),
+    ("0F0,0I0,0W0,0B0\n", "deadlock.csv:1: cell 4: 0B0 runs the input gradient of stage 0, microbatch 0 again, after "
+                          "0I0 (cell 2): a backward is B, or I then W: delete one"),
+])
+def test_a_bad_order_names_its_line_cell_and_rule(text, words):
+    with pytest.raises(ScheduleError, match="^" + re.escape(words)):
+        parse_torch_csv(text, where="deadlock.csv")
 
 
 def test_a_missing_backward_is_named():
