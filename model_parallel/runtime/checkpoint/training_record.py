@@ -90,10 +90,12 @@ def describe_data(dataset: Any) -> str:
     """A short, stable name of a data source: "synthetic dense", "tokens:PATH (N samples)", a directory, a type."""
     from model_parallel.runtime.data.batches import ImageFolderData, SyntheticData
     from model_parallel.runtime.data.prefetch import Prefetcher
-    from model_parallel.runtime.data.sources import IterableData, MapData
+    from model_parallel.runtime.data.sources import BatchSource, IterableData, MapData
 
     if isinstance(dataset, Prefetcher):
         dataset = dataset.dataset
+    if isinstance(dataset, BatchSource):  # a user's batch(step) object, checked: named by its own type
+        dataset = dataset.source
     if isinstance(dataset, SyntheticData):
         return f"synthetic {dataset.kind}"
     if isinstance(dataset, ImageFolderData):

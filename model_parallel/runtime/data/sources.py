@@ -339,7 +339,9 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
     the matching adapter. `causal_labels`: dict batches carry Hugging Face causal-LM labels (`as_pair`)."""
     from model_parallel.runtime.data.prefetch import Prefetcher  # (it imports this module)
 
-    if isinstance(data, (BatchSource, MapData, IterableData, Prefetcher)):  # a Prefetcher reads what it wraps as it is
+    # This package's own sources (synthetic, image folders, the adapters, a Prefetcher over one) give the runtime's
+    # form already, and are recognised by type downstream (the checkpoint's data record): not wrapped.
+    if isinstance(data, (BatchSource, Prefetcher)) or type(data).__module__.startswith("model_parallel."):
         return data
     if hasattr(data, "batch") and callable(data.batch):
         return BatchSource(data, causal_labels)

@@ -177,3 +177,17 @@ def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
             run(4, 8, resume=True, optimizer=grouped(0.1))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_data_record_names_the_source_through_the_batch_check():
+    # A user's batch(step) object is wrapped to check its batches; this package's own sources are not (a wrapped
+    # SyntheticData recorded "BatchSource", which a resume of an older checkpoint would have refused as other data).
+    from model_parallel.runtime.data.sources import BatchSource, as_source
+
+    class StepSource:
+        def batch(self, step: int):
+            return SyntheticData(8, (4,)).batch(step)
+
+    assert describe_data(as_source(SyntheticData(8, (4,)), 8, 0)) == "synthetic dense"
+    wrapped = as_source(StepSource(), 8, 0)
+    assert isinstance(wrapped, BatchSource) and describe_data(wrapped) == "StepSource"
