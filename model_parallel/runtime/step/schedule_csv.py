@@ -73,7 +73,6 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
         orders.pop()  # trailing blank lines
     if not orders or not any(orders):
         raise ScheduleError(f"{where}: no actions found (expected rows like '0F0,0F1,,0B0', one row per rank)")
-    p = len(orders)
     m = 1 + max(a.microbatch for order in orders for a in order)
     placement = _placement(orders, where)
     num_stages = sum(len(stages) for stages in placement)
