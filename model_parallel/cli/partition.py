@@ -191,7 +191,7 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
         v = args.stages_per_rank
         print(f"analytic bubble at m={m}: {(workers - 1) / (v * m + workers - 1):.1%} (1F1B: {(workers - 1) / (m + workers - 1):.1%}); "
               f"run it with --schedule interleaved --plan plan.json (m a multiple of {workers})")
-    else:  # zbinterleaved, zbv: what m they take is their builders' rule (schedule.world_refusal)
+    else:  # zbinterleaved, zbv: what m they take is their builders' rule (interleaved.world_refusal)
         rounds = " (m in equal rounds of about the workers)" if args.schedule == "zbinterleaved" else ""
         print(f"run it with --schedule {args.schedule} --plan plan.json{rounds}")
     if args.output_directory:

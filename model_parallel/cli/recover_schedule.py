@@ -2,7 +2,7 @@
 else the one-stage-per-rank flush schedule with the same updates (docs/reliability.md, "Schedules on a new world").
 
 interleaved, zbinterleaved and zbv place several stages per rank: they need >= 2 ranks, and interleaved 1F1B m a
-multiple of them (zbinterleaved and zbv: m in equal rounds; `schedule.world_refusal` asks their builders). A
+multiple of them (zbinterleaved and zbv: m in equal rounds; `interleaved.world_refusal` asks their builders). A
 4-worker interleaved job with m=8 that loses a worker cannot run interleaved on 3, so that world runs 1f1b (zbinterleaved
 and zbv: zbh1, where their rounds do not fit either). Every flush schedule applies one update per
 minibatch from the same gradients (up to the order they are summed in), so the run stays the same training; the
@@ -15,7 +15,8 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from model_parallel.runtime.step.schedule import MULTI_STAGE_SCHEDULES, world_refusal
+from model_parallel.runtime.step.interleaved import world_refusal
+from model_parallel.runtime.step.schedule import MULTI_STAGE_SCHEDULES
 
 logger = logging.getLogger(__name__)
 

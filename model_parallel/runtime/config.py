@@ -40,7 +40,7 @@ class TrainConfig:
     # (another world size, new times) is not refused as a schedule change (flush schedules train the same)
     schedule_auto: bool = False
     # The schedule the run was asked for when a re-formed world runs a one-stage-per-rank stand-in for it (`--recover`:
-    # interleaved needs m a multiple of the world; schedule.world_refusal, cli/recover_schedule.py): a checkpoint records this one as the
+    # interleaved needs m a multiple of the world; interleaved.world_refusal, cli/recover_schedule.py): a checkpoint records this one as the
     # schedule (`schedule` as the running one), so a resume with the run's own flags is no schedule change.
     schedule_asked: Optional[str] = None
     # The zero-bubble schedules' per-rank order: "list"-built from stage times (runtime/step/list_order.py; kept only

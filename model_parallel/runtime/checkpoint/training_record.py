@@ -9,8 +9,8 @@ refused, named with both values, unless the user accepts it (`--allow_config_cha
 The optimizer is recorded as its class and constructor defaults (lr, momentum, ...): a resume that steps
 Adam's state with SGD, or continues at 30x the lr, is not the run it continues either. A factory that builds
 parameter groups (no weight decay on biases and norms: a rule on `p.ndim`, since it gets tensors, not names) is
-recorded by what it gives a matrix and a vector (`param_groups`, the factory run on two probe tensors, the same on
-every rank), so a group's lr or weight decay changed on resume is refused like the defaults. A record written before
+recorded by what it gives a matrix and a vector beyond the defaults (`param_groups`, the factory run on two probe
+tensors, the same on every rank), so a group's lr or weight decay changed on resume is refused like the defaults. A record written before
 a field was recorded (an older checkpoint) leaves it unknown: not compared.
 The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
 """
@@ -54,8 +54,10 @@ def describe_optimizer(optimizer: Any) -> dict[str, Any]:
 
 
 def describe_groups(factory: Any) -> dict[str, Any]:
-    """{"param_groups": {"matrix": settings, "vector": settings}}: what the factory's groups give a 2-D and a 1-D
-    parameter (None: left out of every group); {} if the factory fails on the probe tensors."""
+    """{"param_groups": {"matrix": overrides, "vector": overrides}}: what the factory's groups give a 2-D and a 1-D
+    parameter where it differs from the optimizer's defaults ({} for a factory without groups; None: left out of
+    every group), so a change of the defaults (--lr) is named once, as itself; {} if the factory fails on the
+    probe tensors."""
     import torch
 
     probes = {"matrix": torch.nn.Parameter(torch.zeros(2, 2)), "vector": torch.nn.Parameter(torch.zeros(2))}
@@ -65,10 +67,11 @@ def describe_groups(factory: Any) -> dict[str, Any]:
     except Exception as error:  # noqa: BLE001 - then not recorded: not compared, not fatal
         logger.debug("parameter groups not recorded: the factory failed on probe tensors (%s: %s)", type(error).__name__, error)
         return {}
+    defaults = _settings(getattr(optimizer, "defaults", None) or {})
     out: dict[str, Any] = {}
     for name, probe in probes.items():
         group = next((g for g in groups if any(q is probe for q in g.get("params", ()))), None)
-        out[name] = None if group is None else _settings(group)
+        out[name] = None if group is None else {k: v for k, v in _settings(group).items() if defaults.get(k) != v}
     return {"param_groups": out}
 
 

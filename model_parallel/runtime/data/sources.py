@@ -337,11 +337,9 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
               causal_labels: bool = False) -> Any:
     """`data` as a step-keyed source: anything with `batch(step)` checked batch by batch (`BatchSource`), else
     the matching adapter. `causal_labels`: dict batches carry Hugging Face causal-LM labels (`as_pair`)."""
-    from model_parallel.runtime.data.prefetch import Prefetcher  # (it imports this module)
-
-    # This package's own sources (synthetic, image folders, the adapters, a Prefetcher over one) give the runtime's
-    # form already, and are recognised by type downstream (the checkpoint's data record): not wrapped.
-    if isinstance(data, (BatchSource, Prefetcher)) or type(data).__module__.startswith("model_parallel."):
+    # This package's own sources (synthetic, image folders, the adapters, a Prefetcher over one, a BatchSource) give
+    # the runtime's form already, and are recognised by type downstream (the checkpoint's data record): not wrapped.
+    if type(data).__module__.startswith("model_parallel."):
         return data
     if hasattr(data, "batch") and callable(data.batch):
         return BatchSource(data, causal_labels)

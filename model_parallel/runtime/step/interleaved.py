@@ -22,6 +22,8 @@ runs its row (engine.py, multi_stage.py), the plan in loop placement (runtime/pl
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from model_parallel.errors import ScheduleError
 from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, interleaved_in_flight, interleaved_order
 from model_parallel.runtime.step.actions import loop_placement  # noqa: F401  (re-exported: its home before zero bubble)
@@ -77,3 +79,18 @@ def run_schedule(name: str, num_stages: int, m: int, num_ranks: int) -> Schedule
     if name == NAME_INTERLEAVED:
         return zb_interleaved(num_ranks, num_stages // num_ranks, m)
     return interleaved_1f1b(num_ranks, num_stages // num_ranks, m)
+
+
+def world_refusal(name: str, world_size: int, num_microbatches: int) -> Optional[str]:
+    """Why schedule `name` cannot run m microbatches on `world_size` ranks, or None if it can. One stage per rank runs
+    on any world; the several-stages-per-rank ones are asked of their builder, the one owner of their rules
+    (interleaved 1F1B: >= 2 ranks and m a multiple of them; zbinterleaved and zbv: >= 2 ranks, m in equal rounds)."""
+    if name not in MULTI_STAGE_SCHEDULES:
+        return None
+    if world_size < 2:  # plancheck.check_placement's rule (one rank would hand stage to stage without a message)
+        return f"the {name} schedule places several stages on each of >= 2 ranks; this world has {world_size}"
+    try:
+        run_schedule(name, 2 * world_size, num_microbatches, world_size)
+    except ScheduleError as error:
+        return str(error)
+    return None

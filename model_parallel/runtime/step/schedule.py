@@ -83,23 +83,6 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gp
 MULTI_STAGE = MULTI_STAGE_SCHEDULES  # several stages per rank: built by interleaved.run_schedule, which knows the ranks
 
 
-def world_refusal(name: str, world_size: int, num_microbatches: int) -> Optional[str]:
-    """Why schedule `name` cannot run m microbatches on `world_size` ranks, or None if it can. One stage per rank runs
-    on any world; the several-stages-per-rank ones are asked of their builder, the one owner of their rules
-    (interleaved 1F1B: >= 2 ranks and m a multiple of them; zbinterleaved and zbv: >= 2 ranks, m in equal rounds)."""
-    if name not in MULTI_STAGE:
-        return None
-    if world_size < 2:  # plancheck.check_placement's rule (one rank would hand stage to stage without a message)
-        return f"the {name} schedule places several stages on each of >= 2 ranks; this world has {world_size}"
-    from model_parallel.runtime.step.interleaved import run_schedule
-
-    try:
-        run_schedule(name, 2 * world_size, num_microbatches, world_size)
-    except ScheduleError as error:
-        return str(error)
-    return None
-
-
 def _factories() -> dict[str, Callable[[int, int], Schedule]]:
     """Every one-stage-per-rank schedule by name: `(p, m) -> Schedule`, pure. zero_bubble.py builds on this module."""
     from model_parallel.runtime.step.zero_bubble import NAME_H1, zb_h1
