@@ -39,8 +39,8 @@ _VIEW_OPS = frozenset((
 
 def _may_pass_through(module: Optional[nn.Module]) -> bool:
     """Whether a called module may return its input (or a view of it): one without parameters or buffers
-    (Identity, Flatten, a dropout, DropPath), or a dropout of any kind; unknown (None): yes."""
-    if module is None or isinstance(module, nn.modules.dropout._DropoutNd):
+    (Identity, Flatten, a dropout, DropPath); unknown (None): yes."""
+    if module is None:
         return True
     return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 

@@ -313,16 +313,11 @@ class BatchSource:
         if isinstance(value, (tuple, list)):
             if len(value) != 2:
                 self._refuse(step, value, f"a {type(value).__name__} of {len(value)} items, not (inputs, target)")
-            inputs, target = value
-            if type(inputs) is not tuple:  # the common ((x,), y) as it is; the other forms as `as_pair` puts them
-                inputs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else dict(inputs)
-                          if isinstance(inputs, Mapping) else (inputs,))
         elif not isinstance(value, Mapping):
             self._refuse(step, value, "not (inputs, target) nor a dict")
         elif "labels" not in value:
             self._refuse(step, value, f"a dict batch needs a 'labels' entry (the target), found keys {sorted(value)}")
-        else:
-            inputs, target = as_pair(value, f"{self.name}.batch({step})", self.causal_labels)
+        inputs, target = as_pair(value, f"{self.name}.batch({step})", self.causal_labels)  # the one normal form
         if not isinstance(target, torch.Tensor):
             self._refuse(step, value, f"the target is a {type(target).__name__}, not a tensor")
         if not any(isinstance(x, torch.Tensor) for x in (inputs.values() if isinstance(inputs, dict) else inputs)):
