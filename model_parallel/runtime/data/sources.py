@@ -31,7 +31,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -317,6 +317,7 @@ class BatchSource:
             self._refuse(step, value, "not (inputs, target) nor a dict")
         elif "labels" not in value:
             self._refuse(step, value, f"a dict batch needs a 'labels' entry (the target), found keys {sorted(value)}")
+        target: Any  # as_pair's type says a tensor; a user's source can return anything there
         inputs, target = as_pair(value, f"{self.name}.batch({step})", self.causal_labels)  # the one normal form
         if not isinstance(target, torch.Tensor):
             self._refuse(step, value, f"the target is a {type(target).__name__}, not a tensor")
@@ -324,7 +325,7 @@ class BatchSource:
             self._refuse(step, value, "the inputs hold no tensor")
         return inputs, target
 
-    def _refuse(self, step: int, value: Any, why: str) -> None:
+    def _refuse(self, step: int, value: Any, why: str) -> NoReturn:
         raise DataError(f"{self.name}.batch({step}): {why}: it returned {describe(value)}; {BATCH_FORMS}")
 
 
