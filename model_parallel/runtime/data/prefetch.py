@@ -117,6 +117,13 @@ class Prefetcher:
             if self.tracer is not None:
                 self.tracer.add("data wait", "data wait", start, self.tracer.now_ns(), step=step)
 
+    def replace_source(self, dataset: Any) -> None:
+        """Read from `dataset` instead (`sources.as_source` puts a user's source in its checked form; before any
+        batch was prepared, so nothing read from the old one is served)."""
+        if self._pending:
+            raise DataError("a Prefetcher's source can only be replaced before its first batch")
+        self.dataset = dataset
+
     def close(self) -> None:
         """Drop queued batches and stop the thread (waits for a preparation already running)."""
         self._pending.clear()

@@ -333,9 +333,14 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
               causal_labels: bool = False) -> Any:
     """`data` as a step-keyed source: anything with `batch(step)` checked batch by batch (`BatchSource`), else
     the matching adapter. `causal_labels`: dict batches carry Hugging Face causal-LM labels (`as_pair`)."""
-    # This package's own sources (synthetic, image folders, the adapters, a Prefetcher over one, a BatchSource) give
-    # the runtime's form already, and are recognised by type downstream (the checkpoint's data record): not wrapped.
+    # This package's own sources (synthetic, image folders, the adapters, a BatchSource) give the runtime's form
+    # already, and are recognised by type downstream (the checkpoint's data record): not wrapped. One that wraps a
+    # source (a Prefetcher) has the source it wraps made a source here, so a user's batches are checked inside it.
     if type(data).__module__.startswith("model_parallel."):
+        if callable(getattr(type(data), "replace_source", None)):
+            checked = as_source(data.dataset, batch_size, seed, collate_fn, causal_labels)
+            if checked is not data.dataset:  # not yet (a source of this package, or checked by an earlier call)
+                data.replace_source(checked)
         return data
     if hasattr(data, "batch") and callable(data.batch):
         return BatchSource(data, causal_labels)

@@ -15,6 +15,7 @@ from model_parallel.codegen.naming import state_key
 from model_parallel.errors import DataError
 from model_parallel.models.mlp import StackedMLP
 from model_parallel.runtime.data.batches import make_dataset
+from model_parallel.runtime.data.prefetch import Prefetcher
 from model_parallel.runtime.data.sources import IterableData, MapData, as_source, read_targets, token_data
 from model_parallel.runtime.trainer import single_process_reference
 from support.sources_cases import BATCH, CLASSES, FEATURES, N, sources, tensors
@@ -111,6 +112,21 @@ def test_a_batch_source_s_wrong_batch_is_refused_naming_the_source_step_value_an
     with pytest.raises(DataError, match=rf"^StepSource\.batch\(2\): {why}.*returned .*Tensor\(8,.*"
                                         r"batch\(step\) returns \(inputs, target\).*\(\(x,\), y\)"):
         as_source(StepSource(form), BATCH, 0).batch(2)
+
+
+def test_a_prefetcher_over_a_user_s_source_has_its_batches_checked_inside():
+    # QA: Prefetcher(source) was this package's type, so a user's batches inside it went unchecked (a dict batch failed
+    # deep in the trace); the Prefetcher now reads the checked source, and is not re-wrapped by a later call.
+    def run(data):
+        torch.manual_seed(1)
+        trainer = PipelineTrainer(DictModel(), _sgd, data, CONFIG, num_stages=2, single_process=True)
+        return [r.loss for r in trainer.train(3)]
+
+    with Prefetcher(StepSource("dict")) as ahead:
+        assert run(ahead) == pytest.approx(run(StepSource("tuple")), abs=1e-6)
+        assert as_source(ahead, BATCH, 0) is ahead and type(ahead.dataset).__name__ == "BatchSource"
+    with Prefetcher(StepSource("bare")) as ahead, pytest.raises(DataError, match=r"StepSource\.batch\(0\): not \(inputs"):
+        as_source(ahead, BATCH, 0).batch(0)
 
 
 def test_a_batch_source_keeps_its_own_attributes():
