@@ -128,6 +128,7 @@ class PipelineTrainer:
         self.config, self.collate_fn, self.options, self.eval_dataset = config, collate_fn, options, job.eval_dataset
         self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None
+        self._closed = False  # close() let go of the process groups
         # The end-of-train memory table (`memory_report`): predicted for this optimizer, measured from here on.
         self.memory_report: Any = None
         self._optimizer_factory = optimizer_factory  # probed for the report only where no optimizer was built here
@@ -169,6 +170,7 @@ class PipelineTrainer:
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
+        self._check_open("train")
         if self.runner.dataset is None:
             raise DataError("PipelineTrainer was built without data (dataset=None), so it has nothing to train on: "
                             "pass a dataset (evaluate(data, steps) takes its own)")
@@ -225,15 +227,26 @@ class PipelineTrainer:
         steps of each minibatch's mean over microbatches of `criterion` (and `metric(output, target)`)."""
         from model_parallel.runtime.data.sources import as_source
 
+        self._check_open("evaluate")
         source = as_source(data, self.config.batch_size, self.config.seed, collate_fn or self.collate_fn,
                            self._causal_labels)
         return self.runner.evaluate(source, steps, metric)
 
     def close(self) -> None:
-        """Stop and join the heartbeat thread (idempotent; also runs at exit). Call it before
-        `dist.destroy_process_group()`: the thread writes to the group's store."""
+        """End this rank's communication (idempotent; the heartbeat also stops at exit): stop and join the
+        heartbeat thread, which writes to the group's store, and let go of the process groups, so that
+        `dist.destroy_process_group()`, called after it, frees them there and then. The trainer's state stays
+        readable (`state_dict()`); training, validating and saving need a new trainer."""
         if self.health is not None:
             self.health.stop("done")
+        if not self.single_process and not self._closed:
+            self.runner.release_groups()
+            self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"PipelineTrainer.{what}: this trainer was closed (close() ends its communication); "
+                               "build a new PipelineTrainer to train or validate again")
 
     def __enter__(self) -> "PipelineTrainer":
         return self

@@ -393,6 +393,13 @@ class PipelineEngine(TrainingLoop):
         except PeerError as error:
             raise self.diagnose(error) from None
 
+    def release_groups(self) -> None:
+        """Drop the process groups this engine holds (`PipelineTrainer.close`): gloo has no shutdown, so a group
+        lives while anything refers to it; without this torch's `destroy_process_group` frees none of ours and
+        their threads are torn down in interpreter teardown, in whatever order that takes. The engine trains no more
+        (deleted, not emptied: a step without its tie group would train silently wrong; this way it cannot start)."""
+        del self.control_group, self.replica_groups, self.tied
+
     def raise_if_out_of_memory(self, error: BaseException, stage_id: Optional[int]) -> None:
         """An allocation refused becomes one line (`memory_probe.out_of_memory`), published as this rank's
         failure first: its peers then name it and why, not a flag mismatch. Other errors pass."""

@@ -65,6 +65,12 @@ def test_pipeline_evaluate_matches_single_process(tmp_path, world):
         want = _reference(name)
         assert got[name]["loss"] == pytest.approx(want["loss"], abs=1e-5), name
         assert got[name]["metric"] == pytest.approx(want["metric"], abs=1e-6), name
+    # close() lets go of the trainer's process groups, so destroy_process_group frees them there and then (gloo has
+    # no shutdown: before, they outlived it into interpreter teardown); the default group's loop is torch's to keep.
+    for rank in range(world):
+        teardown = json.loads((tmp_path / f"teardown{world}_{rank}.json").read_text())
+        assert teardown["loops_before_destroy"] >= 2 and teardown["loops_after_destroy"] <= 1, (rank, teardown)
+        assert "this trainer was closed" in teardown["train_after_close"], (rank, teardown)
 
 
 def test_report_and_plot_show_the_validation_loss(tmp_path):

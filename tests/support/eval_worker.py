@@ -39,10 +39,29 @@ def main() -> None:
         result = trainer.evaluate(case.eval_data, EVAL_STEPS, metric=case.metric)
         results[name] = {"loss": result.loss, "metric": result.metric}
         trainer.close()
+    try:
+        trainer.train(1)
+        after_close = "trained"
+    except RuntimeError as error:
+        after_close = str(error)
     if rank == 0:
         (out / f"world{world}{'_interleaved' if interleaved else ''}.json").write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
+    loops_before = _gloo_loop_threads()
+    dist.destroy_process_group()  # with the trainer still referenced: close() let go of its groups, so they go now
+    teardown = {"loops_before_destroy": loops_before, "loops_after_destroy": _gloo_loop_threads(), "train_after_close": after_close}
+    (out / f"teardown{world}_{rank}.json").write_text(json.dumps(teardown))
+
+
+def _gloo_loop_threads() -> int:
+    """gloo's event-loop threads in this process, one per live process group (Linux names them in /proc)."""
+    count = 0
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            count += comm.read_text().strip() == "gloo_tcp_loop"
+        except OSError:  # a thread that ended while we looked
+            pass
+    return count
 
 
 if __name__ == "__main__":
