@@ -235,8 +235,8 @@ class PipelineTrainer:
     def close(self) -> None:
         """End this rank's communication (idempotent; the heartbeat also stops at exit): stop and join the
         heartbeat thread, which writes to the group's store, and let go of the process groups, so that
-        `dist.destroy_process_group()`, called after it, frees them there and then. The trainer's state stays
-        readable (`state_dict()`); training, validating and saving need a new trainer."""
+        `dist.destroy_process_group()`, called after it, frees them there and then. Until that call `state_dict`
+        and `save_pretrained` still work (on the default group: the same ranks); training and validating refuse."""
         if self.health is not None:
             self.health.stop("done")
         if not self.single_process and not self._closed:
@@ -285,7 +285,7 @@ class PipelineTrainer:
         from model_parallel.api.shard_export import save_pretrained_sharded
 
         out = save_pretrained_sharded(self._original, self.graph, self.runner.named_state(), directory,
-                                      group=self.runner.control_group, timeout=self._timeout,
+                                      group=None if self._closed else self.runner.control_group, timeout=self._timeout,
                                       max_shard_size=max_shard_size)
         return out if dist.get_rank() == 0 else None
 

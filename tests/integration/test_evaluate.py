@@ -65,6 +65,11 @@ def test_pipeline_evaluate_matches_single_process(tmp_path, world):
         want = _reference(name)
         assert got[name]["loss"] == pytest.approx(want["loss"], abs=1e-5), name
         assert got[name]["metric"] == pytest.approx(want["metric"], abs=1e-6), name
+    import model_parallel  # noqa: F401  (before transformers: repairs its torchvision import on CPU-only torch)
+    import transformers
+
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(got["gpt2"]["saved_after_close"], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     # close() lets go of the trainer's process groups, so destroy_process_group frees them there and then (gloo has
     # no shutdown: before, they outlived it into interpreter teardown); the default group's loop is torch's to keep.
     for rank in range(world):

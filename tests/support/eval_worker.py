@@ -39,6 +39,9 @@ def main() -> None:
         result = trainer.evaluate(case.eval_data, EVAL_STEPS, metric=case.metric)
         results[name] = {"loss": result.loss, "metric": result.metric}
         trainer.close()
+        if name == "gpt2":  # after close, until destroy_process_group: saving still works (on the default group)
+            saved = trainer.save_pretrained(out / f"gpt2_closed_w{world}")
+            results[name]["saved_after_close"] = None if saved is None else str(saved)
     try:
         trainer.train(1)
         after_close = "trained"
