@@ -121,7 +121,8 @@ class Prefetcher:
         """Read from `dataset` instead (`sources.as_source` puts a user's source in its checked form; before any
         batch was prepared, so nothing read from the old one is served)."""
         if self._pending:
-            raise DataError("a Prefetcher's source can only be replaced before its first batch")
+            raise DataError(f"this Prefetcher already prepared batches of {type(self.dataset).__name__}, so its source cannot "
+                            "be put in its checked form now: pass a new Prefetcher over the source (or the source itself)")
         self.dataset = dataset
 
     def close(self) -> None:

@@ -127,6 +127,10 @@ def test_a_prefetcher_over_a_user_s_source_has_its_batches_checked_inside():
         assert as_source(ahead, BATCH, 0) is ahead and type(ahead.dataset).__name__ == "BatchSource"
     with Prefetcher(StepSource("bare")) as ahead, pytest.raises(DataError, match=r"StepSource\.batch\(0\): not \(inputs"):
         as_source(ahead, BATCH, 0).batch(0)
+    with Prefetcher(StepSource("tuple")) as used:
+        used.batch(0)  # batches prepared from the unchecked source: refused, not mixed with checked ones
+        with pytest.raises(DataError, match="already prepared batches of StepSource.*pass a new Prefetcher"):
+            as_source(used, BATCH, 0)
 
 
 def test_a_batch_source_keeps_its_own_attributes():
