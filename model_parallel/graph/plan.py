@@ -256,9 +256,13 @@ class Plan:
         # A loop or V plan cut by optimizer/loop.py states its time as its slowest RANK's stages summed: say which it is.
         of = self.extra.get("time_per_minibatch_of")
         slowest = of[:60] if isinstance(of, str) and of.isprintable() else "slowest stage"
+        # Every time in the table is on one scale, which the table says (coordinator/status.plan_times_label says more).
+        calibration = self.extra.get("calibration")
+        scale = (f"this machine's ms (the profile's x {float(calibration):.3g})" if self.extra.get("time_scale") == "measured"
+                 and isinstance(calibration, (int, float)) else "the profile's ms")
         rows.append(
             f"time per minibatch ({slowest}): {self.time_per_minibatch_s * 1e3:.3f} ms; "
-            f"single machine: {self.single_machine_time_s * 1e3:.3f} ms"
+            f"single machine: {self.single_machine_time_s * 1e3:.3f} ms; times in {scale}"
         )
         schedule = self.extra.get("schedule")  # the schedule `--schedule auto` chose for this plan (runtime/step/auto.py)
         if isinstance(schedule, Mapping):

@@ -32,6 +32,20 @@ def test_ctl_status_labels_profile_and_measured_ms():
     assert "plan table times are THIS MACHINE's ms (the profile's ms x 24.2" in format_status(solved)
 
 
+def test_the_plan_table_itself_states_its_scale():
+    # The table is also logged alone (each worker's "plan vN", the coordinator's membership lines): it says its scale.
+    assert plan_scale(two_stage(0)) == "times in the profile's ms"
+    from dataclasses import replace
+
+    solved = replace(two_stage(1), extra={"time_scale": "measured", "calibration": 24.2})
+    assert plan_scale(solved) == "times in this machine's ms (the profile's x 24.2)"
+
+
+def plan_scale(plan):
+    line = next(row for row in plan.table().splitlines() if row.startswith("time per minibatch"))
+    return line.rsplit("; ", 1)[1]
+
+
 def test_ctl_status_marks_a_loop_ranks_measured_ms_as_its_total():
     plan = two_stage(1)
     rows = [{"stage": k, "rank": k % 2, "num_nodes": 1, "profiled_ms": 1.0, "measured_ms": 8.0 + k % 2,
