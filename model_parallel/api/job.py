@@ -310,6 +310,8 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
             example = {k: v[: spec.micro_batch] for k, v in inputs.items()}
         else:
             example = [x[: spec.micro_batch] for x in inputs]
+    else:
+        _warn_other_batch(example, spec.micro_batch)
     _check_decoder_inputs(model, example)
     # Trace where the model is (a model built on meta traces shapes on meta; one on a GPU runs there).
     where = next((t.device for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"), None)
@@ -319,6 +321,19 @@ def _traced_module(spec: JobSpec) -> tuple[Graph, nn.Module]:
     graph, traced = trace_model(model, dict(example) if isinstance(example, Mapping) else tuple(example))
     allow_model(model, traced)  # the graph comes from this process's own model, not from a file
     return graph, model
+
+
+def _warn_other_batch(example: Any, micro_batch: int) -> None:
+    """Given `example_inputs` of another batch size than a microbatch's: a shape-generic model traces the same, but a
+    trace that records shapes (Hugging Face's `view`s do) fails at the first step with a raw shape error, so say why
+    first. Only when every input agrees on its first dimension (a [1, T] `position_ids` broadcasts: no batch size)."""
+    tensors = [x for x in (example.values() if isinstance(example, Mapping) else example)
+               if isinstance(x, torch.Tensor) and x.dim() > 0]
+    sizes = {int(x.shape[0]) for x in tensors}
+    if len(sizes) == 1 and (size := sizes.pop()) != micro_batch:
+        logger.warning("example_inputs hold %d samples (dim 0) and a microbatch %d (batch_size / num_microbatches): the "
+                       "model is traced at %d; a trace that records shapes (Hugging Face models' do) then fails at the "
+                       "first step with a shape error: give one microbatch of inputs", size, micro_batch, size)
 
 
 def _check_decoder_inputs(model: nn.Module, example: Any) -> None:

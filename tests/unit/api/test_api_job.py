@@ -107,3 +107,22 @@ def test_only_the_job_builder_traces_a_model_or_rebuilds_one_from_a_graph() -> N
             if isinstance(node, ast.ImportFrom) and builders & {a.name for a in node.names}:
                 found.add(rel)
     assert found == owners
+
+
+def test_example_inputs_of_another_batch_size_are_named_before_training(caplog) -> None:
+    # A Hugging Face trace records the example's batch size (GPT-2: "shape '[2, 8, 96]' is invalid for input of size
+    # 3072" at the first step of microbatches of 4): the job builder says so first. Inputs that disagree on dim 0
+    # (a [1, T] position_ids broadcasts) give no batch size to compare, and a microbatch-sized example no warning.
+    spec = dict(model=torch.nn.Linear(4, 2), num_classes=2, batch_size=8, num_microbatches=2)
+    with caplog.at_level("WARNING", logger="model_parallel.api.job"):
+        build_job(JobSpec(example_inputs=[torch.zeros(2, 4)], **spec), world_size=1)
+    assert "example_inputs hold 2 samples (dim 0) and a microbatch 4" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="model_parallel.api.job"):
+        build_job(JobSpec(example_inputs=[torch.zeros(4, 4)], **spec), world_size=1)
+    assert "example_inputs hold" not in caplog.text
+    from model_parallel.api.job import _warn_other_batch
+
+    with caplog.at_level("WARNING", logger="model_parallel.api.job"):
+        _warn_other_batch({"input_ids": torch.zeros(4, 8), "position_ids": torch.zeros(1, 8)}, 4)
+    assert "example_inputs hold" not in caplog.text
