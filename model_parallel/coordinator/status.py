@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from model_parallel.coordinator.protocol import ProtocolError, Session
 from model_parallel.fileio import atomic_write_json
-from model_parallel.graph.plan import Plan
+from model_parallel.graph.plan import Plan, measured_calibration
 from model_parallel.messages import StepReport
 
 logger = logging.getLogger(__name__)
@@ -196,8 +196,9 @@ class Roster:
 def plan_times_label(extra: Any) -> str:
     """What the times in a plan's table are: the profile's ms, or this machine's (a plan the policy solved on the
     calibrated profile records `time_scale` and `calibration` in its `extra`)."""
-    if isinstance(extra, dict) and extra.get("time_scale") == "measured" and isinstance(extra.get("calibration"), (int, float)):
-        return (f"plan table times are THIS MACHINE's ms (the profile's ms x {extra['calibration']:.3g}, calibrated on "
+    calibration = measured_calibration(extra)
+    if calibration is not None:
+        return (f"plan table times are THIS MACHINE's ms (the profile's ms x {calibration:.3g}, calibrated on "
                 "measured compute when the policy solved it)")
     return "plan table times are the PROFILE's ms (the optimizer's prediction on the profiling machine's clock), not this run's"
 

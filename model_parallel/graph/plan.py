@@ -124,6 +124,15 @@ class StagePlan:
             )
 
 
+
+def measured_calibration(extra: Any) -> Optional[float]:
+    """The factor from the profile's ms to this machine's when a plan's times are measured ones (the coordinator's
+    policy solves on the calibrated profile and records `time_scale` and `calibration` in `extra`), else None: its
+    times are the profile's."""
+    if isinstance(extra, Mapping) and extra.get("time_scale") == "measured" and isinstance(extra.get("calibration"), (int, float)):
+        return float(extra["calibration"])
+    return None
+
 @dataclass(frozen=True)
 class Plan:
     """A partition of a graph into pipeline stages, placed on worker ranks.
@@ -257,9 +266,8 @@ class Plan:
         of = self.extra.get("time_per_minibatch_of")
         slowest = of[:60] if isinstance(of, str) and of.isprintable() else "slowest stage"
         # Every time in the table is on one scale, which the table says (coordinator/status.plan_times_label says more).
-        calibration = self.extra.get("calibration")
-        scale = (f"this machine's ms (the profile's x {float(calibration):.3g})" if self.extra.get("time_scale") == "measured"
-                 and isinstance(calibration, (int, float)) else "the profile's ms")
+        calibration = measured_calibration(self.extra)
+        scale = "the profile's ms" if calibration is None else f"this machine's ms (the profile's x {calibration:.3g})"
         rows.append(
             f"time per minibatch ({slowest}): {self.time_per_minibatch_s * 1e3:.3f} ms; "
             f"single machine: {self.single_machine_time_s * 1e3:.3f} ms; times in {scale}"
