@@ -309,7 +309,7 @@ class PipelineEngine(TrainingLoop):
             # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
             inputs, target = tree_map(move, data.batch(step))
             graph_inputs = self.graph.metadata.get("inputs") or ()
-            parts = minibatch_parts(inputs, target, m)
+            parts = minibatch_parts(inputs, target, m, f"minibatch {step}")
             return StepData([stage_zero_inputs(graph_inputs, inputs, mb) for mb, _ in parts],
                             [t for _, t in parts] if last else None)
         if last:

@@ -52,7 +52,7 @@ def single_process_reference(
     for step in range(start_step, steps):
         inputs, target = dataset.batch(step)
         total = 0.0
-        for mb_inputs, mb_target in _microbatches(inputs, target, config.num_microbatches):
+        for mb_inputs, mb_target in _microbatches(inputs, target, config.num_microbatches, f"minibatch {step}"):
             output = model(**mb_inputs[0]) if isinstance(inputs, Mapping) else model(*mb_inputs)
             loss = criterion(output, mb_target) / config.num_microbatches
             loss.backward()
@@ -131,7 +131,7 @@ class SingleProcessRunner:
             return value.to(wire).to(value.dtype) if isinstance(value, torch.Tensor) and narrowed(value, wire) else value
 
         inputs, target = self._batch(step)
-        microbatches = _microbatches(inputs, target, cfg.num_microbatches)
+        microbatches = _microbatches(inputs, target, cfg.num_microbatches, f"minibatch {step}")
         schedule = pipedream_async(p, cfg.num_microbatches)
         state: dict[tuple[int, int], _Pass] = {}
         total = 0.0
@@ -183,7 +183,7 @@ class SingleProcessRunner:
             return self._pipedream_step(step)
         inputs, target = self._batch(step)
         total = 0.0
-        for mb_inputs, mb_target in _microbatches(inputs, target, cfg.num_microbatches):
+        for mb_inputs, mb_target in _microbatches(inputs, target, cfg.num_microbatches, f"minibatch {step}"):
             loss = self.criterion(self._forward(inputs, mb_inputs, recompute=True), mb_target) / cfg.num_microbatches
             loss.backward()
             total += float(loss.detach())

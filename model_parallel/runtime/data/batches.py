@@ -109,12 +109,37 @@ class ImageFolderData:
                              for i in range(step * self.batch_size, (step + 1) * self.batch_size)], dtype=torch.int64)
 
 
-def split_microbatches(inputs: Sequence[Any], target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+def split_microbatches(inputs: Sequence[Any], target: torch.Tensor, num_microbatches: int,
+                       where: str = "a minibatch") -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """Split a minibatch along dim 0 into `num_microbatches` parts (sizes differ by at most one); a dict
     input (`{"input_ids": ..., "attention_mask": ...}`) splits into dicts of the same keys."""
+    _check_batch_sizes(inputs, target, where)
     parts_t = split_targets(target, num_microbatches)
     parts_in = [_split(x, num_microbatches) for x in inputs]
     return [(tuple(p[j] for p in parts_in), parts_t[j]) for j in range(num_microbatches)]
+
+
+def _check_batch_sizes(inputs: Sequence[Any], target: torch.Tensor, where: str) -> None:
+    """Every input tensor holds as many samples (dim 0) as the target: the split pairs part j of each, so a
+    target of another size would pair samples wrongly, or broadcast against the output in the loss (a
+    warning from torch, and a wrong loss) instead of failing."""
+    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+        return
+    want = target.shape[0]
+    for name, value in _named_tensors(inputs):
+        if value.dim() == 0 or value.shape[0] != want:
+            size = "a scalar" if value.dim() == 0 else f"{value.shape[0]} samples (shape {tuple(value.shape)})"
+            raise DataError(f"{where}: input {name} holds {size} but its target {want} (shape "
+                            f"{tuple(target.shape)}); microbatches split every tensor along dim 0, so inputs and target "
+                            "must hold the same samples: fix the data source's batch (or its collate_fn)")
+
+
+def _named_tensors(inputs: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
+    named: list[tuple[str, torch.Tensor]] = []
+    for i, value in enumerate(inputs):
+        items = value.items() if isinstance(value, Mapping) else [(None, value)]
+        named += [(f"{key!r}" if key is not None else f"#{i}", x) for key, x in items if isinstance(x, torch.Tensor)]
+    return named
 
 
 def split_targets(target: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
@@ -127,9 +152,10 @@ def split_targets(target: torch.Tensor, num_microbatches: int) -> list[torch.Ten
     return list(torch.tensor_split(target, num_microbatches))
 
 
-def minibatch_parts(inputs: Any, target: torch.Tensor, num_microbatches: int) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+def minibatch_parts(inputs: Any, target: torch.Tensor, num_microbatches: int,
+                    where: str = "a minibatch") -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """`split_microbatches` of a dataset's inputs: a tuple of positional inputs, or one dict of keyword inputs."""
-    return split_microbatches([inputs] if isinstance(inputs, Mapping) else list(inputs), target, num_microbatches)
+    return split_microbatches([inputs] if isinstance(inputs, Mapping) else list(inputs), target, num_microbatches, where)
 
 
 def stage_zero_inputs(graph_inputs: Sequence[Any], inputs: Any, mb_inputs: Sequence[Any]) -> list[Any]:

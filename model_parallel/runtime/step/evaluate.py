@@ -93,7 +93,7 @@ def evaluate_in_process(modules: list[nn.Module], forward: Callable[[Any, Any], 
         with torch.no_grad():
             for step in range(steps):
                 inputs, target = dataset.batch(step)
-                for mb_inputs, mb_target in minibatch_parts(inputs, target, num_microbatches):
+                for mb_inputs, mb_target in minibatch_parts(inputs, target, num_microbatches, f"minibatch {step}"):
                     output = forward(inputs, mb_inputs)
                     loss_sum += float(criterion(output, mb_target)) / num_microbatches
                     metric_sum += float(metric(output, mb_target)) / num_microbatches if metric is not None else 0.0

@@ -114,6 +114,29 @@ def test_a_batch_source_s_wrong_batch_is_refused_naming_the_source_step_value_an
         as_source(StepSource(form), BATCH, 0).batch(2)
 
 
+class HalfTargets:
+    """A source whose targets hold half the samples of its inputs (a collate bug): with a regression loss each
+    microbatch's 2 outputs broadcast against 1 target row (torch only warns) and the run trained a wrong loss."""
+
+    def __init__(self, keyword: bool) -> None:
+        self.keyword = keyword
+
+    def batch(self, step):
+        x = torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(step))
+        return ({"x": x} if self.keyword else (x,)), torch.zeros(BATCH // 2, CLASSES)
+
+
+@pytest.mark.parametrize("keyword, name", [(False, "#0"), (True, "'x'")])
+def test_inputs_and_target_of_different_sizes_are_refused_naming_both(keyword, name):
+    trainer = PipelineTrainer(DictModel(), _sgd, HalfTargets(keyword), CONFIG, num_stages=2, single_process=True,
+                              criterion=torch.nn.MSELoss())
+    refusal = rf"minibatch 0: input {name} holds {BATCH} samples \(shape \({BATCH}, {FEATURES}\)\) but its target {BATCH // 2}"
+    with pytest.raises(DataError, match=refusal + ".*must hold the same samples"):
+        trainer.train(1)
+    with pytest.raises(DataError, match=refusal):  # the oracle splits by the same rule
+        single_process_reference(DictModel(), torch.nn.MSELoss(), _sgd, HalfTargets(keyword), CONFIG, 1)
+
+
 def test_a_prefetcher_over_a_user_s_source_has_its_batches_checked_inside():
     # QA: Prefetcher(source) was this package's type, so a user's batches inside it went unchecked (a dict batch failed
     # deep in the trace); the Prefetcher now reads the checked source, and is not re-wrapped by a later call.
