@@ -30,7 +30,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from model_parallel.allocator import return_freed_memory
 from model_parallel.codegen.boundary import StageBoundary
@@ -45,16 +44,14 @@ from model_parallel.runtime.build.stages import check_plan_fits, layer_modules, 
 from model_parallel.runtime.build.tied import SplitTie, TiedCopies
 from model_parallel.runtime.checkpoint import resume
 from model_parallel.runtime.config import RunOptions, TrainConfig
-from model_parallel.runtime.data.batches import minibatch_parts, split_targets, stage_zero_inputs
-from model_parallel.runtime.data.prefetch import Prefetcher
-from model_parallel.runtime.data.sources import read_targets
 from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
-from model_parallel.runtime.step.executor import NO_DATA, StepData, StepExecutor, WeightStash
+from model_parallel.runtime.step.executor import StepData, StepExecutor, WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.multi_stage import build_stages
 from model_parallel.runtime.step.output import model_output
+from model_parallel.runtime.step.reads import StepReader
 from model_parallel.runtime.step.auto import run_order_times
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.list_order import timed_schedule
@@ -147,7 +144,7 @@ class PipelineEngine(TrainingLoop):
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command)
         self.command: Optional[Command] = None  # the command of the last step's reduction, until `control` hands it out
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
-        self._targets_verified: set[int] = set()  # ids of the sources whose targets(step) the last stage checked
+        self.reader = StepReader(self.device, graph.metadata.get("inputs") or (), config.num_microbatches)
         self.stage: Any = None
         self.stage_ids: tuple[int, ...] = ()
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -298,26 +295,9 @@ class PipelineEngine(TrainingLoop):
 
     # ---- one step --------------------------------------------------------------------------------------
     def step_data(self, step: int, dataset: Any = None) -> StepData:
-        """What this rank reads of minibatch `step` of `dataset` (default: the training data): stage 0 its
-        microbatches' inputs, the last stage their targets (the same step, split by the same rule: target j
-        is microbatch j's, on whichever replica runs j), an intermediate stage or a spare nothing."""
-        m = self.config.num_microbatches
-        last = self.plan.num_stages - 1 in self.stage_ids  # several stages per rank: it may hold either
-        data = dataset or self.dataset
-        move = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        if 0 in self.stage_ids:
-            # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
-            inputs, target = tree_map(move, data.batch(step))
-            graph_inputs = self.graph.metadata.get("inputs") or ()
-            parts = minibatch_parts(inputs, target, m, f"minibatch {step}")
-            return StepData([stage_zero_inputs(graph_inputs, inputs, mb) for mb, _ in parts],
-                            [t for _, t in parts] if last else None)
-        if last:
-            # A source's own targets(step) is checked against batch(step) on its first read (a Prefetcher checks its own).
-            verify = id(data) not in self._targets_verified and not isinstance(data, Prefetcher)
-            self._targets_verified.add(id(data))
-            return StepData(targets=split_targets(tree_map(move, read_targets(data, step, verify)), m))
-        return NO_DATA
+        """What this rank reads of minibatch `step` of `dataset` (default: the training data; step/reads.py)."""
+        return self.reader.read(dataset or self.dataset, step, 0 in self.stage_ids,
+                                self.plan.num_stages - 1 in self.stage_ids)  # several stages per rank: either, or both
 
     def diagnose(self, error: PeerError) -> PeerError:
         """`error` with this rank's prefix and, when heartbeats run, the peer that died (an error diagnosed
