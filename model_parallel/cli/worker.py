@@ -192,14 +192,15 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
 
 
 def reach_coordinator(args: Any, rank: int) -> None:
-    """Before joining the world: connect to the coordinator once, waiting up to --timeout while nothing listens
-    there yet (it may have been started a moment before). A worker that cannot reach it then fails here, exit 2,
-    and its peers name it as a rank that never joined, instead of it leaving the world right after joining."""
-    from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, _hang_up, connect_when_listening
+    """Before joining the world: have the coordinator answer once, waiting up to --timeout while nothing listens
+    there yet (it may have been started a moment before). A worker that cannot reach it, or whose token is not
+    the coordinator's, then fails here, exit 2, and its peers name it as a rank that never joined, instead of it
+    leaving the world right after joining."""
+    from model_parallel.coordinator.connect import CONNECT_TIMEOUT_S, check_token
     from model_parallel.coordinator.protocol import read_token
 
     token = read_token(args.token, args.token_file)
-    _hang_up(connect_when_listening(args.coordinator, token, min(CONNECT_TIMEOUT_S, args.timeout), args.timeout, rank))
+    check_token(args.coordinator, token, min(CONNECT_TIMEOUT_S, args.timeout), args.timeout, rank)
 
 
 def rendezvous(args: Any) -> Rendezvous:

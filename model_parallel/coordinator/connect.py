@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, Session, client_handshake, parse_address
+from model_parallel.coordinator.protocol import MAX_JOB_FRAME_BYTES, TOKEN_ENV, Session, client_handshake, parse_address
 from model_parallel.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,28 @@ def connect_when_listening(address: str, token: bytes, timeout: float, wait_for:
                 waiting = True
         time.sleep(delay)
         delay = min(2 * delay, 2.0)
+
+
+def check_token(address: str, token: bytes, timeout: float, wait_for: float, rank: int) -> None:
+    """Before a worker joins the world: connect (waiting up to `wait_for` s while nothing listens) and have the
+    coordinator answer an authenticated `probe`. A token that is not the coordinator's fails here, so the worker
+    never joins and its peers name it as a rank that never joined, instead of it being refused at registration
+    just after joining (its peers then waited --timeout for it)."""
+    session = connect_when_listening(address, token, timeout, wait_for, rank)
+    try:
+        session.send("probe", rank=int(rank))
+        reply = session.recv(timeout)
+    except ConnectionError:  # before OSError: a clean close, not a timeout
+        raise ProtocolError(f"the coordinator at {address} hung up on rank {rank}'s first message without an answer: "
+                            "it drops a message signed with another token, so this worker's token is not the "
+                            f"coordinator's; give both the same one (--token, --token-file or ${TOKEN_ENV}; the "
+                            "coordinator's log says why it dropped the connection)") from None
+    except (OSError, ProtocolError) as error:
+        raise ProtocolError(f"coordinator at {address}: no answer to rank {rank}'s first message: {error}") from None
+    finally:
+        _hang_up(session)
+    if reply["type"] != "reply" or not reply["ok"]:
+        raise ProtocolError(f"coordinator at {address} refused rank {rank}: {reply.get('error', reply['type'])}")
 
 
 def _hang_up(session: Session) -> None:

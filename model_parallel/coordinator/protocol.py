@@ -19,7 +19,7 @@ Frame layout (all integers big-endian)::
   `b"c2s"` or `b"s2c"` (so a frame cannot be reflected back to its sender), and checked with
   `hmac.compare_digest` *before* the body is parsed (unauthenticated bytes never reach the JSON
   parser). The body's `seq` field must equal the header's.
-- Both sides contribute a nonce. The client's first frame (`register` or `job-request`, MAC'd
+- Both sides contribute a nonce. The client's first frame (`register`, `job-request` or `probe`, MAC'd
   under the server's nonce) carries the client's own fresh `nonce`; from then on, both ways, the
   MAC's nonce is `server nonce || client nonce`. So frames recorded on one connection fail on any
   other: a server frame replayed to a client by a proxy without the token (an old `switch`, `job`,
@@ -104,6 +104,9 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "switch-failed": {"version": (int,), "rank": (int,), "reason": (str,)},
     # client -> server: the worker finished (or is stopping) on purpose
     "bye": {"rank": (int,), "reason": (str,)},
+    # client -> server, instead of register: a worker about to join the world checks that its token is the
+    # coordinator's (answered by an ok `reply`; a frame signed with another token is dropped unanswered)
+    "probe": {"rank": (int,), "nonce": (str,)},
     # client -> server, instead of register: a worker started without a model asks what to train
     "job-request": {"rank": (int,), "host": (str,), "pid": (int,), "nonce": (str,)},
     # server -> client: graph.json and plan.json as objects, the plan's version, and worker flags

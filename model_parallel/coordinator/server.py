@@ -261,6 +261,10 @@ class Coordinator(WorkerLink):
                     raise ConnectionError(ticket.closed_by_us)
                 raise ProtocolError(f"the coordinator already serves {self._admission.max_authenticated} authenticated "
                                     "connections; close idle ctl clients")
+            if first["type"] == "probe":  # a worker checking its token before it joins the world: nothing else
+                session.send("reply", ok=True, result={})
+                clean = True
+                return
             if first["type"] == "job-request":
                 clean = self._send_job(session, first, where)
                 return

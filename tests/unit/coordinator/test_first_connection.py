@@ -10,6 +10,7 @@ import pytest
 
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.client import CoordinatorChannel
+from model_parallel.coordinator.connect import check_token
 from model_parallel.coordinator.server import Coordinator
 from model_parallel.coordinator.solver import default_solver
 from model_parallel.errors import ProtocolError
@@ -100,3 +101,16 @@ def test_without_a_wait_a_refused_first_connection_fails_at_once(waiting) -> Non
     with pytest.raises(ProtocolError, match=f"cannot reach the coordinator at {address}"):
         CoordinatorChannel(address, TOKEN, rank=0, world_size=2, timeout=5)
     assert not waiting.seen.is_set()
+
+
+def test_a_probe_is_answered_for_the_coordinator_s_token_only() -> None:
+    """A worker checks its token before joining the world (cli/worker.reach_coordinator): the coordinator answers a
+    probe signed with its token, registers no one for it, and drops one signed with another token unanswered."""
+    with live_coordinator(TOKEN, GRAPH, two_stage_plan(GRAPH, 3), policy="manual") as coordinator:
+        check_token(coordinator.address, TOKEN, timeout=5, wait_for=0, rank=1)
+        assert coordinator.workers == {}
+        with pytest.raises(ProtocolError, match=f"the coordinator at {coordinator.address} hung up on rank 1's first "
+                                                r"message without an answer.*this worker's token is not the coordinator's"):
+            check_token(coordinator.address, b"not-the-token", timeout=5, wait_for=0, rank=1)
+        channel = CoordinatorChannel(coordinator.address, TOKEN, rank=1, world_size=2, timeout=5)  # still serves
+        channel.close()
