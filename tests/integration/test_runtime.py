@@ -11,13 +11,14 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from model_parallel.cli.worker import main as worker_main
 from model_parallel.codegen.naming import state_key
-from model_parallel.graph.plan import Plan, write_plan
+from model_parallel.graph.plan import Plan, StagePlan, write_plan
 from model_parallel.messages import Command
 from model_parallel.profiler.trace import trace_model
 from model_parallel.runtime.build.stages import even_plan
@@ -68,6 +69,10 @@ JOBS = [
     # there, so it crosses rounded to bf16 both ways, and the oracle rounds at the same cuts.
     _job("mlp3_bf16", "mlp", 3, "--num_stages", "3", "--bf16"),
     _job("gpt3_bf16", "gpt", 2, "--num_stages", "3", "--bf16", "--schedule", "gpipe"),
+    # bf16 across live switches: the cuts where values round to bf16 move with the plan, so the oracle switches
+    # too (_switching_bf16_reference); lr 0.1 makes the rounding visible: the unswitched oracle is 4e-3 away.
+    _job("gpt_switching_bf16", "gpt", 6, "--num_stages", "3", "--bf16", "--lr", "0.1",
+         "--control_script", "{gpt_switch_script}"),
     # PipeDream's asynchronous 1F1B with weight stashing: compared with the same semantics run in
     # one process (grid order), see test_pipedream_single_process_semantics for that oracle.
     _job("mlp4_pipedream", "mlp", 3, "--num_stages", "4", "--schedule", "pipedream", "--lr", "0.02"),
@@ -95,6 +100,42 @@ def _switch_script(path: Path) -> Path:
               6: Command.switch(four, "back to 4 stages")}
     path.write_text(json.dumps({k: v.to_dict() for k, v in script.items()}))
     return path
+
+
+def _gpt_switch_plans() -> dict[int, Plan]:
+    """The bf16 switching job's plans by the step they start at: 3 stages cut elsewhere and on other ranks, then 2
+    stages on ranks 3 and 1 (0 and 2 spare)."""
+    r = recipe("gpt")
+    graph, _ = trace_model(r.model(0), r.example(2))
+    order = list(graph.topological_order)
+
+    def cut(starts: list[int], ranks: list[int], version: int) -> Plan:
+        bounds = [0, *starts, len(order)]
+        return Plan(stages=tuple(StagePlan(k, tuple(order[a:b]), ranks=(ranks[k],))
+                                 for k, (a, b) in enumerate(zip(bounds, bounds[1:]))), version=version)
+
+    return {2: cut([len(order) // 4, len(order) // 2], [2, 0, 1], 1), 4: cut([2 * len(order) // 3], [3, 1], 2)}
+
+
+def _switching_bf16_reference(job: dict, factory: Any, config: TrainConfig) -> dict[str, torch.Tensor]:
+    """The pipeline's bf16 semantics plan by plan: a SingleProcessRunner per plan over the same layers, the
+    optimizer state carried over at each switch (as the migration moves it with the layers)."""
+    from model_parallel.runtime.trainer import SingleProcessRunner
+
+    r = recipe(job["model"])
+    model = r.model(0)
+    graph, _ = trace_model(model, r.example(2))
+    plans = {0: even_plan(graph, int(_flags(job["extra"])["num_stages"])), **_gpt_switch_plans()}
+    starts = sorted(plans)
+    runner = None
+    for start, end in zip(starts, [*starts[1:], job["steps"]]):
+        previous, runner = runner, SingleProcessRunner(graph, plans[start], model, r.criterion, factory,
+                                                       r.data(config.batch_size, 0), config)
+        if previous is not None:
+            for param in runner.params:  # the same Parameter objects: the stages share the model's layers
+                runner.optimizer.state[param] = previous.optimizer.state[param]
+        runner.train(end, start)
+    return {state_key(k): v.detach() for k, v in model.named_parameters()}
 
 
 def _interleaved_plan(path: Path) -> Path:
@@ -133,8 +174,10 @@ def _reference(job: dict) -> dict[str, torch.Tensor]:
     if flags.get("schedule") == "pipedream" or "bf16" in flags:
         from model_parallel.runtime.trainer import SingleProcessRunner
 
-        graph, _ = trace_model(model, r.example(2))
         config = replace(config, schedule=flags.get("schedule", config.schedule), bf16="bf16" in flags)
+        if "control_script" in flags:
+            return _switching_bf16_reference(job, factory, config)
+        graph, _ = trace_model(model, r.example(2))
         runner = SingleProcessRunner(graph, even_plan(graph, int(flags["num_stages"])), model, r.criterion, factory,
                                      r.data(batch, 0), config)
         runner.train(job["steps"])
@@ -159,10 +202,13 @@ def _assert_close(job: str, got: dict[str, torch.Tensor], want: dict[str, torch.
 def jobs_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime_jobs")
     script = _switch_script(root / "switch.json")
+    gpt_script = root / "gpt_switch.json"
+    gpt_script.write_text(json.dumps({k: Command.switch(p, "bf16 cuts move").to_dict() for k, p in _gpt_switch_plans().items()}))
     interleaved = _interleaved_plan(root / "interleaved.json")
     argv = []
     for job in JOBS:
-        extra = [e.format(switch_script=script, interleaved_plan=interleaved, root=root) for e in job["extra"]]
+        extra = [e.format(switch_script=script, gpt_switch_script=gpt_script, interleaved_plan=interleaved, root=root)
+                 for e in job["extra"]]
         argv.append(["--model", job["model"], "--steps", str(job["steps"]), "--timeout", "60",
                      "--checkpoint_dir", str(root / job["name"]), *extra])
     (root / "jobs.json").write_text(json.dumps(argv))
@@ -187,7 +233,7 @@ def test_switches_report_pauses_and_end_on_the_last_plan(jobs_world):
     root, result = jobs_world
     checkpoint = load_checkpoint(root / "mlp_switching")
     assert checkpoint.world["plan"]["version"] == 3
-    pauses = [line for line in result.output(0).splitlines() if "switched to plan" in line]
+    pauses = [line for line in result.output(0).splitlines() if "switched to plan" in line and "bf16" not in line]
     assert len(pauses) == 3 and all(re.search(r"in \d+\.\d ms", p) for p in pauses)
     # the resumed run wrote metrics only for the steps it ran, with pause_ms and plan versions
     from model_parallel.runtime.observe.metrics_read import read_metrics
