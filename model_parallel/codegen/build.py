@@ -20,6 +20,7 @@ from torch import nn
 from model_parallel.codegen.aliasing import mutated_inputs
 from model_parallel.codegen.boundary import StageBoundary, is_model_input, model_output_ids, stage_boundaries
 from model_parallel.codegen.layers import ModulesArg, layer_of, make_attribute, make_module, node_where
+from model_parallel.codegen.modes import follow_mode
 from model_parallel.codegen.ties import tie_stage, tie_stages
 from model_parallel.errors import CodegenError, GraphError, PlanError
 from model_parallel.graph import loader
@@ -181,6 +182,15 @@ def _build_fx(
             device[0].meta["comment"] = "the device this stage runs on (the graph records it as 'run')"
         return device[0]
 
+    mode: list[fx.Node] = []
+
+    def training(fx_graph: fx.Graph) -> fx.Node:
+        """`self.training`, read once: the mode a trace fixed to training follows the stage's (codegen/modes.py)."""
+        if not mode:
+            mode.append(fx_graph.get_attr("training"))
+            mode[0].meta["comment"] = "the stage's mode: dropout and batch statistics in training only"
+        return mode[0]
+
     for node_id in node_ids:
         node = graph[node_id]
         layer = layer_of(graph, node)
@@ -200,6 +210,8 @@ def _build_fx(
             target = loader.check_method(layer.target, where)
         else:
             target = graph.attribute_names[layer.target]
+        if layer.op in ("call_function", "call_method"):  # literals a trace fixed to training mode follow the stage's
+            args, kwargs = follow_mode(layer.target, args, kwargs, training, fx_graph)
         fx_node = fx_graph.create_node(layer.op, target, args, kwargs, name=graph.variable_names[node_id])
         fx_node.meta["node_id"] = node_id
         fx_node.meta["outputs"] = layer.outputs

@@ -212,8 +212,9 @@ class SingleProcessRunner:
 
     def evaluate(self, dataset: Any, steps: int, metric: Any = None) -> Any:
         """Forward-only over `steps` minibatches of `dataset`, stages in eval mode: `evaluate.EvalResult`."""
-        from model_parallel.runtime.step.evaluate import evaluate_in_process
+        from model_parallel.runtime.step.evaluate import check_deterministic, evaluate_in_process
 
+        check_deterministic(self.graph)
         return evaluate_in_process(list(self.stages), lambda inputs, mb: self._forward(inputs, mb, recompute=False),
                                    self.criterion, dataset, self.config.num_microbatches, steps, metric)
 

@@ -8,7 +8,8 @@ Per step, stage 0 reads the minibatch's inputs and the last stage its targets, e
 splits them (`engine.step_data`); every stage runs its forwards in microbatch order under no_grad
 (executor.run_forward); the last stage sums criterion(output, target) / m
 (and metric / m); one all-reduce of [loss, metric] over all ranks ends the step. Stages run in eval mode
-(dropout off) and go back to train mode after.
+(dropout off, BatchNorm on its running statistics: codegen/modes.py makes a trace's training-mode literals
+follow the stage's mode) and go back to train mode after.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model_parallel.errors import ConfigError, PeerError
+from model_parallel.codegen.modes import random_in_eval
+from model_parallel.errors import CodegenError, ConfigError, PeerError
+from model_parallel.graph.core import Graph
 from model_parallel.runtime.data.batches import minibatch_parts
 from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.wire import comm
@@ -31,6 +34,7 @@ Metric = Callable[[Any, torch.Tensor], Any]
 class EvaluatingEngine(Protocol):
     """What a pipeline validation needs of a rank's engine (`PipelineEngine` is one)."""
 
+    graph: Graph
     stage: Optional[nn.Module]  # None on a spare
     executor: Optional[StepExecutor]  # None on a spare
     control_group: Any  # a torch.distributed process group of every rank
@@ -57,9 +61,23 @@ def _check_steps(steps: int) -> None:
         raise ConfigError(f"evaluation steps must be >= 1 (minibatches to validate on), got {steps}")
 
 
+def check_deterministic(graph: Graph) -> None:
+    """Refuse to validate a graph whose stages draw random numbers in eval mode too (codegen/modes.py): every
+    rank decides alike, from the graph, before any message."""
+    found = random_in_eval(graph)
+    if found:
+        named = ", ".join(f"{node} ({op})" for node, op in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise CodegenError(f"cannot evaluate: the traced model draws random numbers whatever its mode, at {named}; "
+                           "the trace recorded what forward computed in training mode, and no rule here knows what "
+                           "these operators do in eval mode. Evaluate the trained model in one process instead "
+                           "(trainer.save_pretrained or state_dict, then model.eval()), or build it without that "
+                           "randomness (e.g. a drop rate of 0)")
+
+
 def evaluate_pipeline(engine: EvaluatingEngine, dataset: Any, steps: int, metric: Optional[Metric] = None) -> EvalResult:
     """`PipelineEngine.evaluate`: every rank calls it at the same point with the same arguments."""
     _check_steps(steps)
+    check_deterministic(engine.graph)
     total = torch.zeros(2, dtype=torch.float64)
     stage = engine.stage
     if stage is not None:
