@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional, TypedDict
 
 import torch
@@ -20,6 +21,7 @@ from model_parallel.runtime.data.batches import minibatch_parts as _microbatches
 from model_parallel.runtime.engine import OptimizerFactory
 from model_parallel.runtime.step.loop import StepResult
 from model_parallel.runtime.step.output import float_output, model_output
+from model_parallel.runtime.step.rng import seeded_forward
 from model_parallel.runtime.step.update import apply_update, squared_grad_norm
 from model_parallel.runtime.wire.structure import Structure, cross, flatten_values, narrowed, unflatten
 
@@ -151,7 +153,8 @@ class SingleProcessRunner:
                                   for v in upstream["leaves"]]
                         values = unflatten(leaves, upstream["tree"])
                     weights = {n: q.detach().clone().requires_grad_(True) for n, q in stage.named_parameters()}
-                    with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
+                    with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False), \
+                            seeded_forward(self.device, cfg.seed, step, s, j):
                         outputs = list(functional_call(stage, weights, tuple(values)))
                     entry: _Pass = {"inputs": leaves, "outputs": outputs, "weights": weights}
                     if s < p - 1:
@@ -183,22 +186,24 @@ class SingleProcessRunner:
             return self._pipedream_step(step)
         inputs, target = self._batch(step)
         total = 0.0
-        for mb_inputs, mb_target in _microbatches(inputs, target, cfg.num_microbatches, f"minibatch {step}"):
-            loss = self.criterion(self._forward(inputs, mb_inputs, recompute=True), mb_target) / cfg.num_microbatches
+        for j, (mb_inputs, mb_target) in enumerate(_microbatches(inputs, target, cfg.num_microbatches, f"minibatch {step}")):
+            loss = self.criterion(self._forward(inputs, mb_inputs, recompute=True, key=(step, j)), mb_target) / cfg.num_microbatches
             loss.backward()
             total += float(loss.detach())
         norm = squared_grad_norm(self.params) ** 0.5
         lr = apply_update(self.optimizer, step, lr_schedule=cfg.lr_schedule, clip_grad=cfg.clip_grad, total_norm=norm)
         return StepResult(step, total, norm, lr)
 
-    def _forward(self, inputs: Any, mb_inputs: Sequence[Any], recompute: bool) -> Any:
-        """One microbatch through every stage, values crossing each cut as on the wire; the float model output."""
+    def _forward(self, inputs: Any, mb_inputs: Sequence[Any], recompute: bool, key: Optional[tuple[int, int]] = None) -> Any:
+        """One microbatch through every stage, values crossing each cut as on the wire; the float model output.
+        `key`: (step, microbatch), the random masks' key as the pipeline draws them (step/rng.py); None in eval."""
         cfg = self.config
         values: list[Any] = _stage_inputs(self.graph, inputs, mb_inputs)
         for index, stage in enumerate(self.stages):
             if index > 0:
                 values = cross(values, self._names(self.stages[index - 1]), cfg.wire_dtype)
-            with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False):
+            seeded = seeded_forward(self.device, cfg.seed, key[0], index, key[1]) if key is not None else nullcontext()
+            with torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else torch.autocast("cpu", enabled=False), seeded:
                 if recompute and cfg.recompute_stage(index):
                     from torch.utils.checkpoint import checkpoint
 

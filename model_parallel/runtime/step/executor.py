@@ -50,6 +50,7 @@ from model_parallel.runtime.observe.memory_probe import NO_METER
 from model_parallel.runtime.observe.straggler import Compute
 from model_parallel.runtime.step.output import float_output
 from model_parallel.runtime.step.backward_split import WeightWork, backward_input, backward_weight
+from model_parallel.runtime.step.rng import seeded_forward
 from model_parallel.runtime.step.schedule import INPUT, WEIGHT, Action
 from model_parallel.runtime.step.update import apply_update
 from model_parallel.runtime.wire import comm
@@ -216,11 +217,13 @@ class StepExecutor:
                     if self.config.bf16:
                         output = float_output(output)
                     return self.criterion(output, target) / loss_scale
-                loss = compute("forward", j, forward_loss, stage=k)
+                with seeded_forward(self.device, self.config.seed, step, k, j):  # dropout's masks (step/rng.py)
+                    loss = compute("forward", j, forward_loss, stage=k)
                 state.loss_sum += float(loss.detach()) * loss_scale / m
                 stash[j] = _Stash(inputs, loss, weights=weights)
             else:
-                outputs = compute("forward", j, lambda: self.forward(values, weights), stage=k)
+                with seeded_forward(self.device, self.config.seed, step, k, j):
+                    outputs = compute("forward", j, lambda: self.forward(values, weights), stage=k)
                 with self.metrics.measure("send", microbatch=j, stage=k):
                     leaves, handle = self._send_forward(j, outputs, stream=j)
                 sends.append(handle)
