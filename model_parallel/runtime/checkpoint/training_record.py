@@ -12,6 +12,8 @@ parameter groups (no weight decay on biases and norms: a rule on `p.ndim`, since
 recorded by what it gives a matrix and a vector beyond the defaults (`param_groups`, the factory run on two probe
 tensors, the same on every rank), so a group's lr or weight decay changed on resume is refused like the defaults. A record written before
 a field was recorded (an older checkpoint) leaves it unknown: not compared.
+The data is recorded by its description and a fingerprint of its contents, compared by the fingerprint where both
+records hold one (data_identity.py: the same file by another path is the same data, another of the same size is not).
 The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
 """
 from __future__ import annotations
@@ -23,6 +25,10 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from model_parallel.errors import ConfigError
+from model_parallel.runtime.checkpoint.data_identity import data_change, data_content, describe_data, unverified
+
+__all__ = ["advice", "changed_fields", "check_resume", "describe_data", "describe_groups", "describe_optimizer",
+           "probe_optimizer", "training_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,27 +95,6 @@ def probe_optimizer(built: Any, factory: Any) -> Any:
         return None
 
 
-def describe_data(dataset: Any) -> str:
-    """A short, stable name of a data source: "synthetic dense", "tokens:PATH (N samples)", a directory, a type."""
-    from model_parallel.runtime.data.batches import ImageFolderData, SyntheticData
-    from model_parallel.runtime.data.prefetch import Prefetcher
-    from model_parallel.runtime.data.sources import BatchSource, IterableData, MapData
-
-    if isinstance(dataset, Prefetcher):
-        dataset = dataset.dataset
-    if isinstance(dataset, BatchSource):  # a user's batch(step) object, checked: named by its own type
-        dataset = dataset.source
-    if isinstance(dataset, SyntheticData):
-        return f"synthetic {dataset.kind}"
-    if isinstance(dataset, ImageFolderData):
-        return str(dataset.root)
-    if isinstance(dataset, MapData):
-        return f"{dataset.name} ({len(dataset.dataset)} samples)"
-    if isinstance(dataset, IterableData):
-        return dataset.name
-    return type(dataset).__name__
-
-
 def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = None,
                     groups: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """The training configuration of a run (a `TrainConfig`, its `optimizer` and `groups` (`describe_groups`) if
@@ -125,17 +110,25 @@ def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = 
         "schedule_running": config.schedule,
         "seed": config.seed, "lr_schedule": config.lr_schedule, "precision": "bf16" if config.bf16 else "float32",
         "clip_grad": config.clip_grad, "data": describe_data(dataset),
+        **({"data_content": content} if (content := data_content(dataset)) is not None else {}),
         "data_position": {"next_step": next_step, **position(dataset, next_step)},
         **(describe_optimizer(optimizer) if optimizer is not None else {}),
         **(groups or {}),
     }
 
 
-def changed_fields(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, stored value, current value) of every compared field that differs (fields the record lacks: unchanged;
-    an optimizer field this run lacks too: its optimizer has no such setting, or it is unknown)."""
-    return [(key, stored[key], current.get(key)) for key in COMPARED
-            if key in stored and stored[key] != current.get(key) and (key not in RECORDED_IF_KNOWN or key in current)]
+def changed_fields(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any, str]]:
+    """(field, stored value, current value, why) of every compared field that differs (fields the record lacks:
+    unchanged; an optimizer field this run lacks too: its optimizer has no such setting, or it is unknown). The data
+    is compared by its contents where both records hold them (data_identity.py): `why` says what differs."""
+    changed = []
+    for key in COMPARED:
+        if key not in stored or (key in RECORDED_IF_KNOWN and key not in current):
+            continue
+        why = data_change(stored, current) if key == "data" else ("" if stored[key] != current.get(key) else None)
+        if why is not None:
+            changed.append((key, stored[key], current.get(key), why))
+    return changed
 
 
 def advice(field: str, value: Any) -> str:
@@ -160,7 +153,10 @@ def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]
                        "check that batch size, microbatches, schedule, seed, lr schedule, precision, data and optimizer are the same",
                        where)
         return []
-    changes = [f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(stored, current)]
+    if unverified(stored, current):
+        logger.warning("%s was written before the data's contents were recorded: the resume cannot verify that this "
+                       "run's data (%s) holds what the run trained on, only its name", where, current.get("data"))
+    changes = [f"{key} {old!r} -> {new!r}" + (f" ({why})" if why else "") for key, old, new, why in changed_fields(stored, current)]
     if changes and not allow:
         first = changed_fields(stored, current)[0][0]
         raise ConfigError(f"--resume from {where}: the run was trained with a different {first}: {'; '.join(changes)} "

@@ -28,6 +28,7 @@ def test_the_record_holds_the_configuration_and_the_data_position():
     record = training_record(CONFIG, Prefetcher(data), 7)
     assert record == {"batch_size": 8, "num_microbatches": 2, "schedule": "1f1b", "schedule_running": "1f1b", "seed": 0, "lr_schedule": "cosine:100",
                       "precision": "float32", "clip_grad": None, "data": "TensorDataset (40 samples)",
+                      "data_content": {"kind": "dataset", "samples": 40, "sha256 of samples 0, 20, 39": "f25635e956d10560"},
                       "data_position": {"next_step": 7, "epoch": 1, "batch": 2}}
     assert describe_data(SyntheticData(8, (4,))) == "synthetic dense"
     assert training_record(CONFIG, SyntheticData(8, (4,)), 3)["data_position"] == {"next_step": 3, "step": 3}
