@@ -12,6 +12,7 @@ from torch import nn
 
 from model_parallel.graph.core import Graph
 from model_parallel.runtime.checkpoint.commit import CheckpointingEngine, agree, prune
+from model_parallel.runtime.checkpoint.graph_identity import graph_details
 from model_parallel.runtime.checkpoint.training_record import check_resume
 from model_parallel.runtime.config import RunOptions
 
@@ -86,7 +87,8 @@ def _restore_stage(engine: RestoringEngine) -> tuple[int, int]:
     next_step = int(checkpoint.extra.get("next_step", checkpoint.step + 1))
     # Every rank reads the same manifest: all refuse together, before any state changes.
     where, allow = f"{engine.options.checkpoint_dir} (step {checkpoint.step})", engine.options.allow_config_change
-    check_resume(checkpoint.extra.get("training"), engine.training_record(next_step), allow, where)
+    check_resume(checkpoint.extra.get("training"), engine.training_record(next_step), allow, where,
+                 graph_details(checkpoint.path, engine.graph))
     if engine.stage is not None:
         stored = stored_keys(engine.graph)  # a tied copy is restored from the one stored tensor
         checkpoint.load_into(engine.stage, stored)

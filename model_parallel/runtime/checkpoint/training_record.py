@@ -14,14 +14,15 @@ tensors, the same on every rank), so a group's lr or weight decay changed on res
 a field was recorded (an older checkpoint) leaves it unknown: not compared.
 The data is recorded by its description and a fingerprint of its contents, compared by the fingerprint where both
 records hold one (data_identity.py: the same file by another path is the same data, another of the same size is not).
-The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
+The graph's structure is recorded and compared too (graph_identity.py: the parameters alone do not tell a model with
+dropout from one without). The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
 """
 from __future__ import annotations
 
 import logging
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from model_parallel.errors import ConfigError
@@ -34,12 +35,12 @@ logger = logging.getLogger(__name__)
 
 # The fields a resume must keep, in the order a refusal names them.
 COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule", "precision", "clip_grad", "data",
-            "optimizer", "lr", "momentum", "weight_decay", "betas", "eps", "param_groups")
+            "optimizer", "lr", "momentum", "weight_decay", "betas", "eps", "param_groups", "graph")
 # The optimizer's: its kind ("sgd", "adamw": the class name, as --optimizer spells it) and the defaults it was built
 # with. A field one optimizer has and the other lacks (SGD's momentum, Adam's betas) is not compared: the kind is.
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "betas", "eps")
 # Compared only where this run records them too (a factory that fails on the probe tensors records none).
-RECORDED_IF_KNOWN = OPTIMIZER_FIELDS + ("param_groups",)
+RECORDED_IF_KNOWN = OPTIMIZER_FIELDS + ("param_groups", "graph")
 
 
 def _settings(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -96,9 +97,10 @@ def probe_optimizer(built: Any, factory: Any) -> Any:
 
 
 def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = None,
-                    groups: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    """The training configuration of a run (a `TrainConfig`, its `optimizer` and `groups` (`describe_groups`) if
-    given) and where its data stands at `next_step` (JSON)."""
+                    groups: Optional[Mapping[str, Any]] = None, graph: Any = None) -> dict[str, Any]:
+    """The training configuration of a run (a `TrainConfig`, its `optimizer`, `groups` (`describe_groups`) and
+    `graph`'s structure (graph_identity.py) if given) and where its data stands at `next_step` (JSON)."""
+    from model_parallel.runtime.checkpoint.graph_identity import describe_graph
     from model_parallel.runtime.data.sources import position
 
     # A schedule `--schedule auto` chose is recorded as "auto": a resume may choose again (all flush schedules train alike).
@@ -114,6 +116,7 @@ def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = 
         "data_position": {"next_step": next_step, **position(dataset, next_step)},
         **(describe_optimizer(optimizer) if optimizer is not None else {}),
         **(groups or {}),
+        **({"graph": describe_graph(graph)} if graph is not None else {}),
     }
 
 
@@ -135,6 +138,8 @@ def advice(field: str, value: Any) -> str:
     """How to give `field` the checkpoint's `value` again, as a command line takes it (or the API, where none does)."""
     if field in ("betas", "eps"):  # no command-line flag: only an optimizer_factory sets them
         return f"an optimizer_factory building the optimizer with {field}={tuple(value) if isinstance(value, list) else value}"
+    if field == "graph":
+        return "--graph with the graph the run trained (its checkpoint's step_<N>/graph.json)"
     if field == "param_groups":
         return f"an optimizer_factory whose parameter groups give matrices and vectors {value}"
     if value is None:  # clip_grad None: the flag takes no "None", leaving it out is how
@@ -146,8 +151,10 @@ def advice(field: str, value: Any) -> str:
     return f"--{field} {shlex.quote(str(value))}"
 
 
-def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any], allow: bool, where: str) -> list[str]:
-    """Refuse (ConfigError) a resume that changes a recorded field, or with `allow` log each change; returns them."""
+def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any], allow: bool, where: str,
+                 details: Optional[Mapping[str, Callable[[], str]]] = None) -> list[str]:
+    """Refuse (ConfigError) a resume that changes a recorded field, or with `allow` log each change; returns them.
+    `details`: what a changed field's change line adds, asked only when it changed (the graph's first difference)."""
     if not isinstance(stored, Mapping):
         logger.warning("%s records no training configuration (written before it was recorded): the resume cannot "
                        "check that batch size, microbatches, schedule, seed, lr schedule, precision, data and optimizer are the same",
@@ -156,7 +163,11 @@ def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]
     if unverified(stored, current):
         logger.warning("%s was written before the data's contents were recorded: the resume cannot verify that this "
                        "run's data (%s) holds what the run trained on, only its name", where, current.get("data"))
-    changes = [f"{key} {old!r} -> {new!r}" + (f" ({why})" if why else "") for key, old, new, why in changed_fields(stored, current)]
+    details = details or {}
+    changes = []
+    for key, old, new, why in changed_fields(stored, current):
+        why = why or (details[key]() if key in details else "")
+        changes.append(f"{key} {old!r} -> {new!r}" + (f" ({why})" if why else ""))
     if changes and not allow:
         first = changed_fields(stored, current)[0][0]
         raise ConfigError(f"--resume from {where}: the run was trained with a different {first}: {'; '.join(changes)} "

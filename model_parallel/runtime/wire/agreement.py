@@ -45,10 +45,20 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
-def graph_digest(graph: Graph) -> int:
-    """The graph's structure: node ids, edges and layers (not its timings or sizes)."""
-    return _digest([[n.node_id, dataclasses.asdict(n.layer) if n.layer is not None else None] for n in graph.nodes]
-                   + [list(edge) for edge in graph.edges])
+def graph_digest(graph: Graph, shapes: bool = True) -> int:
+    """The graph's structure: node ids, edges and layers (not its timings or sizes). `shapes=False` leaves out the
+    layers' output shapes: a resume's graph may have been profiled at another batch size (graph_identity.py)."""
+    return _digest([[n.node_id, layer_fields(n, shapes)] for n in graph.nodes] + [list(edge) for edge in graph.edges])
+
+
+def layer_fields(node: Any, shapes: bool = True) -> Optional[dict[str, Any]]:
+    """A node's layer as the digest sees it (None for a node without one)."""
+    if node.layer is None:
+        return None
+    fields = dataclasses.asdict(node.layer)
+    if not shapes:
+        fields.pop("outputs", None)
+    return fields
 
 
 def plan_digest(plan: Plan) -> int:

@@ -1,7 +1,9 @@
-"""A resume trains the same data: the training record's content fingerprint of the data (checkpoint/data_identity.py)."""
+"""A resume trains the same data and the same model: the training record's content fingerprint of the data
+(checkpoint/data_identity.py) and its graph structure (checkpoint/graph_identity.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from model_parallel.errors import ConfigError
@@ -168,3 +171,59 @@ def test_the_api_refuses_a_resume_with_another_dataset_of_the_same_length(tmp_pa
         assert run(7, 4, resume=True, allow=True) == 1
     finally:
         dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.drop = nn.Dropout(dropout) if dropout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        return torch.relu(self.drop(x) if self.drop is not None else x)
+
+
+def _graph(dropout: float = 0.0, batch: int = 2):
+    from model_parallel.profiler.trace import trace_model
+
+    return trace_model(Net(dropout), (torch.zeros(batch, 4),))[0]
+
+
+def _graph_record(graph) -> dict:
+    from model_parallel.runtime.data.batches import SyntheticData
+
+    return training_record(CONFIG, SyntheticData(4, (4,)), 3, graph=graph)
+
+
+def test_another_graph_of_the_same_parameters_is_refused_naming_the_first_differing_node(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from model_parallel.runtime.checkpoint.graph_identity import graph_details
+    from model_parallel.runtime.checkpoint.model_files import write_model_files
+
+    trained = _graph()
+    write_model_files(tmp_path, trained)
+    stored, other = _graph_record(trained), _graph_record(_graph(dropout=0.1))
+    details = graph_details(tmp_path, _graph(dropout=0.1))
+    with pytest.raises(ConfigError, match=r"different graph: graph '3 nodes, structure [0-9a-f]{16}' -> '4 nodes, "
+                                          r"structure [0-9a-f]{16}' \(3 -> 4 nodes; the first that differs is node #3: "
+                                          r"'relu' -> 'drop'\).*the graph the run trained.*--allow_config_change"):
+        check_resume(stored, other, allow=False, where="ck", details=details)
+    with caplog.at_level(logging.WARNING):
+        assert len(check_resume(stored, other, allow=True, where="ck", details=details)) == 1
+    assert "--allow_config_change: resuming from ck with graph" in caplog.text
+
+
+def test_the_same_graph_reprofiled_or_read_back_from_the_checkpoint_is_the_same(tmp_path: Path) -> None:
+    from model_parallel.runtime.checkpoint.model_files import checkpoint_graph, write_model_files
+
+    trained = _graph()
+    stored = _graph_record(trained)
+    timed = replace(trained, nodes=tuple(replace(n, forward_ms=n.forward_ms + 1.5) for n in trained.nodes))
+    write_model_files(tmp_path, trained)
+    for graph in (timed, _graph(batch=8), checkpoint_graph(tmp_path)):  # other timings, another profiled batch size
+        assert check_resume(stored, _graph_record(graph), allow=False, where="ck") == []
+    # A checkpoint written before the graph was recorded: not compared.
+    old = {k: v for k, v in stored.items() if k != "graph"}
+    assert check_resume(old, _graph_record(_graph(dropout=0.1)), allow=False, where="ck") == []
+    assert os.path.isfile(tmp_path / "graph.json")
