@@ -116,6 +116,9 @@ class PipelineEngine(TrainingLoop):
         self.graph, self.model, self.criterion = graph, model, criterion
         self.optimizer_factory, self.dataset, self.config, self.options = optimizer_factory, dataset, config, options
         self.eval_dataset = eval_dataset  # validated on every `options.eval_every` steps (loop.py)
+        if options.checkpoint_dir:  # the data's fingerprint (checkpoints record it) read now, before a prefetch thread reads
+            from model_parallel.runtime.checkpoint.data_identity import data_content
+            data_content(dataset)
         self.channel = channel or NullChannel()
         self.health = health
         self.device = device or torch.device("cpu")

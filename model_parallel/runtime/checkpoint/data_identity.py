@@ -15,7 +15,8 @@ every rank, computed once per source:
 - a map-style Dataset: its length and a sha256 of samples 0, n//2 and n-1 as collated (not the shuffled
   order: that follows from the seed, a field of its own). They are read under fixed seeds, the training's
   random state kept, so a random augmentation reads the same on resume; samples that still differ when read
-  twice (state in the dataset) record none, rather than refusing every resume.
+  twice (state in the dataset) record none, rather than refusing every resume. The engine reads it when it is
+  built, before a prefetch thread reads the data too (the fixed seeds are the process's).
 - an ImageFolder: its image list (paths relative to the root, and classes), not the pixels.
 Other sources record none and are compared by description: an iterable (reading it would advance it),
 synthetic data (its description, batch size and seed are all it is), a user's batch(step) object (nothing
