@@ -336,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if health is None:
             raise  # before joining a world: no threads yet, cli.common prints it and exits 2
         leave(EXIT_USAGE, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
-              cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank))
+              cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank, fix_first=True))
     except Exception as error:  # noqa: BLE001 - a layer failing at run time: one line here, and for every peer
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:

@@ -37,9 +37,11 @@ def runtime_failure(error: BaseException, prefix: str) -> str:
     return f"{prefix} failed while training: {type(error).__name__}: {text}".rstrip(": ")
 
 
-def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int) -> Optional[str]:
+def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, fix_first: bool = False) -> Optional[str]:
     """The last line after a failure: the latest committed checkpoint and the command that resumes from it
-    (None without --checkpoint_dir: nothing was saved to resume from)."""
+    (None without --checkpoint_dir: nothing was saved to resume from). `fix_first`: the failure was a usage or
+    configuration error, which the same command would meet again (a resume refused for a changed flag, a
+    token file with a bad id): the line says to fix it first."""
     if not checkpoint_dir:
         return None
     from model_parallel.errors import CheckpointError
@@ -56,7 +58,8 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int) -
     command = shlex.join([*launcher, *args]) + note
     if step is None:
         return f"[rank {rank}] no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"
-    return f"[rank {rank}] latest committed checkpoint: {step_dir(checkpoint_dir, step)}; resume every rank with: {command}"
+    first = " once the error above is fixed (where it names a flag: in this command too)," if fix_first else ""
+    return f"[rank {rank}] latest committed checkpoint: {step_dir(checkpoint_dir, step)};{first} resume every rank with: {command}"
 
 
 def launch_command(env: Optional[Mapping[str, str]] = None, main_module: Optional[str] = None,

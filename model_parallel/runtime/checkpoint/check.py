@@ -17,7 +17,9 @@ import torch
 
 from model_parallel.errors import CheckpointError
 
-FIX = "delete this step directory (and fix or delete 'latest') and resume from an earlier step"
+# What to do with a damaged step: without it and the pointer, --resume (and export) take the newest step still
+# committed (layout.latest_step). No flag picks a step: the directory is the choice.
+FIX = "delete this step directory and the 'latest' pointer beside it: --resume then starts from the newest step still committed"
 # Far above any real shard, far below what would exhaust memory by accident: a field, not a promise.
 MAX_SHARD_BYTES = 1 << 40
 MAX_STEP = 1 << 53  # exact in a JSON double; a step past it is a corrupt field, not a long run
@@ -93,7 +95,7 @@ def _check_shard_entry(shard: Any, where: str, bad: Any) -> None:
 def shard_digest(file: Path, expected: int | None, rank: int) -> tuple[int, str]:
     """(size, sha256) of a shard file: a regular file (followed symlinks included) of `expected` bytes, read in
     pieces no further than that; a device, FIFO or directory is refused before reading (it could be endless)."""
-    fix = "resume from an earlier step"
+    fix = FIX
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; the type check below then refuses it.
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -133,7 +135,7 @@ def check_payload(payload: Any, meta: dict[str, Any], file: Path) -> dict[str, A
     manifest entry lists, with the recorded shapes; returns it."""
 
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{file}: the shard of rank {meta['rank']} is malformed ({what}); resume from an earlier step")
+        return CheckpointError(f"{file}: the shard of rank {meta['rank']} is malformed ({what}); {FIX}")
 
     if not isinstance(payload, dict):
         raise bad(f"a {type(payload).__name__}, not the saved dictionary")

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from model_parallel.allocator import mapped_empty
 from model_parallel.errors import CheckpointError
+from model_parallel.runtime.checkpoint.check import FIX
 from model_parallel.runtime.checkpoint.state import StreamedState
 from model_parallel.runtime.step.file_range import FileRange
 
@@ -172,7 +173,7 @@ class ShardReader:
         offset, nbytes = _offset(tensor), tensor.untyped_storage().nbytes()
         if offset < 0 or offset + nbytes > self.size:
             raise CheckpointError(f"{self.file}: a tensor's record ({nbytes} bytes at {offset}) lies outside the "
-                                  f"{self.size}-byte shard; resume from an earlier step")
+                                  f"{self.size}-byte shard; {FIX}")
         return offset, nbytes
 
     def _read(self, handle: Handle, tensor: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ from torch import nn
 from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
-from model_parallel.runtime.checkpoint.check import check_manifest, check_payload, shard_digest
+from model_parallel.runtime.checkpoint.check import FIX, check_manifest, check_payload, shard_digest
 from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of this module's API
     LATEST,
     MANIFEST,
@@ -287,8 +287,8 @@ class Checkpoint:
             size, digest = shard_digest(file, meta.get("bytes"), meta["rank"])
             if digest != meta["sha256"]:
                 raise CheckpointError(
-                    f"{file}: shard of rank {meta['rank']} is corrupt (checksum differs from {MANIFEST}); "
-                    f"resume from an earlier step (load_checkpoint(directory, step=...))"
+                    f"{file}: shard of rank {meta['rank']} is corrupt (checksum differs from {MANIFEST}); {FIX} "
+                    "(in Python: load_checkpoint(directory, step=...))"
                 )
             try:
                 reader = ShardReader(file, size)
@@ -296,7 +296,7 @@ class Checkpoint:
                 if isinstance(error, CheckpointError):
                     raise
                 reason = str(error).splitlines()[0][:200] if str(error) else ""
-                raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); resume from an earlier step") from None
+                raise CheckpointError(f"{file}: cannot be read ({type(error).__name__}: {reason}); {FIX}") from None
             skeleton = check_payload(reader.skeleton, meta, file)
             # Meta tensors: a tensor (a parameter's optimizer state) is read from the file when it is asked for.
             self._readers[index] = reader
@@ -380,7 +380,8 @@ def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fi
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
-            f"{manifest_path}: missing, so step {step} was never committed (committed steps: {list_checkpoints(root)})"
+            f"{manifest_path}: missing, so step {step} was never committed (committed steps: {list_checkpoints(root)}); "
+            f"delete {folder} and the '{LATEST}' pointer naming it: --resume then starts from the newest committed step"
         )
     manifest = _read_json(manifest_path, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

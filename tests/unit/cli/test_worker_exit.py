@@ -34,3 +34,19 @@ def test_the_resume_hint_adds_resume_to_the_real_command(tmp_path, monkeypatch):
     hint = resume_hint(str(tmp_path), ["--model", "mlp", "--checkpoint_dir", str(tmp_path)], 1)
     assert hint == (f"[rank 1] no checkpoint was committed in {tmp_path}; rerun to start over: "
                     f"{PY} test_parallel_0.py --model mlp --checkpoint_dir {tmp_path} --resume")
+
+
+def test_after_a_usage_error_the_resume_hint_says_to_fix_it_first(tmp_path, monkeypatch):
+    # QA: a resume refused for a changed --batch_size was told to resume with the same command, --batch_size included.
+    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys, "argv", ["/x/test_parallel_0.py"])
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "latest").write_text("step_3\n")
+    argv = ["--model", "mlp", "--checkpoint_dir", str(tmp_path), "--resume", "--batch_size", "32"]
+    plain, first = resume_hint(str(tmp_path), argv, 0), resume_hint(str(tmp_path), argv, 0, fix_first=True)
+    assert plain == f"[rank 0] latest committed checkpoint: {tmp_path / 'step_3'}; resume every rank with: {PY} " \
+                    f"test_parallel_0.py {' '.join(argv)}"
+    assert first == plain.replace("; resume", "; once the error above is fixed (where it names a flag: in this command "
+                                              "too), resume")

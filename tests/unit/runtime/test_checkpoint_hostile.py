@@ -69,7 +69,7 @@ def test_a_malformed_manifest_field_is_one_error_naming_it(tmp_path: Path, chang
     edit_manifest(folder, change)
     with pytest.raises(CheckpointError, match=message) as caught:
         read_all(tmp_path)
-    assert str(caught.value).startswith(str(folder / "manifest.json")) and "resume from an earlier step" in str(caught.value)
+    assert str(caught.value).startswith(str(folder / "manifest.json")) and "--resume then starts from the newest step still committed" in str(caught.value)
 
 
 def test_a_shard_symlinked_to_dev_zero_is_refused_without_reading(tmp_path: Path) -> None:
