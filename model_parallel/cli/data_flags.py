@@ -25,6 +25,9 @@ def check(args: Any, where: str = "") -> None:
     """Fail fast, before joining a world, on data flags that cannot work (one line each, exit 2)."""
     for flag, spec in (("--data", args.data), ("--eval_data", args.eval_data)):
         _check_spec(flag, spec, where)
+    if args.seq_len is not None and args.seq_len < 1:  # 0 read as "not given" (the model's length), silently
+        raise PlanError(f"{where}--seq_len {args.seq_len}: a window is at least 1 token; leave the flag out for the "
+                        "model's input length")
     if args.eval_every and args.eval_data is None:
         raise PlanError(f"{where}--eval_every {args.eval_every}: needs --eval_data (the data to validate on)")
 

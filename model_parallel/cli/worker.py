@@ -106,11 +106,14 @@ def build_parser() -> ArgumentParser:
                    help="zbh1, zbinterleaved, zbv: list: each rank's order list-built from the stage times (the plan's "
                         "measured stage_times, else the profile's) where it simulates faster; fixed: torch's order")
     t.add_argument("--steps", type=int, default=10)
-    t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    t.add_argument("--lr", type=float, default=0.01)
-    t.add_argument("--momentum", type=float, default=0.9)
-    t.add_argument("--weight_decay", type=float, default=0.0)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="sgd: torch.optim.SGD with --momentum (default 0.9: plain SGD is --momentum 0); adamw: "
+                        "torch.optim.AdamW (betas and eps torch's defaults). Default sgd")
+    t.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    t.add_argument("--momentum", type=float, default=0.9, help="sgd's momentum (default 0.9)")
+    t.add_argument("--weight_decay", type=float, default=0.0, help="default 0")
+    t.add_argument("--seed", type=int, default=0,
+                   help="initial weights, data order and dropout masks (keyed by seed, step, stage, microbatch); default 0")
     data_flags.add_arguments(t)  # --data, --seq_len, --token_dtype, --eval_data, --eval_every, --eval_steps
     t.add_argument("--recompute", default=None, help="activation recomputation: 'all' or stage ids, e.g. 0,1")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for forward passes")

@@ -21,6 +21,7 @@ from model_parallel.runtime.observe.metrics_read import read_metrics
 
 @pytest.mark.parametrize("argv, message", [
     (["--eval_every", "5"], r"--eval_every 5: needs --eval_data"),
+    (["--seq_len", "0"], r"--seq_len 0: a window is at least 1 token; leave the flag out"),  # was the model's length
     (["--data", "tokens:/nonexistent/train.bin"], r"--data tokens:/nonexistent/train.bin: no such file"),
     (["--eval_data", "/nonexistent"], r"--eval_data /nonexistent: not a directory; give 'synthetic', tokens:PATH"),
 ])
