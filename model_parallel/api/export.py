@@ -118,22 +118,61 @@ def save_pretrained(model_or_config: Any, state: Mapping[str, torch.Tensor], dir
                     *, max_shard_size: Union[int, str] = "5GB", model_class: Optional[str] = None) -> Path:
     """Write `state` (original keys) as a Hugging Face model directory, loadable by `from_pretrained`."""
     config, cls = hf_config_and_class(model_or_config, model_class)
+    return write_hf_directory(config, cls, state, directory, max_shard_size=max_shard_size,
+                              config_file=config_label(model_or_config), origin="the state")
+
+
+def config_label(model_or_config: Any) -> str:
+    """Where a config came from, for an error: its config.json, else its type."""
+    if isinstance(model_or_config, (str, Path)):
+        path = Path(model_or_config)
+        return str(path if path.is_file() else path / "config.json")
+    config = getattr(model_or_config, "config", model_or_config)
+    return f"the config ({type(config).__name__})"
+
+
+def write_hf_directory(config: Any, cls: type, state: Mapping[str, torch.Tensor], directory: Union[str, Path], *,
+                       max_shard_size: Union[int, str], config_file: str, origin: str,
+                       fix: str = "give the config the model was built from") -> Path:
+    """`state` as `cls(config)`'s Hugging Face directory. Every key and shape is checked against the model the config
+    builds before anything is written: torch's load_state_dict would stop at the first mismatch with a traceback,
+    and a mismatch is the config's doing (another vocab_size or width), so the error names its file."""
     with torch.device("meta"):  # no memory: the tensors are `state`'s own
         target = cls(config)
-    keys = set(target.state_dict())
-    missing, unexpected = sorted(keys - set(state)), sorted(set(state) - keys)
+    shapes = {key: tuple(value.shape) for key, value in target.state_dict().items()}
+    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
     if missing or unexpected:
-        raise ConfigError(f"the state does not fit {cls.__name__}: missing {missing[:3]} ({len(missing)}), unexpected "
-                          f"{unexpected[:3]} ({len(unexpected)}); is the config the one the model was built from?")
+        raise ConfigError(f"{config_file}: {origin} does not fit the {cls.__name__} it builds: missing {missing[:3]} "
+                          f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)}); {fix}")
+    other = [(key, tuple(state[key].shape), shape) for key, shape in shapes.items() if tuple(state[key].shape) != shape]
+    if other:
+        listed = "; ".join(f"{key}: {list(have)} stored, {list(want)} by the config" for key, have, want in other[:3])
+        more = f"; and {len(other) - 3} more" if len(other) > 3 else ""
+        raise ConfigError(f"{config_file}: {len(other)} tensor(s) of {origin} have another shape than the "
+                          f"{cls.__name__} this config builds ({listed}{more}); {fix}")
     target.load_state_dict(dict(state), strict=True, assign=True)
     if hasattr(target, "tie_weights"):
         target.tie_weights()  # tied keys one tensor again, so transformers stores them once
     # Non-persistent buffers (rotary frequencies) stay on meta: no state dict, so saving never reads them.
-    out = Path(directory)
+    out = output_directory(directory)
     out.mkdir(parents=True, exist_ok=True)
     target.save_pretrained(str(out), max_shard_size=max_shard_size)
-    logger.info("wrote %s (%s, %d tensors) to %s", cls.__name__, type(config).__name__, len(keys), out)
+    logger.info("wrote %s (%s, %d tensors) to %s", cls.__name__, type(config).__name__, len(shapes), out)
     return out
+
+
+def output_directory(out: Union[str, Path]) -> Path:
+    """`out` as a directory to write into, refused (ConfigError) where a file is in the way: at `out` itself or
+    above it. Checked before anything is read, so a typo in --out costs no load and leaves nothing behind."""
+    path = Path(out)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "exists and is a file" if place == path else f"is inside {place}, a file"
+                raise ConfigError(f"{path}: {where}, not a directory; export writes a directory (config.json and "
+                                  "safetensors, or model.safetensors): give a new or an existing directory path (--out)")
+            break
+    return path
 
 
 # ---- from a checkpoint directory ----------------------------------------------------------------------
@@ -171,6 +210,8 @@ def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str,
     from model_parallel.runtime.checkpoint.model_files import checkpoint_graph, checkpoint_hf_config
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
+    out = output_directory(out)  # before anything is read
+    recorded = config is None
     if graph is None:
         folder = load_checkpoint(checkpoint_dir, step, fix=EXPORT_FIX).path
         graph = checkpoint_graph(folder)
@@ -179,8 +220,12 @@ def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str,
     graph = graph if isinstance(graph, Graph) else load_graph(graph)
     state = original_state_dict(graph, checkpoint_stage_state(checkpoint_dir, graph, step))
     if config is not None:
-        return save_pretrained(config, state, out, max_shard_size=max_shard_size, model_class=model_class)
-    return write_safetensors(state, Path(out) / "model.safetensors")
+        hf_config, cls = hf_config_and_class(config, model_class)
+        fix = (f"restore the config.json the run recorded, or pass --config CONFIG, the config it trained"
+               if recorded else "pass the config the run trained (--config), or drop --config to use the recorded one")
+        return write_hf_directory(hf_config, cls, state, out, max_shard_size=max_shard_size,
+                                  config_file=config_label(config), origin=f"the checkpoint {checkpoint_dir}", fix=fix)
+    return write_safetensors(state, out / "model.safetensors")
 
 
 def write_safetensors(state: Mapping[str, torch.Tensor], path: Union[str, Path]) -> Path:

@@ -10,7 +10,7 @@ import torch
 
 from model_parallel.api.export import checkpoint_stage_state, original_state_dict
 from model_parallel.cli.export import main as export_main
-from model_parallel.errors import CheckpointError
+from model_parallel.errors import CheckpointError, ConfigError
 from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
 from model_parallel.runtime.checkpoint.model_files import GRAPH_FILE, HF_CONFIG_FILE, checkpoint_graph
 from model_parallel.runtime.launch import launch_workers
@@ -52,6 +52,14 @@ def test_hf_checkpoint_exports_with_no_flag(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], want[k]) for k in want)  # bitwise: what the checkpoint holds
     initial = transformers.GPT2LMHeadModel(config).state_dict()
     assert not torch.equal(loaded["transformer.h.0.mlp.c_fc.weight"], initial["transformer.h.0.mlp.c_fc.weight"])
+
+    # The recorded config.json edited to another vocab: one error naming that file and both shapes; nothing written.
+    recorded = folder / HF_CONFIG_FILE
+    recorded.write_text(recorded.read_text().replace('"vocab_size": 32', '"vocab_size": 40'))
+    with pytest.raises(ConfigError, match=r"step_\d+/config\.json: 2 tensor\(s\) of the checkpoint .*"
+                                          r"transformer\.wte\.weight: \[32, 16\] stored, \[40, 16\] by the config"):
+        export_main([str(ckpt), "--out", str(tmp_path / "edited")])
+    assert not (tmp_path / "edited").exists()
 
 
 def test_zoo_checkpoint_exports_a_strict_state_dict_with_no_flag(tmp_path: Path) -> None:
