@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from model_parallel.errors import CheckpointError, ConfigError
+from model_parallel.errors import CheckpointError, ConfigError, ModelParallelError
 from model_parallel.graph.core import Graph
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,11 @@ def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
     return state
 
 
+# A running job with --keep_checkpoints K deletes a step K commits after `latest` named it; export reads `latest`
+# again this many times before it says so (each read takes the step's graph, config and tensors from one folder).
+READ_TRIES = 3
+
+
 def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str, Path, None], out: Union[str, Path], *,
                       config: Any = None, step: Optional[int] = None, max_shard_size: Union[int, str] = "5GB",
                       model_class: Optional[str] = None) -> Path:
@@ -207,25 +213,74 @@ def export_checkpoint(checkpoint_dir: Union[str, Path], graph: Union[Graph, str,
     `graph` None: the graph the checkpoint recorded, and then its Hugging Face config.json too when `config` is None
     (runtime/checkpoint/model_files.py); a given graph or config overrides what it recorded."""
     from model_parallel.graph.io import load_graph
+
+    out = output_directory(out)  # before anything is read
+    given = graph if graph is None or isinstance(graph, Graph) else load_graph(graph)
+    read = _read_pinned(Path(checkpoint_dir), step, given, config, model_class)
+    if read.hf is not None:
+        fix = ("restore the config.json the run recorded, or pass --config CONFIG, the config it trained"
+               if read.recorded else "pass the config the run trained (--config), or drop --config to use the recorded one")
+        return write_hf_directory(*read.hf, read.state, out, max_shard_size=max_shard_size, config_file=read.config_file,
+                                  origin=f"the checkpoint {read.folder}", fix=fix)
+    return write_safetensors(read.state, out / "model.safetensors")
+
+
+@dataclass(frozen=True)
+class _StepRead:
+    """What export takes from one committed step: its tensors in the original names and the config to write them with."""
+
+    folder: Path
+    state: dict[str, torch.Tensor]
+    hf: Optional[tuple[Any, type]]  # (config, model class), None: a plain state dict
+    config_file: str
+    recorded: bool  # the config is the one the checkpoint recorded (not --config)
+
+
+def _read_pinned(root: Path, step: Optional[int], graph: Optional[Graph], config: Any,
+                 model_class: Optional[str]) -> _StepRead:
+    """Step `step` (None: the one `latest` names) read whole; a step deleted while it is read (its manifest gone) is
+    a prune by a running job: `latest` is read again, up to READ_TRIES times, then CheckpointError saying so."""
+    from model_parallel.runtime.checkpoint.layout import MANIFEST, latest_step, step_dir
+    from model_parallel.runtime.checkpoint.store import load_checkpoint
+
+    tries = READ_TRIES if step is None else 1  # a step asked for by number is not replaced by a newer one
+    last: Optional[BaseException] = None
+    for attempt in range(tries):
+        pinned = step if step is not None else latest_step(root)
+        if pinned is None:
+            load_checkpoint(root, None, fix=EXPORT_FIX)  # raises: no committed checkpoint, and what export needs
+            raise AssertionError("load_checkpoint returned without a committed step")
+        try:
+            return _read_step(root, pinned, graph, config, model_class)
+        except (ModelParallelError, OSError) as error:
+            # Pruned: its manifest is gone, or `latest` moved past it (the prune's rmtree may not have reached the
+            # manifest yet). Otherwise the error is about what the step holds, and reading again would not help.
+            gone = not (step_dir(root, pinned) / MANIFEST).is_file()
+            if not (gone or (step is None and latest_step(root) != pinned)):
+                raise
+            last = error
+            logger.info("%s was deleted while export read it (try %d of %d)", step_dir(root, pinned), attempt + 1, tries)
+    raise CheckpointError(
+        f"{step_dir(root, pinned)}: deleted while export read it ({tries} time(s) in a row, each the step 'latest' "
+        "named): a running job prunes its checkpoints (it keeps only its newest --keep_checkpoints); export after "
+        "the run ends, or give the run a larger --keep_checkpoints") from last
+
+
+def _read_step(root: Path, step: int, graph: Optional[Graph], config: Any, model_class: Optional[str]) -> _StepRead:
+    """Everything export needs from committed step `step`, read now (the config too: a recorded config.json goes
+    with its step)."""
     from model_parallel.runtime.checkpoint.model_files import checkpoint_graph, checkpoint_hf_config
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
-    out = output_directory(out)  # before anything is read
-    recorded = config is None
+    folder = load_checkpoint(root, step, fix=EXPORT_FIX).path
+    recorded = graph is None and config is None
     if graph is None:
-        folder = load_checkpoint(checkpoint_dir, step, fix=EXPORT_FIX).path
         graph = checkpoint_graph(folder)
         if config is None:
             config = checkpoint_hf_config(folder, graph)
-    graph = graph if isinstance(graph, Graph) else load_graph(graph)
-    state = original_state_dict(graph, checkpoint_stage_state(checkpoint_dir, graph, step))
-    if config is not None:
-        hf_config, cls = hf_config_and_class(config, model_class)
-        fix = (f"restore the config.json the run recorded, or pass --config CONFIG, the config it trained"
-               if recorded else "pass the config the run trained (--config), or drop --config to use the recorded one")
-        return write_hf_directory(hf_config, cls, state, out, max_shard_size=max_shard_size,
-                                  config_file=config_label(config), origin=f"the checkpoint {checkpoint_dir}", fix=fix)
-    return write_safetensors(state, out / "model.safetensors")
+    state = original_state_dict(graph, checkpoint_stage_state(root, graph, step))
+    hf = None if config is None else hf_config_and_class(config, model_class)
+    return _StepRead(folder, state, hf, "" if config is None else config_label(config), recorded)
 
 
 def write_safetensors(state: Mapping[str, torch.Tensor], path: Union[str, Path]) -> Path:
