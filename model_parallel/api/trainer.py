@@ -20,7 +20,8 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from model_parallel.api.auto_schedule import schedule_refusals
 from model_parallel.api.job import JobSpec, build_job
-from model_parallel.errors import ConfigError, DataError, ModelParallelError, PlanError, TrainingStopped
+from model_parallel.errors import ConfigError, DataError, ModelParallelError, PeerError, PlanError, TrainingStopped
 from model_parallel.graph.core import Graph
 from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import RunOptions, TrainConfig
@@ -264,7 +265,11 @@ class PipelineTrainer:
             return local
         from model_parallel.api.export import gather_state, original_state_dict
 
-        whole = local if self.single_process else gather_state(local, self._timeout)
+        if self.single_process:
+            whole = local
+        else:
+            with _collective("state_dict(original_names=True)"):
+                whole = gather_state(local, self._timeout)
         return original_state_dict(self.graph, whole, self._original)
 
     def save_pretrained(self, directory: Union[str, Path], max_shard_size: Union[int, str] = "5GB") -> Optional[Path]:
@@ -284,10 +289,22 @@ class PipelineTrainer:
                                    max_shard_size=max_shard_size)
         from model_parallel.api.shard_export import save_pretrained_sharded
 
-        out = save_pretrained_sharded(self._original, self.graph, self.runner.named_state(), directory,
-                                      group=None if self._closed else self.runner.control_group, timeout=self._timeout,
-                                      max_shard_size=max_shard_size)
+        with _collective("save_pretrained"):
+            out = save_pretrained_sharded(self._original, self.graph, self.runner.named_state(), directory,
+                                          group=None if self._closed else self.runner.control_group,
+                                          timeout=self._timeout, max_shard_size=max_shard_size)
         return out if dist.get_rank() == 0 else None
+
+
+@contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A peer lost inside a collective call says that it is one: the usual cause is a call on some ranks only (on
+    rank 0 alone, as one would write a file), and the peer's "Connection closed by peer" or timeout does not say so."""
+    try:
+        yield
+    except PeerError as error:
+        where = "" if str(error).startswith(what.split("(")[0]) else f"{what}: "
+        raise type(error)(f"{where}{error} ({what} is collective: call it on every rank, together)") from error
 
 
 def _report_kind(built: Optional[torch.optim.Optimizer], factory: OptimizerFactory) -> Optional[str]:
