@@ -67,6 +67,10 @@ def check_inputs(args: Any, where: str = "") -> None:
             raise PlanError(f"{where}--control_script {args.control_script}: no such file; give the JSON file "
                             "{step: command} that rank 0 plays")
         read_control_script(args.control_script)
+    if args.resume and not args.checkpoint_dir:  # else ignored: training started at step 0 and exited 0, unsaid
+        from model_parallel.errors import ConfigError
+
+        raise ConfigError(f"{where}--resume needs --checkpoint_dir DIR (the directory the run wrote its checkpoints to)")
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise PlanError(f"{where}--checkpoint_dir {args.checkpoint_dir}: is a file, not a directory; give a directory "
                         "(it is created if missing)")
