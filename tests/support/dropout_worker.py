@@ -6,7 +6,6 @@ one process.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -20,13 +19,11 @@ import model_parallel  # noqa: E402,F401  (before transformers: repairs its torc
 from model_parallel import PipelineTrainer, RunOptions, TrainConfig  # noqa: E402
 from model_parallel.fileio import atomic_write, atomic_write_text  # noqa: E402
 from support.dropout_case import SCHEDULES, STEPS, Tokens, build, config, sgd  # noqa: E402
+from support.worker_world import join  # noqa: E402
 
 
 def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    rank, world, out = join(sys.argv)
     results: dict[str, torch.Tensor] = {}
     for schedule in SCHEDULES:
         trainer = PipelineTrainer(build(), sgd, Tokens(), config(schedule), options=RunOptions(timeout=120, progress=False))

@@ -7,26 +7,22 @@ With `interleaved`: the MLP case only (the GPTs tie weights across stages), 2 st
 """
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
 
 from model_parallel import PipelineTrainer, RunOptions  # noqa: E402
 from support.eval_cases import EVAL_STEPS, STEPS, case_names, make_case  # noqa: E402
+from support.worker_world import join  # noqa: E402
 
 
 def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    rank, world, out = join(sys.argv)
     interleaved = sys.argv[5:] == ["interleaved"]
     results = {}
     for name in ["mlp"] if interleaved else case_names():
