@@ -172,5 +172,7 @@ class RunOptions:
         if not 0 <= self.gloo_loop_nice <= 19:
             raise ConfigError(f"gloo_loop_nice must be a nice value in 0..19 (0: leave gloo's threads as they are), got "
                               f"{self.gloo_loop_nice}")
+        if self.resume and not self.checkpoint_dir:  # else nothing to resume from: step 0, and nothing said
+            raise ConfigError("resume needs checkpoint_dir (the directory the run wrote its checkpoints to)")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1 (the one to resume from), got {self.keep_checkpoints}")

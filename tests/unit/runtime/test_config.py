@@ -21,6 +21,7 @@ from model_parallel.cli.worker_job import make_config
     (lambda: RunOptions(timeout=0), r"timeout must be > 0 seconds, got 0"),
     (lambda: RunOptions(checkpoint_every=-2), r"checkpoint_every must be >= 0 steps .* got -2"),
     (lambda: RunOptions(keep_checkpoints=0), r"keep_checkpoints must be >= 1"),
+    (lambda: RunOptions(resume=True), r"resume needs checkpoint_dir"),  # the API trained from step 0, unsaid
     (lambda: StragglerInjection(0.5, 1), r"slowdown factor must be >= 1 \(1 = off\), got 0.5"),
     (lambda: StragglerInjection(2.0, -1), r"slowdown_rank must be a rank >= 0, got -1"),
     (lambda: StragglerInjection(2.0, 0, after_step=-1), r"slowdown_after_step must be >= 0, got -1"),
