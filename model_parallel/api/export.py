@@ -183,11 +183,16 @@ EXPORT_FIX = "export reads a training run's --checkpoint_dir (its 'latest' point
 def checkpoint_stage_state(checkpoint_dir: Union[str, Path], graph: Graph,
                            step: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every stage key of a committed checkpoint (a tie stored once restored under each of its keys)."""
-    from model_parallel.codegen.naming import state_key_map
-    from model_parallel.runtime.build.tied import stored_keys
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
-    checkpoint = load_checkpoint(checkpoint_dir, step, fix=EXPORT_FIX)
+    return _stage_state(load_checkpoint(checkpoint_dir, step, fix=EXPORT_FIX), graph)
+
+
+def _stage_state(checkpoint: Any, graph: Graph) -> dict[str, torch.Tensor]:
+    """`checkpoint_stage_state` of an opened checkpoint."""
+    from model_parallel.codegen.naming import state_key_map
+    from model_parallel.runtime.build.tied import stored_keys
+
     state = {**checkpoint.params(), **checkpoint.buffers()}
     for alias, stored in stored_keys(graph).items():
         if stored in state:
@@ -272,13 +277,14 @@ def _read_step(root: Path, step: int, graph: Optional[Graph], config: Any, model
     from model_parallel.runtime.checkpoint.model_files import checkpoint_graph, checkpoint_hf_config
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
-    folder = load_checkpoint(root, step, fix=EXPORT_FIX).path
+    checkpoint = load_checkpoint(root, step, fix=EXPORT_FIX)
+    folder = checkpoint.path
     recorded = graph is None and config is None
     if graph is None:
         graph = checkpoint_graph(folder)
         if config is None:
             config = checkpoint_hf_config(folder, graph)
-    state = original_state_dict(graph, checkpoint_stage_state(root, graph, step))
+    state = original_state_dict(graph, _stage_state(checkpoint, graph))
     hf = None if config is None else hf_config_and_class(config, model_class)
     return _StepRead(folder, state, hf, "" if config is None else config_label(config), recorded)
 

@@ -164,12 +164,13 @@ def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]
         logger.warning("%s was written before the data's contents were recorded: the resume cannot verify that this "
                        "run's data (%s) holds what the run trained on, only its name", where, current.get("data"))
     details = details or {}
+    changed = changed_fields(stored, current)
     changes = []
-    for key, old, new, why in changed_fields(stored, current):
+    for key, old, new, why in changed:
         why = why or (details[key]() if key in details else "")
         changes.append(f"{key} {old!r} -> {new!r}" + (f" ({why})" if why else ""))
     if changes and not allow:
-        first = changed_fields(stored, current)[0][0]
+        first = changed[0][0]
         raise ConfigError(f"--resume from {where}: the run was trained with a different {first}: {'; '.join(changes)} "
                           f"(checkpoint -> this run); resume with the checkpoint's settings (e.g. "
                           f"{advice(first, stored[first])}), or pass --allow_config_change (RunOptions.allow_config_change) to accept the change")
