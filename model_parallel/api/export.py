@@ -17,6 +17,7 @@ whole state in one process; `trainer.save_pretrained` on several ranks writes ea
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from model_parallel.api.hf_directory import make_staging, move_into_place, weight_files
 from model_parallel.errors import CheckpointError, ConfigError, ModelParallelError
 from model_parallel.graph.core import Graph
 
@@ -156,8 +158,14 @@ def write_hf_directory(config: Any, cls: type, state: Mapping[str, torch.Tensor]
         target.tie_weights()  # tied keys one tensor again, so transformers stores them once
     # Non-persistent buffers (rotary frequencies) stay on meta: no state dict, so saving never reads them.
     out = output_directory(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    target.save_pretrained(str(out), max_shard_size=max_shard_size)
+    # transformers writes file by file: a crash mid-save (or a full disk) would leave a config beside a part of the
+    # weights, which from_pretrained loads with the rest left at their init. Staged, the target is whole or untouched.
+    staging = make_staging(out)
+    try:
+        target.save_pretrained(str(staging), max_shard_size=max_shard_size)
+        move_into_place(staging, out, weight_files(staging))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     logger.info("wrote %s (%s, %d tensors) to %s", cls.__name__, type(config).__name__, len(shapes), out)
     return out
 

@@ -20,10 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import re
 import shutil
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from model_parallel.api.hf_directory import INDEX_NAME, make_staging, move_into_place
 from model_parallel.errors import CheckpointError, ConfigError, ModelParallelError
 from model_parallel.graph.core import STATE_ALIASES, Graph
 
@@ -38,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["save_pretrained_sharded", "TensorEntry", "shard_layout", "hf_kept_keys"]
 
-INDEX_NAME = "model.safetensors.index.json"
-_WEIGHTS_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # what a save writes (and may leave stale)
 
 
 @dataclass(frozen=True)
@@ -189,10 +185,7 @@ def save_pretrained_sharded(model: Any, graph: Graph, stage_state: Mapping[str, 
     staging, failure = "", None
     if rank == 0:
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            # mkdir, not mkdtemp: the directory becomes the user's, with the umask's mode as transformers' would
-            staging = str(out.parent / f".{out.name}.{secrets.token_hex(6)}.partial")
-            os.mkdir(staging)
+            staging = str(make_staging(out))
         except OSError as error:
             failure, local = _cause(error), error
     _agree_or_raise(failure, group, timeout, "making the temporary directory beside the target", local)
@@ -290,22 +283,4 @@ def _finish(target: Any, shards: Sequence[Shard], entries: Sequence[TensorEntry]
                               "total_size": sum(sizes[k].nbytes for s in shards for k in s.keys)},
                  "weight_map": {k: s.filename for s in shards for k in s.keys}}
         atomic_write_text(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _move_into_place(tmp, out, {s.filename for s in shards})
-
-
-def _move_into_place(tmp: Path, out: Path, weights: set[str]) -> None:
-    """A new directory: one rename. An existing one (a tokenizer may live there): file by file, the index last,
-    then the weight files of an earlier save that the new index does not name (as transformers cleans up)."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    if not out.is_dir():
-        raise CheckpointError(f"{out} exists and is not a directory; pass a directory path")
-    names = sorted(p.name for p in tmp.iterdir())
-    for name in sorted(names, key=lambda n: n == INDEX_NAME):
-        os.replace(tmp / name, out / name)
-    for stale in out.iterdir():
-        if _WEIGHTS_FILE.fullmatch(stale.name) and stale.name not in weights:
-            stale.unlink()
-    if len(weights) == 1:
-        (out / INDEX_NAME).unlink(missing_ok=True)
+    move_into_place(tmp, out, {s.filename for s in shards})

@@ -65,3 +65,32 @@ def test_a_config_of_another_width_lists_three_and_counts_the_rest(tmp_path):
                                           r"the config.*; and \d+ more\); give the config"):
         save_pretrained(wider, state, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_save_that_fails_midway_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+    """transformers writes config.json before the weights: a crash between them (a full disk) used to leave a config
+    beside no or part of the weights, which from_pretrained loads with the missing tensors at their init."""
+    import transformers
+    import transformers.modeling_utils
+
+    folder, state = _gpt2(tmp_path, vocab_size=32)
+    fresh, existing = tmp_path / "fresh", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "tokenizer.json").write_text("{}")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_full)  # as transformers imports it
+    for out in (fresh, existing):
+        with pytest.raises(OSError, match="No space left"):
+            save_pretrained(folder, state, out)
+    assert not fresh.exists()
+    assert sorted(p.name for p in existing.iterdir()) == ["tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")) == []  # no staging left behind
+
+    monkeypatch.undo()
+    save_pretrained(folder, state, existing)
+    assert {"tokenizer.json", "config.json", "model.safetensors"} <= {p.name for p in existing.iterdir()}
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(existing).state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())

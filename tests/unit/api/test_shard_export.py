@@ -54,7 +54,7 @@ def test_max_shard_size_reads_as_huggingface_hub_reads_it() -> None:
 
 
 def test_into_an_existing_directory_other_files_stay_and_an_earlier_saves_shards_go(tmp_path) -> None:
-    from model_parallel.api.shard_export import INDEX_NAME, _move_into_place
+    from model_parallel.api.hf_directory import INDEX_NAME, move_into_place
 
     out, staging = tmp_path / "out", tmp_path / ".out.x.partial"
     out.mkdir()
@@ -63,7 +63,7 @@ def test_into_an_existing_directory_other_files_stay_and_an_earlier_saves_shards
     staging.mkdir()
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX_NAME, "config.json"):
         (staging / name).write_text("new")
-    _move_into_place(staging, out, {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
+    move_into_place(staging, out, {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
     assert {p.name: p.read_text() for p in out.iterdir()} == {
         "tokenizer.json": "old", "model-extra.safetensors": "old", "model-00001-of-00002.safetensors": "new", "model-00002-of-00002.safetensors": "new",
         INDEX_NAME: "new", "config.json": "new"}
@@ -71,16 +71,16 @@ def test_into_an_existing_directory_other_files_stay_and_an_earlier_saves_shards
 
     staging.mkdir(exist_ok=True)
     (staging / "model.safetensors").write_text("one")
-    _move_into_place(staging, out, {"model.safetensors"})  # one file now: no index, no earlier shards
+    move_into_place(staging, out, {"model.safetensors"})  # one file now: no index, no earlier shards
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-extra.safetensors", "model.safetensors",
                                                      "tokenizer.json"]
 
 
 def test_a_new_directory_is_one_rename(tmp_path) -> None:
-    from model_parallel.api.shard_export import _move_into_place
+    from model_parallel.api.hf_directory import move_into_place
 
     staging = tmp_path / ".out.x.partial"
     staging.mkdir()
     (staging / "model.safetensors").write_text("w")
-    _move_into_place(staging, tmp_path / "out", {"model.safetensors"})
+    move_into_place(staging, tmp_path / "out", {"model.safetensors"})
     assert not staging.exists() and (tmp_path / "out" / "model.safetensors").read_text() == "w"
