@@ -49,7 +49,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the model cases: tests/support/hf_zoo
 import torch  # noqa: E402
 
 from model_parallel.fileio import atomic_write_json  # noqa: E402
-from model_parallel.graph.plan import Hierarchy, write_plan  # noqa: E402
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import write_plan  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402
 from model_parallel.optimizer.partition import partition  # noqa: E402
 from model_parallel.profiler.api import output_dicts, profile  # noqa: E402

@@ -69,7 +69,7 @@ if str(REPO) not in sys.path:
 from model_parallel.fileio import atomic_write_json  # noqa: E402
 from model_parallel.graph.core import Graph  # noqa: E402
 from model_parallel.graph.io import load_graph  # noqa: E402
-from model_parallel.graph.plan import Hierarchy  # noqa: E402
+from model_parallel.graph.hierarchy import Hierarchy  # noqa: E402
 from model_parallel.optimizer import synthetic  # noqa: E402
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of  # noqa: E402
 from model_parallel.optimizer.options import PartitionOptions  # noqa: E402

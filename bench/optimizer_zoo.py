@@ -20,7 +20,7 @@ import time
 from typing import Any, Iterator, Optional, Sequence
 
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.partition import partition
 

@@ -21,7 +21,8 @@ from typing import Any
 from model_parallel.errors import ModelParallelError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import FLUSH_SCHEDULES, MULTI_STAGE_SCHEDULES
-from model_parallel.graph.plan import Level, Plan
+from model_parallel.graph.hierarchy import Level
+from model_parallel.graph.plan import Plan
 from model_parallel.runtime.step.auto import EXTRA_KEY, Candidate, Choice, choose_schedule, proxy_times, stage_times
 from model_parallel.runtime.step.interleaved import world_refusal
 

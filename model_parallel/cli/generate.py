@@ -111,7 +111,7 @@ def straight_recut(graph: Graph, plan: Plan, replicas: Optional[dict[int, int]],
         return plan
     if sorted(replicas) != list(range(len(replicas))) or set(replicas.values()) != {1}:
         return plan  # another shape: plan_with_replicas says what is wrong
-    from model_parallel.graph.plan import Hierarchy
+    from model_parallel.graph.hierarchy import Hierarchy
     from model_parallel.optimizer.options import PartitionOptions
     from model_parallel.optimizer.partition import partition
 

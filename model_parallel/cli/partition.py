@@ -73,7 +73,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     configure_logging(args.verbose)
     from model_parallel.errors import RenderError
     from model_parallel.graph.io import load_graph, save_graph, sidecar_path
-    from model_parallel.graph.plan import Hierarchy, write_plan
+    from model_parallel.graph.hierarchy import Hierarchy
+    from model_parallel.graph.plan import write_plan
     from model_parallel.graph.render import render_graph
     from model_parallel.optimizer.options import PartitionOptions
     from model_parallel.optimizer.partition import partition

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 from model_parallel.errors import InfeasibleError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.graph.precision import precision_of
 from model_parallel.optimizer.costs import data_parallel_seconds, stage_costs, stage_transfers
 from model_parallel.optimizer.dp import Part

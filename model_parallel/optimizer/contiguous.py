@@ -18,7 +18,8 @@ from typing import Any, Optional
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import LOOP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from model_parallel.graph.plan import Hierarchy, Plan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.loop import loop_rank_plan, v_rank_plan
 from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, offload_bytes, plan_footprint
 from model_parallel.optimizer.options import PartitionOptions

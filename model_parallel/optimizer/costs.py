@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Level, Plan
+from model_parallel.graph.hierarchy import Level
+from model_parallel.graph.plan import Plan
 from model_parallel.graph.precision import precision_of, wire_bytes
 
 

@@ -25,7 +25,8 @@ import numpy as np
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph
 from model_parallel.graph.in_flight import ZERO_BUBBLE_SCHEDULES
-from model_parallel.graph.plan import Hierarchy, Plan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import Plan
 from model_parallel.optimizer import antichains as antichains_module
 from model_parallel.optimizer.assemble import assign_nodes, build_plan, infeasible_message
 from model_parallel.optimizer.options import PartitionOptions

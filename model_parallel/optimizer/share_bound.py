@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 
 # Relative slack on a time: the DP sums and divides in another order than the bound's tests.
 ROUNDING = 1e-9

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from model_parallel.errors import PlanError
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.dp import LevelTables, Part, all_rows, analyze, range_table, solve_level
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.states import States

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from model_parallel.graph.io import load_graph
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
@@ -32,7 +32,7 @@ sys.meta_path.insert(0, Blocker())
 sys.path[:0] = [sys.argv[1], sys.argv[2], sys.argv[4]]  # the package, test_optimizer's folder, tests/ (support)
 import model_parallel
 from model_parallel.graph.io import load_graph
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.search import searched_partition

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer import partition as partition_module
 from model_parallel.optimizer.search import searched_partition

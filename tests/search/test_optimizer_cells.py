@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.search.bounded import solve_bounded
 from model_parallel.optimizer.search.bounds import level_bounds, row_states
 from model_parallel.optimizer.search.cells import cell_mask, level_cell_work, stage_contexts

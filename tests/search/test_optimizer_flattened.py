@@ -11,7 +11,7 @@ import pytest
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Node
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search import searched_partition as partition  # the search layers' entry

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from model_parallel.graph.core import Graph, Node
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.antichains import antichain_states, enumerate_antichains, enumeration_view
 from model_parallel.optimizer.brute_force import Cut, all_cuts, brute_force, chains_of
 from model_parallel.optimizer.downset_count import count_downsets

@@ -13,7 +13,7 @@ import pytest
 from support import REPO, TESTS
 
 from model_parallel.graph.io import load_graph
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition as core_partition
@@ -63,7 +63,7 @@ def test_one_level_does_not_load_numba() -> None:
     script = textwrap.dedent(f"""
         import sys
         from model_parallel.graph.io import load_graph
-        from model_parallel.graph.plan import Hierarchy
+        from model_parallel.graph.hierarchy import Hierarchy
         from model_parallel.optimizer.search import searched_partition as partition
         # GPT-2's one-level plan is not proven: the search goes as far as the flattened search's place.
         plan = partition(load_graph({str(FIXTURES / "gpt2_insitu.graph.txt")!r}, use_sidecar=False), Hierarchy.from_lists([4]))

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.tuning import Tuning

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Optional
 
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Hierarchy, Plan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.antichains import Antichains, finish_antichains
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition

@@ -8,7 +8,7 @@ import logging
 import math
 from dataclasses import replace
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.bounded import (
     bounded_solve, cut_union, enumerate_or_none, estimated_bounded_work, relaxed_bound, solve_below,

@@ -16,7 +16,7 @@ from typing import Optional, Union
 import numpy as np
 
 from model_parallel.errors import InfeasibleError, PlanError
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.bounds import ROUNDING, LevelBounds, boundary_states, level_bounds, row_states
 from model_parallel.optimizer.search.cells import bounded_plan, cell_mask, used_states

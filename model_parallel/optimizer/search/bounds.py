@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.share_bound import ROUNDING  # noqa: F401 - one slack for every bound
 
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.search.bounds import ROUNDING, LevelBounds, bounded_level_work, row_states as bounded_rows
 from model_parallel.optimizer.options import PartitionOptions
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
-from model_parallel.graph.plan import Level
+from model_parallel.graph.hierarchy import Level
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search.bounds import ROUNDING
 from model_parallel.optimizer.search.jit import njit, prange

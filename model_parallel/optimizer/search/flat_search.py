@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.search import jit
 from model_parallel.optimizer.search.bounded import CutUnion, cut_union

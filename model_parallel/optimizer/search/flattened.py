@@ -53,7 +53,7 @@ from typing import Optional
 import numpy as np
 
 from model_parallel.errors import PlanError
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.search.bounds import ROUNDING
 from model_parallel.optimizer.costs import data_parallel_seconds
 from model_parallel.optimizer.search.flat_kernel import (

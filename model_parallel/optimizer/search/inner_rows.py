@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from model_parallel.graph.plan import Level
+from model_parallel.graph.hierarchy import Level
 from model_parallel.optimizer.search.flat_kernel import FlatStates, included, level_transfers
 from model_parallel.optimizer.search.jit import njit
 from model_parallel.optimizer.options import PartitionOptions

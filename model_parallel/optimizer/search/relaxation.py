@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.search.bounds import ROUNDING, boundary_states
 from model_parallel.optimizer.share_bound import node_share_bound  # noqa: F401 - its old home; tests import it here
 from model_parallel.optimizer.options import PartitionOptions

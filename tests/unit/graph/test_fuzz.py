@@ -21,7 +21,8 @@ from model_parallel.errors import GraphError, GraphFormatError, ModelParallelErr
 from model_parallel.graph.core import Graph
 from model_parallel.graph.json_format import graph_from_dict, graph_to_dict, read_graph_json
 from model_parallel.graph.pipedream_format import format_graph_txt, parse_graph_txt, read_graph_txt
-from model_parallel.graph.plan import Hierarchy, Plan, parse_stage_to_num_ranks, plan_from_graph, read_plan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import Plan, parse_stage_to_num_ranks, plan_from_graph, read_plan
 from support import REFERENCE_PROFILES
 
 PROFILES = ("toy_dag", "vgg16", "gnmt", "vgg16_partitioned_3stages", "resnet50")

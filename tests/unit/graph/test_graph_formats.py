@@ -201,7 +201,7 @@ def test_sidecar_for_other_nodes_is_rejected(tmp_path: Path):
 
 def test_a_worker_count_beyond_the_plan_limit_is_refused_before_the_optimizer():
     from model_parallel.errors import PlanError
-    from model_parallel.graph.plan import Hierarchy
+    from model_parallel.graph.hierarchy import Hierarchy
 
     with pytest.raises(PlanError, match=r"-n 100000000 is more than 65536 workers in all"):
         Hierarchy.from_lists([100000000])

@@ -13,7 +13,8 @@ from torch import nn
 import model_parallel as mp
 from model_parallel.errors import ConfigError, ProfileError
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
-from model_parallel.graph.plan import Hierarchy, Plan, StagePlan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import Plan, StagePlan
 from model_parallel.graph.precision import plan_precision, precision_of, wire_bytes
 from model_parallel.optimizer.costs import stage_costs
 from model_parallel.optimizer.fidelity import Calibration, predict_stage_ms

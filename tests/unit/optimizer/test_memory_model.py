@@ -11,7 +11,7 @@ from torch import nn
 
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph, Node
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, chains_of
 from model_parallel.optimizer.memory import Footprint, footprint_parts, multipliers, optimizer_kind, stage_bytes

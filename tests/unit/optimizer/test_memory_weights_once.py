@@ -6,7 +6,7 @@ import pytest
 
 from model_parallel.errors import InfeasibleError
 from model_parallel.graph.core import Graph, LayerSpec, Node
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.contiguous import even_stages
 from model_parallel.optimizer.memory import Footprint, plan_footprint, stash_bytes
 from model_parallel.optimizer.options import PartitionOptions

@@ -11,7 +11,8 @@ import pytest
 from model_parallel.errors import InfeasibleError, PlanError
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.io import load_graph
-from model_parallel.graph.plan import Hierarchy, read_plan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import read_plan
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.costs import predict_stage_times
 from model_parallel.optimizer.options import PartitionOptions

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.errors import InfeasibleError
 from model_parallel.optimizer.brute_force import all_cuts, brute_force, brute_force_hierarchy, chains_of

@@ -6,7 +6,7 @@ import pytest
 
 from model_parallel.errors import PlanError
 from model_parallel.graph.io import load_graph
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.contiguous import even_stages, straight_plan
 from model_parallel.optimizer.options import PartitionOptions

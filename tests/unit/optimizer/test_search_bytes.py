@@ -9,7 +9,7 @@ import pytest
 
 from model_parallel.errors import InfeasibleError
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
-from model_parallel.graph.plan import Hierarchy
+from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.optimizer.brute_force import all_cuts, brute_force
 from model_parallel.optimizer.costs import predict_stage_times, stage_costs
 from model_parallel.optimizer.memory import Footprint

@@ -23,7 +23,8 @@ from model_parallel.graph.arguments import OutputDict
 from model_parallel.graph.core import Graph, Node
 from model_parallel.graph.crossing import value_refusal
 from model_parallel.graph.io import load_graph, save_graph
-from model_parallel.graph.plan import Hierarchy, plan_from_graph, read_plan, write_plan
+from model_parallel.graph.hierarchy import Hierarchy
+from model_parallel.graph.plan import plan_from_graph, read_plan, write_plan
 from model_parallel.optimizer import synthetic
 from model_parallel.optimizer.antichains import enumerate_antichains
 from model_parallel.optimizer.contiguous import straight_plan
