@@ -15,7 +15,7 @@ Per step, on a rank holding replica i of stage k (of p stages, r_k replicas, m m
 So the sum of microbatch gradients is the gradient of the minibatch-mean loss, and after every
 flush the parameters equal single-process training with the same microbatching. Spare ranks
 (no stage) only take part in the reduction (and a command's broadcast). With the `pipedream`
-schedule (no flush) each microbatch is its own update (see executor.WeightStash).
+schedule (no flush) each microbatch is its own update (see step/weight_stash.py).
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ from model_parallel.runtime.config import RunOptions, TrainConfig
 from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
-from model_parallel.runtime.step.executor import StepData, StepExecutor, WeightStash
+from model_parallel.runtime.step.executor import StepData, StepExecutor
+from model_parallel.runtime.step.weight_stash import WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.multi_stage import build_stages
 from model_parallel.runtime.step.output import model_output

@@ -31,7 +31,7 @@ tensors. Gradients are per tensor: the receiver's inputs ARE the flat tensors, a
 its flat output tensors with the gradients it gets back, so none is lost inside a container.
 
 With the `pipedream` schedule (no flush) each forward runs on a stashed copy of the weights and each
-backward's gradient is applied at once (`WeightStash`; the loss is not divided by m).
+backward's gradient is applied at once (`weight_stash.WeightStash`; the loss is not divided by m).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from model_parallel.runtime.step.output import float_output
 from model_parallel.runtime.step.backward_split import WeightWork, backward_input, backward_weight
 from model_parallel.runtime.step.rng import seeded_forward
 from model_parallel.runtime.step.schedule import INPUT, WEIGHT, Action
-from model_parallel.runtime.step.update import apply_update
+from model_parallel.runtime.step.weight_stash import WeightStash
 from model_parallel.runtime.wire import comm
 from model_parallel.runtime.wire import structure
 from model_parallel.runtime.wire.local import LocalRecv, Mailbox
@@ -91,28 +91,6 @@ class _Stash:
     inputs: list[Any]  # the stage's flat input tensors (k > 0: as received), which collect the input grads
     outputs: Any  # the flat output tensors sent, or the loss on the last stage
     weights: Optional[dict[str, torch.Tensor]] = None  # PipeDream: the stashed weight version
-
-
-class WeightStash:
-    """PipeDream weight stashing: each forward runs on a copy of the weights of that moment, and its
-    backward's gradient (computed on that copy) updates the live weights at once."""
-
-    def __init__(self, stage: nn.Module, optimizer: torch.optim.Optimizer, lr_schedule: str, metrics: Any,
-                 history: int) -> None:
-        self.stage, self.optimizer, self.lr_schedule, self.metrics = stage, optimizer, lr_schedule, metrics
-        self.updates = 0  # one per microbatch
-        self.versions: deque[int] = deque(maxlen=history)  # `updates` at each forward: its stashed version
-
-    def stash(self) -> dict[str, torch.Tensor]:
-        self.versions.append(self.updates)
-        return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self.stage.named_parameters()}
-
-    def update(self, step: int, weights: dict[str, torch.Tensor]) -> None:
-        with self.metrics.measure("optimizer"):
-            for name, p in self.stage.named_parameters():
-                p.grad = weights[name].grad
-            apply_update(self.optimizer, step, lr_schedule=self.lr_schedule)
-        self.updates += 1
 
 
 class StepExecutor:

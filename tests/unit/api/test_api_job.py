@@ -91,13 +91,14 @@ def test_a_module_needs_something_to_trace_it_with() -> None:
 
 
 def test_only_the_job_builder_traces_a_model_or_rebuilds_one_from_a_graph() -> None:
-    """One job builder: no other module outside the profiler and the code generator assembles a job."""
+    """One job builder: no module outside the profiler, the code generator and the job builder's model sources
+    (api/job_models.py) traces a model or rebuilds one."""
     import ast
 
     from support import REPO
 
     builders = {"trace_model", "full_model_from_graph", "load_pipedream_package"}
-    owners = {"model_parallel/api/job.py"}
+    owners = {"model_parallel/api/job_models.py"}
     found = set()
     for path in sorted((REPO / "model_parallel").rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
@@ -114,15 +115,15 @@ def test_example_inputs_of_another_batch_size_are_named_before_training(caplog) 
     # 3072" at the first step of microbatches of 4): the job builder says so first. Inputs that disagree on dim 0
     # (a [1, T] position_ids broadcasts) give no batch size to compare, and a microbatch-sized example no warning.
     spec = dict(model=torch.nn.Linear(4, 2), num_classes=2, batch_size=8, num_microbatches=2)
-    with caplog.at_level("WARNING", logger="model_parallel.api.job"):
+    with caplog.at_level("WARNING", logger="model_parallel.api.job_models"):
         build_job(JobSpec(example_inputs=[torch.zeros(2, 4)], **spec), world_size=1)
     assert "example_inputs hold 2 samples (dim 0) and a microbatch 4" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="model_parallel.api.job"):
+    with caplog.at_level("WARNING", logger="model_parallel.api.job_models"):
         build_job(JobSpec(example_inputs=[torch.zeros(4, 4)], **spec), world_size=1)
     assert "example_inputs hold" not in caplog.text
-    from model_parallel.api.job import _warn_other_batch
+    from model_parallel.api.job_models import _warn_other_batch
 
-    with caplog.at_level("WARNING", logger="model_parallel.api.job"):
+    with caplog.at_level("WARNING", logger="model_parallel.api.job_models"):
         _warn_other_batch({"input_ids": torch.zeros(4, 8), "position_ids": torch.zeros(1, 8)}, 4)
     assert "example_inputs hold" not in caplog.text
