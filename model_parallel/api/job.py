@@ -119,11 +119,11 @@ def _loop_plan(spec: JobSpec, graph: Graph, world_size: int) -> Plan:
     if spec.schedule in V_SCHEDULES:  # 2 stages per rank in a V: rank r holds r and 2p-1-r, balanced by rank sums
         if stages != 2 * world_size:
             raise PlanError(f"the {spec.schedule} schedule places 2 stages per rank in a V: give --num_stages "
-                            f"{2 * world_size} for {world_size} rank(s), got {stages}")
+                            f"{2 * world_size} (PipelineTrainer(num_stages=...)) for {world_size} rank(s), got {stages}")
         return v_plan(graph, world_size, memory_per_worker=spec.memory_per_worker, footprint=footprint)
     if stages % world_size or stages < 2 * world_size:
         raise PlanError(f"the interleaved schedule places {stages} stage(s) on {world_size} rank(s) in a loop: give "
-                        f"--num_stages a multiple of the world size, at least {2 * world_size}")
+                        f"--num_stages (PipelineTrainer(num_stages=...)) a multiple of the world size, at least {2 * world_size}")
     return loop_plan(graph, world_size, stages // world_size, memory_per_worker=spec.memory_per_worker,
                      footprint=footprint, schedule=spec.schedule)
 
@@ -261,7 +261,7 @@ def _initial_weights(spec: JobSpec, graph: Graph) -> Optional[Path]:
     path = Path(spec.graph).parent / name
     if not path.is_file():
         raise PlanError(f"{spec.graph}: the graph names its initial values {name!r} beside it, but {path} is missing; "
-                        "copy it there or pass --weights")
+                        "copy it there or pass --weights (PipelineTrainer(weights=...))")
     logger.info("initial values from %s (named by the graph)", path)
     return path
 

@@ -78,7 +78,7 @@ def check_placement(plan: Plan, schedule: str) -> None:
     if schedule not in MULTI_STAGE_SCHEDULES:
         if shared:
             raise PlanError(f"plan v{plan.version} places several stages on one rank (loop placement); only the "
-                            f"interleaved schedules run that: use --schedule interleaved (or zbinterleaved), or one "
+                            f"interleaved schedules run that: use --schedule (TrainConfig.schedule) interleaved or zbinterleaved, or one "
                             f"stage per rank")
         return
     if schedule in V_SCHEDULES:

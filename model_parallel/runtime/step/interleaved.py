@@ -71,7 +71,7 @@ def run_schedule(name: str, num_stages: int, m: int, num_ranks: int) -> Schedule
     if name == NAME_V:
         if num_stages != 2 * num_ranks:
             raise ScheduleError(f"the {name} schedule places 2 stages per rank in a V: {num_stages} stage(s) on "
-                                f"{num_ranks} rank(s) is not 2 per rank; give --num_stages {2 * num_ranks}")
+                                f"{num_ranks} rank(s) is not 2 per rank; give --num_stages {2 * num_ranks} (PipelineTrainer(num_stages=...))")
         return zb_v(num_ranks, m)
     if num_ranks < 1 or num_stages % num_ranks:
         raise ScheduleError(f"the {name} schedule places {num_stages} stage(s) on ranks in a loop: the ranks must "
