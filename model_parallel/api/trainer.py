@@ -170,7 +170,8 @@ class PipelineTrainer:
                                          control_group=control_group)
 
     def train(self, steps: int) -> list[StepResult]:
-        """Train `steps` steps (all ranks call this together); returns this rank's per-step results."""
+        """Train `steps` steps (all ranks call this together); returns this rank's per-step results. A stop command, or
+        a signal after `runtime.stop_signals.install()`, ends it at a step boundary: TrainingStopped."""
         self._check_open("train")
         if self.runner.dataset is None:
             raise DataError("PipelineTrainer was built without data (dataset=None), so it has nothing to train on: "
@@ -178,6 +179,9 @@ class PipelineTrainer:
         if not self.single_process:
             try:
                 results = self.runner.train(steps)
+                if self.runner.stop_reason is not None:  # a stop command or signal: fewer steps than asked, never silently
+                    raise TrainingStopped(f"{self.runner.prefix} stopped after {self.runner.next_step} of the {steps} "
+                                          f"requested step(s): {self.runner.stop_reason}")
             except TrainingStopped:
                 raise
             except Exception as error:

@@ -7,6 +7,7 @@ worker or of the coordinator, kill -9 of rank 0, a dropped control connection an
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ PYTHON = sys.executable
 TOKEN = "faults-test-token"
 PEER_TIMEOUT = 10  # --timeout of every worker: how long a blocking call may wait for a peer
 EXIT_PEER = 3  # a worker's exit code when a peer died, stalled or never joined
+EXIT_STOPPED = 4  # ... when the run was stopped before its requested steps
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
@@ -62,6 +64,33 @@ def test_kill9_worker_mid_step_stops_the_other_and_resumes_exactly(tmp_path: Pat
     assert any("rank 1 stopped responding (last heartbeat" in line for line in error_lines), result.summary()
     assert "rank -1" not in survivor.output, f"a collective is not a rank:\n{result.summary()}"
     assert "Traceback" not in survivor.output, survivor.output[-3000:]
+    resume_and_compare(plan, checkpoints)
+
+
+@pytest.mark.parametrize("rank, sig", [(0, signal.SIGTERM), (1, signal.SIGINT)])
+def test_a_stop_signal_ends_every_rank_at_one_step_with_a_checkpoint_that_resumes_exactly(tmp_path: Path, rank: int,
+                                                                                         sig: int) -> None:
+    """SIGTERM (preemption, torchrun stopping the job) or Ctrl-C on one rank: every rank stops after the same step,
+    its checkpoint committed, and exits EXIT_STOPPED naming the signal; rank 0 posts its part of the step's
+    reduction early, rank 1 (the last stage) is its root (runtime/stop_signals.py). It used to die mid-step:
+    its peers said "stopped responding" and the steps since the last checkpoint were lost."""
+    _, plan = mlp_job(tmp_path, 2)
+    checkpoints = tmp_path / "ck"
+    with LocalWorld(worker_commands(args(plan, 100_000, checkpoints, "--checkpoint_every", 1000), 2)) as world:
+        world.wait_for_line(0, r"step 2 loss", timeout=120)
+        world.kill(rank, sig)
+        result = world.wait(timeout=PEER_TIMEOUT + 40)
+    assert not result.timed_out, result.summary()
+    assert [w.returncode for w in result.workers] == [EXIT_STOPPED, EXIT_STOPPED], result.summary()
+    stopped = {int(re.search(r"stopped after (\d+) of the 100000 requested step", result.output(r)).group(1))
+               for r in range(2)}
+    assert len(stopped) == 1, result.summary()  # the same boundary on both ranks
+    assert latest_step(checkpoints) == stopped.pop() - 1  # not a multiple of --checkpoint_every: the stop's own
+    name = signal.Signals(sig).name
+    assert f"this rank got {name}; every rank stopped at the same step boundary" in result.output(rank), result.summary()
+    assert "another rank got a stop signal (SIGTERM or SIGINT)" in result.output(1 - rank), result.summary()
+    assert "Traceback" not in result.output(0) + result.output(1), result.summary()
+    assert "--resume" in result.output(rank)  # the command that resumes
     resume_and_compare(plan, checkpoints)
 
 

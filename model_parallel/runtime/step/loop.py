@@ -21,6 +21,7 @@ from model_parallel.messages import Command, ControlChannel, StepReport
 from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
 from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
+from model_parallel.runtime import stop_signals
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.memory_probe import NullMeter, StashMeter
 from model_parallel.runtime.observe.metrics import MetricsRecorder, StepLog
@@ -52,7 +53,8 @@ class LoopingEngine(resume.StartingEngine, Protocol):
     plan: Plan
     next_step: int  # the first step not yet run
     start_step: int
-    stop_reason: Optional[str]  # why the loop ended before `steps` (a stop command); None otherwise
+    stop_reason: Optional[str]  # why the loop ended before `steps` (a stop command or signal); None otherwise
+    stop_requests: int  # ranks a signal asked to stop, as the last step's reduction counted (runtime/stop_signals.py)
     step_pause_ms: float  # time this step spent paused for a plan switch
     metrics: MetricsRecorder
     meter: Union[StashMeter, NullMeter]
@@ -80,38 +82,10 @@ def run_loop(engine: LoopingEngine, steps: int, start_step: int = 0) -> None:
     start_step = resume.prepare(engine, start_step)
     progress = _progress_bar(steps, start_step) if engine.rank == 0 and opts.progress else None
     step = engine.next_step = engine.start_step = start_step
-    step_log = StepLog(start_step, steps - 1)
-    engine.stop_reason = None
-    last_validation: dict[str, str] = {}
+    engine.stop_reason, engine.stop_requests = None, 0
     try:
-        while step < steps:
-            result = engine.train_step(step)
-            validation = _validate(engine, step, steps)  # before end_step: the step's JSONL line carries it
-            record = engine.metrics.end_step(samples=engine.config.batch_size, loss=result.loss, lr=result.lr,
-                                             grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms,
-                                             **engine.meter.record(), **validation)
-            if step == start_step:  # gloo names a loop thread from inside it: one made just before the plan's
-                lower_loop_threads(opts.gloo_loop_nice)  # activation may have had no name yet then (a race)
-            if "val_loss" in validation:
-                result.extra["val_loss"] = validation["val_loss"]
-                last_validation = {"val_loss": f"{validation['val_loss']:.4f}"}
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{result.loss:.4f}", **last_validation, plan=engine.plan.version)
-            if step_log.due(step) or validation:  # bounded: every step at first, then one line per 10 s
-                logger.info("%s step %d loss %.6f%s", engine.prefix, step, result.loss,
-                            f" val_loss {validation['val_loss']:.6f}" if validation else "")
-            if opts.checkpoint_dir and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
-                                        or step + 1 == steps):
-                engine.save_checkpoint(step)
-            command = engine.control(step, record.to_report())  # the record carries stage and loss
-            step += 1
-            engine.next_step = step
-            if command is not None and not engine.apply(command):
-                engine.stop_reason = command.reason or "stop requested"
-                if opts.checkpoint_dir:
-                    engine.save_checkpoint(step - 1)
-                break
+        with stop_signals.armed():
+            _steps(engine, step, steps, start_step, progress)
         engine.barrier()  # nobody leaves while a peer may still need it
     finally:
         if progress is not None:
@@ -119,6 +93,56 @@ def run_loop(engine: LoopingEngine, steps: int, start_step: int = 0) -> None:
         if opts.trace_dir:
             engine.tracer.save(Path(opts.trace_dir) / f"rank{engine.rank}.json")
         engine.metrics.close()
+
+
+def _steps(engine: LoopingEngine, step: int, steps: int, start_step: int, progress: Any) -> None:
+    """Steps `step`..`steps - 1`, each with its validation, metrics, progress, checkpoint and control; a stop
+    command or a stop signal ends them early at a step boundary (`engine.stop_reason` says why)."""
+    opts = engine.options
+    step_log = StepLog(start_step, steps - 1)
+    last_validation: dict[str, str] = {}
+    while step < steps:
+        result = engine.train_step(step)
+        validation = _validate(engine, step, steps)  # before end_step: the step's JSONL line carries it
+        record = engine.metrics.end_step(samples=engine.config.batch_size, loss=result.loss, lr=result.lr,
+                                         grad_norm=result.grad_norm, pause_ms=engine.step_pause_ms,
+                                         **engine.meter.record(), **validation)
+        if step == start_step:  # gloo names a loop thread from inside it: one made just before the plan's
+            lower_loop_threads(opts.gloo_loop_nice)  # activation may have had no name yet then (a race)
+        if "val_loss" in validation:
+            result.extra["val_loss"] = validation["val_loss"]
+            last_validation = {"val_loss": f"{validation['val_loss']:.4f}"}
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{result.loss:.4f}", **last_validation, plan=engine.plan.version)
+        if step_log.due(step) or validation:  # bounded: every step at first, then one line per 10 s
+            logger.info("%s step %d loss %.6f%s", engine.prefix, step, result.loss,
+                        f" val_loss {validation['val_loss']:.6f}" if validation else "")
+        saved = opts.checkpoint_dir and ((opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0)
+                                         or step + 1 == steps)
+        if saved:
+            engine.save_checkpoint(step)
+        if engine.stop_requests and step + 1 < steps:  # every rank sees the same count at the same step
+            engine.stop_reason = _signal_reason()
+            step = engine.next_step = step + 1
+            if opts.checkpoint_dir and not saved:
+                engine.save_checkpoint(step - 1)
+            break
+        command = engine.control(step, record.to_report())  # the record carries stage and loss
+        step += 1
+        engine.next_step = step
+        if command is not None and not engine.apply(command):
+            engine.stop_reason = command.reason or "stop requested"
+            if opts.checkpoint_dir:
+                engine.save_checkpoint(step - 1)
+            break
+
+
+def _signal_reason() -> str:
+    mine = stop_signals.requested()
+    # Not a count of ranks: one whose signal came after it posted its part is counted a step later, or never.
+    who = f"this rank got {mine}" if mine else "another rank got a stop signal (SIGTERM or SIGINT)"
+    return f"{who}; every rank stopped at the same step boundary (runtime/stop_signals.py)"
 
 
 def _validate(engine: LoopingEngine, step: int, steps: int) -> dict[str, float]:
@@ -235,7 +259,7 @@ class TrainingLoop:
             if posted is None:
                 posted = _post_totals(self, step, loss_sum, sq)
             elif root:
-                posted.contribute(loss_sum, sq)
+                posted.contribute(loss_sum, sq, stop_signals.requested() is not None)
             assert not early or loss_sum == 0.0, "a stage other than the last reported a loss"
             # The update needs the global norm first when clipping. The root (the last stage's rank)
             # completes the reduction before its update in any case: the other parts were posted when
@@ -261,6 +285,7 @@ class TrainingLoop:
                     self.command = step_totals.receive_command(sums, posted.payload, self.control_group, self.timeout)
         except PeerError as error:
             raise self.diagnose(error) from None
+        self.stop_requests = sums.stop_requests
         result = StepResult(step, sums.loss, sums.squared_norm ** 0.5, lr)
         self.history.append(result)
         return result
@@ -270,7 +295,8 @@ def _post_totals(engine: SteppingEngine, step: int, loss_sum: float, squared_nor
     """Start the step's one reduction; rank 0 first polls its channel: the decision rides in it
     (wire/step_totals.py) and every rank applies it after this step."""
     command = engine.channel.poll(before_step=step + 1) if engine.rank == 0 else None
-    return step_totals.post(loss_sum, squared_norm, command, engine.control_group, step_totals.root_rank(engine.plan))
+    return step_totals.post(loss_sum, squared_norm, command, engine.control_group, step_totals.root_rank(engine.plan),
+                            stop=stop_signals.requested() is not None)
 
 
 def _wait_totals(engine: SteppingEngine, posted: step_totals.Posted) -> None:

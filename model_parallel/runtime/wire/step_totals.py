@@ -1,4 +1,5 @@
-"""The one reduction of every training step: [loss, squared gradient norm, command length] summed over all ranks.
+"""The one reduction of every training step: [loss, squared gradient norm, command length, stop requests] summed
+over all ranks.
 
 A step used to end with two collectives on the control group: an all-reduce of [loss, squared norm]
 and a broadcast of rank 0's decision (its length, then its bytes), even when there was nothing to say:
@@ -6,7 +7,8 @@ with tiny stages 1-2 ms a step more than torch.distributed.pipelining, which has
 (docs/runtime.md, "Fixed cost per step"). Now the decision rides in the reduction: rank 0 writes the
 byte length of its command's JSON into the third slot and every other rank writes 0, so the sum is
 that length on every rank. 0: carry on, and nothing else travels; n > 0: one broadcast of exactly n
-bytes follows (`receive_command`). A float64 holds every integer up to 2**53 exactly.
+bytes follows (`receive_command`). A float64 holds every integer up to 2**53 exactly. The fourth slot is 1
+from each rank a signal asked to stop (runtime/stop_signals.py): every rank learns at the same step.
 
 The reduction is no gloo collective but point-to-point through one root rank on the control group
 (`Posted`): every other rank sends its three numbers and receives the sums. Measured on the tiny row, an
@@ -56,13 +58,15 @@ class StepTotals:
     loss: float  # the minibatch loss (the last stage's sum over microbatches; other ranks add 0)
     squared_norm: float  # the global squared gradient norm (0.0 when not clipping)
     command_bytes: int  # the length of rank 0's command JSON; 0: no command this step
+    stop_requests: int = 0  # ranks a signal asked to stop (runtime/stop_signals.py); 0: carry on
 
 
-def pack(loss_sum: float, squared_norm: float, command: Optional[Command]) -> tuple[torch.Tensor, bytes]:
+def pack(loss_sum: float, squared_norm: float, command: Optional[Command], stop: bool = False
+         ) -> tuple[torch.Tensor, bytes]:
     """This rank's contribution to the reduction, and the command body it will broadcast (rank 0 only
-    passes a command; empty bytes for none)."""
+    passes a command; empty bytes for none). `stop`: a signal asked this rank to stop."""
     payload = command.to_json().encode() if command is not None else b""
-    return torch.tensor([loss_sum, squared_norm, float(len(payload))], dtype=torch.float64), payload
+    return torch.tensor([loss_sum, squared_norm, float(len(payload)), float(stop)], dtype=torch.float64), payload
 
 
 class Posted:
@@ -81,11 +85,12 @@ class Posted:
             self.mine = totals.clone()  # in flight while `totals` receives the sums
             self.works = [(root, _start(dist.isend, self.mine, root, group)), (root, _start(dist.irecv, totals, root, group))]
 
-    def contribute(self, loss_sum: float, squared_norm: float) -> None:
+    def contribute(self, loss_sum: float, squared_norm: float, stop: bool = False) -> None:
         """The root's own loss and norm, known after its step's work: its receives were posted when the step
-        began (the command length it may have written then stays)."""
+        began (the command length it may have written then stays; a stop asked for since is added)."""
         assert self.rank == self.root, "only the root contributes after posting"
         self.totals[0], self.totals[1] = loss_sum, squared_norm
+        self.totals[3] = max(float(self.totals[3]), float(stop))
 
     def wait(self, timeout: float) -> None:
         """Block until this rank holds the sums (the root: until every rank was sent them); PeerError naming a peer."""
@@ -107,10 +112,11 @@ def _start(op: Any, tensor: torch.Tensor, peer: int, group: Any) -> Any:
     return start_work(partial(op, tensor, peer, group=group, tag=TAG_TOTALS), peer, WHAT)
 
 
-def post(loss_sum: float, squared_norm: float, command: Optional[Command], group: Any, root: int = 0) -> Posted:
+def post(loss_sum: float, squared_norm: float, command: Optional[Command], group: Any, root: int = 0,
+         stop: bool = False) -> Posted:
     """Start this rank's part of the step's reduction over `group` through `root` (every rank, once per
     step, in step order, with the same root)."""
-    totals, payload = pack(loss_sum, squared_norm, command)
+    totals, payload = pack(loss_sum, squared_norm, command, stop)
     return Posted(totals, payload, group, root)
 
 
@@ -122,12 +128,15 @@ def root_rank(plan: Plan) -> int:
 def unpack(totals: torch.Tensor) -> StepTotals:
     """The reduced vector as `StepTotals`; a command length that is no whole number of bytes in
     0..MAX_COMMAND_BYTES (a rank that wrote into the slot) is refused, never guessed."""
-    loss, squared_norm, length = (float(x) for x in totals.tolist())
+    loss, squared_norm, length, stops = (float(x) for x in totals.tolist())
     if not (math.isfinite(length) and length == int(length) and 0 <= length <= MAX_COMMAND_BYTES):
         raise ProtocolError(f"the step reduction announced a command of {length!r} bytes; expected a whole number "
                             f"in 0..{MAX_COMMAND_BYTES} (only rank 0 may write the command slot: a rank of another "
                             "version of model_parallel?)")
-    return StepTotals(loss, squared_norm, int(length))
+    if not (math.isfinite(stops) and stops == int(stops) and stops >= 0):
+        raise ProtocolError(f"the step reduction counted {stops!r} ranks asked to stop; expected a whole number >= 0 "
+                            "(a rank of another version of model_parallel?)")
+    return StepTotals(loss, squared_norm, int(length), int(stops))
 
 
 def receive_command(totals: StepTotals, payload: bytes, group: Any, timeout: float) -> Optional[Command]:

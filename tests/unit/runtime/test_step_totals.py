@@ -1,5 +1,5 @@
-"""The step's one reduction (runtime/wire/step_totals.py): [loss, squared norm, command length], and the
-command body that follows it only when rank 0 announced one."""
+"""The step's one reduction (runtime/wire/step_totals.py): [loss, squared norm, command length, stop requests], and
+the command body that follows it only when rank 0 announced one."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ STOP = Command.stop("the operator asked")
 
 def test_no_command_adds_zero_to_the_command_slot_and_has_no_body():
     totals, payload = step_totals.pack(1.5, 0.25, None)
-    assert totals.dtype == torch.float64 and totals.tolist() == [1.5, 0.25, 0.0]
+    assert totals.dtype == torch.float64 and totals.tolist() == [1.5, 0.25, 0.0, 0.0]
     assert payload == b""
     assert step_totals.unpack(totals) == StepTotals(1.5, 0.25, 0)
 
@@ -41,10 +41,21 @@ def test_the_sum_over_ranks_carries_rank_0s_command_length_exactly():
 @pytest.mark.parametrize("length, shown", [(2.5, "2.5"), (-1.0, "-1.0"), (float("nan"), "nan"),
                                            (float(MAX_COMMAND_BYTES + 1), str(float(MAX_COMMAND_BYTES + 1)))])
 def test_a_command_length_that_no_rank_0_could_announce_is_refused(length, shown):
-    totals = torch.tensor([0.0, 0.0, length], dtype=torch.float64)
+    totals = torch.tensor([0.0, 0.0, length, 0.0], dtype=torch.float64)
     with pytest.raises(ProtocolError, match=rf"announced a command of {shown} bytes; expected a whole number in "
                                             rf"0\.\.{MAX_COMMAND_BYTES} \(only rank 0 may write the command slot"):
         step_totals.unpack(totals)
+
+
+def test_every_rank_learns_how_many_ranks_a_signal_asked_to_stop():
+    """runtime/stop_signals.py: a rank that got SIGTERM writes 1; the sum is the same count on every rank."""
+    first, _ = step_totals.pack(0.0, 0.0, None, stop=True)
+    middle, _ = step_totals.pack(0.0, 0.0, None)
+    last, _ = step_totals.pack(2.0, 0.0, None, stop=True)
+    assert step_totals.unpack(first + middle + last) == StepTotals(2.0, 0.0, 0, 2)
+    assert step_totals.unpack(middle + middle).stop_requests == 0
+    with pytest.raises(ProtocolError, match=r"counted 0\.5 ranks asked to stop; expected a whole number >= 0"):
+        step_totals.unpack(torch.tensor([0.0, 0.0, 0.0, 0.5], dtype=torch.float64))
 
 
 def test_no_command_means_no_collective():
@@ -62,6 +73,11 @@ def test_an_announced_command_is_received_whole():
         sums = step_totals.unpack(posted.totals)
         assert sums == StepTotals(2.5, 0.0, len(STOP.to_json().encode()))
         assert step_totals.receive_command(sums, posted.payload, None, 10.0) == STOP
+        # The root posts before its step's work and contributes after it: a signal in between still counts.
+        posted = step_totals.post(0.0, 0.0, None, dist.group.WORLD)
+        posted.contribute(1.0, 0.0, stop=True)
+        posted.wait(10.0)
+        assert step_totals.unpack(posted.totals) == StepTotals(1.0, 0.0, 0, 1)
     finally:
         dist.destroy_process_group()
 
