@@ -171,7 +171,7 @@ class PipelineTrainer:
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's per-step results. A stop command, or
-        a signal after `runtime.stop_signals.install()`, ends it at a step boundary: TrainingStopped."""
+        a signal after `runtime.step.stop_signals.install()`, ends it at a step boundary: TrainingStopped."""
         self._check_open("train")
         if self.runner.dataset is None:
             raise DataError("PipelineTrainer was built without data (dataset=None), so it has nothing to train on: "

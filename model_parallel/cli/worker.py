@@ -36,7 +36,7 @@ from model_parallel.cli.worker_inputs import (check_inputs, check_numbers, check
                                              read_jobs)
 from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
 from model_parallel.errors import ModelParallelError, PeerError, TrainingStopped  # noqa: E402
-from model_parallel.runtime import stop_signals  # noqa: E402
+from model_parallel.runtime.step import stop_signals  # noqa: E402
 from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.step.auto import AUTO  # noqa: E402
 from model_parallel.runtime.step.schedule import SCHEDULE_NAMES  # noqa: E402
@@ -294,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging(max(args.verbose, 1) if rank == 0 else args.verbose)
     prefix = install_rank_prefix(rank)
     # SIGTERM (preemption, torchrun stopping the job) or Ctrl-C while training: stop at the next step boundary
-    # every rank agrees on, with a checkpoint, and exit EXIT_STOPPED (runtime/stop_signals.py).
+    # every rank agrees on, with a checkpoint, and exit EXIT_STOPPED (runtime/step/stop_signals.py).
     stop_signals.install()
     health, survivor = None, None
     try:

@@ -4,7 +4,7 @@ and a last line naming the latest committed checkpoint and the command that resu
 Exit codes (docs/reliability.md): 0 only when every requested step ran; 2 a usage or configuration
 error (cli.common.run_cli); 3 a peer died, stalled or became unreachable (the message names it);
 4 the run was stopped before its requested steps (a stop command, or SIGTERM / Ctrl-C at a step boundary, with a
-checkpoint: runtime/stop_signals.py; the message says by whom and why); 5 this rank's
+checkpoint: runtime/step/stop_signals.py; the message says by whom and why); 5 this rank's
 own code failed while training (a layer raised: wrong device, shapes, out of memory); 6 (`--recover`) this
 process was declared lost and its peers re-formed the world without it (it came back too late: it never rejoins).
 """

@@ -146,7 +146,7 @@ class PipelineEngine(TrainingLoop):
         self.next_step = 0  # the first step not yet run (after `train`: how far it got)
         self.start_step = 0  # the step `train` started from (after a resume: the checkpoint's next step)
         self.stop_reason: Optional[str] = None  # why `train` ended before its requested steps (a stop command or signal)
-        self.stop_requests = 0  # ranks a signal asked to stop, per the last step's reduction (runtime/stop_signals.py)
+        self.stop_requests = 0  # ranks a signal asked to stop, per the last step's reduction (runtime/step/stop_signals.py)
         self.command: Optional[Command] = None  # the command of the last step's reduction, until `control` hands it out
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
         self.reader = StepReader(self.device, graph.metadata.get("inputs") or (), config.num_microbatches)

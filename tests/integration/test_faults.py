@@ -72,7 +72,7 @@ def test_a_stop_signal_ends_every_rank_at_one_step_with_a_checkpoint_that_resume
                                                                                          sig: int) -> None:
     """SIGTERM (preemption, torchrun stopping the job) or Ctrl-C on one rank: every rank stops after the same step,
     its checkpoint committed, and exits EXIT_STOPPED naming the signal; rank 0 posts its part of the step's
-    reduction early, rank 1 (the last stage) is its root (runtime/stop_signals.py). It used to die mid-step:
+    reduction early, rank 1 (the last stage) is its root (runtime/step/stop_signals.py). It used to die mid-step:
     its peers said "stopped responding" and the steps since the last checkpoint were lost."""
     _, plan = mlp_job(tmp_path, 2)
     checkpoints = tmp_path / "ck"

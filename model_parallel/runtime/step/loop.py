@@ -21,7 +21,7 @@ from model_parallel.messages import Command, ControlChannel, StepReport
 from model_parallel.runtime.build.replicas import ReplicaGroups, all_reduce_grads
 from model_parallel.runtime.build.tied import TiedCopies
 from model_parallel.runtime.checkpoint import resume
-from model_parallel.runtime import stop_signals
+from model_parallel.runtime.step import stop_signals
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.observe.memory_probe import NullMeter, StashMeter
 from model_parallel.runtime.observe.metrics import MetricsRecorder, StepLog
@@ -54,7 +54,7 @@ class LoopingEngine(resume.StartingEngine, Protocol):
     next_step: int  # the first step not yet run
     start_step: int
     stop_reason: Optional[str]  # why the loop ended before `steps` (a stop command or signal); None otherwise
-    stop_requests: int  # ranks a signal asked to stop, as the last step's reduction counted (runtime/stop_signals.py)
+    stop_requests: int  # ranks a signal asked to stop, as the last step's reduction counted (runtime/step/stop_signals.py)
     step_pause_ms: float  # time this step spent paused for a plan switch
     metrics: MetricsRecorder
     meter: Union[StashMeter, NullMeter]
@@ -142,7 +142,7 @@ def _signal_reason() -> str:
     mine = stop_signals.requested()
     # Not a count of ranks: one whose signal came after it posted its part is counted a step later, or never.
     who = f"this rank got {mine}" if mine else "another rank got a stop signal (SIGTERM or SIGINT)"
-    return f"{who}; every rank stopped at the same step boundary (runtime/stop_signals.py)"
+    return f"{who}; every rank stopped at the same step boundary (runtime/step/stop_signals.py)"
 
 
 def _validate(engine: LoopingEngine, step: int, steps: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ with tiny stages 1-2 ms a step more than torch.distributed.pipelining, which has
 byte length of its command's JSON into the third slot and every other rank writes 0, so the sum is
 that length on every rank. 0: carry on, and nothing else travels; n > 0: one broadcast of exactly n
 bytes follows (`receive_command`). A float64 holds every integer up to 2**53 exactly. The fourth slot is 1
-from each rank a signal asked to stop (runtime/stop_signals.py): every rank learns at the same step.
+from each rank a signal asked to stop (runtime/step/stop_signals.py): every rank learns at the same step.
 
 The reduction is no gloo collective but point-to-point through one root rank on the control group
 (`Posted`): every other rank sends its three numbers and receives the sums. Measured on the tiny row, an
@@ -58,7 +58,7 @@ class StepTotals:
     loss: float  # the minibatch loss (the last stage's sum over microbatches; other ranks add 0)
     squared_norm: float  # the global squared gradient norm (0.0 when not clipping)
     command_bytes: int  # the length of rank 0's command JSON; 0: no command this step
-    stop_requests: int = 0  # ranks a signal asked to stop (runtime/stop_signals.py); 0: carry on
+    stop_requests: int = 0  # ranks a signal asked to stop (runtime/step/stop_signals.py); 0: carry on
 
 
 def pack(loss_sum: float, squared_norm: float, command: Optional[Command], stop: bool = False

@@ -48,7 +48,7 @@ def test_a_command_length_that_no_rank_0_could_announce_is_refused(length, shown
 
 
 def test_every_rank_learns_how_many_ranks_a_signal_asked_to_stop():
-    """runtime/stop_signals.py: a rank that got SIGTERM writes 1; the sum is the same count on every rank."""
+    """runtime/step/stop_signals.py: a rank that got SIGTERM writes 1; the sum is the same count on every rank."""
     first, _ = step_totals.pack(0.0, 0.0, None, stop=True)
     middle, _ = step_totals.pack(0.0, 0.0, None)
     last, _ = step_totals.pack(2.0, 0.0, None, stop=True)

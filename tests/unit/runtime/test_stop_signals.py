@@ -1,4 +1,4 @@
-"""runtime/stop_signals.py: a signal while a training loop runs is a request to stop at the next step boundary;
+"""runtime/step/stop_signals.py: a signal while a training loop runs is a request to stop at the next step boundary;
 before and after a loop, and the second time, the handler that was there before acts (SIGUSR1 stands in for
 SIGTERM here: the earlier handler is a recorder, so nothing ends the test process)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from model_parallel.runtime import stop_signals
+from model_parallel.runtime.step import stop_signals
 
 
 @pytest.fixture()
