@@ -206,14 +206,15 @@ def test_token_file_errors(tmp_path):
         token_data(str(tmp_path / "odd.bin"), 4, 2)
     with pytest.raises(DataError, match=r"no such file"):
         token_data(str(tmp_path / "missing.bin"), 4, 2)
-    # An id past the model's vocabulary (another tokenizer, the wrong --token_dtype) is named where it is read.
-    np.arange(100, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    # An id past the model's vocabulary (another tokenizer, the wrong --token_dtype) is named when the file is opened,
+    # the first one in the file, not at the step that would first read it.
+    ids = np.arange(100, dtype=np.uint16)
+    ids[37] = 95
+    ids.tofile(tmp_path / "ids.bin")
     assert token_data(str(tmp_path / "ids.bin"), 4, 2, vocab=100).batch(0)[0][0].max() < 100
-    with pytest.raises(DataError, match=r"ids.bin: token id 9[0-9] \(at token 9[0-9]\) is not below the model's "
-                                        r"vocabulary size 90.*--token_dtype"):
-        data = token_data(str(tmp_path / "ids.bin"), 4, 2, vocab=90)
-        for step in range(12):  # 12 steps of 2 windows: every window read once
-            data.batch(step)
+    with pytest.raises(DataError, match=r"ids.bin: token id 95 \(at token 37\) is not below the model's "
+                                        r"vocabulary size 90; was the file made by another tokenizer.*--token_dtype"):
+        token_data(str(tmp_path / "ids.bin"), 4, 2, vocab=90)
     np.arange(10, dtype=np.uint32).tofile(tmp_path / "short.bin")
     with pytest.raises(DataError, match=r"10 token\(s\) cannot make one window of --seq_len 16"):
         token_data(str(tmp_path / "short.bin"), 16, 2, dtype="uint32")
