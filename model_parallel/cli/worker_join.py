@@ -89,7 +89,8 @@ def compare_flags(published: dict[str, Any], mine: dict[str, Any], where: str) -
 def join_hint(argv: list[str], store: str, rank: int) -> str:
     """For a process that was replaced (exit 6): the command that would admit it back as a new worker."""
     import shlex
-    import sys
+
+    from model_parallel.cli.worker_exit import launch_command
 
     drop_value, drop = {"--rank", "--world_size", "--dist_addr", "--dist_port", "--join"}, {"--recover", "--resume"}
     out, skip = [], False
@@ -100,8 +101,9 @@ def join_hint(argv: list[str], store: str, rank: int) -> str:
             skip = True
         elif arg not in drop and arg.split("=", 1)[0] not in drop_value:
             out.append(arg)
-    command = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_parallel_0.py",
-                          "--join", store, *out])
+    # How this worker was really started (`model-parallel worker`, `python -m ...`): `python <basename of argv[0]>`
+    # named a `python model-parallel` or `python worker.py` that does not run.
+    command = shlex.join([*launch_command()[0], "--join", store, *out])
     return f"[rank {rank}] to come back as a new worker (admitted at a step boundary): {command}"
 
 

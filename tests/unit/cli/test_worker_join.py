@@ -95,3 +95,21 @@ def test_the_replaced_hint_is_the_job_command_with_join_instead_of_the_world_fla
             "--checkpoint_dir", "ck", "--recover", "--resume"]
     hint = join_hint(argv, "10.0.0.1:29500", 1)
     assert hint.endswith("--join 10.0.0.1:29500 --model mlp --checkpoint_dir ck"), hint
+
+
+@pytest.mark.parametrize("argv0, spec, launcher", [
+    ("/venv/bin/model-parallel", None, "model-parallel worker"),
+    ("/x/model_parallel/cli/worker.py", "model_parallel.cli.worker", "-m model_parallel.cli.worker"),
+])
+def test_the_replaced_hint_is_how_this_worker_was_started(monkeypatch, argv0, spec, launcher) -> None:
+    # QA: a worker started as `model-parallel worker` was told to come back with `python model-parallel --join ...`
+    # (and one started with `python -m model_parallel.cli.worker` with `python worker.py --join ...`): neither runs.
+    import importlib.machinery
+    import sys
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__",
+                        importlib.machinery.ModuleSpec(spec, None) if spec else None, raising=False)
+    hint = join_hint(["--rank", "1", "--model", "mlp", "--checkpoint_dir", "ck", "--recover"], "10.0.0.1:29500", 1)
+    assert f"{launcher} --join 10.0.0.1:29500 --model mlp --checkpoint_dir ck" in hint, hint
