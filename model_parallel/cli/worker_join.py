@@ -224,7 +224,7 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     """Every running rank, after the admission stop: meet the joiner in the next generation (see the module doc)."""
     from dataclasses import replace
 
-    from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED
+    from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, resume_hint
     from model_parallel.errors import ReplacedError
     from model_parallel.runtime.checkpoint.layout import latest_step
     from model_parallel.runtime.wire.join import free_slot
@@ -237,15 +237,17 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
                    admission.address, done_before - 1)
     if not abandon(0.5 * timeout, close_first=False):  # every rank leaves at this boundary: nobody waits on another
         survivor._leave(EXIT_PEER, f"[rank {rank}] error: the process group did not shut down within "
-                                   f"{0.5 * timeout:g} s while admitting original rank {admission.original}", None)
+                                   f"{0.5 * timeout:g} s while admitting original rank {admission.original}",
+                        resume_hint(survivor.args.checkpoint_dir, survivor.argv, rank))
     grown = replace(lineage, members=lineage.members + (admission.original,),
                     addresses=lineage.addresses + (admission.address,))
     try:
         reformed = reform(grown, set(), timeout, survivor.backend)
     except ReplacedError as replaced:
         survivor._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
-    except PeerError as meet:
-        survivor._leave(EXIT_PEER, f"[rank {rank}] error: cannot admit original rank {admission.original}: {meet}", None)
+    except PeerError as meet:  # the admission's checkpoint is committed: the last line says how to resume from it
+        survivor._leave(EXIT_PEER, f"[rank {rank}] error: cannot admit original rank {admission.original}: {meet}",
+                        resume_hint(survivor.args.checkpoint_dir, survivor.argv, rank))
     if reformed.rank == 0:
         free_slot(reformed.lineage.base_store)
     survivor._adopt(reformed)
