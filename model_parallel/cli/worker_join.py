@@ -305,6 +305,9 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
         raise ConfigError(f"--join {args.join}: the store there published no job's flags within {timeout:g} s: it is "
                           "not a model_parallel job's rendezvous store, or the job has not started training yet")
     compare_flags(published, job_flags(args), args.join)
+    from model_parallel.cli.join_data import check_joiner_data
+
+    check_joiner_data(args, args.join)  # another file under the same path ended the whole job at the restore
     address = own_address(host)
     deadline = time.monotonic() + ADMIT_TIMEOUTS * timeout
     with store_guard(args.join, "posting the join request"):

@@ -1,0 +1,43 @@
+"""A joiner whose `--data tokens:PATH` holds other tokens than the running job's is refused before it asks to be
+admitted (cli/join_data.py): QA found that such a joiner (same flags, another file under the same path) was refused
+only when it restored the admission's checkpoint, which ended every member of the running job with exit 2."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from model_parallel.cli.join_data import check_joiner_data
+from model_parallel.errors import ConfigError
+from model_parallel.runtime.checkpoint import store
+from model_parallel.runtime.checkpoint.data_identity import token_file_content
+
+
+def job_checkpoint(monkeypatch, tokens) -> None:
+    record = {"training": {"data_content": {"kind": "token file", "samples": 10, **token_file_content(str(tokens))}}}
+    monkeypatch.setattr(store, "load_checkpoint", lambda directory: SimpleNamespace(step=20, extra=record))
+
+
+def test_a_joiner_with_another_token_file_under_the_same_path_is_refused(tmp_path, monkeypatch) -> None:
+    job, mine = tmp_path / "job.bin", tmp_path / "train.bin"
+    np.arange(5000, dtype=np.uint16).tofile(job)
+    np.arange(5000, dtype=np.uint16)[::-1].copy().tofile(mine)  # the same size, other tokens
+    job_checkpoint(monkeypatch, job)
+    args = SimpleNamespace(data=f"tokens:{mine}", checkpoint_dir=str(tmp_path / "ck"), allow_config_change=False)
+    with pytest.raises(ConfigError, match=r"--join h:1: --data tokens:.*train.bin on this host holds other tokens than "
+                                          r"the running job trained on \(sha256 of sampled blocks .* \(job\) vs .* "
+                                          r"\(this worker\); checkpoint step 20"):
+        check_joiner_data(args, "h:1")
+
+
+def test_the_same_tokens_by_another_path_join(tmp_path, monkeypatch) -> None:
+    job, mine = tmp_path / "job.bin", tmp_path / "copy.bin"
+    np.arange(5000, dtype=np.uint16).tofile(job)
+    np.arange(5000, dtype=np.uint16).tofile(mine)
+    job_checkpoint(monkeypatch, job)
+    check_joiner_data(SimpleNamespace(data=f"tokens:{mine}", checkpoint_dir="ck", allow_config_change=False), "h:1")
+    # Synthetic data, or no committed checkpoint yet: nothing to compare here (the restore checks).
+    check_joiner_data(SimpleNamespace(data="synthetic", checkpoint_dir="ck", allow_config_change=False), "h:1")
+    monkeypatch.setattr(store, "load_checkpoint", lambda d: (_ for _ in ()).throw(store.CheckpointError("none")))
+    check_joiner_data(SimpleNamespace(data=f"tokens:{mine}", checkpoint_dir="ck", allow_config_change=False), "h:1")
