@@ -21,7 +21,10 @@ logger = logging.getLogger(__name__)
 def check_joiner_data(args: Any, where: str) -> None:
     """ConfigError (exit 2) when this joiner's `--data tokens:PATH` holds other contents than the job trained on."""
     spec = getattr(args, "data", None) or ""
-    if not spec.startswith("tokens:") or getattr(args, "allow_config_change", False):
+    # Whatever --allow_config_change says: it lets a whole job resume with other settings, but a joiner changes
+    # nothing for the members (they keep reading their files), so its restore accepting other tokens would have it
+    # train its stages on other data than theirs (stage 0's inputs, the last stage's targets).
+    if not spec.startswith("tokens:"):
         return
     from model_parallel.errors import CheckpointError
     from model_parallel.runtime.checkpoint.data_identity import token_file_content

@@ -263,6 +263,15 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     survivor._pending = (detected, record)
 
 
+def joiner_options(options: Any, original: int) -> Any:
+    """The joiner's RunOptions: it resumes from the admission's checkpoint, its metrics file named by its original rank,
+    and never with --allow_config_change: the members wrote that checkpoint with the job's settings and keep them,
+    so a change the joiner's restore accepted (another token file or graph under the same path) trained its stages
+    on other data or another model than theirs, with a warning on the joiner only."""
+    metrics = options.metrics.replace("{rank}", str(original)) if options.metrics else None
+    return dataclasses.replace(options, resume=True, metrics=metrics, allow_config_change=False)
+
+
 @contextmanager
 def store_guard(where: str, doing: str) -> Iterator[None]:
     """The joiner's store calls: a store that closes the connection or stops answering (its host died, or the job
@@ -335,11 +344,10 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     world = World(reformed.rank, reformed.world_size, reformed.store, torch.device("cpu"), reformed.store_host,
                   reformed.store_address)
     health = start_health(world, timeout)
-    metrics = options.metrics.replace("{rank}", str(admission.original)) if options.metrics else None
     # From here on it is one of the job's --recover workers (its bye to a coordinator says "recovering" too).
     job_args = argparse.Namespace(**{**vars(args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
                                      "recover": True})
-    survivor = survivor_class(job_args, argv, config, dataclasses.replace(options, resume=True, metrics=metrics), world,
+    survivor = survivor_class(job_args, argv, config, joiner_options(options, admission.original), world,
                         health, prefix, run_one, lineage=reformed.lineage)
     from model_parallel.runtime.checkpoint.layout import latest_step
 
