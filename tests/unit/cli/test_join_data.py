@@ -57,3 +57,21 @@ def test_a_joiner_restores_without_allow_config_change() -> None:
 
     options = joiner_options(RunOptions(allow_config_change=True, metrics="m/rank{rank}.jsonl", checkpoint_dir="ck"), 3)
     assert (options.allow_config_change, options.resume, options.metrics) == (False, True, "m/rank3.jsonl")
+
+
+def test_a_joiner_with_another_graph_under_the_same_path_is_refused(tmp_path, monkeypatch) -> None:
+    from model_parallel.graph.io import save_graph
+    from model_parallel.runtime.checkpoint.graph_identity import describe_graph
+    from tests.unit.coordinator.test_policy_replay import chain_graph
+
+    job, other = chain_graph(6), chain_graph(7)
+    save_graph(other, tmp_path / "graph.json")
+    record = {"training": {"graph": describe_graph(job)}}
+    monkeypatch.setattr(store, "load_checkpoint", lambda directory: SimpleNamespace(step=20, extra=record))
+    args = SimpleNamespace(graph=str(tmp_path / "graph.json"), package=None, data="synthetic", checkpoint_dir="ck",
+                           allow_config_change=True)
+    with pytest.raises(ConfigError, match=r"the graph .*graph.json on this host is another model than the running "
+                                          r"job's \(\d+ nodes, structure \w+ \(job, checkpoint step 20 in ck\) vs"):
+        check_joiner_data(args, "h:1")
+    save_graph(job, tmp_path / "graph.json")
+    check_joiner_data(args, "h:1")  # the job's graph: admitted
