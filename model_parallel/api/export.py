@@ -258,6 +258,12 @@ def _read_pinned(root: Path, step: Optional[int], graph: Optional[Graph], config
 
     tries = READ_TRIES if step is None else 1  # a step asked for by number is not replaced by a newer one
     last: Optional[BaseException] = None
+    # A step asked for by number that is not there was reported "deleted while export read it", as if pruned.
+    if step is not None and not (step_dir(root, step) / MANIFEST).is_file():
+        from model_parallel.runtime.checkpoint.layout import list_checkpoints
+
+        raise CheckpointError(f"--step {step}: {root} holds no committed step {step} (committed steps: "
+                              f"{list_checkpoints(root)}); give one of them, or no --step for the latest")
     for attempt in range(tries):
         pinned = step if step is not None else latest_step(root)
         if pinned is None:
@@ -273,10 +279,11 @@ def _read_pinned(root: Path, step: Optional[int], graph: Optional[Graph], config
                 raise
             last = error
             logger.info("%s was deleted while export read it (try %d of %d)", step_dir(root, pinned), attempt + 1, tries)
+    which = "each the step 'latest' named" if step is None else "the step --step named"
     raise CheckpointError(
-        f"{step_dir(root, pinned)}: deleted while export read it ({tries} time(s) in a row, each the step 'latest' "
-        "named): a running job prunes its checkpoints (it keeps only its newest --keep_checkpoints); export after "
-        "the run ends, or give the run a larger --keep_checkpoints") from last
+        f"{step_dir(root, pinned)}: deleted while export read it ({tries} time(s) in a row, {which}): a running job "
+        "prunes its checkpoints (it keeps only its newest --keep_checkpoints); export after the run ends, or give the "
+        "run a larger --keep_checkpoints") from last
 
 
 def _read_step(root: Path, step: int, graph: Optional[Graph], config: Any, model_class: Optional[str]) -> _StepRead:

@@ -199,7 +199,7 @@ def resume_line(checkpoint_dirs: Sequence[str]) -> str:
     from model_parallel.errors import CheckpointError
     from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
 
-    again = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_socket.py", *sys.argv[1:]])
+    again = shlex.join([*_launcher(), *sys.argv[1:]])
     if not checkpoint_dirs:
         return (f"the workers keep no checkpoints (no --checkpoint_dir): nothing to resume from; start over with {again} "
                 "and the workers")
@@ -218,6 +218,19 @@ def resume_line(checkpoint_dirs: Sequence[str]) -> str:
             parts.append(f"{directory!r} (on the workers' machines: their last lines name its latest step)")
     return (f"{'; '.join(parts)}; resume: {again}, then every worker with its own command line plus --resume "
             "(each worker's last line prints its exact command)")
+
+
+def _launcher() -> list[str]:
+    """How this coordinator was started, up to its arguments: `python test_socket.py`, `model-parallel` (its argv goes on
+    with `coordinator`), `python -m model_parallel.cli.main` (the same); `python <basename of argv[0]>` named a
+    `python model-parallel` or `python main.py` that does not run."""
+    import sys
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    script = os.path.basename(sys.argv[0]) or "test_socket.py"
+    if spec is not None:
+        return [os.path.basename(sys.executable), "-m", spec.name.removesuffix(".__main__")]
+    return [script] if script == "model-parallel" else [os.path.basename(sys.executable), script]
 
 
 def _memory_limit(limit: float, served: dict, graph: Any) -> Any:

@@ -38,6 +38,19 @@ def build_parser(prog: str = "model-parallel ctl") -> ArgumentParser:
     return parser
 
 
+def _placed_ranks(plan: Any) -> set[int]:
+    """The ranks the status's live plan gives a stage (none known: an empty set, every stage-less rank a spare)."""
+    from model_parallel.errors import PlanError
+    from model_parallel.graph.plan import Plan
+
+    if not isinstance(plan, dict):
+        return set()
+    try:
+        return {r for stage in Plan.from_dict(plan, "the live plan").with_default_ranks().stages for r in stage.ranks}
+    except PlanError:
+        return set()
+
+
 def format_status(status: dict[str, Any]) -> str:
     """`ctl status` as text; every table says its clock and scale (profile ms vs ms measured in this run)."""
     from model_parallel.coordinator.status import plan_times_label
@@ -57,9 +70,12 @@ def format_status(status: dict[str, Any]) -> str:
     if any(row.get("measured_is_rank_total") for row in status["stages"]):
         lines.append("* the rank's stages together: a worker measures its compute per rank, not per stage")
     lines += ["", f"{'rank':>4} {'status':<9} {'step':>5} {'stage':>5} {'plan':>4} {'slowdown':>8} {'samples/s':>9}  host (pid)"]
+    placed = _placed_ranks(status.get("plan"))
     for w in status["workers"]:
         sps = "-" if w["samples_per_s"] is None else f"{w['samples_per_s']:.1f}"
-        stage = "spare" if w["stage"] is None else str(w["stage"])
+        # No stage reported yet, but the live plan gives the rank one (a new membership generation registers before
+        # its first step): `-`; `spare` there showed every rank of a recovered world as one until it reported.
+        stage = str(w["stage"]) if w["stage"] is not None else "-" if w["rank"] in placed else "spare"
         lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
                      f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
     for r in status.get("recoveries", []):  # --recover: each world the survivors re-formed (coordinator/membership.py)

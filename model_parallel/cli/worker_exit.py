@@ -66,7 +66,8 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, f
 def launch_command(env: Optional[Mapping[str, str]] = None, main_module: Optional[str] = None,
                    argv0: Optional[str] = None) -> tuple[list[str], str]:
     """How this worker was started, up to its flags, as a user types it again, and a note where that is not all:
-    `python -m model_parallel.cli.worker`, `python test_parallel_0.py`, `model-parallel worker`; under torchrun
+    `python -m model_parallel.cli.worker`, `python test_parallel_0.py`, `model-parallel worker` (also as
+    `python -m model_parallel.cli.main worker`); under torchrun
     (which sets TORCHELASTIC_RUN_ID) `torchrun --nproc_per_node=N -m ...`, its rendezvous flags unknown here
     (the note says so on several nodes). Defaults: this process's environment, `__main__` and sys.argv[0]."""
     env = os.environ if env is None else env
@@ -76,6 +77,8 @@ def launch_command(env: Optional[Mapping[str, str]] = None, main_module: Optiona
     script = os.path.basename(sys.argv[0] if argv0 is None else argv0) or "test_parallel_0.py"
     if main_module:
         target, python = ["-m", main_module.removesuffix(".__main__")], [os.path.basename(sys.executable)]
+        if main_module == "model_parallel.cli.main":  # `python -m model_parallel.cli.main worker ...`: the
+            target.append("worker")  # subcommand is not in the worker's own argv, and without it the line fails
     elif script == "model-parallel":  # the console script's subcommand: an executable, not a Python file
         target, python = ["model-parallel", "worker"], []
     else:

@@ -89,7 +89,8 @@ def compare_flags(published: dict[str, Any], mine: dict[str, Any], where: str) -
 def join_hint(argv: list[str], store: str, rank: int) -> str:
     """For a process that was replaced (exit 6): the command that would admit it back as a new worker."""
     import shlex
-    import sys
+
+    from model_parallel.cli.worker_exit import launch_command
 
     drop_value, drop = {"--rank", "--world_size", "--dist_addr", "--dist_port", "--join"}, {"--recover", "--resume"}
     out, skip = [], False
@@ -100,8 +101,9 @@ def join_hint(argv: list[str], store: str, rank: int) -> str:
             skip = True
         elif arg not in drop and arg.split("=", 1)[0] not in drop_value:
             out.append(arg)
-    command = shlex.join([os.path.basename(sys.executable), os.path.basename(sys.argv[0]) or "test_parallel_0.py",
-                          "--join", store, *out])
+    # How this worker was really started (`model-parallel worker`, `python -m ...`): `python <basename of argv[0]>`
+    # named a `python model-parallel` or `python worker.py` that does not run.
+    command = shlex.join([*launch_command()[0], "--join", store, *out])
     return f"[rank {rank}] to come back as a new worker (admitted at a step boundary): {command}"
 
 
@@ -222,7 +224,7 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     """Every running rank, after the admission stop: meet the joiner in the next generation (see the module doc)."""
     from dataclasses import replace
 
-    from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED
+    from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, resume_hint
     from model_parallel.errors import ReplacedError
     from model_parallel.runtime.checkpoint.layout import latest_step
     from model_parallel.runtime.wire.join import free_slot
@@ -235,15 +237,17 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
                    admission.address, done_before - 1)
     if not abandon(0.5 * timeout, close_first=False):  # every rank leaves at this boundary: nobody waits on another
         survivor._leave(EXIT_PEER, f"[rank {rank}] error: the process group did not shut down within "
-                                   f"{0.5 * timeout:g} s while admitting original rank {admission.original}", None)
+                                   f"{0.5 * timeout:g} s while admitting original rank {admission.original}",
+                        resume_hint(survivor.args.checkpoint_dir, survivor.argv, rank))
     grown = replace(lineage, members=lineage.members + (admission.original,),
                     addresses=lineage.addresses + (admission.address,))
     try:
         reformed = reform(grown, set(), timeout, survivor.backend)
     except ReplacedError as replaced:
         survivor._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
-    except PeerError as meet:
-        survivor._leave(EXIT_PEER, f"[rank {rank}] error: cannot admit original rank {admission.original}: {meet}", None)
+    except PeerError as meet:  # the admission's checkpoint is committed: the last line says how to resume from it
+        survivor._leave(EXIT_PEER, f"[rank {rank}] error: cannot admit original rank {admission.original}: {meet}",
+                        resume_hint(survivor.args.checkpoint_dir, survivor.argv, rank))
     if reformed.rank == 0:
         free_slot(reformed.lineage.base_store)
     survivor._adopt(reformed)
@@ -257,6 +261,15 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
                         reformed.lineage.members, survivor.world.store_address, -1 if step is None else step,
                         done_before, 0.0)
     survivor._pending = (detected, record)
+
+
+def joiner_options(options: Any, original: int) -> Any:
+    """The joiner's RunOptions: it resumes from the admission's checkpoint, its metrics file named by its original rank,
+    and never with --allow_config_change: the members wrote that checkpoint with the job's settings and keep them,
+    so a change the joiner's restore accepted (another token file or graph under the same path) trained its stages
+    on other data or another model than theirs, with a warning on the joiner only."""
+    metrics = options.metrics.replace("{rank}", str(original)) if options.metrics else None
+    return dataclasses.replace(options, resume=True, metrics=metrics, allow_config_change=False)
 
 
 @contextmanager
@@ -301,6 +314,9 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
         raise ConfigError(f"--join {args.join}: the store there published no job's flags within {timeout:g} s: it is "
                           "not a model_parallel job's rendezvous store, or the job has not started training yet")
     compare_flags(published, job_flags(args), args.join)
+    from model_parallel.cli.join_data import check_joiner_data
+
+    check_joiner_data(args, args.join)  # another file under the same path ended the whole job at the restore
     address = own_address(host)
     deadline = time.monotonic() + ADMIT_TIMEOUTS * timeout
     with store_guard(args.join, "posting the join request"):
@@ -328,11 +344,10 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     world = World(reformed.rank, reformed.world_size, reformed.store, torch.device("cpu"), reformed.store_host,
                   reformed.store_address)
     health = start_health(world, timeout)
-    metrics = options.metrics.replace("{rank}", str(admission.original)) if options.metrics else None
     # From here on it is one of the job's --recover workers (its bye to a coordinator says "recovering" too).
     job_args = argparse.Namespace(**{**vars(args), "plan": None, "num_stages": None, "stage_to_num_ranks": None,
                                      "recover": True})
-    survivor = survivor_class(job_args, argv, config, dataclasses.replace(options, resume=True, metrics=metrics), world,
+    survivor = survivor_class(job_args, argv, config, joiner_options(options, admission.original), world,
                         health, prefix, run_one, lineage=reformed.lineage)
     from model_parallel.runtime.checkpoint.layout import latest_step
 

@@ -158,7 +158,7 @@ class Survivor:
                     raise  # a stop command, not an admission: the run ends here
                 detected = time.monotonic()
                 engine = self.prefix.engine
-                done_before = engine.next_step if engine is not None else 0
+                done_before = steps_done(engine, self._tracker)
                 # The stage state as the failure left it, before the engine goes (a live replica: cli/recover_sources.py).
                 live = self._holdings(engine) if isinstance(error, PeerError) else ([], "", None)
                 engine, self._tracker = None, None
@@ -343,6 +343,16 @@ class Survivor:
         if self.records:
             line += f" (after surviving {len(self.records)} failure(s): " + "; ".join(r.line() for r in self.records) + ")"
         leave(code, line, self.rank, self.health, hint=hint, linger=code != EXIT_REPLACED)
+
+
+def steps_done(engine: Any, tracker: Any) -> int:
+    """The steps this rank completed before the failure (the `recomputed` count of its record): the loop counts a
+    step in `next_step` only after its checkpoint and control poll, so a failure in that commit (a peer killed
+    once the step's metrics line was written) left a completed step uncounted: "recomputed 1" for 2."""
+    if engine is None:
+        return 0
+    done = getattr(tracker, "done", None) if tracker is not None else None
+    return max(int(engine.next_step), done + 1 if done is not None else 0)
 
 
 def _capture(engine: Any, tracker: Any) -> tuple[Any, str]:

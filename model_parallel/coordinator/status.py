@@ -172,7 +172,28 @@ class Roster:
         # An unreachable worker is only given up on after the grace period (it may be reconnecting).
         gone = all(w.status not in ("unreachable", "recovering") or now - w.last_seen > UNREACHABLE_GRACE_S
                    for w in self.workers.values())
-        return (registered_all or said_bye) and (said_bye or gone)
+        over = (registered_all or said_bye) and (said_bye or gone)
+        if over and self.stop_reason is None:
+            self.stop_reason = self._never_finished()
+        return over
+
+    def _never_finished(self) -> Optional[str]:
+        """Why a run whose workers all left did not finish (None: it did). Workers that cannot recover (no checkpoint,
+        too few survivors) said "recovering" and then exited 3 without another word, and killed ones say nothing:
+        without this the coordinator exited 0, as if every step had run."""
+        given_up = sorted((w for w in self.workers.values() if w.status in ("unreachable", "recovering")),
+                          key=lambda w: w.rank)
+        finished = any(w.status == "finished" for w in self.workers.values())
+        recovering = [w for w in given_up if w.status == "recovering"]
+        if finished and not recovering:
+            return None  # every step ran; a control connection that never came back is not the job's failure
+        first = (recovering or given_up or [None])[0]
+        if first is None:
+            return None
+        names = ", ".join(f"{w.rank} ({w.status})" for w in given_up)
+        return (f"rank {first.rank}: {(first.note or first.status)[:300]}; rank(s) {names} never came back within "
+                f"{UNREACHABLE_GRACE_S:.0f} s and {'not every' if finished else 'no'} worker finished training "
+                "(each worker's last lines say why it ended)")
 
     def step(self) -> int:
         """The furthest step any rank reached (0 before the first)."""

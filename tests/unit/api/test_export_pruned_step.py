@@ -101,3 +101,13 @@ def test_an_error_in_a_step_that_is_still_there_is_not_retried(tmp_path):
     (step_dir(tmp_path / "ck", 1) / model_files.GRAPH_FILE).unlink()
     with pytest.raises(CheckpointError, match=r"records no graph\.json.*pass --graph GRAPH"):
         export.export_checkpoint(tmp_path / "ck", None, tmp_path / "out")
+
+
+def test_a_step_that_was_never_committed_is_named_with_the_committed_ones(tmp_path):
+    # QA: `export CK --step 6` of a run that checkpointed odd steps said "step_6: deleted while export read it (1
+    # time(s) in a row, each the step 'latest' named): a running job prunes its checkpoints" of a finished run.
+    _checkpoints(tmp_path / "ck", range(1, 4))
+    with pytest.raises(CheckpointError, match=r"--step 6: .* holds no committed step 6 \(committed steps: \[1\]\); "
+                                              r"give one of them"):
+        export.export_checkpoint(tmp_path / "ck", None, tmp_path / "out", step=6)
+    assert not (tmp_path / "out").exists()

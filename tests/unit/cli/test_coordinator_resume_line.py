@@ -37,3 +37,18 @@ def test_the_coordinator_learns_the_directory_from_the_workers_registration(tmp_
             assert coordinator.status()["checkpoint_dirs"] == [str(tmp_path)]
         finally:
             channel.close()
+
+
+def test_the_resume_line_restarts_the_coordinator_as_it_was_started(monkeypatch) -> None:
+    # QA: `model-parallel coordinator ...` was told to start again with `python model-parallel coordinator ...`.
+    import importlib.machinery
+    import sys
+
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/model-parallel", "coordinator", "--port", "29600"])
+    assert "start over with model-parallel coordinator --port 29600 and" in resume_line([])
+    monkeypatch.setattr(sys, "argv", ["/x/test_socket.py", "--port", "29600"])
+    assert " test_socket.py --port 29600 and" in resume_line([])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", importlib.machinery.ModuleSpec("model_parallel.cli.main", None))
+    monkeypatch.setattr(sys, "argv", ["/x/model_parallel/cli/main.py", "coordinator", "--port", "29600"])
+    assert " -m model_parallel.cli.main coordinator --port 29600 and" in resume_line([])

@@ -71,3 +71,18 @@ def test_report_final_plan_comes_from_the_status_file(tmp_path):
     (tmp_path / "coordinator_status.json").write_text("[1, 2]")
     with pytest.raises(PlanError, match="coordinator_status.json: not a coordinator status file"):
         final_plan(tmp_path, initial)
+
+
+def test_a_rank_that_has_not_reported_is_not_shown_as_a_spare():
+    # QA: right after a recovery (generation 1 registered, no step reported yet) `ctl status` showed every rank of the
+    # new world as `spare`, though each held a stage of plan v1.
+    row = {"rank": 0, "status": "running", "step": 0, "stage": None, "plan_version": 0, "slowdown": 1.0,
+           "samples_per_s": None, "host": "h", "pid": 1}
+    plan = Plan((StagePlan(0, ("a", "b"), ranks=(0,)), StagePlan(1, ("c",), ranks=(2,))), version=1)  # rank 1: a spare
+    status = {"plan_version": 1, "pending_version": None, "policy": "manual", "last_decision": "-",
+              "table": plan.table(), "plan": plan.to_dict(), "stages": [], "history": [],
+              "workers": [row, {**row, "rank": 1}, {**row, "rank": 2, "stage": 1, "samples_per_s": 25.0}]}
+    lines = [line.split() for line in format_status(status).splitlines() if line.split()[:2] in (["0", "running"],
+                                                                                                 ["1", "running"],
+                                                                                                 ["2", "running"])]
+    assert [line[3] for line in lines] == ["-", "spare", "1"], lines

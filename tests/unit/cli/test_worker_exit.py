@@ -16,6 +16,8 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "2"}
 @pytest.mark.parametrize("env, module, argv0, want, note", [
     ({}, "model_parallel.cli.worker", "/x/model_parallel/cli/worker.py", [PY, "-m", "model_parallel.cli.worker"], ""),
     ({}, "", "/x/test_parallel_0.py", [PY, "test_parallel_0.py"], ""),
+    # QA: `python -m model_parallel.cli.main worker ...` was told to rerun `python -m model_parallel.cli.main --rank ...`.
+    ({}, "model_parallel.cli.main", "/x/model_parallel/cli/main.py", [PY, "-m", "model_parallel.cli.main", "worker"], ""),
     ({}, "", "/venv/bin/model-parallel", ["model-parallel", "worker"], ""),
     (TORCHRUN, "model_parallel.cli.worker", "/x/worker.py",
      ["torchrun", "--nproc_per_node=2", "-m", "model_parallel.cli.worker"], ""),

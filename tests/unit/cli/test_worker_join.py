@@ -95,3 +95,58 @@ def test_the_replaced_hint_is_the_job_command_with_join_instead_of_the_world_fla
             "--checkpoint_dir", "ck", "--recover", "--resume"]
     hint = join_hint(argv, "10.0.0.1:29500", 1)
     assert hint.endswith("--join 10.0.0.1:29500 --model mlp --checkpoint_dir ck"), hint
+
+
+@pytest.mark.parametrize("argv0, spec, launcher", [
+    ("/venv/bin/model-parallel", None, "model-parallel worker"),
+    ("/x/model_parallel/cli/worker.py", "model_parallel.cli.worker", "-m model_parallel.cli.worker"),
+])
+def test_the_replaced_hint_is_how_this_worker_was_started(monkeypatch, argv0, spec, launcher) -> None:
+    # QA: a worker started as `model-parallel worker` was told to come back with `python model-parallel --join ...`
+    # (and one started with `python -m model_parallel.cli.worker` with `python worker.py --join ...`): neither runs.
+    import importlib.machinery
+    import sys
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__",
+                        importlib.machinery.ModuleSpec(spec, None) if spec else None, raising=False)
+    hint = join_hint(["--rank", "1", "--model", "mlp", "--checkpoint_dir", "ck", "--recover"], "10.0.0.1:29500", 1)
+    assert f"{launcher} --join 10.0.0.1:29500 --model mlp --checkpoint_dir ck" in hint, hint
+
+
+def test_a_member_that_cannot_admit_says_how_to_resume_from_the_admission_checkpoint(tmp_path, monkeypatch) -> None:
+    # QA: a member killed during an admission (after the stop committed checkpoint 17) ended every other process with
+    # exit 3 and no last line naming that checkpoint and the resume command.
+    from types import SimpleNamespace
+
+    from model_parallel.cli import worker_join
+    from model_parallel.errors import PeerError
+    from model_parallel.runtime.wire import recovery
+
+    (tmp_path / "step_17").mkdir()
+    (tmp_path / "latest").write_text("step_17\n")
+
+    def no_group(*_args, **_kwargs):
+        raise PeerError("rank 0: the process group of generation 1 (original ranks [0, 1, 2]) did not form within 5 s")
+
+    monkeypatch.setattr(recovery, "abandon", lambda *a, **k: True)
+    monkeypatch.setattr(recovery, "reform", no_group)
+    left = []
+
+    def leave(code, line, hint):
+        left.append((code, line, hint))
+        raise SystemExit(code)
+
+    lineage = recovery.Lineage(0, 0, (0, 1), ("h", "h"), 29500, 0, 29500, None, None)
+    survivor = SimpleNamespace(admitting=wire.Admission("n", "h", 2, 1, (0, 1), ("h", "h"), 29500, 0, 29500),
+                               lineage=lineage, options=SimpleNamespace(timeout=5.0), rank=0,
+                               health=SimpleNamespace(stop=lambda *a: None), backend="gloo", _leave=leave,
+                               args=SimpleNamespace(checkpoint_dir=str(tmp_path)),
+                               argv=["--rank", "0", "--model", "mlp", "--checkpoint_dir", str(tmp_path), "--recover"])
+    with pytest.raises(SystemExit):
+        worker_join.admit(survivor, 0.0, 18)
+    [(code, line, hint)] = left
+    assert code == 3 and "cannot admit original rank 2" in line, line
+    assert hint is not None and f"latest committed checkpoint: {tmp_path / 'step_17'}; resume every rank with:" in hint, hint
+    assert hint.endswith("--recover --resume"), hint

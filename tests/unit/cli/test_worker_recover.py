@@ -36,3 +36,19 @@ def test_the_record_round_trips_through_its_metrics_line() -> None:
                              "(continued at step 4); 0.75 s from detection to the first completed step")
     with pytest.raises(ValueError, match=r"a recovery record lacks \['seconds'\]"):
         RecoveryRecord.from_json({k: v for k, v in data.items() if k != "seconds"})
+
+
+def test_a_step_completed_before_its_checkpoint_commit_failed_counts_as_done() -> None:
+    # QA: a peer killed while step 5's checkpoint was committed (checkpoint step 3 the latest): steps 4 and 5 both
+    # ran again, but the line said "recomputed 1 step(s)": the loop counts a step in next_step only after its commit.
+    from types import SimpleNamespace
+
+    from model_parallel.cli.worker_recover import steps_done
+    from model_parallel.runtime.checkpoint.live import StepTracker
+
+    engine, tracker = SimpleNamespace(next_step=5), StepTracker()
+    tracker.done = 5  # the step's update ran (its metrics line was written), then save_checkpoint(5) failed
+    assert steps_done(engine, tracker) == 6
+    tracker.in_step, tracker.done = 5, 4  # killed inside step 5: step 4 was the last completed
+    assert steps_done(engine, tracker) == 5
+    assert steps_done(engine, None) == 5 and steps_done(None, tracker) == 0
