@@ -12,7 +12,7 @@ single-process training and a resume mid-epoch continues exactly where the run s
     token file          (nanoGPT's train.bin: a flat uint16/uint32 array) -> a map-style Dataset of
                         windows (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), then as above
     iterable            read in order, batch_size samples per step, epochs concatenated; any step is
-                        reached by iterating afresh and skipping (so it must iterate the same way twice)
+                        reached by iterating afresh and skipping (so it must iterate the same way twice: data/replay.py)
     DataLoader          shuffled or sequential over a map-style dataset: its dataset, batch size, collate
                         function and drop_last, in the order above; otherwise its batches, in order, as an iterable
 
@@ -39,6 +39,7 @@ from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
+from model_parallel.runtime.data.replay import check_replays
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class IterableData:
         self.causal_labels = causal_labels
         self.per_step = 1 if batched else batch_size  # items consumed per step
         self.epoch_items: Optional[int] = None  # items per pass, known after the first pass
+        self._replays = False  # two passes were seen to begin alike (`check_replays`)
         self._iter: Any = None
         self._next = 0  # the index, over concatenated passes, of the item `_iter` yields next
 
@@ -187,6 +189,9 @@ class IterableData:
         return {"item": item, "epoch": item // self.epoch_items, "in_epoch": item % self.epoch_items}
 
     def batch(self, step: int) -> Batch:
+        if not self._replays:  # once: a random order would pair inputs with other samples' targets (data/replay.py)
+            check_replays(self.iterable, self.per_step, self.name)
+            self._replays = True
         first = step * self.per_step
         if self._iter is None or first < self._next:
             self._restart(first)
