@@ -304,8 +304,8 @@ class BatchSource:
     from deep in a stage (a tensor iterated into positional arguments). A few isinstance checks a step. Other
     attributes (`targets`, `position`, `batch_size`, ...) are the source's own."""
 
-    def __init__(self, source: Any, causal_labels: bool = False) -> None:
-        self.source, self.causal_labels = source, causal_labels
+    def __init__(self, source: Any, causal_labels: bool = False, batch_size: Optional[int] = None) -> None:
+        self.source, self.causal_labels, self.expected_size = source, causal_labels, batch_size
         self.name = source.name if isinstance(getattr(source, "name", None), str) else type(source).__name__
 
     def __getattr__(self, name: str) -> Any:
@@ -326,8 +326,18 @@ class BatchSource:
         inputs, target = as_pair(value, f"{self.name}.batch({step})", self.causal_labels)  # the one normal form
         if not isinstance(target, torch.Tensor):
             self._refuse(step, value, f"the target is a {type(target).__name__}, not a tensor")
-        if not any(isinstance(x, torch.Tensor) for x in (inputs.values() if isinstance(inputs, dict) else inputs)):
+        tensors = [x for x in (inputs.values() if isinstance(inputs, dict) else inputs) if isinstance(x, torch.Tensor)]
+        if not tensors:
             self._refuse(step, value, "the inputs hold no tensor")
+        # As a DataLoader of another batch size is refused (from_loader): the step would train other than the run's
+        # batch (microbatches of unequal sizes, each weighted 1/m), priced and recorded as the run's. (Inputs and a
+        # target of different sizes are named by the microbatch split: runtime/data/batches.py.)
+        sizes = {int(x.shape[0]) for x in tensors + [target] if x.dim()}
+        if self.expected_size is not None and len(sizes) == 1 and sizes != {self.expected_size}:
+            raise DataError(f"{self.name}.batch({step}): a minibatch of {target.shape[0]} sample(s) where the run's batch "
+                            f"size is {self.expected_size} (TrainConfig.batch_size / --batch_size); every step trains "
+                            f"the run's batch size in equal microbatches: return {self.expected_size} samples a step, "
+                            f"or give batch_size={target.shape[0]}")
         return inputs, target
 
     def _refuse(self, step: int, value: Any, why: str) -> NoReturn:
@@ -348,7 +358,7 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
                 data.replace_source(checked)
         return data
     if hasattr(data, "batch") and callable(data.batch):
-        return BatchSource(data, causal_labels)
+        return BatchSource(data, causal_labels, batch_size)
     collate = collate_fn or default_collate
     if isinstance(data, DataLoader):
         return from_loader(data, seed, batch_size, causal_labels)

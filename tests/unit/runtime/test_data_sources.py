@@ -276,3 +276,19 @@ def test_an_iterable_in_a_fixed_order_of_its_own_is_read_as_it_is():
     source = as_source(DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order), BATCH, seed=0)
     inputs, target = source.batch(1)
     assert torch.equal(inputs[0], x[order[BATCH:2 * BATCH]]) and torch.equal(target, y[order[BATCH:2 * BATCH]])
+
+
+@pytest.mark.parametrize("size", [2 * BATCH, BATCH - 2])
+def test_a_batch_source_of_another_batch_size_is_refused(size):
+    """As a DataLoader of another batch size is: a step trained `size` samples (in unequal microbatches, each weighted
+    1/m, for BATCH - 2) while the plan's memory and the checkpoint's record said BATCH, without a word."""
+
+    class Sized:
+        def batch(self, step: int):
+            x, y = tensors()
+            return (x[:size],), y[:size]
+
+    with pytest.raises(DataError, match=rf"Sized.batch\(0\): a minibatch of {size} sample\(s\) where the run's batch "
+                                        rf"size is {BATCH}"):  # the first read: the trace's example microbatch
+        PipelineTrainer(StackedMLP(in_features=FEATURES, width=8, depth=2, num_classes=CLASSES), _sgd, Sized(),
+                        TrainConfig(batch_size=BATCH, num_microbatches=4), num_stages=2, single_process=True).train(1)
