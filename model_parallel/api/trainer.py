@@ -22,6 +22,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -130,6 +131,7 @@ class PipelineTrainer:
         self._timeout, self._original = options.timeout, source if isinstance(source, nn.Module) else None
         self.health: Any = None
         self._closed = False  # close() let go of the process groups
+        self._next_step: Optional[int] = None  # where the next `train` call starts (None: not trained yet)
         # The end-of-train memory table (`memory_report`): predicted for this optimizer, measured from here on.
         self.memory_report: Any = None
         self._optimizer_factory = optimizer_factory  # probed for the report only where no optimizer was built here
@@ -170,17 +172,27 @@ class PipelineTrainer:
                                          control_group=control_group)
 
     def train(self, steps: int) -> list[StepResult]:
-        """Train `steps` steps (all ranks call this together); returns this rank's per-step results. A stop command, or
-        a signal after `runtime.step.stop_signals.install()`, ends it at a step boundary: TrainingStopped."""
+        """Train `steps` steps (all ranks call this together); returns this rank's results of those steps. The first
+        call starts at step 0 (with `RunOptions(resume=True)`, at the checkpoint's next step, up to step `steps`); each
+        later call continues where the last one ended, with the minibatches, lr schedule and dropout masks of the
+        steps that follow (one call of the total equals the calls in a row). A stop command, or a signal after
+        `runtime.step.stop_signals.install()`, ends it at a step boundary: TrainingStopped."""
         self._check_open("train")
         if self.runner.dataset is None:
             raise DataError("PipelineTrainer was built without data (dataset=None), so it has nothing to train on: "
                             "pass a dataset (evaluate(data, steps) takes its own)")
+        # Before, every call started at step 0 again: `for epoch ...: trainer.train(k)` retrained the first k
+        # minibatches with the lr schedule restarted, without a word.
+        start = self._next_step or 0
+        end = start + steps if self._next_step is not None else steps
         if not self.single_process:
+            if self._next_step is not None and self.options.resume:  # resumed once: a later call continues in memory
+                self.runner.options = replace(self.runner.options, resume=False)
             try:
-                results = self.runner.train(steps)
-                if self.runner.stop_reason is not None:  # a stop command or signal: fewer steps than asked, never silently
-                    raise TrainingStopped(f"{self.runner.prefix} stopped after {self.runner.next_step} of the {steps} "
+                results = self.runner.train(end, start)
+                self._next_step = self.runner.next_step  # where a stop command or signal ended it, if one did
+                if self.runner.stop_reason is not None:  # fewer steps than asked: never silently
+                    raise TrainingStopped(f"{self.runner.prefix} stopped after {self.runner.next_step} of the {end} "
                                           f"requested step(s): {self.runner.stop_reason}")
             except TrainingStopped:
                 raise
@@ -192,12 +204,13 @@ class PipelineTrainer:
                     self.health.stop("failed", None, f"{type(error).__name__}: {first}")
                 raise
             self._report_memory()
-            return results
+            return [result for result in results if result.step >= self.runner.start_step]  # not earlier calls'
         # Single-process mode validates as the pipeline's loop does: every eval_every steps and after the last.
         every, results = self.options.eval_every, []
-        for step in range(steps):
+        for step in range(start, end):
             results += self.runner.train(step + 1, step)
-            if self.eval_dataset is not None and every and ((step + 1) % every == 0 or step + 1 == steps):
+            self._next_step = step + 1
+            if self.eval_dataset is not None and every and ((step + 1) % every == 0 or step + 1 == end):
                 results[-1].extra["val_loss"] = self.runner.evaluate(self.eval_dataset, self.options.eval_steps).loss
                 logger.info("[single process] step %d val_loss %.6f", step, results[-1].extra["val_loss"])
         self._report_memory()

@@ -110,15 +110,17 @@ def test_resume_from_a_1f1b_checkpoint_and_a_switch_is_refused(tmp_path):
 @pytest.mark.slow
 def test_pipeline_trainer_evaluates_as_the_model(tmp_path):
     """`PipelineTrainer` with schedule="interleaved" on 2 processes (4 stages): after training, `evaluate` runs
-    the rank's stages in order and equals single-process evaluation of the same trained model."""
+    the rank's stages in order, in eval mode (a ViT's dropout off), and equals single-process evaluation of the same
+    trained model."""
     worker, port = Path(__file__).parents[1] / "support" / "eval_worker.py", free_port()
     result = launch([[sys.executable, str(worker), str(rank), "2", str(port), str(tmp_path), "interleaved"]
                      for rank in range(2)], timeout=300)
     assert result.ok, result.summary()
-    got = json.loads((tmp_path / "world2_interleaved.json").read_text())["mlp"]
-    case = make_case("mlp")
-    single_process_reference(case.model, case.loss, case.sgd, case.train_data, case.config, STEPS)
-    want = single_process_evaluate(case.model, case.loss, case.eval_data, case.config.num_microbatches, EVAL_STEPS,
-                                   case.metric)
-    assert got["loss"] == pytest.approx(want.loss, abs=1e-5)
-    assert got["metric"] == pytest.approx(want.metric, abs=1e-6)
+    results = json.loads((tmp_path / "world2_interleaved.json").read_text())
+    for name in ("mlp", "vit_dropout"):  # the ViT: its stages' traced dropout must be off (they were left in train mode)
+        got, case = results[name], make_case(name)
+        single_process_reference(case.model, case.loss, case.sgd, case.train_data, case.config, STEPS)
+        want = single_process_evaluate(case.model, case.loss, case.eval_data, case.config.num_microbatches, EVAL_STEPS,
+                                       case.metric)
+        assert got["loss"] == pytest.approx(want.loss, abs=1e-5), name
+        assert got["metric"] == pytest.approx(want.metric, abs=1e-6), name

@@ -3,7 +3,8 @@
 
     python tests/support/eval_worker.py RANK WORLD PORT DIR [interleaved]
 
-With `interleaved`: the MLP case only (the GPTs tie weights across stages), 2 stages per rank in a loop.
+With `interleaved`: the MLP and the ViT with dropout (the GPTs tie weights across stages), 2 stages per rank in a loop:
+a rank's stages themselves must go to eval mode (their traced dropout follows the stage module's own mode).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def main() -> None:
     rank, world, out = join(sys.argv)
     interleaved = sys.argv[5:] == ["interleaved"]
     results = {}
-    for name in ["mlp"] if interleaved else case_names():
+    for name in ["mlp", "vit_dropout"] if interleaved else case_names():
         case = make_case(name)
         config = replace(case.config, schedule="interleaved") if interleaved else case.config
         trainer = PipelineTrainer(case.model, case.sgd, case.train_data, config, options=RunOptions(timeout=120, progress=False),

@@ -12,7 +12,7 @@ single-process training and a resume mid-epoch continues exactly where the run s
     token file          (nanoGPT's train.bin: a flat uint16/uint32 array) -> a map-style Dataset of
                         windows (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), then as above
     iterable            read in order, batch_size samples per step, epochs concatenated; any step is
-                        reached by iterating afresh and skipping (so it must iterate the same way twice)
+                        reached by iterating afresh and skipping (so it must iterate the same way twice: data/replay.py)
     DataLoader          shuffled or sequential over a map-style dataset: its dataset, batch size, collate
                         function and drop_last, in the order above; otherwise its batches, in order, as an iterable
 
@@ -39,6 +39,7 @@ from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
+from model_parallel.runtime.data.replay import check_replays
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class IterableData:
         self.causal_labels = causal_labels
         self.per_step = 1 if batched else batch_size  # items consumed per step
         self.epoch_items: Optional[int] = None  # items per pass, known after the first pass
+        self._replays = False  # two passes were seen to begin alike (`check_replays`)
         self._iter: Any = None
         self._next = 0  # the index, over concatenated passes, of the item `_iter` yields next
 
@@ -187,6 +189,9 @@ class IterableData:
         return {"item": item, "epoch": item // self.epoch_items, "in_epoch": item % self.epoch_items}
 
     def batch(self, step: int) -> Batch:
+        if not self._replays:  # once: a random order would pair inputs with other samples' targets (data/replay.py)
+            check_replays(self.iterable, self.per_step, self.name)
+            self._replays = True
         first = step * self.per_step
         if self._iter is None or first < self._next:
             self._restart(first)
@@ -308,8 +313,8 @@ class BatchSource:
     from deep in a stage (a tensor iterated into positional arguments). A few isinstance checks a step. Other
     attributes (`targets`, `position`, `batch_size`, ...) are the source's own."""
 
-    def __init__(self, source: Any, causal_labels: bool = False) -> None:
-        self.source, self.causal_labels = source, causal_labels
+    def __init__(self, source: Any, causal_labels: bool = False, batch_size: Optional[int] = None) -> None:
+        self.source, self.causal_labels, self.expected_size = source, causal_labels, batch_size
         self.name = source.name if isinstance(getattr(source, "name", None), str) else type(source).__name__
 
     def __getattr__(self, name: str) -> Any:
@@ -330,8 +335,18 @@ class BatchSource:
         inputs, target = as_pair(value, f"{self.name}.batch({step})", self.causal_labels)  # the one normal form
         if not isinstance(target, torch.Tensor):
             self._refuse(step, value, f"the target is a {type(target).__name__}, not a tensor")
-        if not any(isinstance(x, torch.Tensor) for x in (inputs.values() if isinstance(inputs, dict) else inputs)):
+        tensors = [x for x in (inputs.values() if isinstance(inputs, dict) else inputs) if isinstance(x, torch.Tensor)]
+        if not tensors:
             self._refuse(step, value, "the inputs hold no tensor")
+        # As a DataLoader of another batch size is refused (from_loader): the step would train other than the run's
+        # batch (microbatches of unequal sizes, each weighted 1/m), priced and recorded as the run's. (Inputs and a
+        # target of different sizes are named by the microbatch split: runtime/data/batches.py.)
+        sizes = {int(x.shape[0]) for x in tensors + [target] if x.dim()}
+        if self.expected_size is not None and len(sizes) == 1 and sizes != {self.expected_size}:
+            raise DataError(f"{self.name}.batch({step}): a minibatch of {target.shape[0]} sample(s) where the run's batch "
+                            f"size is {self.expected_size} (TrainConfig.batch_size / --batch_size); every step trains "
+                            f"the run's batch size in equal microbatches: return {self.expected_size} samples a step, "
+                            f"or give batch_size={target.shape[0]}")
         return inputs, target
 
     def _refuse(self, step: int, value: Any, why: str) -> NoReturn:
@@ -352,7 +367,7 @@ def as_source(data: Any, batch_size: int, seed: int, collate_fn: Optional[Callab
                 data.replace_source(checked)
         return data
     if hasattr(data, "batch") and callable(data.batch):
-        return BatchSource(data, causal_labels)
+        return BatchSource(data, causal_labels, batch_size)
     collate = collate_fn or default_collate
     if isinstance(data, DataLoader):
         return from_loader(data, seed, batch_size, causal_labels)

@@ -57,6 +57,10 @@ class StageGroup(nn.Module):
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
+        # The stage modules themselves, kept out of the module tree (their members are this group's, by name): a
+        # stage's own `training` decides its traced dropout, DropPath and BatchNorm (codegen/modes.py), so `eval()`
+        # and `train()` must reach it, not only the layers; before, `evaluate` on several stages per rank dropped out.
+        self._stages: tuple[nn.Module, ...] = tuple(stages)
         for stage in stages:
             for name, module in stage._modules.items():
                 if self._new(name, module):
@@ -76,6 +80,12 @@ class StageGroup(nn.Module):
         if held is not value:  # check_shared_modules refuses this before the build
             raise ModelParallelError(f"two stages of this rank hold different members named {name!r}")
         return False
+
+    def train(self, mode: bool = True) -> "StageGroup":
+        super().train(mode)
+        for stage in self._stages:
+            stage.train(mode)
+        return self
 
     def forward(self, *args: Any) -> Any:
         raise ModelParallelError("a rank's group of stages is not one computation: run its stages (multi_stage.py)")

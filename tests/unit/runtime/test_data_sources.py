@@ -249,3 +249,47 @@ def test_a_data_loader_trains_the_run_s_batch_size_or_is_refused(caplog):
     source = as_source(loader, BATCH, 0)
     assert "3 sample(s) of 35 are left out of every epoch" in caplog.text
     assert {len(source.batch(step)[1]) for step in range(10)} == {BATCH}
+
+
+@pytest.mark.parametrize("sampler", ["subset", "weighted", "batch_sampler", "shuffling_iterable"])
+def test_an_iterable_whose_passes_differ_is_refused(sampler):
+    """Each process reads the data itself (stage 0 the inputs, the last stage the targets): a random order not keyed
+    by the run's seed paired one sample's inputs with another's target, and training went on without a word."""
+    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    dataset = TensorDataset(*tensors())
+
+    class Shuffling(IterableDataset):
+        def __iter__(self):
+            return iter(dataset[i] for i in torch.randperm(N).tolist())
+
+    data = {"subset": lambda: DataLoader(dataset, batch_size=BATCH, sampler=SubsetRandomSampler(range(N))),
+            "weighted": lambda: DataLoader(dataset, batch_size=BATCH, sampler=WeightedRandomSampler(torch.ones(N), N)),
+            "batch_sampler": lambda: DataLoader(dataset, batch_sampler=BatchSampler(RandomSampler(dataset), BATCH, True)),
+            "shuffling_iterable": Shuffling}[sampler]()
+    with pytest.raises(DataError, match=r"two passes over it begin with different samples.*shuffle=True"):
+        as_source(data, BATCH, seed=0).batch(0)
+
+
+def test_an_iterable_in_a_fixed_order_of_its_own_is_read_as_it_is():
+    x, y = tensors()
+    order = list(reversed(range(N)))  # a deterministic sampler of the user's: replays, so it is accepted
+    source = as_source(DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order), BATCH, seed=0)
+    inputs, target = source.batch(1)
+    assert torch.equal(inputs[0], x[order[BATCH:2 * BATCH]]) and torch.equal(target, y[order[BATCH:2 * BATCH]])
+
+
+@pytest.mark.parametrize("size", [2 * BATCH, BATCH - 2])
+def test_a_batch_source_of_another_batch_size_is_refused(size):
+    """As a DataLoader of another batch size is: a step trained `size` samples (in unequal microbatches, each weighted
+    1/m, for BATCH - 2) while the plan's memory and the checkpoint's record said BATCH, without a word."""
+
+    class Sized:
+        def batch(self, step: int):
+            x, y = tensors()
+            return (x[:size],), y[:size]
+
+    with pytest.raises(DataError, match=rf"Sized.batch\(0\): a minibatch of {size} sample\(s\) where the run's batch "
+                                        rf"size is {BATCH}"):  # the first read: the trace's example microbatch
+        PipelineTrainer(StackedMLP(in_features=FEATURES, width=8, depth=2, num_classes=CLASSES), _sgd, Sized(),
+                        TrainConfig(batch_size=BATCH, num_microbatches=4), num_stages=2, single_process=True).train(1)

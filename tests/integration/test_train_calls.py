@@ -1,0 +1,30 @@
+"""`PipelineTrainer.train` called again continues where the last call ended (the next minibatches, the lr schedule
+going on) on 2 processes: train(2) twice equals train(4), with and without a checkpoint directory and resume; before,
+each call started at step 0 again and retrained the first minibatches without a word."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_parallel.runtime.launch import free_port, launch
+
+WORKER = Path(__file__).parents[1] / "support" / "train_calls_worker.py"
+
+
+@pytest.mark.slow
+def test_a_second_train_call_continues_on_two_processes(tmp_path):
+    port = free_port()
+    result = launch([[sys.executable, str(WORKER), str(rank), "2", str(port), str(tmp_path)] for rank in range(2)],
+                    timeout=300)
+    assert result.ok, result.summary()
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert steps == {"once": [0, 1, 2, 3], "twice": [0, 1, 2, 3], "twice_resume": [0, 1, 2, 3]}
+    states = torch.load(tmp_path / "states.pt")
+    for name in ("twice", "twice_resume"):
+        assert states[name].keys() == states["once"].keys()
+        for key, value in states["once"].items():
+            assert torch.equal(states[name][key], value), (name, key)

@@ -1,0 +1,34 @@
+"""`PipelineTrainer.train` called again continues where the last call ended (single-process mode; the pipeline's
+path: tests/integration/test_train_calls.py): the next minibatches, the lr schedule going on, validation at the
+run's own steps. Before, each call started at step 0 again, retraining the first minibatches without a word."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+from model_parallel import PipelineTrainer, RunOptions, TrainConfig
+from model_parallel.models.mlp import StackedMLP
+
+
+def _trainer() -> PipelineTrainer:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(48, 16, generator=gen), torch.randint(0, 4, (48,), generator=gen))
+    return PipelineTrainer(StackedMLP(in_features=16, width=32, depth=4, num_classes=4),
+                           lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), data,
+                           TrainConfig(batch_size=8, num_microbatches=2, lr_schedule="warmup:4"), num_stages=2,
+                           single_process=True, eval_data=data, options=RunOptions(eval_every=3, eval_steps=1))
+
+
+def test_train_twice_equals_train_once_with_the_total() -> None:
+    once, twice = _trainer(), _trainer()
+    whole = once.train(5)
+    first, second = twice.train(2), twice.train(3)
+    assert [r.step for r in first] == [0, 1] and [r.step for r in second] == [2, 3, 4]
+    assert [r.lr for r in first + second] == [r.lr for r in whole]
+    assert [r.loss for r in first + second] == [r.loss for r in whole]
+    # validation every 3 steps of the run and after each call's last step
+    assert [r.step for r in whole if "val_loss" in r.extra] == [2, 4]
+    assert [r.step for r in first + second if "val_loss" in r.extra] == [1, 2, 4]
+    a, b = once.state_dict(), twice.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
