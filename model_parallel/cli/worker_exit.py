@@ -54,8 +54,16 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, f
         return f"[rank {rank}] cannot tell which checkpoint to resume from: {error}"
     except OSError as error:
         return f"[rank {rank}] cannot read --checkpoint_dir {checkpoint_dir}: {error}"
-    args = list(argv) if "--resume" in argv else [*argv, "--resume"]
     launcher, note = launch_command()
+    if any(a == "--join" or a.startswith("--join=") for a in argv):
+        # A joiner's command cannot resume the job (--resume on it only restores what an admission gives it): the
+        # job's own ranks resume it, and this command joins it again (it said "resume every rank with: ... --join").
+        where = (f"no checkpoint was committed in {checkpoint_dir}" if step is None else
+                 f"latest committed checkpoint: {step_dir(checkpoint_dir, step)}")
+        again = shlex.join([*launcher, *(a for a in argv if a != "--resume")]) + note
+        return (f"[rank {rank}] {where}; this worker joined with --join: resume the job with its "
+                f"ranks' own commands (each one's last line), then join it again with: {again}")
+    args = list(argv) if "--resume" in argv else [*argv, "--resume"]
     command = shlex.join([*launcher, *args]) + note
     if step is None:
         return f"[rank {rank}] no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"

@@ -52,3 +52,17 @@ def test_after_a_usage_error_the_resume_hint_says_to_fix_it_first(tmp_path, monk
                     f"test_parallel_0.py {' '.join(argv)}"
     assert first == plain.replace("; resume", "; once the error above is fixed (where it names a flag: in this command "
                                               "too), resume")
+
+
+def test_a_joiner_is_told_to_join_again_not_to_resume_the_job_with_its_command(tmp_path, monkeypatch):
+    # QA: a joiner whose admission failed was told "resume every rank with: python ... --join HOST:PORT ... --resume".
+    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys, "argv", ["/x/test_parallel_0.py"])
+    (tmp_path / "step_16").mkdir()
+    (tmp_path / "latest").write_text("step_16\n")
+    hint = resume_hint(str(tmp_path), ["--join", "h:29500", "--model", "mlp", "--checkpoint_dir", str(tmp_path)], 2)
+    assert hint == (f"[rank 2] latest committed checkpoint: {tmp_path / 'step_16'}; this worker joined with "
+                    "--join: resume the job with its ranks' own commands (each one's last line), then join it again "
+                    f"with: {PY} test_parallel_0.py --join h:29500 --model mlp --checkpoint_dir {tmp_path}")
