@@ -58,7 +58,7 @@ from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.list_order import timed_schedule
 from model_parallel.runtime.step.schedule import Schedule
 from model_parallel.runtime.wire import comm
-from model_parallel.runtime.wire.agreement import check_same_job, graph_digest
+from model_parallel.runtime.wire.agreement import check_same_job, data_digest, graph_digest
 from model_parallel.runtime.wire.loop_priority import lower_loop_threads
 
 logger = logging.getLogger(__name__)
@@ -117,9 +117,10 @@ class PipelineEngine(TrainingLoop):
         self.graph, self.model, self.criterion = graph, model, criterion
         self.optimizer_factory, self.dataset, self.config, self.options = optimizer_factory, dataset, config, options
         self.eval_dataset = eval_dataset  # validated on every `options.eval_every` steps (loop.py)
-        if options.checkpoint_dir:  # the data's fingerprint (checkpoints record it) read now, before a prefetch thread reads
-            from model_parallel.runtime.checkpoint.data_identity import data_content
-            data_content(dataset)
+        # The data's fingerprint, read now, before a prefetch thread reads: every rank's must agree (check_job), and
+        # checkpoints record it.
+        from model_parallel.runtime.checkpoint.data_identity import data_content
+        self.data_hash = data_digest(data_content(dataset)) if dataset is not None else 0
         self.channel = channel or NullChannel()
         self.health = health
         self.device = device or torch.device("cpu")
@@ -193,7 +194,7 @@ class PipelineEngine(TrainingLoop):
         """Collective: `plan` fits the world and every rank holds the same graph, plan and config."""
         check_plan_fits(plan, self.world_size)
         check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout,
-                       run_order_times(self.graph, plan, self.config))
+                       run_order_times(self.graph, plan, self.config), self.data_hash)
 
     def prepare(self, plan: Plan, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Prepared:
         """This rank's stage, optimizer and executor for `plan` (ranks assigned), built beside the running ones:

@@ -1,6 +1,7 @@
 """Ranks holding different jobs are refused at activation, naming the ranks and what differs
 (runtime/wire/agreement.py): before, a rank with another plan or batch size could train silently; and ranks whose
-stage times differ (zero bubble's order is list-built from them: runtime/step/list_order.py)."""
+stage times differ (zero bubble's order is list-built from them: runtime/step/list_order.py), or whose copies of the
+data differ (stage 0's inputs were paired with other samples' targets on the last stage, exit 0)."""
 from __future__ import annotations
 
 import sys
@@ -38,9 +39,16 @@ schedule = "zbh1" if differ in ("times", "none") else "1f1b"  # zero bubble: its
 if differ == "times":  # each rank would build another order: the messages would not match
     from dataclasses import replace
     plan = replace(plan, extra={"stage_times": [[1.0, 1.0, 1.0], [2.0 if rank == 1 else 1.0, 1.0, 1.0]]})
+data = r.data(batch, 0)
+if differ == "data":  # each rank reads its own copy: rank 1's holds other samples under the same name
+    from torch.utils.data import TensorDataset
+    from model_parallel.runtime.data.sources import as_source
+    g = torch.Generator().manual_seed(rank)
+    (x,) = r.example(64)
+    data = as_source(TensorDataset(torch.randn(x.shape, generator=g), torch.randint(0, 10, (64,), generator=g)), batch, 0)
 try:
     engine = PipelineEngine(graph=graph, plan=plan, model=r.model(0), criterion=r.criterion,
-                            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), dataset=r.data(batch, 0),
+                            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), dataset=data,
                             config=TrainConfig(batch_size=batch, num_microbatches=2, schedule=schedule),
                             options=RunOptions(timeout=60, progress=False))
     engine.train(2)
@@ -53,7 +61,7 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("differ", ["plan", "config", "times", "none"])
+@pytest.mark.parametrize("differ", ["plan", "config", "times", "data", "none"])
 def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) -> None:
     port = free_port()
     result = launch([[sys.executable, "-c", RANK, str(rank), str(port), differ] for rank in range(2)], timeout=120)
@@ -63,7 +71,8 @@ def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) 
         return
     assert all(worker.returncode == 3 for worker in result.workers), result.summary()
     for out in outputs:
-        part = "stage times (the profile's or the plan's stage_times" if differ == "times" else f"{differ} than rank 0"
+        part = {"times": "stage times (the profile's or the plan's stage_times",
+                "data": "data (its contents: a token file's size and sampled blocks"}.get(differ, f"{differ} than rank 0")
         assert f"rank(s) [1] hold another {part}" in out, out
         assert "TRAINED" not in out
 

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -35,7 +36,8 @@ from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.wire.comm import wait_work
 
-PARTS = ("graph", "plan", "config", "stage times (the profile's or the plan's stage_times; zero bubble's order is built from them)")
+PARTS = ("graph", "plan", "config", "stage times (the profile's or the plan's stage_times; zero bubble's order is built from them)",
+         "data (its contents: a token file's size and sampled blocks, a Dataset's samples 0, n/2 and n-1)")
 _DEVICE_INDEX = re.compile(r"cuda:\d+")
 
 
@@ -69,16 +71,24 @@ def config_digest(config: TrainConfig) -> int:
     return _digest(dataclasses.asdict(config))
 
 
+def data_digest(content: Optional[Mapping[str, Any]]) -> int:
+    """The data's contents as checkpoint/data_identity.data_content reads them (None: a source it cannot read)."""
+    return _digest(content)
+
+
 def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any, timeout: float,
-                   order_times: Any = None) -> None:
+                   order_times: Any = None, data_hash: int = 0) -> None:
     """Collective over `group` (every rank calls it together): raise PlanError unless all ranks hold
-    the same graph structure, plan and config, and the same stage times `order_times` (runtime/step/auto.py
-    `run_order_times`: what a zero-bubble order is list-built from; None where the fixed order runs)."""
+    the same graph structure, plan and config, the same stage times `order_times` (runtime/step/auto.py
+    `run_order_times`: what a zero-bubble order is list-built from; None where the fixed order runs) and the same
+    data (`data_hash`: stage 0 reads a minibatch's inputs and the last stage its targets, each from its own copy, so
+    two copies that differ pair inputs with other samples' targets, silently)."""
     world = dist.get_world_size(group)
     if world == 1:
         return
     times = None if order_times is None else [dataclasses.astuple(t) for t in order_times]
-    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config), _digest(times)], dtype=torch.int64)
+    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config), _digest(times), data_hash],
+                        dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, -1,
               "the check that every rank runs the same job")
@@ -87,9 +97,9 @@ def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any,
     differing = [(part, ranks) for part, ranks in differing if ranks]
     if differing:
         what = "; ".join(f"rank(s) {ranks} hold another {part} than rank 0" for part, ranks in differing)
-        raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan "
-                        "and training options (partition once and copy the files to every machine; do not "
-                        "profile or partition on each rank separately)")
+        raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan, "
+                        "training options and data (partition once and copy the files to every machine, the data "
+                        "files too; do not profile or partition on each rank separately)")
 
 
 def broadcast_json(data: Optional[str], src: int, group: Any, timeout: float) -> str:
