@@ -72,8 +72,9 @@ def config_digest(config: TrainConfig) -> int:
 
 
 def data_digest(content: Optional[Mapping[str, Any]]) -> int:
-    """The data's contents as checkpoint/data_identity.data_content reads them (None: a source it cannot read)."""
-    return _digest(content)
+    """The data's contents as checkpoint/data_identity.data_content reads them; 0 where it reads none (a source
+    without a fingerprint, or one unreadable on this rank): `check_same_job` then compares the others."""
+    return _digest(content) if content is not None else 0
 
 
 def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any, timeout: float,
@@ -93,10 +94,16 @@ def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any,
     wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, -1,
               "the check that every rank runs the same job")
     differing = [(part, [rank for rank, row in enumerate(gathered) if int(row[index]) != int(gathered[0][index])])
-                 for index, part in enumerate(PARTS)]
+                 for index, part in enumerate(PARTS[:-1])]
+    # The data only where a rank could read it (0: none given, or unreadable there, as an intermediate stage's copy
+    # may be: it reads nothing), against the lowest such rank's.
+    known = [(rank, int(row[-1])) for rank, row in enumerate(gathered) if int(row[-1]) != 0]
+    differing.append((PARTS[-1], [rank for rank, value in known if value != known[0][1]]))
     differing = [(part, ranks) for part, ranks in differing if ranks]
     if differing:
-        what = "; ".join(f"rank(s) {ranks} hold another {part} than rank 0" for part, ranks in differing)
+        reference = {PARTS[-1]: f"rank {known[0][0]}" if known else ""}
+        what = "; ".join(f"rank(s) {ranks} hold another {part} than {reference.get(part, 'rank 0')}"
+                         for part, ranks in differing)
         raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan, "
                         "training options and data (partition once and copy the files to every machine, the data "
                         "files too; do not profile or partition on each rank separately)")
