@@ -22,7 +22,7 @@ _LAZY = {
     "Node": "model_parallel.graph.core:Node",
     "LayerSpec": "model_parallel.graph.core:LayerSpec",
     "Plan": "model_parallel.graph.plan:Plan",
-    "Hierarchy": "model_parallel.graph.plan:Hierarchy",
+    "Hierarchy": "model_parallel.graph.hierarchy:Hierarchy",
     "load_graph": "model_parallel.graph.io:load_graph",
     "save_graph": "model_parallel.graph.io:save_graph",
     "trace_model": "model_parallel.profiler.trace:trace_model",
