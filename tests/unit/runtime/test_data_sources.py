@@ -312,3 +312,24 @@ def test_keyword_inputs_other_than_the_traced_ones_are_refused_naming_them():
         stage_zero_inputs(traced, {}, [{"input_ids": ids}])
     # No placeholder named after any key (no record of them): the dict's order, as the trace took it.
     assert stage_zero_inputs([{"name": "arg0"}, {"name": "arg1"}], {}, [{"a": ids, "b": mask}]) == [ids, mask]
+
+
+@pytest.mark.parametrize("form", ["dataset", "iterable"])
+def test_a_collate_fn_that_draws_targets_at_random_is_refused_naming_it(form):
+    """Each process collates for itself: random masking in the collate_fn (as DataCollatorForLanguageModeling does)
+    gave the last stage targets of another draw than stage 0's inputs. A map-style dataset's was refused as
+    'MapData.targets(0) differs ...: fix targets(step) or remove it', a method the user never wrote; an iterable's
+    trained silently."""
+    x, y = tensors()
+
+    def masking(samples):
+        inputs = torch.stack([s[0] for s in samples])
+        return inputs, torch.where(torch.rand(len(samples)) < 0.5, torch.stack([s[1] for s in samples]), -100)
+
+    from support.sources_cases import Stream
+
+    data = TensorDataset(x, y) if form == "dataset" else Stream()
+    source = as_source(data, BATCH, seed=0, collate_fn=masking)
+    with pytest.raises(DataError, match=r"(two reads of step 0's minibatch|two collations of the same samples) hold "
+                                        r"different targets.*collate_fn"):
+        read_targets(source, 0, verify=True)
