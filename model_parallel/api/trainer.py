@@ -92,6 +92,9 @@ class PipelineTrainer:
             raise ConfigError(f"single-process mode (no process group, or single_process=True) does not honour "
                               f"RunOptions {', '.join(ignored)}: it checkpoints, resumes and writes metrics or traces "
                               f"only as a pipeline; run under torchrun (a stage per process), or leave them unset")
+        if options.eval_every and eval_data is None:  # the command line refuses --eval_every without --eval_data too
+            raise ConfigError(f"RunOptions(eval_every={options.eval_every}) validates on eval_data, and none was given: "
+                              "pass eval_data=... (any form the training data takes), or leave eval_every at 0")
         spec = JobSpec(
             model=source if isinstance(source, nn.Module) else None,
             package=source if isinstance(source, (str, Path)) else None,

@@ -158,7 +158,8 @@ def minibatch_parts(inputs: Any, target: torch.Tensor, num_microbatches: int,
     return split_microbatches([inputs] if isinstance(inputs, Mapping) else list(inputs), target, num_microbatches, where)
 
 
-def stage_zero_inputs(graph_inputs: Sequence[Any], inputs: Any, mb_inputs: Sequence[Any]) -> list[Any]:
+def stage_zero_inputs(graph_inputs: Sequence[Any], inputs: Any, mb_inputs: Sequence[Any],
+                      where: str = "a minibatch") -> list[Any]:
     """Stage 0's model inputs for one microbatch: positional inputs as they are; keyword inputs in the
     order of the graph's placeholders (`graph_inputs`: `graph.metadata["inputs"]`, as the profiler traced them)."""
     if not isinstance(inputs, Mapping):
@@ -166,6 +167,15 @@ def stage_zero_inputs(graph_inputs: Sequence[Any], inputs: Any, mb_inputs: Seque
     kwargs = mb_inputs[0]
     names = [i["name"] for i in graph_inputs if isinstance(i, Mapping) and "name" in i]
     if sorted(names) != sorted(kwargs):
+        if set(names) & set(kwargs):
+            # The placeholders are named after the traced keys, so these keys are not the traced ones. In the dict's
+            # order they fed the wrong slots: token_type_ids where attention_mask was traced trained silently, and a
+            # missing key failed as "forward() missing 1 required positional argument".
+            missing, unexpected = sorted(set(names) - set(kwargs)), sorted(set(kwargs) - set(names))
+            raise DataError(f"{where}: its keyword inputs {sorted(kwargs)} are not those the model was traced with "
+                            f"{names} (missing {missing or 'none'}, unexpected {unexpected or 'none'}); the trace fixed "
+                            "the model's inputs, so every minibatch must hold the same keys: give each batch those "
+                            "keys, or trace with the ones your batches hold (example_inputs)")
         return list(kwargs.values())  # no record of the placeholders: the dict's order (how flat_inputs traced it)
     return [kwargs[name] for name in names]
 

@@ -4,20 +4,23 @@ Each process reads the data itself (stage 0 the inputs, the last stage the targe
 iterable whose order is random and not keyed by the run's seed (a DataLoader's SubsetRandomSampler,
 WeightedRandomSampler or random batch_sampler, an IterableDataset that shuffles as it goes) would pair one sample's
 inputs with another sample's target, and training would go on with no error; a resume could not replay it either.
-`check_replays` reads one step's items of two fresh passes, once per source, and refuses them if they differ.
+`check_replays` reads one step's items of two fresh passes, once per source, and refuses them if they differ, or if
+collating them twice gives different targets (a collate_fn that masks at random).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Optional
 
 import torch
 
 from model_parallel.errors import DataError
 
 
-def check_replays(iterable: Iterable[Any], items: int, name: str) -> None:
-    """Refuse `iterable` (a `DataError` naming it and the fixes) when two fresh passes differ in their first `items`."""
+def check_replays(iterable: Iterable[Any], items: int, name: str,
+                  target_of: Optional[Callable[[list[Any]], Any]] = None) -> None:
+    """Refuse `iterable` (a `DataError` naming it and the fixes) when two fresh passes differ in their first `items`,
+    or when `target_of` (collate, then the target) gives the same items different targets: a random collate_fn."""
     passes = []
     for _ in range(2):
         read, iterator = [], iter(iterable)
@@ -36,6 +39,12 @@ def check_replays(iterable: Iterable[Any], items: int, name: str) -> None:
                         "shuffle=True) over a map-style dataset (shuffled per epoch under the run's seed), the dataset "
                         "itself, or an object with batch(step) -> (inputs, target) for an order of your own; an "
                         "iterable must yield the same items in the same order on every pass")
+    if target_of is not None and passes[0] and not same(target_of(passes[0]), target_of(passes[1])):
+        raise DataError(f"{name}: two collations of the same samples hold different targets, so its collate_fn draws "
+                        "them at random, as random masking does (DataCollatorForLanguageModeling): each process collates "
+                        "for itself (stage 0 the inputs, the last stage the targets), so the targets would come from "
+                        "another draw than the inputs; make them a function of the samples, or give an object with "
+                        "batch(step) that seeds its draws by step")
 
 
 def same(a: Any, b: Any) -> bool:

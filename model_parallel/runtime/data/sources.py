@@ -190,7 +190,8 @@ class IterableData:
 
     def batch(self, step: int) -> Batch:
         if not self._replays:  # once: a random order would pair inputs with other samples' targets (data/replay.py)
-            check_replays(self.iterable, self.per_step, self.name)
+            check_replays(self.iterable, self.per_step, self.name, None if self.batched else
+                          lambda items: as_pair(self.collate_fn(items), self.name, self.causal_labels)[1])
             self._replays = True
         first = step * self.per_step
         if self._iter is None or first < self._next:
@@ -394,6 +395,15 @@ def read_targets(data: Any, step: int, verify: bool = False) -> Any:
             found = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
             expected = f"{tuple(want.shape)} {want.dtype}"
             what = "other values" if found == expected else f"{found} where the batch has {expected}"
+            if isinstance(data, MapData) and type(data).targets is MapData.targets and found == expected:
+                # Not a user's targets(): two collations of the same samples differed. The old message said "fix
+                # targets(step) or remove it", a method the user never wrote.
+                raise DataError(f"{data.name}: two reads of step {step}'s minibatch hold different targets, so its "
+                                "collate_fn (or the dataset) draws them at random, as random masking does "
+                                "(DataCollatorForLanguageModeling): each process collates for itself (stage 0 the "
+                                "inputs, the last stage the targets), so the targets would come from another draw than "
+                                "the inputs; make them a function of the samples (seed any randomness from the sample's "
+                                "index), or give an object with batch(step) that seeds its draws by step")
             raise DataError(f"{type(data).__name__}.targets({step}) differs from batch({step})'s target ({what}); the "
                             "last stage would pair inputs with the wrong targets: fix targets(step) or remove it")
     return got

@@ -30,7 +30,7 @@ class StepReader:
             # A dict of keyword inputs (Hugging Face) is moved key by key and fed in the graph's placeholder order.
             inputs, target = tree_map(self._move, data.batch(step))
             parts = minibatch_parts(inputs, target, m, f"minibatch {step}")
-            return StepData([stage_zero_inputs(self.graph_inputs, inputs, mb) for mb, _ in parts],
+            return StepData([stage_zero_inputs(self.graph_inputs, inputs, mb, f"minibatch {step}") for mb, _ in parts],
                             [t for _, t in parts] if last else None)
         if last:
             # A source's own targets(step) is checked against batch(step) on its first read (a Prefetcher checks its own).

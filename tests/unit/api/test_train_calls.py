@@ -32,3 +32,17 @@ def test_train_twice_equals_train_once_with_the_total() -> None:
     assert [r.step for r in first + second if "val_loss" in r.extra] == [1, 2, 4]
     a, b = once.state_dict(), twice.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_every_without_eval_data_is_refused() -> None:
+    """As `--eval_every` without `--eval_data` is on the command line; the API trained without validating, silently."""
+    import pytest
+
+    from model_parallel.errors import ConfigError
+
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+    with pytest.raises(ConfigError, match=r"RunOptions\(eval_every=2\) validates on eval_data, and none was given"):
+        PipelineTrainer(StackedMLP(in_features=16, width=8, depth=2, num_classes=4), lambda p: torch.optim.SGD(p, lr=0.1),
+                        data, TrainConfig(batch_size=8, num_microbatches=2), num_stages=2, single_process=True,
+                        options=RunOptions(eval_every=2))

@@ -293,3 +293,44 @@ def test_a_batch_source_of_another_batch_size_is_refused(size):
                                         rf"size is {BATCH}"):  # the first read: the trace's example microbatch
         PipelineTrainer(StackedMLP(in_features=FEATURES, width=8, depth=2, num_classes=CLASSES), _sgd, Sized(),
                         TrainConfig(batch_size=BATCH, num_microbatches=4), num_stages=2, single_process=True).train(1)
+
+
+def test_keyword_inputs_other_than_the_traced_ones_are_refused_naming_them():
+    """The placeholders are named after the traced keys: a batch holding token_type_ids where attention_mask was
+    traced fed it into attention_mask's slot (in the dict's order) and trained, and a missing key failed as
+    "forward() missing 1 required positional argument"."""
+    from model_parallel.runtime.data.batches import stage_zero_inputs
+
+    traced = [{"name": "input_ids"}, {"name": "attention_mask"}]
+    ids, mask, types = torch.zeros(2, 4), torch.ones(2, 4), torch.full((2, 4), 2.0)
+    got = stage_zero_inputs(traced, {}, [{"attention_mask": mask, "input_ids": ids}])
+    assert got[0] is ids and got[1] is mask  # the graph's order, not the dict's
+    with pytest.raises(DataError, match=r"minibatch 3: its keyword inputs \['input_ids', 'token_type_ids'\] are not "
+                                        r"those the model was traced with .*missing \['attention_mask'\], unexpected "
+                                        r"\['token_type_ids'\]"):
+        stage_zero_inputs(traced, {}, [{"input_ids": ids, "token_type_ids": types}], "minibatch 3")
+    with pytest.raises(DataError, match=r"missing \['attention_mask'\], unexpected none"):
+        stage_zero_inputs(traced, {}, [{"input_ids": ids}])
+    # No placeholder named after any key (no record of them): the dict's order, as the trace took it.
+    assert stage_zero_inputs([{"name": "arg0"}, {"name": "arg1"}], {}, [{"a": ids, "b": mask}]) == [ids, mask]
+
+
+@pytest.mark.parametrize("form", ["dataset", "iterable"])
+def test_a_collate_fn_that_draws_targets_at_random_is_refused_naming_it(form):
+    """Each process collates for itself: random masking in the collate_fn (as DataCollatorForLanguageModeling does)
+    gave the last stage targets of another draw than stage 0's inputs. A map-style dataset's was refused as
+    'MapData.targets(0) differs ...: fix targets(step) or remove it', a method the user never wrote; an iterable's
+    trained silently."""
+    x, y = tensors()
+
+    def masking(samples):
+        inputs = torch.stack([s[0] for s in samples])
+        return inputs, torch.where(torch.rand(len(samples)) < 0.5, torch.stack([s[1] for s in samples]), -100)
+
+    from support.sources_cases import Stream
+
+    data = TensorDataset(x, y) if form == "dataset" else Stream()
+    source = as_source(data, BATCH, seed=0, collate_fn=masking)
+    with pytest.raises(DataError, match=r"(two reads of step 0's minibatch|two collations of the same samples) hold "
+                                        r"different targets.*collate_fn"):
+        read_targets(source, 0, verify=True)
