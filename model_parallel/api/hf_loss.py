@@ -41,7 +41,7 @@ def hf_loss(cls: type) -> tuple[str, Callable[[Any, torch.Tensor], torch.Tensor]
 
 def shifts_labels(source: Any) -> bool:
     """Whether `source` is a Hugging Face causal LM, whose own loss scores position t against labels[t + 1]: trained
-    with its default loss, a dict batch's "labels" are shifted as the model would (runtime/data/sources.as_pair).
+    with its default loss, a dict batch's "labels" are shifted as the model would (runtime/data/pairs.as_pair).
     (Masked-LM and encoder-decoder heads score labels where they stand.)"""
     from torch import nn
 

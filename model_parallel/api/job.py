@@ -60,7 +60,7 @@ class JobSpec:
     # anything with `batch(step) -> (inputs, target)` (runtime.data.sources turns the others into that)
     data: Any = "synthetic"
     collate_fn: Optional[Callable[[list[Any]], Any]] = None  # a map-style Dataset's or an iterable's (default: torch's)
-    causal_labels: bool = False  # dict batches carry Hugging Face causal-LM labels, shifted (runtime.data.sources.as_pair)
+    causal_labels: bool = False  # dict batches carry Hugging Face causal-LM labels, shifted (runtime.data.pairs.as_pair)
     seq_len: Optional[int] = None  # "tokens:PATH" windows (default: the model's input length)
     token_dtype: str = "uint16"  # "tokens:PATH" ids: uint16 (nanoGPT's GPT-2 vocabulary) or uint32
     eval_data: Any = None  # validation data, any form `data` takes (synthetic: another seed than training's)
