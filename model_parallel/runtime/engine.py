@@ -150,7 +150,8 @@ class PipelineEngine(TrainingLoop):
         self.stop_requests = 0  # ranks a signal asked to stop, per the last step's reduction (runtime/step/stop_signals.py)
         self.command: Optional[Command] = None  # the command of the last step's reduction, until `control` hands it out
         self._checkpointed_step: Optional[int] = None  # the step of the last checkpoint this run committed
-        self.reader = StepReader(self.device, graph.metadata.get("inputs") or (), config.num_microbatches)
+        self.reader = StepReader(self.device, graph.metadata.get("inputs") or (), config.num_microbatches,
+                                 fixed_sizes=graph.metadata.get("route") == "export")
         self.stage: Any = None
         self.stage_ids: tuple[int, ...] = ()
         self.optimizer: Optional[torch.optim.Optimizer] = None
