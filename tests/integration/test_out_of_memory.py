@@ -2,6 +2,7 @@
 (runtime/observe/memory_probe.out_of_memory); anything else is not mistaken for it."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,9 @@ def test_a_real_refusal_under_rlimit_data_is_recognised_with_its_limit():
     printed = _run_capped(code)
     assert "rank 0 (stage None) ran out of memory: its stage held 0 GB" in printed
     assert "limit: 2.15 GB (RLIMIT_DATA)" in printed
+    # memory_per_worker prices the stage only: the advice leaves room for what the process holds besides it (torch).
+    held = re.search(r"at most the limit less the ([0-9.]+) GB the process holds besides its stage \(([0-9.]+) GB\)", printed)
+    assert held and abs(float(held.group(1)) + float(held.group(2)) - 2.15) < 0.01, printed
 
 
 def test_no_limit_says_so(monkeypatch):

@@ -285,15 +285,23 @@ def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stag
     held = state_bytes(stage, optimizer) if stage is not None else {}
     limit, what = memory_limit(device)
     gb = lambda value: f"{value / 1e9:.3g} GB"  # noqa: E731
+    stage_bytes = sum(held.values())
     try:
-        process = f"; the process held {gb(status_bytes('VmData'))} of data, {gb(status_bytes('VmRSS'))} resident"
+        data = status_bytes("VmData")
+        process = f"; the process held {gb(data)} of data, {gb(status_bytes('VmRSS'))} resident"
     except (OSError, KeyError, ValueError):
-        process = ""
+        data, process = 0, ""
+    # memory_per_worker prices the stage (weights, gradients, optimizer state, activations), not what the process holds
+    # besides it (torch and the libraries, the traced model): the plan must fit in the limit less that.
+    own = max(data - stage_bytes, 0)
+    budget = (f"memory_per_worker (--memory_per_worker) at most the limit less the {gb(own)} the process holds "
+              f"besides its stage ({gb(limit - own)})" if limit and own and limit > own else
+              "memory_per_worker (--memory_per_worker) at the limit")
     return OutOfMemoryError(
-        f"rank {rank} (stage {stage_id}) ran out of memory: its stage held {gb(sum(held.values()))} (parameters "
+        f"rank {rank} (stage {stage_id}) ran out of memory: its stage held {gb(stage_bytes)} (parameters "
         f"{gb(held.get('parameters', 0))}, gradients {gb(held.get('gradients', 0))}, optimizer state "
         f"{gb(held.get('optimizer_state', 0))}){process}; limit: {gb(limit) if limit else 'none'} ({what}); give "
-        f"the job memory_per_worker (--memory_per_worker) at the limit to get a plan that fits, or raise the limit "
+        f"the job {budget} to get a plan that fits, or raise the limit "
         f"[{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}]")
 
 
