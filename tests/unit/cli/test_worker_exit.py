@@ -13,6 +13,14 @@ PY = os.path.basename(sys.executable)
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "2"}
 
 
+def _as_plain_script(monkeypatch) -> None:
+    """This process as `python test_parallel_0.py`, not under torchrun or `python -m`."""
+    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys, "argv", ["/x/test_parallel_0.py"])
+
+
 @pytest.mark.parametrize("env, module, argv0, want, note", [
     ({}, "model_parallel.cli.worker", "/x/model_parallel/cli/worker.py", [PY, "-m", "model_parallel.cli.worker"], ""),
     ({}, "", "/x/test_parallel_0.py", [PY, "test_parallel_0.py"], ""),
@@ -29,10 +37,7 @@ def test_the_launch_command_is_how_the_worker_was_started(env, module, argv0, wa
 
 
 def test_the_resume_hint_adds_resume_to_the_real_command(tmp_path, monkeypatch):
-    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    monkeypatch.setattr(sys, "argv", ["/x/test_parallel_0.py"])
+    _as_plain_script(monkeypatch)
     hint = resume_hint(str(tmp_path), ["--model", "mlp", "--checkpoint_dir", str(tmp_path)], 1)
     assert hint == (f"[rank 1] no checkpoint was committed in {tmp_path}; rerun to start over: "
                     f"{PY} test_parallel_0.py --model mlp --checkpoint_dir {tmp_path} --resume")
@@ -40,10 +45,7 @@ def test_the_resume_hint_adds_resume_to_the_real_command(tmp_path, monkeypatch):
 
 def test_after_a_usage_error_the_resume_hint_says_to_fix_it_first(tmp_path, monkeypatch):
     # QA: a resume refused for a changed --batch_size was told to resume with the same command, --batch_size included.
-    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    monkeypatch.setattr(sys, "argv", ["/x/test_parallel_0.py"])
+    _as_plain_script(monkeypatch)
     (tmp_path / "step_3").mkdir()
     (tmp_path / "latest").write_text("step_3\n")
     argv = ["--model", "mlp", "--checkpoint_dir", str(tmp_path), "--resume", "--batch_size", "32"]
@@ -56,10 +58,7 @@ def test_after_a_usage_error_the_resume_hint_says_to_fix_it_first(tmp_path, monk
 
 def test_a_joiner_is_told_to_join_again_not_to_resume_the_job_with_its_command(tmp_path, monkeypatch):
     # QA: a joiner whose admission failed was told "resume every rank with: python ... --join HOST:PORT ... --resume".
-    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    monkeypatch.setattr(sys, "argv", ["/x/test_parallel_0.py"])
+    _as_plain_script(monkeypatch)
     (tmp_path / "step_16").mkdir()
     (tmp_path / "latest").write_text("step_16\n")
     hint = resume_hint(str(tmp_path), ["--join", "h:29500", "--model", "mlp", "--checkpoint_dir", str(tmp_path)], 2)
