@@ -187,6 +187,7 @@ def make_channel(args: Any, rank: int, world_size: int, token: Optional[bytes] =
                                   schedule_auto=bool(getattr(config, "schedule_auto", False)),
                                   num_microbatches=getattr(config, "num_microbatches", None),
                                   schedule_order=getattr(config, "schedule_order", None),
+                                  peer_timeout=float(args.timeout),
                                   # it listened before this rank joined (reach_coordinator): a refusal now is
                                   # retried briefly, well inside the peers' deadline, so that they can name this rank
                                   wait_for=args.timeout / 4)

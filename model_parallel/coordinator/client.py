@@ -48,7 +48,7 @@ class CoordinatorChannel:
                  checkpoint_dir: Optional[str] = None, live_plan: Optional[Plan] = None, recover: bool = False,
                  generation: int = 0, membership: Optional[Mapping[str, Any]] = None, schedule_auto: bool = False,
                  num_microbatches: Optional[int] = None, schedule_order: Optional[str] = None,
-                 wait_for: float = 0.0) -> None:
+                 wait_for: float = 0.0, peer_timeout: Optional[float] = None) -> None:
         self.address, self.token = address, token
         self.checkpoint_dir = checkpoint_dir  # told to the coordinator, so its last line after a failure can name it
         self.schedule = schedule  # told to the coordinator, which checks plans under this schedule's rules too
@@ -59,6 +59,8 @@ class CoordinatorChannel:
             self.auto_fields["schedule_auto"] = True
         if schedule_order is not None:  # zero bubble's order (list-built or fixed): what a re-choice prices
             self.auto_fields["schedule_order"] = schedule_order
+        if peer_timeout is not None:  # how long a recovery may keep this rank away (coordinator/status.py)
+            self.auto_fields["peer_timeout"] = float(peer_timeout)
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval

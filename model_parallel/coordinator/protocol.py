@@ -78,7 +78,9 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
                  "live_version": (int,), "live_plan": (dict,), "step": (int,),
                  # --recover: the membership generation (0: the world joined at start) and, from 1 on, how it
                  # came about: {"members": [original ranks], "lost": [...], "from_step": first step run}
-                 "generation": (int,), "membership": (dict,)},
+                 "generation": (int,), "membership": (dict,),
+                 # the worker's --timeout (s): a rank recovering (--recover) may take a few of them to come back
+                 "peer_timeout": (float, int)},
     # server -> client: registration accepted; the live plan (dict) and its version; `issued`: the newest plan
     # version this coordinator has spent (a re-formed world numbers its plan above it)
     "welcome": {"plan_version": (int,), "plan": (dict,), "issued": (int,)},
@@ -117,7 +119,7 @@ MESSAGE_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {
     "register": frozenset({"rank", "host", "pid", "world_size", "nonce", "instance", "schedule", "checkpoint_dir",
                            "schedule_auto", "num_microbatches", "schedule_order",
-                           "live_version", "live_plan", "step", "generation", "membership"}),
+                           "live_version", "live_plan", "step", "generation", "membership", "peer_timeout"}),
     "welcome": frozenset({"issued"}),
     "reply": frozenset({"result", "error"}),
     "report": frozenset({"loss"}),

@@ -9,6 +9,7 @@ to look (heartbeats, the monitor loop). Every `Roster` method runs with the coor
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -26,6 +27,15 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_HISTORY = 200
 UNREACHABLE_GRACE_S = 60.0  # every worker unreachable this long (none said bye): nobody is coming back
+# A rank recovering (--recover) is back within its membership wait (runtime/wire/recovery.JOIN_TIMEOUTS = 3 of its
+# --timeout) and a restore: given up on after this many of its --timeout, when that is longer than the grace above.
+RECOVERY_TIMEOUTS = 4.0
+
+
+def _bounded_timeout(value: Any) -> float:
+    """A worker's --timeout as a grace: a number in 0..1 day (a NaN or infinite one would keep a coordinator forever)."""
+    seconds = float(value)
+    return min(seconds, 86400.0) if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 @dataclass
@@ -36,6 +46,7 @@ class WorkerState:
     world_size: int
     session: Optional[Session] = None
     instance: str = ""  # the worker process's secret registration id: only it may replace this rank while it runs
+    peer_timeout: float = 0.0  # the worker's --timeout, as it registered (0: not said)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     last_seen: float = field(default_factory=time.monotonic)
     step: int = -1
@@ -95,7 +106,8 @@ class Roster:
                 raise ProtocolError(f"rank {rank} belongs to pid {old.pid} on {old.host}, which trained as rank {rank} and is "
                                     "unreachable now; only that process may register it again (to replace a worker, "
                                     "resume the job from its checkpoint with a fresh coordinator)")
-        worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session, instance=instance)
+        worker = WorkerState(rank=rank, host=host, pid=pid, world_size=world, session=session, instance=instance,
+                             peer_timeout=_bounded_timeout(message.get("peer_timeout", 0.0)))
         reconnection = old is not None and old.status in ("running", "unreachable")
         if reconnection:  # keep what was learned about this rank
             worker.step, worker.stage, worker.plan_version = old.step, old.stage, old.plan_version
@@ -170,12 +182,19 @@ class Roster:
         registered_all = len(self.workers) >= self.world_size
         said_bye = any(w.status in ("finished", "stopped") for w in self.workers.values())
         # An unreachable worker is only given up on after the grace period (it may be reconnecting).
-        gone = all(w.status not in ("unreachable", "recovering") or now - w.last_seen > UNREACHABLE_GRACE_S
+        gone = all(w.status not in ("unreachable", "recovering") or now - w.last_seen > self.grace(w)
                    for w in self.workers.values())
         over = (registered_all or said_bye) and (said_bye or gone)
         if over and self.stop_reason is None:
             self.stop_reason = self._never_finished()
         return over
+
+    @staticmethod
+    def grace(worker: WorkerState) -> float:
+        """How long `worker`, unreachable or recovering, may stay away before it is given up on."""
+        if worker.status == "recovering":
+            return max(UNREACHABLE_GRACE_S, RECOVERY_TIMEOUTS * worker.peer_timeout)
+        return UNREACHABLE_GRACE_S
 
     def _never_finished(self) -> Optional[str]:
         """Why a run whose workers all left did not finish (None: it did). Workers that cannot recover (no checkpoint,
@@ -192,7 +211,7 @@ class Roster:
             return None
         names = ", ".join(f"{w.rank} ({w.status})" for w in given_up)
         return (f"rank {first.rank}: {(first.note or first.status)[:300]}; rank(s) {names} never came back within "
-                f"{UNREACHABLE_GRACE_S:.0f} s and {'not every' if finished else 'no'} worker finished training "
+                f"{max(self.grace(w) for w in given_up):.0f} s and {'not every' if finished else 'no'} worker finished training "
                 "(each worker's last lines say why it ended)")
 
     def step(self) -> int:

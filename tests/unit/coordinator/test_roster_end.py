@@ -48,3 +48,18 @@ def test_a_rank_left_recovering_while_the_others_finished_is_a_failed_run() -> N
     r.workers[1].note = "recovering: rank 0 stopped responding"
     assert r.done(now=UNREACHABLE_GRACE_S + 1.0)
     assert r.stop_reason is not None and "not every worker finished training" in r.stop_reason, r.stop_reason
+
+
+def test_a_recovery_is_waited_for_as_long_as_the_workers_timeout_allows() -> None:
+    """A survivor may wait JOIN_TIMEOUTS (3) x its --timeout for the membership, then restore: with --timeout 60 that
+    is minutes, and a coordinator that gave it up after 60 s exited 1 while the recovered job trained on."""
+    from model_parallel.coordinator.status import RECOVERY_TIMEOUTS
+
+    r = roster(["running", "running"])
+    for worker in r.workers.values():
+        worker.peer_timeout = 60.0
+    r.bye(r.workers[0], "recovering: [rank 0 stage 0] rank 1 stopped responding")
+    r.unreachable(r.workers[1], "its control connection closed without a goodbye")
+    assert not r.done(now=UNREACHABLE_GRACE_S + 1.0)  # rank 0 may still come back
+    assert r.done(now=RECOVERY_TIMEOUTS * 60.0 + 1.0)
+    assert r.stop_reason is not None and f"never came back within {RECOVERY_TIMEOUTS * 60.0:.0f} s" in r.stop_reason
