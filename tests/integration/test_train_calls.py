@@ -23,7 +23,7 @@ def test_a_second_train_call_continues_on_two_processes(tmp_path):
     assert result.ok, result.summary()
     steps = json.loads((tmp_path / "steps.json").read_text())
     assert steps == {"once": [0, 1, 2, 3], "twice": [0, 1, 2, 3], "twice_resume": [0, 1, 2, 3]}
-    states = torch.load(tmp_path / "states.pt")
+    states = torch.load(tmp_path / "states.pt", weights_only=True)
     for name in ("twice", "twice_resume"):
         assert states[name].keys() == states["once"].keys()
         for key, value in states["once"].items():

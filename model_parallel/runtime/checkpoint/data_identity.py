@@ -86,8 +86,9 @@ def data_content(dataset: Any) -> Optional[dict[str, Any]]:
     try:
         content = _content(source)
     except Exception as error:  # noqa: BLE001 - unreadable here: not recorded, so compared by description
-        logger.warning("the data's contents cannot be read for the checkpoint's record (%s: %s): a resume will compare "
-                       "the data by its name only", type(error).__name__, str(error)[:200])
+        logger.warning("the data's contents cannot be read on this rank (%s: %s): the other ranks' copies are not "
+                       "compared with it, and a resume compares the data by its name only",
+                       type(error).__name__, str(error)[:200])
         content = None
     try:
         _computed[id(source)] = (weakref.ref(source), content)

@@ -16,6 +16,13 @@ import torch
 
 from model_parallel.errors import DataError
 
+# Why a collate_fn (or dataset) that draws targets at random cannot train here, and the fix: said for iterables
+# (`check_replays`) and map-style data (sources.read_targets) alike.
+RANDOM_TARGETS = ("draws them at random, as random masking does (DataCollatorForLanguageModeling): each process "
+                  "collates for itself (stage 0 the inputs, the last stage the targets), so the targets would come from "
+                  "another draw than the inputs; make them a function of the samples (seed any randomness from the "
+                  "sample's index), or give an object with batch(step) that seeds its draws by step")
+
 
 def check_replays(iterable: Iterable[Any], items: int, name: str,
                   target_of: Optional[Callable[[list[Any]], Any]] = None) -> None:
@@ -40,11 +47,8 @@ def check_replays(iterable: Iterable[Any], items: int, name: str,
                         "itself, or an object with batch(step) -> (inputs, target) for an order of your own; an "
                         "iterable must yield the same items in the same order on every pass")
     if target_of is not None and passes[0] and not same(target_of(passes[0]), target_of(passes[1])):
-        raise DataError(f"{name}: two collations of the same samples hold different targets, so its collate_fn draws "
-                        "them at random, as random masking does (DataCollatorForLanguageModeling): each process collates "
-                        "for itself (stage 0 the inputs, the last stage the targets), so the targets would come from "
-                        "another draw than the inputs; make them a function of the samples, or give an object with "
-                        "batch(step) that seeds its draws by step")
+        raise DataError(f"{name}: two collations of the same samples hold different targets, so its collate_fn "
+                        f"{RANDOM_TARGETS}")
 
 
 def same(a: Any, b: Any) -> bool:

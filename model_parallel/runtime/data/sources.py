@@ -40,7 +40,7 @@ from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
 from model_parallel.runtime.data.pairs import BATCH_FORMS, Batch, as_pair, describe
-from model_parallel.runtime.data.replay import check_replays
+from model_parallel.runtime.data.replay import RANDOM_TARGETS, check_replays
 
 logger = logging.getLogger(__name__)
 
@@ -340,11 +340,7 @@ def read_targets(data: Any, step: int, verify: bool = False) -> Any:
                 # Not a user's targets(): two collations of the same samples differed. The old message said "fix
                 # targets(step) or remove it", a method the user never wrote.
                 raise DataError(f"{data.name}: two reads of step {step}'s minibatch hold different targets, so its "
-                                "collate_fn (or the dataset) draws them at random, as random masking does "
-                                "(DataCollatorForLanguageModeling): each process collates for itself (stage 0 the "
-                                "inputs, the last stage the targets), so the targets would come from another draw than "
-                                "the inputs; make them a function of the samples (seed any randomness from the sample's "
-                                "index), or give an object with batch(step) that seeds its draws by step")
+                                f"collate_fn (or the dataset) {RANDOM_TARGETS}")
             raise DataError(f"{type(data).__name__}.targets({step}) differs from batch({step})'s target ({what}); the "
                             "last stage would pair inputs with the wrong targets: fix targets(step) or remove it")
     return got
