@@ -1,4 +1,4 @@
-"""A joiner's token file and graph file against the running job's, before it asks to be admitted (cli/worker_join.py).
+"""A joiner's token file or image folder and graph file against the running job's, before it asks to be admitted (cli/worker_join.py).
 
 The joiner's flags are compared with the job's, but `--data tokens:train.bin` names a file on the joiner's own
 host: another file under the same path (another copy, another version) passed that comparison, and the joiner
@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_joiner_data(args: Any, where: str) -> None:
-    """ConfigError (exit 2) when this joiner's `--data tokens:PATH` or graph file holds other contents than the job's.
+    """ConfigError (exit 2) when this joiner's `--data tokens:PATH` or `--data DIR` (an ImageFolder) or graph file
+    holds other contents than the job's.
     Whatever --allow_config_change says: it lets a whole job resume with other settings, but a joiner changes nothing
     for the members (they keep reading their files), so a joiner restoring with other tokens trained its stages on
     other data than theirs (stage 0's inputs, the last stage's targets)."""
@@ -37,25 +38,42 @@ def check_joiner_data(args: Any, where: str) -> None:
         return
     _check_graph(args, training.get("graph"), where, f"checkpoint step {checkpoint.step} in {args.checkpoint_dir}")
     spec = getattr(args, "data", None) or ""
-    if not spec.startswith("tokens:"):
-        return
-    from model_parallel.runtime.checkpoint.data_identity import token_file_content
-
     stored = training.get("data_content")
-    if not isinstance(stored, Mapping) or stored.get("kind") != "token file":
+    if not isinstance(stored, Mapping) or spec in ("", "synthetic"):
         return
-    path = spec[len("tokens:"):]
-    try:
-        mine = token_file_content(path)
-    except OSError as error:
-        raise ConfigError(f"--join {where}: --data {spec}: cannot read it ({error}); give the job's token file") from None
+    mine, what = _content_of(spec, stored.get("kind"), where)
+    if mine is None:
+        return
     theirs = {key: stored.get(key) for key in mine}
     if mine != theirs:
         differing = "; ".join(f"{key} {theirs[key]} (job) vs {mine[key]} (this worker)" for key in mine
                               if mine[key] != theirs[key])
-        raise ConfigError(f"--join {where}: --data {spec} on this host holds other tokens than the running job trained "
+        raise ConfigError(f"--join {where}: --data {spec} on this host holds other {what} than the running job trained "
                           f"on ({differing}; checkpoint step {checkpoint.step} in {args.checkpoint_dir}): give this worker "
-                          "a copy of the job's token file; the job runs on without it")
+                          f"a copy of the job's data; the job runs on without it")
+
+
+def _content_of(spec: str, kind: Any, where: str) -> tuple[Any, str]:
+    """(this host's fingerprint of `--data spec`, what it holds), or (None, "") where the job's record is of another
+    kind (the restore names that change)."""
+    if spec.startswith("tokens:") and kind == "token file":
+        from model_parallel.runtime.checkpoint.data_identity import token_file_content
+
+        try:
+            return token_file_content(spec[len("tokens:"):]), "tokens"
+        except OSError as error:
+            raise ConfigError(f"--join {where}: --data {spec}: cannot read it ({error}); give the job's token file") from None
+    if not spec.startswith("tokens:") and kind == "image folder":
+        # The image list only (paths and classes, as the record holds it): listing a directory, no image decoded.
+        from model_parallel.errors import ModelParallelError
+        from model_parallel.runtime.checkpoint.data_identity import data_content
+        from model_parallel.runtime.data.batches import ImageFolderData
+
+        try:
+            return data_content(ImageFolderData(spec, 1)), "images"
+        except ModelParallelError as error:
+            raise ConfigError(f"--join {where}: {error}; give the job's image folder") from None
+    return None, ""
 
 
 def _check_graph(args: Any, recorded: Any, where: str, source: str) -> None:

@@ -109,10 +109,13 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="sgd: torch.optim.SGD with --momentum (default 0.9: plain SGD is --momentum 0); adamw: "
-                        "torch.optim.AdamW (betas and eps torch's defaults). Default sgd")
+                        "torch.optim.AdamW with --eps (betas torch's defaults). Default sgd")
     t.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     t.add_argument("--momentum", type=float, default=0.9, help="sgd's momentum (default 0.9)")
     t.add_argument("--weight_decay", type=float, default=0.0, help="default 0")
+    t.add_argument("--eps", type=float, default=1e-8,
+                   help="adamw's eps (default 1e-8, torch's). Where a parameter's gradient is ~0, Adam divides by ~eps "
+                        "and amplifies rounding: 1e-6 or more keeps a pipeline within 1e-5 of one process")
     t.add_argument("--seed", type=int, default=0,
                    help="initial weights, data order and dropout masks (keyed by seed, step, stage, microbatch); default 0")
     data_flags.add_arguments(t)  # --data, --seq_len, --token_dtype, --eval_data, --eval_every, --eval_steps
@@ -126,7 +129,7 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint_dir")
     o.add_argument("--allow_config_change", action="store_true",
                    help="with --resume: accept a batch size, schedule, seed, lr schedule, precision, data, optimizer or "
-                        "its lr/momentum/weight decay that differs from what the checkpoint recorded (each change is "
+                        "its lr/momentum/weight decay/eps that differs from what the checkpoint recorded (each change is "
                         "logged; another optimizer starts its state afresh)")
     o.add_argument("--recover", action="store_true",
                    help="when a peer is lost, re-form the world with the survivors and continue in this process from a "

@@ -27,6 +27,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # torch's timedelta and TCPStore (ms) overflow 
 NUMBERS = (("threads", 1, 4096, "torch threads per worker"), ("steps", 1, 1 << 53, "steps to train"),
            ("timeout", 1e-3, MAX_TIMEOUT_S, "seconds"), ("lr", 0.0, 1e6, "learning rate"),
            ("momentum", 0.0, 1e6, "SGD momentum"), ("weight_decay", 0.0, 1e6, "weight decay"),
+           ("eps", 0.0, 1.0, "AdamW eps"),
            ("slowdown", 1.0, 1e6, "slowdown factor"), ("gloo_loop_nice", 0, 19, "nice value of gloo's message threads"))
 
 

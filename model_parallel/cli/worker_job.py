@@ -108,6 +108,6 @@ def parse_recompute(text: Optional[str]) -> Any:
 def make_optimizer_factory(args: Any) -> Any:
     def factory(params: list) -> torch.optim.Optimizer:
         if args.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+            return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, eps=args.eps)
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     return factory

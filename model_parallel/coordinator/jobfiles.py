@@ -31,7 +31,8 @@ LAST_JOB = "last_job.json"
 # Worker flags a coordinator may set for the workers that ask it for the job (the worker parses them
 # with its own argument parser, ahead of its command line, so its own flags win).
 SERVED_FLAGS: dict[str, type] = {"batch_size": int, "num_microbatches": int, "steps": int, "schedule": str,
-                                 "optimizer": str, "lr": float, "momentum": float, "weight_decay": float, "seed": int}
+                                 "optimizer": str, "lr": float, "momentum": float, "weight_decay": float, "eps": float,
+                                 "seed": int}
 TOKEN_FILE = "coordinator.token"
 
 

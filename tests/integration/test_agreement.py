@@ -40,12 +40,26 @@ if differ == "times":  # each rank would build another order: the messages would
     from dataclasses import replace
     plan = replace(plan, extra={"stage_times": [[1.0, 1.0, 1.0], [2.0 if rank == 1 else 1.0, 1.0, 1.0]]})
 data = r.data(batch, 0)
+from model_parallel.runtime.data.sources import as_source
 if differ == "data":  # each rank reads its own copy: rank 1's holds other samples under the same name
     from torch.utils.data import TensorDataset
     from model_parallel.runtime.data.sources import as_source
     g = torch.Generator().manual_seed(rank)
     (x,) = r.example(64)
     data = as_source(TensorDataset(torch.randn(x.shape, generator=g), torch.randint(0, 10, (64,), generator=g)), batch, 0)
+if differ == "batch_object":  # a user's batch(step) object: rank 1's copy draws from another seed
+    class Steps:
+        def batch(self, step):
+            g = torch.Generator().manual_seed(1000 * (rank + 1) + step)
+            return (torch.randn(batch, *r.example(1)[0].shape[1:], generator=g),), torch.randint(0, 10, (batch,), generator=g)
+    data = as_source(Steps(), batch, 0)
+if differ == "iterable":  # an IterableDataset: rank 1's stream holds other samples
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(64):
+                yield torch.randn(r.example(1)[0].shape[1:], generator=g), int(torch.randint(0, 10, (), generator=g))
+    data = as_source(Stream(), batch, 0)
 try:
     engine = PipelineEngine(graph=graph, plan=plan, model=r.model(0), criterion=r.criterion,
                             optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), dataset=data,
@@ -61,7 +75,7 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("differ", ["plan", "config", "times", "data", "none"])
+@pytest.mark.parametrize("differ", ["plan", "config", "times", "data", "batch_object", "iterable", "none"])
 def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) -> None:
     port = free_port()
     result = launch([[sys.executable, "-c", RANK, str(rank), str(port), differ] for rank in range(2)], timeout=120)
@@ -71,8 +85,9 @@ def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) 
         return
     assert all(worker.returncode == 3 for worker in result.workers), result.summary()
     for out in outputs:
-        part = {"times": "stage times (the profile's or the plan's stage_times",
-                "data": "data (its contents: a token file's size and sampled blocks"}.get(differ, f"{differ} than rank 0")
+        data = "data (its contents: a token file's size and sampled blocks"
+        part = {"times": "stage times (the profile's or the plan's stage_times", "data": data, "batch_object": data,
+                "iterable": data}.get(differ, f"{differ} than rank 0")
         assert f"rank(s) [1] hold another {part}" in out, out
         assert "TRAINED" not in out
 

@@ -40,11 +40,14 @@ def _ranks(out: Path) -> list[dict]:
 def test_only_stage_0_reads_inputs_and_only_the_last_stage_reads_targets(world_dir: Path) -> None:
     ranks = _ranks(world_dir)
     assert [r["stage"] for r in ranks] == [0, 1, 2, 2]
+    # The training data's fingerprint (checkpoint/data_identity.py: batch(0), read twice) is read by every rank as
+    # its engine is built, for the same-data check and the checkpoint record; the steps are read as below.
+    fingerprint = {"train_calls": [["batch", 0]] * 2, "eval_calls": []}
     for calls, steps in (("train_calls", STEPS), ("eval_calls", EVAL_STEPS)):
-        assert ranks[0][calls] == [["batch", s] for s in range(steps)], calls
-        assert ranks[1][calls] == [], f"the intermediate stage read data ({calls})"
+        assert ranks[0][calls] == fingerprint[calls] + [["batch", s] for s in range(steps)], calls
+        assert ranks[1][calls] == fingerprint[calls], f"the intermediate stage read data ({calls})"
         # Each replica of the last stage reads the step's targets; once per source, batch(0) checks targets(0).
-        want = [["targets", 0], ["batch", 0]] + [["targets", s] for s in range(1, steps)]
+        want = fingerprint[calls] + [["targets", 0], ["batch", 0]] + [["targets", s] for s in range(1, steps)]
         for replica in ranks[2:]:
             assert replica[calls] == want, calls
 

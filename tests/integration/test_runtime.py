@@ -58,7 +58,7 @@ JOBS = [
          "--optimizer", "adamw", "--lr", "0.001", "--batch_size", "16", "--num_microbatches", "2", whole_model=True),
     _job("resnet4", "resnet18", 2, "--num_stages", "4", "--num_microbatches", "2"),
     _job("gpt4_adamw_recompute", "gpt", 3, "--num_stages", "4", "--optimizer", "adamw", "--lr", "0.003",
-         "--recompute", "all"),
+         "--eps", "1e-6", "--recompute", "all"),
     _job("gpt2_replicated", "gpt", 3, "--num_stages", "2", "--stage_to_num_ranks", "0:2,1:2"),
     # A multi-level plan's placement (optimizer, `-n 2 2`): each stage on the same GPU of both servers.
     _job("mlp2_replicas_across_servers", "mlp", 3, "--plan", "{interleaved_plan}", "--num_microbatches", "2"),
@@ -168,7 +168,8 @@ def _reference(job: dict) -> dict[str, torch.Tensor]:
                          lr_schedule=flags.get("lr_schedule", "constant"))
     lr, wd = float(flags.get("lr", 0.01)), float(flags.get("weight_decay", 0.0))
     if flags.get("optimizer") == "adamw":
-        factory = lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=wd)  # noqa: E731
+        eps = float(flags.get("eps", 1e-8))
+        factory = lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=wd, eps=eps)  # noqa: E731
     else:
         factory = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)  # noqa: E731
     if flags.get("schedule") == "pipedream" or "bf16" in flags:

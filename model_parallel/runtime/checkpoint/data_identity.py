@@ -18,9 +18,10 @@ every rank, computed once per source:
   twice (state in the dataset) record none, rather than refusing every resume. The engine reads it when it is
   built, before a prefetch thread reads the data too (the fixed seeds are the process's).
 - an ImageFolder: its image list (paths relative to the root, and classes), not the pixels.
-Other sources record none and are compared by description: an iterable (reading it would advance it),
-synthetic data (its description, batch size and seed are all it is), a user's batch(step) object (nothing
-says its batches are deterministic).
+- an iterable (a DataLoader with a sampler of its own, an IterableDataset): its first minibatch of a fresh
+  pass; a user's batch(step) object: its batch(0). All there is to read without a length: enough to tell two
+  hosts' different copies apart, not a change past the first minibatch.
+Synthetic data records none and is compared by description (its description, batch size and seed are all it is).
 
 Where both records hold a fingerprint, it alone decides (the path spelled otherwise is the same data). A
 checkpoint written before it was recorded is compared by description, a token file by its file name and
@@ -35,7 +36,7 @@ import os
 import random
 import re
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def data_content(dataset: Any) -> Optional[dict[str, Any]]:
 
 def _content(source: Any) -> Optional[dict[str, Any]]:
     from model_parallel.runtime.data.batches import ImageFolderData
-    from model_parallel.runtime.data.sources import MapData, TokenWindows
+    from model_parallel.runtime.data.sources import IterableData, MapData, TokenWindows
 
     if isinstance(source, MapData) and isinstance(source.dataset, TokenWindows):
         return {"kind": "token file", "samples": len(source.dataset), **token_file_content(source.dataset.path)}
@@ -109,7 +110,27 @@ def _content(source: Any) -> Optional[dict[str, Any]]:
         root = os.fspath(source.root)
         listed = [[os.path.relpath(path, root), int(label)] for path, label in source.dataset.samples]
         return {"kind": "image folder", "samples": len(listed), "sha256 of the image list": _sha(repr(listed).encode())}
+    if isinstance(source, IterableData):
+        return _first_step_content("iterable", lambda: source.opening())
+    if not type(source).__module__.startswith("model_parallel.") and callable(getattr(source, "batch", None)):
+        return _first_step_content("batch(step) object", lambda: source.batch(0))
     return None
+
+
+def _first_step_content(kind: str, read: Callable[[], Any]) -> Optional[dict[str, Any]]:
+    """An iterable's or a batch(step) object's first minibatch, hashed: all there is to read without a length or
+    indices. Enough to tell two hosts' different copies apart (a pass, or step 0, is the same on every rank that
+    reads the data); a change past the first minibatch goes unseen."""
+    readings = []
+    for _ in range(2):  # twice: a first minibatch that differs between reads is no fingerprint
+        with _fixed_seeds():
+            digest = hashlib.sha256()
+            _feed(digest, read())
+            readings.append(digest.hexdigest()[:HEX])
+    if readings[0] != readings[1]:
+        logger.debug("the data's contents not recorded: its first minibatch differs between two reads")
+        return None
+    return {"kind": kind, "sha256 of the first minibatch": readings[0]}
 
 
 def token_file_content(path: str) -> dict[str, Any]:

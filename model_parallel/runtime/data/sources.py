@@ -27,6 +27,7 @@ The last stage reads only targets (`read_targets`): a source may answer `targets
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -40,7 +41,7 @@ from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
 from model_parallel.runtime.data.pairs import BATCH_FORMS, Batch, as_pair, describe
-from model_parallel.runtime.data.replay import RANDOM_TARGETS, check_replays
+from model_parallel.runtime.data.replay import RANDOM_TARGETS, check_replays, same
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,14 @@ class IterableData:
             value = next(self._iter, None)
         self._next += 1
         return value
+
+    def opening(self) -> Any:
+        """The first minibatch of a fresh pass as collated (the data's fingerprint: checkpoint/data_identity.py),
+        read without moving this source's own position."""
+        items = list(itertools.islice(iter(self.iterable), self.per_step))
+        if not items:
+            return None
+        return items[0] if self.batched else self.collate_fn(items)
 
     def position(self, step: int) -> dict[str, int]:
         item = step * self.per_step
@@ -327,7 +336,16 @@ def read_targets(data: Any, step: int, verify: bool = False) -> Any:
     whole read): a difference would pair inputs with the wrong targets, so it is refused."""
     targets = getattr(data, "targets", None)
     if not callable(targets):
-        return data.batch(step)[1]
+        got = data.batch(step)[1]
+        if verify and isinstance(data, BatchSource) and not same(got, data.batch(step)[1]):
+            # Stage 0 reads the inputs of step s from its own call, this stage the targets from another: a batch(step)
+            # that is not a function of step (a stream that ignores it, draws from the process's generator) pairs
+            # one draw's inputs with another's targets, and a resume at step s reads something else again.
+            raise DataError(f"{data.name}: two calls of batch({step}) returned different targets; each process calls "
+                            f"batch(step) itself (stage 0 for the inputs, the last stage for the targets), so its "
+                            f"minibatch must be a function of step: seed any randomness from step, and return step's "
+                            f"samples whatever was read before (a resume starts at a later step)")
+        return got
     got = targets(step)
     if verify:
         want = data.batch(step)[1]

@@ -37,7 +37,8 @@ from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.wire.comm import wait_work
 
 PARTS = ("graph", "plan", "config", "stage times (the profile's or the plan's stage_times; zero bubble's order is built from them)",
-         "data (its contents: a token file's size and sampled blocks, a Dataset's samples 0, n/2 and n-1)")
+         "data (its contents: a token file's size and sampled blocks, a Dataset's samples 0, n/2 and n-1, an "
+         "iterable's or a batch(step) object's first minibatch)")
 _DEVICE_INDEX = re.compile(r"cuda:\d+")
 
 

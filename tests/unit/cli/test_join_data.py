@@ -75,3 +75,26 @@ def test_a_joiner_with_another_graph_under_the_same_path_is_refused(tmp_path, mo
         check_joiner_data(args, "h:1")
     save_graph(job, tmp_path / "graph.json")
     check_joiner_data(args, "h:1")  # the job's graph: admitted
+
+
+def test_a_joiner_with_another_image_folder_is_refused_before_it_asks(tmp_path, monkeypatch) -> None:
+    """Before, only token files were compared here: a joiner whose image folder lists other images was refused at
+    restore, inside the new world, after the job had stopped for it."""
+    import shutil
+
+    from model_parallel.runtime.checkpoint.data_identity import data_content
+    from model_parallel.runtime.data.batches import ImageFolderData
+    from support.images import image_folder
+
+    job = image_folder(tmp_path / "job")
+    record = {"training": {"data_content": data_content(ImageFolderData(job, 1))}}
+    monkeypatch.setattr(store, "load_checkpoint", lambda directory: SimpleNamespace(step=20, extra=record))
+    copy = shutil.copytree(job, tmp_path / "copy")
+    check_joiner_data(SimpleNamespace(data=str(copy), checkpoint_dir="ck"), "h:1")  # the same images elsewhere
+    (copy / "dog" / "3.png").rename(copy / "cat" / "9.png")  # one image under another class
+    with pytest.raises(ConfigError, match=r"--join h:1: --data .*copy on this host holds other images than the running "
+                                          r"job trained on \(sha256 of the image list .* \(job\) vs .* \(this worker\); "
+                                          r"checkpoint step 20"):
+        check_joiner_data(SimpleNamespace(data=str(copy), checkpoint_dir="ck"), "h:1")
+    with pytest.raises(ConfigError, match=r"--join h:1: --data .*missing: not a directory"):
+        check_joiner_data(SimpleNamespace(data=str(tmp_path / "missing"), checkpoint_dir="ck"), "h:1")

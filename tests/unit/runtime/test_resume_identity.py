@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -227,3 +228,41 @@ def test_the_same_graph_reprofiled_or_read_back_from_the_checkpoint_is_the_same(
     old = {k: v for k, v in stored.items() if k != "graph"}
     assert check_resume(old, _graph_record(_graph(dropout=0.1)), allow=False, where="ck") == []
     assert os.path.isfile(tmp_path / "graph.json")
+
+
+def test_an_iterable_and_a_batch_object_are_fingerprinted_by_their_first_minibatch() -> None:
+    """Before, they recorded no fingerprint: another copy of an iterable, or a batch(step) object reading other
+    files, resumed (and trained beside the job's other ranks) as the same data."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __init__(self, seed: int) -> None:
+            self.seed = seed
+
+        def __iter__(self):
+            g = torch.Generator().manual_seed(self.seed)
+            return iter([(torch.randn(3, generator=g), int(torch.randint(0, 5, (), generator=g))) for _ in range(12)])
+
+    class Steps:
+        def __init__(self, seed: int) -> None:
+            self.seed = seed
+
+        def batch(self, step: int):
+            g = torch.Generator().manual_seed(self.seed * 1000 + step)
+            return (torch.randn(4, 3, generator=g),), torch.randint(0, 5, (4,), generator=g)
+
+    def record(data: object) -> dict:
+        return training_record(CONFIG, as_source(data, 4, 0), 3)
+
+    for make, kind in ((Stream, "iterable"), (Steps, "batch(step) object")):
+        stored = record(make(1))
+        assert stored["data_content"]["kind"] == kind
+        assert check_resume(stored, record(make(1)), allow=False, where="ck") == []
+        with pytest.raises(ConfigError, match=rf"the {re.escape(kind)}'s contents differ: sha256 of the first minibatch"):
+            check_resume(stored, record(make(2)), allow=False, where="ck")
+    # Reading the fingerprint does not move the iterable's own position.
+    source = as_source(Stream(1), 4, 0)
+    first = source.batch(0)
+    assert training_record(CONFIG, source, 3)["data_content"] == record(Stream(1))["data_content"]
+    assert torch.equal(source.batch(1)[0][0], torch.stack([x for x, _ in list(Stream(1))[4:8]]))
+    assert torch.equal(first[1], torch.tensor([y for _, y in list(Stream(1))[:4]]))

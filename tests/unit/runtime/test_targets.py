@@ -121,3 +121,27 @@ def test_a_source_whose_targets_has_another_shape_is_named_with_both_shapes():
 
     with pytest.raises(DataError, match=r"target \(\(1,\) torch.int64 where the batch has \(2,\) torch.int64\)"):
         read_targets(Short(), 3, verify=True)
+
+
+def test_a_batch_object_whose_batch_is_not_a_function_of_step_is_refused_at_the_first_read():
+    """Stage 0 and the last stage each call batch(step) themselves: a source drawing from the process's generator
+    (or a stream that ignores `step`) paired one draw's inputs with another's targets and trained on, exit 0."""
+    from model_parallel.runtime.data.sources import as_source
+
+    class Drawn:
+        def batch(self, step: int):
+            return (torch.randn(4, 3),), torch.randint(0, 5, (4,))  # the global generator, not keyed by step
+
+    with pytest.raises(DataError, match=r"Drawn: two calls of batch\(0\) returned different targets; .* must be a "
+                                        r"function of step: seed any randomness from step"):
+        read_targets(as_source(Drawn(), 4, 0), 0, verify=True)
+
+    class Keyed:
+        def batch(self, step: int):
+            g = torch.Generator().manual_seed(step)
+            return (torch.randn(4, 3, generator=g),), torch.randint(0, 5, (4,), generator=g)
+
+    keyed = as_source(Keyed(), 4, 0)
+    assert torch.equal(read_targets(keyed, 0, verify=True), Keyed().batch(0)[1])
+    # Only the first read is checked (`verify`): later ones read once.
+    assert read_targets(as_source(Drawn(), 4, 0), 1).shape == (4,)
