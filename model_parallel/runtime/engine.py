@@ -117,10 +117,10 @@ class PipelineEngine(TrainingLoop):
         self.graph, self.model, self.criterion = graph, model, criterion
         self.optimizer_factory, self.dataset, self.config, self.options = optimizer_factory, dataset, config, options
         self.eval_dataset = eval_dataset  # validated on every `options.eval_every` steps (loop.py)
-        # The data's fingerprint, read now, before a prefetch thread reads: every rank's must agree (check_job), and
-        # checkpoints record it.
+        # The data's fingerprints (0: none, or unreadable here), read before a prefetch thread reads: check_job.
         from model_parallel.runtime.checkpoint.data_identity import data_content
-        self.data_hash = data_digest(data_content(dataset)) if dataset is not None else 0
+        self.data_hash, self.eval_data_hash = (data_digest(data_content(d) if d is not None else None)
+                                               for d in (dataset, eval_dataset))
         self.channel = channel or NullChannel()
         self.health = health
         self.device = device or torch.device("cpu")
@@ -195,7 +195,7 @@ class PipelineEngine(TrainingLoop):
         """Collective: `plan` fits the world and every rank holds the same graph, plan and config."""
         check_plan_fits(plan, self.world_size)
         check_same_job(self.graph_hash, plan, self.config, self.control_group, self.timeout,
-                       run_order_times(self.graph, plan, self.config), self.data_hash)
+                       run_order_times(self.graph, plan, self.config), self.data_hash, self.eval_data_hash)
 
     def prepare(self, plan: Plan, optimizer_state: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Prepared:
         """This rank's stage, optimizer and executor for `plan` (ranks assigned), built beside the running ones:

@@ -60,11 +60,17 @@ if differ == "iterable":  # an IterableDataset: rank 1's stream holds other samp
             for _ in range(64):
                 yield torch.randn(r.example(1)[0].shape[1:], generator=g), int(torch.randint(0, 10, (), generator=g))
     data = as_source(Stream(), batch, 0)
+eval_data = None
+if differ == "eval_data":  # the validation data's copies differ, the training data's agree
+    from torch.utils.data import TensorDataset
+    g = torch.Generator().manual_seed(rank)
+    (x,) = r.example(16)
+    eval_data = as_source(TensorDataset(torch.randn(x.shape, generator=g), torch.randint(0, 10, (16,), generator=g)), batch, 0)
 try:
     engine = PipelineEngine(graph=graph, plan=plan, model=r.model(0), criterion=r.criterion,
                             optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), dataset=data,
                             config=TrainConfig(batch_size=batch, num_microbatches=2, schedule=schedule),
-                            options=RunOptions(timeout=60, progress=False))
+                            options=RunOptions(timeout=60, progress=False), eval_dataset=eval_data)
     engine.train(2)
 except PlanError as error:
     print("REFUSED", error, flush=True)
@@ -75,7 +81,7 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("differ", ["plan", "config", "times", "data", "batch_object", "iterable", "none"])
+@pytest.mark.parametrize("differ", ["plan", "config", "times", "data", "batch_object", "iterable", "eval_data", "none"])
 def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) -> None:
     port = free_port()
     result = launch([[sys.executable, "-c", RANK, str(rank), str(port), differ] for rank in range(2)], timeout=120)
@@ -87,7 +93,7 @@ def test_ranks_with_different_jobs_are_refused_naming_what_differs(differ: str) 
     for out in outputs:
         data = "data (its contents: a token file's size and sampled blocks"
         part = {"times": "stage times (the profile's or the plan's stage_times", "data": data, "batch_object": data,
-                "iterable": data}.get(differ, f"{differ} than rank 0")
+                "iterable": data, "eval_data": f"validation {data}"}.get(differ, f"{differ} than rank 0")
         assert f"rank(s) [1] hold another {part}" in out, out
         assert "TRAINED" not in out
 

@@ -36,9 +36,11 @@ from model_parallel.graph.plan import Plan
 from model_parallel.runtime.config import TrainConfig
 from model_parallel.runtime.wire.comm import wait_work
 
+_CONTENTS = ("its contents: a token file's size and sampled blocks, a Dataset's samples 0, n/2 and n-1, an iterable's or "
+             "a batch(step) object's first minibatch")
 PARTS = ("graph", "plan", "config", "stage times (the profile's or the plan's stage_times; zero bubble's order is built from them)",
-         "data (its contents: a token file's size and sampled blocks, a Dataset's samples 0, n/2 and n-1, an "
-         "iterable's or a batch(step) object's first minibatch)")
+         f"data ({_CONTENTS})", f"validation data ({_CONTENTS})")
+_DATA_PARTS = 2  # the last ones: compared only among the ranks that could read them
 _DEVICE_INDEX = re.compile(r"cuda:\d+")
 
 
@@ -79,30 +81,33 @@ def data_digest(content: Optional[Mapping[str, Any]]) -> int:
 
 
 def check_same_job(graph_hash: int, plan: Plan, config: TrainConfig, group: Any, timeout: float,
-                   order_times: Any = None, data_hash: int = 0) -> None:
+                   order_times: Any = None, data_hash: int = 0, eval_data_hash: int = 0) -> None:
     """Collective over `group` (every rank calls it together): raise PlanError unless all ranks hold
     the same graph structure, plan and config, the same stage times `order_times` (runtime/step/auto.py
     `run_order_times`: what a zero-bubble order is list-built from; None where the fixed order runs) and the same
     data (`data_hash`: stage 0 reads a minibatch's inputs and the last stage its targets, each from its own copy, so
-    two copies that differ pair inputs with other samples' targets, silently)."""
+    two copies that differ pair inputs with other samples' targets, silently; `eval_data_hash` the same for the
+    validation data, whose loss would be reported from such pairs)."""
     world = dist.get_world_size(group)
     if world == 1:
         return
     times = None if order_times is None else [dataclasses.astuple(t) for t in order_times]
-    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config), _digest(times), data_hash],
-                        dtype=torch.int64)
+    mine = torch.tensor([graph_hash, plan_digest(plan), config_digest(config), _digest(times), data_hash,
+                         eval_data_hash], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, -1,
               "the check that every rank runs the same job")
     differing = [(part, [rank for rank, row in enumerate(gathered) if int(row[index]) != int(gathered[0][index])])
-                 for index, part in enumerate(PARTS[:-1])]
+                 for index, part in enumerate(PARTS[:-_DATA_PARTS])]
     # The data only where a rank could read it (0: none given, or unreadable there, as an intermediate stage's copy
     # may be: it reads nothing), against the lowest such rank's.
-    known = [(rank, int(row[-1])) for rank, row in enumerate(gathered) if int(row[-1]) != 0]
-    differing.append((PARTS[-1], [rank for rank, value in known if value != known[0][1]]))
+    reference = {}
+    for index in range(len(PARTS) - _DATA_PARTS, len(PARTS)):
+        known = [(rank, int(row[index])) for rank, row in enumerate(gathered) if int(row[index]) != 0]
+        differing.append((PARTS[index], [rank for rank, value in known if value != known[0][1]]))
+        reference[PARTS[index]] = f"rank {known[0][0]}" if known else ""
     differing = [(part, ranks) for part, ranks in differing if ranks]
     if differing:
-        reference = {PARTS[-1]: f"rank {known[0][0]}" if known else ""}
         what = "; ".join(f"rank(s) {ranks} hold another {part} than {reference.get(part, 'rank 0')}"
                          for part, ranks in differing)
         raise PlanError(f"the ranks do not run the same job: {what}. Every rank must load the same graph, plan, "
