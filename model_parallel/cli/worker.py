@@ -128,7 +128,8 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--checkpoint_every", type=int, default=0)
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint_dir")
     o.add_argument("--allow_config_change", action="store_true",
-                   help="with --resume: accept a batch size, schedule, seed, lr schedule, precision, data, optimizer or "
+                   help="with --resume: accept a batch size, schedule (pipedream <-> flush; flush schedules resume one another "
+                        "unasked), seed, lr schedule, precision, data, optimizer or "
                         "its lr/momentum/weight decay/eps that differs from what the checkpoint recorded (each change is "
                         "logged; another optimizer starts its state afresh)")
     o.add_argument("--recover", action="store_true",

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from model_parallel.graph.core import Graph
-from model_parallel.runtime.checkpoint.commit import CheckpointingEngine, agree, prune
+from model_parallel.runtime.checkpoint.commit import AgreeingEngine, CheckpointingEngine, agree, prune
 from model_parallel.runtime.checkpoint.graph_identity import graph_details
 from model_parallel.runtime.checkpoint.training_record import check_resume
 from model_parallel.runtime.config import RunOptions
@@ -25,11 +25,10 @@ class RestoringEngine(CheckpointingEngine, Protocol):
     def check_tied(self, when: str) -> None: ...
 
 
-class StartingEngine(Protocol):
-    """What `prepare` needs of a rank's engine at the start of a run."""
+class StartingEngine(AgreeingEngine, Protocol):
+    """What `prepare` needs of a rank's engine at the start of a run (every rank agrees on a refusal)."""
 
     options: RunOptions
-    rank: int
 
     @property
     def prefix(self) -> str: ...
@@ -142,6 +141,25 @@ def elastic_restart() -> int:
     return count
 
 
+def refuse_fresh_start(engine: StartingEngine, directory: str) -> None:
+    """A run from step 0 without --resume into a directory holding committed checkpoints is refused on every rank
+    (rank 0 reads the directory; ConfigError, exit 2). Before, it trained from scratch and its first commit moved
+    `latest` below the old steps, which `prune` then deleted as "never committed": a forgotten --resume lost the
+    previous run's checkpoints without a warning."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.runtime.checkpoint.store import latest_step
+
+    error = None
+    if engine.rank == 0 and (step := latest_step(directory)) is not None:
+        error = (f"checkpoint_dir {directory} holds committed checkpoints (latest: step {step}) and this run starts "
+                 f"at step 0 without --resume, so its first checkpoint would delete them; pass --resume "
+                 f"(RunOptions.resume) to continue that run, or give an empty --checkpoint_dir (or delete {directory}) "
+                 f"to train from scratch")
+    failure = agree(engine, error)
+    if failure is not None:
+        raise ConfigError(error or failure.partition(": ")[2])
+
+
 def prepare(engine: StartingEngine, start_step: int) -> int:
     """At the start of a run: clear what a run killed mid-checkpoint left (rank 0), and with `resume`
     or on a torchrun restart restore the latest checkpoint. Returns the step to start from."""
@@ -154,6 +172,8 @@ def prepare(engine: StartingEngine, start_step: int) -> int:
                            engine.prefix, restart, start_step)
         return start_step
     existed = os.path.isdir(directory)  # before anything is written there: the warning below says which
+    if not (engine.options.resume or restart) and start_step == 0:
+        refuse_fresh_start(engine, directory)
     if engine.rank == 0:
         prune(directory)  # leftovers of a run killed mid-checkpoint
     if engine.options.resume or restart:

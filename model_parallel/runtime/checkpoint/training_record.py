@@ -120,15 +120,28 @@ def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = 
     }
 
 
+def update_rule(schedule: Any) -> Any:
+    """What a schedule trains: every flush schedule (and "auto", which chooses one) one update of the whole minibatch
+    per step, to the same parameters (bitwise on CPU: 1f1b, gpipe, interleaved, zbh1, zbv resumed from one checkpoint
+    end equal); pipedream its own asynchronous updates. A resume is refused only where this differs."""
+    from model_parallel.graph.in_flight import FLUSH_SCHEDULES
+
+    return "flush" if schedule in FLUSH_SCHEDULES + ("auto",) else schedule
+
+
 def changed_fields(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any, str]]:
     """(field, stored value, current value, why) of every compared field that differs (fields the record lacks:
     unchanged; an optimizer field this run lacks too: its optimizer has no such setting, or it is unknown). The data
-    is compared by its contents where both records hold them (data_identity.py): `why` says what differs."""
+    is compared by its contents where both records hold them (data_identity.py): `why` says what differs. A schedule
+    is compared by what it trains (`update_rule`): one flush schedule for another is no change."""
     changed = []
     for key in COMPARED:
         if key not in stored or (key in RECORDED_IF_KNOWN and key not in current):
             continue
-        why = data_change(stored, current) if key == "data" else ("" if stored[key] != current.get(key) else None)
+        if key == "schedule":
+            why = None if update_rule(stored[key]) == update_rule(current.get(key)) else ""
+        else:
+            why = data_change(stored, current) if key == "data" else ("" if stored[key] != current.get(key) else None)
         if why is not None:
             changed.append((key, stored[key], current.get(key), why))
     return changed
@@ -165,6 +178,9 @@ def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]
                        "run's data (%s) holds what the run trained on, only its name", where, current.get("data"))
     details = details or {}
     changed = changed_fields(stored, current)
+    if "schedule" in stored and stored["schedule"] != current.get("schedule") and all(c[0] != "schedule" for c in changed):
+        logger.info("%s was trained with schedule %r, this run with %r: flush schedules train the same parameters, so "
+                    "the resume continues the run exactly", where, stored["schedule"], current.get("schedule"))
     changes = []
     for key, old, new, why in changed:
         why = why or (details[key]() if key in details else "")

@@ -22,6 +22,12 @@ class Engine:
     rank: int = 1  # not rank 0: no pruning of the (fake) directory
     loads: list[int] = field(default_factory=list)
     prefix: str = "[rank 1 stage 1]"
+    world_size: int = 2
+    control_group: object = None
+    timeout: float = 1.0
+
+    def diagnose(self, error: Exception) -> Exception:
+        return error
 
     def load_checkpoint(self) -> int:
         self.loads.append(1)
@@ -29,13 +35,15 @@ class Engine:
 
 
 def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restart: Optional[str], latest: Optional[int],
-             resume_flag: bool = False, directory: bool = True) -> tuple[int, Engine]:
+             resume_flag: bool = False, directory: bool = True, rank: int = 1) -> tuple[int, Engine]:
     if restart is None:
         monkeypatch.delenv(resume.RESTART_ENV, raising=False)
     else:
         monkeypatch.setenv(resume.RESTART_ENV, restart)
     monkeypatch.setattr(store, "latest_step", lambda _directory: latest)
-    engine = Engine(RunOptions(checkpoint_dir=str(tmp_path) if directory else None, resume=resume_flag))
+    monkeypatch.setattr(resume, "agree", lambda _engine, error: None if error is None else f"rank 0: {error}")
+    engine = Engine(RunOptions(checkpoint_dir=str(tmp_path) if directory else None, resume=resume_flag),
+                    rank=rank)
     return resume.prepare(engine, 0), engine
 
 
@@ -50,9 +58,28 @@ def test_a_restart_resumes_from_the_latest_checkpoint_and_says_so(tmp_path, monk
 @pytest.mark.parametrize("restart", [None, "0"])
 def test_the_first_attempt_without_resume_starts_where_asked(tmp_path, monkeypatch, caplog, restart) -> None:
     with caplog.at_level(logging.WARNING):
-        step, engine = prepared(tmp_path, monkeypatch, restart, latest=3)
+        step, engine = prepared(tmp_path, monkeypatch, restart, latest=None, rank=0)
     assert (step, engine.loads) == (0, [])
     assert "torchelastic" not in caplog.text
+
+
+def test_a_fresh_run_into_a_directory_of_committed_checkpoints_is_refused(tmp_path, monkeypatch) -> None:
+    # Before, it trained from step 0 and its first commit deleted the old steps (past the new `latest`) as
+    # "never committed": a forgotten --resume lost the previous run's checkpoints. Rank 0 decides, every rank raises.
+    with pytest.raises(ConfigError, match=rf"checkpoint_dir {tmp_path} holds committed checkpoints \(latest: step 3\) "
+                                          r"and this run starts at step 0 without --resume.*pass --resume"):
+        prepared(tmp_path, monkeypatch, None, latest=3, rank=0)
+    # A peer hears rank 0's refusal through the agreement.
+    monkeypatch.setattr(resume, "agree", lambda _engine, _error: "rank 0: checkpoint_dir X holds committed checkpoints")
+    with pytest.raises(ConfigError, match="^checkpoint_dir X holds committed checkpoints$"):
+        resume.prepare(Engine(RunOptions(checkpoint_dir=str(tmp_path)), rank=1), 0)
+
+
+def test_a_later_call_of_the_same_run_is_not_refused(tmp_path, monkeypatch) -> None:
+    # PipelineTrainer.train called again continues at its next step in the directory it wrote: no refusal.
+    monkeypatch.setattr(store, "latest_step", lambda _directory: 3)
+    engine = Engine(RunOptions(checkpoint_dir=str(tmp_path)), rank=0)
+    assert resume.prepare(engine, 4) == 4 and engine.loads == []
 
 
 def test_the_first_attempt_with_resume_resumes_as_before(tmp_path, monkeypatch, caplog) -> None:

@@ -46,6 +46,21 @@ def test_a_changed_field_is_refused_by_name_and_accepted_when_allowed(caplog):
     assert check_resume(stored, dict(stored, data_position={"next_step": 9}), allow=False, where="ck") == []
 
 
+def test_a_flush_schedule_for_another_is_accepted_and_pipedream_is_refused(caplog):
+    # Flush schedules train the same parameters (bitwise: 1f1b, gpipe, interleaved, zbh1, zbv resumed from one
+    # checkpoint end equal), so a resume under another one continues the run; before, it was refused as a change.
+    # PipeDream's asynchronous updates train something else either way.
+    stored = training_record(CONFIG, SyntheticData(8, (4,)), 3)
+    for schedule in ("gpipe", "interleaved", "zbh1", "zbinterleaved", "zbv", "auto"):
+        with caplog.at_level(logging.INFO):
+            assert check_resume(stored, dict(stored, schedule=schedule), allow=False, where="ck") == []
+        assert f"ck was trained with schedule '1f1b', this run with '{schedule}': flush schedules train" in caplog.text
+    with pytest.raises(ConfigError, match=r"different schedule: schedule '1f1b' -> 'pipedream'"):
+        check_resume(stored, dict(stored, schedule="pipedream"), allow=False, where="ck")
+    with pytest.raises(ConfigError, match=r"different schedule: schedule 'pipedream' -> 'auto'"):
+        check_resume(dict(stored, schedule="pipedream"), dict(stored, schedule="auto"), allow=False, where="ck")
+
+
 def test_a_checkpoint_without_a_record_resumes_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
         assert check_resume(None, training_record(CONFIG, SyntheticData(8, (4,)), 0), allow=False, where="old") == []
