@@ -96,10 +96,13 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
     Row: step, plan_version, ranks, samples, step_ms (slowest rank), samples_per_s (= samples / that),
     stages {stage: {compute_ms, comm_ms, idle_ms}} (mean over a stage's replicas), bottleneck_stage
-    (most compute). Spare ranks (stage None) are counted in `ranks` only.
+    (most compute). Spare ranks (stage None) are counted in `ranks` only. A rank's step recorded twice counts once,
+    the later record: a run killed after its last checkpoint wrote the steps its resume trains again (the files
+    are appended to), and both records were counted as replicas (twice the ranks, the timings of two runs blended).
     """
+    latest = {(int(r["step"]), int(r["rank"])): r for r in records}  # in file order: the resume's record last
     by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-    for record in records:
+    for record in latest.values():
         needed = ("step_ms",) + (("compute_ms", "comm_ms", "idle_ms") if record.get("stage") is not None else ())
         missing = [key for key in needed if key not in record]
         if missing:

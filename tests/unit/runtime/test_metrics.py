@@ -130,6 +130,17 @@ def test_summarize_and_throughput(tmp_path):
     assert len(read_metrics(tmp_path)) == 6
 
 
+def test_a_step_recorded_again_by_a_resume_counts_once_with_the_later_record():
+    # A run killed at step 7 after its checkpoint of step 5: steps 6 and 7 are in the files twice (appended).
+    killed = [_record(step, rank, rank, 100.0, 50.0, 10.0) for step in range(8) for rank in (0, 1)]
+    resumed = [_record(step, rank, rank, 300.0, 90.0, 10.0) for step in range(6, 10) for rank in (0, 1)]
+    rows = summarize(killed + resumed)
+    assert [r["step"] for r in rows] == list(range(10))
+    assert all(r["ranks"] == 2 for r in rows)  # was 4 at steps 6 and 7: the two runs' records as replicas
+    assert rows[6]["step_ms"] == 300.0 and rows[6]["stages"][0]["compute_ms"] == 90.0
+    assert rows[5]["step_ms"] == 100.0
+
+
 def test_command_line_summary(tmp_path, capsys):
     from model_parallel.cli.metrics import main
 
