@@ -73,8 +73,8 @@ import torch
 import torch.distributed as dist
 
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.packed import (ALIGN, HeaderCache, Known, known_header, read_prefix, received, unpack,
-                                                write_prefix)
+from model_parallel.runtime.wire.packed import (ALIGN, MAX_HEADER_BYTES, HeaderCache, Known, known_header, parse_header,
+                                                read_prefix, received, unpack, write_prefix)
 from model_parallel.runtime.wire.packed import dtype_named as _dtype_named
 from model_parallel.runtime.wire.structure import decode_value, encode_value, make_header, structure_of
 
@@ -101,7 +101,7 @@ def edge_tag(base: int, edge: Optional[int]) -> int:
 # SPARE_COUNT per (peer, tag, stream): a steady-state send then allocates nothing ("Cold calls" above).
 SPARE_BYTES = 256 << 10
 SPARE_COUNT = 2
-_MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a boundary description
+_MAX_HEADER = MAX_HEADER_BYTES
 SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
 _SLOT_ROOM = SLOT_BYTES - 8
 
@@ -320,11 +320,7 @@ class PendingRecv:
             raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
                             "(are both ranks running the same plan and schedule?)")
         data = self._recv_side(size, timeout).cpu().numpy().tobytes()
-        try:
-            header = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
-                            "are both ranks running the same version of model_parallel?") from None
+        header = parse_header(data, self.src)
         known = self.cache.received[(self.src, self.tag, self.stream)] = known_header(data, header)
         self.structure = known.structure
         return unpack(self._recv_side(known.size, timeout), known, self.device)
@@ -344,11 +340,7 @@ class PendingRecv:
             work = start_work(lambda: dist.irecv(rest, self.src, group=self.group, tag=self.tag), self.src, "receive")
             wait_work(work, timeout, self.src, "receive")
             data += rest.cpu().numpy().tobytes()
-        try:
-            header = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise PeerError(f"rank {self.src} sent an unreadable message header ({error}); "
-                            "are both ranks running the same version of model_parallel?") from None
+        header = parse_header(data, self.src)
         self.structure = structure_of(header)
         header = [entry for entry in header if entry["t"] != "structure"]
         values: list[Any] = []

@@ -14,10 +14,15 @@ from typing import Any, Optional
 
 import torch
 
+from model_parallel import jsonbound
 from model_parallel.errors import PeerError
 from model_parallel.runtime.wire.structure import decode_value, structure_of
 
 ALIGN = 16  # prefix size and tensor alignment in a packed buffer (any dtype can be viewed there)
+MAX_HEADER_BYTES = 64 << 20  # a header larger than this is garbage, not a boundary description
+MAX_MESSAGE_BYTES = 1 << 40  # the tensors of one message: 1 TiB is no host's activation; more is garbage
+MAX_DIMS = 64
+_KINDS = {"tensor": {"t", "shape", "dtype", "grad", "cast"}, "json": {"t", "v"}, "structure": {"t", "v"}}
 
 
 def aligned(n: int) -> int:
@@ -54,6 +59,44 @@ def dtype_named(name: Any) -> torch.dtype:
         raise PeerError(f"a message header names dtype {str(name)[:40]!r}, which is not a torch dtype "
                         "(are both ranks running the same version of model_parallel?)")
     return dtype
+
+
+def parse_header(data: bytes, src: int) -> list[dict[str, Any]]:
+    """A header received from rank `src`, checked before anything is allocated from it: a JSON list of the
+    entries `structure.make_header` writes, every dtype a torch dtype, every shape a list of at most MAX_DIMS
+    non-negative ints, the tensors MAX_MESSAGE_BYTES at most in all. Anything else is a PeerError naming
+    `src` (a 2^62-element shape was a RuntimeError from torch.empty, a missing key a KeyError)."""
+    fix = "are both ranks running the same version of model_parallel?"
+    header = jsonbound.loads(data, where=f"rank {src}'s message header", error=PeerError, fix=fix,
+                             max_bytes=MAX_HEADER_BYTES, allow_nan=True)
+
+    def bad(entry: Any, why: str) -> PeerError:
+        return PeerError(f"rank {src} sent a malformed message header (entry {str(entry)[:120]}: {why}); {fix}")
+
+    if not isinstance(header, list):
+        raise bad(header, "the header is a JSON list of entries")
+    total = 0
+    for entry in header:
+        kind = entry.get("t") if isinstance(entry, dict) else None
+        if not isinstance(kind, str) or kind not in _KINDS or not set(entry) <= _KINDS[kind]:
+            raise bad(entry, "expected an object with t = tensor, json or structure and only that kind's keys")
+        if kind != "tensor":
+            if "v" not in entry:
+                raise bad(entry, "no value 'v'")
+            continue
+        itemsize = dtype_named(entry.get("dtype")).itemsize  # a PeerError for anything but a torch dtype
+        if "cast" in entry:
+            dtype_named(entry["cast"])
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_MESSAGE_BYTES for d in shape):
+            raise bad(entry, f"a shape is a list of at most {MAX_DIMS} integers >= 0")
+        if not isinstance(entry.get("grad"), bool):
+            raise bad(entry, "'grad' is true or false")
+        total += math.prod(shape) * itemsize
+        if total > MAX_MESSAGE_BYTES:
+            raise bad(entry, f"the message's tensors would take more than {MAX_MESSAGE_BYTES} bytes")
+    return header
 
 
 def known_header(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> Known:

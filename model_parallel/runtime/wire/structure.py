@@ -248,20 +248,45 @@ def encode_value(value: Any) -> Any:
                     "(allowed: tensors, int, float, bool, str, None, tuple/list of them, torch.Size, dtype, device)")
 
 
-def decode_value(data: Any, device: Optional[torch.device] = None) -> Any:
-    """Inverse of `encode_value`; a device is re-localised to the receiver's `device`."""
+def decode_value(data: Any, device: Optional[torch.device] = None, depth: int = 0) -> Any:
+    """Inverse of `encode_value`; a device is re-localised to the receiver's `device`.
+
+    The header is a peer's bytes: only the forms `encode_value` writes are accepted, and a dtype is a torch
+    dtype, never another torch attribute (`{"dtype": "load"}` or `"os"` handed to the stage as a value);
+    anything else is a PeerError naming the value."""
+    if depth > MAX_DEPTH:
+        raise _bad_value(data, f"nested deeper than {MAX_DEPTH}")
+    if data is None or isinstance(data, (bool, int, float, str)):  # json.dumps writes a NaN or inf float as is
+        return data
     if isinstance(data, list):
-        return [decode_value(v, device) for v in data]
-    if isinstance(data, dict):
-        if "size" in data:
-            return torch.Size(data["size"])
-        if "dtype" in data:
-            return getattr(torch, data["dtype"])
-        if "device" in data:
-            return device if device is not None else torch.device("cpu")
-        if "tuple" in data:
-            return tuple(decode_value(v, device) for v in data["tuple"])
-    return data
+        return [decode_value(v, device, depth + 1) for v in data]
+    if not isinstance(data, dict) or len(data) != 1:
+        raise _bad_value(data, "expected None, bool, int, float, str, a list or an object with one key")
+    kind, payload = next(iter(data.items()))
+    if kind == "size":
+        if not isinstance(payload, list) or not all(isinstance(d, int) and not isinstance(d, bool) and
+                                                    -(1 << 62) < d < 1 << 62 for d in payload):
+            raise _bad_value(data, "a size is a list of integers")
+        return torch.Size(payload)
+    if kind == "dtype":
+        dtype = getattr(torch, payload, None) if isinstance(payload, str) and not payload.startswith("_") else None
+        if not isinstance(dtype, torch.dtype):
+            raise _bad_value(data, "not a torch dtype")
+        return dtype
+    if kind == "device":
+        if not isinstance(payload, str):
+            raise _bad_value(data, "a device is a type name")
+        return device if device is not None else torch.device("cpu")
+    if kind == "tuple":
+        if not isinstance(payload, list):
+            raise _bad_value(data, "a tuple is a list of values")
+        return tuple(decode_value(v, device, depth + 1) for v in payload)
+    raise _bad_value(data, f"unknown kind {str(kind)[:40]!r}")
+
+
+def _bad_value(data: Any, why: str) -> PeerError:
+    return PeerError(f"a message header carries the value {str(data)[:120]}: {why} "
+                     "(are both ranks running the same version of model_parallel?)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
