@@ -27,6 +27,7 @@ from torch.distributed import DistNetworkError
 
 from model_parallel import jsonbound
 from model_parallel.errors import PeerError, ProtocolError
+from model_parallel.graph.hierarchy import MAX_RANKS
 
 FLAGS = "mp/job/flags"
 REQUEST = "mp/join/request"
@@ -34,6 +35,9 @@ ADMIT = "mp/join/admit/{}"
 TAKEN = "taken"
 logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 1 << 16  # {"address": ..., "nonce": ...} is about 100 bytes
+MAX_ADMISSION_BYTES = MAX_FLAGS_BYTES = 1 << 24  # an admission lists every rank's address: 65536 x ~60 bytes
+MAX_FIELD_CHARS = 1024  # a nonce (32 hex digits) or a HOST:PORT address
+MAX_GENERATION = 1 << 31  # one generation per recovery or admission
 
 
 @dataclass(frozen=True)
@@ -58,15 +62,38 @@ class Admission:
 
     @classmethod
     def from_json(cls, text: str) -> "Admission":
+        """An admission read from the store (any store client can write a key) or a coordinator's command: bounded
+        JSON, every number an integer in its range (`1e999`, `Infinity`, `true`, a port of 10^9 are refused, an
+        OverflowError or a later bind failure before), one ProtocolError naming it."""
+        where = f"join admission {text[:120]!r}"
+        d = jsonbound.loads(text, where="join admission", error=ProtocolError, max_bytes=MAX_ADMISSION_BYTES,
+                            fix=f"got {text[:120]!r}")
         try:
-            d = json.loads(text)
-            out = cls(str(d["nonce"]), str(d["address"]), int(d["original"]), int(d["generation"]),
-                      tuple(int(m) for m in d["members"]), tuple(str(a) for a in d["addresses"]),
-                      int(d["base_port"]), int(d["store_host"]), int(d["store_port"]))
+            def number(key: str, low: int, high: int) -> int:
+                value = jsonbound.json_number(d[key], key, integer=True)
+                if not low <= value <= high:
+                    raise ValueError(f"{key} must be in {low}..{high}, got {value}")
+                return int(value)
+
+            def text_of(value: Any, key: str) -> str:
+                if not isinstance(value, str) or not 0 < len(value) <= MAX_FIELD_CHARS or not value.isprintable():
+                    raise ValueError(f"{key} must be a printable string of 1..{MAX_FIELD_CHARS} characters")
+                return value
+
+            if not isinstance(d["members"], list) or not isinstance(d["addresses"], list):
+                raise TypeError("members and addresses must be lists")
+            out = cls(text_of(d["nonce"], "nonce"), text_of(d["address"], "address"),
+                      number("original", 0, MAX_RANKS - 1), number("generation", 1, MAX_GENERATION),
+                      tuple(int(jsonbound.json_number(m, "a member", integer=True)) for m in d["members"]),
+                      tuple(text_of(a, "an address") for a in d["addresses"]),
+                      number("base_port", 1, 65535), number("store_host", 0, MAX_RANKS - 1),
+                      number("store_port", 1, 65535))
         except (ValueError, KeyError, TypeError) as error:
-            raise ProtocolError(f"malformed join admission {text[:120]!r}: {error}") from None
+            raise ProtocolError(f"malformed {where}: {error}") from None
         if out.original != len(out.addresses) or out.original in out.members:
-            raise ProtocolError(f"join admission {text[:120]!r}: the joiner's original rank must be the next unused one")
+            raise ProtocolError(f"{where}: the joiner's original rank must be the next unused one")
+        if len(set(out.members)) != len(out.members) or not all(0 <= m < out.original for m in out.members):
+            raise ProtocolError(f"{where}: the members must be distinct original ranks below the joiner's")
         return out
 
 
@@ -85,9 +112,9 @@ def read_flags(store: Any, seconds: float) -> Optional[dict[str, Any]]:
         raise
     except Exception:  # noqa: BLE001 - the store's own timeout: nobody published
         return None
-    try:
-        data = json.loads(store.get(FLAGS).decode())
-    except ValueError:
+    try:  # any store client can write the key: nested 100 000 deep was a RecursionError, reported as a store failure
+        data = jsonbound.loads(store.get(FLAGS), where=FLAGS, error=ProtocolError, max_bytes=MAX_FLAGS_BYTES)
+    except ProtocolError:
         return None
     return data if isinstance(data, dict) and isinstance(data.get("flags"), dict) else None
 
@@ -124,10 +151,11 @@ def wait_admission(store: Any, nonce: str, deadline: float) -> Optional[Admissio
 
 
 def _nonce(text: str) -> str:
-    try:
-        return str(json.loads(text).get("nonce", ""))
-    except (ValueError, AttributeError):
+    try:  # the request slot: any store client can write it (bounded: no RecursionError)
+        request = jsonbound.loads(text, where=REQUEST, error=ProtocolError, max_bytes=MAX_REQUEST_BYTES)
+    except ProtocolError:
         return ""
+    return str(request.get("nonce", "")) if isinstance(request, dict) else ""
 
 
 def take_request(store: Any) -> Optional[dict[str, str]]:
