@@ -24,6 +24,20 @@ TIED_PARAMETERS = "tied_parameters"
 # metadata key of the other state-dict names of a tied tensor no node reads under that name:
 # {"cls.predictions.bias": "cls.predictions.decoder.bias"} (BERT); see codegen.naming.stage_state_from_original.
 STATE_ALIASES = "state_aliases"
+# A graph of a real model has 10^2..10^5 nodes (an ATen-level export of a 1000-layer model a few 10^5). A file is
+# bounded by its bytes (jsonbound.MAX_FILE_BYTES, 1 GiB), but 1 GiB of graph.txt lines is 10^7 nodes, ~13 GB of Node
+# objects and minutes of parsing: a count past these is refused while reading, before the nodes are built.
+MAX_NODES = 1_000_000
+MAX_EDGES = 4 * MAX_NODES
+
+
+def too_many(count: int, what: str) -> Optional[str]:
+    """Why `count` nodes or edges (`what`) are refused, or None: the one rule both file formats apply."""
+    limit = MAX_NODES if what == "nodes" else MAX_EDGES
+    if count <= limit:
+        return None
+    return (f"more than {limit:,} {what} ({count:,} or more); a graph of a real model has at most a few 10^5 nodes: "
+            "is this the right file? (profile the model again)")
 
 
 @dataclass(frozen=True)
@@ -185,6 +199,9 @@ class Graph:
         object.__setattr__(self, "edges", tuple((str(a), str(b)) for a, b in self.edges))
         if not self.nodes:
             raise GraphError("graph is empty: it needs at least one node")
+        refused = too_many(len(self.nodes), "nodes") or too_many(len(self.edges), "edges")
+        if refused:
+            raise GraphError(refused)
         seen: set[str] = set()
         for node in self.nodes:
             if node.node_id in seen:

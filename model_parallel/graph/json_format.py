@@ -23,7 +23,7 @@ from typing import Any, Union
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_json, read_json_file
 from model_parallel.jsonbound import json_number as _number
-from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta
+from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta, too_many
 
 SCHEMA = "model_parallel.graph"
 VERSION = 1
@@ -90,6 +90,10 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
         raise GraphFormatError(
             f"{source}: graph schema version {data.get('version')!r} is not supported (this release reads {VERSION})"
         )
+    for what in ("nodes", "edges"):  # counted before any node is built
+        listed = data.get(what)
+        if refused := too_many(len(listed) if isinstance(listed, list) else 0, what):
+            raise GraphFormatError(f"{source}: {refused}")
     nodes = []
     try:
         for index, entry in enumerate(data["nodes"]):

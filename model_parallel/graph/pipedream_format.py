@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_text
-from model_parallel.graph.core import ActivationSize, Graph, Node
+from model_parallel.graph.core import ActivationSize, Graph, Node, too_many
 from model_parallel.jsonbound import MAX_FILE_BYTES
 from model_parallel.userfile import read_text
 
@@ -101,6 +101,8 @@ def parse_graph_txt(text: str, filename: str = "<string>") -> Graph:
                 raise GraphFormatError(f"{where}: expected an edge '\\t<src_id> -- <dst_id>', found {raw.strip()!r}")
             edges.append((parts[0].strip(), parts[1].strip()))
             edge_lines.append(number)
+            if refused := too_many(len(edges), "edges"):
+                raise GraphFormatError(f"{where}: {refused}")
             continue
         if edges:
             raise GraphFormatError(f"{where}: node line after edge lines; write all nodes first, then all edges")
@@ -111,6 +113,8 @@ def parse_graph_txt(text: str, filename: str = "<string>") -> Graph:
             )
         node_lines[node.node_id] = number
         nodes.append(node)
+        if refused := too_many(len(nodes), "nodes"):
+            raise GraphFormatError(f"{where}: {refused}")
     if not nodes:
         raise GraphFormatError(f"{filename}: graph is empty: no node lines found")
     for (src, dst), number in zip(edges, edge_lines):
