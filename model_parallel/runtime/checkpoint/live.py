@@ -190,7 +190,11 @@ def decode(data: bytes, where: str) -> StageState:
         buffers: dict[str, torch.Tensor] = {}
         optimizer: dict[str, dict[str, Any]] = {name: dict(v) for name, v in head["scalars"].items()}
         for path, dtype, shape, offset, size in head["tensors"]:
-            if dtype not in _DTYPES or offset < 0 or offset + size > len(body):
+            if not (isinstance(path, list) and len(path) == (3 if path[:1] == ["optimizer"] else 2)
+                    and path[0] in ("params", "buffers", "optimizer")):
+                raise CheckpointError(f"{where}: tensor path {str(path)[:80]} is not [params|buffers, name] or "
+                                      "[optimizer, name, key]")
+            if dtype not in _DTYPES or offset < 0 or size < 0 or offset + size > len(body):
                 raise CheckpointError(f"{where}: tensor {path} ({dtype}, bytes {offset}..{offset + size}) is malformed")
             raw = torch.frombuffer(bytearray(body[offset:offset + size]), dtype=torch.uint8)
             tensor = raw.view(_DTYPES[dtype]).reshape([int(d) for d in shape])
@@ -201,5 +205,5 @@ def decode(data: bytes, where: str) -> StageState:
         return StageState(int(head["step"]), int(head["rank"]), tuple(int(k) for k in head["stage_ids"]),
                           int(head["version"]), tuple(tuple(int(r) for r in ranks) for ranks in head["stage_ranks"]),
                           params, buffers, optimizer, dict(head["fields"]))
-    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as error:
         raise CheckpointError(f"{where}: not a stage state ({type(error).__name__}: {error})") from None
