@@ -74,12 +74,10 @@ def stage_fidelity(run_dir: Path, plan: Plan, records: Sequence[Mapping[str, Any
     """Predicted (`optimizer.fidelity.predict_stage_ms` with the run's calibration, when there is one) and
     measured (`optimizer.fidelity.measured_ms` on the calibration's clock: CPU ms, or busy ms on the wall
     clock; median over the steps before the slowdown) ms per stage and step."""
-    import json
-
     from model_parallel.graph.io import load_graph
 
     path = run_dir / "profiles" / "calibration.json"
-    calibration = Calibration.from_json(json.loads(path.read_text()), str(path)) if path.exists() else Calibration()
+    calibration = Calibration.read(path) if path.exists() else Calibration()
     graph = load_graph(run_dir / "package" / "graph.json")
     optimizer = getattr(args, "optimizer", "sgd")
     if optimizer not in calibration.optimizer_ms_per_mb:

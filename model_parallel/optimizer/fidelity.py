@@ -141,10 +141,28 @@ class Calibration:
     def from_json(cls, data: Mapping[str, Any], where: str = "calibration") -> "Calibration":
         known = {"microbatch_overhead_ms", "link_latency_ms", "link_bandwidth", "optimizer_ms_per_mb", "machine",
                  "accumulate_ms_per_mb", "clock", "accumulate_curve", "timeshare_factor", "corun_factor"}
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where}: a calibration is a JSON object, got {type(data).__name__}; re-run the calibration")
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{where}: unknown key(s) {unknown}; expected {sorted(known)}")
-        return cls(**{key: data[key] for key in known if key in data})
+        if not all(isinstance(data.get(key, {}), Mapping) for key in ("optimizer_ms_per_mb", "machine")):
+            raise PlanError(f"{where}: optimizer_ms_per_mb and machine are JSON objects; re-run the calibration")
+        try:
+            return cls(**{key: data[key] for key in known if key in data})
+        except PlanError as error:
+            raise PlanError(f"{where}: {error}") from None
+        except (TypeError, ValueError) as error:  # a curve of non-pairs, a string where a number is meant
+            raise PlanError(f"{where}: malformed calibration ({type(error).__name__}: {str(error)[:120]}); "
+                            "re-run the calibration") from None
+
+    @classmethod
+    def read(cls, path: Any) -> "Calibration":
+        """The calibration JSON file at `path` (bounded read: a FIFO, 1e999 or nesting 10^5 deep is a PlanError too)."""
+        from model_parallel import jsonbound
+
+        return cls.from_json(jsonbound.load_file(path, error=PlanError, what="calibration", fix="re-run the calibration"),
+                             str(path))
 
 
 @dataclass(frozen=True)
