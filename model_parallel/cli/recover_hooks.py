@@ -81,15 +81,17 @@ def signal_at_recovery(original_rank: int, rank: int) -> None:
         os.kill(os.getpid(), number)
 
 
-def signal_at_reform(original_rank: int, rank: int) -> Callable[[int], None]:
-    """The `reform` step of the hook, as the `on_closed` callback of runtime/wire/recovery.reform: this process
-    signals itself once the membership of a new generation closed with it in it, before its process group forms (a
-    member lost while the world re-forms). Once per process: a stopped one that continues and meets again must not
-    stop again."""
+def signal_at_reform(original_rank: int, rank: int) -> Optional[Callable[[int], None]]:
+    """The `reform` step of the hook, as the `on_closed` callback of runtime/wire/recovery.reform (None where this
+    process has no such step: reform then waits for nobody): this process signals itself once the membership of a
+    new generation closed with it in it and every member read it, before its process group forms (a member lost
+    while the world re-forms). Once per process: a stopped one that continues and meets again must not stop again."""
+    number = signal_hook(original_rank).get(AT_REFORM)
+    if number is None:
+        return None
 
     def closed(generation: int) -> None:
-        number = signal_hook(original_rank).get(AT_REFORM)
-        if number is not None and AT_REFORM not in _FIRED:
+        if AT_REFORM not in _FIRED:
             _FIRED.add(AT_REFORM)
             logger.error("[rank %d] test hook %s: signal %s in generation %d's membership, before its process group "
                          "forms", rank, SIGNAL_ENV, number, generation)

@@ -247,7 +247,19 @@ def _close_membership(store: Any, lineage: Lineage, expected: list[int], wait_s:
         time.sleep(0.05)
     view = json.dumps(sorted(registered))
     closed = _bounded(lambda: store.compare_set("members", "", view), call, "closing the membership")
+    _bounded(lambda: store.set(f"seen/{lineage.me}", "1"), call, "noting the membership read")  # for _all_seen
     return [int(m) for m in json.loads(closed.decode())]
+
+
+def _all_seen(store: Any, members: list[int], seconds: float) -> None:
+    """Wait (up to `seconds`; giving up is harmless) until every member read the closed membership: where a test hook
+    signals this process, so that the others know the membership when it goes. (A member that never read it, its
+    store's host lost first, cannot tell who met: it ends with the PeerError of `_close_membership`.)"""
+    try:
+        _bounded(lambda: store.wait([f"seen/{m}" for m in members], timedelta(seconds=seconds)), seconds + 1.0,
+                 "waiting for every member to read the membership")
+    except PeerError as error:
+        logger.warning("original rank(s) %s: %s", members, error)
 
 
 class _Stillness:
@@ -282,7 +294,8 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
     """Meet the survivors in the next generation and join its process group (see the module docstring).
 
     `lost`: original ranks this process knows are gone. `on_closed(generation)`: called once the membership of a
-    generation closed with this process in it, before its process group forms (the test hook `reform`).
+    generation closed with this process in it and every member read it, before its process group forms (the test
+    hook `reform`; None: no wait).
 
     A member lost after the membership closed (it registered, then died or stood still) leaves the others' process
     group unformed. Each member whose group did not form meets again one generation later, from the membership that
@@ -315,6 +328,7 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
         stillness = _Stillness().start()
         try:
             if on_closed is not None:
+                _all_seen(store, members, timeout)
                 on_closed(generation)
             _join_group(formed, backend, timeout)
             _check_still(formed, host, stillness.stop(), timeout, None)

@@ -46,6 +46,7 @@ class _Meetings:
         monkeypatch.setattr(recovery, "_close_membership", lambda store, lineage, expected, wait: self.closes[lineage.generation + 1])
         monkeypatch.setattr(recovery, "_join_group", self.join_group)
         monkeypatch.setattr(recovery, "_record_replaced", lambda world, dropped, generation: None)
+        monkeypatch.setattr(recovery, "_all_seen", lambda store, members, seconds: None)
 
     def meeting_store(self, lineage: Lineage, lost: set[int], generation: int, timeout: float) -> tuple[object, int]:
         self.seen.append((generation, lineage.members, set(lost)))
