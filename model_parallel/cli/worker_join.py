@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+from model_parallel.cli.recover_hooks import signal_at_reform
 from model_parallel.errors import ConfigError, PeerError
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     grown = replace(lineage, members=lineage.members + (admission.original,),
                     addresses=lineage.addresses + (admission.address,))
     try:
-        reformed = reform(grown, set(), timeout, survivor.backend)
+        reformed = reform(grown, set(), timeout, survivor.backend, signal_at_reform(lineage.me, rank))
     except ReplacedError as replaced:
         survivor._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
     except PeerError as meet:  # the admission's checkpoint is committed: the last line says how to resume from it
@@ -337,7 +338,8 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
                       base_port=admission.base_port, store_host=admission.store_host, store_port=admission.store_port,
                       base_store=store, world_store=store)
     detected = time.monotonic()
-    reformed = reform(lineage, set(), timeout, "gloo")  # compare_flags refused any other backend
+    # compare_flags refused any other backend than gloo
+    reformed = reform(lineage, set(), timeout, "gloo", signal_at_reform(admission.original, admission.original))
     from model_parallel.runtime.run import World, start_health
     import torch
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from model_parallel.cli.recover_coordinator import known_version
-from model_parallel.cli.recover_hooks import arm_signal_hook, signal_at_recovery
+from model_parallel.cli.recover_hooks import arm_signal_hook, signal_at_recovery, signal_at_reform
 from model_parallel.cli.worker_exit import EXIT_PEER, EXIT_REPLACED, leave, resume_hint
 from model_parallel.errors import ConfigError, PeerError, ReplacedError, TrainingStopped
 
@@ -240,7 +240,7 @@ class Survivor:
                                    f"shut down within {0.5 * timeout:g} s", hint)
         gc.collect()  # the failed engine (see train)
         try:
-            reformed = reform(lineage, lost, timeout, self.backend)
+            reformed = reform(lineage, lost, timeout, self.backend, signal_at_reform(lineage.me, rank))
         except ReplacedError as replaced:
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
         except PeerError as meet:

@@ -15,7 +15,12 @@ anything fails. When the engine raises a PeerError naming lost rank(s), each sur
    expects; the first to finish waiting closes the membership with an atomic compare-and-set, so every
    survivor reads the same list. The new world is exactly who registered in time (a second failure just
    shrinks it); a rank that registers after the close, or whose peers declared it lost, was replaced;
-4. joins a process group of the new world: new rank = index of its original rank among the members.
+4. joins a process group of the new world: new rank = index of its original rank among the members;
+5. when that group does not form (a member lost after it registered: it died, or stood still, before joining),
+   meets again at generation g + 1 from the membership that closed, the lost one unknown: it does not register in
+   time, and if it hosted the meeting store, the store is unreachable and the lowest other member hosts the next
+   one (step 2). Each retry drops at least one member; a store host that stood still while its group formed knows
+   the others went on without it (it is replaced, like a member that registers after the close).
 
 Original ranks never change: logs, `mp/replaced/<original rank>` (written in the store of the world a rank
 was dropped from) and the recovery records name processes by them.
@@ -40,6 +45,7 @@ _ADDR = "mp/addr/{}"
 _REPLACED = "mp/replaced/{}"
 JOIN_TIMEOUTS = 3.0  # of --timeout: a survivor diagnoses within 1.4 T (health.py) and abandons within 0.5 T more
 ABANDON_SHARE = 0.5  # of --timeout: how long destroying the broken process group may take
+STILL_SHARE = 0.5  # of --timeout: a process that stood still this long was given up on (the rule of wire/health.py)
 _T = TypeVar("_T")
 _CAUSE = re.compile(r"^(?:\[[^\]]*\]\s*)*rank (\d+) (?:stopped responding|failed)")
 
@@ -202,7 +208,10 @@ def _meeting_store(lineage: Lineage, lost: set[int], generation: int, timeout: f
 
     if lineage.store_host not in lost:
         try:
-            _bounded(lambda: lineage.base_store.set(f"mp/recovery/{generation}/alive/{lineage.me}", "1"),
+            # A set alone is no proof: the client buffers it, so it "succeeds" on a host that stands still (SIGSTOP);
+            # the check needs the host's answer.
+            alive = f"mp/recovery/{generation}/alive/{lineage.me}"
+            _bounded(lambda: (lineage.base_store.set(alive, "1"), lineage.base_store.check([alive])),
                      max(1.0, timeout / 4), f"the store hosted by rank {lineage.store_host}")
             return lineage.base_store, lineage.store_host
         except PeerError as error:
@@ -238,42 +247,151 @@ def _close_membership(store: Any, lineage: Lineage, expected: list[int], wait_s:
         time.sleep(0.05)
     view = json.dumps(sorted(registered))
     closed = _bounded(lambda: store.compare_set("members", "", view), call, "closing the membership")
+    _bounded(lambda: store.set(f"seen/{lineage.me}", "1"), call, "noting the membership read")  # for _all_seen
     return [int(m) for m in json.loads(closed.decode())]
 
 
-def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str) -> Reformed:
+def _all_seen(store: Any, members: list[int], seconds: float) -> None:
+    """Wait (up to `seconds`; giving up is harmless) until every member read the closed membership: where a test hook
+    signals this process, so that the others know the membership when it goes. (A member that never read it, its
+    store's host lost first, cannot tell who met: it ends with the PeerError of `_close_membership`.)"""
+    try:
+        _bounded(lambda: store.wait([f"seen/{m}" for m in members], timedelta(seconds=seconds)), seconds + 1.0,
+                 "waiting for every member to read the membership")
+    except PeerError as error:
+        logger.warning("original rank(s) %s: %s", members, error)
+
+
+class _Stillness:
+    """How long this process stood still (SIGSTOP, a debugger, a paused VM) while it ran: a thread's waits of
+    `interval` seconds that ended much later (the monotonic clock runs on while the process does not; the rule of
+    wire/health.py). The wait still running when `stop` is called counts too: the main thread may get there first."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.interval, self.longest = interval, 0.0
+        self._since = time.monotonic()
+        self._done = threading.Event()
+
+    def start(self) -> "_Stillness":
+        threading.Thread(target=self._run, name="recovery-stillness", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            self._since = time.monotonic()
+            if self._done.wait(self.interval):
+                return
+            self.longest = max(self.longest, time.monotonic() - self._since - self.interval)
+
+    def stop(self) -> float:
+        """Stop watching; the longest stand-still seen, in seconds."""
+        self._done.set()
+        return max(self.longest, time.monotonic() - self._since - self.interval)
+
+
+def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
+           on_closed: Optional[Callable[[int], None]] = None) -> Reformed:
     """Meet the survivors in the next generation and join its process group (see the module docstring).
 
-    `lost`: original ranks this process knows are gone. Raises ReplacedError when the membership closed
-    without this process, PeerError when the survivors cannot meet."""
-    import torch.distributed as dist
+    `lost`: original ranks this process knows are gone. `on_closed(generation)`: called once the membership of a
+    generation closed with this process in it and every member read it, before its process group forms (the test
+    hook `reform`; None: no wait).
+
+    A member lost after the membership closed (it registered, then died or stood still) leaves the others' process
+    group unformed. Each member whose group did not form meets again one generation later, from the membership that
+    closed (who is lost is unknown there: the lost one does not register in time; if it hosted the meeting store,
+    `_meeting_store` finds it unreachable and the lowest other member hosts the next one). A retry must drop someone:
+    at most len(members) - 1 of them. A member whose group did form (the lost one died inside the rendezvous) is in
+    a world that lacks a rank: its first collective fails, and it recovers from that world into the same next
+    generation (the same store rule); a failure before that, while agreeing on the source, still ends it.
+
+    Raises ReplacedError when a membership closed without this process (or it hosted the meeting store and stood
+    still while the group formed: the others went on at a store of their own), PeerError when the survivors cannot
+    meet. `Reformed.dropped` is relative to `lineage` (every generation this call went through)."""
     from torch.distributed import PrefixStore
 
-    generation = lineage.generation + 1
-    base, host = _meeting_store(lineage, lost, generation, timeout)
-    store = PrefixStore(f"mp/recovery/{generation}", base)
-    expected = [m for m in lineage.members if m not in lost and (m != lineage.store_host or host == lineage.store_host)]
-    members = _close_membership(store, lineage, expected, JOIN_TIMEOUTS * timeout)
+    current, known_lost = lineage, set(lost)
+    while True:
+        generation = current.generation + 1
+        base, host = _meeting_store(current, known_lost, generation, timeout)
+        store = PrefixStore(f"mp/recovery/{generation}", base)
+        expected = [m for m in current.members
+                    if m not in known_lost and (m != current.store_host or host == current.store_host)]
+        members = _close_membership(store, current, expected, JOIN_TIMEOUTS * timeout)
+        if lineage.me not in members:
+            raise ReplacedError(f"original rank {lineage.me} was replaced: the survivors re-formed the world as "
+                                f"generation {generation} with original ranks {members} before it registered")
+        _record_replaced(current, [m for m in current.members if m not in members], generation)
+        port = current.store_port if base is current.base_store else current.base_port + generation
+        formed = replace(current, generation=generation, members=tuple(members), store_host=host, store_port=port,
+                         base_store=base, world_store=store)
+        stillness = _Stillness().start()
+        try:
+            if on_closed is not None:
+                _all_seen(store, members, timeout)
+                on_closed(generation)
+            _join_group(formed, backend, timeout)
+            _check_still(formed, host, stillness.stop(), timeout, None)
+            break
+        except PeerError as error:
+            _check_still(formed, host, stillness.stop(), timeout, error)
+            if current is not lineage and len(members) == len(current.members):
+                raise PeerError(f"{error}; meeting again dropped nobody, so no lost member explains it") from None
+            if len(members) == 1:
+                raise  # a world of one has no peer to wait for: what failed is not a lost member
+            logger.warning("%s; meeting again as generation %d from the members that closed generation %d",
+                           error, generation + 1, generation)
+            current, known_lost = formed, set()
+        finally:
+            stillness.stop()
+    logger.info("original rank %d: generation %d formed (original ranks %s), rank %d of %d", lineage.me, generation,
+                members, members.index(lineage.me), len(members))
     dropped = tuple(m for m in lineage.members if m not in members)
-    if lineage.me not in members:
-        raise ReplacedError(f"original rank {lineage.me} was replaced: the survivors re-formed the world as generation "
-                            f"{generation} with original ranks {members} before it registered")
-    try:  # what a dropped process reads if it comes back (SIGCONT): it must not rejoin silently
-        _bounded(lambda: [lineage.world_store.set(_REPLACED.format(m), str(generation)) for m in dropped], 1.0,
+    return Reformed(members.index(lineage.me), len(members), store, members.index(host) if host in members else None,
+                    f"{lineage.addresses[host]}:{port}", formed, dropped)
+
+
+def _check_still(formed: Lineage, host: int, still: float, timeout: float, error: Optional[PeerError]) -> None:
+    """ReplacedError when this process hosts the meeting store of `formed` and stood still for STILL_SHARE x timeout
+    or more while its process group formed (`error`: why it did not): the others may have found the store
+    unreachable and met at one of their own, and re-forming here would make a second world of whoever is left on
+    this store (this process alone). A group that did form goes (its peers then fail at once and recover without
+    this process)."""
+    if host != formed.me or still < STILL_SHARE * timeout:
+        return
+    if error is None:
+        abandon(ABANDON_SHARE * timeout)
+    why = f" ({error})" if error is not None else ""
+    raise ReplacedError(f"original rank {formed.me} was replaced: it hosts the store of generation {formed.generation} "
+                        f"and stood still for {still:.1f} s while its process group formed{why}; the others re-form "
+                        f"without it")
+
+
+def _record_replaced(world: Lineage, dropped: list[int], generation: int) -> None:
+    """What a dropped process reads if it comes back (SIGCONT), in the store of the world it was dropped from: it must
+    not rejoin silently."""
+    try:
+        _bounded(lambda: [world.world_store.set(_REPLACED.format(m), str(generation)) for m in dropped], 1.0,
                  "recording the replaced")
     except PeerError:
         pass  # the old world's store host is gone: so is anyone who could read it there
-    rank, size = members.index(lineage.me), len(members)
+
+
+def _join_group(formed: Lineage, backend: str, timeout: float) -> None:
+    """Join the process group of `formed` (new rank = index of this process's original rank among the members)."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore
+
+    rank, size = formed.members.index(formed.me), len(formed.members)
+    what = (f"rank {formed.me}: the process group of generation {formed.generation} (original ranks "
+            f"{list(formed.members)}) did not form (--timeout {timeout:g} s)")
+    # In a daemon thread, given up after (1 + ABANDON_SHARE) x timeout: the rendezvous' store calls wait on no
+    # timeout when the store's host stands still (SIGSTOP) instead of dying.
     try:
-        dist.init_process_group(backend, store=PrefixStore("pg", store), rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout))
-    except RuntimeError as error:
-        raise PeerError(f"rank {lineage.me}: the process group of generation {generation} (original ranks {members}) "
-                        f"did not form within {timeout:g} s: {str(error).splitlines()[0][:200]}") from None
-    logger.info("original rank %d: generation %d formed (original ranks %s), rank %d of %d", lineage.me, generation,
-                members, rank, size)
-    port = lineage.store_port if base is lineage.base_store else lineage.base_port + generation
-    new_lineage = replace(lineage, generation=generation, members=tuple(members), store_host=host, store_port=port,
-                          base_store=base, world_store=store)
-    return Reformed(rank, size, store, members.index(host) if host in members else None,
-                    f"{lineage.addresses[host]}:{port}", new_lineage, dropped)
+        _bounded(lambda: dist.init_process_group(backend, store=PrefixStore("pg", formed.world_store), rank=rank,
+                                                 world_size=size, timeout=timedelta(seconds=timeout)),
+                 (1 + ABANDON_SHARE) * timeout, what)
+    except PeerError as error:
+        if dist.is_initialized():  # half-made: the next generation's init must find none
+            abandon(ABANDON_SHARE * timeout, close_first=False)
+        raise error from None

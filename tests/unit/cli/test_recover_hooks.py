@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from model_parallel.cli.recover_hooks import (AT_RECOVERY, AT_SWITCH, SIGNAL_ENV, arm_signal_hook, signal_at_recovery,
-                                              signal_hook, worker_hook)
+from model_parallel.cli import recover_hooks
+from model_parallel.cli.recover_hooks import (AT_RECOVERY, AT_REFORM, AT_SWITCH, SIGNAL_ENV, arm_signal_hook,
+                                              signal_at_recovery, signal_at_reform, signal_hook, worker_hook)
 
 
 def test_the_signal_hook_names_original_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,6 +29,7 @@ def _engine() -> Any:
 def test_unset_arms_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SIGNAL_ENV, raising=False)
     assert worker_hook(0) is None
+    assert signal_at_reform(0, 0) is None
     engine = _engine()
     step, apply = engine.train_step, engine.apply
     arm_signal_hook(engine, 0, 0)
@@ -53,3 +55,21 @@ def test_a_named_step_wraps_the_step_and_other_steps_run_through(monkeypatch: py
     arm_signal_hook(engine, 0, 0)
     assert engine.train_step is not step  # step 5 is armed; `recovery` is not this hook's
     assert engine.train_step(4) == "ran 4"
+
+
+def test_the_reform_step_signals_once_as_a_membership_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SIGNAL_ENV, "1:5:KILL,2:reform:STOP")
+    assert signal_hook(2) == {AT_REFORM: signal.SIGSTOP}
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(recover_hooks.os, "kill", lambda pid, number: sent.append((pid, number)))
+    monkeypatch.setattr(recover_hooks, "_FIRED", set())
+    assert signal_at_reform(1, 0) is None  # another rank's process: nothing (and reform waits for nobody)
+    closed = signal_at_reform(2, 1)
+    assert closed is not None
+    closed(1)
+    closed(2)  # a stopped one that continues and meets again is not stopped again
+    assert [number for _, number in sent] == [signal.SIGSTOP]
+    engine = _engine()
+    step = engine.train_step
+    arm_signal_hook(engine, 2, 1)  # `reform` is not a step of the engine's
+    assert engine.train_step is step

@@ -1,8 +1,12 @@
 """runtime/wire/recovery.py without a world: which rank a PeerError blames, and original ranks across generations."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from model_parallel.errors import PeerError, ReplacedError
+from model_parallel.runtime.wire import recovery
 from model_parallel.runtime.wire.recovery import Lineage, lost_ranks
 
 
@@ -24,3 +28,73 @@ def test_current_ranks_map_to_original_ranks() -> None:
     lineage = Lineage(me=2, generation=1, members=(0, 2, 3), addresses=("h0", "h1", "h2", "h3"), base_port=29500,
                       store_host=0, store_port=29500, base_store=None, world_store=None)
     assert [lineage.original(r) for r in range(3)] == [0, 2, 3]
+
+
+def _lineage(me: int, members: tuple[int, ...] = (0, 1, 2, 3)) -> Lineage:
+    return Lineage(me=me, generation=0, members=members, addresses=("h0", "h1", "h2", "h3"), base_port=29500,
+                   store_host=0, store_port=29500, base_store=object(), world_store=object())
+
+
+class _Meetings:
+    """reform's store and process-group steps, scripted: who closes each generation, whose group forms."""
+
+    def __init__(self, closes: dict[int, list[int]], forms: set[int]) -> None:
+        self.closes, self.forms, self.seen, self.hooked = closes, forms, [], []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(recovery, "_meeting_store", self.meeting_store)
+        monkeypatch.setattr(recovery, "_close_membership", lambda store, lineage, expected, wait: self.closes[lineage.generation + 1])
+        monkeypatch.setattr(recovery, "_join_group", self.join_group)
+        monkeypatch.setattr(recovery, "_record_replaced", lambda world, dropped, generation: None)
+        monkeypatch.setattr(recovery, "_all_seen", lambda store, members, seconds: None)
+
+    def meeting_store(self, lineage: Lineage, lost: set[int], generation: int, timeout: float) -> tuple[object, int]:
+        self.seen.append((generation, lineage.members, set(lost)))
+        host = min(self.closes[generation])
+        return (lineage.base_store if host == lineage.store_host else object()), host
+
+    def join_group(self, formed: Lineage, backend: str, timeout: float) -> None:
+        if formed.generation not in self.forms:
+            raise PeerError(f"the process group of generation {formed.generation} did not form")
+
+
+def test_a_group_that_does_not_form_meets_again_from_the_closed_membership(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, base: (prefix, base))
+    # Rank 0 lost; generation 1 closes with [1, 2, 3], rank 1 then lost before its group forms.
+    meetings = _Meetings({1: [1, 2, 3], 2: [2, 3]}, forms={2})
+    meetings.install(monkeypatch)
+    hooked: list[int] = []
+    reformed = recovery.reform(_lineage(2), {0}, 5.0, "gloo", hooked.append)
+    assert meetings.seen == [(1, (0, 1, 2, 3), {0}), (2, (1, 2, 3), set())]  # the retry: the closed list, lost unknown
+    assert hooked == [1, 2]
+    assert (reformed.rank, reformed.world_size, reformed.lineage.generation) == (0, 2, 2)
+    assert reformed.lineage.members == (2, 3) and reformed.store_host == 0
+    assert reformed.dropped == (0, 1)  # relative to the lineage passed in: the worker restores both stages
+
+
+def test_a_retry_that_drops_nobody_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, base: (prefix, base))
+    _Meetings({1: [0, 2, 3], 2: [0, 2, 3]}, forms=set()).install(monkeypatch)
+    with pytest.raises(PeerError, match="meeting again dropped nobody"):
+        recovery.reform(_lineage(2), {1}, 5.0, "gloo")
+
+
+def test_a_store_host_that_stood_still_while_its_group_formed_is_replaced() -> None:
+    formed = replace(_lineage(1, (1, 2, 3)), generation=1, store_host=1)
+    recovery._check_still(formed, 2, 60.0, 5.0, PeerError("x"))  # not the host: the membership decides
+    recovery._check_still(formed, 1, 2.0, 5.0, PeerError("x"))  # under T/2: the others still wait for it
+    with pytest.raises(ReplacedError, match="hosts the store of generation 1 and stood still for 60.0 s"):
+        recovery._check_still(formed, 1, 60.0, 5.0, PeerError("did not form"))
+
+
+def test_stillness_counts_the_wait_still_running() -> None:
+    # Not started: only the wait `stop` finds running counts (the main thread may get there before the ticker).
+    stillness = recovery._Stillness(interval=0.1)
+    assert stillness.stop() < 1.0
+    stopped = recovery._Stillness(interval=0.1)
+    stopped._since -= 10.0  # as if the process stood still for 10 s right after the wait began
+    assert stopped.stop() >= 9.8
