@@ -108,7 +108,7 @@ def test_a_hugging_face_model_output_arrives_as_an_output_dict() -> None:
     ({"leaf": 1}, "leaf index must be an unused int in 0..0"),
     ({"tuple": [{"leaf": 0}, {"leaf": 0}]}, "leaf index must be an unused int"),
     ({"tuple": []}, "1 of 1 tensors are not placed"),
-    ({"dtype": "load"}, "unknown dtype"),
+    ({"dtype": "load"}, "not a torch dtype"),
     ({"return_type": "Tensor", "items": []}, "unknown torch.return_types member"),
     ({"namedtuple": [["__class__", {"leaf": 0}]]}, "distinct public identifiers"),
     ({"dict": [[[1], {"leaf": 0}]]}, "keys of type str/int"),

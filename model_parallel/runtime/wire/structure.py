@@ -39,7 +39,7 @@ import collections
 import functools
 import keyword
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -163,19 +163,8 @@ def unflatten(leaves: Sequence[Any], structure: Structure, device: Optional[torc
             if payload not in ("inf", "-inf", "nan"):
                 raise _bad(s, "expected 'inf', '-inf' or 'nan'")
             return float(payload)
-        if kind == "size":
-            if not isinstance(payload, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in payload):
-                raise _bad(s, "a size is a list of ints")
-            return torch.Size(payload)
-        if kind == "dtype":
-            dtype = getattr(torch, payload, None) if isinstance(payload, str) and not payload.startswith("_") else None
-            if not isinstance(dtype, torch.dtype):
-                raise _bad(s, "unknown dtype")
-            return dtype
-        if kind == "device":
-            if not isinstance(payload, str):
-                raise _bad(s, "a device is a type name")
-            return device if device is not None else torch.device("cpu")
+        if kind in _ATOMS:
+            return _atom(kind, payload, device, lambda why: _bad(s, why))
         if kind == "tuple":
             return tuple(items(payload, depth))
         if kind == "list":
@@ -263,25 +252,34 @@ def decode_value(data: Any, device: Optional[torch.device] = None, depth: int = 
     if not isinstance(data, dict) or len(data) != 1:
         raise _bad_value(data, "expected None, bool, int, float, str, a list or an object with one key")
     kind, payload = next(iter(data.items()))
-    if kind == "size":
-        if not isinstance(payload, list) or not all(isinstance(d, int) and not isinstance(d, bool) and
-                                                    -(1 << 62) < d < 1 << 62 for d in payload):
-            raise _bad_value(data, "a size is a list of integers")
-        return torch.Size(payload)
-    if kind == "dtype":
-        dtype = getattr(torch, payload, None) if isinstance(payload, str) and not payload.startswith("_") else None
-        if not isinstance(dtype, torch.dtype):
-            raise _bad_value(data, "not a torch dtype")
-        return dtype
-    if kind == "device":
-        if not isinstance(payload, str):
-            raise _bad_value(data, "a device is a type name")
-        return device if device is not None else torch.device("cpu")
+    if kind in _ATOMS:
+        return _atom(kind, payload, device, lambda why: _bad_value(data, why))
     if kind == "tuple":
         if not isinstance(payload, list):
             raise _bad_value(data, "a tuple is a list of values")
         return tuple(decode_value(v, device, depth + 1) for v in payload)
     raise _bad_value(data, f"unknown kind {str(kind)[:40]!r}")
+
+
+_ATOMS = ("size", "dtype", "device")
+
+
+def _atom(kind: str, payload: Any, device: Optional[torch.device], bad: Callable[[str], Exception]) -> Any:
+    """A torch.Size, dtype or device as `encode_value` writes it (in a header's values and a structure's alike); a
+    dtype is a torch dtype, never another torch attribute (`{"dtype": "load"}`); anything else is `bad(why)`."""
+    if kind == "size":
+        if not isinstance(payload, list) or not all(isinstance(d, int) and not isinstance(d, bool) and
+                                                    -(1 << 62) < d < 1 << 62 for d in payload):
+            raise bad("a size is a list of integers")
+        return torch.Size(payload)
+    if kind == "dtype":
+        dtype = getattr(torch, payload, None) if isinstance(payload, str) and not payload.startswith("_") else None
+        if not isinstance(dtype, torch.dtype):
+            raise bad("not a torch dtype")
+        return dtype
+    if not isinstance(payload, str):  # a device: its type; the receiver's own device stands for it
+        raise bad("a device is a type name")
+    return device if device is not None else torch.device("cpu")
 
 
 def _bad_value(data: Any, why: str) -> PeerError:
