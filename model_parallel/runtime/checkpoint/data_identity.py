@@ -111,7 +111,7 @@ def _content(source: Any) -> Optional[dict[str, Any]]:
         listed = [[os.path.relpath(path, root), int(label)] for path, label in source.dataset.samples]
         return {"kind": "image folder", "samples": len(listed), "sha256 of the image list": _sha(repr(listed).encode())}
     if isinstance(source, IterableData):
-        return _first_step_content("iterable", lambda: source.opening())
+        return _first_step_content("iterable", source.opening)
     if not type(source).__module__.startswith("model_parallel.") and callable(getattr(source, "batch", None)):
         return _first_step_content("batch(step) object", lambda: source.batch(0))
     return None
@@ -121,16 +121,23 @@ def _first_step_content(kind: str, read: Callable[[], Any]) -> Optional[dict[str
     """An iterable's or a batch(step) object's first minibatch, hashed: all there is to read without a length or
     indices. Enough to tell two hosts' different copies apart (a pass, or step 0, is the same on every rank that
     reads the data); a change past the first minibatch goes unseen."""
+    digest = _stable_digest(read, "its first minibatch")
+    return None if digest is None else {"kind": kind, "sha256 of the first minibatch": digest}
+
+
+def _stable_digest(read: Callable[[], Any], what: str) -> Optional[str]:
+    """The sha256 (HEX digits) of what `read` returns, read twice under fixed seeds; None where the two reads differ
+    (state in the data: no fingerprint, rather than refusing every resume)."""
     readings = []
-    for _ in range(2):  # twice: a first minibatch that differs between reads is no fingerprint
+    for _ in range(2):
         with _fixed_seeds():
             digest = hashlib.sha256()
             _feed(digest, read())
             readings.append(digest.hexdigest()[:HEX])
     if readings[0] != readings[1]:
-        logger.debug("the data's contents not recorded: its first minibatch differs between two reads")
+        logger.debug("the data's contents not recorded: %s differ between two reads", what)
         return None
-    return {"kind": kind, "sha256 of the first minibatch": readings[0]}
+    return readings[0]
 
 
 def token_file_content(path: str) -> dict[str, Any]:
@@ -149,17 +156,10 @@ def token_file_content(path: str) -> dict[str, Any]:
 def _samples_content(source: Any) -> Optional[dict[str, Any]]:
     size = len(source.dataset)
     indices = sorted({0, size // 2, size - 1})
-    readings = []
-    for _ in range(2):  # twice: samples that differ between reads are no fingerprint
-        with _fixed_seeds():
-            digest = hashlib.sha256()
-            _feed(digest, source.collate_fn([source.dataset[i] for i in indices]))
-            readings.append(digest.hexdigest()[:HEX])
-    if readings[0] != readings[1]:
-        logger.debug("the data's contents not recorded: samples %s differ between two reads", indices)
+    digest = _stable_digest(lambda: source.collate_fn([source.dataset[i] for i in indices]), f"samples {indices}")
+    if digest is None:
         return None
-    return {"kind": "dataset", "samples": size,
-            f"sha256 of samples {', '.join(map(str, indices))}": readings[0]}
+    return {"kind": "dataset", "samples": size, f"sha256 of samples {', '.join(map(str, indices))}": digest}
 
 
 @contextlib.contextmanager

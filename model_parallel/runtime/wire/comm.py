@@ -101,7 +101,6 @@ def edge_tag(base: int, edge: Optional[int]) -> int:
 # SPARE_COUNT per (peer, tag, stream): a steady-state send then allocates nothing ("Cold calls" above).
 SPARE_BYTES = 256 << 10
 SPARE_COUNT = 2
-_MAX_HEADER = MAX_HEADER_BYTES
 SLOT_BYTES = 1024  # fixed first transfer: length + the start of the header
 _SLOT_ROOM = SLOT_BYTES - 8
 
@@ -316,8 +315,8 @@ class PendingRecv:
         if size == 0 and self.known is not None:
             self.structure = self.known.structure
             return self.ready if self.ready is not None else unpack(self.slot, self.known, self.device)
-        if not 0 < size <= _MAX_HEADER:
-            raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{MAX_HEADER_BYTES} "
                             "(are both ranks running the same plan and schedule?)")
         data = self._recv_side(size, timeout).cpu().numpy().tobytes()
         header = parse_header(data, self.src)
@@ -331,8 +330,8 @@ class PendingRecv:
             return self._wait_cached(timeout)
         slot = self.slot.cpu().numpy().tobytes()
         size = int.from_bytes(slot[:8], "little")
-        if not 0 < size <= _MAX_HEADER:
-            raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{_MAX_HEADER} "
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise PeerError(f"rank {self.src} sent a message header of {size} bytes; expected 1..{MAX_HEADER_BYTES} "
                             "(are both ranks running the same plan and schedule?)")
         data = slot[8:8 + min(size, _SLOT_ROOM)]
         if size > _SLOT_ROOM:

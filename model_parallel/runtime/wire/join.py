@@ -114,7 +114,8 @@ def read_flags(store: Any, seconds: float) -> Optional[dict[str, Any]]:
         return None
     try:  # any store client can write the key: nested 100 000 deep was a RecursionError, reported as a store failure
         data = jsonbound.loads(store.get(FLAGS), where=FLAGS, error=ProtocolError, max_bytes=MAX_FLAGS_BYTES)
-    except ProtocolError:
+    except ProtocolError as error:
+        logger.warning("the job's published flags are unreadable, read as none published: %s", error)
         return None
     return data if isinstance(data, dict) and isinstance(data.get("flags"), dict) else None
 
@@ -151,9 +152,12 @@ def wait_admission(store: Any, nonce: str, deadline: float) -> Optional[Admissio
 
 
 def _nonce(text: str) -> str:
+    if not text:  # the slot is free
+        return ""
     try:  # the request slot: any store client can write it (bounded: no RecursionError)
         request = jsonbound.loads(text, where=REQUEST, error=ProtocolError, max_bytes=MAX_REQUEST_BYTES)
-    except ProtocolError:
+    except ProtocolError as error:
+        logger.warning("the join request slot holds no request of this version, read as not ours: %s", error)
         return ""
     return str(request.get("nonce", "")) if isinstance(request, dict) else ""
 
