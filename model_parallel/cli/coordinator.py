@@ -88,6 +88,21 @@ def _coordinator_job(args: Any) -> tuple[Any, Any, str]:
     return load_graph(package / "graph.json"), plan, str(package)
 
 
+MIN_TOKEN_BYTES = 16  # below this a token reachable from other machines is warned about (secrets.token_hex(16): 32)
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is only reachable from this machine (127.x, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def _coordinator_token(args: Any) -> tuple[bytes, str]:
     """The token given (flag, file, environment), else a fresh one in the local token file; and where it is."""
     import os
@@ -97,7 +112,15 @@ def _coordinator_token(args: Any) -> tuple[bytes, str]:
 
     if args.token is not None or args.token_file is not None or os.environ.get(TOKEN_ENV):
         where = "--token" if args.token is not None else args.token_file or f"${TOKEN_ENV}"
-        return read_token(args.token, args.token_file), where
+        token = read_token(args.token, args.token_file)
+        if len(token) < MIN_TOKEN_BYTES and not _loopback(args.host):
+            # Every message carries an HMAC of the token: one frame seen on the network lets a short one be
+            # guessed offline, and whoever has it can move layers and stop the job. A policy, so a warning.
+            logger.warning("the shared token (%s) is %d bytes and the coordinator listens on %s: anyone who sees one "
+                           "message can guess it offline; use at least %d random bytes (leave the token out and the "
+                           "coordinator writes a fresh one, or `python -c 'import secrets; print(secrets.token_hex(16))'`)",
+                           where, len(token), args.host, MIN_TOKEN_BYTES)
+        return token, where
     token, path = write_fresh_token()
     return token, f"{path} (fresh for this run, readable only by you)"
 
