@@ -79,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     from model_parallel.optimizer.options import PartitionOptions
     from model_parallel.optimizer.partition import partition
 
+    _output_directory(args, create=False)  # a bad -o is refused before the solve, not with a traceback after it
     if args.memory_per_worker is not None:  # the one flag for "plans that fit", by the real footprint
         args.memory_size, args.use_memory_constraint = args.memory_per_worker, True
     graph = load_graph(args.profile_filename)
@@ -135,9 +136,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     print()
     print(plan.table())
 
-    if args.output_directory:
-        out = Path(args.output_directory)
-        out.mkdir(parents=True, exist_ok=True)
+    out = _output_directory(args)
+    if out is not None:
         workers = hierarchy.num_workers
         partitioned = graph.with_stages(plan.stage_of)
         # Keep layer specs beside the text file only when the input carried them (graph.json or sidecar).
@@ -195,11 +195,23 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
     else:  # zbinterleaved, zbv: what m they take is their builders' rule (interleaved.world_refusal)
         rounds = " (m in equal rounds of about the workers)" if args.schedule == "zbinterleaved" else ""
         print(f"run it with --schedule {args.schedule} --plan plan.json{rounds}")
-    if args.output_directory:
-        out = Path(args.output_directory)
-        out.mkdir(parents=True, exist_ok=True)
+    out = _output_directory(args)
+    if out is not None:
         print(f"wrote {write_plan(plan, out / 'plan.json')}")
     return 0
+
+
+def _output_directory(args: Any, create: bool = True) -> Optional[Path]:
+    """-o checked (a file there, or above it, is a ConfigError naming it) and created (`create`); None without -o."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.fileio import check_output_path
+
+    if not args.output_directory:
+        return None
+    out = check_output_path(args.output_directory, ConfigError, "-o", directory=True)
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _memory_model(args: Any, metadata: Any) -> tuple[str, Any]:

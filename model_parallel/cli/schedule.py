@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser
 from model_parallel.errors import ConfigError
+from model_parallel.fileio import check_output_path
 from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule, format_grid, make_schedule
@@ -77,6 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--order", choices=("list", "fixed"), default="list", help="with --times, zero bubble: the "
                         "order a run list-builds from the times where it simulates faster (default), or torch's")
     args = parser.parse_args(argv)
+    if args.csv:  # a directory there was a traceback after the grid was printed
+        check_output_path(args.csv, ConfigError, "--csv")
     if args.schedule in MULTI_STAGE_SCHEDULES:  # -p ranks, -v stages each (zbv: 2)
         if args.schedule in V_SCHEDULES:
             args.stages_per_rank = 2
