@@ -121,11 +121,17 @@ def _servable(job: dict[str, Any], source: str) -> tuple[Optional[dict[str, Any]
 
 def join_instructions(plan: Any, port: int, token_where: str) -> str:
     """What to run on the workers (printed at start: the seed's step 4 needs nothing else)."""
+    from model_parallel.coordinator.jobfiles import coordinator_port
+
     lines = [f"token: {token_where}", f"start one worker per rank ({plan.num_ranks}), from this directory or any "
              "with the project installed (they get the graph, plan and training flags from here):"]
     lines += [f"  python test_parallel_0.py --rank {r} --dist_addr <rank 0's address>" for r in range(plan.num_ranks)]
-    lines += ["other machines: export MODEL_PARALLEL_TOKEN=<the token file's first line> (or --token-file F);",
-              f"  if this coordinator is not on rank 0's machine: export MODEL_PARALLEL_COORDINATOR=<this host>:{port}"]
+    lines += ["other machines: export MODEL_PARALLEL_TOKEN=<the token file's first line> (or --token-file F);"]
+    if port != coordinator_port():  # workers ask rank 0's host on that port: these lines alone would wait, then fail
+        lines += [f"every worker, this machine's too: export MODEL_PARALLEL_COORDINATOR=<this host>:{port} (this "
+                  f"coordinator listens on port {port}, workers look on {coordinator_port()}; or add --coordinator)"]
+    else:
+        lines += [f"  if this coordinator is not on rank 0's machine: export MODEL_PARALLEL_COORDINATOR=<this host>:{port}"]
     return "\n".join(lines)
 
 
