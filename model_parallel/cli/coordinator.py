@@ -193,12 +193,14 @@ def run(args: Any) -> int:
     print(f"coordinator done: plan v{status['plan_version']}, {len(status['history'])} switch(es)"
           + (f"; {status['stop_reason']}" if status["stop_reason"] else ""), flush=True)
     if status["stop_reason"]:
-        print(resume_line(status.get("checkpoint_dirs", [])), flush=True)
+        trained = any(row.get("samples_per_s") is not None for row in status.get("workers", []))
+        print(resume_line(status.get("checkpoint_dirs", []), trained), flush=True)
     return 1 if status["stop_reason"] else 0
 
 
-def resume_line(checkpoint_dirs: Sequence[str]) -> str:
-    """After a failed run: the latest committed checkpoint the workers named, and how to resume from it."""
+def resume_line(checkpoint_dirs: Sequence[str], trained: bool = True) -> str:
+    """After a failed run: the latest committed checkpoint the workers named, and how to resume from it. `trained`
+    False (no worker reported a step): they refused the job, and the same command would fail the same way."""
     import shlex
     import sys
 
@@ -206,6 +208,9 @@ def resume_line(checkpoint_dirs: Sequence[str]) -> str:
     from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
 
     again = shlex.join([*_launcher(), *sys.argv[1:]])
+    if not trained:
+        return ("the workers stopped before their first step (the error above says why): fix what it names, then start "
+                f"{again} and the workers again")
     if not checkpoint_dirs:
         return (f"the workers keep no checkpoints (no --checkpoint_dir): nothing to resume from; start over with {again} "
                 "and the workers")
