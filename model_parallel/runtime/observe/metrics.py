@@ -38,7 +38,7 @@ import math
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -169,12 +169,14 @@ class MetricsRecorder:
         # The last `window` records, also in memory (for the control channel, benchmarks and tests).
         self.records: deque[StepRecord] = deque(maxlen=RECORD_WINDOW if window is None else window)
 
-    def set_context(self, stage: Optional[int], plan_version: Optional[int] = None) -> None:
+    def set_context(self, stage: Optional[int], plan_version: Optional[int] = None,
+                    stages: Optional[Sequence[int]] = None) -> None:
+        """`stages`: all the rank holds (its tracer's process name), `stage` the first of them."""
         self.stage = stage
         if plan_version is not None:
             self.plan_version = plan_version
         if self.tracer is not None:
-            self.tracer.set_context(stage=stage, plan_version=plan_version)
+            self.tracer.set_context(stage=stage, plan_version=plan_version, stages=stages)
 
     def begin_step(self, step: int) -> None:
         self._step = step

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from model_parallel.runtime.observe.metrics import MetricsRecorder
 from model_parallel.runtime.observe.tracing import LANES, Tracer, merge_traces, read_trace
 
 torch.set_num_threads(1)
@@ -90,6 +91,17 @@ def test_plan_switch_context_and_event_cap():
     assert tracer.process_name() == "rank 0 (stage 0->1)"
     tracer.set_context(stage=None)
     assert tracer.stage is None and tracer.plan_version == 2
+
+
+def test_a_rank_holding_several_stages_is_named_by_all_of_them():
+    # QA: a zbv rank holding stages 0 and 3 was named "rank 0 (stage 0)" in Perfetto, its log "[rank 0 stage 0,3]".
+    tracer = Tracer(0, nvtx=False)
+    recorder = MetricsRecorder(0, tracer=tracer)  # the engine sets both through the recorder
+    recorder.set_context(0, 0, (0, 3))
+    recorder.set_context(0, 0, (0, 3))
+    assert tracer.process_name() == "rank 0 (stage 0,3)" and tracer.stage == 0
+    recorder.set_context(0, 1, (0, 2))  # a switch to another V
+    assert tracer.process_name() == "rank 0 (stage 0,3->0,2)"
 
 
 def test_merge_traces(tmp_path):
