@@ -72,7 +72,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     written = write_profile(graph, summary, directory)
     partial_path.unlink(missing_ok=True)  # the profile is complete: nothing left to resume
     print(f"{args.arch}: {summary['num_nodes']} nodes, batch {args.batch_size}, {args.image_size}x{args.image_size}, {summary['device']}")
-    print(f"  measured training step {summary['measured_step_ms']:.2f} ms, sum of layers {summary['sum_layer_ms']:.2f} ms "
+    clock = {"wall": " (wall clock)", "cpu": " (CPU clock)"}.get(str(summary.get("clock")), "")  # --clock: which ms
+    print(f"  measured training step {summary['measured_step_ms']:.2f} ms, sum of layers {summary['sum_layer_ms']:.2f} ms{clock} "
           f"(ratio {summary['accuracy_ratio']:.3f}); profiling took {summary['profiling_seconds']:.1f} s "
           f"({summary['overhead_ratio']:.1f} steps)")
     for name, path in written.items():
