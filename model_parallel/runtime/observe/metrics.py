@@ -156,6 +156,7 @@ class MetricsRecorder:
     ) -> None:
         self.rank = rank
         self.stage = stage
+        self.stages: tuple[int, ...] = ()  # all the rank holds when several (interleaved, zbv): the `stages` field
         self.plan_version = plan_version
         self.tracer = tracer
         self.path = Path(str(path).replace("{rank}", str(rank))) if path is not None else None
@@ -171,8 +172,9 @@ class MetricsRecorder:
 
     def set_context(self, stage: Optional[int], plan_version: Optional[int] = None,
                     stages: Optional[Sequence[int]] = None) -> None:
-        """`stages`: all the rank holds (its tracer's process name), `stage` the first of them."""
+        """`stages`: all the rank holds (its records' `stages` and its tracer's process name), `stage` the first."""
         self.stage = stage
+        self.stages = tuple(stages or ())
         if plan_version is not None:
             self.plan_version = plan_version
         if self.tracer is not None:
@@ -246,7 +248,8 @@ class MetricsRecorder:
             microbatches=self._microbatches,
             time=time.time(),
             cpu_ms=(time.process_time() - self._cpu_start) * 1000.0,
-            extra=dict(extra),
+            # `stage` is the first of a rank's stages; a reader told them apart from one stage only by this.
+            extra={**extra, **({"stages": list(self.stages)} if len(self.stages) > 1 else {})},
         )
         self._step = None
         self.records.append(record)
