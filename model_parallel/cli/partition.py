@@ -184,10 +184,14 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
         name = "Interleaved 1F1B" if args.schedule == "interleaved" else "Interleaved zero bubble"
         print(f"{name}: {plan.num_stages} stages on {workers} workers in a loop (stage k on worker k % {workers})")
     print(plan.table())
+    # The plan's times are the profile's, for one minibatch at the profiled batch size (the table's "time per
+    # minibatch" is the largest of these sums): "per microbatch" said otherwise.
+    batch = graph.metadata.get("batch_size") if hasattr(graph.metadata, "get") else None
+    per = f"ms per minibatch of {batch} samples (the profile's)" if isinstance(batch, int) else "ms per profiled minibatch"
     for rank in range(workers):
         held = plan.stages_of_rank(rank)
         print(f"worker {rank}: stages {','.join(map(str, held))}, compute "
-              f"{sum(plan.stages[k].compute_s for k in held) * 1e3:.3f} ms per microbatch")
+              f"{sum(plan.stages[k].compute_s for k in held) * 1e3:.3f} {per}")
     if args.schedule == "interleaved":
         v = args.stages_per_rank
         print(f"analytic bubble at m={m}: {(workers - 1) / (v * m + workers - 1):.1%} (1F1B: {(workers - 1) / (m + workers - 1):.1%}); "
