@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 
 from model_parallel.cli.common import ArgumentParser, configure_logging
+from model_parallel.errors import ConfigError
+from model_parallel.fileio import check_output_path
 from model_parallel.profiler.image_classification.classifier import profile_arch, write_profile
 from model_parallel.profiler.resume import PARTIAL_NAME
 
@@ -55,6 +57,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     directory = Path(args.profile_directory) / args.arch
+    # A file there was a NotADirectoryError traceback at the first partial save, after the first timings.
+    check_output_path(directory, ConfigError, "--profile_directory", directory=True)
     partial_path = directory / PARTIAL_NAME
     if args.fresh:
         partial_path.unlink(missing_ok=True)

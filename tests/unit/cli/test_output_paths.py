@@ -1,9 +1,10 @@
 """An output path that cannot be written is refused before the work, as a one-line error (exit 2), not a traceback
-after it: `partition -o` naming a file (or a path under one), `schedule --csv` naming a directory."""
+after it: `partition -o` naming a file (or a path under one), `schedule --csv` naming a directory, `profile --profile_directory` under a file."""
 from __future__ import annotations
 
 import pytest
 
+from model_parallel.cli import profile as profile_cli
 from model_parallel.cli import schedule as schedule_cli
 from model_parallel.cli.partition import main as partition_main
 from model_parallel.errors import ConfigError
@@ -31,3 +32,15 @@ def test_schedule_csv_refuses_a_directory_before_printing(tmp_path, capsys):
         schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--csv", str(tmp_path)])
     assert capsys.readouterr().out == ""
     assert list(tmp_path.iterdir()) == []  # no temporary file left beside it
+
+
+def test_profile_refuses_a_profile_directory_under_a_file_before_timing(tmp_path, monkeypatch):
+    taken = tmp_path / "taken"
+    taken.write_text("mine\n")
+
+    def never(*args, **kwargs):
+        raise AssertionError("profiled before the output was checked")
+
+    monkeypatch.setattr(profile_cli, "profile_arch", never)
+    with pytest.raises(ConfigError, match=f"--profile_directory {taken / 'resnet18'}: {taken} is a file"):
+        profile_cli.main(["-a", "resnet18", "-b", "2", "--profile_directory", str(taken)])
