@@ -202,7 +202,7 @@ class Plan:
                   "1f1b": "the 1f1b estimate (a weight and activation copy per microbatch in flight)"}.get(
                       str(self.extra.get("memory_model")))
         if legacy is not None:
-            rows.append(f"memory MB: {legacy}, not the bytes a worker holds (--memory_model footprint prices those)")
+            rows.append(f"memory MB: {legacy}, not the bytes a worker holds (partition --memory_model footprint prices those)")
         # A loop or V plan cut by optimizer/loop.py states its time as its slowest RANK's stages summed: say which it is.
         of = self.extra.get("time_per_minibatch_of")
         slowest = of[:60] if isinstance(of, str) and of.isprintable() else "slowest stage"
