@@ -56,5 +56,5 @@ def check_output_path(path: PathLike, error: type[Exception], flag: str, directo
     if existing == target and directory and not target.is_dir():
         raise error(f"{flag} {target}: exists and is not a directory; give a new or existing directory")
     if existing == target and not directory and target.is_dir():
-        raise error(f"{flag} {target}: is a directory; give a file name (e.g. {target / 'schedule.csv'})")
+        raise error(f"{flag} {target}: is a directory; give a file name (a path inside it, say)")
     return target
