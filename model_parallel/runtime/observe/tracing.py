@@ -307,6 +307,9 @@ def merge_traces(paths: Iterable[PathLike], out: PathLike, rebase: bool = True) 
     dropped = 0
     for path in paths:
         data = read_trace(path)
+        if _is_merged(data):  # its ranks' events again, rebased to 0 beside raw clocks: every span twice, apart
+            logger.warning("%s: skipped, a merged trace (merge the ranks' own files)", path)
+            continue
         events.extend(data["traceEvents"])
         dropped += int(data.get("otherData", {}).get("dropped_events", 0))
     if rebase:
@@ -318,5 +321,15 @@ def merge_traces(paths: Iterable[PathLike], out: PathLike, rebase: bool = True) 
     # Metadata first, then events in time order: some viewers draw faster on sorted input.
     meta = [e for e in events if e.get("ph") == "M"]
     timed_events = sorted((e for e in events if e.get("ph") != "M"), key=lambda e: (e.get("ts", 0), e.get("pid", 0)))
-    return atomic_write_json(out, {"traceEvents": meta + timed_events, "displayTimeUnit": "ms", "otherData": {"dropped_events": dropped}})
+    return atomic_write_json(out, {"traceEvents": meta + timed_events, "displayTimeUnit": "ms",
+                                   "otherData": {"dropped_events": dropped, "merged": True}})
+
+
+def _is_merged(data: Mapping[str, Any]) -> bool:
+    """A `merge_traces` output: marked so, or (written before the mark) an object of several ranks' events without
+    the `rank` a rank's own file (`Tracer.to_json`) records; a streamed chunk is an array of one rank's events."""
+    other = data.get("otherData")
+    if not isinstance(other, dict):
+        return False
+    return other.get("merged") is True or ("rank" not in other and len({e.get("pid") for e in data["traceEvents"]}) > 1)
 

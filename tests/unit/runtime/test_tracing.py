@@ -149,3 +149,16 @@ def test_a_hostile_trace_is_one_typed_error_naming_the_file(tmp_path, text, word
     (tmp_path / "t.json").write_text(text)
     with pytest.raises(LogFormatError, match=words):
         merge_traces([tmp_path / "t.json"], tmp_path / "out.json")
+
+
+def test_a_merged_trace_given_again_is_skipped_not_merged_twice(tmp_path):
+    # QA: `model-parallel trace traces/all.json traces/` then `model-parallel trace other.json traces/` merged all.json
+    # in too: every span twice, half of them rebased to 0 beside the raw clocks.
+    paths = [_spans(rank, stage=rank).save(tmp_path / f"rank{rank}.json") for rank in range(2)]
+    first = read_trace(merge_traces(paths, tmp_path / "all.json"))["traceEvents"]
+    again = read_trace(merge_traces(sorted(tmp_path.glob("*.json")), tmp_path / "other.json"))["traceEvents"]
+    assert sorted(json.dumps(e, sort_keys=True) for e in again) == sorted(json.dumps(e, sort_keys=True) for e in first)
+    older = read_trace(tmp_path / "all.json")  # one written before merged traces were marked
+    older["otherData"].pop("merged")
+    (tmp_path / "all.json").write_text(json.dumps(older))
+    assert len(read_trace(merge_traces(paths + [tmp_path / "all.json"], tmp_path / "third.json"))["traceEvents"]) == len(first)
