@@ -43,3 +43,18 @@ def read_json_file(path: PathLike, error: type[Exception], what: str = "file") -
 
     Size, nesting depth and numbers are bounded (see `model_parallel.jsonbound`)."""
     return load_file(path, error=error, what=what)
+
+
+def check_output_path(path: PathLike, error: type[Exception], flag: str, directory: bool = False) -> Path:
+    """Refuse, as `error` naming `flag`, an output path a write would fail on after the work is done (a traceback
+    once the solve or the grid was finished): a file where a directory is wanted or the reverse, or a parent
+    that is a file. Nothing is created here."""
+    target = Path(path)
+    existing = next(p for p in (target, *target.parents) if p.exists() or p.is_symlink())
+    if existing != target and not existing.is_dir():
+        raise error(f"{flag} {target}: {existing} is a file, not a directory; give a path under a directory")
+    if existing == target and directory and not target.is_dir():
+        raise error(f"{flag} {target}: exists and is not a directory; give a new or existing directory")
+    if existing == target and not directory and target.is_dir():
+        raise error(f"{flag} {target}: is a directory; give a file name (a path inside it, say)")
+    return target

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -43,4 +44,30 @@ def run_cli(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Seque
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a socket or another pipe: a real error
+        sys.exit(EXIT_BROKEN_PIPE)  # `| head` read what it wanted: a traceback here was noise
     sys.exit(code or 0)
+
+
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process killed by SIGPIPE (128 + 13)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away; if so stdout points at /dev/null, so exiting does not raise again."""
+    try:
+        import select
+
+        poll = select.poll()  # a pipe whose reader closed polls POLLERR; a terminal, file or live pipe does not
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+    except (OSError, ValueError, AttributeError):
+        return False
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return True

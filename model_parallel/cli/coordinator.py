@@ -144,11 +144,17 @@ def _servable(job: dict[str, Any], source: str) -> tuple[Optional[dict[str, Any]
 
 def join_instructions(plan: Any, port: int, token_where: str) -> str:
     """What to run on the workers (printed at start: the seed's step 4 needs nothing else)."""
+    from model_parallel.coordinator.jobfiles import coordinator_port
+
     lines = [f"token: {token_where}", f"start one worker per rank ({plan.num_ranks}), from this directory or any "
              "with the project installed (they get the graph, plan and training flags from here):"]
     lines += [f"  python test_parallel_0.py --rank {r} --dist_addr <rank 0's address>" for r in range(plan.num_ranks)]
-    lines += ["other machines: export MODEL_PARALLEL_TOKEN=<the token file's first line> (or --token-file F);",
-              f"  if this coordinator is not on rank 0's machine: export MODEL_PARALLEL_COORDINATOR=<this host>:{port}"]
+    lines += ["other machines: export MODEL_PARALLEL_TOKEN=<the token file's first line> (or --token-file F);"]
+    if port != coordinator_port():  # workers ask rank 0's host on that port: these lines alone would wait, then fail
+        lines += [f"every worker, this machine's too: export MODEL_PARALLEL_COORDINATOR=<this host>:{port} (this "
+                  f"coordinator listens on port {port}, workers look on {coordinator_port()}; or add --coordinator)"]
+    else:
+        lines += [f"  if this coordinator is not on rank 0's machine: export MODEL_PARALLEL_COORDINATOR=<this host>:{port}"]
     return "\n".join(lines)
 
 
@@ -210,12 +216,14 @@ def run(args: Any) -> int:
     print(f"coordinator done: plan v{status['plan_version']}, {len(status['history'])} switch(es)"
           + (f"; {status['stop_reason']}" if status["stop_reason"] else ""), flush=True)
     if status["stop_reason"]:
-        print(resume_line(status.get("checkpoint_dirs", [])), flush=True)
+        trained = any(row.get("samples_per_s") is not None for row in status.get("workers", []))
+        print(resume_line(status.get("checkpoint_dirs", []), trained), flush=True)
     return 1 if status["stop_reason"] else 0
 
 
-def resume_line(checkpoint_dirs: Sequence[str]) -> str:
-    """After a failed run: the latest committed checkpoint the workers named, and how to resume from it."""
+def resume_line(checkpoint_dirs: Sequence[str], trained: bool = True) -> str:
+    """After a failed run: the latest committed checkpoint the workers named, and how to resume from it. `trained`
+    False (no worker reported a step): they refused the job, and the same command would fail the same way."""
     import shlex
     import sys
 
@@ -223,6 +231,9 @@ def resume_line(checkpoint_dirs: Sequence[str]) -> str:
     from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
 
     again = shlex.join([*_launcher(), *sys.argv[1:]])
+    if not trained:
+        return ("the workers stopped before their first step (the error above says why): fix what it names, then start "
+                f"{again} and the workers again")
     if not checkpoint_dirs:
         return (f"the workers keep no checkpoints (no --checkpoint_dir): nothing to resume from; start over with {again} "
                 "and the workers")

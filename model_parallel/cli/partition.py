@@ -79,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     from model_parallel.optimizer.options import PartitionOptions
     from model_parallel.optimizer.partition import partition
 
+    _output_directory(args, create=False)  # a bad -o is refused before the solve, not with a traceback after it
     if args.memory_per_worker is not None:  # the one flag for "plans that fit", by the real footprint
         args.memory_size, args.use_memory_constraint = args.memory_per_worker, True
     graph = load_graph(args.profile_filename)
@@ -135,9 +136,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     print()
     print(plan.table())
 
-    if args.output_directory:
-        out = Path(args.output_directory)
-        out.mkdir(parents=True, exist_ok=True)
+    out = _output_directory(args)
+    if out is not None:
         workers = hierarchy.num_workers
         partitioned = graph.with_stages(plan.stage_of)
         # Keep layer specs beside the text file only when the input carried them (graph.json or sidecar).
@@ -184,10 +184,14 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
         name = "Interleaved 1F1B" if args.schedule == "interleaved" else "Interleaved zero bubble"
         print(f"{name}: {plan.num_stages} stages on {workers} workers in a loop (stage k on worker k % {workers})")
     print(plan.table())
+    # The plan's times are the profile's, for one minibatch at the profiled batch size (the table's "time per
+    # minibatch" is the largest of these sums): "per microbatch" said otherwise.
+    batch = graph.metadata.get("batch_size") if hasattr(graph.metadata, "get") else None
+    per = f"ms per minibatch of {batch} samples (the profile's)" if isinstance(batch, int) else "ms per profiled minibatch"
     for rank in range(workers):
         held = plan.stages_of_rank(rank)
         print(f"worker {rank}: stages {','.join(map(str, held))}, compute "
-              f"{sum(plan.stages[k].compute_s for k in held) * 1e3:.3f} ms per microbatch")
+              f"{sum(plan.stages[k].compute_s for k in held) * 1e3:.3f} {per}")
     if args.schedule == "interleaved":
         v = args.stages_per_rank
         print(f"analytic bubble at m={m}: {(workers - 1) / (v * m + workers - 1):.1%} (1F1B: {(workers - 1) / (m + workers - 1):.1%}); "
@@ -195,11 +199,23 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
     else:  # zbinterleaved, zbv: what m they take is their builders' rule (interleaved.world_refusal)
         rounds = " (m in equal rounds of about the workers)" if args.schedule == "zbinterleaved" else ""
         print(f"run it with --schedule {args.schedule} --plan plan.json{rounds}")
-    if args.output_directory:
-        out = Path(args.output_directory)
-        out.mkdir(parents=True, exist_ok=True)
+    out = _output_directory(args)
+    if out is not None:
         print(f"wrote {write_plan(plan, out / 'plan.json')}")
     return 0
+
+
+def _output_directory(args: Any, create: bool = True) -> Optional[Path]:
+    """-o checked (a file there, or above it, is a ConfigError naming it) and created (`create`); None without -o."""
+    from model_parallel.errors import ConfigError
+    from model_parallel.fileio import check_output_path
+
+    if not args.output_directory:
+        return None
+    out = check_output_path(args.output_directory, ConfigError, "-o", directory=True)
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _memory_model(args: Any, metadata: Any) -> tuple[str, Any]:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 
 from model_parallel.cli.common import ArgumentParser, configure_logging
+from model_parallel.errors import ConfigError
+from model_parallel.fileio import check_output_path
 from model_parallel.profiler.image_classification.classifier import profile_arch, write_profile
 from model_parallel.profiler.resume import PARTIAL_NAME
 
@@ -55,6 +57,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     directory = Path(args.profile_directory) / args.arch
+    # A file there was a NotADirectoryError traceback at the first partial save, after the first timings.
+    check_output_path(directory, ConfigError, "--profile_directory", directory=True)
     partial_path = directory / PARTIAL_NAME
     if args.fresh:
         partial_path.unlink(missing_ok=True)
@@ -72,7 +76,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = "model-para
     written = write_profile(graph, summary, directory)
     partial_path.unlink(missing_ok=True)  # the profile is complete: nothing left to resume
     print(f"{args.arch}: {summary['num_nodes']} nodes, batch {args.batch_size}, {args.image_size}x{args.image_size}, {summary['device']}")
-    print(f"  measured training step {summary['measured_step_ms']:.2f} ms, sum of layers {summary['sum_layer_ms']:.2f} ms "
+    clock = {"wall": " (wall clock)", "cpu": " (CPU clock)"}.get(str(summary.get("clock")), "")  # --clock: which ms
+    print(f"  measured training step {summary['measured_step_ms']:.2f} ms, sum of layers {summary['sum_layer_ms']:.2f} ms{clock} "
           f"(ratio {summary['accuracy_ratio']:.3f}); profiling took {summary['profiling_seconds']:.1f} s "
           f"({summary['overhead_ratio']:.1f} steps)")
     for name, path in written.items():

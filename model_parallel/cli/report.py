@@ -16,20 +16,26 @@ from model_parallel.runtime.observe.metrics import measured_ms
 from model_parallel.runtime.observe.metrics_read import read_metrics, summarize
 
 
-def throughput_phases(rows: Sequence[Mapping[str, Any]], slow_at: int, settle: int = 2) -> dict[str, Optional[float]]:
-    """Median samples/s before the slowdown, while slowed (plan unchanged), and after the first re-plan.
+def throughput_phases(rows: Sequence[Mapping[str, Any]], slow_at: int, settle: int = 2) -> dict[str, Any]:
+    """Median samples/s before the slowdown, while slowed (plan unchanged), and after the re-plan that followed it.
 
-    `settle` steps after each event are skipped (warm-up, the migration step itself).
+    `settle` steps after each event are skipped (warm-up, the migration step itself). A switch before the slowdown
+    (the policy re-planning for measured speeds) is not the rebalance: it was once reported as "rebalanced at step 9
+    (-6 steps after the slowdown)", with 'after' mixing the slowed steps in. 'before' then counts from that switch,
+    on the plan the slowdown hit, and `earlier_switches` names it.
     """
-    first_version = rows[0]["plan_version"] if rows else 0
-    switch_step = next((r["step"] for r in rows if r["plan_version"] != first_version), None)
-    before = [r["samples_per_s"] for r in rows if settle <= r["step"] < slow_at]
+    changes = [b["step"] for a, b in zip(rows, rows[1:]) if b["plan_version"] != a["plan_version"]]
+    earlier = [step for step in changes if step <= slow_at]
+    switch_step = next((step for step in changes if step > slow_at), None)
+    start = max(settle, earlier[-1] + settle) if earlier else settle
+    before = [r["samples_per_s"] for r in rows if start <= r["step"] < slow_at]
     slowed_end = switch_step if switch_step is not None else float("inf")
     slowed = [r["samples_per_s"] for r in rows if slow_at + settle <= r["step"] < slowed_end]
     after = [r["samples_per_s"] for r in rows if switch_step is not None and r["step"] >= switch_step + settle]
     median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {"before": median(before), "slowed": median(slowed), "after": median(after),
-            "switch_step": switch_step, "steps_to_detect": (switch_step - slow_at) if switch_step is not None else None}
+            "switch_step": switch_step, "steps_to_detect": (switch_step - slow_at) if switch_step is not None else None,
+            "earlier_switches": earlier}
 
 
 def validation_losses(records: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
@@ -163,7 +169,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         "slowdown": args.slowdown, "slow_at": args.slow_at, "training_seconds": training_seconds,
         "throughput_before": phases["before"], "throughput_slowed": phases["slowed"],
         "throughput_after": phases["after"], "switch_step": phases["switch_step"],
-        "steps_to_detect": phases["steps_to_detect"],
+        "steps_to_detect": phases["steps_to_detect"], "earlier_switch_steps": phases["earlier_switches"],
         "predicted_stage_ms": predicted_ms,
         "measured_stage_ms": measured_stage_ms,
         "stage_clock": clock,
@@ -203,7 +209,10 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         f"before the slowdown: {fmt(phases['before'])}   slowed: {fmt(phases['slowed'])}   "
         f"after the rebalance: {fmt(phases['after'])}",
         f"rebalanced at step {phases['switch_step']} ({phases['steps_to_detect']} steps after the slowdown)"
-        if phases["switch_step"] is not None else "no rebalance happened",
+        if phases["switch_step"] is not None else "no rebalance after the slowdown",
+        *([f"switched before the slowdown at step(s) {', '.join(map(str, phases['earlier_switches']))} (re-planned for "
+           "the measured speeds, not the straggler): 'before' counts from the last of them"]
+          if phases["earlier_switches"] else []),
         (f"validation loss: {validation[0][1]:.4f} (step {validation[0][0]}) -> {validation[-1][1]:.4f} "
          f"(step {validation[-1][0]})" if validation else "validation loss: none (no --eval_data)"),
         f"machine: {cores} core(s), load average {load_1:.1f} (1 min) / {load_5:.1f} (5 min) while it ran, "

@@ -18,10 +18,11 @@ from typing import Any, Optional
 
 from model_parallel.cli.common import ArgumentParser
 from model_parallel.errors import ConfigError
+from model_parallel.fileio import check_output_path
 from model_parallel.graph.in_flight import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
 from model_parallel.runtime.step.interleaved import run_schedule
 from model_parallel.runtime.step.schedule import Schedule, format_grid, make_schedule
-from model_parallel.runtime.step.schedule_csv import read_torch_csv, write_torch_csv
+from model_parallel.runtime.step.schedule_csv import MAX_ACTIONS, read_torch_csv, write_torch_csv
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
@@ -58,6 +59,17 @@ def parse_times(text: str, num_stages: int) -> list[Any]:
     return times * num_stages if len(times) == 1 else times
 
 
+def _check_size(args: Any) -> None:
+    """A named schedule's grid is built, checked and printed whole: `-p 100000 -m 100000` ran for minutes towards
+    tens of GB. The bound is the one the CSV reader keeps (MAX_ACTIONS), counting F, I and W of every pair."""
+    stages = args.stages * (args.stages_per_rank if args.schedule in MULTI_STAGE_SCHEDULES else 1)
+    actions = 3 * max(stages, 0) * max(args.microbatches, 0)
+    if actions > MAX_ACTIONS:
+        raise ConfigError(f"{args.schedule} -p {args.stages} -m {args.microbatches}: {stages} stage(s) x "
+                          f"{args.microbatches} microbatches is up to {actions:,} actions, more than the {MAX_ACTIONS:,} "
+                          "this command checks; give fewer stages or microbatches")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print a schedule (one of ours, or torch's CSV checked by our rules); --csv writes it in torch's format."""
     parser = ArgumentParser(prog="model-parallel schedule", description=main.__doc__)
@@ -77,9 +89,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--order", choices=("list", "fixed"), default="list", help="with --times, zero bubble: the "
                         "order a run list-builds from the times where it simulates faster (default), or torch's")
     args = parser.parse_args(argv)
+    if args.csv:  # a directory there was a traceback after the grid was printed
+        check_output_path(args.csv, ConfigError, "--csv")
+    if args.schedule in V_SCHEDULES:
+        args.stages_per_rank = 2
+    if args.schedule in SCHEDULE_NAMES:
+        _check_size(args)
     if args.schedule in MULTI_STAGE_SCHEDULES:  # -p ranks, -v stages each (zbv: 2)
-        if args.schedule in V_SCHEDULES:
-            args.stages_per_rank = 2
         schedule = run_schedule(args.schedule, args.stages * args.stages_per_rank, args.microbatches, args.stages)
     elif args.schedule in SCHEDULE_NAMES:
         schedule = make_schedule(args.schedule, args.stages, args.microbatches)

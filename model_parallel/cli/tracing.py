@@ -23,6 +23,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = merge_traces(paths, args.out)
     except (OSError, ValueError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    print(f"wrote {out} ({len(paths)} ranks); open it in https://ui.perfetto.dev")
+    print(f"wrote {out} (from {len(paths)} file(s)); open it in https://ui.perfetto.dev")  # a rank may have several chunks
     return 0
 

@@ -99,7 +99,7 @@ def fetch_job(address: str, read_token: Callable[[], bytes], rank: int, timeout:
     have passed; then ProtocolError says what the last attempt saw.
     """
     deadline = time.monotonic() + timeout
-    delay, last = RECONNECT_FIRST_S, "no attempt"
+    delay, last, told = RECONNECT_FIRST_S, "no attempt", False
     while True:
         try:
             token = read_token()  # again each time: the coordinator may be about to write a fresh token file
@@ -121,6 +121,11 @@ def fetch_job(address: str, read_token: Callable[[], bytes], rank: int, timeout:
             raise ProtocolError(f"rank {rank}: could not get the job from the coordinator at {address} within "
                                 f"{timeout:.0f} s: {last} (is test_socket.py running there, with the same token? "
                                 "set $MODEL_PARALLEL_COORDINATOR=HOST:PORT if it runs elsewhere)")
+        if not told:  # the wait was silent until the timeout: a coordinator on another port looked like a hang
+            logger.warning("rank %d: no job from the coordinator at %s yet (%s); retrying for up to %.0f s (a "
+                           "coordinator on another host or port: --coordinator HOST:PORT or $MODEL_PARALLEL_COORDINATOR)",
+                           rank, address, last, timeout)
+            told = True
         logger.debug("rank %d: the coordinator at %s is not ready (%s); retrying", rank, address, last)
         time.sleep(delay)
         delay = min(2 * delay, 2.0)

@@ -390,6 +390,8 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     # Its times are this machine's (the solver ran on the calibrated graph), not the profile's: say so (ctl status).
     proposed = replace(candidate, version=plan.version + 1,
                        extra={**candidate.extra, "time_scale": "measured", "calibration": round(estimate.calibration, 6)})
-    why = f"predicted {current:.2f} -> {new:.2f} ms per step ({gain:.1%} gain)" + (
+    # Both are the slowest rank's compute, not the step (which a schedule's bubble lengthens): a bare "ms per step"
+    # read as the step time beside auto's line, which prices the same plan's step higher.
+    why = f"predicted {current:.2f} -> {new:.2f} ms per step of the slowest rank's compute ({gain:.1%} gain)" + (
         "; back to the plan before the last switch, which was made for a change that did not last" if "undo" in changed else "")
     return Decision(proposed, why, current, new, estimate, gain, changed, solved_for=banded)

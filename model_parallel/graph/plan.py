@@ -197,6 +197,12 @@ class Plan:
                 f"{s.stage_id:>5} {len(s.node_ids):>6} {s.num_replicas:>8} {','.join(map(str, s.ranks)) or '-':<12} "
                 f"{s.compute_s * 1e3:>11.3f} {s.communication_s * 1e3:>9.3f} {s.memory_bytes / 1e6:>10.1f}  {span}"
             )
+        # PipeDream's estimates price stashed copies, not what a worker holds: its last stage read "0.0" MB.
+        legacy = {"pipedream": "PipeDream's estimate (copies stashed for the stages downstream: the last stage 0)",
+                  "1f1b": "the 1f1b estimate (a weight and activation copy per microbatch in flight)"}.get(
+                      str(self.extra.get("memory_model")))
+        if legacy is not None:
+            rows.append(f"memory MB: {legacy}, not the bytes a worker holds (partition --memory_model footprint prices those)")
         # A loop or V plan cut by optimizer/loop.py states its time as its slowest RANK's stages summed: say which it is.
         of = self.extra.get("time_per_minibatch_of")
         slowest = of[:60] if isinstance(of, str) and of.isprintable() else "slowest stage"

@@ -234,8 +234,7 @@ class PipelineEngine(TrainingLoop):
         self.tied = TiedCopies(prepared.ties, self.rank, self.stage_ids, self.stage, self.replica_groups.group)
         self.check_tied(f"when plan v{plan.version} was activated")
         lower_loop_threads(self.options.gloo_loop_nice)  # the groups made so far, this plan's included
-        self.tracer.set_context(stage=self.stage_id, plan_version=plan.version)
-        self.metrics.set_context(self.stage_id, plan.version)
+        self.metrics.set_context(self.stage_id, plan.version, self.stage_ids)  # and its tracer's
 
     def stage_module(self, plan: Plan, boundaries: tuple[StageBoundary, ...], stage_id: int) -> Any:
         """Stage `stage_id`'s module, its layers materialized on this rank."""

@@ -16,7 +16,8 @@ def test_throughput_phases_split_at_the_slowdown_and_the_first_switch():
     data = rows((0, 0, 1), (1, 0, 1), (2, 0, 100), (3, 0, 100), (4, 0, 50), (5, 0, 50), (6, 0, 50), (7, 1, 10),
                 (8, 1, 10), (9, 1, 90), (10, 1, 90))
     phases = throughput_phases(data, slow_at=4, settle=2)
-    assert phases == {"before": 100, "slowed": 50, "after": 90, "switch_step": 7, "steps_to_detect": 3}
+    assert phases == {"before": 100, "slowed": 50, "after": 90, "switch_step": 7, "steps_to_detect": 3,
+                      "earlier_switches": []}
 
 
 def test_throughput_phases_without_a_switch():

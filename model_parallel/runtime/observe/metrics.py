@@ -38,7 +38,7 @@ import math
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -156,6 +156,7 @@ class MetricsRecorder:
     ) -> None:
         self.rank = rank
         self.stage = stage
+        self.stages: tuple[int, ...] = ()  # all the rank holds when several (interleaved, zbv): the `stages` field
         self.plan_version = plan_version
         self.tracer = tracer
         self.path = Path(str(path).replace("{rank}", str(rank))) if path is not None else None
@@ -169,12 +170,15 @@ class MetricsRecorder:
         # The last `window` records, also in memory (for the control channel, benchmarks and tests).
         self.records: deque[StepRecord] = deque(maxlen=RECORD_WINDOW if window is None else window)
 
-    def set_context(self, stage: Optional[int], plan_version: Optional[int] = None) -> None:
+    def set_context(self, stage: Optional[int], plan_version: Optional[int] = None,
+                    stages: Optional[Sequence[int]] = None) -> None:
+        """`stages`: all the rank holds (its records' `stages` and its tracer's process name), `stage` the first."""
         self.stage = stage
+        self.stages = tuple(stages or ())
         if plan_version is not None:
             self.plan_version = plan_version
         if self.tracer is not None:
-            self.tracer.set_context(stage=stage, plan_version=plan_version)
+            self.tracer.set_context(stage=stage, plan_version=plan_version, stages=stages)
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -244,7 +248,8 @@ class MetricsRecorder:
             microbatches=self._microbatches,
             time=time.time(),
             cpu_ms=(time.process_time() - self._cpu_start) * 1000.0,
-            extra=dict(extra),
+            # `stage` is the first of a rank's stages; a reader told them apart from one stage only by this.
+            extra={**extra, **({"stages": list(self.stages)} if len(self.stages) > 1 else {})},
         )
         self._step = None
         self.records.append(record)

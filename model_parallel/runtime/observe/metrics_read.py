@@ -84,6 +84,11 @@ def _check_types(record: Mapping[str, Any], where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             raise LogFormatError(f"{where}: {key!r} must be {'an integer' if integer else 'a number'}, found "
                                  f"{json.dumps(value)[:40]}; was the file edited?")
+    stages = record.get("stages")
+    if stages is not None and not (isinstance(stages, list) and 0 < len(stages) <= 64 and all(
+            isinstance(s, int) and not isinstance(s, bool) for s in stages)):
+        raise LogFormatError(f"{where}: 'stages' must be a list of stage numbers, found {json.dumps(stages)[:40]}; "
+                             "was the file edited?")
 
 
 def read_events(path: Union[PathLike, Iterable[PathLike]], kind: str) -> list[dict[str, Any]]:
@@ -96,7 +101,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
     Row: step, plan_version, ranks, samples, step_ms (slowest rank), samples_per_s (= samples / that),
     stages {stage: {compute_ms, comm_ms, idle_ms}} (mean over a stage's replicas), bottleneck_stage
-    (most compute). Spare ranks (stage None) are counted in `ranks` only. A rank's step recorded twice counts once,
+    (most compute), labels {stage: "0,3"} (a rank holding several stages is keyed by its first). Spare ranks (stage None) are counted in `ranks` only. A rank's step recorded twice counts once,
     the later record: a run killed after its last checkpoint wrote the steps its resume trains again (the files
     are appended to), and both records were counted as replicas (twice the ranks, the timings of two runs blended).
     """
@@ -122,6 +127,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             stage: {key: sum(r[key] for r in rs) / len(rs) for key in ("compute_ms", "comm_ms", "idle_ms")}
             for stage, rs in sorted(per_stage.items())
         }
+        labels = {stage: ",".join(map(str, rs[0].get("stages") or [stage])) for stage, rs in sorted(per_stage.items())}
         rows.append(
             {
                 "step": step,
@@ -132,6 +138,7 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "samples_per_s": samples / (step_ms / 1000.0) if step_ms > 0 else 0.0,
                 "stages": stages,
                 "bottleneck_stage": max(stages, key=lambda s: stages[s]["compute_ms"]) if stages else None,
+                "labels": labels,
             }
         )
     return rows
@@ -149,7 +156,8 @@ def format_summary(rows: Iterable[Mapping[str, Any]]) -> str:
     lines = [f"{'step':>5} {'plan':>4} {'step ms':>9} {'samples/s':>10}  per stage compute/comm/idle ms"]
     for row in rows:
         parts = " ".join(
-            f"s{s}:{v['compute_ms']:.1f}/{v['comm_ms']:.1f}/{v['idle_ms']:.1f}" for s, v in row["stages"].items()
+            f"s{row.get('labels', {}).get(s, s)}:{v['compute_ms']:.1f}/{v['comm_ms']:.1f}/{v['idle_ms']:.1f}"
+            for s, v in row["stages"].items()
         )
         lines.append(f"{row['step']:>5} {row['plan_version']:>4} {row['step_ms']:>9.1f} {row['samples_per_s']:>10.1f}  {parts}")
     return "\n".join(lines)

@@ -31,7 +31,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -126,7 +126,8 @@ class Tracer:
         self._clock = _Clock()
         self._events: list[dict[str, Any]] = []
         self._lanes: dict[str, int] = {lane: tid for tid, lane in enumerate(LANES)}
-        self._stages_seen: list[Optional[int]] = [stage]
+        # The process name's stage labels, in the order the rank ran them: "0,3" for a rank holding two stages.
+        self._stages_seen: list[Optional[str]] = [None if stage is None else str(stage)]
         # Streaming (the worker's --trace_dir): events go to bounded, rotated chunk files as the run goes
         # (runtime/observe/trace_stream.py), so a long run neither grows memory nor loses its trace when killed.
         self.flush_events = flush_events
@@ -136,14 +137,17 @@ class Tracer:
 
     # ------------------------------------------------------------------ recording
 
-    def set_context(self, stage: Any = _KEEP, plan_version: Optional[int] = None) -> None:
-        """Change the stage (None: a spare) / plan version stamped on later spans (after a plan switch)."""
+    def set_context(self, stage: Any = _KEEP, plan_version: Optional[int] = None,
+                    stages: Optional[Sequence[int]] = None) -> None:
+        """Change the stage (None: a spare) / plan version stamped on later spans (after a plan switch); `stages`: all
+        the rank holds (interleaved, zbv), for the process name (it named a rank holding 0 and 3 "stage 0")."""
         if stage is not _KEEP:
             self.stage = stage
         if plan_version is not None:
             self.plan_version = plan_version
-        if self.stage not in self._stages_seen:
-            self._stages_seen.append(self.stage)
+        label = ",".join(map(str, stages)) if stages else None if self.stage is None else str(self.stage)
+        if label not in self._stages_seen:
+            self._stages_seen.append(label)
 
     def span(self, name: str, lane: str = "compute", **args: Any) -> Any:
         """Context manager timing `name` on `lane`; keyword arguments go into the event's args."""
@@ -303,6 +307,9 @@ def merge_traces(paths: Iterable[PathLike], out: PathLike, rebase: bool = True) 
     dropped = 0
     for path in paths:
         data = read_trace(path)
+        if _is_merged(data):  # its ranks' events again, rebased to 0 beside raw clocks: every span twice, apart
+            logger.warning("%s: skipped, a merged trace (merge the ranks' own files)", path)
+            continue
         events.extend(data["traceEvents"])
         dropped += int(data.get("otherData", {}).get("dropped_events", 0))
     if rebase:
@@ -314,5 +321,15 @@ def merge_traces(paths: Iterable[PathLike], out: PathLike, rebase: bool = True) 
     # Metadata first, then events in time order: some viewers draw faster on sorted input.
     meta = [e for e in events if e.get("ph") == "M"]
     timed_events = sorted((e for e in events if e.get("ph") != "M"), key=lambda e: (e.get("ts", 0), e.get("pid", 0)))
-    return atomic_write_json(out, {"traceEvents": meta + timed_events, "displayTimeUnit": "ms", "otherData": {"dropped_events": dropped}})
+    return atomic_write_json(out, {"traceEvents": meta + timed_events, "displayTimeUnit": "ms",
+                                   "otherData": {"dropped_events": dropped, "merged": True}})
+
+
+def _is_merged(data: Mapping[str, Any]) -> bool:
+    """A `merge_traces` output: marked so, or (written before the mark) an object of several ranks' events without
+    the `rank` a rank's own file (`Tracer.to_json`) records; a streamed chunk is an array of one rank's events."""
+    other = data.get("otherData")
+    if not isinstance(other, dict):
+        return False
+    return other.get("merged") is True or ("rank" not in other and len({e.get("pid") for e in data["traceEvents"]}) > 1)
 

@@ -73,6 +73,10 @@ def parse_torch_csv(text: str, name: str = "csv", where: str = "<csv>") -> Sched
         orders.pop()  # trailing blank lines
     if not orders or not any(orders):
         raise ScheduleError(f"{where}: no actions found (expected rows like '0F0,0F1,,0B0', one row per rank)")
+    idle = next((rank for rank, order in enumerate(orders) if not order), None)
+    if idle is not None:  # was read as a rank running nothing: another rank count, stage placement and bubble
+        raise ScheduleError(f"{where}:{idle + 1}: line {idle + 1} holds no action, so rank {idle} would run no stage "
+                            "(each line is one rank's order): delete the blank line, or give that rank its actions")
     m = 1 + max(a.microbatch for order in orders for a in order)
     placement = _placement(orders, where)
     num_stages = sum(len(stages) for stages in placement)

@@ -30,6 +30,14 @@ def test_without_checkpoints_it_says_there_is_nothing_to_resume(tmp_path: Path) 
     assert "on the workers' machines" in resume_line([str(tmp_path / "elsewhere")])
 
 
+def test_a_job_refused_before_its_first_step_is_not_told_to_start_over_as_it_was() -> None:
+    # QA: `--schedule interleaved` on a one-stage-per-rank package; every worker refused it at start, and the
+    # coordinator said "nothing to resume from; start over with <the same command>", which fails the same way.
+    line = resume_line([], trained=False)
+    assert "stopped before their first step" in line and "fix what it names" in line
+    assert "nothing to resume from" not in line
+
+
 def test_the_coordinator_learns_the_directory_from_the_workers_registration(tmp_path: Path) -> None:
     with live_coordinator(TOKEN, policy="manual", heartbeat_timeout=30) as coordinator:
         channel = CoordinatorChannel(coordinator.address, TOKEN, rank=0, world_size=2, checkpoint_dir=str(tmp_path))

@@ -111,6 +111,9 @@ def test_partition_command_line_writes_the_v(tmp_path, capsys, reference_profile
     out = capsys.readouterr().out
     assert "ZBV: 8 stages on 4 workers in a V (worker r holds stages r and 7-r)" in out and "worker 0: stages 0,7" in out
     assert "time per minibatch (slowest rank, its stages summed)" in out
+    # The workers' sums are the table's minibatch times (the profile's batch), not a microbatch's.
+    assert re.search(r"worker 0: stages 0,7, compute [0-9.]+ ms per (minibatch of \d+ samples \(the profile's\)|"
+                     r"profiled minibatch)\n", out) and "per microbatch" not in out
     plan = read_plan(tmp_path / "plan.json")
     assert plan.is_v_placement and stage_nodes(plan) == stage_nodes(v_plan(load_graph(profile), 4))
     with pytest.raises(ConfigError, match="--schedule zbv plans a V balanced by rank sums .*--stages_per_rank do not"):

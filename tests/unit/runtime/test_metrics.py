@@ -188,3 +188,31 @@ def test_bad_utf8_names_file_and_line(tmp_path):
     (tmp_path / "m.jsonl").write_bytes(b'{"step": 0, "rank": 0}\n\xff\n')
     with pytest.raises(LogFormatError, match=r"m\.jsonl:2: not a text file"):
         read_metrics(tmp_path / "m.jsonl")
+
+
+def test_a_rank_holding_several_stages_is_labelled_by_all_of_them(tmp_path):
+    # QA: under zbv rank 0 runs stages 0 and 3, rank 1 stages 1 and 2; every record said "stage": 0 / 1 and
+    # `model-parallel metrics` printed "s0:... s1:..." as if each rank ran one stage.
+    path = tmp_path / "rank{rank}.jsonl"
+    for rank, stages in ((0, (0, 3)), (1, (1, 2))):
+        with MetricsRecorder(rank, path) as recorder:
+            recorder.set_context(stages[0], 0, stages)
+            recorder.begin_step(0)
+            recorder.end_step(samples=8)
+    records = read_metrics(tmp_path)
+    assert sorted((r["stage"], r["stages"]) for r in records) == [(0, [0, 3]), (1, [1, 2])]
+    row = summarize(records)[0]
+    assert row["labels"] == {0: "0,3", 1: "1,2"}
+    assert " s0,3:" in format_summary([row]) and " s1,2:" in format_summary([row])
+    with MetricsRecorder(2, path) as one:  # one stage: no `stages` field, the label is the stage
+        one.set_context(2, 0, (2,))
+        one.begin_step(0)
+        assert "stages" not in one.end_step(samples=8).to_dict()
+
+
+def test_a_stages_field_that_is_not_stage_numbers_is_named(tmp_path):
+    from model_parallel.errors import LogFormatError
+
+    (tmp_path / "m.jsonl").write_text('{"step": 0, "rank": 0, "stage": 0, "stages": "0,3"}\n')
+    with pytest.raises(LogFormatError, match=r"m\.jsonl:1: 'stages' must be a list of stage numbers"):
+        read_metrics(tmp_path / "m.jsonl")

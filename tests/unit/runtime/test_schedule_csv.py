@@ -77,6 +77,11 @@ def test_torch_parses_what_we_write():
     ("0F0,1F0,1B0,0B0\n", None),  # one rank running both stages in a valid order
     ("0F0,0F1,,0B0,0B1\n1F0,1F1,1B1,1B0\n", "t.csv:2: 1B1 is stage 1's backward number 0; expected 1B0"),
     ("\n\n", "no actions"),
+    # A blank line between two ranks was read as a rank running nothing: 3 ranks, stage 1 on rank 2, bubble 56 %.
+    ("0F0,0F1,,0B0,0B1\n\n,1F0,1F1,1B0,1B1\n", "t.csv:2: line 2 holds no action, so rank 1 would run no stage"),
+    ("\n0F0,0B0\n", "t.csv:1: line 1 holds no action"),
+    ("0F0,0B0\n0REDUCE_GRAD\n1F0,1B0\n", "t.csv:2: line 2 holds no action"),
+    ("0F0,0B0\n\n\n", None),  # trailing blank lines are no ranks
 ])
 def test_refusals_name_the_cause(text, words):
     if words is None:

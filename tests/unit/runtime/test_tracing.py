@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from model_parallel.runtime.observe.metrics import MetricsRecorder
 from model_parallel.runtime.observe.tracing import LANES, Tracer, merge_traces, read_trace
 
 torch.set_num_threads(1)
@@ -92,6 +93,17 @@ def test_plan_switch_context_and_event_cap():
     assert tracer.stage is None and tracer.plan_version == 2
 
 
+def test_a_rank_holding_several_stages_is_named_by_all_of_them():
+    # QA: a zbv rank holding stages 0 and 3 was named "rank 0 (stage 0)" in Perfetto, its log "[rank 0 stage 0,3]".
+    tracer = Tracer(0, nvtx=False)
+    recorder = MetricsRecorder(0, tracer=tracer)  # the engine sets both through the recorder
+    recorder.set_context(0, 0, (0, 3))
+    recorder.set_context(0, 0, (0, 3))
+    assert tracer.process_name() == "rank 0 (stage 0,3)" and tracer.stage == 0
+    recorder.set_context(0, 1, (0, 2))  # a switch to another V
+    assert tracer.process_name() == "rank 0 (stage 0,3->0,2)"
+
+
 def test_merge_traces(tmp_path):
     paths = [_spans(rank, stage=rank).save(tmp_path / f"rank{rank}.json") for rank in range(2)]
     out = merge_traces(paths, tmp_path / "all.json")
@@ -137,3 +149,16 @@ def test_a_hostile_trace_is_one_typed_error_naming_the_file(tmp_path, text, word
     (tmp_path / "t.json").write_text(text)
     with pytest.raises(LogFormatError, match=words):
         merge_traces([tmp_path / "t.json"], tmp_path / "out.json")
+
+
+def test_a_merged_trace_given_again_is_skipped_not_merged_twice(tmp_path):
+    # QA: `model-parallel trace traces/all.json traces/` then `model-parallel trace other.json traces/` merged all.json
+    # in too: every span twice, half of them rebased to 0 beside the raw clocks.
+    paths = [_spans(rank, stage=rank).save(tmp_path / f"rank{rank}.json") for rank in range(2)]
+    first = read_trace(merge_traces(paths, tmp_path / "all.json"))["traceEvents"]
+    again = read_trace(merge_traces(sorted(tmp_path.glob("*.json")), tmp_path / "other.json"))["traceEvents"]
+    assert sorted(json.dumps(e, sort_keys=True) for e in again) == sorted(json.dumps(e, sort_keys=True) for e in first)
+    older = read_trace(tmp_path / "all.json")  # one written before merged traces were marked
+    older["otherData"].pop("merged")
+    (tmp_path / "all.json").write_text(json.dumps(older))
+    assert len(read_trace(merge_traces(paths + [tmp_path / "all.json"], tmp_path / "third.json"))["traceEvents"]) == len(first)
