@@ -118,6 +118,11 @@ def stage_memory(graph: Any, plan: Plan, records: Sequence[Mapping[str, Any]], *
     return parts, rows
 
 
+def peak_source(rows: Sequence[Measured]) -> str:
+    """The peak column's label: the GPU allocator's peak (`cuda_peak_bytes`), which a run on the CPU does not record."""
+    return "cuda_max_allocated" if any(m.process_peak is not None for m in rows) else "GPU only: n/a on CPU"
+
+
 def final_plan(run_dir: Path, initial: Plan) -> tuple[Plan, list[Mapping[str, Any]]]:
     """The plan live when the run ended and the switch history, from the coordinator's status file; the initial
     plan and no history when there is none (no coordinator, or it never wrote one)."""
@@ -152,7 +157,7 @@ def write_report(run_dir: Path, args: Any, training_seconds: float) -> str:
         momentum=getattr(args, "momentum", 0.9), schedule=getattr(args, "schedule", "1f1b"),
         microbatches=args.microbatches, microbatch_size=max(args.batch_size // args.microbatches, 1))
     memory_lines = format_memory(memory_parts, [(str(m.stage), m) for m in memory_rows], "stage",
-                                 "cuda_max_allocated").splitlines()
+                                 peak_source(memory_rows)).splitlines()
 
     trace_path = None
     trace_files = sorted((run_dir / "trace").glob("*.json")) if (run_dir / "trace").exists() else []

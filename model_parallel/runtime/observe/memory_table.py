@@ -129,7 +129,7 @@ def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, M
     """Predicted (`parts`, per stage) vs measured bytes, one line per row (a rank, or a stage): the footprint
     against held + peak stashed activations, with the error in % (the worker's table and the demo's report).
     `merged` (`loop_rank_parts`): a row of a rank holding several stages predicts all of them."""
-    lines = [f"{label:>5} stage {'predicted MB':>12} {'measured MB':>11} {'error':>6}  {'weights+opt MB':>14} "
+    lines = [f"{label:>5} {'stages':>6} {'predicted MB':>12} {'measured MB':>11} {'error':>6}  {'weights+opt MB':>14} "
              f"{'held':>8}  {'activations MB':>14} {'measured':>8}  peak MB ({source})",
              "-" * 110]
     for name, m in rows:
@@ -140,7 +140,7 @@ def format_memory(parts: Sequence[dict[str, float]], rows: Sequence[tuple[str, M
         peak = m.peak
         error = f"{100.0 * (p['total'] - peak) / peak:>+5.0f}%" if peak else f"{'n/a':>6}"
         activations = p["activations"] + p["weight_stash"]
-        lines.append(f"{name:>5} {','.join(map(str, held)):>5} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
+        lines.append(f"{name:>5} {','.join(map(str, held)):>6} {_mb(p['total'], 12)} {_mb(peak, 11)} {error}  "
                      f"{_mb(p['parameters'] + p['optimizer_state'], 14)} {_mb(m.weights_opt, 8)}  "
                      f"{_mb(activations, 14)} {_mb(m.stash_peak, 8)}  {_mb(m.process_peak, 8)}")
     lines.append("predicted = parameters + gradients + optimizer state + stashed weights + activations in flight "
