@@ -38,6 +38,9 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
+MAX_TIME_MS = 1e9  # per action: the simulated step (a sum of many) stays finite and printable
+
+
 def parse_times(text: str, num_stages: int) -> list[Any]:
     """`--times F,B` or `F,I,W` (every stage), or one such group per stage separated by '/': per-microbatch ms, as
     `StageTimes` (F,I,W: the backward split into input and weight gradients, for the zero-bubble schedules)."""
@@ -52,6 +55,9 @@ def parse_times(text: str, num_stages: int) -> list[Any]:
         raise ConfigError(f"--times {text!r}: give forward,backward (e.g. 10,20) or forward,input-grad,weight-grad "
                           f"(10,10,10) ms of one microbatch for every stage, or one group per stage separated by '/' "
                           f"({num_stages} stages)")
+    if any(abs(x) > MAX_TIME_MS for g in groups for x in g):  # 1e308 is finite, but a step of them sums to inf
+        raise ConfigError(f"--times {text!r}: a time above {MAX_TIME_MS:.0e} ms (11 days) per microbatch; give ms "
+                          "of one microbatch (e.g. 10,20)")
     try:
         times = [StageTimes(g[0], g[1]) if len(g) == 2 else StageTimes(g[0], g[1] + g[2], g[1], g[2]) for g in groups]
     except (ValueError, ScheduleError) as error:

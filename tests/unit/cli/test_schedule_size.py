@@ -25,3 +25,12 @@ def test_a_grid_past_the_bound_is_refused_before_it_is_built(argv, monkeypatch, 
 def test_a_grid_within_the_bound_still_prints(capsys):
     assert schedule_cli.main(["zbv", "-p", "4", "-m", "8"]) == 0
     assert capsys.readouterr().out.startswith("zbv p=8 ranks=4 m=8")
+
+
+@pytest.mark.parametrize("times", ["1e308,1e308", "10,2e9", "1,1,1/1,1,1e300"])
+def test_times_too_large_to_sum_are_refused(times, capsys):
+    # 1e308 ms is finite, but the simulated step sums them to inf: it printed "inf ms, bubble nan %"
+    with pytest.raises(ConfigError, match=r"a time above 1e\+09 ms \(11 days\) per microbatch"):
+        schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--times", times])
+    assert capsys.readouterr().out == ""
+    assert schedule_cli.main(["1f1b", "-p", "2", "-m", "2", "--times", "1e6,2e6"]) == 0
