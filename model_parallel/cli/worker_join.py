@@ -121,10 +121,14 @@ class JoinRecord:
     checkpoint_step: int
     continued_at: int
     seconds: float  # the stop at the boundary -> first completed step of the new world (inf: no step left)
+    lost: tuple[int, ...] = ()  # members of the world before it lost while the world re-formed (recovery.reform's retry)
 
     def line(self) -> str:
+        # A member lost during the admission is a failure survived: named here, or the new world's size reads as
+        # the joiner's only change
+        lost = f"; lost original rank(s) {list(self.lost)} while the world re-formed" if self.lost else ""
         return (f"[original rank {self.me}] admission {self.generation}: original rank {self.joined} joined from "
-                f"{self.address}; new world of {len(self.world)} (original ranks {list(self.world)}, met at {self.store}); "
+                f"{self.address}{lost}; new world of {len(self.world)} (original ranks {list(self.world)}, met at {self.store}); "
                 f"checkpoint step {self.checkpoint_step} (continued at step {self.continued_at}, 0 steps lost); "
                 f"{self.seconds:.2f} s paused")
 
@@ -252,15 +256,17 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     if reformed.rank == 0:
         free_slot(reformed.lineage.base_store)
     survivor._adopt(reformed)
+    lost = tuple(m for m in reformed.dropped if m != admission.original)  # members lost while the world re-formed
     if admission.original in reformed.dropped:  # it posted, then never came (it died, or gave up): no admission
         logger.warning("[rank %d] original rank %d did not come to generation %d within %g s: training on without it "
-                       "from the checkpoint of step %d", rank, admission.original, reformed.lineage.generation,
-                       JOIN_TIMEOUTS * timeout, done_before - 1)
+                       "from the checkpoint of step %d%s", rank, admission.original, reformed.lineage.generation,
+                       JOIN_TIMEOUTS * timeout, done_before - 1,
+                       f"; lost original rank(s) {list(lost)} while the world re-formed" if lost else "")
         return
     step = latest_step(survivor.args.checkpoint_dir)
     record = JoinRecord(lineage.me, reformed.lineage.generation, admission.original, admission.address,
                         reformed.lineage.members, survivor.world.store_address, -1 if step is None else step,
-                        done_before, 0.0)
+                        done_before, 0.0, lost)
     survivor._pending = (detected, record)
 
 
@@ -356,7 +362,7 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     step = latest_step(args.checkpoint_dir)
     survivor._pending = (detected, JoinRecord(admission.original, reformed.lineage.generation, admission.original,
                                               address, reformed.lineage.members, reformed.store_address,
-                                              -1 if step is None else step, 0, 0.0))
+                                              -1 if step is None else step, 0, 0.0, reformed.dropped))
     if args.coordinator:  # the world it met registers as the next generation; it is a spare in the plan it ran
         survivor.args = argparse.Namespace(**{**vars(job_args), "recovered": survivor._recovered(0)})
     return survivor

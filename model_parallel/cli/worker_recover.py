@@ -187,9 +187,11 @@ class Survivor:
                 options = dataclasses.replace(self.options, resume=True, metrics=metrics)
         if self._pending is not None:  # the checkpoint held every requested step: nothing left to run
             self._finish_pending(float("inf"))
-        failures = [r for r in self.records if isinstance(r, RecoveryRecord)]
-        if len(failures) < len(self.records):
-            print(f"[rank {self.rank}] admitted {len(self.records) - len(failures)} joining worker(s)", flush=True)
+        admissions = [r for r in self.records if not isinstance(r, RecoveryRecord)]
+        # An admission that lost a member on the way is a survived failure too (its line names the lost)
+        failures = [r for r in self.records if isinstance(r, RecoveryRecord) or getattr(r, "lost", ())]
+        if admissions:
+            print(f"[rank {self.rank}] admitted {len(admissions)} joining worker(s)", flush=True)
         if failures:
             print(f"[rank {self.rank}] survived {len(failures)} failure(s): "
                   + "; ".join(r.line() for r in failures), flush=True)
