@@ -185,6 +185,12 @@ def watch_joins(survivor: Any, engine: Any) -> None:
     """Before a world trains: rank 0 looks for join requests; every rank notes an admission command it applies."""
     if engine.rank == 0:
         engine.channel = JoinWatch(engine.channel, survivor)
+        from model_parallel.runtime.wire.join import publish_training
+
+        try:  # what a joiner compares its graph and data with (never a failure of the job: it falls back to the checkpoint)
+            publish_training(survivor.lineage.base_store, engine.training_record(engine.start_step))
+        except Exception as error:  # noqa: BLE001 - a store or record failure: logged, the job trains on
+            logger.warning("[rank 0] the training record for joiners was not published: %s", str(error)[:200])
     apply = engine.apply
 
     def noting(command: Any) -> bool:
@@ -323,9 +329,13 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     compare_flags(published, job_flags(args), args.join)
     from model_parallel.cli.join_data import check_joiner_data
 
-    check_joiner_data(args, args.join)  # another file under the same path ended the whole job at the restore
-    address = own_address(host)
     deadline = time.monotonic() + ADMIT_TIMEOUTS * timeout
+    # Rank 0 publishes it once its engine is built, before it can take any request: waited for as long as an admission
+    # (a joiner started with the job waits out the job's start; one T was too short for that on a loaded host)
+    with store_guard(args.join, "reading the job's training record"):
+        training = wire.read_training(store, ADMIT_TIMEOUTS * timeout)
+    check_joiner_data(args, args.join, training)  # another file or code under the same flags ended the whole job
+    address = own_address(host)
     with store_guard(args.join, "posting the join request"):
         nonce = wire.post_request(store, address, deadline)
     print(f"[joiner] join request posted at {args.join} from {address}; waiting to be admitted at a step boundary",
