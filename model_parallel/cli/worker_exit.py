@@ -60,6 +60,12 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, f
         # job's own ranks resume it, and this command joins it again (it said "resume every rank with: ... --join").
         where = (f"no checkpoint was committed in {checkpoint_dir}" if step is None else
                  f"latest committed checkpoint: {step_dir(checkpoint_dir, step)}")
+        steps = _steps(argv)
+        if step is not None and steps is not None and step + 1 >= steps:
+            # The job ended before it admitted this worker (or while it stood still): "resume the job" has nothing
+            # to run, and "join it again" nothing to join
+            return (f"[rank {rank}] the job finished: its latest committed checkpoint {step_dir(checkpoint_dir, step)} "
+                    f"holds all {steps} requested step(s); there is nothing left to join")
         again = shlex.join([*launcher, *(a for a in argv if a != "--resume")]) + note
         return (f"[rank {rank}] {where}; this worker joined with --join: resume the job with its "
                 f"ranks' own commands (each one's last line), then join it again with: {again}")
@@ -69,6 +75,15 @@ def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, f
         return f"[rank {rank}] no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"
     first = " once the error above is fixed (where it names a flag: in this command too)," if fix_first else ""
     return f"[rank {rank}] latest committed checkpoint: {step_dir(checkpoint_dir, step)};{first} resume every rank with: {command}"
+
+
+def _steps(argv: Sequence[str]) -> Optional[int]:
+    """The `--steps N` of a worker's command line (None if absent or not a number)."""
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--steps" and i + 1 < len(argv) else arg[len("--steps="):] if arg.startswith("--steps=") else None
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def launch_command(env: Optional[Mapping[str, str]] = None, main_module: Optional[str] = None,
