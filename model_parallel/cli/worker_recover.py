@@ -211,12 +211,13 @@ class Survivor:
     def _recover(self, error: PeerError, done_before: int, detected: float, holdings: list[tuple[int, Any]], why: str,
                  model_files: Any) -> None:
         from model_parallel.runtime.checkpoint.layout import latest_step
-        from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
+        from model_parallel.runtime.wire.recovery import Stillness, abandon, lost_ranks, reform, was_replaced
 
         lineage, timeout, rank = self.lineage, self.options.timeout, self.rank
         culprit = lost_ranks(str(error))
         hint = resume_hint(self.args.checkpoint_dir, self.argv, rank)
         self.health.stop("failed", culprit, str(error))
+        watching = Stillness().start()  # a stand-still from here on may leave this process behind (reform decides)
         if culprit == rank:  # this process is the one its peers gave up on (it stood still)
             record = was_replaced(lineage, max(1.0, timeout / 4))
             where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
@@ -242,11 +243,13 @@ class Survivor:
                                    f"shut down within {0.5 * timeout:g} s", hint)
         gc.collect()  # the failed engine (see train)
         try:
-            reformed = reform(lineage, lost, timeout, self.backend, signal_at_reform(lineage.me, rank))
+            reformed = reform(lineage, lost, timeout, self.backend, signal_at_reform(lineage.me, rank), watching)
         except ReplacedError as replaced:
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
         except PeerError as meet:
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
+        finally:
+            watching.stop()
         self._adopt(reformed)
         source = self._source(error, lineage.members, reformed.dropped, (holdings, why, model_files), hint)
         record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,
