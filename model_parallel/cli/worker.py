@@ -255,8 +255,10 @@ def leave_peer(error: BaseException, rank: int, health: Any, args: Any, argv: Se
     """Exit 3 after a peer died, stalled, left or never joined (`error` names it)."""
     # A dead peer can leave gloo threads blocked; exit without waiting for them.
     match = re.search(r"rank (\d+) stopped responding", str(error))
-    leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
-          blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
+    # A joiner not yet admitted has no rank ("[rank 0] error: --join ..." read as the job's rank 0 failing)
+    who = "[joiner]" if args.join and health is None else f"[rank {rank}]"
+    leave(EXIT_PEER, f"{who} error: {error}", rank, health, cause=str(error),
+          blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank, who=who))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

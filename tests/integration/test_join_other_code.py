@@ -37,3 +37,15 @@ def test_a_joiner_running_other_code_is_refused_alone(tmp_path: Path) -> None:
             and "published by the job's rank 0" in output), output[-3000:]
     for rank in (0, 1):
         assert "admission" not in result.output(rank) and "another graph" not in result.output(rank), result.summary()
+
+
+def test_a_joiner_that_reaches_no_job_calls_itself_the_joiner_not_rank_0(tmp_path: Path) -> None:
+    # QA: "[rank 0] error: --join ...: no job's store answers there" and "[rank 0] no checkpoint was committed ...":
+    # a joiner has no rank before it is admitted, and "rank 0" read as the job's rank 0 failing.
+    args = ["--model", "mlp", "--steps", "4", "--timeout", "1", "--checkpoint_dir", str(tmp_path / "ck")]
+    with LocalWorld([join_command(f"127.0.0.1:{free_port()}", args)]) as world:
+        result = world.wait(timeout=60)
+    assert [w.returncode for w in result.workers] == [3], result.summary()
+    lines = result.output(0).strip().splitlines()
+    assert lines[-2].startswith("[joiner] error: --join 127.0.0.1:") and "no job's store answers there" in lines[-2], lines
+    assert lines[-1].startswith("[joiner] no checkpoint was committed"), lines
