@@ -58,3 +58,25 @@ def test_a_member_killed_as_the_admission_forms_the_others_and_the_joiner_meet_a
         assert sorted(got) == list(steps), f"original rank {rank} ran steps {sorted(got)}"
         for step in steps:
             assert abs(got[step] - want[step]) <= 1e-5, f"rank {rank} step {step}: {got[step]} vs {want[step]}"
+
+
+def test_a_joiner_stopped_as_its_admission_forms_and_continued_after_the_job_ended_is_replaced(tmp_path: Path) -> None:
+    # One member and a joiner stopped (SIGSTOP) once the admission's membership closed with it; the member meets again
+    # without it and finishes. Continued, the joiner found the member's store gone, counted the member lost, formed a
+    # world of its own ("admission 2: ... lost original rank(s) [0]; new world of 1") and exited 0; it stood still
+    # since its meeting began: it is replaced (exit 6), as a continued member is.
+    port = free_port()
+    args = job_args(tmp_path)
+    commands = worker_commands(args, 1, port=port) + [join_command(f"127.0.0.1:{port}", args)]
+    env = {"MP_TEST_JOIN_AT_STEP": str(JOIN_AT), "MP_TEST_SIGNAL_AT_STEP": "1:reform:STOP"}
+    with LocalWorld(commands, env=env) as world:
+        world.procs[0].wait(timeout=150)  # the member trained on without the joiner and ended, its store with it
+        world.kill(1, signal.SIGCONT)
+        result = world.wait(timeout=60)
+    assert not result.timed_out, result.summary()
+    assert [w.returncode for w in result.workers] == [0, 6], result.summary()
+    assert "original rank 1 did not come to generation 2" in result.output(0), result.output(0)[-3000:]
+    output = result.output(1)
+    assert ("[joiner] error: original rank 1 was replaced: it stood still for" in output and "it does not rejoin" in output
+            and "admission" not in output and "Traceback" not in output), output[-3000:]
+    assert_params_close(load_checkpoint(tmp_path / "ck").params(), reference_params(STEPS), "a joiner left behind")

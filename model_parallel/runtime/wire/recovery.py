@@ -323,9 +323,10 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
     from torch.distributed import PrefixStore
 
     current, known_lost = lineage, set(lost)
+    watching = watching or Stillness().start()  # a joiner's and an admission's meeting are watched from here
     while True:
         generation = current.generation + 1
-        base, host = _meeting_store(current, known_lost, generation, timeout, watching if current is lineage else None)
+        base, host = _meeting_store(current, known_lost, generation, timeout, watching)
         store = PrefixStore(f"mp/recovery/{generation}", base)
         expected = [m for m in current.members
                     if m not in known_lost and (m != current.store_host or host == current.store_host)]
@@ -356,6 +357,7 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
             current, known_lost = formed, set()
         finally:
             stillness.stop()
+    watching.stop()
     logger.info("original rank %d: generation %d formed (original ranks %s), rank %d of %d", lineage.me, generation,
                 members, members.index(lineage.me), len(members))
     dropped = tuple(m for m in lineage.members if m not in members)
