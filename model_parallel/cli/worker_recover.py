@@ -211,7 +211,8 @@ class Survivor:
     def _recover(self, error: PeerError, done_before: int, detected: float, holdings: list[tuple[int, Any]], why: str,
                  model_files: Any) -> None:
         from model_parallel.runtime.checkpoint.layout import latest_step
-        from model_parallel.runtime.wire.recovery import Stillness, abandon, lost_ranks, reform, was_replaced
+        from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
+        from model_parallel.runtime.wire.stillness import Stillness
 
         lineage, timeout, rank = self.lineage, self.options.timeout, self.rank
         culprit = lost_ranks(str(error))

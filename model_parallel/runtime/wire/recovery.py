@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
 
 from model_parallel.errors import PeerError, ReplacedError
+from model_parallel.runtime.wire.stillness import Stillness
 
 logger = logging.getLogger(__name__)
 
@@ -268,37 +269,6 @@ def _all_seen(store: Any, members: list[int], seconds: float) -> None:
                  "waiting for every member to read the membership")
     except PeerError as error:
         logger.warning("original rank(s) %s: %s", members, error)
-
-
-class Stillness:
-    """How long this process stood still (SIGSTOP, a debugger, a paused VM) while it ran: a thread's waits of
-    `interval` seconds that ended much later (the monotonic clock runs on while the process does not; the rule of
-    wire/health.py). The wait still running when `stop` is called counts too: the main thread may get there first."""
-
-    def __init__(self, interval: float = 0.1) -> None:
-        self.interval, self.longest = interval, 0.0
-        self._since = time.monotonic()
-        self._done = threading.Event()
-
-    def start(self) -> "Stillness":
-        threading.Thread(target=self._run, name="recovery-stillness", daemon=True).start()
-        return self
-
-    def _run(self) -> None:
-        while True:
-            self._since = time.monotonic()
-            if self._done.wait(self.interval):
-                return
-            self.longest = max(self.longest, time.monotonic() - self._since - self.interval)
-
-    def now(self) -> float:
-        """The longest stand-still seen so far, in seconds (watching goes on)."""
-        return max(self.longest, time.monotonic() - self._since - self.interval)
-
-    def stop(self) -> float:
-        """Stop watching; the longest stand-still seen, in seconds."""
-        self._done.set()
-        return self.now()
 
 
 def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
