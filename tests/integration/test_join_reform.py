@@ -27,14 +27,19 @@ def job_args(tmp_path: Path) -> list[str]:
             "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "3", "--recover"]
 
 
+def world_with_a_joiner(tmp_path: Path, members: int, hook: str) -> tuple[int, LocalWorld]:
+    """`members` workers and a joiner admitted at JOIN_AT, the signal hook `hook` armed: (the job's port, the world)."""
+    port = free_port()
+    args = job_args(tmp_path)
+    commands = worker_commands(args, members, port=port) + [join_command(f"127.0.0.1:{port}", args)]
+    return port, LocalWorld(commands, env={"MP_TEST_JOIN_AT_STEP": str(JOIN_AT), "MP_TEST_SIGNAL_AT_STEP": hook})
+
+
 def test_a_member_killed_as_the_admission_forms_the_others_and_the_joiner_meet_again(tmp_path: Path) -> None:
     # 3 workers; the joiner is taken at step 4's boundary; original rank 1 registers in generation 1 (the admission's)
     # and dies before its process group forms. Ranks 0, 2 and the joiner meet again at rank 0's store as generation 2.
-    port = free_port()
-    args = job_args(tmp_path)
-    commands = worker_commands(args, 3, port=port) + [join_command(f"127.0.0.1:{port}", args)]
-    env = {"MP_TEST_JOIN_AT_STEP": str(JOIN_AT), "MP_TEST_SIGNAL_AT_STEP": "1:reform:KILL"}
-    with LocalWorld(commands, env=env) as world:
+    port, launched = world_with_a_joiner(tmp_path, 3, "1:reform:KILL")
+    with launched as world:
         result = world.wait(timeout=200)
     assert not result.timed_out, result.summary()
     assert [w.returncode for w in result.workers] == [0, -signal.SIGKILL, 0, 0], result.summary()
@@ -65,11 +70,8 @@ def test_a_joiner_stopped_as_its_admission_forms_and_continued_after_the_job_end
     # without it and finishes. Continued, the joiner found the member's store gone, counted the member lost, formed a
     # world of its own ("admission 2: ... lost original rank(s) [0]; new world of 1") and exited 0; it stood still
     # since its meeting began: it is replaced (exit 6), as a continued member is.
-    port = free_port()
-    args = job_args(tmp_path)
-    commands = worker_commands(args, 1, port=port) + [join_command(f"127.0.0.1:{port}", args)]
-    env = {"MP_TEST_JOIN_AT_STEP": str(JOIN_AT), "MP_TEST_SIGNAL_AT_STEP": "1:reform:STOP"}
-    with LocalWorld(commands, env=env) as world:
+    _, launched = world_with_a_joiner(tmp_path, 1, "1:reform:STOP")
+    with launched as world:
         world.procs[0].wait(timeout=150)  # the member trained on without the joiner and ended, its store with it
         world.kill(1, signal.SIGCONT)
         result = world.wait(timeout=60)
