@@ -80,6 +80,8 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
     for r in status.get("recoveries", []):  # --recover: each world the survivors re-formed (coordinator/membership.py)
         change = f"{r['joined']} joined (spares)" if r.get("joined") else f"{r['lost']} lost"
+        if r.get("joined") and r.get("lost"):  # a member lost during the admission: the joiner took its rank
+            change = f"{r['joined']} joined, {r['lost']} lost"
         lines.append(f"membership generation {r['generation']}: original rank(s) {change}; a world of "
                      f"{r['world_size']} (original ranks {r['members']}) from step {r['from_step']} on plan v{r['plan_version']}")
     if status.get("learned"):

@@ -31,11 +31,11 @@ from model_parallel.cli import data_flags  # noqa: E402
 from model_parallel.cli.common import EXIT_USAGE, ArgumentParser, configure_logging  # noqa: E402
 from model_parallel.cli.recover_hooks import worker_hook  # noqa: E402
 from model_parallel.cli.served_job import ServedJob, fetch_served_job, wants_served_job  # noqa: E402
-from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
+from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_REPLACED, EXIT_STOPPED, leave, resume_hint, runtime_failure  # noqa: E402
 from model_parallel.cli.worker_inputs import (check_inputs, check_numbers, check_single_process, read_control_script,  # noqa: E402
                                              read_jobs)
 from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
-from model_parallel.errors import ModelParallelError, PeerError, TrainingStopped  # noqa: E402
+from model_parallel.errors import ModelParallelError, PeerError, ReplacedError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.step import stop_signals  # noqa: E402
 from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.step.auto import AUTO  # noqa: E402
@@ -255,8 +255,12 @@ def leave_peer(error: BaseException, rank: int, health: Any, args: Any, argv: Se
     """Exit 3 after a peer died, stalled, left or never joined (`error` names it)."""
     # A dead peer can leave gloo threads blocked; exit without waiting for them.
     match = re.search(r"rank (\d+) stopped responding", str(error))
-    leave(EXIT_PEER, f"[rank {rank}] error: {error}", rank, health, cause=str(error),
-          blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank))
+    # A joiner not yet admitted has no rank ("[rank 0] error: --join ..." read as the job's rank 0 failing)
+    who = "[joiner]" if args.join and health is None else f"[rank {rank}]"
+    if isinstance(error, ReplacedError):  # a joiner the members met without (it came, or stood still, too late)
+        leave(EXIT_REPLACED, f"{who} error: {error}: it does not rejoin", rank, health, linger=False)
+    leave(EXIT_PEER, f"{who} error: {error}", rank, health, cause=str(error),
+          blamed=int(match.group(1)) if match else None, hint=resume_hint(args.checkpoint_dir, argv, rank, who=who))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

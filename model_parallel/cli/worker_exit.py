@@ -38,37 +38,54 @@ def runtime_failure(error: BaseException, prefix: str) -> str:
     return f"{prefix} failed while training: {type(error).__name__}: {text}".rstrip(": ")
 
 
-def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, fix_first: bool = False) -> Optional[str]:
+def resume_hint(checkpoint_dir: Optional[str], argv: Sequence[str], rank: int, fix_first: bool = False,
+                who: Optional[str] = None) -> Optional[str]:
     """The last line after a failure: the latest committed checkpoint and the command that resumes from it
     (None without --checkpoint_dir: nothing was saved to resume from). `fix_first`: the failure was a usage or
     configuration error, which the same command would meet again (a resume refused for a changed flag, a
-    token file with a bad id): the line says to fix it first."""
+    token file with a bad id): the line says to fix it first. `who`: the line's prefix (default "[rank R]")."""
     if not checkpoint_dir:
         return None
     from model_parallel.errors import CheckpointError
     from model_parallel.runtime.checkpoint.layout import latest_step, step_dir
 
+    who = who or f"[rank {rank}]"
     try:
         step = latest_step(checkpoint_dir)
     except CheckpointError as error:
-        return f"[rank {rank}] cannot tell which checkpoint to resume from: {error}"
+        return f"{who} cannot tell which checkpoint to resume from: {error}"
     except OSError as error:
-        return f"[rank {rank}] cannot read --checkpoint_dir {checkpoint_dir}: {error}"
+        return f"{who} cannot read --checkpoint_dir {checkpoint_dir}: {error}"
     launcher, note = launch_command()
     if any(a == "--join" or a.startswith("--join=") for a in argv):
         # A joiner's command cannot resume the job (--resume on it only restores what an admission gives it): the
         # job's own ranks resume it, and this command joins it again (it said "resume every rank with: ... --join").
         where = (f"no checkpoint was committed in {checkpoint_dir}" if step is None else
                  f"latest committed checkpoint: {step_dir(checkpoint_dir, step)}")
+        steps = _steps(argv)
+        if step is not None and steps is not None and step + 1 >= steps:
+            # The job ended before it admitted this worker (or while it stood still): "resume the job" has nothing
+            # to run, and "join it again" nothing to join
+            return (f"{who} the job finished: its latest committed checkpoint {step_dir(checkpoint_dir, step)} "
+                    f"holds all {steps} requested step(s); there is nothing left to join")
         again = shlex.join([*launcher, *(a for a in argv if a != "--resume")]) + note
-        return (f"[rank {rank}] {where}; this worker joined with --join: resume the job with its "
+        return (f"{who} {where}; this worker joined with --join: resume the job with its "
                 f"ranks' own commands (each one's last line), then join it again with: {again}")
     args = list(argv) if "--resume" in argv else [*argv, "--resume"]
     command = shlex.join([*launcher, *args]) + note
     if step is None:
-        return f"[rank {rank}] no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"
+        return f"{who} no checkpoint was committed in {checkpoint_dir}; rerun to start over: {command}"
     first = " once the error above is fixed (where it names a flag: in this command too)," if fix_first else ""
-    return f"[rank {rank}] latest committed checkpoint: {step_dir(checkpoint_dir, step)};{first} resume every rank with: {command}"
+    return f"{who} latest committed checkpoint: {step_dir(checkpoint_dir, step)};{first} resume every rank with: {command}"
+
+
+def _steps(argv: Sequence[str]) -> Optional[int]:
+    """The `--steps N` of a worker's command line (None if absent or not a number)."""
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--steps" and i + 1 < len(argv) else arg[len("--steps="):] if arg.startswith("--steps=") else None
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def launch_command(env: Optional[Mapping[str, str]] = None, main_module: Optional[str] = None,

@@ -121,10 +121,14 @@ class JoinRecord:
     checkpoint_step: int
     continued_at: int
     seconds: float  # the stop at the boundary -> first completed step of the new world (inf: no step left)
+    lost: tuple[int, ...] = ()  # members of the world before it lost while the world re-formed (recovery.reform's retry)
 
     def line(self) -> str:
+        # A member lost during the admission is a failure survived: named here, or the new world's size reads as
+        # the joiner's only change
+        lost = f"; lost original rank(s) {list(self.lost)} while the world re-formed" if self.lost else ""
         return (f"[original rank {self.me}] admission {self.generation}: original rank {self.joined} joined from "
-                f"{self.address}; new world of {len(self.world)} (original ranks {list(self.world)}, met at {self.store}); "
+                f"{self.address}{lost}; new world of {len(self.world)} (original ranks {list(self.world)}, met at {self.store}); "
                 f"checkpoint step {self.checkpoint_step} (continued at step {self.continued_at}, 0 steps lost); "
                 f"{self.seconds:.2f} s paused")
 
@@ -181,6 +185,12 @@ def watch_joins(survivor: Any, engine: Any) -> None:
     """Before a world trains: rank 0 looks for join requests; every rank notes an admission command it applies."""
     if engine.rank == 0:
         engine.channel = JoinWatch(engine.channel, survivor)
+        from model_parallel.runtime.wire.join import publish_training
+
+        try:  # what a joiner compares its graph and data with (never a failure of the job: it falls back to the checkpoint)
+            publish_training(survivor.lineage.base_store, engine.training_record(engine.start_step))
+        except Exception as error:  # noqa: BLE001 - a store or record failure: logged, the job trains on
+            logger.warning("[rank 0] the training record for joiners was not published: %s", str(error)[:200])
     apply = engine.apply
 
     def noting(command: Any) -> bool:
@@ -252,15 +262,17 @@ def admit(survivor: Any, detected: float, done_before: int) -> None:
     if reformed.rank == 0:
         free_slot(reformed.lineage.base_store)
     survivor._adopt(reformed)
+    lost = tuple(m for m in reformed.dropped if m != admission.original)  # members lost while the world re-formed
     if admission.original in reformed.dropped:  # it posted, then never came (it died, or gave up): no admission
         logger.warning("[rank %d] original rank %d did not come to generation %d within %g s: training on without it "
-                       "from the checkpoint of step %d", rank, admission.original, reformed.lineage.generation,
-                       JOIN_TIMEOUTS * timeout, done_before - 1)
+                       "from the checkpoint of step %d%s", rank, admission.original, reformed.lineage.generation,
+                       JOIN_TIMEOUTS * timeout, done_before - 1,
+                       f"; lost original rank(s) {list(lost)} while the world re-formed" if lost else "")
         return
     step = latest_step(survivor.args.checkpoint_dir)
     record = JoinRecord(lineage.me, reformed.lineage.generation, admission.original, admission.address,
                         reformed.lineage.members, survivor.world.store_address, -1 if step is None else step,
-                        done_before, 0.0)
+                        done_before, 0.0, lost)
     survivor._pending = (detected, record)
 
 
@@ -317,9 +329,13 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     compare_flags(published, job_flags(args), args.join)
     from model_parallel.cli.join_data import check_joiner_data
 
-    check_joiner_data(args, args.join)  # another file under the same path ended the whole job at the restore
-    address = own_address(host)
     deadline = time.monotonic() + ADMIT_TIMEOUTS * timeout
+    # Rank 0 publishes it once its engine is built, before it can take any request: waited for as long as an admission
+    # (a joiner started with the job waits out the job's start; one T was too short for that on a loaded host)
+    with store_guard(args.join, "reading the job's training record"):
+        training = wire.read_training(store, ADMIT_TIMEOUTS * timeout)
+    check_joiner_data(args, args.join, training)  # another file or code under the same flags ended the whole job
+    address = own_address(host)
     with store_guard(args.join, "posting the join request"):
         nonce = wire.post_request(store, address, deadline)
     print(f"[joiner] join request posted at {args.join} from {address}; waiting to be admitted at a step boundary",
@@ -356,7 +372,7 @@ def join_running_job(args: Any, argv: list[str], config: Any, options: Any, pref
     step = latest_step(args.checkpoint_dir)
     survivor._pending = (detected, JoinRecord(admission.original, reformed.lineage.generation, admission.original,
                                               address, reformed.lineage.members, reformed.store_address,
-                                              -1 if step is None else step, 0, 0.0))
+                                              -1 if step is None else step, 0, 0.0, reformed.dropped))
     if args.coordinator:  # the world it met registers as the next generation; it is a spare in the plan it ran
         survivor.args = argparse.Namespace(**{**vars(job_args), "recovered": survivor._recovered(0)})
     return survivor

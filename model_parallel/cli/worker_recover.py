@@ -187,9 +187,11 @@ class Survivor:
                 options = dataclasses.replace(self.options, resume=True, metrics=metrics)
         if self._pending is not None:  # the checkpoint held every requested step: nothing left to run
             self._finish_pending(float("inf"))
-        failures = [r for r in self.records if isinstance(r, RecoveryRecord)]
-        if len(failures) < len(self.records):
-            print(f"[rank {self.rank}] admitted {len(self.records) - len(failures)} joining worker(s)", flush=True)
+        admissions = [r for r in self.records if not isinstance(r, RecoveryRecord)]
+        # An admission that lost a member on the way is a survived failure too (its line names the lost)
+        failures = [r for r in self.records if isinstance(r, RecoveryRecord) or getattr(r, "lost", ())]
+        if admissions:
+            print(f"[rank {self.rank}] admitted {len(admissions)} joining worker(s)", flush=True)
         if failures:
             print(f"[rank {self.rank}] survived {len(failures)} failure(s): "
                   + "; ".join(r.line() for r in failures), flush=True)
@@ -210,11 +212,13 @@ class Survivor:
                  model_files: Any) -> None:
         from model_parallel.runtime.checkpoint.layout import latest_step
         from model_parallel.runtime.wire.recovery import abandon, lost_ranks, reform, was_replaced
+        from model_parallel.runtime.wire.stillness import Stillness
 
         lineage, timeout, rank = self.lineage, self.options.timeout, self.rank
         culprit = lost_ranks(str(error))
         hint = resume_hint(self.args.checkpoint_dir, self.argv, rank)
         self.health.stop("failed", culprit, str(error))
+        watching = Stillness().start()  # a stand-still from here on may leave this process behind (reform decides)
         if culprit == rank:  # this process is the one its peers gave up on (it stood still)
             record = was_replaced(lineage, max(1.0, timeout / 4))
             where = f"in generation {record}" if record else "(its peers went on without it; no record of where is readable)"
@@ -240,11 +244,13 @@ class Survivor:
                                    f"shut down within {0.5 * timeout:g} s", hint)
         gc.collect()  # the failed engine (see train)
         try:
-            reformed = reform(lineage, lost, timeout, self.backend, signal_at_reform(lineage.me, rank))
+            reformed = reform(lineage, lost, timeout, self.backend, signal_at_reform(lineage.me, rank), watching)
         except ReplacedError as replaced:
             self._leave(EXIT_REPLACED, f"[rank {rank}] error: {replaced}: it does not rejoin", None)
         except PeerError as meet:
             self._leave(EXIT_PEER, f"[rank {rank}] error: {error}; cannot recover: {meet}", hint)
+        finally:
+            watching.stop()
         self._adopt(reformed)
         source = self._source(error, lineage.members, reformed.dropped, (holdings, why, model_files), hint)
         record = RecoveryRecord(lineage.me, reformed.lineage.generation, reformed.dropped, reformed.lineage.members, self.world.store_address,

@@ -85,11 +85,19 @@ def new_generation(roster: Roster, rebalancer: Rebalancer, message: Mapping[str,
         "generation": generation, "lost": lost, "members": members, "world_size": world_size, "from_step": from_step,
         "plan_version": plan.version, "previous_generation": previous, **({"joined": joined} if joined else {})})
     if joined:
+        # A member lost while the world re-formed for the admission (recovery.reform's retry): the joiner then takes a
+        # current rank the plan it ran places a stage on, and is no spare; both said, not "a spare" and no loss.
+        placed = {r for stage in plan.stages for r in stage.ranks}
+        spare = not any(members.index(j) in placed for j in joined if j in members)
+        lost_text = f"; original rank(s) {lost} lost while it re-formed" if lost else ""
+        role = ("the joiner a spare until a rebalance gives it a share" if spare else
+                "the joiner holds the stage of the current rank it took")
         rebalancer.adopt(plan, from_step, world_size, f"admission: generation {generation}, original rank(s) {joined} "
-                                                      f"joined as spare(s); the plan the world ran")
-        logger.warning("membership generation %d: original rank(s) %s joined; a world of %d (original ranks %s) from "
-                       "step %d; plan v%d (the plan it ran, the joiner a spare until a rebalance gives it a share) is "
-                       "live\n%s", generation, joined, world_size, members, from_step, plan.version, plan.table())
+                                                      f"joined{' as spare(s)' if spare else ''}{lost_text}; the plan the "
+                                                      f"world ran")
+        logger.warning("membership generation %d: original rank(s) %s joined%s; a world of %d (original ranks %s) "
+                       "from step %d; plan v%d (the plan it ran, %s) is live\n%s", generation, joined, lost_text,
+                       world_size, members, from_step, plan.version, role, plan.table())
         return
     rebalancer.adopt(plan, from_step, world_size, f"recovery: generation {generation}, original rank(s) {lost} lost; "
                                                   f"the survivors' even split for {world_size} rank(s)")

@@ -10,7 +10,7 @@ single-process training and a resume mid-epoch continues exactly where the run s
     map-style Dataset   epoch e = steps [e*S, (e+1)*S), S = len // batch_size; its order is
                         torch's RandomSampler under a generator seeded by (seed, e); BatchSampler groups it
     token file          (nanoGPT's train.bin: a flat uint16/uint32 array) -> a map-style Dataset of
-                        windows (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), then as above
+                        windows (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]; data/tokens.py), then as above
     iterable            read in order, batch_size samples per step, epochs concatenated; any step is
                         reached by iterating afresh and skipping (so it must iterate the same way twice: data/replay.py)
     DataLoader          shuffled or sequential over a map-style dataset: its dataset, batch size, collate
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
@@ -42,11 +41,9 @@ from torch.utils.data import default_collate
 from model_parallel.errors import DataError
 from model_parallel.runtime.data.pairs import BATCH_FORMS, Batch, as_pair, describe
 from model_parallel.runtime.data.replay import RANDOM_TARGETS, check_replays, same
+from model_parallel.runtime.data.tokens import TokenWindows
 
 logger = logging.getLogger(__name__)
-
-TOKEN_DTYPES = ("uint16", "uint32")
-
 
 def seeded_generator(seed: int, key: int) -> torch.Generator:
     """A generator for (seed, key): a step's synthetic batch, or (key = -1 - epoch) an epoch's shuffle."""
@@ -173,62 +170,6 @@ class IterableData:
                             f"{self.batch_size}; every step trains a full minibatch: give batches of {self.batch_size} "
                             "(drop_last=True)")
         return inputs, target
-
-
-class TokenWindows(TorchDataset):
-    """A flat token file (nanoGPT's train.bin) as samples (ids[i*T : i*T+T], ids[i*T+1 : i*T+T+1]), int64.
-    `vocab`: ids must be below it (the model's vocabulary), checked over the whole file when it is opened."""
-
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", vocab: Optional[int] = None) -> None:
-        import numpy as np
-
-        if dtype not in TOKEN_DTYPES:
-            raise DataError(f"tokens:{path}: token dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
-        if seq_len < 1:
-            raise DataError(f"tokens:{path}: --seq_len must be >= 1, got {seq_len}")
-        if not os.path.isfile(path):
-            raise DataError(f"tokens:{path}: no such file; give a flat {dtype} array of token ids (nanoGPT's train.bin)")
-        itemsize = np.dtype(dtype).itemsize
-        size = os.path.getsize(path)
-        if size % itemsize:
-            raise DataError(f"tokens:{path}: {size} bytes is not a whole number of {dtype} ids ({itemsize} bytes each); "
-                            "is the dtype right (--token_dtype)?")
-        if size // itemsize < seq_len + 1:
-            raise DataError(f"tokens:{path}: {size // itemsize} token(s) cannot make one window of --seq_len {seq_len} "
-                            "plus its shifted target; give more tokens or a shorter --seq_len")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")  # read-only, paged in on demand
-        self.seq_len, self.path, self.vocab = seq_len, path, vocab
-        if vocab is not None and vocab <= np.iinfo(dtype).max:
-            self._check_vocab(vocab)
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.seq_len
-        window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype("int64"))
-        return window[:-1], window[1:]
-
-    def target(self, index: int) -> torch.Tensor:
-        """`self[index][1]` alone: the window shifted by one token."""
-        start = index * self.seq_len + 1
-        return torch.from_numpy(self.tokens[start:start + self.seq_len].astype("int64"))
-
-    def _check_vocab(self, vocab: int) -> None:
-        """An id past the vocabulary would fail deep in a stage as "index out of range in self", naming nothing,
-        and only at the step that first read it, hours in. So the whole file is checked once, here: a max over each
-        chunk of the memory map (16 ms for 400 MB in the page cache; a cold file costs one read of it; nothing is
-        held)."""
-        import numpy as np
-
-        chunk = 1 << 26
-        for begin in range(0, len(self.tokens), chunk):
-            part = self.tokens[begin:begin + chunk]
-            if int(part.max()) >= vocab:
-                at = begin + int(np.argmax(part >= vocab))
-                raise DataError(f"tokens:{self.path}: token id {int(self.tokens[at])} (at token {at}) is not below "
-                                f"the model's vocabulary size {vocab}; was the file made by another tokenizer, or is "
-                                f"its dtype other than {self.tokens.dtype} (--token_dtype)?")
 
 
 def token_data(path: str, seq_len: int, batch_size: int, seed: int = 0, dtype: str = "uint16",

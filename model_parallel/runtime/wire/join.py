@@ -5,6 +5,9 @@ the lowest survivor's at --dist_port + g once the first host was lost). Its keys
 
 - `mp/job/flags`: the job's flags as JSON, written by the current rank 0 at every world it forms, with whether it
   runs under `--recover` (only such a job can admit anyone). A joiner compares its own flags with them first.
+- `mp/job/training`: the training record rank 0's engine would write into a checkpoint (its graph's structure, its
+  data's fingerprint), written once the engine of each world is built: a joiner's own graph and data are compared
+  with it (cli/join_data.py).
 - `mp/join/request`: the one request slot. "" or absent: free; a JSON request {"address", "nonce"}: pending;
   "taken": rank 0 is admitting someone. A joiner claims it with compare-and-set from "", so two joiners never
   overwrite each other; rank 0 takes it with compare-and-set from the request it read, so a joiner that gave
@@ -30,6 +33,7 @@ from model_parallel.errors import PeerError, ProtocolError
 from model_parallel.graph.hierarchy import MAX_RANKS
 
 FLAGS = "mp/job/flags"
+TRAINING = "mp/job/training"  # rank 0's training record (publish_training)
 REQUEST = "mp/join/request"
 ADMIT = "mp/join/admit/{}"
 TAKEN = "taken"
@@ -106,18 +110,35 @@ def publish_flags(store: Any, flags: dict[str, Any], recover: bool, backend: str
 def read_flags(store: Any, seconds: float) -> Optional[dict[str, Any]]:
     """The running job's published flags ({"recover", "flags"}), None when none appear within `seconds` (a store
     that closes the connection raises: the caller names it, it is no "nobody published")."""
+    data = _read_published(store, FLAGS, seconds, "flags")
+    return data if isinstance(data, dict) and isinstance(data.get("flags"), dict) else None
+
+
+def publish_training(store: Any, record: dict[str, Any]) -> None:
+    """Rank 0 of every world, once its engine is built: the training record a checkpoint of it would hold (the graph's
+    structure, the data's fingerprint: runtime/checkpoint/training_record.py). A joiner compares its own graph and data
+    with it before it asks to be admitted, also before the job committed any checkpoint (cli/join_data.py)."""
+    store.set(TRAINING, json.dumps(record, sort_keys=True, default=str))
+
+
+def read_training(store: Any, seconds: float) -> Optional[dict[str, Any]]:
+    """The record `publish_training` wrote, None when none appears within `seconds` (or it is unreadable)."""
+    data = _read_published(store, TRAINING, seconds, "training record")
+    return data if isinstance(data, dict) else None
+
+
+def _read_published(store: Any, key: str, seconds: float, what: str) -> Any:
     try:
-        store.wait([FLAGS], timedelta(seconds=seconds))
+        store.wait([key], timedelta(seconds=seconds))
     except DistNetworkError:
         raise
     except Exception:  # noqa: BLE001 - the store's own timeout: nobody published
         return None
     try:  # any store client can write the key: nested 100 000 deep was a RecursionError, reported as a store failure
-        data = jsonbound.loads(store.get(FLAGS), where=FLAGS, error=ProtocolError, max_bytes=MAX_FLAGS_BYTES)
+        return jsonbound.loads(store.get(key), where=key, error=ProtocolError, max_bytes=MAX_FLAGS_BYTES)
     except ProtocolError as error:
-        logger.warning("the job's published flags are unreadable, read as none published: %s", error)
+        logger.warning("the job's published %s are unreadable, read as none published: %s", what, error)
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("flags"), dict) else None
 
 
 def post_request(store: Any, address: str, deadline: float) -> str:

@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
 
 from model_parallel.errors import PeerError, ReplacedError
+from model_parallel.runtime.wire.stillness import Stillness
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +203,10 @@ class Reformed:
     dropped: tuple[int, ...]  # original ranks of the previous world that are not in the new one
 
 
-def _meeting_store(lineage: Lineage, lost: set[int], generation: int, timeout: float) -> tuple[Any, int]:
-    """(base store, its host's original rank) of `generation`: the old one while its host lives, else a new one."""
+def _meeting_store(lineage: Lineage, lost: set[int], generation: int, timeout: float,
+                   watching: Optional["Stillness"] = None) -> tuple[Any, int]:
+    """(base store, its host's original rank) of `generation`: the old one while its host lives, else a new one;
+    ReplacedError when it is unreachable after this process stood still (`watching`) for STILL_SHARE x timeout."""
     from torch.distributed import TCPStore
 
     if lineage.store_host not in lost:
@@ -215,6 +218,12 @@ def _meeting_store(lineage: Lineage, lost: set[int], generation: int, timeout: f
                      max(1.0, timeout / 4), f"the store hosted by rank {lineage.store_host}")
             return lineage.base_store, lineage.store_host
         except PeerError as error:
+            still = watching.now() if watching is not None else 0.0
+            if still >= STILL_SHARE * timeout:
+                # Its peers went on without it and ended (or met elsewhere): it formed a world of its own (exit 0)
+                raise ReplacedError(f"original rank {lineage.me} was replaced: it stood still for {still:.1f} s while "
+                                    f"it recovered and then found the store of generation {lineage.generation} "
+                                    f"unreachable ({error}): its peers re-formed the world without it (or finished)")
             logger.warning("rank %d: the store of generation %d is unreachable (%s): its host, original rank %d, "
                            "counts as lost", lineage.me, lineage.generation, error, lineage.store_host)
             lost = lost | {lineage.store_host}
@@ -262,40 +271,13 @@ def _all_seen(store: Any, members: list[int], seconds: float) -> None:
         logger.warning("original rank(s) %s: %s", members, error)
 
 
-class _Stillness:
-    """How long this process stood still (SIGSTOP, a debugger, a paused VM) while it ran: a thread's waits of
-    `interval` seconds that ended much later (the monotonic clock runs on while the process does not; the rule of
-    wire/health.py). The wait still running when `stop` is called counts too: the main thread may get there first."""
-
-    def __init__(self, interval: float = 0.1) -> None:
-        self.interval, self.longest = interval, 0.0
-        self._since = time.monotonic()
-        self._done = threading.Event()
-
-    def start(self) -> "_Stillness":
-        threading.Thread(target=self._run, name="recovery-stillness", daemon=True).start()
-        return self
-
-    def _run(self) -> None:
-        while True:
-            self._since = time.monotonic()
-            if self._done.wait(self.interval):
-                return
-            self.longest = max(self.longest, time.monotonic() - self._since - self.interval)
-
-    def stop(self) -> float:
-        """Stop watching; the longest stand-still seen, in seconds."""
-        self._done.set()
-        return max(self.longest, time.monotonic() - self._since - self.interval)
-
-
 def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
-           on_closed: Optional[Callable[[int], None]] = None) -> Reformed:
+           on_closed: Optional[Callable[[int], None]] = None, watching: Optional[Stillness] = None) -> Reformed:
     """Meet the survivors in the next generation and join its process group (see the module docstring).
 
     `lost`: original ranks this process knows are gone. `on_closed(generation)`: called once the membership of a
     generation closed with this process in it and every member read it, before its process group forms (the test
-    hook `reform`; None: no wait).
+    hook `reform`; None: no wait). `watching`: this process's stand-still since it detected the failure.
 
     A member lost after the membership closed (it registered, then died or stood still) leaves the others' process
     group unformed. Each member whose group did not form meets again one generation later, from the membership that
@@ -311,9 +293,10 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
     from torch.distributed import PrefixStore
 
     current, known_lost = lineage, set(lost)
+    watching = watching or Stillness().start()  # a joiner's and an admission's meeting are watched from here
     while True:
         generation = current.generation + 1
-        base, host = _meeting_store(current, known_lost, generation, timeout)
+        base, host = _meeting_store(current, known_lost, generation, timeout, watching)
         store = PrefixStore(f"mp/recovery/{generation}", base)
         expected = [m for m in current.members
                     if m not in known_lost and (m != current.store_host or host == current.store_host)]
@@ -325,7 +308,7 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
         port = current.store_port if base is current.base_store else current.base_port + generation
         formed = replace(current, generation=generation, members=tuple(members), store_host=host, store_port=port,
                          base_store=base, world_store=store)
-        stillness = _Stillness().start()
+        stillness = Stillness().start()
         try:
             if on_closed is not None:
                 _all_seen(store, members, timeout)
@@ -344,6 +327,7 @@ def reform(lineage: Lineage, lost: set[int], timeout: float, backend: str,
             current, known_lost = formed, set()
         finally:
             stillness.stop()
+    watching.stop()
     logger.info("original rank %d: generation %d formed (original ranks %s), rank %d of %d", lineage.me, generation,
                 members, members.index(lineage.me), len(members))
     dropped = tuple(m for m in lineage.members if m not in members)

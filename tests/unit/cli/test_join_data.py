@@ -98,3 +98,34 @@ def test_a_joiner_with_another_image_folder_is_refused_before_it_asks(tmp_path, 
         check_joiner_data(SimpleNamespace(data=str(copy), checkpoint_dir="ck"), "h:1")
     with pytest.raises(ConfigError, match=r"--join h:1: --data .*missing: not a directory"):
         check_joiner_data(SimpleNamespace(data=str(tmp_path / "missing"), checkpoint_dir="ck"), "h:1")
+
+
+def test_a_joiner_whose_code_traces_another_model_is_refused_before_any_checkpoint(tmp_path) -> None:
+    # QA: a joiner with the job's flags (--model mlp) but another version of the code (a ReLU become Tanh) was found only
+    # by the new world's agreement ("rank(s) [2] hold another graph than rank 0"), which ended every member with exit
+    # 2; and the data and graph checks here read only a committed checkpoint's record, so a joiner that came before
+    # the first checkpoint was not compared at all. Rank 0 publishes its training record; it is compared first.
+    from model_parallel.api.job_models import zoo_model
+    from model_parallel.runtime.checkpoint.graph_identity import describe_graph
+
+    args = SimpleNamespace(model="mlp", batch_size=8, num_microbatches=4, data="synthetic",
+                           checkpoint_dir=str(tmp_path / "none yet"), allow_config_change=False)
+    other = {"graph": "16 nodes, structure 0123456789abcdef"}
+    with pytest.raises(ConfigError, match=r"--join h:1: --model mlp traces on this host to another model than the "
+                                          r"running job's \(16 nodes, structure 0123456789abcdef \(job, published by "
+                                          r"the job's rank 0 at h:1\) vs 16 nodes, structure [0-9a-f]+ \(this worker\)\): "
+                                          r"run this worker with the job's version of model_parallel"):
+        check_joiner_data(args, "h:1", other)
+    check_joiner_data(args, "h:1", {"graph": describe_graph(zoo_model("mlp", 2, None)[0])})  # the same code joins
+
+
+def test_the_published_data_record_refuses_other_tokens_before_any_checkpoint(tmp_path) -> None:
+    job, mine = tmp_path / "job.bin", tmp_path / "train.bin"
+    np.arange(5000, dtype=np.uint16).tofile(job)
+    np.arange(5000, dtype=np.uint16)[::-1].copy().tofile(mine)
+    published = {"data_content": {"kind": "token file", "samples": 10, **token_file_content(str(job))}}
+    args = SimpleNamespace(data=f"tokens:{mine}", checkpoint_dir=str(tmp_path / "none yet"), allow_config_change=False)
+    with pytest.raises(ConfigError, match=r"holds other tokens than the running job trained on .*published by the "
+                                          r"job's rank 0 at h:1"):
+        check_joiner_data(args, "h:1", published)
+    check_joiner_data(args, "h:1")  # no record published, no checkpoint: nothing to compare here (the restore checks)

@@ -65,3 +65,17 @@ def test_a_joiner_is_told_to_join_again_not_to_resume_the_job_with_its_command(t
     assert hint == (f"[rank 2] latest committed checkpoint: {tmp_path / 'step_16'}; this worker joined with "
                     "--join: resume the job with its ranks' own commands (each one's last line), then join it again "
                     f"with: {PY} test_parallel_0.py --join h:29500 --model mlp --checkpoint_dir {tmp_path}")
+
+
+def test_a_joiner_that_came_after_the_job_finished_is_told_so(tmp_path, monkeypatch):
+    # QA: a joiner the job never admitted (it ended first, or the joiner stood still through it) was told to
+    # "resume the job with its ranks' own commands, then join it again": the job had run every step.
+    _as_plain_script(monkeypatch)
+    (tmp_path / "step_9").mkdir()
+    (tmp_path / "latest").write_text("step_9\n")
+    for steps in (["--steps", "10"], ["--steps=10"]):
+        hint = resume_hint(str(tmp_path), ["--join", "h:1", "--model", "mlp", *steps, "--checkpoint_dir", str(tmp_path)], 0)
+        assert hint == (f"[rank 0] the job finished: its latest committed checkpoint {tmp_path / 'step_9'} holds all 10 "
+                        "requested step(s); there is nothing left to join")
+    hint = resume_hint(str(tmp_path), ["--join", "h:1", "--steps", "11", "--checkpoint_dir", str(tmp_path)], 0)
+    assert "join it again" in hint  # a step left: the job may still run

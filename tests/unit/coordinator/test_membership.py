@@ -170,6 +170,32 @@ def test_a_world_that_admitted_a_joiner_is_the_next_generation_with_the_joiner_a
             channel.close()
 
 
+def test_an_admission_that_lost_a_member_says_so_and_does_not_call_the_joiner_a_spare(coordinator, caplog) -> None:
+    # QA: original rank 1 lost while the world re-formed for the admission of rank 3 (recovery.reform's retry): the
+    # world [0, 2, 3] runs the 3-rank plan it ran, so the joiner (current rank 2) holds stage 2. The coordinator logged
+    # "[3] joined ... the joiner a spare until a rebalance gives it a share" and ctl status "[3] joined (spares)",
+    # naming the loss nowhere.
+    first = [CoordinatorChannel(coordinator.address, TOKEN, rank=r, world_size=3, recover=True) for r in range(3)]
+    for channel in first:
+        channel.reforming()
+        channel.close("stopped after 5 of the 9 requested step(s): admitting a joining worker")
+    wait_for(lambda: [w.status for w in coordinator.workers.values()] == ["recovering"] * 3)
+    plan = replace(three_stage_plan(), version=1)
+    membership = {"members": [0, 2, 3], "lost": [1], "joined": [3], "from_step": 5}
+    new = [CoordinatorChannel(coordinator.address, TOKEN, rank=r, world_size=3, live_plan=plan, recover=True,
+                              generation=2, membership=membership) for r in range(3)]
+    try:
+        status = coordinator.handle_ctl("status", {})
+        assert "original rank(s) [3] joined, [1] lost; a world of 3 (original ranks [0, 2, 3])" in format_status(status)
+        assert "lost while it re-formed" in status["history"][-1]["reason"], status["history"][-1]
+        assert ("membership generation 2: original rank(s) [3] joined; original rank(s) [1] lost while it re-formed; "
+                "a world of 3" in caplog.text and "the joiner holds the stage of the current rank it took" in caplog.text)
+        assert "a spare until" not in caplog.text, caplog.text
+    finally:
+        for channel in first + new:
+            channel.close()
+
+
 def test_a_reformed_world_that_runs_a_stand_in_schedule_is_served_under_it(coordinator) -> None:
     # The first world ran interleaved; the survivors' world does not divide m and runs 1f1b on its even split
     # (cli/recover_schedule.py): their one-stage-per-rank plan is checked under 1f1b, not refused under interleaved.

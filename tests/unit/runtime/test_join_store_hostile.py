@@ -98,6 +98,18 @@ def test_honest_flags_read_back() -> None:
     assert join.read_flags(store, 0.1) == {"recover": True, "backend": "gloo", "flags": {"steps": 5}}
 
 
+@pytest.mark.parametrize("value", [DEEP, "[1]", "9" * 5000, "\xff"])
+def test_a_garbage_training_record_is_none_published(value: str) -> None:
+    assert join.read_training(FakeStore({join.TRAINING: value}), seconds=0.1) is None
+
+
+def test_the_training_record_reads_back() -> None:
+    store = FakeStore({})
+    join.publish_training(store, {"graph": "16 nodes, structure ab", "data_content": None})
+    assert join.read_training(store, 0.1) == {"graph": "16 nodes, structure ab", "data_content": None}
+    assert join.read_training(FakeStore({}), 0.1) is None  # an older job's rank 0: the checkpoint's record is used
+
+
 def test_a_deeply_nested_request_slot_is_not_ours_and_is_freed() -> None:
     nonce = "ef" * 16
     store = FakeStore({join.REQUEST: DEEP})

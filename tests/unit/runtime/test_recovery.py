@@ -48,7 +48,8 @@ class _Meetings:
         monkeypatch.setattr(recovery, "_record_replaced", lambda world, dropped, generation: None)
         monkeypatch.setattr(recovery, "_all_seen", lambda store, members, seconds: None)
 
-    def meeting_store(self, lineage: Lineage, lost: set[int], generation: int, timeout: float) -> tuple[object, int]:
+    def meeting_store(self, lineage: Lineage, lost: set[int], generation: int, timeout: float,
+                      watching: object = None) -> tuple[object, int]:
         self.seen.append((generation, lineage.members, set(lost)))
         host = min(self.closes[generation])
         return (lineage.base_store if host == lineage.store_host else object()), host
@@ -93,8 +94,34 @@ def test_a_store_host_that_stood_still_while_its_group_formed_is_replaced() -> N
 
 def test_stillness_counts_the_wait_still_running() -> None:
     # Not started: only the wait `stop` finds running counts (the main thread may get there before the ticker).
-    stillness = recovery._Stillness(interval=0.1)
+    stillness = recovery.Stillness(interval=0.1)
     assert stillness.stop() < 1.0
-    stopped = recovery._Stillness(interval=0.1)
+    stopped = recovery.Stillness(interval=0.1)
     stopped._since -= 10.0  # as if the process stood still for 10 s right after the wait began
     assert stopped.stop() >= 9.8
+
+
+class _GoneStore:
+    def set(self, key, value):
+        raise RuntimeError("Broken pipe")
+
+
+class _Still:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def now(self) -> float:
+        return self.seconds
+
+
+def test_a_process_that_stood_still_and_finds_the_store_gone_was_replaced() -> None:
+    # QA: original rank 2, stopped as it began recovering (SIGSTOP), continued after the others had recovered without
+    # it and finished: rank 0's store was gone, so it counted rank 0 lost, formed a world of its own ("recovery 1: lost
+    # original rank(s) [0, 1]; new world of 1") and exited 0, where the promise is exit 6. (Before the job ended it
+    # would have trained alone into the job's checkpoint directory.)
+    lineage = replace(_lineage(2, (0, 1, 2)), base_store=_GoneStore())
+    with pytest.raises(ReplacedError, match=r"original rank 2 was replaced: it stood still for 16.0 s while it "
+                                            r"recovered and then found the store of generation 0 unreachable"):
+        recovery._meeting_store(lineage, {1}, 1, 5.0, _Still(16.0))
+    with pytest.raises(PeerError, match="cannot reach the recovery store of generation 1"):  # not still: host lost,
+        recovery._meeting_store(replace(lineage, me=0, members=(1, 2)), {1}, 1, 0.5, _Still(0.1))  # the next one meets
