@@ -187,9 +187,7 @@ class Survivor:
                 options = dataclasses.replace(self.options, resume=True, metrics=metrics)
         if self._pending is not None:  # the checkpoint held every requested step: nothing left to run
             self._finish_pending(float("inf"))
-        admissions = [r for r in self.records if not isinstance(r, RecoveryRecord)]
-        # An admission that lost a member on the way is a survived failure too (its line names the lost)
-        failures = [r for r in self.records if isinstance(r, RecoveryRecord) or getattr(r, "lost", ())]
+        admissions, failures = self._split_records()
         if admissions:
             print(f"[rank {self.rank}] admitted {len(admissions)} joining worker(s)", flush=True)
         if failures:
@@ -345,9 +343,18 @@ class Survivor:
         if self.options.metrics:
             append_metrics(self.options.metrics.replace("{rank}", str(self.lineage.me)), record)
 
+    def _split_records(self) -> tuple[list[Any], list[Any]]:
+        """(admissions, survived failures) of this run; an admission that lost a member on the way is both (its line
+        names the lost)."""
+        admissions = [r for r in self.records if not isinstance(r, RecoveryRecord)]
+        return admissions, [r for r in self.records if isinstance(r, RecoveryRecord) or getattr(r, "lost", ())]
+
     def _leave(self, code: int, line: str, hint: Optional[str]) -> Any:
-        if self.records:
-            line += f" (after surviving {len(self.records)} failure(s): " + "; ".join(r.line() for r in self.records) + ")"
+        admissions, failures = self._split_records()
+        done = [f"surviving {len(failures)} failure(s): " + "; ".join(r.line() for r in failures)] if failures else []
+        done += [f"admitting {len(admissions)} joining worker(s)"] if admissions else []
+        if done:
+            line += f" (after {'; '.join(done)})"
         leave(code, line, self.rank, self.health, hint=hint, linger=code != EXIT_REPLACED)
 
 
