@@ -30,6 +30,7 @@ def check_joiner_data(args: Any, where: str, published: Any = None) -> None:
     from model_parallel.errors import CheckpointError
     from model_parallel.runtime.checkpoint.store import load_checkpoint
 
+    training: Any
     if isinstance(published, Mapping):
         training, source = published, f"published by the job's rank 0 at {where}"
     else:
@@ -108,7 +109,7 @@ def _check_graph(args: Any, recorded: Any, where: str, source: str) -> None:
             # ended every member of the running job (exit 2). Traced on meta, as the worker's own build does.
             from model_parallel.api.job_models import zoo_model
 
-            mine = describe_graph(zoo_model(model, max(1, args.batch_size // args.num_microbatches), None)[0])
+            mine = describe_graph(zoo_model(str(model), max(1, args.batch_size // args.num_microbatches), None)[0])
     except (ModelParallelError, OSError) as error:  # the job's build says what is wrong with it
         logger.debug("joiner: graph %s not compared (%s)", path or model, error)
         return

@@ -347,7 +347,7 @@ class Survivor:
         """(admissions, survived failures) of this run; an admission that lost a member on the way is both (its line
         names the lost)."""
         admissions = [r for r in self.records if not isinstance(r, RecoveryRecord)]
-        return admissions, [r for r in self.records if isinstance(r, RecoveryRecord) or getattr(r, "lost", ())]
+        return admissions, [r for r in self.records if isinstance(r, RecoveryRecord) or bool(getattr(r, "lost", ()))]
 
     def _leave(self, code: int, line: str, hint: Optional[str]) -> Any:
         admissions, failures = self._split_records()
