@@ -168,11 +168,23 @@ class PipelineTrainer:
             # running in it then aborts the process ("terminate called without an active exception").
             # atexit runs before the teardown (stop() is idempotent: close() may have run already).
             atexit.register(self.health.stop, "done")
-            self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
-                                         optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
-                                         options=options, channel=channel, health=self.health, device=device,
-                                         initializer=job.initializer, eval_dataset=job.eval_dataset,
-                                         control_group=control_group)
+            try:  # building the stage fails on this rank alone (a weight missing from the file, out of memory)
+                self.runner = PipelineEngine(graph=graph, plan=self.plan, model=model, criterion=job.criterion,
+                                             optimizer_factory=optimizer_factory, dataset=job.dataset, config=config,
+                                             options=options, channel=channel, health=self.health, device=device,
+                                             initializer=job.initializer, eval_dataset=job.eval_dataset,
+                                             control_group=control_group)
+            except Exception as error:
+                self._publish_failure(error)
+                raise
+
+    def _publish_failure(self, error: BaseException) -> None:
+        """This rank's error, published as its failure before the exit hook says "done": peers then name this rank
+        and its error, not "rank(s) [r] already finished (same --steps and plan?)". A diagnosis published first
+        stays (`Health.stop` publishes once)."""
+        if self.health is not None:
+            first = str(error).splitlines()[0][:300] if str(error) else ""
+            self.health.stop("failed", None, f"{type(error).__name__}: {first}")
 
     def train(self, steps: int) -> list[StepResult]:
         """Train `steps` steps (all ranks call this together); returns this rank's results of those steps. The first
@@ -200,11 +212,7 @@ class PipelineTrainer:
             except TrainingStopped:
                 raise
             except Exception as error:
-                # Published as this rank's failure before the exit hook says "done": peers then name this rank
-                # and its error, not "already finished (same --steps?)". A diagnosis published first stays.
-                if self.health is not None:
-                    first = str(error).splitlines()[0][:300] if str(error) else ""
-                    self.health.stop("failed", None, f"{type(error).__name__}: {first}")
+                self._publish_failure(error)
                 raise
             self._report_memory()
             return [result for result in results if result.step >= self.runner.start_step]  # not earlier calls'

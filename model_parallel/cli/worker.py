@@ -35,7 +35,7 @@ from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_REPLACED
 from model_parallel.cli.worker_inputs import (check_inputs, check_numbers, check_single_process, read_control_script,  # noqa: E402
                                              read_jobs)
 from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
-from model_parallel.errors import ModelParallelError, PeerError, ReplacedError, TrainingStopped  # noqa: E402
+from model_parallel.errors import ModelParallelError, OutOfMemoryError, PeerError, ReplacedError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.step import stop_signals  # noqa: E402
 from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
 from model_parallel.runtime.step.auto import AUTO  # noqa: E402
@@ -351,7 +351,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now
         if health is None:
             raise  # before joining a world: no threads yet, cli.common prints it and exits 2
-        leave(EXIT_USAGE, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
+        # Out of memory is this rank's own failure while training (exit 5, docs/reliability.md), not a usage error.
+        code = EXIT_FAILED if isinstance(error, OutOfMemoryError) else EXIT_USAGE
+        leave(code, f"{os.path.basename(sys.argv[0])}: error: {error}", rank, health,
               cause=f"{type(error).__name__}: {error}", hint=resume_hint(args.checkpoint_dir, argv, rank, fix_first=True))
     except Exception as error:  # noqa: BLE001 - a layer failing at run time: one line here, and for every peer
         rank, health = (survivor.rank, survivor.health) if survivor else (rank, health)  # --recover: its world now

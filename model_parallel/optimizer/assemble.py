@@ -146,12 +146,13 @@ def build_plan(
     # (the legacy models' search sums exactly what their plans report).
     footprint = options.use_memory_constraint and options.memory_model == "footprint"
     # (An offloaded optimizer state's chunk is in memory_bytes; the search's limit is the cap less it: straight_plan.)
-    over = [s for s in stages if footprint and s.memory_bytes > hierarchy.memory_bytes + offload_bytes(options.memory)]
+    cap = hierarchy.memory_bytes + offload_bytes(options.memory) if options.memory_cap is None else options.memory_cap
+    over = [s for s in stages if footprint and s.memory_bytes > cap]
     if over:
         worst = max(over, key=lambda s: s.memory_bytes)
         raise InfeasibleError(
             f"the best plan the search found needs {worst.memory_bytes:.4g} bytes on stage {worst.stage_id} once the "
-            f"values it sends and receives are counted, over the {hierarchy.memory_bytes:.4g} bytes per worker allowed "
+            f"values it sends and receives are counted, over the {cap:.4g} bytes per worker allowed "
             f"(memory model {options.memory_model!r}); raise -s/--memory_size to at least that, or add workers")
     extra = {
         "cuts": solution.states.kind,

@@ -39,6 +39,10 @@ class PartitionOptions:
     - `max_cut_points`: keep at most this many topological cut points (the cheapest cut of each of
       that many equal-compute pieces: a heuristic for huge graphs). None = every prefix (or, under
       "auto", what the work budget allows).
+    - `memory_cap`: with "footprint", the bytes each stage's reported peak (sent and received values included) must
+      fit; None = the hierarchy's `memory_bytes` (the search's bound on what stages hold). A caller that tightens
+      the bound to make the search pick another split checks that split against the real cap
+      (`contiguous._fitting_split`).
     - `tuning`: the budgets of "auto" and of the search (`tuning.Tuning`); the search layers themselves
       are opt-in (`optimizer/search.searched_partition`), not an option of the core.
     """
@@ -53,6 +57,7 @@ class PartitionOptions:
     cuts: str = "auto"
     max_antichain_states: int = 5000
     max_cut_points: Optional[int] = None
+    memory_cap: Optional[float] = None
     tuning: Tuning = field(default=Tuning(), repr=False)
 
     def __post_init__(self) -> None:

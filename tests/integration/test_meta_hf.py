@@ -39,10 +39,10 @@ EXAMPLE = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
 
 
 def hf_config(name: str):
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2_tied"):  # tied: the head on the last rank takes the embedding's init from rank 0's rule
         return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=0,
-                                       eos_token_id=0)
+                                       embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=name == "gpt2_tied",
+                                       bos_token_id=0, eos_token_id=0)
     if name == "opt":
         return transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
                                       vocab_size=VOCAB, max_position_embeddings=16, word_embed_proj_dim=32, dropout=0.0,
@@ -220,7 +220,7 @@ print("ok", rank, held, share, flush=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_tied", "llama"])
 @pytest.mark.parametrize("stored", [False, True], ids=["fresh", "safetensors"])
 def test_two_ranks_hold_only_their_stage_and_train_like_the_reference(name, stored, tmp_path):
     script = tmp_path / "worker.py"

@@ -235,11 +235,11 @@ def _owner_values(owner: str, obj: Layer, init: Initializer) -> dict[int, torch.
     """The values the owner layer's init gives its tensors, from a throwaway copy (the owner lives on
     another rank; its rule is deterministic), by id of the original (meta) tensor."""
     memo: dict[int, Any] = {}
-    clone = copy.deepcopy(obj, memo)
-    originals = {id(c): o for o, c in zip(_tensors(obj), _tensors(clone))}
-    clone = _replace(clone, lambda t: _empty_like(t, torch.device("cpu")) if t.is_meta else None)
+    clone = _replace(copy.deepcopy(obj, memo), lambda t: _empty_like(t, torch.device("cpu")) if t.is_meta else None)
     init_layer(owner, clone, init.seed, init.hook, init.bare_tensor_defaults, init.owners)
-    return {id(originals.get(id(c), c)): c.detach() for c in _tensors(clone)}
+    # Matched by position after the swap: a meta owner's clone holds new tensors, which no id of the clone's
+    # own meta tensors names (a tied GPT-2 head on meta, its embedding on another rank, was a KeyError).
+    return {id(o): c.detach() for o, c in zip(_tensors(obj), _tensors(clone))}
 
 
 def materialize_layers(

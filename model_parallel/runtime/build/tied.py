@@ -208,8 +208,21 @@ def _local_grad(params: list[nn.Parameter]) -> torch.Tensor:
     return grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
 
 
+CHECKSUM_CHUNK = 1 << 20  # elements summed at a time: 16 MB of float64 copy and weights, whatever the parameter's size
+
+
 def _checksum(param: torch.Tensor) -> torch.Tensor:
-    """Two float64 numbers that differ when the values do (a plain sum and a position-weighted one)."""
-    flat = param.detach().reshape(-1).double()
-    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-    return torch.stack([flat.sum(), torch.dot(flat, weights)])
+    """Two float64 numbers that differ when the values do (a plain sum and one weighted by position, 1 to 2).
+    Chunked: a whole float64 copy and its weights were 4x the parameter at once, at every checkpoint (a capped rank
+    holding a GPT-2's tied 24 MB embedding ran out of memory there, having trained under the same cap). Every holder
+    sums in the same order, so equal values give equal checksums."""
+    flat = param.detach().reshape(-1)
+    count = flat.numel()
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start in range(0, count, CHECKSUM_CHUNK):
+        piece = flat[start:start + CHECKSUM_CHUNK].double()
+        weights = torch.arange(start, start + piece.numel(), dtype=torch.float64, device=flat.device) / max(count - 1, 1) + 1
+        total += piece.sum()
+        weighted += torch.dot(piece, weights)
+    return torch.stack([total, weighted])
