@@ -65,11 +65,12 @@ def straight_plan(graph: Graph, ranks: Sequence[int], speeds: Optional[Sequence[
     hierarchy = Hierarchy.from_lists([len(ranks)])
     priced = priced_graph(graph)
     if memory_per_worker is not None:
-        options = replace(options, use_memory_constraint=True, memory_model="footprint", footprint=footprint or Footprint())
-        least = _least_held(priced, len(ranks), options.memory)
+        footprint = footprint or Footprint()
+        options = replace(options, use_memory_constraint=True, memory_model="footprint", footprint=footprint)
+        least = _least_held(priced, len(ranks), footprint)
         plan = _fitting_split(priced, hierarchy, options, float(memory_per_worker), least)
         if plan is None:
-            raise InfeasibleError(_no_fit(priced, hierarchy, options, float(memory_per_worker), least))
+            raise InfeasibleError(_no_fit(priced, hierarchy, options, footprint, float(memory_per_worker), least))
     else:
         plan = partition(priced, hierarchy, options)
     stages = tuple(replace(s, ranks=(int(ranks[i]),)) for i, s in enumerate(plan.stages))
@@ -101,10 +102,11 @@ def _fitting_split(priced: Graph, hierarchy: Hierarchy, options: PartitionOption
     return None
 
 
-def _no_fit(priced: Graph, hierarchy: Hierarchy, options: PartitionOptions, limit: float, least: float) -> str:
+def _no_fit(priced: Graph, hierarchy: Hierarchy, options: PartitionOptions, footprint: Footprint, limit: float,
+            least: float) -> str:
     """Why no split fits `limit`, with the smallest memory per worker that does: the least any split holds when a
     split fits there, else bisected (to `BISECT`) up to a cap `_fitting_split` plans under, so the figure works."""
-    footprint, num_stages = options.memory, len(options.worker_speeds or ())
+    num_stages = len(options.worker_speeds or ())
     settings = f"{footprint.optimizer}, {footprint.schedule}, {footprint.microbatches or num_stages} microbatches"
     if not math.isfinite(least):
         return f"cannot split the graph into {num_stages} stages at all"
