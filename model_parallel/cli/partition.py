@@ -186,7 +186,7 @@ def _several_per_worker(args: Any, graph: Any, workers: int, footprint: Any) -> 
     print(plan.table())
     # The plan's times are the profile's, for one minibatch at the profiled batch size (the table's "time per
     # minibatch" is the largest of these sums): "per microbatch" said otherwise.
-    batch = graph.metadata.get("batch_size") if hasattr(graph.metadata, "get") else None
+    batch = graph.metadata.get("batch_size")
     per = f"ms per minibatch of {batch} samples (the profile's)" if isinstance(batch, int) else "ms per profiled minibatch"
     for rank in range(workers):
         held = plan.stages_of_rank(rank)

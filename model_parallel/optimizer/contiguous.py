@@ -31,8 +31,10 @@ from model_parallel.optimizer.straight import smallest_memory
 # Parameter-free nodes of an untimed graph weigh this share of the mean parameter node: enough to split
 # a parameter-free stretch evenly among ties, too little to move a cut off the parameter balance.
 TIE_SHARE = 1e-3
-LOOP_SHARES = 8  # `loop_plan` and `v_plan` under a memory cap: per-stage bounds tried between the cap and 1/v of it
-BISECT = 0.01  # their refusal names the least memory per worker that fits to this share
+# Bounds tried between a memory cap and a lower bound (loop and V plans: 1/v of it; a straight split: the least any
+# split holds).
+LOOP_SHARES = 8
+BISECT = 0.01  # a refusal names the least memory per worker that fits to this share
 
 
 def priced_graph(graph: Graph) -> Graph:
@@ -102,6 +104,14 @@ def _fitting_split(priced: Graph, hierarchy: Hierarchy, options: PartitionOption
     return None
 
 
+def _least_cap(fits: Callable[[float], bool], low: float, high: float) -> float:
+    """The least cap in (low, high] that `fits`, to `BISECT` (`high` fits, `low` does not)."""
+    while high > low * (1 + BISECT):
+        middle = (low + high) / 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
 def _no_fit(priced: Graph, hierarchy: Hierarchy, options: PartitionOptions, footprint: Footprint, limit: float,
             least: float) -> str:
     """Why no split fits `limit`, with the smallest memory per worker that does: the least any split holds when a
@@ -122,10 +132,7 @@ def _no_fit(priced: Graph, hierarchy: Hierarchy, options: PartitionOptions, foot
             if not math.isfinite(high):
                 return f"no split of the model into {num_stages} stages fits any memory per worker ({settings})"
             low, high = high, high * 1.25
-        while high > low * (1 + BISECT):
-            middle = (low + high) / 2
-            low, high = (low, middle) if fits(middle) else (middle, high)
-        need = math.ceil(high)
+        need = math.ceil(_least_cap(fits, low, high))
     why = ("once the values each stage sends and receives are counted" if least <= limit else
            "(predicted peak: parameters, gradients, optimizer state and saved activations)")
     return (f"no split of the model into {num_stages} stages fits {limit / 1e9:.3g} GB per worker {why} ({settings}); "
@@ -248,9 +255,7 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
     # between that and the smallest largest stage (a rank holds it, and more).
     high = min(max(_rank_bytes(graph, split, model)) for split in (plan, least()) if split is not None)
     low = max(cap, smallest[0][0] if smallest[0] is not None else 0.0, 1.0)
-    while high > low * (1 + BISECT):
-        middle = (low + high) / 2
-        low, high = (low, middle) if fitting(middle) is not None else (middle, high)
+    high = _least_cap(lambda middle: fitting(middle) is not None, low, high)
     raise InfeasibleError(f"{over}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a larger "
                           f"share with its ranks' sums fitting exists either; the least memory per worker that fits is "
                           f"{high / 1e9:.3g} GB ({math.ceil(high)} bytes, found to {BISECT:.0%}): raise memory_per_worker to at "
