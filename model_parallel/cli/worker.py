@@ -35,6 +35,7 @@ from model_parallel.cli.worker_exit import EXIT_FAILED, EXIT_PEER, EXIT_REPLACED
 from model_parallel.cli.worker_inputs import (check_inputs, check_numbers, check_single_process, read_control_script,  # noqa: E402
                                              read_jobs)
 from model_parallel.cli.worker_job import load_job, make_config, make_optimizer_factory  # noqa: E402
+from model_parallel.optimizer.memory import OFFLOAD_CHUNK_BYTES  # noqa: E402
 from model_parallel.errors import ModelParallelError, OutOfMemoryError, PeerError, ReplacedError, TrainingStopped  # noqa: E402
 from model_parallel.runtime.step import stop_signals  # noqa: E402
 from model_parallel.runtime.run import Rendezvous, join_world, run_job, start_health  # noqa: E402
@@ -151,8 +152,9 @@ def build_parser() -> ArgumentParser:
     o.add_argument("--offload_optimizer", default=None, metavar="DIR",
                    help="keep the optimizer state in files under DIR/rank<N>/ (local disk) and step it in chunks: the "
                         "plan's footprint prices the chunk, not the state (same parameters as without)")
-    o.add_argument("--offload_chunk_mb", type=float, default=64.0,
-                   help="with --offload_optimizer: MB of optimizer state in memory at once (default 64)")
+    o.add_argument("--offload_chunk_mb", type=float, default=OFFLOAD_CHUNK_BYTES / 1e6,
+                   help=f"with --offload_optimizer: MB of optimizer state in memory at once (default "
+                        f"{OFFLOAD_CHUNK_BYTES / 1e6:g})")
     o.add_argument("-v", "--verbose", action="count", default=0)
     c = p.add_argument_group("control")
     c.add_argument("--coordinator", default=None, help="HOST:PORT of the coordinator (test_socket.py)")

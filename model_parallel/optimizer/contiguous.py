@@ -21,7 +21,8 @@ from model_parallel.graph.in_flight import LOOP_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from model_parallel.graph.hierarchy import Hierarchy
 from model_parallel.graph.plan import Plan
 from model_parallel.optimizer.loop import loop_rank_plan, v_rank_plan
-from model_parallel.optimizer.memory import Footprint, MemoryLimit, loop_rank_parts, offload_bytes, plan_footprint
+from model_parallel.optimizer.memory import (OFFLOAD_CHUNK_BYTES, OPTIMIZER_STATE, Footprint, MemoryLimit, loop_rank_parts,
+                                             offload_bytes, plan_footprint)
 from model_parallel.optimizer.options import PartitionOptions
 from model_parallel.optimizer.partition import partition
 from model_parallel.optimizer.states import preprocess, prefix_states
@@ -124,6 +125,10 @@ def _no_fit(priced: Graph, hierarchy: Hierarchy, options: PartitionOptions, foot
     def fits(cap: float) -> bool:
         return _fitting_split(priced, hierarchy, options, cap, least) is not None
 
+    def plans_offloaded(offloaded: Footprint) -> bool:
+        return _fitting_split(priced, hierarchy, replace(options, footprint=offloaded), limit,
+                              _least_held(priced, num_stages, offloaded)) is not None
+
     need = least
     if not fits(least * (1 + 1e-9)):  # the values sent and received tip the least-holding split over: search up
         low = max(limit, least)
@@ -137,7 +142,20 @@ def _no_fit(priced: Graph, hierarchy: Hierarchy, options: PartitionOptions, foot
            "(predicted peak: parameters, gradients, optimizer state and saved activations)")
     return (f"no split of the model into {num_stages} stages fits {limit / 1e9:.3g} GB per worker {why} ({settings}); "
             f"the smallest that fits is {need / 1e9:.3g} GB ({need:.0f} bytes): raise memory_per_worker to at least "
-            f"that, or use more workers")
+            f"that, or use more workers{_offload_advice(footprint, limit, plans_offloaded)}")
+
+
+def _offload_advice(footprint: Footprint, limit: float, plans_with: Callable[[Footprint], bool]) -> str:
+    """The third way out, where it works: with the optimizer state on disk (a chunk of it in memory) a plan fits
+    `limit` (`plans_with(footprint)`: the same search under that footprint). Said only when it plans, so the advice
+    is never one more refusal."""
+    if OPTIMIZER_STATE[footprint.optimizer] == 0 or footprint.offload_chunk is not None:
+        return ""
+    if not plans_with(replace(footprint, offload_chunk=OFFLOAD_CHUNK_BYTES)):
+        return ""
+    return (f", or keep the optimizer state on local disk, where a plan fits {limit / 1e9:.3g} GB: "
+            f"RunOptions(offload_optimizer=DIR) (the worker's --offload_optimizer DIR; {OFFLOAD_CHUNK_BYTES / 1e6:g} MB "
+            f"of state in memory at once)")
 
 
 def even_stages(graph: Graph, num_stages: int, replicas: Optional[Mapping[int, int]] = None,
@@ -242,6 +260,9 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
 
         return next((c for c in candidates() if c is not None and max(_rank_bytes(graph, c, model)) <= cap), None)
 
+    def plans_offloaded(offloaded: Footprint) -> bool:
+        return _plans(lambda: _rank_sum_split(graph, ranks, planner, schedule, speeds, cap, offloaded, extra))
+
     cap = float(memory_per_worker)
     found = fitting(cap)
     if found is not None:
@@ -259,7 +280,16 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
     raise InfeasibleError(f"{over}. No split whose every stage fits 1/{v} of it ({cap / v / 1e9:.3g} GB) or a larger "
                           f"share with its ranks' sums fitting exists either; the least memory per worker that fits is "
                           f"{high / 1e9:.3g} GB ({math.ceil(high)} bytes, found to {BISECT:.0%}): raise memory_per_worker to at "
-                          "least that, or use more ranks")
+                          f"least that, or use more ranks{_offload_advice(model, cap, plans_offloaded)}")
+
+
+def _plans(make: Callable[[], Plan]) -> bool:
+    """Whether `make` plans (False where it refuses for memory)."""
+    try:
+        make()
+    except InfeasibleError:
+        return False
+    return True
 
 
 def _smallest_stages(graph: Graph, count: int, speeds: Sequence[float], model: Footprint) -> Optional[tuple[float, Plan]]:

@@ -47,6 +47,9 @@ LEGACY_MODELS = ("pipedream", "1f1b")
 MEMORY_MODELS = (*LEGACY_MODELS, "footprint")
 # Tensors of optimizer state per parameter tensor, each the parameter's size (torch.optim's own state).
 OPTIMIZER_STATE = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+# Bytes of optimizer state in memory at once when it lives on disk, unless the run says otherwise (RunOptions and the
+# worker's --offload_chunk_mb default to it; a refusal's offload advice prices it).
+OFFLOAD_CHUNK_BYTES = 64e6
 
 
 @dataclass(frozen=True)

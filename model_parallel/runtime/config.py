@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from model_parallel.errors import ConfigError
+from model_parallel.optimizer.memory import OFFLOAD_CHUNK_BYTES
 from model_parallel.runtime.step.auto import AUTO, chosen_schedule
 from model_parallel.runtime.step.list_order import LIST, ORDERS
 from model_parallel.runtime.step.schedule import FLUSH_SCHEDULES, SCHEDULE_NAMES
@@ -148,7 +149,7 @@ class RunOptions:
     # Optimizer state in files under <offload_optimizer>/rank<N>/, stepped in chunks of at most offload_chunk_mb MB of
     # state (runtime/step/offload.py; exact: the same parameters as without). The footprint prices the chunk, not the state.
     offload_optimizer: Optional[str] = None
-    offload_chunk_mb: float = 64.0
+    offload_chunk_mb: float = OFFLOAD_CHUNK_BYTES / 1e6
     # The CPU priority (nice) of gloo's event-loop threads, so that on a machine with fewer cores than busy threads
     # they never preempt a training thread (runtime/wire/loop_priority.py); 0 leaves them at gloo's default.
     gloo_loop_nice: int = 19

@@ -12,8 +12,8 @@ import pytest
 
 from model_parallel.errors import InfeasibleError
 from model_parallel.graph.core import Graph, LayerSpec, Node
-from model_parallel.optimizer.contiguous import even_stages
-from model_parallel.optimizer.memory import Footprint
+from model_parallel.optimizer.contiguous import even_stages, v_plan
+from model_parallel.optimizer.memory import OFFLOAD_CHUNK_BYTES, Footprint
 
 FOOTPRINT = Footprint("sgd", "1f1b", 2)
 
@@ -53,3 +53,26 @@ def test_the_smallest_that_fits_named_by_a_refusal_plans():
         even_stages(graph, 2, memory_per_worker=1e6, footprint=FOOTPRINT)
     named = float(re.search(r"\((\d+) bytes\)", str(refused.value)).group(1))
     assert fits(graph, named)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_refusal_names_offloading_the_optimizer_state_where_that_plans(schedule):
+    # 2 x 160 MB per rank: parameters + gradients 0.32 GB fit 0.45 GB, AdamW's state (0.32 GB more) does not; with the
+    # state on disk a rank holds a 64 MB chunk of it. The advice is given only where it plans.
+    graph = chain([40e6] * 8, [1e3] * 8)
+
+    def refusal(optimizer: str, cap: float) -> str:
+        with pytest.raises(InfeasibleError) as refused:
+            if schedule == "zbv":
+                v_plan(graph, 2, memory_per_worker=cap, footprint=Footprint(optimizer, "zbv", 4))
+            else:
+                even_stages(graph, 2, memory_per_worker=cap, footprint=Footprint(optimizer, "1f1b", 2))
+        return str(refused.value)
+
+    assert "offload_optimizer=DIR" in refusal("adamw", 450e6)
+    offloaded = Footprint("adamw", schedule, 4 if schedule == "zbv" else 2, offload_chunk=OFFLOAD_CHUNK_BYTES)
+    plan = (v_plan(graph, 2, memory_per_worker=450e6, footprint=offloaded) if schedule == "zbv" else
+            even_stages(graph, 2, memory_per_worker=450e6, footprint=offloaded))
+    assert max(s.memory_bytes for s in plan.stages) <= 450e6
+    assert "offload" not in refusal("adamw", 300e6)  # parameters and gradients alone are over: offloading cannot help
+    assert "offload" not in refusal("sgd", 300e6)  # plain SGD has no state to offload
