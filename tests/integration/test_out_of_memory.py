@@ -41,6 +41,7 @@ def test_an_allocation_refused_names_the_stage_the_bytes_held_and_the_limit():
     assert text.startswith("rank 3 (stage 1) ran out of memory: its stage held 0.000162 GB (parameters 4.04e-05 GB, "
                            "gradients 4.04e-05 GB, optimizer state 8.08e-05 GB)")
     assert "limit: " in text and "memory_per_worker" in text and "DefaultCPUAllocator" in text
+    assert "--offload_optimizer DIR" in text  # Adam's state is held: it can go to disk without another plan
     assert out_of_memory(MemoryError(), 0, 0, stage, optimizer, CPU) is not None
     assert out_of_memory(RuntimeError("shape mismatch"), 0, 0, stage, optimizer, CPU) is None
     quoted = PeerError("rank 1 failed: rank 1 (stage 1) ran out of memory: ...")  # the peer's, not ours
@@ -60,6 +61,7 @@ def test_a_real_refusal_under_rlimit_data_is_recognised_with_its_limit():
     )
     printed = _run_capped(code)
     assert "rank 0 (stage None) ran out of memory: its stage held 0 GB" in printed
+    assert "offload" not in printed  # no optimizer state held: nothing to offload
     assert "limit: 2.15 GB (RLIMIT_DATA)" in printed
     # memory_per_worker prices the stage only: the advice leaves room for what the process holds besides it (torch).
     held = re.search(r"at most the limit less the ([0-9.]+) GB the process holds besides its stage \(([0-9.]+) GB\)", printed)

@@ -297,11 +297,14 @@ def out_of_memory(error: BaseException, rank: int, stage_id: Optional[int], stag
     budget = (f"memory_per_worker (--memory_per_worker) at most the limit less the {gb(own)} the process holds "
               f"besides its stage ({gb(limit - own)})" if limit and own and limit > own else
               "memory_per_worker (--memory_per_worker) at the limit")
+    # Held optimizer state can leave memory without a smaller plan (runtime/step/offload.py: the same parameters).
+    offload = (" (or keep the optimizer state on local disk: --offload_optimizer DIR, RunOptions(offload_optimizer=DIR))"
+               if held.get("optimizer_state", 0) > 0 else "")
     return OutOfMemoryError(
         f"rank {rank} (stage {stage_id}) ran out of memory: its stage held {gb(stage_bytes)} (parameters "
         f"{gb(held.get('parameters', 0))}, gradients {gb(held.get('gradients', 0))}, optimizer state "
         f"{gb(held.get('optimizer_state', 0))}){process}; limit: {gb(limit) if limit else 'none'} ({what}); give "
-        f"the job {budget} to get a plan that fits, or raise the limit "
+        f"the job {budget} to get a plan that fits{offload}, or raise the limit "
         f"[{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}]")
 
 
