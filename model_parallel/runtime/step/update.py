@@ -7,7 +7,7 @@ single-process reference - so a pipeline run and its oracle differ only in where
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Optional
 
 import torch
@@ -110,3 +110,24 @@ def apply_update(optimizer: torch.optim.Optimizer, step: int, *, lr_schedule: st
     step_optimizer(optimizer)  # chunked through the disk where the state is offloaded (runtime/step/offload.py)
     optimizer.zero_grad(set_to_none=True)
     return lr
+
+
+def build_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                    named: Sequence[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+    """`factory` over the parameters of `named` (a stage's), refused when its optimizer leaves out a trainable one: a
+    factory that groups the original model's `named_parameters()` (Hugging Face's no-decay idiom) instead of the
+    parameters it is given steps other tensors (a model built on meta: none of the stage's), and those parameters
+    never moved while the run went on."""
+    optimizer = factory([p for _, p in named])
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [(name, p) for name, p in named if p.requires_grad and id(p) not in held]
+    if left:
+        name, p = left[0]
+        raise ConfigError(
+            f"the optimizer factory's optimizer leaves out {len(left)} of the {len(named)} parameter(s) it was given "
+            f"(first {name!r}, shape {tuple(p.shape)}): they would never be updated. Build it over the `params` the "
+            "factory receives (a stage's parameters, not the original model's named_parameters()), e.g. no weight decay "
+            "on biases and norm weights: lambda params: AdamW([{'params': [p for p in params if p.ndim >= 2], "
+            "'weight_decay': 0.1}, {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0}]); to freeze a "
+            "parameter, set requires_grad=False on it")
+    return optimizer
