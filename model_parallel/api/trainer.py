@@ -191,7 +191,9 @@ class PipelineTrainer:
         call starts at step 0 (with `RunOptions(resume=True)`, at the checkpoint's next step, up to step `steps`); each
         later call continues where the last one ended, with the minibatches, lr schedule and dropout masks of the
         steps that follow (one call of the total equals the calls in a row). A stop command, or a signal after
-        `runtime.step.stop_signals.install()`, ends it at a step boundary: TrainingStopped."""
+        `runtime.step.stop_signals.install()`, ends it at a step boundary: TrainingStopped. A first call after a resume
+        that the checkpoint had already reached trains nothing and says so (a loop of train(k) would run past its total:
+        call train(0) first, which only resumes, then loop on `next_step`)."""
         self._check_open("train")
         if self.runner.dataset is None:
             raise DataError("PipelineTrainer was built without data (dataset=None), so it has nothing to train on: "
@@ -204,8 +206,11 @@ class PipelineTrainer:
             if self._next_step is not None and self.options.resume:  # resumed once: a later call continues in memory
                 self.runner.options = replace(self.runner.options, resume=False)
             try:
+                first = self._next_step is None
                 results = self.runner.train(end, start)
                 self._next_step = self.runner.next_step  # where a stop command or signal ended it, if one did
+                if first and steps and self.options.resume and self.runner.start_step >= end and self.runner.rank == 0:
+                    _warn_nothing_resumed(self.runner.start_step, steps)
                 if self.runner.stop_reason is not None:  # fewer steps than asked: never silently
                     raise TrainingStopped(f"{self.runner.prefix} stopped after {self.runner.next_step} of the {end} "
                                           f"requested step(s): {self.runner.stop_reason}")
@@ -226,6 +231,11 @@ class PipelineTrainer:
                 logger.info("[single process] step %d val_loss %.6f", step, results[-1].extra["val_loss"])
         self._report_memory()
         return results
+
+    @property
+    def next_step(self) -> int:
+        """The step the next `train` call starts from (0 before any; after a resume, known once the first call ran)."""
+        return self._next_step or 0
 
     def _report_memory(self) -> None:
         """Predicted vs measured peak per stage (`runtime/observe/memory_table.py`, the worker command line's table)
@@ -322,6 +332,16 @@ class PipelineTrainer:
                                           group=None if self._closed else self.runner.control_group,
                                           timeout=self._timeout, max_shard_size=max_shard_size)
         return out if dist.get_rank() == 0 else None
+
+
+def _warn_nothing_resumed(resumed: int, steps: int) -> None:
+    """The first `train(steps)` after a resume counts to step `steps` from 0 (a rerun of the same script ends where the
+    run would have); later calls train `steps` more. A checkpoint at or past it leaves that call nothing to train, and a
+    loop of `train(k)` calls, each then k more, went past its total without a word."""
+    logger.warning("resumed at step %d, which train(%d) had already reached: this call trained nothing (the first call "
+                   "after a resume trains up to step `steps` counted from 0, later calls `steps` more each); to train in "
+                   "chunks after a resume, call train(0) first (it resumes and trains nothing), then loop `while "
+                   "trainer.next_step < total: trainer.train(min(k, total - trainer.next_step))`", resumed, steps)
 
 
 @contextmanager

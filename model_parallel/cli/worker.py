@@ -123,7 +123,8 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--recompute", default=None, help="activation recomputation: 'all' or stage ids, e.g. 0,1")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast for forward passes")
     t.add_argument("--clip_grad", type=float, default=None, help="clip gradients to this global norm")
-    t.add_argument("--lr_schedule", default="constant", help="constant | cosine:<steps> | warmup:<steps> | step:<every>:<gamma>")
+    t.add_argument("--lr_schedule", default="constant", help="constant | cosine:<steps> | warmup:<steps> | step:<every>:<gamma> | linear:<warmup>:<total> | "
+                   "cosine:<warmup>:<total> (transformers' get_linear/cosine_schedule_with_warmup)")
     o = p.add_argument_group("checkpoints and observation")
     o.add_argument("--checkpoint_dir", default=None)
     o.add_argument("--checkpoint_every", type=int, default=0)

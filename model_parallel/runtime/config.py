@@ -36,7 +36,9 @@ class TrainConfig:
     # single-process oracle rounds at the same cuts, so both stay exact).
     bf16: bool = False
     clip_grad: Optional[float] = None  # max global gradient norm
-    lr_schedule: str = "constant"  # constant | cosine:<total_steps> | warmup:<steps> | step:<every>:<gamma>
+    # constant | cosine:<total_steps> | warmup:<steps> | step:<every>:<gamma> | linear:<warmup>:<total> | cosine:<warmup>:<total>
+    # (step/update.lr_factor: which torch or transformers scheduler each is; a scheduler built in the factory is refused)
+    lr_schedule: str = "constant"
     # `schedule` was chosen by "auto" (`resolved`): a checkpoint records "auto", so a resume that chooses again
     # (another world size, new times) is not refused as a schedule change (flush schedules train the same)
     schedule_auto: bool = False

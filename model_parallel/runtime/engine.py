@@ -48,6 +48,7 @@ from model_parallel.runtime.observe.memory_probe import NO_METER, StashMeter
 from model_parallel.runtime.observe.straggler import Slowdown
 from model_parallel.runtime.plancheck import check_plan
 from model_parallel.runtime.step.executor import StepData, StepExecutor
+from model_parallel.runtime.step.update import build_optimizer
 from model_parallel.runtime.step.weight_stash import WeightStash
 from model_parallel.runtime.step.loop import StepResult, TrainingLoop
 from model_parallel.runtime.step.multi_stage import build_stages
@@ -249,7 +250,7 @@ class PipelineEngine(TrainingLoop):
         """One optimizer over the parameters of `prepared.stage` (all of the rank's stages), state restored by name."""
         stage = prepared.stage
         if params := list(stage.parameters()):
-            prepared.optimizer = self.optimizer_factory(params)
+            prepared.optimizer = build_optimizer(self.optimizer_factory, list(stage.named_parameters()))
             if self.options.offload_optimizer:  # the state lives in files from now on (runtime/step/offload.py)
                 from model_parallel.runtime.step.offload import attach
 

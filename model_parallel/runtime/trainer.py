@@ -22,7 +22,7 @@ from model_parallel.runtime.engine import OptimizerFactory
 from model_parallel.runtime.step.loop import StepResult
 from model_parallel.runtime.step.output import float_output, model_output
 from model_parallel.runtime.step.rng import seeded_forward
-from model_parallel.runtime.step.update import apply_update, squared_grad_norm
+from model_parallel.runtime.step.update import apply_update, build_optimizer, squared_grad_norm
 from model_parallel.runtime.wire.structure import Structure, cross, flatten_values, narrowed, unflatten
 
 logger = logging.getLogger(__name__)
@@ -92,12 +92,13 @@ class SingleProcessRunner:
         check_schedule(graph, plan, config.schedule)  # one optimizer per stage would step a split tie twice
         self.stages = build_stages(graph, plan, modules=layer_modules(graph, model))
         # A tie split across stages is one Parameter in both here: once in the optimizer and the norm.
-        self.params = list({id(p): p for s in self.stages for p in s.parameters()}.values())
-        self.optimizer = optimizer_factory(self.params)
+        named = list({id(p): (f"stage{k}.{n}", p) for k, s in enumerate(self.stages) for n, p in s.named_parameters()}.values())
+        self.params = [p for _, p in named]
+        self.optimizer = build_optimizer(optimizer_factory, named)
         if config.schedule == "pipedream":
             # Every stage updates on its own after each microbatch: one optimizer per stage.
-            self.stage_optimizers = [optimizer_factory(list(s.parameters())) if list(s.parameters()) else None
-                                     for s in self.stages]
+            self.stage_optimizers = [build_optimizer(optimizer_factory, list(s.named_parameters()))
+                                     if list(s.parameters()) else None for s in self.stages]
         if offload is not None:  # (directory, chunk bytes): the optimizers' state in files (runtime/step/offload.py)
             from model_parallel.runtime.step.offload import attach
 

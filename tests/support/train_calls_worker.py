@@ -7,6 +7,7 @@ writes each trainer's whole state and the steps each call returned.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def main() -> None:
     rank, _, out = join(sys.argv)
     runs: dict[str, list[int]] = {}
     states = {}
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("model_parallel.api.trainer").addHandler(handler)
     for name, options, calls in [
         ("once", RunOptions(progress=False, timeout=60), [4]),
         ("twice", RunOptions(progress=False, timeout=60), [2, 2]),
@@ -43,9 +48,21 @@ def main() -> None:
         runs[name] = [r.step for steps in calls for r in run.train(steps)]
         states[name] = run.state_dict(original_names=True)
         run.close()
+    # After the resumable run's checkpoint (step 3): a first train(2) after a resume has nothing to train (it counts
+    # to step 2), and says so; train(0) only resumes, and a loop on next_step then trains to its total.
+    resume = RunOptions(progress=False, timeout=60, checkpoint_dir=str(out / "ck"), resume=True)
+    run = trainer(resume)
+    runs["resumed_chunk"] = [r.step for r in run.train(2)]
+    run.close()
+    runs["warned_chunk"] = [len(warned)]
+    run = trainer(resume)
+    runs["resumed_loop"] = [r.step for r in run.train(0)]
+    while run.next_step < 6:
+        runs["resumed_loop"] += [r.step for r in run.train(min(4, 6 - run.next_step))]
+    run.close()
     if rank == 0:
         torch.save(states, out / "states.pt")
-        (out / "steps.json").write_text(json.dumps(runs))
+        (out / "steps.json").write_text(json.dumps({**runs, "warned": warned}))
     dist.destroy_process_group()
 
 

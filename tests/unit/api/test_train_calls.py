@@ -3,10 +3,12 @@ path: tests/integration/test_train_calls.py): the next minibatches, the lr sched
 run's own steps. Before, each call started at step 0 again, retraining the first minibatches without a word."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from model_parallel import PipelineTrainer, RunOptions, TrainConfig
+from model_parallel.errors import ConfigError
 from model_parallel.models.mlp import StackedMLP
 
 
@@ -46,3 +48,32 @@ def test_eval_every_without_eval_data_is_refused() -> None:
         PipelineTrainer(StackedMLP(in_features=16, width=8, depth=2, num_classes=4), lambda p: torch.optim.SGD(p, lr=0.1),
                         data, TrainConfig(batch_size=8, num_microbatches=2), num_stages=2, single_process=True,
                         options=RunOptions(eval_every=2))
+
+
+
+def test_an_optimizer_over_other_parameters_than_the_stages_is_refused():
+    """Hugging Face's no-decay idiom ported as a factory that groups the original model's named_parameters() instead of
+    the `params` it is given: where the stages' parameters are other tensors (each rank of a model built on meta
+    materializes its own), before, the run went on with none of them updated (the loss flat, no error). Refused naming
+    the fix (here the factory reads another instance, as such a rank's factory does); a frozen one may be left out."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+    other = StackedMLP(in_features=16, width=8, depth=2, num_classes=4)
+
+    def by_names(params):
+        named = list(other.named_parameters())
+        return torch.optim.AdamW([{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
+                                  {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}])
+
+    with pytest.raises(ConfigError, match=r"leaves out \d+ of the \d+ parameter\(s\) it was given .*p\.ndim >= 2"):
+        PipelineTrainer(StackedMLP(in_features=16, width=8, depth=2, num_classes=4), by_names, data,
+                        TrainConfig(batch_size=8, num_microbatches=2), num_stages=2, single_process=True)
+    trainable = StackedMLP(in_features=16, width=8, depth=2, num_classes=4)
+    name, frozen = next(iter(trainable.named_parameters()))
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    trainer = PipelineTrainer(trainable, lambda params: torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1),
+                              data, TrainConfig(batch_size=8, num_microbatches=2), num_stages=2, single_process=True)
+    trainer.train(1)
+    assert torch.equal(trainer.state_dict(original_names=True)[name], before)

@@ -96,3 +96,39 @@ def test_the_update_uses_the_step_learning_rate():
 
 def test_no_gradients_no_norm():
     assert squared_grad_norm([torch.nn.Parameter(torch.ones(2))]) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+@pytest.mark.parametrize("warmup, total", [(3, 10), (0, 5), (4, 4)])
+def test_warmup_then_decay_equals_transformers_schedules(kind, warmup, total):
+    """linear:W:T and cosine:W:T are transformers' get_linear/cosine_schedule_with_warmup(opt, W, T), stepped once per
+    update (before, a port of them had no spec, and a scheduler built in the factory was overwritten: below)."""
+    import transformers
+
+    make = {"linear": transformers.get_linear_schedule_with_warmup, "cosine": transformers.get_cosine_schedule_with_warmup}
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.5)
+    scheduler = make[kind](theirs, warmup, total)
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.5)
+    for step in range(total + 1):
+        assert set_lr(ours, f"{kind}:{warmup}:{total}", step) == pytest.approx(theirs.param_groups[0]["lr"], abs=1e-12)
+        theirs.step()
+        scheduler.step()
+    assert lr_factor(f"{kind}:{warmup}:{total}", total + 5) == 0.0  # past T: 0 (transformers' cosine would rise again)
+
+
+@pytest.mark.parametrize("spec", ["linear:5:3", "cosine:-1:4", "linear:0:0", "cosine:1:2:3"])
+def test_a_bad_warmup_then_decay_is_a_config_error(spec):
+    with pytest.raises(ConfigError, match="linear:<warmup>:<total>"):
+        lr_factor(spec, 0)
+
+
+def test_a_torch_lr_scheduler_built_in_the_factory_is_refused_naming_the_spec():
+    """Before, set_lr rewrote every group's lr from the scheduler's own `initial_lr` each step: a port that built
+    get_linear_schedule_with_warmup in its factory (and stepped it after each train(1)) trained at the peak lr
+    throughout, without a word."""
+    model = _model_with_grads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step / 4)
+    with pytest.raises(ConfigError, match="linear:W:T"):
+        apply_update(optimizer, 0)
+    assert all(p.grad is not None for p in model.parameters())  # refused before any update
