@@ -113,7 +113,10 @@ def build_parser() -> ArgumentParser:
                         "torch.optim.AdamW with --eps (betas torch's defaults). Default sgd")
     t.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     t.add_argument("--momentum", type=float, default=0.9, help="sgd's momentum (default 0.9)")
-    t.add_argument("--weight_decay", type=float, default=0.0, help="default 0")
+    t.add_argument("--weight_decay", type=float, default=0.0, help="default 0; on every parameter unless --no_decay_vectors")
+    t.add_argument("--no_decay_vectors", action="store_true",
+                   help="no weight decay on 1-D parameters (biases, norm weights), as Hugging Face's Trainer and nanoGPT "
+                        "do; matrices and embeddings get --weight_decay")
     t.add_argument("--eps", type=float, default=1e-8,
                    help="adamw's eps (default 1e-8, torch's). Where a parameter's gradient is ~0, Adam divides by ~eps "
                         "and amplifies rounding: 1e-6 or more keeps a pipeline within 1e-5 of one process")

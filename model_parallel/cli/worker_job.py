@@ -107,7 +107,13 @@ def parse_recompute(text: Optional[str]) -> Any:
 
 def make_optimizer_factory(args: Any) -> Any:
     def factory(params: list) -> torch.optim.Optimizer:
+        groups: Any = list(params)
+        if getattr(args, "no_decay_vectors", False):
+            # By what a parameter is, not its name (a stage holds tensors; the same rule on every rank and plan).
+            split = [{"params": [p for p in groups if p.ndim >= 2]},
+                     {"params": [p for p in groups if p.ndim < 2], "weight_decay": 0.0}]
+            groups = [group for group in split if group["params"]] or groups
         if args.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, eps=args.eps)
-        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+            return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, eps=args.eps)
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     return factory

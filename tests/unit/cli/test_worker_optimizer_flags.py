@@ -10,7 +10,7 @@ from model_parallel.cli.worker import build_parser
 from model_parallel.cli.worker_inputs import check_numbers
 from model_parallel.cli.worker_job import make_optimizer_factory
 from model_parallel.errors import ConfigError
-from model_parallel.runtime.checkpoint.training_record import OPTIMIZER_FIELDS
+from model_parallel.runtime.checkpoint.training_record import OPTIMIZER_FIELDS, describe_groups
 
 
 def _optimizer(*flags: str) -> torch.optim.Optimizer:
@@ -31,3 +31,19 @@ def test_eps_reaches_adamw_and_defaults_to_torchs() -> None:
 def test_an_eps_outside_its_range_is_refused(value: str) -> None:
     with pytest.raises(ConfigError, match=rf"--eps {value}: the AdamW eps must be a finite number in 0\.\.1"):
         _optimizer("--optimizer", "adamw", f"--eps={value}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_no_decay_vectors_leaves_biases_and_norm_weights_undecayed_and_is_recorded(kind: str) -> None:
+    args = build_parser().parse_args(["--model", "mlp", "--optimizer", kind, "--weight_decay", "0.1", "--no_decay_vectors"])
+    check_numbers(args)
+    matrix, vector = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = make_optimizer_factory(args)([matrix, vector])
+    decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    assert decay == {id(matrix): 0.1, id(vector): 0.0}
+    # A stage holding only matrices (or only vectors) gets one group: torch refuses none, and an empty one means nothing.
+    assert len(make_optimizer_factory(args)([matrix]).param_groups) == 1
+    # The checkpoint's record tells it from a run without the flag, so a resume that drops it is refused.
+    plain = build_parser().parse_args(["--model", "mlp", "--optimizer", kind, "--weight_decay", "0.1"])
+    check_numbers(plain)
+    assert describe_groups(make_optimizer_factory(args)) != describe_groups(make_optimizer_factory(plain))
