@@ -207,3 +207,33 @@ def test_a_worker_count_beyond_the_plan_limit_is_refused_before_the_optimizer():
         Hierarchy.from_lists([100000000])
     with pytest.raises(PlanError, match=r"-n 300 300 is more than 65536"):
         Hierarchy.from_lists([300, 300], [1e9, 1e9])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("args", [{"node": ["conv"]}], r"nodes\[2\]: a node reference is .*got \{\"node\": \['conv'\]\}"),
+    ("args", [{"node": {"node": "conv"}}], r"nodes\[2\]: a node reference is"),
+    ("kwargs", {"x": {"tuple": [{"node": 3}]}}, r"nodes\[2\]: a node reference is"),
+    ("args", {"node": "conv"}, r"nodes\[2\]: malformed node .*layer 'args' must be a list, got dict"),
+    ("kwargs", [["dim", 1]], r"nodes\[2\]: malformed node .*layer 'kwargs' must be an object, got list"),
+    ("parameters", "conv.weight", r"nodes\[2\]: malformed node .*layer 'parameters' must be a list"),
+    ("parameters", [{"a": 1}], r"nodes\[2\]: malformed node .*state-dict names \(strings\)"),
+    ("module", 5, r"nodes\[2\]: malformed node .*layer 'module' must be a constructor expression or null"),
+])
+def test_graph_json_layer_fields_of_the_wrong_type_are_refused_when_read(field, value, message, tmp_path: Path):
+    """A layer field of another JSON type was coerced (an object as `args` became its keys, `("node",)`, and the
+    stage called `self.conv("node")`; a list of pairs became kwargs), and a reference whose id is a list or an
+    object raised a bare TypeError (unhashable) in partition and generate: each is now refused naming file and node."""
+    data = graph_to_dict(_rich_graph())
+    data["nodes"][2]["layer"][field] = value
+    with pytest.raises(GraphFormatError, match=message):
+        graph_from_dict(data, "g.json")
+
+
+def test_graph_json_model_outputs_must_reference_nodes_by_string():
+    data = graph_to_dict(_rich_graph())
+    data["metadata"]["outputs"] = {"node": ["split"]}
+    with pytest.raises(GraphFormatError, match=r"g\.json: a node reference is .*got \{\"node\": \['split'\]\}"):
+        graph_from_dict(data, "g.json")
+    data["nodes"][2]["layer"] = ["call_method"]
+    with pytest.raises(GraphFormatError, match=r"nodes\[2\]: malformed node .*a layer must be an object, got list"):
+        graph_from_dict(data, "g.json")
