@@ -47,18 +47,18 @@ def _field(data: dict[str, Any], key: str, kind: Union[type, tuple[type, ...]], 
     keys (`tuple({"node": "x"})` is `("node",)`), nor a list of pairs read as an object."""
     value = data.get(key, default)
     if not isinstance(value, kind):
-        raise TypeError(f"layer {key!r} must be {what}, got {type(value).__name__} {str(value)[:60]}")
+        raise TypeError(f"layer {key!r} must be {what}, got {type(value).__name__} {str(value)[:60]!r}")
     return value
 
 
 def layer_from_dict(data: dict[str, Any]) -> LayerSpec:
     if not isinstance(data, dict):
-        raise TypeError(f"a layer must be an object, got {type(data).__name__} {str(data)[:60]}")
+        raise TypeError(f"a layer must be an object, got {type(data).__name__} {str(data)[:60]!r}")
     args = _field(data, "args", list, [], "a list")
     kwargs = _field(data, "kwargs", dict, {}, "an object")
     parameters = _field(data, "parameters", list, [], "a list of state-dict names")
     if not all(isinstance(name, str) for name in parameters):
-        raise TypeError(f"layer 'parameters' must be a list of state-dict names (strings), got {str(parameters)[:60]}")
+        raise TypeError(f"layer 'parameters' must be a list of state-dict names (strings), got {str(parameters)[:60]!r}")
     for value in (*args, *kwargs.values()):
         referenced_nodes(value)  # a reference whose id is not a string is refused here, with the file and node
     return LayerSpec(

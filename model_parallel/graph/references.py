@@ -12,7 +12,7 @@ def node_reference_id(payload: Any) -> str:
     """The node id of a reference `{"node": <id>}`: a string (a list or an object there is a malformed file)."""
     if not isinstance(payload, str):
         raise GraphError(f"a node reference is {{\"node\": \"<node id>\"}} (a string naming a node), got "
-                         f"{{\"node\": {str(payload)[:60]}}}; correct the file or profile the model again")
+                         f"{{\"node\": {str(payload)[:60]!r}}}; correct the file or profile the model again")
     return payload
 
 
