@@ -37,8 +37,9 @@ def _check_spec(flag: str, spec: Optional[str], where: str) -> None:
     if spec is None or spec == "synthetic":
         return
     if spec.startswith("tokens:"):
-        if not os.path.isfile(spec[len("tokens:"):]):
-            raise PlanError(f"{where}{flag} {spec}: no such file; give a flat uint16/uint32 token file (nanoGPT's train.bin)")
+        from model_parallel.runtime.data.tokens import check_token_file
+
+        check_token_file(spec[len("tokens:"):], PlanError, f"{where}{flag} {spec}")
         return
     if not os.path.isdir(spec):
         raise PlanError(f"{where}{flag} {spec}: not a directory; give 'synthetic', tokens:PATH or an ImageFolder "

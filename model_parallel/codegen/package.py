@@ -83,8 +83,12 @@ def pipedream_configs(plan: Plan) -> dict[str, dict[str, Any]]:
 
 # ---- the package -----------------------------------------------------------------------------------
 def _check_identifier(value: str, what: str) -> None:
-    if not value.isidentifier() or keyword.iskeyword(value) or re.fullmatch(r"stage\d+", value):
-        raise CodegenError(f"{what} {value!r} must be a Python identifier (and not stageN), e.g. resnet152")
+    """A Python identifier that takes no name the package or Python gives a meaning: not stageN (a stage's module),
+    not a __dunder__ (`-a __init__` wrote <arch>.py over the package's own __init__.py: an import that fails)."""
+    dunder = value.startswith("__") and value.endswith("__")
+    if not value.isidentifier() or keyword.iskeyword(value) or re.fullmatch(r"stage\d+", value) or dunder:
+        raise CodegenError(f"{what} {value!r} must be a Python identifier (and not stageN or a __dunder__ name), "
+                           "e.g. resnet152")
 
 
 def _check_class_name(class_name: str, num_stages: int) -> None:

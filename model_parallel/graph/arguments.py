@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree
 
 from model_parallel.errors import GraphError
+from model_parallel.graph.references import node_reference_id, referenced_nodes  # noqa: F401 - referenced_nodes re-exported
 
 JSONValue = Any
 CONSTANTS = "constants"  # graph metadata key, see the module docstring
@@ -83,7 +84,7 @@ def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any],
     if isinstance(value, Mapping) and len(value) == 1:
         (kind, payload), = value.items()
         if kind == "node":
-            return resolve_node(payload)
+            return resolve_node(node_reference_id(payload))
         if kind == "tuple" and isinstance(payload, list):
             return tuple(decode_argument(v, resolve_node, run_device) for v in payload)
         if kind == "dict" and isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
@@ -113,25 +114,6 @@ def decode_argument(value: JSONValue, resolve_node: Callable[[str], Any],
         if kind == "ellipsis":
             return Ellipsis
     raise GraphError(f"cannot decode layer argument {value!r}")
-
-
-def referenced_nodes(value: JSONValue) -> list[str]:
-    """Node ids referenced by an encoded argument, in order of appearance."""
-    found: list[str] = []
-
-    def walk(v: JSONValue) -> None:
-        if isinstance(v, list):
-            for item in v:
-                walk(item)
-        elif isinstance(v, Mapping):
-            if len(v) == 1 and "node" in v:
-                found.append(v["node"])
-            else:
-                for item in v.values():
-                    walk(item)
-
-    walk(value)
-    return found
 
 
 class OutputDict(dict):

@@ -31,6 +31,12 @@ MAX_NODES = 1_000_000
 MAX_EDGES = 4 * MAX_NODES
 
 
+def shown_id(text: str) -> str:
+    """A node id as a message shows it: itself, or its repr where it holds a line break or a control character
+    (an edge of a file names any text; raw, it would split the one-line error or drive the terminal)."""
+    return text if text.isprintable() else repr(text)
+
+
 def too_many(count: int, what: str) -> Optional[str]:
     """Why `count` nodes or edges (`what`) are refused, or None: the one rule both file formats apply."""
     limit = MAX_NODES if what == "nodes" else MAX_EDGES
@@ -210,7 +216,7 @@ class Graph:
         for src, dst in self.edges:
             for end in (src, dst):
                 if end not in seen:
-                    raise GraphError(f"edge {src} -- {dst} names unknown node {end!r}")
+                    raise GraphError(f"edge {shown_id(src)} -- {shown_id(dst)} names unknown node {end!r}")
         if len(self.topological_order) != len(self.nodes):
             cycle = self.find_cycle()
             raise GraphError(f"graph has a cycle: {' -> '.join(cycle)}")

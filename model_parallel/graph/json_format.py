@@ -24,6 +24,7 @@ from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_json, read_json_file
 from model_parallel.jsonbound import json_number as _number
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta, too_many
+from model_parallel.graph.references import referenced_nodes
 
 SCHEMA = "model_parallel.graph"
 VERSION = 1
@@ -41,16 +42,34 @@ def layer_to_dict(layer: LayerSpec) -> dict[str, Any]:
     }
 
 
+def _field(data: dict[str, Any], key: str, kind: Union[type, tuple[type, ...]], default: Any, what: str) -> Any:
+    """`data[key]` (or `default`) if it is a `kind`: a JSON object where a list is meant is refused, not read as its
+    keys (`tuple({"node": "x"})` is `("node",)`), nor a list of pairs read as an object."""
+    value = data.get(key, default)
+    if not isinstance(value, kind):
+        raise TypeError(f"layer {key!r} must be {what}, got {type(value).__name__} {str(value)[:60]!r}")
+    return value
+
+
 def layer_from_dict(data: dict[str, Any]) -> LayerSpec:
+    if not isinstance(data, dict):
+        raise TypeError(f"a layer must be an object, got {type(data).__name__} {str(data)[:60]!r}")
+    args = _field(data, "args", list, [], "a list")
+    kwargs = _field(data, "kwargs", dict, {}, "an object")
+    parameters = _field(data, "parameters", list, [], "a list of state-dict names")
+    if not all(isinstance(name, str) for name in parameters):
+        raise TypeError(f"layer 'parameters' must be a list of state-dict names (strings), got {str(parameters)[:60]!r}")
+    for value in (*args, *kwargs.values()):
+        referenced_nodes(value)  # a reference whose id is not a string is refused here, with the file and node
     return LayerSpec(
-        op=data["op"],
-        target=data["target"],
-        args=tuple(data.get("args", ())),
-        kwargs=dict(data.get("kwargs", {})),
-        module=data.get("module"),
+        op=_field(data, "op", str, None, "a string"),
+        target=_field(data, "target", str, None, "a string"),
+        args=tuple(args),
+        kwargs=kwargs,
+        module=_field(data, "module", (str, type(None)), None, "a constructor expression or null"),
         outputs=tuple(TensorMeta(tuple(_number(s, "an output shape entry", integer=True) for s in t["shape"]),
-                                 str(t["dtype"])) for t in data.get("outputs", ())),
-        parameters=tuple(data.get("parameters", ())),
+                                 str(t["dtype"])) for t in _field(data, "outputs", list, [], "a list")),
+        parameters=tuple(parameters),
     )
 
 
@@ -121,7 +140,9 @@ def graph_from_dict(data: Any, source: str = "<dict>") -> Graph:
                     raise GraphFormatError(f"{where}: {error}") from None
                 raise GraphFormatError(f"{where}: malformed node ({type(error).__name__}: {error})") from None
         edges = [(str(a), str(b)) for a, b in data["edges"]]
-        return Graph(nodes=tuple(nodes), edges=tuple(edges), metadata=dict(data.get("metadata", {})))
+        metadata = dict(data.get("metadata", {}))
+        referenced_nodes(metadata.get("outputs"))  # the model's outputs: references, checked as a layer's are
+        return Graph(nodes=tuple(nodes), edges=tuple(edges), metadata=metadata)
     except GraphFormatError:
         raise
     except GraphError as error:

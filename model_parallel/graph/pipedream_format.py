@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_text
-from model_parallel.graph.core import ActivationSize, Graph, Node, too_many
+from model_parallel.graph.core import ActivationSize, Graph, Node, shown_id, too_many
 from model_parallel.jsonbound import MAX_FILE_BYTES
 from model_parallel.userfile import read_text
 
@@ -120,7 +120,8 @@ def parse_graph_txt(text: str, filename: str = "<string>") -> Graph:
     for (src, dst), number in zip(edges, edge_lines):
         for end in (src, dst):
             if end not in node_lines:
-                raise GraphFormatError(f"{filename}:{number}: edge {src} -- {dst} names unknown node {end!r}")
+                raise GraphFormatError(f"{filename}:{number}: edge {shown_id(src)} -- {shown_id(dst)} names unknown node "
+                                       f"{end!r}")
     try:
         return Graph(nodes=tuple(nodes), edges=tuple(edges))
     except GraphError as error:

@@ -351,7 +351,13 @@ def parse_stage_to_num_ranks(text: str) -> dict[int, int]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         stage, sep, count = item.partition(":")
         # isdigit() also accepts '²' and other digits int() refuses: accept ASCII 0-9 only.
-        if not sep or not _is_ascii_int(stage) or not _is_ascii_int(count) or int(count) < 1:
+        if not sep or not _is_ascii_int(stage) or not _is_ascii_int(count):
+            raise PlanError(f"--stage_to_num_ranks: {item[:40]!r} is not '<stage>:<replicas>' (e.g. 0:3,1:1)")
+        longest = max(len(stage.strip()), len(count.strip()))
+        if longest > len(str(MAX_RANKS)):  # before int(): Python refuses > 4300 digits with a bare ValueError
+            raise PlanError(f"--stage_to_num_ranks: {item[:40]!r}{'...' if len(item) > 40 else ''} holds a number of "
+                            f"{longest} digits; a stage id and a replica count are at most {MAX_RANKS} (e.g. 0:3,1:1)")
+        if int(count) < 1:
             raise PlanError(f"--stage_to_num_ranks: {item!r} is not '<stage>:<replicas>' (e.g. 0:3,1:1)")
         if int(stage) in result:
             raise PlanError(f"--stage_to_num_ranks: stage {int(stage)} is given twice")

@@ -126,6 +126,7 @@ class SafetensorsValues:
                 for name in handle.keys():
                     self.file_of.setdefault(name, file)
         self._handles: dict[Path, Any] = {}
+        self._keys: dict[Path, set[str]] = {}  # the tensors each open file holds
         self.read_names: list[str] = []  # what this source read, in order (tests and logs)
 
     def _handle(self, file: Path) -> Any:
@@ -133,6 +134,7 @@ class SafetensorsValues:
             if not file.exists():
                 raise InitError(f"{file}: listed in {self.path / INDEX} but missing")
             self._handles[file] = _open(file, self.path / INDEX)
+            self._keys[file] = set(self._handles[file].keys())
         return self._handles[file]
 
     def read(self, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -144,10 +146,15 @@ class SafetensorsValues:
                 raise InitError(f"{self.path}: no tensor for stage key {key!r} (looked for {tried}); the files hold "
                                 f"{len(self.file_of)} tensors, e.g. {sorted(self.file_of)[:3]}")
             file = self.file_of[name]
-            value = self._handle(file).get_tensor(name)
+            handle = self._handle(file)
+            if name not in self._keys[file]:  # the index is data: it may name a file that does not hold the tensor
+                raise InitError(f"{file}: holds no tensor {name!r}, which {self.path / INDEX} says it does (stage key "
+                                f"{key!r}); the index and its files disagree: give the model's own files")
+            value = handle.get_tensor(name)
             out[key] = _check(key, name, value, want, str(file))
             self.read_names.append(name)
         self._handles.clear()  # drop the maps: what was read is in `out`, copied into the layers next
+        self._keys.clear()
         return out
 
 

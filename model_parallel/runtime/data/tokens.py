@@ -18,11 +18,21 @@ import torch
 from torch.utils.data import Dataset as TorchDataset
 
 from model_parallel.errors import DataError
+from model_parallel.userfile import check_regular
 
 if TYPE_CHECKING:
     import numpy as np
 
 TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def check_token_file(path: str, error: type[Exception], where: str) -> None:
+    """A token file is a regular file: a missing one is said so, and a FIFO, a device or a directory is refused by
+    its kind, not opened (opening a FIFO waits for a writer; /dev/zero never ends). `where` starts the message."""
+    fix = "give a flat uint16/uint32 array of token ids (nanoGPT's train.bin)"
+    if not os.path.exists(path):
+        raise error(f"{where}: no such file; {fix}")
+    check_regular(path, error=error, what="token file", fix=fix, where=where)
 
 
 class TokenWindows(TorchDataset):
@@ -36,8 +46,7 @@ class TokenWindows(TorchDataset):
             raise DataError(f"tokens:{path}: token dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
         if seq_len < 1:
             raise DataError(f"tokens:{path}: --seq_len must be >= 1, got {seq_len}")
-        if not os.path.isfile(path):
-            raise DataError(f"tokens:{path}: no such file; give a flat {dtype} array of token ids (nanoGPT's train.bin)")
+        check_token_file(path, DataError, f"tokens:{path}")
         self.dtype, self.itemsize = np.dtype(dtype), np.dtype(dtype).itemsize
         self.seq_len, self.path, self.vocab = seq_len, path, vocab
         try:

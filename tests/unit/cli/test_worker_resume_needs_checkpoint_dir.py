@@ -12,7 +12,7 @@ from model_parallel.cli.common import run_cli
 from model_parallel.cli.worker import build_parser, main
 from model_parallel.cli.worker_inputs import check_inputs, read_jobs
 from model_parallel.coordinator.jobfiles import SERVED_FLAGS
-from model_parallel.errors import ConfigError
+from model_parallel.errors import ConfigError, PlanError
 
 MESSAGE = "--resume needs --checkpoint_dir DIR (the directory the run wrote its checkpoints to)"
 
@@ -42,3 +42,13 @@ def test_a_job_of_a_jobs_file_is_refused_by_number(tmp_path):
 
 def test_a_coordinator_serves_neither_flag():
     assert "resume" not in SERVED_FLAGS and "checkpoint_dir" not in SERVED_FLAGS
+
+
+@pytest.mark.parametrize("job", [["--help"], ["--model", "mlp", "-h"], ["--he"]])
+def test_a_job_asking_for_help_is_refused_by_number(tmp_path, capsys, job):
+    """argparse's help action printed the worker's usage and exited 0 from inside the jobs file: nothing ran."""
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps([["--model", "mlp"], job]))
+    with pytest.raises(PlanError, match=r"jobs\.json: job \[1\] asks for the help text \(-h/--help\), which is no job"):
+        read_jobs(str(jobs), build_parser)
+    assert capsys.readouterr().out == ""

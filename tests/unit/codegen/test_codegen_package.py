@@ -138,6 +138,17 @@ def test_bad_names_are_refused(resnet18, run_dir: Path) -> None:
         generate_package(graph, plan_from_graph(graph), run_dir / "x", "R", "resnet-18")
 
 
+@pytest.mark.parametrize("class_name, arch, flag", [("R", "__init__", "arch (-a)"), ("R", "__main__", "arch (-a)"),
+                                                      ("__class__", "resnet18", "class name (-n)")])
+def test_dunder_names_are_refused(resnet18, run_dir: Path, class_name: str, arch: str, flag: str) -> None:
+    """`-a __init__` wrote its <arch>.py over the package's __init__.py and exited 0: the package failed to import."""
+    _, _, graph = resnet18
+    with pytest.raises(CodegenError, match=rf"{re.escape(flag)} '{class_name if arch == 'resnet18' else arch}' must be "
+                                           r"a Python identifier \(and not stageN or a __dunder__ name\)"):
+        generate_package(graph, plan_from_graph(graph), run_dir / "x", class_name, arch)
+    assert not (run_dir / "x").exists()
+
+
 # ---- command line -------------------------------------------------------------------------------
 def test_command_line_with_stage_ranks_and_with_plan(resnet18, run_dir: Path, capsys) -> None:
     _, _, graph = resnet18

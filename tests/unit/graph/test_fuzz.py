@@ -349,3 +349,10 @@ def test_partition_of_any_parsed_graph_is_a_plan_or_typed_error(text: str, worke
     if isinstance(plan, Plan):
         assert sorted(plan.stage_of) == sorted(n.node_id for n in graph.nodes), "the plan must place every node"
         assert plan.num_ranks <= workers
+
+
+@pytest.mark.parametrize("text", ["0:" + "9" * 5000, "9" * 5000 + ":1", "0:1," + "1" * 4301 + ":2"])
+def test_stage_to_num_ranks_with_thousands_of_digits_is_typed(text: str) -> None:
+    """int() of more than 4300 digits raises a bare ValueError (a traceback from generate and the worker)."""
+    with pytest.raises(PlanError, match=r"--stage_to_num_ranks: .* holds a number of \d+ digits; .* at most 65536"):
+        parse_stage_to_num_ranks(text)

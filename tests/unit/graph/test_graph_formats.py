@@ -207,3 +207,51 @@ def test_a_worker_count_beyond_the_plan_limit_is_refused_before_the_optimizer():
         Hierarchy.from_lists([100000000])
     with pytest.raises(PlanError, match=r"-n 300 300 is more than 65536"):
         Hierarchy.from_lists([300, 300], [1e9, 1e9])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("args", [{"node": ["conv"]}], r"nodes\[2\]: a node reference is .*got \{\"node\": \"\['conv'\]\"\}"),
+    ("args", [{"node": {"node": "conv"}}], r"nodes\[2\]: a node reference is"),
+    ("kwargs", {"x": {"tuple": [{"node": 3}]}}, r"nodes\[2\]: a node reference is"),
+    ("args", {"node": "conv"}, r"nodes\[2\]: malformed node .*layer 'args' must be a list, got dict"),
+    ("kwargs", [["dim", 1]], r"nodes\[2\]: malformed node .*layer 'kwargs' must be an object, got list"),
+    ("parameters", "conv.weight", r"nodes\[2\]: malformed node .*layer 'parameters' must be a list"),
+    ("parameters", [{"a": 1}], r"nodes\[2\]: malformed node .*state-dict names \(strings\)"),
+    ("module", 5, r"nodes\[2\]: malformed node .*layer 'module' must be a constructor expression or null"),
+])
+def test_graph_json_layer_fields_of_the_wrong_type_are_refused_when_read(field, value, message, tmp_path: Path):
+    """A layer field of another JSON type was coerced (an object as `args` became its keys, `("node",)`, and the
+    stage called `self.conv("node")`; a list of pairs became kwargs), and a reference whose id is a list or an
+    object raised a bare TypeError (unhashable) in partition and generate: each is now refused naming file and node."""
+    data = graph_to_dict(_rich_graph())
+    data["nodes"][2]["layer"][field] = value
+    with pytest.raises(GraphFormatError, match=message):
+        graph_from_dict(data, "g.json")
+
+
+def test_graph_json_model_outputs_must_reference_nodes_by_string():
+    data = graph_to_dict(_rich_graph())
+    data["metadata"]["outputs"] = {"node": ["split"]}
+    with pytest.raises(GraphFormatError, match=r"g\.json: a node reference is .*got \{\"node\": \"\['split'\]\"\}"):
+        graph_from_dict(data, "g.json")
+    data["nodes"][2]["layer"] = ["call_method"]
+    with pytest.raises(GraphFormatError, match=r"nodes\[2\]: malformed node .*a layer must be an object, got list"):
+        graph_from_dict(data, "g.json")
+
+
+def test_errors_on_ids_and_values_with_line_breaks_stay_one_line(tmp_path: Path):
+    """An edge naming an unknown id with a line break (or an escape byte) printed it raw, splitting the one-line
+    error; so did a layer field's value."""
+    data = graph_to_dict(_rich_graph())
+    data["edges"].append(["conv", "PWNED\r\nimport os"])
+    with pytest.raises(GraphFormatError) as error:
+        graph_from_dict(data, "g.json")
+    assert str(error.value) == "g.json: edge conv -- 'PWNED\\r\\nimport os' names unknown node 'PWNED\\r\\nimport os'"
+    data = graph_to_dict(_rich_graph())
+    data["nodes"][2]["layer"]["kwargs"] = "a\nimport os"
+    with pytest.raises(GraphFormatError, match=r"got str 'a\\nimport os'") as error:
+        graph_from_dict(data, "g.json")
+    assert "\n" not in str(error.value)
+    with pytest.raises(GraphFormatError) as error:
+        parse_graph_txt(f"{GOOD}\n\ta -- z\x1b[2J\n", "bad.txt")
+    assert str(error.value) == "bad.txt:2: edge a -- 'z\\x1b[2J' names unknown node 'z\\x1b[2J'"

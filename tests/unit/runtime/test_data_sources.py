@@ -3,6 +3,7 @@ step afresh as an uninterrupted run reads it (a resume mid-epoch continues exact
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -198,6 +199,23 @@ def test_token_file_gives_windows_and_shifted_targets(tmp_path):
     assert torch.equal(made.batch(3)[0][0], x)
     with pytest.raises(DataError, match=r"--seq_len 8 differs from the model's input length 16 \(as traced\)"):
         make_dataset(f"tokens:{tmp_path / 'train.bin'}", 4, 0, shape=(16,), num_classes=1000, kind="tokens", seq_len=8)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_a_token_file_that_is_not_a_regular_file_is_named_by_kind(tmp_path, kind):
+    """A FIFO, /dev/zero behind a symlink or a directory was reported as "no such file" (it exists), by both the
+    API and the worker's --data check."""
+    from model_parallel.cli.worker import build_parser
+    from model_parallel.cli.worker_inputs import check_inputs
+    from model_parallel.errors import PlanError
+
+    path = tmp_path / "train.bin"
+    {"fifo": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero"), "directory": path.mkdir}[kind]()
+    shown = {"fifo": "a FIFO", "device": "a device", "directory": "a directory"}[kind]
+    with pytest.raises(DataError, match=rf"tokens:{path}: not a regular file \({shown}, possibly behind a symlink\)"):
+        token_data(str(path), 4, 2)
+    with pytest.raises(PlanError, match=rf"--data tokens:{path}: not a regular file \({shown}"):
+        check_inputs(build_parser().parse_args(["--model", "gpt", "--data", f"tokens:{path}"]))
 
 
 def test_token_file_errors(tmp_path):

@@ -70,3 +70,12 @@ def test_weights_from_a_corrupt_checkpoint_name_the_manifest(tmp_path: Path) -> 
     with pytest.raises(CheckpointError, match=r"manifest\.json: malformed manifest: shards\[0\]\.file must be a file name"):
         weight_source(tmp_path).read({"fc.weight": torch.zeros(2, 2)})
 
+
+
+def test_an_index_naming_a_file_without_the_tensor_is_one_error(tmp_path: Path) -> None:
+    """The index is data: a weight_map entry pointing at a file that lacks the tensor raised the safetensors
+    library's untyped SafetensorError ("File does not contain tensor") from the rank building its stage."""
+    save_file({"other.weight": torch.ones(2, 2)}, str(tmp_path / "model-00001.safetensors"))
+    write_index(tmp_path, "model-00001.safetensors")
+    with pytest.raises(InitError, match=r"model-00001\.safetensors: holds no tensor 'fc\.weight', which .*index\.json says"):
+        weight_source(tmp_path).read({"fc.weight": torch.zeros(2, 2)})
