@@ -119,3 +119,14 @@ def json_number(value: Any, what: str, integer: bool = False) -> Any:
         expected = "an integer" if integer else "a finite number"
         raise ValueError(f"{what} must be {expected} (a JSON number), got {str(value)[:40]!r}")
     return value if integer else float(value)
+
+
+_JSON_KINDS = {list: "a JSON list", str: "a JSON string", dict: "a JSON object"}
+
+
+def json_typed(value: Any, kind: type, what: str) -> Any:
+    """`value` when it is of the JSON `kind` (list, str or dict), else a ValueError: a string where a list is meant
+    would be read letter by letter (tuple("abc")), a list of pairs where an object is meant as its pairs (dict([...]))."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} must be {_JSON_KINDS[kind]}, got {type(value).__name__} {str(value)[:40]!r}")
+    return value

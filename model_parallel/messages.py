@@ -129,9 +129,10 @@ class Command:
             return cls(
                 kind=str(data["kind"]),
                 plan=None if plan is None else Plan.from_dict(dict(plan), source=f"{data['kind']!s:.20} command's plan"),
-                rank=None if data.get("rank") is None else int(data["rank"]),
-                factor=float(data.get("factor", 1.0)),
-                reason=str(data.get("reason", "")),
+                # Numbers as JSON numbers: int() would take True, "٣" or 1e300 (a slowdown of a rank none has).
+                rank=None if data.get("rank") is None else jsonbound.json_number(data["rank"], "rank", integer=True),
+                factor=jsonbound.json_number(data.get("factor", 1.0), "factor"),
+                reason=jsonbound.json_typed(data.get("reason", ""), str, "reason"),
                 extra=dict(extra),
                 schedule=schedule,
             )

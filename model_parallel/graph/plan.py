@@ -16,6 +16,7 @@ from model_parallel.errors import PlanError
 from model_parallel.graph.hierarchy import MAX_RANKS
 from model_parallel.fileio import atomic_write_json, read_json_file
 from model_parallel.jsonbound import json_number as _number
+from model_parallel.jsonbound import json_typed
 
 if TYPE_CHECKING:  # only the annotation: graph/core.py is not needed to read or write a plan
     from model_parallel.graph.core import Graph
@@ -248,23 +249,24 @@ class Plan:
             stages = tuple(
                 StagePlan(
                     stage_id=_number(s["stage_id"], "stage_id", integer=True),
-                    node_ids=tuple(str(n) for n in s["node_ids"]),
+                    node_ids=tuple(json_typed(n, str, "a node id") for n in json_typed(s["node_ids"], list, "node_ids")),
                     num_replicas=_number(s.get("num_replicas", 1), "num_replicas", integer=True),
-                    ranks=tuple(_number(r, "a rank", integer=True) for r in s.get("ranks", ())),
+                    ranks=tuple(_number(r, "a rank", integer=True) for r in json_typed(s.get("ranks", []), list, "ranks")),
                     compute_s=_number(s.get("compute_s", 0.0), "compute_s"),
                     communication_s=_number(s.get("communication_s", 0.0), "communication_s"),
                     memory_bytes=_number(s.get("memory_bytes", 0.0), "memory_bytes"),
                 )
-                for s in data["stages"]
+                for s in json_typed(data["stages"], list, "stages")
             )
             plan = cls(
                 stages=stages,
                 time_per_minibatch_s=_number(data.get("time_per_minibatch_s", 0.0), "time_per_minibatch_s"),
                 single_machine_time_s=_number(data.get("single_machine_time_s", 0.0), "single_machine_time_s"),
                 optimizer_seconds=_number(data.get("optimizer_seconds", 0.0), "optimizer_seconds"),
-                num_machines=tuple(_number(n, "num_machines", integer=True) for n in data.get("num_machines", ())),
+                num_machines=tuple(_number(n, "num_machines", integer=True)
+                                   for n in json_typed(data.get("num_machines", []), list, "num_machines")),
                 version=_number(data.get("version", 0), "version", integer=True),
-                extra=dict(data.get("extra", {})),
+                extra=dict(json_typed(data.get("extra", {}), dict, "extra")),
             )
             plan_stage_times(plan)  # refused when read, before anything runs
             return plan

@@ -32,3 +32,15 @@ def test_a_well_formed_plan_reads() -> None:
 def test_non_numbers_are_refused_naming_the_field(stage: dict, top: dict, field: str) -> None:
     with pytest.raises(PlanError, match=rf"plan\.json: malformed plan \(ValueError: {field} must be"):
         Plan.from_dict(_plan(stage, **top), "plan.json")
+
+
+@pytest.mark.parametrize(("stage", "top", "field", "kind"), [
+    ({"node_ids": "abc"}, {}, "node_ids", "a JSON list"),  # was read letter by letter: nodes a, b, c
+    ({"node_ids": [1]}, {}, "a node id", "a JSON string"),
+    ({"ranks": "01"}, {}, "ranks", "a JSON list"),
+    ({}, {"extra": [["schedule", "zbv"]]}, "extra", "a JSON object"),  # was read as its pairs: dict([...])
+    ({}, {"num_machines": "4"}, "num_machines", "a JSON list"),
+])
+def test_containers_of_another_json_type_are_refused_not_coerced(stage: dict, top: dict, field: str, kind: str) -> None:
+    with pytest.raises(PlanError, match=rf"plan\.json: malformed plan \(ValueError: {field} must be {kind}"):
+        Plan.from_dict(_plan(stage, **top), "plan.json")

@@ -179,6 +179,16 @@ def test_command_with_infinite_numbers_is_a_protocol_error(data: dict) -> None:
         Command.from_dict(data)
 
 
+@pytest.mark.parametrize("data", [{"kind": "slowdown", "rank": True, "factor": 2}, {"kind": "slowdown", "rank": "\u0663", "factor": 2},
+                                  {"kind": "slowdown", "rank": 1e300, "factor": 2}, {"kind": "slowdown", "rank": 1.0, "factor": 2},
+                                  {"kind": "stop", "reason": ["a"]}],
+                         ids=["rank-bool", "rank-arabic-digit", "rank-1e300", "rank-float", "reason-list"])
+def test_command_fields_of_another_json_type_are_a_protocol_error(data: dict) -> None:
+    # int() took True as rank 1, "\u0663" (an Arabic-Indic three) as rank 3 and 1e300 as a rank no worker has.
+    with pytest.raises(ProtocolError, match="must be"):
+        Command.from_dict(data)
+
+
 @pytest.mark.parametrize("plan", [False, [], "v2"])
 def test_command_with_a_plan_that_is_not_an_object_is_a_protocol_error(plan: Any) -> None:
     # {"kind": "continue", "plan": false} must not be accepted: Command.to_dict() would raise TypeError.
