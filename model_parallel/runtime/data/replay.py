@@ -21,7 +21,8 @@ from model_parallel.errors import DataError
 RANDOM_TARGETS = ("draws them at random, as random masking does (DataCollatorForLanguageModeling): each process "
                   "collates for itself (stage 0 the inputs, the last stage the targets), so the targets would come from "
                   "another draw than the inputs; make them a function of the samples (seed any randomness from the "
-                  "sample's index), or give an object with batch(step) that seeds its draws by step")
+                  "sample's index), give a map-style Dataset (its steps are collated under draws keyed by (seed, step): "
+                  "data/draws.py), or an object with batch(step) that seeds its draws by step")
 
 
 def check_replays(iterable: Iterable[Any], items: int, name: str,
