@@ -196,7 +196,12 @@ def from_loader(loader: DataLoader, seed: int, batch_size: int, causal_labels: b
                         f"(TrainConfig.batch_size / --batch_size); make them equal")
     sampler = loader.sampler
     map_style = not isinstance(loader.dataset, IterableDataset)
-    if map_style and loader.batch_size is not None and isinstance(sampler, (RandomSampler, SequentialSampler)):
+    # A RandomSampler with replacement or its own num_samples draws another epoch than a permutation of the dataset:
+    # it was read as one (num_samples=16 of 40 trained 5 steps an epoch), so it is left to the iterable's check below.
+    whole = isinstance(sampler, SequentialSampler) or (
+        isinstance(sampler, RandomSampler) and not sampler.replacement and map_style
+        and sampler.num_samples == len(loader.dataset))  # type: ignore[arg-type]  # map-style: it has a length
+    if map_style and loader.batch_size is not None and whole:
         # Its own shuffle draws a fresh seed per pass: ours is keyed by (seed, epoch), so a resume replays it.
         # Every step a full minibatch: a short last one would split into unequal microbatches (config.py refuses those).
         size = len(loader.dataset)  # type: ignore[arg-type]  # map-style: it has a length

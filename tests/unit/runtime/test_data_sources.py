@@ -251,10 +251,13 @@ def test_a_data_loader_trains_the_run_s_batch_size_or_is_refused(caplog):
     assert {len(source.batch(step)[1]) for step in range(10)} == {BATCH}
 
 
-@pytest.mark.parametrize("sampler", ["subset", "weighted", "batch_sampler", "shuffling_iterable"])
+@pytest.mark.parametrize("sampler", ["subset", "weighted", "batch_sampler", "shuffling_iterable", "replacement",
+                                     "num_samples"])
 def test_an_iterable_whose_passes_differ_is_refused(sampler):
     """Each process reads the data itself (stage 0 the inputs, the last stage the targets): a random order not keyed
-    by the run's seed paired one sample's inputs with another's target, and training went on without a word."""
+    by the run's seed paired one sample's inputs with another's target, and training went on without a word. A
+    RandomSampler with replacement or num_samples was read as a plain shuffle (both ignored: num_samples=BATCH
+    trained N // BATCH steps an epoch, without a word)."""
     from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
     dataset = TensorDataset(*tensors())
@@ -266,7 +269,10 @@ def test_an_iterable_whose_passes_differ_is_refused(sampler):
     data = {"subset": lambda: DataLoader(dataset, batch_size=BATCH, sampler=SubsetRandomSampler(range(N))),
             "weighted": lambda: DataLoader(dataset, batch_size=BATCH, sampler=WeightedRandomSampler(torch.ones(N), N)),
             "batch_sampler": lambda: DataLoader(dataset, batch_sampler=BatchSampler(RandomSampler(dataset), BATCH, True)),
-            "shuffling_iterable": Shuffling}[sampler]()
+            "shuffling_iterable": Shuffling,
+            "replacement": lambda: DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, replacement=True)),
+            "num_samples": lambda: DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=BATCH)),
+            }[sampler]()
     with pytest.raises(DataError, match=r"two passes over it begin with different samples.*shuffle=True"):
         as_source(data, BATCH, seed=0).batch(0)
 
