@@ -15,8 +15,8 @@ every rank, computed once per source:
 - a map-style Dataset: its length and a sha256 of samples 0, n//2 and n-1 as collated (not the shuffled
   order: that follows from the seed, a field of its own). They are read under fixed seeds, the training's
   random state kept, so a random augmentation reads the same on resume; samples that still differ when read
-  twice (state in the dataset) record none, rather than refusing every resume. The engine reads it when it is
-  built, before a prefetch thread reads the data too (the fixed seeds are the process's).
+  twice (state in the dataset) record none, rather than refusing every resume (`data/draws.keyed_draws(0)`, under
+  the lock a prefetch thread's read holds too).
 - an ImageFolder: its image list (paths relative to the root, and classes), not the pixels.
 - an iterable (a DataLoader with a sampler of its own, an IterableDataset): its first minibatch of a fresh
   pass; a user's batch(step) object: its batch(0). All there is to read without a length: enough to tell two
@@ -29,15 +29,15 @@ sample count (its path was the directory it ran from), with one warning that its
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import random
 import re
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
+
+from model_parallel.runtime.data.draws import keyed_draws
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _stable_digest(read: Callable[[], Any], what: str) -> Optional[str]:
     (state in the data: no fingerprint, rather than refusing every resume)."""
     readings = []
     for _ in range(2):
-        with _fixed_seeds():
+        with keyed_draws(0):  # fixed seeds, the training's random state kept
             digest = hashlib.sha256()
             _feed(digest, read())
             readings.append(digest.hexdigest()[:HEX])
@@ -160,25 +160,6 @@ def _samples_content(source: Any) -> Optional[dict[str, Any]]:
     if digest is None:
         return None
     return {"kind": "dataset", "samples": size, f"sha256 of samples {', '.join(map(str, indices))}": digest}
-
-
-@contextlib.contextmanager
-def _fixed_seeds() -> Iterator[None]:
-    """Fixed seeds for torch's, Python's and numpy's generators, each restored after (the training's dropout and
-    shuffles go on as if nothing had been read)."""
-    import numpy as np
-    import torch
-
-    python, numpy = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            random.seed(0)
-            np.random.seed(0)
-            yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)
 
 
 def _feed(digest: Any, value: Any) -> None:

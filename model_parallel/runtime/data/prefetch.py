@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from model_parallel.errors import DataError
+from model_parallel.runtime.data.draws import GENERATOR_LOCK
 from model_parallel.runtime.data.sources import read_targets
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,12 @@ class Prefetcher:
             tracer.add_lane(lane)
 
     def _read(self, part: str, step: int) -> Any:
-        if part == "batch":
-            return self.dataset.batch(step)
-        verify, self._verified = not self._verified, True  # the source's own targets(), once (sources.read_targets)
-        return read_targets(self.dataset, step, verify=verify)
+        # Never while the training thread's forward runs on its seeded CPU generator (data/draws.py).
+        with GENERATOR_LOCK:
+            if part == "batch":
+                return self.dataset.batch(step)
+            verify, self._verified = not self._verified, True  # the source's own targets(), once (sources.read_targets)
+            return read_targets(self.dataset, step, verify=verify)
 
     def _prepare(self, part: str, step: int) -> Any:
         tracer = self.tracer

@@ -21,7 +21,8 @@ from model_parallel.errors import DataError
 RANDOM_TARGETS = ("draws them at random, as random masking does (DataCollatorForLanguageModeling): each process "
                   "collates for itself (stage 0 the inputs, the last stage the targets), so the targets would come from "
                   "another draw than the inputs; make them a function of the samples (seed any randomness from the "
-                  "sample's index), or give an object with batch(step) that seeds its draws by step")
+                  "sample's index), give a map-style Dataset (its steps are collated under draws keyed by (seed, step): "
+                  "data/draws.py), or an object with batch(step) that seeds its draws by step")
 
 
 def check_replays(iterable: Iterable[Any], items: int, name: str,
@@ -42,8 +43,8 @@ def check_replays(iterable: Iterable[Any], items: int, name: str,
                         "run's: each process reads the data itself (stage 0 the inputs, the last stage the targets), "
                         "and they would pair one sample's inputs with another's target (a resume could not replay it "
                         "either). A DataLoader's own sampler (SubsetRandomSampler, WeightedRandomSampler, a "
-                        "batch_sampler) draws a fresh order in every process: give DataLoader(dataset, batch_size, "
-                        "shuffle=True) over a map-style dataset (shuffled per epoch under the run's seed), the dataset "
+                        "batch_sampler, a RandomSampler with replacement or num_samples) draws a fresh order in every "
+                        "process: give DataLoader(dataset, batch_size, shuffle=True) over a map-style dataset (shuffled per epoch under the run's seed), the dataset "
                         "itself, or an object with batch(step) -> (inputs, target) for an order of your own; an "
                         "iterable must yield the same items in the same order on every pass")
     if target_of is not None and passes[0] and not same(target_of(passes[0]), target_of(passes[1])):

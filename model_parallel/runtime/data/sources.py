@@ -39,16 +39,22 @@ from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
+from model_parallel.runtime.data.draws import keyed_draws
 from model_parallel.runtime.data.pairs import BATCH_FORMS, Batch, as_pair, describe
 from model_parallel.runtime.data.replay import RANDOM_TARGETS, check_replays, same
 from model_parallel.runtime.data.tokens import TokenWindows
 
 logger = logging.getLogger(__name__)
 
+def stream_seed(seed: int, key: int) -> int:
+    """The seed of stream (seed, key): a step's synthetic batch or its samples' augmentation, or (key = -1 - epoch)
+    an epoch's shuffle. Distinct streams per (seed, key) without correlations between neighbouring keys."""
+    return (seed * 1_000_003 + key * 7_919 + 17) % (2**63 - 1)
+
+
 def seeded_generator(seed: int, key: int) -> torch.Generator:
-    """A generator for (seed, key): a step's synthetic batch, or (key = -1 - epoch) an epoch's shuffle."""
-    # Distinct streams per (seed, key) without correlations between neighbouring keys.
-    return torch.Generator().manual_seed((seed * 1_000_003 + key * 7_919 + 17) % (2**63 - 1))
+    """A generator for (seed, key) (`stream_seed`)."""
+    return torch.Generator().manual_seed(stream_seed(seed, key))
 
 
 @dataclass
@@ -88,12 +94,16 @@ class MapData:
     def batch(self, step: int) -> Batch:
         where = self.position(step)
         indices = self._batches(where["epoch"])[where["batch"]]
-        try:
-            samples = [self.dataset[i] for i in indices]
-        except (IndexError, KeyError) as error:
-            raise DataError(f"{self.name}: reading sample of step {step} failed ({type(error).__name__}: {error}); "
-                            "a map-style dataset must answer every index in range(len(dataset))") from None
-        return as_pair(self.collate_fn(samples), f"{self.name} step {step}", self.causal_labels)
+        # A random augmentation (RandomResizedCrop, RandomHorizontalFlip) draws step s's own numbers in every process
+        # that reads it, and after a resume (data/draws.py).
+        with keyed_draws(stream_seed(self.seed, step)):
+            try:
+                samples = [self.dataset[i] for i in indices]
+            except (IndexError, KeyError) as error:
+                raise DataError(f"{self.name}: reading sample of step {step} failed ({type(error).__name__}: {error}); "
+                                "a map-style dataset must answer every index in range(len(dataset))") from None
+            batch = self.collate_fn(samples)
+        return as_pair(batch, f"{self.name} step {step}", self.causal_labels)
 
     def targets(self, step: int) -> torch.Tensor:
         """`batch(step)[1]`; for a token file (default collate) the shifted windows only, no input read."""
@@ -186,7 +196,12 @@ def from_loader(loader: DataLoader, seed: int, batch_size: int, causal_labels: b
                         f"(TrainConfig.batch_size / --batch_size); make them equal")
     sampler = loader.sampler
     map_style = not isinstance(loader.dataset, IterableDataset)
-    if map_style and loader.batch_size is not None and isinstance(sampler, (RandomSampler, SequentialSampler)):
+    # A RandomSampler with replacement or its own num_samples draws another epoch than a permutation of the dataset:
+    # it was read as one (num_samples=16 of 40 trained 5 steps an epoch), so it is left to the iterable's check below.
+    whole = isinstance(sampler, SequentialSampler) or (
+        isinstance(sampler, RandomSampler) and not sampler.replacement and map_style
+        and sampler.num_samples == len(loader.dataset))  # type: ignore[arg-type]  # map-style: it has a length
+    if map_style and loader.batch_size is not None and whole:
         # Its own shuffle draws a fresh seed per pass: ours is keyed by (seed, epoch), so a resume replays it.
         # Every step a full minibatch: a short last one would split into unequal microbatches (config.py refuses those).
         size = len(loader.dataset)  # type: ignore[arg-type]  # map-style: it has a length

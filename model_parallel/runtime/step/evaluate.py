@@ -13,6 +13,7 @@ follow the stage's mode) and go back to train mode after.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -29,6 +30,8 @@ from model_parallel.runtime.step.executor import StepData, StepExecutor
 from model_parallel.runtime.wire import comm
 
 Metric = Callable[[Any, torch.Tensor], Any]
+logger = logging.getLogger(__name__)
+_warned: set[tuple[int, int]] = set()  # (id of a dataset, steps) already warned about
 
 
 class EvaluatingEngine(Protocol):
@@ -56,9 +59,24 @@ class EvalResult:
     steps: int
 
 
-def _check_steps(steps: int) -> None:
+def _check_steps(steps: int, dataset: Any) -> None:
     if steps < 1:
         raise ConfigError(f"evaluation steps must be >= 1 (minibatches to validate on), got {steps}")
+    # A map-style dataset (sources.MapData, or a Prefetcher over one) wraps into its next epoch past its last full
+    # minibatch: evaluate(val, ceil(len / batch)) counted a reshuffled minibatch twice into a top-1 accuracy, silently.
+    per_epoch, batch = getattr(dataset, "steps_per_epoch", None), getattr(dataset, "batch_size", None)
+    inner = dataset
+    while not hasattr(inner, "__len__") and hasattr(inner, "dataset"):  # a Prefetcher over a MapData over the samples
+        inner = inner.dataset
+    if not isinstance(per_epoch, int) or not isinstance(batch, int) or steps <= per_epoch or (id(dataset), steps) in _warned:
+        return
+    _warned.add((id(dataset), steps))
+    size = len(inner) if hasattr(inner, "__len__") else per_epoch * batch
+    logger.warning("evaluating %d steps of a dataset of %d samples, %d minibatch(es) of %d: steps %d.. read it again "
+                   "(another shuffle), so %d sample(s) count twice or more in the mean loss and metric; give steps=%d "
+                   "to read each sample once (%d left out: a batch size that divides %d reads them all)",
+                   steps, size, per_epoch, batch, per_epoch, (steps - per_epoch) * batch, per_epoch,
+                   size - per_epoch * batch, size)
 
 
 def check_deterministic(graph: Graph) -> None:
@@ -76,7 +94,7 @@ def check_deterministic(graph: Graph) -> None:
 
 def evaluate_pipeline(engine: EvaluatingEngine, dataset: Any, steps: int, metric: Optional[Metric] = None) -> EvalResult:
     """`PipelineEngine.evaluate`: every rank calls it at the same point with the same arguments."""
-    _check_steps(steps)
+    _check_steps(steps, dataset)
     check_deterministic(engine.graph)
     total = torch.zeros(2, dtype=torch.float64)
     stage = engine.stage
@@ -103,7 +121,7 @@ def evaluate_in_process(modules: list[nn.Module], forward: Callable[[Any, Any], 
                         num_microbatches: int, steps: int, metric: Optional[Metric] = None) -> EvalResult:
     """Forward-only in this process: `forward(inputs, microbatch_inputs) -> output` per microbatch, `modules` in
     eval mode meanwhile (and back to train mode after); the loss and metric / m summed per step, then averaged."""
-    _check_steps(steps)
+    _check_steps(steps, dataset)
     loss_sum = metric_sum = 0.0
     for module in modules:
         module.eval()

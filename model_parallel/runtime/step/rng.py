@@ -11,9 +11,11 @@ A generator-level seed costs ~3 us (`torch.manual_seed` seeds every device: ~180
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+from model_parallel.runtime.data.draws import GENERATOR_LOCK
 
 _MIX = 1_000_003  # a prime: (seed, step, stage, microbatch) -> one 63-bit seed, distinct for realistic keys
 _BITS = (1 << 63) - 1
@@ -33,9 +35,11 @@ def _generator(device: torch.device) -> torch.Generator:
 def seeded_forward(device: torch.device, seed: int, step: int, stage: int, microbatch: int) -> Iterator[None]:
     """Run a stage's forward of `microbatch` at `step` on the generator seeded from that key; restore it after."""
     generator = _generator(device)
-    state = generator.get_state()
-    generator.manual_seed(forward_seed(seed, step, stage, microbatch))
-    try:
-        yield
-    finally:
-        generator.set_state(state)
+    # On the CPU, not while the data is read on the prefetch thread from the same generator (data/draws.py).
+    with GENERATOR_LOCK if generator is torch.default_generator else nullcontext():
+        state = generator.get_state()
+        generator.manual_seed(forward_seed(seed, step, stage, microbatch))
+        try:
+            yield
+        finally:
+            generator.set_state(state)

@@ -269,10 +269,13 @@ def test_a_data_loader_trains_the_run_s_batch_size_or_is_refused(caplog):
     assert {len(source.batch(step)[1]) for step in range(10)} == {BATCH}
 
 
-@pytest.mark.parametrize("sampler", ["subset", "weighted", "batch_sampler", "shuffling_iterable"])
+@pytest.mark.parametrize("sampler", ["subset", "weighted", "batch_sampler", "shuffling_iterable", "replacement",
+                                     "num_samples"])
 def test_an_iterable_whose_passes_differ_is_refused(sampler):
     """Each process reads the data itself (stage 0 the inputs, the last stage the targets): a random order not keyed
-    by the run's seed paired one sample's inputs with another's target, and training went on without a word."""
+    by the run's seed paired one sample's inputs with another's target, and training went on without a word. A
+    RandomSampler with replacement or num_samples was read as a plain shuffle (both ignored: num_samples=BATCH
+    trained N // BATCH steps an epoch, without a word)."""
     from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
     dataset = TensorDataset(*tensors())
@@ -284,7 +287,10 @@ def test_an_iterable_whose_passes_differ_is_refused(sampler):
     data = {"subset": lambda: DataLoader(dataset, batch_size=BATCH, sampler=SubsetRandomSampler(range(N))),
             "weighted": lambda: DataLoader(dataset, batch_size=BATCH, sampler=WeightedRandomSampler(torch.ones(N), N)),
             "batch_sampler": lambda: DataLoader(dataset, batch_sampler=BatchSampler(RandomSampler(dataset), BATCH, True)),
-            "shuffling_iterable": Shuffling}[sampler]()
+            "shuffling_iterable": Shuffling,
+            "replacement": lambda: DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, replacement=True)),
+            "num_samples": lambda: DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=BATCH)),
+            }[sampler]()
     with pytest.raises(DataError, match=r"two passes over it begin with different samples.*shuffle=True"):
         as_source(data, BATCH, seed=0).batch(0)
 
@@ -333,22 +339,27 @@ def test_keyword_inputs_other_than_the_traced_ones_are_refused_naming_them():
     assert stage_zero_inputs([{"name": "arg0"}, {"name": "arg1"}], {}, [{"a": ids, "b": mask}]) == [ids, mask]
 
 
-@pytest.mark.parametrize("form", ["dataset", "iterable"])
-def test_a_collate_fn_that_draws_targets_at_random_is_refused_naming_it(form):
+def _masking(samples):
+    inputs = torch.stack([s[0] for s in samples])
+    return inputs, torch.where(torch.rand(len(samples)) < 0.5, torch.stack([s[1] for s in samples]), -100)
+
+
+def test_a_collate_fn_that_draws_targets_at_random_is_refused_naming_it():
     """Each process collates for itself: random masking in the collate_fn (as DataCollatorForLanguageModeling does)
-    gave the last stage targets of another draw than stage 0's inputs. A map-style dataset's was refused as
-    'MapData.targets(0) differs ...: fix targets(step) or remove it', a method the user never wrote; an iterable's
-    trained silently."""
-    x, y = tensors()
-
-    def masking(samples):
-        inputs = torch.stack([s[0] for s in samples])
-        return inputs, torch.where(torch.rand(len(samples)) < 0.5, torch.stack([s[1] for s in samples]), -100)
-
+    gave the last stage targets of another draw than stage 0's inputs. An iterable's trained silently."""
     from support.sources_cases import Stream
 
-    data = TensorDataset(x, y) if form == "dataset" else Stream()
-    source = as_source(data, BATCH, seed=0, collate_fn=masking)
-    with pytest.raises(DataError, match=r"(two reads of step 0's minibatch|two collations of the same samples) hold "
-                                        r"different targets.*collate_fn"):
+    source = as_source(Stream(), BATCH, seed=0, collate_fn=_masking)
+    with pytest.raises(DataError, match=r"two collations of the same samples hold different targets.*collate_fn"):
         read_targets(source, 0, verify=True)
+
+
+def test_a_map_style_collate_fn_that_draws_at_random_draws_alike_in_every_process():
+    """A map-style dataset's step is read and collated under draws keyed by (seed, step) (data/draws.py), so a random
+    collate_fn gives stage 0 and the last stage the same draw (before: refused as two reads that differ)."""
+    x, y = tensors()
+    source = as_source(TensorDataset(x, y), BATCH, seed=0, collate_fn=_masking)
+    targets = read_targets(source, 0, verify=True)
+    torch.manual_seed(7)  # another process: its generator stands elsewhere
+    other = as_source(TensorDataset(x, y), BATCH, seed=0, collate_fn=_masking)
+    assert torch.equal(other.batch(0)[1], targets) and (targets == -100).any()
