@@ -94,10 +94,10 @@ def _little_endian(where: object) -> None:
 
 
 def write_shard_file(handle: Handle, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                     optimizer: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any]) -> tuple[int, str]:
+                     optimizer: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any],
+                     where: object = "checkpoint shard") -> tuple[int, str]:
     """Write the shard payload {"params", "buffers", "optimizer", "extra"} into `handle` (a new file opened for
-    reading and writing); returns (its size, its sha256)."""
-    where = getattr(handle, "name", "checkpoint shard")
+    reading and writing; `where` names it in errors); returns (its size, its sha256)."""
     _little_endian(where)
     layout = optimizer.layout if isinstance(optimizer, StreamedState) else optimizer
     payload = {"params": dict(params), "buffers": dict(buffers),

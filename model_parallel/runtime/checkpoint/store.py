@@ -131,8 +131,8 @@ def save_shard(
             )
     path, written = shard_path(directory, step, rank), list[tuple[int, str]]()
     with _naming(path):  # straight into the temporary file renamed into place, a tensor (a parameter's state) at a time
-        atomic_write(path, lambda f: written.append(write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}))),
-                     binary=True, readable=True)
+        atomic_write(path, lambda f: written.append(
+            write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}), path)), binary=True, readable=True)
     size, sha256 = written[0]
     index = {
         "rank": rank,
