@@ -44,8 +44,10 @@ def encode(payload: Any, where: str) -> tuple[Any, list[tuple[tuple[Any, ...], s
                           f"shard cannot hold exactly (it holds tensors, None, bool, int, float, str, and lists, "
                           f"tuples and dicts of them)")
 
-    def value(obj: Any, path: tuple[Any, ...], depth: int) -> Any:
+    def value(obj: Any, path: tuple[Any, ...], depth: int, key: bool = False) -> Any:
         kind = type(obj)
+        if isinstance(obj, torch.Tensor) and key:
+            raise refuse(path, "a tensor inside a dict key")
         if isinstance(obj, torch.Tensor):
             name = "/".join(map(_component, path))
             if name in names:  # '0' and 0 as keys of one dict: made unique, '~~' never comes from escaping
@@ -68,14 +70,14 @@ def encode(payload: Any, where: str) -> tuple[Any, list[tuple[tuple[Any, ...], s
         if depth >= MAX_NESTING:
             raise refuse(path, f"nested deeper than {MAX_NESTING} containers")
         if kind is list:
-            return [value(item, path + (i,), depth + 1) for i, item in enumerate(obj)]
+            return [value(item, path + (i,), depth + 1, key) for i, item in enumerate(obj)]
         if kind is tuple:
-            return {"tuple": [value(item, path + (i,), depth + 1) for i, item in enumerate(obj)]}
+            return {"tuple": [value(item, path + (i,), depth + 1, key) for i, item in enumerate(obj)]}
         pairs = []
-        for key, item in obj.items():
-            if isinstance(key, torch.Tensor) or not isinstance(key, _KEYS):
-                raise refuse(path + (key,), f"keyed by a {type(key).__name__}")
-            pairs.append([value(key, path + ("<key>",), depth + 1), value(item, path + (key,), depth + 1)])
+        for name, item in obj.items():
+            if isinstance(name, torch.Tensor) or not isinstance(name, _KEYS):
+                raise refuse(path + (name,), f"keyed by a {type(name).__name__}")
+            pairs.append([value(name, path + ("<key>",), depth + 1, True), value(item, path + (name,), depth + 1)])
         return {"odict" if kind is OrderedDict else "dict": pairs}
 
     return value(payload, (), 0), tensors

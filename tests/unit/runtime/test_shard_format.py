@@ -124,7 +124,7 @@ def test_any_safetensors_reader_opens_a_shard(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value, what", [
     ({1, 2}, "a builtins.set"), (torch.Size([2]), "a torch.Size"), (torch.float32, "a torch.dtype"),
-    ({frozenset(): 1}, "keyed by a frozenset"), (10**70, "an integer of more than 64 digits"),
+    ({frozenset(): 1}, "keyed by a frozenset"), ({(1, torch.ones(1)): 2}, "a tensor inside a dict key"), (10**70, "an integer of more than 64 digits"),
 ])
 def test_a_value_the_shard_cannot_hold_exactly_is_refused_naming_it(tmp_path: Path, value, what: str) -> None:
     with pytest.raises(CheckpointError, match=rf"shard_0\.safetensors: extra/bad(/.*)? is {what}"):
