@@ -252,7 +252,7 @@ class ShardReader:
                                 f"{math.prod(shape) * dtype.itemsize}")
             spans.append((offsets[0], offsets[1], name))
             records[name] = torch.empty(shape, dtype=dtype, device="meta")
-            records[name]._shard_record = (start + offsets[0], offsets[1] - offsets[0])
+            setattr(records[name], "_shard_record", (start + offsets[0], offsets[1] - offsets[0]))  # (offset, bytes)
         at = 0
         for begin, end, name in sorted(spans):
             if begin != at:
