@@ -51,6 +51,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "export": Subcommand("model_parallel.cli.export",
                          "a checkpoint out as the original model's state dict or a Hugging Face directory (no workers)",
                          verbose_flag=False),
+    "checkpoint-upgrade": Subcommand("model_parallel.cli.checkpoint_upgrade",
+                                     "convert, once, a checkpoint of an earlier version (torch-pickle shards) to "
+                                     "safetensors; only for files you trust"),
     "calibrate": Subcommand("model_parallel.cli.calibrate", "measure this machine's speeds for the cost model",
                             verbose_flag=False),
     "schedule": Subcommand("model_parallel.cli.schedule",

@@ -36,10 +36,10 @@ def test_kill9_mid_checkpoint_then_resume_on_fewer_workers_is_exact(tmp_path: Pa
             world.kill(rank)
         world.wait(timeout=30)
     step3 = checkpoints / "step_3"
-    assert sorted(p.name for p in step3.iterdir()) == [f"shard_{r}.{x}" for r in range(3) for x in ("json", "pt")]
+    assert sorted(p.name for p in step3.iterdir()) == [f"shard_{r}.{x}" for r in range(3) for x in ("json", "safetensors")]
     assert latest_step(checkpoints) == 1 and list_checkpoints(checkpoints) == [1]
     # What a kill inside a file write leaves besides: temporary files, here and in the committed step.
-    (checkpoints / "step_1" / ".shard_0.pt.k1ll3d.tmp").write_bytes(b"half a shard")
+    (checkpoints / "step_1" / ".shard_0.safetensors.k1ll3d.tmp").write_bytes(b"half a shard")
     (checkpoints / ".latest.k1ll3d.tmp").write_text("step_")
 
     # Resume on 2 workers: their step-3 checkpoint must not take rank 2's stale shard for its own
@@ -55,7 +55,7 @@ def test_kill9_mid_checkpoint_then_resume_on_fewer_workers_is_exact(tmp_path: Pa
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
     # --keep_checkpoints 2: exactly the newest two step directories, and no leftover anywhere.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_3", "step_5"]
-    assert sorted(p.name for p in step3.iterdir()) == ["graph.json", "manifest.json", "shard_0.json", "shard_0.pt", "shard_1.json", "shard_1.pt"]
+    assert sorted(p.name for p in step3.iterdir()) == ["graph.json", "manifest.json", "shard_0.json", "shard_0.safetensors", "shard_1.json", "shard_1.safetensors"]
     assert not list(checkpoints.rglob("*.tmp"))
 
 
@@ -70,6 +70,6 @@ def test_write_error_on_one_rank_stops_every_rank_naming_it(tmp_path: Path) -> N
         assert result.workers[rank].returncode == 2, result.summary()
         errors = [line for line in output.splitlines() if "error:" in line]
         assert len(errors) == 1 and expected in errors[0], f"rank {rank}:\n{output[-3000:]}"
-        assert "shard_1.pt" in errors[0] and "no checkpoint of step 1 was committed" in errors[0], errors[0]
+        assert "shard_1.safetensors" in errors[0] and "no checkpoint of step 1 was committed" in errors[0], errors[0]
         assert "stopped responding" not in output and "Traceback" not in output, output[-3000:]
     assert latest_step(checkpoints) is None and not list(checkpoints.rglob("manifest.json"))

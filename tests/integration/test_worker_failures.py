@@ -50,7 +50,7 @@ def test_a_corrupt_shard_under_resume_names_the_reading_rank_on_every_rank(tmp_p
     first = launch_workers([*base, "--steps", "2"], 2, timeout=200)
     assert first.ok, first.summary()
     step = latest_step(checkpoints)
-    shard = checkpoints / f"step_{step}" / "shard_1.pt"
+    shard = checkpoints / f"step_{step}" / "shard_1.safetensors"
     shard.unlink()
     os.mkfifo(shard)  # a read would block forever
     result = launch_workers([*base, "--steps", "4", "--resume"], 2, timeout=200)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from model_parallel.errors import CheckpointError
+from model_parallel.runtime.checkpoint.layout import PICKLED_SUFFIX
 
 # What to do with a damaged step: without it and the pointer, --resume (and export) take the newest step still
 # committed (layout.latest_step). No flag picks a step: the directory is the choice.
@@ -92,6 +93,16 @@ def _check_shard_entry(shard: Any, where: str, bad: Any) -> None:
             raise bad(f"{where}.params[{name[:40]!r}] must be [shape, dtype], found {_show(entry)}")
 
 
+def refuse_pickled(manifest: dict[str, Any], manifest_path: Path, root: Path) -> None:
+    """Shards of earlier versions (torch pickles) are never read: nothing read from a file is unpickled."""
+    pickled = [s["file"] for s in manifest["shards"] if s["file"].endswith(PICKLED_SUFFIX)]
+    if pickled:
+        raise CheckpointError(
+            f"{manifest_path}: its shards ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}) were written "
+            f"by an earlier model_parallel as torch pickles, which this version does not read (a pickle can run code); "
+            f"if you trust these files, convert the checkpoint once with: model-parallel checkpoint-upgrade {root}")
+
+
 def shard_digest(file: Path, expected: int | None, rank: int) -> tuple[int, str]:
     """(size, sha256) of a shard file: a regular file (followed symlinks included) of `expected` bytes, read in
     pieces no further than that; a device, FIFO or directory is refused before reading (it could be endless)."""
@@ -131,7 +142,7 @@ def shard_digest(file: Path, expected: int | None, rank: int) -> tuple[int, str]
 
 
 def check_payload(payload: Any, meta: dict[str, Any], file: Path) -> dict[str, Any]:
-    """`payload` (torch.load of a shard) has the structure save_shard writes and holds the tensors its
+    """`payload` (a shard's skeleton, shardio.ShardReader) has the structure save_shard writes and holds the tensors its
     manifest entry lists, with the recorded shapes; returns it."""
 
     def bad(what: str) -> CheckpointError:

@@ -2,7 +2,7 @@
 
 At a checkpoint of step N, on every rank together:
 
-    first replica of each stage   save_shard(step_N/shard_<rank>.pt + .json)   (errors caught)
+    first replica of each stage   save_shard(step_N/shard_<rank>.safetensors + .json)   (errors caught)
     every rank                    share_failure: one all-reduce of "who failed", then the first
                                   failed rank broadcasts its message
                                   -> any failure: every rank raises "checkpoint write failed on rank R: ..."
@@ -68,7 +68,7 @@ STALL_ENV = "MP_TEST_CHECKPOINT_STALL"
 ENOSPC_ENV = "MP_TEST_CHECKPOINT_ENOSPC"
 CRASH_ENV = "MP_TEST_CRASH_AT_CHECKPOINT"
 _STALL_LIMIT_S = 600.0  # a stalled test worker gives up on its own if nobody kills it
-_SHARD_FILE = re.compile(r"^shard_\d+\.(pt|json)$")
+_SHARD_FILE = re.compile(r"^shard_\d+\.(safetensors|pt|json)$")  # .pt: an earlier version's
 
 
 class AgreeingEngine(Protocol):

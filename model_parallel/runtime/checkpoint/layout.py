@@ -1,7 +1,7 @@
 """Where a checkpoint directory keeps things, and which of its steps count (are committed).
 
     <directory>/latest                     text "step_<N>": the commit point
-    <directory>/step_<N>/shard_<rank>.pt   one rank's tensors; shard_<rank>.json its index
+    <directory>/step_<N>/shard_<rank>.safetensors   one rank's tensors (shardio.py); shard_<rank>.json its index
     <directory>/step_<N>/manifest.json     the shards that make the checkpoint
     <directory>/step_<N>/graph.json        the graph trained (+ config.json of an HF model: model_files.py)
 
@@ -19,6 +19,8 @@ from model_parallel.userfile import read_text
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+SHARD_SUFFIX = ".safetensors"
+PICKLED_SUFFIX = ".pt"  # shards of earlier versions (torch pickles): never read, only converted (cli/checkpoint_upgrade.py)
 MAX_POINTER_BYTES = 4096  # "step_<N>\n" is a few bytes; more is not a pointer
 _STEP_DIR = re.compile(r"^step_(\d{1,16})$")  # 16 digits hold any step (check.MAX_STEP = 2**53); no 5000-digit int()
 
@@ -30,7 +32,7 @@ def step_dir(directory: PathLike, step: int) -> Path:
 
 
 def shard_path(directory: PathLike, step: int, rank: int) -> Path:
-    return step_dir(directory, step) / f"shard_{rank}.pt"
+    return step_dir(directory, step) / f"shard_{rank}{SHARD_SUFFIX}"
 
 
 def fsync_dir(directory: PathLike) -> None:

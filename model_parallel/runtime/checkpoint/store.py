@@ -7,8 +7,8 @@ API (stable; the runtime calls these):
         from its first replica). `params` / `buffers` map stage-module state-dict names
         (`layer1_0_conv1.weight`, see docs/ARCHITECTURE.md "Parameter names") to tensors;
         `optimizer_state` maps the same parameter names to `{"momentum_buffer": Tensor, "step": 3}`;
-        `extra` holds anything torch.load(weights_only=True) can read (dicts, lists, numbers,
-        strings, tensors) - e.g. this rank's RNG state.
+        `extra` holds tensors, None, bools, numbers (inf and nan too), strings, and lists, tuples and
+        dicts of them (any of these as keys) - e.g. this rank's RNG state; anything else is refused.
     finalize(directory, step, world_info, model_fingerprint, expected_ranks=None, extra=None) -> Path
         Called by one rank after every shard is written (the runtime agrees on that first).
         Checks the shards of `expected_ranks` (present, keys disjoint, parameters matching the
@@ -27,8 +27,8 @@ API (stable; the runtime calls these):
 Layout of a checkpoint directory:
 
     <directory>/latest                   text "step_<N>", replaced atomically (the commit point)
-    <directory>/step_<N>/shard_<rank>.pt  torch.save({"params", "buffers", "optimizer", "extra"}), written and
-                                          read a tensor at a time (shardio.py)
+    <directory>/step_<N>/shard_<rank>.safetensors  {"params", "buffers", "optimizer", "extra"} as safetensors,
+                                          written and read a tensor at a time, never unpickled (shardio.py)
     <directory>/step_<N>/shard_<rank>.json  index of the shard: keys, shapes, sha256 (written after it)
     <directory>/step_<N>/manifest.json    written by finalize after all shards: shards, world, fingerprint
     <directory>/step_<N>/graph.json       the graph the run trained, and config.json for a Hugging Face
@@ -62,7 +62,7 @@ from torch import nn
 from model_parallel import jsonbound
 from model_parallel.errors import CheckpointError
 from model_parallel.fileio import atomic_write, atomic_write_json, atomic_write_text
-from model_parallel.runtime.checkpoint.check import FIX, check_manifest, check_payload, shard_digest
+from model_parallel.runtime.checkpoint.check import FIX, check_manifest, check_payload, refuse_pickled, shard_digest
 from model_parallel.runtime.checkpoint.layout import (  # noqa: F401 - part of this module's API
     LATEST,
     MANIFEST,
@@ -131,8 +131,8 @@ def save_shard(
             )
     path, written = shard_path(directory, step, rank), list[tuple[int, str]]()
     with _naming(path):  # straight into the temporary file renamed into place, a tensor (a parameter's state) at a time
-        atomic_write(path, lambda f: written.append(write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}))),
-                     binary=True, readable=True)
+        atomic_write(path, lambda f: written.append(
+            write_shard_file(f, params_t, buffers_t, optimizer, dict(extra or {}), path)), binary=True, readable=True)
     size, sha256 = written[0]
     index = {
         "rank": rank,
@@ -389,6 +389,7 @@ def load_checkpoint(directory: PathLike, step: Optional[int] = None, expected_fi
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{manifest_path}: format version {manifest.get('version')}, this code reads version {VERSION}")
     check_manifest(manifest, manifest_path, step)
+    refuse_pickled(manifest, manifest_path, root)
     fingerprint = manifest["model_fingerprint"]
     if expected_fingerprint is not None and fingerprint != expected_fingerprint:
         raise CheckpointError(

@@ -80,11 +80,11 @@ def test_a_trainer_resuming_from_a_corrupt_manifest_raises_one_checkpoint_error(
 def test_a_trainer_resuming_from_a_fifo_shard_is_refused_without_blocking(tmp_path: Path, one_rank_world: None) -> None:
     checkpoints = tmp_path / "ck"
     checkpointed(checkpoints)
-    shard = checkpoints / "step_1" / "shard_0.pt"
+    shard = checkpoints / "step_1" / "shard_0.safetensors"
     shard.unlink()
     os.mkfifo(shard)
     with trainer(num_stages=1, options=RunOptions(timeout=30, checkpoint_dir=str(checkpoints), resume=True)) as t:
-        with pytest.raises(CheckpointError, match=r"shard_0\.pt: the shard of rank 0 is not a regular file"):
+        with pytest.raises(CheckpointError, match=r"shard_0\.safetensors: the shard of rank 0 is not a regular file"):
             t.train(4)
 
 

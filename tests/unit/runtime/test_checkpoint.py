@@ -158,7 +158,7 @@ def test_partial_checkpoint_is_ignored_and_latest_stays(tmp_path):
     params, buffers = ckpt.split_state(stages[0])
     ckpt.save_shard(tmp_path, 2, 0, params, buffers)
     # ... and a temporary file left over from a write that was killed mid-way.
-    (tmp_path / "step_2" / ".shard_1.pt.123.tmp").write_bytes(b"half a shard")
+    (tmp_path / "step_2" / ".shard_1.safetensors.123.tmp").write_bytes(b"half a shard")
     assert ckpt.latest_step(tmp_path) == 1
     assert ckpt.list_checkpoints(tmp_path) == [1]
     checkpoint = ckpt.load_checkpoint(tmp_path)
@@ -199,10 +199,10 @@ def test_corrupt_or_missing_shard_is_an_error(tmp_path):
     shard.write_bytes(bytes(data))
     checkpoint = ckpt.load_checkpoint(tmp_path)
     checkpoint.params(["0_0.weight"])  # rank 0's shard is intact and read on its own
-    with pytest.raises(CheckpointError, match=r"shard_1.pt: shard of rank 1 is corrupt"):
+    with pytest.raises(CheckpointError, match=r"shard_1.safetensors: shard of rank 1 is corrupt"):
         checkpoint.params(["2.weight"])
     shard.unlink()
-    with pytest.raises(CheckpointError, match=r"shard_1.pt: shard of rank 1 is missing"):
+    with pytest.raises(CheckpointError, match=r"shard_1.safetensors: shard of rank 1 is missing"):
         ckpt.load_checkpoint(tmp_path).params()
     (tmp_path / "step_4" / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"manifest.json: manifest is corrupt"):
@@ -302,14 +302,14 @@ def test_prune_removes_leftovers_and_keeps_the_last_k(tmp_path):
     _save(tmp_path, 11, stages, opts, fingerprint)
     (tmp_path / "latest").write_text("step_7\n")
     ckpt.save_shard(tmp_path, 7, 2, {"junk": torch.zeros(1)})
-    (tmp_path / "step_7" / ".shard_0.pt.abc.tmp").write_bytes(b"half")
+    (tmp_path / "step_7" / ".shard_0.safetensors.abc.tmp").write_bytes(b"half")
     (tmp_path / ".latest.abc.tmp").write_text("step_")
     (tmp_path / "notes.txt").write_text("not ours")
 
     prune(tmp_path)  # at start: leftovers only, every committed step stays
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.txt", "step_1", "step_3", "step_5", "step_7"]
     assert sorted(p.name for p in (tmp_path / "step_7").iterdir()) == [
-        "manifest.json", "shard_0.json", "shard_0.pt", "shard_1.json", "shard_1.pt"]
+        "manifest.json", "shard_0.json", "shard_0.safetensors", "shard_1.json", "shard_1.safetensors"]
     prune(tmp_path, keep=2)  # after a commit: the newest two
     assert ckpt.list_checkpoints(tmp_path) == [5, 7]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.txt", "step_5", "step_7"]

@@ -2,7 +2,6 @@
 the fix, never a traceback, an unbounded read, a blocked open or a silent wrong resume."""
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Callable
@@ -50,8 +49,8 @@ def shard(index: int = 0) -> Callable[[dict], dict]:
 @pytest.mark.parametrize("change, message", [
     (lambda m: shard()(m).update(file=".."), r"shards\[0\]\.file must be a file name in the step directory, found '\.\.'"),
     (lambda m: shard()(m).update(file=""), r"shards\[0\]\.file must be a file name"),
-    (lambda m: shard()(m).update(file="shard_0.pt\x00"), r"shards\[0\]\.file must be a file name"),
-    (lambda m: shard()(m).update(file="../step_1/shard_0.pt"), r"shards\[0\]\.file must be a file name"),
+    (lambda m: shard()(m).update(file="shard_0.safetensors\x00"), r"shards\[0\]\.file must be a file name"),
+    (lambda m: shard()(m).update(file="../step_1/shard_0.safetensors"), r"shards\[0\]\.file must be a file name"),
     (lambda m: m["extra"].update(next_step=1e300), r"extra\.next_step must be a whole number of steps in 0\.\.4 .*found '1e\+300'"),
     (lambda m: m["extra"].update(next_step=-5), r"extra\.next_step must be a whole number of steps in 0\.\.4"),
     (lambda m: m["extra"].update(next_step="10"), r"extra\.next_step must be a whole number"),
@@ -74,23 +73,23 @@ def test_a_malformed_manifest_field_is_one_error_naming_it(tmp_path: Path, chang
 
 def test_a_shard_symlinked_to_dev_zero_is_refused_without_reading(tmp_path: Path) -> None:
     folder = committed(tmp_path)
-    (folder / "shard_0.pt").unlink()
-    (folder / "shard_0.pt").symlink_to("/dev/zero")
-    with pytest.raises(CheckpointError, match=r"shard_0\.pt: the shard of rank 0 is not a regular file .* it was not read"):
+    (folder / "shard_0.safetensors").unlink()
+    (folder / "shard_0.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"shard_0\.safetensors: the shard of rank 0 is not a regular file .* it was not read"):
         read_all(tmp_path)
 
 
 def test_a_fifo_shard_is_refused_without_blocking(tmp_path: Path) -> None:
     folder = committed(tmp_path)
-    (folder / "shard_0.pt").unlink()
-    os.mkfifo(folder / "shard_0.pt")
+    (folder / "shard_0.safetensors").unlink()
+    os.mkfifo(folder / "shard_0.safetensors")
     with pytest.raises(CheckpointError, match=r"not a regular file"):
         read_all(tmp_path)
 
 
 def test_a_shard_longer_than_recorded_is_not_read(tmp_path: Path) -> None:
     folder = committed(tmp_path)
-    with open(folder / "shard_0.pt", "ab") as f:
+    with open(folder / "shard_0.safetensors", "ab") as f:
         f.write(b"\0" * 4096)
     with pytest.raises(CheckpointError, match=r"has \d+ bytes, the manifest records \d+; it was truncated or replaced"):
         read_all(tmp_path)
@@ -100,10 +99,14 @@ def rewrite_shard(folder: Path, payload: object) -> None:
     """Replace shard 0 by `payload`, with a manifest that matches it (so only the structure is wrong)."""
     import hashlib
 
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
-    (folder / "shard_0.pt").write_bytes(data)
+    from safetensors.torch import save
+
+    from model_parallel.runtime.checkpoint import shardio, skeleton
+
+    structure, tensors = skeleton.encode(payload, "test")
+    data = save({name: tensor for _, name, tensor in tensors},
+                metadata={"format": shardio.FORMAT, "skeleton": json.dumps(structure)})
+    (folder / "shard_0.safetensors").write_bytes(data)
     edit_manifest(folder, lambda m: shard()(m).update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
 
 
@@ -128,10 +131,10 @@ def test_garbage_shard_bytes_are_one_line(tmp_path: Path) -> None:
     folder = committed(tmp_path)
     import hashlib
 
-    data = b"PK\x03\x04 not a torch file" * 10
-    (folder / "shard_0.pt").write_bytes(data)
+    data = b"\x10\0\0\0\0\0\0\0{not json}      " * 10
+    (folder / "shard_0.safetensors").write_bytes(data)
     edit_manifest(folder, lambda m: shard()(m).update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-    with pytest.raises(CheckpointError, match=r"shard_0\.pt: cannot be read \(") as caught:
+    with pytest.raises(CheckpointError, match=r"shard_0\.safetensors: cannot be read \(") as caught:
         read_all(tmp_path)
     assert "\n" not in str(caught.value)
 
@@ -141,8 +144,8 @@ def test_cleaning_up_leaves_the_files_of_a_malformed_manifest_alone(tmp_path: Pa
 
     folder = committed(tmp_path)
     edit_manifest(folder, lambda m: shard()(m).update(file=".."))
-    assert prune(str(tmp_path)) == []  # it once deleted shard_0.pt, which the edited manifest no longer listed
-    assert (folder / "shard_0.pt").is_file()
+    assert prune(str(tmp_path)) == []  # it once deleted shard_0.safetensors, which the edited manifest no longer listed
+    assert (folder / "shard_0.safetensors").is_file()
 
 
 def test_a_full_disk_while_writing_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,5 +157,5 @@ def test_a_full_disk_while_writing_names_the_file(tmp_path: Path, monkeypatch: p
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(fileio.os, "fsync", full)
-    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device: '.*step_3/shard_0\.pt'"):
+    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device: '.*step_3/shard_0\.safetensors'"):
         save_shard(tmp_path, 3, 0, PARAMS)

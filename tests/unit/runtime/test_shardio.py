@@ -1,5 +1,5 @@
-"""Shards written and read a tensor at a time (runtime/checkpoint/shardio.py): the format torch.load reads as before,
-a StreamedState read one entry at a time on both sides, shards written whole by torch.save still read."""
+"""Shards written and read a tensor at a time (runtime/checkpoint/shardio.py): safetensors that safe_open reads,
+a StreamedState read one entry at a time on both sides, shards of earlier versions (torch pickles) refused."""
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from model_parallel.errors import CheckpointError
 from model_parallel.runtime.checkpoint import store as ckpt
@@ -48,14 +49,18 @@ def _equal(a, b):
     return a == b
 
 
-def test_a_streamed_shard_is_the_torch_save_payload_and_its_state_is_read_one_parameter_at_a_time(tmp_path):
+def test_a_streamed_shard_is_safetensors_and_its_state_is_read_one_parameter_at_a_time(tmp_path):
     params, buffers, optimizer, extra = _values()
     reads: list[str] = []
     alive: list = []
     path = ckpt.save_shard(tmp_path, 3, 0, params, buffers, _streamed(optimizer, reads, alive), extra)
     assert reads == list(optimizer)  # each entry read once, in order, none alive beside the next (asserted in read)
-    payload = torch.load(path, weights_only=True)  # the format every reader knew: one torch.save payload
-    assert _equal(payload, {"params": params, "buffers": buffers, "optimizer": optimizer, "extra": extra})
+    with safe_open(path, "pt") as f:  # any safetensors reader sees every tensor by its path in the payload
+        assert f.metadata()["format"] == "model_parallel.shard/2"
+        assert _equal(f.get_tensor("params/a.weight"), params["a.weight"])
+        assert _equal(f.get_tensor("optimizer/b.bias/momentum_buffer"), optimizer["b.bias"]["momentum_buffer"])
+        assert _equal(f.get_tensor("extra/nested/1/1"), extra["nested"][1][1])
+        assert len(f.keys()) == 4 + 1 + 4 + 2
     index = json.loads(path.with_suffix(".json").read_text())
     data = path.read_bytes()
     assert index["bytes"] == len(data) and index["sha256"] == hashlib.sha256(data).hexdigest()
@@ -76,21 +81,29 @@ def test_a_resume_reads_the_state_a_parameter_at_a_time_and_values_as_saved(tmp_
     assert _equal(dict(state.renamed({"renamed": "b.bias"})), {"renamed": optimizer["b.bias"]})
 
 
-def test_a_shard_written_whole_by_torch_save_still_reads(tmp_path):
-    """Shards written before streaming (one torch.save payload, tensors sharing a storage) read the same."""
+def test_a_shard_written_by_torch_save_is_refused_not_unpickled(tmp_path, monkeypatch):
+    """An earlier version's shard (one torch.save payload, shard_<rank>.pt) is never loaded implicitly."""
     params, buffers, optimizer, extra = _values()
-    shared = torch.randn(10)
-    params = {**params, "e.weight": shared[:4], "f.weight": shared[4:].view(2, 3)}
     path = ckpt.save_shard(tmp_path, 1, 0, params, buffers, optimizer, extra)
-    torch.save({"params": params, "buffers": buffers, "optimizer": optimizer, "extra": extra}, path)
-    index = json.loads(path.with_suffix(".json").read_text())
-    data = path.read_bytes()
-    index.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    path.with_suffix(".json").write_text(json.dumps(index))
+    old = _as_pickled_shard(path, {"params": params, "buffers": buffers, "optimizer": optimizer, "extra": extra})
     ckpt.finalize(tmp_path, 1, {}, None)
-    checkpoint = ckpt.load_checkpoint(tmp_path)
-    assert _equal(checkpoint.params(), params)
-    assert _equal(dict(checkpoint.optimizer_state()), optimizer)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    with pytest.raises(CheckpointError, match=r"written by an earlier model_parallel as torch pickles, which this "
+                                              r"version does not read .* model-parallel checkpoint-upgrade "):
+        ckpt.load_checkpoint(tmp_path)
+    assert old.is_file()
+
+
+def _as_pickled_shard(path, payload):
+    """The shard at `path` replaced by what earlier versions wrote: torch.save of the payload as shard_<rank>.pt."""
+    old = path.with_suffix(".pt")
+    torch.save(payload, old)
+    path.unlink()
+    index = json.loads(path.with_suffix(".json").read_text())
+    data = old.read_bytes()
+    index.update(file=old.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    path.with_suffix(".json").write_text(json.dumps(index))
+    return old
 
 
 def test_a_tensor_record_outside_the_file_is_refused(tmp_path):
@@ -123,4 +136,4 @@ def test_state_that_changed_between_layout_and_write_is_refused(tmp_path):
     changed = StreamedState(layout, lambda name: {"exp_avg": torch.zeros(3, 5), "exp_avg_sq": torch.zeros(3, 5)})
     with pytest.raises(CheckpointError, match="must not step during a checkpoint"):
         ckpt.save_shard(tmp_path, 1, 0, params, buffers, changed, extra)
-    assert not list(tmp_path.rglob("*.pt"))  # the temporary file is removed, nothing renamed into place
+    assert not list(tmp_path.rglob("*.safetensors"))  # the temporary file is removed, nothing renamed into place
