@@ -66,7 +66,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 
 def build_parser() -> ArgumentParser:
-    listing = "\n".join(f"  {name:<12} {sub.help}" for name, sub in SUBCOMMANDS.items())
+    width = max(map(len, SUBCOMMANDS))
+    listing = "\n".join(f"  {name:<{width}} {sub.help}" for name, sub in SUBCOMMANDS.items())
     parser = ArgumentParser(prog="model-parallel", description="Pipeline model-parallel training for PyTorch.",
                             formatter_class=argparse.RawDescriptionHelpFormatter,
                             epilog=f"commands:\n{listing}\n\n`model-parallel COMMAND --help` shows a command's flags.")
