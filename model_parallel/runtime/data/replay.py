@@ -46,7 +46,9 @@ def check_replays(iterable: Iterable[Any], items: int, name: str,
                         "batch_sampler, a RandomSampler with replacement or num_samples) draws a fresh order in every "
                         "process: give DataLoader(dataset, batch_size, shuffle=True) over a map-style dataset (shuffled per epoch under the run's seed), the dataset "
                         "itself, or an object with batch(step) -> (inputs, target) for an order of your own; an "
-                        "iterable must yield the same items in the same order on every pass")
+                        "iterable must yield the same items in the same order on every pass (a random augmentation inside an iterable "
+                        "dataset draws other items on every pass too: give the samples as a map-style Dataset, whose "
+                        "reads draw keyed by (seed, step), data/draws.py)")
     if target_of is not None and passes[0] and not same(target_of(passes[0]), target_of(passes[1])):
         raise DataError(f"{name}: two collations of the same samples hold different targets, so its collate_fn "
                         f"{RANDOM_TARGETS}")

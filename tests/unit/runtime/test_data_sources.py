@@ -270,7 +270,7 @@ def test_a_data_loader_trains_the_run_s_batch_size_or_is_refused(caplog):
 
 
 @pytest.mark.parametrize("sampler", ["subset", "weighted", "batch_sampler", "shuffling_iterable", "replacement",
-                                     "num_samples"])
+                                     "num_samples", "augmenting_iterable"])
 def test_an_iterable_whose_passes_differ_is_refused(sampler):
     """Each process reads the data itself (stage 0 the inputs, the last stage the targets): a random order not keyed
     by the run's seed paired one sample's inputs with another's target, and training went on without a word. A
@@ -284,14 +284,19 @@ def test_an_iterable_whose_passes_differ_is_refused(sampler):
         def __iter__(self):
             return iter(dataset[i] for i in torch.randperm(N).tolist())
 
+    class Augmenting(IterableDataset):  # the same order, random jitter per item (an augmentation's draw)
+        def __iter__(self):
+            return iter((x + torch.rand_like(x), y) for x, y in (dataset[i] for i in range(N)))
+
     data = {"subset": lambda: DataLoader(dataset, batch_size=BATCH, sampler=SubsetRandomSampler(range(N))),
             "weighted": lambda: DataLoader(dataset, batch_size=BATCH, sampler=WeightedRandomSampler(torch.ones(N), N)),
             "batch_sampler": lambda: DataLoader(dataset, batch_sampler=BatchSampler(RandomSampler(dataset), BATCH, True)),
             "shuffling_iterable": Shuffling,
             "replacement": lambda: DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, replacement=True)),
             "num_samples": lambda: DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=BATCH)),
+            "augmenting_iterable": Augmenting,
             }[sampler]()
-    with pytest.raises(DataError, match=r"two passes over it begin with different samples.*shuffle=True"):
+    with pytest.raises(DataError, match=r"two passes over it begin with different samples.*shuffle=True.*augmentation"):
         as_source(data, BATCH, seed=0).batch(0)
 
 
