@@ -12,6 +12,7 @@ from typing import Any, Optional
 from model_parallel.cli.common import ArgumentParser, add_token_arguments, configure_logging
 
 HELP = "talk to a running coordinator: status | rebalance | set-plan FILE | scale --workers K | slow"
+STATUS_SWITCHES = 10  # plan switches `ctl status` prints, the latest
 
 
 def add_arguments(parser: Any) -> None:
@@ -90,7 +91,12 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("misses") or status.get("noise_level"):
         lines.append(f"back-off: {status.get('misses', 0)} switch(es) did not deliver; a switch now needs a predicted "
                      f"gain above {status.get('effective_threshold', 0):.0%} (noise level {status.get('noise_level', 0):.0%})")
-    for entry in status.get("history", []):
+    history = status.get("history", [])
+    shown = history[-STATUS_SWITCHES:]
+    earlier = max(int(status.get("switches", len(history))), len(history)) - len(shown)
+    if earlier:  # a run that switched all day: the current state stays on one screen
+        lines.append(f"{earlier} earlier switch(es) not shown (--json and the status file hold the last {len(history)})")
+    for entry in shown:
         lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
                      f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}"
                      + (f" (schedule {str(entry['schedule'])[:20]})" if entry.get("schedule") else "")
