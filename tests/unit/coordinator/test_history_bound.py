@@ -1,7 +1,8 @@
 """A run that rebalances all day (a noisy shared machine switched 19 times in 4,000 steps): the coordinator's switch
 history grew ~280 bytes a switch for ever, in memory, in the status file rewritten every second and in every
 `ctl status` reply, which past ~3,700 switches no longer fit a frame (protocol.MAX_FRAME_BYTES); `ctl status` printed a
-line per switch. It keeps the last HISTORY_LOG, counts them all (`switches`), and the text shows the latest few."""
+line per switch. It keeps the last HISTORY_LOG, counts them all (`switches`), and the text shows the latest few.
+The same for the re-formed worlds of an elastic job (`recoveries`: a line each, for ever)."""
 import json
 
 from model_parallel.cli.ctl import format_status
@@ -12,7 +13,7 @@ from model_parallel.coordinator.solver import default_solver
 from model_parallel.coordinator.status import Roster
 from tests.unit.coordinator.test_policy_replay import chain_graph, even_plan
 
-HISTORY_LOG, STATUS_SWITCHES = 100, 10  # rebalancer.HISTORY_LOG kept, ctl.STATUS_SWITCHES printed
+HISTORY_LOG, STATUS_SWITCHES = 100, 10  # kept (rebalancer.HISTORY_LOG, status.RECOVERY_LOG), printed (ctl.STATUS_LINES)
 REASON = ("auto: predicted 5.20 -> 2.57 ms per step of the slowest rank's compute (50.6% gain); back to the plan "
           "before the last switch, which was made for a change that did not last")
 
@@ -46,3 +47,20 @@ def test_many_switches_keep_the_status_bounded():
     lines = [line for line in text.splitlines() if line.startswith("switch to v")]
     assert len(lines) == STATUS_SWITCHES and lines[-1].startswith(f"switch to v{switches}:")
     assert f"{switches - STATUS_SWITCHES} earlier switch(es) not shown" in text
+
+
+def test_many_membership_generations_keep_the_status_bounded():
+    roster = Roster(3)
+    generations = 250
+    for generation in range(1, generations + 1):
+        roster.new_generation(generation, 3 - generation % 2, {
+            "generation": generation, "lost": [1] if generation % 2 else [], "joined": [] if generation % 2 else [1],
+            "members": [0, 2] if generation % 2 else [0, 1, 2], "world_size": 3 - generation % 2,
+            "from_step": 100 * generation, "plan_version": generation})
+    assert len(roster.recoveries) == HISTORY_LOG and roster.recoveries[-1]["generation"] == generations
+    summary = {"plan_version": 0, "pending_version": None, "policy": "auto", "last_decision": "-", "table": "",
+               "stages": [], "workers": [], "history": [], "recoveries": roster.recoveries}
+    text = format_status(summary)
+    lines = [line for line in text.splitlines() if line.startswith("membership generation")]
+    assert len(lines) == STATUS_SWITCHES and lines[-1].startswith(f"membership generation {generations}:")
+    assert f"{generations - STATUS_SWITCHES} earlier membership generation(s) not listed" in text
