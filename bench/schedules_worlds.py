@@ -193,7 +193,7 @@ def worker(rank: int, port: int, spec_path: str, result_path: str) -> int:
         for key, engine in engines.items():
             versions = [(r.step, r.plan_version) for r in engine.metrics.records]
             switches = [step for (step, v), (_, before) in zip(versions[1:], versions) if v != before]
-            results[key] |= {"switch_steps": switches, "switch_pauses_ms": engine.switch_pauses_ms,
+            results[key] |= {"switch_steps": switches, "switch_pauses_ms": list(engine.switch_pauses_ms),
                              "layers": layer_counts(engine.graph, engine.plan),
                              "schedule_order": engine.schedule.order}  # "list": zero bubble's order list-built (its times)
         for channel in channels.values():

@@ -213,7 +213,7 @@ def run(args: Any) -> int:
     finally:
         coordinator.stop()
     status = coordinator.status()
-    print(f"coordinator done: plan v{status['plan_version']}, {len(status['history'])} switch(es)"
+    print(f"coordinator done: plan v{status['plan_version']}, {status.get('switches', len(status['history']))} switch(es)"
           + (f"; {status['stop_reason']}" if status["stop_reason"] else ""), flush=True)
     if status["stop_reason"]:
         trained = any(row.get("samples_per_s") is not None for row in status.get("workers", []))

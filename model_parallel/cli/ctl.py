@@ -12,6 +12,7 @@ from typing import Any, Optional
 from model_parallel.cli.common import ArgumentParser, add_token_arguments, configure_logging
 
 HELP = "talk to a running coordinator: status | rebalance | set-plan FILE | scale --workers K | slow"
+STATUS_LINES = 10  # entries of each history (plan switches, re-formed worlds) `ctl status` prints, the latest
 
 
 def add_arguments(parser: Any) -> None:
@@ -78,7 +79,10 @@ def format_status(status: dict[str, Any]) -> str:
         stage = str(w["stage"]) if w["stage"] is not None else "-" if w["rank"] in placed else "spare"
         lines.append(f"{w['rank']:>4} {w['status']:<9} {w['step']:>5} {stage:>5} {w['plan_version']:>4} "
                      f"{w['slowdown']:>8.2f} {sps:>9}  {w['host']} ({w['pid']})")
-    for r in status.get("recoveries", []):  # --recover: each world the survivors re-formed (coordinator/membership.py)
+    recoveries = status.get("recoveries", [])[-STATUS_LINES:]  # the status holds the last 100
+    if recoveries and int(recoveries[0].get("generation", 1)) > 1:  # generations are numbered from 1
+        lines.append(f"{int(recoveries[0]['generation']) - 1} earlier membership generation(s) not listed")
+    for r in recoveries:  # --recover: each world the survivors re-formed (coordinator/membership.py)
         change = f"{r['joined']} joined (spares)" if r.get("joined") else f"{r['lost']} lost"
         if r.get("joined") and r.get("lost"):  # a member lost during the admission: the joiner took its rank
             change = f"{r['joined']} joined, {r['lost']} lost"
@@ -90,7 +94,12 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("misses") or status.get("noise_level"):
         lines.append(f"back-off: {status.get('misses', 0)} switch(es) did not deliver; a switch now needs a predicted "
                      f"gain above {status.get('effective_threshold', 0):.0%} (noise level {status.get('noise_level', 0):.0%})")
-    for entry in status.get("history", []):
+    history = status.get("history", [])
+    shown = history[-STATUS_LINES:]
+    earlier = max(int(status.get("switches", len(history))), len(history)) - len(shown)
+    if earlier:  # a run that switched all day: the current state stays on one screen
+        lines.append(f"{earlier} earlier switch(es) not shown (--json and the status file hold the last {len(history)})")
+    for entry in shown:
         lines.append(f"switch to v{entry['version']}: requested after step {entry['requested_at_step']}, "
                      f"applied at step {entry.get('applied_at_step', '-')}: {entry['reason']}"
                      + (f" (schedule {str(entry['schedule'])[:20]})" if entry.get("schedule") else "")

@@ -10,7 +10,9 @@ node before any layer is built.
 """
 from __future__ import annotations
 
+import linecache
 import operator
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -50,10 +52,30 @@ class StageModule(fx.GraphModule):
         self.output_names = tuple(output_names)
         self.node_ids = tuple(node_ids)
 
+    def recompile(self) -> Any:
+        """torch.fx's own, then the generated source's cache entries are tied to this module: fx keeps every
+        source it ever compiled (its loader and linecache, for tracebacks) for the life of the process, and a
+        run rebuilds its stages at every plan switch, recovery and admission (a rank's heap grew ~1 KB a switch
+        on a tiny MLP, the size of the stage's source on a large one). Dropped with the module."""
+        result = super().recompile()
+        keys = self.__dict__.get("_source_keys")
+        if keys is None:
+            keys = self.__dict__["_source_keys"] = []
+            weakref.finalize(self, _forget_sources, keys)
+        keys.append(type(self).forward.__code__.co_filename)
+        return result
+
     def __deepcopy__(self, memo: dict) -> "StageModule":
         copied = super().__deepcopy__(memo)
         copied.input_names, copied.output_names, copied.node_ids = self.input_names, self.output_names, self.node_ids
         return copied
+
+
+def _forget_sources(keys: list[str]) -> None:
+    cache = getattr(getattr(fx.graph_module, "_loader", None), "eval_cache", {})  # torch.fx's private source cache
+    for key in keys:
+        cache.pop(key, None)
+        linecache.cache.pop(key, None)
 
 
 def check_shared_modules(graph: Graph, stage_of: Mapping[str, int]) -> None:

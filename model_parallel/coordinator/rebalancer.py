@@ -38,6 +38,9 @@ WARMUP_STEPS = 1  # samples from the first step(s) under a plan include warm-up/
 # every switch); given up on so rebalancing goes on. Generous: applying a switch moves layers, seconds on big models.
 PENDING_TIMEOUT_S = 120.0
 DECISION_LOG = 100
+# Plan switches kept in the history (ctl status, the status file); a run that switches every few hundred steps for days
+# grew it by ~280 bytes a switch until `ctl status` no longer fit a frame (protocol.MAX_FRAME_BYTES). `switches` counts all.
+HISTORY_LOG = 100
 
 # send(rank, command) -> the connection it went out on (any object, compared by identity when a connection ends:
 # `connection_ended`), or None when it could not be sent.
@@ -73,7 +76,8 @@ class Rebalancer:
         # A pending switch given up on (its connection ended, or no answer in PENDING_TIMEOUT_S): rank 0 may still
         # apply it (it waits in rank 0's channel); a report of its version then confirms it after all.
         self.dropped: Optional[PendingSwitch] = None
-        self.history: list[dict[str, Any]] = []  # plan switches: version, step, reason (+ their review)
+        self.history: list[dict[str, Any]] = []  # the last HISTORY_LOG plan switches: version, step, reason (+ review)
+        self.switches = 0  # history entries ever recorded (issued, adopted), the trimmed ones included
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_LOG)  # policy outcomes whenever the reason changes
         self.last_decision = "no decision yet"
         self.last_eval_step = -1
@@ -203,8 +207,8 @@ class Rebalancer:
                 if chosen and schedule is not None else self.memory
             memory.check(self.graph, plan, f"plan v{version}")
             memory.check_switch(self.graph, self.plan, plan, f"the switch to plan v{version}")
-        self.history.append({"version": plan.version, "requested_at_step": step, "reason": reason,
-                             **({"schedule": schedule} if chosen else {})})
+        self._record({"version": plan.version, "requested_at_step": step, "reason": reason,
+                      **({"schedule": schedule} if chosen else {})})
         logger.warning("requesting plan v%d after step %d: %s\n%s\n%s", plan.version, step, reason,
                        plan_times_label(dict(plan.extra)), plan.table())
         link = send(0, Command.switch(plan, reason=reason, schedule=schedule if chosen else None))
@@ -270,7 +274,13 @@ class Rebalancer:
         self.world_size, self.pending, self.dropped, self.last_eval_step = world_size, None, None, step
         self.highest_reported = max(self.highest_reported, plan.version)
         self._mismatch_warned = False
-        self.history.append({"version": plan.version, "requested_at_step": step, "applied_at_step": step, "reason": reason})
+        self._record({"version": plan.version, "requested_at_step": step, "applied_at_step": step, "reason": reason})
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        """A plan switch into the history, which keeps the last HISTORY_LOG (a pending one is always among them)."""
+        self.history.append(entry)
+        del self.history[:-HISTORY_LOG]
+        self.switches += 1
 
     def confirm(self, step: int) -> None:
         assert self.pending is not None
@@ -361,5 +371,6 @@ class Rebalancer:
             "noise_level": self.state.noise,
             "stages": stages,
             "history": list(self.history),
+            "switches": self.switches,  # all recorded; `history` holds the last HISTORY_LOG of them
             "decisions": list(self.decisions),
         }

@@ -26,6 +26,7 @@ from model_parallel.messages import StepReport
 logger = logging.getLogger(__name__)
 
 SAMPLE_HISTORY = 200
+RECOVERY_LOG = 100  # re-formed worlds kept in the status (ctl status prints the latest few)
 UNREACHABLE_GRACE_S = 60.0  # every worker unreachable this long (none said bye): nobody is coming back
 # A rank recovering (--recover) is back within its membership wait (runtime/wire/recovery.JOIN_TIMEOUTS = 3 of its
 # --timeout) and a restore: given up on after this many of its --timeout, when that is longer than the grace above.
@@ -70,7 +71,7 @@ class Roster:
         self.stop_reason: Optional[str] = None  # a rank ended early: no more plan changes
         self.dirty = True  # something the status file shows changed since it was last written
         self.generation = 0  # the membership generation served (--recover: each re-formed world is the next)
-        self.recoveries: list[dict[str, Any]] = []  # each re-formed world: who was lost, the new world, its plan
+        self.recoveries: list[dict[str, Any]] = []  # the last RECOVERY_LOG re-formed worlds: who was lost, the world, plan
         self.learned: Optional[dict[str, Any]] = None  # the live plan learned from the workers (a restarted coordinator)
 
     def new_generation(self, generation: int, world_size: int, recovery: dict[str, Any]) -> None:
@@ -78,6 +79,7 @@ class Roster:
         self.workers.clear()
         self.generation, self.world_size, self.stop_reason = generation, world_size, None
         self.recoveries.append(recovery)
+        del self.recoveries[:-RECOVERY_LOG]  # an elastic job admits and loses workers all week (`generation` counts all)
         self.dirty = True
 
     def register(self, message: Mapping[str, Any], session: Session, where: str, plan: Plan) -> tuple[WorkerState, bool]:

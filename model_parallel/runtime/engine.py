@@ -142,7 +142,7 @@ class PipelineEngine(TrainingLoop):
         self.header_cache = comm.HeaderCache()
         self.pending_migration_s = 0.0
         self.step_pause_ms = 0.0
-        self.switch_pauses_ms: list[float] = []
+        self.switch_pauses_ms: deque[float] = deque(maxlen=HISTORY_WINDOW)  # the latest switches' pauses
         self.updates = 0  # optimizer updates after a flush applied by this rank (PipeDream: see WeightStash)
         self.history: deque[StepResult] = deque(maxlen=HISTORY_WINDOW)  # the latest steps' results
         self.next_step = 0  # the first step not yet run (after `train`: how far it got)

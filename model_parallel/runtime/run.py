@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -316,9 +317,18 @@ def run_job(job: Job, config: "TrainConfig", options: "RunOptions", steps: int, 
     ran = engine.next_step - engine.start_step  # a resume starts at the checkpoint's next step
     if history and ran:
         print(f"{engine.prefix} done: {ran} step(s), last loss {history[-1].loss:.6f}, "
-              f"switch pauses ms {[round(p, 1) for p in engine.switch_pauses_ms]}; this run executed steps "
+              f"{_pauses(engine.switch_pauses_ms)}; this run executed steps "
               f"{engine.start_step}..{engine.next_step - 1} and reached step {engine.next_step} of {steps}", flush=True)
     else:
         print(f"{engine.prefix} done: 0 step(s); nothing to run, the checkpoint had reached step {engine.next_step} "
               f"of {steps}", flush=True)
     return engine
+
+
+def _pauses(pauses_ms: "deque[float]", shown: int = 10) -> str:
+    """The done line's switch pauses: the last `shown` (a run that switched all day printed every one, one line)."""
+    last = [round(p, 1) for p in list(pauses_ms)[-shown:]]
+    if len(pauses_ms) <= shown:
+        return f"switch pauses ms {last}"
+    more = "+" if len(pauses_ms) == pauses_ms.maxlen else ""  # the engine keeps the latest HISTORY_WINDOW
+    return f"switch pauses ms (the last {shown} of {len(pauses_ms)}{more} switches) {last}"

@@ -273,7 +273,9 @@ class StepLog:
     run, then at most one per `interval_s` seconds and the last, so a long run's log stays bounded (about
     8,600 lines a day) while a short one, and any test waiting for step 5, still sees every step."""
 
-    def __init__(self, start_step: int, last_step: int, first: int = 100, interval_s: float = 10.0) -> None:
+    DEFAULT_INTERVAL_S = 10.0  # also how often a progress bar into a log file is redrawn (runtime/step/loop.py)
+
+    def __init__(self, start_step: int, last_step: int, first: int = 100, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.start, self.last, self.first, self.interval_s = start_step, last_step, first, interval_s
         self._next_s = 0.0
 

@@ -27,7 +27,8 @@ def rotate(path: Path, keep: int) -> None:
 class AppendFile:
     """A file of whole lines, each written with one `os.write` on an O_APPEND descriptor (a killed process
     leaves whole lines; processes sharing the file do not interleave), rotated past `max_bytes`. A write
-    error (a full disk) logs one warning naming the file and the cause and stops the file, never the caller."""
+    error (a full disk) logs one warning naming the file and the cause and stops the file, never the caller.
+    `close` releases the descriptor only: a later `write` opens the file again and appends."""
 
     def __init__(self, path: Path, max_bytes: int, keep: int, what: str) -> None:
         self.path, self.max_bytes, self.keep, self.what = path, max_bytes, keep, what
@@ -44,7 +45,11 @@ class AppendFile:
 
     def write(self, line: bytes) -> None:
         if self._fd is None:
-            return
+            if self.failed is not None:
+                return
+            self._open()  # closed at the end of one `train` call: the next call's steps go on appending
+            if self._fd is None:
+                return
         try:
             os.write(self._fd, line)
             if os.fstat(self._fd).st_size >= self.max_bytes:

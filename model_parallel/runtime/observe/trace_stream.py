@@ -36,6 +36,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 FLUSH_EVENTS = 2000  # events kept in memory between writes (about 400 KB)
 CHUNK_BYTES = 32 << 20  # a chunk file this large is closed and rotated
 KEEP_CHUNKS = 4  # closed chunks kept besides the current one
+CLOSING = "\n]\n"  # what `close` ends a chunk with (events and metadata are ASCII: json.dumps escapes the rest)
 
 
 class TraceStream:
@@ -51,6 +52,7 @@ class TraceStream:
         self._written_meta: Optional[str] = None
         self._size = 0
         self._opened = 0  # chunk files opened so far
+        self._closed_at: Optional[int] = None  # the current chunk's size before `close` wrote its "]": reopened there
 
     def write(self, events: list[dict[str, Any]]) -> None:
         """Append `events` (and the metadata when it changed: a plan switch gives a new stage or lane)."""
@@ -78,13 +80,16 @@ class TraceStream:
         if self._file is None:
             return
         try:
-            self._file.write("\n]\n")
+            self._file.write(CLOSING)
             self._file.close()
+            self._closed_at = self._size
         except OSError as error:
             self._fail(error)
         self._file = None
 
     def _open(self) -> None:
+        if self._reopen():
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._opened == 0:  # chunks of an earlier run into this directory would merge into this one's
             stale = re.compile(rf"{re.escape(self.path.stem)}\.\d+{re.escape(self.path.suffix)}$")
@@ -99,8 +104,24 @@ class TraceStream:
         self._size = len(head)
         self._written_meta = None
 
+    def _reopen(self) -> bool:
+        """Continue the chunk `close` ended (the next `train` call of the same engine): its "]" cut off again.
+        Before, the chunk was opened afresh, so a loop of `train(k)` calls kept only the last call's events."""
+        closed_at, self._closed_at = self._closed_at, None
+        try:
+            if closed_at is None or self.path.stat().st_size != closed_at + len(CLOSING):
+                return False  # never closed, rotated, or changed since: a new chunk
+            self._file = open(self.path, "r+", encoding="utf-8")  # noqa: SIM115 - kept open across writes
+        except OSError:
+            return False
+        self._file.truncate(closed_at)
+        self._file.seek(closed_at)
+        self._size = closed_at
+        return True
+
     def _rotate(self) -> None:
         self.close()
+        self._closed_at = None  # the closed chunk is `.1` now
         rotate(self.path, self.keep)
 
     def _fail(self, error: OSError) -> None:

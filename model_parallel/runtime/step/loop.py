@@ -112,9 +112,9 @@ def _steps(engine: LoopingEngine, step: int, steps: int, start_step: int, progre
         if "val_loss" in validation:
             result.extra["val_loss"] = validation["val_loss"]
             last_validation = {"val_loss": f"{validation['val_loss']:.4f}"}
-        if progress is not None:
+        if progress is not None:  # refresh=False: the bar's own mininterval decides when it is drawn
+            progress.set_postfix(loss=f"{result.loss:.4f}", **last_validation, plan=engine.plan.version, refresh=False)
             progress.update(1)
-            progress.set_postfix(loss=f"{result.loss:.4f}", **last_validation, plan=engine.plan.version)
         if step_log.due(step) or validation:  # bounded: every step at first, then one line per 10 s
             logger.info("%s step %d loss %.6f%s", engine.prefix, step, result.loss,
                         f" val_loss {validation['val_loss']:.6f}" if validation else "")
@@ -157,9 +157,16 @@ def _validate(engine: LoopingEngine, step: int, steps: int) -> dict[str, float]:
 
 
 def _progress_bar(total: int, initial: int) -> Any:
+    """tqdm on stderr, redrawn at most every 0.1 s on a terminal; into a file or a pipe (a job's log) at most
+    once per `StepLog`'s interval (10 s): each redraw there is a new ~120-byte record, never overwritten, and one
+    per step made the bar 95 % of a worker's log (0.5 MB per 4,000 steps, growing with the run)."""
+    import sys
+
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    interactive = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=0.1 if interactive else StepLog.DEFAULT_INTERVAL_S)
 
 
 class SteppingEngine(LoopingEngine, Protocol):

@@ -42,6 +42,7 @@ import gc
 import logging
 import time
 from dataclasses import replace
+from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Optional, Protocol, Union
 
@@ -112,7 +113,7 @@ class SwitchingEngine(MigratingEngine, Protocol):
     config: TrainConfig
     channel: ControlChannel  # rank 0's: told of a refused or rolled-back switch when it can hear it
     tracer: Tracer
-    switch_pauses_ms: list[float]  # the pause of every switch that went through
+    switch_pauses_ms: deque[float]  # the pauses of the latest switches that went through (bounded)
 
     @property
     def prefix(self) -> str:
