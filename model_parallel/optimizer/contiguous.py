@@ -208,11 +208,11 @@ def v_plan(graph: Graph, num_ranks: int, speeds: Optional[Sequence[float]] = Non
 
 def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph, Sequence[int], Sequence[float]], Plan],
                     schedule: str, speeds: Optional[Sequence[float]], memory_per_worker: Optional[float],
-                    footprint: Optional[Footprint], extra: Mapping[str, Any]) -> Plan:
+                    footprint: Optional[Footprint], extra: Mapping[str, Any], explain: bool = True) -> Plan:
     """Stage k on `ranks[k]`, balanced by each rank's summed stages over its speed (`planner`: the loop's or the V's
     rank-sum plan), each stage's memory by `schedule`'s footprint. Under `memory_per_worker`, the first split whose
     ranks' summed footprints fit (`fitting`), else an `InfeasibleError` naming the rank over and the least memory per
-    worker that fits (bisected to 1 %)."""
+    worker that fits (bisected to 1 %; without `explain` a bare one, for a caller that only asks whether it fits)."""
     p = len(set(ranks))
     v = len(ranks) // p
     if speeds is not None and len(speeds) != p:
@@ -261,12 +261,14 @@ def _rank_sum_split(graph: Graph, ranks: Sequence[int], planner: Callable[[Graph
         return next((c for c in candidates() if c is not None and max(_rank_bytes(graph, c, model)) <= cap), None)
 
     def plans_offloaded(offloaded: Footprint) -> bool:
-        return _plans(lambda: _rank_sum_split(graph, ranks, planner, schedule, speeds, cap, offloaded, extra))
+        return _plans(lambda: _rank_sum_split(graph, ranks, planner, schedule, speeds, cap, offloaded, extra, False))
 
     cap = float(memory_per_worker)
     found = fitting(cap)
     if found is not None:
         return found
+    if not explain:  # the refusal's bisection below solves dozens of times: not for a yes-or-no question
+        raise InfeasibleError(f"no {schedule} split fits {cap:.0f} bytes per worker")
     try:
         MemoryLimit(cap, model).check(graph, plan, f"the balanced {schedule} split")
         over = f"the balanced {schedule} split does not fit"  # (unreached: `fitting` returns it when it fits)
