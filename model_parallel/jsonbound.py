@@ -121,7 +121,7 @@ def json_number(value: Any, what: str, integer: bool = False) -> Any:
     return value if integer else float(value)
 
 
-_JSON_KINDS = {list: "a JSON list", str: "a JSON string", dict: "a JSON object"}
+_JSON_KINDS: dict[type, str] = {list: "a JSON list", str: "a JSON string", dict: "a JSON object"}
 
 
 def json_typed(value: Any, kind: type, what: str) -> Any:

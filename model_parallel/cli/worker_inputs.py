@@ -119,8 +119,8 @@ def read_jobs(path: str, build_parser: Callable[[], Any]) -> list[list[str]]:
         def no_help(file: Any = None, number: int = number) -> None:  # argparse's -h/--help (or --he): print, exit 0
             raise PlanError(f"{path}: job [{number}] asks for the help text (-h/--help), which is no job; {fix}")
 
-        parser.error = refuse  # type: ignore[method-assign]  # a bad job is our typed error, not SystemExit
-        parser.print_help = no_help  # type: ignore[method-assign]  # nor the help text and exit 0, running nothing
+        parser.error = refuse  # a bad job is our typed error, not SystemExit
+        parser.print_help = no_help  # nor the help text and exit 0, running nothing
         check_inputs(parser.parse_args(argv), f"{path}: job [{number}]: ")
         argvs.append(argv)
     return argvs

@@ -110,7 +110,7 @@ def make_optimizer_factory(args: Any) -> Any:
         groups: Any = list(params)
         if getattr(args, "no_decay_vectors", False):
             # By what a parameter is, not its name (a stage holds tensors; the same rule on every rank and plan).
-            split = [{"params": [p for p in groups if p.ndim >= 2]},
+            split: list[dict[str, Any]] = [{"params": [p for p in groups if p.ndim >= 2]},
                      {"params": [p for p in groups if p.ndim < 2], "weight_decay": 0.0}]
             groups = [group for group in split if group["params"]] or groups
         if args.optimizer == "adamw":
