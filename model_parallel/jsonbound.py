@@ -124,9 +124,11 @@ def json_number(value: Any, what: str, integer: bool = False) -> Any:
 _JSON_KINDS: dict[type, str] = {list: "a JSON list", str: "a JSON string", dict: "a JSON object"}
 
 
-def json_typed(value: Any, kind: type, what: str) -> Any:
-    """`value` when it is of the JSON `kind` (list, str or dict), else a ValueError: a string where a list is meant
-    would be read letter by letter (tuple("abc")), a list of pairs where an object is meant as its pairs (dict([...]))."""
+def json_typed(value: Any, kind: Union[type, tuple[type, ...]], what: str, expected: Optional[str] = None) -> Any:
+    """`value` when it is of the JSON `kind` (list, str or dict; or a tuple of kinds, with `expected` saying what is
+    meant), else a ValueError: a string where a list is meant would be read letter by letter (tuple("abc")), a list
+    of pairs where an object is meant as its pairs (dict([...])), an object where a list is meant as its keys."""
     if not isinstance(value, kind):
-        raise ValueError(f"{what} must be {_JSON_KINDS[kind]}, got {type(value).__name__} {str(value)[:40]!r}")
+        meant = expected or _JSON_KINDS[kind]  # type: ignore[index]  # a tuple of kinds comes with `expected`
+        raise ValueError(f"{what} must be {meant}, got {type(value).__name__} {str(value)[:60]!r}")
     return value

@@ -23,6 +23,7 @@ from typing import Any, Union
 from model_parallel.errors import GraphError, GraphFormatError
 from model_parallel.fileio import atomic_write_json, read_json_file
 from model_parallel.jsonbound import json_number as _number
+from model_parallel.jsonbound import json_typed
 from model_parallel.graph.core import Graph, LayerSpec, Node, TensorMeta, too_many
 from model_parallel.graph.references import referenced_nodes
 
@@ -43,17 +44,12 @@ def layer_to_dict(layer: LayerSpec) -> dict[str, Any]:
 
 
 def _field(data: dict[str, Any], key: str, kind: Union[type, tuple[type, ...]], default: Any, what: str) -> Any:
-    """`data[key]` (or `default`) if it is a `kind`: a JSON object where a list is meant is refused, not read as its
-    keys (`tuple({"node": "x"})` is `("node",)`), nor a list of pairs read as an object."""
-    value = data.get(key, default)
-    if not isinstance(value, kind):
-        raise TypeError(f"layer {key!r} must be {what}, got {type(value).__name__} {str(value)[:60]!r}")
-    return value
+    """`data[key]` (or `default`) if it is a `kind` (`tuple({"node": "x"})` would read an object as its keys)."""
+    return json_typed(data.get(key, default), kind, f"layer {key!r}", what)
 
 
 def layer_from_dict(data: dict[str, Any]) -> LayerSpec:
-    if not isinstance(data, dict):
-        raise TypeError(f"a layer must be an object, got {type(data).__name__} {str(data)[:60]!r}")
+    json_typed(data, dict, "a layer", "an object")
     args = _field(data, "args", list, [], "a list")
     kwargs = _field(data, "kwargs", dict, {}, "an object")
     parameters = _field(data, "parameters", list, [], "a list of state-dict names")

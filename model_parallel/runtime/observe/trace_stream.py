@@ -88,8 +88,11 @@ class TraceStream:
         self._file = None
 
     def _open(self) -> None:
-        if self._reopen():
-            return
+        closed_at, self._closed_at = self._closed_at, None
+        if closed_at is not None:  # the chunk an earlier `train` call of this engine closed
+            if self._reopen(closed_at):
+                return
+            rotate(self.path, self.keep)  # changed since: kept as `.1`, never overwritten by the new chunk
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._opened == 0:  # chunks of an earlier run into this directory would merge into this one's
             stale = re.compile(rf"{re.escape(self.path.stem)}\.\d+{re.escape(self.path.suffix)}$")
@@ -104,16 +107,13 @@ class TraceStream:
         self._size = len(head)
         self._written_meta = None
 
-    def _reopen(self) -> bool:
-        """Continue the chunk `close` ended (the next `train` call of the same engine): its "]" cut off again.
-        Before, the chunk was opened afresh, so a loop of `train(k)` calls kept only the last call's events."""
-        closed_at, self._closed_at = self._closed_at, None
-        try:
-            if closed_at is None or self.path.stat().st_size != closed_at + len(CLOSING):
-                return False  # never closed, rotated, or changed since: a new chunk
-            self._file = open(self.path, "r+", encoding="utf-8")  # noqa: SIM115 - kept open across writes
-        except OSError:
+    def _reopen(self, closed_at: int) -> bool:
+        """Continue the chunk `close` ended at `closed_at` bytes (the next `train` call of the same engine): its "]"
+        cut off again. Before, the chunk was opened afresh, so a loop of `train(k)` calls kept only the last call's
+        events. False where the file is no longer what `close` left (its OSError, if any, is the write's to report)."""
+        if not self.path.is_file() or self.path.stat().st_size != closed_at + len(CLOSING):
             return False
+        self._file = open(self.path, "r+", encoding="utf-8")  # noqa: SIM115 - kept open across writes
         self._file.truncate(closed_at)
         self._file.seek(closed_at)
         self._size = closed_at

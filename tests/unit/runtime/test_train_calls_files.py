@@ -32,3 +32,18 @@ def test_every_call_s_steps_reach_the_trace(tmp_path) -> None:
     events = read_trace(tmp_path / "traces" / "rank0.json")["traceEvents"]
     assert sum(e.get("name") == "optimizer" for e in events) == CALLS * K  # one optimizer span a step
     assert [p.name for p in (tmp_path / "traces").iterdir()] == ["rank0.json"]  # one chunk, no rotation
+
+
+def test_a_closed_chunk_changed_since_is_kept_not_overwritten(tmp_path) -> None:
+    from model_parallel.runtime.observe.trace_stream import TraceStream
+
+    meta = lambda: [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}}]  # noqa: E731
+    stream = TraceStream(tmp_path / "rank0.json", meta)
+    stream.write([{"ph": "X", "name": "first", "pid": 0, "ts": 0, "dur": 1}])
+    stream.close()
+    with open(tmp_path / "rank0.json", "a") as handle:  # someone appended to it: it cannot be continued
+        handle.write(" ")
+    stream.write([{"ph": "X", "name": "second", "pid": 0, "ts": 2, "dur": 1}])
+    stream.close()
+    names = lambda path: [e.get("name") for e in read_trace(path)["traceEvents"]]  # noqa: E731
+    assert "first" in names(tmp_path / "rank0.1.json") and "second" in names(tmp_path / "rank0.json")
