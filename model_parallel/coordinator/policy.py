@@ -1,13 +1,9 @@
 """The rebalancing policy (pure, deterministic): measured stage times -> worker speeds -> maybe plan v+1.
 
-Speeds. For each active rank, `ratio = median(measured compute ms over the window) /
-predicted compute ms of its stage` (predicted = sum of the profiled forward+backward ms of the
-stage's nodes). The fastest worker is taken as nominal: `calibration = min(ratio)` rescales the whole
-profile to what this machine really does (a profile taken elsewhere, or simply wrong by a constant
-factor, is fixed this way), and `speed[r] = calibration / ratio[r]` (1.0 = the fastest worker, 0.5 =
-twice slower). Per-layer profile errors cannot be told apart from a slow worker with per-stage
-measurements; they show up as a lower speed for the rank holding those layers, and re-solving moves
-work off it, which is what balancing needs anyway.
+Speeds (coordinator/speeds.py). Each active rank's median measured compute ms over a window, less the fixed
+overhead every rank spends per step, over the profiled ms of its stages, calibrated so the fastest worker is 1.0
+(0.5 = twice slower). The overhead is learned at switches (two plans give each rank two points on its line), so a rank
+left with little work after a slowdown is not read as slow for ever.
 
 Decision. The current plan's bottleneck is predicted with those speeds (it equals the measured
 bottleneck by construction), the partition is re-solved (for banded speeds: ranks within `noise_band` of each other
@@ -49,7 +45,6 @@ are pure, so the coordinator only stores the state it gets back, and a test repl
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -57,9 +52,12 @@ from typing import Optional
 from model_parallel.coordinator.robust import banded_speeds
 from model_parallel.coordinator.review import Review, delivered, judge, speed_change  # noqa: F401 - delivered: API
 from model_parallel.coordinator.solver import Solver, default_solver
+from model_parallel.coordinator.speeds import (  # noqa: F401 - with_cost_proxy, stage_profiled_ms: the policy's API
+    Estimate, Point, active_ranks, calibrated_graph, estimate_speeds, fit_overhead, predicted_bottleneck_ms,
+    read_speeds, stage_nodes, stage_profiled_ms, with_cost_proxy)
 from model_parallel.errors import PlanError
 from model_parallel.graph.core import Graph
-from model_parallel.graph.plan import Plan, StagePlan
+from model_parallel.graph.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +102,6 @@ class PolicyConfig:
 
     def cooldown_after(self, misses: int) -> int:
         return self.cooldown_steps * (1 + min(misses, 3))
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """What the measurements say: per-rank speed, the profile calibration, per-stage times (ms)."""
-
-    speeds: Mapping[int, float]
-    calibration: float
-    measured_ms: Mapping[int, float]  # rank -> median measured compute ms
-    predicted_ms: Mapping[int, float]  # rank -> profiled compute ms of its stage
 
 
 @dataclass(frozen=True)
@@ -164,6 +152,12 @@ class PolicyState:
     # without beating the noise level (undoing a switch made for noise is not a bet on noise).
     undo: Optional[Plan] = None
     undone: bool = False  # the live plan (or the proposed one, before it is live) is such an undo: it forgives nothing
+    overhead_ms: float = 0.0  # the fixed ms per step every rank spends (speeds.py), learned at switches
+    overhead_fits: int = 0  # switches that taught it (it is their mean)
+    # rank -> (profiled ms, measured ms, its error) in the live plan's latest full window, and in the last one of the
+    # plan before the switch: the two points per rank `fit_overhead` fits once the live plan's first window is in.
+    points: Optional[Mapping[int, Point]] = None
+    points_before: Optional[Mapping[int, Point]] = None
 
 
 @dataclass(frozen=True)
@@ -173,77 +167,6 @@ class Samples:
 
     step: int
     compute_ms: Mapping[int, Sequence[float]]
-
-
-def with_cost_proxy(graph: Graph) -> Graph:
-    """A graph the policy can weigh: itself when it has timings, else one whose node times are a proxy.
-
-    A traced-but-unprofiled graph (all times 0) gets `forward_ms = (parameter + activation bytes) / 1e6`
-    (the runtime's even split uses the same proxy); calibration then maps it onto measured ms.
-    """
-    if graph.total_compute_ms > 0:
-        return graph
-    logger.warning("the graph has no profiled times; weighing layers by parameter+activation bytes "
-                   "(profile the model for better plans)")
-    return graph.replace_nodes(
-        replace(n, forward_ms=0.0 if n.is_input else (n.parameter_size + n.activation_bytes) / 1e6, backward_ms=0.0)
-        for n in graph.nodes
-    )
-
-
-def stage_profiled_ms(graph: Graph, stage: StagePlan) -> float:
-    """Profiled forward+backward ms of a stage's nodes; model inputs count nothing (data loading)."""
-    return sum(graph[n].compute_ms for n in stage.node_ids if n in graph and not graph[n].is_input)
-
-
-def stage_nodes(plan: Plan) -> list[tuple[str, ...]]:
-    """Each stage's node ids, in stage order: what two plans must share to place the same work."""
-    return [s.node_ids for s in plan.stages]
-
-
-def active_ranks(plan: Plan) -> tuple[int, ...]:
-    """Ranks holding a stage, in stage order (straight pipelines: one rank per stage; a loop or V placement repeats
-    them, which is how the solver knows to balance each rank's summed stages)."""
-    return tuple(r for s in plan.with_default_ranks().stages for r in s.ranks)
-
-
-def estimate_speeds(graph: Graph, plan: Plan, samples: Mapping[int, Sequence[float]]) -> Estimate:
-    """Speeds of the active ranks from their recent compute ms (see module docstring)."""
-    plan = plan.with_default_ranks()
-    measured: dict[int, float] = {}
-    predicted: dict[int, float] = {}
-    for stage in plan.stages:
-        for rank in stage.ranks:
-            values = [float(v) for v in samples.get(rank, ()) if v >= 0]
-            if not values:
-                raise PlanError(f"rank {rank} (stage {stage.stage_id}) has no compute samples yet")
-            measured[rank] = statistics.median(values)
-            # A rank's compute covers all its stages (several in a loop or a V): predict their sum.
-            predicted[rank] = predicted.get(rank, 0.0) + stage_profiled_ms(graph, stage) / stage.num_replicas
-    ratios = {r: measured[r] / predicted[r] for r in measured if predicted[r] > 0 and measured[r] > 0}
-    calibration = min(ratios.values()) if ratios else 1.0
-    # A stage with no profiled cost (or no measured time) says nothing about its worker: nominal.
-    speeds = {r: (calibration / ratios[r] if r in ratios else 1.0) for r in measured}
-    return Estimate(speeds=speeds, calibration=calibration, measured_ms=measured, predicted_ms=predicted)
-
-
-def calibrated_graph(graph: Graph, calibration: float) -> Graph:
-    """The graph with every node's time scaled by `calibration` (measured/profiled on a nominal worker)."""
-    return graph.replace_nodes(
-        replace(n, forward_ms=n.forward_ms * calibration, backward_ms=n.backward_ms * calibration) for n in graph.nodes
-    )
-
-
-def predicted_bottleneck_ms(graph: Graph, plan: Plan, speeds: Mapping[int, float], calibration: float = 1.0) -> float:
-    """Slowest rank of `plan` on workers with `speeds` (ms): the calibrated profiled compute of its stages (several
-    in a loop or a V: moving a cut between two stages of one rank changes nothing) / its speed."""
-    plan = plan.with_default_ranks()
-    work: dict[int, float] = {}
-    for stage in plan.stages:
-        per_replica = stage_profiled_ms(graph, stage) * calibration / stage.num_replicas
-        for rank in stage.ranks:
-            work[rank] = work.get(rank, 0.0) + per_replica
-    return max((ms / max(speeds.get(rank, 1.0), 1e-9) for rank, ms in work.items()), default=0.0)
 
 
 def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
@@ -261,9 +184,13 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
     ranks = active_ranks(state.plan)
     full = all(len(samples.compute_ms.get(r, ())) >= config.window for r in ranks)
     review = None
-    now = window_speeds(state, samples, config) if full else None
-    if now is not None:
-        state = replace(state, known_speeds={**state.known_speeds, **now})
+    window = window_estimate(state, samples, config) if full else None
+    if window is not None and state.learn_baseline and state.points_before is not None:
+        state = learned_overhead(state, window)
+        window = window_estimate(state, samples, config)
+    now = dict(window.speeds) if window is not None else None
+    if window is not None:
+        state = replace(state, known_speeds={**state.known_speeds, **window.speeds}, points=window.points())
     if state.review is not None and full:
         windows = [list(samples.compute_ms[r])[-config.window:] for r in ranks]
         after = max(sorted(w)[len(w) // 2] for w in windows)
@@ -297,13 +224,32 @@ def decide(state: PolicyState, samples: Samples, config: PolicyConfig,
     return replace(decision, review=review), state
 
 
-def window_speeds(state: PolicyState, samples: Samples, config: PolicyConfig) -> Optional[dict[int, float]]:
+def window_estimate(state: PolicyState, samples: Samples, config: PolicyConfig) -> Optional[Estimate]:
     """The live plan's active ranks' speeds over their last full window (None when a rank has no usable sample)."""
     window = {r: list(samples.compute_ms[r])[-config.window:] for r in active_ranks(state.plan)}
     try:
-        return dict(estimate_speeds(state.graph, state.plan, window).speeds)
+        return estimate_speeds(state.graph, state.plan, window, state.overhead_ms, state.known_speeds)
     except PlanError:
         return None
+
+
+def learned_overhead(state: PolicyState, window: Estimate) -> PolicyState:
+    """The state once the live plan's first full window taught the overhead (speeds.fit_overhead against the last
+    window before the switch; the mean of every switch's fit: the overhead is the runtime's, it does not change with
+    the speeds). The speeds the plan was solved for are read again with it, so that reading the same times better is
+    not taken for a worker whose speed changed."""
+    before = state.points_before
+    assert before is not None
+    fit = fit_overhead(before, window.points())
+    state = replace(state, points_before=None)
+    if fit is None:
+        return state
+    fits = state.overhead_fits + 1
+    overhead = state.overhead_ms + (fit - state.overhead_ms) / fits
+    logger.info("fixed overhead per step: %.3f ms after plan v%d's switch (its fit %.3f ms)", overhead,
+                state.plan.version, fit)
+    baseline = state.baseline and read_speeds(before, overhead, state.known_speeds)[0]
+    return replace(state, overhead_ms=overhead, overhead_fits=fits, baseline=baseline)
 
 
 def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> PolicyState:
@@ -312,6 +258,7 @@ def switched(state: PolicyState, plan: Plan, step: int, predicted: bool) -> Poli
     then its baseline is the speeds it was solved for (see `decide`)."""
     baseline = dict(state.solved_for) if predicted and state.solved_for else None
     return replace(state, plan=plan.with_default_ranks(), version_start_step=step, baseline=baseline,
+                   points_before=state.points, points=None,
                    previous=state.baseline if predicted else None, previous_plan=state.plan if predicted else None,
                    undo=None, undone=predicted and state.undone, learn_baseline=True, change_streak=0,
                    prediction=None, solved_for=None, review=state.prediction if predicted else None)
@@ -337,7 +284,8 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
     # leaves: a plain imbalance (twice the threshold) may switch at once; a marginal one waits.
     early = not force and plan.version == 0 and steps_since_switch < cooldown
     try:
-        estimate = estimate_speeds(graph, plan, {r: list(samples.compute_ms.get(r, ()))[-config.window:] for r in ranks})
+        estimate = estimate_speeds(graph, plan, {r: list(samples.compute_ms.get(r, ()))[-config.window:] for r in ranks},
+                                   state.overhead_ms, state.known_speeds)
     except PlanError as error:
         return Decision(None, str(error))
     changed: dict[str, float] = {}
@@ -363,7 +311,7 @@ def evaluate(state: PolicyState, samples: Samples, config: PolicyConfig, force: 
         candidate = solver(calibrated_graph(graph, estimate.calibration), ranks, [banded[r] for r in ranks])
     except PlanError as error:  # e.g. nothing fits the workers' memory (solver.memory_solver): keep this plan
         return Decision(None, str(error), current, estimate=estimate, extra=changed)
-    new = predicted_bottleneck_ms(graph, candidate, banded, estimate.calibration)
+    new = predicted_bottleneck_ms(graph, candidate, banded, estimate.calibration, state.overhead_ms)
     gain = (current - new) / current if current > 0 else 0.0
     same = stage_nodes(candidate) == stage_nodes(plan) and active_ranks(candidate) == ranks
     if same:

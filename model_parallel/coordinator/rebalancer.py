@@ -269,8 +269,10 @@ class Rebalancer:
                     entry["abandoned"] = reason
             logger.warning("plan v%d was never confirmed live; abandoned for plan v%d (%s)", unconfirmed.plan.version,
                            plan.version, reason)
+        # The fixed overhead per step is the runtime's, not the world's: it is kept.
         self.state = policy.PolicyState(self.state.graph, plan.with_default_ranks(), self.state.solver,
-                                        version_start_step=step)
+                                        version_start_step=step, overhead_ms=self.state.overhead_ms,
+                                        overhead_fits=self.state.overhead_fits)
         self.world_size, self.pending, self.dropped, self.last_eval_step = world_size, None, None, step
         self.highest_reported = max(self.highest_reported, plan.version)
         self._mismatch_warned = False
@@ -325,7 +327,7 @@ class Rebalancer:
         window = self.config.window
         samples = {r: list(v)[-window:] for r, v in self.samples(workers, 0).compute_ms.items() if v}
         try:
-            estimate = policy.estimate_speeds(self.graph, self.plan, samples)
+            estimate = policy.estimate_speeds(self.graph, self.plan, samples, self.state.overhead_ms, self.state.known_speeds)
             live, self.calibration = dict(estimate.speeds), estimate.calibration
         except PlanError:
             live = {}
