@@ -8,7 +8,7 @@ import pytest
 
 from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.solver import default_solver
-from model_parallel.coordinator.speeds import fit_overhead
+from model_parallel.coordinator.speeds import FIT_CONFIDENCE, fit_overhead
 from tests.unit.coordinator.test_policy_replay import CALIBRATION, chain_graph, even_plan, stage_sizes
 
 OVERHEAD = 1.5  # ms per step on every rank; a stage of 4 layers computes 12 ms (1 ms profiled x 3 per layer)
@@ -55,9 +55,9 @@ def test_the_overhead_is_learned_from_ranks_whose_work_moved_at_a_switch():
     # Rank 0's work moved 20 %: too close to fit; rank 3 slowed at the switch: its fit is wrong, the median is not.
     assert fit_overhead(before, after) == pytest.approx(2.0)
     assert fit_overhead(before, before) is None  # nothing moved: nothing to fit
-    # Only what a fit shows beyond twice its standard error: rank 2's medians +-0.1 ms, its work 4 -> 1 ms.
+    # Only what a fit shows beyond FIT_CONFIDENCE standard errors: rank 2's medians +-0.1 ms, its work 4 -> 1 ms.
     noisy = {2: point(4, 0.5, 0.1)}, {2: point(1, 0.5, 0.1)}
-    assert fit_overhead(*noisy) == pytest.approx(2.0 - 2 * math.hypot(1 * 0.1, 4 * 0.1) / 3)
+    assert fit_overhead(*noisy) == pytest.approx(2.0 - FIT_CONFIDENCE * math.hypot(1 * 0.1, 4 * 0.1) / 3)
     # Never negative, never (nearly) all of the quickest rank's time.
     assert fit_overhead({0: (4.0, 4.0, 0.0)}, {0: (2.0, 1.0, 0.0)}) == 0.0
     assert fit_overhead({0: (4.0, 10.0, 0.0)}, {0: (1.0, 9.9, 0.0)}) == pytest.approx(0.8 * 9.9)
