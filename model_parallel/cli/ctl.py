@@ -70,6 +70,9 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"{row['stage']:>5} {row['rank']:>4} {row['num_nodes']:>5} {row['profiled_ms']:>11.2f} {measured:>11} {speed:>6}")
     if any(row.get("measured_is_rank_total") for row in status["stages"]):
         lines.append("* the rank's stages together: a worker measures its compute per rank, not per stage")
+    if status.get("overhead_fits"):
+        lines.append(f"speeds read after a fixed {status['overhead_ms']:.2f} ms per step every rank spends whatever "
+                     f"its stage holds (this run's ms, learned at {status['overhead_fits']} switch(es))")
     lines += ["", f"{'rank':>4} {'status':<9} {'step':>5} {'stage':>5} {'plan':>4} {'slowdown':>8} {'samples/s':>9}  host (pid)"]
     placed = _placed_ranks(status.get("plan"))
     for w in status["workers"]:

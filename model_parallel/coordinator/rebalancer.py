@@ -371,6 +371,8 @@ class Rebalancer:
             "misses": self.state.misses,
             "effective_threshold": max(self.config.threshold_after(self.state.misses), self.state.noise),
             "noise_level": self.state.noise,
+            "overhead_ms": self.state.overhead_ms,  # fixed ms per step subtracted before reading speeds (speeds.py)
+            "overhead_fits": self.state.overhead_fits,
             "stages": stages,
             "history": list(self.history),
             "switches": self.switches,  # all recorded; `history` holds the last HISTORY_LOG of them

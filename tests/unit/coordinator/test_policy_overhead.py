@@ -91,3 +91,36 @@ def test_a_slowdown_right_after_a_switch_is_acted_on_within_10_steps_with_an_ove
     assert sizes[1] < sizes[0] and sizes[3] < sizes[2]  # both slowed ranks hold less
     # Each switch's fit multiplies the noise by work / its change (here 2 % noise, a 25-50 % move): roughly right.
     assert 0.5 * OVERHEAD < state.overhead_ms < 1.5 * OVERHEAD
+
+
+def test_the_rebalancer_learns_the_overhead_through_reports_and_ctl_status_says_it():
+    """The same recovery through the coordinator's report path (samples past warm-up per plan version, a switch
+    confirmed by the first report of the new version), and the line `ctl status` prints for the overhead."""
+    from model_parallel.cli.ctl import format_status
+    from model_parallel.coordinator.rebalancer import Rebalancer
+    from model_parallel.coordinator.status import WorkerState
+    from model_parallel.messages import StepReport
+
+    graph = chain_graph(16)
+    rebalancer = Rebalancer(graph, even_plan(graph, 4), pol.PolicyConfig(), default_solver, auto=True, world_size=4)
+    workers = {r: WorkerState(rank=r, host="h", pid=r, world_size=4) for r in range(4)}
+    sent, running = [], rebalancer.plan  # the plan the workers run: a sent switch from the next step
+    rng = random.Random(0)
+    for step in range(1, 200):
+        if sent and sent[-1].plan.version > running.version:
+            running = sent[-1].plan
+        speed = {r: 0.5 if r == 2 and 40 <= step < 100 else 1.0 for r in range(4)}
+        for stage in running.stages:
+            rank = stage.ranks[0]
+            ms = OVERHEAD + pol.stage_profiled_ms(graph, stage) * CALIBRATION / speed[rank]
+            ms *= 1 + rng.uniform(-0.02, 0.02)
+            report = StepReport(rank, step, running.version, stage.stage_id, ms, ms, 0.0, 0.0, 1.0)
+            workers[rank].reports.append(report)
+            workers[rank].step = step
+            rebalancer.on_report(workers[rank], report, workers, lambda r, c: sent.append(c) or True, False)
+    assert [c.plan.version for c in sent] == [1, 2] and stage_sizes(rebalancer.plan) == [4, 4, 4, 4]
+    applied = [h["applied_at_step"] for h in rebalancer.history]
+    assert 40 <= applied[0] <= 50 and 100 <= applied[1] <= 110, applied
+    status = {**rebalancer.summary(workers), "policy": "auto", "workers": []}
+    assert status["overhead_fits"] >= 1 and status["overhead_ms"] == pytest.approx(OVERHEAD, rel=0.25)
+    assert f"speeds read after a fixed {status['overhead_ms']:.2f} ms per step every rank spends" in format_status(status)
