@@ -10,27 +10,14 @@ from model_parallel.coordinator import policy as pol
 from model_parallel.coordinator.solver import default_solver
 from model_parallel.coordinator.speeds import FIT_CONFIDENCE, fit_overhead
 from tests.unit.coordinator.test_policy_replay import CALIBRATION, chain_graph, even_plan, stage_sizes
+from tests.unit.coordinator.test_policy_replay import replay as policy_replay
 
 OVERHEAD = 1.5  # ms per step on every rank; a stage of 4 layers computes 12 ms (1 ms profiled x 3 per layer)
 
 
-def replay(graph, plan, speed, steps, overhead=OVERHEAD, noise=0.0, seed=0, config=None):
-    """As test_policy_replay.replay, each rank measuring `overhead` + its stage's calibrated profiled ms / speed."""
-    rng = random.Random(seed)
-    config = config or pol.PolicyConfig()
-    state = pol.PolicyState(graph, plan, solver=default_solver)
-    history, switches = {}, []
-    for step in range(steps):
-        first = state.version_start_step + 1
-        for stage in state.plan.stages:
-            rank = stage.ranks[0]
-            ms = overhead + pol.stage_profiled_ms(graph, stage) * CALIBRATION / speed(rank, step)
-            history.setdefault(rank, []).append((step, state.plan.version, ms * (1 + rng.uniform(-noise, noise))))
-        samples = {r: [ms for s, v, ms in h if v == state.plan.version and s >= first] for r, h in history.items()}
-        decision, state = pol.decide(state, pol.Samples(step, samples), config)
-        if decision.plan is not None:
-            switches.append(step)
-            state = pol.switched(state, decision.plan, step + 1, predicted=True)
+def replay(graph, plan, speed, steps, noise=0.0, seed=0):
+    """test_policy_replay.replay with the default policy, every rank also spending OVERHEAD ms per step."""
+    switches, state, _ = policy_replay(graph, plan, speed, pol.PolicyConfig(), steps, noise, seed, overhead=OVERHEAD)
     return switches, state
 
 

@@ -23,9 +23,9 @@ def even_plan(graph, p):
     return Plan(tuple(StagePlan(k, tuple(ids[bounds[k]:bounds[k + 1]]), ranks=(k,)) for k in range(p)))
 
 
-def replay(graph, plan, speed, config, steps, noise=0.0, seed=0, state=None):
-    """Run `steps` steps: each active rank measures its stage's calibrated profiled ms / speed(rank, step), with
-    uniform +-`noise`; samples are kept per plan version past one warm-up step (rebalancer.samples); a proposed plan
+def replay(graph, plan, speed, config, steps, noise=0.0, seed=0, state=None, overhead=0.0):
+    """Run `steps` steps: each active rank measures `overhead` + its stage's calibrated profiled ms / speed(rank, step),
+    with uniform +-`noise`; samples are kept per plan version past one warm-up step (rebalancer.samples); a proposed plan
     goes live at the next step (rebalancer.confirm). Returns (switch steps, final state, decisions by step)."""
     rng = random.Random(seed)
     state = state or pol.PolicyState(graph, plan, solver=default_solver)
@@ -34,7 +34,7 @@ def replay(graph, plan, speed, config, steps, noise=0.0, seed=0, state=None):
         first = state.version_start_step + 1
         for stage in state.plan.stages:
             rank = stage.ranks[0]
-            ms = pol.stage_profiled_ms(graph, stage) * CALIBRATION / speed(rank, step)
+            ms = overhead + pol.stage_profiled_ms(graph, stage) * CALIBRATION / speed(rank, step)
             history.setdefault(rank, []).append((step, state.plan.version, ms * (1 + rng.uniform(-noise, noise))))
         samples = {r: [ms for s, v, ms in h if v == state.plan.version and s >= first] for r, h in history.items()}
         decision, state = pol.decide(state, pol.Samples(step, samples), config)
