@@ -367,7 +367,7 @@ class PipelineEngine(TrainingLoop):
         from model_parallel.runtime.checkpoint.training_record import describe_groups, probe_optimizer, training_record
 
         return training_record(self.config, self.dataset, next_step, probe_optimizer(self.optimizer, self.optimizer_factory),
-                               describe_groups(self.optimizer_factory), self.graph)
+                               describe_groups(self.optimizer_factory), self.graph, self.criterion)
 
     def load_checkpoint(self) -> int:
         """Restore this rank's stage from the latest checkpoint (any partition); returns the next step."""

@@ -15,7 +15,8 @@ a field was recorded (an older checkpoint) leaves it unknown: not compared.
 The data is recorded by its description and a fingerprint of its contents, compared by the fingerprint where both
 records hold one (data_identity.py: the same file by another path is the same data, another of the same size is not).
 The graph's structure is recorded and compared too (graph_identity.py: the parameters alone do not tell a model with
-dropout from one without). The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
+dropout from one without). The loss is recorded by its qualified name and settings (loss_identity.py: label
+smoothing, class weights, a lambda's code). The data position (epoch, minibatch) is recorded too; it follows from the step, so it is not compared.
 """
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ __all__ = ["advice", "changed_fields", "check_resume", "describe_data", "describ
 logger = logging.getLogger(__name__)
 
 # The fields a resume must keep, in the order a refusal names them.
-COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule", "precision", "clip_grad", "data",
+COMPARED = ("batch_size", "num_microbatches", "schedule", "seed", "lr_schedule", "precision", "clip_grad", "loss", "data",
             "optimizer", "lr", "momentum", "weight_decay", "betas", "eps", "param_groups", "graph")
 # The optimizer's: its kind ("sgd", "adamw": the class name, as --optimizer spells it) and the defaults it was built
 # with. A field one optimizer has and the other lacks (SGD's momentum, Adam's betas) is not compared: the kind is.
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "betas", "eps")
 # Compared only where this run records them too (a factory that fails on the probe tensors records none).
-RECORDED_IF_KNOWN = OPTIMIZER_FIELDS + ("param_groups", "graph")
+RECORDED_IF_KNOWN = OPTIMIZER_FIELDS + ("param_groups", "graph", "loss")
+# The losses the command line names (--loss), by what loss_identity.describe_loss records of them.
+CLI_LOSSES = {"torch.nn.functional.cross_entropy": "cross_entropy", "model_parallel.models.gpt.lm_loss": "lm"}
 
 
 def _settings(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,10 +100,12 @@ def probe_optimizer(built: Any, factory: Any) -> Any:
 
 
 def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = None,
-                    groups: Optional[Mapping[str, Any]] = None, graph: Any = None) -> dict[str, Any]:
-    """The training configuration of a run (a `TrainConfig`, its `optimizer`, `groups` (`describe_groups`) and
-    `graph`'s structure (graph_identity.py) if given) and where its data stands at `next_step` (JSON)."""
+                    groups: Optional[Mapping[str, Any]] = None, graph: Any = None, criterion: Any = None) -> dict[str, Any]:
+    """The training configuration of a run (a `TrainConfig`, its `optimizer`, `groups` (`describe_groups`),
+    `graph`'s structure (graph_identity.py) and `criterion` (loss_identity.py) if given) and where its data stands
+    at `next_step` (JSON)."""
     from model_parallel.runtime.checkpoint.graph_identity import describe_graph
+    from model_parallel.runtime.checkpoint.loss_identity import describe_loss
     from model_parallel.runtime.data.sources import position
 
     # A schedule `--schedule auto` chose is recorded as "auto": a resume may choose again (all flush schedules train alike).
@@ -117,6 +122,7 @@ def training_record(config: Any, dataset: Any, next_step: int, optimizer: Any = 
         **(describe_optimizer(optimizer) if optimizer is not None else {}),
         **(groups or {}),
         **({"graph": describe_graph(graph)} if graph is not None else {}),
+        **({"loss": loss} if criterion is not None and (loss := describe_loss(criterion)) is not None else {}),
     }
 
 
@@ -153,6 +159,8 @@ def advice(field: str, value: Any) -> str:
         return f"an optimizer_factory building the optimizer with {field}={tuple(value) if isinstance(value, list) else value}"
     if field == "graph":
         return "--graph with the graph the run trained (its checkpoint's step_<N>/graph.json)"
+    if field == "loss":
+        return f"--loss {CLI_LOSSES[value]}" if value in CLI_LOSSES else f"the criterion the run trained with ({value})"
     if field == "param_groups":
         return f"an optimizer_factory whose parameter groups give matrices and vectors {value}"
     if value is None:  # clip_grad None: the flag takes no "None", leaving it out is how
@@ -170,7 +178,7 @@ def check_resume(stored: Optional[Mapping[str, Any]], current: Mapping[str, Any]
     `details`: what a changed field's change line adds, asked only when it changed (the graph's first difference)."""
     if not isinstance(stored, Mapping):
         logger.warning("%s records no training configuration (written before it was recorded): the resume cannot "
-                       "check that batch size, microbatches, schedule, seed, lr schedule, precision, data and optimizer are the same",
+                       "check that batch size, microbatches, schedule, seed, lr schedule, precision, loss, data and optimizer are the same",
                        where)
         return []
     if unverified(stored, current):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 from collections.abc import Callable
 
@@ -172,12 +173,13 @@ def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
     try:
         r = recipe("mlp")
 
-        def run(batch: int, steps: int, resume: bool, allow: bool = False, optimizer: type = torch.optim.SGD) -> int:
+        def run(batch: int, steps: int, resume: bool, allow: bool = False, optimizer: type = torch.optim.SGD,
+                criterion: Callable = r.criterion) -> int:
             options = RunOptions(timeout=60, checkpoint_dir=str(tmp_path / "ck"), resume=resume, progress=False,
                                  allow_config_change=allow)
             with PipelineTrainer(r.model(0), lambda p: optimizer(p, lr=0.01), r.data(batch, 0),
                                  TrainConfig(batch_size=batch, num_microbatches=2), options=options, num_stages=1,
-                                 criterion=r.criterion) as trainer:
+                                 criterion=criterion) as trainer:
                 return len(trainer.train(steps))
 
         assert run(8, 3, resume=False) == 3
@@ -195,6 +197,10 @@ def test_the_api_refuses_a_resume_with_another_batch_size(tmp_path):
         assert run(4, 6, resume=True, allow=True, optimizer=grouped(0.0)) == 1  # accepted: the kind did not change
         with pytest.raises(ConfigError, match=r"different param_groups"):
             run(4, 8, resume=True, optimizer=grouped(0.1))
+        # Another loss (label smoothing) trains another objective from the same parameters: refused by name.
+        with pytest.raises(ConfigError, match=r"different loss: loss 'torch.nn.functional.cross_entropy' -> "
+                                              r"'functools.partial\(torch.nn.functional.cross_entropy, label_smoothing=0.1\)'"):
+            run(4, 8, resume=True, optimizer=grouped(0.0), criterion=functools.partial(r.criterion, label_smoothing=0.1))
     finally:
         dist.destroy_process_group()
 
