@@ -24,9 +24,8 @@ def test_signature_tells_apart_what_the_header_tells_apart() -> None:
     assert len(set(different)) == len(different), different
 
 
-# Each message: (tensor shapes, a JSON value). Changes of shape (a last partial batch), of a JSON
-# value, of the number of values and a header longer than the fixed slot must all arrive exactly.
-_WORKER = r'''
+# Every worker script's start: rank argv[1] of a two-process gloo world on port argv[2].
+_HEAD = r'''
 import sys
 from datetime import timedelta
 import torch
@@ -37,6 +36,11 @@ torch.set_num_threads(1)
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=timedelta(seconds=30))
+'''
+
+# Each message: (tensor shapes, a JSON value). Changes of shape (a last partial batch), of a JSON
+# value, of the number of values and a header longer than the fixed slot must all arrive exactly.
+_WORKER = _HEAD + r'''
 # 1, True and 1.0 are equal in Python but not on the wire: each must arrive as itself.
 PLAN = [([(4, 3)], 1), ([(4, 3)], 1), ([(4, 3)], True), ([(4, 3)], 1.0), ([(4, 3)], 1), ([(2, 3)], 1),
         ([(4, 3)], 2), ([(4, 3), (5,)], 2), ([(4, 3), (5,)], 2), ([(1,)] * 40, 3), ([(1,)] * 40, 3),
@@ -92,17 +96,7 @@ def test_cached_headers_survive_shape_and_value_changes(tmp_path: Path) -> None:
 # bf16 training: float32 values travel as bf16 (half the bytes) and arrive rounded, widened back to
 # float32 with their requires_grad; integer tensors and bf16 ones (no wider than the wire) travel
 # exactly. Both paths: with the header cache (the engine's) and without.
-_WIRE_WORKER = r'''
-import sys
-from datetime import timedelta
-import torch
-import torch.distributed as dist
-from model_parallel.runtime.wire import comm
-
-torch.set_num_threads(1)
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                        timeout=timedelta(seconds=30))
+_WIRE_WORKER = _HEAD + r'''
 g = torch.Generator().manual_seed(0)
 x = torch.randn(64, 256, generator=g).requires_grad_()  # float32: 65536 bytes, 32768 as bf16
 exempt = torch.randn(8, generator=g).to(torch.bfloat16)   # already bf16: exact, 16 bytes
@@ -136,3 +130,45 @@ dist.destroy_process_group()
 @pytest.mark.slow  # a two-process gloo world
 def test_bf16_wire_halves_the_bytes_and_arrives_rounded_in_float32(tmp_path: Path) -> None:
     _run_pair(tmp_path, _WIRE_WORKER)
+
+
+# A value's layout crosses the boundary with it: a channels_last activation (a convnet converted with
+# `model.to(memory_format=torch.channels_last)`) arrived row-major, so the next stage's convolutions ran other kernels
+# and rounded otherwise (resnet18: 1.2e-7 after one step, 0.25 after four; tests/integration/test_channels_last.py).
+# Every dense layout arrives with the sender's strides, on both paths, a change of layout under one cached header
+# included; a slice (not dense) arrives row-major with its values.
+_LAYOUT_WORKER = _HEAD + r'''
+g = torch.Generator().manual_seed(0)
+CL, CL3 = torch.channels_last, torch.channels_last_3d
+VALUES = [
+    lambda: torch.randn(4, 8, 5, 5, generator=g).contiguous(memory_format=CL).requires_grad_(),
+    lambda: torch.randn(4, 8, 5, 5, generator=g),                                  # the same shape, row-major again
+    lambda: torch.randn(4, 8, 1, 1, generator=g).contiguous(memory_format=CL),     # strides (8, 1, 8, 8): row-major
+    lambda: torch.randn(2, 3, 4, 4, 4, generator=g).contiguous(memory_format=CL3),
+    lambda: torch.randn(6, 7, generator=g).t(),                                    # a transpose
+    lambda: torch.randn(3, 4, 5, generator=g).permute(2, 0, 1),
+    lambda: torch.randn(8, 8, generator=g)[:, ::2],                                # not dense: arrives row-major
+]
+for cache in (None, comm.HeaderCache()):
+    for wire in (None, torch.bfloat16):
+        for i, make in enumerate(VALUES):
+            value = make()
+            if rank == 0:
+                comm.send_values([value, 7], 1, comm.TAG_ACTIVATION, cache=cache, stream=0, wire_dtype=wire).wait(30)
+                continue
+            got = comm.PendingRecv(0, comm.TAG_ACTIVATION, cache=cache, stream=0).wait(30)
+            want = value.detach().to(wire).float() if wire is not None else value.detach()
+            assert torch.equal(got[0].detach(), want) and got[1] == 7, (i, wire, cache)
+            dense = i != len(VALUES) - 1
+            assert got[0].stride() == (value.stride() if dense else want.contiguous().stride()), \
+                (i, wire, cache is not None, got[0].stride(), value.stride())
+            assert got[0].requires_grad == value.requires_grad, i
+print("layouts ok", rank, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow  # a two-process gloo world
+def test_every_dense_layout_arrives_with_the_senders_strides(tmp_path: Path) -> None:
+    _run_pair(tmp_path, _LAYOUT_WORKER)

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache, partial
@@ -74,7 +75,7 @@ import torch.distributed as dist
 
 from model_parallel.errors import PeerError
 from model_parallel.runtime.wire.packed import (ALIGN, MAX_HEADER_BYTES, HeaderCache, Known, known_header, parse_header,
-                                                read_prefix, received, unpack, write_prefix)
+                                                read_prefix, received, unpack, view, write_prefix)
 from model_parallel.runtime.wire.packed import dtype_named as _dtype_named
 from model_parallel.runtime.wire.structure import decode_value, encode_value, make_header, structure_of
 
@@ -109,12 +110,12 @@ _SLOT_ROOM = SLOT_BYTES - 8
 def _signature(values: list[Any], structure: Any, wire_dtype: Optional[torch.dtype]) -> Any:
     """Everything `make_header` reads from these arguments, as a comparable tuple: two calls with equal
     signatures make byte-identical headers. Tensors by shape, dtype and requires_grad (the header's
-    fields; narrowing follows from dtype and wire_dtype); other values and the structure by
+    fields; narrowing follows from dtype and wire_dtype; the layout from the strides); other values and the structure by
     their JSON text, since Python's == would call 1, 1.0 and True equal where the header does not."""
     parts: list[Any] = []
     for value in values:
         if isinstance(value, torch.Tensor):
-            parts.append((value.shape, value.dtype, value.requires_grad))
+            parts.append((value.shape, value.dtype, value.requires_grad, value.stride()))
         else:
             parts.append(json.dumps(encode_value(value)))
     text = None if structure is None else json.dumps(structure, separators=(",", ":"))
@@ -125,8 +126,8 @@ def _packed(known: Known, device: torch.device) -> tuple[torch.Tensor, list[Opti
     """A buffer of `known`'s layout with a zero prefix ("same header") and a view of it per tensor (None: empty)."""
     buffer = torch.empty(known.size, dtype=torch.uint8, device=device)
     buffer[:ALIGN].zero_()  # the rest is written by every message (a spare's prefix is never written again)
-    return buffer, [buffer[offset:offset + nbytes].view(dtype).view(shape) if nbytes else None
-                    for offset, shape, dtype, nbytes in known.tensors]
+    return buffer, [view(buffer[offset:offset + nbytes], dtype, shape, stride) if nbytes else None
+                    for offset, shape, dtype, nbytes, stride in known.tensors]
 
 
 def _fill(packed: tuple[torch.Tensor, list[Optional[torch.Tensor]]], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -270,10 +271,19 @@ def send_values(values: list[Any], dst: int, tag: int, group: Any = None, device
     buffers = [torch.frombuffer(slot, dtype=torch.uint8).to(device)]
     if len(header) > _SLOT_ROOM:
         buffers.append(torch.frombuffer(bytearray(header[_SLOT_ROOM:]), dtype=torch.uint8).to(device))
-    buffers += [v.detach().to(_dtype_named(e["dtype"])).contiguous() for v, e in zip(values, header_list)
-                if isinstance(v, torch.Tensor)]
+    buffers += [_flat(v, e, device) for v, e in zip(values, header_list) if isinstance(v, torch.Tensor)]
     works = [start_work(partial(dist.isend, b, dst, group=group, tag=tag), dst, "send") for b in buffers]
     return SendHandle(works, buffers, dst, sum(b.numel() * b.element_size() for b in buffers))
+
+
+def _flat(value: torch.Tensor, entry: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """`value`'s bytes as one row-major run in the header entry's dtype, laid out by its "stride" if it has one."""
+    dtype = _dtype_named(entry["dtype"])
+    if "stride" not in entry:
+        return value.detach().to(dtype).contiguous()
+    flat = torch.empty(value.numel(), dtype=dtype, device=device)
+    flat.as_strided(value.shape, entry["stride"]).copy_(value.detach())
+    return flat
 
 
 class PendingRecv:
@@ -346,10 +356,12 @@ class PendingRecv:
         works = []
         for entry in header:
             if entry["t"] == "tensor":
-                tensor = torch.empty(entry["shape"], dtype=_dtype_named(entry["dtype"]), device=self.device)
-                works.append(start_work(partial(dist.irecv, tensor, self.src, group=self.group, tag=self.tag),
+                dtype, shape = _dtype_named(entry["dtype"]), tuple(entry["shape"])
+                flat = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=self.device)
+                works.append(start_work(partial(dist.irecv, flat, self.src, group=self.group, tag=self.tag),
                                         self.src, "receive"))
-                values.append((tensor, entry["grad"]))
+                stride = tuple(entry["stride"]) if "stride" in entry else None
+                values.append((view(flat, dtype, shape, stride), entry["grad"]))
             else:
                 values.append((None, decode_value(entry["v"], self.device)))
         for work in works:

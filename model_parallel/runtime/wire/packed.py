@@ -16,13 +16,13 @@ import torch
 
 from model_parallel import jsonbound
 from model_parallel.errors import PeerError
-from model_parallel.runtime.wire.structure import decode_value, structure_of
+from model_parallel.runtime.wire.structure import decode_value, is_dense, structure_of
 
 ALIGN = 16  # prefix size and tensor alignment in a packed buffer (any dtype can be viewed there)
 MAX_HEADER_BYTES = 64 << 20  # a header larger than this is garbage, not a boundary description
 MAX_MESSAGE_BYTES = 1 << 40  # the tensors of one message: 1 TiB is no host's activation; more is garbage
 MAX_DIMS = 64
-_KINDS = {"tensor": {"t", "shape", "dtype", "grad", "cast"}, "json": {"t", "v"}, "structure": {"t", "v"}}
+_KINDS = {"tensor": {"t", "shape", "dtype", "grad", "cast", "stride"}, "json": {"t", "v"}, "structure": {"t", "v"}}
 
 
 def aligned(n: int) -> int:
@@ -35,14 +35,16 @@ class Known:
 
     data: bytes
     entries: tuple[dict[str, Any], ...]  # the parsed header (not mutated)
-    tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int], ...]  # (offset, shape, dtype, nbytes)
+    # (offset, shape, dtype, nbytes, strides or None: row-major); `view` makes the tensor a buffer holds there
+    tensors: tuple[tuple[int, tuple[int, ...], torch.dtype, int, Optional[tuple[int, ...]]], ...]
     size: int  # bytes of the packed buffer, prefix included
     structure: Any = None  # the header's structure entry, parsed once (not per message)
     # Sender: `signature` of the values this header describes, so a steady-state send compares a
     # tuple instead of building and encoding the header again (None: compare the header bytes).
     signature: Any = None
     # Receiver: per value, how to rebuild it from the packed buffer (computed once, not per message):
-    # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad) or ("json", encoded).
+    # ("tensor", start, end, wire dtype, shape, dtype to widen to or None, requires_grad, strides or None)
+    # or ("json", encoded).
     layout: tuple[tuple[Any, ...], ...] = ()
     # Sender: packed buffers of this layout whose sends completed, reused by the next message (comm.py, "Cold
     # calls"); each is (buffer, one view per tensor, None for an empty one). Mutable; not part of the value.
@@ -93,6 +95,12 @@ def parse_header(data: bytes, src: int) -> list[dict[str, Any]]:
             raise bad(entry, f"a shape is a list of at most {MAX_DIMS} integers >= 0")
         if not isinstance(entry.get("grad"), bool):
             raise bad(entry, "'grad' is true or false")
+        stride = entry.get("stride", [])
+        if "stride" in entry and not (isinstance(stride, list) and len(stride) == len(shape) and all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_MESSAGE_BYTES for s in stride)
+                and is_dense(shape, stride)):
+            # as_strided over the packed buffer: strides that overlap or leave gaps would read past the tensor's bytes
+            raise bad(entry, "'stride' lays the shape over exactly its elements (a permutation of row-major)")
         total += math.prod(shape) * itemsize
         if total > MAX_MESSAGE_BYTES:
             raise bad(entry, f"the message's tensors would take more than {MAX_MESSAGE_BYTES} bytes")
@@ -108,9 +116,10 @@ def known_header(data: bytes, header: list[dict[str, Any]], signature: Any = Non
             dtype = dtype_named(entry["dtype"])
             shape = tuple(entry["shape"])
             nbytes = math.prod(shape) * dtype.itemsize
-            tensors.append((offset, shape, dtype, nbytes))
+            stride = tuple(entry["stride"]) if "stride" in entry else None
+            tensors.append((offset, shape, dtype, nbytes, stride))
             cast = dtype_named(entry["cast"]) if "cast" in entry else None
-            layout.append(("tensor", offset, offset + nbytes, dtype, shape, cast, bool(entry["grad"])))
+            layout.append(("tensor", offset, offset + nbytes, dtype, shape, cast, bool(entry["grad"]), stride))
             offset = aligned(offset + nbytes)
         elif entry["t"] != "structure":
             layout.append(("json", entry["v"]))
@@ -157,13 +166,20 @@ def received(tensor: torch.Tensor, cast: Optional[torch.dtype], grad: bool) -> t
     return tensor.requires_grad_() if grad and tensor.is_floating_point() else tensor
 
 
+def view(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], stride: Optional[tuple[int, ...]]) -> torch.Tensor:
+    """The tensor of `shape` whose bytes `flat` holds (1-D uint8), row-major or laid out by `stride` (a dense layout,
+    checked by parse_header): both ends of a message view their buffer so, so the values keep the sender's strides."""
+    typed = flat.view(dtype)
+    return typed.view(shape) if stride is None else typed.as_strided(shape, stride)
+
+
 def unpack(buffer: torch.Tensor, known: Known, device: torch.device) -> list[Any]:
     """The message's values: tensors are views into `buffer` (leaves; float ones get the sender's requires_grad)."""
     out: list[Any] = []
     for item in known.layout:
         if item[0] == "tensor":
-            _, start, end, dtype, shape, cast, grad = item
-            out.append(received(buffer[start:end].view(dtype).view(shape), cast, grad))
+            _, start, end, dtype, shape, cast, grad, stride = item
+            out.append(received(view(buffer[start:end], dtype, shape, stride), cast, grad))
         else:
             out.append(decode_value(item[1], device))
     return out

@@ -45,6 +45,14 @@ HOSTILE: dict[str, Any] = {
     "json entry without a value": [{"t": "json"}],
     "header not a list": {"t": "tensor"},
     "many small tensors past the bound": [{**TENSOR, "shape": [1 << 30, 1 << 9]}] * 3,
+    # A layout is viewed over the packed buffer (as_strided): only one that covers exactly the tensor's elements.
+    "strides that overlap": [{**TENSOR, "stride": [1, 1]}],
+    "strides that leave gaps (past the tensor's bytes)": [{**TENSOR, "stride": [1, 4]}],
+    "strides reaching past the buffer": [{**TENSOR, "stride": [1 << 40, 1]}],
+    "strides of another rank": [{**TENSOR, "stride": [1]}],
+    "negative strides": [{**TENSOR, "stride": [-3, 1]}],
+    "strides of bools": [{**TENSOR, "stride": [True, True]}],
+    "strides not a list": [{**TENSOR, "stride": "3,1"}],
 }
 RAW: dict[str, bytes] = {
     "not UTF-8": b"\xff\xfe[]",
@@ -121,6 +129,15 @@ def test_an_honest_header_still_receives_its_values(cached: bool, peer: FakePeer
         transfers = _uncached(header) + [raw]
     out = _receive(peer, transfers, cached)
     assert torch.equal(out[0], tensor) and out[1:] == values[1:]
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_a_transposed_value_arrives_with_its_strides(cached: bool, peer: FakePeer) -> None:
+    tensor = torch.arange(6, dtype=torch.float32).reshape(3, 2).t()  # strides (1, 2): travels in storage order
+    header = json.dumps(make_header([tensor]), separators=(",", ":")).encode()
+    raw = tensor.t().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    out = _receive(peer, _cached(header) + [bytes(ALIGN) + raw] if cached else _uncached(header) + [raw], cached)
+    assert torch.equal(out[0], tensor) and out[0].stride() == (1, 2)
 
 
 def test_decode_value_hands_over_no_torch_attribute() -> None:

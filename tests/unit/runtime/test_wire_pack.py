@@ -29,13 +29,16 @@ def test_pack_puts_each_tensor_at_its_offset_in_the_wire_dtype(case: str, wire: 
     buffer = comm._pack(tensors, known, torch.device("cpu"))
     assert buffer.dtype == torch.uint8 and buffer.numel() == known.size
     assert read_prefix(buffer) == 0  # "same header as last time"
-    for tensor, (offset, shape, dtype, nbytes) in zip(tensors, known.tensors):
-        expected = tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8)
+    for tensor, (offset, shape, dtype, nbytes, stride) in zip(tensors, known.tensors):
+        # A dense layout travels in its own order (the transpose: its storage, i.e. the tensor it transposes).
+        laid = tensor.t().contiguous() if stride is not None else tensor.contiguous()
+        assert stride == (tuple(tensor.stride()) if tensor.dim() == 2 and not tensor.is_contiguous() else None)
+        expected = laid.to(dtype).reshape(-1).view(torch.uint8)
         assert torch.equal(buffer[offset:offset + nbytes], expected)
     out = unpack(buffer, known, torch.device("cpu"))
     for value, got in zip(values, out):
         if isinstance(value, torch.Tensor):
-            assert got.shape == value.shape and torch.equal(got, value.to(got.dtype) if wire is None or not value.is_floating_point()
+            assert got.shape == value.shape and got.stride() == value.stride() and torch.equal(got, value.to(got.dtype) if wire is None or not value.is_floating_point()
                                                             else value.to(wire).to(got.dtype))
         else:
             assert got == value
