@@ -52,13 +52,22 @@ def describe_loss(criterion: Any) -> Optional[str]:
     name = _qualified(type(criterion))
     if name is None:
         return None
-    # An nn.Module's `training` flag is not a setting of the loss: a criterion in eval mode computes the same.
-    settings = {key: _value(value) for key, value in sorted(getattr(criterion, "__dict__", {}).items())
-                if not key.startswith("_") and not (key == "training" and isinstance(criterion, torch.nn.Module))}
-    if isinstance(criterion, torch.nn.Module):
-        settings.update({key: _value(buffer) for key, buffer in sorted(criterion.named_buffers())})
-    listed = [f"{key}={value}" for key, value in settings.items() if value is not None]
-    return name + (f"({', '.join(listed)})" if listed else "")
+    if not isinstance(criterion, torch.nn.Module):
+        listed = _attributes(criterion, "")
+    else:  # a loss module holding others (a weighted sum of two criteria): each one's kind and settings, by its path
+        listed = [f"{prefix}={_qualified(type(module))}" for prefix, module in criterion.named_modules() if prefix]
+        for prefix, module in criterion.named_modules():
+            listed += _attributes(module, f"{prefix}." if prefix else "")
+        listed += [f"{key}={value}" for key, buffer in criterion.named_buffers() if (value := _value(buffer)) is not None]
+    return name + (f"({', '.join(sorted(listed))})" if listed else "")
+
+
+def _attributes(thing: Any, prefix: str) -> list[str]:
+    """`key=value` of the thing's public scalar attributes (an nn.Module's `training` flag left out: a criterion in
+    eval mode computes the same)."""
+    module = isinstance(thing, torch.nn.Module)
+    return [f"{prefix}{key}={described}" for key, value in getattr(thing, "__dict__", {}).items()
+            if not key.startswith("_") and not (module and key == "training") and (described := _value(value)) is not None]
 
 
 def _qualified(thing: Any) -> Optional[str]:

@@ -21,6 +21,15 @@ def _smoothed(amount: float):
     return loss
 
 
+class _Mixed(nn.Module):
+    def __init__(self, smoothing: float, inner: nn.Module = None) -> None:
+        super().__init__()
+        self.inner = inner or nn.CrossEntropyLoss(label_smoothing=smoothing)
+
+    def forward(self, output, target):
+        return self.inner(output, target)
+
+
 def test_library_losses_are_named_by_where_they_are_defined():
     from model_parallel.models.gpt import lm_loss
 
@@ -45,6 +54,9 @@ def test_every_setting_that_changes_the_loss_changes_its_description():
         describe_loss(lambda output, target: F.cross_entropy(output, target)),  # a lambda: its code
         describe_loss(lambda output, target: F.cross_entropy(output, target, label_smoothing=0.3)),
         describe_loss(nn.MSELoss().forward),
+        describe_loss(_Mixed(0.1)),  # a loss module holding another: the inner one's settings too
+        describe_loss(_Mixed(0.2)),
+        describe_loss(_Mixed(0.1, inner=nn.MultiMarginLoss())),
     ]
     assert len(set(described)) == len(described), described
 
