@@ -2,7 +2,8 @@
 through the pipeline exactly as in one process. Its activations and their gradients used to cross each boundary
 row-major, so the next stage's convolutions ran other kernels: 1.2e-7 apart after one step, 0.25 after four (resnet18
 with momentum). The wire now keeps every dense layout (wire/structure.wire_stride); parameters and buffers equal the
-single-process reference on 2 processes, under 1F1B and under zbv (two stages per rank: a local hand-off too)."""
+single-process reference on 2 processes: resnet18 under 1F1B and under zbv (two stages per rank: a local hand-off
+too), timm's EfficientNet-B0 under zbh1 (the backward split into input and weight gradients)."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 _WORKER = r'''
 import copy, sys
+import model_parallel  # noqa: F401  (the torchvision repair, before timm imports it)
 from datetime import timedelta
 import torch, torch.nn.functional as F
 import torch.distributed as dist
@@ -24,13 +26,18 @@ from model_parallel.runtime.data.batches import SyntheticData
 from model_parallel.runtime.trainer import single_process_reference
 
 torch.set_num_threads(1)
-rank, port, schedule = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rank, port, schedule, arch, size = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=timedelta(seconds=60))
 torch.manual_seed(0)
-model = import_torchvision().models.resnet18(num_classes=10).to(memory_format=torch.channels_last)
+if arch == "resnet18":
+    model = import_torchvision().models.resnet18(num_classes=10)
+else:  # timm's EfficientNet: depthwise convolutions, squeeze-excite, BatchNormAct
+    import timm
+    model = timm.create_model(arch, pretrained=False, num_classes=10)
+model = model.to(memory_format=torch.channels_last)
 reference = copy.deepcopy(model)
-images = SyntheticData(batch_size=8, shape=(3, 32, 32), num_classes=10)
+images = SyntheticData(batch_size=8, shape=(3, size, size), num_classes=10)
 
 class ChannelsLast:
     """The images in channels_last too, as the recipe feeds them."""
@@ -55,11 +62,16 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_a_channels_last_resnet_trains_exactly_on_two_processes(tmp_path: Path, schedule: str) -> None:
+# EfficientNet at 64x64: at 32x32 its last blocks are 1x1, and a cut there crosses (N, C, 1, 1) tensors whose strides
+# are ambiguous (channels_last and row-major at once); see docs/runtime.md, "Memory layouts cross with the values".
+@pytest.mark.parametrize("arch, schedule, size", [("resnet18", "1f1b", 32), ("resnet18", "zbv", 32),
+                                                  ("efficientnet_b0", "zbh1", 64)])
+def test_a_channels_last_convnet_trains_exactly_on_two_processes(tmp_path: Path, arch: str, schedule: str,
+                                                                 size: int) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     port = free_port()
-    result = launch([[sys.executable, str(script), str(rank), str(port), schedule] for rank in range(2)], timeout=240)
+    result = launch([[sys.executable, str(script), str(rank), str(port), schedule, arch, str(size)] for rank in range(2)],
+                    timeout=240)
     assert result.ok, result.summary()
     assert f"{schedule}: " in result.workers[0].output, result.workers[0].output[-2000:]
