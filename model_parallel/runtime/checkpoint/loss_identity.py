@@ -29,8 +29,9 @@ def describe_loss(criterion: Any) -> Optional[str]:
         inner = describe_loss(criterion.func)
         if inner is None:
             return None
-        settings = [_value(v) for v in criterion.args] + [f"{k}={_value(v)}" for k, v in sorted(criterion.keywords.items())]
-        return f"functools.partial({inner}{''.join(', ' + s for s in settings if s is not None)})"
+        arguments = [d for v in criterion.args if (d := _value(v)) is not None] + \
+            [f"{k}={d}" for k, v in sorted(criterion.keywords.items()) if (d := _value(v)) is not None]
+        return f"functools.partial({inner}{''.join(', ' + a for a in arguments)})"
     if isinstance(criterion, types.MethodType):
         owner = describe_loss(criterion.__self__)
         return None if owner is None else f"{owner}.{criterion.__func__.__name__}"
@@ -38,7 +39,7 @@ def describe_loss(criterion: Any) -> Optional[str]:
         name = _qualified(criterion)
         if name is None:
             return None
-        settings = []
+        settings: list[str] = []
         if isinstance(criterion, types.FunctionType) and not _importable(criterion):
             settings.append(f"code {_code_digest(criterion.__code__)}")
             for var, cell in zip(criterion.__code__.co_freevars, criterion.__closure__ or ()):

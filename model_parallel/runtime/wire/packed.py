@@ -109,7 +109,7 @@ def parse_header(data: bytes, src: int) -> list[dict[str, Any]]:
 
 def known_header(data: bytes, header: list[dict[str, Any]], signature: Any = None) -> Known:
     offset = ALIGN
-    tensors: list[tuple[int, tuple[int, ...], torch.dtype, int]] = []
+    tensors: list[tuple[int, tuple[int, ...], torch.dtype, int, Optional[tuple[int, ...]]]] = []
     layout: list[tuple[Any, ...]] = []  # one `Known.layout` entry per value
     for entry in header:
         if entry["t"] == "tensor":
