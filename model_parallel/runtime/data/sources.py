@@ -22,8 +22,8 @@ form, and with `causal_labels` (a causal-LM head trained with its default loss: 
 what they mean to the model's own loss: position t is scored against labels[t + 1] (`shift_causal_labels`).
 
 The last stage reads only targets (`read_targets`): a source may answer `targets(step)`, which must equal
-`batch(step)[1]` (the token file slices the shifted windows only); other sources are read whole
-(a map-style dataset's items hold the target beside the inputs).
+`batch(step)[1]` (the token file slices the shifted windows only, a torchvision classification dataset lists its
+labels: listed_labels.py); other sources are read whole (a map-style dataset's items hold the target beside the inputs).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from torch.utils.data import default_collate
 
 from model_parallel.errors import DataError
 from model_parallel.runtime.data.draws import keyed_draws
+from model_parallel.runtime.data.listed_labels import listed_labels
 from model_parallel.runtime.data.pairs import BATCH_FORMS, Batch, as_pair, describe
 from model_parallel.runtime.data.replay import RANDOM_TARGETS, check_replays, same
 from model_parallel.runtime.data.tokens import TokenWindows
@@ -106,11 +107,17 @@ class MapData:
         return as_pair(batch, f"{self.name} step {step}", self.causal_labels)
 
     def targets(self, step: int) -> torch.Tensor:
-        """`batch(step)[1]`; for a token file (default collate) the shifted windows only, no input read."""
-        if not (isinstance(self.dataset, TokenWindows) and self.collate_fn is default_collate):
+        """`batch(step)[1]`; with the default collate, no input read for a token file (the shifted windows only) or a
+        torchvision classification dataset (its label list, `listed_labels`)."""
+        tokens = isinstance(self.dataset, TokenWindows)
+        labels = None if tokens or self.causal_labels else listed_labels(self.dataset)
+        if self.collate_fn is not default_collate or not (tokens or labels):
             return self.batch(step)[1]
         where = self.position(step)
-        return torch.stack([self.dataset.target(i) for i in self._batches(where["epoch"])[where["batch"]]])
+        indices = self._batches(where["epoch"])[where["batch"]]
+        if labels is None:
+            return torch.stack([self.dataset.target(i) for i in indices])
+        return default_collate([labels(i) for i in indices])
 
 
 class IterableData:
