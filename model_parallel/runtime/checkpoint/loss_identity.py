@@ -98,9 +98,8 @@ def _value(value: Any) -> Optional[str]:
     """A setting as the record prints it: a scalar's repr, a tensor by dtype, shape and a digest of its bytes; None
     for anything else (not described)."""
     if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous()
-        if data.dtype == torch.bfloat16:
-            data = data.float()
+        # Its bytes, whatever the dtype (numpy has no bfloat16 or float8).
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         digest = hashlib.sha256(data.numpy().tobytes()).hexdigest()[:12]
         return f"tensor({str(value.dtype).replace('torch.', '')}, {list(value.shape)}, sha256 {digest})"
     if isinstance(value, _SCALARS):

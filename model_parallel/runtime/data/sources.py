@@ -109,15 +109,15 @@ class MapData:
     def targets(self, step: int) -> torch.Tensor:
         """`batch(step)[1]`; with the default collate, no input read for a token file (the shifted windows only) or a
         torchvision classification dataset (its label list, `listed_labels`)."""
-        tokens = isinstance(self.dataset, TokenWindows)
-        labels = None if tokens or self.causal_labels else listed_labels(self.dataset)
-        if self.collate_fn is not default_collate or not (tokens or labels):
-            return self.batch(step)[1]
-        where = self.position(step)
-        indices = self._batches(where["epoch"])[where["batch"]]
-        if labels is None:
-            return torch.stack([self.dataset.target(i) for i in indices])
-        return default_collate([labels(i) for i in indices])
+        if self.collate_fn is default_collate:
+            where = self.position(step)
+            indices = self._batches(where["epoch"])[where["batch"]]
+            if isinstance(self.dataset, TokenWindows):
+                return torch.stack([self.dataset.target(i) for i in indices])
+            labels = None if self.causal_labels else listed_labels(self.dataset)
+            if labels is not None:
+                return default_collate([labels(i) for i in indices])
+        return self.batch(step)[1]
 
 
 class IterableData:

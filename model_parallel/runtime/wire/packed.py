@@ -95,11 +95,12 @@ def parse_header(data: bytes, src: int) -> list[dict[str, Any]]:
             raise bad(entry, f"a shape is a list of at most {MAX_DIMS} integers >= 0")
         if not isinstance(entry.get("grad"), bool):
             raise bad(entry, "'grad' is true or false")
-        stride = entry.get("stride", [])
-        if "stride" in entry and not (isinstance(stride, list) and len(stride) == len(shape) and all(
-                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_MESSAGE_BYTES for s in stride)
-                and is_dense(shape, stride)):
-            # as_strided over the packed buffer: strides that overlap or leave gaps would read past the tensor's bytes
+        # as_strided over the packed buffer: strides that overlap or leave gaps would read past the tensor's bytes
+        stride = entry.get("stride", shape)  # absent: row-major (shape itself passes the checks below)
+        if not (isinstance(stride, list) and len(stride) == len(shape) and all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_MESSAGE_BYTES for s in stride)):
+            raise bad(entry, f"'stride' is a list of {len(shape)} integers >= 0")
+        if "stride" in entry and not is_dense(shape, stride):
             raise bad(entry, "'stride' lays the shape over exactly its elements (a permutation of row-major)")
         total += math.prod(shape) * itemsize
         if total > MAX_MESSAGE_BYTES:
